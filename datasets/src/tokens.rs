@@ -1,0 +1,105 @@
+//! Flat token files and deterministic batching.
+
+use crate::SplitMix;
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("token file {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("token file {path} is empty")]
+    Empty { path: String },
+    #[error("token file {path} has {len} bytes, an odd number: u16 tokens take 2 bytes each")]
+    OddLength { path: String, len: usize },
+    #[error("{have} tokens are too few for windows of {need} (sequence length + 1)")]
+    TooShort { have: usize, need: usize },
+    #[error("token {token} at position {pos} is outside the vocabulary of {vocab}")]
+    OutOfVocab { token: u16, pos: usize, vocab: usize },
+}
+
+/// Reads a flat file of u16 little-endian token ids.
+pub fn load_u16(path: &Path) -> Result<Vec<u16>, DataError> {
+    let p = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|source| DataError::Io { path: p.clone(), source })?;
+    if bytes.is_empty() {
+        return Err(DataError::Empty { path: p });
+    }
+    if bytes.len() % 2 != 0 {
+        return Err(DataError::OddLength { path: p, len: bytes.len() });
+    }
+    Ok(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+}
+
+/// Writes tokens in the same format.
+pub fn save_u16(path: &Path, tokens: &[u16]) -> std::io::Result<()> {
+    std::fs::write(path, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>())
+}
+
+/// Cuts random (input, target) windows out of a token stream: targets are inputs shifted by one.
+pub struct Batcher {
+    tokens: Vec<u16>,
+    seq: usize,
+    seed: u64,
+}
+
+impl Batcher {
+    pub fn new(tokens: Vec<u16>, seq: usize, vocab: usize, seed: u64) -> Result<Self, DataError> {
+        if tokens.len() < seq + 1 {
+            return Err(DataError::TooShort { have: tokens.len(), need: seq + 1 });
+        }
+        if let Some((pos, &token)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+            return Err(DataError::OutOfVocab { token, pos, vocab });
+        }
+        Ok(Batcher { tokens, seq, seed })
+    }
+
+    /// The batch of `step`: `batch` windows, each flattened row-major, as (inputs, targets).
+    pub fn batch(&self, step: u64, batch: usize) -> (Vec<u32>, Vec<u32>) {
+        let mut rng = SplitMix::new(self.seed ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03));
+        let (mut x, mut y) = (Vec::with_capacity(batch * self.seq), Vec::with_capacity(batch * self.seq));
+        for _ in 0..batch {
+            let start = rng.below(self.tokens.len() - self.seq);
+            let w = &self.tokens[start..start + self.seq + 1];
+            x.extend(w[..self.seq].iter().map(|&t| t as u32));
+            y.extend(w[1..].iter().map(|&t| t as u32));
+        }
+        (x, y)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_bad_files() {
+        let dir = std::env::temp_dir().join(format!("datasets-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ok = dir.join("ok.bin");
+        save_u16(&ok, &[1, 2, 50256]).unwrap();
+        assert_eq!(load_u16(&ok).unwrap(), vec![1, 2, 50256]);
+        let empty = dir.join("empty.bin");
+        std::fs::write(&empty, b"").unwrap();
+        assert!(load_u16(&empty).unwrap_err().to_string().contains("is empty"));
+        let odd = dir.join("odd.bin");
+        std::fs::write(&odd, b"abc").unwrap();
+        assert!(load_u16(&odd).unwrap_err().to_string().contains("odd number"));
+        assert!(load_u16(&dir.join("missing.bin")).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn batches_are_shifted_windows() {
+        let tokens: Vec<u16> = (0..1000).map(|i| (i % 200) as u16).collect();
+        let b = Batcher::new(tokens, 16, 256, 1).unwrap();
+        let (x, y) = b.batch(5, 3);
+        assert_eq!((x.len(), y.len()), (48, 48));
+        for (a, t) in x.iter().zip(&y) {
+            assert_eq!((a + 1) % 200, *t);
+        }
+        assert_eq!(b.batch(5, 3), (x.clone(), y));
+        assert_ne!(b.batch(6, 3).0, x);
+        assert!(Batcher::new(vec![1; 10], 16, 256, 1).is_err());
+        assert!(Batcher::new(vec![300; 100], 16, 256, 1).unwrap_err().to_string().contains("vocabulary"));
+    }
+}

@@ -1,0 +1,333 @@
+//! GPT-2 (Radford et al., 2019) at its published sizes, as a `remat` stage chain.
+//!
+//! The stage graph is `embed -> h.0 -> ... -> h.{L-1} -> head(loss)`; the blocks are what the
+//! checkpointing policies count. Pre-LN blocks, causal self-attention with an explicit masked
+//! softmax (candle's fused softmax has no backward), GELU (tanh), dropout on the embeddings, the
+//! attention probabilities and both residual branches, LM head tied to the token embedding.
+//! Parameter names are Hugging Face's (`h.0.attn.c_attn.weight`, ...), so real weights load.
+//!
+//! Not here: the training loop (`src/main.rs`), data (`datasets`), the engine (`remat`).
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use layers::{dropout, Init, LayerNorm, ParamStore, SnapshotError};
+use remat::{Stage, StageCtx, StageGraph, StageKind};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::Arc;
+
+/// Hyper-parameters, with Hugging Face's `config.json` field names.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    pub vocab_size: usize,
+    pub n_positions: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    #[serde(default = "default_eps")]
+    pub layer_norm_epsilon: f64,
+    #[serde(default = "default_pdrop")]
+    pub embd_pdrop: f32,
+    #[serde(default = "default_pdrop")]
+    pub attn_pdrop: f32,
+    #[serde(default = "default_pdrop")]
+    pub resid_pdrop: f32,
+}
+
+fn default_eps() -> f64 {
+    1e-5
+}
+
+fn default_pdrop() -> f32 {
+    0.1
+}
+
+/// The published sizes, plus `tiny` for tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preset {
+    Tiny,
+    Small,
+    Medium,
+    Large,
+    Xl,
+}
+
+const PRESETS: &str = "tiny, small (124M), medium (350M), large (774M), xl (1.56B)";
+
+impl FromStr for Preset {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "tiny" => Ok(Preset::Tiny),
+            "small" => Ok(Preset::Small),
+            "medium" => Ok(Preset::Medium),
+            "large" => Ok(Preset::Large),
+            "xl" => Ok(Preset::Xl),
+            _ => Err(format!("unknown GPT-2 preset `{s}`; valid presets: {PRESETS}")),
+        }
+    }
+}
+
+impl Preset {
+    pub fn config(self) -> Config {
+        let (n_layer, n_embd, n_head) = match self {
+            Preset::Tiny => return Config::tiny(4, 64),
+            Preset::Small => (12, 768, 12),
+            Preset::Medium => (24, 1024, 16),
+            Preset::Large => (36, 1280, 20),
+            Preset::Xl => (48, 1600, 25),
+        };
+        Config { vocab_size: 50257, n_positions: 1024, n_embd, n_layer, n_head, ..Config::tiny(0, 0) }
+    }
+}
+
+impl Config {
+    /// A byte-vocabulary model of `n_layer` blocks of width `n_embd` (4 heads), dropout 0.1.
+    pub fn tiny(n_layer: usize, n_embd: usize) -> Self {
+        Config {
+            vocab_size: 256,
+            n_positions: 256,
+            n_embd,
+            n_layer,
+            n_head: 4,
+            layer_norm_epsilon: default_eps(),
+            embd_pdrop: 0.1,
+            attn_pdrop: 0.1,
+            resid_pdrop: 0.1,
+        }
+    }
+
+    /// Reads a Hugging Face `config.json`.
+    pub fn from_json(path: &Path) -> std::result::Result<Self, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let c: Config = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        c.validate().map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(c)
+    }
+
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.n_head == 0 || self.n_embd % self.n_head != 0 {
+            return Err(format!("n_embd ({}) must be a positive multiple of n_head ({})", self.n_embd, self.n_head));
+        }
+        for (name, p) in [("embd_pdrop", self.embd_pdrop), ("attn_pdrop", self.attn_pdrop), ("resid_pdrop", self.resid_pdrop)] {
+            if !(0.0..1.0).contains(&p) {
+                return Err(format!("{name} must be in [0, 1), got {p}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Hugging Face's `Conv1D`: a linear layer whose weight is stored (in, out).
+struct Conv1D {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Conv1D {
+    fn new(params: &mut ParamStore, prefix: &str, n_in: usize, n_out: usize, std: f32) -> Result<Self> {
+        Ok(Conv1D {
+            weight: params.get(&format!("{prefix}.weight"), &[n_in, n_out], Init::Normal { std })?,
+            bias: params.get(&format!("{prefix}.bias"), &[n_out], Init::Zeros)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let y = x.reshape((b * t, c))?.matmul(&self.weight)?.broadcast_add(&self.bias)?; // (B*T, out)
+        y.reshape((b, t, ()))
+    }
+}
+
+/// Token + position embedding, then dropout. Inputs: ids (B, T) u32. Output: (B, T, C).
+pub struct Embed {
+    wte: Tensor,
+    wpe: Tensor,
+    pdrop: f32,
+}
+
+impl Stage for Embed {
+    fn name(&self) -> String {
+        "embed".into()
+    }
+    fn kind(&self) -> StageKind {
+        StageKind::Other
+    }
+    fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
+        let ids = &inputs[0];
+        let (b, t) = ids.dims2()?;
+        let tok = self.wte.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, ()))?; // (B, T, C)
+        let pos = self.wpe.narrow(0, 0, t)?; // (T, C)
+        Ok(vec![dropout(&tok.broadcast_add(&pos)?, self.pdrop, ctx)?])
+    }
+}
+
+/// One pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+pub struct Block {
+    index: usize,
+    ln_1: LayerNorm,
+    c_attn: Conv1D,
+    attn_proj: Conv1D,
+    ln_2: LayerNorm,
+    c_fc: Conv1D,
+    mlp_proj: Conv1D,
+    n_head: usize,
+    attn_pdrop: f32,
+    resid_pdrop: f32,
+}
+
+impl Block {
+    fn new(params: &mut ParamStore, cfg: &Config, index: usize) -> Result<Self> {
+        let c = cfg.n_embd;
+        let p = format!("h.{index}");
+        // GPT-2 scales the init of the projections into the residual stream by 1/sqrt(2L).
+        let proj_std = 0.02 / (2.0 * cfg.n_layer as f32).sqrt();
+        Ok(Block {
+            index,
+            ln_1: LayerNorm::new(params, &format!("{p}.ln_1"), c, cfg.layer_norm_epsilon)?,
+            c_attn: Conv1D::new(params, &format!("{p}.attn.c_attn"), c, 3 * c, 0.02)?,
+            attn_proj: Conv1D::new(params, &format!("{p}.attn.c_proj"), c, c, proj_std)?,
+            ln_2: LayerNorm::new(params, &format!("{p}.ln_2"), c, cfg.layer_norm_epsilon)?,
+            c_fc: Conv1D::new(params, &format!("{p}.mlp.c_fc"), c, 4 * c, 0.02)?,
+            mlp_proj: Conv1D::new(params, &format!("{p}.mlp.c_proj"), 4 * c, c, proj_std)?,
+            n_head: cfg.n_head,
+            attn_pdrop: cfg.attn_pdrop,
+            resid_pdrop: cfg.resid_pdrop,
+        })
+    }
+
+    fn attention(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let (nh, hd) = (self.n_head, c / self.n_head);
+        let qkv = self.c_attn.forward(x)?; // (B, T, 3C)
+        let head = |i: usize| qkv.narrow(2, i * c, c)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
+        let (q, k, v) = (head(0)?, head(1)?, head(2)?);
+        let att = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?; // (B, nh, T, T)
+        let future = Tensor::from_vec((0..t * t).map(|i| u8::from(i % t > i / t)).collect(), (t, t), x.device())?;
+        let neg_inf = Tensor::new(f32::NEG_INFINITY, x.device())?.to_dtype(att.dtype())?;
+        let att = future.broadcast_as(att.shape())?.where_cond(&neg_inf.broadcast_as(att.shape())?, &att)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let att = dropout(&att, self.attn_pdrop, ctx)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?; // (B, T, C)
+        self.attn_proj.forward(&y)
+    }
+
+    fn mlp(&self, x: &Tensor) -> Result<Tensor> {
+        self.mlp_proj.forward(&self.c_fc.forward(x)?.gelu()?) // (B, T, 4C) -> (B, T, C)
+    }
+}
+
+impl Stage for Block {
+    fn name(&self) -> String {
+        format!("h.{}", self.index)
+    }
+    fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
+        let x = &inputs[0]; // (B, T, C)
+        let x = (x + dropout(&self.attention(&self.ln_1.forward(x)?, ctx)?, self.resid_pdrop, ctx)?)?;
+        let x = (&x + dropout(&self.mlp(&self.ln_2.forward(&x)?)?, self.resid_pdrop, ctx)?)?;
+        Ok(vec![x])
+    }
+}
+
+/// Final LayerNorm, LM head tied to `wte`, mean cross-entropy. Inputs: x (B, T, C), targets (B, T).
+pub struct Head {
+    ln_f: LayerNorm,
+    wte: Tensor,
+}
+
+impl Head {
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let h = self.ln_f.forward(x)?.reshape((b * t, c))?;
+        h.matmul(&self.wte.t()?)?.reshape((b, t, ())) // (B, T, V)
+    }
+}
+
+impl Stage for Head {
+    fn name(&self) -> String {
+        "head".into()
+    }
+    fn kind(&self) -> StageKind {
+        StageKind::Other
+    }
+    fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
+        let logits = self.logits(&inputs[0])?.flatten_to(1)?; // (B*T, V)
+        Ok(vec![candle_nn::loss::cross_entropy(&logits, &inputs[1].flatten_all()?)?])
+    }
+}
+
+/// A GPT-2 model: its parameters and its stage graph (inputs: ids, targets; output: loss).
+pub struct Gpt2 {
+    pub config: Config,
+    params: ParamStore,
+    embed: Arc<Embed>,
+    blocks: Vec<Arc<Block>>,
+    head: Arc<Head>,
+    graph: StageGraph,
+}
+
+impl Gpt2 {
+    /// A freshly initialised model; the same `seed` gives bit-identical weights.
+    pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
+        config.validate().map_err(candle_core::Error::Msg)?;
+        let (c, v) = (config.n_embd, config.vocab_size);
+        let mut params = ParamStore::new(device, DType::F32, seed);
+        let wte = params.get("wte.weight", &[v, c], Init::Normal { std: 0.02 })?;
+        let wpe = params.get("wpe.weight", &[config.n_positions, c], Init::Normal { std: 0.02 })?;
+        let embed = Arc::new(Embed { wte: wte.clone(), wpe, pdrop: config.embd_pdrop });
+        let blocks = (0..config.n_layer).map(|i| Block::new(&mut params, &config, i).map(Arc::new)).collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::new(&mut params, "ln_f", c, config.layer_norm_epsilon)?;
+        let head = Arc::new(Head { ln_f, wte });
+
+        let mut graph = StageGraph::new(2); // values 0: ids, 1: targets
+        let wrap = |e: remat::Error| candle_core::Error::Msg(e.to_string());
+        let mut x = graph.then(embed.clone(), 0).map_err(wrap)?;
+        for b in &blocks {
+            x = graph.then(b.clone(), x).map_err(wrap)?;
+        }
+        let loss = graph.add(head.clone(), &[x, 1], 1).map_err(wrap)?[0];
+        graph.set_output(loss);
+        Ok(Gpt2 { config, params, embed, blocks, head, graph })
+    }
+
+    pub fn graph(&self) -> &StageGraph {
+        &self.graph
+    }
+
+    pub fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// The graph inputs for a batch of flattened (B*T) ids and targets.
+    pub fn inputs(&self, ids: &[u32], targets: &[u32], batch: usize, seq: usize, device: &Device) -> Result<Vec<Tensor>> {
+        if seq > self.config.n_positions {
+            candle_core::bail!("sequence length {seq} exceeds the context of {} positions", self.config.n_positions)
+        }
+        Ok(vec![Tensor::from_slice(ids, (batch, seq), device)?, Tensor::from_slice(targets, (batch, seq), device)?])
+    }
+
+    /// Logits (B, T, V) for ids (B, T), in evaluation mode (no dropout).
+    pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+        let ctx = StageCtx::eval();
+        let mut x = self.embed.forward(&[ids.clone()], &ctx)?.remove(0);
+        for b in &self.blocks {
+            x = b.forward(&[x], &ctx)?.remove(0);
+        }
+        self.head.logits(&x)
+    }
+
+    pub fn save_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
+        self.params.save(path)
+    }
+
+    /// Loads Hugging Face GPT-2 weights (with or without the `transformer.` prefix; the tied
+    /// `lm_head.weight` and the attention-mask buffers are skipped).
+    pub fn load_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
+        self.params.load(path, |name| {
+            let name = name.strip_prefix("transformer.").unwrap_or(name);
+            let skip = name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias");
+            (!skip).then(|| name.to_string())
+        })
+    }
+}

@@ -1,0 +1,152 @@
+//! `train-gpt2`: train GPT-2 with activation checkpointing on the default corpus or a token file.
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use clap::Parser;
+use datasets::tokens::Batcher;
+use gpt2::{Config, Gpt2, Preset};
+use indicatif::{ProgressBar, ProgressStyle};
+use remat::memory::{CountingAlloc, Meter};
+use remat::{Executor, Policy};
+use serde::Serialize;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+#[derive(Parser, Debug)]
+#[command(about = "Train GPT-2 with activation checkpointing (candle + remat)")]
+struct Args {
+    /// Model size: tiny, small (124M), medium (350M), large (774M), xl (1.56B).
+    #[arg(long, default_value = "small")]
+    preset: Preset,
+    /// A Hugging Face config.json; overrides --preset.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Checkpointing policy: off, sqrt, every-two-blocks, every-n=K, explicit=I,J,...
+    #[arg(long, default_value = "sqrt")]
+    policy: Policy,
+    #[arg(long, default_value_t = 50)]
+    steps: usize,
+    #[arg(long, default_value_t = 2)]
+    batch: usize,
+    /// Sequence length (at most the model's context).
+    #[arg(long, default_value_t = 256)]
+    seq: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Flat u16 little-endian token file; default: the built-in synthetic corpus (byte tokens).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    #[arg(long, default_value_t = 6e-4)]
+    lr: f64,
+    /// Start from these weights (Hugging Face GPT-2 safetensors).
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// Write the trained weights here (safetensors snapshot).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Append one JSON record per step to this file.
+    #[arg(long)]
+    log_json: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct StepRecord {
+    step: usize,
+    loss: f32,
+    step_ms: f64,
+    heap_base_bytes: u64,
+    heap_peak_delta_bytes: u64,
+    rss_peak_delta_bytes: Option<u64>,
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1024.0 * 1024.0)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let config = match &args.config {
+        Some(path) => Config::from_json(path).map_err(anyhow::Error::msg)?,
+        None => args.preset.config(),
+    };
+    if args.seq == 0 || args.seq > config.n_positions {
+        bail!("--seq {} is out of range: the model's context is 1..={} positions", args.seq, config.n_positions);
+    }
+    if args.batch == 0 || args.steps == 0 {
+        bail!("--batch and --steps must be at least 1");
+    }
+    let tokens = match &args.data {
+        Some(path) => datasets::tokens::load_u16(path)?,
+        None => datasets::text::byte_tokens(&datasets::text::synthetic_corpus(args.seed, 1 << 20)),
+    };
+    let batcher = Batcher::new(tokens, args.seq, config.vocab_size, args.seed).context("--data")?;
+
+    let device = Device::Cpu;
+    let model = Gpt2::new(config, &device, args.seed)?;
+    if let Some(path) = &args.init {
+        model.load_snapshot(path)?;
+    }
+    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.seed)?;
+    let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
+    let mut log = match &args.log_json {
+        Some(p) => Some(std::fs::File::create(p).with_context(|| format!("--log-json {}", p.display()))?),
+        None => None,
+    };
+    eprintln!(
+        "GPT-2 {} params, {} layers, policy {} ({} segments), batch {} x seq {}",
+        model.params().count(),
+        model.config.n_layer,
+        args.policy,
+        exec.segments().len(),
+        args.batch,
+        args.seq
+    );
+
+    let bar = ProgressBar::new(args.steps as u64)
+        .with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
+    let mut times = Vec::new();
+    for step in 0..args.steps {
+        let (x, y) = batcher.batch(step as u64, args.batch);
+        let inputs = model.inputs(&x, &y, args.batch, args.seq, &device)?;
+        let meter = Meter::start();
+        let out = exec.step(&inputs, step as u64)?;
+        opt.step(&out.grads)?;
+        drop(out.grads);
+        let usage = meter.finish();
+        let loss = out.loss.to_scalar::<f32>()?;
+        times.push(usage.elapsed_ms);
+        let rss = usage.rss_peak_delta.map_or("n/a".into(), |b| format!("{:.1} MiB", mib(b)));
+        // `suspend` prints whether or not the bar is drawn (it is hidden when stderr is no terminal).
+        bar.suspend(|| {
+            eprintln!("step {step:>4}  loss {loss:.4}  {:>8.1} ms  peak +{:.1} MiB (rss +{rss})", usage.elapsed_ms, mib(usage.heap_peak_delta))
+        });
+        bar.set_message(format!("loss {loss:.3}"));
+        bar.inc(1);
+        if let Some(f) = log.as_mut() {
+            let rec = StepRecord {
+                step,
+                loss,
+                step_ms: usage.elapsed_ms,
+                heap_base_bytes: usage.heap_base,
+                heap_peak_delta_bytes: usage.heap_peak_delta,
+                rss_peak_delta_bytes: usage.rss_peak_delta,
+            };
+            writeln!(f, "{}", serde_json::to_string(&rec)?)?;
+        }
+    }
+    bar.finish_and_clear();
+    if times.len() > 1 {
+        let mut t = times[1..].to_vec();
+        t.sort_by(f64::total_cmp);
+        eprintln!("median step time after warm-up: {:.1} ms", t[t.len() / 2]);
+    }
+    if let Some(path) = &args.save {
+        model.save_snapshot(path)?;
+        eprintln!("saved snapshot to {}", path.display());
+    }
+    Ok(())
+}

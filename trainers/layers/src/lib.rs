@@ -1,0 +1,61 @@
+//! `layers`: training building blocks for candle that candle lacks or gets wrong.
+//!
+//! - [`dropout`] draws its mask from the stage's counter-based key, so a recompute under
+//!   checkpointing reproduces it exactly (candle's `ops::dropout` uses unseedable global RNG).
+//! - [`LayerNorm`] is built from elementary ops: candle's fused `LayerNorm::forward` records no
+//!   backward, so its parameters would silently get no gradient.
+//! - [`ParamStore`] holds named parameters with deterministic initialisation (candle's CPU RNG
+//!   cannot be seeded) and saves/loads them as safetensors snapshots under their published names.
+//!
+//! Model code lives in the trainer crates; the checkpointing engine in `remat`.
+
+mod norm;
+mod params;
+
+pub use norm::LayerNorm;
+pub use params::{Init, ParamStore, SnapshotError};
+
+use candle_core::{Result, Tensor};
+use remat::StageCtx;
+
+/// Inverted dropout with a mask keyed by the stage context: identical on recompute, different for
+/// every call site, stage and step. Identity outside training or for `p == 0`.
+pub fn dropout(x: &Tensor, p: f32, ctx: &StageCtx) -> Result<Tensor> {
+    if !ctx.is_training() || p == 0.0 {
+        return Ok(x.clone());
+    }
+    if !(0.0..1.0).contains(&p) {
+        candle_core::bail!("dropout probability must be in [0, 1), got {p}")
+    }
+    let mask = ctx.next_key().dropout_mask(x.elem_count(), p);
+    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    x * mask
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn dropout_masks_replay_on_recompute_and_differ_elsewhere() -> Result<()> {
+        let x = Tensor::ones((64, 64), candle_core::DType::F32, &Device::Cpu)?;
+        let run = |step, stage, recompute| {
+            let ctx = StageCtx::new(1, step, stage, 0, recompute, true);
+            let a = dropout(&x, 0.25, &ctx)?.flatten_all()?.to_vec1::<f32>()?;
+            let b = dropout(&x, 0.25, &ctx)?.flatten_all()?.to_vec1::<f32>()?;
+            Ok::<_, candle_core::Error>((a, b))
+        };
+        let (a, b) = run(3, 2, false)?;
+        assert_eq!(run(3, 2, true)?, (a.clone(), b.clone()), "recompute must replay both masks");
+        assert_ne!(a, b, "two call sites must draw different masks");
+        assert_ne!(run(4, 2, false)?.0, a, "another step must draw another mask");
+        assert_ne!(run(3, 1, false)?.0, a, "another stage must draw another mask");
+        let kept = a.iter().filter(|&&v| v != 0.0).count() as f32 / a.len() as f32;
+        assert!((kept - 0.75).abs() < 0.03, "kept {kept}");
+        assert!(a.iter().all(|&v| v == 0.0 || v == 1.0 / 0.75));
+        let eval = dropout(&x, 0.25, &StageCtx::eval())?;
+        assert_eq!(eval.sum_all()?.to_scalar::<f32>()?, 4096.0);
+        Ok(())
+    }
+}

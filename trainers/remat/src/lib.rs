@@ -1,0 +1,38 @@
+//! `remat`: activation (gradient) checkpointing for candle.
+//!
+//! A model is described as a [`StageGraph`]: stages (usually its blocks) connected by tensor
+//! values, as a chain or a DAG with skip edges. A [`Policy`] cuts the stages into contiguous
+//! segments; the [`Executor`] runs forward keeping only the values that cross a segment boundary,
+//! and runs backward segment by segment, recomputing each from its stored inputs. Gradients are
+//! bit-identical to plain candle (`off`), including dropout, because random draws come from
+//! counter-based keys ([`rng`]) that are replayed on recompute.
+//!
+//! This crate holds the engine only: no model code, no layers (see the `layers` crate), no
+//! optimizer. It also owns the memory meter ([`memory`]) that measures what checkpointing buys.
+
+pub mod exec;
+pub mod graph;
+pub mod memory;
+pub mod policy;
+pub mod rng;
+pub mod stage;
+
+pub use exec::{Executor, StepOutput};
+pub use graph::{StageGraph, ValueId};
+pub use policy::{Policy, PolicyError};
+pub use stage::{Stage, StageCtx, StageKind};
+
+/// Errors of the checkpointing engine.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error("stage graph: {0}")]
+    Graph(String),
+    #[error("stage {stage} (`{name}`): {source}")]
+    Stage { stage: usize, name: String, source: candle_core::Error },
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

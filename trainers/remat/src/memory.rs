@@ -1,0 +1,182 @@
+//! The memory meter: exact heap bytes on the CPU, the process's peak RSS, and a per-step timeline.
+//!
+//! Heap figures come from [`CountingAlloc`], a global allocator that counts every byte it hands
+//! out. A binary or test installs it with
+//!
+//! ```ignore
+//! #[global_allocator]
+//! static ALLOC: remat::memory::CountingAlloc = remat::memory::CountingAlloc;
+//! ```
+//!
+//! It wraps mimalloc rather than the system allocator: glibc's malloc returns freed pages to the
+//! OS eagerly, and the page faults that follow make big-activation runs slower in a way that hides
+//! the cost of recomputation.
+
+use mimalloc::MiMalloc;
+use serde::Serialize;
+use std::alloc::{GlobalAlloc, Layout};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+static CURRENT: AtomicU64 = AtomicU64::new(0);
+static PEAK: AtomicU64 = AtomicU64::new(0);
+
+/// A global allocator (mimalloc underneath) that counts live and peak heap bytes.
+pub struct CountingAlloc;
+
+fn grow(n: u64) {
+    let now = CURRENT.fetch_add(n, Ordering::Relaxed) + n;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+fn shrink(n: u64) {
+    CURRENT.fetch_sub(n, Ordering::Relaxed);
+}
+
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = MiMalloc.alloc(layout);
+        if !p.is_null() {
+            grow(layout.size() as u64);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = MiMalloc.alloc_zeroed(layout);
+        if !p.is_null() {
+            grow(layout.size() as u64);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        MiMalloc.dealloc(ptr, layout);
+        shrink(layout.size() as u64);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = MiMalloc.realloc(ptr, layout, new_size);
+        if !p.is_null() {
+            shrink(layout.size() as u64);
+            grow(new_size as u64);
+        }
+        p
+    }
+}
+
+/// Whether [`CountingAlloc`] is the global allocator of this process (otherwise it has counted
+/// nothing: the Rust runtime allocates before `main`, so an installed meter is never at zero).
+pub fn heap_meter_installed() -> bool {
+    CURRENT.load(Ordering::Relaxed) > 0
+}
+
+/// Live heap bytes.
+pub fn heap_current() -> u64 {
+    CURRENT.load(Ordering::Relaxed)
+}
+
+/// Highest live heap bytes since the last [`reset_heap_peak`].
+pub fn heap_peak() -> u64 {
+    PEAK.load(Ordering::Relaxed)
+}
+
+pub fn reset_heap_peak() {
+    PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
+/// Resident-set figures of this process from `/proc` (Linux); `None` elsewhere.
+pub mod rss {
+    fn status_kib(field: &str) -> Option<u64> {
+        let s = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = s.lines().find(|l| l.starts_with(field))?;
+        line[field.len()..].trim().trim_end_matches("kB").trim().parse().ok()
+    }
+
+    pub fn current() -> Option<u64> {
+        status_kib("VmRSS:").map(|k| k * 1024)
+    }
+
+    /// Peak RSS since the process started or since the last [`reset_peak`].
+    pub fn peak() -> Option<u64> {
+        status_kib("VmHWM:").map(|k| k * 1024)
+    }
+
+    /// Resets the kernel's peak-RSS mark to the current RSS (`clear_refs` = 5, Linux >= 4.0).
+    pub fn reset_peak() -> bool {
+        std::fs::write("/proc/self/clear_refs", "5").is_ok()
+    }
+}
+
+/// Memory and time of one measured region (usually a training step).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Usage {
+    /// Heap bytes live when the region started (model state, optimizer state, data).
+    pub heap_base: u64,
+    /// Highest heap bytes above `heap_base` during the region.
+    pub heap_peak_delta: u64,
+    /// Highest RSS during the region minus RSS at its start; `None` where `/proc` is missing.
+    pub rss_peak_delta: Option<u64>,
+    pub elapsed_ms: f64,
+}
+
+/// Measures one region: created at its start, [`Meter::finish`]ed at its end.
+pub struct Meter {
+    start: Instant,
+    heap_base: u64,
+    rss_base: Option<u64>,
+}
+
+impl Meter {
+    pub fn start() -> Self {
+        reset_heap_peak();
+        let rss_base = if rss::reset_peak() { rss::current() } else { None };
+        Meter { start: Instant::now(), heap_base: heap_current(), rss_base }
+    }
+
+    pub fn finish(self) -> Usage {
+        let elapsed_ms = self.start.elapsed().as_secs_f64() * 1e3;
+        let rss_peak_delta = self.rss_base.zip(rss::peak()).map(|(b, p)| p.saturating_sub(b));
+        Usage { heap_base: self.heap_base, heap_peak_delta: heap_peak().saturating_sub(self.heap_base), rss_peak_delta, elapsed_ms }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    Forward,
+    Recompute,
+    Backward,
+}
+
+/// One point of a step's memory timeline, taken when a stage (or a segment's backward) ends.
+#[derive(Clone, Debug, Serialize)]
+pub struct Event {
+    pub phase: Phase,
+    /// Stage index (forward, recompute) or the first stage of the segment (backward).
+    pub stage: usize,
+    pub at_ms: f64,
+    /// Live heap bytes at this point.
+    pub bytes: u64,
+    /// Highest live heap bytes since the step started.
+    pub peak: u64,
+}
+
+/// The memory timeline of one step, recorded by the executor.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Timeline {
+    #[serde(skip)]
+    start: Option<Instant>,
+    pub events: Vec<Event>,
+}
+
+impl Timeline {
+    pub fn start() -> Self {
+        Timeline { start: Some(Instant::now()), events: Vec::new() }
+    }
+
+    pub fn record(&mut self, phase: Phase, stage: usize) {
+        let at_ms = self.start.map_or(0.0, |s| s.elapsed().as_secs_f64() * 1e3);
+        self.events.push(Event { phase, stage, at_ms, bytes: heap_current(), peak: heap_peak() });
+    }
+}

@@ -1,0 +1,183 @@
+//! Checkpointing policies: which stage boundaries are stored.
+//!
+//! A policy names the stages whose inputs start a new segment. Everything that crosses a segment
+//! boundary is stored in forward; everything inside a segment is discarded and recomputed in
+//! backward. The last segment is never recomputed: its forward graph is kept for backward.
+
+use crate::graph::StageGraph;
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// Plain candle: one segment, every activation kept.
+    Off,
+    /// Segments of ceil(sqrt(L)) blocks: about sqrt(L) stored boundaries.
+    Sqrt,
+    /// A boundary before every K-th block (`every-two-blocks` is K = 2).
+    EveryN(usize),
+    /// A boundary before every downsampling block (U-Net: the skip tensors).
+    BeforeDownsample,
+    /// A boundary before each listed block (0-based block indices).
+    Explicit(Vec<usize>),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("unknown policy `{0}`; valid policies: {VALID}")]
+    Unknown(String),
+    #[error("policy `{policy}`: {why}; valid policies: {VALID}")]
+    Invalid { policy: String, why: String },
+    #[error("policy `{policy}` does not apply to this model: {why}")]
+    NotApplicable { policy: String, why: String },
+}
+
+const VALID: &str = "off, sqrt, every-two-blocks, every-n=K (K >= 1), before-downsample, explicit=I,J,... (block indices)";
+
+impl FromStr for Policy {
+    type Err = PolicyError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let invalid = |why: &str| PolicyError::Invalid { policy: s.to_string(), why: why.to_string() };
+        let list = |v: &str| -> Result<Vec<usize>, PolicyError> {
+            v.split(',').map(|i| i.trim().parse::<usize>().map_err(|_| invalid("expected comma-separated block indices"))).collect()
+        };
+        match s.trim() {
+            "off" => Ok(Policy::Off),
+            "sqrt" => Ok(Policy::Sqrt),
+            "every-two-blocks" => Ok(Policy::EveryN(2)),
+            "before-downsample" => Ok(Policy::BeforeDownsample),
+            t => match t.split_once('=') {
+                Some(("every-n", k)) => match k.trim().parse::<usize>() {
+                    Ok(k) if k >= 1 => Ok(Policy::EveryN(k)),
+                    _ => Err(invalid("K must be an integer >= 1")),
+                },
+                Some(("explicit", v)) => Ok(Policy::Explicit(list(v)?)),
+                _ => Err(PolicyError::Unknown(s.to_string())),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Policy::Off => write!(f, "off"),
+            Policy::Sqrt => write!(f, "sqrt"),
+            Policy::EveryN(2) => write!(f, "every-two-blocks"),
+            Policy::EveryN(k) => write!(f, "every-n={k}"),
+            Policy::BeforeDownsample => write!(f, "before-downsample"),
+            Policy::Explicit(v) => {
+                let v: Vec<String> = v.iter().map(|i| i.to_string()).collect();
+                write!(f, "explicit={}", v.join(","))
+            }
+        }
+    }
+}
+
+impl Policy {
+    /// Cuts the graph's stages into contiguous segments.
+    pub fn segments(&self, graph: &StageGraph) -> Result<Vec<Range<usize>>, PolicyError> {
+        let not_applicable = |why: String| PolicyError::NotApplicable { policy: self.to_string(), why };
+        let blocks = graph.blocks();
+        let starts: Vec<usize> = match self {
+            Policy::Off => vec![],
+            Policy::Sqrt => every(&blocks, (blocks.len() as f64).sqrt().ceil().max(1.0) as usize),
+            Policy::EveryN(k) => every(&blocks, *k),
+            Policy::BeforeDownsample => {
+                let down = graph.downsample_blocks();
+                if down.is_empty() {
+                    return Err(not_applicable("the model has no downsampling stage".into()));
+                }
+                down
+            }
+            Policy::Explicit(idx) => idx
+                .iter()
+                .map(|&i| blocks.get(i).copied().ok_or_else(|| not_applicable(format!("block {i} does not exist (the model has {} blocks)", blocks.len()))))
+                .collect::<Result<_, _>>()?,
+        };
+        let n = graph.nodes().len();
+        let mut cuts: Vec<usize> = std::iter::once(0).chain(starts).chain(std::iter::once(n)).collect();
+        cuts.sort_unstable();
+        cuts.dedup();
+        Ok(cuts.windows(2).map(|w| w[0]..w[1]).collect())
+    }
+}
+
+/// Boundaries before blocks K, 2K, 3K, ... (block 0's input is the segment start anyway).
+fn every(blocks: &[usize], k: usize) -> Vec<usize> {
+    blocks.iter().copied().enumerate().filter(|(i, _)| i % k == 0 && *i > 0).map(|(_, s)| s).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stage::{Stage, StageCtx, StageKind};
+    use candle_core::Tensor;
+
+    struct Dummy(StageKind);
+    impl Stage for Dummy {
+        fn name(&self) -> String {
+            "dummy".into()
+        }
+        fn kind(&self) -> StageKind {
+            self.0
+        }
+        fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> candle_core::Result<Vec<Tensor>> {
+            Ok(inputs.to_vec())
+        }
+    }
+
+    /// stem, 9 blocks (3 and 6 downsample), head: 11 stages.
+    fn graph() -> StageGraph {
+        let mut g = StageGraph::new(1);
+        let mut x = g.then(Dummy(StageKind::Other), 0).unwrap();
+        for i in 0..9 {
+            let kind = if i == 3 || i == 6 { StageKind::DownsampleBlock } else { StageKind::Block };
+            x = g.then(Dummy(kind), x).unwrap();
+        }
+        g.then(Dummy(StageKind::Other), x).unwrap();
+        g
+    }
+
+    #[test]
+    fn parse_and_display_round_trip() {
+        for s in ["off", "sqrt", "every-two-blocks", "every-n=3", "before-downsample", "explicit=1,4"] {
+            assert_eq!(s.parse::<Policy>().unwrap().to_string(), s);
+        }
+        assert_eq!("every-n=2".parse::<Policy>().unwrap(), Policy::EveryN(2));
+    }
+
+    #[test]
+    fn bad_names_list_the_valid_ones() {
+        for bad in ["sqrtt", "every-n=0", "every-n=x", "explicit=a", ""] {
+            let e = bad.parse::<Policy>().unwrap_err().to_string();
+            assert!(e.contains("every-two-blocks") && e.contains("before-downsample"), "{e}");
+        }
+    }
+
+    #[test]
+    fn segments_cover_the_stages() {
+        let g = graph();
+        let seg = |p: &str| p.parse::<Policy>().unwrap().segments(&g).unwrap();
+        assert_eq!(seg("off"), vec![0..11]);
+        // ceil(sqrt(9)) = 3 blocks per segment; blocks are stages 1..=9.
+        assert_eq!(seg("sqrt"), vec![0..4, 4..7, 7..11]);
+        assert_eq!(seg("every-two-blocks"), vec![0..3, 3..5, 5..7, 7..9, 9..11]);
+        assert_eq!(seg("before-downsample"), vec![0..4, 4..7, 7..11]);
+        assert_eq!(seg("explicit=0,5"), vec![0..1, 1..6, 6..11]);
+        assert!(seg_err(&g, "explicit=9").contains("block 9 does not exist"));
+    }
+
+    fn seg_err(g: &StageGraph, p: &str) -> String {
+        p.parse::<Policy>().unwrap().segments(g).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn before_downsample_needs_a_downsampling_stage() {
+        let mut g = StageGraph::new(1);
+        g.then(Dummy(StageKind::Block), 0).unwrap();
+        assert!(seg_err(&g, "before-downsample").contains("no downsampling stage"));
+    }
+}

@@ -1,0 +1,111 @@
+//! Counter-based random numbers: every draw is a pure function of a key and an index.
+//!
+//! candle's CPU generator cannot be seeded and its draws are not reproducible, and global RNG
+//! state cannot be rewound for a recompute. So every random tensor in a training step comes from
+//! a [`RngKey`] built from (seed, step, stage, call site, pass): a recompute of a stage draws the
+//! same key and therefore the same dropout mask, while other steps and stages draw different ones.
+
+/// Identifies one random draw within a training run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RngKey {
+    pub seed: u64,
+    pub step: u64,
+    pub stage: u64,
+    /// The how-many-th draw within the stage's forward (dropout site).
+    pub call: u64,
+    /// 0 for every pass when RNG replay is on; a recompute with replay switched off uses 1.
+    pub pass: u64,
+}
+
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// The SplitMix64 finaliser: a bijective 64-bit mix with good avalanche.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl RngKey {
+    /// A key for something that is not part of a step (e.g. weight initialisation).
+    pub fn named(seed: u64, name: &str) -> Self {
+        // FNV-1a: stable across platforms and Rust versions, unlike `DefaultHasher`.
+        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        RngKey { seed, step: u64::MAX, stage: h, call: 0, pass: 0 }
+    }
+
+    fn word(&self) -> u64 {
+        [self.seed, self.step, self.stage, self.call, self.pass]
+            .iter()
+            .fold(0u64, |acc, &part| mix(acc.wrapping_add(GOLDEN) ^ part))
+    }
+
+    /// The `n` 64-bit words of this key's stream (SplitMix64 started from the key).
+    fn words(&self, n: usize) -> impl Iterator<Item = u64> {
+        let base = self.word();
+        (0..n as u64).map(move |i| mix(base.wrapping_add(i.wrapping_add(1).wrapping_mul(GOLDEN))))
+    }
+
+    /// `n` draws uniform in [0, 1) with 24 bits of resolution (exact in f32).
+    pub fn uniform(&self, n: usize) -> Vec<f32> {
+        let scale = 1.0 / (1u32 << 24) as f32;
+        self.words(n.div_ceil(2))
+            .flat_map(|w| [(w >> 40) as u32, ((w >> 8) & 0xFF_FFFF) as u32])
+            .take(n)
+            .map(|u| u as f32 * scale)
+            .collect()
+    }
+
+    /// `n` draws from N(mean, std^2) (Box-Muller on pairs of uniforms).
+    pub fn normal(&self, n: usize, mean: f32, std: f32) -> Vec<f32> {
+        let u = self.uniform(n + n % 2);
+        u.chunks_exact(2)
+            .flat_map(|p| {
+                let r = (-2.0 * (1.0 - p[0]).ln()).sqrt();
+                let t = std::f32::consts::TAU * p[1];
+                [mean + std * r * t.cos(), mean + std * r * t.sin()]
+            })
+            .take(n)
+            .collect()
+    }
+
+    /// An inverted-dropout mask of `n` elements: `1 / (1 - p)` where kept, `0` where dropped.
+    pub fn dropout_mask(&self, n: usize, p: f32) -> Vec<f32> {
+        let keep = 1.0 - p;
+        let scale = 1.0 / keep;
+        self.uniform(n).into_iter().map(|u| if u < keep { scale } else { 0.0 }).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(step: u64, stage: u64, call: u64) -> RngKey {
+        RngKey { seed: 7, step, stage, call, pass: 0 }
+    }
+
+    #[test]
+    fn same_key_same_draws_other_keys_differ() {
+        let a = key(1, 2, 0).uniform(1000);
+        assert_eq!(a, key(1, 2, 0).uniform(1000));
+        for other in [key(2, 2, 0), key(1, 3, 0), key(1, 2, 1)] {
+            let b = other.uniform(1000);
+            assert!(a.iter().zip(&b).filter(|(x, y)| x != y).count() > 990);
+        }
+    }
+
+    #[test]
+    fn uniform_and_dropout_have_the_right_statistics() {
+        let u = key(0, 0, 0).uniform(100_000);
+        let mean = u.iter().sum::<f32>() / u.len() as f32;
+        assert!((mean - 0.5).abs() < 0.01, "mean {mean}");
+        assert!(u.iter().all(|&x| (0.0..1.0).contains(&x)));
+        let m = key(0, 0, 1).dropout_mask(100_000, 0.1);
+        let dropped = m.iter().filter(|&&x| x == 0.0).count() as f32 / m.len() as f32;
+        assert!((dropped - 0.1).abs() < 0.01, "dropped {dropped}");
+        let n = key(0, 0, 2).normal(100_000, 0.0, 2.0);
+        let var = n.iter().map(|x| x * x).sum::<f32>() / n.len() as f32;
+        assert!((var - 4.0).abs() < 0.1, "var {var}");
+    }
+}

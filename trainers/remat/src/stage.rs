@@ -1,0 +1,81 @@
+//! The unit the executor schedules: a stage, and the context it runs in.
+
+use crate::rng::RngKey;
+use candle_core::Tensor;
+use std::cell::Cell;
+
+/// What a stage is to the policies: `sqrt` and `every-n` count blocks, `before-downsample` looks
+/// for downsampling blocks; stems and heads are never boundaries of their own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StageKind {
+    Block,
+    /// A block whose first operation reduces the spatial size (stride-2 conv, pooling).
+    DownsampleBlock,
+    Other,
+}
+
+/// One node of a [`crate::StageGraph`]: a differentiable function of several tensors.
+///
+/// A stage must be a pure function of its inputs, its parameters and the random draws it takes
+/// from `ctx`: the executor may run it twice (forward, then recompute) and relies on both runs
+/// giving bit-identical results.
+pub trait Stage {
+    fn name(&self) -> String;
+    fn kind(&self) -> StageKind {
+        StageKind::Block
+    }
+    fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> candle_core::Result<Vec<Tensor>>;
+}
+
+/// What a stage may know about the run it is part of.
+#[derive(Debug)]
+pub struct StageCtx {
+    key: RngKey,
+    calls: Cell<u64>,
+    recompute: bool,
+    train: bool,
+}
+
+impl StageCtx {
+    pub fn new(seed: u64, step: u64, stage: usize, pass: u64, recompute: bool, train: bool) -> Self {
+        let key = RngKey { seed, step, stage: stage as u64, call: 0, pass };
+        StageCtx { key, calls: Cell::new(0), recompute, train }
+    }
+
+    /// A context for evaluation outside the executor: no dropout, no recompute.
+    pub fn eval() -> Self {
+        Self::new(0, 0, 0, 0, false, false)
+    }
+
+    /// The key for this stage's next random draw. Call sites draw in program order, so the n-th
+    /// draw of a recompute gets the same key as the n-th draw of the forward pass.
+    pub fn next_key(&self) -> RngKey {
+        let call = self.calls.get();
+        self.calls.set(call + 1);
+        RngKey { call, ..self.key }
+    }
+
+    /// True while the executor recomputes the stage for backward: side effects that must happen
+    /// once per step (BatchNorm running statistics) are skipped.
+    pub fn is_recompute(&self) -> bool {
+        self.recompute
+    }
+
+    /// Training mode: dropout active, BatchNorm uses batch statistics.
+    pub fn is_training(&self) -> bool {
+        self.train
+    }
+}
+
+/// Lets a model keep typed handles to its stages while the graph owns them too.
+impl<S: Stage + ?Sized> Stage for std::sync::Arc<S> {
+    fn name(&self) -> String {
+        (**self).name()
+    }
+    fn kind(&self) -> StageKind {
+        (**self).kind()
+    }
+    fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> candle_core::Result<Vec<Tensor>> {
+        (**self).forward(inputs, ctx)
+    }
+}
