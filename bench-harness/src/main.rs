@@ -1,1 +1,265 @@
-fn main(){}
+//! `bench-harness`: runs models x checkpointing policies, each configuration in a fresh process;
+//! checks gradients bit for bit against `off`; measures peak memory and step time; writes
+//! `results/<profile>-<device>/matrix.{json,csv,md}`.
+//!
+//! It measures; it does not train to convergence (that is what the trainers are for).
+
+mod measure;
+mod report;
+mod workloads;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use measure::Record;
+use remat::memory::CountingAlloc;
+use remat::Policy;
+use report::{mib, Matrix, Meta};
+use std::path::PathBuf;
+use std::process::Command;
+use workloads::Workload;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+#[derive(Parser)]
+#[command(about = "Checkpointing benchmark: models x policies, bit-exact gradient checks, memory and time")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+    #[command(flatten)]
+    matrix: MatrixArgs,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Measure one configuration and print its record as JSON (the matrix runs this per config).
+    #[command(hide = true)]
+    RunOne {
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        policy: Policy,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+#[derive(Args, Clone)]
+struct Common {
+    /// Configuration set: smoke (tiny, seconds), cpu (minutes per model), full (the article's sizes).
+    #[arg(long)]
+    profile: Option<String>,
+    /// Timed steps per configuration (after one warm-up step).
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Emulate a smaller memory: allocations beyond this many bytes of heap fail (e.g. 24GiB).
+    #[arg(long, value_parser = parse_size)]
+    memory_cap: Option<u64>,
+}
+
+#[derive(Args)]
+struct MatrixArgs {
+    /// Which matrix to run: `all` (every model x every applicable policy of the profile).
+    #[arg(long, default_value = "all")]
+    matrix: String,
+    /// Only models whose name starts with one of these (comma-separated), e.g. gpt2,resnet50.
+    #[arg(long, value_delimiter = ',')]
+    models: Vec<String>,
+    /// Only these policies (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    policies: Vec<Policy>,
+    /// Results folder; default results/<profile>-<device>.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Rerun configurations that already have a result.
+    #[arg(long)]
+    force: bool,
+    #[command(flatten)]
+    common: Common,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size like 24GiB, 512MiB or 1000000"))?;
+    let mult = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1u64,
+        "kib" | "k" => 1 << 10,
+        "mib" | "m" => 1 << 20,
+        "gib" | "g" => 1 << 30,
+        "kb" => 1000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        _ => return Err(format!("unknown unit `{unit}` in `{s}`; use B, KiB, MiB, GiB, KB, MB or GB")),
+    };
+    Ok((n * mult as f64) as u64)
+}
+
+fn device(name: &str) -> Result<candle_core::Device> {
+    match name {
+        "cpu" => Ok(candle_core::Device::Cpu),
+        d if d == "cuda" || d.starts_with("cuda:") => {
+            let ordinal: usize = d.strip_prefix("cuda:").map_or(Ok(0), str::parse).context("--device cuda:N needs a number")?;
+            if !candle_core::utils::cuda_is_available() {
+                bail!("--device {d}: this build has no CUDA support (build with --features cuda)");
+            }
+            Ok(candle_core::Device::new_cuda(ordinal)?)
+        }
+        other => bail!("unknown device `{other}`; valid devices: cpu, cuda, cuda:N"),
+    }
+}
+
+impl Common {
+    /// The profile that fits the device unless one was named.
+    fn profile(&self) -> String {
+        self.profile.clone().unwrap_or_else(|| if self.device == "cpu" { "cpu" } else { "full" }.into())
+    }
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Some(Cmd::RunOne { model, policy, common }) => run_one(&model, &policy, &common),
+        None => run_matrix(cli.matrix),
+    }
+}
+
+fn run_one(model: &str, policy: &Policy, common: &Common) -> Result<()> {
+    if let Some(cap) = common.memory_cap {
+        remat::memory::set_heap_cap(cap);
+    }
+    let w = workloads::profile(&common.profile())?
+        .into_iter()
+        .find(|w| w.model == model)
+        .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?;
+    let dev = device(&common.device)?;
+    let rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device)?;
+    println!("{}", serde_json::to_string(&rec)?);
+    Ok(())
+}
+
+fn run_matrix(args: MatrixArgs) -> Result<()> {
+    if args.matrix != "all" {
+        bail!("unknown matrix `{}`; valid: all (narrow it with --models and --policies)", args.matrix);
+    }
+    let common = &args.common;
+    device(&common.device)?;
+    if common.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let profile = common.profile();
+    let workloads: Vec<Workload> = workloads::profile(&profile)?
+        .into_iter()
+        .filter(|w| args.models.is_empty() || args.models.iter().any(|m| w.model.starts_with(m.as_str())))
+        .collect();
+    if workloads.is_empty() {
+        bail!("--models {:?} matches no model of profile `{profile}`", args.models);
+    }
+    let configs: Vec<(Workload, Policy)> = workloads
+        .iter()
+        .flat_map(|w| w.policies().into_iter().map(move |p| (w.clone(), p)))
+        .filter(|(_, p)| args.policies.is_empty() || args.policies.contains(p))
+        .collect();
+    let dir = args.out.clone().unwrap_or_else(|| PathBuf::from(format!("results/{profile}-{}", common.device.replace(':', ""))));
+    let mut matrix = Matrix::load(&dir)?.unwrap_or_default();
+    matrix.meta = meta(&profile);
+
+    let bar = ProgressBar::new(configs.len() as u64)
+        .with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} configs [{elapsed} < {eta}] {msg}")?);
+    for (w, policy) in &configs {
+        if !args.force && matrix.find(&w.model, &policy.to_string()).is_some() {
+            bar.inc(1);
+            continue;
+        }
+        bar.set_message(format!("{} {policy}", w.model));
+        let rec = spawn_one(w, policy, common, &profile);
+        bar.suspend(|| eprintln!("{}", summary(&rec, matrix.find(&w.model, "off"))));
+        matrix.put(rec);
+        matrix.save(&dir)?;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    matrix.save(&dir)?;
+    eprintln!("results in {}", dir.display());
+    Ok(())
+}
+
+/// Runs one configuration in a fresh process, so one run's peak never leaks into another.
+fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str) -> Record {
+    let exe = std::env::current_exe().expect("own executable");
+    let mut cmd = Command::new(exe);
+    cmd.args(["run-one", "--model", &w.model, "--policy", &policy.to_string(), "--profile", profile])
+        .args(["--steps", &common.steps.to_string(), "--seed", &common.seed.to_string(), "--device", &common.device]);
+    if let Some(cap) = common.memory_cap {
+        cmd.args(["--memory-cap", &cap.to_string()]);
+    }
+    let failed = |status: &str, error: String| Record { status: status.into(), error, ..Record::new(w, policy, &common.device) };
+    let out = match cmd.output() {
+        Ok(out) => out,
+        Err(e) => return failed("error", format!("could not start: {e}")),
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if out.status.success() {
+        if let Some(rec) = stdout.lines().last().and_then(|l| serde_json::from_str::<Record>(l).ok()) {
+            return rec;
+        }
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim().to_string();
+    let oom = ["memory allocation of", "out of memory", "OUT_OF_MEMORY"].iter().any(|s| stderr.contains(s));
+    #[cfg(unix)]
+    let killed = std::os::unix::process::ExitStatusExt::signal(&out.status) == Some(9);
+    #[cfg(not(unix))]
+    let killed = false;
+    match (oom, killed) {
+        (true, _) => failed("oom", last),
+        (false, true) => failed("oom", "killed by SIGKILL (the kernel's OOM killer?)".into()),
+        _ => failed("error", if last.is_empty() { format!("exited with {}", out.status) } else { last }),
+    }
+}
+
+fn summary(r: &Record, off: Option<&Record>) -> String {
+    if r.status != "ok" {
+        return format!("{:<14} {:<18} {}: {}", r.model, r.policy, r.status, r.error);
+    }
+    let vs_off = off
+        .filter(|o| o.status == "ok" && o.step_peak_bytes > 0)
+        .map(|o| format!(" ({:.2}x off peak, {:.2}x off time)", r.step_peak_bytes as f64 / o.step_peak_bytes as f64, r.step_ms_median / o.step_ms_median))
+        .unwrap_or_default();
+    let grads = if r.grads_bit_identical { "grads = off bit for bit" } else { "GRADS DIFFER FROM OFF" };
+    format!(
+        "{:<14} {:<18} peak {:>11} act {:>11} {:>8.0} ms{vs_off}; {grads}",
+        r.model,
+        r.policy,
+        mib(r.step_peak_bytes),
+        mib(r.activation_peak_bytes),
+        r.step_ms_median
+    )
+}
+
+fn meta(profile: &str) -> Meta {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string());
+    let git = |args: &[&str]| Command::new("git").args(args).output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    let commit = git(&["rev-parse", "--short", "HEAD"]).filter(|c| !c.is_empty()).unwrap_or_else(|| "unknown".into());
+    let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    Meta {
+        machine: format!(
+            "{} ({} CPUs visible, candle threads {})",
+            cpu.unwrap_or_else(|| std::env::consts::ARCH.into()),
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+            candle_core::utils::get_num_threads()
+        ),
+        candle_version: env!("CANDLE_VERSION").into(),
+        git_commit: if dirty { format!("{commit}-dirty") } else { commit },
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        profile: profile.into(),
+    }
+}

@@ -51,8 +51,8 @@ mod tests {
         assert_eq!(a, synthetic_corpus(3, 10_000));
         assert_ne!(a, synthetic_corpus(4, 10_000));
         assert!(a.len() >= 10_000);
-        for s in a.split(". ").filter(|s| s.contains(" plus ")) {
-            let w: Vec<&str> = s.trim().trim_end_matches('.').split(' ').collect();
+        for s in a.split('.').map(str::trim).filter(|s| s.contains(" plus ")) {
+            let w: Vec<&str> = s.split(' ').collect();
             let (x, y, z): (u32, u32, u32) = (w[0].parse().unwrap(), w[2].parse().unwrap(), w[4].parse().unwrap());
             assert_eq!(x + y, z, "{s}");
         }

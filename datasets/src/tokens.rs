@@ -36,6 +36,7 @@ pub fn save_u16(path: &Path, tokens: &[u16]) -> std::io::Result<()> {
 }
 
 /// Cuts random (input, target) windows out of a token stream: targets are inputs shifted by one.
+#[derive(Debug)]
 pub struct Batcher {
     tokens: Vec<u16>,
     seq: usize,

@@ -145,12 +145,12 @@ impl<'g> Executor<'g> {
 
         // Forward: keep only what crosses a segment boundary; the last segment keeps its graph.
         for s in 0..last {
-            let live = self.run_segment(s, &mut stored, step, false, &mut timeline)?;
+            let live = self.run_segment(s, &mut stored, step, false, 0, &mut timeline)?;
             for &v in &self.segments[s].outputs {
                 stored[v] = Some(live.values[&v].detach());
             }
         }
-        let mut kept = Some(self.run_segment(last, &mut stored, step, false, &mut timeline)?);
+        let mut kept = Some(self.run_segment(last, &mut stored, step, false, 0, &mut timeline)?);
         let loss = kept.as_ref().map(|l| l.values[&output].detach()).expect("last segment just ran");
 
         // Backward, last segment first.
@@ -160,7 +160,7 @@ impl<'g> Executor<'g> {
             let seg = &self.segments[s];
             let live = match kept.take() {
                 Some(live) => live,
-                None => self.run_segment(s, &mut stored, step, true, &mut timeline)?,
+                None => self.run_segment(s, &mut stored, step, true, grad_bytes(&param_grads, &self.params), &mut timeline)?,
             };
             let mut root = if s == last { Some(live.values[&output].clone()) } else { None };
             for &v in &seg.outputs {
@@ -196,7 +196,7 @@ impl<'g> Executor<'g> {
                     stored[v] = None;
                 }
             }
-            timeline.record(Phase::Backward, seg.stages.start);
+            timeline.record(Phase::Backward, seg.stages.start, grad_bytes(&param_grads, &self.params));
         }
         Ok(StepOutput { loss, grads: param_grads, timeline })
     }
@@ -222,7 +222,16 @@ impl<'g> Executor<'g> {
 
     /// Runs the stages of segment `s`. In the last segment and in a recompute, stored inputs
     /// that need a gradient become fresh `Var`s.
-    fn run_segment(&self, s: usize, stored: &mut [Option<Tensor>], step: u64, recompute: bool, timeline: &mut Timeline) -> Result<Live> {
+    /// `grad_bytes`: parameter gradients held meanwhile, for the timeline.
+    fn run_segment(
+        &self,
+        s: usize,
+        stored: &mut [Option<Tensor>],
+        step: u64,
+        recompute: bool,
+        grad_bytes: u64,
+        timeline: &mut Timeline,
+    ) -> Result<Live> {
         let graph = self.graph;
         let seg = &self.segments[s];
         let needs_vars = recompute || s == self.segments.len() - 1;
@@ -253,10 +262,14 @@ impl<'g> Executor<'g> {
                 return Err(stage_err(candle_core::Error::Msg(msg)));
             }
             live.values.extend(node.outputs.iter().copied().zip(outputs));
-            timeline.record(if recompute { Phase::Recompute } else { Phase::Forward }, i);
+            timeline.record(if recompute { Phase::Recompute } else { Phase::Forward }, i, grad_bytes);
         }
         Ok(live)
     }
+}
+
+fn grad_bytes(grads: &GradStore, params: &[Var]) -> u64 {
+    params.iter().filter_map(|p| grads.get(p)).map(|g| (g.elem_count() * g.dtype().size_in_bytes()) as u64).sum()
 }
 
 /// A zero scalar whose backward hands `grad` to `t` unchanged: `t`'s gradient becomes `0 + grad`,

@@ -13,13 +13,17 @@
 //! the cost of recomputation.
 
 use mimalloc::MiMalloc;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 static CURRENT: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
+/// Allocations that would take the live heap above this fail (`u64::MAX`: no cap).
+static CAP: AtomicU64 = AtomicU64::new(u64::MAX);
+/// Peak since the last timeline event: what happened between two events.
+static WINDOW_PEAK: AtomicU64 = AtomicU64::new(0);
 
 /// A global allocator (mimalloc underneath) that counts live and peak heap bytes.
 pub struct CountingAlloc;
@@ -27,14 +31,28 @@ pub struct CountingAlloc;
 fn grow(n: u64) {
     let now = CURRENT.fetch_add(n, Ordering::Relaxed) + n;
     PEAK.fetch_max(now, Ordering::Relaxed);
+    WINDOW_PEAK.fetch_max(now, Ordering::Relaxed);
 }
 
 fn shrink(n: u64) {
     CURRENT.fetch_sub(n, Ordering::Relaxed);
 }
 
+/// Makes allocations fail once the live heap would exceed `bytes`, so a CPU run can emulate a
+/// smaller memory (the process aborts with "memory allocation of N bytes failed", like an OOM).
+pub fn set_heap_cap(bytes: u64) {
+    CAP.store(bytes, Ordering::Relaxed);
+}
+
+fn over_cap(n: usize) -> bool {
+    CURRENT.load(Ordering::Relaxed).saturating_add(n as u64) > CAP.load(Ordering::Relaxed)
+}
+
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if over_cap(layout.size()) {
+            return std::ptr::null_mut();
+        }
         let p = MiMalloc.alloc(layout);
         if !p.is_null() {
             grow(layout.size() as u64);
@@ -43,6 +61,9 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if over_cap(layout.size()) {
+            return std::ptr::null_mut();
+        }
         let p = MiMalloc.alloc_zeroed(layout);
         if !p.is_null() {
             grow(layout.size() as u64);
@@ -56,6 +77,9 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if over_cap(new_size.saturating_sub(layout.size())) {
+            return std::ptr::null_mut();
+        }
         let p = MiMalloc.realloc(ptr, layout, new_size);
         if !p.is_null() {
             shrink(layout.size() as u64);
@@ -83,6 +107,12 @@ pub fn heap_peak() -> u64 {
 
 pub fn reset_heap_peak() {
     PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
+    WINDOW_PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
+/// The highest live heap bytes since the previous call, then starts a new window.
+fn take_window_peak() -> u64 {
+    WINDOW_PEAK.swap(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed)
 }
 
 /// Resident-set figures of this process from `/proc` (Linux); `None` elsewhere.
@@ -141,7 +171,7 @@ impl Meter {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Phase {
     Forward,
@@ -150,7 +180,7 @@ pub enum Phase {
 }
 
 /// One point of a step's memory timeline, taken when a stage (or a segment's backward) ends.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Event {
     pub phase: Phase,
     /// Stage index (forward, recompute) or the first stage of the segment (backward).
@@ -158,8 +188,10 @@ pub struct Event {
     pub at_ms: f64,
     /// Live heap bytes at this point.
     pub bytes: u64,
-    /// Highest live heap bytes since the step started.
-    pub peak: u64,
+    /// Highest live heap bytes since the previous event.
+    pub window_peak: u64,
+    /// Bytes of parameter gradients the step's gradient store holds at this point.
+    pub grad_bytes: u64,
 }
 
 /// The memory timeline of one step, recorded by the executor.
@@ -172,11 +204,19 @@ pub struct Timeline {
 
 impl Timeline {
     pub fn start() -> Self {
+        take_window_peak();
         Timeline { start: Some(Instant::now()), events: Vec::new() }
     }
 
-    pub fn record(&mut self, phase: Phase, stage: usize) {
+    pub fn record(&mut self, phase: Phase, stage: usize, grad_bytes: u64) {
         let at_ms = self.start.map_or(0.0, |s| s.elapsed().as_secs_f64() * 1e3);
-        self.events.push(Event { phase, stage, at_ms, bytes: heap_current(), peak: heap_peak() });
+        self.events.push(Event { phase, stage, at_ms, bytes: heap_current(), window_peak: take_window_peak(), grad_bytes });
+    }
+
+    /// The activation peak: the highest heap bytes of any window less the parameter gradients
+    /// held at its end, above `base` (the heap before the step). Parameter gradients are state the
+    /// optimizer needs whatever the policy; activations are what checkpointing acts on.
+    pub fn activation_peak(&self, base: u64) -> u64 {
+        self.events.iter().map(|e| e.window_peak.saturating_sub(e.grad_bytes).saturating_sub(base)).max().unwrap_or(0)
     }
 }

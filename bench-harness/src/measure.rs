@@ -1,0 +1,157 @@
+//! One configuration, measured in this (fresh) process: a warm-up step, timed steps, and a
+//! bit-for-bit gradient check against `off`.
+
+use crate::workloads::Workload;
+use anyhow::{anyhow, Result};
+use candle_core::{DType, Device, Tensor};
+use remat::memory::{heap_current, Event, Meter};
+use remat::{Executor, Policy};
+use serde::{Deserialize, Serialize};
+
+/// One row of the matrix. Byte figures are heap bytes from the counting allocator (CPU).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Record {
+    pub model: String,
+    pub policy: String,
+    pub batch: usize,
+    pub input: String,
+    pub dtype: String,
+    pub device: String,
+    pub threads: usize,
+    /// Held before a step: parameters, optimizer state, the step's inputs.
+    pub model_state_bytes: u64,
+    /// Highest heap during a whole step (forward, backward, optimizer) above `model_state_bytes`.
+    pub step_peak_bytes: u64,
+    /// Highest heap during forward and backward above `model_state_bytes`, less the parameter
+    /// gradients held at that point: what checkpointing acts on.
+    pub activation_peak_bytes: u64,
+    /// Peak RSS during a step minus RSS at its start.
+    pub rss_peak_delta_bytes: u64,
+    pub step_ms_median: f64,
+    pub step_ms_min: f64,
+    pub step_ms_max: f64,
+    pub timed_steps: usize,
+    pub segments: usize,
+    pub loss: f32,
+    pub grads_bit_identical: bool,
+    /// Gradient elements whose bits differ from `off`.
+    pub grads_differing: u64,
+    pub max_abs_diff: f64,
+    /// Parameters whose gradient is missing or all zero.
+    pub params_without_grad: usize,
+    /// `ok`, `oom` or `error`.
+    pub status: String,
+    pub error: String,
+    /// Memory timeline of the first timed step (JSON only).
+    #[serde(default)]
+    pub timeline: Vec<Event>,
+}
+
+impl Record {
+    pub fn new(w: &Workload, policy: &Policy, device: &str) -> Self {
+        Record {
+            model: w.model.clone(),
+            policy: policy.to_string(),
+            batch: w.batch,
+            input: w.input.clone(),
+            dtype: "f32".into(),
+            device: device.to_string(),
+            threads: candle_core::utils::get_num_threads(),
+            ..Default::default()
+        }
+    }
+}
+
+pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str) -> Result<Record> {
+    let mut rec = Record::new(w, policy, device_name);
+    let base = heap_current();
+    let inst = w.build(device, seed)?;
+    let mut optimizer_step = inst.optimizer()?;
+    let exec = Executor::new(inst.graph(), policy, inst.params(), seed)?;
+    rec.segments = exec.segments().len();
+    let mut times = Vec::new();
+    for step in 0..=steps as u64 {
+        let inputs = inst.inputs(step)?;
+        let meter = Meter::start();
+        let out = exec.step(&inputs, step)?;
+        optimizer_step(&out.grads)?;
+        drop(out.grads);
+        let usage = meter.finish();
+        if step == 0 {
+            continue; // warm-up: first-touch page faults, lazily built kernels and caches
+        }
+        times.push(usage.elapsed_ms);
+        rec.model_state_bytes = usage.heap_base.saturating_sub(base);
+        rec.step_peak_bytes = rec.step_peak_bytes.max(usage.heap_peak_delta);
+        rec.activation_peak_bytes = rec.activation_peak_bytes.max(out.timeline.activation_peak(usage.heap_base));
+        rec.rss_peak_delta_bytes = rec.rss_peak_delta_bytes.max(usage.rss_peak_delta.unwrap_or(0));
+        rec.loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        if rec.timeline.is_empty() {
+            rec.timeline = out.timeline.events;
+        }
+    }
+    // Free the model before the gradient check builds two more.
+    drop(optimizer_step);
+    drop(exec);
+    drop(inst);
+    times.sort_by(f64::total_cmp);
+    rec.timed_steps = times.len();
+    rec.step_ms_median = times[times.len() / 2];
+    rec.step_ms_min = times[0];
+    rec.step_ms_max = times[times.len() - 1];
+
+    let check = gradcheck(w, policy, seed, device)?;
+    rec.grads_bit_identical = check.differing == 0;
+    rec.grads_differing = check.differing;
+    rec.max_abs_diff = check.max_abs_diff;
+    rec.params_without_grad = check.without_grad;
+    rec.status = "ok".into();
+    Ok(rec)
+}
+
+struct GradCheck {
+    differing: u64,
+    max_abs_diff: f64,
+    without_grad: usize,
+}
+
+/// The gradients of one step, as f32 vectors in parameter-name order.
+fn step_grads(w: &Workload, policy: &Policy, seed: u64, device: &Device) -> Result<Vec<Option<Vec<f32>>>> {
+    let inst = w.build(device, seed)?;
+    let exec = Executor::new(inst.graph(), policy, inst.params(), seed)?;
+    let out = exec.step(&inst.inputs(0)?, 0)?;
+    inst.params()
+        .iter()
+        .map(|p| out.grads.get(p).map(|g| flat(g)).transpose())
+        .collect()
+}
+
+fn flat(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// One step under `off` and one under `policy`, on identical weights, batch and seed.
+fn gradcheck(w: &Workload, policy: &Policy, seed: u64, device: &Device) -> Result<GradCheck> {
+    let reference = step_grads(w, &Policy::Off, seed, device)?;
+    let candidate = if *policy == Policy::Off { reference.clone() } else { step_grads(w, policy, seed, device)? };
+    let mut check = GradCheck { differing: 0, max_abs_diff: 0.0, without_grad: 0 };
+    for (a, b) in reference.iter().zip(&candidate) {
+        let (Some(a), Some(b)) = (a, b) else {
+            check.without_grad += 1;
+            continue;
+        };
+        if b.iter().all(|&x| x == 0.0) {
+            check.without_grad += 1;
+        }
+        if a.len() != b.len() {
+            return Err(anyhow!("gradient shapes differ between off and {policy}"));
+        }
+        for (x, y) in a.iter().zip(b) {
+            if x.to_bits() != y.to_bits() {
+                check.differing += 1;
+                check.max_abs_diff = check.max_abs_diff.max((x - y).abs() as f64);
+            }
+        }
+    }
+    Ok(check)
+}

@@ -1,0 +1,159 @@
+//! Writing the matrix: `matrix.json` (everything), `matrix.csv` (one row per configuration) and
+//! `matrix.md` (per model, each policy against `off` from the same run).
+
+use crate::measure::Record;
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// Where and how the results were produced.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Meta {
+    pub machine: String,
+    pub candle_version: String,
+    pub git_commit: String,
+    pub command: String,
+    pub profile: String,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Matrix {
+    pub meta: Meta,
+    pub records: Vec<Record>,
+}
+
+impl Matrix {
+    pub fn load(dir: &Path) -> Result<Option<Matrix>> {
+        let path = dir.join("matrix.json");
+        if !path.exists() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&path)?;
+        Ok(Some(serde_json::from_str(&text).with_context(|| format!("{} is not a matrix file", path.display()))?))
+    }
+
+    pub fn find(&self, model: &str, policy: &str) -> Option<&Record> {
+        self.records.iter().find(|r| r.model == model && r.policy == policy)
+    }
+
+    /// Adds or replaces the record of its (model, policy).
+    pub fn put(&mut self, rec: Record) {
+        match self.records.iter_mut().find(|r| r.model == rec.model && r.policy == rec.policy) {
+            Some(slot) => *slot = rec,
+            None => self.records.push(rec),
+        }
+    }
+
+    /// Writes all three files; the JSON goes through a temporary file so an interrupted write
+    /// never loses finished configurations.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let tmp = dir.join("matrix.json.tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(self)?)?;
+        std::fs::rename(&tmp, dir.join("matrix.json"))?;
+        std::fs::write(dir.join("matrix.csv"), self.csv())?;
+        std::fs::write(dir.join("matrix.md"), self.markdown())?;
+        Ok(())
+    }
+
+    pub const CSV_COLUMNS: &'static str = "model,policy,batch,input,dtype,device,threads,model_state_bytes,step_peak_bytes,\
+activation_peak_bytes,rss_peak_delta_bytes,step_ms_median,step_ms_min,step_ms_max,timed_steps,segments,loss,\
+grads_bit_identical,grads_differing,max_abs_diff,params_without_grad,status,error";
+
+    pub fn csv(&self) -> String {
+        let mut out = format!("{}\n", Self::CSV_COLUMNS);
+        for r in &self.records {
+            let quoted = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+            let _ = writeln!(
+                out,
+                "{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{},{},{},{},{:e},{},{},{}",
+                r.model,
+                quoted(&r.policy),
+                r.batch,
+                r.input,
+                r.dtype,
+                r.device,
+                r.threads,
+                r.model_state_bytes,
+                r.step_peak_bytes,
+                r.activation_peak_bytes,
+                r.rss_peak_delta_bytes,
+                r.step_ms_median,
+                r.step_ms_min,
+                r.step_ms_max,
+                r.timed_steps,
+                r.segments,
+                r.loss,
+                r.grads_bit_identical,
+                r.grads_differing,
+                r.max_abs_diff,
+                r.params_without_grad,
+                r.status,
+                quoted(&r.error)
+            );
+        }
+        out
+    }
+
+    pub fn markdown(&self) -> String {
+        let m = &self.meta;
+        let mut out = format!(
+            "# Checkpointing matrix: profile `{}`\n\nCommand: `{}`  \nMachine: {}  \ncandle {}, commit {}\n\n\
+Memory is heap bytes from the counting allocator above the model state (parameters + optimizer state); \
+ratios are against `off` of the same model in the same run. Times are medians of the timed steps after a warm-up.\n",
+            m.profile, m.command, m.machine, m.candle_version, m.git_commit
+        );
+        let mut models: Vec<&str> = self.records.iter().map(|r| r.model.as_str()).collect();
+        models.dedup();
+        for model in models {
+            let rows: Vec<&Record> = self.records.iter().filter(|r| r.model == model).collect();
+            let first = rows[0];
+            let off = self.find(model, "off").filter(|r| r.status == "ok");
+            let _ = write!(
+                out,
+                "\n## {model} (batch {}, {}, {}, {} threads): model state {}\n\n\
+| policy | segments | step peak | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | grads = off (bits) | status |\n\
+|---|---|---|---|---|---|---|---|---|---|---|\n",
+                first.batch,
+                first.input,
+                first.dtype,
+                first.threads,
+                mib(first.model_state_bytes)
+            );
+            for r in rows {
+                if r.status != "ok" {
+                    let _ = writeln!(out, "| {} | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
+                    continue;
+                }
+                let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() };
+                let (peak, act, time) = match off {
+                    Some(o) => (
+                        ratio(r.step_peak_bytes as f64, o.step_peak_bytes as f64),
+                        ratio(r.activation_peak_bytes as f64, o.activation_peak_bytes as f64),
+                        ratio(r.step_ms_median, o.step_ms_median),
+                    ),
+                    None => ("-".into(), "-".into(), "-".into()),
+                };
+                let grads = if r.grads_bit_identical { "yes".to_string() } else { format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff) };
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {grads} | ok |",
+                    r.policy,
+                    r.segments,
+                    mib(r.step_peak_bytes),
+                    mib(r.activation_peak_bytes),
+                    mib(r.rss_peak_delta_bytes),
+                    r.step_ms_median,
+                    r.step_ms_min,
+                    r.step_ms_max
+                );
+            }
+        }
+        out
+    }
+}
+
+pub fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}

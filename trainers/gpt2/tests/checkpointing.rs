@@ -1,0 +1,110 @@
+//! Checkpointing must not change training: gradients and losses under every policy equal `off`
+//! bit for bit (dropout on), every parameter gets a gradient, and `sqrt` saves memory.
+
+use candle_core::{Device, Tensor};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use datasets::tokens::Batcher;
+use gpt2::{Config, Gpt2};
+use remat::memory::{CountingAlloc, Meter};
+use remat::{Executor, Policy};
+use std::collections::BTreeMap;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+/// Per step: the loss's bits and every parameter's gradient bits, by name.
+type Trace = Vec<(u32, BTreeMap<String, Vec<u32>>)>;
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect()
+}
+
+fn batcher(cfg: &Config, seq: usize) -> Batcher {
+    let text = datasets::text::synthetic_corpus(1, 100_000);
+    Batcher::new(datasets::text::byte_tokens(&text), seq, cfg.vocab_size, 1).unwrap()
+}
+
+/// Two training steps of a tiny GPT-2 with dropout 0.1 under `policy`.
+fn train(policy: &str, replay_rng: bool) -> Trace {
+    let cfg = Config::tiny(8, 32);
+    let (batch, seq) = (2, 32);
+    let model = Gpt2::new(cfg.clone(), &Device::Cpu, 42).unwrap();
+    let mut exec = Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 7).unwrap();
+    if !replay_rng {
+        exec = exec.without_rng_replay();
+    }
+    let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: 1e-3, ..Default::default() }).unwrap();
+    let data = batcher(&cfg, seq);
+    (0..2u64)
+        .map(|step| {
+            let (x, y) = data.batch(step, batch);
+            let out = exec.step(&model.inputs(&x, &y, batch, seq, &Device::Cpu).unwrap(), step).unwrap();
+            opt.step(&out.grads).unwrap();
+            let grads = model.params().named().filter_map(|(n, v)| out.grads.get(v).map(|g| (n.to_string(), bits(g)))).collect();
+            (out.loss.to_scalar::<f32>().unwrap().to_bits(), grads)
+        })
+        .collect()
+}
+
+fn n_params() -> usize {
+    Gpt2::new(Config::tiny(8, 32), &Device::Cpu, 42).unwrap().params().vars().len()
+}
+
+#[test]
+fn gradients_equal_off_bit_for_bit() {
+    let off = train("off", true);
+    for policy in ["sqrt", "every-two-blocks", "every-n=1", "explicit=3"] {
+        let run = train(policy, true);
+        for (step, (a, b)) in off.iter().zip(&run).enumerate() {
+            assert_eq!(a.0, b.0, "{policy}: loss differs from off at step {step}");
+            assert_eq!(a.1.len(), b.1.len(), "{policy}: parameters with a gradient differ");
+            for (name, g) in &a.1 {
+                assert!(g == &b.1[name], "{policy}: gradient of {name} differs from off at step {step}");
+            }
+        }
+    }
+}
+
+#[test]
+fn without_rng_replay_the_gradients_differ() {
+    let off = train("off", true);
+    let run = train("sqrt", false);
+    // Step 0's forward is identical; the recompute draws new dropout masks, so gradients differ.
+    let differing = off[0].1.iter().filter(|(name, g)| *g != &run[0].1[*name]).count();
+    assert!(differing > 0, "switching RNG replay off must break bit-exactness, or the test cannot fail");
+}
+
+#[test]
+fn every_parameter_receives_a_nonzero_gradient() {
+    let n = n_params();
+    for policy in ["off", "sqrt", "every-two-blocks"] {
+        for (step, (_, grads)) in train(policy, true).iter().enumerate() {
+            assert_eq!(grads.len(), n, "{policy}: some parameters got no gradient at step {step}");
+            for (name, g) in grads {
+                assert!(g.iter().any(|&b| f32::from_bits(b) != 0.0), "{policy}: gradient of {name} is all zero");
+            }
+        }
+    }
+}
+
+/// Heap peak of one step of a deep tiny GPT-2 whose activations dominate.
+fn step_peak(policy: &str) -> u64 {
+    let cfg = Config { n_head: 4, ..Config::tiny(24, 64) };
+    let (batch, seq) = (8, 128);
+    let model = Gpt2::new(cfg.clone(), &Device::Cpu, 3).unwrap();
+    let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
+    let (x, y) = batcher(&cfg, seq).batch(0, batch);
+    let inputs = model.inputs(&x, &y, batch, seq, &Device::Cpu).unwrap();
+    let meter = Meter::start();
+    let out = exec.step(&inputs, 0).unwrap();
+    drop(out);
+    meter.finish().heap_peak_delta
+}
+
+#[test]
+fn sqrt_halves_the_step_peak_of_a_deep_model() {
+    assert!(remat::memory::heap_meter_installed());
+    let (off, sqrt) = (step_peak("off"), step_peak("sqrt"));
+    eprintln!("step peak: off {off} B, sqrt {sqrt} B ({:.2}x)", sqrt as f64 / off as f64);
+    assert!(sqrt * 2 <= off, "sqrt peak {sqrt} B is more than half of off {off} B");
+}

@@ -1,0 +1,81 @@
+//! The model loads Hugging Face configs and weights and reproduces the saved model's logits.
+
+use candle_core::{Device, Tensor};
+use gpt2::{Config, Gpt2, Preset};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("gpt2-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn presets_have_the_published_sizes() {
+    // Parameter counts of Hugging Face's gpt2, gpt2-medium, gpt2-large, gpt2-xl (tied head).
+    let count = |p: Preset| {
+        let c = p.config();
+        let (v, t, d, l) = (c.vocab_size, c.n_positions, c.n_embd, c.n_layer);
+        v * d + t * d + l * (12 * d * d + 13 * d) + 2 * d
+    };
+    assert_eq!(count(Preset::Small), 124_439_808);
+    assert_eq!(count(Preset::Medium), 354_823_168);
+    assert_eq!(count(Preset::Large), 774_030_080);
+    assert_eq!(count(Preset::Xl), 1_557_611_200);
+    // ...and the model builds exactly those parameters.
+    let tiny = Gpt2::new(Preset::Tiny.config(), &Device::Cpu, 0).unwrap();
+    let c = Preset::Tiny.config();
+    let (v, t, d, l) = (c.vocab_size, c.n_positions, c.n_embd, c.n_layer);
+    assert_eq!(tiny.params().count(), v * d + t * d + l * (12 * d * d + 13 * d) + 2 * d);
+    assert!("huge".parse::<Preset>().unwrap_err().contains("small (124M)"));
+}
+
+#[test]
+fn hugging_face_snapshot_reproduces_the_logits() {
+    let dir = temp_dir("snapshot");
+    let cfg = Config::tiny(2, 32);
+    let saved = Gpt2::new(cfg.clone(), &Device::Cpu, 1).unwrap();
+    // Write the file the way a GPT2LMHeadModel state dict looks: prefixed names, the tied head,
+    // and the attention-mask buffers.
+    let mut tensors: HashMap<String, Tensor> =
+        saved.params().named().map(|(n, v)| (format!("transformer.{n}"), v.as_tensor().clone())).collect();
+    let wte = tensors["transformer.wte.weight"].clone();
+    tensors.insert("lm_head.weight".into(), wte);
+    tensors.insert("transformer.h.0.attn.bias".into(), Tensor::ones((1, 1, 4, 4), candle_core::DType::F32, &Device::Cpu).unwrap());
+    let path = dir.join("model.safetensors");
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    let config_path = dir.join("config.json");
+    let mut json = serde_json::to_value(&cfg).unwrap();
+    json["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
+    json["activation_function"] = serde_json::json!("gelu_new");
+    std::fs::write(&config_path, json.to_string()).unwrap();
+
+    let loaded = Gpt2::new(Config::from_json(&config_path).unwrap(), &Device::Cpu, 2).unwrap();
+    let ids = Tensor::new(&[[1u32, 5, 9, 200], [3, 3, 7, 0]], &Device::Cpu).unwrap();
+    let before = loaded.logits(&ids).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let want = saved.logits(&ids).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_ne!(before, want, "different seeds must give different models");
+    loaded.load_snapshot(&path).unwrap();
+    assert_eq!(loaded.logits(&ids).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+
+    // Our own snapshots round-trip too, and a wrong-sized file names the tensor.
+    let own = dir.join("own.safetensors");
+    saved.save_snapshot(&own).unwrap();
+    loaded.load_snapshot(&own).unwrap();
+    let wider = Gpt2::new(Config::tiny(2, 64), &Device::Cpu, 1).unwrap();
+    let err = wider.load_snapshot(&own).unwrap_err().to_string();
+    assert!(err.contains("has shape [96]") && err.contains("expects [192]"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_configs_name_the_field() {
+    let dir = temp_dir("config");
+    let path = dir.join("config.json");
+    std::fs::write(&path, r#"{"vocab_size": 10, "n_positions": 8, "n_embd": 30, "n_layer": 1, "n_head": 4}"#).unwrap();
+    assert!(Config::from_json(&path).unwrap_err().contains("n_head"));
+    std::fs::write(&path, r#"{"vocab_size": 10, "n_positions": 8, "n_layer": 1, "n_head": 4}"#).unwrap();
+    assert!(Config::from_json(&path).unwrap_err().contains("n_embd"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
