@@ -1,5 +1,6 @@
 //! `datasets`: deterministic training data that needs no network, and loaders for common formats.
 //!
+//! - [`images::SyntheticImages`]: gratings whose orientation, frequency and colour give the class.
 //! - [`text::synthetic_corpus`]: English-like text from a small grammar (subjects, verbs, objects,
 //!   and arithmetic facts whose answers are right), so a language model has real structure to
 //!   learn; byte-level tokens ([`text::byte_tokens`]) make it usable with any GPT-2 vocabulary.
@@ -8,6 +9,7 @@
 //!
 //! Everything is a pure function of its seed: the same seed gives the same bytes on every machine.
 
+pub mod images;
 pub mod text;
 pub mod tokens;
 

@@ -6,11 +6,8 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::Parser;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
-use indicatif::{ProgressBar, ProgressStyle};
 use remat::memory::{CountingAlloc, Meter};
 use remat::{Executor, Policy};
-use serde::Serialize;
-use std::io::Write;
 use std::path::PathBuf;
 
 #[global_allocator]
@@ -53,20 +50,6 @@ struct Args {
     log_json: Option<PathBuf>,
 }
 
-#[derive(Serialize)]
-struct StepRecord {
-    step: usize,
-    loss: f32,
-    step_ms: f64,
-    heap_base_bytes: u64,
-    heap_peak_delta_bytes: u64,
-    rss_peak_delta_bytes: Option<u64>,
-}
-
-fn mib(b: u64) -> f64 {
-    b as f64 / (1024.0 * 1024.0)
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     let config = match &args.config {
@@ -92,10 +75,6 @@ fn main() -> Result<()> {
     }
     let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.seed)?;
     let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
-    let mut log = match &args.log_json {
-        Some(p) => Some(std::fs::File::create(p).with_context(|| format!("--log-json {}", p.display()))?),
-        None => None,
-    };
     eprintln!(
         "GPT-2 {} params, {} layers, policy {} ({} segments), batch {} x seq {}",
         model.params().count(),
@@ -106,9 +85,7 @@ fn main() -> Result<()> {
         args.seq
     );
 
-    let bar = ProgressBar::new(args.steps as u64)
-        .with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
-    let mut times = Vec::new();
+    let mut log = trainkit::StepLog::new(args.steps, args.log_json.as_deref())?;
     for step in 0..args.steps {
         let (x, y) = batcher.batch(step as u64, args.batch);
         let inputs = model.inputs(&x, &y, args.batch, args.seq, &device)?;
@@ -117,33 +94,9 @@ fn main() -> Result<()> {
         opt.step(&out.grads)?;
         drop(out.grads);
         let usage = meter.finish();
-        let loss = out.loss.to_scalar::<f32>()?;
-        times.push(usage.elapsed_ms);
-        let rss = usage.rss_peak_delta.map_or("n/a".into(), |b| format!("{:.1} MiB", mib(b)));
-        // `suspend` prints whether or not the bar is drawn (it is hidden when stderr is no terminal).
-        bar.suspend(|| {
-            eprintln!("step {step:>4}  loss {loss:.4}  {:>8.1} ms  peak +{:.1} MiB (rss +{rss})", usage.elapsed_ms, mib(usage.heap_peak_delta))
-        });
-        bar.set_message(format!("loss {loss:.3}"));
-        bar.inc(1);
-        if let Some(f) = log.as_mut() {
-            let rec = StepRecord {
-                step,
-                loss,
-                step_ms: usage.elapsed_ms,
-                heap_base_bytes: usage.heap_base,
-                heap_peak_delta_bytes: usage.heap_peak_delta,
-                rss_peak_delta_bytes: usage.rss_peak_delta,
-            };
-            writeln!(f, "{}", serde_json::to_string(&rec)?)?;
-        }
+        log.step(step, out.loss.to_scalar::<f32>()?, &usage)?;
     }
-    bar.finish_and_clear();
-    if times.len() > 1 {
-        let mut t = times[1..].to_vec();
-        t.sort_by(f64::total_cmp);
-        eprintln!("median step time after warm-up: {:.1} ms", t[t.len() / 2]);
-    }
+    log.finish();
     if let Some(path) = &args.save {
         model.save_snapshot(path)?;
         eprintln!("saved snapshot to {}", path.display());

@@ -4,16 +4,26 @@
 //!   checkpointing reproduces it exactly (candle's `ops::dropout` uses unseedable global RNG).
 //! - [`LayerNorm`] is built from elementary ops: candle's fused `LayerNorm::forward` records no
 //!   backward, so its parameters would silently get no gradient.
+//! - [`BatchNorm`] does not update its running statistics while a stage is recomputed.
+//! - [`max_pool2d_k3s2p1`]: the ResNet stem pool with a correct backward (candle's is only right
+//!   when kernel == stride).
+//! - [`SgdMomentum`]: SGD with momentum, which candle-nn lacks.
 //! - [`ParamStore`] holds named parameters with deterministic initialisation (candle's CPU RNG
 //!   cannot be seeded) and saves/loads them as safetensors snapshots under their published names.
 //!
 //! Model code lives in the trainer crates; the checkpointing engine in `remat`.
 
+mod batchnorm;
 mod norm;
+mod optim;
 mod params;
+mod pool;
 
+pub use batchnorm::BatchNorm;
 pub use norm::LayerNorm;
+pub use optim::{ParamsSgd, SgdMomentum};
 pub use params::{Init, ParamStore, SnapshotError};
+pub use pool::max_pool2d_k3s2p1;
 
 use candle_core::{Result, Tensor};
 use remat::StageCtx;

@@ -21,9 +21,11 @@ pub enum SnapshotError {
     Missing { path: String, name: String },
 }
 
-/// The named trainable parameters of a model, in name order.
+/// The named trainable parameters of a model, in name order, and its buffers (state that is
+/// saved and loaded but not trained: BatchNorm running statistics).
 pub struct ParamStore {
     vars: BTreeMap<String, Var>,
+    buffers: BTreeMap<String, Var>,
     device: Device,
     dtype: DType,
     seed: u64,
@@ -33,27 +35,23 @@ impl ParamStore {
     /// Parameters are initialised from keys derived from `seed` and their names, so two stores
     /// with the same seed hold bit-identical weights.
     pub fn new(device: &Device, dtype: DType, seed: u64) -> Self {
-        ParamStore { vars: BTreeMap::new(), device: device.clone(), dtype, seed }
+        ParamStore { vars: BTreeMap::new(), buffers: BTreeMap::new(), device: device.clone(), dtype, seed }
     }
 
     /// The parameter `name`, created with `init` on first use (a second use shares it: tied weights).
     pub fn get(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
-        if let Some(v) = self.vars.get(name) {
-            if v.dims() != shape {
-                candle_core::bail!("parameter `{name}` requested with shape {shape:?}, created with {:?}", v.dims())
-            }
-            return Ok(v.as_tensor().clone());
-        }
-        let n: usize = shape.iter().product();
-        let data = match init {
-            Init::Zeros => vec![0f32; n],
-            Init::Ones => vec![1f32; n],
-            Init::Normal { std } => RngKey::named(self.seed, name).normal(n, 0.0, std),
-        };
-        let t = Tensor::from_vec(data, shape, &self.device)?.to_dtype(self.dtype)?;
-        let var = Var::from_tensor(&t)?;
-        self.vars.insert(name.to_string(), var.clone());
-        Ok(var.as_tensor().clone())
+        let (seed, device, dtype) = (self.seed, self.device.clone(), self.dtype);
+        Ok(get_or_create(&mut self.vars, name, shape, || create(seed, &device, dtype, name, shape, init))?.as_tensor().clone())
+    }
+
+    /// The buffer `name` (f32, not trained), created with `init` on first use.
+    pub fn buffer(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Var> {
+        let (seed, device) = (self.seed, self.device.clone());
+        get_or_create(&mut self.buffers, name, shape, || create(seed, &device, DType::F32, name, shape, init))
+    }
+
+    pub fn buffers(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.buffers.iter().map(|(k, v)| (k.as_str(), v))
     }
 
     /// All parameters, in name order.
@@ -70,14 +68,14 @@ impl ParamStore {
         self.vars.values().map(|v| v.elem_count()).sum()
     }
 
-    /// Writes every parameter to a safetensors snapshot under its name.
+    /// Writes every parameter and buffer to a safetensors snapshot under its name.
     pub fn save(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
-        let map: HashMap<String, Tensor> = self.vars.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
+        let map: HashMap<String, Tensor> = self.all().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
         candle_core::safetensors::save(&map, path).map_err(|source| SnapshotError::Io { path: path.display().to_string(), source })
     }
 
-    /// Loads every parameter from a safetensors snapshot. `rename` maps a file's tensor name to
-    /// the model's (or `None` to skip it: buffers, tied copies); every parameter must be found.
+    /// Loads every parameter and buffer from a safetensors snapshot. `rename` maps a file's tensor
+    /// name to the model's (or `None` to skip it: tied copies, counters); all must be found.
     pub fn load(&self, path: &Path, rename: impl Fn(&str) -> Option<String>) -> std::result::Result<(), SnapshotError> {
         let p = path.display().to_string();
         let io = |source| SnapshotError::Io { path: p.clone(), source };
@@ -88,13 +86,41 @@ impl ParamStore {
                 found.insert(n, t);
             }
         }
-        for (name, var) in &self.vars {
+        for (name, var) in self.all() {
             let t = found.remove(name).ok_or_else(|| SnapshotError::Missing { path: p.clone(), name: name.clone() })?;
             if t.dims() != var.dims() {
                 return Err(SnapshotError::Shape { path: p.clone(), name: name.clone(), found: t.dims().to_vec(), expected: var.dims().to_vec() });
             }
-            var.set(&t.to_dtype(self.dtype).map_err(io)?).map_err(io)?;
+            var.set(&t.to_dtype(var.dtype()).map_err(io)?).map_err(io)?;
         }
         Ok(())
     }
+}
+
+impl ParamStore {
+    fn all(&self) -> impl Iterator<Item = (&String, &Var)> {
+        self.vars.iter().chain(self.buffers.iter())
+    }
+}
+
+fn get_or_create(map: &mut BTreeMap<String, Var>, name: &str, shape: &[usize], create: impl FnOnce() -> Result<Var>) -> Result<Var> {
+    if let Some(v) = map.get(name) {
+        if v.dims() != shape {
+            candle_core::bail!("`{name}` requested with shape {shape:?}, created with {:?}", v.dims())
+        }
+        return Ok(v.clone());
+    }
+    let var = create()?;
+    map.insert(name.to_string(), var.clone());
+    Ok(var)
+}
+
+fn create(seed: u64, device: &Device, dtype: DType, name: &str, shape: &[usize], init: Init) -> Result<Var> {
+    let n: usize = shape.iter().product();
+    let data = match init {
+        Init::Zeros => vec![0f32; n],
+        Init::Ones => vec![1f32; n],
+        Init::Normal { std } => RngKey::named(seed, name).normal(n, 0.0, std),
+    };
+    Var::from_tensor(&Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?)
 }

@@ -58,6 +58,7 @@ pub struct Executor<'g> {
     param_ids: HashSet<TensorId>,
     seed: u64,
     replay_rng: bool,
+    tell_recompute: bool,
 }
 
 impl<'g> Executor<'g> {
@@ -98,7 +99,7 @@ impl<'g> Executor<'g> {
             }
         }
         let param_ids = params.iter().map(|p| p.as_tensor().id()).collect();
-        Ok(Executor { graph, policy: policy.clone(), segments, first_consumer, params, param_ids, seed, replay_rng: true })
+        Ok(Executor { graph, policy: policy.clone(), segments, first_consumer, params, param_ids, seed, replay_rng: true, tell_recompute: true })
     }
 
     /// Switches RNG replay off: recomputes draw fresh random keys, as a checkpoint built on global
@@ -106,6 +107,14 @@ impl<'g> Executor<'g> {
     #[doc(hidden)]
     pub fn without_rng_replay(mut self) -> Self {
         self.replay_rng = false;
+        self
+    }
+
+    /// Hides the recompute flag from the stages: a recompute then repeats the forward's side
+    /// effects (BatchNorm updates its running statistics twice). Exists only for tests.
+    #[doc(hidden)]
+    pub fn without_recompute_flag(mut self) -> Self {
+        self.tell_recompute = false;
         self
     }
 
@@ -254,7 +263,7 @@ impl<'g> Executor<'g> {
         for i in seg.stages.clone() {
             let node = &graph.nodes()[i];
             let inputs: Vec<Tensor> = node.inputs.iter().map(|v| live.values[v].clone()).collect();
-            let ctx = StageCtx::new(self.seed, step, i, pass, recompute, true);
+            let ctx = StageCtx::new(self.seed, step, i, pass, recompute && self.tell_recompute, true);
             let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
             let outputs = node.stage.forward(&inputs, &ctx).map_err(stage_err)?;
             if outputs.len() != node.outputs.len() {

@@ -75,11 +75,12 @@ impl StageGraph {
 
     /// Indices of the stages that count as blocks for the policies.
     pub fn blocks(&self) -> Vec<usize> {
-        self.stages_of_kind(|k| k != StageKind::Other)
+        self.stages_of_kind(StageKind::is_block)
     }
 
-    pub fn downsample_blocks(&self) -> Vec<usize> {
-        self.stages_of_kind(|k| k == StageKind::DownsampleBlock)
+    /// Indices of the stages that reduce the spatial size (blocks or pools).
+    pub fn downsampling_stages(&self) -> Vec<usize> {
+        self.stages_of_kind(StageKind::is_downsample)
     }
 
     fn stages_of_kind(&self, keep: impl Fn(StageKind) -> bool) -> Vec<usize> {

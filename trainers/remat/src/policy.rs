@@ -17,7 +17,7 @@ pub enum Policy {
     Sqrt,
     /// A boundary before every K-th block (`every-two-blocks` is K = 2).
     EveryN(usize),
-    /// A boundary before every downsampling block (U-Net: the skip tensors).
+    /// A boundary before every downsampling stage (U-Net: the skip tensors).
     BeforeDownsample,
     /// A boundary before each listed block (0-based block indices).
     Explicit(Vec<usize>),
@@ -86,7 +86,7 @@ impl Policy {
             Policy::Sqrt => every(&blocks, (blocks.len() as f64).sqrt().ceil().max(1.0) as usize),
             Policy::EveryN(k) => every(&blocks, *k),
             Policy::BeforeDownsample => {
-                let down = graph.downsample_blocks();
+                let down = graph.downsampling_stages();
                 if down.is_empty() {
                     return Err(not_applicable("the model has no downsampling stage".into()));
                 }
@@ -129,10 +129,11 @@ mod tests {
         }
     }
 
-    /// stem, 9 blocks (3 and 6 downsample), head: 11 stages.
+    /// stem, pool, 9 blocks (3 and 6 downsample), head: 12 stages.
     fn graph() -> StageGraph {
         let mut g = StageGraph::new(1);
         let mut x = g.then(Dummy(StageKind::Other), 0).unwrap();
+        x = g.then(Dummy(StageKind::Downsample), x).unwrap();
         for i in 0..9 {
             let kind = if i == 3 || i == 6 { StageKind::DownsampleBlock } else { StageKind::Block };
             x = g.then(Dummy(kind), x).unwrap();
@@ -161,12 +162,12 @@ mod tests {
     fn segments_cover_the_stages() {
         let g = graph();
         let seg = |p: &str| p.parse::<Policy>().unwrap().segments(&g).unwrap();
-        assert_eq!(seg("off"), vec![0..11]);
-        // ceil(sqrt(9)) = 3 blocks per segment; blocks are stages 1..=9.
-        assert_eq!(seg("sqrt"), vec![0..4, 4..7, 7..11]);
-        assert_eq!(seg("every-two-blocks"), vec![0..3, 3..5, 5..7, 7..9, 9..11]);
-        assert_eq!(seg("before-downsample"), vec![0..4, 4..7, 7..11]);
-        assert_eq!(seg("explicit=0,5"), vec![0..1, 1..6, 6..11]);
+        assert_eq!(seg("off"), vec![0..12]);
+        // ceil(sqrt(9)) = 3 blocks per segment; blocks are stages 2..=10 (the pool is no block).
+        assert_eq!(seg("sqrt"), vec![0..5, 5..8, 8..12]);
+        assert_eq!(seg("every-two-blocks"), vec![0..4, 4..6, 6..8, 8..10, 10..12]);
+        assert_eq!(seg("before-downsample"), vec![0..1, 1..5, 5..8, 8..12]);
+        assert_eq!(seg("explicit=0,5"), vec![0..2, 2..7, 7..12]);
         assert!(seg_err(&g, "explicit=9").contains("block 9 does not exist"));
     }
 

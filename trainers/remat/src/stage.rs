@@ -4,14 +4,26 @@ use crate::rng::RngKey;
 use candle_core::Tensor;
 use std::cell::Cell;
 
-/// What a stage is to the policies: `sqrt` and `every-n` count blocks, `before-downsample` looks
-/// for downsampling blocks; stems and heads are never boundaries of their own.
+/// What a stage is to the policies: `sqrt` and `every-n` count blocks, `before-downsample` stores
+/// the input of every downsampling stage; other stages (stems, heads) are not counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StageKind {
     Block,
-    /// A block whose first operation reduces the spatial size (stride-2 conv, pooling).
+    /// A block that reduces the spatial size (a residual block with a stride-2 conv).
     DownsampleBlock,
+    /// A stage that only reduces the spatial size (pooling): not counted as a block.
+    Downsample,
     Other,
+}
+
+impl StageKind {
+    pub fn is_block(self) -> bool {
+        matches!(self, StageKind::Block | StageKind::DownsampleBlock)
+    }
+
+    pub fn is_downsample(self) -> bool {
+        matches!(self, StageKind::DownsampleBlock | StageKind::Downsample)
+    }
 }
 
 /// One node of a [`crate::StageGraph`]: a differentiable function of several tensors.

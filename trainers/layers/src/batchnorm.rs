@@ -1,0 +1,64 @@
+use crate::params::{Init, ParamStore};
+use candle_core::{DType, Result, Tensor, Var};
+use remat::StageCtx;
+
+/// Batch normalisation over (N, C, *spatial) input of any rank (2D and 3D convolutions alike),
+/// with torchvision's names (`weight`, `bias`, `running_mean`, `running_var`).
+///
+/// In training it normalises with the batch statistics and updates the running statistics, except
+/// while the executor recomputes the stage: a checkpointed model must update them once per step,
+/// as an unchecked one does (PyTorch's checkpoint updates them twice: pytorch/pytorch#96136).
+pub struct BatchNorm {
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Var,
+    running_var: Var,
+    eps: f64,
+    momentum: f64,
+}
+
+impl BatchNorm {
+    pub fn new(params: &mut ParamStore, prefix: &str, channels: usize) -> Result<Self> {
+        Ok(BatchNorm {
+            weight: params.get(&format!("{prefix}.weight"), &[channels], Init::Ones)?,
+            bias: params.get(&format!("{prefix}.bias"), &[channels], Init::Zeros)?,
+            running_mean: params.buffer(&format!("{prefix}.running_mean"), &[channels], Init::Zeros)?,
+            running_var: params.buffer(&format!("{prefix}.running_var"), &[channels], Init::Ones)?,
+            eps: 1e-5,
+            momentum: 0.1,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        let c = x.dim(1)?;
+        let mut shape = vec![1; x.rank()];
+        shape[1] = c; // (1, C, 1, ...): broadcasts over batch and space
+        let reduce: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
+        let (mean, var) = if ctx.is_training() {
+            let mean = x.mean_keepdim(reduce.as_slice())?;
+            let centered = x.broadcast_sub(&mean)?;
+            let var = centered.sqr()?.mean_keepdim(reduce.as_slice())?; // biased, as used to normalise
+            if !ctx.is_recompute() {
+                let n = (x.elem_count() / c) as f64;
+                let unbiased = (var.detach() * (n / (n - 1.0).max(1.0)))?.reshape(c)?;
+                self.update(&self.running_mean, &mean.detach().reshape(c)?)?;
+                self.update(&self.running_var, &unbiased)?;
+            }
+            (mean, var)
+        } else {
+            (self.running_mean.as_tensor().reshape(shape.as_slice())?, self.running_var.as_tensor().reshape(shape.as_slice())?)
+        };
+        let x_hat = x.broadcast_sub(&mean)?.broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        x_hat.broadcast_mul(&self.weight.reshape(shape.as_slice())?)?.broadcast_add(&self.bias.reshape(shape.as_slice())?)
+    }
+
+    fn update(&self, stat: &Var, batch: &Tensor) -> Result<()> {
+        let new = ((stat.as_tensor() * (1.0 - self.momentum))? + (batch.to_dtype(DType::F32)? * self.momentum)?)?;
+        stat.set(&new)
+    }
+
+    /// The running statistics (mean, var), e.g. to compare two runs bit for bit.
+    pub fn running_stats(&self) -> (Tensor, Tensor) {
+        (self.running_mean.as_tensor().clone(), self.running_var.as_tensor().clone())
+    }
+}

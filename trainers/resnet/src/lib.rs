@@ -1,0 +1,278 @@
+//! ResNet (He et al., 2016) exactly as torchvision builds it, as a `remat` stage chain.
+//!
+//! Stem: 7x7/2 conv, BatchNorm, ReLU (stage `stem`), then the 3x3/2 max-pool with padding 1
+//! (stage `pool`, a downsampling stage). Four layers of basic (18/34) or bottleneck (50/101/152)
+//! blocks, one stage each; the first block of layers 2-4 downsamples (stride 2 on its 3x3 conv,
+//! torchvision's v1.5). Head: global average pool, FC, cross-entropy. Checkpoint boundaries are
+//! block outputs, after the residual add (the article: merge points must be kept).
+//! Parameter names are torchvision's (`layer1.0.conv1.weight`, `bn1.running_mean`, ...).
+
+use candle_core::{DType, Device, Result, Tensor};
+use layers::{max_pool2d_k3s2p1, BatchNorm, Init, ParamStore, SnapshotError};
+use remat::{Stage, StageCtx, StageGraph, StageKind};
+use std::path::Path;
+use std::str::FromStr;
+
+/// Architecture: block type, blocks per layer, stem width.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub bottleneck: bool,
+    pub layers: [usize; 4],
+    /// Channels of the stem and of layer 1 (64 in every published ResNet).
+    pub width: usize,
+    pub classes: usize,
+}
+
+const PRESETS: &str = "tiny, resnet18, resnet34, resnet50, resnet101, resnet152";
+
+impl FromStr for Config {
+    type Err = String;
+
+    /// A preset name, with 1000 classes (set `classes` after).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let (bottleneck, layers, width) = match s {
+            "tiny" => (true, [1, 2, 2, 1], 8),
+            "resnet18" => (false, [2, 2, 2, 2], 64),
+            "resnet34" => (false, [3, 4, 6, 3], 64),
+            "resnet50" => (true, [3, 4, 6, 3], 64),
+            "resnet101" => (true, [3, 4, 23, 3], 64),
+            "resnet152" => (true, [3, 8, 36, 3], 64),
+            _ => return Err(format!("unknown ResNet preset `{s}`; valid presets: {PRESETS}")),
+        };
+        Ok(Config { bottleneck, layers, width, classes: 1000 })
+    }
+}
+
+impl Config {
+    fn expansion(&self) -> usize {
+        if self.bottleneck {
+            4
+        } else {
+            1
+        }
+    }
+}
+
+/// A bias-free convolution with square kernel.
+struct Conv {
+    weight: Tensor,
+    stride: usize,
+    padding: usize,
+}
+
+impl Conv {
+    fn new(params: &mut ParamStore, name: &str, c_in: usize, c_out: usize, k: usize, stride: usize) -> Result<Self> {
+        // torchvision: kaiming normal, fan_out, ReLU gain.
+        let std = (2.0 / (c_out * k * k) as f32).sqrt();
+        let weight = params.get(&format!("{name}.weight"), &[c_out, c_in, k, k], Init::Normal { std })?;
+        Ok(Conv { weight, stride, padding: k / 2 })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.conv2d(&self.weight, self.padding, self.stride, 1, 1)
+    }
+}
+
+/// conv 7x7/2 + BN + ReLU. (B, 3, H, W) -> (B, width, H/2, W/2)
+pub struct Stem {
+    conv1: Conv,
+    bn1: BatchNorm,
+}
+
+impl Stage for Stem {
+    fn name(&self) -> String {
+        "stem".into()
+    }
+    fn kind(&self) -> StageKind {
+        StageKind::Other
+    }
+    fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
+        Ok(vec![self.bn1.forward(&self.conv1.forward(&inputs[0])?, ctx)?.relu()?])
+    }
+}
+
+/// The stem's 3x3/2 max-pool with padding 1.
+pub struct Pool;
+
+impl Stage for Pool {
+    fn name(&self) -> String {
+        "pool".into()
+    }
+    fn kind(&self) -> StageKind {
+        StageKind::Downsample
+    }
+    fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
+        Ok(vec![max_pool2d_k3s2p1(&inputs[0])?])
+    }
+}
+
+/// A basic (two 3x3 convs) or bottleneck (1x1, 3x3, 1x1) residual block.
+pub struct Block {
+    name: String,
+    convs: Vec<(Conv, BatchNorm)>,
+    downsample: Option<(Conv, BatchNorm)>,
+    stride: usize,
+}
+
+impl Block {
+    fn new(params: &mut ParamStore, cfg: &Config, name: String, c_in: usize, planes: usize, stride: usize) -> Result<Self> {
+        let c_out = planes * cfg.expansion();
+        let shapes: Vec<(usize, usize, usize, usize)> = if cfg.bottleneck {
+            vec![(c_in, planes, 1, 1), (planes, planes, 3, stride), (planes, c_out, 1, 1)]
+        } else {
+            vec![(c_in, planes, 3, stride), (planes, planes, 3, 1)]
+        };
+        let convs = shapes
+            .into_iter()
+            .enumerate()
+            .map(|(i, (ci, co, k, s))| {
+                let conv = Conv::new(params, &format!("{name}.conv{}", i + 1), ci, co, k, s)?;
+                Ok((conv, BatchNorm::new(params, &format!("{name}.bn{}", i + 1), co)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let downsample = if stride != 1 || c_in != c_out {
+            let conv = Conv::new(params, &format!("{name}.downsample.0"), c_in, c_out, 1, stride)?;
+            Some((conv, BatchNorm::new(params, &format!("{name}.downsample.1"), c_out)?))
+        } else {
+            None
+        };
+        Ok(Block { name, convs, downsample, stride })
+    }
+}
+
+impl Stage for Block {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn kind(&self) -> StageKind {
+        if self.stride > 1 {
+            StageKind::DownsampleBlock
+        } else {
+            StageKind::Block
+        }
+    }
+    fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
+        let x = &inputs[0]; // (B, C_in, H, W)
+        let mut h = x.clone();
+        for (i, (conv, bn)) in self.convs.iter().enumerate() {
+            h = bn.forward(&conv.forward(&h)?, ctx)?;
+            if i + 1 < self.convs.len() {
+                h = h.relu()?;
+            }
+        }
+        let identity = match &self.downsample {
+            Some((conv, bn)) => bn.forward(&conv.forward(x)?, ctx)?,
+            None => x.clone(),
+        };
+        Ok(vec![(h + identity)?.relu()?]) // (B, C_out, H / stride, W / stride)
+    }
+}
+
+/// Global average pool, FC, mean cross-entropy. Inputs: features (B, C, h, w), labels (B).
+pub struct Head {
+    fc_weight: Tensor,
+    fc_bias: Tensor,
+}
+
+impl Head {
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        x.mean((2, 3))?.matmul(&self.fc_weight.t()?)?.broadcast_add(&self.fc_bias) // (B, classes)
+    }
+}
+
+impl Stage for Head {
+    fn name(&self) -> String {
+        "head".into()
+    }
+    fn kind(&self) -> StageKind {
+        StageKind::Other
+    }
+    fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
+        Ok(vec![candle_nn::loss::cross_entropy(&self.logits(&inputs[0])?, &inputs[1])?])
+    }
+}
+
+/// A ResNet: parameters, BatchNorm buffers and the stage graph (inputs: images, labels; output: loss).
+pub struct ResNet {
+    pub config: Config,
+    params: ParamStore,
+    stages: Vec<std::sync::Arc<dyn Stage>>,
+    head: std::sync::Arc<Head>,
+    graph: StageGraph,
+}
+
+impl ResNet {
+    pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
+        let mut params = ParamStore::new(device, DType::F32, seed);
+        let w = config.width;
+        let stem = Stem { conv1: Conv::new(&mut params, "conv1", 3, w, 7, 2)?, bn1: BatchNorm::new(&mut params, "bn1", w)? };
+        let mut stages: Vec<std::sync::Arc<dyn Stage>> = vec![std::sync::Arc::new(stem), std::sync::Arc::new(Pool)];
+        let mut c_in = w;
+        for (layer, &n) in config.layers.iter().enumerate() {
+            let planes = w << layer;
+            for i in 0..n {
+                let stride = if layer > 0 && i == 0 { 2 } else { 1 };
+                let block = Block::new(&mut params, &config, format!("layer{}.{i}", layer + 1), c_in, planes, stride)?;
+                c_in = planes * config.expansion();
+                stages.push(std::sync::Arc::new(block));
+            }
+        }
+        let bound = 1.0 / (c_in as f32).sqrt();
+        let head = std::sync::Arc::new(Head {
+            fc_weight: params.get("fc.weight", &[config.classes, c_in], Init::Normal { std: bound })?,
+            fc_bias: params.get("fc.bias", &[config.classes], Init::Zeros)?,
+        });
+
+        let mut graph = StageGraph::new(2); // values 0: images, 1: labels
+        let wrap = |e: remat::Error| candle_core::Error::Msg(e.to_string());
+        let mut x = 0;
+        for s in &stages {
+            x = graph.then(s.clone(), x).map_err(wrap)?;
+        }
+        let loss = graph.add(head.clone(), &[x, 1], 1).map_err(wrap)?[0];
+        graph.set_output(loss);
+        Ok(ResNet { config, params, stages, head, graph })
+    }
+
+    pub fn graph(&self) -> &StageGraph {
+        &self.graph
+    }
+
+    pub fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// Graph inputs for a batch: images flattened (B, 3, size, size) and labels.
+    pub fn inputs(&self, images: &[f32], labels: &[u32], size: usize, device: &Device) -> Result<Vec<Tensor>> {
+        let b = labels.len();
+        if size < 32 {
+            candle_core::bail!("image size {size} is too small: ResNet downsamples 32x, use at least 32")
+        }
+        Ok(vec![Tensor::from_slice(images, (b, 3, size, size), device)?, Tensor::from_slice(labels, b, device)?])
+    }
+
+    /// Logits (B, classes) in evaluation mode (running statistics, no updates).
+    pub fn logits(&self, images: &Tensor) -> Result<Tensor> {
+        let (_, _, h, w) = images.dims4()?;
+        if h != w {
+            // candle 0.11's conv2d backward mis-shapes inputs whose sides differ in parity under
+            // stride 2; training only sees square images, so evaluation does too.
+            candle_core::bail!("images must be square, got {h}x{w}")
+        }
+        let ctx = StageCtx::eval();
+        let mut x = images.clone();
+        for s in &self.stages {
+            x = s.forward(&[x], &ctx)?.remove(0);
+        }
+        self.head.logits(&x)
+    }
+
+    pub fn save_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
+        self.params.save(path)
+    }
+
+    /// Loads torchvision weights (`num_batches_tracked` counters are skipped).
+    pub fn load_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
+        self.params.load(path, |name| (!name.ends_with("num_batches_tracked")).then(|| name.to_string()))
+    }
+}

@@ -1,0 +1,138 @@
+//! `train-resnet`: train a ResNet with activation checkpointing on synthetic images or an image folder.
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use clap::{Parser, ValueEnum};
+use datasets::images::{ImageFolder, SyntheticImages};
+use layers::{ParamsSgd, SgdMomentum};
+use remat::memory::{CountingAlloc, Meter};
+use remat::{Executor, Policy};
+use resnet::{Config, ResNet};
+use std::path::PathBuf;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Opt {
+    Sgd,
+    Adamw,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Train a ResNet with activation checkpointing (candle + remat)")]
+struct Args {
+    /// tiny, resnet18, resnet34, resnet50, resnet101, resnet152.
+    #[arg(long, default_value = "resnet50")]
+    preset: Config,
+    /// off, sqrt, every-two-blocks, before-downsample, every-n=K, explicit=I,J,...
+    #[arg(long, default_value = "before-downsample")]
+    policy: Policy,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Side of the square input images (at least 32).
+    #[arg(long, default_value_t = 64)]
+    image_size: usize,
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// An image folder (one sub-folder per class, the ImageFolder layout); default: synthetic images.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Classes of the synthetic data (the folder's sub-folders otherwise).
+    #[arg(long, default_value_t = 10)]
+    classes: usize,
+    #[arg(long, value_enum, default_value = "sgd")]
+    optimizer: Opt,
+    #[arg(long, default_value_t = 0.05)]
+    lr: f64,
+    /// Start from these weights (torchvision names, safetensors).
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// Write the trained weights and BatchNorm statistics here (safetensors snapshot).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Append one JSON record per step to this file.
+    #[arg(long)]
+    log_json: Option<PathBuf>,
+}
+
+/// Where batches come from.
+enum Data {
+    Synthetic(SyntheticImages),
+    Folder(ImageFolder),
+}
+
+impl Data {
+    fn batch(&self, step: u64, n: usize) -> Result<(Vec<f32>, Vec<u32>)> {
+        Ok(match self {
+            Data::Synthetic(d) => d.batch(step, n),
+            Data::Folder(d) => d.batch(step, n)?,
+        })
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.batch == 0 || args.steps == 0 {
+        bail!("--batch and --steps must be at least 1");
+    }
+    if args.image_size < 32 {
+        bail!("--image-size {} is too small: ResNet downsamples 32x, use at least 32", args.image_size);
+    }
+    let (data, classes) = match &args.data {
+        Some(root) => {
+            let folder = ImageFolder::open(root, args.image_size, args.seed)?;
+            let n = folder.classes().len();
+            (Data::Folder(folder), n)
+        }
+        None => (Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.seed)), args.classes),
+    };
+    let device = Device::Cpu;
+    let model = ResNet::new(Config { classes, ..args.preset.clone() }, &device, args.seed)?;
+    if let Some(path) = &args.init {
+        model.load_snapshot(path)?;
+    }
+    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.seed)?;
+    let vars = model.params().vars();
+    let mut opt: Box<dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>> = match args.optimizer {
+        Opt::Sgd => {
+            let mut o = SgdMomentum::new(vars, ParamsSgd { lr: args.lr, ..Default::default() })?;
+            Box::new(move |g| o.step(g))
+        }
+        Opt::Adamw => {
+            let mut o = AdamW::new(vars, ParamsAdamW { lr: args.lr, ..Default::default() })?;
+            Box::new(move |g| o.step(g))
+        }
+    };
+    eprintln!(
+        "ResNet {} params, {} blocks, policy {} ({} segments), batch {} x {}x{}, {classes} classes",
+        model.params().count(),
+        model.graph().blocks().len(),
+        args.policy,
+        exec.segments().len(),
+        args.batch,
+        args.image_size,
+        args.image_size
+    );
+
+    let mut log = trainkit::StepLog::new(args.steps, args.log_json.as_deref())?;
+    for step in 0..args.steps {
+        let (images, labels) = data.batch(step as u64, args.batch)?;
+        let inputs = model.inputs(&images, &labels, args.image_size, &device)?;
+        let meter = Meter::start();
+        let out = exec.step(&inputs, step as u64)?;
+        opt(&out.grads)?;
+        drop(out.grads);
+        let usage = meter.finish();
+        log.step(step, out.loss.to_scalar::<f32>()?, &usage)?;
+    }
+    log.finish();
+    if let Some(path) = &args.save {
+        model.save_snapshot(path)?;
+        eprintln!("saved snapshot to {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,77 @@
+//! `trainkit`: the reporting every trainer binary shares, so their training loops stay short:
+//! a progress bar, one log line per step (loss, time, peak memory), optional JSON records, and
+//! the median step time at the end. It does not run the loop: each trainer's `main` does.
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use remat::memory::Usage;
+use serde::Serialize;
+use std::io::Write;
+use std::path::Path;
+
+#[derive(Serialize)]
+struct StepRecord {
+    step: usize,
+    loss: f32,
+    step_ms: f64,
+    heap_base_bytes: u64,
+    heap_peak_delta_bytes: u64,
+    rss_peak_delta_bytes: Option<u64>,
+}
+
+pub struct StepLog {
+    bar: ProgressBar,
+    json: Option<std::fs::File>,
+    times: Vec<f64>,
+}
+
+pub fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+impl StepLog {
+    /// `json`: a file to write one JSON record per step into.
+    pub fn new(steps: usize, json: Option<&Path>) -> Result<Self> {
+        let bar = ProgressBar::new(steps as u64)
+            .with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
+        let json = match json {
+            Some(p) => Some(std::fs::File::create(p).with_context(|| format!("--log-json {}", p.display()))?),
+            None => None,
+        };
+        Ok(StepLog { bar, json, times: Vec::new() })
+    }
+
+    pub fn step(&mut self, step: usize, loss: f32, usage: &Usage) -> Result<()> {
+        self.times.push(usage.elapsed_ms);
+        let rss = usage.rss_peak_delta.map_or("n/a".into(), |b| format!("{:.1} MiB", mib(b)));
+        // `suspend` prints whether or not the bar is drawn (it is hidden when stderr is no terminal).
+        self.bar.suspend(|| {
+            eprintln!("step {step:>4}  loss {loss:.4}  {:>8.1} ms  peak +{:.1} MiB (rss +{rss})", usage.elapsed_ms, mib(usage.heap_peak_delta))
+        });
+        self.bar.set_message(format!("loss {loss:.3}"));
+        self.bar.inc(1);
+        if let Some(f) = self.json.as_mut() {
+            let rec = StepRecord {
+                step,
+                loss,
+                step_ms: usage.elapsed_ms,
+                heap_base_bytes: usage.heap_base,
+                heap_peak_delta_bytes: usage.heap_peak_delta,
+                rss_peak_delta_bytes: usage.rss_peak_delta,
+            };
+            writeln!(f, "{}", serde_json::to_string(&rec)?)?;
+            f.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Clears the bar and prints the median step time, the first (warm-up) step excluded.
+    pub fn finish(self) {
+        self.bar.finish_and_clear();
+        if self.times.len() > 1 {
+            let mut t = self.times[1..].to_vec();
+            t.sort_by(f64::total_cmp);
+            eprintln!("median step time after warm-up: {:.1} ms", t[t.len() / 2]);
+        }
+    }
+}
