@@ -58,6 +58,12 @@ struct Common {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Override every selected model's batch size.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Override every selected model's input size: sequence length, or image side.
+    #[arg(long)]
+    input_size: Option<usize>,
     /// Emulate a smaller memory: allocations beyond this many bytes of heap fail (e.g. 24GiB).
     #[arg(long, value_parser = parse_size)]
     memory_cap: Option<u64>,
@@ -138,7 +144,8 @@ fn run_one(model: &str, policy: &Policy, common: &Common) -> Result<()> {
     let w = workloads::profile(&common.profile())?
         .into_iter()
         .find(|w| w.model == model)
-        .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?;
+        .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
+        .resized(common.batch, common.input_size);
     let dev = device(&common.device)?;
     let rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device)?;
     println!("{}", serde_json::to_string(&rec)?);
@@ -151,13 +158,14 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     }
     let common = &args.common;
     device(&common.device)?;
-    if common.steps == 0 {
-        bail!("--steps must be at least 1");
+    if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) {
+        bail!("--steps, --batch and --input-size must be at least 1");
     }
     let profile = common.profile();
     let workloads: Vec<Workload> = workloads::profile(&profile)?
         .into_iter()
         .filter(|w| args.models.is_empty() || args.models.iter().any(|m| w.model.starts_with(m.as_str())))
+        .map(|w| w.resized(common.batch, common.input_size))
         .collect();
     if workloads.is_empty() {
         bail!("--models {:?} matches no model of profile `{profile}`", args.models);
@@ -197,8 +205,10 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str) -> R
     let mut cmd = Command::new(exe);
     cmd.args(["run-one", "--model", &w.model, "--policy", &policy.to_string(), "--profile", profile])
         .args(["--steps", &common.steps.to_string(), "--seed", &common.seed.to_string(), "--device", &common.device]);
-    if let Some(cap) = common.memory_cap {
-        cmd.args(["--memory-cap", &cap.to_string()]);
+    for (flag, value) in [("--memory-cap", common.memory_cap), ("--batch", common.batch.map(|b| b as u64)), ("--input-size", common.input_size.map(|n| n as u64))] {
+        if let Some(v) = value {
+            cmd.args([flag, &v.to_string()]);
+        }
     }
     let failed = |status: &str, error: String| Record { status: status.into(), error, ..Record::new(w, policy, &common.device) };
     let out = match cmd.output() {

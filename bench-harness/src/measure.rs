@@ -3,7 +3,8 @@
 
 use crate::workloads::Workload;
 use anyhow::{anyhow, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
+use std::collections::BTreeMap;
 use remat::memory::{heap_current, Event, Meter};
 use remat::{Executor, Policy};
 use serde::{Deserialize, Serialize};
@@ -53,7 +54,7 @@ impl Record {
             model: w.model.clone(),
             policy: policy.to_string(),
             batch: w.batch,
-            input: w.input.clone(),
+            input: w.input(),
             dtype: "f32".into(),
             device: device.to_string(),
             threads: candle_core::utils::get_num_threads(),
@@ -67,7 +68,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     let base = heap_current();
     let inst = w.build(device, seed)?;
     let mut optimizer_step = inst.optimizer()?;
-    let exec = Executor::new(inst.graph(), policy, inst.params(), seed)?;
+    let exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
     rec.segments = exec.segments().len();
     let mut times = Vec::new();
     for step in 0..=steps as u64 {
@@ -115,42 +116,37 @@ struct GradCheck {
     without_grad: usize,
 }
 
-/// The gradients of one step, as f32 vectors in parameter-name order.
-fn step_grads(w: &Workload, policy: &Policy, seed: u64, device: &Device) -> Result<Vec<Option<Vec<f32>>>> {
+/// What one step leaves behind: gradient bits and buffer bits (BatchNorm statistics), by name.
+type Fingerprint = (BTreeMap<String, Vec<u32>>, BTreeMap<String, Vec<u32>>);
+
+fn one_step(w: &Workload, policy: &Policy, seed: u64, device: &Device) -> Result<Fingerprint> {
     let inst = w.build(device, seed)?;
-    let exec = Executor::new(inst.graph(), policy, inst.params(), seed)?;
+    let exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
     let out = exec.step(&inst.inputs(0)?, 0)?;
-    inst.params()
-        .iter()
-        .map(|p| out.grads.get(p).map(|g| flat(g)).transpose())
-        .collect()
+    Ok((inst.store().grad_bits(&out.grads)?, inst.store().buffer_bits()?))
 }
 
-fn flat(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-}
-
-/// One step under `off` and one under `policy`, on identical weights, batch and seed.
+/// One step under `off` and one under `policy`, on identical weights, batch and seed: every
+/// gradient element and every buffer element compared bit for bit.
 fn gradcheck(w: &Workload, policy: &Policy, seed: u64, device: &Device) -> Result<GradCheck> {
-    let reference = step_grads(w, &Policy::Off, seed, device)?;
-    let candidate = if *policy == Policy::Off { reference.clone() } else { step_grads(w, policy, seed, device)? };
-    let mut check = GradCheck { differing: 0, max_abs_diff: 0.0, without_grad: 0 };
-    for (a, b) in reference.iter().zip(&candidate) {
-        let (Some(a), Some(b)) = (a, b) else {
-            check.without_grad += 1;
-            continue;
-        };
-        if b.iter().all(|&x| x == 0.0) {
-            check.without_grad += 1;
-        }
-        if a.len() != b.len() {
-            return Err(anyhow!("gradient shapes differ between off and {policy}"));
-        }
-        for (x, y) in a.iter().zip(b) {
-            if x.to_bits() != y.to_bits() {
-                check.differing += 1;
-                check.max_abs_diff = check.max_abs_diff.max((x - y).abs() as f64);
+    let n_params = w.build(device, seed)?.store().vars().len();
+    let (ref_grads, ref_bufs) = one_step(w, &Policy::Off, seed, device)?;
+    let (grads, bufs) = if *policy == Policy::Off { (ref_grads.clone(), ref_bufs.clone()) } else { one_step(w, policy, seed, device)? };
+    let zero = grads.values().filter(|g| g.iter().all(|&x| f32::from_bits(x) == 0.0)).count();
+    let mut check = GradCheck { differing: 0, max_abs_diff: 0.0, without_grad: n_params - grads.len() + zero };
+    let pairs = ref_grads.iter().map(|(n, a)| (a, grads.get(n))).chain(ref_bufs.iter().map(|(n, a)| (a, bufs.get(n))));
+    for (a, b) in pairs {
+        match b {
+            Some(b) if a.len() == b.len() => {
+                for (&x, &y) in a.iter().zip(b) {
+                    if x != y {
+                        check.differing += 1;
+                        check.max_abs_diff = check.max_abs_diff.max((f32::from_bits(x) - f32::from_bits(y)).abs() as f64);
+                    }
+                }
             }
+            Some(_) => return Err(anyhow!("tensor shapes differ between off and {policy}")),
+            None => check.differing += a.len() as u64,
         }
     }
     Ok(check)

@@ -2,15 +2,18 @@
 
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use datasets::images::SyntheticImages;
 use datasets::tokens::Batcher;
+use layers::{ParamStore, ParamsSgd, SgdMomentum};
 use remat::{Policy, StageGraph};
 
 /// A model built and ready to train: its graph, parameters, data and optimizer.
 pub trait Instance {
     fn graph(&self) -> &StageGraph;
-    fn params(&self) -> Vec<Var>;
+    /// Parameters (trained) and buffers (BatchNorm statistics).
+    fn store(&self) -> &ParamStore;
     /// The graph inputs of `step` (the same for every policy).
     fn inputs(&self, step: u64) -> Result<Vec<Tensor>>;
     /// A fresh optimizer over the parameters (separate from the instance, whose graph the
@@ -23,34 +26,42 @@ pub type OptimizerStep = Box<dyn FnMut(&GradStore) -> Result<()>>;
 /// One model configuration of a profile.
 #[derive(Clone, Debug)]
 pub struct Workload {
-    /// e.g. `gpt2-small`.
+    /// e.g. `gpt2-small`, `resnet50`.
     pub model: String,
     pub batch: usize,
-    /// Input size in words, e.g. `seq 256`.
-    pub input: String,
     kind: Kind,
 }
 
 #[derive(Clone, Debug)]
 enum Kind {
     Gpt2 { config: gpt2::Config, seq: usize },
+    ResNet { config: resnet::Config, size: usize },
 }
 
 pub const PROFILES: &str = "smoke, cpu, full";
 
+fn gpt2(model: &str, config: gpt2::Config, batch: usize, seq: usize) -> Workload {
+    Workload { model: model.into(), batch, kind: Kind::Gpt2 { config, seq } }
+}
+
+fn resnet(model: &str, preset: &str, batch: usize, size: usize) -> Workload {
+    let config = resnet::Config { classes: 10, ..preset.parse().expect("known preset") };
+    Workload { model: model.into(), batch, kind: Kind::ResNet { config, size } }
+}
+
 /// The configurations of a profile.
 pub fn profile(name: &str) -> Result<Vec<Workload>> {
     use gpt2::Preset;
-    let gpt2 = |name: &str, config: gpt2::Config, batch: usize, seq: usize| Workload {
-        model: name.to_string(),
-        batch,
-        input: format!("seq {seq}"),
-        kind: Kind::Gpt2 { config, seq },
-    };
     Ok(match name {
-        "smoke" => vec![gpt2("gpt2-tiny", gpt2::Config::tiny(4, 32), 2, 32)],
-        "cpu" => vec![gpt2("gpt2-small", Preset::Small.config(), 2, 256)],
+        "smoke" => vec![resnet("resnet-tiny", "tiny", 2, 32), gpt2("gpt2-tiny", gpt2::Config::tiny(4, 32), 2, 32)],
+        "cpu" => vec![
+            resnet("resnet50", "resnet50", 8, 128),
+            resnet("resnet152", "resnet152", 4, 128),
+            gpt2("gpt2-small", Preset::Small.config(), 2, 256),
+        ],
         "full" => vec![
+            resnet("resnet50", "resnet50", 256, 224),
+            resnet("resnet152", "resnet152", 64, 224),
             gpt2("gpt2-small", Preset::Small.config(), 1, 1024),
             gpt2("gpt2-medium", Preset::Medium.config(), 1, 1024),
             gpt2("gpt2-large", Preset::Large.config(), 1, 1024),
@@ -61,18 +72,46 @@ pub fn profile(name: &str) -> Result<Vec<Workload>> {
 }
 
 impl Workload {
-    /// The policies that apply to this model (`before-downsample` needs downsampling stages).
-    pub fn policies(&self) -> Vec<Policy> {
-        let all = [Policy::Off, Policy::Sqrt, Policy::EveryN(2), Policy::BeforeDownsample];
-        match self.kind {
-            Kind::Gpt2 { .. } => all.into_iter().filter(|p| *p != Policy::BeforeDownsample).collect(),
+    /// The input size in words, e.g. `seq 256` or `128x128`.
+    pub fn input(&self) -> String {
+        match &self.kind {
+            Kind::Gpt2 { seq, .. } => format!("seq {seq}"),
+            Kind::ResNet { size, .. } => format!("{size}x{size}"),
         }
     }
 
-    pub fn build(&self, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
-        match &self.kind {
-            Kind::Gpt2 { config, seq } => Ok(Box::new(Gpt2Instance::new(config.clone(), self.batch, *seq, device, seed)?)),
+    /// Overrides the batch and the input size (sequence length, image side).
+    pub fn resized(mut self, batch: Option<usize>, input: Option<usize>) -> Self {
+        self.batch = batch.unwrap_or(self.batch);
+        if let Some(n) = input {
+            match &mut self.kind {
+                Kind::Gpt2 { seq, .. } => *seq = n,
+                Kind::ResNet { size, .. } => *size = n,
+            }
         }
+        self
+    }
+
+    /// The policies that apply to this model (`before-downsample` needs downsampling stages).
+    pub fn policies(&self) -> Vec<Policy> {
+        let mut all = vec![Policy::Off, Policy::Sqrt, Policy::EveryN(2)];
+        if matches!(self.kind, Kind::ResNet { .. }) {
+            all.push(Policy::BeforeDownsample);
+        }
+        all
+    }
+
+    pub fn build(&self, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
+        Ok(match &self.kind {
+            Kind::Gpt2 { config, seq } => Box::new(Gpt2Instance::new(config.clone(), self.batch, *seq, device, seed)?),
+            Kind::ResNet { config, size } => Box::new(ResNetInstance {
+                model: resnet::ResNet::new(config.clone(), device, seed)?,
+                data: SyntheticImages::new(config.classes, *size, seed),
+                batch: self.batch,
+                size: *size,
+                device: device.clone(),
+            }),
+        })
     }
 }
 
@@ -97,15 +136,40 @@ impl Instance for Gpt2Instance {
     fn graph(&self) -> &StageGraph {
         self.model.graph()
     }
-    fn params(&self) -> Vec<Var> {
-        self.model.params().vars()
+    fn store(&self) -> &ParamStore {
+        self.model.params()
     }
     fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
         let (x, y) = self.data.batch(step, self.batch);
         Ok(self.model.inputs(&x, &y, self.batch, self.seq, &self.device)?)
     }
     fn optimizer(&self) -> Result<OptimizerStep> {
-        let mut opt = AdamW::new(self.params(), ParamsAdamW { lr: 3e-4, ..Default::default() })?;
+        let mut opt = AdamW::new(self.store().vars(), ParamsAdamW { lr: 3e-4, ..Default::default() })?;
+        Ok(Box::new(move |g| Ok(opt.step(g)?)))
+    }
+}
+
+struct ResNetInstance {
+    model: resnet::ResNet,
+    data: SyntheticImages,
+    batch: usize,
+    size: usize,
+    device: Device,
+}
+
+impl Instance for ResNetInstance {
+    fn graph(&self) -> &StageGraph {
+        self.model.graph()
+    }
+    fn store(&self) -> &ParamStore {
+        self.model.params()
+    }
+    fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
+        let (x, y) = self.data.batch(step, self.batch);
+        Ok(self.model.inputs(&x, &y, self.size, &self.device)?)
+    }
+    fn optimizer(&self) -> Result<OptimizerStep> {
+        let mut opt = SgdMomentum::new(self.store().vars(), ParamsSgd { lr: 0.05, ..Default::default() })?;
         Ok(Box::new(move |g| Ok(opt.step(g)?)))
     }
 }

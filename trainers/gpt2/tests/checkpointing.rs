@@ -1,23 +1,15 @@
 //! Checkpointing must not change training: gradients and losses under every policy equal `off`
 //! bit for bit (dropout on), every parameter gets a gradient, and `sqrt` saves memory.
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
-use remat::memory::{CountingAlloc, Meter};
 use remat::{Executor, Policy};
 use std::collections::BTreeMap;
 
-#[global_allocator]
-static ALLOC: CountingAlloc = CountingAlloc;
-
 /// Per step: the loss's bits and every parameter's gradient bits, by name.
 type Trace = Vec<(u32, BTreeMap<String, Vec<u32>>)>;
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect()
-}
 
 fn batcher(cfg: &Config, seq: usize) -> Batcher {
     let text = datasets::text::synthetic_corpus(1, 100_000);
@@ -40,7 +32,7 @@ fn train(policy: &str, replay_rng: bool) -> Trace {
             let (x, y) = data.batch(step, batch);
             let out = exec.step(&model.inputs(&x, &y, batch, seq, &Device::Cpu).unwrap(), step).unwrap();
             opt.step(&out.grads).unwrap();
-            let grads = model.params().named().filter_map(|(n, v)| out.grads.get(v).map(|g| (n.to_string(), bits(g)))).collect();
+            let grads = model.params().grad_bits(&out.grads).unwrap();
             (out.loss.to_scalar::<f32>().unwrap().to_bits(), grads)
         })
         .collect()
@@ -87,24 +79,3 @@ fn every_parameter_receives_a_nonzero_gradient() {
     }
 }
 
-/// Heap peak of one step of a deep tiny GPT-2 whose activations dominate.
-fn step_peak(policy: &str) -> u64 {
-    let cfg = Config { n_head: 4, ..Config::tiny(24, 64) };
-    let (batch, seq) = (8, 128);
-    let model = Gpt2::new(cfg.clone(), &Device::Cpu, 3).unwrap();
-    let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
-    let (x, y) = batcher(&cfg, seq).batch(0, batch);
-    let inputs = model.inputs(&x, &y, batch, seq, &Device::Cpu).unwrap();
-    let meter = Meter::start();
-    let out = exec.step(&inputs, 0).unwrap();
-    drop(out);
-    meter.finish().heap_peak_delta
-}
-
-#[test]
-fn sqrt_halves_the_step_peak_of_a_deep_model() {
-    assert!(remat::memory::heap_meter_installed());
-    let (off, sqrt) = (step_peak("off"), step_peak("sqrt"));
-    eprintln!("step peak: off {off} B, sqrt {sqrt} B ({:.2}x)", sqrt as f64 / off as f64);
-    assert!(sqrt * 2 <= off, "sqrt peak {sqrt} B is more than half of off {off} B");
-}

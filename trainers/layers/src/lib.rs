@@ -22,7 +22,7 @@ mod pool;
 pub use batchnorm::BatchNorm;
 pub use norm::LayerNorm;
 pub use optim::{ParamsSgd, SgdMomentum};
-pub use params::{Init, ParamStore, SnapshotError};
+pub use params::{f32_bits, Init, ParamStore, SnapshotError};
 pub use pool::max_pool2d_k3s2p1;
 
 use candle_core::{Result, Tensor};

@@ -1,3 +1,4 @@
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use remat::rng::RngKey;
 use std::collections::{BTreeMap, HashMap};
@@ -97,7 +98,22 @@ impl ParamStore {
     }
 }
 
+/// Bit patterns of a tensor's values as f32: what "bit for bit" compares.
+pub fn f32_bits(t: &Tensor) -> Result<Vec<u32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
+}
+
 impl ParamStore {
+    /// Every parameter's gradient in `grads` as f32 bits, by name; parameters without one are absent.
+    pub fn grad_bits(&self, grads: &GradStore) -> Result<BTreeMap<String, Vec<u32>>> {
+        self.vars.iter().filter_map(|(n, v)| grads.get(v).map(|g| f32_bits(g).map(|b| (n.clone(), b)))).collect()
+    }
+
+    /// Every buffer's current value as f32 bits, by name.
+    pub fn buffer_bits(&self) -> Result<BTreeMap<String, Vec<u32>>> {
+        self.buffers.iter().map(|(n, v)| f32_bits(v.as_tensor()).map(|b| (n.clone(), b))).collect()
+    }
+
     fn all(&self) -> impl Iterator<Item = (&String, &Var)> {
         self.vars.iter().chain(self.buffers.iter())
     }

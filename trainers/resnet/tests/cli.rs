@@ -1,0 +1,40 @@
+//! The `train-resnet` binary learns on its default data and rejects bad input clearly.
+
+use std::process::Command;
+
+fn run(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_train-resnet")).args(args).output().unwrap()
+}
+
+#[test]
+fn loss_falls_on_synthetic_images() {
+    let log = std::env::temp_dir().join(format!("train-resnet-{}.jsonl", std::process::id()));
+    let out = run(&[
+        "--preset", "tiny", "--steps", "30", "--batch", "16", "--image-size", "32", "--classes", "4",
+        "--log-json", log.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let losses: Vec<f64> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect();
+    let first: f64 = losses[..5].iter().sum::<f64>() / 5.0;
+    let last: f64 = losses[25..].iter().sum::<f64>() / 5.0;
+    // Chance level for 4 classes is ln 4 = 1.39.
+    assert!(last < 0.6 * first, "loss went {first:.3} -> {last:.3}");
+}
+
+#[test]
+fn bad_input_gives_clear_errors() {
+    for (args, needle) in [
+        (vec!["--preset", "resnet51"], "valid presets: tiny, resnet18"),
+        (vec!["--preset", "tiny", "--policy", "every-other"], "valid policies"),
+        (vec!["--preset", "tiny", "--image-size", "16"], "at least 32"),
+        (vec!["--preset", "tiny", "--data", "/nonexistent/folder"], "image folder /nonexistent/folder"),
+    ] {
+        let out = run(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
+    }
+}
