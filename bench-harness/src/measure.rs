@@ -23,6 +23,9 @@ pub struct Record {
     pub model_state_bytes: u64,
     /// Highest heap during a whole step (forward, backward, optimizer) above `model_state_bytes`.
     pub step_peak_bytes: u64,
+    /// Highest heap during forward and backward (the executor's step) above `model_state_bytes`;
+    /// when `step_peak_bytes` is higher, the optimizer update set the step's peak.
+    pub fwd_bwd_peak_bytes: u64,
     /// Highest heap during forward and backward above `model_state_bytes`, less the parameter
     /// gradients held at that point: what checkpointing acts on.
     pub activation_peak_bytes: u64,
@@ -75,6 +78,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         let inputs = inst.inputs(step)?;
         let meter = Meter::start();
         let out = exec.step(&inputs, step)?;
+        let fwd_bwd_peak = meter.peak_so_far();
         optimizer_step(&out.grads)?;
         drop(out.grads);
         let usage = meter.finish();
@@ -84,6 +88,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         times.push(usage.elapsed_ms);
         rec.model_state_bytes = usage.heap_base.saturating_sub(base);
         rec.step_peak_bytes = rec.step_peak_bytes.max(usage.heap_peak_delta);
+        rec.fwd_bwd_peak_bytes = rec.fwd_bwd_peak_bytes.max(fwd_bwd_peak);
         rec.activation_peak_bytes = rec.activation_peak_bytes.max(out.timeline.activation_peak(usage.heap_base));
         rec.rss_peak_delta_bytes = rec.rss_peak_delta_bytes.max(usage.rss_peak_delta.unwrap_or(0));
         rec.loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;

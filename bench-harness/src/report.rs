@@ -58,7 +58,7 @@ impl Matrix {
     }
 
     pub const CSV_COLUMNS: &'static str = "model,policy,batch,input,dtype,device,threads,model_state_bytes,step_peak_bytes,\
-activation_peak_bytes,rss_peak_delta_bytes,step_ms_median,step_ms_min,step_ms_max,timed_steps,segments,loss,\
+fwd_bwd_peak_bytes,activation_peak_bytes,rss_peak_delta_bytes,step_ms_median,step_ms_min,step_ms_max,timed_steps,segments,loss,\
 grads_bit_identical,grads_differing,max_abs_diff,params_without_grad,status,error";
 
     pub fn csv(&self) -> String {
@@ -67,7 +67,7 @@ grads_bit_identical,grads_differing,max_abs_diff,params_without_grad,status,erro
             let quoted = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
             let _ = writeln!(
                 out,
-                "{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{},{},{},{},{:e},{},{},{}",
+                "{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{},{},{},{},{:e},{},{},{}",
                 r.model,
                 quoted(&r.policy),
                 r.batch,
@@ -77,6 +77,7 @@ grads_bit_identical,grads_differing,max_abs_diff,params_without_grad,status,erro
                 r.threads,
                 r.model_state_bytes,
                 r.step_peak_bytes,
+                r.fwd_bwd_peak_bytes,
                 r.activation_peak_bytes,
                 r.rss_peak_delta_bytes,
                 r.step_ms_median,
@@ -101,7 +102,9 @@ grads_bit_identical,grads_differing,max_abs_diff,params_without_grad,status,erro
         let mut out = format!(
             "# Checkpointing matrix: profile `{}`\n\nCommand: `{}`  \nMachine: {}  \ncandle {}, commit {}\n\n\
 Memory is heap bytes from the counting allocator above the model state (parameters + optimizer state); \
-ratios are against `off` of the same model in the same run. Times are medians of the timed steps after a warm-up.\n",
+ratios are against `off` of the same model in the same run. Times are medians of the timed steps after a warm-up. \
+*Activation peak* is what checkpointing acts on (forward and backward, parameter gradients excluded); *step peak* is the \
+whole step, and *peak set in* says whether forward/backward or the optimizer update (parameter-sized temporaries) reached it.\n",
             m.profile, m.command, m.machine, m.candle_version, m.git_commit
         );
         let mut models: Vec<&str> = self.records.iter().map(|r| r.model.as_str()).collect();
@@ -113,8 +116,8 @@ ratios are against `off` of the same model in the same run. Times are medians of
             let _ = write!(
                 out,
                 "\n## {model} (batch {}, {}, {}, {} threads): model state {}\n\n\
-| policy | segments | step peak | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | grads = off (bits) | status |\n\
-|---|---|---|---|---|---|---|---|---|---|---|\n",
+| policy | segments | step peak | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | grads = off (bits) | status |\n\
+|---|---|---|---|---|---|---|---|---|---|---|---|\n",
                 first.batch,
                 first.input,
                 first.dtype,
@@ -123,7 +126,7 @@ ratios are against `off` of the same model in the same run. Times are medians of
             );
             for r in rows {
                 if r.status != "ok" {
-                    let _ = writeln!(out, "| {} | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
+                    let _ = writeln!(out, "| {} | | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
                     continue;
                 }
                 let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() };
@@ -138,10 +141,11 @@ ratios are against `off` of the same model in the same run. Times are medians of
                 let grads = if r.grads_bit_identical { "yes".to_string() } else { format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff) };
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {grads} | ok |",
+                    "| {} | {} | {} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {grads} | ok |",
                     r.policy,
                     r.segments,
                     mib(r.step_peak_bytes),
+                    if r.step_peak_bytes > r.fwd_bwd_peak_bytes { "optimizer" } else { "fwd/bwd" },
                     mib(r.activation_peak_bytes),
                     mib(r.rss_peak_delta_bytes),
                     r.step_ms_median,

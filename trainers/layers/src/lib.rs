@@ -8,18 +8,22 @@
 //! - [`max_pool2d_k3s2p1`]: the ResNet stem pool with a correct backward (candle's is only right
 //!   when kernel == stride).
 //! - [`SgdMomentum`]: SGD with momentum, which candle-nn lacks.
+//! - [`conv3d`], [`conv_transpose3d_k2s2`], [`max_pool3d_k2s2`]: 3D layers candle lacks, composed
+//!   from 2D convolutions, matmuls and reshapes that have a backward.
 //! - [`ParamStore`] holds named parameters with deterministic initialisation (candle's CPU RNG
 //!   cannot be seeded) and saves/loads them as safetensors snapshots under their published names.
 //!
 //! Model code lives in the trainer crates; the checkpointing engine in `remat`.
 
 mod batchnorm;
+mod conv3d;
 mod norm;
 mod optim;
 mod params;
 mod pool;
 
 pub use batchnorm::BatchNorm;
+pub use conv3d::{conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
 pub use norm::LayerNorm;
 pub use optim::{ParamsSgd, SgdMomentum};
 pub use params::{f32_bits, Init, ParamStore, SnapshotError};

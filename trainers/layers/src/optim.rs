@@ -33,13 +33,16 @@ impl Optimizer for SgdMomentum {
         let p = self.params;
         for (var, velocity) in self.vars.iter_mut() {
             let Some(g) = grads.get(var) else { continue };
-            let g = if p.weight_decay != 0.0 { (g + (var.as_tensor() * p.weight_decay)?)? } else { g.clone() };
+            // Detached: arithmetic on a Var records a graph, and a velocity built on last step's
+            // would keep every earlier step's gradients alive.
+            let w = var.as_tensor().detach();
+            let g = if p.weight_decay != 0.0 { (g.detach() + (&w * p.weight_decay)?)? } else { g.detach() };
             let v = match velocity.take() {
                 Some(v) => ((v * p.momentum)? + g)?,
                 None => g, // PyTorch starts the buffer at the first gradient
             };
-            var.set(&(var.as_tensor() - (&v * p.lr)?)?)?;
-            *velocity = Some(v);
+            var.set(&(w - (&v * p.lr)?)?)?;
+            *velocity = Some(v.detach());
         }
         Ok(())
     }

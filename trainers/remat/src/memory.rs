@@ -164,6 +164,11 @@ impl Meter {
         Meter { start: Instant::now(), heap_base: heap_current(), rss_base }
     }
 
+    /// Highest heap bytes above the start so far (e.g. after backward, before the optimizer).
+    pub fn peak_so_far(&self) -> u64 {
+        heap_peak().saturating_sub(self.heap_base)
+    }
+
     pub fn finish(self) -> Usage {
         let elapsed_ms = self.start.elapsed().as_secs_f64() * 1e3;
         let rss_peak_delta = self.rss_base.zip(rss::peak()).map(|(b, p)| p.saturating_sub(b));

@@ -1,0 +1,433 @@
+//! BERT (Devlin et al., 2019) for masked-LM training, as a `remat` stage chain.
+//!
+//! `embeddings -> encoder.layer.0 -> ... -> encoder.layer.{L-1} -> mlm head(loss)`. Post-LN
+//! encoder layers, GELU (erf), dropout 0.1 on the embeddings, the attention probabilities and every
+//! residual branch; the MLM head (dense, GELU, LayerNorm, decoder tied to the word embeddings)
+//! scores only the masked positions. LayerNorm and softmax are built from ops with a backward
+//! (candle's fused kernels have none). Parameter names are Hugging Face's `BertForMaskedLM`.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use layers::{dropout, Init, LayerNorm, ParamStore, SnapshotError};
+use remat::rng::RngKey;
+use remat::{Stage, StageCtx, StageGraph, StageKind};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::Arc;
+
+/// Hyper-parameters, with Hugging Face's `config.json` field names.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub intermediate_size: usize,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_type_vocab")]
+    pub type_vocab_size: usize,
+    #[serde(default = "default_pdrop")]
+    pub hidden_dropout_prob: f32,
+    #[serde(default = "default_pdrop")]
+    pub attention_probs_dropout_prob: f32,
+    #[serde(default = "default_eps")]
+    pub layer_norm_eps: f64,
+}
+
+fn default_max_pos() -> usize {
+    512
+}
+fn default_type_vocab() -> usize {
+    2
+}
+fn default_pdrop() -> f32 {
+    0.1
+}
+fn default_eps() -> f64 {
+    1e-12
+}
+
+const PRESETS: &str = "tiny, base (110M), large (340M)";
+
+impl Config {
+    /// A preset: `tiny` (tests), `base` (12 x 768), `large` (24 x 1024).
+    pub fn preset(name: &str) -> std::result::Result<Self, String> {
+        let (layers, hidden, heads) = match name {
+            "tiny" => return Ok(Self::tiny(4, 32)),
+            "base" => (12, 768, 12),
+            "large" => (24, 1024, 16),
+            _ => return Err(format!("unknown BERT preset `{name}`; valid presets: {PRESETS}")),
+        };
+        Ok(Config { vocab_size: 30522, ..Self::sized(layers, hidden, heads) })
+    }
+
+    /// A small model of `layers` layers of width `hidden` (4 heads) over a 512-word vocabulary.
+    pub fn tiny(layers: usize, hidden: usize) -> Self {
+        Config { vocab_size: 512, max_position_embeddings: 256, ..Self::sized(layers, hidden, 4) }
+    }
+
+    fn sized(layers: usize, hidden: usize, heads: usize) -> Self {
+        Config {
+            vocab_size: 0,
+            hidden_size: hidden,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            intermediate_size: 4 * hidden,
+            max_position_embeddings: default_max_pos(),
+            type_vocab_size: default_type_vocab(),
+            hidden_dropout_prob: default_pdrop(),
+            attention_probs_dropout_prob: default_pdrop(),
+            layer_norm_eps: default_eps(),
+        }
+    }
+
+    /// Reads a Hugging Face `config.json`; errors name the file and the field.
+    pub fn from_json(path: &Path) -> std::result::Result<Self, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let c: Config = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        c.validate().map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(c)
+    }
+
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 {
+            return Err(format!(
+                "hidden_size ({}) must be a positive multiple of num_attention_heads ({})",
+                self.hidden_size, self.num_attention_heads
+            ));
+        }
+        for (name, p) in [("hidden_dropout_prob", self.hidden_dropout_prob), ("attention_probs_dropout_prob", self.attention_probs_dropout_prob)] {
+            if !(0.0..1.0).contains(&p) {
+                return Err(format!("{name} must be in [0, 1), got {p}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A linear layer with Hugging Face's (out, in) weight layout.
+struct Linear {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Linear {
+    fn new(params: &mut ParamStore, prefix: &str, n_in: usize, n_out: usize) -> Result<Self> {
+        Ok(Linear {
+            weight: params.get(&format!("{prefix}.weight"), &[n_out, n_in], Init::Normal { std: 0.02 })?,
+            bias: params.get(&format!("{prefix}.bias"), &[n_out], Init::Zeros)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        x.reshape((b * t, c))?.matmul(&self.weight.t()?)?.broadcast_add(&self.bias)?.reshape((b, t, ()))
+    }
+}
+
+/// Word + position + token-type embeddings, LayerNorm, dropout. Input: ids (B, T). Output (B, T, C).
+pub struct Embeddings {
+    word: Tensor,
+    position: Tensor,
+    token_type: Tensor,
+    ln: LayerNorm,
+    pdrop: f32,
+}
+
+impl Stage for Embeddings {
+    fn name(&self) -> String {
+        "embeddings".into()
+    }
+    fn kind(&self) -> StageKind {
+        StageKind::Other
+    }
+    fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
+        let (b, t) = inputs[0].dims2()?;
+        let words = self.word.index_select(&inputs[0].flatten_all()?, 0)?.reshape((b, t, ()))?; // (B, T, C)
+        let pos = self.position.narrow(0, 0, t)?; // (T, C)
+        let segment = self.token_type.narrow(0, 0, 1)?; // (1, C): every token is in segment A
+        let x = words.broadcast_add(&pos)?.broadcast_add(&segment)?;
+        Ok(vec![dropout(&self.ln.forward(&x)?, self.pdrop, ctx)?])
+    }
+}
+
+/// One post-LN encoder layer: LN(x + attn(x)), then LN(h + ffn(h)).
+pub struct Layer {
+    index: usize,
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    attn_out: Linear,
+    attn_ln: LayerNorm,
+    intermediate: Linear,
+    output: Linear,
+    output_ln: LayerNorm,
+    n_head: usize,
+    attn_pdrop: f32,
+    hidden_pdrop: f32,
+}
+
+impl Layer {
+    fn new(params: &mut ParamStore, cfg: &Config, index: usize) -> Result<Self> {
+        let (c, p) = (cfg.hidden_size, format!("bert.encoder.layer.{index}"));
+        let eps = cfg.layer_norm_eps;
+        Ok(Layer {
+            index,
+            query: Linear::new(params, &format!("{p}.attention.self.query"), c, c)?,
+            key: Linear::new(params, &format!("{p}.attention.self.key"), c, c)?,
+            value: Linear::new(params, &format!("{p}.attention.self.value"), c, c)?,
+            attn_out: Linear::new(params, &format!("{p}.attention.output.dense"), c, c)?,
+            attn_ln: LayerNorm::new(params, &format!("{p}.attention.output.LayerNorm"), c, eps)?,
+            intermediate: Linear::new(params, &format!("{p}.intermediate.dense"), c, cfg.intermediate_size)?,
+            output: Linear::new(params, &format!("{p}.output.dense"), cfg.intermediate_size, c)?,
+            output_ln: LayerNorm::new(params, &format!("{p}.output.LayerNorm"), c, eps)?,
+            n_head: cfg.num_attention_heads,
+            attn_pdrop: cfg.attention_probs_dropout_prob,
+            hidden_pdrop: cfg.hidden_dropout_prob,
+        })
+    }
+
+    fn attention(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let (nh, hd) = (self.n_head, c / self.n_head);
+        let heads = |l: &Linear| l.forward(x)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
+        let (q, k, v) = (heads(&self.query)?, heads(&self.key)?, heads(&self.value)?);
+        let att = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?; // (B, nh, T, T)
+        let att = dropout(&candle_nn::ops::softmax(&att, D::Minus1)?, self.attn_pdrop, ctx)?;
+        att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c)) // (B, T, C)
+    }
+}
+
+impl Stage for Layer {
+    fn name(&self) -> String {
+        format!("encoder.layer.{}", self.index)
+    }
+    fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
+        let x = &inputs[0]; // (B, T, C)
+        let a = dropout(&self.attn_out.forward(&self.attention(x, ctx)?)?, self.hidden_pdrop, ctx)?;
+        let h = self.attn_ln.forward(&(a + x)?)?;
+        let f = self.output.forward(&self.intermediate.forward(&h)?.gelu_erf()?)?; // (B, T, 4C) -> (B, T, C)
+        let f = dropout(&f, self.hidden_pdrop, ctx)?;
+        Ok(vec![self.output_ln.forward(&(f + h)?)?])
+    }
+}
+
+/// The masked-LM head: dense, GELU, LayerNorm, decoder tied to the word embeddings, and the mean
+/// cross-entropy over masked positions. Inputs: x (B, T, C), labels (B*T) u32, weights (B*T) f32
+/// (1 at masked positions, 0 elsewhere).
+pub struct MlmHead {
+    transform: Linear,
+    ln: LayerNorm,
+    word: Tensor,
+    bias: Tensor,
+}
+
+impl MlmHead {
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let h = self.ln.forward(&self.transform.forward(x)?.gelu_erf()?)?.reshape((b * t, c))?;
+        h.matmul(&self.word.t()?)?.broadcast_add(&self.bias) // (B*T, V)
+    }
+}
+
+impl Stage for MlmHead {
+    fn name(&self) -> String {
+        "cls.predictions".into()
+    }
+    fn kind(&self) -> StageKind {
+        StageKind::Other
+    }
+    fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
+        let (labels, weights) = (&inputs[1], &inputs[2]);
+        let logp = candle_nn::ops::log_softmax(&self.logits(&inputs[0])?, D::Minus1)?; // (B*T, V)
+        let picked = logp.gather(&labels.unsqueeze(1)?, 1)?.squeeze(1)?; // (B*T)
+        let loss = ((picked * weights)?.sum_all()? / weights.sum_all()?.to_scalar::<f32>()? as f64)?.neg()?;
+        Ok(vec![loss])
+    }
+}
+
+/// One masked-LM batch: inputs with 15% of the tokens masked, and what the loss scores.
+pub struct MaskedBatch {
+    pub input_ids: Vec<u32>,
+    pub labels: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+/// BERT's masking: 15% of the non-special tokens are chosen; of those 80% become `[MASK]`, 10% a
+/// random word, 10% stay. Every draw comes from `key`, so a step's masking is reproducible.
+pub fn mask_tokens(ids: &[u32], key: RngKey, vocab_size: usize, mask_id: u32, is_special: impl Fn(u32) -> bool) -> MaskedBatch {
+    let u = key.uniform(3 * ids.len());
+    let mut out = MaskedBatch { input_ids: ids.to_vec(), labels: ids.to_vec(), weights: vec![0.0; ids.len()] };
+    for (i, &id) in ids.iter().enumerate() {
+        if is_special(id) || u[3 * i] >= 0.15 {
+            continue;
+        }
+        out.weights[i] = 1.0;
+        let r = u[3 * i + 1];
+        if r < 0.8 {
+            out.input_ids[i] = mask_id;
+        } else if r < 0.9 {
+            out.input_ids[i] = ((u[3 * i + 2] * vocab_size as f32) as u32).min(vocab_size as u32 - 1);
+        }
+    }
+    if let (false, Some(i)) = (out.weights.contains(&1.0), ids.iter().position(|&id| !is_special(id))) {
+        // Never an empty loss: score at least one token.
+        out.weights[i] = 1.0;
+        out.input_ids[i] = mask_id;
+    }
+    out
+}
+
+/// A BERT masked-LM model: parameters and the stage graph (inputs: ids, labels, weights; output: loss).
+pub struct Bert {
+    pub config: Config,
+    params: ParamStore,
+    embeddings: Arc<Embeddings>,
+    layers: Vec<Arc<Layer>>,
+    head: Arc<MlmHead>,
+    graph: StageGraph,
+}
+
+impl Bert {
+    pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
+        config.validate().map_err(candle_core::Error::Msg)?;
+        let (c, eps) = (config.hidden_size, config.layer_norm_eps);
+        let mut params = ParamStore::new(device, DType::F32, seed);
+        let word = params.get("bert.embeddings.word_embeddings.weight", &[config.vocab_size, c], Init::Normal { std: 0.02 })?;
+        let embeddings = Arc::new(Embeddings {
+            word: word.clone(),
+            position: params.get("bert.embeddings.position_embeddings.weight", &[config.max_position_embeddings, c], Init::Normal { std: 0.02 })?,
+            token_type: params.get("bert.embeddings.token_type_embeddings.weight", &[config.type_vocab_size, c], Init::Normal { std: 0.02 })?,
+            ln: LayerNorm::new(&mut params, "bert.embeddings.LayerNorm", c, eps)?,
+            pdrop: config.hidden_dropout_prob,
+        });
+        let layers = (0..config.num_hidden_layers).map(|i| Layer::new(&mut params, &config, i).map(Arc::new)).collect::<Result<Vec<_>>>()?;
+        let head = Arc::new(MlmHead {
+            transform: Linear::new(&mut params, "cls.predictions.transform.dense", c, c)?,
+            ln: LayerNorm::new(&mut params, "cls.predictions.transform.LayerNorm", c, eps)?,
+            word,
+            bias: params.get("cls.predictions.bias", &[config.vocab_size], Init::Zeros)?,
+        });
+
+        let mut graph = StageGraph::new(3); // values 0: ids, 1: labels, 2: weights
+        let wrap = |e: remat::Error| candle_core::Error::Msg(e.to_string());
+        let mut x = graph.then(embeddings.clone(), 0).map_err(wrap)?;
+        for l in &layers {
+            x = graph.then(l.clone(), x).map_err(wrap)?;
+        }
+        let loss = graph.add(head.clone(), &[x, 1, 2], 1).map_err(wrap)?[0];
+        graph.set_output(loss);
+        Ok(Bert { config, params, embeddings, layers, head, graph })
+    }
+
+    pub fn graph(&self) -> &StageGraph {
+        &self.graph
+    }
+
+    pub fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// Graph inputs for a masked batch of `batch` sequences of length `seq`.
+    pub fn inputs(&self, m: &MaskedBatch, batch: usize, seq: usize, device: &Device) -> Result<Vec<Tensor>> {
+        if seq > self.config.max_position_embeddings {
+            candle_core::bail!("sequence length {seq} exceeds max_position_embeddings ({})", self.config.max_position_embeddings)
+        }
+        Ok(vec![
+            Tensor::from_slice(&m.input_ids, (batch, seq), device)?,
+            Tensor::from_slice(&m.labels, batch * seq, device)?,
+            Tensor::from_slice(&m.weights, batch * seq, device)?,
+        ])
+    }
+
+    /// MLM logits (B*T, V) in evaluation mode (no dropout).
+    pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+        let ctx = StageCtx::eval();
+        let mut x = self.embeddings.forward(&[ids.clone()], &ctx)?.remove(0);
+        for l in &self.layers {
+            x = l.forward(&[x], &ctx)?.remove(0);
+        }
+        self.head.logits(&x)
+    }
+
+    pub fn save_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
+        self.params.save(path)
+    }
+
+    /// Loads Hugging Face weights: `BertForMaskedLM` names, or a bare `BertModel` (no `bert.`
+    /// prefix; the MLM head must then be present under `cls.`), old `gamma`/`beta` LayerNorm names
+    /// included. The pooler, the tied decoder copy and `position_ids` are skipped.
+    pub fn load_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
+        self.params.load(path, |name| {
+            let skip = name.contains("pooler.") || name.ends_with("position_ids") || name.starts_with("cls.predictions.decoder.");
+            if skip {
+                return None;
+            }
+            let name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias");
+            Some(if name.starts_with("embeddings.") || name.starts_with("encoder.") { format!("bert.{name}") } else { name })
+        })
+    }
+}
+
+/// Masked-LM batches from a text: whole-word tokens, `[CLS] window [SEP]` sequences, BERT masking.
+pub struct MlmData {
+    pub vocab: datasets::text::WordVocab,
+    windows: datasets::tokens::Batcher,
+    vocab_size: usize,
+    seq: usize,
+    seed: u64,
+}
+
+impl MlmData {
+    /// `vocab_size` is the model's; the text's vocabulary must fit in it.
+    pub fn new(text: &str, vocab: datasets::text::WordVocab, vocab_size: usize, seq: usize, seed: u64) -> anyhow::Result<Self> {
+        if vocab.len() > vocab_size {
+            anyhow::bail!("the vocabulary has {} tokens, the model only {vocab_size} (vocab_size)", vocab.len());
+        }
+        if seq < 3 {
+            anyhow::bail!("sequence length {seq} is too short for [CLS] ... [SEP]");
+        }
+        let ids: Vec<u16> = vocab.encode(text).into_iter().map(|i| i as u16).collect();
+        let windows = datasets::tokens::Batcher::new(ids, seq - 2, vocab_size, seed)?;
+        Ok(MlmData { vocab, windows, vocab_size, seq, seed })
+    }
+
+    /// The default data: the synthetic corpus with its own word vocabulary.
+    pub fn synthetic(vocab_size: usize, seq: usize, seed: u64) -> anyhow::Result<Self> {
+        let text = datasets::text::synthetic_corpus(seed, 1 << 19);
+        let vocab = datasets::text::WordVocab::build(&text);
+        Self::new(&text, vocab, vocab_size, seq, seed)
+    }
+
+    pub fn batch(&self, step: u64, batch: usize) -> MaskedBatch {
+        let (cls, sep) = (self.vocab.special("[CLS]"), self.vocab.special("[SEP]"));
+        let (windows, _) = self.windows.batch(step, batch);
+        let ids: Vec<u32> = windows.chunks(self.seq - 2).flat_map(|w| std::iter::once(cls).chain(w.iter().copied()).chain([sep])).collect();
+        let key = RngKey { step, ..RngKey::named(self.seed, "mlm-mask") };
+        mask_tokens(&ids, key, self.vocab.len().min(self.vocab_size), self.vocab.special("[MASK]"), |id| self.vocab.is_special(id))
+    }
+}
+
+/// Finds `config.json` and `model.safetensors` of a Hugging Face model id: in the local cache
+/// first (`cache`, or the default `~/.cache/huggingface/hub`), else downloaded into it unless
+/// `offline` (or `HF_HUB_OFFLINE=1`).
+pub fn hub_files(model_id: &str, cache: Option<&Path>, offline: bool) -> anyhow::Result<(std::path::PathBuf, std::path::PathBuf)> {
+    let offline = offline || std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1");
+    let local = match cache {
+        Some(dir) => hf_hub::Cache::new(dir.to_path_buf()),
+        None => hf_hub::Cache::from_env(),
+    };
+    let repo = local.model(model_id.to_string());
+    if let (Some(c), Some(w)) = (repo.get("config.json"), repo.get("model.safetensors")) {
+        return Ok((c, w));
+    }
+    if offline {
+        anyhow::bail!("model `{model_id}` is not in the cache {} (offline: not downloading)", local.path().display());
+    }
+    let mut api = hf_hub::api::sync::ApiBuilder::new();
+    if let Some(dir) = cache {
+        api = api.with_cache_dir(dir.to_path_buf());
+    }
+    let remote = api.build()?.model(model_id.to_string());
+    Ok((remote.get("config.json")?, remote.get("model.safetensors")?))
+}

@@ -1,0 +1,123 @@
+//! `train-bert`: masked-LM training of BERT with activation checkpointing.
+
+use anyhow::{bail, Context, Result};
+use bert::{Bert, Config, MlmData};
+use candle_core::Device;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use clap::Parser;
+use datasets::text::WordVocab;
+use remat::memory::{CountingAlloc, Meter};
+use remat::{Executor, Policy};
+use std::path::PathBuf;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+#[derive(Parser, Debug)]
+#[command(about = "Masked-LM training of BERT with activation checkpointing (candle + remat)")]
+struct Args {
+    /// tiny, base (110M), large (340M).
+    #[arg(long, default_value = "base")]
+    preset: String,
+    /// A Hugging Face config.json; overrides --preset.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// A Hugging Face model id (e.g. bert-base-uncased): its config and weights, from the cache
+    /// or downloaded into it.
+    #[arg(long)]
+    model_id: Option<String>,
+    /// The Hugging Face cache folder (default: ~/.cache/huggingface/hub).
+    #[arg(long)]
+    hub_cache: Option<PathBuf>,
+    /// Never download (also: HF_HUB_OFFLINE=1).
+    #[arg(long)]
+    offline: bool,
+    /// off, sqrt, every-two-blocks, every-n=K, explicit=I,J,...
+    #[arg(long, default_value = "every-two-blocks")]
+    policy: Policy,
+    #[arg(long, default_value_t = 2)]
+    batch: usize,
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// A UTF-8 text file to train on; default: the built-in synthetic corpus.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// A vocabulary file (one token per line, e.g. WordPiece vocab.txt); default: the words of the data.
+    #[arg(long)]
+    vocab: Option<PathBuf>,
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+    /// Write the trained weights here (safetensors snapshot).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Append one JSON record per step to this file.
+    #[arg(long)]
+    log_json: Option<PathBuf>,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.batch == 0 || args.steps == 0 {
+        bail!("--batch and --steps must be at least 1");
+    }
+    let hub = match &args.model_id {
+        Some(id) => Some(bert::hub_files(id, args.hub_cache.as_deref(), args.offline)?),
+        None => None,
+    };
+    let config = match (&args.config, &hub) {
+        (Some(path), _) | (None, Some((path, _))) => Config::from_json(path).map_err(anyhow::Error::msg)?,
+        (None, None) => Config::preset(&args.preset).map_err(anyhow::Error::msg)?,
+    };
+    if args.seq > config.max_position_embeddings {
+        bail!("--seq {} exceeds the model's max_position_embeddings ({})", args.seq, config.max_position_embeddings);
+    }
+    let data = match &args.data {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("--data {}", path.display()))?;
+            let vocab = match &args.vocab {
+                Some(v) => WordVocab::from_file(v).with_context(|| format!("--vocab {}", v.display()))?,
+                None => WordVocab::build(&text),
+            };
+            MlmData::new(&text, vocab, config.vocab_size, args.seq, args.seed)?
+        }
+        None => MlmData::synthetic(config.vocab_size, args.seq, args.seed)?,
+    };
+    let device = Device::Cpu;
+    let model = Bert::new(config, &device, args.seed)?;
+    if let Some((_, weights)) = &hub {
+        model.load_snapshot(weights)?;
+    }
+    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.seed)?;
+    let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
+    eprintln!(
+        "BERT {} params, {} layers, policy {} ({} segments), batch {} x seq {}, vocabulary {}",
+        model.params().count(),
+        model.config.num_hidden_layers,
+        args.policy,
+        exec.segments().len(),
+        args.batch,
+        args.seq,
+        data.vocab.len()
+    );
+
+    let mut log = trainkit::StepLog::new(args.steps, args.log_json.as_deref())?;
+    for step in 0..args.steps {
+        let inputs = model.inputs(&data.batch(step as u64, args.batch), args.batch, args.seq, &device)?;
+        let meter = Meter::start();
+        let out = exec.step(&inputs, step as u64)?;
+        opt.step(&out.grads)?;
+        drop(out.grads);
+        let usage = meter.finish();
+        log.step(step, out.loss.to_scalar::<f32>()?, &usage)?;
+    }
+    log.finish();
+    if let Some(path) = &args.save {
+        model.save_snapshot(path)?;
+        eprintln!("saved snapshot to {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,217 @@
+//! 3D convolution, transposed convolution and pooling for candle, which has none, composed from
+//! ops that have a backward.
+
+use candle_core::{Result, Tensor};
+
+/// Geometry of a 3D convolution: stride and padding in depth, and in-plane (height and width share
+/// them, as candle's `conv2d` takes one stride and one padding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv3dGeometry {
+    pub stride_d: usize,
+    pub stride_hw: usize,
+    pub pad_d: usize,
+    pub pad_hw: usize,
+}
+
+impl Conv3dGeometry {
+    /// Stride 1, "same" padding for an odd cubic kernel `k`.
+    pub fn same(k: usize) -> Self {
+        Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: k / 2, pad_hw: k / 2 }
+    }
+}
+
+/// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw): the sum over kernel depth of 2D
+/// convolutions, with the output depth folded into the batch.
+pub fn conv3d(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
+    let (n, c, d, h, wd) = x.dims5()?;
+    let (o, c_w, kd, _, _) = w.dims5()?;
+    if c != c_w {
+        candle_core::bail!("conv3d: input has {c} channels, the kernel expects {c_w}")
+    }
+    if g.stride_hw > 1 && h % 2 != wd % 2 {
+        // candle 0.11's conv2d backward mis-shapes such inputs.
+        candle_core::bail!("conv3d: strided in-plane convolution needs height and width of equal parity, got {h}x{wd}")
+    }
+    let x = x.pad_with_zeros(2, g.pad_d, g.pad_d)?;
+    let dp = d + 2 * g.pad_d;
+    if dp < kd {
+        candle_core::bail!("conv3d: depth {d} (padded {dp}) is smaller than the kernel depth {kd}")
+    }
+    let d_out = (dp - kd) / g.stride_d + 1;
+    let mut sum: Option<Tensor> = None;
+    for a in 0..kd {
+        // The input slices kernel depth `a` sees, (N, C, D_out, H, W) -> (N * D_out, C, H, W).
+        let idx: Vec<u32> = (0..d_out).map(|i| (a + i * g.stride_d) as u32).collect();
+        let idx = Tensor::from_vec(idx, d_out, x.device())?;
+        let slices = x.index_select(&idx, 2)?.permute((0, 2, 1, 3, 4))?.reshape((n * d_out, c, h, wd))?;
+        let y = slices.conv2d(&w.narrow(2, a, 1)?.squeeze(2)?, g.pad_hw, g.stride_hw, 1, 1)?; // (N * D_out, O, H', W')
+        sum = Some(match sum {
+            Some(s) => (s + y)?,
+            None => y,
+        });
+    }
+    let y = sum.expect("kd >= 1");
+    let (_, _, ho, wo) = y.dims4()?;
+    y.reshape((n, d_out, o, ho, wo))?.permute((0, 2, 1, 3, 4))?.contiguous() // (N, O, D_out, H', W')
+}
+
+/// Transposed 3D convolution with kernel = stride = 2 (the U-Net up-convolution): x (N, C, D, H, W),
+/// w (C, O, 2, 2, 2) as PyTorch stores it. Each input voxel writes its own 2x2x2 output block, so
+/// it is one matmul and a reshape.
+pub fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (n, c, d, h, wd) = x.dims5()?;
+    let (c_w, o, k1, k2, k3) = w.dims5()?;
+    if c != c_w || (k1, k2, k3) != (2, 2, 2) {
+        candle_core::bail!("conv_transpose3d_k2s2: kernel {:?} does not fit input with {c} channels", w.dims())
+    }
+    let cols = x.permute((0, 2, 3, 4, 1))?.reshape((n * d * h * wd, c))?; // (N*D*H*W, C)
+    let y = cols.matmul(&w.reshape((c, o * 8))?)?; // (N*D*H*W, O*8)
+    y.reshape(vec![n, d, h, wd, o, 2, 2, 2])?
+        .permute([0, 4, 1, 5, 2, 6, 3, 7])? // (N, O, D, 2, H, 2, W, 2)
+        .reshape((n, o, 2 * d, 2 * h, 2 * wd))
+}
+
+/// Max-pooling with kernel = stride = 2 over the last three dims (odd sizes are floored, as in
+/// PyTorch): a reshape and three maxima.
+pub fn max_pool3d_k2s2(x: &Tensor) -> Result<Tensor> {
+    let (n, c, d, h, w) = x.dims5()?;
+    let (d2, h2, w2) = (d / 2, h / 2, w / 2);
+    if d2 == 0 || h2 == 0 || w2 == 0 {
+        candle_core::bail!("max_pool3d_k2s2: input {d}x{h}x{w} is too small to pool")
+    }
+    let x = x.narrow(2, 0, 2 * d2)?.narrow(3, 0, 2 * h2)?.narrow(4, 0, 2 * w2)?.contiguous()?;
+    x.reshape(vec![n, c, d2, 2, h2, 2, w2, 2])?.max(7)?.max(5)?.max(3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+    use remat::rng::RngKey;
+
+    fn rand(name: &str, shape: &[usize]) -> Vec<f32> {
+        RngKey::named(3, name).normal(shape.iter().product(), 0.0, 1.0)
+    }
+
+    /// The definition, loop by loop.
+    #[allow(clippy::too_many_arguments)]
+    fn conv3d_naive(x: &[f32], xs: [usize; 5], w: &[f32], ws: [usize; 5], g: Conv3dGeometry) -> (Vec<f32>, [usize; 5]) {
+        let [n, c, d, h, wd] = xs;
+        let [o, _, kd, kh, kw] = ws;
+        let out = |len: usize, k: usize, s: usize, p: usize| (len + 2 * p - k) / s + 1;
+        let (od, oh, ow) = (out(d, kd, g.stride_d, g.pad_d), out(h, kh, g.stride_hw, g.pad_hw), out(wd, kw, g.stride_hw, g.pad_hw));
+        let mut y = vec![0f32; n * o * od * oh * ow];
+        for (b, oc, z, i, j) in itertools(n, o, od, oh, ow) {
+            let mut acc = 0f32;
+            for ic in 0..c {
+                for a in 0..kd {
+                    for p in 0..kh {
+                        for q in 0..kw {
+                            let (zz, ii, jj) = (
+                                (z * g.stride_d + a) as isize - g.pad_d as isize,
+                                (i * g.stride_hw + p) as isize - g.pad_hw as isize,
+                                (j * g.stride_hw + q) as isize - g.pad_hw as isize,
+                            );
+                            if zz < 0 || ii < 0 || jj < 0 || zz as usize >= d || ii as usize >= h || jj as usize >= wd {
+                                continue;
+                            }
+                            let xv = x[(((b * c + ic) * d + zz as usize) * h + ii as usize) * wd + jj as usize];
+                            acc += xv * w[(((oc * c + ic) * kd + a) * kh + p) * kw + q];
+                        }
+                    }
+                }
+            }
+            y[(((b * o + oc) * od + z) * oh + i) * ow + j] = acc;
+        }
+        (y, [n, o, od, oh, ow])
+    }
+
+    fn itertools(a: usize, b: usize, c: usize, d: usize, e: usize) -> impl Iterator<Item = (usize, usize, usize, usize, usize)> {
+        (0..a).flat_map(move |i| (0..b).flat_map(move |j| (0..c).flat_map(move |k| (0..d).flat_map(move |l| (0..e).map(move |m| (i, j, k, l, m))))))
+    }
+
+    fn close(a: &[f32], b: &[f32], tol: f32) {
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() <= tol * (1.0 + y.abs()), "element {i}: {x} vs {y}");
+        }
+    }
+
+    #[test]
+    fn conv3d_matches_the_definition() -> Result<()> {
+        let cases = [
+            ([2, 3, 5, 6, 6], [4, 3, 3, 3, 3], Conv3dGeometry::same(3)),
+            ([1, 2, 7, 5, 5], [3, 2, 3, 3, 3], Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 1, pad_hw: 1 }),
+            ([1, 2, 4, 5, 7], [2, 2, 2, 1, 3], Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: 0, pad_hw: 0 }),
+        ];
+        for (xs, ws, g) in cases {
+            let (x, w) = (rand("x", &xs), rand("w", &ws));
+            let (want, ys) = conv3d_naive(&x, xs, &w, ws, g);
+            let got = conv3d(&Tensor::from_vec(x, &xs, &Device::Cpu)?, &Tensor::from_vec(w, &ws, &Device::Cpu)?, g)?;
+            assert_eq!(got.dims(), ys, "{xs:?} {ws:?} {g:?}");
+            close(&got.flatten_all()?.to_vec1::<f32>()?, &want, 1e-5);
+        }
+        Ok(())
+    }
+
+    /// d(sum(f(x) * r))/dx by backward against central differences, for every element.
+    fn check_gradient(f: impl Fn(&Tensor) -> Result<Tensor>, xs: &[usize]) -> Result<()> {
+        let x = rand("fd-x", xs);
+        let var = Var::from_vec(x.clone(), xs, &Device::Cpu)?;
+        let y = f(var.as_tensor())?;
+        let r = Tensor::from_vec(rand("fd-r", y.dims()), y.dims(), &Device::Cpu)?;
+        let g = (y * &r)?.sum_all()?.backward()?.get(var.as_tensor()).unwrap().flatten_all()?.to_vec1::<f32>()?;
+        let loss = |v: &[f32]| -> Result<f64> {
+            let t = Tensor::from_vec(v.to_vec(), xs, &Device::Cpu)?.to_dtype(candle_core::DType::F64)?;
+            Ok((f(&t)? * r.to_dtype(candle_core::DType::F64)?)?.sum_all()?.to_scalar::<f64>()?)
+        };
+        for i in 0..x.len() {
+            let (mut up, mut down) = (x.clone(), x.clone());
+            up[i] += 1e-3;
+            down[i] -= 1e-3;
+            let fd = (loss(&up)? - loss(&down)?) / 2e-3;
+            assert!((fd - g[i] as f64).abs() < 1e-2 * (1.0 + fd.abs()), "element {i}: finite difference {fd}, backward {}", g[i]);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn conv3d_gradient_matches_finite_differences() -> Result<()> {
+        let w = Tensor::from_vec(rand("w", &[2, 2, 3, 3, 3]), (2, 2, 3, 3, 3), &Device::Cpu)?;
+        let g = Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 1, pad_hw: 1 };
+        check_gradient(|x| conv3d(x, &w.to_dtype(x.dtype())?, g), &[1, 2, 5, 5, 5])?;
+        check_gradient(|x| conv3d(x, &w.to_dtype(x.dtype())?, Conv3dGeometry::same(3)), &[1, 2, 3, 4, 4])
+    }
+
+    #[test]
+    fn transposed_conv_matches_the_definition_and_finite_differences() -> Result<()> {
+        let (xs, ws) = ([2, 3, 2, 3, 2], [3, 4, 2, 2, 2]);
+        let (x, w) = (rand("x", &xs), rand("w", &ws));
+        let got = conv_transpose3d_k2s2(&Tensor::from_vec(x.clone(), &xs, &Device::Cpu)?, &Tensor::from_vec(w.clone(), &ws, &Device::Cpu)?)?;
+        assert_eq!(got.dims(), [2, 4, 4, 6, 4]);
+        let got = got.flatten_all()?.to_vec1::<f32>()?;
+        for (b, oc, z, i, j) in itertools(2, 4, 4, 6, 4) {
+            let want: f32 = (0..3).map(|c| x[(((b * 3 + c) * 2 + z / 2) * 3 + i / 2) * 2 + j / 2] * w[(((c * 4 + oc) * 2 + z % 2) * 2 + i % 2) * 2 + j % 2]).sum();
+            let at = (((b * 4 + oc) * 4 + z) * 6 + i) * 4 + j;
+            assert!((got[at] - want).abs() < 1e-5, "{:?}", (b, oc, z, i, j));
+        }
+        let w = Tensor::from_vec(w, &ws, &Device::Cpu)?;
+        check_gradient(|x| conv_transpose3d_k2s2(x, &w.to_dtype(x.dtype())?), &[1, 3, 2, 2, 3])
+    }
+
+    #[test]
+    fn max_pool_matches_the_definition_and_finite_differences() -> Result<()> {
+        let xs = [1, 2, 5, 4, 6]; // odd depth: the last slice is dropped
+        let x = rand("x", &xs);
+        let got = max_pool3d_k2s2(&Tensor::from_vec(x.clone(), &xs, &Device::Cpu)?)?;
+        assert_eq!(got.dims(), [1, 2, 2, 2, 3]);
+        let got = got.flatten_all()?.to_vec1::<f32>()?;
+        for (_, c, z, i, j) in itertools(1, 2, 2, 2, 3) {
+            let want = itertools(1, 1, 2, 2, 2)
+                .map(|(_, _, a, p, q)| x[((c * 5 + 2 * z + a) * 4 + 2 * i + p) * 6 + 2 * j + q])
+                .fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(got[((c * 2 + z) * 2 + i) * 3 + j], want);
+        }
+        check_gradient(max_pool3d_k2s2, &[1, 2, 3, 4, 4])
+    }
+}
