@@ -36,6 +36,7 @@ pub struct Workload {
 enum Kind {
     Gpt2 { config: gpt2::Config, seq: usize },
     ResNet { config: resnet::Config, size: usize },
+    Bert { config: bert::Config, seq: usize },
 }
 
 pub const PROFILES: &str = "smoke, cpu, full";
@@ -49,19 +50,29 @@ fn resnet(model: &str, preset: &str, batch: usize, size: usize) -> Workload {
     Workload { model: model.into(), batch, kind: Kind::ResNet { config, size } }
 }
 
+fn bert(model: &str, config: bert::Config, batch: usize, seq: usize) -> Workload {
+    Workload { model: model.into(), batch, kind: Kind::Bert { config, seq } }
+}
+
 /// The configurations of a profile.
 pub fn profile(name: &str) -> Result<Vec<Workload>> {
     use gpt2::Preset;
     Ok(match name {
-        "smoke" => vec![resnet("resnet-tiny", "tiny", 2, 32), gpt2("gpt2-tiny", gpt2::Config::tiny(4, 32), 2, 32)],
+        "smoke" => vec![
+            resnet("resnet-tiny", "tiny", 2, 32),
+            bert("bert-tiny", bert::Config::tiny(4, 32), 2, 16),
+            gpt2("gpt2-tiny", gpt2::Config::tiny(4, 32), 2, 32),
+        ],
         "cpu" => vec![
             resnet("resnet50", "resnet50", 8, 128),
             resnet("resnet152", "resnet152", 4, 128),
+            bert("bert-large", bert_preset("large"), 2, 128),
             gpt2("gpt2-small", Preset::Small.config(), 2, 256),
         ],
         "full" => vec![
             resnet("resnet50", "resnet50", 256, 224),
             resnet("resnet152", "resnet152", 64, 224),
+            bert("bert-large", bert_preset("large"), 32, 128),
             gpt2("gpt2-small", Preset::Small.config(), 1, 1024),
             gpt2("gpt2-medium", Preset::Medium.config(), 1, 1024),
             gpt2("gpt2-large", Preset::Large.config(), 1, 1024),
@@ -71,11 +82,15 @@ pub fn profile(name: &str) -> Result<Vec<Workload>> {
     })
 }
 
+fn bert_preset(name: &str) -> bert::Config {
+    bert::Config::preset(name).expect("known preset")
+}
+
 impl Workload {
     /// The input size in words, e.g. `seq 256` or `128x128`.
     pub fn input(&self) -> String {
         match &self.kind {
-            Kind::Gpt2 { seq, .. } => format!("seq {seq}"),
+            Kind::Gpt2 { seq, .. } | Kind::Bert { seq, .. } => format!("seq {seq}"),
             Kind::ResNet { size, .. } => format!("{size}x{size}"),
         }
     }
@@ -85,7 +100,7 @@ impl Workload {
         self.batch = batch.unwrap_or(self.batch);
         if let Some(n) = input {
             match &mut self.kind {
-                Kind::Gpt2 { seq, .. } => *seq = n,
+                Kind::Gpt2 { seq, .. } | Kind::Bert { seq, .. } => *seq = n,
                 Kind::ResNet { size, .. } => *size = n,
             }
         }
@@ -104,6 +119,13 @@ impl Workload {
     pub fn build(&self, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
         Ok(match &self.kind {
             Kind::Gpt2 { config, seq } => Box::new(Gpt2Instance::new(config.clone(), self.batch, *seq, device, seed)?),
+            Kind::Bert { config, seq } => Box::new(BertInstance {
+                model: bert::Bert::new(config.clone(), device, seed)?,
+                data: bert::MlmData::synthetic(config.vocab_size, *seq, seed)?,
+                batch: self.batch,
+                seq: *seq,
+                device: device.clone(),
+            }),
             Kind::ResNet { config, size } => Box::new(ResNetInstance {
                 model: resnet::ResNet::new(config.clone(), device, seed)?,
                 data: SyntheticImages::new(config.classes, *size, seed),
@@ -144,8 +166,7 @@ impl Instance for Gpt2Instance {
         Ok(self.model.inputs(&x, &y, self.batch, self.seq, &self.device)?)
     }
     fn optimizer(&self) -> Result<OptimizerStep> {
-        let mut opt = AdamW::new(self.store().vars(), ParamsAdamW { lr: 3e-4, ..Default::default() })?;
-        Ok(Box::new(move |g| Ok(opt.step(g)?)))
+        adamw(self.store())
     }
 }
 
@@ -172,4 +193,32 @@ impl Instance for ResNetInstance {
         let mut opt = SgdMomentum::new(self.store().vars(), ParamsSgd { lr: 0.05, ..Default::default() })?;
         Ok(Box::new(move |g| Ok(opt.step(g)?)))
     }
+}
+
+struct BertInstance {
+    model: bert::Bert,
+    data: bert::MlmData,
+    batch: usize,
+    seq: usize,
+    device: Device,
+}
+
+impl Instance for BertInstance {
+    fn graph(&self) -> &StageGraph {
+        self.model.graph()
+    }
+    fn store(&self) -> &ParamStore {
+        self.model.params()
+    }
+    fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
+        Ok(self.model.inputs(&self.data.batch(step, self.batch), self.batch, self.seq, &self.device)?)
+    }
+    fn optimizer(&self) -> Result<OptimizerStep> {
+        adamw(self.store())
+    }
+}
+
+fn adamw(store: &ParamStore) -> Result<OptimizerStep> {
+    let mut opt = AdamW::new(store.vars(), ParamsAdamW { lr: 1e-4, ..Default::default() })?;
+    Ok(Box::new(move |g| Ok(opt.step(g)?)))
 }
