@@ -4,12 +4,14 @@
 //! - [`text::synthetic_corpus`]: English-like text from a small grammar (subjects, verbs, objects,
 //!   and arithmetic facts whose answers are right), so a language model has real structure to
 //!   learn; byte-level tokens ([`text::byte_tokens`]) make it usable with any GPT-2 vocabulary.
+//! - [`volumes::SyntheticVolumes`]: spheres and cubes to segment; [`volumes::NpyVolumes`]: `.npy` volumes.
 //! - [`tokens::load_u16`]: flat token files (u16 little-endian, the usual GPT-2 preprocessing).
 //! - [`tokens::Batcher`]: deterministic (input, target) windows for a step.
 //!
 //! Everything is a pure function of its seed: the same seed gives the same bytes on every machine.
 
 pub mod images;
+pub mod volumes;
 pub mod text;
 pub mod tokens;
 

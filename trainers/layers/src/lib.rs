@@ -24,7 +24,7 @@ mod pool;
 
 pub use batchnorm::BatchNorm;
 pub use conv3d::{conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
-pub use norm::LayerNorm;
+pub use norm::{GroupNorm, LayerNorm};
 pub use optim::{ParamsSgd, SgdMomentum};
 pub use params::{f32_bits, Init, ParamStore, SnapshotError};
 pub use pool::max_pool2d_k3s2p1;

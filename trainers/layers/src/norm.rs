@@ -22,3 +22,57 @@ impl LayerNorm {
         candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, self.eps)
     }
 }
+
+/// Group normalisation over (N, C, *spatial) input (Wu & He, 2018): statistics per sample and
+/// group of channels, so it behaves the same at any batch size and has no running state.
+pub struct GroupNorm {
+    weight: Tensor,
+    bias: Tensor,
+    groups: usize,
+    eps: f64,
+}
+
+impl GroupNorm {
+    pub fn new(params: &mut ParamStore, prefix: &str, channels: usize, groups: usize) -> Result<Self> {
+        if groups == 0 || channels % groups != 0 {
+            candle_core::bail!("GroupNorm `{prefix}`: {channels} channels do not split into {groups} groups")
+        }
+        Ok(GroupNorm {
+            weight: params.get(&format!("{prefix}.weight"), &[channels], Init::Ones)?,
+            bias: params.get(&format!("{prefix}.bias"), &[channels], Init::Zeros)?,
+            groups,
+            eps: 1e-5,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, c) = (x.dim(0)?, x.dim(1)?);
+        let grouped = x.reshape((n, self.groups, ()))?; // (N, G, C/G * spatial)
+        let centered = grouped.broadcast_sub(&grouped.mean_keepdim(2)?)?;
+        let var = centered.sqr()?.mean_keepdim(2)?;
+        let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?.reshape(x.shape())?;
+        let mut shape = vec![1; x.rank()];
+        shape[1] = c;
+        normed.broadcast_mul(&self.weight.reshape(shape.as_slice())?)?.broadcast_add(&self.bias.reshape(shape.as_slice())?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn group_norm_normalises_each_group_of_each_sample() -> Result<()> {
+        let mut params = ParamStore::new(&Device::Cpu, DType::F32, 0);
+        let gn = GroupNorm::new(&mut params, "gn", 4, 2)?;
+        let x: Vec<f32> = remat::rng::RngKey::named(0, "x").normal(2 * 4 * 3 * 3, 3.0, 2.0);
+        let y = gn.forward(&Tensor::from_vec(x, (2, 4, 3, 3), &Device::Cpu)?)?;
+        let groups = y.reshape((2, 2, 18))?;
+        let mean = groups.mean_keepdim(2)?.flatten_all()?.to_vec1::<f32>()?;
+        let var = groups.sqr()?.mean_keepdim(2)?.flatten_all()?.to_vec1::<f32>()?;
+        assert!(mean.iter().all(|m| m.abs() < 1e-5) && var.iter().all(|v| (v - 1.0).abs() < 1e-3), "{mean:?} {var:?}");
+        assert!(GroupNorm::new(&mut params, "bad", 6, 4).is_err());
+        Ok(())
+    }
+}
