@@ -6,6 +6,7 @@ use candle_core::{Device, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use datasets::images::SyntheticImages;
 use datasets::tokens::Batcher;
+use datasets::volumes::SyntheticVolumes;
 use layers::{ParamStore, ParamsSgd, SgdMomentum};
 use remat::{Policy, StageGraph};
 
@@ -37,6 +38,7 @@ enum Kind {
     Gpt2 { config: gpt2::Config, seq: usize },
     ResNet { config: resnet::Config, size: usize },
     Bert { config: bert::Config, seq: usize },
+    UNet3d { config: unet3d::Config, side: usize },
 }
 
 pub const PROFILES: &str = "smoke, cpu, full";
@@ -54,6 +56,10 @@ fn bert(model: &str, config: bert::Config, batch: usize, seq: usize) -> Workload
     Workload { model: model.into(), batch, kind: Kind::Bert { config, seq } }
 }
 
+fn unet3d(model: &str, preset: &str, batch: usize, side: usize) -> Workload {
+    Workload { model: model.into(), batch, kind: Kind::UNet3d { config: preset.parse().expect("known preset"), side } }
+}
+
 /// The configurations of a profile.
 pub fn profile(name: &str) -> Result<Vec<Workload>> {
     use gpt2::Preset;
@@ -61,18 +67,23 @@ pub fn profile(name: &str) -> Result<Vec<Workload>> {
         "smoke" => vec![
             resnet("resnet-tiny", "tiny", 2, 32),
             bert("bert-tiny", bert::Config::tiny(4, 32), 2, 16),
+            unet3d("unet3d-tiny", "tiny", 2, 8),
             gpt2("gpt2-tiny", gpt2::Config::tiny(4, 32), 2, 32),
         ],
         "cpu" => vec![
             resnet("resnet50", "resnet50", 8, 128),
             resnet("resnet152", "resnet152", 4, 128),
             bert("bert-large", bert_preset("large"), 2, 128),
+            unet3d("unet3d-small", "small", 2, 32),
             gpt2("gpt2-small", Preset::Small.config(), 2, 256),
         ],
         "full" => vec![
             resnet("resnet50", "resnet50", 256, 224),
             resnet("resnet152", "resnet152", 64, 224),
             bert("bert-large", bert_preset("large"), 32, 128),
+            // The paper's 132x132x116 input at batch 8 needs ~100 GB of activations in f32 with
+            // this conv3d; 64^3 keeps off within one GPU so that both sides can be measured.
+            unet3d("unet3d-cicek", "cicek", 8, 64),
             gpt2("gpt2-small", Preset::Small.config(), 1, 1024),
             gpt2("gpt2-medium", Preset::Medium.config(), 1, 1024),
             gpt2("gpt2-large", Preset::Large.config(), 1, 1024),
@@ -92,6 +103,7 @@ impl Workload {
         match &self.kind {
             Kind::Gpt2 { seq, .. } | Kind::Bert { seq, .. } => format!("seq {seq}"),
             Kind::ResNet { size, .. } => format!("{size}x{size}"),
+            Kind::UNet3d { side, .. } => format!("{side}^3"),
         }
     }
 
@@ -102,6 +114,7 @@ impl Workload {
             match &mut self.kind {
                 Kind::Gpt2 { seq, .. } | Kind::Bert { seq, .. } => *seq = n,
                 Kind::ResNet { size, .. } => *size = n,
+                Kind::UNet3d { side, .. } => *side = n,
             }
         }
         self
@@ -110,7 +123,7 @@ impl Workload {
     /// The policies that apply to this model (`before-downsample` needs downsampling stages).
     pub fn policies(&self) -> Vec<Policy> {
         let mut all = vec![Policy::Off, Policy::Sqrt, Policy::EveryN(2)];
-        if matches!(self.kind, Kind::ResNet { .. }) {
+        if matches!(self.kind, Kind::ResNet { .. } | Kind::UNet3d { .. }) {
             all.push(Policy::BeforeDownsample);
         }
         all
@@ -124,6 +137,13 @@ impl Workload {
                 data: bert::MlmData::synthetic(config.vocab_size, *seq, seed)?,
                 batch: self.batch,
                 seq: *seq,
+                device: device.clone(),
+            }),
+            Kind::UNet3d { config, side } => Box::new(UNet3dInstance {
+                model: unet3d::UNet3d::new(config.clone(), device, seed)?,
+                data: SyntheticVolumes::new(*side, seed),
+                batch: self.batch,
+                side: *side,
                 device: device.clone(),
             }),
             Kind::ResNet { config, size } => Box::new(ResNetInstance {
@@ -221,4 +241,28 @@ impl Instance for BertInstance {
 fn adamw(store: &ParamStore) -> Result<OptimizerStep> {
     let mut opt = AdamW::new(store.vars(), ParamsAdamW { lr: 1e-4, ..Default::default() })?;
     Ok(Box::new(move |g| Ok(opt.step(g)?)))
+}
+
+struct UNet3dInstance {
+    model: unet3d::UNet3d,
+    data: SyntheticVolumes,
+    batch: usize,
+    side: usize,
+    device: Device,
+}
+
+impl Instance for UNet3dInstance {
+    fn graph(&self) -> &StageGraph {
+        self.model.graph()
+    }
+    fn store(&self) -> &ParamStore {
+        self.model.params()
+    }
+    fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
+        let (x, y) = self.data.batch(step, self.batch);
+        Ok(self.model.inputs(&x, &y, self.side, &self.device)?)
+    }
+    fn optimizer(&self) -> Result<OptimizerStep> {
+        adamw(self.store())
+    }
 }

@@ -1,0 +1,124 @@
+//! `train-unet3d`: train the 3D U-Net with activation checkpointing on synthetic or `.npy` volumes.
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use clap::{Parser, ValueEnum};
+use datasets::volumes::{NpyVolumes, SyntheticVolumes};
+use remat::memory::{CountingAlloc, Meter};
+use remat::{Executor, Policy};
+use std::path::PathBuf;
+use unet3d::{Config, Loss, Norm, UNet3d};
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LossArg {
+    Ce,
+    CeDice,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Train a 3D U-Net with activation checkpointing (candle + remat)")]
+struct Args {
+    /// tiny, small (16-32-64-128), cicek (32-64-128-256, 512 at the bottom).
+    #[arg(long, default_value = "small")]
+    preset: Config,
+    /// off, sqrt, every-two-blocks, before-downsample, every-n=K, explicit=I,J,...
+    #[arg(long, default_value = "before-downsample")]
+    policy: Policy,
+    #[arg(long, default_value_t = 2)]
+    batch: usize,
+    /// Side of the cubic input volume (a multiple of 2^levels).
+    #[arg(long, default_value_t = 32)]
+    volume: usize,
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// A folder with images/*.npy (C, D, H, W) and labels/*.npy (D, H, W); default: synthetic shapes.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Classes of the labels (3 for the synthetic shapes).
+    #[arg(long, default_value_t = 3)]
+    classes: usize,
+    /// GroupNorm with this many groups instead of BatchNorm.
+    #[arg(long)]
+    group_norm: Option<usize>,
+    #[arg(long, value_enum, default_value = "ce")]
+    loss: LossArg,
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Append one JSON record per step to this file.
+    #[arg(long)]
+    log_json: Option<PathBuf>,
+}
+
+enum Data {
+    Synthetic(SyntheticVolumes),
+    Npy(NpyVolumes),
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.batch == 0 || args.steps == 0 {
+        bail!("--batch and --steps must be at least 1");
+    }
+    let (data, in_channels) = match &args.data {
+        Some(root) => {
+            let volumes = NpyVolumes::open(root, args.seed)?;
+            let first = volumes.read(0)?;
+            if first.shape[1..].iter().any(|&s| s != args.volume) {
+                bail!("--volume {} does not match the data's volumes of shape {:?} (C, D, H, W)", args.volume, first.shape);
+            }
+            (Data::Npy(volumes), first.shape[0])
+        }
+        None => (Data::Synthetic(SyntheticVolumes::new(args.volume, args.seed)), 1),
+    };
+    let config = Config {
+        in_channels,
+        classes: args.classes,
+        norm: args.group_norm.map_or(Norm::Batch, Norm::Group),
+        loss: match args.loss {
+            LossArg::Ce => Loss::CrossEntropy,
+            LossArg::CeDice => Loss::CrossEntropyDice,
+        },
+        ..args.preset.clone()
+    };
+    let device = Device::Cpu;
+    let model = UNet3d::new(config, &device, args.seed)?;
+    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.seed)?;
+    let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
+    eprintln!(
+        "3D U-Net {} params, policy {} ({} segments), batch {} x {}^3",
+        model.params().count(),
+        args.policy,
+        exec.segments().len(),
+        args.batch,
+        args.volume
+    );
+
+    let mut log = trainkit::StepLog::new(args.steps, args.log_json.as_deref())?;
+    for step in 0..args.steps {
+        let (voxels, labels) = match &data {
+            Data::Synthetic(d) => d.batch(step as u64, args.batch),
+            Data::Npy(d) => {
+                let (_, v, l) = d.batch(step as u64, args.batch)?;
+                (v, l)
+            }
+        };
+        if let Some(&bad) = labels.iter().find(|&&l| l as usize >= args.classes) {
+            bail!("label {bad} is outside --classes {}", args.classes);
+        }
+        let inputs = model.inputs(&voxels, &labels, args.volume, &device)?;
+        let meter = Meter::start();
+        let out = exec.step(&inputs, step as u64)?;
+        opt.step(&out.grads)?;
+        drop(out.grads);
+        let usage = meter.finish();
+        log.step(step, out.loss.to_scalar::<f32>()?, &usage)?;
+    }
+    log.finish();
+    Ok(())
+}

@@ -1,0 +1,84 @@
+//! The 3D U-Net under checkpointing: its skip edges cross segments, and BatchNorm runs in every
+//! level; gradients and running statistics still equal `off` bit for bit.
+
+use candle_core::Device;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use datasets::volumes::SyntheticVolumes;
+use remat::{Executor, Policy};
+use std::collections::BTreeMap;
+use unet3d::{Config, Loss, UNet3d};
+
+type Bits = BTreeMap<String, Vec<u32>>;
+
+fn tiny() -> Config {
+    "tiny".parse().unwrap()
+}
+
+fn train(config: &Config, policy: &str) -> (Vec<(u32, Bits)>, Bits) {
+    let side = 8;
+    let model = UNet3d::new(config.clone(), &Device::Cpu, 3).unwrap();
+    let exec = Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 1).unwrap();
+    let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: 1e-3, ..Default::default() }).unwrap();
+    let data = SyntheticVolumes::new(side, 4);
+    let steps = (0..2u64)
+        .map(|step| {
+            let (x, y) = data.batch(step, 2);
+            let out = exec.step(&model.inputs(&x, &y, side, &Device::Cpu).unwrap(), step).unwrap();
+            opt.step(&out.grads).unwrap();
+            (out.loss.to_scalar::<f32>().unwrap().to_bits(), model.params().grad_bits(&out.grads).unwrap())
+        })
+        .collect();
+    (steps, model.params().buffer_bits().unwrap())
+}
+
+#[test]
+fn gradients_and_batchnorm_statistics_equal_off_bit_for_bit() {
+    for config in [tiny(), Config { loss: Loss::CrossEntropyDice, ..tiny() }] {
+        let (off, off_stats) = train(&config, "off");
+        assert!(!off_stats.is_empty());
+        for policy in ["sqrt", "every-two-blocks", "before-downsample", "every-n=1"] {
+            let (run, stats) = train(&config, policy);
+            for (step, (a, b)) in off.iter().zip(&run).enumerate() {
+                assert_eq!(a.0, b.0, "{policy}: loss differs at step {step}");
+                assert_eq!(a.1.len(), b.1.len(), "{policy}");
+                for (name, g) in &a.1 {
+                    assert!(g == &b.1[name], "{policy}: gradient of {name} differs at step {step}");
+                }
+            }
+            assert!(off_stats == stats, "{policy}: BatchNorm running statistics differ from off");
+        }
+    }
+}
+
+#[test]
+fn every_parameter_receives_a_nonzero_gradient() {
+    let n = UNet3d::new(tiny(), &Device::Cpu, 3).unwrap().params().vars().len();
+    for policy in ["off", "sqrt", "before-downsample"] {
+        for (_, grads) in train(&tiny(), policy).0 {
+            assert_eq!(grads.len(), n, "{policy}: some parameters got no gradient");
+            for (name, g) in grads {
+                assert!(g.iter().any(|&b| f32::from_bits(b) != 0.0), "{policy}: gradient of {name} is all zero");
+            }
+        }
+    }
+}
+
+#[test]
+fn before_downsample_stores_exactly_the_skip_tensors() {
+    let model = UNet3d::new(tiny(), &Device::Cpu, 0).unwrap();
+    let exec = Executor::new(model.graph(), &Policy::BeforeDownsample, model.params().vars(), 0).unwrap();
+    let g = model.graph();
+    let skips: Vec<usize> = g.downsampling_stages().iter().map(|&pool| g.nodes()[pool].inputs[0]).collect();
+    assert_eq!(exec.stored_values(), skips);
+    let names: Vec<String> = skips.iter().map(|&v| g.nodes()[g.producer(v).unwrap()].stage.name()).collect();
+    assert_eq!(names, ["enc.0", "enc.1"]);
+}
+
+#[test]
+fn presets_have_the_paper_widths() {
+    let model = UNet3d::new("cicek".parse().unwrap(), &Device::Cpu, 0).unwrap();
+    let width = |name: &str| model.params().named().find(|(n, _)| *n == name).map(|(_, v)| v.dims()[0]).unwrap();
+    let widths: Vec<usize> = ["enc.0.conv1.weight", "enc.1.conv1.weight", "enc.2.conv1.weight", "bottom.conv1.weight", "bottom.conv2.weight"].iter().map(|n| width(n)).collect();
+    assert_eq!(widths, [32, 64, 128, 256, 512]);
+    assert!("big".parse::<Config>().unwrap_err().contains("cicek"));
+}
