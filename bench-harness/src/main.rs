@@ -5,7 +5,9 @@
 //! It measures; it does not train to convergence (that is what the trainers are for).
 
 mod measure;
+mod plot;
 mod report;
+mod table;
 mod workloads;
 
 use anyhow::{bail, Context, Result};
@@ -71,7 +73,8 @@ struct Common {
 
 #[derive(Args)]
 struct MatrixArgs {
-    /// Which matrix to run: `all` (every model x every applicable policy of the profile).
+    /// Which matrix to run: `models` (every model x every applicable policy of the profile),
+    /// `depth` (the depth sweep: off and sqrt on ever deeper GPT-2 block stacks) or `all` (both).
     #[arg(long, default_value = "all")]
     matrix: String,
     /// Only models whose name starts with one of these (comma-separated), e.g. gpt2,resnet50.
@@ -143,6 +146,7 @@ fn run_one(model: &str, policy: &Policy, common: &Common) -> Result<()> {
     }
     let w = workloads::profile(&common.profile())?
         .into_iter()
+        .chain(workloads::depth_sweep(&common.profile())?)
         .find(|w| w.model == model)
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .resized(common.batch, common.input_size);
@@ -153,16 +157,26 @@ fn run_one(model: &str, policy: &Policy, common: &Common) -> Result<()> {
 }
 
 fn run_matrix(args: MatrixArgs) -> Result<()> {
-    if args.matrix != "all" {
-        bail!("unknown matrix `{}`; valid: all (narrow it with --models and --policies)", args.matrix);
-    }
+    let (models, depth) = match args.matrix.as_str() {
+        "all" => (true, true),
+        "models" => (true, false),
+        "depth" => (false, true),
+        other => bail!("unknown matrix `{other}`; valid: all, models, depth (narrow them with --models and --policies)"),
+    };
     let common = &args.common;
     device(&common.device)?;
     if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) {
         bail!("--steps, --batch and --input-size must be at least 1");
     }
     let profile = common.profile();
-    let workloads: Vec<Workload> = workloads::profile(&profile)?
+    let mut selected = Vec::new();
+    if models {
+        selected.extend(workloads::profile(&profile)?);
+    }
+    if depth {
+        selected.extend(workloads::depth_sweep(&profile)?);
+    }
+    let workloads: Vec<Workload> = selected
         .into_iter()
         .filter(|w| args.models.is_empty() || args.models.iter().any(|m| w.model.starts_with(m.as_str())))
         .map(|w| w.resized(common.batch, common.input_size))
@@ -190,7 +204,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         let rec = spawn_one(w, policy, common, &profile);
         bar.suspend(|| eprintln!("{}", summary(&rec, matrix.find(&w.model, "off"))));
         matrix.put(rec);
-        matrix.save(&dir)?;
+        matrix.save_json(&dir)?;
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -223,14 +237,14 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str) -> R
     }
     let stderr = String::from_utf8_lossy(&out.stderr);
     let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim().to_string();
-    let oom = ["memory allocation of", "out of memory", "OUT_OF_MEMORY"].iter().any(|s| stderr.contains(s));
+    let oom_line = stderr.lines().find(|l| ["memory allocation of", "out of memory", "OUT_OF_MEMORY"].iter().any(|s| l.contains(s)));
     #[cfg(unix)]
     let killed = std::os::unix::process::ExitStatusExt::signal(&out.status) == Some(9);
     #[cfg(not(unix))]
     let killed = false;
-    match (oom, killed) {
-        (true, _) => failed("oom", last),
-        (false, true) => failed("oom", "killed by SIGKILL (the kernel's OOM killer?)".into()),
+    match (oom_line, killed) {
+        (Some(line), _) => failed("oom", line.trim().to_string()),
+        (None, true) => failed("oom", "killed by SIGKILL (the kernel's OOM killer?)".into()),
         _ => failed("error", if last.is_empty() { format!("exited with {}", out.status) } else { last }),
     }
 }

@@ -46,9 +46,11 @@ pub struct Record {
     /// `ok`, `oom` or `error`.
     pub status: String,
     pub error: String,
-    /// Memory timeline of the first timed step (JSON only).
+    /// Memory timeline of the first timed step (JSON only), and the heap when that step began.
     #[serde(default)]
     pub timeline: Vec<Event>,
+    #[serde(default)]
+    pub timeline_base_bytes: u64,
 }
 
 impl Record {
@@ -94,6 +96,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         rec.loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         if rec.timeline.is_empty() {
             rec.timeline = out.timeline.events;
+            rec.timeline_base_bytes = usage.heap_base;
         }
     }
     // Free the model before the gradient check builds two more.

@@ -33,6 +33,22 @@ impl Matrix {
         Ok(Some(serde_json::from_str(&text).with_context(|| format!("{} is not a matrix file", path.display()))?))
     }
 
+    /// Model names in run order: the depth sweep's (`depth == true`) or the others.
+    pub fn models(&self, depth: bool) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for r in &self.records {
+            if r.model.starts_with(crate::workloads::DEPTH_PREFIX) == depth && !names.contains(&r.model) {
+                names.push(r.model.clone());
+            }
+        }
+        names
+    }
+
+    /// The successful records of a model.
+    pub fn ok_rows(&self, model: &str) -> Vec<&Record> {
+        self.records.iter().filter(|r| r.model == model && r.status == "ok").collect()
+    }
+
     pub fn find(&self, model: &str, policy: &str) -> Option<&Record> {
         self.records.iter().find(|r| r.model == model && r.policy == policy)
     }
@@ -45,8 +61,23 @@ impl Matrix {
         }
     }
 
-    /// Writes all three files; the JSON goes through a temporary file so an interrupted write
-    /// never loses finished configurations.
+    /// The fitted exponents of activation peak against depth, for `off` and `sqrt`.
+    pub fn depth_fits(&self) -> Vec<(String, f64)> {
+        ["off", "sqrt"]
+            .iter()
+            .filter_map(|&p| {
+                let pts: Vec<(f64, f64)> = self
+                    .models(true)
+                    .iter()
+                    .filter_map(|m| self.find(m, p).filter(|r| r.status == "ok").map(|r| (crate::plot::depth_of(m) as f64, r.activation_peak_bytes as f64)))
+                    .collect();
+                crate::plot::fit_exponent(&pts).map(|k| (p.to_string(), k))
+            })
+            .collect()
+    }
+
+    /// Writes the matrix files, TABLE.md and the plots. The JSON goes through a temporary file so
+    /// an interrupted write never loses finished configurations.
     pub fn save(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let tmp = dir.join("matrix.json.tmp");
@@ -54,6 +85,17 @@ impl Matrix {
         std::fs::rename(&tmp, dir.join("matrix.json"))?;
         std::fs::write(dir.join("matrix.csv"), self.csv())?;
         std::fs::write(dir.join("matrix.md"), self.markdown())?;
+        let fits = self.depth_fits();
+        std::fs::write(dir.join("TABLE.md"), crate::table::render(self, &fits))?;
+        crate::plot::all(dir, self, &fits)
+    }
+
+    /// Writes only the JSON (after each configuration; plots are drawn once at the end).
+    pub fn save_json(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let tmp = dir.join("matrix.json.tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(self)?)?;
+        std::fs::rename(&tmp, dir.join("matrix.json"))?;
         Ok(())
     }
 
@@ -107,9 +149,8 @@ ratios are against `off` of the same model in the same run. Times are medians of
 whole step, and *peak set in* says whether forward/backward or the optimizer update (parameter-sized temporaries) reached it.\n",
             m.profile, m.command, m.machine, m.candle_version, m.git_commit
         );
-        let mut models: Vec<&str> = self.records.iter().map(|r| r.model.as_str()).collect();
-        models.dedup();
-        for model in models {
+        for model in self.models(false).iter().chain(&self.models(true)) {
+            let model = model.as_str();
             let rows: Vec<&Record> = self.records.iter().filter(|r| r.model == model).collect();
             let first = rows[0];
             let off = self.find(model, "off").filter(|r| r.status == "ok");

@@ -97,6 +97,20 @@ fn bert_preset(name: &str) -> bert::Config {
     bert::Config::preset(name).expect("known preset")
 }
 
+/// Models of the depth sweep are named `depth-<L>`.
+pub const DEPTH_PREFIX: &str = "depth-";
+
+/// The depth sweep of a profile: GPT-2 blocks of one width at growing depth, `off` and `sqrt`.
+pub fn depth_sweep(profile: &str) -> Result<Vec<Workload>> {
+    let (depths, width, batch, seq): (&[usize], usize, usize, usize) = match profile {
+        "smoke" => (&[2, 4, 8, 16], 16, 2, 16),
+        "cpu" => (&[16, 64, 256, 1024], 64, 2, 64),
+        "full" => (&[16, 64, 256, 1024], 256, 4, 256),
+        other => bail!("unknown profile `{other}`; valid profiles: {PROFILES}"),
+    };
+    Ok(depths.iter().map(|&l| gpt2(&format!("{DEPTH_PREFIX}{l}"), gpt2::Config::tiny(l, width), batch, seq)).collect())
+}
+
 impl Workload {
     /// The input size in words, e.g. `seq 256` or `128x128`.
     pub fn input(&self) -> String {
@@ -122,6 +136,9 @@ impl Workload {
 
     /// The policies that apply to this model (`before-downsample` needs downsampling stages).
     pub fn policies(&self) -> Vec<Policy> {
+        if self.model.starts_with(DEPTH_PREFIX) {
+            return vec![Policy::Off, Policy::Sqrt];
+        }
         let mut all = vec![Policy::Off, Policy::Sqrt, Policy::EveryN(2)];
         if matches!(self.kind, Kind::ResNet { .. } | Kind::UNet3d { .. }) {
             all.push(Policy::BeforeDownsample);
@@ -130,111 +147,84 @@ impl Workload {
     }
 
     pub fn build(&self, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
+        let (batch, dev) = (self.batch, device.clone());
         Ok(match &self.kind {
-            Kind::Gpt2 { config, seq } => Box::new(Gpt2Instance::new(config.clone(), self.batch, *seq, device, seed)?),
-            Kind::Bert { config, seq } => Box::new(BertInstance {
-                model: bert::Bert::new(config.clone(), device, seed)?,
-                data: bert::MlmData::synthetic(config.vocab_size, *seq, seed)?,
-                batch: self.batch,
-                seq: *seq,
-                device: device.clone(),
-            }),
-            Kind::UNet3d { config, side } => Box::new(UNet3dInstance {
-                model: unet3d::UNet3d::new(config.clone(), device, seed)?,
-                data: SyntheticVolumes::new(*side, seed),
-                batch: self.batch,
-                side: *side,
-                device: device.clone(),
-            }),
-            Kind::ResNet { config, size } => Box::new(ResNetInstance {
-                model: resnet::ResNet::new(config.clone(), device, seed)?,
-                data: SyntheticImages::new(config.classes, *size, seed),
-                batch: self.batch,
-                size: *size,
-                device: device.clone(),
-            }),
+            Kind::Gpt2 { config, seq } => {
+                let seq = *seq;
+                let tokens = datasets::text::byte_tokens(&datasets::text::synthetic_corpus(seed, 1 << 18));
+                let data = Batcher::new(tokens, seq, config.vocab_size, seed)?;
+                Box::new(Built {
+                    model: gpt2::Gpt2::new(config.clone(), device, seed)?,
+                    graph: gpt2::Gpt2::graph,
+                    store: gpt2::Gpt2::params,
+                    inputs: Box::new(move |m, step| {
+                        let (x, y) = data.batch(step, batch);
+                        Ok(m.inputs(&x, &y, batch, seq, &dev)?)
+                    }),
+                    optimizer: adamw,
+                })
+            }
+            Kind::ResNet { config, size } => {
+                let (size, data) = (*size, SyntheticImages::new(config.classes, *size, seed));
+                Box::new(Built {
+                    model: resnet::ResNet::new(config.clone(), device, seed)?,
+                    graph: resnet::ResNet::graph,
+                    store: resnet::ResNet::params,
+                    inputs: Box::new(move |m, step| {
+                        let (x, y) = data.batch(step, batch);
+                        Ok(m.inputs(&x, &y, size, &dev)?)
+                    }),
+                    optimizer: sgd_momentum,
+                })
+            }
+            Kind::Bert { config, seq } => {
+                let (seq, data) = (*seq, bert::MlmData::synthetic(config.vocab_size, *seq, seed)?);
+                Box::new(Built {
+                    model: bert::Bert::new(config.clone(), device, seed)?,
+                    graph: bert::Bert::graph,
+                    store: bert::Bert::params,
+                    inputs: Box::new(move |m, step| Ok(m.inputs(&data.batch(step, batch), batch, seq, &dev)?)),
+                    optimizer: adamw,
+                })
+            }
+            Kind::UNet3d { config, side } => {
+                let (side, data) = (*side, SyntheticVolumes::new(*side, seed));
+                Box::new(Built {
+                    model: unet3d::UNet3d::new(config.clone(), device, seed)?,
+                    graph: unet3d::UNet3d::graph,
+                    store: unet3d::UNet3d::params,
+                    inputs: Box::new(move |m, step| {
+                        let (x, y) = data.batch(step, batch);
+                        Ok(m.inputs(&x, &y, side, &dev)?)
+                    }),
+                    optimizer: adamw,
+                })
+            }
         })
     }
 }
 
-struct Gpt2Instance {
-    model: gpt2::Gpt2,
-    data: Batcher,
-    batch: usize,
-    seq: usize,
-    device: Device,
+/// A model with its data and optimizer: what every kind of model becomes.
+struct Built<M> {
+    model: M,
+    graph: fn(&M) -> &StageGraph,
+    store: fn(&M) -> &ParamStore,
+    inputs: Box<dyn Fn(&M, u64) -> Result<Vec<Tensor>>>,
+    optimizer: fn(&ParamStore) -> Result<OptimizerStep>,
 }
 
-impl Gpt2Instance {
-    fn new(config: gpt2::Config, batch: usize, seq: usize, device: &Device, seed: u64) -> Result<Self> {
-        let tokens = datasets::text::byte_tokens(&datasets::text::synthetic_corpus(seed, 1 << 18));
-        let data = Batcher::new(tokens, seq, config.vocab_size, seed)?;
-        let model = gpt2::Gpt2::new(config, device, seed)?;
-        Ok(Gpt2Instance { model, data, batch, seq, device: device.clone() })
-    }
-}
-
-impl Instance for Gpt2Instance {
+impl<M> Instance for Built<M> {
     fn graph(&self) -> &StageGraph {
-        self.model.graph()
+        (self.graph)(&self.model)
     }
     fn store(&self) -> &ParamStore {
-        self.model.params()
+        (self.store)(&self.model)
     }
     fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
-        let (x, y) = self.data.batch(step, self.batch);
-        Ok(self.model.inputs(&x, &y, self.batch, self.seq, &self.device)?)
+        (self.inputs)(&self.model, step)
     }
     fn optimizer(&self) -> Result<OptimizerStep> {
-        adamw(self.store())
-    }
-}
-
-struct ResNetInstance {
-    model: resnet::ResNet,
-    data: SyntheticImages,
-    batch: usize,
-    size: usize,
-    device: Device,
-}
-
-impl Instance for ResNetInstance {
-    fn graph(&self) -> &StageGraph {
-        self.model.graph()
-    }
-    fn store(&self) -> &ParamStore {
-        self.model.params()
-    }
-    fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
-        let (x, y) = self.data.batch(step, self.batch);
-        Ok(self.model.inputs(&x, &y, self.size, &self.device)?)
-    }
-    fn optimizer(&self) -> Result<OptimizerStep> {
-        let mut opt = SgdMomentum::new(self.store().vars(), ParamsSgd { lr: 0.05, ..Default::default() })?;
-        Ok(Box::new(move |g| Ok(opt.step(g)?)))
-    }
-}
-
-struct BertInstance {
-    model: bert::Bert,
-    data: bert::MlmData,
-    batch: usize,
-    seq: usize,
-    device: Device,
-}
-
-impl Instance for BertInstance {
-    fn graph(&self) -> &StageGraph {
-        self.model.graph()
-    }
-    fn store(&self) -> &ParamStore {
-        self.model.params()
-    }
-    fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
-        Ok(self.model.inputs(&self.data.batch(step, self.batch), self.batch, self.seq, &self.device)?)
-    }
-    fn optimizer(&self) -> Result<OptimizerStep> {
-        adamw(self.store())
+        (self.optimizer)(self.store())
     }
 }
 
@@ -243,26 +233,7 @@ fn adamw(store: &ParamStore) -> Result<OptimizerStep> {
     Ok(Box::new(move |g| Ok(opt.step(g)?)))
 }
 
-struct UNet3dInstance {
-    model: unet3d::UNet3d,
-    data: SyntheticVolumes,
-    batch: usize,
-    side: usize,
-    device: Device,
-}
-
-impl Instance for UNet3dInstance {
-    fn graph(&self) -> &StageGraph {
-        self.model.graph()
-    }
-    fn store(&self) -> &ParamStore {
-        self.model.params()
-    }
-    fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
-        let (x, y) = self.data.batch(step, self.batch);
-        Ok(self.model.inputs(&x, &y, self.side, &self.device)?)
-    }
-    fn optimizer(&self) -> Result<OptimizerStep> {
-        adamw(self.store())
-    }
+fn sgd_momentum(store: &ParamStore) -> Result<OptimizerStep> {
+    let mut opt = SgdMomentum::new(store.vars(), ParamsSgd { lr: 0.05, ..Default::default() })?;
+    Ok(Box::new(move |g| Ok(opt.step(g)?)))
 }

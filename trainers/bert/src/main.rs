@@ -6,7 +6,7 @@ use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::Parser;
 use datasets::text::WordVocab;
-use remat::memory::{CountingAlloc, Meter};
+use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use std::path::PathBuf;
 
@@ -107,12 +107,7 @@ fn main() -> Result<()> {
     let mut log = trainkit::StepLog::new(args.steps, args.log_json.as_deref())?;
     for step in 0..args.steps {
         let inputs = model.inputs(&data.batch(step as u64, args.batch), args.batch, args.seq, &device)?;
-        let meter = Meter::start();
-        let out = exec.step(&inputs, step as u64)?;
-        opt.step(&out.grads)?;
-        drop(out.grads);
-        let usage = meter.finish();
-        log.step(step, out.loss.to_scalar::<f32>()?, &usage)?;
+        log.train_step(&exec, &inputs, step, |g| opt.step(g))?;
     }
     log.finish();
     if let Some(path) = &args.save {

@@ -6,7 +6,7 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::Parser;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
-use remat::memory::{CountingAlloc, Meter};
+use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use std::path::PathBuf;
 
@@ -89,12 +89,7 @@ fn main() -> Result<()> {
     for step in 0..args.steps {
         let (x, y) = batcher.batch(step as u64, args.batch);
         let inputs = model.inputs(&x, &y, args.batch, args.seq, &device)?;
-        let meter = Meter::start();
-        let out = exec.step(&inputs, step as u64)?;
-        opt.step(&out.grads)?;
-        drop(out.grads);
-        let usage = meter.finish();
-        log.step(step, out.loss.to_scalar::<f32>()?, &usage)?;
+        log.train_step(&exec, &inputs, step, |g| opt.step(g))?;
     }
     log.finish();
     if let Some(path) = &args.save {

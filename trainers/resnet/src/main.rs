@@ -6,7 +6,7 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::{Parser, ValueEnum};
 use datasets::images::{ImageFolder, SyntheticImages};
 use layers::{ParamsSgd, SgdMomentum};
-use remat::memory::{CountingAlloc, Meter};
+use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use resnet::{Config, ResNet};
 use std::path::PathBuf;
@@ -122,12 +122,7 @@ fn main() -> Result<()> {
     for step in 0..args.steps {
         let (images, labels) = data.batch(step as u64, args.batch)?;
         let inputs = model.inputs(&images, &labels, args.image_size, &device)?;
-        let meter = Meter::start();
-        let out = exec.step(&inputs, step as u64)?;
-        opt(&out.grads)?;
-        drop(out.grads);
-        let usage = meter.finish();
-        log.step(step, out.loss.to_scalar::<f32>()?, &usage)?;
+        log.train_step(&exec, &inputs, step, &mut opt)?;
     }
     log.finish();
     if let Some(path) = &args.save {

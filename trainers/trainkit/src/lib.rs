@@ -1,10 +1,14 @@
-//! `trainkit`: the reporting every trainer binary shares, so their training loops stay short:
-//! a progress bar, one log line per step (loss, time, peak memory), optional JSON records, and
-//! the median step time at the end. It does not run the loop: each trainer's `main` does.
+//! `trainkit`: what every trainer binary shares, so their training loops stay short: a measured
+//! training step, a progress bar, one log line per step (loss, time, peak memory), optional JSON
+//! records, and the median step time at the end. It does not own the loop: each trainer's `main`
+//! does.
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use remat::memory::Usage;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor};
+use remat::memory::{Meter, Usage};
+use remat::Executor;
 use serde::Serialize;
 use std::io::Write;
 use std::path::Path;
@@ -41,7 +45,26 @@ impl StepLog {
         Ok(StepLog { bar, json, times: Vec::new() })
     }
 
-    pub fn step(&mut self, step: usize, loss: f32, usage: &Usage) -> Result<()> {
+    /// One measured training step: forward and backward under `exec`, then `update` with the
+    /// gradients; logged, and its loss returned.
+    pub fn train_step(
+        &mut self,
+        exec: &Executor,
+        inputs: &[Tensor],
+        step: usize,
+        update: impl FnOnce(&GradStore) -> candle_core::Result<()>,
+    ) -> Result<f32> {
+        let meter = Meter::start();
+        let out = exec.step(inputs, step as u64)?;
+        update(&out.grads)?;
+        drop(out.grads);
+        let usage = meter.finish();
+        let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        self.log(step, loss, &usage)?;
+        Ok(loss)
+    }
+
+    fn log(&mut self, step: usize, loss: f32, usage: &Usage) -> Result<()> {
         self.times.push(usage.elapsed_ms);
         let rss = usage.rss_peak_delta.map_or("n/a".into(), |b| format!("{:.1} MiB", mib(b)));
         // `suspend` prints whether or not the bar is drawn (it is hidden when stderr is no terminal).

@@ -5,7 +5,7 @@ use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::{Parser, ValueEnum};
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
-use remat::memory::{CountingAlloc, Meter};
+use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use std::path::PathBuf;
 use unet3d::{Config, Loss, Norm, UNet3d};
@@ -112,12 +112,7 @@ fn main() -> Result<()> {
             bail!("label {bad} is outside --classes {}", args.classes);
         }
         let inputs = model.inputs(&voxels, &labels, args.volume, &device)?;
-        let meter = Meter::start();
-        let out = exec.step(&inputs, step as u64)?;
-        opt.step(&out.grads)?;
-        drop(out.grads);
-        let usage = meter.finish();
-        log.step(step, out.loss.to_scalar::<f32>()?, &usage)?;
+        log.train_step(&exec, &inputs, step, |g| opt.step(g))?;
     }
     log.finish();
     Ok(())

@@ -1,0 +1,104 @@
+//! `TABLE.md`: the article's A100 table next to the same columns measured by this matrix, and the
+//! depth sweep's fitted exponents.
+
+use crate::report::{mib, Matrix};
+use std::fmt::Write as _;
+
+/// One row of the article's table (section 4; ResNet-152 from section 1, GPT-2 from section 7).
+struct ArticleRow {
+    label: &'static str,
+    /// Our model names that stand for it, best first.
+    models: &'static [&'static str],
+    batch: &'static str,
+    off_gb: Option<f64>,
+    ckpt_gb: f64,
+    time: Option<&'static str>,
+}
+
+const ARTICLE: [ArticleRow; 5] = [
+    ArticleRow { label: "ResNet-50", models: &["resnet50", "resnet-tiny"], batch: "256", off_gb: Some(9.8), ckpt_gb: 5.2, time: Some("+18%") },
+    ArticleRow { label: "BERT-Large", models: &["bert-large", "bert-tiny"], batch: "32", off_gb: Some(22.0), ckpt_gb: 14.0, time: Some("+27%") },
+    ArticleRow { label: "UNet3D", models: &["unet3d-cicek", "unet3d-small", "unet3d-tiny"], batch: "8", off_gb: Some(48.0), ckpt_gb: 31.0, time: Some("+35%") },
+    ArticleRow { label: "ResNet-152", models: &["resnet152"], batch: "?", off_gb: Some(12.0), ckpt_gb: 7.0, time: Some("+25%") },
+    ArticleRow { label: "GPT-2 1.5B (+ accumulation)", models: &["gpt2-xl", "gpt2-large", "gpt2-medium", "gpt2-small", "gpt2-tiny"], batch: "1", off_gb: None, ckpt_gb: 21.0, time: None },
+];
+
+/// The policy that fills the "with checkpointing" column.
+pub const TABLE_POLICY: &str = "sqrt";
+
+fn gib(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        mib(bytes)
+    }
+}
+
+pub fn render(m: &Matrix, fits: &[(String, f64)]) -> String {
+    let meta = &m.meta;
+    let mut out = format!(
+        "# The article's table, measured\n\nCommand: `{}`  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\n\
+*Memory* is what a step holds at its peak: model state (parameters, optimizer state) plus the step's peak above it, \
+from the counting allocator (on a GPU: the memory pool). *With checkpointing* is policy `{TABLE_POLICY}`; every policy is in \
+`matrix.csv`. *Time increase* is the ratio of median step times in the same run. The article's figures (A100, PyTorch) \
+are quoted for comparison, not measured here.\n\n\
+| model | batch | input | memory off | memory {TABLE_POLICY} | {TABLE_POLICY} / off | activations {TABLE_POLICY} / off | time increase | article: batch | article: off | article: checkpointing | article: ratio | article: time |\n\
+|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        meta.command, meta.machine, meta.candle_version, meta.git_commit, meta.profile
+    );
+    for row in &ARTICLE {
+        let article = format!(
+            "{} | {} | {} GB | {} | {}",
+            row.batch,
+            row.off_gb.map_or("-".into(), |g| format!("{g} GB")),
+            row.ckpt_gb,
+            row.off_gb.map_or("-".into(), |g| format!("{:.2}", row.ckpt_gb / g)),
+            row.time.unwrap_or("-")
+        );
+        let found = row.models.iter().find_map(|name| Some((m.find(name, "off")?, m.find(name, TABLE_POLICY)?)));
+        match found {
+            Some((off, ck)) if off.status == "ok" && ck.status == "ok" => {
+                let total = |r: &crate::measure::Record| r.model_state_bytes + r.step_peak_bytes;
+                let _ = writeln!(
+                    out,
+                    "| {} ({}) | {} | {} | {} | {} | {:.2} | {:.2} | {:+.0}% | {article} |",
+                    row.label,
+                    off.model,
+                    off.batch,
+                    off.input,
+                    gib(total(off)),
+                    gib(total(ck)),
+                    total(ck) as f64 / total(off) as f64,
+                    ck.activation_peak_bytes as f64 / off.activation_peak_bytes.max(1) as f64,
+                    (ck.step_ms_median / off.step_ms_median - 1.0) * 100.0
+                );
+            }
+            Some((off, ck)) => {
+                let _ = writeln!(out, "| {} ({}) | {} | {} | {} | {} | | | | {article} |", row.label, off.model, off.batch, off.input, off.status, ck.status);
+            }
+            None => {
+                let _ = writeln!(out, "| {} | | | not in this matrix | | | | | {article} |", row.label);
+            }
+        }
+    }
+    out.push_str("\nActivation peak and model state per policy, and which part set each step's peak, are in `matrix.md`.\n");
+    if !fits.is_empty() {
+        let _ = write!(
+            out,
+            "\n## Depth sweep (claim C2: O(sqrt L) memory)\n\nGPT-2 blocks of fixed width, activation peak against the number of blocks L, \
+least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|---|---|---|\n"
+        );
+        let depths: Vec<String> = m.models(true).iter().map(|d| crate::plot::depth_of(d).to_string()).collect();
+        for (policy, k) in fits {
+            let _ = writeln!(out, "| {policy} | {} | {k:.2} |", depths.join(", "));
+        }
+        out.push_str("\n| L | activation peak off | activation peak sqrt | sqrt / off |\n|---|---|---|---|\n");
+        for model in m.models(true) {
+            let peak = |p: &str| m.find(&model, p).filter(|r| r.status == "ok").map(|r| r.activation_peak_bytes);
+            let cell = |b: Option<u64>| b.map_or("-".into(), mib);
+            let ratio = peak("off").zip(peak("sqrt")).map_or("-".into(), |(o, s)| format!("{:.2}", s as f64 / o.max(1) as f64));
+            let _ = writeln!(out, "| {} | {} | {} | {ratio} |", crate::plot::depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
+        }
+    }
+    out
+}
