@@ -191,8 +191,10 @@ impl<'g> Executor<'g> {
                 }
                 for (v, var) in &live.input_vars {
                     if let Some(g) = grads.remove(var.as_tensor()) {
+                        // Detached: a gradient's ops reference this segment's forward tensors,
+                        // which would otherwise stay alive until an earlier segment consumes it.
                         let g = match value_grads.remove(v) {
-                            Some(acc) => (acc + g)?,
+                            Some(acc) => (acc + g)?.detach(),
                             None => g.detach(),
                         };
                         value_grads.insert(*v, g);
