@@ -254,7 +254,7 @@ fn summary(r: &Record, off: Option<&Record>) -> String {
         return format!("{:<14} {:<18} {}: {}", r.model, r.policy, r.status, r.error);
     }
     let vs_off = off
-        .filter(|o| o.status == "ok" && o.step_peak_bytes > 0)
+        .filter(|o| r.policy != "off" && o.status == "ok" && o.step_peak_bytes > 0)
         .map(|o| format!(" ({:.2}x off peak, {:.2}x off time)", r.step_peak_bytes as f64 / o.step_peak_bytes as f64, r.step_ms_median / o.step_ms_median))
         .unwrap_or_default();
     let grads = if r.grads_bit_identical { "grads = off bit for bit" } else { "GRADS DIFFER FROM OFF" };

@@ -3,27 +3,23 @@
 
 use bert::{Bert, Config, MlmData};
 use candle_core::Device;
-use remat::memory::{CountingAlloc, Meter};
+use remat::memory::CountingAlloc;
 use remat::Executor;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
-/// Heap peak of the second step (the first pays one-off allocations).
+/// Heap peak of the second step (see `trainkit::second_step_peak`).
 fn step_peak(policy: &str) -> u64 {
     let cfg = Config::tiny(24, 64);
     let (batch, seq) = (8, 128);
     let model = Bert::new(cfg.clone(), &Device::Cpu, 3).unwrap();
     let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
     let data = MlmData::synthetic(cfg.vocab_size, seq, 1).unwrap();
-    let mut peak = 0;
-    for step in 0..2 {
-        let inputs = model.inputs(&data.batch(step, batch), batch, seq, &Device::Cpu).unwrap();
-        let meter = Meter::start();
-        drop(exec.step(&inputs, step).unwrap());
-        peak = meter.finish().heap_peak_delta;
-    }
-    peak
+    trainkit::second_step_peak(&exec, |step| {
+        model.inputs(&data.batch(step, batch), batch, seq, &Device::Cpu).unwrap()
+    })
+    .unwrap()
 }
 
 #[test]

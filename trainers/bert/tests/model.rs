@@ -103,11 +103,7 @@ fn loss_falls_on_the_default_corpus() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let losses: Vec<f64> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect();
+    let losses: Vec<f64> = trainkit::read_losses(&log).unwrap().into_iter().map(f64::from).collect();
     let (first, last) = (losses[..5].iter().sum::<f64>() / 5.0, losses[35..].iter().sum::<f64>() / 5.0);
     assert!(last < first - 1.0, "loss went {first:.3} -> {last:.3}");
 }

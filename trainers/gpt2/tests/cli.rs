@@ -45,11 +45,7 @@ fn loss_falls_over_fifty_steps_on_the_default_corpus() {
         "--log-json", log.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let losses: Vec<f64> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect();
+    let losses: Vec<f64> = trainkit::read_losses(&log).unwrap().into_iter().map(f64::from).collect();
     assert_eq!(losses.len(), 50);
     let last: f64 = losses[45..].iter().sum::<f64>() / 5.0;
     // Uniform over 256 byte tokens is ln 256 = 5.55; the corpus's grammar is learnable well below.

@@ -4,14 +4,13 @@
 use candle_core::Device;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
-use remat::memory::{CountingAlloc, Meter};
+use remat::memory::CountingAlloc;
 use remat::Executor;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
-/// Heap peak of the second step of a 24-layer tiny GPT-2 whose activations dominate (the first
-/// step pays one-off allocations such as per-thread buffers).
+/// Heap peak of the second step (see `trainkit::second_step_peak`).
 fn step_peak(policy: &str) -> u64 {
     let cfg = Config::tiny(24, 64);
     let (batch, seq) = (8, 128);
@@ -19,15 +18,11 @@ fn step_peak(policy: &str) -> u64 {
     let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
     let text = datasets::text::synthetic_corpus(1, 100_000);
     let data = Batcher::new(datasets::text::byte_tokens(&text), seq, cfg.vocab_size, 1).unwrap();
-    let mut peak = 0;
-    for step in 0..2 {
+    trainkit::second_step_peak(&exec, |step| {
         let (x, y) = data.batch(step, batch);
-        let inputs = model.inputs(&x, &y, batch, seq, &Device::Cpu).unwrap();
-        let meter = Meter::start();
-        drop(exec.step(&inputs, step).unwrap());
-        peak = meter.finish().heap_peak_delta;
-    }
-    peak
+        model.inputs(&x, &y, batch, seq, &Device::Cpu).unwrap()
+    })
+    .unwrap()
 }
 
 #[test]

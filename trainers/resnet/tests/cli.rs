@@ -14,11 +14,7 @@ fn loss_falls_on_synthetic_images() {
         "--log-json", log.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let losses: Vec<f64> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect();
+    let losses: Vec<f64> = trainkit::read_losses(&log).unwrap().into_iter().map(f64::from).collect();
     let first: f64 = losses[..5].iter().sum::<f64>() / 5.0;
     let last: f64 = losses[25..].iter().sum::<f64>() / 5.0;
     // Chance level for 4 classes is ln 4 = 1.39.

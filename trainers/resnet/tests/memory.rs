@@ -3,28 +3,24 @@
 
 use candle_core::Device;
 use datasets::images::SyntheticImages;
-use remat::memory::{CountingAlloc, Meter};
+use remat::memory::CountingAlloc;
 use remat::Executor;
 use resnet::{Config, ResNet};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
-/// Heap peak of the second step (the first pays one-off allocations such as per-thread buffers).
+/// Heap peak of the second step (see `trainkit::second_step_peak`).
 fn step_peak(policy: &str) -> u64 {
     let (batch, size) = (8, 128);
     let model = ResNet::new(Config { classes: 4, ..("tiny".parse().unwrap()) }, &Device::Cpu, 1).unwrap();
     let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 1).unwrap();
     let data = SyntheticImages::new(4, size, 1);
-    let mut peak = 0;
-    for step in 0..2 {
+    trainkit::second_step_peak(&exec, |step| {
         let (x, y) = data.batch(step, batch);
-        let inputs = model.inputs(&x, &y, size, &Device::Cpu).unwrap();
-        let meter = Meter::start();
-        drop(exec.step(&inputs, step).unwrap());
-        peak = meter.finish().heap_peak_delta;
-    }
-    peak
+        model.inputs(&x, &y, size, &Device::Cpu).unwrap()
+    })
+    .unwrap()
 }
 
 /// Thresholds from measurements on a 2-core machine (before-downsample 0.41, sqrt 0.74-0.82 of off).

@@ -9,11 +9,11 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use remat::memory::{Meter, Usage};
 use remat::Executor;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::Path;
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct StepRecord {
     step: usize,
     loss: f32,
@@ -97,4 +97,23 @@ impl StepLog {
             eprintln!("median step time after warm-up: {:.1} ms", t[t.len() / 2]);
         }
     }
+}
+
+/// The losses of a `--log-json` file, in step order.
+pub fn read_losses(path: &Path) -> Result<Vec<f32>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines().map(|l| Ok(serde_json::from_str::<StepRecord>(l)?.loss)).collect()
+}
+
+/// The heap peak of the second of two steps under `exec` (the first pays one-off allocations such
+/// as per-thread buffers). Needs [`remat::memory::CountingAlloc`] as the global allocator.
+pub fn second_step_peak(exec: &Executor, inputs: impl Fn(u64) -> Vec<Tensor>) -> Result<u64> {
+    let mut peak = 0;
+    for step in 0..2 {
+        let inputs = inputs(step);
+        let meter = Meter::start();
+        drop(exec.step(&inputs, step)?);
+        peak = meter.finish().heap_peak_delta;
+    }
+    Ok(peak)
 }

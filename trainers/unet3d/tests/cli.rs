@@ -11,11 +11,7 @@ fn loss_falls_on_synthetic_volumes() {
     let log = std::env::temp_dir().join(format!("train-unet3d-{}.jsonl", std::process::id()));
     let out = run(&["--preset", "tiny", "--volume", "16", "--steps", "30", "--lr", "3e-3", "--log-json", log.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let losses: Vec<f64> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect();
+    let losses: Vec<f64> = trainkit::read_losses(&log).unwrap().into_iter().map(f64::from).collect();
     let (first, last) = (losses[..3].iter().sum::<f64>() / 3.0, losses[27..].iter().sum::<f64>() / 3.0);
     assert!(last < 0.6 * first, "loss went {first:.3} -> {last:.3}");
 }

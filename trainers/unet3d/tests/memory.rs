@@ -3,28 +3,24 @@
 
 use candle_core::Device;
 use datasets::volumes::SyntheticVolumes;
-use remat::memory::{CountingAlloc, Meter};
+use remat::memory::CountingAlloc;
 use remat::Executor;
 use unet3d::UNet3d;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
-/// Heap peak of the second step of the `tiny` U-Net on 32^3 volumes.
+/// Heap peak of the second step (see `trainkit::second_step_peak`).
 fn step_peak(policy: &str) -> u64 {
     let side = 32;
     let model = UNet3d::new("tiny".parse().unwrap(), &Device::Cpu, 1).unwrap();
     let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 1).unwrap();
     let data = SyntheticVolumes::new(side, 1);
-    let mut peak = 0;
-    for step in 0..2 {
+    trainkit::second_step_peak(&exec, |step| {
         let (x, y) = data.batch(step, 2);
-        let inputs = model.inputs(&x, &y, side, &Device::Cpu).unwrap();
-        let meter = Meter::start();
-        drop(exec.step(&inputs, step).unwrap());
-        peak = meter.finish().heap_peak_delta;
-    }
-    peak
+        model.inputs(&x, &y, side, &Device::Cpu).unwrap()
+    })
+    .unwrap()
 }
 
 /// Thresholds from measurements on a 2-core machine (0.79 and 0.66 of off). `before-downsample` stores the skip tensors
