@@ -191,7 +191,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         .collect();
     let dir = args.out.clone().unwrap_or_else(|| PathBuf::from(format!("results/{profile}-{}", common.device.replace(':', ""))));
     let mut matrix = Matrix::load(&dir)?.unwrap_or_default();
-    matrix.meta = meta(&profile);
+    let mut ran_any = false;
 
     let bar = ProgressBar::new(configs.len() as u64)
         .with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} configs [{elapsed} < {eta}] {msg}")?);
@@ -201,6 +201,12 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
             continue;
         }
         bar.set_message(format!("{} {policy}", w.model));
+        if !ran_any {
+            // The files describe the run that produced their records: a resume that runs
+            // nothing keeps the earlier command and commit.
+            matrix.meta = meta(&profile);
+            ran_any = true;
+        }
         let rec = spawn_one(w, policy, common, &profile);
         bar.suspend(|| eprintln!("{}", summary(&rec, matrix.find(&w.model, "off"))));
         matrix.put(rec);
