@@ -111,20 +111,6 @@ fn parse_size(s: &str) -> Result<u64, String> {
     Ok((n * mult as f64) as u64)
 }
 
-fn device(name: &str) -> Result<candle_core::Device> {
-    match name {
-        "cpu" => Ok(candle_core::Device::Cpu),
-        d if d == "cuda" || d.starts_with("cuda:") => {
-            let ordinal: usize = d.strip_prefix("cuda:").map_or(Ok(0), str::parse).context("--device cuda:N needs a number")?;
-            if !candle_core::utils::cuda_is_available() {
-                bail!("--device {d}: this build has no CUDA support (build with --features cuda)");
-            }
-            Ok(candle_core::Device::new_cuda(ordinal)?)
-        }
-        other => bail!("unknown device `{other}`; valid devices: cpu, cuda, cuda:N"),
-    }
-}
-
 impl Common {
     /// The profile that fits the device unless one was named.
     fn profile(&self) -> String {
@@ -150,7 +136,7 @@ fn run_one(model: &str, policy: &Policy, common: &Common) -> Result<()> {
         .find(|w| w.model == model)
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .resized(common.batch, common.input_size);
-    let dev = device(&common.device)?;
+    let dev = trainkit::device(&common.device)?;
     let rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device)?;
     println!("{}", serde_json::to_string(&rec)?);
     Ok(())
@@ -164,7 +150,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         other => bail!("unknown matrix `{other}`; valid: all, models, depth (narrow them with --models and --policies)"),
     };
     let common = &args.common;
-    device(&common.device)?;
+    trainkit::device(&common.device)?;
     if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) {
         bail!("--steps, --batch and --input-size must be at least 1");
     }

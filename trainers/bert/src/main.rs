@@ -2,7 +2,6 @@
 
 use anyhow::{bail, Context, Result};
 use bert::{Bert, Config, MlmData};
-use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::Parser;
 use datasets::text::WordVocab;
@@ -43,6 +42,9 @@ struct Args {
     steps: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// A UTF-8 text file to train on; default: the built-in synthetic corpus.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -86,7 +88,7 @@ fn main() -> Result<()> {
         }
         None => MlmData::synthetic(config.vocab_size, args.seq, args.seed)?,
     };
-    let device = Device::Cpu;
+    let device = trainkit::device(&args.device)?;
     let model = Bert::new(config, &device, args.seed)?;
     if let Some((_, weights)) = &hub {
         model.load_snapshot(weights)?;

@@ -1,7 +1,6 @@
 //! `train-gpt2`: train GPT-2 with activation checkpointing on the default corpus or a token file.
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::Parser;
 use datasets::tokens::Batcher;
@@ -34,6 +33,9 @@ struct Args {
     seq: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Flat u16 little-endian token file; default: the built-in synthetic corpus (byte tokens).
     #[arg(long)]
     data: Option<PathBuf>,
@@ -68,7 +70,7 @@ fn main() -> Result<()> {
     };
     let batcher = Batcher::new(tokens, args.seq, config.vocab_size, args.seed).context("--data")?;
 
-    let device = Device::Cpu;
+    let device = trainkit::device(&args.device)?;
     let model = Gpt2::new(config, &device, args.seed)?;
     if let Some(path) = &args.init {
         model.load_snapshot(path)?;

@@ -29,6 +29,11 @@ fn bad_input_gives_clear_errors() {
     assert_fails_with(&["--preset", "tiny", "--policy", "sqroot"], "valid policies: off, sqrt, every-two-blocks");
     assert_fails_with(&["--preset", "tiny", "--policy", "before-downsample", "--steps", "1"], "no downsampling stage");
     assert_fails_with(&["--preset", "tiny", "--seq", "300"], "context is 1..=256");
+    assert_fails_with(&["--preset", "tiny", "--device", "tpu"], "valid devices: cpu, cuda, cuda:N");
+    assert_fails_with(&["--preset", "tiny", "--device", "cuda:x"], "cuda:N needs a number");
+    if !candle_core::utils::cuda_is_available() {
+        assert_fails_with(&["--preset", "tiny", "--device", "cuda"], "this build has no CUDA support");
+    }
     let empty = temp_file("empty.bin", b"");
     assert_fails_with(&["--preset", "tiny", "--data", empty.to_str().unwrap()], "is empty");
     let odd = temp_file("odd.bin", b"abc");

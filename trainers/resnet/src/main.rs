@@ -1,7 +1,6 @@
 //! `train-resnet`: train a ResNet with activation checkpointing on synthetic images or an image folder.
 
 use anyhow::{bail, Result};
-use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::{Parser, ValueEnum};
 use datasets::images::{ImageFolder, SyntheticImages};
@@ -38,6 +37,9 @@ struct Args {
     steps: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// An image folder (one sub-folder per class, the ImageFolder layout); default: synthetic images.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -90,7 +92,7 @@ fn main() -> Result<()> {
         }
         None => (Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.seed)), args.classes),
     };
-    let device = Device::Cpu;
+    let device = trainkit::device(&args.device)?;
     let model = ResNet::new(Config { classes, ..args.preset.clone() }, &device, args.seed)?;
     if let Some(path) = &args.init {
         model.load_snapshot(path)?;

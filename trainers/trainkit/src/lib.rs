@@ -3,10 +3,10 @@
 //! records, and the median step time at the end. It does not own the loop: each trainer's `main`
 //! does.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use remat::memory::{Meter, Usage};
 use remat::Executor;
 use serde::{Deserialize, Serialize};
@@ -116,4 +116,20 @@ pub fn second_step_peak(exec: &Executor, inputs: impl Fn(u64) -> Vec<Tensor>) ->
         peak = meter.finish().heap_peak_delta;
     }
     Ok(peak)
+}
+
+/// The device named on a command line: `cpu`, `cuda` or `cuda:N`; a clear error when this build
+/// has no CUDA support.
+pub fn device(name: &str) -> Result<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        d if d == "cuda" || d.starts_with("cuda:") => {
+            let ordinal: usize = d.strip_prefix("cuda:").map_or(Ok(0), str::parse).context("--device cuda:N needs a number")?;
+            if !candle_core::utils::cuda_is_available() {
+                bail!("--device {d}: this build has no CUDA support (build with --features cuda)");
+            }
+            Ok(Device::new_cuda(ordinal)?)
+        }
+        other => bail!("unknown device `{other}`; valid devices: cpu, cuda, cuda:N"),
+    }
 }

@@ -1,7 +1,6 @@
 //! `train-unet3d`: train the 3D U-Net with activation checkpointing on synthetic or `.npy` volumes.
 
 use anyhow::{bail, Result};
-use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::{Parser, ValueEnum};
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
@@ -37,6 +36,9 @@ struct Args {
     steps: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// A folder with images/*.npy (C, D, H, W) and labels/*.npy (D, H, W); default: synthetic shapes.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -86,7 +88,7 @@ fn main() -> Result<()> {
         },
         ..args.preset.clone()
     };
-    let device = Device::Cpu;
+    let device = trainkit::device(&args.device)?;
     let model = UNet3d::new(config, &device, args.seed)?;
     let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.seed)?;
     let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
