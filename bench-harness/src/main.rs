@@ -66,7 +66,8 @@ struct Common {
     /// Override every selected model's input size: sequence length, or image side.
     #[arg(long)]
     input_size: Option<usize>,
-    /// Emulate a smaller memory: allocations beyond this many bytes of heap fail (e.g. 24GiB).
+    /// Emulate a smaller memory (e.g. 24GiB): on the CPU allocations beyond this much heap fail;
+    /// on a GPU the rest of the device memory is held.
     #[arg(long, value_parser = parse_size)]
     memory_cap: Option<u64>,
 }
@@ -127,19 +128,38 @@ fn main() -> Result<()> {
 }
 
 fn run_one(model: &str, policy: &Policy, common: &Common) -> Result<()> {
-    if let Some(cap) = common.memory_cap {
-        remat::memory::set_heap_cap(cap);
-    }
+    let dev = trainkit::device(&common.device)?;
+    // Held until the process ends: the device memory beyond the cap.
+    let _held = match common.memory_cap {
+        Some(cap) => hold_beyond(&dev, cap)?,
+        None => None,
+    };
     let w = workloads::profile(&common.profile())?
         .into_iter()
         .chain(workloads::depth_sweep(&common.profile())?)
         .find(|w| w.model == model)
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .resized(common.batch, common.input_size);
-    let dev = trainkit::device(&common.device)?;
     let rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device)?;
     println!("{}", serde_json::to_string(&rec)?);
     Ok(())
+}
+
+/// Emulates a device with `cap` bytes: on the CPU, allocations beyond `cap` bytes of heap fail; on
+/// a GPU, everything free beyond `cap` is allocated and held (returned; dropping it releases it).
+fn hold_beyond(device: &candle_core::Device, cap: u64) -> Result<Option<candle_core::Tensor>> {
+    match device {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(d) => {
+            let (free, _total) = d.cuda_stream().context().mem_get_info()?;
+            let hold = (free as u64).saturating_sub(cap) as usize;
+            Ok(Some(candle_core::Tensor::zeros(hold, candle_core::DType::U8, device)?))
+        }
+        _ => {
+            remat::memory::set_heap_cap(cap);
+            Ok(None)
+        }
+    }
 }
 
 fn run_matrix(args: MatrixArgs) -> Result<()> {

@@ -5,7 +5,7 @@ use crate::workloads::Workload;
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device};
 use std::collections::BTreeMap;
-use remat::memory::{heap_current, Event, Meter};
+use remat::memory::{Counter, Event, Meter};
 use remat::{Executor, Policy};
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +31,9 @@ pub struct Record {
     pub activation_peak_bytes: u64,
     /// Peak RSS during a step minus RSS at its start.
     pub rss_peak_delta_bytes: u64,
+    /// GPU only: bytes the device memory pool holds reserved after the timed steps.
+    #[serde(default)]
+    pub reserved_bytes: Option<u64>,
     pub step_ms_median: f64,
     pub step_ms_min: f64,
     pub step_ms_max: f64,
@@ -70,7 +73,9 @@ impl Record {
 
 pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str) -> Result<Record> {
     let mut rec = Record::new(w, policy, device_name);
-    let base = heap_current();
+    let counter = Counter::for_device(device);
+    counter.synchronize();
+    let base = counter.current();
     let inst = w.build(device, seed)?;
     let mut optimizer_step = inst.optimizer()?;
     let exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
@@ -78,7 +83,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     let mut times = Vec::new();
     for step in 0..=steps as u64 {
         let inputs = inst.inputs(step)?;
-        let meter = Meter::start();
+        let meter = Meter::start(device);
         let out = exec.step(&inputs, step)?;
         let fwd_bwd_peak = meter.peak_so_far();
         optimizer_step(&out.grads)?;
@@ -99,6 +104,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
             rec.timeline_base_bytes = usage.heap_base;
         }
     }
+    rec.reserved_bytes = counter.reserved();
     // Free the model before the gradient check builds two more.
     drop(optimizer_step);
     drop(exec);

@@ -144,7 +144,8 @@ impl<'g> Executor<'g> {
         if inputs.len() != graph.n_inputs() {
             return Err(Error::Graph(format!("expected {} inputs, got {}", graph.n_inputs(), inputs.len())));
         }
-        let mut timeline = Timeline::start();
+        let device = inputs.first().map_or(candle_core::Device::Cpu, |t| t.device().clone());
+        let mut timeline = Timeline::start(&device);
         let mut stored: Vec<Option<Tensor>> = vec![None; graph.n_values()];
         for (slot, t) in stored.iter_mut().zip(inputs) {
             *slot = Some(t.clone());

@@ -138,41 +138,195 @@ pub mod rss {
     }
 }
 
-/// Memory and time of one measured region (usually a training step).
+/// Where a step's memory is counted: the host heap (CPU, through [`CountingAlloc`]) or the
+/// default memory pool of a CUDA device, from which candle allocates (`cuMemAllocAsync`).
+#[derive(Clone, Debug)]
+pub enum Counter {
+    Heap,
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::Pool),
+}
+
+impl Counter {
+    pub fn for_device(device: &candle_core::Device) -> Self {
+        match device {
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(d) => cuda::Pool::of(d).map(Counter::Cuda).unwrap_or(Counter::Heap),
+            _ => Counter::Heap,
+        }
+    }
+
+    /// Live bytes.
+    pub fn current(&self) -> u64 {
+        match self {
+            Counter::Heap => heap_current(),
+            #[cfg(feature = "cuda")]
+            Counter::Cuda(p) => p.used(),
+        }
+    }
+
+    /// Highest live bytes since the last [`Counter::reset_peak`].
+    pub fn peak(&self) -> u64 {
+        match self {
+            Counter::Heap => heap_peak(),
+            #[cfg(feature = "cuda")]
+            Counter::Cuda(p) => p.peak(),
+        }
+    }
+
+    pub fn reset_peak(&self) {
+        match self {
+            Counter::Heap => reset_heap_peak(),
+            #[cfg(feature = "cuda")]
+            Counter::Cuda(p) => p.reset_peak(),
+        }
+    }
+
+    /// Highest live bytes since the previous call, then starts a new window.
+    fn take_window_peak(&self) -> u64 {
+        match self {
+            Counter::Heap => take_window_peak(),
+            #[cfg(feature = "cuda")]
+            Counter::Cuda(p) => p.take_window_peak(),
+        }
+    }
+
+    /// Waits for queued device work, so that times and memory readings are the step's own.
+    pub fn synchronize(&self) {
+        #[cfg(feature = "cuda")]
+        if let Counter::Cuda(p) = self {
+            p.synchronize();
+        }
+    }
+
+    /// Bytes the device has reserved beyond what is live (CUDA pool only).
+    pub fn reserved(&self) -> Option<u64> {
+        match self {
+            Counter::Heap => None,
+            #[cfg(feature = "cuda")]
+            Counter::Cuda(p) => Some(p.reserved()),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    //! The CUDA pool meter: `CU_MEMPOOL_ATTR_USED_MEM_*` of the device's default memory pool.
+    //! The pool has one high-water mark; the timeline resets it at every event, so the step's
+    //! peak is kept here as the maximum of the windows.
+
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    static STEP_PEAK: AtomicU64 = AtomicU64::new(0);
+
+    #[derive(Clone, Debug)]
+    pub struct Pool {
+        pool: PoolHandle,
+        stream: Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    struct PoolHandle(sys::CUmemoryPool);
+    // A pool handle is a process-wide driver object; the driver API is thread-safe.
+    unsafe impl Send for PoolHandle {}
+    unsafe impl Sync for PoolHandle {}
+
+    impl Pool {
+        pub fn of(device: &candle_core::CudaDevice) -> Option<Self> {
+            let stream = device.cuda_stream();
+            let ctx = stream.context();
+            ctx.bind_to_thread().ok()?;
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            let rc = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) };
+            (rc == sys::CUresult::CUDA_SUCCESS).then_some(Pool { pool: PoolHandle(pool), stream })
+        }
+
+        fn get(&self, attr: sys::CUmemPool_attribute) -> u64 {
+            let mut v: u64 = 0;
+            unsafe { sys::cuMemPoolGetAttribute(self.pool.0, attr, &mut v as *mut u64 as *mut std::ffi::c_void) };
+            v
+        }
+
+        fn reset_high(&self) {
+            let mut zero: u64 = 0;
+            let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+            unsafe { sys::cuMemPoolSetAttribute(self.pool.0, attr, &mut zero as *mut u64 as *mut std::ffi::c_void) };
+        }
+
+        pub fn used(&self) -> u64 {
+            self.get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+        }
+
+        pub fn reserved(&self) -> u64 {
+            self.get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+        }
+
+        pub fn peak(&self) -> u64 {
+            STEP_PEAK.load(Ordering::Relaxed).max(self.get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH))
+        }
+
+        pub fn reset_peak(&self) {
+            self.reset_high();
+            STEP_PEAK.store(self.used(), Ordering::Relaxed);
+        }
+
+        pub fn take_window_peak(&self) -> u64 {
+            let w = self.get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH);
+            STEP_PEAK.fetch_max(w, Ordering::Relaxed);
+            self.reset_high();
+            w
+        }
+
+        pub fn synchronize(&self) {
+            let _ = self.stream.synchronize();
+        }
+    }
+}
+
+/// Memory and time of one measured region (usually a training step). "Heap" is the device's
+/// memory: the host heap on the CPU, the memory pool on a GPU (see [`Counter`]).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct Usage {
-    /// Heap bytes live when the region started (model state, optimizer state, data).
+    /// Bytes live when the region started (model state, optimizer state, data).
     pub heap_base: u64,
-    /// Highest heap bytes above `heap_base` during the region.
+    /// Highest bytes above `heap_base` during the region.
     pub heap_peak_delta: u64,
     /// Highest RSS during the region minus RSS at its start; `None` where `/proc` is missing.
     pub rss_peak_delta: Option<u64>,
     pub elapsed_ms: f64,
 }
 
-/// Measures one region: created at its start, [`Meter::finish`]ed at its end.
+/// Measures one region on one device: created at its start, [`Meter::finish`]ed at its end.
 pub struct Meter {
+    counter: Counter,
     start: Instant,
     heap_base: u64,
     rss_base: Option<u64>,
 }
 
 impl Meter {
-    pub fn start() -> Self {
-        reset_heap_peak();
+    pub fn start(device: &candle_core::Device) -> Self {
+        let counter = Counter::for_device(device);
+        counter.synchronize();
+        counter.reset_peak();
         let rss_base = if rss::reset_peak() { rss::current() } else { None };
-        Meter { start: Instant::now(), heap_base: heap_current(), rss_base }
+        Meter { heap_base: counter.current(), counter, start: Instant::now(), rss_base }
     }
 
-    /// Highest heap bytes above the start so far (e.g. after backward, before the optimizer).
+    /// Highest bytes above the start so far (e.g. after backward, before the optimizer).
     pub fn peak_so_far(&self) -> u64 {
-        heap_peak().saturating_sub(self.heap_base)
+        self.counter.synchronize();
+        self.counter.peak().saturating_sub(self.heap_base)
     }
 
     pub fn finish(self) -> Usage {
+        self.counter.synchronize();
         let elapsed_ms = self.start.elapsed().as_secs_f64() * 1e3;
         let rss_peak_delta = self.rss_base.zip(rss::peak()).map(|(b, p)| p.saturating_sub(b));
-        Usage { heap_base: self.heap_base, heap_peak_delta: heap_peak().saturating_sub(self.heap_base), rss_peak_delta, elapsed_ms }
+        let heap_peak_delta = self.counter.peak().saturating_sub(self.heap_base);
+        Usage { heap_base: self.heap_base, heap_peak_delta, rss_peak_delta, elapsed_ms }
     }
 }
 
@@ -200,22 +354,28 @@ pub struct Event {
 }
 
 /// The memory timeline of one step, recorded by the executor.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct Timeline {
     #[serde(skip)]
-    start: Option<Instant>,
+    counter: Counter,
+    #[serde(skip)]
+    start: Instant,
     pub events: Vec<Event>,
 }
 
 impl Timeline {
-    pub fn start() -> Self {
-        take_window_peak();
-        Timeline { start: Some(Instant::now()), events: Vec::new() }
+    pub fn start(device: &candle_core::Device) -> Self {
+        let counter = Counter::for_device(device);
+        counter.take_window_peak();
+        Timeline { counter, start: Instant::now(), events: Vec::new() }
     }
 
     pub fn record(&mut self, phase: Phase, stage: usize, grad_bytes: u64) {
-        let at_ms = self.start.map_or(0.0, |s| s.elapsed().as_secs_f64() * 1e3);
-        self.events.push(Event { phase, stage, at_ms, bytes: heap_current(), window_peak: take_window_peak(), grad_bytes });
+        // On a GPU the readings mean something only once the queued work has run.
+        self.counter.synchronize();
+        let at_ms = self.start.elapsed().as_secs_f64() * 1e3;
+        let (bytes, window_peak) = (self.counter.current(), self.counter.take_window_peak());
+        self.events.push(Event { phase, stage, at_ms, bytes, window_peak, grad_bytes });
     }
 
     /// The activation peak: the highest heap bytes of any window less the parameter gradients

@@ -54,7 +54,7 @@ impl StepLog {
         step: usize,
         update: impl FnOnce(&GradStore) -> candle_core::Result<()>,
     ) -> Result<f32> {
-        let meter = Meter::start();
+        let meter = Meter::start(inputs[0].device());
         let out = exec.step(inputs, step as u64)?;
         update(&out.grads)?;
         drop(out.grads);
@@ -111,7 +111,7 @@ pub fn second_step_peak(exec: &Executor, inputs: impl Fn(u64) -> Vec<Tensor>) ->
     let mut peak = 0;
     for step in 0..2 {
         let inputs = inputs(step);
-        let meter = Meter::start();
+        let meter = Meter::start(inputs[0].device());
         drop(exec.step(&inputs, step)?);
         peak = meter.finish().heap_peak_delta;
     }
