@@ -35,6 +35,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Check the device before a long run: tensor ops, conv2d, backward, the memory meter, and a
+    /// bit-exact gradient check; prints one JSON line and fails on any problem.
+    Selftest {
+        #[arg(long, default_value = "cpu")]
+        device: String,
+    },
     /// Measure one configuration and print its record as JSON (the matrix runs this per config).
     #[command(hide = true)]
     RunOne {
@@ -75,7 +81,8 @@ struct Common {
 #[derive(Args)]
 struct MatrixArgs {
     /// Which matrix to run: `models` (every model x every applicable policy of the profile),
-    /// `depth` (the depth sweep: off and sqrt on ever deeper GPT-2 block stacks) or `all` (both).
+    /// `depth` (the depth sweep: off and sqrt on ever deeper GPT-2 block stacks), `all` (both), or
+    /// `render` (rewrite the CSV, Markdown, TABLE.md and plots from matrix.json; run nothing).
     #[arg(long, default_value = "all")]
     matrix: String,
     /// Only models whose name starts with one of these (comma-separated), e.g. gpt2,resnet50.
@@ -123,6 +130,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Some(Cmd::RunOne { model, policy, common }) => run_one(&model, &policy, &common),
+        Some(Cmd::Selftest { device }) => selftest(&device),
         None => run_matrix(cli.matrix),
     }
 }
@@ -142,6 +150,36 @@ fn run_one(model: &str, policy: &Policy, common: &Common) -> Result<()> {
         .resized(common.batch, common.input_size);
     let rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device)?;
     println!("{}", serde_json::to_string(&rec)?);
+    Ok(())
+}
+
+fn selftest(device_name: &str) -> Result<()> {
+    use candle_core::{DType, Tensor, Var};
+    let dev = trainkit::device(device_name)?;
+    let counter = remat::memory::Counter::for_device(&dev);
+    counter.reset_peak();
+    let base = counter.current();
+    let a = Tensor::arange(0f32, 64.0, &dev)?.reshape((8, 8))?;
+    let matmul = a.matmul(&a.t()?)?.sum_all()?.to_scalar::<f32>()?;
+    let expected: f32 = (0..8).flat_map(|i| (0..8).map(move |j| (0..8).map(|k| ((8 * i + k) * (8 * j + k)) as f32).sum::<f32>())).sum();
+    anyhow::ensure!(matmul == expected, "matmul gave {matmul}, expected {expected}");
+    let x = Var::from_tensor(&Tensor::ones((1, 2, 6, 6), DType::F32, &dev)?)?;
+    let w = Tensor::ones((3, 2, 3, 3), DType::F32, &dev)?;
+    let y = x.as_tensor().conv2d(&w, 1, 2, 1, 1)?; // (1, 3, 3, 3)
+    let grads = y.sum_all()?.backward()?;
+    let g = grads.get(x.as_tensor()).context("conv2d backward gave no gradient")?.sum_all()?.to_scalar::<f32>()?;
+    anyhow::ensure!(g > 0.0, "conv2d input gradient sums to {g}");
+    counter.synchronize();
+    let peak = counter.peak().saturating_sub(base);
+    anyhow::ensure!(peak > 0, "the memory meter saw no allocation");
+    let w = workloads::profile("smoke")?.into_iter().find(|w| w.model == "gpt2-tiny").context("gpt2-tiny in smoke")?;
+    let rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name)?;
+    anyhow::ensure!(rec.grads_bit_identical, "gpt2-tiny sqrt: {} gradient elements differ from off", rec.grads_differing);
+    let report = serde_json::json!({
+        "device": device_name, "matmul": matmul, "conv2d_input_grad_sum": g, "meter_peak_bytes": peak,
+        "reserved_bytes": counter.reserved(), "gpt2_tiny_sqrt_bit_identical": rec.grads_bit_identical,
+    });
+    println!("{report}");
     Ok(())
 }
 
@@ -167,7 +205,8 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         "all" => (true, true),
         "models" => (true, false),
         "depth" => (false, true),
-        other => bail!("unknown matrix `{other}`; valid: all, models, depth (narrow them with --models and --policies)"),
+        "render" => (false, false),
+        other => bail!("unknown matrix `{other}`; valid: all, models, depth, render (narrow them with --models and --policies)"),
     };
     let common = &args.common;
     trainkit::device(&common.device)?;
@@ -181,6 +220,13 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     }
     if depth {
         selected.extend(workloads::depth_sweep(&profile)?);
+    }
+    if !models && !depth {
+        let dir = args.out.clone().unwrap_or_else(|| PathBuf::from(format!("results/{profile}-{}", common.device.replace(':', ""))));
+        let matrix = Matrix::load(&dir)?.with_context(|| format!("{} has no matrix.json to render", dir.display()))?;
+        matrix.save(&dir)?;
+        eprintln!("rendered {}", dir.display());
+        return Ok(());
     }
     let workloads: Vec<Workload> = selected
         .into_iter()

@@ -97,7 +97,7 @@ fn bad_arguments_name_the_valid_choices() {
     for (args, needle) in [
         (vec!["--profile", "huge"], "valid profiles: smoke, cpu, full"),
         (vec!["--policies", "sqrtt"], "valid policies"),
-        (vec!["--matrix", "some"], "valid: all, models, depth"),
+        (vec!["--matrix", "some"], "valid: all, models, depth, render"),
         (vec!["--device", "tpu"], "valid devices: cpu, cuda"),
         (vec!["--profile", "smoke", "--models", "vgg"], "matches no model"),
         (vec!["--memory-cap", "12 parsecs"], "unknown unit"),
