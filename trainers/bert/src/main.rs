@@ -40,11 +40,8 @@ struct Args {
     seq: usize,
     #[arg(long, default_value_t = 20)]
     steps: usize,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[command(flatten)]
+    run: trainkit::RunArgs,
     /// A UTF-8 text file to train on; default: the built-in synthetic corpus.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -56,9 +53,6 @@ struct Args {
     /// Write the trained weights here (safetensors snapshot).
     #[arg(long)]
     save: Option<PathBuf>,
-    /// Append one JSON record per step to this file.
-    #[arg(long)]
-    log_json: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -84,16 +78,16 @@ fn main() -> Result<()> {
                 Some(v) => WordVocab::from_file(v).with_context(|| format!("--vocab {}", v.display()))?,
                 None => WordVocab::build(&text),
             };
-            MlmData::new(&text, vocab, config.vocab_size, args.seq, args.seed)?
+            MlmData::new(&text, vocab, config.vocab_size, args.seq, args.run.seed)?
         }
-        None => MlmData::synthetic(config.vocab_size, args.seq, args.seed)?,
+        None => MlmData::synthetic(config.vocab_size, args.seq, args.run.seed)?,
     };
-    let device = trainkit::device(&args.device)?;
-    let model = Bert::new(config, &device, args.seed)?;
+    let device = trainkit::device(&args.run.device)?;
+    let model = Bert::new(config, &device, args.run.seed)?;
     if let Some((_, weights)) = &hub {
         model.load_snapshot(weights)?;
     }
-    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.seed)?;
+    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
     eprintln!(
         "BERT {} params, {} layers, policy {} ({} segments), batch {} x seq {}, vocabulary {}",
@@ -106,7 +100,7 @@ fn main() -> Result<()> {
         data.vocab.len()
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.log_json.as_deref())?;
+    let mut log = trainkit::StepLog::new(args.steps, args.run.log_json.as_deref())?;
     for step in 0..args.steps {
         let inputs = model.inputs(&data.batch(step as u64, args.batch), args.batch, args.seq, &device)?;
         log.train_step(&exec, &inputs, step, |g| opt.step(g))?;

@@ -31,11 +31,8 @@ struct Args {
     /// Sequence length (at most the model's context).
     #[arg(long, default_value_t = 256)]
     seq: usize,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[command(flatten)]
+    run: trainkit::RunArgs,
     /// Flat u16 little-endian token file; default: the built-in synthetic corpus (byte tokens).
     #[arg(long)]
     data: Option<PathBuf>,
@@ -47,9 +44,6 @@ struct Args {
     /// Write the trained weights here (safetensors snapshot).
     #[arg(long)]
     save: Option<PathBuf>,
-    /// Append one JSON record per step to this file.
-    #[arg(long)]
-    log_json: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -66,16 +60,16 @@ fn main() -> Result<()> {
     }
     let tokens = match &args.data {
         Some(path) => datasets::tokens::load_u16(path)?,
-        None => datasets::text::byte_tokens(&datasets::text::synthetic_corpus(args.seed, 1 << 20)),
+        None => datasets::text::byte_tokens(&datasets::text::synthetic_corpus(args.run.seed, 1 << 20)),
     };
-    let batcher = Batcher::new(tokens, args.seq, config.vocab_size, args.seed).context("--data")?;
+    let batcher = Batcher::new(tokens, args.seq, config.vocab_size, args.run.seed).context("--data")?;
 
-    let device = trainkit::device(&args.device)?;
-    let model = Gpt2::new(config, &device, args.seed)?;
+    let device = trainkit::device(&args.run.device)?;
+    let model = Gpt2::new(config, &device, args.run.seed)?;
     if let Some(path) = &args.init {
         model.load_snapshot(path)?;
     }
-    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.seed)?;
+    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
     eprintln!(
         "GPT-2 {} params, {} layers, policy {} ({} segments), batch {} x seq {}",
@@ -87,7 +81,7 @@ fn main() -> Result<()> {
         args.seq
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.log_json.as_deref())?;
+    let mut log = trainkit::StepLog::new(args.steps, args.run.log_json.as_deref())?;
     for step in 0..args.steps {
         let (x, y) = batcher.batch(step as u64, args.batch);
         let inputs = model.inputs(&x, &y, args.batch, args.seq, &device)?;

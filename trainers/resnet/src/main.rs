@@ -35,11 +35,8 @@ struct Args {
     image_size: usize,
     #[arg(long, default_value_t = 20)]
     steps: usize,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[command(flatten)]
+    run: trainkit::RunArgs,
     /// An image folder (one sub-folder per class, the ImageFolder layout); default: synthetic images.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -56,9 +53,6 @@ struct Args {
     /// Write the trained weights and BatchNorm statistics here (safetensors snapshot).
     #[arg(long)]
     save: Option<PathBuf>,
-    /// Append one JSON record per step to this file.
-    #[arg(long)]
-    log_json: Option<PathBuf>,
 }
 
 /// Where batches come from.
@@ -86,18 +80,18 @@ fn main() -> Result<()> {
     }
     let (data, classes) = match &args.data {
         Some(root) => {
-            let folder = ImageFolder::open(root, args.image_size, args.seed)?;
+            let folder = ImageFolder::open(root, args.image_size, args.run.seed)?;
             let n = folder.classes().len();
             (Data::Folder(folder), n)
         }
-        None => (Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.seed)), args.classes),
+        None => (Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.run.seed)), args.classes),
     };
-    let device = trainkit::device(&args.device)?;
-    let model = ResNet::new(Config { classes, ..args.preset.clone() }, &device, args.seed)?;
+    let device = trainkit::device(&args.run.device)?;
+    let model = ResNet::new(Config { classes, ..args.preset.clone() }, &device, args.run.seed)?;
     if let Some(path) = &args.init {
         model.load_snapshot(path)?;
     }
-    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.seed)?;
+    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let vars = model.params().vars();
     let mut opt: Box<dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>> = match args.optimizer {
         Opt::Sgd => {
@@ -120,7 +114,7 @@ fn main() -> Result<()> {
         args.image_size
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.log_json.as_deref())?;
+    let mut log = trainkit::StepLog::new(args.steps, args.run.log_json.as_deref())?;
     for step in 0..args.steps {
         let (images, labels) = data.batch(step as u64, args.batch)?;
         let inputs = model.inputs(&images, &labels, args.image_size, &device)?;

@@ -23,6 +23,19 @@ struct StepRecord {
     rss_peak_delta_bytes: Option<u64>,
 }
 
+/// The command-line options every trainer shares.
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Write one JSON record per step to this file.
+    #[arg(long)]
+    pub log_json: Option<std::path::PathBuf>,
+}
+
 pub struct StepLog {
     bar: ProgressBar,
     json: Option<std::fs::File>,

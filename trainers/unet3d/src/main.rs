@@ -34,11 +34,8 @@ struct Args {
     volume: usize,
     #[arg(long, default_value_t = 20)]
     steps: usize,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[command(flatten)]
+    run: trainkit::RunArgs,
     /// A folder with images/*.npy (C, D, H, W) and labels/*.npy (D, H, W); default: synthetic shapes.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -52,9 +49,6 @@ struct Args {
     loss: LossArg,
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
-    /// Append one JSON record per step to this file.
-    #[arg(long)]
-    log_json: Option<PathBuf>,
 }
 
 enum Data {
@@ -69,14 +63,14 @@ fn main() -> Result<()> {
     }
     let (data, in_channels) = match &args.data {
         Some(root) => {
-            let volumes = NpyVolumes::open(root, args.seed)?;
+            let volumes = NpyVolumes::open(root, args.run.seed)?;
             let first = volumes.read(0)?;
             if first.shape[1..].iter().any(|&s| s != args.volume) {
                 bail!("--volume {} does not match the data's volumes of shape {:?} (C, D, H, W)", args.volume, first.shape);
             }
             (Data::Npy(volumes), first.shape[0])
         }
-        None => (Data::Synthetic(SyntheticVolumes::new(args.volume, args.seed)), 1),
+        None => (Data::Synthetic(SyntheticVolumes::new(args.volume, args.run.seed)), 1),
     };
     let config = Config {
         in_channels,
@@ -88,9 +82,9 @@ fn main() -> Result<()> {
         },
         ..args.preset.clone()
     };
-    let device = trainkit::device(&args.device)?;
-    let model = UNet3d::new(config, &device, args.seed)?;
-    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.seed)?;
+    let device = trainkit::device(&args.run.device)?;
+    let model = UNet3d::new(config, &device, args.run.seed)?;
+    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
     eprintln!(
         "3D U-Net {} params, policy {} ({} segments), batch {} x {}^3",
@@ -101,7 +95,7 @@ fn main() -> Result<()> {
         args.volume
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.log_json.as_deref())?;
+    let mut log = trainkit::StepLog::new(args.steps, args.run.log_json.as_deref())?;
     for step in 0..args.steps {
         let (voxels, labels) = match &data {
             Data::Synthetic(d) => d.batch(step as u64, args.batch),
