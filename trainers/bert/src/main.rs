@@ -50,9 +50,6 @@ struct Args {
     vocab: Option<PathBuf>,
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
-    /// Write the trained weights here (safetensors snapshot).
-    #[arg(long)]
-    save: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -104,10 +101,12 @@ fn main() -> Result<()> {
     for step in 0..args.steps {
         let inputs = model.inputs(&data.batch(step as u64, args.batch), args.batch, args.seq, &device)?;
         log.train_step(&exec, &inputs, step, |g| opt.step(g))?;
+        if let Some(path) = args.run.snapshot_due(step, args.steps) {
+            model.save_snapshot(path)?;
+        }
     }
     log.finish();
-    if let Some(path) = &args.save {
-        model.save_snapshot(path)?;
+    if let Some(path) = &args.run.save {
         eprintln!("saved snapshot to {}", path.display());
     }
     Ok(())

@@ -41,9 +41,6 @@ struct Args {
     /// Start from these weights (Hugging Face GPT-2 safetensors).
     #[arg(long)]
     init: Option<PathBuf>,
-    /// Write the trained weights here (safetensors snapshot).
-    #[arg(long)]
-    save: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -86,10 +83,12 @@ fn main() -> Result<()> {
         let (x, y) = batcher.batch(step as u64, args.batch);
         let inputs = model.inputs(&x, &y, args.batch, args.seq, &device)?;
         log.train_step(&exec, &inputs, step, |g| opt.step(g))?;
+        if let Some(path) = args.run.snapshot_due(step, args.steps) {
+            model.save_snapshot(path)?;
+        }
     }
     log.finish();
-    if let Some(path) = &args.save {
-        model.save_snapshot(path)?;
+    if let Some(path) = &args.run.save {
         eprintln!("saved snapshot to {}", path.display());
     }
     Ok(())

@@ -56,3 +56,16 @@ fn loss_falls_over_fifty_steps_on_the_default_corpus() {
     // Uniform over 256 byte tokens is ln 256 = 5.55; the corpus's grammar is learnable well below.
     assert!(losses[0] > 5.0 && last < losses[0] - 1.5, "loss went {} -> {last}", losses[0]);
 }
+
+#[test]
+fn snapshots_are_written_during_the_run_and_load_back() {
+    let snap = temp_file("snapshot.safetensors", b"");
+    std::fs::remove_file(&snap).unwrap();
+    let args = ["--preset", "tiny", "--steps", "3", "--batch", "2", "--seq", "16", "--save-every", "2", "--save", snap.to_str().unwrap()];
+    let out = run(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::metadata(&snap).unwrap().len() > 0);
+    let out = run(&["--preset", "tiny", "--steps", "1", "--seq", "16", "--init", snap.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_fails_with(&["--preset", "tiny", "--save-every", "2"], "--save");
+}

@@ -69,10 +69,14 @@ impl ParamStore {
         self.vars.values().map(|v| v.elem_count()).sum()
     }
 
-    /// Writes every parameter and buffer to a safetensors snapshot under its name.
+    /// Writes every parameter and buffer to a safetensors snapshot under its name. The file is
+    /// written beside the target and renamed over it, so an interrupted write keeps the old one.
     pub fn save(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
+        let io = |source| SnapshotError::Io { path: path.display().to_string(), source };
         let map: HashMap<String, Tensor> = self.all().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
-        candle_core::safetensors::save(&map, path).map_err(|source| SnapshotError::Io { path: path.display().to_string(), source })
+        let tmp = path.with_extension("safetensors.partial");
+        candle_core::safetensors::save(&map, &tmp).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(|e| io(e.into()))
     }
 
     /// Loads every parameter and buffer from a safetensors snapshot. `rename` maps a file's tensor

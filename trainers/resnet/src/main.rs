@@ -50,9 +50,6 @@ struct Args {
     /// Start from these weights (torchvision names, safetensors).
     #[arg(long)]
     init: Option<PathBuf>,
-    /// Write the trained weights and BatchNorm statistics here (safetensors snapshot).
-    #[arg(long)]
-    save: Option<PathBuf>,
 }
 
 /// Where batches come from.
@@ -119,10 +116,12 @@ fn main() -> Result<()> {
         let (images, labels) = data.batch(step as u64, args.batch)?;
         let inputs = model.inputs(&images, &labels, args.image_size, &device)?;
         log.train_step(&exec, &inputs, step, &mut opt)?;
+        if let Some(path) = args.run.snapshot_due(step, args.steps) {
+            model.save_snapshot(path)?;
+        }
     }
     log.finish();
-    if let Some(path) = &args.save {
-        model.save_snapshot(path)?;
+    if let Some(path) = &args.run.save {
         eprintln!("saved snapshot to {}", path.display());
     }
     Ok(())

@@ -34,6 +34,21 @@ pub struct RunArgs {
     /// Write one JSON record per step to this file.
     #[arg(long)]
     pub log_json: Option<std::path::PathBuf>,
+    /// Write the trained weights (and BatchNorm statistics) here as a safetensors snapshot.
+    #[arg(long)]
+    pub save: Option<std::path::PathBuf>,
+    /// Also write the snapshot every N steps, so an interrupted run keeps its progress.
+    #[arg(long, requires = "save")]
+    pub save_every: Option<usize>,
+}
+
+impl RunArgs {
+    /// Where to write a snapshot after `step` (0-based) of `steps`, if one is due.
+    pub fn snapshot_due(&self, step: usize, steps: usize) -> Option<&Path> {
+        let done = step + 1;
+        let due = done == steps || self.save_every.is_some_and(|n| n > 0 && done % n == 0);
+        self.save.as_deref().filter(|_| due)
+    }
 }
 
 pub struct StepLog {

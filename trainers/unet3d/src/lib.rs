@@ -266,6 +266,10 @@ impl UNet3d {
         &self.params
     }
 
+    pub fn save_snapshot(&self, path: &std::path::Path) -> std::result::Result<(), layers::SnapshotError> {
+        self.params.save(path)
+    }
+
     /// Graph inputs: voxels flattened (N, C, S, S, S) and labels (N*S^3). The side must divide by
     /// 2^levels (every pool halves it).
     pub fn inputs(&self, voxels: &[f32], labels: &[u32], side: usize, device: &Device) -> Result<Vec<Tensor>> {

@@ -109,7 +109,13 @@ fn main() -> Result<()> {
         }
         let inputs = model.inputs(&voxels, &labels, args.volume, &device)?;
         log.train_step(&exec, &inputs, step, |g| opt.step(g))?;
+        if let Some(path) = args.run.snapshot_due(step, args.steps) {
+            model.save_snapshot(path)?;
+        }
     }
     log.finish();
+    if let Some(path) = &args.run.save {
+        eprintln!("saved snapshot to {}", path.display());
+    }
     Ok(())
 }
