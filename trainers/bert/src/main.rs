@@ -97,17 +97,14 @@ fn main() -> Result<()> {
         data.vocab.len()
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.run.log_json.as_deref())?;
+    let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
     for step in 0..args.steps {
         let inputs = model.inputs(&data.batch(step as u64, args.batch), args.batch, args.seq, &device)?;
         log.train_step(&exec, &inputs, step, |g| opt.step(g))?;
-        if let Some(path) = args.run.snapshot_due(step, args.steps) {
+        if let Some(path) = log.snapshot_due(step) {
             model.save_snapshot(path)?;
         }
     }
     log.finish();
-    if let Some(path) = &args.run.save {
-        eprintln!("saved snapshot to {}", path.display());
-    }
     Ok(())
 }

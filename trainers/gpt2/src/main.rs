@@ -78,18 +78,15 @@ fn main() -> Result<()> {
         args.seq
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.run.log_json.as_deref())?;
+    let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
     for step in 0..args.steps {
         let (x, y) = batcher.batch(step as u64, args.batch);
         let inputs = model.inputs(&x, &y, args.batch, args.seq, &device)?;
         log.train_step(&exec, &inputs, step, |g| opt.step(g))?;
-        if let Some(path) = args.run.snapshot_due(step, args.steps) {
+        if let Some(path) = log.snapshot_due(step) {
             model.save_snapshot(path)?;
         }
     }
     log.finish();
-    if let Some(path) = &args.run.save {
-        eprintln!("saved snapshot to {}", path.display());
-    }
     Ok(())
 }

@@ -111,18 +111,15 @@ fn main() -> Result<()> {
         args.image_size
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.run.log_json.as_deref())?;
+    let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
     for step in 0..args.steps {
         let (images, labels) = data.batch(step as u64, args.batch)?;
         let inputs = model.inputs(&images, &labels, args.image_size, &device)?;
         log.train_step(&exec, &inputs, step, &mut opt)?;
-        if let Some(path) = args.run.snapshot_due(step, args.steps) {
+        if let Some(path) = log.snapshot_due(step) {
             model.save_snapshot(path)?;
         }
     }
     log.finish();
-    if let Some(path) = &args.run.save {
-        eprintln!("saved snapshot to {}", path.display());
-    }
     Ok(())
 }

@@ -42,19 +42,13 @@ pub struct RunArgs {
     pub save_every: Option<usize>,
 }
 
-impl RunArgs {
-    /// Where to write a snapshot after `step` (0-based) of `steps`, if one is due.
-    pub fn snapshot_due(&self, step: usize, steps: usize) -> Option<&Path> {
-        let done = step + 1;
-        let due = done == steps || self.save_every.is_some_and(|n| n > 0 && done % n == 0);
-        self.save.as_deref().filter(|_| due)
-    }
-}
-
 pub struct StepLog {
     bar: ProgressBar,
     json: Option<std::fs::File>,
     times: Vec<f64>,
+    steps: usize,
+    save: Option<std::path::PathBuf>,
+    save_every: Option<usize>,
 }
 
 pub fn mib(bytes: u64) -> f64 {
@@ -62,15 +56,23 @@ pub fn mib(bytes: u64) -> f64 {
 }
 
 impl StepLog {
-    /// `json`: a file to write one JSON record per step into.
-    pub fn new(steps: usize, json: Option<&Path>) -> Result<Self> {
+    /// A log for `steps` steps, with the JSON file and snapshot schedule of `run`.
+    pub fn new(steps: usize, run: &RunArgs) -> Result<Self> {
         let bar = ProgressBar::new(steps as u64)
             .with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
-        let json = match json {
+        let json = match &run.log_json {
             Some(p) => Some(std::fs::File::create(p).with_context(|| format!("--log-json {}", p.display()))?),
             None => None,
         };
-        Ok(StepLog { bar, json, times: Vec::new() })
+        Ok(StepLog { bar, json, times: Vec::new(), steps, save: run.save.clone(), save_every: run.save_every })
+    }
+
+    /// Where to write a snapshot after `step` (0-based), if one is due: every `--save-every`
+    /// steps and after the last.
+    pub fn snapshot_due(&self, step: usize) -> Option<&Path> {
+        let done = step + 1;
+        let due = done == self.steps || self.save_every.is_some_and(|n| n > 0 && done % n == 0);
+        self.save.as_deref().filter(|_| due)
     }
 
     /// One measured training step: forward and backward under `exec`, then `update` with the
@@ -116,13 +118,17 @@ impl StepLog {
         Ok(())
     }
 
-    /// Clears the bar and prints the median step time, the first (warm-up) step excluded.
+    /// Clears the bar; prints the median step time (the first, warm-up step excluded) and where
+    /// the snapshot went.
     pub fn finish(self) {
         self.bar.finish_and_clear();
         if self.times.len() > 1 {
             let mut t = self.times[1..].to_vec();
             t.sort_by(f64::total_cmp);
             eprintln!("median step time after warm-up: {:.1} ms", t[t.len() / 2]);
+        }
+        if let Some(path) = &self.save {
+            eprintln!("saved snapshot to {}", path.display());
         }
     }
 }

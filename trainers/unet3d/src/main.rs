@@ -95,7 +95,7 @@ fn main() -> Result<()> {
         args.volume
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.run.log_json.as_deref())?;
+    let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
     for step in 0..args.steps {
         let (voxels, labels) = match &data {
             Data::Synthetic(d) => d.batch(step as u64, args.batch),
@@ -109,13 +109,10 @@ fn main() -> Result<()> {
         }
         let inputs = model.inputs(&voxels, &labels, args.volume, &device)?;
         log.train_step(&exec, &inputs, step, |g| opt.step(g))?;
-        if let Some(path) = args.run.snapshot_due(step, args.steps) {
+        if let Some(path) = log.snapshot_due(step) {
             model.save_snapshot(path)?;
         }
     }
     log.finish();
-    if let Some(path) = &args.run.save {
-        eprintln!("saved snapshot to {}", path.display());
-    }
     Ok(())
 }
