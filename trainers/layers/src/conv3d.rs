@@ -86,7 +86,7 @@ pub fn max_pool3d_k2s2(x: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::Device;
     use remat::rng::RngKey;
 
     fn rand(name: &str, shape: &[usize]) -> Vec<f32> {
@@ -154,37 +154,8 @@ mod tests {
         Ok(())
     }
 
-    /// d(sum(f(x) * r))/dx by backward against central differences, for every element.
-    fn check_gradient(f: impl Fn(&Tensor) -> Result<Tensor>, xs: &[usize]) -> Result<()> {
-        let x = rand("fd-x", xs);
-        let var = Var::from_vec(x.clone(), xs, &Device::Cpu)?;
-        let y = f(var.as_tensor())?;
-        let r = Tensor::from_vec(rand("fd-r", y.dims()), y.dims(), &Device::Cpu)?;
-        let g = (y * &r)?.sum_all()?.backward()?.get(var.as_tensor()).unwrap().flatten_all()?.to_vec1::<f32>()?;
-        let loss = |v: &[f32]| -> Result<f64> {
-            let t = Tensor::from_vec(v.to_vec(), xs, &Device::Cpu)?.to_dtype(candle_core::DType::F64)?;
-            Ok((f(&t)? * r.to_dtype(candle_core::DType::F64)?)?.sum_all()?.to_scalar::<f64>()?)
-        };
-        for i in 0..x.len() {
-            let (mut up, mut down) = (x.clone(), x.clone());
-            up[i] += 1e-3;
-            down[i] -= 1e-3;
-            let fd = (loss(&up)? - loss(&down)?) / 2e-3;
-            assert!((fd - g[i] as f64).abs() < 1e-2 * (1.0 + fd.abs()), "element {i}: finite difference {fd}, backward {}", g[i]);
-        }
-        Ok(())
-    }
-
     #[test]
-    fn conv3d_gradient_matches_finite_differences() -> Result<()> {
-        let w = Tensor::from_vec(rand("w", &[2, 2, 3, 3, 3]), (2, 2, 3, 3, 3), &Device::Cpu)?;
-        let g = Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 1, pad_hw: 1 };
-        check_gradient(|x| conv3d(x, &w.to_dtype(x.dtype())?, g), &[1, 2, 5, 5, 5])?;
-        check_gradient(|x| conv3d(x, &w.to_dtype(x.dtype())?, Conv3dGeometry::same(3)), &[1, 2, 3, 4, 4])
-    }
-
-    #[test]
-    fn transposed_conv_matches_the_definition_and_finite_differences() -> Result<()> {
+    fn transposed_conv_matches_the_definition() -> Result<()> {
         let (xs, ws) = ([2, 3, 2, 3, 2], [3, 4, 2, 2, 2]);
         let (x, w) = (rand("x", &xs), rand("w", &ws));
         let got = conv_transpose3d_k2s2(&Tensor::from_vec(x.clone(), &xs, &Device::Cpu)?, &Tensor::from_vec(w.clone(), &ws, &Device::Cpu)?)?;
@@ -195,12 +166,11 @@ mod tests {
             let at = (((b * 4 + oc) * 4 + z) * 6 + i) * 4 + j;
             assert!((got[at] - want).abs() < 1e-5, "{:?}", (b, oc, z, i, j));
         }
-        let w = Tensor::from_vec(w, &ws, &Device::Cpu)?;
-        check_gradient(|x| conv_transpose3d_k2s2(x, &w.to_dtype(x.dtype())?), &[1, 3, 2, 2, 3])
+        Ok(())
     }
 
     #[test]
-    fn max_pool_matches_the_definition_and_finite_differences() -> Result<()> {
+    fn max_pool_matches_the_definition() -> Result<()> {
         let xs = [1, 2, 5, 4, 6]; // odd depth: the last slice is dropped
         let x = rand("x", &xs);
         let got = max_pool3d_k2s2(&Tensor::from_vec(x.clone(), &xs, &Device::Cpu)?)?;
@@ -212,6 +182,6 @@ mod tests {
                 .fold(f32::NEG_INFINITY, f32::max);
             assert_eq!(got[((c * 2 + z) * 2 + i) * 3 + j], want);
         }
-        check_gradient(max_pool3d_k2s2, &[1, 2, 3, 4, 4])
+        Ok(())
     }
 }

@@ -34,7 +34,7 @@ fn pool_axis_k3s2p1(x: &Tensor, axis: usize) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::Device;
 
     /// Direct definition: every output is the max of its 3x3 window (out-of-range skipped).
     fn naive(x: &[f32], h: usize, w: usize) -> Vec<f32> {
@@ -66,27 +66,6 @@ mod tests {
             let x = input(h, w);
             let t = Tensor::from_vec(x.clone(), (1, 1, h, w), &Device::Cpu)?;
             assert_eq!(max_pool2d_k3s2p1(&t)?.flatten_all()?.to_vec1::<f32>()?, naive(&x, h, w), "{h}x{w}");
-        }
-        Ok(())
-    }
-
-    #[test]
-    fn gradient_matches_finite_differences() -> Result<()> {
-        let (h, w) = (7, 6);
-        let x = input(h, w);
-        let weights = remat::rng::RngKey::named(2, "w").normal(h.div_ceil(2) * w.div_ceil(2), 0.0, 1.0);
-        let loss = |x: &[f32]| naive(x, h, w).iter().zip(&weights).map(|(a, b)| (a * b) as f64).sum::<f64>();
-        let var = Var::from_vec(x.clone(), (1, 1, h, w), &Device::Cpu)?;
-        let wt = Tensor::from_vec(weights.clone(), (1, 1, h.div_ceil(2), w.div_ceil(2)), &Device::Cpu)?;
-        let grads = (max_pool2d_k3s2p1(var.as_tensor())? * wt)?.sum_all()?.backward()?;
-        let g = grads.get(var.as_tensor()).unwrap().flatten_all()?.to_vec1::<f32>()?;
-        for i in 0..x.len() {
-            let eps = 1e-4;
-            let (mut up, mut down) = (x.clone(), x.clone());
-            up[i] += eps;
-            down[i] -= eps;
-            let fd = (loss(&up) - loss(&down)) / (2.0 * eps as f64);
-            assert!((fd - g[i] as f64).abs() < 1e-2, "element {i}: finite difference {fd}, backward {}", g[i]);
         }
         Ok(())
     }

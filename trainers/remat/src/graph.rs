@@ -4,7 +4,8 @@
 //! gets the next free id. A chain is the special case where each stage consumes the previous
 //! stage's single output; skip edges (U-Net) are values consumed by stages further on.
 
-use crate::stage::{Stage, StageKind};
+use crate::stage::{Stage, StageCtx, StageKind};
+use candle_core::Tensor;
 use crate::{Error, Result};
 
 /// Index of a tensor value flowing through a [`StageGraph`].
@@ -71,6 +72,27 @@ impl StageGraph {
     /// The stage that produces `v`, or `None` for a graph input.
     pub fn producer(&self, v: ValueId) -> Option<usize> {
         (v >= self.n_inputs).then(|| self.nodes.iter().position(|n| n.outputs.contains(&v))).flatten()
+    }
+
+    /// The loss computed by plain candle: every stage in order, in training mode, with candle's
+    /// whole graph kept, so `loss.backward()` is plain candle's backward. Stage `i` draws the
+    /// random keys the executor's forward draws, so this is the reference every policy, `off`
+    /// included, must equal bit for bit; it shares no code with the executor.
+    pub fn plain_loss(&self, inputs: &[Tensor], seed: u64, step: u64) -> Result<Tensor> {
+        if inputs.len() != self.n_inputs {
+            return Err(Error::Graph(format!("expected {} inputs, got {}", self.n_inputs, inputs.len())));
+        }
+        let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(self.n_values).collect();
+        for (i, node) in self.nodes.iter().enumerate() {
+            let missing = |v| Error::Graph(format!("stage `{}` consumes value {v}, which its producer did not return", node.stage.name()));
+            let ins = node.inputs.iter().map(|&v| values[v].clone().ok_or_else(|| missing(v))).collect::<Result<Vec<Tensor>>>()?;
+            let ctx = StageCtx::new(seed, step, i, 0, false, true);
+            let outs = node.stage.forward(&ins, &ctx).map_err(|source| Error::Stage { stage: i, name: node.stage.name(), source })?;
+            for (&v, t) in node.outputs.iter().zip(outs) {
+                values[v] = Some(t);
+            }
+        }
+        values[self.output()?].clone().ok_or_else(|| Error::Graph("no stage produced the output".into()))
     }
 
     /// Indices of the stages that count as blocks for the policies.

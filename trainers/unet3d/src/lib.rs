@@ -270,6 +270,12 @@ impl UNet3d {
         self.params.save(path)
     }
 
+    /// Loads a snapshot written by [`UNet3d::save_snapshot`]: our own names, so nothing is renamed
+    /// or skipped, and every parameter and BatchNorm buffer must be in the file.
+    pub fn load_snapshot(&self, path: &std::path::Path) -> std::result::Result<(), layers::SnapshotError> {
+        self.params.load(path, |n| Some(n.to_string()))
+    }
+
     /// Graph inputs: voxels flattened (N, C, S, S, S) and labels (N*S^3). The side must divide by
     /// 2^levels (every pool halves it).
     pub fn inputs(&self, voxels: &[f32], labels: &[u32], side: usize, device: &Device) -> Result<Vec<Tensor>> {

@@ -1,0 +1,24 @@
+//! GPT-2 against Hugging Face `transformers` (`tests/fixtures/gpt2.safetensors`, written by
+//! `scripts/make_fixtures.py`): a tiny model's logits, its training loss and every parameter's
+//! gradient, under `off` and `sqrt`. Tolerances: `trainkit::reference`.
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use gpt2::Gpt2;
+use trainkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
+
+#[test]
+fn logits_loss_and_gradients_match_pytorch() -> Result<()> {
+    let fx = Fixture::load(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gpt2.safetensors").as_ref())?;
+    let model = Gpt2::new(fx.config()?, &Device::Cpu, 0)?;
+    model.load_snapshot(fx.path())?;
+    let (b, t) = fx.tensor("ids")?.dims2()?;
+    let ids = Tensor::from_vec(fx.ids("ids")?, (b, t), &Device::Cpu)?;
+    check_close("logits", &model.logits(&ids)?, &fx.tensor("logits")?, LOGITS_TOL)?;
+    let inputs = model.inputs(&fx.ids("ids")?, &fx.ids("targets")?, b, t, &Device::Cpu)?;
+    for policy in ["off", "sqrt"] {
+        let worst = check_training_step(&fx, model.graph(), model.params(), &inputs, policy)?;
+        eprintln!("{policy}: largest gradient error {worst:.2e}");
+    }
+    Ok(())
+}

@@ -1,0 +1,218 @@
+//! Every layer of this crate against central finite differences in f64: the gradient of every
+//! input *and* every weight, on odd shapes, non-trivial affine parameters, and BatchNorm in
+//! training mode. Plus the rules finite differences cannot see: BatchNorm's running statistics
+//! and dropout's mask replay.
+//!
+//! Tolerance: with step h = 1e-6 in f64 the central difference is off by O(h^2 f''') ~ 1e-12 from
+//! truncation and ~ 1e-16 |f| / h = 1e-10 |f| from rounding, so `|fd - backward| <= 1e-6 (1 + |fd|)`
+//! leaves four orders of magnitude of slack and still catches a gradient off by 1e-5 relative.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use layers::{
+    conv3d, conv_transpose3d_k2s2, dropout, max_pool2d_k3s2p1, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, LayerNorm, ParamStore,
+};
+use remat::rng::RngKey;
+use remat::StageCtx;
+
+const H: f64 = 1e-6;
+const TOL: f64 = 1e-6;
+
+fn normal(name: &str, shape: &[usize], mean: f32, std: f32) -> Result<Var> {
+    let v = RngKey::named(11, name).normal(shape.iter().product(), mean, std);
+    Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(DType::F64)?)
+}
+
+/// Distinct values spaced far more than `H` apart in random order: no ties, so max-pooling is
+/// differentiable at the point and a perturbation never changes which element wins.
+fn distinct(name: &str, shape: &[usize]) -> Result<Var> {
+    let n: usize = shape.iter().product();
+    let u = RngKey::named(12, name).uniform(n);
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| u[a].total_cmp(&u[b]));
+    let mut v = vec![0f64; n];
+    for (rank, &i) in order.iter().enumerate() {
+        v[i] = rank as f64 * 0.01 - n as f64 * 0.005;
+    }
+    Var::from_vec(v, shape, &Device::Cpu)
+}
+
+/// The loss `sum(f() * r)` for a fixed random `r`, so every output element weighs differently.
+fn weighted_sum(f: &dyn Fn() -> Result<Tensor>) -> Result<Tensor> {
+    let y = f()?;
+    let r = RngKey::named(13, "r").normal(y.elem_count(), 0.0, 1.0);
+    let r = Tensor::from_vec(r, y.shape(), y.device())?.to_dtype(DType::F64)?;
+    (y * r)?.sum_all()
+}
+
+/// The backward gradient of every element of every var in `vars` against central differences.
+fn check_gradients(what: &str, vars: &[(&str, &Var)], f: impl Fn() -> Result<Tensor>) -> Result<()> {
+    let grads = weighted_sum(&f)?.backward()?;
+    for (name, var) in vars {
+        assert_eq!(var.dtype(), DType::F64, "{what}: `{name}` must be f64");
+        let g = grads.get(var).unwrap_or_else(|| panic!("{what}: `{name}` got no gradient")).flatten_all()?.to_vec1::<f64>()?;
+        let x0 = var.as_tensor().flatten_all()?.to_vec1::<f64>()?;
+        let at = |i: usize, delta: f64| -> Result<f64> {
+            let mut x = x0.clone();
+            x[i] += delta;
+            var.set(&Tensor::from_vec(x, var.shape(), var.device())?)?;
+            weighted_sum(&f)?.to_scalar::<f64>()
+        };
+        for i in 0..x0.len() {
+            let fd = (at(i, H)? - at(i, -H)?) / (2.0 * H);
+            assert!((fd - g[i]).abs() <= TOL * (1.0 + fd.abs()), "{what}: d/d{name}[{i}]: finite difference {fd}, backward {}", g[i]);
+        }
+        var.set(&Tensor::from_vec(x0, var.shape(), var.device())?)?;
+    }
+    Ok(())
+}
+
+/// A parameter store in f64 whose parameters are then set to random values (non-trivial affine).
+fn randomised(params: &ParamStore) -> Result<Vec<(String, Var)>> {
+    let named: Vec<(String, Var)> = params.named().map(|(n, v)| (n.to_string(), v.clone())).collect();
+    for (name, var) in &named {
+        let mean = if name.ends_with("weight") { 1.0 } else { 0.0 };
+        var.set(normal(name, var.dims(), mean, 0.5)?.as_tensor())?;
+    }
+    Ok(named)
+}
+
+fn refs(named: &[(String, Var)]) -> Vec<(&str, &Var)> {
+    named.iter().map(|(n, v)| (n.as_str(), v)).collect()
+}
+
+#[test]
+fn conv3d_input_and_weight() -> Result<()> {
+    let cases = [
+        ([1, 2, 5, 5, 5], [3, 2, 3, 3, 3], Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 1, pad_hw: 1 }),
+        ([2, 2, 3, 4, 4], [2, 2, 3, 3, 3], Conv3dGeometry::same(3)),
+        ([1, 3, 4, 3, 5], [2, 3, 2, 1, 3], Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: 0, pad_hw: 0 }),
+    ];
+    for (xs, ws, g) in cases {
+        let (x, w) = (normal("x", &xs, 0.0, 1.0)?, normal("w", &ws, 0.0, 1.0)?);
+        check_gradients(&format!("conv3d {xs:?} {ws:?}"), &[("x", &x), ("w", &w)], || conv3d(x.as_tensor(), w.as_tensor(), g))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn transposed_conv3d_input_and_weight() -> Result<()> {
+    let (x, w) = (normal("x", &[2, 3, 1, 3, 2], 0.0, 1.0)?, normal("w", &[3, 2, 2, 2, 2], 0.0, 1.0)?);
+    check_gradients("conv_transpose3d_k2s2", &[("x", &x), ("w", &w)], || conv_transpose3d_k2s2(x.as_tensor(), w.as_tensor()))
+}
+
+#[test]
+fn pools() -> Result<()> {
+    let x = distinct("pool3d", &[1, 2, 5, 4, 7])?; // odd sizes: the last slice of depth and width is dropped
+    check_gradients("max_pool3d_k2s2", &[("x", &x)], || max_pool3d_k2s2(x.as_tensor()))?;
+    let x = distinct("pool2d", &[2, 2, 7, 6])?;
+    check_gradients("max_pool2d_k3s2p1", &[("x", &x)], || max_pool2d_k3s2p1(x.as_tensor()))
+}
+
+#[test]
+fn layer_norm_input_weight_and_bias() -> Result<()> {
+    let mut params = ParamStore::new(&Device::Cpu, DType::F64, 0);
+    let ln = LayerNorm::new(&mut params, "ln", 5, 1e-5)?;
+    let named = randomised(&params)?;
+    let x = normal("x", &[2, 3, 5], 0.5, 2.0)?;
+    let mut vars = refs(&named);
+    vars.push(("x", &x));
+    check_gradients("LayerNorm", &vars, || ln.forward(x.as_tensor()))?;
+
+    // Forward by hand: (x - mean) / sqrt(biased var + eps) * weight + bias, per row.
+    let y = ln.forward(x.as_tensor())?.flatten_all()?.to_vec1::<f64>()?;
+    let xs = x.as_tensor().flatten_all()?.to_vec1::<f64>()?;
+    let (w, b) = (named[1].1.as_tensor().to_vec1::<f64>()?, named[0].1.as_tensor().to_vec1::<f64>()?); // name order: bias, weight
+    for (row, out) in xs.chunks(5).zip(y.chunks(5)) {
+        let mean = row.iter().sum::<f64>() / 5.0;
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 5.0;
+        for j in 0..5 {
+            let want = (row[j] - mean) / (var + 1e-5f32 as f64).sqrt() * w[j] + b[j];
+            assert!((out[j] - want).abs() < 1e-12, "LayerNorm forward: {} vs {want}", out[j]);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn group_norm_input_weight_and_bias() -> Result<()> {
+    let mut params = ParamStore::new(&Device::Cpu, DType::F64, 0);
+    let gn = GroupNorm::new(&mut params, "gn", 6, 3)?;
+    let named = randomised(&params)?;
+    let x = normal("x", &[2, 6, 3, 1, 3], 1.0, 2.0)?;
+    let mut vars = refs(&named);
+    vars.push(("x", &x));
+    check_gradients("GroupNorm", &vars, || gn.forward(x.as_tensor()))
+}
+
+#[test]
+fn batch_norm_in_training_mode_input_weight_and_bias() -> Result<()> {
+    for shape in [[3usize, 4, 3, 5].as_slice(), &[2, 3, 3, 2, 3]] {
+        let mut params = ParamStore::new(&Device::Cpu, DType::F64, 0);
+        let bn = BatchNorm::new(&mut params, "bn", shape[1])?;
+        let named = randomised(&params)?;
+        let x = normal("x", shape, -1.0, 3.0)?;
+        let mut vars = refs(&named);
+        vars.push(("x", &x));
+        let ctx = StageCtx::new(0, 0, 0, 0, true, true); // training; a recompute, so the statistics stay put
+        check_gradients(&format!("BatchNorm {shape:?}"), &vars, || bn.forward(x.as_tensor(), &ctx))?;
+    }
+    Ok(())
+}
+
+/// PyTorch's rule: normalise with the biased batch variance; running_mean = 0.9 running_mean +
+/// 0.1 batch mean, running_var = 0.9 running_var + 0.1 unbiased batch variance; once per step
+/// (never while recomputing); evaluation normalises with the running statistics.
+#[test]
+fn batch_norm_running_statistics_follow_pytorch() -> Result<()> {
+    let (n, c, hw) = (3, 2, 4);
+    let mut params = ParamStore::new(&Device::Cpu, DType::F32, 0);
+    let bn = BatchNorm::new(&mut params, "bn", c)?;
+    let xs = RngKey::named(5, "x").normal(n * c * hw, 2.0, 3.0);
+    let x = Tensor::from_vec(xs.clone(), (n, c, 2, 2), &Device::Cpu)?;
+    let xs_ref = &xs;
+    let per_channel = |ch: usize| -> Vec<f64> { (0..n).flat_map(|b| (0..hw).map(move |i| xs_ref[(b * c + ch) * hw + i] as f64)).collect() };
+    let mut want_mean = [0f64; 2];
+    let mut want_var = [1f64; 2];
+    for step in 0..2 {
+        bn.forward(&x, &StageCtx::new(0, step, 0, 0, false, true))?;
+        bn.forward(&x, &StageCtx::new(0, step, 0, 0, true, true))?; // a recompute: no update
+        for ch in 0..c {
+            let v = per_channel(ch);
+            let m = v.iter().sum::<f64>() / v.len() as f64;
+            let unbiased = v.iter().map(|a| (a - m).powi(2)).sum::<f64>() / (v.len() - 1) as f64;
+            want_mean[ch] = 0.9 * want_mean[ch] + 0.1 * m;
+            want_var[ch] = 0.9 * want_var[ch] + 0.1 * unbiased;
+        }
+        let (mean, var) = bn.running_stats();
+        for (got, want) in [(mean, want_mean), (var, want_var)] {
+            for (g, w) in got.to_vec1::<f32>()?.iter().zip(want) {
+                assert!((*g as f64 - w).abs() < 1e-5 * (1.0 + w.abs()), "step {step}: running statistic {g}, PyTorch's rule gives {w}");
+            }
+        }
+    }
+    let y = bn.forward(&x, &StageCtx::eval())?.flatten_all()?.to_vec1::<f32>()?;
+    for (i, (&out, &inp)) in y.iter().zip(&xs).enumerate() {
+        let ch = (i / hw) % c;
+        let want = (inp as f64 - want_mean[ch]) / (want_var[ch] + 1e-5).sqrt(); // weight 1, bias 0
+        assert!((out as f64 - want).abs() < 1e-5, "evaluation: {out} vs {want}");
+    }
+    Ok(())
+}
+
+#[test]
+fn dropout_gradient_is_the_replayed_mask() -> Result<()> {
+    let x = normal("x", &[3, 7], 0.0, 1.0)?;
+    let ctx = |recompute| StageCtx::new(1, 2, 3, 0, recompute, true);
+    // A fresh context per evaluation: the same key, as a recompute gets.
+    check_gradients("dropout", &[("x", &x)], || dropout(x.as_tensor(), 0.3, &ctx(false)))?;
+    let grad = |recompute| -> Result<Vec<u64>> {
+        let g = dropout(x.as_tensor(), 0.3, &ctx(recompute))?.sum_all()?.backward()?;
+        Ok(g.get(&x).unwrap().flatten_all()?.to_vec1::<f64>()?.into_iter().map(f64::to_bits).collect())
+    };
+    let forward = grad(false)?;
+    assert_eq!(forward, grad(true)?, "the recompute must replay the forward's mask");
+    let kept = forward.iter().filter(|&&b| f64::from_bits(b) != 0.0).count();
+    assert!(kept > 0 && kept < forward.len(), "some elements dropped, some kept: {kept} of {}", forward.len());
+    assert!(forward.iter().map(|&b| f64::from_bits(b)).all(|g| g == 0.0 || (g - 1.0 / 0.7).abs() < 1e-6), "kept elements scale by 1 / (1 - p)");
+    Ok(())
+}

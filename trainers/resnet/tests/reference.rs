@@ -1,0 +1,38 @@
+//! ResNet against torchvision (`tests/fixtures/resnet.safetensors`, written by
+//! `scripts/make_fixtures.py` from torchvision's own `Bottleneck`): the `tiny` preset's
+//! evaluation logits (random running statistics), then one training step under `off` and
+//! `sqrt`: the loss with BatchNorm in training mode, every parameter's gradient and every running
+//! statistic after the step. Tolerances: `trainkit::reference`.
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use resnet::{Config, ResNet};
+use trainkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
+
+#[derive(serde::Deserialize)]
+struct FixtureConfig {
+    preset: String,
+    classes: usize,
+    image_size: usize,
+}
+
+#[test]
+fn logits_loss_gradients_and_statistics_match_pytorch() -> Result<()> {
+    let fx = Fixture::load(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/resnet.safetensors").as_ref())?;
+    let cfg: FixtureConfig = fx.config()?;
+    let config = Config { classes: cfg.classes, ..cfg.preset.parse().map_err(anyhow::Error::msg)? };
+    let model = ResNet::new(config, &Device::Cpu, 0)?;
+    let images = fx.f32s("images")?;
+    let labels = fx.ids("labels")?;
+    let size = cfg.image_size;
+    model.load_snapshot(fx.path())?;
+    let batch = Tensor::from_slice(&images, (labels.len(), 3, size, size), &Device::Cpu)?;
+    check_close("logits", &model.logits(&batch)?, &fx.tensor("logits")?, LOGITS_TOL)?;
+    for policy in ["off", "sqrt"] {
+        model.load_snapshot(fx.path())?; // the running statistics as the reference started
+        let inputs = model.inputs(&images, &labels, size, &Device::Cpu)?;
+        let worst = check_training_step(&fx, model.graph(), model.params(), &inputs, policy)?;
+        eprintln!("{policy}: largest gradient error {worst:.2e}");
+    }
+    Ok(())
+}
