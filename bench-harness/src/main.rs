@@ -1,6 +1,6 @@
 //! `bench-harness`: runs models x checkpointing policies, each configuration in a fresh process;
-//! checks gradients bit for bit against `off`; measures peak memory and step time; writes
-//! `results/<profile>-<device>/matrix.{json,csv,md}`.
+//! checks every policy's gradients, `off`'s too, bit for bit against plain candle; measures peak
+//! memory and step time; writes `results/<profile>-<device>/matrix.{json,csv,md}`.
 //!
 //! It measures; it does not train to convergence (that is what the trainers are for).
 
@@ -76,6 +76,11 @@ struct Common {
     /// on a GPU the rest of the device memory is held.
     #[arg(long, value_parser = parse_size)]
     memory_cap: Option<u64>,
+    /// Negative control: the gradient check's recomputes draw fresh dropout keys instead of
+    /// replaying the forward's, so every policy that recomputes dropout must fail the check.
+    /// Exists only to prove the check can fail (tests); never use it for results.
+    #[arg(long, hide = true)]
+    no_rng_replay: bool,
 }
 
 #[derive(Args)]
@@ -148,7 +153,7 @@ fn run_one(model: &str, policy: &Policy, common: &Common) -> Result<()> {
         .find(|w| w.model == model)
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .resized(common.batch, common.input_size);
-    let rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device)?;
+    let rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device, !common.no_rng_replay)?;
     println!("{}", serde_json::to_string(&rec)?);
     Ok(())
 }
@@ -173,8 +178,8 @@ fn selftest(device_name: &str) -> Result<()> {
     let peak = counter.peak().saturating_sub(base);
     anyhow::ensure!(peak > 0, "the memory meter saw no allocation");
     let w = workloads::profile("smoke")?.into_iter().find(|w| w.model == "gpt2-tiny").context("gpt2-tiny in smoke")?;
-    let rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name)?;
-    anyhow::ensure!(rec.grads_bit_identical, "gpt2-tiny sqrt: {} gradient elements differ from off", rec.grads_differing);
+    let rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name, true)?;
+    anyhow::ensure!(rec.grads_bit_identical, "gpt2-tiny sqrt: {} gradient elements differ from plain candle", rec.grads_differing);
     let report = serde_json::json!({
         "device": device_name, "matmul": matmul, "conv2d_input_grad_sum": g, "meter_peak_bytes": peak,
         "reserved_bytes": counter.reserved(), "gpt2_tiny_sqrt_bit_identical": rec.grads_bit_identical,
@@ -282,6 +287,9 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str) -> R
             cmd.args([flag, &v.to_string()]);
         }
     }
+    if common.no_rng_replay {
+        cmd.arg("--no-rng-replay");
+    }
     let failed = |status: &str, error: String| Record { status: status.into(), error, ..Record::new(w, policy, &common.device) };
     let out = match cmd.output() {
         Ok(out) => out,
@@ -315,7 +323,7 @@ fn summary(r: &Record, off: Option<&Record>) -> String {
         .filter(|o| r.policy != "off" && o.status == "ok" && o.step_peak_bytes > 0)
         .map(|o| format!(" ({:.2}x off peak, {:.2}x off time)", r.step_peak_bytes as f64 / o.step_peak_bytes as f64, r.step_ms_median / o.step_ms_median))
         .unwrap_or_default();
-    let grads = if r.grads_bit_identical { "grads = off bit for bit" } else { "GRADS DIFFER FROM OFF" };
+    let grads = if r.grads_bit_identical { "grads = plain candle bit for bit" } else { "GRADS DIFFER FROM PLAIN CANDLE" };
     format!(
         "{:<14} {:<18} peak {:>11} act {:>11} {:>8.0} ms{vs_off}; {grads}",
         r.model,

@@ -1,5 +1,6 @@
 //! One configuration, measured in this (fresh) process: a warm-up step, timed steps, and a
-//! bit-for-bit gradient check against `off`.
+//! bit-for-bit gradient check against plain candle (the graph's stages run in order, one
+//! `backward()`), which every policy, `off` included, must equal.
 
 use crate::workloads::Workload;
 use anyhow::{anyhow, Result};
@@ -40,8 +41,9 @@ pub struct Record {
     pub timed_steps: usize,
     pub segments: usize,
     pub loss: f32,
+    /// Every gradient and buffer element equals plain candle's bit for bit (see [`run`]).
     pub grads_bit_identical: bool,
-    /// Gradient elements whose bits differ from `off`.
+    /// Gradient and buffer elements whose bits differ from plain candle's.
     pub grads_differing: u64,
     pub max_abs_diff: f64,
     /// Parameters whose gradient is missing or all zero.
@@ -71,7 +73,10 @@ impl Record {
     }
 }
 
-pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str) -> Result<Record> {
+/// Measures `policy` on `w`, then checks it against plain candle. `replay_rng: false` makes the
+/// check's recomputes draw fresh dropout keys (see `--no-rng-replay`): it exists only to show the
+/// check can fail.
+pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str, replay_rng: bool) -> Result<Record> {
     let mut rec = Record::new(w, policy, device_name);
     let counter = Counter::for_device(device);
     counter.synchronize();
@@ -116,7 +121,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     rec.step_ms_min = times[0];
     rec.step_ms_max = times[times.len() - 1];
 
-    let check = gradcheck(w, policy, seed, device, n_params)?;
+    let check = gradcheck(w, policy, seed, device, n_params, replay_rng)?;
     rec.grads_bit_identical = check.differing == 0;
     rec.grads_differing = check.differing;
     rec.max_abs_diff = check.max_abs_diff;
@@ -134,19 +139,32 @@ struct GradCheck {
 /// What one step leaves behind: gradient bits and buffer bits (BatchNorm statistics), by name.
 type Fingerprint = (BTreeMap<String, Vec<u32>>, BTreeMap<String, Vec<u32>>);
 
-fn one_step(w: &Workload, policy: &Policy, seed: u64, device: &Device) -> Result<Fingerprint> {
+/// Step 0 in plain candle: [`remat::StageGraph::plain_loss`] and one `backward()`, on a freshly
+/// built model. It shares no code with the executor, so the executor's `off` is checked too.
+fn plain_step(w: &Workload, seed: u64, device: &Device) -> Result<Fingerprint> {
     let inst = w.build(device, seed)?;
-    let exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
+    let grads = inst.graph().plain_loss(&inst.inputs(0)?, seed, 0)?.backward()?;
+    Ok((inst.store().grad_bits(&grads)?, inst.store().buffer_bits()?))
+}
+
+/// Step 0 through the executor under `policy`, on a freshly built model.
+fn executor_step(w: &Workload, policy: &Policy, seed: u64, device: &Device, replay_rng: bool) -> Result<Fingerprint> {
+    let inst = w.build(device, seed)?;
+    let mut exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
+    if !replay_rng {
+        exec = exec.without_rng_replay();
+    }
     let out = exec.step(&inst.inputs(0)?, 0)?;
     Ok((inst.store().grad_bits(&out.grads)?, inst.store().buffer_bits()?))
 }
 
-/// One step under `off` and one under `policy`, on identical weights, batch and seed: every
-/// gradient element and every buffer element compared bit for bit. `n_params`: how many
-/// parameters the model has, each of which must receive a non-zero gradient.
-fn gradcheck(w: &Workload, policy: &Policy, seed: u64, device: &Device, n_params: usize) -> Result<GradCheck> {
-    let (ref_grads, ref_bufs) = one_step(w, &Policy::Off, seed, device)?;
-    let (grads, bufs) = if *policy == Policy::Off { (ref_grads.clone(), ref_bufs.clone()) } else { one_step(w, policy, seed, device)? };
+/// One step in plain candle and one through the executor under `policy` (`off` included), on
+/// identical weights, batch and seed: every gradient element and every buffer element compared
+/// bit for bit. `n_params`: how many parameters the model has, each of which must receive a
+/// non-zero gradient.
+fn gradcheck(w: &Workload, policy: &Policy, seed: u64, device: &Device, n_params: usize, replay_rng: bool) -> Result<GradCheck> {
+    let (ref_grads, ref_bufs) = plain_step(w, seed, device)?;
+    let (grads, bufs) = executor_step(w, policy, seed, device, replay_rng)?;
     let zero = grads.values().filter(|g| g.iter().all(|&x| f32::from_bits(x) == 0.0)).count();
     let mut check = GradCheck { differing: 0, max_abs_diff: 0.0, without_grad: n_params - grads.len() + zero };
     let pairs = ref_grads.iter().map(|(n, a)| (a, grads.get(n))).chain(ref_bufs.iter().map(|(n, a)| (a, bufs.get(n))));
@@ -160,7 +178,7 @@ fn gradcheck(w: &Workload, policy: &Policy, seed: u64, device: &Device, n_params
                     }
                 }
             }
-            Some(_) => return Err(anyhow!("tensor shapes differ between off and {policy}")),
+            Some(_) => return Err(anyhow!("tensor shapes differ between plain candle and {policy}")),
             None => check.differing += a.len() as u64,
         }
     }

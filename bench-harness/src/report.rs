@@ -146,7 +146,9 @@ grads_bit_identical,grads_differing,max_abs_diff,params_without_grad,status,erro
 Memory is heap bytes from the counting allocator above the model state (parameters + optimizer state); \
 ratios are against `off` of the same model in the same run. Times are medians of the timed steps after a warm-up. \
 *Activation peak* is what checkpointing acts on (forward and backward, parameter gradients excluded); *step peak* is the \
-whole step, and *peak set in* says whether forward/backward or the optimizer update (parameter-sized temporaries) reached it.\n",
+whole step, and *peak set in* says whether forward/backward or the optimizer update (parameter-sized temporaries) reached it. \
+*grads = plain candle*: one step of the policy through the executor (`off` included) against the same step in plain candle \
+(every stage in order, one `backward()`), every gradient and BatchNorm statistic compared bit for bit.\n",
             m.profile, m.command, m.machine, m.candle_version, m.git_commit
         );
         for model in self.models(false).iter().chain(&self.models(true)) {
@@ -157,7 +159,7 @@ whole step, and *peak set in* says whether forward/backward or the optimizer upd
             let _ = write!(
                 out,
                 "\n## {model} (batch {}, {}, {}, {} threads): model state {}\n\n\
-| policy | segments | step peak | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | grads = off (bits) | status |\n\
+| policy | segments | step peak | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | grads = plain candle (bits) | status |\n\
 |---|---|---|---|---|---|---|---|---|---|---|---|\n",
                 first.batch,
                 first.input,

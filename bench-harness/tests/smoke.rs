@@ -41,7 +41,7 @@ fn smoke_matrix_checks_every_model_and_policy() {
     for r in &recs {
         let what = format!("{} {}", r["model"], r["policy"]);
         assert_eq!(r["status"], "ok", "{what}: {}", r["error"]);
-        assert_eq!(r["grads_bit_identical"], true, "{what}: gradients differ from off");
+        assert_eq!(r["grads_bit_identical"], true, "{what}: gradients differ from plain candle");
         assert_eq!(r["params_without_grad"], 0, "{what}");
         assert!(r["step_peak_bytes"].as_u64().unwrap() > 0 && r["step_ms_median"].as_f64().unwrap() > 0.0, "{what}");
         assert!(r["timeline"].as_array().is_some_and(|t| !t.is_empty()), "{what}: no timeline");
@@ -71,7 +71,7 @@ fn smoke_matrix_checks_every_model_and_policy() {
     // A second run resumes: nothing is rerun.
     let again = harness(&["--matrix", "all", "--profile", "smoke", "--out", dir.to_str().unwrap()]);
     assert!(again.status.success());
-    assert!(!String::from_utf8_lossy(&again.stderr).contains("grads = off"), "a finished configuration was rerun");
+    assert!(!String::from_utf8_lossy(&again.stderr).contains("grads = plain candle"), "a finished configuration was rerun");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

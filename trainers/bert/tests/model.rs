@@ -1,5 +1,5 @@
 //! Hugging Face configs and weights load (from files and from a hub cache, offline) and reproduce
-//! the saved model's logits; the trainer rejects bad input clearly.
+//! the saved model's logits, and so do our own snapshots; the trainer rejects bad input clearly.
 
 use bert::{Bert, Config};
 use candle_core::{Device, Tensor};
@@ -45,6 +45,20 @@ fn config_and_safetensors_reproduce_the_logits() {
     let loaded = Bert::new(Config::from_json(&dir.join("config.json")).unwrap(), &Device::Cpu, 2).unwrap();
     assert_ne!(logits(&loaded), logits(&saved));
     loaded.load_snapshot(&dir.join("model.safetensors")).unwrap();
+    assert_eq!(logits(&loaded), logits(&saved));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn own_snapshot_round_trips_into_a_freshly_seeded_model() {
+    // What `--save` writes loads back: our own names pass the Hugging Face renaming unchanged.
+    let dir = temp_dir("own");
+    let path = dir.join("own.safetensors");
+    let saved = Bert::new(Config::tiny(2, 32), &Device::Cpu, 1).unwrap();
+    saved.save_snapshot(&path).unwrap();
+    let loaded = Bert::new(Config::tiny(2, 32), &Device::Cpu, 2).unwrap();
+    assert_ne!(logits(&loaded), logits(&saved), "different seeds must give different models");
+    loaded.load_snapshot(&path).unwrap();
     assert_eq!(logits(&loaded), logits(&saved));
     std::fs::remove_dir_all(&dir).unwrap();
 }

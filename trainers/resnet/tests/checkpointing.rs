@@ -1,5 +1,6 @@
 //! ResNet under checkpointing: gradients and BatchNorm statistics equal `off` bit for bit, every
-//! parameter learns, memory falls, and the model loads torchvision-named weights.
+//! parameter learns, memory falls, and the model loads torchvision-named weights and its own
+//! snapshots.
 
 use candle_core::{Device, Tensor};
 use datasets::images::SyntheticImages;
@@ -112,5 +113,29 @@ fn torchvision_snapshot_reproduces_the_logits() {
     assert_eq!(loaded.logits(&images).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
     let wide = Tensor::zeros((4, 3, 32, 48), candle_core::DType::F32, &Device::Cpu).unwrap();
     assert!(loaded.logits(&wide).unwrap_err().to_string().contains("square"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn own_snapshot_round_trips_into_a_freshly_seeded_model() {
+    let dir = std::env::temp_dir().join(format!("resnet-own-snapshot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("own.safetensors");
+    let saved = ResNet::new(tiny(), &Device::Cpu, 1).unwrap();
+    // A training step moves the BatchNorm statistics off their initial values, which every seed shares.
+    let exec = Executor::new(saved.graph(), &Policy::Off, saved.params().vars(), 0).unwrap();
+    let (x, y) = SyntheticImages::new(4, 32, 3).batch(0, 4);
+    let inputs = saved.inputs(&x, &y, 32, &Device::Cpu).unwrap();
+    exec.step(&inputs, 0).unwrap();
+    saved.save_snapshot(&path).unwrap();
+
+    let loaded = ResNet::new(tiny(), &Device::Cpu, 2).unwrap();
+    let logits = |m: &ResNet| m.logits(&inputs[0]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let stats = |m: &ResNet| m.params().buffer_bits().unwrap();
+    assert_ne!(logits(&loaded), logits(&saved), "different seeds must give different models");
+    assert!(stats(&loaded) != stats(&saved), "the training step must have moved the running statistics");
+    loaded.load_snapshot(&path).unwrap();
+    assert_eq!(logits(&loaded), logits(&saved));
+    assert!(stats(&loaded) == stats(&saved), "running statistics differ after loading");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -141,17 +141,36 @@ pub fn read_losses(path: &Path) -> Result<Vec<f32>> {
     text.lines().map(|l| Ok(serde_json::from_str::<StepRecord>(l)?.loss)).collect()
 }
 
-/// The heap peak of the second of two steps under `exec` (the first pays one-off allocations such
+/// Heap peaks of one training step (forward and backward), in bytes above the heap before it.
+#[derive(Clone, Copy, Debug)]
+pub struct Peaks {
+    /// The highest heap during the step.
+    pub step: u64,
+    /// The same less the parameter gradients held at that point: what checkpointing acts on
+    /// (`remat::memory::Timeline::activation_peak`).
+    pub activation: u64,
+}
+
+/// The peaks of the second of two steps under `exec` (the first pays one-off allocations such
 /// as per-thread buffers). Needs [`remat::memory::CountingAlloc`] as the global allocator.
-pub fn second_step_peak(exec: &Executor, inputs: impl Fn(u64) -> Vec<Tensor>) -> Result<u64> {
-    let mut peak = 0;
+pub fn second_step_peaks(exec: &Executor, inputs: impl Fn(u64) -> Vec<Tensor>) -> Result<Peaks> {
+    let mut peaks = Peaks { step: 0, activation: 0 };
     for step in 0..2 {
         let inputs = inputs(step);
         let meter = Meter::start(inputs[0].device());
-        drop(exec.step(&inputs, step)?);
-        peak = meter.finish().heap_peak_delta;
+        let out = exec.step(&inputs, step)?;
+        let usage = meter.finish();
+        peaks = Peaks { step: usage.heap_peak_delta, activation: out.timeline.activation_peak(usage.heap_base) };
     }
-    Ok(peak)
+    Ok(peaks)
+}
+
+/// Fails unless a measured figure is within 10 % of the one committed with a test: a memory
+/// regression fails it, and so does an improvement, whose change must then update the figure.
+pub fn assert_near_figure(what: &str, measured: u64, committed: u64) {
+    let ratio = measured as f64 / committed as f64;
+    eprintln!("{what}: {measured} B measured, {committed} B committed ({ratio:.3}x)");
+    assert!((0.9..=1.1).contains(&ratio), "{what}: measured {measured} B is {ratio:.3}x the committed {committed} B (allowed 0.9-1.1)");
 }
 
 /// The device named on a command line: `cpu`, `cuda` or `cuda:N`; a clear error when this build

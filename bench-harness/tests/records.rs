@@ -1,0 +1,111 @@
+//! What reaches the records: `--batch` and `--input-size` reach the configurations run, and
+//! matrix.csv has every column of a record, each cell parsing as its type to the value in
+//! matrix.json.
+
+mod common;
+use common::{out_dir, record, records, smoke};
+use serde_json::Value;
+
+#[test]
+fn batch_and_input_size_reach_the_record() {
+    // The smoke profile's gpt2-tiny and resnet-tiny run at batch 2, seq 32 and 32x32.
+    for (model, size, input) in [("gpt2-tiny", "8", "seq 8"), ("resnet-tiny", "48", "48x48")] {
+        let dir = out_dir(&format!("resize-{model}"));
+        smoke(&dir, &["--matrix", "models", "--models", model, "--policies", "off", "--batch", "3", "--input-size", size]);
+        let r = record(&dir, model, "off");
+        assert_eq!(r["status"], "ok", "{model}: {}", r["error"]);
+        assert_eq!((r["batch"].as_u64(), r["input"].as_str()), (Some(3), Some(input)), "{model}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// How a CSV cell must parse.
+#[derive(Clone, Copy, Debug)]
+enum Type {
+    Str,
+    Int,
+    Bool,
+    /// A float written with 3 decimals (times in ms).
+    Ms,
+    /// A float written exactly (an f32 value).
+    F32,
+}
+
+/// matrix.csv's columns in order, written out here rather than taken from the harness, so that a
+/// column dropped, renamed or moved in the writer fails the test.
+const COLUMNS: [(&str, Type); 24] = {
+    use Type::*;
+    [
+        ("model", Str), ("policy", Str), ("batch", Int), ("input", Str), ("dtype", Str), ("device", Str), ("threads", Int),
+        ("model_state_bytes", Int), ("step_peak_bytes", Int), ("fwd_bwd_peak_bytes", Int), ("activation_peak_bytes", Int),
+        ("rss_peak_delta_bytes", Int), ("step_ms_median", Ms), ("step_ms_min", Ms), ("step_ms_max", Ms), ("timed_steps", Int),
+        ("segments", Int), ("loss", F32), ("grads_bit_identical", Bool), ("grads_differing", Int), ("max_abs_diff", F32),
+        ("params_without_grad", Int), ("status", Str), ("error", Str),
+    ]
+};
+
+/// Record fields that are JSON only: the timeline, and the GPU pool's reserve.
+const JSON_ONLY: [&str; 3] = ["timeline", "timeline_base_bytes", "reserved_bytes"];
+
+/// The cells of one CSV line: fields in double quotes may hold commas, and `""` for a quote.
+fn cells(line: &str) -> Vec<String> {
+    let (mut out, mut cell, mut quoted) = (Vec::new(), String::new(), false);
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                cell.push('"');
+                chars.next();
+            }
+            '"' => quoted = !quoted,
+            ',' if !quoted => out.push(std::mem::take(&mut cell)),
+            c => cell.push(c),
+        }
+    }
+    out.push(cell);
+    out
+}
+
+/// Whether `cell` parses as `ty` to the JSON value `want`.
+fn matches(cell: &str, ty: Type, want: &Value) -> bool {
+    match ty {
+        Type::Str => want.as_str() == Some(cell),
+        Type::Int => cell.parse::<u64>().ok() == want.as_u64(),
+        Type::Bool => cell.parse::<bool>().ok() == want.as_bool(),
+        Type::Ms => cell.parse::<f64>().is_ok_and(|x| want.as_f64().is_some_and(|w| (x - w).abs() <= 5e-4)),
+        Type::F32 => cell.parse::<f32>().ok() == want.as_f64().map(|w| w as f32),
+    }
+}
+
+#[test]
+fn every_csv_column_is_written_and_parses_to_the_json_value() {
+    let dir = out_dir("csv");
+    // A recorded gradient mismatch (non-zero differing, max_abs_diff) and a failed configuration
+    // (status, error text) beside ordinary figures.
+    smoke(&dir, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--no-rng-replay"]);
+    smoke(&dir, &["--matrix", "models", "--models", "bert-tiny", "--policies", "off", "--memory-cap", "2MiB"]);
+    let recs = records(&dir);
+    assert_eq!(recs.len(), 2);
+    assert_eq!(recs[1]["status"], "oom", "{}", recs[1]);
+
+    let csv = std::fs::read_to_string(dir.join("matrix.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    assert_eq!(header, COLUMNS.map(|(c, _)| c), "matrix.csv header");
+    let mut fields: Vec<&str> = recs[0].as_object().unwrap().keys().map(String::as_str).filter(|k| !JSON_ONLY.contains(k)).collect();
+    fields.sort_unstable();
+    let mut sorted = header.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, fields, "a record field is missing from matrix.csv");
+
+    let rows: Vec<&str> = lines.collect();
+    assert_eq!(rows.len(), recs.len());
+    for (row, rec) in rows.iter().zip(&recs) {
+        let cells = cells(row);
+        assert_eq!(cells.len(), COLUMNS.len(), "{row}");
+        for ((name, ty), cell) in COLUMNS.iter().zip(&cells) {
+            assert!(matches(cell, *ty, &rec[name]), "{} {}: column {name} is `{cell}`, matrix.json has {}", rec["model"], rec["policy"], rec[name]);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

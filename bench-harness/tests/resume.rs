@@ -1,0 +1,55 @@
+//! Resuming and rendering: a second run without `--force` reruns nothing and leaves matrix.json as
+//! it was, `--force` reruns; `--matrix render` rewrites every derived file from matrix.json alone
+//! and says clearly when there is none.
+
+mod common;
+use common::{harness, matrix, out_dir, smoke};
+
+/// Whether the harness measured a gpt2-tiny configuration: it prints one summary line for each.
+fn ran(stderr: &str) -> bool {
+    stderr.lines().any(|l| l.starts_with("gpt2-tiny "))
+}
+
+#[test]
+fn a_second_run_reruns_nothing_and_force_reruns() {
+    let dir = out_dir("resume");
+    let args = ["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off"];
+    assert!(ran(&smoke(&dir, &args)));
+    let first = matrix(&dir);
+
+    let resumed = smoke(&dir, &args);
+    assert!(!ran(&resumed), "a finished configuration was rerun:\n{resumed}");
+    assert_eq!(matrix(&dir), first, "a resume that runs nothing must leave matrix.json as it was");
+
+    let forced = smoke(&dir, &[&args[..], &["--force"]].concat());
+    assert!(ran(&forced), "--force reran nothing:\n{forced}");
+    let (before, after) = (&first["records"][0], &matrix(&dir)["records"][0]);
+    assert_ne!(before["step_ms_median"], after["step_ms_median"], "--force kept the old record");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn render_rewrites_every_derived_file_from_matrix_json() {
+    let dir = out_dir("render");
+    // A depth-sweep model too, so that the depth plot is drawn.
+    smoke(&dir, &["--matrix", "all", "--models", "gpt2-tiny,depth-2", "--policies", "off"]);
+    let files = ["matrix.csv", "matrix.md", "TABLE.md", "tradeoff.png", "tradeoff.svg", "timelines.png", "timelines.svg", "depth.png", "depth.svg"];
+    let written: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(dir.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"))).collect();
+    for f in files {
+        std::fs::remove_file(dir.join(f)).unwrap();
+    }
+
+    let out = harness(&["--matrix", "render", "--profile", "smoke", "--out", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for (f, before) in files.iter().zip(&written) {
+        let after = std::fs::read(dir.join(f)).unwrap_or_else(|e| panic!("{f} not rendered: {e}"));
+        assert!(!after.is_empty() && &after == before, "{f} not rendered as the run wrote it");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let empty = out_dir("render-empty");
+    let out = harness(&["--matrix", "render", "--profile", "smoke", "--out", empty.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !err.contains("panicked") && err.contains("no matrix.json to render"), "{err}");
+    assert!(!empty.exists(), "render without matrix.json must write nothing");
+}
