@@ -43,6 +43,9 @@ impl FromStr for Config {
     }
 }
 
+/// A convolution's shape: (input channels, output channels, kernel side, stride).
+type ConvShape = (usize, usize, usize, usize);
+
 impl Config {
     fn expansion(&self) -> usize {
         if self.bottleneck {
@@ -50,6 +53,49 @@ impl Config {
         } else {
             1
         }
+    }
+
+    /// Every block in order: (name, input channels, planes, stride). The first block of layers
+    /// 2-4 downsamples.
+    fn blocks(&self) -> Vec<(String, usize, usize, usize)> {
+        let mut c_in = self.width;
+        let mut blocks = Vec::new();
+        for (layer, &n) in self.layers.iter().enumerate() {
+            let planes = self.width << layer;
+            for i in 0..n {
+                let stride = if layer > 0 && i == 0 { 2 } else { 1 };
+                blocks.push((format!("layer{}.{i}", layer + 1), c_in, planes, stride));
+                c_in = planes * self.expansion();
+            }
+        }
+        blocks
+    }
+
+    /// A block's convolutions (each followed by a BatchNorm), and its downsampling projection
+    /// when its input and output shapes differ.
+    fn block_convs(&self, c_in: usize, planes: usize, stride: usize) -> (Vec<ConvShape>, Option<ConvShape>) {
+        let c_out = planes * self.expansion();
+        let convs = if self.bottleneck {
+            vec![(c_in, planes, 1, 1), (planes, planes, 3, stride), (planes, c_out, 1, 1)]
+        } else {
+            vec![(c_in, planes, 3, stride), (planes, planes, 3, 1)]
+        };
+        (convs, (stride != 1 || c_in != c_out).then_some((c_in, c_out, 1, stride)))
+    }
+
+    /// Trainable parameters, counted from the shapes without building the model.
+    pub fn parameter_count(&self) -> usize {
+        let conv_bn = |(ci, co, k, _): ConvShape| ci * co * k * k + 2 * co;
+        let blocks: usize = self
+            .blocks()
+            .into_iter()
+            .map(|(_, c_in, planes, stride)| {
+                let (convs, down) = self.block_convs(c_in, planes, stride);
+                convs.into_iter().chain(down).map(conv_bn).sum::<usize>()
+            })
+            .sum();
+        let features = (self.width << 3) * self.expansion();
+        conv_bn((3, self.width, 7, 2)) + blocks + features * self.classes + self.classes
     }
 }
 
@@ -116,12 +162,7 @@ pub struct Block {
 
 impl Block {
     fn new(params: &mut ParamStore, cfg: &Config, name: String, c_in: usize, planes: usize, stride: usize) -> Result<Self> {
-        let c_out = planes * cfg.expansion();
-        let shapes: Vec<(usize, usize, usize, usize)> = if cfg.bottleneck {
-            vec![(c_in, planes, 1, 1), (planes, planes, 3, stride), (planes, c_out, 1, 1)]
-        } else {
-            vec![(c_in, planes, 3, stride), (planes, planes, 3, 1)]
-        };
+        let (shapes, down) = cfg.block_convs(c_in, planes, stride);
         let convs = shapes
             .into_iter()
             .enumerate()
@@ -130,11 +171,12 @@ impl Block {
                 Ok((conv, BatchNorm::new(params, &format!("{name}.bn{}", i + 1), co)?))
             })
             .collect::<Result<Vec<_>>>()?;
-        let downsample = if stride != 1 || c_in != c_out {
-            let conv = Conv::new(params, &format!("{name}.downsample.0"), c_in, c_out, 1, stride)?;
-            Some((conv, BatchNorm::new(params, &format!("{name}.downsample.1"), c_out)?))
-        } else {
-            None
+        let downsample = match down {
+            Some((ci, co, k, s)) => {
+                let conv = Conv::new(params, &format!("{name}.downsample.0"), ci, co, k, s)?;
+                Some((conv, BatchNorm::new(params, &format!("{name}.downsample.1"), co)?))
+            }
+            None => None,
         };
         Ok(Block { name, convs, downsample, stride })
     }
@@ -207,16 +249,10 @@ impl ResNet {
         let w = config.width;
         let stem = Stem { conv1: Conv::new(&mut params, "conv1", 3, w, 7, 2)?, bn1: BatchNorm::new(&mut params, "bn1", w)? };
         let mut stages: Vec<std::sync::Arc<dyn Stage>> = vec![std::sync::Arc::new(stem), std::sync::Arc::new(Pool)];
-        let mut c_in = w;
-        for (layer, &n) in config.layers.iter().enumerate() {
-            let planes = w << layer;
-            for i in 0..n {
-                let stride = if layer > 0 && i == 0 { 2 } else { 1 };
-                let block = Block::new(&mut params, &config, format!("layer{}.{i}", layer + 1), c_in, planes, stride)?;
-                c_in = planes * config.expansion();
-                stages.push(std::sync::Arc::new(block));
-            }
+        for (name, c_in, planes, stride) in config.blocks() {
+            stages.push(std::sync::Arc::new(Block::new(&mut params, &config, name, c_in, planes, stride)?));
         }
+        let c_in = (w << 3) * config.expansion();
         let bound = 1.0 / (c_in as f32).sqrt();
         let head = std::sync::Arc::new(Head {
             fc_weight: params.get("fc.weight", &[config.classes, c_in], Init::Normal { std: bound })?,

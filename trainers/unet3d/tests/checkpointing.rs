@@ -15,9 +15,18 @@ fn tiny() -> Config {
 }
 
 fn train(config: &Config, policy: &str) -> (Vec<(u32, Bits)>, Bits) {
+    train_guarded(config, policy, true)
+}
+
+/// Two AdamW steps; `guard: false` hides the recompute flag from the stages (BatchNorm then
+/// updates its statistics on recompute too).
+fn train_guarded(config: &Config, policy: &str, guard: bool) -> (Vec<(u32, Bits)>, Bits) {
     let side = 8;
     let model = UNet3d::new(config.clone(), &Device::Cpu, 3).unwrap();
-    let exec = Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 1).unwrap();
+    let mut exec = Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 1).unwrap();
+    if !guard {
+        exec = exec.without_recompute_flag();
+    }
     let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: 1e-3, ..Default::default() }).unwrap();
     let data = SyntheticVolumes::new(side, 4);
     let steps = (0..2u64)
@@ -47,6 +56,16 @@ fn gradients_and_batchnorm_statistics_equal_off_bit_for_bit() {
             }
             assert!(off_stats == stats, "{policy}: BatchNorm running statistics differ from off");
         }
+    }
+}
+
+/// Negative control: without the recompute flag BatchNorm updates its statistics twice under
+/// every policy that recomputes a BatchNorm stage, and the check above sees it.
+#[test]
+fn without_the_recompute_flag_the_statistics_differ() {
+    let off_stats = train(&tiny(), "off").1;
+    for policy in ["sqrt", "before-downsample"] {
+        assert!(train_guarded(&tiny(), policy, false).1 != off_stats, "{policy}: the check cannot fail");
     }
 }
 
