@@ -7,7 +7,7 @@ use bert::{Bert, Config, MlmData};
 use candle_core::Device;
 use remat::memory::CountingAlloc;
 use remat::Executor;
-use trainkit::{assert_near_figure, Peaks};
+use trainkit::Peaks;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -26,12 +26,7 @@ fn peaks(policy: &str) -> Peaks {
 
 #[test]
 fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
-    assert!(remat::memory::heap_meter_installed());
-    let (off, sqrt) = (peaks("off"), peaks("sqrt"));
-    eprintln!("step peak: off {} B, sqrt {} B ({:.2}x)", off.step, sqrt.step, sqrt.step as f64 / off.step as f64);
-    assert!(sqrt.step * 2 <= off.step, "sqrt peak {} B is more than half of off {} B", sqrt.step, off.step);
-    assert_near_figure("off activation peak", off.activation, OFF_ACTIVATION);
-    assert_near_figure("sqrt activation peak", sqrt.activation, SQRT_ACTIVATION);
+    trainkit::assert_deep_model_memory(peaks, OFF_ACTIVATION, SQRT_ACTIVATION);
 }
 
 // The committed activation peaks, from the shapes. Units: BTC = 2 x 128 x 64 f32 = 64 KiB; one

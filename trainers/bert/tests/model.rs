@@ -52,15 +52,9 @@ fn config_and_safetensors_reproduce_the_logits() {
 #[test]
 fn own_snapshot_round_trips_into_a_freshly_seeded_model() {
     // What `--save` writes loads back: our own names pass the Hugging Face renaming unchanged.
-    let dir = temp_dir("own");
-    let path = dir.join("own.safetensors");
     let saved = Bert::new(Config::tiny(2, 32), &Device::Cpu, 1).unwrap();
-    saved.save_snapshot(&path).unwrap();
-    let loaded = Bert::new(Config::tiny(2, 32), &Device::Cpu, 2).unwrap();
-    assert_ne!(logits(&loaded), logits(&saved), "different seeds must give different models");
-    loaded.load_snapshot(&path).unwrap();
-    assert_eq!(logits(&loaded), logits(&saved));
-    std::fs::remove_dir_all(&dir).unwrap();
+    let fresh = Bert::new(Config::tiny(2, 32), &Device::Cpu, 2).unwrap();
+    trainkit::assert_snapshot_round_trip(&saved, &fresh, Bert::params, logits, Bert::load_snapshot);
 }
 
 #[test]

@@ -173,6 +173,40 @@ pub fn assert_near_figure(what: &str, measured: u64, committed: u64) {
     assert!((0.9..=1.1).contains(&ratio), "{what}: measured {measured} B is {ratio:.3}x the committed {committed} B (allowed 0.9-1.1)");
 }
 
+/// The memory checks of a deep transformer, given its peaks under a policy: `sqrt` at least
+/// halves the step peak, and the activation peaks of `off` and `sqrt` are the committed figures.
+pub fn assert_deep_model_memory(peaks: impl Fn(&str) -> Peaks, off_activation: u64, sqrt_activation: u64) {
+    assert!(remat::memory::heap_meter_installed());
+    let (off, sqrt) = (peaks("off"), peaks("sqrt"));
+    eprintln!("step peak: off {} B, sqrt {} B ({:.2}x)", off.step, sqrt.step, sqrt.step as f64 / off.step as f64);
+    assert!(sqrt.step * 2 <= off.step, "sqrt peak {} B is more than half of off {} B", sqrt.step, off.step);
+    assert_near_figure("off activation peak", off.activation, off_activation);
+    assert_near_figure("sqrt activation peak", sqrt.activation, sqrt_activation);
+}
+
+/// A snapshot of `saved` loaded into `fresh`, a model built from another seed: their evaluation
+/// outputs (`eval`) and buffers (BatchNorm statistics, where `saved`'s have moved) differ before
+/// loading and are bit-identical after.
+pub fn assert_snapshot_round_trip<M>(
+    saved: &M,
+    fresh: &M,
+    store: impl Fn(&M) -> &layers::ParamStore,
+    eval: impl Fn(&M) -> Vec<f32>,
+    load: impl Fn(&M, &Path) -> std::result::Result<(), layers::SnapshotError>,
+) {
+    let dir = std::env::temp_dir().join(format!("snapshot-round-trip-{}-{:?}", std::process::id(), std::thread::current().id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("own.safetensors");
+    store(saved).save(&path).unwrap();
+    let buffers = |m: &M| store(m).buffer_bits().unwrap();
+    assert_ne!(eval(fresh), eval(saved), "different seeds must give different models");
+    let moved = buffers(saved) != buffers(fresh);
+    load(fresh, &path).unwrap();
+    assert_eq!(eval(fresh), eval(saved), "evaluation outputs differ after loading");
+    assert!(buffers(fresh) == buffers(saved), "buffers differ after loading (moved before: {moved})");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The device named on a command line: `cpu`, `cuda` or `cuda:N`; a clear error when this build
 /// has no CUDA support.
 pub fn device(name: &str) -> Result<Device> {
