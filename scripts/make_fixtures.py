@@ -6,8 +6,8 @@ ResNet built from torchvision's own `Bottleneck` blocks, and a tiny 3D U-Net wri
 `torch.nn.functional` to match `trainers/unet3d` (one with BatchNorm and CE + soft Dice, one with
 GroupNorm and CE), it writes one safetensors file per model into `trainers/<model>/tests/fixtures/`:
 
-- the weights, under the names the published checkpoints use (so the test loads them through the
-  model's own snapshot loader), as f32;
+- the weights, the whole state dict as the published checkpoints hold it (tied copies, BatchNorm
+  counters), so the test loads them through the model's own snapshot loader, as f32;
 - `fixture.*`: the input batch, the evaluation-mode logits, the training-mode loss, the gradient
   of every parameter (`fixture.grad.<our name>`) and, for BatchNorm models, the running statistics
   after the step (`fixture.after.<buffer name>`).
@@ -64,9 +64,9 @@ def f32(t):
 
 
 def save(path, weights, fixture, config):
-    tensors = {k: f32(v) for k, v in weights.items()}
-    for k, v in fixture.items():
-        tensors[f"fixture.{k}"] = v.detach().contiguous() if not v.is_floating_point() else f32(v)
+    store = lambda v: f32(v) if v.is_floating_point() else v.detach().contiguous()
+    tensors = {k: store(v) for k, v in weights.items()}
+    tensors.update({f"fixture.{k}": store(v) for k, v in fixture.items()})
     save_file(tensors, path, metadata={"config": json.dumps(config), "generator": "scripts/make_fixtures.py"})
     print(f"{os.path.relpath(path, ROOT)}: {len(tensors)} tensors, {os.path.getsize(path) / 1024:.0f} KiB")
 
@@ -84,7 +84,7 @@ def gpt2(gen):
     # Large enough weights that attention is far from uniform: a leaky causal mask or a wrong scale
     # changes the logits well beyond the tolerance.
     randomise(model, gen, lambda n, p: 0.3 if p.dim() == 2 else 0.1)
-    weights = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}  # as published: tied head included
     b, t = 2, 16
     ids = torch.randint(0, config["vocab_size"], (b, t), generator=gen)
     targets = torch.randint(0, config["vocab_size"], (b, t), generator=gen)
@@ -105,8 +105,7 @@ def bert(gen):
                   attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12)
     model = BertForMaskedLM(BertConfig(hidden_act="gelu", attn_implementation="eager", **config))
     randomise(model, gen, lambda n, p: 0.3 if p.dim() == 2 else 0.1)
-    weights = {k: v.clone() for k, v in model.state_dict().items()
-               if not k.endswith("position_ids") and not k.startswith("cls.predictions.decoder.")}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}  # as published: tied decoder included
     b, t = 2, 16
     ids = torch.randint(0, config["vocab_size"], (b, t), generator=gen)
     labels = torch.randint(0, config["vocab_size"], (b * t,), generator=gen)
@@ -159,7 +158,7 @@ def resnet(gen):
 
     model = TinyResNet()
     randomise(model, gen, lambda n, p: (2.0 / p[0].numel()) ** 0.5 if p.dim() == 4 else 0.1)
-    weights = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}  # as torchvision saves it: counters included
     # 64x64: layer4 then normalises 4 samples x 2x2 positions; at 2 x 32x32 its BatchNorm would see
     # two values in all, and f32 rounding would dominate its statistics.
     b, size = 4, 64
