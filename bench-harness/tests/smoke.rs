@@ -2,23 +2,8 @@
 //! every gradient check bit-identical, every output written and readable; and a configuration
 //! forced to fail is recorded without stopping the matrix.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn harness(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_bench-harness")).args(args).output().unwrap()
-}
-
-fn out_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bench-harness-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
-
-fn records(dir: &Path) -> Vec<serde_json::Value> {
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("matrix.json")).unwrap()).unwrap();
-    json["records"].as_array().unwrap().clone()
-}
+mod common;
+use common::{harness, out_dir, records};
 
 #[test]
 fn smoke_matrix_checks_every_model_and_policy() {
