@@ -99,8 +99,8 @@ fn plain_candle_grads() -> Vec<Vec<u32>> {
         Dense { w: ws[w].as_tensor().clone(), kind: StageKind::Block }.forward(inputs, &ctx).unwrap().remove(0)
     };
     let e1 = dense(0, 0, &[input()]);
-    let e2 = dense(1, 1, &[e1.clone()]);
-    let e3 = dense(2, 2, &[e2.clone()]);
+    let e2 = dense(1, 1, std::slice::from_ref(&e1));
+    let e3 = dense(2, 2, std::slice::from_ref(&e2));
     let d2 = dense(3, 3, &[e3, e2]);
     let d1 = dense(4, 0, &[d2, e1]);
     let loss = SquaredSum.forward(&[d1], &StageCtx::eval()).unwrap().remove(0);
