@@ -55,6 +55,11 @@ impl Config {
         }
     }
 
+    /// Channels of the last block's output, which the head pools and classifies.
+    fn features(&self) -> usize {
+        (self.width << 3) * self.expansion()
+    }
+
     /// Every block in order: (name, input channels, planes, stride). The first block of layers
     /// 2-4 downsamples.
     fn blocks(&self) -> Vec<(String, usize, usize, usize)> {
@@ -94,8 +99,7 @@ impl Config {
                 convs.into_iter().chain(down).map(conv_bn).sum::<usize>()
             })
             .sum();
-        let features = (self.width << 3) * self.expansion();
-        conv_bn((3, self.width, 7, 2)) + blocks + features * self.classes + self.classes
+        conv_bn((3, self.width, 7, 2)) + blocks + self.features() * self.classes + self.classes
     }
 }
 
@@ -252,7 +256,7 @@ impl ResNet {
         for (name, c_in, planes, stride) in config.blocks() {
             stages.push(std::sync::Arc::new(Block::new(&mut params, &config, name, c_in, planes, stride)?));
         }
-        let c_in = (w << 3) * config.expansion();
+        let c_in = config.features();
         let bound = 1.0 / (c_in as f32).sqrt();
         let head = std::sync::Arc::new(Head {
             fc_weight: params.get("fc.weight", &[config.classes, c_in], Init::Normal { std: bound })?,
