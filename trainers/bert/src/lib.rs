@@ -6,8 +6,8 @@
 //! scores only the masked positions. LayerNorm and softmax are built from ops with a backward
 //! (candle's fused kernels have none). Parameter names are Hugging Face's `BertForMaskedLM`.
 
-use candle_core::{DType, Device, Result, Tensor, D};
-use layers::{dropout, Init, LayerNorm, ParamStore, SnapshotError};
+use candle_core::{DType, Device, Result, Tensor};
+use layers::{dropout, fused, Init, LayerNorm, ParamStore, SnapshotError};
 use remat::rng::RngKey;
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
@@ -192,8 +192,8 @@ impl Layer {
         let (nh, hd) = (self.n_head, c / self.n_head);
         let heads = |l: &Linear| l.forward(x)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (heads(&self.query)?, heads(&self.key)?, heads(&self.value)?);
-        let att = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?; // (B, nh, T, T)
-        let att = dropout(&candle_nn::ops::softmax(&att, D::Minus1)?, self.attn_pdrop, ctx)?;
+        let att = fused::softmax_last_dim(&q.matmul(&k.t()?)?, 1.0 / (hd as f64).sqrt(), false)?; // (B, nh, T, T)
+        let att = dropout(&att, self.attn_pdrop, ctx)?;
         att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c)) // (B, T, C)
     }
 }
@@ -238,11 +238,7 @@ impl Stage for MlmHead {
         StageKind::Other
     }
     fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
-        let (labels, weights) = (&inputs[1], &inputs[2]);
-        let logp = candle_nn::ops::log_softmax(&self.logits(&inputs[0])?, D::Minus1)?; // (B*T, V)
-        let picked = logp.gather(&labels.unsqueeze(1)?, 1)?.squeeze(1)?; // (B*T)
-        let loss = ((picked * weights)?.sum_all()? / weights.sum_all()?.to_scalar::<f32>()? as f64)?.neg()?;
-        Ok(vec![loss])
+        Ok(vec![fused::cross_entropy(&self.logits(&inputs[0])?, &inputs[1], Some(&inputs[2]))?]) // logits (B*T, V)
     }
 }
 

@@ -33,14 +33,14 @@ fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
 // attention map, A = B x heads x T x T f32 = 512 KiB. Forward, per layer, candle's graph holds
 // every intermediate that feeds another op: q, k, v 9 BTC (matmul, bias, contiguous copy of the
 // head transpose); attention output 2 (matmul, merge-heads copy); attention projection 2, its
-// dropout 2, residual add 1, LayerNorm 5 (centred, squared, normalised, scaled, shifted);
-// intermediate 4 + 4 and GELU 4; output 2, dropout 2, add 1, LayerNorm 5: 43 BTC; scores, scaled,
-// softmax (shifted, exp, normalised), dropout mask and product: 7 A. 43 x 64 KiB + 7 x 512 KiB
-// = 6.49 MB per layer (6.53 MB measured with the row statistics).
-// `off`: 24 layers + embeddings (0.67 MB) + MLM head (3.2 MB) = 161 MB at the end of forward;
-// candle's backward then adds 0.42x of that in gradients while the forward graph is still held
-// (measured, not derived): 228 MB. `sqrt`: segments of 5 layers; a recomputed segment holds
-// 5 x 6.53 = 33 MB plus the embeddings or the stored boundaries, and its backward adds about
-// 0.55x of the segment: 51 MB.
-const OFF_ACTIVATION: u64 = 228_447_812;
-const SQRT_ACTIVATION: u64 = 51_468_676;
+// dropout 2, residual add 1, fused LayerNorm 1 (its output; `layers::fused` keeps no
+// statistics); intermediate 4 + 4 and GELU 4; output 2, dropout 2, add 1, LayerNorm 1: 35 BTC;
+// scores, the fused scaled softmax, dropout mask and product: 4 A. 35 x 64 KiB + 4 x 512 KiB
+// = 4.39 MB per layer (4.41 MB measured with the row statistics).
+// `off`: 24 layers + embeddings (0.40 MB) + MLM head (1.3 MB; the fused cross-entropy keeps
+// nothing) = 107 MB at the end of forward; candle's backward then adds 0.61x of that in
+// gradients while the forward graph is still held (measured, not derived): 173 MB. `sqrt`:
+// segments of 5 layers; a recomputed segment holds 5 x 4.41 = 22 MB plus the embeddings or the
+// stored boundaries, and its backward adds about 0.7x of the segment: 38 MB.
+const OFF_ACTIVATION: u64 = 172_697_804;
+const SQRT_ACTIVATION: u64 = 37_990_724;

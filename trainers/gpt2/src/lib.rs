@@ -1,15 +1,15 @@
 //! GPT-2 (Radford et al., 2019) at its published sizes, as a `remat` stage chain.
 //!
 //! The stage graph is `embed -> h.0 -> ... -> h.{L-1} -> head(loss)`; the blocks are what the
-//! checkpointing policies count. Pre-LN blocks, causal self-attention with an explicit masked
-//! softmax (candle's fused softmax has no backward), GELU (tanh), dropout on the embeddings, the
+//! checkpointing policies count. Pre-LN blocks, causal self-attention (scale, causal mask and
+//! softmax in one fused op: `layers::fused`), GELU (tanh), dropout on the embeddings, the
 //! attention probabilities and both residual branches, LM head tied to the token embedding.
 //! Parameter names are Hugging Face's (`h.0.attn.c_attn.weight`, ...), so real weights load.
 //!
 //! Not here: the training loop (`src/main.rs`), data (`datasets`), the engine (`remat`).
 
-use candle_core::{DType, Device, Result, Tensor, D};
-use layers::{dropout, Init, LayerNorm, ParamStore, SnapshotError};
+use candle_core::{DType, Device, Result, Tensor};
+use layers::{dropout, fused, Init, LayerNorm, ParamStore, SnapshotError};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -203,11 +203,7 @@ impl Block {
         let qkv = self.c_attn.forward(x)?; // (B, T, 3C)
         let head = |i: usize| qkv.narrow(2, i * c, c)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (head(0)?, head(1)?, head(2)?);
-        let att = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?; // (B, nh, T, T)
-        let future = Tensor::from_vec((0..t * t).map(|i| u8::from(i % t > i / t)).collect(), (t, t), x.device())?;
-        let neg_inf = Tensor::new(f32::NEG_INFINITY, x.device())?.to_dtype(att.dtype())?;
-        let att = future.broadcast_as(att.shape())?.where_cond(&neg_inf.broadcast_as(att.shape())?, &att)?;
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let att = fused::softmax_last_dim(&q.matmul(&k.t()?)?, 1.0 / (hd as f64).sqrt(), true)?; // (B, nh, T, T), causal
         let att = dropout(&att, self.attn_pdrop, ctx)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?; // (B, T, C)
         self.attn_proj.forward(&y)
@@ -253,7 +249,7 @@ impl Stage for Head {
     }
     fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
         let logits = self.logits(&inputs[0])?.flatten_to(1)?; // (B*T, V)
-        Ok(vec![candle_nn::loss::cross_entropy(&logits, &inputs[1].flatten_all()?)?])
+        Ok(vec![fused::cross_entropy(&logits, &inputs[1].flatten_all()?, None)?])
     }
 }
 

@@ -37,16 +37,17 @@ fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
 
 // The committed activation peaks, from the shapes. Units: one (B, T, C) tensor, BTC = 2 x 128 x 64
 // f32 = 64 KiB; one attention map, A = B x heads x T x T f32 = 512 KiB.
-// Forward, per block, candle's graph holds every intermediate that feeds another op: LayerNorm
-// 5 BTC (centred, squared, normalised, scaled, shifted) twice; c_attn 6 (matmul, bias); q, k, v
-// 6 (each a copy out of the packed projection, then a contiguous copy of its transpose); the
-// attention output 2 (matmul, merge-heads copy); the two projections 2 + 2; c_fc 8 and GELU 4;
-// two residual dropouts 2 + 2 (mask, product); two residual adds 2: 46 BTC; attention scores,
-// scaled, masked, softmax (shifted, exp, normalised), dropout mask and product: 8 A.
-// 46 x 64 KiB + 8 x 512 KiB = 7.04 MB per block (7.27 MB measured with the row statistics).
-// `off`: 24 blocks + embedding (4 BTC) + head (21 BTC) = 176 MB at the end of forward; candle's
-// backward then adds 0.62x of that in gradients while the forward graph is still held (measured,
-// not derived): 280 MB. `sqrt`: segments of 5 blocks; a recomputed segment holds 5 x 7.27 = 36 MB
-// plus the stored boundaries and the incoming gradient, and its backward adds the same 0.6x: 62 MB.
-const OFF_ACTIVATION: u64 = 280_166_768;
-const SQRT_ACTIVATION: u64 = 62_211_560;
+// Forward, per block, candle's graph holds every intermediate that feeds another op: the two
+// fused LayerNorms 1 BTC each (their output; `layers::fused` keeps no statistics); c_attn 6
+// (matmul, bias); q, k, v 6 (each a copy out of the packed projection, then a contiguous copy of
+// its transpose); the attention output 2 (matmul, merge-heads copy); the two projections 2 + 2;
+// c_fc 8 and GELU 4; two residual dropouts 2 + 2 (mask, product); two residual adds 2: 38 BTC;
+// attention scores, the fused scaled causal softmax, dropout mask and product: 4 A.
+// 38 x 64 KiB + 4 x 512 KiB = 4.59 MB per block (4.60 MB measured with the row statistics).
+// `off`: 24 blocks + embedding (4 BTC) + head (LayerNorm, logits: 0.33 MB; the fused
+// cross-entropy keeps nothing) = 111 MB at the end of forward; candle's backward then adds 0.80x
+// of that in gradients while the forward graph is still held (measured, not derived): 200 MB.
+// `sqrt`: segments of 5 blocks; a recomputed segment holds 5 x 4.60 = 23 MB plus the stored
+// boundaries and the incoming gradient, and its backward adds about 0.8x: 44 MB.
+const OFF_ACTIVATION: u64 = 199_775_164;
+const SQRT_ACTIVATION: u64 = 43_556_420;

@@ -2,8 +2,10 @@
 //!
 //! - [`dropout`] draws its mask from the stage's counter-based key, so a recompute under
 //!   checkpointing reproduces it exactly (candle's `ops::dropout` uses unseedable global RNG).
-//! - [`LayerNorm`] is built from elementary ops: candle's fused `LayerNorm::forward` records no
-//!   backward, so its parameters would silently get no gradient.
+//! - [`fused`]: LayerNorm, softmax (scaled, optionally causal) and cross-entropy as single ops
+//!   with hand-written backward passes that keep only what backward needs (candle's own fused
+//!   LayerNorm and softmax record no backward; composed ones keep every intermediate).
+//! - [`LayerNorm`] runs the fused kernel (its parameters get gradients, unlike candle-nn's).
 //! - [`BatchNorm`] does not update its running statistics while a stage is recomputed.
 //! - [`max_pool2d_k3s2p1`]: the ResNet stem pool with a correct backward (candle's is only right
 //!   when kernel == stride).
@@ -16,6 +18,7 @@
 //! Model code lives in the trainer crates; the checkpointing engine in `remat`.
 
 mod batchnorm;
+pub mod fused;
 mod conv3d;
 mod norm;
 mod optim;

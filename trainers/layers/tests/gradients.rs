@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use layers::{
-    conv3d, conv_transpose3d_k2s2, dropout, max_pool2d_k3s2p1, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, LayerNorm, ParamStore,
+    conv3d, fused, conv_transpose3d_k2s2, dropout, max_pool2d_k3s2p1, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, LayerNorm, ParamStore,
 };
 use remat::rng::RngKey;
 use remat::StageCtx;
@@ -214,5 +214,98 @@ fn dropout_gradient_is_the_replayed_mask() -> Result<()> {
     let kept = forward.iter().filter(|&&b| f64::from_bits(b) != 0.0).count();
     assert!(kept > 0 && kept < forward.len(), "some elements dropped, some kept: {kept} of {}", forward.len());
     assert!(forward.iter().map(|&b| f64::from_bits(b)).all(|g| g == 0.0 || (g - 1.0 / 0.7).abs() < 1e-6), "kept elements scale by 1 / (1 - p)");
+    Ok(())
+}
+
+// Fused ops (`layers::fused`): finite differences, and agreement with the composed candle ops.
+
+#[test]
+fn fused_layer_norm_input_weight_and_bias() -> Result<()> {
+    let (x, w, b) = (normal("x", &[3, 2, 7], 0.5, 2.0)?, normal("w", &[7], 1.0, 0.5)?, normal("b", &[7], 0.0, 0.5)?);
+    check_gradients("fused layer_norm", &[("x", &x), ("w", &w), ("b", &b)], || fused::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5))
+}
+
+#[test]
+fn fused_softmax_plain_scaled_and_causal() -> Result<()> {
+    let x = normal("x", &[2, 3, 5, 5], 0.0, 2.0)?;
+    check_gradients("fused softmax", &[("x", &x)], || fused::softmax_last_dim(x.as_tensor(), 1.0, false))?;
+    check_gradients("fused softmax, scaled, causal", &[("x", &x)], || fused::softmax_last_dim(x.as_tensor(), 0.37, true))?;
+    let wide = normal("wide", &[4, 9], 0.0, 2.0)?; // not square: rows of one block
+    check_gradients("fused softmax, 4x9", &[("x", &wide)], || fused::softmax_last_dim(wide.as_tensor(), 0.5, false))
+}
+
+#[test]
+fn fused_cross_entropy_plain_and_weighted() -> Result<()> {
+    let logits = normal("logits", &[6, 11], 0.0, 3.0)?;
+    let targets = Tensor::new(&[0u32, 10, 3, 3, 7, 1], &Device::Cpu)?;
+    let weights = Tensor::new(&[1.0f64, 0.0, 1.0, 1.0, 0.0, 1.0], &Device::Cpu)?;
+    check_gradients("fused cross_entropy", &[("logits", &logits)], || fused::cross_entropy(logits.as_tensor(), &targets, None))?;
+    check_gradients("fused cross_entropy, weighted", &[("logits", &logits)], || fused::cross_entropy(logits.as_tensor(), &targets, Some(&weights)))?;
+    assert!(fused::cross_entropy(logits.as_tensor(), &Tensor::new(&[11u32, 0, 0, 0, 0, 0], &Device::Cpu)?, None).is_err(), "a target out of range");
+    Ok(())
+}
+
+/// Each fused op and its composed candle equivalent, forward and backward, in f32: within a few
+/// f32 rounding steps of each other (the tolerance is on the scaled error, as the fixtures').
+#[test]
+fn fused_ops_agree_with_the_composed_candle_ops() -> Result<()> {
+    let to32 = |v: &Var| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?);
+    let x = to32(&normal("x", &[2, 4, 16, 16], 0.0, 3.0)?)?;
+    let (w, b) = (to32(&normal("w", &[16], 1.0, 0.5)?)?, to32(&normal("b", &[16], 0.0, 0.5)?)?);
+    let targets = Tensor::from_vec((0..32u32).map(|i| (i * 7) % 16).collect(), 32, &Device::Cpu)?;
+    let causal = |t: &Tensor| -> Result<Tensor> {
+        let mask = Tensor::from_vec((0..256).map(|i| u8::from(i % 16 > i / 16)).collect(), (16, 16), &Device::Cpu)?;
+        let neg_inf = Tensor::new(f32::NEG_INFINITY, &Device::Cpu)?.broadcast_as(t.shape())?;
+        mask.broadcast_as(t.shape())?.where_cond(&neg_inf, t)
+    };
+    type Op<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
+    let pairs: Vec<(&str, Op, Op)> = vec![
+        ("layer_norm", Box::new(|| fused::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)), Box::new(|| candle_nn::ops::layer_norm_slow(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5))),
+        ("softmax", Box::new(|| fused::softmax_last_dim(x.as_tensor(), 0.25, false)), Box::new(|| candle_nn::ops::softmax(&(x.as_tensor() * 0.25)?, 3))),
+        ("causal softmax", Box::new(|| fused::softmax_last_dim(x.as_tensor(), 0.25, true)), Box::new(|| candle_nn::ops::softmax(&causal(&(x.as_tensor() * 0.25)?)?, 3))),
+        ("cross_entropy", Box::new(|| fused::cross_entropy(&x.as_tensor().reshape((128, 16))?.narrow(0, 0, 32)?, &targets, None)), Box::new(|| candle_nn::loss::cross_entropy(&x.as_tensor().reshape((128, 16))?.narrow(0, 0, 32)?, &targets))),
+    ];
+    for (name, fused_op, composed) in pairs {
+        let (a, c) = (fused_op()?, composed()?);
+        let err = |p: &Tensor, q: &Tensor| -> Result<f64> {
+            let (p, q) = (p.flatten_all()?.to_vec1::<f32>()?, q.flatten_all()?.to_vec1::<f32>()?);
+            let scale = q.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+            Ok(p.iter().zip(&q).fold(0f32, |m, (a, b)| m.max((a - b).abs())) as f64 / scale as f64)
+        };
+        assert!(err(&a, &c)? < 1e-5, "{name}: forward differs from the composed op by {:.2e}", err(&a, &c)?);
+        let (ga, gc) = (weighted_sum(&|| a.to_dtype(DType::F64))?.backward()?, weighted_sum(&|| c.to_dtype(DType::F64))?.backward()?);
+        for (vname, v) in [("x", &x), ("w", &w), ("b", &b)] {
+            if let (Some(p), Some(q)) = (ga.get(v), gc.get(v)) {
+                assert!(err(p, q)? < 1e-5, "{name}: gradient of {vname} differs from the composed op's by {:.2e}", err(p, q)?);
+            } else {
+                assert_eq!(ga.get(v).is_some(), gc.get(v).is_some(), "{name}: gradient of {vname} present on one side only");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The same inputs give the same bits with 1 and 2 threads, forward and backward: recompute
+/// under checkpointing depends on it.
+#[test]
+fn fused_ops_are_deterministic_across_thread_counts() -> Result<()> {
+    let run = |threads: usize| -> Result<Vec<Vec<u32>>> {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(candle_core::Error::wrap)?;
+        pool.install(|| {
+            let x = Var::from_tensor(&normal("x", &[300, 64], 0.0, 2.0)?.as_tensor().to_dtype(DType::F32)?)?;
+            let w = Var::from_tensor(&normal("w", &[64], 1.0, 0.5)?.as_tensor().to_dtype(DType::F32)?)?;
+            let b = Var::from_tensor(&Tensor::zeros(64, DType::F32, &Device::Cpu)?)?;
+            let targets = Tensor::from_vec((0..300u32).map(|i| i % 64).collect(), 300, &Device::Cpu)?;
+            let h = fused::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)?;
+            let p = fused::softmax_last_dim(&h.reshape((3, 100, 64))?, 0.5, false)?.reshape((300, 64))?;
+            let loss = fused::cross_entropy(&(p * 10.0)?, &targets, None)?;
+            let grads = loss.backward()?;
+            [loss, grads.get(&x).unwrap().clone(), grads.get(&w).unwrap().clone(), grads.get(&b).unwrap().clone()]
+                .iter()
+                .map(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect()))
+                .collect()
+        })
+    };
+    assert_eq!(run(1)?, run(2)?);
     Ok(())
 }

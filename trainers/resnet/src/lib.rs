@@ -234,7 +234,7 @@ impl Stage for Head {
         StageKind::Other
     }
     fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
-        Ok(vec![candle_nn::loss::cross_entropy(&self.logits(&inputs[0])?, &inputs[1])?])
+        Ok(vec![layers::fused::cross_entropy(&self.logits(&inputs[0])?, &inputs[1], None)?])
     }
 }
 

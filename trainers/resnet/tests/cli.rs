@@ -15,8 +15,14 @@ fn loss_falls_on_synthetic_images() {
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let losses: Vec<f64> = trainkit::read_losses(&log).unwrap().into_iter().map(f64::from).collect();
-    let first: f64 = losses[..5].iter().sum::<f64>() / 5.0;
-    let last: f64 = losses[25..].iter().sum::<f64>() / 5.0;
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    // Medians, not means: at this learning rate single batches spike (a loss of 4 between losses
+    // of 0.01), and a mean of five follows the spike, which the last rounding bit can move.
+    let (first, last) = (median(&losses[..5]), median(&losses[20..]));
     // Chance level for 4 classes is ln 4 = 1.39.
     assert!(last < 0.6 * first, "loss went {first:.3} -> {last:.3}");
 }

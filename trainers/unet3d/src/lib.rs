@@ -10,7 +10,7 @@
 //! the skip tensor of their level as a second input), `head`. A skip tensor is the input of its
 //! pool, so `before-downsample` stores exactly the skip tensors.
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 use layers::{conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use std::str::FromStr;
@@ -185,7 +185,7 @@ impl Stage for Head {
     }
     fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
         let (scores, labels) = (self.scores(&inputs[0])?, &inputs[1]);
-        let ce = candle_nn::loss::cross_entropy(&scores, labels)?;
+        let ce = layers::fused::cross_entropy(&scores, labels, None)?;
         Ok(vec![match self.loss {
             Loss::CrossEntropy => ce,
             Loss::CrossEntropyDice => (ce + soft_dice_loss(&scores, labels, self.classes)?)?,
@@ -195,7 +195,7 @@ impl Stage for Head {
 
 /// 1 - mean over classes of 2|P∩Y| / (|P| + |Y|), with P the softmax probabilities (N, K).
 fn soft_dice_loss(scores: &Tensor, labels: &Tensor, classes: usize) -> Result<Tensor> {
-    let p = candle_nn::ops::softmax(scores, D::Minus1)?;
+    let p = layers::fused::softmax_last_dim(scores, 1.0, false)?;
     let ids = Tensor::arange(0u32, classes as u32, scores.device())?.unsqueeze(0)?; // (1, K)
     let y = labels.unsqueeze(1)?.broadcast_eq(&ids)?.to_dtype(p.dtype())?; // one-hot (N, K)
     let inter = (&p * &y)?.sum(0)?;

@@ -1,0 +1,354 @@
+//! Fused training ops for the CPU: each one candle custom op whose backward keeps only what it
+//! needs, where the same op composed from elementwise candle ops keeps every intermediate alive
+//! until backward ends (a composed LayerNorm holds 5 tensors of its input's size, a composed
+//! softmax 3, a composed cross-entropy 3 of the logits' size).
+//!
+//! - [`layer_norm`]: keeps nothing but its input (the statistics are recomputed in backward).
+//! - [`softmax_last_dim`]: with an optional scale and causal mask folded in, keeps only its output.
+//! - [`cross_entropy`]: the mean (optionally weighted) negative log-likelihood of logits; keeps
+//!   nothing but its inputs.
+//!
+//! Every kernel works row by row, each row sequentially on one thread, and every reduction across
+//! rows sums fixed chunks in a fixed order: the same inputs give the same bits whatever the number
+//! of threads, so a recompute under checkpointing is bit-identical to the forward.
+//!
+//! f32 and f64 tensors on the CPU take the fused path; anything else (another dtype, a GPU) falls
+//! back to the composed candle ops, which are correct everywhere.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, WithDType, D};
+use num_traits::Float;
+use rayon::prelude::*;
+
+/// Rows per chunk of a cross-row reduction: fixed, so the summation order is too.
+const CHUNK_ROWS: usize = 64;
+
+/// The fused path applies: f32 or f64 on the CPU.
+fn fused(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// The contiguous elements of a CPU storage as `T`.
+fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    let (start, end) = l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("fused op: input is not contiguous".into()))?;
+    Ok(&s.as_slice::<T>()?[start..end])
+}
+
+/// Runs `f` on the contiguous elements of a CPU tensor.
+fn with_slice<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(s) => f(slice::<T>(s, layout)?),
+        _ => candle_core::bail!("fused op: tensor is not on the CPU"),
+    }
+}
+
+/// A float type the kernels run in.
+trait Elem: WithDType + Float + Send + Sync + std::iter::Sum {}
+impl Elem for f32 {}
+impl Elem for f64 {}
+
+fn elem<T: Elem>(x: f64) -> T {
+    T::from(x).expect("a finite constant")
+}
+
+/// Sums `n_rows` rows' contributions of width `width` (from `row(i, out)`, which adds row i into
+/// `out`) in fixed chunks of rows, the chunks' partial sums then added in order.
+fn sum_rows<T: Elem>(n_rows: usize, width: usize, row: impl Fn(usize, &mut [T]) + Sync) -> Vec<T> {
+    let partials: Vec<Vec<T>> = (0..n_rows.div_ceil(CHUNK_ROWS))
+        .into_par_iter()
+        .map(|c| {
+            let mut acc = vec![T::zero(); width];
+            (c * CHUNK_ROWS..((c + 1) * CHUNK_ROWS).min(n_rows)).for_each(|i| row(i, &mut acc));
+            acc
+        })
+        .collect();
+    let mut total = vec![T::zero(); width];
+    for p in partials {
+        total.iter_mut().zip(p).for_each(|(t, v)| *t = *t + v);
+    }
+    total
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm
+
+/// Layer normalisation over the last dimension: `(x - mean) / sqrt(var + eps) * weight + bias`,
+/// with the biased variance, as PyTorch's `layer_norm`.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if !fused(x) {
+        return candle_nn::ops::layer_norm_slow(x, weight, bias, eps as f32);
+    }
+    let d = x.dim(D::Minus1)?;
+    if weight.dims() != [d] || bias.dims() != [d] {
+        candle_core::bail!("layer_norm: weight {:?} and bias {:?} must be [{d}]", weight.dims(), bias.dims())
+    }
+    x.contiguous()?.apply_op3(&weight.to_dtype(x.dtype())?, &bias.to_dtype(x.dtype())?, LayerNormOp { eps })
+}
+
+struct LayerNormOp {
+    eps: f64,
+}
+
+/// Mean and 1/sqrt(var + eps) of one row (two passes: the mean, then the centred squares).
+fn row_stats<T: Elem>(row: &[T], eps: f64) -> (T, T) {
+    let n = elem::<T>(row.len() as f64);
+    let mean = row.iter().copied().sum::<T>() / n;
+    let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<T>() / n;
+    (mean, T::one() / (var + elem(eps)).sqrt())
+}
+
+impl LayerNormOp {
+    fn forward<T: Elem>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
+        let mut y = vec![T::zero(); x.len()];
+        y.par_chunks_mut(w.len()).zip(x.par_chunks(w.len())).for_each(|(y, x)| {
+            let (mean, rstd) = row_stats(x, self.eps);
+            for j in 0..x.len() {
+                y[j] = (x[j] - mean) * rstd * w[j] + b[j];
+            }
+        });
+        y
+    }
+
+    /// dx = rstd (g w - mean(g w) - x_hat mean(g w x_hat)); dw = sum over rows of g x_hat; db =
+    /// sum over rows of g.
+    fn backward<T: Elem>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let d = w.len();
+        let mut dx = vec![T::zero(); x.len()];
+        dx.par_chunks_mut(d).zip(x.par_chunks(d).zip(g.par_chunks(d))).for_each(|(dx, (x, g))| {
+            let (mean, rstd) = row_stats(x, self.eps);
+            let n = elem::<T>(d as f64);
+            let (mut m1, mut m2) = (T::zero(), T::zero());
+            for j in 0..d {
+                let gw = g[j] * w[j];
+                m1 = m1 + gw;
+                m2 = m2 + gw * (x[j] - mean) * rstd;
+            }
+            let (m1, m2) = (m1 / n, m2 / n);
+            for j in 0..d {
+                dx[j] = rstd * (g[j] * w[j] - m1 - (x[j] - mean) * rstd * m2);
+            }
+        });
+        let sums = sum_rows::<T>(x.len() / d, 2 * d, |i, acc| {
+            let (x, g) = (&x[i * d..(i + 1) * d], &g[i * d..(i + 1) * d]);
+            let (mean, rstd) = row_stats(x, self.eps);
+            for j in 0..d {
+                acc[j] = acc[j] + g[j] * (x[j] - mean) * rstd;
+                acc[d + j] = acc[d + j] + g[j];
+            }
+        });
+        (dx, sums[..d].to_vec(), sums[d..].to_vec())
+    }
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "fused-layer-norm"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = match s1 {
+            CpuStorage::F32(_) => CpuStorage::F32(self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?)),
+            CpuStorage::F64(_) => CpuStorage::F64(self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?)),
+            _ => candle_core::bail!("fused layer_norm: f32 or f64 only"),
+        };
+        Ok((y, l1.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        let (dx, dw, db) = match x.dtype() {
+            DType::F32 => {
+                let (dx, dw, db) = with_slice::<f32, _>(x, |x| with_slice(w, |w| with_slice(&g, |g| Ok(self.backward(x, w, g)))))?;
+                (Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, w.shape(), w.device())?, Tensor::from_vec(db, w.shape(), w.device())?)
+            }
+            _ => {
+                let (dx, dw, db) = with_slice::<f64, _>(x, |x| with_slice(w, |w| with_slice(&g, |g| Ok(self.backward(x, w, g)))))?;
+                (Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, w.shape(), w.device())?, Tensor::from_vec(db, w.shape(), w.device())?)
+            }
+        };
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax
+
+/// `softmax(scale * x)` over the last dimension; with `causal`, element (.., i, j) of the last two
+/// dimensions is masked out (probability 0) where j > i, as in a decoder's self-attention.
+pub fn softmax_last_dim(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+    if !fused(x) {
+        let x = (x * scale)?;
+        let x = if causal {
+            let (t, s) = (x.dim(D::Minus2)?, x.dim(D::Minus1)?);
+            let future = Tensor::from_vec((0..t * s).map(|i| u8::from(i % s > i / s)).collect(), (t, s), x.device())?;
+            let neg_inf = Tensor::new(f32::NEG_INFINITY, x.device())?.to_dtype(x.dtype())?.broadcast_as(x.shape())?;
+            future.broadcast_as(x.shape())?.where_cond(&neg_inf, &x)?
+        } else {
+            x
+        };
+        return candle_nn::ops::softmax(&x, D::Minus1); // candle's fused softmax_last_dim has no backward
+    }
+    let rows_per_block = if causal { x.dim(D::Minus2)? } else { 1 };
+    x.contiguous()?.apply_op1(SoftmaxOp { scale, causal, rows_per_block })
+}
+
+struct SoftmaxOp {
+    scale: f64,
+    causal: bool,
+    /// With `causal`, the number of rows of each (T, S) attention map: row r is query r % T.
+    rows_per_block: usize,
+}
+
+impl SoftmaxOp {
+    /// How many leading entries of row `r` are visible.
+    fn visible(&self, r: usize, width: usize) -> usize {
+        if self.causal {
+            (r % self.rows_per_block + 1).min(width)
+        } else {
+            width
+        }
+    }
+
+    fn forward<T: Elem>(&self, x: &[T], width: usize) -> Vec<T> {
+        let scale = elem::<T>(self.scale);
+        let mut y = vec![T::zero(); x.len()];
+        y.par_chunks_mut(width).zip(x.par_chunks(width)).enumerate().for_each(|(r, (y, x))| {
+            let n = self.visible(r, width);
+            let max = x[..n].iter().fold(T::neg_infinity(), |m, &v| Float::max(m, v * scale));
+            let mut sum = T::zero();
+            for j in 0..n {
+                y[j] = (x[j] * scale - max).exp();
+                sum = sum + y[j];
+            }
+            y[..n].iter_mut().for_each(|v| *v = *v / sum);
+        });
+        y
+    }
+
+    /// dx = scale * y * (g - sum(g y)) per row.
+    fn backward<T: Elem>(&self, y: &[T], g: &[T], width: usize) -> Vec<T> {
+        let scale = elem::<T>(self.scale);
+        let mut dx = vec![T::zero(); y.len()];
+        dx.par_chunks_mut(width).zip(y.par_chunks(width).zip(g.par_chunks(width))).enumerate().for_each(|(r, (dx, (y, g)))| {
+            let n = self.visible(r, width);
+            let dot = (0..n).map(|j| g[j] * y[j]).sum::<T>();
+            for j in 0..n {
+                dx[j] = scale * y[j] * (g[j] - dot);
+            }
+        });
+        dx
+    }
+}
+
+impl CustomOp1 for SoftmaxOp {
+    fn name(&self) -> &'static str {
+        "fused-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let width = l.dims().last().copied().unwrap_or(1);
+        let y = match s {
+            CpuStorage::F32(_) => CpuStorage::F32(self.forward(slice(s, l)?, width)),
+            CpuStorage::F64(_) => CpuStorage::F64(self.forward(slice(s, l)?, width)),
+            _ => candle_core::bail!("fused softmax: f32 or f64 only"),
+        };
+        Ok((y, l.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let (g, width) = (g.contiguous()?, y.dim(D::Minus1)?);
+        let dx = match y.dtype() {
+            DType::F32 => Tensor::from_vec(with_slice::<f32, _>(y, |y| with_slice(&g, |g| Ok(self.backward(y, g, width))))?, y.shape(), y.device())?,
+            _ => Tensor::from_vec(with_slice::<f64, _>(y, |y| with_slice(&g, |g| Ok(self.backward(y, g, width))))?, y.shape(), y.device())?,
+        };
+        Ok(Some(dx))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy
+
+/// Cross-entropy of logits (N, V) against class ids (N) u32: the mean over rows of
+/// `logsumexp(row) - row[target]`, or with `weights` (N) the weighted mean
+/// `sum(w_i ce_i) / sum(w_i)` (BERT scores only its masked positions).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: Option<&Tensor>) -> Result<Tensor> {
+    let (n, _) = logits.dims2()?;
+    let weights = match weights {
+        Some(w) => w.to_dtype(logits.dtype())?,
+        None => Tensor::ones(n, logits.dtype(), logits.device())?,
+    };
+    if !fused(logits) {
+        let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+        let picked = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
+        return ((picked * &weights)?.sum_all()? / weights.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?)?.neg();
+    }
+    logits.contiguous()?.apply_op3(&targets.to_dtype(DType::U32)?.contiguous()?, &weights.contiguous()?, CrossEntropyOp)
+}
+
+struct CrossEntropyOp;
+
+/// logsumexp of a row.
+fn log_sum_exp<T: Elem>(row: &[T]) -> T {
+    let max = row.iter().fold(T::neg_infinity(), |m, &v| Float::max(m, v));
+    max + row.iter().map(|&v| (v - max).exp()).sum::<T>().ln()
+}
+
+impl CrossEntropyOp {
+    fn forward<T: Elem>(logits: &[T], targets: &[u32], weights: &[T]) -> Result<T> {
+        let v = logits.len() / targets.len();
+        if let Some(&bad) = targets.iter().find(|&&t| t as usize >= v) {
+            candle_core::bail!("cross_entropy: target {bad} is outside the {v} classes")
+        }
+        let losses: Vec<T> =
+            logits.par_chunks(v).zip(targets.par_iter()).map(|(row, &t)| log_sum_exp(row) - row[t as usize]).collect();
+        let total = losses.iter().zip(weights).fold(T::zero(), |acc, (&l, &w)| acc + l * w);
+        Ok(total / weights.iter().copied().sum::<T>())
+    }
+
+    /// d/dlogits = g w_i / sum(w) (softmax(row) - onehot(target)).
+    fn backward<T: Elem>(logits: &[T], targets: &[u32], weights: &[T], g: T) -> Vec<T> {
+        let v = logits.len() / targets.len();
+        let scale = g / weights.iter().copied().sum::<T>();
+        let mut d = vec![T::zero(); logits.len()];
+        d.par_chunks_mut(v).zip(logits.par_chunks(v)).zip(targets.par_iter().zip(weights.par_iter())).for_each(|((d, row), (&t, &w))| {
+            let lse = log_sum_exp(row);
+            let s = scale * w;
+            for j in 0..v {
+                d[j] = s * (row[j] - lse).exp();
+            }
+            d[t as usize] = d[t as usize] - s;
+        });
+        d
+    }
+}
+
+impl CustomOp3 for CrossEntropyOp {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        let targets = slice::<u32>(s2, l2)?;
+        let loss = match s1 {
+            CpuStorage::F32(_) => CpuStorage::F32(vec![Self::forward(slice(s1, l1)?, targets, slice(s3, l3)?)?]),
+            CpuStorage::F64(_) => CpuStorage::F64(vec![Self::forward(slice(s1, l1)?, targets, slice(s3, l3)?)?]),
+            _ => candle_core::bail!("fused cross_entropy: f32 or f64 only"),
+        };
+        Ok((loss, Shape::from(())))
+    }
+
+    fn bwd(&self, logits: &Tensor, targets: &Tensor, weights: &Tensor, _loss: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = g.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let d = with_slice::<u32, _>(targets, |t| match logits.dtype() {
+            DType::F32 => {
+                let d = with_slice::<f32, _>(logits, |l| with_slice(weights, |w| Ok(Self::backward(l, t, w, g as f32))))?;
+                Tensor::from_vec(d, logits.shape(), logits.device())
+            }
+            _ => {
+                let d = with_slice::<f64, _>(logits, |l| with_slice(weights, |w| Ok(Self::backward(l, t, w, g))))?;
+                Tensor::from_vec(d, logits.shape(), logits.device())
+            }
+        })?;
+        Ok((Some(d), None, None))
+    }
+}
