@@ -30,7 +30,28 @@ impl BatchNorm {
     }
 
     pub fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        self.apply(x, ctx, false)
+    }
+
+    /// BatchNorm then ReLU, fused where the fused kernel runs (it keeps only the input and the
+    /// output for backward).
+    pub fn forward_relu(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        self.apply(x, ctx, true)
+    }
+
+    fn apply(&self, x: &Tensor, ctx: &StageCtx, relu: bool) -> Result<Tensor> {
         let c = x.dim(1)?;
+        let n = (x.elem_count() / c) as f64;
+        if ctx.is_training() && crate::fused::fused(x) {
+            let (y, mean, var) = crate::fused::batch_norm_train(x, &self.weight, &self.bias, self.eps, relu)?;
+            if !ctx.is_recompute() {
+                let unbiased: Vec<f32> = var.iter().map(|v| (v * n / (n - 1.0).max(1.0)) as f32).collect();
+                let mean: Vec<f32> = mean.iter().map(|&m| m as f32).collect();
+                self.update(&self.running_mean, &Tensor::from_vec(mean, c, x.device())?)?;
+                self.update(&self.running_var, &Tensor::from_vec(unbiased, c, x.device())?)?;
+            }
+            return Ok(y);
+        }
         let mut shape = vec![1; x.rank()];
         shape[1] = c; // (1, C, 1, ...): broadcasts over batch and space
         let reduce: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
@@ -39,7 +60,6 @@ impl BatchNorm {
             let centered = x.broadcast_sub(&mean)?;
             let var = centered.sqr()?.mean_keepdim(reduce.as_slice())?; // biased, as used to normalise
             if !ctx.is_recompute() {
-                let n = (x.elem_count() / c) as f64;
                 let unbiased = (var.detach() * (n / (n - 1.0).max(1.0)))?.reshape(c)?;
                 self.update(&self.running_mean, &mean.detach().reshape(c)?)?;
                 self.update(&self.running_var, &unbiased)?;
@@ -49,7 +69,12 @@ impl BatchNorm {
             (self.running_mean.as_tensor().reshape(shape.as_slice())?, self.running_var.as_tensor().reshape(shape.as_slice())?)
         };
         let x_hat = x.broadcast_sub(&mean)?.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        x_hat.broadcast_mul(&self.weight.reshape(shape.as_slice())?)?.broadcast_add(&self.bias.reshape(shape.as_slice())?)
+        let y = x_hat.broadcast_mul(&self.weight.reshape(shape.as_slice())?)?.broadcast_add(&self.bias.reshape(shape.as_slice())?)?;
+        if relu {
+            y.relu()
+        } else {
+            Ok(y)
+        }
     }
 
     fn update(&self, stat: &Var, batch: &Tensor) -> Result<()> {

@@ -7,6 +7,8 @@
 //! - [`softmax_last_dim`]: with an optional scale and causal mask folded in, keeps only its output.
 //! - [`cross_entropy`]: the mean (optionally weighted) negative log-likelihood of logits; keeps
 //!   nothing but its inputs.
+//! - [`batch_norm_train`]: BatchNorm in training mode, optionally with the ReLU that follows it;
+//!   keeps its input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size).
 //!
 //! Every kernel works row by row, each row sequentially on one thread, and every reduction across
 //! rows sums fixed chunks in a fixed order: the same inputs give the same bits whatever the number
@@ -23,7 +25,7 @@ use rayon::prelude::*;
 const CHUNK_ROWS: usize = 64;
 
 /// The fused path applies: f32 or f64 on the CPU.
-fn fused(t: &Tensor) -> bool {
+pub(crate) fn fused(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
@@ -49,6 +51,10 @@ impl Elem for f64 {}
 
 fn elem<T: Elem>(x: f64) -> T {
     T::from(x).expect("a finite constant")
+}
+
+fn wide<T: Elem>(v: T) -> f64 {
+    WithDType::to_f64(v)
 }
 
 /// Sums `n_rows` rows' contributions of width `width` (from `row(i, out)`, which adds row i into
@@ -350,5 +356,127 @@ impl CustomOp3 for CrossEntropyOp {
             }
         })?;
         Ok((Some(d), None, None))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// BatchNorm (training mode)
+
+/// BatchNorm of x (N, C, *spatial) with the batch's statistics, as PyTorch's training mode:
+/// `(x - mean_c) / sqrt(var_c + eps) * weight_c + bias_c` with the biased variance, then a ReLU
+/// if `relu`. Returns the output and the batch's per-channel mean and biased variance (for the
+/// running statistics). CPU f32/f64 only: check [`fused`] first.
+pub(crate) fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64, relu: bool) -> Result<(Tensor, Vec<f64>, Vec<f64>)> {
+    let x = x.contiguous()?;
+    let (n, c) = (x.dim(0)?, x.dim(1)?);
+    let spatial = x.elem_count() / (n * c).max(1);
+    let (mean, var) = match x.dtype() {
+        DType::F32 => with_slice::<f32, _>(&x, |x| Ok(channel_stats(x, c, spatial)))?,
+        _ => with_slice::<f64, _>(&x, |x| Ok(channel_stats(x, c, spatial)))?,
+    };
+    let rstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+    let op = BatchNormOp { mean: mean.clone(), rstd, relu, channels: c, spatial };
+    let y = x.apply_op3(&weight.to_dtype(x.dtype())?.contiguous()?, &bias.to_dtype(x.dtype())?.contiguous()?, op)?;
+    Ok((y, mean, var))
+}
+
+/// Per-channel mean and biased variance of (N, C, S) data, in f64, two passes; one channel per
+/// task, each summed in a fixed order.
+fn channel_stats<T: Elem>(x: &[T], c: usize, s: usize) -> (Vec<f64>, Vec<f64>) {
+    let n = x.len() / (c * s);
+    let m = (n * s) as f64;
+    let values = |ch: usize| (0..n).flat_map(move |b| x[(b * c + ch) * s..(b * c + ch + 1) * s].iter().map(|&v| wide(v)));
+    (0..c)
+        .into_par_iter()
+        .map(|ch| {
+            let mean = values(ch).sum::<f64>() / m;
+            (mean, values(ch).map(|v| (v - mean) * (v - mean)).sum::<f64>() / m)
+        })
+        .unzip()
+}
+
+struct BatchNormOp {
+    mean: Vec<f64>,
+    rstd: Vec<f64>,
+    relu: bool,
+    channels: usize,
+    spatial: usize,
+}
+
+impl BatchNormOp {
+    fn forward<T: Elem>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
+        let mut y = vec![T::zero(); x.len()];
+        y.par_chunks_mut(self.spatial).zip(x.par_chunks(self.spatial)).enumerate().for_each(|(i, (y, x))| {
+            let ch = i % self.channels;
+            let (mean, scale) = (elem::<T>(self.mean[ch]), elem::<T>(self.rstd[ch]) * w[ch]);
+            for (y, &x) in y.iter_mut().zip(x) {
+                let v = (x - mean) * scale + b[ch];
+                *y = if self.relu { Float::max(v, T::zero()) } else { v };
+            }
+        });
+        y
+    }
+
+    /// With g' = g (masked by y > 0 after a ReLU) and x_hat the normalised input, per channel:
+    /// db = sum g', dw = sum g' x_hat, dx = w rstd / M (M g' - db - x_hat dw).
+    fn backward<T: Elem>(&self, x: &[T], y: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let (c, s) = (self.channels, self.spatial);
+        let n = x.len() / (c * s);
+        let grad = |i: usize| if self.relu && y[i] <= T::zero() { 0.0 } else { wide(g[i]) };
+        let (db, dw): (Vec<f64>, Vec<f64>) = (0..c)
+            .into_par_iter()
+            .map(|ch| {
+                let (mut db, mut dw) = (0f64, 0f64);
+                for bi in 0..n {
+                    for i in (bi * c + ch) * s..(bi * c + ch + 1) * s {
+                        let gi = grad(i);
+                        db += gi;
+                        dw += gi * (wide(x[i]) - self.mean[ch]) * self.rstd[ch];
+                    }
+                }
+                (db, dw)
+            })
+            .unzip();
+        let m = (n * s) as f64;
+        let mut dx = vec![T::zero(); x.len()];
+        dx.par_chunks_mut(s).enumerate().for_each(|(block, dx)| {
+            let ch = block % c;
+            let k = wide(w[ch]) * self.rstd[ch] / m;
+            for (j, d) in dx.iter_mut().enumerate() {
+                let i = block * s + j;
+                let x_hat = (wide(x[i]) - self.mean[ch]) * self.rstd[ch];
+                *d = elem(k * (m * grad(i) - db[ch] - x_hat * dw[ch]));
+            }
+        });
+        let cast = |v: Vec<f64>| v.into_iter().map(elem::<T>).collect::<Vec<T>>();
+        (dx, cast(dw), cast(db))
+    }
+}
+
+impl CustomOp3 for BatchNormOp {
+    fn name(&self) -> &'static str {
+        "fused-batch-norm"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = match s1 {
+            CpuStorage::F32(_) => CpuStorage::F32(self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?)),
+            CpuStorage::F64(_) => CpuStorage::F64(self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?)),
+            _ => candle_core::bail!("fused batch_norm: f32 or f64 only"),
+        };
+        Ok((y, l1.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        fn run<T: Elem>(op: &BatchNormOp, x: &Tensor, y: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+            let (dx, dw, db) = with_slice::<T, _>(x, |xs| with_slice(y, |ys| with_slice(w, |ws| with_slice(g, |gs| Ok(op.backward(xs, ys, ws, gs))))))?;
+            Ok((Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, w.shape(), w.device())?, Tensor::from_vec(db, w.shape(), w.device())?))
+        }
+        let (dx, dw, db) = match x.dtype() {
+            DType::F32 => run::<f32>(self, x, y, w, &g)?,
+            _ => run::<f64>(self, x, y, w, &g)?,
+        };
+        Ok((Some(dx), Some(dw), Some(db)))
     }
 }

@@ -309,3 +309,22 @@ fn fused_ops_are_deterministic_across_thread_counts() -> Result<()> {
     assert_eq!(run(1)?, run(2)?);
     Ok(())
 }
+
+#[test]
+fn fused_batch_norm_with_and_without_relu() -> Result<()> {
+    for (shape, relu) in [([3usize, 4, 3, 5].as_slice(), false), (&[2, 3, 3, 2, 3], true), (&[4, 2, 5, 5], true)] {
+        let mut params = ParamStore::new(&Device::Cpu, DType::F64, 0);
+        let bn = BatchNorm::new(&mut params, "bn", shape[1])?;
+        let named = randomised(&params)?;
+        let x = normal("x", shape, -1.0, 3.0)?;
+        let mut vars = refs(&named);
+        vars.push(("x", &x));
+        let ctx = StageCtx::new(0, 0, 0, 0, true, true);
+        let f = || if relu { bn.forward_relu(x.as_tensor(), &ctx) } else { bn.forward(x.as_tensor(), &ctx) };
+        // No pre-activation within H of zero, where the ReLU's kink would break the difference.
+        let pre = bn.forward(x.as_tensor(), &ctx)?.flatten_all()?.to_vec1::<f64>()?;
+        assert!(pre.iter().all(|v| v.abs() > 1e-4), "{shape:?}: an input sits on the ReLU's kink");
+        check_gradients(&format!("fused BatchNorm {shape:?} relu {relu}"), &vars, f)?;
+    }
+    Ok(())
+}

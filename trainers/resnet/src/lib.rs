@@ -137,7 +137,7 @@ impl Stage for Stem {
         StageKind::Other
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
-        Ok(vec![self.bn1.forward(&self.conv1.forward(&inputs[0])?, ctx)?.relu()?])
+        Ok(vec![self.bn1.forward_relu(&self.conv1.forward(&inputs[0])?, ctx)?])
     }
 }
 
@@ -201,10 +201,9 @@ impl Stage for Block {
         let x = &inputs[0]; // (B, C_in, H, W)
         let mut h = x.clone();
         for (i, (conv, bn)) in self.convs.iter().enumerate() {
-            h = bn.forward(&conv.forward(&h)?, ctx)?;
-            if i + 1 < self.convs.len() {
-                h = h.relu()?;
-            }
+            let y = conv.forward(&h)?;
+            // Every conv but the last is followed by a ReLU; the last one's comes after the add.
+            h = if i + 1 < self.convs.len() { bn.forward_relu(&y, ctx)? } else { bn.forward(&y, ctx)? };
         }
         let identity = match &self.downsample {
             Some((conv, bn)) => bn.forward(&conv.forward(x)?, ctx)?,

@@ -82,11 +82,10 @@ impl ConvNormRelu {
 
     fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let y = conv3d(x, &self.weight, Conv3dGeometry::same(3))?;
-        let y = match &self.norm {
-            NormLayer::Batch(bn) => bn.forward(&y, ctx)?,
-            NormLayer::Group(gn) => gn.forward(&y)?,
-        };
-        y.relu()
+        match &self.norm {
+            NormLayer::Batch(bn) => bn.forward_relu(&y, ctx),
+            NormLayer::Group(gn) => gn.forward(&y)?.relu(),
+        }
     }
 }
 

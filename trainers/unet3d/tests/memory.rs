@@ -43,16 +43,16 @@ fn checkpointing_lowers_the_step_peak() {
 // The committed activation peaks of the `tiny` preset (base 4, 2 levels, BatchNorm) at batch 2,
 // 24^3, from the shapes. Our conv3d (`layers::conv3d`) holds 7 copies of its input (the depth-
 // padded copy, and per kernel slice the gathered slices and their batch-folded copy) and 6 tensors
-// of its output size (3 slice convolutions, 2 partial sums, the final permuted copy); BatchNorm 6
-// more and the ReLU 1: a conv + norm + ReLU holds 7 inputs + 13 outputs. With v = 2 x 4 x 24^3 f32
-// = 432 KiB: enc.0 (1 -> 4 -> 8 channels) holds 7 x v/4 + 13 v + 7 v + 13 x 2 v = 47.75 v = 21.1
-// MB (at 32^3 the rule gives 50.1 MB, 49.2 MB measured); enc.1 at an eighth of the voxels and
-// twice the channels, bottom likewise; dec.1 and dec.0 add the up-convolution and the concatenated
-// skip, and dec.0 at full resolution holds the most (133.7 MB at 32^3): 102.8 MB at the end of
-// forward (243.6 MB x (24/32)^3). candle's backward adds 0.17x of that (measured, not derived):
-// `off` 120 MB (the head's fused cross-entropy and softmax keep nothing). `sqrt` cuts after
-// `bottom` (segments enc.0..bottom, dec.1..head): the last segment, kept from forward, holds dec.1
-// + dec.0 + head = 73.6 MB, plus the stored skip tensors and bottom output, and its backward's
-// gradients: 93 MB. The decoder at full resolution dominates, which is why `sqrt` saves little.
-const OFF_ACTIVATION: u64 = 119_838_836;
-const SQRT_ACTIVATION: u64 = 92_967_700;
+// of its output size (3 slice convolutions, 2 partial sums, the final permuted copy); the fused
+// BatchNorm + ReLU 1 more: a conv + norm + ReLU holds 7 inputs + 7 outputs. With v = 2 x 4 x 24^3
+// f32 = 432 KiB: enc.0 (1 -> 4 -> 8 channels) holds 7 x v/4 + 7 v + 7 v + 7 x 2 v = 29.75 v = 13.2
+// MB (12.8 MB measured); enc.1 at an eighth of the voxels and twice the channels, bottom likewise;
+// dec.1 and dec.0 add the up-convolution and the concatenated skip, and dec.0 at full resolution
+// holds the most (46.0 MB): 78.0 MB at the end of forward. candle's backward adds 0.23x of that
+// (measured, not derived): `off` 96 MB (the head's fused cross-entropy and softmax keep nothing).
+// `sqrt` cuts after `bottom` (segments enc.0..bottom, dec.1..head): the last segment, kept from
+// forward, holds dec.1 + dec.0 + head = 59.3 MB, plus the stored skip tensors and bottom output,
+// and its backward's gradients: 80 MB. The decoder at full resolution dominates, which is why
+// `sqrt` saves little.
+const OFF_ACTIVATION: u64 = 96_036_068;
+const SQRT_ACTIVATION: u64 = 79_641_044;
