@@ -33,14 +33,16 @@ fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
 // attention map, A = B x heads x T x T f32 = 512 KiB. Forward, per layer, candle's graph holds
 // every intermediate that feeds another op: q, k, v 9 BTC (matmul, bias, contiguous copy of the
 // head transpose); attention output 2 (matmul, merge-heads copy); attention projection 2, its
-// dropout 2, residual add 1, fused LayerNorm 1 (its output; `layers::fused` keeps no
-// statistics); intermediate 4 + 4 and GELU 4; output 2, dropout 2, add 1, LayerNorm 1: 35 BTC;
-// scores, the fused scaled softmax, dropout mask and product: 4 A. 35 x 64 KiB + 4 x 512 KiB
-// = 4.39 MB per layer (4.41 MB measured with the row statistics).
-// `off`: 24 layers + embeddings (0.40 MB) + MLM head (1.3 MB; the fused cross-entropy keeps
-// nothing) = 107 MB at the end of forward; candle's backward then adds 0.61x of that in
-// gradients while the forward graph is still held (measured, not derived): 173 MB. `sqrt`:
-// segments of 5 layers; a recomputed segment holds 5 x 4.41 = 22 MB plus the embeddings or the
-// stored boundaries, and its backward adds about 0.7x of the segment: 38 MB.
-const OFF_ACTIVATION: u64 = 172_697_804;
-const SQRT_ACTIVATION: u64 = 37_990_724;
+// dropout 1 (the fused dropout keeps no mask), residual add 1, fused LayerNorm 1 (its output;
+// `layers::fused` keeps no statistics); intermediate 4 + 4 and GELU 4; output 2, dropout 1, add 1,
+// LayerNorm 1: 33 BTC; scores, the fused scaled softmax and its dropout: 3 A. 33 x 64 KiB + 3 x
+// 512 KiB = 3.74 MB per layer (3.75 MB measured with the row statistics). `off`: 24 layers +
+// embeddings (0.33 MB) + MLM head (1.3 MB; the fused cross-entropy keeps nothing) = 92 MB at the
+// end of forward; candle's backward adds the gradients in flight, 0.05x of that (measured, not
+// derived): 96 MB. `sqrt`: segments of 5 layers; a recomputed segment holds 5 x 3.75 = 19 MB plus
+// the embeddings or the stored boundaries, and its backward's gradients: 24 MB. (Before the fused
+// dropout, candle's backward also kept, until it returned, a gradient for every dropout mask: a
+// constant operand of a product, whose gradient candle computes and stores but never releases;
+// that was most of the 0.4-0.6x it added.)
+const OFF_ACTIVATION: u64 = 96_084_420;
+const SQRT_ACTIVATION: u64 = 23_716_684;

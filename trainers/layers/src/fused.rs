@@ -9,6 +9,8 @@
 //!   nothing but its inputs.
 //! - [`batch_norm_train`]: BatchNorm in training mode, optionally with the ReLU that follows it;
 //!   keeps its input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size).
+//! - [`dropout`]: inverted dropout whose backward draws the mask again from its key instead of
+//!   holding it; its bits equal `x * mask` composed.
 //!
 //! Every kernel works row by row, each row sequentially on one thread, and every reduction across
 //! rows sums fixed chunks in a fixed order: the same inputs give the same bits whatever the number
@@ -19,6 +21,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, WithDType, D};
 use num_traits::Float;
+use remat::rng::RngKey;
 use rayon::prelude::*;
 
 /// Rows per chunk of a cross-row reduction: fixed, so the summation order is too.
@@ -478,5 +481,67 @@ impl CustomOp3 for BatchNormOp {
             _ => run::<f64>(self, x, y, w, &g)?,
         };
         Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dropout
+
+/// Elements drawn per parallel task: a multiple of 2, so no task starts inside a stream word.
+const DROPOUT_CHUNK: usize = 1 << 14;
+
+/// Inverted dropout: `x * mask` with `mask = 1 / (1 - p)` where `key`'s uniform draw is below
+/// `1 - p`, else 0 (`RngKey::dropout_mask`). Backward draws the mask again from the key.
+pub fn dropout(x: &Tensor, key: RngKey, p: f32) -> Result<Tensor> {
+    if !fused(x) {
+        let mask = Tensor::from_vec(key.dropout_mask(x.elem_count(), p), x.shape(), x.device())?.to_dtype(x.dtype())?;
+        return x * mask;
+    }
+    x.contiguous()?.apply_op1(DropoutOp { key, p })
+}
+
+struct DropoutOp {
+    key: RngKey,
+    p: f32,
+}
+
+impl DropoutOp {
+    /// `x * mask`, element by element, the mask drawn in parallel pieces of the key's stream.
+    fn masked<T: Elem>(&self, x: &[T]) -> Vec<T> {
+        let keep = 1.0 - self.p;
+        let scale = elem::<T>((1.0 / keep) as f64);
+        let mut y = vec![T::zero(); x.len()];
+        y.par_chunks_mut(DROPOUT_CHUNK).zip(x.par_chunks(DROPOUT_CHUNK)).enumerate().for_each(|(c, (y, x))| {
+            let mut u = vec![0f32; x.len()];
+            self.key.uniform_into(c * DROPOUT_CHUNK, &mut u);
+            for ((y, &x), &u) in y.iter_mut().zip(x).zip(&u) {
+                *y = x * if u < keep { scale } else { T::zero() };
+            }
+        });
+        y
+    }
+}
+
+impl CustomOp1 for DropoutOp {
+    fn name(&self) -> &'static str {
+        "fused-dropout"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = match s {
+            CpuStorage::F32(_) => CpuStorage::F32(self.masked(slice(s, l)?)),
+            CpuStorage::F64(_) => CpuStorage::F64(self.masked(slice(s, l)?)),
+            _ => candle_core::bail!("fused dropout: f32 or f64 only"),
+        };
+        Ok((y, l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let g = g.contiguous()?;
+        let dx = match x.dtype() {
+            DType::F32 => Tensor::from_vec(with_slice::<f32, _>(&g, |g| Ok(self.masked(g)))?, x.shape(), x.device())?,
+            _ => Tensor::from_vec(with_slice::<f64, _>(&g, |g| Ok(self.masked(g)))?, x.shape(), x.device())?,
+        };
+        Ok(Some(dx))
     }
 }

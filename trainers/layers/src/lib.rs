@@ -1,7 +1,8 @@
 //! `layers`: training building blocks for candle that candle lacks or gets wrong.
 //!
 //! - [`dropout`] draws its mask from the stage's counter-based key, so a recompute under
-//!   checkpointing reproduces it exactly (candle's `ops::dropout` uses unseedable global RNG).
+//!   checkpointing reproduces it exactly (candle's `ops::dropout` uses unseedable global RNG), and
+//!   draws it again in backward instead of holding it.
 //! - [`fused`]: LayerNorm, softmax (scaled, optionally causal) and cross-entropy as single ops
 //!   with hand-written backward passes that keep only what backward needs (candle's own fused
 //!   LayerNorm and softmax record no backward; composed ones keep every intermediate).
@@ -44,9 +45,7 @@ pub fn dropout(x: &Tensor, p: f32, ctx: &StageCtx) -> Result<Tensor> {
     if !(0.0..1.0).contains(&p) {
         candle_core::bail!("dropout probability must be in [0, 1), got {p}")
     }
-    let mask = ctx.next_key().dropout_mask(x.elem_count(), p);
-    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
-    x * mask
+    fused::dropout(x, ctx.next_key(), p)
 }
 
 #[cfg(test)]

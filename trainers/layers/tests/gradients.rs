@@ -328,3 +328,19 @@ fn fused_batch_norm_with_and_without_relu() -> Result<()> {
     }
     Ok(())
 }
+
+/// The fused dropout gives the bits of `x * mask` composed, forward and backward, though it holds
+/// no mask: its backward draws the mask again from the key.
+#[test]
+fn fused_dropout_equals_the_composed_mask_bit_for_bit() -> Result<()> {
+    let key = RngKey::named(4, "dropout");
+    let x = Var::from_tensor(&normal("x", &[3, 40000], 0.0, 1.0)?.as_tensor().to_dtype(DType::F32)?)?; // several parallel pieces
+    let mask = Tensor::from_vec(key.dropout_mask(x.elem_count(), 0.3), x.shape(), &Device::Cpu)?;
+    let bits = |t: &Tensor| -> Result<Vec<u32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect()) };
+    let (fused_y, composed_y) = (fused::dropout(x.as_tensor(), key, 0.3)?, (x.as_tensor() * &mask)?);
+    assert_eq!(bits(&fused_y)?, bits(&composed_y)?, "forward");
+    let r = Tensor::from_vec(RngKey::named(5, "r").normal(x.elem_count(), 0.0, 1.0), x.shape(), &Device::Cpu)?;
+    let (gf, gc) = ((fused_y * &r)?.sum_all()?.backward()?, (composed_y * &r)?.sum_all()?.backward()?);
+    assert_eq!(bits(gf.get(&x).unwrap())?, bits(gc.get(&x).unwrap())?, "backward");
+    Ok(())
+}

@@ -40,20 +40,23 @@ impl RngKey {
             .fold(0u64, |acc, &part| mix(acc.wrapping_add(GOLDEN) ^ part))
     }
 
-    /// The `n` 64-bit words of this key's stream (SplitMix64 started from the key).
-    fn words(&self, n: usize) -> impl Iterator<Item = u64> {
-        let base = self.word();
-        (0..n as u64).map(move |i| mix(base.wrapping_add(i.wrapping_add(1).wrapping_mul(GOLDEN))))
-    }
-
     /// `n` draws uniform in [0, 1) with 24 bits of resolution (exact in f32).
     pub fn uniform(&self, n: usize) -> Vec<f32> {
-        let scale = 1.0 / (1u32 << 24) as f32;
-        self.words(n.div_ceil(2))
-            .flat_map(|w| [(w >> 40) as u32, ((w >> 8) & 0xFF_FFFF) as u32])
-            .take(n)
-            .map(|u| u as f32 * scale)
-            .collect()
+        let mut out = vec![0f32; n];
+        self.uniform_into(0, &mut out);
+        out
+    }
+
+    /// Draws `start..start + out.len()` of this key's uniform stream: the values `uniform` gives at
+    /// those indices, so a long stream can be drawn in pieces, in parallel, or again in backward.
+    /// Word k of the stream gives draws 2k (its high 24 bits) and 2k + 1 (bits 8-31).
+    pub fn uniform_into(&self, start: usize, out: &mut [f32]) {
+        let (base, scale) = (self.word(), 1.0 / (1u32 << 24) as f32);
+        for (i, o) in (start..).zip(out.iter_mut()) {
+            let w = mix(base.wrapping_add((i as u64 / 2).wrapping_add(1).wrapping_mul(GOLDEN)));
+            let u = if i % 2 == 0 { (w >> 40) as u32 } else { ((w >> 8) & 0xFF_FFFF) as u32 };
+            *o = u as f32 * scale;
+        }
     }
 
     /// `n` draws from N(mean, std^2) (Box-Muller on pairs of uniforms).
@@ -93,6 +96,16 @@ mod tests {
             let b = other.uniform(1000);
             assert!(a.iter().zip(&b).filter(|(x, y)| x != y).count() > 990);
         }
+    }
+
+    #[test]
+    fn a_stream_drawn_in_pieces_equals_the_whole() {
+        let whole = key(3, 1, 4).uniform(1001);
+        let mut pieces = vec![0f32; 1001];
+        let (a, b) = pieces.split_at_mut(333); // an odd split: a piece starts mid-word
+        key(3, 1, 4).uniform_into(0, a);
+        key(3, 1, 4).uniform_into(333, b);
+        assert_eq!(whole, pieces);
     }
 
     #[test]
