@@ -52,8 +52,13 @@ impl RngKey {
     /// Word k of the stream gives draws 2k (its high 24 bits) and 2k + 1 (bits 8-31).
     pub fn uniform_into(&self, start: usize, out: &mut [f32]) {
         let (base, scale) = (self.word(), 1.0 / (1u32 << 24) as f32);
+        let word = |k: usize| mix(base.wrapping_add((k as u64).wrapping_add(1).wrapping_mul(GOLDEN)));
+        let mut current = (start / 2, word(start / 2));
         for (i, o) in (start..).zip(out.iter_mut()) {
-            let w = mix(base.wrapping_add((i as u64 / 2).wrapping_add(1).wrapping_mul(GOLDEN)));
+            if current.0 != i / 2 {
+                current = (i / 2, word(i / 2));
+            }
+            let w = current.1;
             let u = if i % 2 == 0 { (w >> 40) as u32 } else { ((w >> 8) & 0xFF_FFFF) as u32 };
             *o = u as f32 * scale;
         }

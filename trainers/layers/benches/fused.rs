@@ -1,0 +1,89 @@
+//! Each fused op of `layers::fused`, forward and backward, against the same op composed from
+//! candle's elementwise ops, at the shapes the `cpu` profile's models run them:
+//! `cargo bench -p layers --bench fused`.
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use criterion::{criterion_group, criterion_main, Criterion};
+use layers::fused;
+use remat::rng::RngKey;
+
+fn var(name: &str, shape: &[usize]) -> Var {
+    let v = RngKey::named(1, name).normal(shape.iter().product(), 0.0, 1.0);
+    Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu).unwrap()).unwrap()
+}
+
+/// One forward and backward of `f` (a sum of its output as the loss).
+fn step(f: &dyn Fn() -> Result<Tensor>) {
+    let y = f().unwrap();
+    let loss = if y.rank() == 0 { y } else { y.sum_all().unwrap() };
+    criterion::black_box(loss.backward().unwrap());
+}
+
+fn batch_norm_relu_composed(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let mean = x.mean_keepdim(vec![0, 2, 3])?;
+    let centred = x.broadcast_sub(&mean)?;
+    let var = centred.sqr()?.mean_keepdim(vec![0, 2, 3])?;
+    let x_hat = x.broadcast_sub(&mean)?.broadcast_div(&(var + 1e-5)?.sqrt()?)?;
+    x_hat.broadcast_mul(&w.reshape((1, (), 1, 1))?)?.broadcast_add(&b.reshape((1, (), 1, 1))?)?.relu()
+}
+
+fn bench(c: &mut Criterion) {
+    // GPT-2 small, batch 2, seq 256: LayerNorm and dropout on (B, T, C), attention maps.
+    let x = var("x", &[2, 256, 768]);
+    let (w, b) = (var("w", &[768]), var("b", &[768]));
+    let scores = var("scores", &[2, 12, 256, 256]);
+    let logits = var("logits", &[512, 50257]);
+    let targets = Tensor::from_vec((0..512u32).map(|i| (i * 97) % 50257).collect(), 512, &Device::Cpu).unwrap();
+    // ResNet-50 at 128x128, batch 8: the stem's BatchNorm + ReLU.
+    let feat = var("feat", &[8, 64, 64, 64]);
+    let (fw, fb) = (var("fw", &[64]), var("fb", &[64]));
+    let mut params = layers::ParamStore::new(&Device::Cpu, DType::F32, 0);
+    let bn = layers::BatchNorm::new(&mut params, "bn", 64).unwrap();
+    let recompute = remat::StageCtx::new(0, 0, 0, 0, true, true); // training; statistics stay put
+    let key = RngKey::named(2, "dropout");
+    let causal = Tensor::from_vec((0..256 * 256).map(|i| u8::from(i % 256 > i / 256)).collect(), (256, 256), &Device::Cpu).unwrap();
+    let neg_inf = Tensor::new(f32::NEG_INFINITY, &Device::Cpu).unwrap().broadcast_as(scores.shape()).unwrap();
+
+    type Op<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
+    let cases: Vec<(&str, Op, Op)> = vec![
+        (
+            "layer_norm (2, 256, 768)",
+            Box::new(|| fused::layer_norm(&x, &w, &b, 1e-5)),
+            Box::new(|| candle_nn::ops::layer_norm_slow(&x, &w, &b, 1e-5)),
+        ),
+        (
+            "causal softmax (2, 12, 256, 256)",
+            Box::new(|| fused::softmax_last_dim(&scores, 0.125, true)),
+            Box::new(|| {
+                let s = (scores.as_tensor() * 0.125)?;
+                candle_nn::ops::softmax(&causal.broadcast_as(s.shape())?.where_cond(&neg_inf, &s)?, D::Minus1)
+            }),
+        ),
+        (
+            "cross_entropy (512, 50257)",
+            Box::new(|| fused::cross_entropy(&logits, &targets, None)),
+            Box::new(|| candle_nn::loss::cross_entropy(&logits, &targets)),
+        ),
+        (
+            "batch_norm + relu (8, 64, 64, 64)",
+            Box::new(|| bn.forward_relu(&feat, &recompute)),
+            Box::new(|| batch_norm_relu_composed(&feat, &fw, &fb)),
+        ),
+        (
+            "dropout (2, 256, 768)",
+            Box::new(|| fused::dropout(&x, key, 0.1)),
+            // What `layers::dropout` did before: draw the mask, hold it, multiply.
+            Box::new(|| x.as_tensor() * Tensor::from_vec(key.dropout_mask(x.elem_count(), 0.1), x.shape(), &Device::Cpu)?),
+        ),
+    ];
+    for (name, fused_op, composed) in &cases {
+        let mut g = c.benchmark_group(*name);
+        g.sample_size(10);
+        g.bench_function("fused", |bch| bch.iter(|| step(fused_op)));
+        g.bench_function("composed", |bch| bch.iter(|| step(composed)));
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
