@@ -20,9 +20,18 @@ impl Conv3dGeometry {
     }
 }
 
-/// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw): the sum over kernel depth of 2D
-/// convolutions, with the output depth folded into the batch.
+/// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw): on the CPU in f32/f64 the fused
+/// vol2col kernel (`crate::fused`); elsewhere the sum over kernel depth of 2D convolutions, with
+/// the output depth folded into the batch.
 pub fn conv3d(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
+    if crate::fused::fused(x) {
+        return crate::fused::conv3d(x, w, g);
+    }
+    conv3d_composed(x, w, g)
+}
+
+/// The composed 3D convolution: every op has a candle backward, so it runs on any device.
+fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
     let (n, c, d, h, wd) = x.dims5()?;
     let (o, c_w, kd, _, _) = w.dims5()?;
     if c != c_w {
@@ -150,6 +159,28 @@ mod tests {
             let got = conv3d(&Tensor::from_vec(x, &xs, &Device::Cpu)?, &Tensor::from_vec(w, &ws, &Device::Cpu)?, g)?;
             assert_eq!(got.dims(), ys, "{xs:?} {ws:?} {g:?}");
             close(&got.flatten_all()?.to_vec1::<f32>()?, &want, 1e-5);
+        }
+        Ok(())
+    }
+
+    /// The fused kernel and the composed fallback (what runs on a GPU) agree, forward and backward.
+    #[test]
+    fn fused_and_composed_conv3d_agree() -> Result<()> {
+        let g = Conv3dGeometry { stride_d: 2, stride_hw: 1, pad_d: 1, pad_hw: 1 };
+        let x = candle_core::Var::from_vec(rand("x", &[2, 3, 5, 6, 6]), (2, 3, 5, 6, 6), &Device::Cpu)?;
+        let w = candle_core::Var::from_vec(rand("w", &[4, 3, 3, 3, 3]), (4, 3, 3, 3, 3), &Device::Cpu)?;
+        let r = Tensor::from_vec(rand("r", &[2, 4, 3, 6, 6]), (2, 4, 3, 6, 6), &Device::Cpu)?;
+        let run = |f: fn(&Tensor, &Tensor, Conv3dGeometry) -> Result<Tensor>| -> Result<Vec<Vec<f32>>> {
+            let y = f(x.as_tensor(), w.as_tensor(), g)?;
+            let grads = (&y * &r)?.sum_all()?.backward()?;
+            [y, grads.get(&x).unwrap().clone(), grads.get(&w).unwrap().clone()].iter().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect()
+        };
+        let composed = run(conv3d_composed)?;
+        for fused in [run(conv3d)?, run(|x, w, g| crate::fused::conv3d_blocked(x, w, g, 1))?] {
+            // The second builds its column matrix one output depth slice at a time.
+            for (fused, composed) in fused.iter().zip(&composed) {
+                close(fused, composed, 1e-5);
+            }
         }
         Ok(())
     }

@@ -11,6 +11,8 @@
 //!   keeps its input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size).
 //! - [`dropout`]: inverted dropout whose backward draws the mask again from its key instead of
 //!   holding it; its bits equal `x * mask` composed.
+//! - `conv3d` (through [`crate::conv3d`]): vol2col and a matrix product per sample, the column
+//!   matrix built again in backward; keeps its input and output only.
 //!
 //! Every kernel works row by row, each row sequentially on one thread, and every reduction across
 //! rows sums fixed chunks in a fixed order: the same inputs give the same bits whatever the number
@@ -19,7 +21,7 @@
 //! f32 and f64 tensors on the CPU take the fused path; anything else (another dtype, a GPU) falls
 //! back to the composed candle ops, which are correct everywhere.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, WithDType, D};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, WithDType, D};
 use num_traits::Float;
 use remat::rng::RngKey;
 use rayon::prelude::*;
@@ -543,5 +545,215 @@ impl CustomOp1 for DropoutOp {
             _ => Tensor::from_vec(with_slice::<f64, _>(&g, |g| Ok(self.masked(g)))?, x.shape(), x.device())?,
         };
         Ok(Some(dx))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3D convolution
+
+/// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw) by vol2col and one matrix
+/// product per sample. It keeps nothing but its input and output: the column matrix is built
+/// again in backward (the composed version in `conv3d.rs` keeps 7 copies of its input).
+pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
+    conv3d_blocked(x, w, g, 1 << 21)
+}
+
+/// [`conv3d`] building the column matrix in blocks of output depth slices of at most about
+/// `block_entries` entries (at least one slice).
+pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, block_entries: usize) -> Result<Tensor> {
+    let shape = Conv3dShape::new(x.dims5()?, w.dims5()?, g, block_entries)?;
+    x.contiguous()?.apply_op2(&w.to_dtype(x.dtype())?.contiguous()?, Conv3dOp { shape })
+}
+
+/// The sizes of one 3D convolution.
+#[derive(Clone, Copy, Debug)]
+struct Conv3dShape {
+    n: usize,
+    c: usize,
+    o: usize,
+    input: [usize; 3],
+    kernel: [usize; 3],
+    stride: [usize; 3],
+    pad: [usize; 3],
+    output: [usize; 3],
+    block_entries: usize,
+}
+
+impl Conv3dShape {
+    fn new(
+        (n, c, d, h, w): (usize, usize, usize, usize, usize),
+        (o, c_w, kd, kh, kw): (usize, usize, usize, usize, usize),
+        g: crate::Conv3dGeometry,
+        block_entries: usize,
+    ) -> Result<Self> {
+        if c != c_w {
+            candle_core::bail!("conv3d: input has {c} channels, the kernel expects {c_w}")
+        }
+        let (input, kernel) = ([d, h, w], [kd, kh, kw]);
+        let (stride, pad) = ([g.stride_d, g.stride_hw, g.stride_hw], [g.pad_d, g.pad_hw, g.pad_hw]);
+        let mut output = [0; 3];
+        for a in 0..3 {
+            if input[a] + 2 * pad[a] < kernel[a] || stride[a] == 0 {
+                candle_core::bail!("conv3d: input {input:?} padded by {pad:?} is smaller than the kernel {kernel:?}")
+            }
+            output[a] = (input[a] + 2 * pad[a] - kernel[a]) / stride[a] + 1;
+        }
+        Ok(Conv3dShape { n, c, o, input, kernel, stride, pad, output, block_entries })
+    }
+
+    /// Rows of the column matrix (C kd kh kw) and its columns (output voxels).
+    fn rows(&self) -> usize {
+        self.c * self.kernel.iter().product::<usize>()
+    }
+
+    fn cols(&self) -> usize {
+        self.output.iter().product()
+    }
+
+    fn volume(&self) -> usize {
+        self.input.iter().product()
+    }
+
+    /// For row r = (c, a, p, q) of the column matrix and output coordinate `out` along axis
+    /// `axis`, the input coordinate it reads, if inside the input.
+    fn source(&self, axis: usize, out: usize, k: usize) -> Option<usize> {
+        (out * self.stride[axis] + k).checked_sub(self.pad[axis]).filter(|&v| v < self.input[axis])
+    }
+
+    /// Output depth slices per block of the column matrix, so that a block holds at most about
+    /// `block_entries` entries (8 MB in f32 by default), whatever the layer's size.
+    fn depth_block(&self) -> usize {
+        let per_slice = self.rows() * self.output[1] * self.output[2];
+        (self.block_entries / per_slice.max(1)).clamp(1, self.output[0])
+    }
+
+    /// Calls `f(column, input index)` for every entry of row `r` of the column block of output
+    /// depth slices `zs` that reads the input; columns count from the block's start.
+    fn for_row(&self, r: usize, zs: std::ops::Range<usize>, mut f: impl FnMut(usize, usize)) {
+        let [kd, kh, kw] = self.kernel;
+        let [d, h, w] = self.input;
+        let [_, oh, ow] = self.output;
+        let (c, a, p, q) = (r / (kd * kh * kw), (r / (kh * kw)) % kd, (r / kw) % kh, r % kw);
+        for z in zs.clone() {
+            let Some(zz) = self.source(0, z, a) else { continue };
+            for i in 0..oh {
+                let Some(ii) = self.source(1, i, p) else { continue };
+                for j in 0..ow {
+                    if let Some(jj) = self.source(2, j, q) {
+                        f(((z - zs.start) * oh + i) * ow + j, ((c * d + zz) * h + ii) * w + jj);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The column block (rows, |zs| Ho Wo) of one sample x (C, D, H, W), one row per task.
+    fn vol2col<T: Elem>(&self, x: &[T], zs: std::ops::Range<usize>) -> Vec<T> {
+        let cols = zs.len() * self.output[1] * self.output[2];
+        let mut col = vec![T::zero(); self.rows() * cols];
+        col.par_chunks_mut(cols).enumerate().for_each(|(r, row)| self.for_row(r, zs.clone(), |j, i| row[j] = x[i]));
+        col
+    }
+
+    /// Adds a column block's entries back into a sample's gradient dx (C, D, H, W), one channel
+    /// per task and its rows in order.
+    fn col2vol<T: Elem>(&self, col: &[T], zs: std::ops::Range<usize>, dx: &mut [T]) {
+        let (k, volume) = (self.rows() / self.c, self.volume());
+        let cols = zs.len() * self.output[1] * self.output[2];
+        dx.par_chunks_mut(volume).enumerate().for_each(|(c, xc)| {
+            for r in c * k..(c + 1) * k {
+                let row = &col[r * cols..(r + 1) * cols];
+                self.for_row(r, zs.clone(), |j, i| xc[i - c * volume] = xc[i - c * volume] + row[j]);
+            }
+        });
+    }
+
+    /// The blocks of output depth slices, in order.
+    fn blocks(&self) -> impl Iterator<Item = std::ops::Range<usize>> {
+        let (step, depth) = (self.depth_block(), self.output[0]);
+        (0..depth).step_by(step).map(move |z| z..(z + step).min(depth))
+    }
+}
+
+struct Conv3dOp {
+    shape: Conv3dShape,
+}
+
+/// `a (m, k) @ b`, b (k, n) or, with `tb`, b given as (n, k); through candle's CPU matrix product.
+/// `b` is moved in: a column block is the largest buffer here and is not copied.
+fn matmul<T: Elem>(a: &[T], (m, k): (usize, usize), b: Vec<T>, n: usize, tb: bool) -> Result<Vec<T>> {
+    let a = Tensor::from_slice(a, (m, k), &candle_core::Device::Cpu)?;
+    let b = if tb { Tensor::from_vec(b, (n, k), &candle_core::Device::Cpu)?.t()? } else { Tensor::from_vec(b, (k, n), &candle_core::Device::Cpu)? };
+    a.matmul(&b)?.flatten_all()?.to_vec1::<T>()
+}
+
+/// Columns `cols` of every row of a row-major (rows, width) matrix, as a (rows, |cols|) matrix.
+fn columns<T: Elem>(m: &[T], width: usize, cols: std::ops::Range<usize>) -> Vec<T> {
+    m.chunks(width).flat_map(|row| row[cols.clone()].iter().copied()).collect()
+}
+
+impl Conv3dOp {
+    fn forward<T: Elem>(&self, x: &[T], w: &[T]) -> Result<Vec<T>> {
+        let s = &self.shape;
+        let (plane, cols) = (s.output[1] * s.output[2], s.cols());
+        let mut y = vec![T::zero(); s.n * s.o * cols];
+        for (x, y) in x.chunks(s.c * s.volume()).zip(y.chunks_mut(s.o * cols)) {
+            for zs in s.blocks() {
+                let (start, len) = (zs.start * plane, zs.len() * plane);
+                let block = matmul(w, (s.o, s.rows()), s.vol2col(x, zs), len, false)?; // (O, len)
+                for (y, b) in y.chunks_mut(cols).zip(block.chunks(len)) {
+                    y[start..start + len].copy_from_slice(b);
+                }
+            }
+        }
+        Ok(y)
+    }
+
+    /// Per sample and block: dW += gy @ col^T, dx += col2vol(W^T @ gy); in order.
+    fn backward<T: Elem>(&self, x: &[T], w: &[T], gy: &[T]) -> Result<(Vec<T>, Vec<T>)> {
+        let s = &self.shape;
+        let (plane, cols) = (s.output[1] * s.output[2], s.cols());
+        let wt = Tensor::from_slice(w, (s.o, s.rows()), &candle_core::Device::Cpu)?.t()?.contiguous()?.flatten_all()?.to_vec1::<T>()?;
+        let mut dw = vec![T::zero(); w.len()];
+        let mut dx = vec![T::zero(); x.len()];
+        for ((x, gy), dx) in x.chunks(s.c * s.volume()).zip(gy.chunks(s.o * cols)).zip(dx.chunks_mut(s.c * s.volume())) {
+            for zs in s.blocks() {
+                let (start, len) = (zs.start * plane, zs.len() * plane);
+                let g = columns(gy, cols, start..start + len); // (O, len)
+                let dw_b = matmul(&g, (s.o, len), s.vol2col(x, zs.clone()), s.rows(), true)?; // (O, rows)
+                dw.iter_mut().zip(dw_b).for_each(|(a, b)| *a = *a + b);
+                s.col2vol(&matmul(&wt, (s.rows(), s.o), g, len, false)?, zs, dx); // (rows, len)
+            }
+        }
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp2 for Conv3dOp {
+    fn name(&self) -> &'static str {
+        "fused-conv3d"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = match s1 {
+            CpuStorage::F32(_) => CpuStorage::F32(self.forward(slice(s1, l1)?, slice(s2, l2)?)?),
+            CpuStorage::F64(_) => CpuStorage::F64(self.forward(slice(s1, l1)?, slice(s2, l2)?)?),
+            _ => candle_core::bail!("fused conv3d: f32 or f64 only"),
+        };
+        let s = &self.shape;
+        Ok((y, Shape::from(vec![s.n, s.o, s.output[0], s.output[1], s.output[2]])))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        fn run<T: Elem>(op: &Conv3dOp, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
+            let (dx, dw) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(g, |gs| op.backward(xs, ws, gs))))?;
+            Ok((Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, w.shape(), w.device())?))
+        }
+        let (dx, dw) = match x.dtype() {
+            DType::F32 => run::<f32>(self, x, w, &g)?,
+            _ => run::<f64>(self, x, w, &g)?,
+        };
+        Ok((Some(dx), Some(dw)))
     }
 }
