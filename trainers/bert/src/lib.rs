@@ -120,8 +120,7 @@ impl Linear {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, c) = x.dims3()?;
-        x.reshape((b * t, c))?.matmul(&self.weight.t()?)?.broadcast_add(&self.bias)?.reshape((b, t, ()))
+        fused::linear(x, &self.weight, &self.bias, true) // (B, T, in) -> (B, T, out)
     }
 }
 

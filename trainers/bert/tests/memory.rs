@@ -31,18 +31,18 @@ fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
 
 // The committed activation peaks, from the shapes. Units: BTC = 2 x 128 x 64 f32 = 64 KiB; one
 // attention map, A = B x heads x T x T f32 = 512 KiB. Forward, per layer, candle's graph holds
-// every intermediate that feeds another op: q, k, v 9 BTC (matmul, bias, contiguous copy of the
-// head transpose); attention output 2 (matmul, merge-heads copy); attention projection 2, its
-// dropout 1 (the fused dropout keeps no mask), residual add 1, fused LayerNorm 1 (its output;
-// `layers::fused` keeps no statistics); intermediate 4 + 4 and GELU 4; output 2, dropout 1, add 1,
-// LayerNorm 1: 33 BTC; scores, the fused scaled softmax and its dropout: 3 A. 33 x 64 KiB + 3 x
-// 512 KiB = 3.74 MB per layer (3.75 MB measured with the row statistics). `off`: 24 layers +
-// embeddings (0.33 MB) + MLM head (1.3 MB; the fused cross-entropy keeps nothing) = 92 MB at the
-// end of forward; candle's backward adds the gradients in flight, 0.05x of that (measured, not
-// derived): 96 MB. `sqrt`: segments of 5 layers; a recomputed segment holds 5 x 3.75 = 19 MB plus
-// the embeddings or the stored boundaries, and its backward's gradients: 24 MB. (Before the fused
-// dropout, candle's backward also kept, until it returned, a gradient for every dropout mask: a
-// constant operand of a product, whose gradient candle computes and stores but never releases;
-// that was most of the 0.4-0.6x it added.)
-const OFF_ACTIVATION: u64 = 96_084_420;
-const SQRT_ACTIVATION: u64 = 23_716_684;
+// every intermediate that feeds another op; the `layers::fused` ops keep only their output: q, k,
+// v 6 BTC (fused linear, whose product before the bias is no node, then a contiguous copy of the
+// head transpose); attention output 2 (matmul, merge-heads copy); attention projection 1, its
+// dropout 1 (no mask kept), residual add 1, LayerNorm 1; intermediate 4 and GELU 4; output 1,
+// dropout 1, add 1, LayerNorm 1: 24 BTC; scores, the scaled softmax and its dropout: 3 A. 24 x 64
+// KiB + 3 x 512 KiB = 3.15 MB per layer (3.15 MB measured with the row statistics). `off`: 24
+// layers + embeddings (0.33 MB) + MLM head (1.2 MB) = 77 MB at the end of forward; candle's
+// backward adds the gradients in flight, 0.05x of that (measured, not derived): 81 MB. `sqrt`:
+// segments of 5 layers; a recomputed segment holds 5 x 3.15 = 16 MB plus the embeddings or the
+// stored boundaries, and its backward's gradients: 20 MB. (Before the fused dropout, candle's
+// backward also kept, until it returned, a gradient for every dropout mask: a constant operand of
+// a product, whose gradient candle computes and stores but never releases; that was most of the
+// 0.4-0.6x it added.)
+const OFF_ACTIVATION: u64 = 81_389_557;
+const SQRT_ACTIVATION: u64 = 20_409_610;

@@ -134,9 +134,7 @@ impl Conv1D {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, c) = x.dims3()?;
-        let y = x.reshape((b * t, c))?.matmul(&self.weight)?.broadcast_add(&self.bias)?; // (B*T, out)
-        y.reshape((b, t, ()))
+        fused::linear(x, &self.weight, &self.bias, false) // (B, T, in) -> (B, T, out)
     }
 }
 

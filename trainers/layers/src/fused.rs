@@ -11,6 +11,7 @@
 //!   keeps its input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size).
 //! - [`dropout`]: inverted dropout whose backward draws the mask again from its key instead of
 //!   holding it; its bits equal `x * mask` composed.
+//! - [`linear`]: `x @ w + b` as one op, so the product before the bias is not kept.
 //! - `conv3d` (through [`crate::conv3d`]): vol2col and a matrix product per sample, the column
 //!   matrix built again in backward; keeps its input and output only.
 //!
@@ -755,5 +756,78 @@ impl CustomOp2 for Conv3dOp {
             _ => run::<f64>(self, x, w, &g)?,
         };
         Ok((Some(dx), Some(dw)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear
+
+/// `x @ w + b` over the last dimension of x (.., in): `w` is (in, out), or (out, in) with
+/// `w_is_out_in` (Hugging Face's `Linear`; GPT-2's `Conv1D` stores (in, out)). One op: the
+/// product before the bias is no graph node, so it is not kept for backward as `matmul` followed
+/// by `broadcast_add` keeps it.
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, w_is_out_in: bool) -> Result<Tensor> {
+    let k = x.dim(D::Minus1)?;
+    let w_in = if w_is_out_in { w.t()? } else { w.clone() }; // (in, out)
+    if !fused(x) {
+        let rows = x.elem_count() / k;
+        let y = x.reshape((rows, k))?.matmul(&w_in)?.broadcast_add(b)?;
+        let mut dims = x.dims().to_vec();
+        *dims.last_mut().expect("rank >= 1") = y.dim(1)?;
+        return y.reshape(dims);
+    }
+    x.contiguous()?.apply_op3(&w.to_dtype(x.dtype())?.contiguous()?, &b.to_dtype(x.dtype())?.contiguous()?, LinearOp { w_is_out_in })
+}
+
+struct LinearOp {
+    w_is_out_in: bool,
+}
+
+impl LinearOp {
+    /// The weight as an (in, out) tensor view over `w`.
+    fn w_in(&self, w: Tensor) -> Result<Tensor> {
+        if self.w_is_out_in {
+            w.t()
+        } else {
+            Ok(w)
+        }
+    }
+
+    fn forward<T: Elem>(&self, x: &[T], xl: &Layout, w: &[T], wl: &Layout, b: &[T]) -> Result<Vec<T>> {
+        let k = *xl.dims().last().expect("rank >= 1");
+        let cpu = &candle_core::Device::Cpu;
+        let x = Tensor::from_slice(x, (x.len() / k, k), cpu)?;
+        let w = self.w_in(Tensor::from_slice(w, wl.dims(), cpu)?)?;
+        x.matmul(&w)?.broadcast_add(&Tensor::from_slice(b, b.len(), cpu)?)?.flatten_all()?.to_vec1::<T>()
+    }
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "fused-linear"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = match s1 {
+            CpuStorage::F32(_) => CpuStorage::F32(self.forward(slice(s1, l1)?, l1, slice(s2, l2)?, l2, slice(s3, l3)?)?),
+            CpuStorage::F64(_) => CpuStorage::F64(self.forward(slice(s1, l1)?, l1, slice(s2, l2)?, l2, slice(s3, l3)?)?),
+            _ => candle_core::bail!("fused linear: f32 or f64 only"),
+        };
+        let mut dims = l1.dims().to_vec();
+        *dims.last_mut().expect("rank >= 1") = l3.dims()[0];
+        Ok((y, Shape::from(dims)))
+    }
+
+    /// dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) weight), db = column sums
+    /// of g; on detached tensors, so backward records no graph of its own.
+    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let k = x.dim(D::Minus1)?;
+        let x2 = x.detach().reshape((x.elem_count() / k, k))?; // (rows, in)
+        let g2 = g.detach().reshape((x2.dim(0)?, ()))?; // (rows, out)
+        let w_in = self.w_in(w.detach())?;
+        let dx = g2.matmul(&w_in.t()?)?.reshape(x.shape())?;
+        let dw_in = x2.t()?.matmul(&g2)?; // (in, out)
+        let dw = if self.w_is_out_in { dw_in.t()?.contiguous()? } else { dw_in };
+        Ok((Some(dx), Some(dw), Some(g2.sum(0)?)))
     }
 }
