@@ -44,12 +44,21 @@ fn bench(c: &mut Criterion) {
     let causal = Tensor::from_vec((0..256 * 256).map(|i| u8::from(i % 256 > i / 256)).collect(), (256, 256), &Device::Cpu).unwrap();
     let neg_inf = Tensor::new(f32::NEG_INFINITY, &Device::Cpu).unwrap().broadcast_as(scores.shape()).unwrap();
 
+    // BERT-Large, batch 2, seq 128: the intermediate dense layer, weight stored (out, in).
+    let h = var("h", &[2, 128, 1024]);
+    let (wi, bi) = (var("wi", &[4096, 1024]), var("bi", &[4096]));
+
     type Op<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
     let cases: Vec<(&str, Op, Op)> = vec![
         (
             "layer_norm (2, 256, 768)",
             Box::new(|| fused::layer_norm(&x, &w, &b, 1e-5)),
             Box::new(|| candle_nn::ops::layer_norm_slow(&x, &w, &b, 1e-5)),
+        ),
+        (
+            "linear (2, 128, 1024) -> 4096",
+            Box::new(|| fused::linear(&h, &wi, &bi, true)),
+            Box::new(|| h.as_tensor().reshape((256, 1024))?.matmul(&wi.as_tensor().t()?)?.broadcast_add(&bi)?.reshape((2, 128, 4096))),
         ),
         (
             "causal softmax (2, 12, 256, 256)",
