@@ -149,18 +149,33 @@ pub struct Peaks {
     /// The same less the parameter gradients held at that point: what checkpointing acts on
     /// (`remat::memory::Timeline::activation_peak`).
     pub activation: u64,
+    /// The heap when the forward pass ended (the last stage's output computed).
+    pub forward_end: u64,
+    /// The highest heap during backward (recomputes included).
+    pub backward: u64,
+    /// Bytes of the parameter gradients at the end of the step.
+    pub grads: u64,
 }
 
 /// The peaks of the second of two steps under `exec` (the first pays one-off allocations such
 /// as per-thread buffers). Needs [`remat::memory::CountingAlloc`] as the global allocator.
 pub fn second_step_peaks(exec: &Executor, inputs: impl Fn(u64) -> Vec<Tensor>) -> Result<Peaks> {
-    let mut peaks = Peaks { step: 0, activation: 0 };
+    let mut peaks = Peaks { step: 0, activation: 0, forward_end: 0, backward: 0, grads: 0 };
     for step in 0..2 {
         let inputs = inputs(step);
         let meter = Meter::start(inputs[0].device());
         let out = exec.step(&inputs, step)?;
         let usage = meter.finish();
-        peaks = Peaks { step: usage.heap_peak_delta, activation: out.timeline.activation_peak(usage.heap_base) };
+        let events = &out.timeline.events;
+        let forward = events.iter().take_while(|e| e.phase == remat::memory::Phase::Forward).count();
+        let above = |b: u64| b.saturating_sub(usage.heap_base);
+        peaks = Peaks {
+            step: usage.heap_peak_delta,
+            activation: out.timeline.activation_peak(usage.heap_base),
+            forward_end: events[..forward].last().map_or(0, |e| above(e.bytes)),
+            backward: events[forward..].iter().map(|e| above(e.window_peak)).max().unwrap_or(0),
+            grads: events.last().map_or(0, |e| e.grad_bytes),
+        };
     }
     Ok(peaks)
 }
@@ -174,10 +189,15 @@ pub fn assert_near_figure(what: &str, measured: u64, committed: u64) {
 }
 
 /// The memory checks of a deep transformer, given its peaks under a policy: `sqrt` at least
-/// halves the step peak, and the activation peaks of `off` and `sqrt` are the committed figures.
+/// halves the step peak, the activation peaks of `off` and `sqrt` are the committed figures, and
+/// under `off` the heap during backward stays within the end-of-forward level plus the parameter
+/// gradients plus 10 % (a backward that kept gradients it no longer needs would exceed it).
 pub fn assert_deep_model_memory(peaks: impl Fn(&str) -> Peaks, off_activation: u64, sqrt_activation: u64) {
     assert!(remat::memory::heap_meter_installed());
     let (off, sqrt) = (peaks("off"), peaks("sqrt"));
+    let bound = off.forward_end + off.grads + off.forward_end / 10;
+    eprintln!("off: forward ends at {} B, backward peaks at {} B, gradients {} B", off.forward_end, off.backward, off.grads);
+    assert!(off.backward <= bound, "off: backward peaks at {} B, above the end of forward {} B + gradients {} B + 10 %", off.backward, off.forward_end, off.grads);
     eprintln!("step peak: off {} B, sqrt {} B ({:.2}x)", off.step, sqrt.step, sqrt.step as f64 / off.step as f64);
     assert!(sqrt.step * 2 <= off.step, "sqrt peak {} B is more than half of off {} B", sqrt.step, off.step);
     assert_near_figure("off activation peak", off.activation, off_activation);
