@@ -191,9 +191,8 @@ impl Layer {
         let (nh, hd) = (self.n_head, c / self.n_head);
         let heads = |l: &Linear| l.forward(x)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (heads(&self.query)?, heads(&self.key)?, heads(&self.value)?);
-        let att = fused::softmax_last_dim(&q.matmul(&k.t()?)?, 1.0 / (hd as f64).sqrt(), false)?; // (B, nh, T, T)
-        let att = dropout(&att, self.attn_pdrop, ctx)?;
-        att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c)) // (B, T, C)
+        let y = layers::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), false, self.attn_pdrop, ctx)?; // (B, nh, T, hd)
+        y.transpose(1, 2)?.reshape((b, t, c)) // (B, T, C)
     }
 }
 

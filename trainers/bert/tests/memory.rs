@@ -29,20 +29,19 @@ fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
     trainkit::assert_deep_model_memory(peaks, OFF_ACTIVATION, SQRT_ACTIVATION);
 }
 
-// The committed activation peaks, from the shapes. Units: BTC = 2 x 128 x 64 f32 = 64 KiB; one
-// attention map, A = B x heads x T x T f32 = 512 KiB. Forward, per layer, candle's graph holds
-// every intermediate that feeds another op; the `layers::fused` ops keep only their output: q, k,
-// v 6 BTC (fused linear, whose product before the bias is no node, then a contiguous copy of the
-// head transpose); attention output 2 (matmul, merge-heads copy); attention projection 1, its
-// dropout 1 (no mask kept), residual add 1, LayerNorm 1; intermediate 4 and GELU 4; output 1,
-// dropout 1, add 1, LayerNorm 1: 24 BTC; scores, the scaled softmax and its dropout: 3 A. 24 x 64
-// KiB + 3 x 512 KiB = 3.15 MB per layer (3.15 MB measured with the row statistics). `off`: 24
-// layers + embeddings (0.33 MB) + MLM head (1.2 MB) = 77 MB at the end of forward; candle's
-// backward adds the gradients in flight, 0.05x of that (measured, not derived): 81 MB. `sqrt`:
-// segments of 5 layers; a recomputed segment holds 5 x 3.15 = 16 MB plus the embeddings or the
-// stored boundaries, and its backward's gradients: 20 MB. (Before the fused dropout, candle's
-// backward also kept, until it returned, a gradient for every dropout mask: a constant operand of
-// a product, whose gradient candle computes and stores but never releases; that was most of the
-// 0.4-0.6x it added.)
-const OFF_ACTIVATION: u64 = 81_389_557;
-const SQRT_ACTIVATION: u64 = 20_409_610;
+// The committed activation peaks, from the shapes. Unit: BTC = 2 x 128 x 64 f32 = 64 KiB. Forward,
+// per layer, candle's graph holds every intermediate that feeds another op; the `layers::fused`
+// ops keep only their output: q, k, v 6 BTC (fused linear, whose product before the bias is no
+// node, then a contiguous copy of the head transpose); the fused attention's output 1 (scores and
+// probabilities are rebuilt in backward: no (T, T) map is kept) and the merge-heads copy 1;
+// attention projection 1, its dropout 1 (no mask kept), residual add 1, LayerNorm 1; intermediate
+// 4 and GELU 4; output 1, dropout 1, add 1, LayerNorm 1: 24 BTC = 1.57 MB per layer (1.58 MB
+// measured with the row statistics). `off`: 24 layers + embeddings (0.33 MB) + MLM head (1.2 MB) =
+// 39 MB at the end of forward; candle's backward adds the gradients in flight (measured, not
+// derived): 44 MB. `sqrt`: segments of 5 layers; a recomputed segment holds 5 x 1.58 = 8 MB plus
+// the embeddings or the stored boundaries, and its backward's gradients: 13 MB. (Before the fused
+// dropout, candle's backward also kept, until it returned, a gradient for every dropout mask: a
+// constant operand of a product, whose gradient candle computes and stores but never releases;
+// that was most of the 0.4-0.6x it added.)
+const OFF_ACTIVATION: u64 = 43_607_093;
+const SQRT_ACTIVATION: u64 = 12_539_970;

@@ -35,18 +35,18 @@ fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
     trainkit::assert_deep_model_memory(peaks, OFF_ACTIVATION, SQRT_ACTIVATION);
 }
 
-// The committed activation peaks, from the shapes. Units: one (B, T, C) tensor, BTC = 2 x 128 x 64
-// f32 = 64 KiB; one attention map, A = B x heads x T x T f32 = 512 KiB. Forward, per block,
-// candle's graph holds every intermediate that feeds another op; the `layers::fused` ops keep only
-// their output: the two LayerNorms 1 BTC each; c_attn 3 (one fused linear: the product before the
-// bias is no node); q, k, v 6 (each a copy out of the packed projection, then a contiguous copy of
-// its transpose); the attention output 2 (matmul, merge-heads copy); the two projections 1 + 1;
-// c_fc 4 and GELU 4; two residual dropouts 1 + 1 (no mask kept); two residual adds 2: 27 BTC;
-// attention scores, the scaled causal softmax and its dropout: 3 A. 27 x 64 KiB + 3 x 512 KiB =
-// 3.34 MB per block (3.35 MB measured with the row statistics). `off`: 24 blocks + embedding (3
-// BTC) + head (LayerNorm, logits: 0.33 MB; the fused cross-entropy keeps nothing) = 81 MB at the
-// end of forward; candle's backward then adds the gradients in flight, 0.06x of that (measured,
-// not derived): 86 MB. `sqrt`: segments of 5 blocks; a recomputed segment holds 5 x 3.35 = 17 MB
-// plus the stored boundaries and the incoming gradient, and its backward's gradients: 22 MB.
-const OFF_ACTIVATION: u64 = 85_891_124;
-const SQRT_ACTIVATION: u64 = 22_022_848;
+// The committed activation peaks, from the shapes. Unit: one (B, T, C) tensor, BTC = 2 x 128 x 64
+// f32 = 64 KiB. Forward, per block, candle's graph holds every intermediate that feeds another op;
+// the `layers::fused` ops keep only their output: the two LayerNorms 1 BTC each; c_attn 3 (one
+// fused linear: the product before the bias is no node); q, k, v 6 (each a copy out of the packed
+// projection, then a contiguous copy of its transpose); the fused attention's output 1 (scores and
+// probabilities are rebuilt in backward: no (T, T) map is kept) and the merge-heads copy 1; the
+// two projections 1 + 1; c_fc 4 and GELU 4; two residual dropouts 1 + 1 (no mask kept); two
+// residual adds 2: 27 BTC = 1.77 MB per block (1.78 MB measured with the row statistics). `off`:
+// 24 blocks + embedding (3 BTC) + head (LayerNorm, logits: 0.33 MB; the fused cross-entropy keeps
+// nothing) = 43 MB at the end of forward; candle's backward then adds the gradients in flight
+// (measured, not derived): 48 MB. `sqrt`: segments of 5 blocks; a recomputed segment holds 5 x
+// 1.78 = 9 MB plus the stored boundaries and the incoming gradient, and its backward's gradients:
+// 14 MB.
+const OFF_ACTIVATION: u64 = 48_108_660;
+const SQRT_ACTIVATION: u64 = 14_153_208;

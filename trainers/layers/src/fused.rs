@@ -12,6 +12,8 @@
 //! - [`dropout`]: inverted dropout whose backward draws the mask again from its key instead of
 //!   holding it; its bits equal `x * mask` composed.
 //! - [`linear`]: `x @ w + b` as one op, so the product before the bias is not kept.
+//! - [`attention`]: scaled dot-product attention with causal mask and dropout; keeps only q, k, v
+//!   (scores and probabilities are rebuilt in backward).
 //! - `conv3d` (through [`crate::conv3d`]): vol2col and a matrix product per sample, the column
 //!   matrix built again in backward; keeps its input and output only.
 //!
@@ -511,17 +513,21 @@ struct DropoutOp {
 impl DropoutOp {
     /// `x * mask`, element by element, the mask drawn in parallel pieces of the key's stream.
     fn masked<T: Elem>(&self, x: &[T]) -> Vec<T> {
+        let mut y = x.to_vec();
+        self.mask_in_place(&mut y);
+        y
+    }
+
+    fn mask_in_place<T: Elem>(&self, x: &mut [T]) {
         let keep = 1.0 - self.p;
         let scale = elem::<T>((1.0 / keep) as f64);
-        let mut y = vec![T::zero(); x.len()];
-        y.par_chunks_mut(DROPOUT_CHUNK).zip(x.par_chunks(DROPOUT_CHUNK)).enumerate().for_each(|(c, (y, x))| {
+        x.par_chunks_mut(DROPOUT_CHUNK).enumerate().for_each(|(c, x)| {
             let mut u = vec![0f32; x.len()];
             self.key.uniform_into(c * DROPOUT_CHUNK, &mut u);
-            for ((y, &x), &u) in y.iter_mut().zip(x).zip(&u) {
-                *y = x * if u < keep { scale } else { T::zero() };
+            for (x, &u) in x.iter_mut().zip(&u) {
+                *x = *x * if u < keep { scale } else { T::zero() };
             }
         });
-        y
     }
 }
 
@@ -829,5 +835,107 @@ impl CustomOp3 for LinearOp {
         let dw_in = x2.t()?.matmul(&g2)?; // (in, out)
         let dw = if self.w_is_out_in { dw_in.t()?.contiguous()? } else { dw_in };
         Ok((Some(dx), Some(dw), Some(g2.sum(0)?)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+/// Scaled dot-product attention of q, k, v (B, heads, T, d): `dropout(softmax(scale q k^T)) v`,
+/// with the causal mask if `causal` and dropout by `dropout = (key, p)`. One op: the scores and
+/// probabilities are rebuilt in backward (and the dropout mask drawn again from its key), so it
+/// keeps nothing but q, k and v, where the composed attention keeps three maps of (B, heads, T, T).
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, dropout: Option<(RngKey, f32)>) -> Result<Tensor> {
+    if !fused(q) {
+        let p = softmax_last_dim(&q.matmul(&k.t()?)?, scale, causal)?;
+        let p = match dropout {
+            Some((key, rate)) => self::dropout(&p, key, rate)?,
+            None => p,
+        };
+        return p.matmul(v);
+    }
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.to_dtype(q.dtype())?.contiguous()?);
+    q.apply_op3(&k, &v, AttentionOp { scale, causal, dropout })
+}
+
+struct AttentionOp {
+    scale: f64,
+    causal: bool,
+    dropout: Option<(RngKey, f32)>,
+}
+
+impl AttentionOp {
+    fn softmax(&self, t: usize) -> SoftmaxOp {
+        SoftmaxOp { scale: self.scale, causal: self.causal, rows_per_block: t }
+    }
+
+    /// The probabilities (B, heads, T, T), flat, of detached q and k.
+    fn probabilities<T: Elem>(&self, q: &Tensor, k: &Tensor) -> Result<Vec<T>> {
+        let scores = q.matmul(&k.t()?)?.flatten_all()?.to_vec1::<T>()?;
+        Ok(self.softmax(q.dim(2)?).forward(&scores, k.dim(2)?))
+    }
+
+    fn drop_out<T: Elem>(&self, p: &mut [T]) {
+        if let Some((key, rate)) = self.dropout {
+            DropoutOp { key, p: rate }.mask_in_place(p);
+        }
+    }
+
+    /// A flat (B, heads, T, S) map as a tensor, without copying it.
+    fn map<T: Elem>(m: Vec<T>, q: &Tensor, k: &Tensor) -> Result<Tensor> {
+        Tensor::from_vec(m, (q.dim(0)?, q.dim(1)?, q.dim(2)?, k.dim(2)?), q.device())
+    }
+
+    fn forward<T: Elem>(&self, q: Tensor, k: Tensor, v: Tensor) -> Result<Vec<T>> {
+        let mut p = self.probabilities::<T>(&q, &k)?;
+        self.drop_out(&mut p);
+        Self::map(p, &q, &k)?.matmul(&v)?.flatten_all()?.to_vec1::<T>()
+    }
+
+    /// With P the probabilities and P' = dropout(P): dV = P'^T g; dP = dropout(g V^T) (the same
+    /// mask); dS = softmax backward of dP (scale included); dQ = dS K; dK = dS^T Q. At most three
+    /// maps of (B, heads, T, T) are alive at once.
+    fn backward<T: Elem>(&self, q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let p = self.probabilities::<T>(q, k)?;
+        let mut dropped = p.clone();
+        self.drop_out(&mut dropped);
+        let dv = Self::map(dropped, q, k)?.t()?.matmul(g)?;
+        let mut dp = g.matmul(&v.t()?)?.flatten_all()?.to_vec1::<T>()?;
+        self.drop_out(&mut dp);
+        let ds = self.softmax(q.dim(2)?).backward(&p, &dp, k.dim(2)?);
+        drop((p, dp));
+        let ds = Self::map(ds, q, k)?;
+        Ok((ds.matmul(k)?, ds.t()?.matmul(q)?, dv))
+    }
+}
+
+impl CustomOp3 for AttentionOp {
+    fn name(&self) -> &'static str {
+        "fused-attention"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Elem>(op: &AttentionOp, s: [(&CpuStorage, &Layout); 3]) -> Result<Vec<T>> {
+            let t = |(st, l): (&CpuStorage, &Layout)| Tensor::from_slice(slice::<T>(st, l)?, l.dims(), &candle_core::Device::Cpu);
+            op.forward::<T>(t(s[0])?, t(s[1])?, t(s[2])?)
+        }
+        let args = [(s1, l1), (s2, l2), (s3, l3)];
+        let y = match s1 {
+            CpuStorage::F32(_) => CpuStorage::F32(run(self, args)?),
+            CpuStorage::F64(_) => CpuStorage::F64(run(self, args)?),
+            _ => candle_core::bail!("fused attention: f32 or f64 only"),
+        };
+        let mut dims = l1.dims().to_vec();
+        *dims.last_mut().expect("rank 4") = *l3.dims().last().expect("rank 4");
+        Ok((y, Shape::from(dims)))
+    }
+
+    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (q, k, v, g) = (q.detach(), k.detach(), v.detach(), g.detach().contiguous()?);
+        let (dq, dk, dv) = match q.dtype() {
+            DType::F32 => self.backward::<f32>(&q, &k, &v, &g)?,
+            _ => self.backward::<f64>(&q, &k, &v, &g)?,
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

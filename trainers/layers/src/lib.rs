@@ -48,6 +48,16 @@ pub fn dropout(x: &Tensor, p: f32, ctx: &StageCtx) -> Result<Tensor> {
     fused::dropout(x, ctx.next_key(), p)
 }
 
+/// Scaled dot-product attention of q, k, v (B, heads, T, d) with dropout `p` on the attention
+/// probabilities, its mask keyed like [`dropout`]'s ([`fused::attention`]).
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, p: f32, ctx: &StageCtx) -> Result<Tensor> {
+    let dropout = (ctx.is_training() && p > 0.0).then(|| ctx.next_key());
+    if !(0.0..1.0).contains(&p) {
+        candle_core::bail!("dropout probability must be in [0, 1), got {p}")
+    }
+    fused::attention(q, k, v, scale, causal, dropout.map(|key| (key, p)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

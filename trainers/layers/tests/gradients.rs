@@ -345,3 +345,37 @@ fn fused_linear_both_weight_layouts() -> Result<()> {
     assert!(diff < 1e-12, "fused linear differs from matmul + bias by {diff}");
     Ok(())
 }
+
+#[test]
+fn fused_attention_queries_keys_and_values() -> Result<()> {
+    let (q, k, v) = (normal("q", &[2, 2, 5, 3], 0.0, 1.0)?, normal("k", &[2, 2, 5, 3], 0.0, 1.0)?, normal("v", &[2, 2, 5, 3], 0.0, 1.0)?);
+    let vars = [("q", &q), ("k", &k), ("v", &v)];
+    check_gradients("attention", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, false, None))?;
+    check_gradients("causal attention", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, true, None))?;
+    let key = RngKey::named(6, "attention");
+    check_gradients("causal attention, dropout", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, true, Some((key, 0.3))))
+}
+
+/// The fused attention against softmax, dropout and two matrix products composed, forward and
+/// backward, with dropout on (the same key draws the same mask on both sides).
+#[test]
+fn fused_attention_agrees_with_the_composed_ops() -> Result<()> {
+    let to32 = |v: &Var| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?);
+    let (q, k, v) = (to32(&normal("q", &[2, 3, 16, 8], 0.0, 1.0)?)?, to32(&normal("k", &[2, 3, 16, 8], 0.0, 1.0)?)?, to32(&normal("v", &[2, 3, 16, 8], 0.0, 1.0)?)?);
+    let key = RngKey::named(7, "attention");
+    let fused_y = fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.35, true, Some((key, 0.2)))?;
+    let p = fused::softmax_last_dim(&q.as_tensor().matmul(&k.as_tensor().t()?)?, 0.35, true)?;
+    let composed_y = fused::dropout(&p, key, 0.2)?.matmul(v.as_tensor())?;
+    let r = Tensor::from_vec(RngKey::named(8, "r").normal(fused_y.elem_count(), 0.0, 1.0), fused_y.shape(), &Device::Cpu)?;
+    let (gf, gc) = ((&fused_y * &r)?.sum_all()?.backward()?, (&composed_y * &r)?.sum_all()?.backward()?);
+    let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
+        let scale = b.abs()?.max_all()?.to_scalar::<f32>()?;
+        Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
+    };
+    assert!(err(&fused_y, &composed_y)? < 1e-5, "forward differs by {:.2e}", err(&fused_y, &composed_y)?);
+    for (name, var) in [("q", &q), ("k", &k), ("v", &v)] {
+        let e = err(gf.get(var).unwrap(), gc.get(var).unwrap())?;
+        assert!(e < 1e-5, "gradient of {name} differs by {e:.2e}");
+    }
+    Ok(())
+}

@@ -191,13 +191,16 @@ pub fn assert_near_figure(what: &str, measured: u64, committed: u64) {
 /// The memory checks of a deep transformer, given its peaks under a policy: `sqrt` at least
 /// halves the step peak, the activation peaks of `off` and `sqrt` are the committed figures, and
 /// under `off` the heap during backward stays within the end-of-forward level plus the parameter
-/// gradients plus 10 % (a backward that kept gradients it no longer needs would exceed it).
+/// gradients plus 15 %: the gradients in flight (candle starts every input gradient as zeros plus
+/// an add, so an op's backward briefly holds three tensors of its input's size; measured 10-11 %
+/// on the tiny transformers). A backward that kept gradients it no longer needs exceeds it: with
+/// the dropout masks' gradients kept, as candle did for a composed dropout, it was 40-60 %.
 pub fn assert_deep_model_memory(peaks: impl Fn(&str) -> Peaks, off_activation: u64, sqrt_activation: u64) {
     assert!(remat::memory::heap_meter_installed());
     let (off, sqrt) = (peaks("off"), peaks("sqrt"));
-    let bound = off.forward_end + off.grads + off.forward_end / 10;
+    let bound = off.forward_end + off.grads + off.forward_end * 15 / 100;
     eprintln!("off: forward ends at {} B, backward peaks at {} B, gradients {} B", off.forward_end, off.backward, off.grads);
-    assert!(off.backward <= bound, "off: backward peaks at {} B, above the end of forward {} B + gradients {} B + 10 %", off.backward, off.forward_end, off.grads);
+    assert!(off.backward <= bound, "off: backward peaks at {} B, above the end of forward {} B + gradients {} B + 15 %", off.backward, off.forward_end, off.grads);
     eprintln!("step peak: off {} B, sqrt {} B ({:.2}x)", off.step, sqrt.step, sqrt.step as f64 / off.step as f64);
     assert!(sqrt.step * 2 <= off.step, "sqrt peak {} B is more than half of off {} B", sqrt.step, off.step);
     assert_near_figure("off activation peak", off.activation, off_activation);
