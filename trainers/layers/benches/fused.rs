@@ -48,6 +48,9 @@ fn bench(c: &mut Criterion) {
     let h = var("h", &[2, 128, 1024]);
     let (wi, bi) = (var("wi", &[4096, 1024]), var("bi", &[4096]));
 
+    // GPT-2 small attention heads: q, k, v (2, 12, 256, 64).
+    let (q, k, v) = (var("q", &[2, 12, 256, 64]), var("k", &[2, 12, 256, 64]), var("v", &[2, 12, 256, 64]));
+
     type Op<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
     let cases: Vec<(&str, Op, Op)> = vec![
         (
@@ -66,6 +69,15 @@ fn bench(c: &mut Criterion) {
             Box::new(|| {
                 let s = (scores.as_tensor() * 0.125)?;
                 candle_nn::ops::softmax(&causal.broadcast_as(s.shape())?.where_cond(&neg_inf, &s)?, D::Minus1)
+            }),
+        ),
+        (
+            "causal attention with dropout (2, 12, 256, 64)",
+            Box::new(|| fused::attention(&q, &k, &v, 0.125, true, Some((key, 0.1)))),
+            Box::new(|| {
+                let s = (q.matmul(&k.t()?)? * 0.125)?;
+                let p = candle_nn::ops::softmax(&causal.broadcast_as(s.shape())?.where_cond(&neg_inf, &s)?, D::Minus1)?;
+                (p * Tensor::from_vec(key.dropout_mask(2 * 12 * 256 * 256, 0.1), (2, 12, 256, 256), &Device::Cpu)?)?.matmul(&v)
             }),
         ),
         (
