@@ -14,12 +14,15 @@
 //! - [`linear`]: `x @ w + b` as one op, so the product before the bias is not kept.
 //! - [`attention`]: scaled dot-product attention with causal mask and dropout; keeps only q, k, v
 //!   (scores and probabilities are rebuilt in backward).
-//! - `conv3d` (through [`crate::conv3d`]): vol2col and a matrix product per sample, the column
-//!   matrix built again in backward; keeps its input and output only.
+//! - `conv3d` (through [`crate::conv3d`]): vol2col in blocks and a matrix product per block, the
+//!   column matrix built again in backward; keeps its input and output only.
 //!
-//! Every kernel works row by row, each row sequentially on one thread, and every reduction across
-//! rows sums fixed chunks in a fixed order: the same inputs give the same bits whatever the number
-//! of threads, so a recompute under checkpointing is bit-identical to the forward.
+//! Every kernel of ours works row by row (or channel by channel), each sequentially on one
+//! thread, and every reduction across rows sums fixed chunks in a fixed order: the same inputs
+//! give the same bits whatever the number of threads. The ops that multiply matrices (linear,
+//! attention, conv3d) use candle's matrix product for that part, as the composed ops do; in one
+//! process it gives the same bits every time, so a recompute under checkpointing is bit-identical
+//! to the forward.
 //!
 //! f32 and f64 tensors on the CPU take the fused path; anything else (another dtype, a GPU) falls
 //! back to the composed candle ops, which are correct everywhere.
