@@ -204,7 +204,7 @@ impl Stage for Layer {
         let x = &inputs[0]; // (B, T, C)
         let a = dropout(&self.attn_out.forward(&self.attention(x, ctx)?)?, self.hidden_pdrop, ctx)?;
         let h = self.attn_ln.forward(&(a + x)?)?;
-        let f = self.output.forward(&self.intermediate.forward(&h)?.gelu_erf()?)?; // (B, T, 4C) -> (B, T, C)
+        let f = self.output.forward(&fused::gelu(&self.intermediate.forward(&h)?, true)?)?; // (B, T, 4C) -> (B, T, C)
         let f = dropout(&f, self.hidden_pdrop, ctx)?;
         Ok(vec![self.output_ln.forward(&(f + h)?)?])
     }
@@ -223,7 +223,7 @@ pub struct MlmHead {
 impl MlmHead {
     fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
-        let h = self.ln.forward(&self.transform.forward(x)?.gelu_erf()?)?.reshape((b * t, c))?;
+        let h = self.ln.forward(&fused::gelu(&self.transform.forward(x)?, true)?)?.reshape((b * t, c))?;
         h.matmul(&self.word.t()?)?.broadcast_add(&self.bias) // (B*T, V)
     }
 }

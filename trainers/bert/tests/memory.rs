@@ -38,10 +38,10 @@ fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
 // 4 and GELU 4; output 1, dropout 1, add 1, LayerNorm 1: 24 BTC = 1.57 MB per layer (1.58 MB
 // measured with the row statistics). `off`: 24 layers + embeddings (0.33 MB) + MLM head (1.2 MB) =
 // 39 MB at the end of forward; candle's backward adds the gradients in flight (measured, not
-// derived): 44 MB. `sqrt`: segments of 5 layers; a recomputed segment holds 5 x 1.58 = 8 MB plus
-// the embeddings or the stored boundaries, and its backward's gradients: 13 MB. (Before the fused
-// dropout, candle's backward also kept, until it returned, a gradient for every dropout mask: a
-// constant operand of a product, whose gradient candle computes and stores but never releases;
-// that was most of the 0.4-0.6x it added.)
-const OFF_ACTIVATION: u64 = 43_607_093;
-const SQRT_ACTIVATION: u64 = 12_539_970;
+// derived; the fused GELU's backward is one pass): 41 MB. `sqrt`: segments of 5 layers; a
+// recomputed segment holds 5 x 1.58 = 8 MB plus the embeddings or the stored boundaries, and its
+// backward's gradients: 10 MB. (Before the fused dropout, candle's backward also kept, until it
+// returned, a gradient for every dropout mask: a constant operand of a product, whose gradient
+// candle computes and stores but never releases; that was most of the 0.4-0.6x it added.)
+const OFF_ACTIVATION: u64 = 41_262_862;
+const SQRT_ACTIVATION: u64 = 10_195_079;

@@ -207,7 +207,7 @@ impl Block {
     }
 
     fn mlp(&self, x: &Tensor) -> Result<Tensor> {
-        self.mlp_proj.forward(&self.c_fc.forward(x)?.gelu()?) // (B, T, 4C) -> (B, T, C)
+        self.mlp_proj.forward(&fused::gelu(&self.c_fc.forward(x)?, false)?) // (B, T, 4C) -> (B, T, C)
     }
 }
 

@@ -45,8 +45,8 @@ fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
 // residual adds 2: 27 BTC = 1.77 MB per block (1.78 MB measured with the row statistics). `off`:
 // 24 blocks + embedding (3 BTC) + head (LayerNorm, logits: 0.33 MB; the fused cross-entropy keeps
 // nothing) = 43 MB at the end of forward; candle's backward then adds the gradients in flight
-// (measured, not derived): 48 MB. `sqrt`: segments of 5 blocks; a recomputed segment holds 5 x
-// 1.78 = 9 MB plus the stored boundaries and the incoming gradient, and its backward's gradients:
-// 14 MB.
-const OFF_ACTIVATION: u64 = 48_108_660;
-const SQRT_ACTIVATION: u64 = 14_153_208;
+// (measured, not derived; the fused GELU's backward is one pass): 45 MB. `sqrt`: segments of 5
+// blocks; a recomputed segment holds 5 x 1.78 = 9 MB plus the stored boundaries and the incoming
+// gradient, and its backward's gradients: 11 MB.
+const OFF_ACTIVATION: u64 = 44_912_484;
+const SQRT_ACTIVATION: u64 = 10_957_493;

@@ -12,6 +12,7 @@
 //! - [`dropout`]: inverted dropout whose backward draws the mask again from its key instead of
 //!   holding it; its bits equal `x * mask` composed.
 //! - [`linear`]: `x @ w + b` as one op, so the product before the bias is not kept.
+//! - [`gelu`]: tanh or erf GELU with a one-pass, multi-threaded backward.
 //! - [`attention`]: scaled dot-product attention with causal mask and dropout; keeps only q, k, v
 //!   (scores and probabilities are rebuilt in backward).
 //! - `conv3d` (through [`crate::conv3d`]): vol2col in blocks and a matrix product per block, the
@@ -495,7 +496,8 @@ impl CustomOp3 for BatchNormOp {
 // ---------------------------------------------------------------------------------------------
 // Dropout
 
-/// Elements drawn per parallel task: a multiple of 2, so no task starts inside a stream word.
+/// Elements per parallel task of an elementwise op; for dropout a multiple of 2, so no task
+/// starts inside a stream word.
 const DROPOUT_CHUNK: usize = 1 << 14;
 
 /// Inverted dropout: `x * mask` with `mask = 1 / (1 - p)` where `key`'s uniform draw is below
@@ -940,5 +942,80 @@ impl CustomOp3 for AttentionOp {
             _ => self.backward::<f64>(&q, &k, &v, &g)?,
         };
         Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU
+
+/// GELU, with the tanh approximation (GPT-2's `gelu_new`) or exact with erf (BERT's `gelu`),
+/// computed in f64 per element, in parallel. Keeps its input, as candle's does, but its backward
+/// is one pass where candle's composes about ten tensors of the input's size.
+pub fn gelu(x: &Tensor, exact: bool) -> Result<Tensor> {
+    if !fused(x) {
+        return if exact { x.gelu_erf() } else { x.gelu() };
+    }
+    x.contiguous()?.apply_op1(GeluOp { exact })
+}
+
+struct GeluOp {
+    exact: bool,
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+
+impl GeluOp {
+    /// (gelu(x), gelu'(x)).
+    fn eval(&self, x: f64) -> (f64, f64) {
+        if self.exact {
+            let cdf = 0.5 * (1.0 + candle_core::cpu::erf::erf_f64(x / std::f64::consts::SQRT_2));
+            let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            (x * cdf, cdf + x * pdf)
+        } else {
+            let inner = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+            let t = inner.tanh();
+            let d_inner = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x);
+            (0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner)
+        }
+    }
+
+    /// gelu(x), or with `g` the gradient g gelu'(x); element by element, in parallel.
+    fn map<T: Elem>(&self, x: &[T], g: Option<&[T]>) -> Vec<T> {
+        let mut y = vec![T::zero(); x.len()];
+        y.par_chunks_mut(DROPOUT_CHUNK).enumerate().for_each(|(c, y)| {
+            for (j, y) in y.iter_mut().enumerate() {
+                let i = c * DROPOUT_CHUNK + j;
+                let (value, slope) = self.eval(wide(x[i]));
+                *y = match g {
+                    Some(g) => elem(wide(g[i]) * slope),
+                    None => elem(value),
+                };
+            }
+        });
+        y
+    }
+}
+
+impl CustomOp1 for GeluOp {
+    fn name(&self) -> &'static str {
+        "fused-gelu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = match s {
+            CpuStorage::F32(_) => CpuStorage::F32(self.map(slice(s, l)?, None)),
+            CpuStorage::F64(_) => CpuStorage::F64(self.map(slice(s, l)?, None)),
+            _ => candle_core::bail!("fused gelu: f32 or f64 only"),
+        };
+        Ok((y, l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let g = g.contiguous()?;
+        let dx = match x.dtype() {
+            DType::F32 => Tensor::from_vec(with_slice::<f32, _>(x, |xs| with_slice(&g, |gs| Ok(self.map(xs, Some(gs)))))?, x.shape(), x.device())?,
+            _ => Tensor::from_vec(with_slice::<f64, _>(x, |xs| with_slice(&g, |gs| Ok(self.map(xs, Some(gs)))))?, x.shape(), x.device())?,
+        };
+        Ok(Some(dx))
     }
 }

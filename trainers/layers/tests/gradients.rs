@@ -379,3 +379,16 @@ fn fused_attention_agrees_with_the_composed_ops() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn fused_gelu_tanh_and_erf() -> Result<()> {
+    let x = normal("x", &[3, 7], 0.0, 2.0)?;
+    check_gradients("fused gelu (tanh)", &[("x", &x)], || fused::gelu(x.as_tensor(), false))?;
+    check_gradients("fused gelu (erf)", &[("x", &x)], || fused::gelu(x.as_tensor(), true))?;
+    // Against candle's own, forward.
+    for (exact, candle) in [(false, x.as_tensor().gelu()?), (true, x.as_tensor().gelu_erf()?)] {
+        let diff = (fused::gelu(x.as_tensor(), exact)? - candle)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        assert!(diff < 1e-12, "gelu (exact: {exact}) differs from candle's by {diff}");
+    }
+    Ok(())
+}
