@@ -1,9 +1,10 @@
 //! GPT-2 (Radford et al., 2019) at its published sizes, as a `remat` stage chain.
 //!
 //! The stage graph is `embed -> h.0 -> ... -> h.{L-1} -> head(loss)`; the blocks are what the
-//! checkpointing policies count. Pre-LN blocks, causal self-attention (scale, causal mask and
-//! softmax in one fused op: `layers::fused`), GELU (tanh), dropout on the embeddings, the
-//! attention probabilities and both residual branches, LM head tied to the token embedding.
+//! checkpointing policies count. Pre-LN blocks, causal self-attention (scores, mask, softmax,
+//! dropout and the product with v in one fused op: `layers::fused`), GELU (tanh), dropout on the
+//! embeddings, the attention probabilities and both residual branches, LM head tied to the token
+//! embedding.
 //! Parameter names are Hugging Face's (`h.0.attn.c_attn.weight`, ...), so real weights load.
 //!
 //! Not here: the training loop (`src/main.rs`), data (`datasets`), the engine (`remat`).

@@ -45,10 +45,8 @@ impl BatchNorm {
         if ctx.is_training() && crate::fused::fused(x) {
             let (y, mean, var) = crate::fused::batch_norm_train(x, &self.weight, &self.bias, self.eps, relu)?;
             if !ctx.is_recompute() {
-                let unbiased: Vec<f32> = var.iter().map(|v| (v * n / (n - 1.0).max(1.0)) as f32).collect();
-                let mean: Vec<f32> = mean.iter().map(|&m| m as f32).collect();
-                self.update(&self.running_mean, &Tensor::from_vec(mean, c, x.device())?)?;
-                self.update(&self.running_var, &Tensor::from_vec(unbiased, c, x.device())?)?;
+                let per_channel = |v: Vec<f64>| Tensor::from_vec(v, c, x.device());
+                self.update_running(&per_channel(mean)?, &per_channel(var)?, n)?;
             }
             return Ok(y);
         }
@@ -60,9 +58,7 @@ impl BatchNorm {
             let centered = x.broadcast_sub(&mean)?;
             let var = centered.sqr()?.mean_keepdim(reduce.as_slice())?; // biased, as used to normalise
             if !ctx.is_recompute() {
-                let unbiased = (var.detach() * (n / (n - 1.0).max(1.0)))?.reshape(c)?;
-                self.update(&self.running_mean, &mean.detach().reshape(c)?)?;
-                self.update(&self.running_var, &unbiased)?;
+                self.update_running(&mean.detach().reshape(c)?, &var.detach().reshape(c)?, n)?;
             }
             (mean, var)
         } else {
@@ -75,6 +71,13 @@ impl BatchNorm {
         } else {
             Ok(y)
         }
+    }
+
+    /// The running statistics from a batch's per-channel mean and biased variance over `n`
+    /// values per channel (the running variance takes the unbiased one, as PyTorch's).
+    fn update_running(&self, mean: &Tensor, biased_var: &Tensor, n: f64) -> Result<()> {
+        self.update(&self.running_mean, mean)?;
+        self.update(&self.running_var, &(biased_var * (n / (n - 1.0).max(1.0)))?)
     }
 
     fn update(&self, stat: &Var, batch: &Tensor) -> Result<()> {

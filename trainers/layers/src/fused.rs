@@ -56,8 +56,42 @@ fn with_slice<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) ->
     }
 }
 
+/// The storage `$body` makes, a `Vec` of f32 or f64 as `$s` holds (the element type is inferred
+/// in each arm): the one dispatch every fused op's forward needs.
+macro_rules! per_float {
+    ($s:expr, $name:literal, $body:expr) => {
+        match $s {
+            CpuStorage::F32(_) => CpuStorage::F32($body),
+            CpuStorage::F64(_) => CpuStorage::F64($body),
+            _ => candle_core::bail!(concat!("fused ", $name, ": f32 or f64 only")),
+        }
+    };
+}
+
+/// `$body` with the type `$t` set to f32 or f64 as `$dtype` says: the dispatch of the backward
+/// passes and of the wrappers that read a tensor's elements.
+macro_rules! per_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            _ => {
+                type $t = f64;
+                $body
+            }
+        }
+    };
+}
+
+/// A gradient's elements as a tensor shaped and placed like `like`.
+fn shaped<T: WithDType>(v: Vec<T>, like: &Tensor) -> Result<Tensor> {
+    Tensor::from_vec(v, like.shape(), like.device())
+}
+
 /// A float type the kernels run in.
-trait Elem: WithDType + Float + Send + Sync + std::iter::Sum {}
+trait Elem: WithDType + Float + Send + Sync + std::iter::Sum + std::ops::AddAssign + std::ops::SubAssign {}
 impl Elem for f32 {}
 impl Elem for f64 {}
 
@@ -82,7 +116,7 @@ fn sum_rows<T: Elem>(n_rows: usize, width: usize, row: impl Fn(usize, &mut [T]) 
         .collect();
     let mut total = vec![T::zero(); width];
     for p in partials {
-        total.iter_mut().zip(p).for_each(|(t, v)| *t = *t + v);
+        total.iter_mut().zip(p).for_each(|(t, v)| *t += v);
     }
     total
 }
@@ -138,8 +172,8 @@ impl LayerNormOp {
             let (mut m1, mut m2) = (T::zero(), T::zero());
             for j in 0..d {
                 let gw = g[j] * w[j];
-                m1 = m1 + gw;
-                m2 = m2 + gw * (x[j] - mean) * rstd;
+                m1 += gw;
+                m2 += gw * (x[j] - mean) * rstd;
             }
             let (m1, m2) = (m1 / n, m2 / n);
             for j in 0..d {
@@ -150,8 +184,8 @@ impl LayerNormOp {
             let (x, g) = (&x[i * d..(i + 1) * d], &g[i * d..(i + 1) * d]);
             let (mean, rstd) = row_stats(x, self.eps);
             for j in 0..d {
-                acc[j] = acc[j] + g[j] * (x[j] - mean) * rstd;
-                acc[d + j] = acc[d + j] + g[j];
+                acc[j] += g[j] * (x[j] - mean) * rstd;
+                acc[d + j] += g[j];
             }
         });
         (dx, sums[..d].to_vec(), sums[d..].to_vec())
@@ -164,26 +198,16 @@ impl CustomOp3 for LayerNormOp {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?)),
-            CpuStorage::F64(_) => CpuStorage::F64(self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?)),
-            _ => candle_core::bail!("fused layer_norm: f32 or f64 only"),
-        };
+        let y = per_float!(s1, "layer_norm", self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?));
         Ok((y, l1.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let g = g.contiguous()?;
-        let (dx, dw, db) = match x.dtype() {
-            DType::F32 => {
-                let (dx, dw, db) = with_slice::<f32, _>(x, |x| with_slice(w, |w| with_slice(&g, |g| Ok(self.backward(x, w, g)))))?;
-                (Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, w.shape(), w.device())?, Tensor::from_vec(db, w.shape(), w.device())?)
-            }
-            _ => {
-                let (dx, dw, db) = with_slice::<f64, _>(x, |x| with_slice(w, |w| with_slice(&g, |g| Ok(self.backward(x, w, g)))))?;
-                (Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, w.shape(), w.device())?, Tensor::from_vec(db, w.shape(), w.device())?)
-            }
-        };
+        let (dx, dw, db) = per_dtype!(x.dtype(), T => {
+            let (dx, dw, db) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| Ok(self.backward(xs, ws, gs)))))?;
+            (shaped(dx, x)?, shaped(dw, w)?, shaped(db, w)?)
+        });
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
@@ -236,9 +260,9 @@ impl SoftmaxOp {
             let mut sum = T::zero();
             for j in 0..n {
                 y[j] = (x[j] * scale - max).exp();
-                sum = sum + y[j];
+                sum += y[j];
             }
-            y[..n].iter_mut().for_each(|v| *v = *v / sum);
+            y[..n].iter_mut().for_each(|v| *v /= sum);
         });
         y
     }
@@ -265,20 +289,13 @@ impl CustomOp1 for SoftmaxOp {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let width = l.dims().last().copied().unwrap_or(1);
-        let y = match s {
-            CpuStorage::F32(_) => CpuStorage::F32(self.forward(slice(s, l)?, width)),
-            CpuStorage::F64(_) => CpuStorage::F64(self.forward(slice(s, l)?, width)),
-            _ => candle_core::bail!("fused softmax: f32 or f64 only"),
-        };
+        let y = per_float!(s, "softmax", self.forward(slice(s, l)?, width));
         Ok((y, l.shape().clone()))
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         let (g, width) = (g.contiguous()?, y.dim(D::Minus1)?);
-        let dx = match y.dtype() {
-            DType::F32 => Tensor::from_vec(with_slice::<f32, _>(y, |y| with_slice(&g, |g| Ok(self.backward(y, g, width))))?, y.shape(), y.device())?,
-            _ => Tensor::from_vec(with_slice::<f64, _>(y, |y| with_slice(&g, |g| Ok(self.backward(y, g, width))))?, y.shape(), y.device())?,
-        };
+        let dx = per_dtype!(y.dtype(), T => shaped(with_slice::<T, _>(y, |ys| with_slice(&g, |gs| Ok(self.backward(ys, gs, width))))?, y)?);
         Ok(Some(dx))
     }
 }
@@ -334,7 +351,7 @@ impl CrossEntropyOp {
             for j in 0..v {
                 d[j] = s * (row[j] - lse).exp();
             }
-            d[t as usize] = d[t as usize] - s;
+            d[t as usize] -= s;
         });
         d
     }
@@ -347,25 +364,14 @@ impl CustomOp3 for CrossEntropyOp {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
         let targets = slice::<u32>(s2, l2)?;
-        let loss = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(vec![Self::forward(slice(s1, l1)?, targets, slice(s3, l3)?)?]),
-            CpuStorage::F64(_) => CpuStorage::F64(vec![Self::forward(slice(s1, l1)?, targets, slice(s3, l3)?)?]),
-            _ => candle_core::bail!("fused cross_entropy: f32 or f64 only"),
-        };
+        let loss = per_float!(s1, "cross_entropy", vec![Self::forward(slice(s1, l1)?, targets, slice(s3, l3)?)?]);
         Ok((loss, Shape::from(())))
     }
 
     fn bwd(&self, logits: &Tensor, targets: &Tensor, weights: &Tensor, _loss: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let g = g.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let d = with_slice::<u32, _>(targets, |t| match logits.dtype() {
-            DType::F32 => {
-                let d = with_slice::<f32, _>(logits, |l| with_slice(weights, |w| Ok(Self::backward(l, t, w, g as f32))))?;
-                Tensor::from_vec(d, logits.shape(), logits.device())
-            }
-            _ => {
-                let d = with_slice::<f64, _>(logits, |l| with_slice(weights, |w| Ok(Self::backward(l, t, w, g))))?;
-                Tensor::from_vec(d, logits.shape(), logits.device())
-            }
+        let d = with_slice::<u32, _>(targets, |t| {
+            per_dtype!(logits.dtype(), T => shaped(with_slice::<T, _>(logits, |l| with_slice(weights, |w| Ok(Self::backward(l, t, w, elem::<T>(g)))))?, logits))
         })?;
         Ok((Some(d), None, None))
     }
@@ -382,10 +388,7 @@ pub(crate) fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: 
     let x = x.contiguous()?;
     let (n, c) = (x.dim(0)?, x.dim(1)?);
     let spatial = x.elem_count() / (n * c).max(1);
-    let (mean, var) = match x.dtype() {
-        DType::F32 => with_slice::<f32, _>(&x, |x| Ok(channel_stats(x, c, spatial)))?,
-        _ => with_slice::<f64, _>(&x, |x| Ok(channel_stats(x, c, spatial)))?,
-    };
+    let (mean, var) = per_dtype!(x.dtype(), T => with_slice::<T, _>(&x, |xs| Ok(channel_stats(xs, c, spatial)))?);
     let rstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
     let op = BatchNormOp { mean: mean.clone(), rstd, relu, channels: c, spatial };
     let y = x.apply_op3(&weight.to_dtype(x.dtype())?.contiguous()?, &bias.to_dtype(x.dtype())?.contiguous()?, op)?;
@@ -471,24 +474,16 @@ impl CustomOp3 for BatchNormOp {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?)),
-            CpuStorage::F64(_) => CpuStorage::F64(self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?)),
-            _ => candle_core::bail!("fused batch_norm: f32 or f64 only"),
-        };
+        let y = per_float!(s1, "batch_norm", self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?));
         Ok((y, l1.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let g = g.contiguous()?;
-        fn run<T: Elem>(op: &BatchNormOp, x: &Tensor, y: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-            let (dx, dw, db) = with_slice::<T, _>(x, |xs| with_slice(y, |ys| with_slice(w, |ws| with_slice(g, |gs| Ok(op.backward(xs, ys, ws, gs))))))?;
-            Ok((Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, w.shape(), w.device())?, Tensor::from_vec(db, w.shape(), w.device())?))
-        }
-        let (dx, dw, db) = match x.dtype() {
-            DType::F32 => run::<f32>(self, x, y, w, &g)?,
-            _ => run::<f64>(self, x, y, w, &g)?,
-        };
+        let (dx, dw, db) = per_dtype!(x.dtype(), T => {
+            let (dx, dw, db) = with_slice::<T, _>(x, |xs| with_slice(y, |ys| with_slice(w, |ws| with_slice(&g, |gs| Ok(self.backward(xs, ys, ws, gs))))))?;
+            (shaped(dx, x)?, shaped(dw, w)?, shaped(db, w)?)
+        });
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
@@ -530,7 +525,7 @@ impl DropoutOp {
             let mut u = vec![0f32; x.len()];
             self.key.uniform_into(c * DROPOUT_CHUNK, &mut u);
             for (x, &u) in x.iter_mut().zip(&u) {
-                *x = *x * if u < keep { scale } else { T::zero() };
+                *x *= if u < keep { scale } else { T::zero() };
             }
         });
     }
@@ -542,20 +537,13 @@ impl CustomOp1 for DropoutOp {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = match s {
-            CpuStorage::F32(_) => CpuStorage::F32(self.masked(slice(s, l)?)),
-            CpuStorage::F64(_) => CpuStorage::F64(self.masked(slice(s, l)?)),
-            _ => candle_core::bail!("fused dropout: f32 or f64 only"),
-        };
+        let y = per_float!(s, "dropout", self.masked(slice(s, l)?));
         Ok((y, l.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         let g = g.contiguous()?;
-        let dx = match x.dtype() {
-            DType::F32 => Tensor::from_vec(with_slice::<f32, _>(&g, |g| Ok(self.masked(g)))?, x.shape(), x.device())?,
-            _ => Tensor::from_vec(with_slice::<f64, _>(&g, |g| Ok(self.masked(g)))?, x.shape(), x.device())?,
-        };
+        let dx = per_dtype!(x.dtype(), T => shaped(with_slice::<T, _>(&g, |gs| Ok(self.masked(gs)))?, x)?);
         Ok(Some(dx))
     }
 }
@@ -675,7 +663,7 @@ impl Conv3dShape {
         dx.par_chunks_mut(volume).enumerate().for_each(|(c, xc)| {
             for r in c * k..(c + 1) * k {
                 let row = &col[r * cols..(r + 1) * cols];
-                self.for_row(r, zs.clone(), |j, i| xc[i - c * volume] = xc[i - c * volume] + row[j]);
+                self.for_row(r, zs.clone(), |j, i| xc[i - c * volume] += row[j]);
             }
         });
     }
@@ -733,7 +721,7 @@ impl Conv3dOp {
                 let (start, len) = (zs.start * plane, zs.len() * plane);
                 let g = columns(gy, cols, start..start + len); // (O, len)
                 let dw_b = matmul(&g, (s.o, len), s.vol2col(x, zs.clone()), s.rows(), true)?; // (O, rows)
-                dw.iter_mut().zip(dw_b).for_each(|(a, b)| *a = *a + b);
+                dw.iter_mut().zip(dw_b).for_each(|(a, b)| *a += b);
                 s.col2vol(&matmul(&wt, (s.rows(), s.o), g, len, false)?, zs, dx); // (rows, len)
             }
         }
@@ -747,25 +735,17 @@ impl CustomOp2 for Conv3dOp {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(self.forward(slice(s1, l1)?, slice(s2, l2)?)?),
-            CpuStorage::F64(_) => CpuStorage::F64(self.forward(slice(s1, l1)?, slice(s2, l2)?)?),
-            _ => candle_core::bail!("fused conv3d: f32 or f64 only"),
-        };
+        let y = per_float!(s1, "conv3d", self.forward(slice(s1, l1)?, slice(s2, l2)?)?);
         let s = &self.shape;
         Ok((y, Shape::from(vec![s.n, s.o, s.output[0], s.output[1], s.output[2]])))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = g.contiguous()?;
-        fn run<T: Elem>(op: &Conv3dOp, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
-            let (dx, dw) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(g, |gs| op.backward(xs, ws, gs))))?;
-            Ok((Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, w.shape(), w.device())?))
-        }
-        let (dx, dw) = match x.dtype() {
-            DType::F32 => run::<f32>(self, x, w, &g)?,
-            _ => run::<f64>(self, x, w, &g)?,
-        };
+        let (dx, dw) = per_dtype!(x.dtype(), T => {
+            let (dx, dw) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| self.backward(xs, ws, gs))))?;
+            (shaped(dx, x)?, shaped(dw, w)?)
+        });
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -819,11 +799,7 @@ impl CustomOp3 for LinearOp {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(self.forward(slice(s1, l1)?, l1, slice(s2, l2)?, l2, slice(s3, l3)?)?),
-            CpuStorage::F64(_) => CpuStorage::F64(self.forward(slice(s1, l1)?, l1, slice(s2, l2)?, l2, slice(s3, l3)?)?),
-            _ => candle_core::bail!("fused linear: f32 or f64 only"),
-        };
+        let y = per_float!(s1, "linear", self.forward(slice(s1, l1)?, l1, slice(s2, l2)?, l2, slice(s3, l3)?)?);
         let mut dims = l1.dims().to_vec();
         *dims.last_mut().expect("rank >= 1") = l3.dims()[0];
         Ok((y, Shape::from(dims)))
@@ -925,11 +901,7 @@ impl CustomOp3 for AttentionOp {
             op.forward::<T>(t(s[0])?, t(s[1])?, t(s[2])?)
         }
         let args = [(s1, l1), (s2, l2), (s3, l3)];
-        let y = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(run(self, args)?),
-            CpuStorage::F64(_) => CpuStorage::F64(run(self, args)?),
-            _ => candle_core::bail!("fused attention: f32 or f64 only"),
-        };
+        let y = per_float!(s1, "attention", run(self, args)?);
         let mut dims = l1.dims().to_vec();
         *dims.last_mut().expect("rank 4") = *l3.dims().last().expect("rank 4");
         Ok((y, Shape::from(dims)))
@@ -937,10 +909,7 @@ impl CustomOp3 for AttentionOp {
 
     fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (q, k, v, g) = (q.detach(), k.detach(), v.detach(), g.detach().contiguous()?);
-        let (dq, dk, dv) = match q.dtype() {
-            DType::F32 => self.backward::<f32>(&q, &k, &v, &g)?,
-            _ => self.backward::<f64>(&q, &k, &v, &g)?,
-        };
+        let (dq, dk, dv) = per_dtype!(q.dtype(), T => self.backward::<T>(&q, &k, &v, &g)?);
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -1002,20 +971,13 @@ impl CustomOp1 for GeluOp {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = match s {
-            CpuStorage::F32(_) => CpuStorage::F32(self.map(slice(s, l)?, None)),
-            CpuStorage::F64(_) => CpuStorage::F64(self.map(slice(s, l)?, None)),
-            _ => candle_core::bail!("fused gelu: f32 or f64 only"),
-        };
+        let y = per_float!(s, "gelu", self.map(slice(s, l)?, None));
         Ok((y, l.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         let g = g.contiguous()?;
-        let dx = match x.dtype() {
-            DType::F32 => Tensor::from_vec(with_slice::<f32, _>(x, |xs| with_slice(&g, |gs| Ok(self.map(xs, Some(gs)))))?, x.shape(), x.device())?,
-            _ => Tensor::from_vec(with_slice::<f64, _>(x, |xs| with_slice(&g, |gs| Ok(self.map(xs, Some(gs)))))?, x.shape(), x.device())?,
-        };
+        let dx = per_dtype!(x.dtype(), T => shaped(with_slice::<T, _>(x, |xs| with_slice(&g, |gs| Ok(self.map(xs, Some(gs)))))?, x)?);
         Ok(Some(dx))
     }
 }

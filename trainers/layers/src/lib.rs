@@ -3,9 +3,10 @@
 //! - [`dropout`] draws its mask from the stage's counter-based key, so a recompute under
 //!   checkpointing reproduces it exactly (candle's `ops::dropout` uses unseedable global RNG), and
 //!   draws it again in backward instead of holding it.
-//! - [`fused`]: LayerNorm, softmax (scaled, optionally causal) and cross-entropy as single ops
-//!   with hand-written backward passes that keep only what backward needs (candle's own fused
-//!   LayerNorm and softmax record no backward; composed ones keep every intermediate).
+//! - [`fused`]: LayerNorm, softmax, cross-entropy, BatchNorm + ReLU, dropout, linear, GELU,
+//!   attention and conv3d as single ops with hand-written backward passes that keep only what
+//!   backward needs (candle's own fused LayerNorm and softmax record no backward; composed ones
+//!   keep every intermediate). [`attention`] is the attention with a keyed dropout.
 //! - [`LayerNorm`] runs the fused kernel (its parameters get gradients, unlike candle-nn's).
 //! - [`BatchNorm`] does not update its running statistics while a stage is recomputed.
 //! - [`max_pool2d_k3s2p1`]: the ResNet stem pool with a correct backward (candle's is only right
@@ -39,23 +40,25 @@ use remat::StageCtx;
 /// Inverted dropout with a mask keyed by the stage context: identical on recompute, different for
 /// every call site, stage and step. Identity outside training or for `p == 0`.
 pub fn dropout(x: &Tensor, p: f32, ctx: &StageCtx) -> Result<Tensor> {
-    if !ctx.is_training() || p == 0.0 {
-        return Ok(x.clone());
+    match dropout_key(p, ctx)? {
+        Some(key) => fused::dropout(x, key, p),
+        None => Ok(x.clone()),
     }
+}
+
+/// The key of a dropout with probability `p`, or `None` where it is the identity (evaluation,
+/// `p == 0`); an error for `p` outside [0, 1).
+fn dropout_key(p: f32, ctx: &StageCtx) -> Result<Option<remat::rng::RngKey>> {
     if !(0.0..1.0).contains(&p) {
         candle_core::bail!("dropout probability must be in [0, 1), got {p}")
     }
-    fused::dropout(x, ctx.next_key(), p)
+    Ok((ctx.is_training() && p > 0.0).then(|| ctx.next_key()))
 }
 
 /// Scaled dot-product attention of q, k, v (B, heads, T, d) with dropout `p` on the attention
 /// probabilities, its mask keyed like [`dropout`]'s ([`fused::attention`]).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, p: f32, ctx: &StageCtx) -> Result<Tensor> {
-    let dropout = (ctx.is_training() && p > 0.0).then(|| ctx.next_key());
-    if !(0.0..1.0).contains(&p) {
-        candle_core::bail!("dropout probability must be in [0, 1), got {p}")
-    }
-    fused::attention(q, k, v, scale, causal, dropout.map(|key| (key, p)))
+    fused::attention(q, k, v, scale, causal, dropout_key(p, ctx)?.map(|key| (key, p)))
 }
 
 #[cfg(test)]

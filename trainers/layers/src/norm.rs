@@ -34,7 +34,7 @@ pub struct GroupNorm {
 
 impl GroupNorm {
     pub fn new(params: &mut ParamStore, prefix: &str, channels: usize, groups: usize) -> Result<Self> {
-        if groups == 0 || channels % groups != 0 {
+        if groups == 0 || !channels.is_multiple_of(groups) {
             candle_core::bail!("GroupNorm `{prefix}`: {channels} channels do not split into {groups} groups")
         }
         Ok(GroupNorm {
