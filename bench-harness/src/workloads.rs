@@ -3,11 +3,11 @@
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_nn::Optimizer;
 use datasets::images::SyntheticImages;
 use datasets::tokens::Batcher;
 use datasets::volumes::SyntheticVolumes;
-use layers::{ParamStore, ParamsSgd, SgdMomentum};
+use layers::{AdamW, ParamStore, ParamsAdamW, ParamsSgd, SgdMomentum};
 use remat::{Policy, StageGraph};
 
 /// A model built and ready to train: its graph, parameters, data and optimizer.

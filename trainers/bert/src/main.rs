@@ -2,7 +2,8 @@
 
 use anyhow::{bail, Context, Result};
 use bert::{Bert, Config, MlmData};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_nn::Optimizer;
+use layers::{AdamW, ParamsAdamW};
 use clap::Parser;
 use datasets::text::WordVocab;
 use remat::memory::CountingAlloc;

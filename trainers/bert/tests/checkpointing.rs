@@ -3,7 +3,8 @@
 
 use bert::{Bert, Config, MlmData};
 use candle_core::Device;
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_nn::Optimizer;
+use layers::{AdamW, ParamsAdamW};
 use remat::{Executor, Policy};
 use std::collections::BTreeMap;
 

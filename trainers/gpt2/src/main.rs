@@ -1,7 +1,8 @@
 //! `train-gpt2`: train GPT-2 with activation checkpointing on the default corpus or a token file.
 
 use anyhow::{bail, Context, Result};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_nn::Optimizer;
+use layers::{AdamW, ParamsAdamW};
 use clap::Parser;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};

@@ -2,7 +2,8 @@
 //! bit for bit (dropout on), every parameter gets a gradient, and `sqrt` saves memory.
 
 use candle_core::Device;
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_nn::Optimizer;
+use layers::{AdamW, ParamsAdamW};
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
 use remat::{Executor, Policy};

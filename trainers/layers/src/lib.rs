@@ -11,7 +11,8 @@
 //! - [`BatchNorm`] does not update its running statistics while a stage is recomputed.
 //! - [`max_pool2d_k3s2p1`]: the ResNet stem pool with a correct backward (candle's is only right
 //!   when kernel == stride).
-//! - [`SgdMomentum`]: SGD with momentum, which candle-nn lacks.
+//! - [`AdamW`] and [`SgdMomentum`] (which candle-nn lacks) update in place: a step allocates
+//!   nothing parameter-sized.
 //! - [`conv3d`], [`conv_transpose3d_k2s2`], [`max_pool3d_k2s2`]: 3D layers candle lacks, composed
 //!   from 2D convolutions, matmuls and reshapes that have a backward.
 //! - [`ParamStore`] holds named parameters with deterministic initialisation (candle's CPU RNG
@@ -30,7 +31,7 @@ mod pool;
 pub use batchnorm::BatchNorm;
 pub use conv3d::{conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
 pub use norm::{GroupNorm, LayerNorm};
-pub use optim::{ParamsSgd, SgdMomentum};
+pub use optim::{AdamW, ParamsAdamW, ParamsSgd, SgdMomentum};
 pub use params::{f32_bits, Init, ParamStore, SnapshotError};
 pub use pool::max_pool2d_k3s2p1;
 

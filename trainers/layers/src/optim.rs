@@ -1,9 +1,140 @@
+//! Optimizers that update in place: each parameter and its state are rewritten element by
+//! element, so an update allocates nothing parameter-sized. candle-nn's AdamW builds six
+//! parameter-sized temporaries per parameter, which made the optimizer, not the activations, set
+//! the step's peak for the transformers here.
+//!
+//! On the CPU in f32/f64 the updates are single passes over the elements (split over threads; each
+//! element's update is independent, so the bits do not depend on the thread count). Elsewhere they
+//! fall back to candle ops with temporaries (correct on every device, not lean).
+
 use candle_core::backprop::GradStore;
-use candle_core::{Result, Tensor, Var};
+use candle_core::{CpuStorage, InplaceOp3, Layout, Result, Tensor, Var};
+pub use candle_nn::ParamsAdamW;
 use candle_nn::Optimizer;
+use rayon::prelude::*;
+
+/// Elements per task of an in-place update.
+const CHUNK: usize = 1 << 15;
+
+/// `dst[i] = f(dst[i], a[i], b[i])`, computed in f64, for contiguous f32/f64 CPU tensors of one
+/// dtype and shape.
+struct Elementwise<F> {
+    name: &'static str,
+    f: F,
+}
+
+impl<F: Fn(f64, f64, f64) -> f64 + Sync> Elementwise<F> {
+    fn run<T: candle_core::WithDType>(&self, dst: &mut [T], a: &[T], b: &[T]) {
+        dst.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK))).for_each(|(d, (a, b))| {
+            for ((d, a), b) in d.iter_mut().zip(a).zip(b) {
+                *d = T::from_f64((self.f)(d.to_f64(), a.to_f64(), b.to_f64()));
+            }
+        });
+    }
+}
+
+fn contiguous<'a, T: candle_core::WithDType>(s: &'a [T], l: &Layout, name: &str) -> Result<&'a [T]> {
+    let (start, end) = l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{name}: operand is not contiguous")))?;
+    Ok(&s[start..end])
+}
+
+impl<F: Fn(f64, f64, f64) -> f64 + Sync> InplaceOp3 for Elementwise<F> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
+        let (start, end) = l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{}: target is not contiguous", self.name)))?;
+        match (s1, s2, s3) {
+            (CpuStorage::F32(d), CpuStorage::F32(a), CpuStorage::F32(b)) => {
+                self.run(&mut d[start..end], contiguous(a, l2, self.name)?, contiguous(b, l3, self.name)?)
+            }
+            (CpuStorage::F64(d), CpuStorage::F64(a), CpuStorage::F64(b)) => {
+                self.run(&mut d[start..end], contiguous(a, l2, self.name)?, contiguous(b, l3, self.name)?)
+            }
+            _ => candle_core::bail!("{}: f32 or f64 operands of one dtype only", self.name),
+        }
+        Ok(())
+    }
+}
+
+/// Applies `f` to `dst` in place where that path exists (f32/f64 on the CPU, equal shapes);
+/// returns false where the caller must use its composed fallback.
+fn update_in_place(dst: &Tensor, a: &Tensor, b: &Tensor, name: &'static str, f: impl Fn(f64, f64, f64) -> f64 + Sync) -> Result<bool> {
+    let lean = crate::fused::fused(dst) && dst.is_contiguous() && [a, b].iter().all(|t| t.dtype() == dst.dtype() && t.shape() == dst.shape());
+    if lean {
+        dst.inplace_op3(&a.contiguous()?, &b.contiguous()?, &Elementwise { name, f })?;
+    }
+    Ok(lean)
+}
+
+/// AdamW as PyTorch's (single-tensor) implementation defines it: decoupled weight decay
+/// `p *= 1 - lr wd`, `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`,
+/// `p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)`. Takes candle-nn's
+/// [`ParamsAdamW`] (same defaults as PyTorch except weight decay 0.01, as PyTorch's AdamW).
+pub struct AdamW {
+    vars: Vec<Moments>,
+    params: ParamsAdamW,
+    step: i32,
+}
+
+struct Moments {
+    var: Var,
+    m: Tensor,
+    v: Tensor,
+}
+
+impl Optimizer for AdamW {
+    type Config = ParamsAdamW;
+
+    fn new(vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
+        let vars = vars
+            .into_iter()
+            .filter(|v| v.dtype().is_float())
+            .map(|var| Ok(Moments { m: var.zeros_like()?, v: var.zeros_like()?, var }))
+            .collect::<Result<_>>()?;
+        Ok(AdamW { vars, params, step: 0 })
+    }
+
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.step += 1;
+        let ParamsAdamW { lr, beta1, beta2, eps, weight_decay } = self.params;
+        let bias1 = 1.0 - beta1.powi(self.step);
+        let bias2_sqrt = (1.0 - beta2.powi(self.step)).sqrt();
+        let step_size = lr / bias1;
+        for Moments { var, m, v } in &mut self.vars {
+            let Some(g) = grads.get(var) else { continue };
+            let p = var.as_tensor();
+            let lean = update_in_place(m, g, g, "adamw-m", |m, g, _| beta1 * m + (1.0 - beta1) * g)?
+                && update_in_place(v, g, g, "adamw-v", |v, g, _| beta2 * v + (1.0 - beta2) * g * g)?
+                && update_in_place(p, m, v, "adamw-p", |p, m, v| p * (1.0 - lr * weight_decay) - step_size * m / (v.sqrt() / bias2_sqrt + eps))?;
+            if !lean {
+                let g = g.detach();
+                let next_m = ((&*m * beta1)? + (&g * (1.0 - beta1))?)?;
+                let next_v = ((&*v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+                let denom = ((next_v.sqrt()? / bias2_sqrt)? + eps)?;
+                let decayed = (p.detach() * (1.0 - lr * weight_decay))?;
+                let next_p = (decayed - ((&next_m / denom)? * step_size)?)?;
+                var.set(&next_p)?;
+                *m = next_m;
+                *v = next_v;
+            }
+        }
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr;
+    }
+}
 
 /// SGD with momentum and weight decay, as PyTorch defines it (no dampening, no Nesterov):
-/// `v = momentum * v + (g + wd * p)`, `p -= lr * v`. candle-nn's SGD has no momentum.
+/// `v = momentum * v + (g + wd * p)`, `p -= lr * v`, the buffer starting at the first gradient.
+/// candle-nn's SGD has no momentum.
 pub struct SgdMomentum {
     vars: Vec<(Var, Option<Tensor>)>,
     params: ParamsSgd,
@@ -30,19 +161,24 @@ impl Optimizer for SgdMomentum {
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
-        let p = self.params;
+        let ParamsSgd { lr, momentum, weight_decay } = self.params;
         for (var, velocity) in self.vars.iter_mut() {
             let Some(g) = grads.get(var) else { continue };
-            // Detached: arithmetic on a Var records a graph, and a velocity built on last step's
-            // would keep every earlier step's gradients alive.
-            let w = var.as_tensor().detach();
-            let g = if p.weight_decay != 0.0 { (g.detach() + (&w * p.weight_decay)?)? } else { g.detach() };
-            let v = match velocity.take() {
-                Some(v) => ((v * p.momentum)? + g)?,
-                None => g, // PyTorch starts the buffer at the first gradient
-            };
-            var.set(&(w - (&v * p.lr)?)?)?;
-            *velocity = Some(v.detach());
+            let p = var.as_tensor();
+            // The first step starts the buffer at g + wd p: momentum times a zero buffer adds 0.
+            let first = velocity.is_none();
+            if first {
+                *velocity = Some(p.zeros_like()?);
+            }
+            let v = velocity.clone().expect("set above");
+            let lean = update_in_place(&v, g, p, "sgd-v", |v, g, p| if first { g + weight_decay * p } else { momentum * v + (g + weight_decay * p) })?
+                && update_in_place(p, &v, &v, "sgd-p", |p, v, _| p - lr * v)?;
+            if !lean {
+                let d = (g.detach() + (p.detach() * weight_decay)?)?;
+                let next_v = if first { d } else { ((&v * momentum)? + d)? };
+                var.set(&(p.detach() - (&next_v * lr)?)?)?;
+                *velocity = Some(next_v);
+            }
         }
         Ok(())
     }
@@ -59,28 +195,68 @@ impl Optimizer for SgdMomentum {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{DType, Device};
 
-    #[test]
-    fn follows_the_pytorch_update_rule() -> Result<()> {
-        let w = Var::new(&[1.0f32, -2.0], &Device::Cpu)?;
-        let mut opt = SgdMomentum::new(vec![w.clone()], ParamsSgd { lr: 0.1, momentum: 0.9, weight_decay: 0.0 })?;
-        // loss = sum(w^2): g = 2w.
-        let mut expect = [1.0f64, -2.0];
-        let mut v = [0.0f64; 2];
-        for step in 0..3 {
-            let grads = w.as_tensor().sqr()?.sum_all()?.backward()?;
-            opt.step(&grads)?;
-            for i in 0..2 {
-                let g = 2.0 * expect[i];
-                v[i] = if step == 0 { g } else { 0.9 * v[i] + g };
-                expect[i] -= 0.1 * v[i];
-            }
-            let got = w.as_tensor().to_vec1::<f32>()?;
-            for i in 0..2 {
-                assert!((got[i] as f64 - expect[i]).abs() < 1e-6, "step {step}: {got:?} vs {expect:?}");
+    const C: [f64; 3] = [0.5, -1.5, 3.0];
+
+    /// Three steps of `opt` on loss = sum(w^2 / 2 + c w) (so g = w + c) against `by_hand(step, w, g)`
+    /// updating f64 copies with the rule as PyTorch writes it.
+    fn follows<O: Optimizer>(dtype: DType, tol: f64, config: O::Config, mut by_hand: impl FnMut(i32, &mut [f64], &[f64])) -> Result<()> {
+        let w = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0, 0.25], &Device::Cpu)?.to_dtype(dtype)?)?;
+        let c = Tensor::new(&C, &Device::Cpu)?.to_dtype(dtype)?;
+        let mut opt = O::new(vec![w.clone()], config)?;
+        let mut expect = [1.0f64, -2.0, 0.25];
+        for step in 1..=3 {
+            let loss = ((w.as_tensor().sqr()? * 0.5)? + w.as_tensor().mul(&c)?)?.sum_all()?;
+            opt.step(&loss.backward()?)?;
+            let g: Vec<f64> = expect.iter().zip(C).map(|(w, c)| w + c).collect();
+            by_hand(step, &mut expect, &g);
+            let got = w.as_tensor().to_dtype(DType::F64)?.to_vec1::<f64>()?;
+            for (got, want) in got.iter().zip(expect) {
+                assert!((got - want).abs() <= tol * (1.0 + want.abs()), "{dtype:?} step {step}: {got} vs {want}");
             }
         }
         Ok(())
+    }
+
+    fn adamw_by_hand(p: ParamsAdamW) -> impl FnMut(i32, &mut [f64], &[f64]) {
+        let (mut m, mut v) = ([0.0; 3], [0.0; 3]);
+        move |t, w, g| {
+            for i in 0..3 {
+                w[i] *= 1.0 - p.lr * p.weight_decay;
+                m[i] = p.beta1 * m[i] + (1.0 - p.beta1) * g[i];
+                v[i] = p.beta2 * v[i] + (1.0 - p.beta2) * g[i] * g[i];
+                let denom = v[i].sqrt() / (1.0 - p.beta2.powi(t)).sqrt() + p.eps;
+                w[i] -= p.lr / (1.0 - p.beta1.powi(t)) * m[i] / denom;
+            }
+        }
+    }
+
+    fn sgd_by_hand(p: ParamsSgd) -> impl FnMut(i32, &mut [f64], &[f64]) {
+        let mut v = [0.0; 3];
+        move |t, w, g| {
+            for i in 0..3 {
+                let d = g[i] + p.weight_decay * w[i];
+                v[i] = if t == 1 { d } else { p.momentum * v[i] + d };
+                w[i] -= p.lr * v[i];
+            }
+        }
+    }
+
+    #[test]
+    fn adamw_follows_the_pytorch_update_rule() -> Result<()> {
+        let p = ParamsAdamW { lr: 0.1, weight_decay: 0.1, ..Default::default() };
+        follows::<AdamW>(DType::F32, 1e-6, p.clone(), adamw_by_hand(p.clone()))?;
+        follows::<AdamW>(DType::F64, 1e-12, p.clone(), adamw_by_hand(p.clone()))?;
+        // f16 has no in-place path: the composed fallback, at f16's precision.
+        follows::<AdamW>(DType::F16, 4e-3, p.clone(), adamw_by_hand(p))
+    }
+
+    #[test]
+    fn sgd_follows_the_pytorch_update_rule() -> Result<()> {
+        let p = ParamsSgd { lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
+        follows::<SgdMomentum>(DType::F32, 1e-6, p, sgd_by_hand(p))?;
+        follows::<SgdMomentum>(DType::F64, 1e-12, p, sgd_by_hand(p))?;
+        follows::<SgdMomentum>(DType::F16, 4e-3, p, sgd_by_hand(p))
     }
 }

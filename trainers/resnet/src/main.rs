@@ -1,10 +1,10 @@
 //! `train-resnet`: train a ResNet with activation checkpointing on synthetic images or an image folder.
 
 use anyhow::{bail, Result};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_nn::Optimizer;
 use clap::{Parser, ValueEnum};
 use datasets::images::{ImageFolder, SyntheticImages};
-use layers::{ParamsSgd, SgdMomentum};
+use layers::{AdamW, ParamsAdamW, ParamsSgd, SgdMomentum};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use resnet::{Config, ResNet};

@@ -1,7 +1,8 @@
 //! `train-unet3d`: train the 3D U-Net with activation checkpointing on synthetic or `.npy` volumes.
 
 use anyhow::{bail, Result};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_nn::Optimizer;
+use layers::{AdamW, ParamsAdamW};
 use clap::{Parser, ValueEnum};
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
 use remat::memory::CountingAlloc;

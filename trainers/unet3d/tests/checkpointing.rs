@@ -2,7 +2,8 @@
 //! level; gradients and running statistics still equal `off` bit for bit; its snapshots load back.
 
 use candle_core::Device;
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_nn::Optimizer;
+use layers::{AdamW, ParamsAdamW};
 use datasets::volumes::SyntheticVolumes;
 use remat::{Executor, Policy};
 use std::collections::BTreeMap;
