@@ -51,6 +51,13 @@ fn bench(c: &mut Criterion) {
     // GPT-2 small attention heads: q, k, v (2, 12, 256, 64).
     let (q, k, v) = (var("q", &[2, 12, 256, 64]), var("k", &[2, 12, 256, 64]), var("v", &[2, 12, 256, 64]));
 
+    // ResNet-50 at 128x128, batch 8: the stem, a 3x3 and a 1x1 convolution of the first stage.
+    let (img, stem_w) = (var("img", &[8, 3, 128, 128]), var("stem_w", &[64, 3, 7, 7]));
+    let (a64, w3) = (var("a64", &[8, 64, 32, 32]), var("w3", &[64, 64, 3, 3]));
+    let (a256, w1) = (var("a256", &[8, 256, 32, 32]), var("w1", &[64, 256, 1, 1]));
+    // The small 3D U-Net at 32^3, batch 2: a 3x3x3 convolution of the first level.
+    let (vol, w333) = (var("vol", &[2, 32, 32, 32, 32]), var("w333", &[32, 32, 3, 3, 3]));
+
     type Op<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
     let cases: Vec<(&str, Op, Op)> = vec![
         (
@@ -95,6 +102,37 @@ fn bench(c: &mut Criterion) {
             Box::new(|| fused::dropout(&x, key, 0.1)),
             // What `layers::dropout` did before: draw the mask, hold it, multiply.
             Box::new(|| x.as_tensor() * Tensor::from_vec(key.dropout_mask(x.elem_count(), 0.1), x.shape(), &Device::Cpu)?),
+        ),
+        (
+            "conv2d 7x7/2 (8, 3, 128, 128) -> 64",
+            Box::new(|| layers::conv2d(&img, &stem_w, 3, 2)),
+            Box::new(|| img.conv2d(&stem_w, 3, 2, 1, 1)),
+        ),
+        (
+            "conv2d 3x3 (8, 64, 32, 32) -> 64",
+            Box::new(|| layers::conv2d(&a64, &w3, 1, 1)),
+            Box::new(|| a64.conv2d(&w3, 1, 1, 1, 1)),
+        ),
+        (
+            "conv2d 1x1 (8, 256, 32, 32) -> 64",
+            Box::new(|| layers::conv2d(&a256, &w1, 0, 1)),
+            Box::new(|| a256.conv2d(&w1, 0, 1, 1, 1)),
+        ),
+        (
+            "conv3d 3x3x3 (2, 32, 32, 32, 32) -> 32",
+            Box::new(|| layers::conv3d(&vol, &w333, layers::Conv3dGeometry::same(3))),
+            // The composed version: a 2D convolution per kernel depth over gathered slices.
+            Box::new(|| {
+                let x = vol.pad_with_zeros(2, 1, 1)?;
+                let mut sum: Option<Tensor> = None;
+                for a in 0..3 {
+                    let idx = Tensor::arange(a as u32, a as u32 + 32, &Device::Cpu)?;
+                    let slices = x.index_select(&idx, 2)?.permute((0, 2, 1, 3, 4))?.reshape((64, 32, 32, 32))?;
+                    let y = slices.conv2d(&w333.narrow(2, a, 1)?.squeeze(2)?, 1, 1, 1, 1)?;
+                    sum = Some(match sum { Some(s) => (s + y)?, None => y });
+                }
+                sum.expect("three slices").reshape((2, 32, 32, 32, 32))?.permute((0, 2, 1, 3, 4))?.contiguous()
+            }),
         ),
     ];
     for (name, fused_op, composed) in &cases {

@@ -30,20 +30,26 @@ impl BatchNorm {
     }
 
     pub fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
-        self.apply(x, ctx, false)
+        self.apply(x, None, ctx, false)
     }
 
     /// BatchNorm then ReLU, fused where the fused kernel runs (it keeps only the input and the
     /// output for backward).
     pub fn forward_relu(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
-        self.apply(x, ctx, true)
+        self.apply(x, None, ctx, true)
     }
 
-    fn apply(&self, x: &Tensor, ctx: &StageCtx, relu: bool) -> Result<Tensor> {
+    /// `relu(bn(x) + residual)`, a residual block's end, fused where the fused kernel runs (it
+    /// keeps x and the output; the normalised tensor and the sum are never graph nodes).
+    pub fn forward_add_relu(&self, x: &Tensor, residual: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        self.apply(x, Some(residual), ctx, true)
+    }
+
+    fn apply(&self, x: &Tensor, residual: Option<&Tensor>, ctx: &StageCtx, relu: bool) -> Result<Tensor> {
         let c = x.dim(1)?;
         let n = (x.elem_count() / c) as f64;
         if ctx.is_training() && crate::fused::fused(x) {
-            let (y, mean, var) = crate::fused::batch_norm_train(x, &self.weight, &self.bias, self.eps, relu)?;
+            let (y, mean, var) = crate::fused::batch_norm_train(x, &self.weight, &self.bias, residual, self.eps, relu)?;
             if !ctx.is_recompute() {
                 let per_channel = |v: Vec<f64>| Tensor::from_vec(v, c, x.device());
                 self.update_running(&per_channel(mean)?, &per_channel(var)?, n)?;
@@ -66,6 +72,10 @@ impl BatchNorm {
         };
         let x_hat = x.broadcast_sub(&mean)?.broadcast_div(&(var + self.eps)?.sqrt()?)?;
         let y = x_hat.broadcast_mul(&self.weight.reshape(shape.as_slice())?)?.broadcast_add(&self.bias.reshape(shape.as_slice())?)?;
+        let y = match residual {
+            Some(r) => (y + r)?,
+            None => y,
+        };
         if relu {
             y.relu()
         } else {

@@ -1,5 +1,6 @@
-//! 3D convolution, transposed convolution and pooling for candle, which has none, composed from
-//! ops that have a backward.
+//! Convolutions: 3D convolution, transposed convolution and pooling, which candle lacks (fused on
+//! the CPU, composed from ops that have a backward elsewhere), and a 2D convolution that runs the
+//! same fused kernel.
 
 use candle_core::{Result, Tensor};
 
@@ -28,6 +29,19 @@ pub fn conv3d(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
         return crate::fused::conv3d(x, w, g);
     }
     conv3d_composed(x, w, g)
+}
+
+/// 2D convolution of x (N, C, H, W) with w (O, C, kh, kw), one stride and padding for both sides.
+/// On the CPU in f32/f64 it is the fused 3D kernel at depth 1: the input gradient is a matrix
+/// product and col2im (candle's `conv2d` backward runs `conv_transpose2d`'s direct loops), and the
+/// weight gradient comes out detached (candle builds it with graph ops that keep each layer's output
+/// gradient alive until the whole backward returns). Elsewhere candle's `conv2d`.
+pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
+    if !crate::fused::fused(x) {
+        return x.conv2d(w, padding, stride, 1, 1);
+    }
+    let g = Conv3dGeometry { stride_d: 1, stride_hw: stride, pad_d: 0, pad_hw: padding };
+    crate::fused::conv3d(&x.unsqueeze(2)?, &w.unsqueeze(2)?, g)?.squeeze(2) // (N, O, H', W')
 }
 
 /// The composed 3D convolution: every op has a candle backward, so it runs on any device.

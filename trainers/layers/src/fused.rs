@@ -381,17 +381,30 @@ impl CustomOp3 for CrossEntropyOp {
 // BatchNorm (training mode)
 
 /// BatchNorm of x (N, C, *spatial) with the batch's statistics, as PyTorch's training mode:
-/// `(x - mean_c) / sqrt(var_c + eps) * weight_c + bias_c` with the biased variance, then a ReLU
-/// if `relu`. Returns the output and the batch's per-channel mean and biased variance (for the
-/// running statistics). CPU f32/f64 only: check [`fused`] first.
-pub(crate) fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64, relu: bool) -> Result<(Tensor, Vec<f64>, Vec<f64>)> {
+/// `(x - mean_c) / sqrt(var_c + eps) * weight_c + bias_c` with the biased variance, then
+/// `+ residual` if given (same shape as x), then a ReLU if `relu` (a ResNet block's end:
+/// `relu(bn(conv(h)) + identity)` as one op, which keeps only x and the output where the composed
+/// version keeps the normalised tensor and the sum as well). Returns the output and the batch's
+/// per-channel mean and biased variance (for the running statistics). CPU f32/f64 only: check
+/// [`fused`] first.
+pub(crate) fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Vec<f64>, Vec<f64>)> {
     let x = x.contiguous()?;
     let (n, c) = (x.dim(0)?, x.dim(1)?);
     let spatial = x.elem_count() / (n * c).max(1);
     let (mean, var) = per_dtype!(x.dtype(), T => with_slice::<T, _>(&x, |xs| Ok(channel_stats(xs, c, spatial)))?);
     let rstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
     let op = BatchNormOp { mean: mean.clone(), rstd, relu, channels: c, spatial };
-    let y = x.apply_op3(&weight.to_dtype(x.dtype())?.contiguous()?, &bias.to_dtype(x.dtype())?.contiguous()?, op)?;
+    // Weight and bias travel as one (2, C) operand so that the residual fits a three-input op.
+    let wb = Tensor::stack(&[weight, bias], 0)?.to_dtype(x.dtype())?;
+    let y = match residual {
+        Some(r) => {
+            if r.shape() != x.shape() {
+                candle_core::bail!("batch_norm: residual {:?} does not match the input {:?}", r.dims(), x.dims())
+            }
+            x.apply_op3(&wb, &r.to_dtype(x.dtype())?.contiguous()?, op)?
+        }
+        None => x.apply_op2(&wb, op)?,
+    };
     Ok((y, mean, var))
 }
 
@@ -419,13 +432,19 @@ struct BatchNormOp {
 }
 
 impl BatchNormOp {
-    fn forward<T: Elem>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
+    /// `wb` is (2, C): weight then bias.
+    fn forward<T: Elem>(&self, x: &[T], wb: &[T], residual: Option<&[T]>) -> Vec<T> {
+        let (w, b) = wb.split_at(self.channels);
         let mut y = vec![T::zero(); x.len()];
         y.par_chunks_mut(self.spatial).zip(x.par_chunks(self.spatial)).enumerate().for_each(|(i, (y, x))| {
             let ch = i % self.channels;
             let (mean, scale) = (elem::<T>(self.mean[ch]), elem::<T>(self.rstd[ch]) * w[ch]);
-            for (y, &x) in y.iter_mut().zip(x) {
-                let v = (x - mean) * scale + b[ch];
+            let r = residual.map(|r| &r[i * self.spatial..(i + 1) * self.spatial]);
+            for (j, (y, &x)) in y.iter_mut().zip(x).enumerate() {
+                let mut v = (x - mean) * scale + b[ch];
+                if let Some(r) = r {
+                    v += r[j];
+                }
                 *y = if self.relu { Float::max(v, T::zero()) } else { v };
             }
         });
@@ -433,8 +452,9 @@ impl BatchNormOp {
     }
 
     /// With g' = g (masked by y > 0 after a ReLU) and x_hat the normalised input, per channel:
-    /// db = sum g', dw = sum g' x_hat, dx = w rstd / M (M g' - db - x_hat dw).
-    fn backward<T: Elem>(&self, x: &[T], y: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
+    /// db = sum g', dw = sum g' x_hat, dx = w rstd / M (M g' - db - x_hat dw); the residual's
+    /// gradient is g'. Returns dx, d(weight, bias) as (2, C), and g' (None without a residual).
+    fn backward<T: Elem>(&self, x: &[T], y: &[T], wb: &[T], g: &[T], residual: bool) -> (Vec<T>, Vec<T>, Option<Vec<T>>) {
         let (c, s) = (self.channels, self.spatial);
         let n = x.len() / (c * s);
         let grad = |i: usize| if self.relu && y[i] <= T::zero() { 0.0 } else { wide(g[i]) };
@@ -456,35 +476,63 @@ impl BatchNormOp {
         let mut dx = vec![T::zero(); x.len()];
         dx.par_chunks_mut(s).enumerate().for_each(|(block, dx)| {
             let ch = block % c;
-            let k = wide(w[ch]) * self.rstd[ch] / m;
+            let k = wide(wb[ch]) * self.rstd[ch] / m;
             for (j, d) in dx.iter_mut().enumerate() {
                 let i = block * s + j;
                 let x_hat = (wide(x[i]) - self.mean[ch]) * self.rstd[ch];
                 *d = elem(k * (m * grad(i) - db[ch] - x_hat * dw[ch]));
             }
         });
-        let cast = |v: Vec<f64>| v.into_iter().map(elem::<T>).collect::<Vec<T>>();
-        (dx, cast(dw), cast(db))
+        let dr = residual.then(|| {
+            let mut dr = vec![T::zero(); x.len()];
+            dr.par_chunks_mut(s).enumerate().for_each(|(block, dr)| dr.iter_mut().enumerate().for_each(|(j, d)| *d = elem(grad(block * s + j))));
+            dr
+        });
+        let dwb = dw.into_iter().chain(db).map(elem::<T>).collect();
+        (dx, dwb, dr)
+    }
+
+    fn cpu_fwd(&self, x: (&CpuStorage, &Layout), wb: (&CpuStorage, &Layout), r: Option<(&CpuStorage, &Layout)>) -> Result<(CpuStorage, Shape)> {
+        let y = per_float!(x.0, "batch_norm", self.forward(slice(x.0, x.1)?, slice(wb.0, wb.1)?, r.map(|(s, l)| slice(s, l)).transpose()?));
+        Ok((y, x.1.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, wb: &Tensor, y: &Tensor, g: &Tensor, residual: bool) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        Ok(per_dtype!(x.dtype(), T => {
+            let (dx, dwb, dr) = with_slice::<T, _>(x, |xs| with_slice(y, |ys| with_slice(wb, |ws| with_slice(&g, |gs| Ok(self.backward(xs, ys, ws, gs, residual))))))?;
+            (shaped(dx, x)?, shaped(dwb, wb)?, dr.map(|dr| shaped(dr, x)).transpose()?)
+        }))
+    }
+}
+
+impl CustomOp2 for BatchNormOp {
+    fn name(&self) -> &'static str {
+        "fused-batch-norm"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        BatchNormOp::cpu_fwd(self, (s1, l1), (s2, l2), None)
+    }
+
+    fn bwd(&self, x: &Tensor, wb: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dwb, _) = BatchNormOp::bwd(self, x, wb, y, g, false)?;
+        Ok((Some(dx), Some(dwb)))
     }
 }
 
 impl CustomOp3 for BatchNormOp {
     fn name(&self) -> &'static str {
-        "fused-batch-norm"
+        "fused-batch-norm-add"
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = per_float!(s1, "batch_norm", self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?));
-        Ok((y, l1.shape().clone()))
+        BatchNormOp::cpu_fwd(self, (s1, l1), (s2, l2), Some((s3, l3)))
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let g = g.contiguous()?;
-        let (dx, dw, db) = per_dtype!(x.dtype(), T => {
-            let (dx, dw, db) = with_slice::<T, _>(x, |xs| with_slice(y, |ys| with_slice(w, |ws| with_slice(&g, |gs| Ok(self.backward(xs, ys, ws, gs))))))?;
-            (shaped(dx, x)?, shaped(dw, w)?, shaped(db, w)?)
-        });
-        Ok((Some(dx), Some(dw), Some(db)))
+    fn bwd(&self, x: &Tensor, wb: &Tensor, _r: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dwb, dr) = BatchNormOp::bwd(self, x, wb, y, g, true)?;
+        Ok((Some(dx), Some(dwb), dr))
     }
 }
 

@@ -14,7 +14,8 @@
 //! - [`AdamW`] and [`SgdMomentum`] (which candle-nn lacks) update in place: a step allocates
 //!   nothing parameter-sized.
 //! - [`conv3d`], [`conv_transpose3d_k2s2`], [`max_pool3d_k2s2`]: 3D layers candle lacks, composed
-//!   from 2D convolutions, matmuls and reshapes that have a backward.
+//!   from 2D convolutions, matmuls and reshapes that have a backward; [`conv2d`] runs the fused
+//!   convolution kernel where it can (a lean backward), candle's elsewhere.
 //! - [`ParamStore`] holds named parameters with deterministic initialisation (candle's CPU RNG
 //!   cannot be seeded) and saves/loads them as safetensors snapshots under their published names.
 //!
@@ -29,7 +30,7 @@ mod params;
 mod pool;
 
 pub use batchnorm::BatchNorm;
-pub use conv3d::{conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
+pub use conv3d::{conv2d, conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
 pub use norm::{GroupNorm, LayerNorm};
 pub use optim::{AdamW, ParamsAdamW, ParamsSgd, SgdMomentum};
 pub use params::{f32_bits, Init, ParamStore, SnapshotError};

@@ -119,7 +119,7 @@ impl Conv {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.conv2d(&self.weight, self.padding, self.stride, 1, 1)
+        layers::conv2d(x, &self.weight, self.padding, self.stride)
     }
 }
 
@@ -199,17 +199,17 @@ impl Stage for Block {
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let x = &inputs[0]; // (B, C_in, H, W)
-        let mut h = x.clone();
-        for (i, (conv, bn)) in self.convs.iter().enumerate() {
-            let y = conv.forward(&h)?;
-            // Every conv but the last is followed by a ReLU; the last one's comes after the add.
-            h = if i + 1 < self.convs.len() { bn.forward_relu(&y, ctx)? } else { bn.forward(&y, ctx)? };
-        }
         let identity = match &self.downsample {
             Some((conv, bn)) => bn.forward(&conv.forward(x)?, ctx)?,
             None => x.clone(),
         };
-        Ok(vec![(h + identity)?.relu()?]) // (B, C_out, H / stride, W / stride)
+        let (last, inner) = self.convs.split_last().expect("a block has convolutions");
+        let mut h = x.clone();
+        for (conv, bn) in inner {
+            h = bn.forward_relu(&conv.forward(&h)?, ctx)?;
+        }
+        // The last BatchNorm takes the identity and the ReLU after the add.
+        Ok(vec![last.1.forward_add_relu(&last.0.forward(&h)?, &identity, ctx)?]) // (B, C_out, H / stride, W / stride)
     }
 }
 
