@@ -4,6 +4,7 @@
 //!
 //! It measures; it does not train to convergence (that is what the trainers are for).
 
+mod baseline;
 mod measure;
 mod plot;
 mod report;
@@ -13,7 +14,7 @@ mod workloads;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use measure::Record;
+use measure::{Record, Spread};
 use remat::memory::CountingAlloc;
 use remat::Policy;
 use report::{mib, Matrix, Meta};
@@ -48,6 +49,9 @@ enum Cmd {
         model: String,
         #[arg(long)]
         policy: Policy,
+        /// Time the steps only: no gradient check (the interleaved timing rounds).
+        #[arg(long)]
+        time_only: bool,
         #[command(flatten)]
         common: Common,
     },
@@ -102,6 +106,18 @@ struct MatrixArgs {
     /// Rerun configurations that already have a result.
     #[arg(long)]
     force: bool,
+    /// Extra timing rounds per model after its configurations: every policy again, interleaved
+    /// (off, sqrt, ..., off, sqrt, ...), each in a fresh process; each policy's time / off is then
+    /// reported as the median and range over this run's ratio and the rounds'.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Also run each configuration in another framework, side by side: `pytorch` runs
+    /// scripts/torch_baseline.py (PyTorch eager, torch.utils.checkpoint on the same segments).
+    #[arg(long, value_parser = ["pytorch"])]
+    baseline: Option<String>,
+    /// The Python that has torch, torchvision and transformers (for --baseline pytorch).
+    #[arg(long, default_value = "python3")]
+    python: String,
     #[command(flatten)]
     common: Common,
 }
@@ -134,13 +150,13 @@ impl Common {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::RunOne { model, policy, common }) => run_one(&model, &policy, &common),
+        Some(Cmd::RunOne { model, policy, time_only, common }) => run_one(&model, &policy, time_only, &common),
         Some(Cmd::Selftest { device }) => selftest(&device),
         None => run_matrix(cli.matrix),
     }
 }
 
-fn run_one(model: &str, policy: &Policy, common: &Common) -> Result<()> {
+fn run_one(model: &str, policy: &Policy, time_only: bool, common: &Common) -> Result<()> {
     let dev = trainkit::device(&common.device)?;
     // Held until the process ends: the device memory beyond the cap.
     let _held = match common.memory_cap {
@@ -153,7 +169,7 @@ fn run_one(model: &str, policy: &Policy, common: &Common) -> Result<()> {
         .find(|w| w.model == model)
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .resized(common.batch, common.input_size);
-    let rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device, !common.no_rng_replay)?;
+    let rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device, !common.no_rng_replay, !time_only)?;
     println!("{}", serde_json::to_string(&rec)?);
     Ok(())
 }
@@ -178,7 +194,7 @@ fn selftest(device_name: &str) -> Result<()> {
     let peak = counter.peak().saturating_sub(base);
     anyhow::ensure!(peak > 0, "the memory meter saw no allocation");
     let w = workloads::profile("smoke")?.into_iter().find(|w| w.model == "gpt2-tiny").context("gpt2-tiny in smoke")?;
-    let rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name, true)?;
+    let rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name, true, true)?;
     anyhow::ensure!(rec.grads_bit_identical, "gpt2-tiny sqrt: {} gradient elements differ from plain candle", rec.grads_differing);
     let report = serde_json::json!({
         "device": device_name, "matmul": matmul, "conv2d_input_grad_sum": g, "meter_peak_bytes": peak,
@@ -249,26 +265,59 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     let dir = args.out.clone().unwrap_or_else(|| PathBuf::from(format!("results/{profile}-{}", common.device.replace(':', ""))));
     let mut matrix = Matrix::load(&dir)?.unwrap_or_default();
     let mut ran_any = false;
+    let python = match &args.baseline {
+        Some(_) => match baseline::available(&args.python) {
+            Ok(()) => Some(args.python.as_str()),
+            Err(why) => {
+                eprintln!("no PyTorch baseline: {why}; going on without it");
+                None
+            }
+        },
+        None => None,
+    };
 
     let bar = ProgressBar::new(configs.len() as u64)
         .with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} configs [{elapsed} < {eta}] {msg}")?);
-    for (w, policy) in &configs {
-        if !args.force && matrix.find(&w.model, &policy.to_string()).is_some() {
+    let mut ran_models: Vec<&Workload> = Vec::new();
+    for (i, (w, policy)) in configs.iter().enumerate() {
+        let have = matrix.find(&w.model, &policy.to_string()).is_some();
+        let have_baseline = python.is_none() || !baseline::MODELS.contains(&w.model.as_str()) || matrix.find_baseline(&w.model, &policy.to_string()).is_some();
+        if !args.force && have && have_baseline {
             bar.inc(1);
             continue;
         }
-        bar.set_message(format!("{} {policy}", w.model));
         if !ran_any {
             // The files describe the run that produced their records: a resume that runs
             // nothing keeps the earlier command and commit.
             matrix.meta = meta(&profile);
             ran_any = true;
         }
-        let rec = spawn_one(w, policy, common, &profile);
-        bar.suspend(|| eprintln!("{}", summary(&rec, matrix.find(&w.model, "off"))));
-        matrix.put(rec);
+        if args.force || !have {
+            bar.set_message(format!("{} {policy}", w.model));
+            let rec = spawn_one(w, policy, common, &profile, false);
+            bar.suspend(|| eprintln!("{}", summary(&rec, matrix.find(&w.model, "off"))));
+            matrix.put(rec);
+            if !ran_models.iter().any(|m| m.model == w.model) {
+                ran_models.push(w);
+            }
+        }
+        if let (Some(python), Some(ours)) = (python, matrix.find(&w.model, &policy.to_string()).filter(|r| r.status == "ok")) {
+            if baseline::MODELS.contains(&w.model.as_str()) {
+                bar.set_message(format!("{} {policy} in PyTorch", w.model));
+                let b = baseline::run(python, ours, w.input_size(), common.steps, common.seed);
+                bar.suspend(|| eprintln!("{}", baseline_summary(&b, ours)));
+                matrix.put_baseline(b);
+            }
+        }
         matrix.save_json(&dir)?;
         bar.inc(1);
+        let model_done = configs.get(i + 1).is_none_or(|(next, _)| next.model != w.model);
+        if model_done && args.rounds > 0 && ran_models.iter().any(|m| m.model == w.model) {
+            bar.set_message(format!("{}: {} interleaved timing rounds", w.model, args.rounds));
+            let policies: Vec<Policy> = configs.iter().filter(|(c, _)| c.model == w.model).map(|(_, p)| p.clone()).collect();
+            time_rounds(&mut matrix, w, &policies, args.rounds, common, &profile);
+            matrix.save_json(&dir)?;
+        }
     }
     bar.finish_and_clear();
     matrix.save(&dir)?;
@@ -276,8 +325,58 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     Ok(())
 }
 
+/// Times every policy of `w` again, `rounds` times interleaved (off, p1, p2, ..., off, p1, ...),
+/// each in a fresh process, and records each policy's time / off per round beside the ratio of
+/// the measuring run: run-to-run drift then shows as a spread instead of a wrong ratio.
+fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[Policy], rounds: usize, common: &Common, profile: &str) {
+    let ok = |m: &Matrix, p: &Policy| m.find(&w.model, &p.to_string()).is_some_and(|r| r.status == "ok");
+    if !ok(matrix, &Policy::Off) {
+        return;
+    }
+    let timed: Vec<&Policy> = policies.iter().filter(|p| ok(matrix, p)).collect();
+    let mut ratios: Vec<Vec<f64>> = timed
+        .iter()
+        .map(|p| {
+            let (r, off) = (matrix.find(&w.model, &p.to_string()).unwrap(), matrix.find(&w.model, "off").unwrap());
+            vec![r.step_ms_median / off.step_ms_median]
+        })
+        .collect();
+    for _ in 0..rounds {
+        let times: Vec<Option<f64>> = timed.iter().map(|p| Some(spawn_one(w, p, common, profile, true)).filter(|r| r.status == "ok").map(|r| r.step_ms_median)).collect();
+        let off = timed.iter().position(|p| **p == Policy::Off).and_then(|i| times[i]);
+        for (ratio, t) in ratios.iter_mut().zip(&times) {
+            if let (Some(t), Some(off)) = (t, off) {
+                ratio.push(t / off);
+            }
+        }
+    }
+    for (p, ratio) in timed.iter().zip(ratios) {
+        if **p != Policy::Off {
+            let mut rec = matrix.find(&w.model, &p.to_string()).unwrap().clone();
+            rec.time_vs_off = Spread::of(ratio);
+            matrix.put(rec);
+        }
+    }
+}
+
+fn baseline_summary(b: &baseline::Baseline, ours: &Record) -> String {
+    if b.status != "ok" {
+        return format!("{:<14} {:<18} PyTorch {}: {}", b.model, b.policy, b.status, b.error);
+    }
+    format!(
+        "{:<14} {:<18} PyTorch peak {:>11} {:>8.0} ms; ours / PyTorch: peak {:.2}x, time {:.2}x",
+        b.model,
+        b.policy,
+        mib(b.step_peak_bytes),
+        b.step_ms_median,
+        ours.step_peak_bytes as f64 / b.step_peak_bytes.max(1) as f64,
+        ours.step_ms_median / b.step_ms_median
+    )
+}
+
 /// Runs one configuration in a fresh process, so one run's peak never leaks into another.
-fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str) -> Record {
+/// `time_only`: no gradient check (a timing round).
+fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time_only: bool) -> Record {
     let exe = std::env::current_exe().expect("own executable");
     let mut cmd = Command::new(exe);
     cmd.args(["run-one", "--model", &w.model, "--policy", &policy.to_string(), "--profile", profile])
@@ -289,6 +388,9 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str) -> R
     }
     if common.no_rng_replay {
         cmd.arg("--no-rng-replay");
+    }
+    if time_only {
+        cmd.arg("--time-only");
     }
     let failed = |status: &str, error: String| Record { status: status.into(), error, ..Record::new(w, policy, &common.device) };
     let out = match cmd.output() {

@@ -40,6 +40,13 @@ pub struct Record {
     pub step_ms_max: f64,
     pub timed_steps: usize,
     pub segments: usize,
+    /// The stage ranges `[start, end)` of the segments (what the PyTorch baseline replays).
+    #[serde(default)]
+    pub segment_ranges: Vec<[usize; 2]>,
+    /// Step time over `off`'s, one ratio per timing round (this run's, then the interleaved
+    /// rounds: off, policy, off, policy, ... in fresh processes). `None` for `off`.
+    #[serde(default)]
+    pub time_vs_off: Option<Spread>,
     pub loss: f32,
     /// Every gradient and buffer element equals plain candle's bit for bit (see [`run`]).
     pub grads_bit_identical: bool,
@@ -58,6 +65,27 @@ pub struct Record {
     pub timeline_base_bytes: u64,
 }
 
+/// A ratio measured over several rounds: median, range, every round's value.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    pub rounds: Vec<f64>,
+}
+
+impl Spread {
+    pub fn of(mut rounds: Vec<f64>) -> Option<Spread> {
+        rounds.retain(|r| r.is_finite());
+        if rounds.is_empty() {
+            return None;
+        }
+        let mut sorted = rounds.clone();
+        sorted.sort_by(f64::total_cmp);
+        Some(Spread { median: sorted[sorted.len() / 2], min: sorted[0], max: sorted[sorted.len() - 1], rounds })
+    }
+}
+
 impl Record {
     pub fn new(w: &Workload, policy: &Policy, device: &str) -> Self {
         Record {
@@ -73,10 +101,10 @@ impl Record {
     }
 }
 
-/// Measures `policy` on `w`, then checks it against plain candle. `replay_rng: false` makes the
-/// check's recomputes draw fresh dropout keys (see `--no-rng-replay`): it exists only to show the
-/// check can fail.
-pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str, replay_rng: bool) -> Result<Record> {
+/// Measures `policy` on `w`, then (with `check`) checks it against plain candle. `replay_rng:
+/// false` makes the check's recomputes draw fresh dropout keys (see `--no-rng-replay`): it exists
+/// only to show the check can fail.
+pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str, replay_rng: bool, check: bool) -> Result<Record> {
     let mut rec = Record::new(w, policy, device_name);
     let counter = Counter::for_device(device);
     counter.synchronize();
@@ -85,6 +113,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     let mut optimizer_step = inst.optimizer()?;
     let exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
     rec.segments = exec.segments().len();
+    rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
     let mut times = Vec::new();
     for step in 0..=steps as u64 {
         let inputs = inst.inputs(step)?;
@@ -120,6 +149,10 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     rec.step_ms_median = times[times.len() / 2];
     rec.step_ms_min = times[0];
     rec.step_ms_max = times[times.len() - 1];
+    if !check {
+        rec.status = "ok".into();
+        return Ok(rec);
+    }
 
     let check = gradcheck(w, policy, seed, device, n_params, replay_rng)?;
     rec.grads_bit_identical = check.differing == 0;

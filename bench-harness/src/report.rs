@@ -1,6 +1,8 @@
-//! Writing the matrix: `matrix.json` (everything), `matrix.csv` (one row per configuration) and
-//! `matrix.md` (per model, each policy against `off` from the same run).
+//! Writing the matrix: `matrix.json` (everything), `matrix.csv` (one row per configuration and
+//! framework) and `matrix.md` (per model, each policy against `off` from the same run; PyTorch
+//! side by side where it ran).
 
+use crate::baseline::Baseline;
 use crate::measure::Record;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -21,6 +23,9 @@ pub struct Meta {
 pub struct Matrix {
     pub meta: Meta,
     pub records: Vec<Record>,
+    /// The same configurations in PyTorch (`--baseline pytorch`).
+    #[serde(default)]
+    pub baselines: Vec<Baseline>,
 }
 
 impl Matrix {
@@ -58,6 +63,18 @@ impl Matrix {
         match self.records.iter_mut().find(|r| r.model == rec.model && r.policy == rec.policy) {
             Some(slot) => *slot = rec,
             None => self.records.push(rec),
+        }
+    }
+
+    pub fn find_baseline(&self, model: &str, policy: &str) -> Option<&Baseline> {
+        self.baselines.iter().find(|b| b.model == model && b.policy == policy)
+    }
+
+    /// Adds or replaces the PyTorch record of its (model, policy).
+    pub fn put_baseline(&mut self, b: Baseline) {
+        match self.baselines.iter_mut().find(|r| r.model == b.model && r.policy == b.policy) {
+            Some(slot) => *slot = b,
+            None => self.baselines.push(b),
         }
     }
 
@@ -99,17 +116,18 @@ impl Matrix {
         Ok(())
     }
 
-    pub const CSV_COLUMNS: &'static str = "model,policy,batch,input,dtype,device,threads,model_state_bytes,step_peak_bytes,\
+    pub const CSV_COLUMNS: &'static str = "framework,model,policy,batch,input,dtype,device,threads,model_state_bytes,step_peak_bytes,\
 fwd_bwd_peak_bytes,activation_peak_bytes,rss_peak_delta_bytes,step_ms_median,step_ms_min,step_ms_max,timed_steps,segments,loss,\
-grads_bit_identical,grads_differing,max_abs_diff,params_without_grad,status,error";
+grads_bit_identical,grads_differing,max_abs_diff,params_without_grad,status,error,time_vs_off_median,time_vs_off_min,time_vs_off_max";
 
     pub fn csv(&self) -> String {
         let mut out = format!("{}\n", Self::CSV_COLUMNS);
+        let quoted = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
         for r in &self.records {
-            let quoted = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+            let spread = r.time_vs_off.as_ref().map_or(",,".into(), |t| format!("{:.3},{:.3},{:.3}", t.median, t.min, t.max));
             let _ = writeln!(
                 out,
-                "{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{},{},{},{},{:e},{},{},{}",
+                "candle,{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{},{},{},{},{:e},{},{},{},{spread}",
                 r.model,
                 quoted(&r.policy),
                 r.batch,
@@ -136,6 +154,73 @@ grads_bit_identical,grads_differing,max_abs_diff,params_without_grad,status,erro
                 quoted(&r.error)
             );
         }
+        // PyTorch rows: what the script measures (no gradient check, no activation timeline).
+        for b in &self.baselines {
+            let input = self.find(&b.model, &b.policy).map_or(String::new(), |r| r.input.clone());
+            let _ = writeln!(
+                out,
+                "pytorch {},{},{},{},{input},f32,cpu,{},{},{},{},,,{:.3},{:.3},{:.3},{},{},{},,,,,{},{},,,",
+                b.framework_version,
+                b.model,
+                quoted(&b.policy),
+                b.batch,
+                b.threads,
+                b.model_state_bytes,
+                b.step_peak_bytes,
+                b.fwd_bwd_peak_bytes,
+                b.step_ms_median,
+                b.step_ms_min,
+                b.step_ms_max,
+                b.timed_steps,
+                b.segments,
+                b.loss,
+                b.status,
+                quoted(&b.error)
+            );
+        }
+        out
+    }
+
+    /// Ours against PyTorch, configuration by configuration, as Markdown (empty without
+    /// baselines): step peak above model state and step time, and each side's time / off.
+    pub fn side_by_side(&self) -> String {
+        if self.baselines.is_empty() {
+            return String::new();
+        }
+        let version = self.baselines.iter().find(|b| !b.framework_version.is_empty()).map_or("", |b| b.framework_version.as_str());
+        let mut out = format!(
+            "\n## Side by side with PyTorch {version}\n\nThe same configurations in PyTorch eager on the same machine, run right after ours \
+(`--baseline pytorch`: `scripts/torch_baseline.py`, torchvision/transformers models, `torch.utils.checkpoint(use_reentrant=False)` \
+on the same segments, the same optimizer, fp32, the same thread count). *Step peak*: the highest live bytes during a step \
+above the model state (parameters + optimizer state), ours from the counting allocator, PyTorch's from its profiler's allocation \
+events. Times are medians of the timed steps after a warm-up.\n\n\
+| model | policy | step peak: ours | step peak: PyTorch | ours / PyTorch | step time: ours | step time: PyTorch | ours / PyTorch | time / off: ours | time / off: PyTorch |\n\
+|---|---|---|---|---|---|---|---|---|---|\n"
+        );
+        for b in &self.baselines {
+            let Some(r) = self.find(&b.model, &b.policy).filter(|r| r.status == "ok") else { continue };
+            if b.status != "ok" {
+                let _ = writeln!(out, "| {} | {} | {} | {}: {} | | {:.0} ms | | | | |", b.model, b.policy, mib(r.step_peak_bytes), b.status, b.error.replace('|', "/"), r.step_ms_median);
+                continue;
+            }
+            let ours_vs_off = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max));
+            let torch_vs_off = self
+                .find_baseline(&b.model, "off")
+                .filter(|o| o.status == "ok" && b.policy != "off")
+                .map_or("-".into(), |o| format!("{:.2}x", b.step_ms_median / o.step_ms_median));
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {:.2}x | {:.0} ms | {:.0} ms | {:.2}x | {ours_vs_off} | {torch_vs_off} |",
+                b.model,
+                b.policy,
+                mib(r.step_peak_bytes),
+                mib(b.step_peak_bytes),
+                r.step_peak_bytes as f64 / b.step_peak_bytes.max(1) as f64,
+                r.step_ms_median,
+                b.step_ms_median,
+                r.step_ms_median / b.step_ms_median
+            );
+        }
         out
     }
 
@@ -147,6 +232,8 @@ Memory is heap bytes from the counting allocator above the model state (paramete
 ratios are against `off` of the same model in the same run. Times are medians of the timed steps after a warm-up. \
 *Activation peak* is what checkpointing acts on (forward and backward, parameter gradients excluded); *step peak* is the \
 whole step, and *peak set in* says whether forward/backward or the optimizer update (parameter-sized temporaries) reached it. \
+*time / off, rounds*: the same ratio over this run and the interleaved timing rounds (off, policy, off, policy, ... each in a \
+fresh process): median (min-max). \
 *grads = plain candle*: one step of the policy through the executor (`off` included) against the same step in plain candle \
 (every stage in order, one `backward()`), every gradient and BatchNorm statistic compared bit for bit.\n",
             m.profile, m.command, m.machine, m.candle_version, m.git_commit
@@ -159,8 +246,8 @@ whole step, and *peak set in* says whether forward/backward or the optimizer upd
             let _ = write!(
                 out,
                 "\n## {model} (batch {}, {}, {}, {} threads): model state {}\n\n\
-| policy | segments | step peak | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | grads = plain candle (bits) | status |\n\
-|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+| policy | segments | step peak | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | time / off, rounds | grads = plain candle (bits) | status |\n\
+|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
                 first.batch,
                 first.input,
                 first.dtype,
@@ -169,7 +256,7 @@ whole step, and *peak set in* says whether forward/backward or the optimizer upd
             );
             for r in rows {
                 if r.status != "ok" {
-                    let _ = writeln!(out, "| {} | | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
+                    let _ = writeln!(out, "| {} | | | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
                     continue;
                 }
                 let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() };
@@ -182,9 +269,10 @@ whole step, and *peak set in* says whether forward/backward or the optimizer upd
                     None => ("-".into(), "-".into(), "-".into()),
                 };
                 let grads = if r.grads_bit_identical { "yes".to_string() } else { format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff) };
+                let rounds = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2}, {} rounds)", t.median, t.min, t.max, t.rounds.len()));
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {grads} | ok |",
+                    "| {} | {} | {} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {rounds} | {grads} | ok |",
                     r.policy,
                     r.segments,
                     mib(r.step_peak_bytes),
@@ -197,6 +285,7 @@ whole step, and *peak set in* says whether forward/backward or the optimizer upd
                 );
             }
         }
+        out.push_str(&self.side_by_side());
         out
     }
 }

@@ -104,5 +104,6 @@ least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|--
             let _ = writeln!(out, "| {} | {} | {} | {ratio} |", crate::plot::depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
         }
     }
+    out.push_str(&m.side_by_side());
     out
 }

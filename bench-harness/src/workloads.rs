@@ -121,6 +121,15 @@ impl Workload {
         }
     }
 
+    /// The input size as a number: sequence length, image or volume side.
+    pub fn input_size(&self) -> usize {
+        match &self.kind {
+            Kind::Gpt2 { seq, .. } | Kind::Bert { seq, .. } => *seq,
+            Kind::ResNet { size, .. } => *size,
+            Kind::UNet3d { side, .. } => *side,
+        }
+    }
+
     /// Overrides the batch and the input size (sequence length, image side).
     pub fn resized(mut self, batch: Option<usize>, input: Option<usize>) -> Self {
         self.batch = batch.unwrap_or(self.batch);

@@ -1,0 +1,315 @@
+#!/usr/bin/env python3
+"""The PyTorch side of `bench-harness --baseline pytorch`: one model configuration, one policy,
+measured the way the harness measures ours, printed as one JSON line.
+
+The models are PyTorch's own at the harness's sizes: torchvision's ResNet-50/152, Hugging Face
+`transformers`' BertForMaskedLM and GPT2LMHeadModel (eager attention), and a 3D U-Net written with
+`torch.nn` to match `trainers/unet3d`. Each is cut into the same stages as our stage graph, and
+`--segments` (from the harness: the stage ranges our policy chose) says which run under
+`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: every segment but the last, as our
+executor does. Optimizers as ours: SGD with momentum 0.9 (lr 0.05, weight decay 1e-4) for ResNet,
+AdamW (lr 1e-4, weight decay 0.01) for the others. fp32, `--threads` intra-op threads.
+
+Measured like our columns:
+- step time: median (min, max) of `--steps` steps after one warm-up step, without the profiler;
+- model state: parameters plus optimizer state, in bytes of tensor storage;
+- step peak: the highest live tensor bytes during one more step (forward, backward, optimizer),
+  above what was live when it started (parameters and optimizer state: gradients are set to None
+  between steps), from the profiler's allocation events (`profile_memory=True`);
+- forward/backward peak: the same, up to the optimizer's update.
+
+Usage (the harness runs it; by hand):
+    python3 scripts/torch_baseline.py --model resnet50 --batch 8 --input-size 128 --segments 0:19
+Needs torch (and torchvision, transformers); `pip install torch torchvision transformers`.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+class Stage:
+    """One stage of the graph: `fn(*inputs)` on the values `inputs`, producing value `output`."""
+
+    def __init__(self, fn, inputs):
+        self.fn, self.inputs = fn, inputs
+
+
+def resnet(preset, batch, size):
+    import torchvision
+
+    model = getattr(torchvision.models, preset)(num_classes=10)
+    stem = nn.Sequential(model.conv1, model.bn1, model.relu)
+    blocks = [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
+
+    def head(x, labels):
+        return F.cross_entropy(model.fc(torch.flatten(model.avgpool(x), 1)), labels)
+
+    # Values: 0 images, 1 labels, then one per stage.
+    fns = [stem, model.maxpool, *blocks]
+    stages = [Stage(f, [0] if i == 0 else [i + 1]) for i, f in enumerate(fns)]
+    stages.append(Stage(head, [len(fns) + 1, 1]))
+
+    def inputs(gen):
+        return [torch.randn(batch, 3, size, size, generator=gen), torch.randint(0, 10, (batch,), generator=gen)]
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    return model, stages, 2, inputs, opt
+
+
+def hidden(out):
+    """A `transformers` layer's hidden states, whether it returns a tuple or the tensor."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def transformer_stages(embed, blocks, head, n_inputs):
+    """Embedding, blocks, head: values 0..n_inputs-1 are the batch, then one per stage."""
+    stages = [Stage(embed, [0])]
+    stages += [Stage(b, [n_inputs + i]) for i, b in enumerate(blocks)]
+    stages.append(Stage(head, [n_inputs + len(blocks)] + list(range(1, n_inputs))))
+    return stages
+
+
+def gpt2(batch, seq):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(attn_implementation="eager"))
+    model.config._attn_implementation = "eager"
+    t = model.transformer
+    positions = torch.arange(seq)
+
+    def embed(ids):
+        return t.drop(t.wte(ids) + t.wpe(positions))
+
+    # Blocks called one by one get no mask from the model: pass the causal one (additive).
+    causal = torch.full((seq, seq), float("-inf")).triu(1)[None, None]
+
+    def block(b):
+        return lambda x: hidden(b(x, attention_mask=causal))
+
+    def head(x, targets):
+        logits = model.lm_head(t.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    stages = transformer_stages(embed, [block(b) for b in t.h], head, 2)
+    vocab = model.config.vocab_size
+
+    def inputs(gen):
+        ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        return [ids[:, :-1], ids[:, 1:]]
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    return model, stages, 2, inputs, opt
+
+
+def bert(batch, seq):
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+    config._attn_implementation = "eager"
+    model = BertForMaskedLM(config)
+    enc = model.bert
+
+    def embed(ids):
+        return enc.embeddings(input_ids=ids)
+
+    def layer_fn(layer):
+        return lambda x: hidden(layer(x))
+
+    def head(x, labels):
+        scores = model.cls(x)
+        return F.cross_entropy(scores.reshape(-1, scores.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+    stages = transformer_stages(embed, [layer_fn(l) for l in enc.encoder.layer], head, 2)
+
+    def inputs(gen):
+        ids = torch.randint(1000, config.vocab_size, (batch, seq), generator=gen)
+        chosen = torch.rand(batch, seq, generator=gen) < 0.15
+        labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+        return [torch.where(chosen, torch.full_like(ids, 103), ids), labels]
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    return model, stages, 2, inputs, opt
+
+
+class ConvNormRelu(nn.Sequential):
+    def __init__(self, c_in, c_out):
+        super().__init__(nn.Conv3d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm3d(c_out), nn.ReLU(inplace=True))
+
+
+class Level(nn.Module):
+    """Two conv-norm-ReLU; a decoder level first up-convolves and concatenates the skip."""
+
+    def __init__(self, c_in, c_mid, c_out, skip=None):
+        super().__init__()
+        self.up = nn.ConvTranspose3d(c_in, c_in, 2, stride=2) if skip is not None else None
+        self.convs = nn.Sequential(ConvNormRelu(c_in + (skip or 0), c_mid), ConvNormRelu(c_mid, c_out))
+
+    def forward(self, x, skip=None):
+        if self.up is not None:
+            x = torch.cat([skip, self.up(x)], 1)
+        return self.convs(x)
+
+
+def unet3d(batch, side, base=16, levels=3, classes=3):
+    """`unet3d::Config`'s `small` preset, stage for stage as `UNet3d::new` builds its graph."""
+    mods, stages = nn.ModuleList(), []
+
+    def add(fn, inputs):
+        stages.append(Stage(fn, inputs))
+        return 1 + len(stages)  # values 0: volume, 1: labels
+
+    x, c, skips = 0, 1, []
+    for l in range(levels):
+        mods.append(Level(c, base << l, base << (l + 1)))
+        skip = add(mods[-1], [x])
+        skips.append((skip, base << (l + 1)))
+        x = add(lambda t: F.max_pool3d(t, 2), [skip])
+        c = base << (l + 1)
+    mods.append(Level(c, c, 2 * c))
+    x = add(mods[-1], [x])
+    c *= 2
+    for l in reversed(range(levels)):
+        skip, c_skip = skips[l]
+        mods.append(Level(c, c_skip, c_skip, skip=c_skip))
+        x = add(mods[-1], [x, skip])
+        c = c_skip
+    mods.append(nn.Conv3d(c, classes, 1))
+    head_conv = mods[-1]
+    add(lambda t, labels: F.cross_entropy(head_conv(t), labels), [x, 1])
+
+    def inputs(gen):
+        return [torch.randn(batch, 1, side, side, side, generator=gen), torch.randint(0, classes, (batch, side, side, side), generator=gen)]
+
+    opt = torch.optim.AdamW(mods.parameters(), lr=1e-4, weight_decay=0.01)
+    return mods, stages, 2, inputs, opt
+
+
+def build(model, batch, size):
+    if model in ("resnet50", "resnet152"):
+        return resnet(model, batch, size)
+    if model == "gpt2-small":
+        return gpt2(batch, size)
+    if model == "bert-large":
+        return bert(batch, size)
+    if model == "unet3d-small":
+        return unet3d(batch, size)
+    sys.exit(f"torch_baseline: no PyTorch version of `{model}`; valid models: resnet50, resnet152, bert-large, unet3d-small, gpt2-small")
+
+
+def forward(stages, n_inputs, segments, batch_values):
+    """The loss, every segment but the last under `checkpoint`, as our executor runs it."""
+    values = dict(enumerate(batch_values))
+    last_use = {}
+    for i, s in enumerate(stages):
+        for v in s.inputs:
+            last_use[v] = i
+    for k, (a, b) in enumerate(segments):
+        produced = set(range(n_inputs + a, n_inputs + b))
+        seg_in = sorted({v for s in stages[a:b] for v in s.inputs} - produced)
+        seg_out = sorted(v for v in produced if last_use.get(v, -1) >= b)
+
+        def run(*ins, a=a, b=b, seg_in=seg_in, seg_out=seg_out):
+            local = dict(zip(seg_in, ins))
+            for i in range(a, b):
+                local[n_inputs + i] = stages[i].fn(*[local[v] for v in stages[i].inputs])
+            return tuple(local[v] for v in seg_out) if seg_out else local[n_inputs + b - 1]
+
+        ins = [values[v] for v in seg_in]
+        if k == len(segments) - 1:
+            return run(*ins)
+        outs = checkpoint(run, *ins, use_reentrant=False)
+        values.update(zip(seg_out, outs))
+        for v in seg_in:  # drop what no later segment reads
+            if last_use.get(v, -1) < b:
+                values.pop(v, None)
+
+
+def step(model, stages, n_inputs, segments, batch_values, opt):
+    loss = forward(stages, n_inputs, segments, batch_values)
+    loss.backward()
+    with torch.profiler.record_function("optimizer"):
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def state_bytes(model, opt):
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    moments = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    return params + buffers + moments
+
+
+def measured_peaks(prof):
+    """Peak live bytes above the start, over the whole step and before the optimizer."""
+    events = list(prof.profiler.kineto_results.events())
+    opt_start = min((e.start_ns() for e in events if e.name() == "optimizer"), default=None)
+    live = peak = fwd_bwd = 0
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+        if opt_start is None or e.start_ns() < opt_start:
+            fwd_bwd = max(fwd_bwd, live)
+    return peak, fwd_bwd
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--policy", default="off", help="recorded only: --segments says what runs")
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--input-size", type=int, required=True, help="sequence length, image or volume side")
+    ap.add_argument("--segments", required=True, help="stage ranges start:end, comma-separated, e.g. 0:5,5:19")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    torch.manual_seed(a.seed)
+    torch.set_num_threads(a.threads)
+    model, stages, n_inputs, make_inputs, opt = build(a.model, a.batch, a.input_size)
+    segments = [tuple(int(x) for x in r.split(":")) for r in a.segments.split(",")]
+    if segments[0][0] != 0 or segments[-1][1] != len(stages) or any(p[1] != q[0] for p, q in zip(segments, segments[1:])):
+        sys.exit(f"torch_baseline: --segments {a.segments} does not cover the {len(stages)} stages of {a.model} in order")
+    model.train()
+    gen = torch.Generator().manual_seed(a.seed)
+    times = []
+    for i in range(a.steps + 1):
+        batch_values = make_inputs(gen)
+        t0 = time.perf_counter()
+        loss = step(model, stages, n_inputs, segments, batch_values, opt)
+        if i > 0:  # the first step is a warm-up, and creates the optimizer state
+            times.append((time.perf_counter() - t0) * 1e3)
+    model_state = state_bytes(model, opt)
+    batch_values = make_inputs(gen)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model, stages, n_inputs, segments, batch_values, opt)
+    peak, fwd_bwd = measured_peaks(prof)
+    print(json.dumps({
+        "framework": "pytorch",
+        "framework_version": torch.__version__,
+        "model": a.model,
+        "policy": a.policy,
+        "batch": a.batch,
+        "threads": a.threads,
+        "segments": len(segments),
+        "model_state_bytes": model_state,
+        "step_peak_bytes": peak,
+        "fwd_bwd_peak_bytes": fwd_bwd,
+        "step_ms_median": statistics.median(times),
+        "step_ms_min": min(times),
+        "step_ms_max": max(times),
+        "timed_steps": len(times),
+        "loss": loss,
+    }))
+
+
+if __name__ == "__main__":
+    main()
