@@ -668,11 +668,18 @@ impl Conv3dShape {
         (out * self.stride[axis] + k).checked_sub(self.pad[axis]).filter(|&v| v < self.input[axis])
     }
 
-    /// Output depth slices per block of the column matrix, so that a block holds at most about
-    /// `block_entries` entries (8 MB in f32 by default), whatever the layer's size.
-    fn depth_block(&self) -> usize {
+    /// The blocks of the column matrix, in order, each at most about `block_entries` entries:
+    /// whole samples side by side while a sample fits (a layer with few output voxels per sample
+    /// still gets one wide matrix product), otherwise one sample's output depth slices in runs.
+    fn blocks(&self) -> Vec<ConvBlock> {
         let per_slice = self.rows() * self.output[1] * self.output[2];
-        (self.block_entries / per_slice.max(1)).clamp(1, self.output[0])
+        let depth = self.output[0];
+        let slices = (self.block_entries / per_slice.max(1)).clamp(1, depth);
+        if slices == depth {
+            let samples = (self.block_entries / (per_slice * depth).max(1)).clamp(1, self.n);
+            return (0..self.n).step_by(samples).map(|n| ConvBlock { samples: n..(n + samples).min(self.n), zs: 0..depth }).collect();
+        }
+        (0..self.n).flat_map(|n| (0..depth).step_by(slices).map(move |z| ConvBlock { samples: n..n + 1, zs: z..(z + slices).min(depth) })).collect()
     }
 
     /// Calls `f(column, input index)` for every entry of row `r` of the column block of output
@@ -695,32 +702,46 @@ impl Conv3dShape {
         }
     }
 
-    /// The column block (rows, |zs| Ho Wo) of one sample x (C, D, H, W), one row per task.
-    fn vol2col<T: Elem>(&self, x: &[T], zs: std::ops::Range<usize>) -> Vec<T> {
-        let cols = zs.len() * self.output[1] * self.output[2];
-        let mut col = vec![T::zero(); self.rows() * cols];
-        col.par_chunks_mut(cols).enumerate().for_each(|(r, row)| self.for_row(r, zs.clone(), |j, i| row[j] = x[i]));
+    /// Columns per sample in block `b`.
+    fn block_len(&self, b: &ConvBlock) -> usize {
+        b.zs.len() * self.output[1] * self.output[2]
+    }
+
+    /// The column matrix (rows, samples x block_len) of block `b` of the batch x (N, C, D, H, W),
+    /// one row per task.
+    fn vol2col<T: Elem>(&self, x: &[T], b: &ConvBlock) -> Vec<T> {
+        let (len, sample) = (self.block_len(b), self.c * self.volume());
+        let width = b.samples.len() * len;
+        let mut col = vec![T::zero(); self.rows() * width];
+        col.par_chunks_mut(width).enumerate().for_each(|(r, row)| {
+            for (k, n) in b.samples.clone().enumerate() {
+                let (xs, seg) = (&x[n * sample..(n + 1) * sample], &mut row[k * len..(k + 1) * len]);
+                self.for_row(r, b.zs.clone(), |j, i| seg[j] = xs[i]);
+            }
+        });
         col
     }
 
-    /// Adds a column block's entries back into a sample's gradient dx (C, D, H, W), one channel
-    /// per task and its rows in order.
-    fn col2vol<T: Elem>(&self, col: &[T], zs: std::ops::Range<usize>, dx: &mut [T]) {
-        let (k, volume) = (self.rows() / self.c, self.volume());
-        let cols = zs.len() * self.output[1] * self.output[2];
-        dx.par_chunks_mut(volume).enumerate().for_each(|(c, xc)| {
+    /// Adds block `b`'s column-matrix entries back into the batch's gradient dx (N, C, D, H, W),
+    /// one (sample, channel) per task and its rows in order.
+    fn col2vol<T: Elem>(&self, col: &[T], b: &ConvBlock, dx: &mut [T]) {
+        let (k, volume, len) = (self.rows() / self.c, self.volume(), self.block_len(b));
+        let width = b.samples.len() * len;
+        let batch = &mut dx[b.samples.start * self.c * volume..b.samples.end * self.c * volume];
+        batch.par_chunks_mut(volume).enumerate().for_each(|(task, xc)| {
+            let (sample, c) = (task / self.c, task % self.c);
             for r in c * k..(c + 1) * k {
-                let row = &col[r * cols..(r + 1) * cols];
-                self.for_row(r, zs.clone(), |j, i| xc[i - c * volume] += row[j]);
+                let row = &col[r * width + sample * len..r * width + (sample + 1) * len];
+                self.for_row(r, b.zs.clone(), |j, i| xc[i - c * volume] += row[j]);
             }
         });
     }
+}
 
-    /// The blocks of output depth slices, in order.
-    fn blocks(&self) -> impl Iterator<Item = std::ops::Range<usize>> {
-        let (step, depth) = (self.depth_block(), self.output[0]);
-        (0..depth).step_by(step).map(move |z| z..(z + step).min(depth))
-    }
+/// A block of the column matrix: output depth slices `zs` of samples `samples`, side by side.
+struct ConvBlock {
+    samples: std::ops::Range<usize>,
+    zs: std::ops::Range<usize>,
 }
 
 struct Conv3dOp {
@@ -735,43 +756,42 @@ fn matmul<T: Elem>(a: &[T], (m, k): (usize, usize), b: Vec<T>, n: usize, tb: boo
     a.matmul(&b)?.flatten_all()?.to_vec1::<T>()
 }
 
-/// Columns `cols` of every row of a row-major (rows, width) matrix, as a (rows, |cols|) matrix.
-fn columns<T: Elem>(m: &[T], width: usize, cols: std::ops::Range<usize>) -> Vec<T> {
-    m.chunks(width).flat_map(|row| row[cols.clone()].iter().copied()).collect()
-}
-
 impl Conv3dOp {
     fn forward<T: Elem>(&self, x: &[T], w: &[T]) -> Result<Vec<T>> {
         let s = &self.shape;
         let (plane, cols) = (s.output[1] * s.output[2], s.cols());
         let mut y = vec![T::zero(); s.n * s.o * cols];
-        for (x, y) in x.chunks(s.c * s.volume()).zip(y.chunks_mut(s.o * cols)) {
-            for zs in s.blocks() {
-                let (start, len) = (zs.start * plane, zs.len() * plane);
-                let block = matmul(w, (s.o, s.rows()), s.vol2col(x, zs), len, false)?; // (O, len)
-                for (y, b) in y.chunks_mut(cols).zip(block.chunks(len)) {
-                    y[start..start + len].copy_from_slice(b);
+        for b in s.blocks() {
+            let (start, len) = (b.zs.start * plane, s.block_len(&b));
+            let width = b.samples.len() * len;
+            let out = matmul(w, (s.o, s.rows()), s.vol2col(x, &b), width, false)?; // (O, samples x len)
+            for (k, n) in b.samples.clone().enumerate() {
+                let y_n = &mut y[n * s.o * cols..(n + 1) * s.o * cols];
+                for (y, row) in y_n.chunks_mut(cols).zip(out.chunks(width)) {
+                    y[start..start + len].copy_from_slice(&row[k * len..(k + 1) * len]);
                 }
             }
         }
         Ok(y)
     }
 
-    /// Per sample and block: dW += gy @ col^T, dx += col2vol(W^T @ gy); in order.
+    /// Per block: dW += gy @ col^T, dx += col2vol(W^T @ gy); in order.
     fn backward<T: Elem>(&self, x: &[T], w: &[T], gy: &[T]) -> Result<(Vec<T>, Vec<T>)> {
         let s = &self.shape;
         let (plane, cols) = (s.output[1] * s.output[2], s.cols());
         let wt = Tensor::from_slice(w, (s.o, s.rows()), &candle_core::Device::Cpu)?.t()?.contiguous()?.flatten_all()?.to_vec1::<T>()?;
         let mut dw = vec![T::zero(); w.len()];
         let mut dx = vec![T::zero(); x.len()];
-        for ((x, gy), dx) in x.chunks(s.c * s.volume()).zip(gy.chunks(s.o * cols)).zip(dx.chunks_mut(s.c * s.volume())) {
-            for zs in s.blocks() {
-                let (start, len) = (zs.start * plane, zs.len() * plane);
-                let g = columns(gy, cols, start..start + len); // (O, len)
-                let dw_b = matmul(&g, (s.o, len), s.vol2col(x, zs.clone()), s.rows(), true)?; // (O, rows)
-                dw.iter_mut().zip(dw_b).for_each(|(a, b)| *a += b);
-                s.col2vol(&matmul(&wt, (s.rows(), s.o), g, len, false)?, zs, dx); // (rows, len)
-            }
+        for b in s.blocks() {
+            let (start, len) = (b.zs.start * plane, s.block_len(&b));
+            let width = b.samples.len() * len;
+            // The output gradient's columns of this block, (O, samples x len).
+            let g: Vec<T> = (0..s.o)
+                .flat_map(|o| b.samples.clone().flat_map(move |n| gy[(n * s.o + o) * cols + start..(n * s.o + o) * cols + start + len].iter().copied()))
+                .collect();
+            let dw_b = matmul(&g, (s.o, width), s.vol2col(x, &b), s.rows(), true)?; // (O, rows)
+            dw.iter_mut().zip(dw_b).for_each(|(a, b)| *a += b);
+            s.col2vol(&matmul(&wt, (s.rows(), s.o), g, width, false)?, &b, &mut dx); // (rows, samples x len)
         }
         Ok((dx, dw))
     }
