@@ -682,22 +682,27 @@ impl Conv3dShape {
         (0..self.n).flat_map(|n| (0..depth).step_by(slices).map(move |z| ConvBlock { samples: n..n + 1, zs: z..(z + slices).min(depth) })).collect()
     }
 
-    /// Calls `f(column, input index)` for every entry of row `r` of the column block of output
-    /// depth slices `zs` that reads the input; columns count from the block's start.
-    fn for_row(&self, r: usize, zs: std::ops::Range<usize>, mut f: impl FnMut(usize, usize)) {
+    /// Calls `f(column, input index, n)` for every run of row `r` of the column block of output
+    /// depth slices `zs` that reads the input: columns `column..column + n` read the input at
+    /// `index`, `index + s`, ... with `s` the width stride. Columns count from the block's start.
+    fn for_row(&self, r: usize, zs: std::ops::Range<usize>, mut f: impl FnMut(usize, usize, usize)) {
         let [kd, kh, kw] = self.kernel;
         let [d, h, w] = self.input;
         let [_, oh, ow] = self.output;
         let (c, a, p, q) = (r / (kd * kh * kw), (r / (kh * kw)) % kd, (r / kw) % kh, r % kw);
+        // The output columns j whose input column j s + q - pad lies inside the row.
+        let (s, pad) = (self.stride[2], self.pad[2]);
+        let j_lo = pad.saturating_sub(q).div_ceil(s);
+        let j_hi = ((w + pad).saturating_sub(q)).div_ceil(s).min(ow);
+        if j_lo >= j_hi {
+            return;
+        }
         for z in zs.clone() {
             let Some(zz) = self.source(0, z, a) else { continue };
             for i in 0..oh {
                 let Some(ii) = self.source(1, i, p) else { continue };
-                for j in 0..ow {
-                    if let Some(jj) = self.source(2, j, q) {
-                        f(((z - zs.start) * oh + i) * ow + j, ((c * d + zz) * h + ii) * w + jj);
-                    }
-                }
+                let column = ((z - zs.start) * oh + i) * ow + j_lo;
+                f(column, ((c * d + zz) * h + ii) * w + j_lo * s + q - pad, j_hi - j_lo);
             }
         }
     }
@@ -716,7 +721,14 @@ impl Conv3dShape {
         col.par_chunks_mut(width).enumerate().for_each(|(r, row)| {
             for (k, n) in b.samples.clone().enumerate() {
                 let (xs, seg) = (&x[n * sample..(n + 1) * sample], &mut row[k * len..(k + 1) * len]);
-                self.for_row(r, b.zs.clone(), |j, i| seg[j] = xs[i]);
+                let s = self.stride[2];
+                self.for_row(r, b.zs.clone(), |j, i, n| {
+                    if s == 1 {
+                        seg[j..j + n].copy_from_slice(&xs[i..i + n]);
+                    } else {
+                        seg[j..j + n].iter_mut().zip(xs[i..].iter().step_by(s)).for_each(|(c, &v)| *c = v);
+                    }
+                });
             }
         });
         col
@@ -732,7 +744,11 @@ impl Conv3dShape {
             let (sample, c) = (task / self.c, task % self.c);
             for r in c * k..(c + 1) * k {
                 let row = &col[r * width + sample * len..r * width + (sample + 1) * len];
-                self.for_row(r, b.zs.clone(), |j, i| xc[i - c * volume] += row[j]);
+                let s = self.stride[2];
+                self.for_row(r, b.zs.clone(), |j, i, n| {
+                    let i = i - c * volume;
+                    xc[i..].iter_mut().step_by(s).zip(&row[j..j + n]).for_each(|(x, &g)| *x += g);
+                });
             }
         });
     }
