@@ -1,9 +1,17 @@
 use candle_core::{Result, Tensor};
 
-/// Max-pooling with kernel 3, stride 2, padding 1 over the last two dims (the ResNet stem pool),
-/// built from ops that have a backward: candle's `max_pool2d` backward is only right when
-/// kernel == stride. Max is separable, so it pools the rows, then the columns.
+/// Max-pooling with kernel 3, stride 2, padding 1 over the last two dims (the ResNet stem pool):
+/// the fused kernel on the CPU in f32/f64 (keeps only its input), elsewhere composed from ops that
+/// have a backward (candle's `max_pool2d` backward is only right when kernel == stride).
 pub fn max_pool2d_k3s2p1(x: &Tensor) -> Result<Tensor> {
+    if crate::fused::fused(x) {
+        return crate::fused::max_pool2d(x, 3, 2, 1);
+    }
+    composed(x)
+}
+
+/// Max is separable: pools the rows, then the columns.
+fn composed(x: &Tensor) -> Result<Tensor> {
     let r = x.rank();
     pool_axis_k3s2p1(&pool_axis_k3s2p1(x, r - 2)?, r - 1)
 }
@@ -65,8 +73,26 @@ mod tests {
         for (h, w) in [(8, 8), (7, 7), (5, 6), (1, 1), (112, 112)] {
             let x = input(h, w);
             let t = Tensor::from_vec(x.clone(), (1, 1, h, w), &Device::Cpu)?;
-            assert_eq!(max_pool2d_k3s2p1(&t)?.flatten_all()?.to_vec1::<f32>()?, naive(&x, h, w), "{h}x{w}");
+            for pool in [max_pool2d_k3s2p1, composed] {
+                assert_eq!(pool(&t)?.flatten_all()?.to_vec1::<f32>()?, naive(&x, h, w), "{h}x{w}");
+            }
         }
+        Ok(())
+    }
+
+    /// The fused kernel and the composed fallback (what runs on a GPU) give the same bits, forward
+    /// and backward (tie-free input: each window's gradient goes to one element).
+    #[test]
+    fn fused_and_composed_agree() -> Result<()> {
+        let (h, w) = (9, 12);
+        let x = candle_core::Var::from_vec(input(h, w).repeat(6), (2, 3, h, w), &Device::Cpu)?;
+        let r = Tensor::from_vec(remat::rng::RngKey::named(2, "r").normal(2 * 3 * 5 * 6, 0.0, 1.0), (2, 3, 5, 6), &Device::Cpu)?;
+        let run = |pool: fn(&Tensor) -> Result<Tensor>| -> Result<(Vec<f32>, Vec<f32>)> {
+            let y = pool(x.as_tensor())?;
+            let g = (&y * &r)?.sum_all()?.backward()?.get(&x).expect("a gradient").flatten_all()?.to_vec1::<f32>()?;
+            Ok((y.flatten_all()?.to_vec1::<f32>()?, g))
+        };
+        assert_eq!(run(max_pool2d_k3s2p1)?, run(composed)?);
         Ok(())
     }
 }
