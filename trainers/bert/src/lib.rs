@@ -120,7 +120,7 @@ impl Linear {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        fused::linear(x, &self.weight, &self.bias, true) // (B, T, in) -> (B, T, out)
+        fused::linear(x, &self.weight, Some(&self.bias), true) // (B, T, in) -> (B, T, out)
     }
 }
 
@@ -141,8 +141,8 @@ impl Stage for Embeddings {
         StageKind::Other
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
-        let (b, t) = inputs[0].dims2()?;
-        let words = self.word.index_select(&inputs[0].flatten_all()?, 0)?.reshape((b, t, ()))?; // (B, T, C)
+        let t = inputs[0].dim(1)?;
+        let words = layers::fused::embedding(&self.word, &inputs[0])?; // (B, T, C)
         let pos = self.position.narrow(0, 0, t)?; // (T, C)
         let segment = self.token_type.narrow(0, 0, 1)?; // (1, C): every token is in segment A
         let x = words.broadcast_add(&pos)?.broadcast_add(&segment)?;
@@ -224,7 +224,7 @@ impl MlmHead {
     fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let h = self.ln.forward(&fused::gelu(&self.transform.forward(x)?, true)?)?.reshape((b * t, c))?;
-        h.matmul(&self.word.t()?)?.broadcast_add(&self.bias) // (B*T, V)
+        fused::linear(&h, &self.word, Some(&self.bias), true) // (B*T, V)
     }
 }
 

@@ -135,7 +135,7 @@ impl Conv1D {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        fused::linear(x, &self.weight, &self.bias, false) // (B, T, in) -> (B, T, out)
+        fused::linear(x, &self.weight, Some(&self.bias), false) // (B, T, in) -> (B, T, out)
     }
 }
 
@@ -155,8 +155,8 @@ impl Stage for Embed {
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let ids = &inputs[0];
-        let (b, t) = ids.dims2()?;
-        let tok = self.wte.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, ()))?; // (B, T, C)
+        let t = ids.dim(1)?;
+        let tok = layers::fused::embedding(&self.wte, ids)?; // (B, T, C)
         let pos = self.wpe.narrow(0, 0, t)?; // (T, C)
         Ok(vec![dropout(&tok.broadcast_add(&pos)?, self.pdrop, ctx)?])
     }
@@ -234,7 +234,7 @@ impl Head {
     fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let h = self.ln_f.forward(x)?.reshape((b * t, c))?;
-        h.matmul(&self.wte.t()?)?.reshape((b, t, ())) // (B, T, V)
+        fused::linear(&h, &self.wte, None, true)?.reshape((b, t, ())) // (B, T, V)
     }
 }
 

@@ -67,7 +67,7 @@ fn bench(c: &mut Criterion) {
         ),
         (
             "linear (2, 128, 1024) -> 4096",
-            Box::new(|| fused::linear(&h, &wi, &bi, true)),
+            Box::new(|| fused::linear(&h, &wi, Some(&bi), true)),
             Box::new(|| h.as_tensor().reshape((256, 1024))?.matmul(&wi.as_tensor().t()?)?.broadcast_add(&bi)?.reshape((2, 128, 4096))),
         ),
         (

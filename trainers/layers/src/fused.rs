@@ -11,6 +11,7 @@
 //!   keeps its input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size).
 //! - [`dropout`]: inverted dropout whose backward draws the mask again from its key instead of
 //!   holding it; its bits equal `x * mask` composed.
+//! - [`embedding`]: a row lookup whose backward builds the table's gradient in one allocation.
 //! - [`linear`]: `x @ w + b` as one op, so the product before the bias is not kept.
 //! - [`gelu`]: tanh or erf GELU with a one-pass, multi-threaded backward.
 //! - [`attention`]: scaled dot-product attention with causal mask and dropout; keeps only q, k, v
@@ -837,6 +838,70 @@ impl CustomOp2 for Conv3dOp {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Embedding
+
+/// Rows `ids` (u32, any shape) of the table w (V, C), as (ids.., C). Its backward builds the
+/// table's gradient in one allocation (candle's `index_select` makes a zero table, then a second
+/// one with the rows added), rows added in token order.
+pub fn embedding(w: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let mut shape = ids.dims().to_vec();
+    shape.push(w.dim(1)?);
+    if !fused(w) || ids.dtype() != DType::U32 {
+        return w.index_select(&ids.flatten_all()?, 0)?.reshape(shape);
+    }
+    w.contiguous()?.apply_op2(&ids.flatten_all()?.contiguous()?, EmbeddingOp { vocab: w.dim(0)?, width: w.dim(1)? })?.reshape(shape)
+}
+
+struct EmbeddingOp {
+    vocab: usize,
+    width: usize,
+}
+
+impl EmbeddingOp {
+    fn check(&self, ids: &[u32]) -> Result<()> {
+        match ids.iter().find(|&&i| i as usize >= self.vocab) {
+            Some(bad) => candle_core::bail!("embedding: id {bad} is outside the vocabulary of {}", self.vocab),
+            None => Ok(()),
+        }
+    }
+
+    fn forward<T: Elem>(&self, w: &[T], ids: &[u32]) -> Vec<T> {
+        let c = self.width;
+        let mut y = vec![T::zero(); ids.len() * c];
+        y.par_chunks_mut(c).zip(ids.par_iter()).for_each(|(y, &i)| y.copy_from_slice(&w[i as usize * c..(i as usize + 1) * c]));
+        y
+    }
+
+    fn backward<T: Elem>(&self, ids: &[u32], g: &[T]) -> Vec<T> {
+        let c = self.width;
+        let mut dw = vec![T::zero(); self.vocab * c];
+        for (&i, g) in ids.iter().zip(g.chunks(c)) {
+            dw[i as usize * c..(i as usize + 1) * c].iter_mut().zip(g).for_each(|(d, &g)| *d += g);
+        }
+        dw
+    }
+}
+
+impl CustomOp2 for EmbeddingOp {
+    fn name(&self) -> &'static str {
+        "fused-embedding"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let ids = slice::<u32>(s2, l2)?;
+        self.check(ids)?;
+        let y = per_float!(s1, "embedding", self.forward(slice(s1, l1)?, ids));
+        Ok((y, Shape::from((ids.len(), self.width))))
+    }
+
+    fn bwd(&self, w: &Tensor, ids: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        let dw = per_dtype!(w.dtype(), T => shaped(with_slice::<u32, _>(ids, |ids| with_slice::<T, _>(&g, |gs| Ok(self.backward(ids, gs))))?, w)?);
+        Ok((Some(dw), None))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Max pooling
 
 /// Max-pooling over the last two dims of x (.., H, W): a k x k window, stride s, padding p (which
@@ -930,17 +995,25 @@ impl CustomOp1 for MaxPool2dOp {
 /// `w_is_out_in` (Hugging Face's `Linear`; GPT-2's `Conv1D` stores (in, out)). One op: the
 /// product before the bias is no graph node, so it is not kept for backward as `matmul` followed
 /// by `broadcast_add` keeps it.
-pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, w_is_out_in: bool) -> Result<Tensor> {
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> Result<Tensor> {
     let k = x.dim(D::Minus1)?;
     let w_in = if w_is_out_in { w.t()? } else { w.clone() }; // (in, out)
     if !fused(x) {
         let rows = x.elem_count() / k;
-        let y = x.reshape((rows, k))?.matmul(&w_in)?.broadcast_add(b)?;
+        let y = x.reshape((rows, k))?.matmul(&w_in)?;
+        let y = match b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
         let mut dims = x.dims().to_vec();
         *dims.last_mut().expect("rank >= 1") = y.dim(1)?;
         return y.reshape(dims);
     }
-    x.contiguous()?.apply_op3(&w.to_dtype(x.dtype())?.contiguous()?, &b.to_dtype(x.dtype())?.contiguous()?, LinearOp { w_is_out_in })
+    let (x, w) = (x.contiguous()?, w.to_dtype(x.dtype())?.contiguous()?);
+    match b {
+        Some(b) => x.apply_op3(&w, &b.to_dtype(x.dtype())?.contiguous()?, LinearOp { w_is_out_in }),
+        None => x.apply_op2(&w, LinearOp { w_is_out_in }),
+    }
 }
 
 struct LinearOp {
@@ -957,38 +1030,66 @@ impl LinearOp {
         }
     }
 
-    fn forward<T: Elem>(&self, x: &[T], xl: &Layout, w: &[T], wl: &Layout, b: &[T]) -> Result<Vec<T>> {
+    fn cpu_fwd(&self, x: (&CpuStorage, &Layout), w: (&CpuStorage, &Layout), b: Option<(&CpuStorage, &Layout)>) -> Result<(CpuStorage, Shape)> {
+        let y = per_float!(x.0, "linear", self.forward(slice(x.0, x.1)?, x.1, slice(w.0, w.1)?, w.1, b.map(|(s, l)| slice(s, l)).transpose()?)?);
+        let mut dims = x.1.dims().to_vec();
+        *dims.last_mut().expect("rank >= 1") = w.1.dims()[if self.w_is_out_in { 0 } else { 1 }];
+        Ok((y, Shape::from(dims)))
+    }
+
+    fn forward<T: Elem>(&self, x: &[T], xl: &Layout, w: &[T], wl: &Layout, b: Option<&[T]>) -> Result<Vec<T>> {
         let k = *xl.dims().last().expect("rank >= 1");
         let cpu = &candle_core::Device::Cpu;
         let x = Tensor::from_slice(x, (x.len() / k, k), cpu)?;
         let w = self.w_in(Tensor::from_slice(w, wl.dims(), cpu)?)?;
-        x.matmul(&w)?.broadcast_add(&Tensor::from_slice(b, b.len(), cpu)?)?.flatten_all()?.to_vec1::<T>()
-    }
-}
-
-impl CustomOp3 for LinearOp {
-    fn name(&self) -> &'static str {
-        "fused-linear"
-    }
-
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = per_float!(s1, "linear", self.forward(slice(s1, l1)?, l1, slice(s2, l2)?, l2, slice(s3, l3)?)?);
-        let mut dims = l1.dims().to_vec();
-        *dims.last_mut().expect("rank >= 1") = l3.dims()[0];
-        Ok((y, Shape::from(dims)))
+        let y = x.matmul(&w)?;
+        let y = match b {
+            Some(b) => y.broadcast_add(&Tensor::from_slice(b, b.len(), cpu)?)?,
+            None => y,
+        };
+        y.flatten_all()?.to_vec1::<T>()
     }
 
-    /// dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) weight), db = column sums
-    /// of g; on detached tensors, so backward records no graph of its own.
-    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    /// dx = g w_in^T, dw = x^T g (as g^T x for an (out, in) weight), db = column sums of g; on
+    /// detached tensors, so backward records no graph of its own.
+    fn bwd(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let k = x.dim(D::Minus1)?;
         let x2 = x.detach().reshape((x.elem_count() / k, k))?; // (rows, in)
         let g2 = g.detach().reshape((x2.dim(0)?, ()))?; // (rows, out)
         let w_in = self.w_in(w.detach())?;
         let dx = g2.matmul(&w_in.t()?)?.reshape(x.shape())?;
-        let dw_in = x2.t()?.matmul(&g2)?; // (in, out)
-        let dw = if self.w_is_out_in { dw_in.t()?.contiguous()? } else { dw_in };
-        Ok((Some(dx), Some(dw), Some(g2.sum(0)?)))
+        let dw = if self.w_is_out_in { g2.t()?.matmul(&x2)? } else { x2.t()?.matmul(&g2)? };
+        Ok((dx, dw, g2.sum(0)?))
+    }
+}
+
+impl CustomOp2 for LinearOp {
+    fn name(&self) -> &'static str {
+        "fused-linear"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        LinearOp::cpu_fwd(self, (s1, l1), (s2, l2), None)
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = LinearOp::bwd(self, x, w, g)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "fused-linear-bias"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        LinearOp::cpu_fwd(self, (s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = LinearOp::bwd(self, x, w, g)?;
+        Ok((Some(dx), Some(dw), Some(db)))
     }
 }
 

@@ -336,11 +336,12 @@ fn fused_dropout_equals_the_composed_mask_bit_for_bit() -> Result<()> {
 fn fused_linear_both_weight_layouts() -> Result<()> {
     let x = normal("x", &[2, 3, 5], 0.0, 1.0)?;
     let (w_in_out, w_out_in, b) = (normal("w", &[5, 4], 0.0, 1.0)?, normal("wt", &[4, 5], 0.0, 1.0)?, normal("b", &[4], 0.0, 1.0)?);
-    check_gradients("fused linear (in, out)", &[("x", &x), ("w", &w_in_out), ("b", &b)], || fused::linear(x.as_tensor(), w_in_out.as_tensor(), b.as_tensor(), false))?;
-    check_gradients("fused linear (out, in)", &[("x", &x), ("w", &w_out_in), ("b", &b)], || fused::linear(x.as_tensor(), w_out_in.as_tensor(), b.as_tensor(), true))?;
+    check_gradients("fused linear (in, out)", &[("x", &x), ("w", &w_in_out), ("b", &b)], || fused::linear(x.as_tensor(), w_in_out.as_tensor(), Some(b.as_tensor()), false))?;
+    check_gradients("fused linear (out, in)", &[("x", &x), ("w", &w_out_in), ("b", &b)], || fused::linear(x.as_tensor(), w_out_in.as_tensor(), Some(b.as_tensor()), true))?;
+    check_gradients("fused linear, no bias", &[("x", &x), ("w", &w_out_in)], || fused::linear(x.as_tensor(), w_out_in.as_tensor(), None, true))?;
     // Against the composed product and bias, forward.
     let composed = x.as_tensor().reshape((6, 5))?.matmul(&w_out_in.as_tensor().t()?)?.broadcast_add(b.as_tensor())?.reshape((2, 3, 4))?;
-    let fused = fused::linear(x.as_tensor(), w_out_in.as_tensor(), b.as_tensor(), true)?;
+    let fused = fused::linear(x.as_tensor(), w_out_in.as_tensor(), Some(b.as_tensor()), true)?;
     let diff = (fused - composed)?.abs()?.max_all()?.to_scalar::<f64>()?;
     assert!(diff < 1e-12, "fused linear differs from matmul + bias by {diff}");
     Ok(())

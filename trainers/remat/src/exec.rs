@@ -1,18 +1,27 @@
-//! The executor: forward keeping only segment boundaries, backward segment by segment.
+//! The executor: forward keeping only segment boundaries, backward stage by stage.
 //!
 //! candle has no hook to start backprop from a given output gradient, and `backward()` needs the
 //! whole forward graph alive. So each non-last segment runs forward on detached inputs and only
-//! its boundary outputs are kept (detached). Backward walks the segments in reverse: it turns the
-//! stored inputs into fresh `Var`s, recomputes the segment, seeds each output with its incoming
-//! gradient, calls `backward()`, moves the parameter gradients (detached) into the step's store
-//! and passes the input gradients on. The last segment keeps its forward graph: recomputing it
-//! would buy nothing. With one segment (`off`) this is exactly plain candle.
+//! its boundary outputs are kept (detached). Backward walks the segments in reverse, recomputing
+//! each (the last one keeps its forward graphs: recomputing it would buy nothing).
 //!
-//! Bit-exactness with `off` rests on three facts: the recompute draws the same random keys; a
-//! seed's backward hands candle the incoming gradient unchanged (`0 + g`, as candle itself does);
-//! and a parameter used by several segments (a tied embedding) gets the gradient accumulated so far
-//! carried into the earlier segment's backward, where candle adds its own contribution on top in
-//! the order a plain backward would (later stages first).
+//! Where a segment's graphs are built (its recompute, and the last segment's forward), every
+//! stage runs on `Var` copies of the float values it consumes, so each stage is a graph of its
+//! own. Backward then walks the stages in reverse: it seeds each stage's outputs with their
+//! incoming gradients, calls `backward()` on that stage alone, moves the parameter gradients
+//! (detached) into the step's store, passes the input gradients on and drops the stage, so its
+//! activations are freed as soon as its gradients are propagated (candle's own `backward()`
+//! holds every activation of the graph until it returns: a PyTorch-like peak during backward
+//! needs this). The price is one copy of each value that crosses a stage inside such a segment.
+//!
+//! Bit-exactness with `off` holds by construction: every policy runs the same per-stage backward
+//! passes in the same order, and a recompute draws the same random keys, so only the stored
+//! boundaries differ. It also equals plain candle (one `backward()` of the whole graph) where each
+//! parameter is used by one op per stage: a seed's backward hands candle the incoming gradient
+//! unchanged (`0 + g`, as candle itself does), and a parameter used by several stages (a tied
+//! embedding) gets each stage's contribution added to the sum so far, later stages first, as
+//! candle adds them. That sum is accumulated in place, so a tied vocabulary-sized weight does not
+//! need three copies of its gradient at once.
 
 use crate::graph::{StageGraph, ValueId};
 use crate::memory::{Phase, Timeline};
@@ -20,8 +29,8 @@ use crate::policy::Policy;
 use crate::stage::StageCtx;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, TensorId, Var};
-use std::collections::{HashMap, HashSet};
+use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp2, Layout, Shape, Tensor, Var};
+use std::collections::HashMap;
 use std::ops::Range;
 
 struct Segment {
@@ -32,8 +41,8 @@ struct Segment {
     outputs: Vec<ValueId>,
 }
 
-/// The live tensors of one run of a segment: every value it touched, and the `Var`s standing in
-/// for its stored inputs.
+/// The live tensors of one stage run with a graph (or of a whole segment run without): every
+/// value it touched, and the `Var`s standing in for its float inputs.
 struct Live {
     values: HashMap<ValueId, Tensor>,
     input_vars: Vec<(ValueId, Var)>,
@@ -55,7 +64,6 @@ pub struct Executor<'g> {
     /// The earliest segment that consumes each value: after its backward the value is dead.
     first_consumer: Vec<Option<usize>>,
     params: Vec<Var>,
-    param_ids: HashSet<TensorId>,
     seed: u64,
     replay_rng: bool,
     tell_recompute: bool,
@@ -98,8 +106,7 @@ impl<'g> Executor<'g> {
                 segments[p].outputs.push(v);
             }
         }
-        let param_ids = params.iter().map(|p| p.as_tensor().id()).collect();
-        Ok(Executor { graph, policy: policy.clone(), segments, first_consumer, params, param_ids, seed, replay_rng: true, tell_recompute: true })
+        Ok(Executor { graph, policy: policy.clone(), segments, first_consumer, params, seed, replay_rng: true, tell_recompute: true })
     }
 
     /// Switches RNG replay off: recomputes draw fresh random keys, as a checkpoint built on global
@@ -153,87 +160,83 @@ impl<'g> Executor<'g> {
         let last = self.segments.len() - 1;
         let output = graph.output()?;
 
-        // Forward: keep only what crosses a segment boundary; the last segment keeps its graph.
+        // Forward: keep only what crosses a segment boundary; the last segment keeps its graphs.
         for s in 0..last {
-            let live = self.run_segment(s, &mut stored, step, false, 0, &mut timeline)?;
+            let live = self.run_segment(s, &mut stored, step, false, 0, &mut timeline)?.remove(0);
             for &v in &self.segments[s].outputs {
                 stored[v] = Some(live.values[&v].detach());
             }
         }
         let mut kept = Some(self.run_segment(last, &mut stored, step, false, 0, &mut timeline)?);
-        let loss = kept.as_ref().map(|l| l.values[&output].detach()).expect("last segment just ran");
+        let loss = kept.iter().flatten().find_map(|l| l.values.get(&output)).expect("the last segment produces the loss").detach();
 
-        // Backward, last segment first.
+        // Backward, last segment first, each segment's stages last first.
         let mut value_grads: HashMap<ValueId, Tensor> = HashMap::new();
         let mut param_grads = GradStore::default();
         for s in (0..=last).rev() {
             let seg = &self.segments[s];
-            let live = match kept.take() {
-                Some(live) => live,
+            let mut stages = match kept.take() {
+                Some(stages) => stages,
                 None => self.run_segment(s, &mut stored, step, true, grad_bytes(&param_grads, &self.params), &mut timeline)?,
             };
-            let mut root = if s == last { Some(live.values[&output].clone()) } else { None };
-            for &v in &seg.outputs {
-                if let Some(g) = value_grads.remove(&v) {
-                    let seeded = seed(&live.values[&v], g)?;
-                    root = Some(match root {
-                        Some(r) => (r + seeded)?,
-                        None => seeded,
-                    });
-                }
-            }
-            if let Some(root) = root {
-                let root = self.carry_param_grads(root, &mut param_grads)?;
-                let mut grads = root.backward()?;
-                for p in &self.params {
-                    if let Some(g) = grads.remove(p.as_tensor()) {
-                        param_grads.insert(p.as_tensor(), g.detach());
+            for i in seg.stages.clone().rev() {
+                let live = stages.pop().expect("one live run per stage");
+                let mut root = if s == last && self.graph.nodes()[i].outputs.contains(&output) { Some(live.values[&output].clone()) } else { None };
+                for &v in &self.graph.nodes()[i].outputs {
+                    if let Some(g) = value_grads.remove(&v) {
+                        let seeded = seed(&live.values[&v], g)?;
+                        root = Some(match root {
+                            Some(r) => (r + seeded)?,
+                            None => seeded,
+                        });
                     }
                 }
-                for (v, var) in &live.input_vars {
-                    if let Some(g) = grads.remove(var.as_tensor()) {
-                        // Detached: a gradient's ops reference this segment's forward tensors,
-                        // which would otherwise stay alive until an earlier segment consumes it.
-                        let g = match value_grads.remove(v) {
-                            Some(acc) => (acc + g)?.detach(),
-                            None => g.detach(),
-                        };
-                        value_grads.insert(*v, g);
+                if let Some(root) = root {
+                    let mut grads = root.backward()?;
+                    for p in &self.params {
+                        if let Some(g) = grads.remove(p.as_tensor()) {
+                            let g = g.detach();
+                            let sum = match param_grads.get(p.as_tensor()) {
+                                Some(acc) if adds_in_place(acc, &g) => {
+                                    acc.inplace_op2(&g.contiguous()?, &AddAssign)?;
+                                    None
+                                }
+                                Some(acc) => Some((acc + g)?),
+                                None => Some(g),
+                            };
+                            if let Some(sum) = sum {
+                                param_grads.insert(p.as_tensor(), sum);
+                            }
+                        }
+                    }
+                    for (v, var) in &live.input_vars {
+                        if let Some(g) = grads.remove(var.as_tensor()) {
+                            // Detached: a gradient's ops reference this stage's forward tensors,
+                            // which would otherwise stay alive until an earlier stage consumes it.
+                            let g = match value_grads.remove(v) {
+                                Some(acc) => (acc + g)?.detach(),
+                                None => g.detach(),
+                            };
+                            value_grads.insert(*v, g);
+                        }
                     }
                 }
+                drop(live);
+                timeline.record(Phase::Backward, i, grad_bytes(&param_grads, &self.params));
             }
-            drop(live);
             for &v in &seg.inputs {
                 if v >= graph.n_inputs() && self.first_consumer[v] == Some(s) {
                     stored[v] = None;
                 }
             }
-            timeline.record(Phase::Backward, seg.stages.start, grad_bytes(&param_grads, &self.params));
         }
         Ok(StepOutput { loss, grads: param_grads, timeline })
     }
 
-    /// Adds to `root` a seed for every parameter it reaches that already has a gradient from a
-    /// later segment, so candle's backward starts that parameter's sum from it. The seeds are the
-    /// right-most terms of `root`, so candle visits them before the segment's own nodes.
-    fn carry_param_grads(&self, root: Tensor, param_grads: &mut GradStore) -> Result<Tensor> {
-        let reached: Vec<Tensor> = root
-            .sorted_nodes()
-            .into_iter()
-            .filter(|n| n.is_variable() && self.param_ids.contains(&n.id()))
-            .cloned()
-            .collect();
-        let mut root = root;
-        for p in reached {
-            if let Some(acc) = param_grads.remove(&p) {
-                root = (root + seed(&p, acc)?)?;
-            }
-        }
-        Ok(root)
-    }
-
-    /// Runs the stages of segment `s`. In the last segment and in a recompute, stored inputs
-    /// that need a gradient become fresh `Var`s.
+    /// Runs the stages of segment `s`. In the last segment and in a recompute it builds one graph
+    /// per stage, every float value a stage consumes (a stored input or an earlier stage's output)
+    /// standing in as a `Var` shared by its consumers in the segment, and returns one live run per
+    /// stage; otherwise one live run of the whole segment.
     /// `grad_bytes`: parameter gradients held meanwhile, for the timeline.
     fn run_segment(
         &self,
@@ -243,45 +246,102 @@ impl<'g> Executor<'g> {
         recompute: bool,
         grad_bytes: u64,
         timeline: &mut Timeline,
-    ) -> Result<Live> {
+    ) -> Result<Vec<Live>> {
         let graph = self.graph;
         let seg = &self.segments[s];
-        let needs_vars = recompute || s == self.segments.len() - 1;
-        let mut live = Live { values: HashMap::new(), input_vars: Vec::new() };
+        let graphs = recompute || s == self.segments.len() - 1;
+        let mut values: HashMap<ValueId, Tensor> = HashMap::new();
         for &v in &seg.inputs {
             let t = stored[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not stored")))?;
-            if needs_vars && v >= graph.n_inputs() && t.dtype().is_float() {
-                let var = Var::from_tensor(&t)?;
-                live.values.insert(v, var.as_tensor().clone());
-                live.input_vars.push((v, var));
-                if self.first_consumer[v] == Some(s) {
-                    // The Var holds a copy; without this the value would live twice.
-                    stored[v] = None;
-                }
-            } else {
-                live.values.insert(v, t);
+            if graphs && self.first_consumer[v] == Some(s) && v >= graph.n_inputs() {
+                // A `Var` will hold a copy; without this the value would live twice.
+                stored[v] = None;
             }
+            values.insert(v, t);
         }
+        let mut vars: HashMap<ValueId, Var> = HashMap::new();
+        let mut runs = Vec::new();
+        let mut whole = Live { values: HashMap::new(), input_vars: Vec::new() };
         let pass = u64::from(recompute && !self.replay_rng);
         for i in seg.stages.clone() {
             let node = &graph.nodes()[i];
-            let inputs: Vec<Tensor> = node.inputs.iter().map(|v| live.values[v].clone()).collect();
+            let mut live = Live { values: HashMap::new(), input_vars: Vec::new() };
+            let mut inputs = Vec::with_capacity(node.inputs.len());
+            for &v in &node.inputs {
+                let t = &values[&v];
+                if graphs && v >= graph.n_inputs() && t.dtype().is_float() {
+                    let var = match vars.get(&v) {
+                        Some(var) => var.clone(),
+                        None => vars.entry(v).or_insert(Var::from_tensor(&t.detach())?).clone(),
+                    };
+                    inputs.push(var.as_tensor().clone());
+                    live.input_vars.push((v, var));
+                } else {
+                    inputs.push(t.clone());
+                }
+            }
             let ctx = StageCtx::new(self.seed, step, i, pass, recompute && self.tell_recompute, true);
             let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
             let outputs = node.stage.forward(&inputs, &ctx).map_err(stage_err)?;
+            drop(inputs);
             if outputs.len() != node.outputs.len() {
                 let msg = format!("returned {} outputs, the graph expects {}", outputs.len(), node.outputs.len());
                 return Err(stage_err(candle_core::Error::Msg(msg)));
             }
+            for (&v, t) in node.outputs.iter().zip(&outputs) {
+                values.insert(v, t.clone());
+            }
+            // A value no later stage of this segment reads is held by its stage's run only.
+            let last_here = |v: &ValueId| seg.stages.clone().skip_while(|&j| j <= i).all(|j| !graph.nodes()[j].inputs.contains(v));
+            values.retain(|v, _| !(last_here(v) && (graphs || !seg.outputs.contains(v))));
             live.values.extend(node.outputs.iter().copied().zip(outputs));
+            if graphs {
+                runs.push(live);
+            } else {
+                whole.values.extend(live.values.into_iter().filter(|(v, _)| seg.outputs.contains(v)));
+            }
             timeline.record(if recompute { Phase::Recompute } else { Phase::Forward }, i, grad_bytes);
         }
-        Ok(live)
+        if !graphs {
+            runs.push(whole);
+        }
+        Ok(runs)
     }
 }
 
 fn grad_bytes(grads: &GradStore, params: &[Var]) -> u64 {
     params.iter().filter_map(|p| grads.get(p)).map(|g| (g.elem_count() * g.dtype().size_in_bytes()) as u64).sum()
+}
+
+/// Whether `acc += g` can run in place ([`AddAssign`], CPU); elsewhere the sum is a new tensor.
+/// The same bits as candle's `acc + g` either way.
+fn adds_in_place(acc: &Tensor, g: &Tensor) -> bool {
+    acc.device().is_cpu() && acc.is_contiguous() && g.dtype() == acc.dtype() && g.shape() == acc.shape()
+}
+
+struct AddAssign;
+
+impl InplaceOp2 for AddAssign {
+    fn name(&self) -> &'static str {
+        "remat-add-assign"
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+        fn add<T: Copy + std::ops::Add<Output = T>>(a: &mut [T], b: &[T]) {
+            a.iter_mut().zip(b).for_each(|(a, &b)| *a = *a + b);
+        }
+        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("remat-add-assign: operands must be contiguous")
+        };
+        match (s1, s2) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => add(&mut a[a0..a1], &b[b0..b1]),
+            (CpuStorage::F64(a), CpuStorage::F64(b)) => add(&mut a[a0..a1], &b[b0..b1]),
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => add(&mut a[a0..a1], &b[b0..b1]),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => add(&mut a[a0..a1], &b[b0..b1]),
+            _ => candle_core::bail!("remat-add-assign: float operands of one dtype only"),
+        }
+        Ok(())
+    }
 }
 
 /// A zero scalar whose backward hands `grad` to `t` unchanged: `t`'s gradient becomes `0 + grad`,
