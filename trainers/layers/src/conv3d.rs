@@ -78,10 +78,17 @@ fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> 
     y.reshape((n, d_out, o, ho, wo))?.permute((0, 2, 1, 3, 4))?.contiguous() // (N, O, D_out, H', W')
 }
 
-/// Transposed 3D convolution with kernel = stride = 2 (the U-Net up-convolution): x (N, C, D, H, W),
-/// w (C, O, 2, 2, 2) as PyTorch stores it. Each input voxel writes its own 2x2x2 output block, so
-/// it is one matmul and a reshape.
-pub fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+/// Transposed 3D convolution with kernel = stride = 2 plus a bias (the U-Net up-convolution):
+/// x (N, C, D, H, W), w (C, O, 2, 2, 2) as PyTorch stores it, b (O). Fused on the CPU in f32/f64;
+/// elsewhere one matmul and a reshape, as each input voxel writes its own 2x2x2 output block.
+pub fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if crate::fused::fused(x) {
+        return crate::fused::conv_transpose3d_k2s2(x, w, b);
+    }
+    conv_transpose3d_k2s2_composed(x, w, b)
+}
+
+fn conv_transpose3d_k2s2_composed(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (n, c, d, h, wd) = x.dims5()?;
     let (c_w, o, k1, k2, k3) = w.dims5()?;
     if c != c_w || (k1, k2, k3) != (2, 2, 2) {
@@ -91,7 +98,8 @@ pub fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let y = cols.matmul(&w.reshape((c, o * 8))?)?; // (N*D*H*W, O*8)
     y.reshape(vec![n, d, h, wd, o, 2, 2, 2])?
         .permute([0, 4, 1, 5, 2, 6, 3, 7])? // (N, O, D, 2, H, 2, W, 2)
-        .reshape((n, o, 2 * d, 2 * h, 2 * wd))
+        .reshape((n, o, 2 * d, 2 * h, 2 * wd))?
+        .broadcast_add(&b.reshape((1, o, 1, 1, 1))?)
 }
 
 /// Max-pooling with kernel = stride = 2 over the last three dims (odd sizes are floored, as in
@@ -203,13 +211,17 @@ mod tests {
     fn transposed_conv_matches_the_definition() -> Result<()> {
         let (xs, ws) = ([2, 3, 2, 3, 2], [3, 4, 2, 2, 2]);
         let (x, w) = (rand("x", &xs), rand("w", &ws));
-        let got = conv_transpose3d_k2s2(&Tensor::from_vec(x.clone(), &xs, &Device::Cpu)?, &Tensor::from_vec(w.clone(), &ws, &Device::Cpu)?)?;
-        assert_eq!(got.dims(), [2, 4, 4, 6, 4]);
-        let got = got.flatten_all()?.to_vec1::<f32>()?;
-        for (b, oc, z, i, j) in itertools(2, 4, 4, 6, 4) {
-            let want: f32 = (0..3).map(|c| x[(((b * 3 + c) * 2 + z / 2) * 3 + i / 2) * 2 + j / 2] * w[(((c * 4 + oc) * 2 + z % 2) * 2 + i % 2) * 2 + j % 2]).sum();
-            let at = (((b * 4 + oc) * 4 + z) * 6 + i) * 4 + j;
-            assert!((got[at] - want).abs() < 1e-5, "{:?}", (b, oc, z, i, j));
+        let bias = rand("b", &[4]);
+        let (xt, wt, bt) = (Tensor::from_vec(x.clone(), &xs, &Device::Cpu)?, Tensor::from_vec(w.clone(), &ws, &Device::Cpu)?, Tensor::from_vec(bias.clone(), 4, &Device::Cpu)?);
+        for f in [conv_transpose3d_k2s2, conv_transpose3d_k2s2_composed] {
+            let got = f(&xt, &wt, &bt)?;
+            assert_eq!(got.dims(), [2, 4, 4, 6, 4]);
+            let got = got.flatten_all()?.to_vec1::<f32>()?;
+            for (b, oc, z, i, j) in itertools(2, 4, 4, 6, 4) {
+                let want: f32 = bias[oc] + (0..3).map(|c| x[(((b * 3 + c) * 2 + z / 2) * 3 + i / 2) * 2 + j / 2] * w[(((c * 4 + oc) * 2 + z % 2) * 2 + i % 2) * 2 + j % 2]).sum::<f32>();
+                let at = (((b * 4 + oc) * 4 + z) * 6 + i) * 4 + j;
+                assert!((got[at] - want).abs() < 1e-5, "{:?}", (b, oc, z, i, j));
+            }
         }
         Ok(())
     }

@@ -96,8 +96,8 @@ fn conv3d_input_and_weight() -> Result<()> {
 
 #[test]
 fn transposed_conv3d_input_and_weight() -> Result<()> {
-    let (x, w) = (normal("x", &[2, 3, 1, 3, 2], 0.0, 1.0)?, normal("w", &[3, 2, 2, 2, 2], 0.0, 1.0)?);
-    check_gradients("conv_transpose3d_k2s2", &[("x", &x), ("w", &w)], || conv_transpose3d_k2s2(x.as_tensor(), w.as_tensor()))
+    let (x, w, b) = (normal("x", &[2, 3, 1, 3, 2], 0.0, 1.0)?, normal("w", &[3, 2, 2, 2, 2], 0.0, 1.0)?, normal("b", &[2], 0.0, 1.0)?);
+    check_gradients("conv_transpose3d_k2s2", &[("x", &x), ("w", &w), ("b", &b)], || conv_transpose3d_k2s2(x.as_tensor(), w.as_tensor(), b.as_tensor()))
 }
 
 #[test]

@@ -128,7 +128,7 @@ impl Stage for Level {
         let x = match &self.up {
             Some((w, b)) => {
                 // (N, C, D, H, W) -> (N, C, 2D, 2H, 2W), then concatenated with the skip (N, C_s, 2D, 2H, 2W).
-                let up = conv_transpose3d_k2s2(&inputs[0], w)?.broadcast_add(&b.reshape((1, (), 1, 1, 1))?)?;
+                let up = conv_transpose3d_k2s2(&inputs[0], w, b)?;
                 Tensor::cat(&[&inputs[1], &up], 1)?
             }
             None => inputs[0].clone(),
