@@ -29,23 +29,29 @@ enum Type {
     Ms,
     /// A float written exactly (an f32 value).
     F32,
+    /// Always `candle`: the framework column (PyTorch rows come from `--baseline pytorch`).
+    Candle,
+    /// A field of the record's `time_vs_off` (3 decimals), empty where it has none.
+    TimeVsOff(&'static str),
 }
 
 /// matrix.csv's columns in order, written out here rather than taken from the harness, so that a
 /// column dropped, renamed or moved in the writer fails the test.
-const COLUMNS: [(&str, Type); 24] = {
+const COLUMNS: [(&str, Type); 28] = {
     use Type::*;
     [
-        ("model", Str), ("policy", Str), ("batch", Int), ("input", Str), ("dtype", Str), ("device", Str), ("threads", Int),
+        ("framework", Candle), ("model", Str), ("policy", Str), ("batch", Int), ("input", Str), ("dtype", Str), ("device", Str), ("threads", Int),
         ("model_state_bytes", Int), ("step_peak_bytes", Int), ("fwd_bwd_peak_bytes", Int), ("activation_peak_bytes", Int),
         ("rss_peak_delta_bytes", Int), ("step_ms_median", Ms), ("step_ms_min", Ms), ("step_ms_max", Ms), ("timed_steps", Int),
         ("segments", Int), ("loss", F32), ("grads_bit_identical", Bool), ("grads_differing", Int), ("max_abs_diff", F32),
-        ("params_without_grad", Int), ("status", Str), ("error", Str),
+        ("params_without_grad", Int), ("status", Str), ("error", Str), ("time_vs_off_median", TimeVsOff("median")),
+        ("time_vs_off_min", TimeVsOff("min")), ("time_vs_off_max", TimeVsOff("max")),
     ]
 };
 
-/// Record fields that are JSON only: the timeline, and the GPU pool's reserve.
-const JSON_ONLY: [&str; 3] = ["timeline", "timeline_base_bytes", "reserved_bytes"];
+/// Record fields that are JSON only: the timeline, the GPU pool's reserve, the segments' stage
+/// ranges, and the time / off rounds (the CSV has their median and range).
+const JSON_ONLY: [&str; 5] = ["timeline", "timeline_base_bytes", "reserved_bytes", "segment_ranges", "time_vs_off"];
 
 /// The cells of one CSV line: fields in double quotes may hold commas, and `""` for a quote.
 fn cells(line: &str) -> Vec<String> {
@@ -66,9 +72,15 @@ fn cells(line: &str) -> Vec<String> {
     out
 }
 
-/// Whether `cell` parses as `ty` to the JSON value `want`.
+/// Whether `cell` parses as `ty` to the JSON value `want` (the record's field of that name, or
+/// the whole record for the derived columns).
 fn matches(cell: &str, ty: Type, want: &Value) -> bool {
     match ty {
+        Type::Candle => cell == "candle",
+        Type::TimeVsOff(field) => match want["time_vs_off"].get(field) {
+            None => cell.is_empty(),
+            Some(v) => matches(cell, Type::Ms, v),
+        },
         Type::Str => want.as_str() == Some(cell),
         Type::Int => cell.parse::<u64>().ok() == want.as_u64(),
         Type::Bool => cell.parse::<bool>().ok() == want.as_bool(),
@@ -94,7 +106,7 @@ fn every_csv_column_is_written_and_parses_to_the_json_value() {
     assert_eq!(header, COLUMNS.map(|(c, _)| c), "matrix.csv header");
     let mut fields: Vec<&str> = recs[0].as_object().unwrap().keys().map(String::as_str).filter(|k| !JSON_ONLY.contains(k)).collect();
     fields.sort_unstable();
-    let mut sorted = header.clone();
+    let mut sorted: Vec<&str> = header.iter().copied().filter(|c| !matches!(COLUMNS.iter().find(|(n, _)| n == c), Some((_, Type::Candle | Type::TimeVsOff(_))))).collect();
     sorted.sort_unstable();
     assert_eq!(sorted, fields, "a record field is missing from matrix.csv");
 
@@ -104,7 +116,8 @@ fn every_csv_column_is_written_and_parses_to_the_json_value() {
         let cells = cells(row);
         assert_eq!(cells.len(), COLUMNS.len(), "{row}");
         for ((name, ty), cell) in COLUMNS.iter().zip(&cells) {
-            assert!(matches(cell, *ty, &rec[name]), "{} {}: column {name} is `{cell}`, matrix.json has {}", rec["model"], rec["policy"], rec[name]);
+            let want = if matches!(ty, Type::Candle | Type::TimeVsOff(_)) { rec } else { &rec[name] };
+            assert!(matches(cell, *ty, want), "{} {}: column {name} is `{cell}`, matrix.json has {}", rec["model"], rec["policy"], rec[name]);
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -30,6 +30,12 @@ fn smoke_matrix_checks_every_model_and_policy() {
         assert_eq!(r["params_without_grad"], 0, "{what}");
         assert!(r["step_peak_bytes"].as_u64().unwrap() > 0 && r["step_ms_median"].as_f64().unwrap() > 0.0, "{what}");
         assert!(r["timeline"].as_array().is_some_and(|t| !t.is_empty()), "{what}: no timeline");
+        // This run's time / off and the two interleaved rounds', each a positive ratio.
+        if r["policy"] != "off" {
+            let rounds = r["time_vs_off"]["rounds"].as_array().unwrap_or_else(|| panic!("{what}: no time / off rounds"));
+            assert_eq!(rounds.len(), 3, "{what}");
+            assert!(rounds.iter().all(|x| x.as_f64().is_some_and(|x| x > 0.0)), "{what}: {rounds:?}");
+        }
     }
 
     let csv = std::fs::read_to_string(dir.join("matrix.csv")).unwrap();

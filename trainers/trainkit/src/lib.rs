@@ -198,9 +198,11 @@ pub fn assert_near_figure(what: &str, measured: u64, committed: u64) {
 pub fn assert_deep_model_memory(peaks: impl Fn(&str) -> Peaks, off_activation: u64, sqrt_activation: u64) {
     assert!(remat::memory::heap_meter_installed());
     let (off, sqrt) = (peaks("off"), peaks("sqrt"));
-    let bound = off.forward_end + off.grads + off.forward_end * 15 / 100;
+    // The executor's backward frees each stage once its gradients are propagated: the heap during
+    // backward stays within the end-of-forward level plus the parameter gradients plus 5 %.
+    let bound = off.forward_end + off.grads + off.forward_end * 5 / 100;
     eprintln!("off: forward ends at {} B, backward peaks at {} B, gradients {} B", off.forward_end, off.backward, off.grads);
-    assert!(off.backward <= bound, "off: backward peaks at {} B, above the end of forward {} B + gradients {} B + 15 %", off.backward, off.forward_end, off.grads);
+    assert!(off.backward <= bound, "off: backward peaks at {} B, above the end of forward {} B + gradients {} B + 5 %", off.backward, off.forward_end, off.grads);
     eprintln!("step peak: off {} B, sqrt {} B ({:.2}x)", off.step, sqrt.step, sqrt.step as f64 / off.step as f64);
     assert!(sqrt.step * 2 <= off.step, "sqrt peak {} B is more than half of off {} B", sqrt.step, off.step);
     assert_near_figure("off activation peak", off.activation, off_activation);

@@ -46,12 +46,12 @@ fn checkpointing_lowers_the_step_peak() {
 // matrix is built again in backward), the fused BatchNorm + ReLU likewise: a conv + norm + ReLU
 // holds 2 tensors of its output size. With v = 2 x 4 x 24^3 f32 = 432 KiB: enc.0 (1 -> 4 -> 8
 // channels) holds 2 v + 2 x 2 v = 6 v = 2.65 MB (2.66 MB measured); the pool 0.78 MB; enc.1 and
-// bottom at an eighth and a sixty-fourth of the voxels; dec.1 and dec.0 add the up-convolution
-// (matmul, permuted copy, bias) and the concatenated skip: dec.0 holds 11.7 MB; 20.8 MB at the end
-// of forward. The step's peak is in backward: the gradients in flight plus a column block (at most
-// 8 MB) and its gradient, 18.6 MB on top (measured, not derived): `off` 39 MB. `sqrt` cuts after
-// `bottom` (segments enc.0..bottom, dec.1..head): the last segment, kept from forward, holds dec.1
-// + dec.0 + head, and its backward reaches 37 MB. The full-resolution decoder, never recomputed,
-// sets both peaks, which is why checkpointing saves little on this model.
-const OFF_ACTIVATION: u64 = 39_135_284;
-const SQRT_ACTIVATION: u64 = 37_048_996;
+// bottom at an eighth and a sixty-fourth of the voxels; dec.1 and dec.0 add the concatenated skip
+// (the fused up-convolution keeps only its input), and each stage holds a copy of its inputs for
+// its own backward pass. The step's peak is in backward: dec.0's, a column block (at most 8 MB)
+// and its gradient on top of what is still held (measured, not derived): `off` 35 MB. `sqrt` cuts
+// after `bottom` (segments enc.0..bottom, dec.1..head): the last segment, kept from forward, holds
+// dec.1 + dec.0 + head, and its backward reaches 32 MB. The full-resolution decoder, never
+// recomputed, sets both peaks, which is why checkpointing saves little on this model.
+const OFF_ACTIVATION: u64 = 35_438_556;
+const SQRT_ACTIVATION: u64 = 31_937_736;
