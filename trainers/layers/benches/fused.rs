@@ -55,6 +55,8 @@ fn bench(c: &mut Criterion) {
     let (img, stem_w) = (var("img", &[8, 3, 128, 128]), var("stem_w", &[64, 3, 7, 7]));
     let (a64, w3) = (var("a64", &[8, 64, 32, 32]), var("w3", &[64, 64, 3, 3]));
     let (a256, w1) = (var("a256", &[8, 256, 32, 32]), var("w1", &[64, 256, 1, 1]));
+    // ... and a 3x3 convolution of the last stage (4x4 feature maps, 512 channels).
+    let (a512, w512) = (var("a512", &[8, 512, 4, 4]), var("w512", &[512, 512, 3, 3]));
     // The small 3D U-Net at 32^3, batch 2: a 3x3x3 convolution of the first level.
     let (vol, w333) = (var("vol", &[2, 32, 32, 32, 32]), var("w333", &[32, 32, 3, 3, 3]));
 
@@ -112,6 +114,11 @@ fn bench(c: &mut Criterion) {
             "conv2d 3x3 (8, 64, 32, 32) -> 64",
             Box::new(|| layers::conv2d(&a64, &w3, 1, 1)),
             Box::new(|| a64.conv2d(&w3, 1, 1, 1, 1)),
+        ),
+        (
+            "conv2d 3x3 (8, 512, 4, 4) -> 512",
+            Box::new(|| layers::conv2d(&a512, &w512, 1, 1)),
+            Box::new(|| a512.conv2d(&w512, 1, 1, 1, 1)),
         ),
         (
             "conv2d 1x1 (8, 256, 32, 32) -> 64",

@@ -769,12 +769,50 @@ struct Conv3dOp {
     shape: Conv3dShape,
 }
 
-/// `a (m, k) @ b`, b (k, n) or, with `tb`, b given as (n, k); through candle's CPU matrix product.
-/// `b` is moved in: a column block is the largest buffer here and is not copied.
-fn matmul<T: Elem>(a: &[T], (m, k): (usize, usize), b: Vec<T>, n: usize, tb: bool) -> Result<Vec<T>> {
-    let a = Tensor::from_slice(a, (m, k), &candle_core::Device::Cpu)?;
-    let b = if tb { Tensor::from_vec(b, (n, k), &candle_core::Device::Cpu)?.t()? } else { Tensor::from_vec(b, (k, n), &candle_core::Device::Cpu)? };
-    a.matmul(&b)?.flatten_all()?.to_vec1::<T>()
+/// A matrix operand of [`matmul`]: row-major elements, stored transposed or not.
+#[derive(Clone, Copy)]
+struct Mat<'a, T> {
+    data: &'a [T],
+    /// The stored matrix is the operand's transpose: (cols, rows) row-major.
+    t: bool,
+}
+
+fn mat<T>(data: &[T], t: bool) -> Mat<'_, T> {
+    Mat { data, t }
+}
+
+/// `dst (m, n) (+)= a (m, k) @ b (k, n)` with gemm, the matrix product candle's CPU backend runs,
+/// called directly: operands are read in place (a transposed operand is a stride, not a copy) and
+/// the product is written into `dst` (added to it with `accumulate`). Split over candle's threads;
+/// the bits do not depend on their number (threads split the output, each element's sum over k
+/// runs in one fixed order).
+fn matmul<T: Elem>(dst: &mut [T], a: Mat<T>, b: Mat<T>, (m, k, n): (usize, usize, usize), accumulate: bool) {
+    assert!(dst.len() == m * n && a.data.len() == m * k && b.data.len() == k * n, "matmul: operands do not match ({m}, {k}) @ ({k}, {n})");
+    // (row stride, column stride) of a row-major (rows, cols) operand, or of its stored transpose.
+    let strides = |t: bool, rows: usize, cols: usize| if t { (1, rows as isize) } else { (cols as isize, 1) };
+    let ((a_rs, a_cs), (b_rs, b_cs)) = (strides(a.t, m, k), strides(b.t, k, n));
+    let threads = candle_core::utils::get_num_threads();
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    // SAFETY: every access stays within the slices, whose lengths are checked above against the
+    // shapes the strides describe.
+    unsafe {
+        gemm::gemm(
+            m, n, k,
+            dst.as_mut_ptr(), 1, n as isize, accumulate,
+            a.data.as_ptr(), a_cs, a_rs,
+            b.data.as_ptr(), b_cs, b_rs,
+            T::one(), T::one(),
+            false, false, false,
+            parallelism,
+        )
+    }
+}
+
+/// `a @ b` into a new (m, n) matrix.
+fn matmul_new<T: Elem>(a: Mat<T>, b: Mat<T>, mkn: (usize, usize, usize)) -> Vec<T> {
+    let mut dst = vec![T::zero(); mkn.0 * mkn.2];
+    matmul(&mut dst, a, b, mkn, false);
+    dst
 }
 
 impl Conv3dOp {
@@ -785,7 +823,7 @@ impl Conv3dOp {
         for b in s.blocks() {
             let (start, len) = (b.zs.start * plane, s.block_len(&b));
             let width = b.samples.len() * len;
-            let out = matmul(w, (s.o, s.rows()), s.vol2col(x, &b), width, false)?; // (O, samples x len)
+            let out = matmul_new(mat(w, false), mat(&s.vol2col(x, &b), false), (s.o, s.rows(), width)); // (O, samples x len)
             for (k, n) in b.samples.clone().enumerate() {
                 let y_n = &mut y[n * s.o * cols..(n + 1) * s.o * cols];
                 for (y, row) in y_n.chunks_mut(cols).zip(out.chunks(width)) {
@@ -800,7 +838,6 @@ impl Conv3dOp {
     fn backward<T: Elem>(&self, x: &[T], w: &[T], gy: &[T]) -> Result<(Vec<T>, Vec<T>)> {
         let s = &self.shape;
         let (plane, cols) = (s.output[1] * s.output[2], s.cols());
-        let wt = Tensor::from_slice(w, (s.o, s.rows()), &candle_core::Device::Cpu)?.t()?.contiguous()?.flatten_all()?.to_vec1::<T>()?;
         let mut dw = vec![T::zero(); w.len()];
         let mut dx = vec![T::zero(); x.len()];
         for b in s.blocks() {
@@ -810,9 +847,8 @@ impl Conv3dOp {
             let g: Vec<T> = (0..s.o)
                 .flat_map(|o| b.samples.clone().flat_map(move |n| gy[(n * s.o + o) * cols + start..(n * s.o + o) * cols + start + len].iter().copied()))
                 .collect();
-            let dw_b = matmul(&g, (s.o, width), s.vol2col(x, &b), s.rows(), true)?; // (O, rows)
-            dw.iter_mut().zip(dw_b).for_each(|(a, b)| *a += b);
-            s.col2vol(&matmul(&wt, (s.rows(), s.o), g, width, false)?, &b, &mut dx); // (rows, samples x len)
+            matmul(&mut dw, mat(&g, false), mat(&s.vol2col(x, &b), true), (s.o, width, s.rows()), true); // += (O, rows)
+            s.col2vol(&matmul_new(mat(w, true), mat(&g, false), (s.rows(), s.o, width)), &b, &mut dx); // (rows, samples x len)
         }
         Ok((dx, dw))
     }
@@ -951,10 +987,9 @@ impl ConvTranspose3dOp {
 
     fn forward<T: Elem>(&self, x: &[T], w: &[T], b: &[T]) -> Result<Vec<T>> {
         let (v, ok) = (self.volume(), self.o * 8);
-        let wt = Tensor::from_slice(w, (self.c, ok), &candle_core::Device::Cpu)?.t()?.contiguous()?.flatten_all()?.to_vec1::<T>()?;
         let mut y = vec![T::zero(); self.n * ok * v];
         for (x, y) in x.chunks(self.c * v).zip(y.chunks_mut(ok * v)) {
-            let prod = matmul(&wt, (ok, self.c), x.to_vec(), v, false)?; // (O 8, DHW)
+            let prod = matmul_new(mat(w, true), mat(x, false), (ok, self.c, v)); // (O 8, DHW)
             y.par_chunks_mut(8 * v).enumerate().for_each(|(oc, y)| self.for_channel(oc, |r, col, out| y[out - oc * 8 * v] = prod[r * v + col] + b[oc]));
         }
         Ok(y)
@@ -971,9 +1006,8 @@ impl ConvTranspose3dOp {
             for (oc, rows) in g.chunks(8 * v).enumerate() {
                 db[oc] += rows.iter().copied().sum::<T>();
             }
-            let dw_n = matmul(x, (self.c, v), g.clone(), ok, true)?; // (C, O 8)
-            dw.iter_mut().zip(dw_n).for_each(|(a, b)| *a += b);
-            dx.extend(matmul(w, (self.c, ok), g, v, false)?); // (C, DHW)
+            matmul(&mut dw, mat(x, false), mat(&g, true), (self.c, v, ok), true); // += (C, O 8)
+            dx.extend(matmul_new(mat(w, false), mat(&g, false), (self.c, ok, v))); // (C, DHW)
         }
         Ok((dx, dw, db))
     }
@@ -1120,45 +1154,44 @@ struct LinearOp {
 }
 
 impl LinearOp {
-    /// The weight as an (in, out) tensor view over `w`.
-    fn w_in(&self, w: Tensor) -> Result<Tensor> {
-        if self.w_is_out_in {
-            w.t()
-        } else {
-            Ok(w)
-        }
-    }
-
     fn cpu_fwd(&self, x: (&CpuStorage, &Layout), w: (&CpuStorage, &Layout), b: Option<(&CpuStorage, &Layout)>) -> Result<(CpuStorage, Shape)> {
-        let y = per_float!(x.0, "linear", self.forward(slice(x.0, x.1)?, x.1, slice(w.0, w.1)?, w.1, b.map(|(s, l)| slice(s, l)).transpose()?)?);
+        let y = per_float!(x.0, "linear", self.forward(slice(x.0, x.1)?, x.1, slice(w.0, w.1)?, b.map(|(s, l)| slice(s, l)).transpose()?));
         let mut dims = x.1.dims().to_vec();
         *dims.last_mut().expect("rank >= 1") = w.1.dims()[if self.w_is_out_in { 0 } else { 1 }];
         Ok((y, Shape::from(dims)))
     }
 
-    fn forward<T: Elem>(&self, x: &[T], xl: &Layout, w: &[T], wl: &Layout, b: Option<&[T]>) -> Result<Vec<T>> {
+    fn forward<T: Elem>(&self, x: &[T], xl: &Layout, w: &[T], b: Option<&[T]>) -> Vec<T> {
         let k = *xl.dims().last().expect("rank >= 1");
-        let cpu = &candle_core::Device::Cpu;
-        let x = Tensor::from_slice(x, (x.len() / k, k), cpu)?;
-        let w = self.w_in(Tensor::from_slice(w, wl.dims(), cpu)?)?;
-        let y = x.matmul(&w)?;
-        let y = match b {
-            Some(b) => y.broadcast_add(&Tensor::from_slice(b, b.len(), cpu)?)?,
-            None => y,
+        let (rows, n) = (x.len() / k, w.len() / k);
+        let mut y = match b {
+            Some(b) => b.repeat(rows),
+            None => vec![T::zero(); rows * n],
         };
-        y.flatten_all()?.to_vec1::<T>()
+        // y = b + x @ w_in, the bias added first: as one product accumulated onto it.
+        matmul(&mut y, mat(x, false), mat(w, self.w_is_out_in), (rows, k, n), b.is_some());
+        y
     }
 
-    /// dx = g w_in^T, dw = x^T g (as g^T x for an (out, in) weight), db = column sums of g; on
-    /// detached tensors, so backward records no graph of its own.
+    /// dx = g w_in^T, dw = x^T g (as g^T x for an (out, in) weight), db = column sums of g.
     fn bwd(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let k = x.dim(D::Minus1)?;
-        let x2 = x.detach().reshape((x.elem_count() / k, k))?; // (rows, in)
-        let g2 = g.detach().reshape((x2.dim(0)?, ()))?; // (rows, out)
-        let w_in = self.w_in(w.detach())?;
-        let dx = g2.matmul(&w_in.t()?)?.reshape(x.shape())?;
-        let dw = if self.w_is_out_in { g2.t()?.matmul(&x2)? } else { x2.t()?.matmul(&g2)? };
-        Ok((dx, dw, g2.sum(0)?))
+        let (rows, n) = (x.elem_count() / k, w.elem_count() / k);
+        let g = g.contiguous()?;
+        let (dx, dw) = per_dtype!(x.dtype(), T => {
+            let (dx, dw) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| {
+                // w_in^T is the stored w read the other way round.
+                let dx = matmul_new(mat(gs, false), mat(ws, !self.w_is_out_in), (rows, n, k));
+                let dw = if self.w_is_out_in {
+                    matmul_new(mat(gs, true), mat(xs, false), (n, rows, k))
+                } else {
+                    matmul_new(mat(xs, true), mat(gs, false), (k, rows, n))
+                };
+                Ok((dx, dw))
+            })))?;
+            (shaped(dx, x)?, shaped(dw, w)?)
+        });
+        Ok((dx, dw, g.reshape((rows, n))?.sum(0)?))
     }
 }
 
