@@ -604,15 +604,16 @@ impl CustomOp1 for DropoutOp {
 // ---------------------------------------------------------------------------------------------
 // 3D convolution
 
-/// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw) by vol2col and one matrix
-/// product per sample. It keeps nothing but its input and output: the column matrix is built
-/// again in backward (the composed version in `conv3d.rs` keeps 7 copies of its input).
+/// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw) by vol2col and a matrix product
+/// per block of the column matrix (8 MB in f32 at most). It keeps nothing but its input and
+/// output: the column matrix is built again in backward (the composed version in `conv3d.rs`
+/// keeps 7 copies of its input).
 pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
     conv3d_blocked(x, w, g, 1 << 21)
 }
 
-/// [`conv3d`] building the column matrix in blocks of output depth slices of at most about
-/// `block_entries` entries (at least one slice).
+/// [`conv3d`] building the column matrix in blocks of at most about `block_entries` entries (at
+/// least one output row; see `Conv3dShape::blocks`).
 pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, block_entries: usize) -> Result<Tensor> {
     let shape = Conv3dShape::new(x.dims5()?, w.dims5()?, g, block_entries)?;
     x.contiguous()?.apply_op2(&w.to_dtype(x.dtype())?.contiguous()?, Conv3dOp { shape })
@@ -673,27 +674,33 @@ impl Conv3dShape {
         (out * self.stride[axis] + k).checked_sub(self.pad[axis]).filter(|&v| v < self.input[axis])
     }
 
-    /// The blocks of the column matrix, in order, each at most about `block_entries` entries:
-    /// whole samples side by side while a sample fits (a layer with few output voxels per sample
-    /// still gets one wide matrix product), otherwise one sample's output depth slices in runs.
+    /// The blocks of the column matrix, in order, each at most about `block_entries` entries
+    /// (at least one output row): whole samples side by side while a sample fits (a layer with few
+    /// output voxels per sample still gets one wide matrix product), else one sample's output
+    /// depth slices in runs, else one depth slice's output rows in runs.
     fn blocks(&self) -> Vec<ConvBlock> {
-        let per_slice = self.rows() * self.output[1] * self.output[2];
-        let depth = self.output[0];
-        let slices = (self.block_entries / per_slice.max(1)).clamp(1, depth);
-        if slices == depth {
-            let samples = (self.block_entries / (per_slice * depth).max(1)).clamp(1, self.n);
-            return (0..self.n).step_by(samples).map(|n| ConvBlock { samples: n..(n + samples).min(self.n), zs: 0..depth }).collect();
+        let [depth, oh, ow] = self.output;
+        let (per_row, n) = (self.rows() * ow, self.n);
+        let fit = |unit: usize, max: usize| (self.block_entries / unit.max(1)).clamp(1, max);
+        let (rows, slices) = (fit(per_row, oh), fit(per_row * oh, depth));
+        if rows < oh {
+            let runs = move |z: usize| (0..oh).step_by(rows).map(move |i| (z..z + 1, i..(i + rows).min(oh)));
+            return (0..n).flat_map(|s| (0..depth).flat_map(runs).map(move |(zs, is)| ConvBlock { samples: s..s + 1, zs, rows: is })).collect();
         }
-        (0..self.n).flat_map(|n| (0..depth).step_by(slices).map(move |z| ConvBlock { samples: n..n + 1, zs: z..(z + slices).min(depth) })).collect()
+        if slices < depth {
+            return (0..n).flat_map(|s| (0..depth).step_by(slices).map(move |z| ConvBlock { samples: s..s + 1, zs: z..(z + slices).min(depth), rows: 0..oh })).collect();
+        }
+        let samples = fit(per_row * oh * depth, n);
+        (0..n).step_by(samples).map(|s| ConvBlock { samples: s..(s + samples).min(n), zs: 0..depth, rows: 0..oh }).collect()
     }
 
-    /// Calls `f(column, input index, n)` for every run of row `r` of the column block of output
-    /// depth slices `zs` that reads the input: columns `column..column + n` read the input at
-    /// `index`, `index + s`, ... with `s` the width stride. Columns count from the block's start.
-    fn for_row(&self, r: usize, zs: std::ops::Range<usize>, mut f: impl FnMut(usize, usize, usize)) {
+    /// Calls `f(column, input index, n)` for every run of row `r` of the column matrix of block
+    /// `b` (one sample's part) that reads the input: columns `column..column + n` read the input
+    /// at `index`, `index + s`, ... with `s` the width stride. Columns count from the block's start.
+    fn for_row(&self, r: usize, b: &ConvBlock, mut f: impl FnMut(usize, usize, usize)) {
         let [kd, kh, kw] = self.kernel;
         let [d, h, w] = self.input;
-        let [_, oh, ow] = self.output;
+        let [_, _, ow] = self.output;
         let (c, a, p, q) = (r / (kd * kh * kw), (r / (kh * kw)) % kd, (r / kw) % kh, r % kw);
         // The output columns j whose input column j s + q - pad lies inside the row.
         let (s, pad) = (self.stride[2], self.pad[2]);
@@ -702,11 +709,11 @@ impl Conv3dShape {
         if j_lo >= j_hi {
             return;
         }
-        for z in zs.clone() {
+        for z in b.zs.clone() {
             let Some(zz) = self.source(0, z, a) else { continue };
-            for i in 0..oh {
+            for i in b.rows.clone() {
                 let Some(ii) = self.source(1, i, p) else { continue };
-                let column = ((z - zs.start) * oh + i) * ow + j_lo;
+                let column = ((z - b.zs.start) * b.rows.len() + i - b.rows.start) * ow + j_lo;
                 f(column, ((c * d + zz) * h + ii) * w + j_lo * s + q - pad, j_hi - j_lo);
             }
         }
@@ -714,7 +721,12 @@ impl Conv3dShape {
 
     /// Columns per sample in block `b`.
     fn block_len(&self, b: &ConvBlock) -> usize {
-        b.zs.len() * self.output[1] * self.output[2]
+        b.zs.len() * b.rows.len() * self.output[2]
+    }
+
+    /// Where block `b`'s columns start in a sample's output plane (they are contiguous there).
+    fn block_start(&self, b: &ConvBlock) -> usize {
+        (b.zs.start * self.output[1] + b.rows.start) * self.output[2]
     }
 
     /// The column matrix (rows, samples x block_len) of block `b` of the batch x (N, C, D, H, W),
@@ -727,7 +739,7 @@ impl Conv3dShape {
             for (k, n) in b.samples.clone().enumerate() {
                 let (xs, seg) = (&x[n * sample..(n + 1) * sample], &mut row[k * len..(k + 1) * len]);
                 let s = self.stride[2];
-                self.for_row(r, b.zs.clone(), |j, i, n| {
+                self.for_row(r, b, |j, i, n| {
                     if s == 1 {
                         seg[j..j + n].copy_from_slice(&xs[i..i + n]);
                     } else {
@@ -750,7 +762,7 @@ impl Conv3dShape {
             for r in c * k..(c + 1) * k {
                 let row = &col[r * width + sample * len..r * width + (sample + 1) * len];
                 let s = self.stride[2];
-                self.for_row(r, b.zs.clone(), |j, i, n| {
+                self.for_row(r, b, |j, i, n| {
                     let i = i - c * volume;
                     xc[i..].iter_mut().step_by(s).zip(&row[j..j + n]).for_each(|(x, &g)| *x += g);
                 });
@@ -759,10 +771,12 @@ impl Conv3dShape {
     }
 }
 
-/// A block of the column matrix: output depth slices `zs` of samples `samples`, side by side.
+/// A block of the column matrix: output rows `rows` of depth slices `zs` of samples `samples`,
+/// side by side (`rows` is a part of the plane only in a block of one slice of one sample).
 struct ConvBlock {
     samples: std::ops::Range<usize>,
     zs: std::ops::Range<usize>,
+    rows: std::ops::Range<usize>,
 }
 
 struct Conv3dOp {
@@ -818,10 +832,10 @@ fn matmul_new<T: Elem>(a: Mat<T>, b: Mat<T>, mkn: (usize, usize, usize)) -> Vec<
 impl Conv3dOp {
     fn forward<T: Elem>(&self, x: &[T], w: &[T]) -> Result<Vec<T>> {
         let s = &self.shape;
-        let (plane, cols) = (s.output[1] * s.output[2], s.cols());
+        let cols = s.cols();
         let mut y = vec![T::zero(); s.n * s.o * cols];
         for b in s.blocks() {
-            let (start, len) = (b.zs.start * plane, s.block_len(&b));
+            let (start, len) = (s.block_start(&b), s.block_len(&b));
             let width = b.samples.len() * len;
             let out = matmul_new(mat(w, false), mat(&s.vol2col(x, &b), false), (s.o, s.rows(), width)); // (O, samples x len)
             for (k, n) in b.samples.clone().enumerate() {
@@ -837,11 +851,11 @@ impl Conv3dOp {
     /// Per block: dW += gy @ col^T, dx += col2vol(W^T @ gy); in order.
     fn backward<T: Elem>(&self, x: &[T], w: &[T], gy: &[T]) -> Result<(Vec<T>, Vec<T>)> {
         let s = &self.shape;
-        let (plane, cols) = (s.output[1] * s.output[2], s.cols());
+        let cols = s.cols();
         let mut dw = vec![T::zero(); w.len()];
         let mut dx = vec![T::zero(); x.len()];
         for b in s.blocks() {
-            let (start, len) = (b.zs.start * plane, s.block_len(&b));
+            let (start, len) = (s.block_start(&b), s.block_len(&b));
             let width = b.samples.len() * len;
             // The output gradient's columns of this block, (O, samples x len).
             let g: Vec<T> = (0..s.o)

@@ -49,9 +49,9 @@ fn checkpointing_lowers_the_step_peak() {
 // bottom at an eighth and a sixty-fourth of the voxels; dec.1 and dec.0 add the concatenated skip
 // (the fused up-convolution keeps only its input), and each stage holds a copy of its inputs for
 // its own backward pass. The step's peak is in backward: dec.0's, a column block (at most 8 MB)
-// and its gradient on top of what is still held (measured, not derived): `off` 35 MB. `sqrt` cuts
+// and its gradient on top of what is still held (measured, not derived): `off` 28 MB. `sqrt` cuts
 // after `bottom` (segments enc.0..bottom, dec.1..head): the last segment, kept from forward, holds
-// dec.1 + dec.0 + head, and its backward reaches 32 MB. The full-resolution decoder, never
+// dec.1 + dec.0 + head, and its backward reaches 24 MB. The full-resolution decoder, never
 // recomputed, sets both peaks, which is why checkpointing saves little on this model.
-const OFF_ACTIVATION: u64 = 35_438_556;
-const SQRT_ACTIVATION: u64 = 31_937_736;
+const OFF_ACTIVATION: u64 = 27_952_036;
+const SQRT_ACTIVATION: u64 = 24_451_216;
