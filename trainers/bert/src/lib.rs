@@ -191,7 +191,7 @@ impl Layer {
         let (nh, hd) = (self.n_head, c / self.n_head);
         let heads = |l: &Linear| l.forward(x)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (heads(&self.query)?, heads(&self.key)?, heads(&self.value)?);
-        let y = layers::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), false, self.attn_pdrop, ctx)?; // (B, nh, T, hd)
+        let y = layers::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), false, None, self.attn_pdrop, ctx)?; // (B, nh, T, hd)
         y.transpose(1, 2)?.reshape((b, t, c)) // (B, T, C)
     }
 }

@@ -202,7 +202,7 @@ impl Block {
         let qkv = self.c_attn.forward(x)?; // (B, T, 3C)
         let head = |i: usize| qkv.narrow(2, i * c, c)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (head(0)?, head(1)?, head(2)?);
-        let y = layers::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), true, self.attn_pdrop, ctx)?; // (B, nh, T, hd), causal
+        let y = layers::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), true, None, self.attn_pdrop, ctx)?; // (B, nh, T, hd), causal
         let y = y.transpose(1, 2)?.reshape((b, t, c))?; // (B, T, C)
         self.attn_proj.forward(&y)
     }

@@ -57,6 +57,11 @@ fn bench(c: &mut Criterion) {
     let (a256, w1) = (var("a256", &[8, 256, 32, 32]), var("w1", &[64, 256, 1, 1]));
     // ... and a 3x3 convolution of the last stage (4x4 feature maps, 512 channels).
     let (a512, w512) = (var("a512", &[8, 512, 4, 4]), var("w512", &[512, 512, 3, 3]));
+    // GPT-2 small's token embedding at batch 2, seq 256.
+    let wte = var("wte", &[50257, 768]);
+    let ids = Tensor::from_vec((0..512u32).map(|i| (i * 7919) % 50257).collect(), (2, 256), &Device::Cpu).unwrap();
+    // The small 3D U-Net at 32^3, batch 2: the last up-convolution (64 -> 64 channels, 16^3 -> 32^3).
+    let (low, wup, bup) = (var("low", &[2, 64, 16, 16, 16]), var("wup", &[64, 64, 2, 2, 2]), var("bup", &[64]));
     // The small 3D U-Net at 32^3, batch 2: a 3x3x3 convolution of the first level.
     let (vol, w333) = (var("vol", &[2, 32, 32, 32, 32]), var("w333", &[32, 32, 3, 3, 3]));
 
@@ -82,7 +87,7 @@ fn bench(c: &mut Criterion) {
         ),
         (
             "causal attention with dropout (2, 12, 256, 64)",
-            Box::new(|| fused::attention(&q, &k, &v, 0.125, true, Some((key, 0.1)))),
+            Box::new(|| fused::attention(&q, &k, &v, 0.125, true, None, Some((key, 0.1)))),
             Box::new(|| {
                 let s = (q.matmul(&k.t()?)? * 0.125)?;
                 let p = candle_nn::ops::softmax(&causal.broadcast_as(s.shape())?.where_cond(&neg_inf, &s)?, D::Minus1)?;
@@ -124,6 +129,41 @@ fn bench(c: &mut Criterion) {
             "conv2d 1x1 (8, 256, 32, 32) -> 64",
             Box::new(|| layers::conv2d(&a256, &w1, 0, 1)),
             Box::new(|| a256.conv2d(&w1, 0, 1, 1, 1)),
+        ),
+        (
+            "max_pool 3x3/2 (8, 64, 64, 64)",
+            Box::new(|| layers::max_pool2d_k3s2p1(&feat)),
+            // What the stem pool was before: separable, rows then columns, composed.
+            Box::new(|| {
+                let pool = |x: &Tensor, axis: usize| -> Result<Tensor> {
+                    let pad = |len: usize| {
+                        let mut shape = x.dims().to_vec();
+                        shape[axis] = len;
+                        Tensor::full(f32::NEG_INFINITY, shape, &Device::Cpu)
+                    };
+                    let padded = Tensor::cat(&[&pad(1)?, x, &pad(1)?], axis)?;
+                    let mut shape = x.dims().to_vec();
+                    shape[axis] = 32;
+                    shape.insert(axis + 1, 2);
+                    let first_two = padded.narrow(axis, 0, 64)?.reshape(shape.clone())?.max(axis + 1)?;
+                    first_two.maximum(&padded.narrow(axis, 2, 64)?.reshape(shape)?.narrow(axis + 1, 0, 1)?.squeeze(axis + 1)?)
+                };
+                pool(&pool(&feat, 2)?, 3)
+            }),
+        ),
+        (
+            "embedding (2, 256) of (50257, 768)",
+            Box::new(|| fused::embedding(&wte, &ids)),
+            Box::new(|| wte.index_select(&ids.flatten_all()?, 0)?.reshape((2, 256, 768))),
+        ),
+        (
+            "conv_transpose3d 2x2x2/2 (2, 64, 16, 16, 16) -> 64",
+            Box::new(|| layers::conv_transpose3d_k2s2(&low, &wup, &bup)),
+            Box::new(|| {
+                let cols = low.permute((0, 2, 3, 4, 1))?.reshape((2 * 4096, 64))?;
+                let y = cols.matmul(&wup.reshape((64, 512))?)?.reshape(vec![2, 16, 16, 16, 64, 2, 2, 2])?;
+                y.permute([0, 4, 1, 5, 2, 6, 3, 7])?.reshape((2, 64, 32, 32, 32))?.broadcast_add(&bup.reshape((1, 64, 1, 1, 1))?)
+            }),
         ),
         (
             "conv3d 3x3x3 (2, 32, 32, 32, 32) -> 32",

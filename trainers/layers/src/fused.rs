@@ -236,7 +236,7 @@ pub fn softmax_last_dim(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> 
         return candle_nn::ops::softmax(&x, D::Minus1); // candle's fused softmax_last_dim has no backward
     }
     let rows_per_block = if causal { x.dim(D::Minus2)? } else { 1 };
-    x.contiguous()?.apply_op1(SoftmaxOp { scale, causal, rows_per_block })
+    x.contiguous()?.apply_op1(SoftmaxOp { scale, causal, rows_per_block, padding: None })
 }
 
 struct SoftmaxOp {
@@ -244,6 +244,9 @@ struct SoftmaxOp {
     causal: bool,
     /// With `causal`, the number of rows of each (T, S) attention map: row r is query r % T.
     rows_per_block: usize,
+    /// Key padding: which of each batch element's S keys may be attended to, (B, S) flat, and
+    /// the rows per batch element (heads x T). A row with no key left is all zeros.
+    padding: Option<(std::sync::Arc<Vec<bool>>, usize)>,
 }
 
 impl SoftmaxOp {
@@ -256,14 +259,24 @@ impl SoftmaxOp {
         }
     }
 
+    /// Whether entry `j` of row `r` (of `width`) takes part: visible and not padding.
+    fn keeps(&self, r: usize, width: usize) -> impl Fn(usize) -> bool + '_ {
+        let n = self.visible(r, width);
+        let keys = self.padding.as_ref().map(|(keep, rows)| &keep[r / rows * width..(r / rows + 1) * width]);
+        move |j| j < n && keys.is_none_or(|k| k[j])
+    }
+
     fn forward<T: Elem>(&self, x: &[T], width: usize) -> Vec<T> {
         let scale = elem::<T>(self.scale);
         let mut y = vec![T::zero(); x.len()];
         y.par_chunks_mut(width).zip(x.par_chunks(width)).enumerate().for_each(|(r, (y, x))| {
-            let n = self.visible(r, width);
-            let max = x[..n].iter().fold(T::neg_infinity(), |m, &v| Float::max(m, v * scale));
+            let (n, keep) = (self.visible(r, width), self.keeps(r, width));
+            let max = (0..n).filter(|&j| keep(j)).fold(T::neg_infinity(), |m, j| Float::max(m, x[j] * scale));
+            if max == T::neg_infinity() {
+                return; // every key masked: the row stays zero
+            }
             let mut sum = T::zero();
-            for j in 0..n {
+            for j in (0..n).filter(|&j| keep(j)) {
                 y[j] = (x[j] * scale - max).exp();
                 sum += y[j];
             }
@@ -272,14 +285,14 @@ impl SoftmaxOp {
         y
     }
 
-    /// dx = scale * y * (g - sum(g y)) per row.
+    /// dx = scale * y * (g - sum(g y)) per row (masked entries have y = 0, so dx = 0 there).
     fn backward<T: Elem>(&self, y: &[T], g: &[T], width: usize) -> Vec<T> {
         let scale = elem::<T>(self.scale);
         let mut dx = vec![T::zero(); y.len()];
         dx.par_chunks_mut(width).zip(y.par_chunks(width).zip(g.par_chunks(width))).enumerate().for_each(|(r, (dx, (y, g)))| {
-            let n = self.visible(r, width);
-            let dot = (0..n).map(|j| g[j] * y[j]).sum::<T>();
-            for j in 0..n {
+            let (n, keep) = (self.visible(r, width), self.keeps(r, width));
+            let dot = (0..n).filter(|&j| keep(j)).map(|j| g[j] * y[j]).sum::<T>();
+            for j in (0..n).filter(|&j| keep(j)) {
                 dx[j] = scale * y[j] * (g[j] - dot);
             }
         });
@@ -1246,28 +1259,52 @@ impl CustomOp3 for LinearOp {
 /// with the causal mask if `causal` and dropout by `dropout = (key, p)`. One op: the scores and
 /// probabilities are rebuilt in backward (and the dropout mask drawn again from its key), so it
 /// keeps nothing but q, k and v, where the composed attention keeps three maps of (B, heads, T, T).
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, dropout: Option<(RngKey, f32)>) -> Result<Tensor> {
+/// `padding` (B, S), nonzero where a key may be attended to (Hugging Face's `attention_mask`),
+/// masks the padded keys for every query; a query with no key left gets zeros.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, padding: Option<&Tensor>, dropout: Option<(RngKey, f32)>) -> Result<Tensor> {
+    let (b, heads, t, _) = q.dims4()?;
+    let s = k.dim(2)?;
+    if let Some(m) = padding {
+        if m.dims() != [b, s] {
+            candle_core::bail!("attention: the padding mask must be (batch {b}, keys {s}), got {:?}", m.dims())
+        }
+    }
     if !fused(q) {
-        let p = softmax_last_dim(&q.matmul(&k.t()?)?, scale, causal)?;
+        let scores = q.matmul(&k.t()?)?;
+        let scores = match padding {
+            Some(m) => {
+                let keep = m.ne(0.0)?.reshape((b, 1, 1, s))?.broadcast_as(scores.shape())?;
+                let neg_inf = Tensor::new(f32::NEG_INFINITY, q.device())?.to_dtype(scores.dtype())?.broadcast_as(scores.shape())?;
+                keep.where_cond(&scores, &neg_inf)?
+            }
+            None => scores,
+        };
+        let p = softmax_last_dim(&scores, scale, causal)?;
         let p = match dropout {
             Some((key, rate)) => self::dropout(&p, key, rate)?,
             None => p,
         };
         return p.matmul(v);
     }
+    let padding = match padding {
+        Some(m) => Some((std::sync::Arc::new(m.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(|v| v != 0.0).collect()), heads * t)),
+        None => None,
+    };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.to_dtype(q.dtype())?.contiguous()?);
-    q.apply_op3(&k, &v, AttentionOp { scale, causal, dropout })
+    q.apply_op3(&k, &v, AttentionOp { scale, causal, padding, dropout })
 }
 
 struct AttentionOp {
     scale: f64,
     causal: bool,
+    /// Which keys each batch element may attend to, and the rows per batch element.
+    padding: Option<(std::sync::Arc<Vec<bool>>, usize)>,
     dropout: Option<(RngKey, f32)>,
 }
 
 impl AttentionOp {
     fn softmax(&self, t: usize) -> SoftmaxOp {
-        SoftmaxOp { scale: self.scale, causal: self.causal, rows_per_block: t }
+        SoftmaxOp { scale: self.scale, causal: self.causal, rows_per_block: t, padding: self.padding.clone() }
     }
 
     /// The probabilities (B, heads, T, T), flat, of detached q and k.

@@ -58,9 +58,11 @@ fn dropout_key(p: f32, ctx: &StageCtx) -> Result<Option<remat::rng::RngKey>> {
 }
 
 /// Scaled dot-product attention of q, k, v (B, heads, T, d) with dropout `p` on the attention
-/// probabilities, its mask keyed like [`dropout`]'s ([`fused::attention`]).
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, p: f32, ctx: &StageCtx) -> Result<Tensor> {
-    fused::attention(q, k, v, scale, causal, dropout_key(p, ctx)?.map(|key| (key, p)))
+/// probabilities, its mask keyed like [`dropout`]'s, and an optional key padding mask (B, T)
+/// ([`fused::attention`]).
+#[allow(clippy::too_many_arguments)]
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, padding: Option<&Tensor>, p: f32, ctx: &StageCtx) -> Result<Tensor> {
+    fused::attention(q, k, v, scale, causal, padding, dropout_key(p, ctx)?.map(|key| (key, p)))
 }
 
 #[cfg(test)]

@@ -94,6 +94,47 @@ fn conv3d_input_and_weight() -> Result<()> {
     Ok(())
 }
 
+/// conv2d (the fused 3D kernel at depth 1), the ResNet geometries: the 7x7/2 stem, 3x3 and a
+/// strided 1x1, on odd and even sides; and against candle's own conv2d.
+#[test]
+fn conv2d_input_and_weight() -> Result<()> {
+    let cases = [([1, 3, 9, 9], [2, 3, 7, 7], 3, 2), ([2, 2, 5, 6], [3, 2, 3, 3], 1, 1), ([1, 4, 6, 6], [2, 4, 1, 1], 0, 2)];
+    for (xs, ws, pad, stride) in cases {
+        let (x, w) = (normal("x", &xs, 0.0, 1.0)?, normal("w", &ws, 0.0, 1.0)?);
+        check_gradients(&format!("conv2d {xs:?} {ws:?}"), &[("x", &x), ("w", &w)], || layers::conv2d(x.as_tensor(), w.as_tensor(), pad, stride))?;
+        let diff = (layers::conv2d(x.as_tensor(), w.as_tensor(), pad, stride)? - x.as_tensor().conv2d(w.as_tensor(), pad, stride, 1, 1)?)?;
+        assert!(diff.abs()?.max_all()?.to_scalar::<f64>()? < 1e-12, "conv2d {xs:?} {ws:?} differs from candle's");
+    }
+    Ok(())
+}
+
+/// The fused embedding's table gradient (ids repeat, so rows add up) and its rows.
+#[test]
+fn embedding_table() -> Result<()> {
+    let table = normal("table", &[7, 4], 0.0, 1.0)?;
+    let ids = Tensor::from_vec(vec![3u32, 0, 3, 6, 1, 3], (2, 3), &Device::Cpu)?;
+    check_gradients("embedding", &[("table", &table)], || fused::embedding(table.as_tensor(), &ids))?;
+    let composed = table.as_tensor().index_select(&ids.flatten_all()?, 0)?.reshape((2, 3, 4))?;
+    assert_eq!(fused::embedding(table.as_tensor(), &ids)?.flatten_all()?.to_vec1::<f64>()?, composed.flatten_all()?.to_vec1::<f64>()?);
+    assert!(fused::embedding(table.as_tensor(), &Tensor::new(&[7u32], &Device::Cpu)?).is_err(), "an id outside the table must fail");
+    Ok(())
+}
+
+/// BatchNorm + residual add + ReLU (a ResNet block's end): input, residual, weight and bias.
+#[test]
+fn batch_norm_add_relu() -> Result<()> {
+    let mut params = ParamStore::new(&Device::Cpu, DType::F64, 0);
+    let bn = BatchNorm::new(&mut params, "bn", 3)?;
+    let named = randomised(&params)?;
+    let (x, r) = (normal("x", &[2, 3, 4, 5], -1.0, 3.0)?, normal("r", &[2, 3, 4, 5], 0.0, 1.0)?);
+    let mut vars = refs(&named);
+    vars.extend([("x", &x), ("r", &r)]);
+    let ctx = StageCtx::new(0, 0, 0, 0, true, true);
+    let pre = (bn.forward(x.as_tensor(), &ctx)? + r.as_tensor())?.flatten_all()?.to_vec1::<f64>()?;
+    assert!(pre.iter().all(|v| v.abs() > 1e-4), "an input sits on the ReLU's kink");
+    check_gradients("fused BatchNorm + add + ReLU", &vars, || bn.forward_add_relu(x.as_tensor(), r.as_tensor(), &ctx))
+}
+
 #[test]
 fn transposed_conv3d_input_and_weight() -> Result<()> {
     let (x, w, b) = (normal("x", &[2, 3, 1, 3, 2], 0.0, 1.0)?, normal("w", &[3, 2, 2, 2, 2], 0.0, 1.0)?, normal("b", &[2], 0.0, 1.0)?);
@@ -284,8 +325,25 @@ fn fused_ops_are_deterministic_across_thread_counts() -> Result<()> {
             let h = fused::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)?;
             let p = fused::softmax_last_dim(&h.reshape((3, 100, 64))?, 0.5, false)?.reshape((300, 64))?;
             let loss = fused::cross_entropy(&(p * 10.0)?, &targets, None)?;
+            // The matrix-product ops (gemm split over the threads), max-pool, BatchNorm + add +
+            // ReLU and the embedding, on a small image batch.
+            let img = Var::from_tensor(&normal("img", &[2, 3, 17, 17], 0.0, 1.0)?.as_tensor().to_dtype(DType::F32)?)?;
+            let k = Var::from_tensor(&normal("k", &[8, 3, 3, 3], 0.0, 0.5)?.as_tensor().to_dtype(DType::F32)?)?;
+            let table = Var::from_tensor(&normal("table", &[11, 9], 0.0, 1.0)?.as_tensor().to_dtype(DType::F32)?)?;
+            let y = layers::conv2d(img.as_tensor(), k.as_tensor(), 1, 2)?; // (2, 8, 9, 9)
+            let mut params = ParamStore::new(&Device::Cpu, DType::F32, 0);
+            let bn = BatchNorm::new(&mut params, "bn", 8)?;
+            let y = bn.forward_add_relu(&y, &(&y * 0.5)?, &StageCtx::new(0, 0, 0, 0, true, true))?;
+            let y = max_pool2d_k3s2p1(&y)?.flatten_all()?.reshape((2, 200))?.narrow(1, 0, 99)?.reshape((22, 9))?;
+            let ids = Tensor::from_vec((0..22u32).map(|i| (i * 7) % 11).collect(), 22, &Device::Cpu)?;
+            let e = fused::embedding(table.as_tensor(), &ids)?;
+            let z = fused::linear(&(y * e)?, table.as_tensor(), None, true)?.sqr()?.sum_all()?;
+            let loss = (loss + z)?;
             let grads = loss.backward()?;
             [loss, grads.get(&x).unwrap().clone(), grads.get(&w).unwrap().clone(), grads.get(&b).unwrap().clone()]
+                .into_iter()
+                .chain([&img, &k, &table].map(|v| grads.get(v).unwrap().clone()))
+                .collect::<Vec<_>>()
                 .iter()
                 .map(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect()))
                 .collect()
@@ -351,10 +409,44 @@ fn fused_linear_both_weight_layouts() -> Result<()> {
 fn fused_attention_queries_keys_and_values() -> Result<()> {
     let (q, k, v) = (normal("q", &[2, 2, 5, 3], 0.0, 1.0)?, normal("k", &[2, 2, 5, 3], 0.0, 1.0)?, normal("v", &[2, 2, 5, 3], 0.0, 1.0)?);
     let vars = [("q", &q), ("k", &k), ("v", &v)];
-    check_gradients("attention", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, false, None))?;
-    check_gradients("causal attention", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, true, None))?;
+    check_gradients("attention", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, false, None, None))?;
+    check_gradients("causal attention", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, true, None, None))?;
     let key = RngKey::named(6, "attention");
-    check_gradients("causal attention, dropout", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, true, Some((key, 0.3))))
+    check_gradients("causal attention, dropout", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, true, None, Some((key, 0.3))))?;
+    // Key padding: the first sequence keeps 3 of its 5 keys, the second all of them.
+    let padding = Tensor::new(&[[1u32, 1, 0, 1, 0], [1, 1, 1, 1, 1]], &Device::Cpu)?;
+    check_gradients("attention, key padding", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, false, Some(&padding), None))?;
+    check_gradients("causal attention, key padding, dropout", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, true, Some(&padding), Some((key, 0.3))))
+}
+
+/// A padded key changes nothing: not the output, and it gets no gradient.
+#[test]
+fn padded_keys_are_ignored() -> Result<()> {
+    let (q, k, v) = (normal("q", &[2, 2, 5, 3], 0.0, 1.0)?, normal("k", &[2, 2, 5, 3], 0.0, 1.0)?, normal("v", &[2, 2, 5, 3], 0.0, 1.0)?);
+    let padding = Tensor::new(&[[1u32, 1, 0, 1, 0], [1, 1, 1, 1, 0]], &Device::Cpu)?;
+    let y = fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, false, Some(&padding), None)?;
+    // Other values at the padded positions (key 2 and 4 of the first sequence, 4 of the second).
+    let noise = (normal("noise", &[2, 2, 5, 3], 0.0, 5.0)?.as_tensor() * padding.to_dtype(DType::F64)?.neg()?.affine(1.0, 1.0)?.reshape((2, 1, 5, 1))?.broadcast_as((2, 2, 5, 3))?)?;
+    let y2 = fused::attention(q.as_tensor(), &(k.as_tensor() + &noise)?, &(v.as_tensor() + &noise)?, 0.6, false, Some(&padding), None)?;
+    assert_eq!(y.flatten_all()?.to_vec1::<f64>()?, y2.flatten_all()?.to_vec1::<f64>()?);
+    let grads = y.sum_all()?.backward()?;
+    for var in [&k, &v] {
+        let g = grads.get(var).unwrap().flatten_all()?.to_vec1::<f64>()?; // (2, 2, 5, 3)
+        let g4 = |b: usize, h: usize, s: usize| g[((b * 2 + h) * 5 + s) * 3..((b * 2 + h) * 5 + s + 1) * 3].to_vec();
+        for h in 0..2 {
+            assert!(g4(0, h, 2).iter().chain(&g4(0, h, 4)).chain(&g4(1, h, 4)).all(|&x| x == 0.0), "a padded key got a gradient");
+        }
+    }
+    // The composed fallback masks the same keys.
+    let composed = {
+        let keep = padding.ne(0.0)?.reshape((2, 1, 1, 5))?.broadcast_as((2, 2, 5, 5))?;
+        let s = q.as_tensor().matmul(&k.as_tensor().t()?)?;
+        let s = keep.where_cond(&s, &Tensor::new(f64::NEG_INFINITY, &Device::Cpu)?.broadcast_as((2, 2, 5, 5))?)?;
+        candle_nn::ops::softmax(&(s * 0.6)?, candle_core::D::Minus1)?.matmul(v.as_tensor())?
+    };
+    let diff = (y - composed)?.abs()?.max_all()?.to_scalar::<f64>()?;
+    assert!(diff < 1e-12, "fused and composed padded attention differ by {diff}");
+    Ok(())
 }
 
 /// The fused attention against softmax, dropout and two matrix products composed, forward and
@@ -364,7 +456,7 @@ fn fused_attention_agrees_with_the_composed_ops() -> Result<()> {
     let to32 = |v: &Var| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?);
     let (q, k, v) = (to32(&normal("q", &[2, 3, 16, 8], 0.0, 1.0)?)?, to32(&normal("k", &[2, 3, 16, 8], 0.0, 1.0)?)?, to32(&normal("v", &[2, 3, 16, 8], 0.0, 1.0)?)?);
     let key = RngKey::named(7, "attention");
-    let fused_y = fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.35, true, Some((key, 0.2)))?;
+    let fused_y = fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.35, true, None, Some((key, 0.2)))?;
     let p = fused::softmax_last_dim(&q.as_tensor().matmul(&k.as_tensor().t()?)?, 0.35, true)?;
     let composed_y = fused::dropout(&p, key, 0.2)?.matmul(v.as_tensor())?;
     let r = Tensor::from_vec(RngKey::named(8, "r").normal(fused_y.elem_count(), 0.0, 1.0), fused_y.shape(), &Device::Cpu)?;
