@@ -72,7 +72,9 @@ pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u
     if segments.is_empty() {
         return failed("our run recorded no segments".into());
     }
-    let out = Command::new(python)
+    let mut cmd = Command::new(python);
+    crate::die_with_parent(&mut cmd);
+    let out = cmd
         .arg(script())
         .args(["--model", &ours.model, "--policy", &ours.policy, "--segments", &segments.join(",")])
         .args(["--batch", &ours.batch.to_string(), "--input-size", &input_size.to_string()])

@@ -137,6 +137,9 @@ fn parse_size(s: &str) -> Result<u64, String> {
         "gb" => 1_000_000_000,
         _ => return Err(format!("unknown unit `{unit}` in `{s}`; use B, KiB, MiB, GiB, KB, MB or GB")),
     };
+    if !(n > 0.0) || !n.is_finite() {
+        return Err(format!("`{s}` is not a positive size"));
+    }
     Ok((n * mult as f64) as u64)
 }
 
@@ -158,8 +161,8 @@ fn main() -> Result<()> {
 
 fn run_one(model: &str, policy: &Policy, time_only: bool, common: &Common) -> Result<()> {
     let dev = trainkit::device(&common.device)?;
-    // Held until the process ends: the device memory beyond the cap.
-    let _held = match common.memory_cap {
+    // Held while the configuration is measured: the device memory beyond the cap.
+    let held = match common.memory_cap {
         Some(cap) => hold_beyond(&dev, cap)?,
         None => None,
     };
@@ -169,7 +172,13 @@ fn run_one(model: &str, policy: &Policy, time_only: bool, common: &Common) -> Re
         .find(|w| w.model == model)
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .resized(common.batch, common.input_size);
-    let rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device, !common.no_rng_replay, !time_only)?;
+    let mut rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device)?;
+    // The cap is for the measured configuration only: the check builds two more models.
+    drop(held);
+    remat::memory::set_heap_cap(u64::MAX);
+    if !time_only {
+        measure::check(&mut rec, &w, policy, common.seed, &dev, !common.no_rng_replay)?;
+    }
     println!("{}", serde_json::to_string(&rec)?);
     Ok(())
 }
@@ -194,7 +203,8 @@ fn selftest(device_name: &str) -> Result<()> {
     let peak = counter.peak().saturating_sub(base);
     anyhow::ensure!(peak > 0, "the memory meter saw no allocation");
     let w = workloads::profile("smoke")?.into_iter().find(|w| w.model == "gpt2-tiny").context("gpt2-tiny in smoke")?;
-    let rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name, true, true)?;
+    let mut rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name)?;
+    measure::check(&mut rec, &w, &Policy::Sqrt, 0, &dev, true)?;
     anyhow::ensure!(rec.grads_bit_identical, "gpt2-tiny sqrt: {} gradient elements differ from plain candle", rec.grads_differing);
     let report = serde_json::json!({
         "device": device_name, "matmul": matmul, "conv2d_input_grad_sum": g, "meter_peak_bytes": peak,
@@ -262,9 +272,37 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         .flat_map(|w| w.policies().into_iter().map(move |p| (w.clone(), p)))
         .filter(|(_, p)| args.policies.is_empty() || args.policies.contains(p))
         .collect();
+    if configs.is_empty() {
+        bail!("--models {:?} with --policies {:?} selects no configuration of profile `{profile}` (before-downsample applies to ResNet and U-Net only)", args.models, args.policies);
+    }
     let dir = args.out.clone().unwrap_or_else(|| PathBuf::from(format!("results/{profile}-{}", common.device.replace(':', ""))));
-    let mut matrix = Matrix::load(&dir)?.unwrap_or_default();
+    let mut matrix = match Matrix::load(&dir) {
+        Ok(m) => m.unwrap_or_default(),
+        // An unreadable file (a run killed mid-write before writes became atomic, a hand edit)
+        // must not block a fresh run: --force sets it aside.
+        Err(e) if args.force => {
+            let aside = dir.join("matrix.json.unreadable");
+            std::fs::rename(dir.join("matrix.json"), &aside)?;
+            eprintln!("{e:#}; moved to {} and starting afresh", aside.display());
+            Matrix::default()
+        }
+        Err(e) => return Err(e.context("rerun with --force to set it aside and start afresh")),
+    };
+    let mismatched = other_configurations(&matrix, &workloads, common, &profile);
+    if !mismatched.is_empty() {
+        if !args.force {
+            bail!(
+                "{} holds results of another configuration ({}); a resume would mix them: use another --out, or --force to replace them",
+                dir.display(),
+                mismatched.join("; ")
+            );
+        }
+        let keep = |model: &str| workloads.iter().all(|w| w.model != model) && matrix.meta.profile == profile;
+        matrix.records.retain(|r| keep(&r.model));
+        matrix.baselines.retain(|b| keep(&b.model));
+    }
     let mut ran_any = false;
+    let mut statuses: Vec<(String, String)> = Vec::new();
     let python = match &args.baseline {
         Some(_) => match baseline::available(&args.python) {
             Ok(()) => Some(args.python.as_str()),
@@ -296,6 +334,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
             bar.set_message(format!("{} {policy}", w.model));
             let rec = spawn_one(w, policy, common, &profile, false);
             bar.suspend(|| eprintln!("{}", summary(&rec, matrix.find(&w.model, "off"))));
+            statuses.push((format!("{} {policy}", w.model), rec.status.clone()));
             matrix.put(rec);
             if !ran_models.iter().any(|m| m.model == w.model) {
                 ran_models.push(w);
@@ -322,7 +361,49 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     bar.finish_and_clear();
     matrix.save(&dir)?;
     eprintln!("results in {}", dir.display());
+    // An `oom` is a result; an error is not, and neither is a run where every configuration ran out.
+    let failed: Vec<&str> = statuses.iter().filter(|(_, s)| s == "error").map(|(c, _)| c.as_str()).collect();
+    if !failed.is_empty() {
+        bail!("{} of {} configurations failed: {}", failed.len(), statuses.len(), failed.join(", "));
+    }
+    if !statuses.is_empty() && statuses.iter().all(|(_, s)| s == "oom") {
+        bail!("every configuration ran out of memory");
+    }
     Ok(())
+}
+
+/// What in the results folder was measured under another configuration than this run's (profile,
+/// or a model's batch, input, device, threads or timed steps): a description of each, empty if all
+/// match. Records are matched by model and policy, so mixing them would compare unlike runs.
+fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common, profile: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    if !matrix.records.is_empty() && matrix.meta.profile != profile {
+        out.push(format!("profile `{}`, this run `{profile}`", matrix.meta.profile));
+    }
+    let threads = candle_core::utils::get_num_threads();
+    for r in &matrix.records {
+        let Some(w) = workloads.iter().find(|w| w.model == r.model) else { continue };
+        let mut diff = Vec::new();
+        if r.batch != w.batch {
+            diff.push(format!("batch {} vs {}", r.batch, w.batch));
+        }
+        if r.input != w.input() {
+            diff.push(format!("input {} vs {}", r.input, w.input()));
+        }
+        if r.device != common.device {
+            diff.push(format!("device {} vs {}", r.device, common.device));
+        }
+        if r.threads != threads {
+            diff.push(format!("threads {} vs {threads}", r.threads));
+        }
+        if r.status == "ok" && r.timed_steps != common.steps {
+            diff.push(format!("timed steps {} vs {}", r.timed_steps, common.steps));
+        }
+        if !diff.is_empty() {
+            out.push(format!("{} {}: {}", r.model, r.policy, diff.join(", ")));
+        }
+    }
+    out
 }
 
 /// Times every policy of `w` again, `rounds` times interleaved (off, p1, p2, ..., off, p1, ...),
@@ -392,6 +473,7 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time
     if time_only {
         cmd.arg("--time-only");
     }
+    die_with_parent(&mut cmd);
     let failed = |status: &str, error: String| Record { status: status.into(), error, ..Record::new(w, policy, &common.device) };
     let out = match cmd.output() {
         Ok(out) => out,
@@ -405,7 +487,11 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time
     }
     let stderr = String::from_utf8_lossy(&out.stderr);
     let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim().to_string();
-    let oom_line = stderr.lines().find(|l| ["memory allocation of", "out of memory", "OUT_OF_MEMORY"].iter().any(|s| l.contains(s)));
+    // Our allocator names the phase of a refused allocation; otherwise the runtime's line.
+    let oom_line = stderr
+        .lines()
+        .find(|l| l.starts_with(remat::memory::CAP_REFUSAL))
+        .or_else(|| stderr.lines().find(|l| ["memory allocation of", "out of memory", "OUT_OF_MEMORY"].iter().any(|s| l.contains(s))));
     #[cfg(unix)]
     let killed = std::os::unix::process::ExitStatusExt::signal(&out.status) == Some(9);
     #[cfg(not(unix))]
@@ -415,6 +501,31 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time
         (None, true) => failed("oom", "killed by SIGKILL (the kernel's OOM killer?)".into()),
         _ => failed("error", if last.is_empty() { format!("exited with {}", out.status) } else { last }),
     }
+}
+
+/// Makes the child get SIGKILL when the harness dies, however it dies (`kill -9` included), so a
+/// child never runs on (or holds a GPU) without it. Linux's parent-death signal; elsewhere nothing.
+pub fn die_with_parent(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        let parent = std::process::id();
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The parent may have died before the call: then nobody would send the signal.
+                if libc::getppid() as u32 != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
 }
 
 fn summary(r: &Record, off: Option<&Record>) -> String {
@@ -439,7 +550,9 @@ fn summary(r: &Record, off: Option<&Record>) -> String {
 fn meta(profile: &str) -> Meta {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string());
-    let git = |args: &[&str]| Command::new("git").args(args).output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    // The project's own repository, wherever the harness runs from.
+    let project = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let git = |args: &[&str]| Command::new("git").arg("-C").arg(project).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
     let commit = git(&["rev-parse", "--short", "HEAD"]).filter(|c| !c.is_empty()).unwrap_or_else(|| "unknown".into());
     let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
     Meta {

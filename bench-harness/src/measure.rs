@@ -6,7 +6,7 @@ use crate::workloads::Workload;
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device};
 use std::collections::BTreeMap;
-use remat::memory::{Counter, Event, Meter};
+use remat::memory::{set_activity, Activity, Counter, Event, Meter};
 use remat::{Executor, Policy};
 use serde::{Deserialize, Serialize};
 
@@ -55,6 +55,9 @@ pub struct Record {
     pub max_abs_diff: f64,
     /// Parameters whose gradient is missing or all zero.
     pub params_without_grad: usize,
+    /// How many parameters the model has (what the gradient check expects gradients for).
+    #[serde(skip)]
+    pub n_params: usize,
     /// `ok`, `oom` or `error`.
     pub status: String,
     pub error: String,
@@ -101,14 +104,14 @@ impl Record {
     }
 }
 
-/// Measures `policy` on `w`, then (with `check`) checks it against plain candle. `replay_rng:
-/// false` makes the check's recomputes draw fresh dropout keys (see `--no-rng-replay`): it exists
-/// only to show the check can fail.
-pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str, replay_rng: bool, check: bool) -> Result<Record> {
+/// Measures `policy` on `w`: a warm-up step, then `steps` timed steps (the record's status is
+/// `ok`, its gradient fields still empty: see [`check`]).
+pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str) -> Result<Record> {
     let mut rec = Record::new(w, policy, device_name);
     let counter = Counter::for_device(device);
     counter.synchronize();
     let base = counter.current();
+    set_activity(Activity::Build, None);
     let inst = w.build(device, seed)?;
     let mut optimizer_step = inst.optimizer()?;
     let exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
@@ -120,6 +123,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         let meter = Meter::start(device);
         let out = exec.step(&inputs, step)?;
         let fwd_bwd_peak = meter.peak_so_far();
+        set_activity(Activity::Optimizer, None);
         optimizer_step(&out.grads)?;
         drop(out.grads);
         let usage = meter.finish();
@@ -139,28 +143,28 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         }
     }
     rec.reserved_bytes = counter.reserved();
-    let n_params = inst.store().vars().len();
-    // Free the model before the gradient check builds two more.
-    drop(optimizer_step);
-    drop(exec);
-    drop(inst);
+    rec.n_params = inst.store().vars().len();
     times.sort_by(f64::total_cmp);
     rec.timed_steps = times.len();
     rec.step_ms_median = times[times.len() / 2];
     rec.step_ms_min = times[0];
     rec.step_ms_max = times[times.len() - 1];
-    if !check {
-        rec.status = "ok".into();
-        return Ok(rec);
-    }
+    rec.status = "ok".into();
+    Ok(rec)
+}
 
-    let check = gradcheck(w, policy, seed, device, n_params, replay_rng)?;
+/// Checks `policy` on `w` against plain candle and fills the record's gradient fields (run it
+/// after [`run`], once the model is freed and any memory cap lifted: the check builds two more
+/// models). `replay_rng: false` makes the check's recomputes draw fresh dropout keys (see
+/// `--no-rng-replay`): it exists only to show the check can fail.
+pub fn check(rec: &mut Record, w: &Workload, policy: &Policy, seed: u64, device: &Device, replay_rng: bool) -> Result<()> {
+    set_activity(Activity::GradCheck, None);
+    let check = gradcheck(w, policy, seed, device, rec.n_params, replay_rng)?;
     rec.grads_bit_identical = check.differing == 0;
     rec.grads_differing = check.differing;
     rec.max_abs_diff = check.max_abs_diff;
     rec.params_without_grad = check.without_grad;
-    rec.status = "ok".into();
-    Ok(rec)
+    Ok(())
 }
 
 struct GradCheck {

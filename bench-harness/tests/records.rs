@@ -3,7 +3,7 @@
 //! matrix.json.
 
 mod common;
-use common::{out_dir, record, records, smoke};
+use common::{harness, out_dir, record, records, smoke};
 use serde_json::Value;
 
 #[test]
@@ -95,7 +95,9 @@ fn every_csv_column_is_written_and_parses_to_the_json_value() {
     // A recorded gradient mismatch (non-zero differing, max_abs_diff) and a failed configuration
     // (status, error text) beside ordinary figures.
     smoke(&dir, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--no-rng-replay"]);
-    smoke(&dir, &["--matrix", "models", "--models", "bert-tiny", "--policies", "off", "--memory-cap", "2MiB"]);
+    // Every configuration of this run out of memory: recorded, and the harness exits non-zero.
+    let out = harness(&["--profile", "smoke", "--steps", "1", "--out", dir.to_str().unwrap(), "--matrix", "models", "--models", "bert-tiny", "--policies", "off", "--memory-cap", "2MiB"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("every configuration ran out of memory"));
     let recs = records(&dir);
     assert_eq!(recs.len(), 2);
     assert_eq!(recs[1]["status"], "oom", "{}", recs[1]);

@@ -24,7 +24,7 @@
 //! need three copies of its gradient at once.
 
 use crate::graph::{StageGraph, ValueId};
-use crate::memory::{Phase, Timeline};
+use crate::memory::{set_activity, Activity, Phase, Timeline};
 use crate::policy::Policy;
 use crate::stage::StageCtx;
 use crate::{Error, Result};
@@ -192,6 +192,7 @@ impl<'g> Executor<'g> {
                     }
                 }
                 if let Some(root) = root {
+                    set_activity(Activity::Backward, Some(i));
                     let mut grads = root.backward()?;
                     for p in &self.params {
                         if let Some(g) = grads.remove(p.as_tensor()) {
@@ -281,6 +282,7 @@ impl<'g> Executor<'g> {
                 }
             }
             let ctx = StageCtx::new(self.seed, step, i, pass, recompute && self.tell_recompute, true);
+            set_activity(if recompute { Activity::Recompute } else { Activity::Forward }, Some(i));
             let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
             let outputs = node.stage.forward(&inputs, &ctx).map_err(stage_err)?;
             drop(inputs);

@@ -48,8 +48,66 @@ pub fn set_heap_cap(bytes: u64) {
     CAP.store(bytes, Ordering::Relaxed);
 }
 
+/// What the process is doing, for the message of an allocation the heap cap refuses: set by the
+/// executor per stage and by callers around model building, the optimizer and checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Activity {
+    Setup,
+    Build,
+    Forward,
+    Recompute,
+    Backward,
+    Optimizer,
+    GradCheck,
+}
+
+impl Activity {
+    pub fn name(self) -> &'static str {
+        ["setup", "model build", "forward", "recompute", "backward", "optimizer", "gradient check"][self as usize]
+    }
+}
+
+static ACTIVITY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(Activity::Setup as u8);
+/// The stage the activity is at, or `u64::MAX` for none.
+static ACTIVITY_STAGE: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// Records what the process does from now on (see [`Activity`]).
+pub fn set_activity(activity: Activity, stage: Option<usize>) {
+    ACTIVITY.store(activity as u8, Ordering::Relaxed);
+    ACTIVITY_STAGE.store(stage.map_or(u64::MAX, |s| s as u64), Ordering::Relaxed);
+}
+
+/// The first line of an allocation the cap refuses, which callers parse: it starts with this.
+pub const CAP_REFUSAL: &str = "heap cap: refused";
+
 fn over_cap(n: usize) -> bool {
-    CURRENT.load(Ordering::Relaxed).saturating_add(n as u64) > CAP.load(Ordering::Relaxed)
+    let (live, cap) = (CURRENT.load(Ordering::Relaxed), CAP.load(Ordering::Relaxed));
+    let over = live.saturating_add(n as u64) > cap;
+    if over {
+        tell_refusal(n, live, cap);
+    }
+    over
+}
+
+/// Writes to stderr, without allocating (the allocator is the caller), which allocation the cap
+/// refused and during what: "heap cap: refused 32768 bytes during backward (stage 3); 6291456 of
+/// 6291456 bytes live".
+fn tell_refusal(n: usize, live: u64, cap: u64) {
+    use std::io::Write;
+    let mut buf = [0u8; 200];
+    let mut cur = std::io::Cursor::new(&mut buf[..]);
+    let activity = [Activity::Setup, Activity::Build, Activity::Forward, Activity::Recompute, Activity::Backward, Activity::Optimizer, Activity::GradCheck]
+        .get(ACTIVITY.load(Ordering::Relaxed) as usize)
+        .map_or("?", |a| a.name());
+    let _ = write!(cur, "{CAP_REFUSAL} {n} bytes during {activity}");
+    let stage = ACTIVITY_STAGE.load(Ordering::Relaxed);
+    if stage != u64::MAX {
+        let _ = write!(cur, " (stage {stage})");
+    }
+    let _ = writeln!(cur, "; {live} of {cap} bytes live");
+    let len = cur.position() as usize;
+    let _ = std::io::stderr().lock().write_all(&buf[..len]);
 }
 
 /// mimalloc's `mi_option_purge_delay` (15 in mimalloc 2 and 3): -1 never purges.

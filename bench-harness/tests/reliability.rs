@@ -1,0 +1,134 @@
+//! The harness under hostile conditions: a memory cap that one policy fits and another does not,
+//! a `kill -9` in the middle of a run, a run from another directory, inputs that select nothing.
+//! Each of these failed before (the test says how).
+
+mod common;
+use common::{harness, out_dir, record, records};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A cap between `sqrt`'s peak and `off`'s: `sqrt` is recorded `ok` and `off` `oom` with the phase
+/// named. Before, the gradient check ran an `off` step inside the same capped process, so a
+/// fitting `sqrt` was recorded `oom` too, and the record said only "memory allocation of N bytes
+/// failed".
+#[test]
+fn a_cap_that_sqrt_fits_records_sqrt_ok_and_names_where_off_ran_out() {
+    let dir = out_dir("cap");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["--matrix", "models", "--profile", "smoke", "--models", "gpt2-tiny", "--policies", "off,sqrt", "--steps", "1", "--rounds", "0", "--force", "--out", dir.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        harness(&args)
+    };
+    assert!(run(&[]).status.success());
+    let (off, sqrt) = (record(&dir, "gpt2-tiny", "off"), record(&dir, "gpt2-tiny", "sqrt"));
+    let peak = |r: &serde_json::Value| r["step_peak_bytes"].as_u64().unwrap();
+    assert!(peak(&off) > peak(&sqrt) * 3 / 2, "off {} B, sqrt {} B: too close for the test", peak(&off), peak(&sqrt));
+    // The heap when a step starts (runtime, model, optimizer state), plus most of the way from
+    // sqrt's peak to off's.
+    let base = sqrt["timeline_base_bytes"].as_u64().unwrap();
+    let cap = base + peak(&sqrt) + (peak(&off) - peak(&sqrt)) * 3 / 5;
+    let out = run(&["--memory-cap", &cap.to_string()]);
+    assert!(out.status.success(), "one configuration fits, so the run succeeds: {}", String::from_utf8_lossy(&out.stderr));
+    let (off, sqrt) = (record(&dir, "gpt2-tiny", "off"), record(&dir, "gpt2-tiny", "sqrt"));
+    assert_eq!(sqrt["status"], "ok", "{sqrt}");
+    assert_eq!(sqrt["grads_bit_identical"], true, "the check runs uncapped, after the measurement");
+    assert_eq!(off["status"], "oom", "{off}");
+    let e = off["error"].as_str().unwrap();
+    assert!(e.starts_with("heap cap: refused") && (e.contains("during forward (stage") || e.contains("during backward (stage")), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The pids of the processes whose parent is `parent`, from /proc.
+fn children(parent: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return vec![] };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // Field 4 (after the parenthesised name) is the parent pid.
+            stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok()) == Some(parent)
+        })
+        .collect()
+}
+
+fn alive(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // A zombie (state Z) has exited; its parent, gone, can no longer reap it.
+    !stat.is_empty() && stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) != Some("Z")
+}
+
+/// `kill -9` of the harness takes its running child with it. Before, the `run-one` child ran on
+/// to completion (on a GPU it would hold the device).
+#[test]
+#[cfg(target_os = "linux")]
+fn a_killed_harness_leaves_no_child() {
+    let dir = out_dir("kill");
+    // A configuration that runs for seconds: the smoke GPT-2 at a long sequence, many steps.
+    let mut h = Command::new(env!("CARGO_BIN_EXE_bench-harness"))
+        .args(["--matrix", "models", "--profile", "smoke", "--models", "gpt2-tiny", "--policies", "off", "--steps", "500", "--input-size", "256"])
+        .args(["--out", dir.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let child = loop {
+        if let Some(&c) = children(h.id()).first() {
+            break c;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the harness started no child");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    h.kill().unwrap(); // SIGKILL
+    h.wait().unwrap();
+    let start = Instant::now();
+    while alive(child) {
+        assert!(start.elapsed() < Duration::from_secs(10), "child {child} outlived the killed harness");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The commit recorded is the project's, wherever the harness runs from. Before, it was read from
+/// the current directory's repository (a foreign commit, or none).
+#[test]
+fn the_recorded_commit_is_the_projects_from_any_directory() {
+    let project = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let head = Command::new("git").arg("-C").arg(&project).args(["rev-parse", "--short", "HEAD"]).output().unwrap();
+    if !head.status.success() {
+        return; // not a git checkout (a source tarball): nothing to compare against
+    }
+    let head = String::from_utf8_lossy(&head.stdout).trim().to_string();
+    let dir = out_dir("commit");
+    let elsewhere = std::env::temp_dir();
+    let out = Command::new(env!("CARGO_BIN_EXE_bench-harness"))
+        .current_dir(&elsewhere)
+        .args(["--matrix", "models", "--profile", "smoke", "--models", "gpt2-tiny", "--policies", "off", "--steps", "1", "--out", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let meta = common::matrix(&dir)["meta"]["git_commit"].as_str().unwrap().to_string();
+    assert!(meta.starts_with(&head), "recorded {meta}, the project is at {head}");
+    assert_eq!(records(&dir).len(), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Inputs that cannot mean anything fail with a message and a non-zero exit. Before, a cap of 0 or
+/// below was accepted, and a selection of nothing wrote an empty matrix and exited 0.
+#[test]
+fn caps_below_one_byte_and_empty_selections_fail() {
+    let dir = out_dir("nothing");
+    for (args, needle) in [
+        (vec!["--memory-cap", "0"], "not a positive size"),
+        (vec!["--memory-cap=-1GiB"], "not a positive size"),
+        (vec!["--profile", "smoke", "--models", "gpt2", "--policies", "before-downsample"], "selects no configuration"),
+    ] {
+        let mut args = args.clone();
+        args.extend(["--out", dir.to_str().unwrap()]);
+        let out = harness(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
+    }
+    assert!(!dir.join("matrix.json").exists(), "nothing ran, so nothing is written");
+}
