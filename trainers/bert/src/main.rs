@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use bert::{Bert, Config, MlmData};
 use candle_nn::Optimizer;
-use layers::{AdamW, ParamsAdamW};
+use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use clap::Parser;
 use datasets::text::WordVocab;
 use remat::memory::CountingAlloc;
@@ -99,12 +99,11 @@ fn main() -> Result<()> {
     );
 
     let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
-    for step in 0..args.steps {
+    let start = log.resume(model.params(), &mut opt)?;
+    for step in start..args.steps {
         let inputs = model.inputs(&data.batch(step as u64, args.batch), args.batch, args.seq, &device)?;
-        log.train_step(&exec, &inputs, step, |g| opt.step(g))?;
-        if let Some(path) = log.snapshot_due(step) {
-            model.save_snapshot(path)?;
-        }
+        log.train_step(&exec, &inputs, step, |g| opt.update(g))?;
+        log.save_if_due(step, model.params(), &opt, |p| Ok(model.save_snapshot(p)?))?;
     }
     log.finish();
     Ok(())

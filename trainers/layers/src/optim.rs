@@ -9,6 +9,7 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, InplaceOp3, Layout, Result, Tensor, Var};
+use std::collections::HashMap;
 pub use candle_nn::ParamsAdamW;
 use candle_nn::Optimizer;
 use rayon::prelude::*;
@@ -66,6 +67,29 @@ fn update_in_place(dst: &Tensor, a: &Tensor, b: &Tensor, name: &'static str, f: 
         dst.inplace_op3(&a.contiguous()?, &b.contiguous()?, &Elementwise { name, f })?;
     }
     Ok(lean)
+}
+
+/// An optimizer a training run can stop and resume bit for bit: an update, and its whole state
+/// as named tensors (moments, step count) to save and restore exactly.
+pub trait TrainOptimizer {
+    fn update(&mut self, grads: &GradStore) -> Result<()>;
+    /// The state, by name ("step", "m.3", ...: per parameter, in the order of the vars given).
+    fn state(&self) -> Result<HashMap<String, Tensor>>;
+    /// Restores what [`TrainOptimizer::state`] returned; a missing or misshapen entry is an error.
+    fn set_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()>;
+}
+
+/// `state[name]`, shaped like `like`, as a tensor of `like`'s dtype and device.
+fn restored(state: &HashMap<String, Tensor>, name: &str, like: &Tensor) -> Result<Tensor> {
+    let t = state.get(name).ok_or_else(|| candle_core::Error::Msg(format!("optimizer state `{name}` is missing")))?;
+    if t.dims() != like.dims() {
+        candle_core::bail!("optimizer state `{name}` is {:?}, the parameter {:?}", t.dims(), like.dims())
+    }
+    t.to_dtype(like.dtype())?.to_device(like.device())?.contiguous()?.copy()
+}
+
+fn step_count(state: &HashMap<String, Tensor>) -> Result<i64> {
+    state.get("step").ok_or_else(|| candle_core::Error::Msg("optimizer state `step` is missing".into()))?.to_scalar::<i64>()
 }
 
 /// AdamW as PyTorch's (single-tensor) implementation defines it: decoupled weight decay
@@ -132,6 +156,27 @@ impl Optimizer for AdamW {
     }
 }
 
+impl TrainOptimizer for AdamW {
+    fn update(&mut self, grads: &GradStore) -> Result<()> {
+        self.step(grads)
+    }
+
+    fn state(&self) -> Result<HashMap<String, Tensor>> {
+        let mut out: HashMap<String, Tensor> = self.vars.iter().enumerate().flat_map(|(i, s)| [(format!("m.{i}"), s.m.clone()), (format!("v.{i}"), s.v.clone())]).collect();
+        out.insert("step".into(), Tensor::new(self.step as i64, &candle_core::Device::Cpu)?);
+        Ok(out)
+    }
+
+    fn set_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
+        for (i, s) in self.vars.iter_mut().enumerate() {
+            s.m = restored(state, &format!("m.{i}"), &s.m)?;
+            s.v = restored(state, &format!("v.{i}"), &s.v)?;
+        }
+        self.step = step_count(state)? as i32;
+        Ok(())
+    }
+}
+
 /// SGD with momentum and weight decay, as PyTorch defines it (no dampening, no Nesterov):
 /// `v = momentum * v + (g + wd * p)`, `p -= lr * v`, the buffer starting at the first gradient.
 /// candle-nn's SGD has no momentum.
@@ -189,6 +234,28 @@ impl Optimizer for SgdMomentum {
 
     fn set_learning_rate(&mut self, lr: f64) {
         self.params.lr = lr;
+    }
+}
+
+impl TrainOptimizer for SgdMomentum {
+    fn update(&mut self, grads: &GradStore) -> Result<()> {
+        self.step(grads)
+    }
+
+    /// A parameter's momentum buffer exists once it has had a gradient (PyTorch's rule), so the
+    /// state holds only those.
+    fn state(&self) -> Result<HashMap<String, Tensor>> {
+        let mut out: HashMap<String, Tensor> = self.vars.iter().enumerate().filter_map(|(i, (_, v))| Some((format!("velocity.{i}"), v.clone()?))).collect();
+        out.insert("step".into(), Tensor::new(0i64, &candle_core::Device::Cpu)?);
+        Ok(out)
+    }
+
+    fn set_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
+        for (i, (var, velocity)) in self.vars.iter_mut().enumerate() {
+            let name = format!("velocity.{i}");
+            *velocity = if state.contains_key(&name) { Some(restored(state, &name, var.as_tensor())?) } else { None };
+        }
+        Ok(())
     }
 }
 

@@ -4,7 +4,7 @@ use anyhow::{bail, Result};
 use candle_nn::Optimizer;
 use clap::{Parser, ValueEnum};
 use datasets::images::{ImageFolder, SyntheticImages};
-use layers::{AdamW, ParamsAdamW, ParamsSgd, SgdMomentum};
+use layers::{AdamW, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use resnet::{Config, ResNet};
@@ -90,15 +90,9 @@ fn main() -> Result<()> {
     }
     let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let vars = model.params().vars();
-    let mut opt: Box<dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>> = match args.optimizer {
-        Opt::Sgd => {
-            let mut o = SgdMomentum::new(vars, ParamsSgd { lr: args.lr, ..Default::default() })?;
-            Box::new(move |g| o.step(g))
-        }
-        Opt::Adamw => {
-            let mut o = AdamW::new(vars, ParamsAdamW { lr: args.lr, ..Default::default() })?;
-            Box::new(move |g| o.step(g))
-        }
+    let mut opt: Box<dyn TrainOptimizer> = match args.optimizer {
+        Opt::Sgd => Box::new(SgdMomentum::new(vars, ParamsSgd { lr: args.lr, ..Default::default() })?),
+        Opt::Adamw => Box::new(AdamW::new(vars, ParamsAdamW { lr: args.lr, ..Default::default() })?),
     };
     eprintln!(
         "ResNet {} params, {} blocks, policy {} ({} segments), batch {} x {}x{}, {classes} classes",
@@ -112,13 +106,12 @@ fn main() -> Result<()> {
     );
 
     let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
-    for step in 0..args.steps {
+    let start = log.resume(model.params(), opt.as_mut())?;
+    for step in start..args.steps {
         let (images, labels) = data.batch(step as u64, args.batch)?;
         let inputs = model.inputs(&images, &labels, args.image_size, &device)?;
-        log.train_step(&exec, &inputs, step, &mut opt)?;
-        if let Some(path) = log.snapshot_due(step) {
-            model.save_snapshot(path)?;
-        }
+        log.train_step(&exec, &inputs, step, |g| opt.update(g))?;
+        log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
     }
     log.finish();
     Ok(())

@@ -39,9 +39,57 @@ pub struct RunArgs {
     /// Write the trained weights (and BatchNorm statistics) here as a safetensors snapshot.
     #[arg(long)]
     pub save: Option<std::path::PathBuf>,
-    /// Also write the snapshot every N steps, so an interrupted run keeps its progress.
+    /// Also write the snapshot every N steps, with a training snapshot beside it
+    /// (`<save>.train.safetensors`: weights, optimizer state, next step) that `--resume` continues.
     #[arg(long, requires = "save")]
     pub save_every: Option<usize>,
+    /// Continue an interrupted run from its training snapshot: the losses and final weights are
+    /// those of an uninterrupted run, bit for bit (same flags and --seed); --log-json appends.
+    #[arg(long)]
+    pub resume: Option<std::path::PathBuf>,
+}
+
+/// Where the training snapshot that goes with the weights snapshot `save` is written.
+pub fn training_snapshot_path(save: &Path) -> std::path::PathBuf {
+    save.with_extension("train.safetensors")
+}
+
+/// The tensor names of a training snapshot: the model's under their own names, the optimizer's
+/// and the run's under these prefixes.
+const OPTIMIZER: &str = "training.optimizer.";
+const NEXT_STEP: &str = "training.next_step";
+const SEED: &str = "training.seed";
+
+/// Writes a training snapshot: every parameter and buffer, the optimizer's state, the next step
+/// and the seed (the data and every random draw follow from the seed and the step). Written beside
+/// the target and renamed over it, so an interrupted write keeps the previous one.
+pub fn save_training(path: &Path, store: &layers::ParamStore, opt: &dyn layers::TrainOptimizer, next_step: usize, seed: u64) -> Result<()> {
+    let mut map: std::collections::HashMap<String, Tensor> =
+        store.named().chain(store.buffers()).map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
+    map.extend(opt.state()?.into_iter().map(|(k, v)| (format!("{OPTIMIZER}{k}"), v)));
+    map.insert(NEXT_STEP.into(), Tensor::new(next_step as i64, &Device::Cpu)?);
+    map.insert(SEED.into(), Tensor::new(seed as i64, &Device::Cpu)?);
+    let tmp = path.with_extension("partial");
+    candle_core::safetensors::save(&map, &tmp).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Loads a training snapshot into the model and the optimizer; returns the step to continue from.
+pub fn load_training(path: &Path, store: &layers::ParamStore, opt: &mut dyn layers::TrainOptimizer, seed: u64) -> Result<usize> {
+    let ctx = || format!("--resume {}", path.display());
+    let tensors = candle_core::safetensors::load(path, &Device::Cpu).with_context(ctx)?;
+    let scalar = |name: &str| -> Result<i64> {
+        let t = tensors.get(name).with_context(|| format!("{} is not a training snapshot (no `{name}`)", path.display()))?;
+        Ok(t.to_scalar::<i64>()?)
+    };
+    let (next, saved_seed) = (scalar(NEXT_STEP)?, scalar(SEED)?);
+    if saved_seed as u64 != seed {
+        bail!("{} was written with --seed {saved_seed}; resume with the same seed (this run has {seed})", path.display());
+    }
+    store.load(path, |n| (!n.starts_with("training.")).then(|| n.to_string())).with_context(ctx)?;
+    let state = tensors.iter().filter_map(|(k, v)| Some((k.strip_prefix(OPTIMIZER)?.to_string(), v.clone()))).collect();
+    opt.set_state(&state).with_context(ctx)?;
+    Ok(next as usize)
 }
 
 pub struct StepLog {
@@ -51,6 +99,8 @@ pub struct StepLog {
     steps: usize,
     save: Option<std::path::PathBuf>,
     save_every: Option<usize>,
+    resume: Option<std::path::PathBuf>,
+    seed: u64,
 }
 
 pub fn mib(bytes: u64) -> f64 {
@@ -62,16 +112,41 @@ impl StepLog {
     pub fn new(steps: usize, run: &RunArgs) -> Result<Self> {
         let bar = ProgressBar::new(steps as u64)
             .with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
+        // A resumed run appends to the log of the run it continues.
         let json = match &run.log_json {
-            Some(p) => Some(std::fs::File::create(p).with_context(|| format!("--log-json {}", p.display()))?),
+            Some(p) => Some(
+                std::fs::OpenOptions::new().create(true).write(true).append(run.resume.is_some()).truncate(run.resume.is_none()).open(p)
+                    .with_context(|| format!("--log-json {}", p.display()))?,
+            ),
             None => None,
         };
-        Ok(StepLog { bar, json, times: Vec::new(), steps, save: run.save.clone(), save_every: run.save_every })
+        Ok(StepLog { bar, json, times: Vec::new(), steps, save: run.save.clone(), save_every: run.save_every, resume: run.resume.clone(), seed: run.seed })
+    }
+
+    /// With `--resume`, loads its training snapshot into the model and the optimizer and returns
+    /// the step to continue from; 0 without.
+    pub fn resume(&mut self, store: &layers::ParamStore, opt: &mut dyn layers::TrainOptimizer) -> Result<usize> {
+        let Some(path) = &self.resume else { return Ok(0) };
+        let next = load_training(path, store, opt, self.seed)?;
+        if next > self.steps {
+            bail!("{} is at step {next}, beyond --steps {}", path.display(), self.steps);
+        }
+        self.bar.set_position(next as u64);
+        eprintln!("resumed from {} at step {next}", path.display());
+        Ok(next)
+    }
+
+    /// After `step` (0-based): writes the weights snapshot (with `save_weights`, the model's own
+    /// format) and the training snapshot when due: every `--save-every` steps and after the last.
+    pub fn save_if_due(&self, step: usize, store: &layers::ParamStore, opt: &dyn layers::TrainOptimizer, save_weights: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+        let Some(path) = self.snapshot_due(step) else { return Ok(()) };
+        save_weights(path)?;
+        save_training(&training_snapshot_path(path), store, opt, step + 1, self.seed)
     }
 
     /// Where to write a snapshot after `step` (0-based), if one is due: every `--save-every`
     /// steps and after the last.
-    pub fn snapshot_due(&self, step: usize) -> Option<&Path> {
+    fn snapshot_due(&self, step: usize) -> Option<&Path> {
         let done = step + 1;
         let due = done == self.steps || self.save_every.is_some_and(|n| n > 0 && done % n == 0);
         self.save.as_deref().filter(|_| due)
@@ -249,4 +324,30 @@ pub fn device(name: &str) -> Result<Device> {
         }
         other => bail!("unknown device `{other}`; valid devices: cpu, cuda, cuda:N"),
     }
+}
+
+/// Runs the trainer binary `bin` (with its model and size flags `args`) for 4 steps straight, and
+/// for 2 steps with a training snapshot followed by `--resume` to step 4: the per-step losses and
+/// the final weights snapshot must be the same bits. Before training snapshots, `--init` restarted
+/// at step 0 with fresh optimizer state and its losses differed from step 1 on.
+pub fn assert_resume_is_bit_identical(bin: &str, args: &[&str]) {
+    let dir = std::env::temp_dir().join(format!("resume-{}-{}", Path::new(bin).file_name().unwrap().to_string_lossy(), std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(bin).args(args).args(["--policy", "sqrt"]).args(extra).output().unwrap();
+        assert!(out.status.success(), "{bin} {args:?} {extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    run(&["--steps", "4", "--save", &path("straight.safetensors"), "--log-json", &path("straight.json")]);
+    run(&["--steps", "2", "--save", &path("cut.safetensors"), "--save-every", "2", "--log-json", &path("cut.json")]);
+    run(&["--steps", "4", "--save", &path("cut.safetensors"), "--resume", &path("cut.train.safetensors"), "--log-json", &path("cut.json")]);
+    let losses = |name: &str| read_losses(&dir.join(name)).unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(losses("straight.json").len(), 4);
+    assert_eq!(losses("cut.json"), losses("straight.json"), "losses of the resumed run");
+    let weights = |name: &str| -> std::collections::BTreeMap<String, Vec<u32>> {
+        candle_core::safetensors::load(dir.join(name), &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, layers::f32_bits(&t).unwrap())).collect()
+    };
+    assert_eq!(weights("cut.safetensors"), weights("straight.safetensors"), "final weights of the resumed run");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

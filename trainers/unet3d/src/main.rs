@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Result};
 use candle_nn::Optimizer;
-use layers::{AdamW, ParamsAdamW};
+use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use clap::{Parser, ValueEnum};
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
 use remat::memory::CountingAlloc;
@@ -97,7 +97,8 @@ fn main() -> Result<()> {
     );
 
     let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
-    for step in 0..args.steps {
+    let start = log.resume(model.params(), &mut opt)?;
+    for step in start..args.steps {
         let (voxels, labels) = match &data {
             Data::Synthetic(d) => d.batch(step as u64, args.batch),
             Data::Npy(d) => {
@@ -109,10 +110,8 @@ fn main() -> Result<()> {
             bail!("label {bad} is outside --classes {}", args.classes);
         }
         let inputs = model.inputs(&voxels, &labels, args.volume, &device)?;
-        log.train_step(&exec, &inputs, step, |g| opt.step(g))?;
-        if let Some(path) = log.snapshot_due(step) {
-            model.save_snapshot(path)?;
-        }
+        log.train_step(&exec, &inputs, step, |g| opt.update(g))?;
+        log.save_if_due(step, model.params(), &opt, |p| Ok(model.save_snapshot(p)?))?;
     }
     log.finish();
     Ok(())

@@ -1,0 +1,7 @@
+//! An interrupted run resumed from its training snapshot (`--save-every`, `--resume`) gives the
+//! losses and final weights of an uninterrupted one, bit for bit.
+
+#[test]
+fn a_resumed_run_is_bit_identical_to_an_uninterrupted_one() {
+    trainkit::assert_resume_is_bit_identical(env!("CARGO_BIN_EXE_train-resnet"), &["--preset", "tiny", "--batch", "2", "--image-size", "32"]);
+}
