@@ -210,7 +210,7 @@ fn selftest(device_name: &str) -> Result<()> {
         "device": device_name, "matmul": matmul, "conv2d_input_grad_sum": g, "meter_peak_bytes": peak,
         "reserved_bytes": counter.reserved(), "gpt2_tiny_sqrt_bit_identical": rec.grads_bit_identical,
     });
-    println!("{report}");
+    trainkit::show!("{report}");
     Ok(())
 }
 
@@ -256,7 +256,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         let dir = args.out.clone().unwrap_or_else(|| PathBuf::from(format!("results/{profile}-{}", common.device.replace(':', ""))));
         let matrix = Matrix::load(&dir)?.with_context(|| format!("{} has no matrix.json to render", dir.display()))?;
         matrix.save(&dir)?;
-        eprintln!("rendered {}", dir.display());
+        trainkit::say!("rendered {}", dir.display());
         return Ok(());
     }
     let workloads: Vec<Workload> = selected
@@ -283,7 +283,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         Err(e) if args.force => {
             let aside = dir.join("matrix.json.unreadable");
             std::fs::rename(dir.join("matrix.json"), &aside)?;
-            eprintln!("{e:#}; moved to {} and starting afresh", aside.display());
+            trainkit::say!("{e:#}; moved to {} and starting afresh", aside.display());
             Matrix::default()
         }
         Err(e) => return Err(e.context("rerun with --force to set it aside and start afresh")),
@@ -307,7 +307,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         Some(_) => match baseline::available(&args.python) {
             Ok(()) => Some(args.python.as_str()),
             Err(why) => {
-                eprintln!("no PyTorch baseline: {why}; going on without it");
+                trainkit::say!("no PyTorch baseline: {why}; going on without it");
                 None
             }
         },
@@ -333,7 +333,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         if args.force || !have {
             bar.set_message(format!("{} {policy}", w.model));
             let rec = spawn_one(w, policy, common, &profile, false);
-            bar.suspend(|| eprintln!("{}", summary(&rec, matrix.find(&w.model, "off"))));
+            bar.suspend(|| trainkit::say!("{}", summary(&rec, matrix.find(&w.model, "off"))));
             statuses.push((format!("{} {policy}", w.model), rec.status.clone()));
             matrix.put(rec);
             if !ran_models.iter().any(|m| m.model == w.model) {
@@ -344,7 +344,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
             if baseline::MODELS.contains(&w.model.as_str()) {
                 bar.set_message(format!("{} {policy} in PyTorch", w.model));
                 let b = baseline::run(python, ours, w.input_size(), common.steps, common.seed);
-                bar.suspend(|| eprintln!("{}", baseline_summary(&b, ours)));
+                bar.suspend(|| trainkit::say!("{}", baseline_summary(&b, ours)));
                 matrix.put_baseline(b);
             }
         }
@@ -360,7 +360,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     matrix.save(&dir)?;
-    eprintln!("results in {}", dir.display());
+    trainkit::say!("results in {}", dir.display());
     // An `oom` is a result; an error is not, and neither is a run where every configuration ran out.
     let failed: Vec<&str> = statuses.iter().filter(|(_, s)| s == "error").map(|(c, _)| c.as_str()).collect();
     if !failed.is_empty() {

@@ -55,6 +55,7 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    trainkit::check_lr(args.lr)?;
     if args.batch == 0 || args.steps == 0 {
         bail!("--batch and --steps must be at least 1");
     }
@@ -87,7 +88,7 @@ fn main() -> Result<()> {
     }
     let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
-    eprintln!(
+    trainkit::say!(
         "BERT {} params, {} layers, policy {} ({} segments), batch {} x seq {}, vocabulary {}",
         model.params().count(),
         model.config.num_hidden_layers,

@@ -108,6 +108,14 @@ impl Config {
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
+        for (name, v) in [("vocab_size", self.vocab_size), ("n_positions", self.n_positions), ("n_layer", self.n_layer)] {
+            if v == 0 {
+                return Err(format!("{name} must be at least 1"));
+            }
+        }
+        if !(self.layer_norm_epsilon.is_finite() && self.layer_norm_epsilon > 0.0) {
+            return Err(format!("layer_norm_epsilon must be a positive number, got {}", self.layer_norm_epsilon));
+        }
         if self.n_head == 0 || self.n_embd % self.n_head != 0 {
             return Err(format!("n_embd ({}) must be a positive multiple of n_head ({})", self.n_embd, self.n_head));
         }

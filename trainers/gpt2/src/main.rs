@@ -46,6 +46,7 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    trainkit::check_lr(args.lr)?;
     let config = match &args.config {
         Some(path) => Config::from_json(path).map_err(anyhow::Error::msg)?,
         None => args.preset.config(),
@@ -69,7 +70,7 @@ fn main() -> Result<()> {
     }
     let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
-    eprintln!(
+    trainkit::say!(
         "GPT-2 {} params, {} layers, policy {} ({} segments), batch {} x seq {}",
         model.params().count(),
         model.config.n_layer,

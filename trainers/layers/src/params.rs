@@ -74,9 +74,7 @@ impl ParamStore {
     pub fn save(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
         let io = |source| SnapshotError::Io { path: path.display().to_string(), source };
         let map: HashMap<String, Tensor> = self.all().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
-        let tmp = path.with_extension("safetensors.partial");
-        candle_core::safetensors::save(&map, &tmp).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(|e| io(e.into()))
+        write_atomically(path, |tmp| candle_core::safetensors::save(&map, tmp)).map_err(io)
     }
 
     /// Loads every parameter and buffer from a safetensors snapshot. `rename` maps a file's tensor
@@ -100,6 +98,23 @@ impl ParamStore {
         }
         Ok(())
     }
+}
+
+/// Writes a file through `write` to a temporary beside `path`, then renames it over `path`: an
+/// interrupted write keeps the previous file, and a failed one leaves no temporary behind. The
+/// file is readable by all (0644), as files written by other tools are.
+pub fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let tmp = path.with_extension("partial");
+    let done = write(&tmp).and_then(|()| {
+        #[cfg(unix)]
+        std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+        std::fs::rename(&tmp, path)?;
+        Ok(())
+    });
+    if done.is_err() {
+        std::fs::remove_file(&tmp).ok();
+    }
+    done
 }
 
 /// Bit patterns of a tensor's values as f32: what "bit for bit" compares.

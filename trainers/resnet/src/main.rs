@@ -69,6 +69,10 @@ impl Data {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    trainkit::check_lr(args.lr)?;
+    if args.classes == 0 {
+        bail!("--classes must be at least 1");
+    }
     if args.batch == 0 || args.steps == 0 {
         bail!("--batch and --steps must be at least 1");
     }
@@ -94,7 +98,7 @@ fn main() -> Result<()> {
         Opt::Sgd => Box::new(SgdMomentum::new(vars, ParamsSgd { lr: args.lr, ..Default::default() })?),
         Opt::Adamw => Box::new(AdamW::new(vars, ParamsAdamW { lr: args.lr, ..Default::default() })?),
     };
-    eprintln!(
+    trainkit::say!(
         "ResNet {} params, {} blocks, policy {} ({} segments), batch {} x {}x{}, {classes} classes",
         model.params().count(),
         model.graph().blocks().len(),

@@ -15,6 +15,56 @@ use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::Path;
 
+/// Writes one line to stderr (or stdout), ending the process quietly with exit 0 when the reader
+/// has closed the pipe (`train-gpt2 ... 2>&1 | head -2`), where `eprintln!` would panic.
+pub fn say_line(stdout: bool, args: std::fmt::Arguments) {
+    let result = if stdout {
+        let mut out = std::io::stdout().lock();
+        out.write_fmt(args).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush())
+    } else {
+        let mut err = std::io::stderr().lock();
+        err.write_fmt(args).and_then(|_| err.write_all(b"\n"))
+    };
+    if let Err(e) = result {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+    }
+}
+
+/// `eprintln!` that ends quietly on a closed pipe ([`say_line`]).
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => { $crate::say_line(false, format_args!($($arg)*)) };
+}
+
+/// `println!` that ends quietly on a closed pipe ([`say_line`]).
+#[macro_export]
+macro_rules! show {
+    ($($arg:tt)*) => { $crate::say_line(true, format_args!($($arg)*)) };
+}
+
+/// A learning rate must be a positive finite number: NaN or infinity would train to garbage
+/// without a word.
+pub fn check_lr(lr: f64) -> Result<()> {
+    if !(lr.is_finite() && lr > 0.0) {
+        bail!("--lr {lr} is not a positive finite number");
+    }
+    Ok(())
+}
+
+/// Fails now, before any training, if `path` (given with `flag`) cannot be written: a directory,
+/// a missing folder, no permission. Before, a bad `--save` failed after the last step.
+fn check_writable(path: &Path, flag: &str) -> Result<()> {
+    if path.is_dir() {
+        bail!("{flag} {} is a directory; give a file name", path.display());
+    }
+    let probe = path.with_extension("probe");
+    std::fs::File::create(&probe).with_context(|| format!("{flag} {}: cannot write there", path.display()))?;
+    std::fs::remove_file(&probe).ok();
+    Ok(())
+}
+
 #[derive(Serialize, Deserialize)]
 struct StepRecord {
     step: usize,
@@ -69,9 +119,7 @@ pub fn save_training(path: &Path, store: &layers::ParamStore, opt: &dyn layers::
     map.extend(opt.state()?.into_iter().map(|(k, v)| (format!("{OPTIMIZER}{k}"), v)));
     map.insert(NEXT_STEP.into(), Tensor::new(next_step as i64, &Device::Cpu)?);
     map.insert(SEED.into(), Tensor::new(seed as i64, &Device::Cpu)?);
-    let tmp = path.with_extension("partial");
-    candle_core::safetensors::save(&map, &tmp).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+    layers::write_atomically(path, |tmp| candle_core::safetensors::save(&map, tmp)).with_context(|| format!("writing {}", path.display()))
 }
 
 /// Loads a training snapshot into the model and the optimizer; returns the step to continue from.
@@ -112,6 +160,9 @@ impl StepLog {
     pub fn new(steps: usize, run: &RunArgs) -> Result<Self> {
         let bar = ProgressBar::new(steps as u64)
             .with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
+        if let Some(save) = &run.save {
+            check_writable(save, "--save")?;
+        }
         // A resumed run appends to the log of the run it continues.
         let json = match &run.log_json {
             Some(p) => Some(
@@ -132,7 +183,7 @@ impl StepLog {
             bail!("{} is at step {next}, beyond --steps {}", path.display(), self.steps);
         }
         self.bar.set_position(next as u64);
-        eprintln!("resumed from {} at step {next}", path.display());
+        say!("resumed from {} at step {next}", path.display());
         Ok(next)
     }
 
@@ -168,6 +219,9 @@ impl StepLog {
         let usage = meter.finish();
         let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         self.log(step, loss, &usage)?;
+        if !loss.is_finite() {
+            bail!("step {step}: the loss is {loss}; training cannot go on (a lower --lr may help)");
+        }
         Ok(loss)
     }
 
@@ -176,7 +230,7 @@ impl StepLog {
         let rss = usage.rss_peak_delta.map_or("n/a".into(), |b| format!("{:.1} MiB", mib(b)));
         // `suspend` prints whether or not the bar is drawn (it is hidden when stderr is no terminal).
         self.bar.suspend(|| {
-            eprintln!("step {step:>4}  loss {loss:.4}  {:>8.1} ms  peak +{:.1} MiB (rss +{rss})", usage.elapsed_ms, mib(usage.heap_peak_delta))
+            say!("step {step:>4}  loss {loss:.4}  {:>8.1} ms  peak +{:.1} MiB (rss +{rss})", usage.elapsed_ms, mib(usage.heap_peak_delta))
         });
         self.bar.set_message(format!("loss {loss:.3}"));
         self.bar.inc(1);
@@ -202,10 +256,10 @@ impl StepLog {
         if self.times.len() > 1 {
             let mut t = self.times[1..].to_vec();
             t.sort_by(f64::total_cmp);
-            eprintln!("median step time after warm-up: {:.1} ms", t[t.len() / 2]);
+            say!("median step time after warm-up: {:.1} ms", t[t.len() / 2]);
         }
         if let Some(path) = &self.save {
-            eprintln!("saved snapshot to {}", path.display());
+            say!("saved snapshot to {}", path.display());
         }
     }
 }

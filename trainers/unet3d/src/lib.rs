@@ -75,7 +75,13 @@ impl ConvNormRelu {
         let name = format!("{prefix}.norm{i}");
         let norm = match cfg.norm {
             Norm::Batch => NormLayer::Batch(BatchNorm::new(params, &name, c_out)?),
-            Norm::Group(g) => NormLayer::Group(GroupNorm::new(params, &name, c_out, g.min(c_out))?),
+            Norm::Group(g) => {
+                // Clamping would train another model than the one asked for.
+                if g == 0 || c_out % g != 0 {
+                    candle_core::bail!("{g} GroupNorm groups do not divide the {c_out} channels of `{prefix}` (every level's channels must be a multiple)")
+                }
+                NormLayer::Group(GroupNorm::new(params, &name, c_out, g)?)
+            }
         };
         Ok(ConvNormRelu { weight, norm })
     }

@@ -59,6 +59,10 @@ enum Data {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    trainkit::check_lr(args.lr)?;
+    if args.classes == 0 {
+        bail!("--classes must be at least 1");
+    }
     if args.batch == 0 || args.steps == 0 {
         bail!("--batch and --steps must be at least 1");
     }
@@ -87,7 +91,7 @@ fn main() -> Result<()> {
     let model = UNet3d::new(config, &device, args.run.seed)?;
     let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
-    eprintln!(
+    trainkit::say!(
         "3D U-Net {} params, policy {} ({} segments), batch {} x {}^3",
         model.params().count(),
         args.policy,
