@@ -70,6 +70,8 @@ fn main() -> Result<()> {
     if args.seq > config.max_position_embeddings {
         bail!("--seq {} exceeds the model's max_position_embeddings ({})", args.seq, config.max_position_embeddings);
     }
+    let hidden = (args.batch as u128).checked_mul(args.seq as u128).and_then(|n| n.checked_mul(config.hidden_size as u128));
+    trainkit::check_footprint("--batch x --seq", "one layer's hidden states", hidden)?;
     let data = match &args.data {
         Some(path) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("--data {}", path.display()))?;

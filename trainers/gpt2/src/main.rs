@@ -57,6 +57,8 @@ fn main() -> Result<()> {
     if args.batch == 0 || args.steps == 0 {
         bail!("--batch and --steps must be at least 1");
     }
+    let logits = (args.batch as u128).checked_mul(args.seq as u128).and_then(|n| n.checked_mul(config.vocab_size as u128));
+    trainkit::check_footprint("--batch x --seq", "the logits", logits)?;
     let tokens = match &args.data {
         Some(path) => datasets::tokens::load_u16(path)?,
         None => datasets::text::byte_tokens(&datasets::text::synthetic_corpus(args.run.seed, 1 << 20)),

@@ -70,3 +70,13 @@ fn a_bad_config_names_its_field() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Sizes this machine cannot hold are refused before anything is allocated, naming the flags and
+/// the bytes. Before, `--batch 18446744073709551615` panicked with `capacity overflow` and
+/// `--batch 100000000000` aborted with `memory allocation of ... bytes failed`.
+#[test]
+fn impossible_sizes_name_the_flags() {
+    for batch in ["18446744073709551615", "100000000000"] {
+        fails_saying(&["--batch", batch, "--steps", "1"], "--batch x --seq: the logits alone needs");
+    }
+}

@@ -76,6 +76,8 @@ fn main() -> Result<()> {
     if args.batch == 0 || args.steps == 0 {
         bail!("--batch and --steps must be at least 1");
     }
+    let images = (args.batch as u128).checked_mul(3).and_then(|n| n.checked_mul((args.image_size as u128).checked_pow(2)?));
+    trainkit::check_footprint("--batch x --image-size", "the input images", images)?;
     if args.image_size < 32 {
         bail!("--image-size {} is too small: ResNet downsamples 32x, use at least 32", args.image_size);
     }

@@ -53,6 +53,25 @@ pub fn check_lr(lr: f64) -> Result<()> {
     Ok(())
 }
 
+/// Refuses sizes whose `what` alone (a tensor every step must hold, computed by the caller with
+/// checked arithmetic: `None` for an overflow) needs more than this machine's available memory
+/// (MemAvailable + SwapFree): the error names `flags` and the bytes, where the run would abort
+/// inside an allocation. A lower bound of the step's need, so a run that passes can still run out.
+pub fn check_footprint(flags: &str, what: &str, elements: Option<u128>) -> Result<()> {
+    let Some(bytes) = elements.and_then(|n| n.checked_mul(4)) else {
+        bail!("{flags}: {what} would have more elements than this machine can address");
+    };
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let kib = |field: &str| meminfo.lines().find_map(|l| l.strip_prefix(field)?.trim().trim_end_matches("kB").trim().parse::<u128>().ok());
+    if let (Some(avail), Some(swap)) = (kib("MemAvailable:"), kib("SwapFree:")) {
+        let have = (avail + swap) * 1024;
+        if bytes > have {
+            bail!("{flags}: {what} alone needs {:.1} GiB (f32); this machine has {:.1} GiB available", bytes as f64 / 2f64.powi(30), have as f64 / 2f64.powi(30));
+        }
+    }
+    Ok(())
+}
+
 /// Fails now, before any training, if `path` (given with `flag`) cannot be written: a directory,
 /// a missing folder, no permission. Before, a bad `--save` failed after the last step.
 fn check_writable(path: &Path, flag: &str) -> Result<()> {

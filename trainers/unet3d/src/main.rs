@@ -66,6 +66,8 @@ fn main() -> Result<()> {
     if args.batch == 0 || args.steps == 0 {
         bail!("--batch and --steps must be at least 1");
     }
+    let volumes = (args.batch as u128).checked_mul((args.volume as u128).checked_pow(3).unwrap_or(u128::MAX));
+    trainkit::check_footprint("--batch x --volume", "the input volumes", volumes)?;
     let (data, in_channels) = match &args.data {
         Some(root) => {
             let volumes = NpyVolumes::open(root, args.run.seed)?;
