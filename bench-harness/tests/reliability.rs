@@ -132,3 +132,20 @@ fn caps_below_one_byte_and_empty_selections_fail() {
     }
     assert!(!dir.join("matrix.json").exists(), "nothing ran, so nothing is written");
 }
+
+/// A truncated matrix.json no longer blocks a fresh run: `--force` sets it aside. Before, even
+/// `--force` failed on it.
+#[test]
+fn force_sets_an_unreadable_matrix_aside() {
+    let dir = out_dir("truncated");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("matrix.json"), "{\"meta\": {\"machine\": \"x").unwrap();
+    let args = ["--matrix", "models", "--profile", "smoke", "--models", "gpt2-tiny", "--policies", "off", "--steps", "1", "--out", dir.to_str().unwrap()];
+    let out = harness(&args);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--force"), "without --force it says what to do");
+    let out = harness(&[&args[..], &["--force"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(dir.join("matrix.json.unreadable").exists());
+    assert_eq!(records(&dir).len(), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -422,5 +422,11 @@ pub fn assert_resume_is_bit_identical(bin: &str, args: &[&str]) {
         candle_core::safetensors::load(dir.join(name), &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, layers::f32_bits(&t).unwrap())).collect()
     };
     assert_eq!(weights("cut.safetensors"), weights("straight.safetensors"), "final weights of the resumed run");
+    // Snapshots are readable by all, as other tools write files (they were 0600).
+    #[cfg(unix)]
+    for name in ["cut.safetensors", "cut.train.safetensors"] {
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(dir.join(name)).unwrap().permissions().mode() & 0o777, 0o644, "{name}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
