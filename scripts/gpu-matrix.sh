@@ -4,7 +4,7 @@
 #   scripts/gpu-matrix.sh OUTDIR [BINARY.gz]      (default binary: gpu-ship/bench-harness.gz)
 #
 # Prepare on a CPU machine (the binary is ignored by git, shipped with the device tool's `carry`):
-#   ../shared/gpu/build-cuda.sh --release -p bench-harness --features cuda
+#   scripts/build-cuda.sh --release -p bench-harness --features cuda
 #   mkdir -p gpu-ship && strip -o gpu-ship/bench-harness target/release/bench-harness && gzip -f gpu-ship/bench-harness
 # Budget: the self-test takes seconds; the matrix is cut off after MATRIX_SECONDS (default 420)
 # and whatever finished is kept (the harness saves after every configuration and resumes).
@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 BIN=/tmp/bench-harness
 gzip -dc "$BIN_GZ" > "$BIN" && chmod +x "$BIN"
 
-# The CUDA 13 libraries: the toolkit's and those of PyTorch's nvidia-* wheels (as ../shared/gpu/run-on-gpu.sh).
+# The CUDA 13 libraries: the toolkit's and those of the nvidia-* wheels of an installed PyTorch.
 LIBS=$( { echo /usr/local/cuda/lib64/; python3 -c 'import site;[print(p+"/nvidia/") for p in site.getsitepackages()]' 2>/dev/null; } |
   xargs -r -I{} find {} -maxdepth 3 \( -name libcublas.so.13 -o -name libcublasLt.so.13 -o -name libcurand.so.10 \
     -o -name libnvrtc.so.13 -o -name libcudnn.so.9 -o -name libnccl.so.2 \) -printf '%h\n' 2>/dev/null | awk '!s[$0]++' | paste -sd: || true)
