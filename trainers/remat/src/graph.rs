@@ -43,6 +43,19 @@ impl StageGraph {
         Ok(outputs)
     }
 
+    /// A chain: `blocks` one after the other on graph input 0 (the batch), then `loss` on the last
+    /// block's output and graph input 1 (the targets), whose output is the graph's loss.
+    pub fn chain(blocks: Vec<Box<dyn Stage>>, loss: impl Stage + 'static) -> Result<Self> {
+        let mut graph = StageGraph::new(2);
+        let mut x = 0;
+        for block in blocks {
+            x = graph.then(block, x)?;
+        }
+        let out = graph.add(loss, &[x, 1], 1)?[0];
+        graph.set_output(out);
+        Ok(graph)
+    }
+
     /// Appends a stage with one input and one output.
     pub fn then(&mut self, stage: impl Stage + 'static, input: ValueId) -> Result<ValueId> {
         Ok(self.add(stage, &[input], 1)?[0])

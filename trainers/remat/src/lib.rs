@@ -20,7 +20,7 @@ pub mod stage;
 pub use exec::{Executor, StepOutput};
 pub use graph::{StageGraph, ValueId};
 pub use policy::{Policy, PolicyError};
-pub use stage::{Stage, StageCtx, StageKind};
+pub use stage::{from_fn, module, Stage, StageCtx, StageKind};
 
 /// Errors of the checkpointing engine.
 #[derive(Debug, thiserror::Error)]

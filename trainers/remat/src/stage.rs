@@ -79,15 +79,71 @@ impl StageCtx {
     }
 }
 
-/// Lets a model keep typed handles to its stages while the graph owns them too.
-impl<S: Stage + ?Sized> Stage for std::sync::Arc<S> {
+/// A stage behind a pointer is a stage: `Arc` lets a model keep typed handles to its stages while
+/// the graph owns them too; `Box<dyn Stage>` lets a list of different stages become a chain.
+macro_rules! forward_stage {
+    ($ptr:ident) => {
+        impl<S: Stage + ?Sized> Stage for $ptr<S> {
+            fn name(&self) -> String {
+                (**self).name()
+            }
+            fn kind(&self) -> StageKind {
+                (**self).kind()
+            }
+            fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> candle_core::Result<Vec<Tensor>> {
+                (**self).forward(inputs, ctx)
+            }
+        }
+    };
+}
+use std::sync::Arc;
+forward_stage!(Arc);
+forward_stage!(Box);
+
+/// A candle [`Module`](candle_core::Module) as a block stage, in one line: `remat::module("fc1",
+/// layer)`. The module must be deterministic (no dropout of its own: use [`from_fn`] with the
+/// keys of `ctx` for that).
+pub fn module<M: candle_core::Module + 'static>(name: &str, m: M) -> impl Stage {
+    Module { name: name.to_string(), m }
+}
+
+struct Module<M> {
+    name: String,
+    m: M,
+}
+
+impl<M: candle_core::Module> Stage for Module<M> {
     fn name(&self) -> String {
-        (**self).name()
+        self.name.clone()
+    }
+    fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> candle_core::Result<Vec<Tensor>> {
+        Ok(vec![self.m.forward(&inputs[0])?])
+    }
+}
+
+/// A closure of the stage's inputs and context as a stage of `kind`: `remat::from_fn("head",
+/// StageKind::Other, |x, ctx| ...)`. Random draws must come from `ctx.next_key()`.
+pub fn from_fn<F>(name: &str, kind: StageKind, f: F) -> impl Stage
+where
+    F: Fn(&[Tensor], &StageCtx) -> candle_core::Result<Tensor> + 'static,
+{
+    FnStage { name: name.to_string(), kind, f }
+}
+
+struct FnStage<F> {
+    name: String,
+    kind: StageKind,
+    f: F,
+}
+
+impl<F: Fn(&[Tensor], &StageCtx) -> candle_core::Result<Tensor>> Stage for FnStage<F> {
+    fn name(&self) -> String {
+        self.name.clone()
     }
     fn kind(&self) -> StageKind {
-        (**self).kind()
+        self.kind
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> candle_core::Result<Vec<Tensor>> {
-        (**self).forward(inputs, ctx)
+        Ok(vec![(self.f)(inputs, ctx)?])
     }
 }
