@@ -137,7 +137,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
         "gb" => 1_000_000_000,
         _ => return Err(format!("unknown unit `{unit}` in `{s}`; use B, KiB, MiB, GiB, KB, MB or GB")),
     };
-    if !(n > 0.0) || !n.is_finite() {
+    if n.is_nan() || n <= 0.0 || !n.is_finite() {
         return Err(format!("`{s}` is not a positive size"));
     }
     Ok((n * mult as f64) as u64)

@@ -62,7 +62,7 @@ pub fn all(dir: &Path, m: &Matrix, fits: &[(String, f64)]) -> Result<()> {
     Ok(())
 }
 
-fn panels<'a, DB: DrawingBackend>(root: &'a DrawingArea<DB, Shift>, n: usize) -> Vec<DrawingArea<DB, Shift>> {
+fn panels<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, n: usize) -> Vec<DrawingArea<DB, Shift>> {
     root.split_evenly((n.div_ceil(2).max(1), 2))
 }
 

@@ -213,12 +213,15 @@ impl Workload {
     }
 }
 
+/// A step's graph inputs from the model and the step number.
+type InputsFn<M> = Box<dyn Fn(&M, u64) -> Result<Vec<Tensor>>>;
+
 /// A model with its data and optimizer: what every kind of model becomes.
 struct Built<M> {
     model: M,
     graph: fn(&M) -> &StageGraph,
     store: fn(&M) -> &ParamStore,
-    inputs: Box<dyn Fn(&M, u64) -> Result<Vec<Tensor>>>,
+    inputs: InputsFn<M>,
     optimizer: fn(&ParamStore) -> Result<OptimizerStep>,
 }
 

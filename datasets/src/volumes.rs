@@ -112,8 +112,8 @@ impl NpyVolumes {
     /// Reads volume `i`.
     pub fn read(&self, i: usize) -> Result<Volume, VolumeError> {
         let (image, label) = &self.pairs[i];
-        let (shape, voxels) = read_npy(image, |n| n.as_f32())?;
-        let (label_shape, labels) = read_npy(label, |n| n.as_u32())?;
+        let (shape, voxels) = read_npy(image, |n| n.into_f32())?;
+        let (label_shape, labels) = read_npy(label, |n| n.into_u32())?;
         if shape.len() != 4 || label_shape != shape[1..] {
             let why = format!("image shape {shape:?} (C, D, H, W) does not match label shape {label_shape:?} (D, H, W)");
             return Err(VolumeError::File { path: image.display().to_string(), why });
@@ -121,8 +121,8 @@ impl NpyVolumes {
         Ok(Volume { shape, voxels, labels })
     }
 
-    /// `n` random volumes of `step`, which must all have the same shape.
-    pub fn batch(&self, step: u64, n: usize) -> Result<(Vec<usize>, Vec<f32>, Vec<u32>), VolumeError> {
+    /// `n` random volumes of `step`, which must all have the same shape: (shape, voxels, labels).
+    pub fn batch(&self, step: u64, n: usize) -> Result<VolumeBatch, VolumeError> {
         let mut rng = SplitMix::new(self.seed ^ step.wrapping_mul(0xC2B2_AE3D_27D4_EB4F));
         let (mut shape, mut voxels, mut labels) = (None, Vec::new(), Vec::new());
         for _ in 0..n {
@@ -139,6 +139,9 @@ impl NpyVolumes {
     }
 }
 
+/// A batch of volumes: the shape of one (C, D, H, W), the voxels and the labels, concatenated.
+pub type VolumeBatch = (Vec<usize>, Vec<f32>, Vec<u32>);
+
 /// Numbers of any NumPy dtype we accept, converted on read.
 enum Numbers {
     F32(Vec<f32>),
@@ -149,7 +152,7 @@ enum Numbers {
 }
 
 impl Numbers {
-    fn as_f32(self) -> Option<Vec<f32>> {
+    fn into_f32(self) -> Option<Vec<f32>> {
         match self {
             Numbers::F32(v) => Some(v),
             Numbers::F64(v) => Some(v.into_iter().map(|x| x as f32).collect()),
@@ -157,7 +160,7 @@ impl Numbers {
         }
     }
 
-    fn as_u32(self) -> Option<Vec<u32>> {
+    fn into_u32(self) -> Option<Vec<u32>> {
         let ok = |v: Vec<i64>| v.into_iter().map(|x| u32::try_from(x).ok()).collect();
         match self {
             Numbers::I64(v) => ok(v),

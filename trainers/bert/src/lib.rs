@@ -90,7 +90,7 @@ impl Config {
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 {
+        if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(format!(
                 "hidden_size ({}) must be a positive multiple of num_attention_heads ({})",
                 self.hidden_size, self.num_attention_heads
@@ -337,7 +337,7 @@ impl Bert {
     /// MLM logits (B*T, V) in evaluation mode (no dropout).
     pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
         let ctx = StageCtx::eval();
-        let mut x = self.embeddings.forward(&[ids.clone()], &ctx)?.remove(0);
+        let mut x = self.embeddings.forward(std::slice::from_ref(ids), &ctx)?.remove(0);
         for l in &self.layers {
             x = l.forward(&[x], &ctx)?.remove(0);
         }

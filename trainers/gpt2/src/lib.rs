@@ -116,7 +116,7 @@ impl Config {
         if !(self.layer_norm_epsilon.is_finite() && self.layer_norm_epsilon > 0.0) {
             return Err(format!("layer_norm_epsilon must be a positive number, got {}", self.layer_norm_epsilon));
         }
-        if self.n_head == 0 || self.n_embd % self.n_head != 0 {
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return Err(format!("n_embd ({}) must be a positive multiple of n_head ({})", self.n_embd, self.n_head));
         }
         for (name, p) in [("embd_pdrop", self.embd_pdrop), ("attn_pdrop", self.attn_pdrop), ("resid_pdrop", self.resid_pdrop)] {
@@ -312,7 +312,7 @@ impl Gpt2 {
     /// Logits (B, T, V) for ids (B, T), in evaluation mode (no dropout).
     pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
         let ctx = StageCtx::eval();
-        let mut x = self.embed.forward(&[ids.clone()], &ctx)?.remove(0);
+        let mut x = self.embed.forward(std::slice::from_ref(ids), &ctx)?.remove(0);
         for b in &self.blocks {
             x = b.forward(&[x], &ctx)?.remove(0);
         }

@@ -481,10 +481,11 @@ impl BatchNormOp {
             .map(|ch| {
                 let (mut db, mut dw) = (0f64, 0f64);
                 for bi in 0..n {
-                    for i in (bi * c + ch) * s..(bi * c + ch + 1) * s {
-                        let gi = grad(i);
+                    let at = (bi * c + ch) * s;
+                    for (i, &xi) in x[at..at + s].iter().enumerate() {
+                        let gi = grad(at + i);
                         db += gi;
-                        dw += gi * (wide(x[i]) - self.mean[ch]) * self.rstd[ch];
+                        dw += gi * (wide(xi) - self.mean[ch]) * self.rstd[ch];
                     }
                 }
                 (db, dw)

@@ -100,8 +100,8 @@ impl<'g> Executor<'g> {
                 }
             }
         }
-        for v in graph.n_inputs()..graph.n_values() {
-            let (Some(p), Some(l)) = (seg_of_value(v), last_consumer[v]) else { continue };
+        for (v, &last) in last_consumer.iter().enumerate().skip(graph.n_inputs()) {
+            let (Some(p), Some(l)) = (seg_of_value(v), last) else { continue };
             if l > p {
                 segments[p].outputs.push(v);
             }

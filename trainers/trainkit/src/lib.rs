@@ -218,7 +218,7 @@ impl StepLog {
     /// steps and after the last.
     fn snapshot_due(&self, step: usize) -> Option<&Path> {
         let done = step + 1;
-        let due = done == self.steps || self.save_every.is_some_and(|n| n > 0 && done % n == 0);
+        let due = done == self.steps || self.save_every.is_some_and(|n| n > 0 && done.is_multiple_of(n));
         self.save.as_deref().filter(|_| due)
     }
 

@@ -77,7 +77,7 @@ impl ConvNormRelu {
             Norm::Batch => NormLayer::Batch(BatchNorm::new(params, &name, c_out)?),
             Norm::Group(g) => {
                 // Clamping would train another model than the one asked for.
-                if g == 0 || c_out % g != 0 {
+                if g == 0 || !c_out.is_multiple_of(g) {
                     candle_core::bail!("{g} GroupNorm groups do not divide the {c_out} channels of `{prefix}` (every level's channels must be a multiple)")
                 }
                 NormLayer::Group(GroupNorm::new(params, &name, c_out, g)?)
@@ -285,7 +285,7 @@ impl UNet3d {
     /// 2^levels (every pool halves it).
     pub fn inputs(&self, voxels: &[f32], labels: &[u32], side: usize, device: &Device) -> Result<Vec<Tensor>> {
         let div = 1 << self.config.levels;
-        if side == 0 || side % div != 0 {
+        if side == 0 || !side.is_multiple_of(div) {
             candle_core::bail!("volume side {side} must be a positive multiple of {div} (2^levels)")
         }
         let n = labels.len() / (side * side * side);
