@@ -273,7 +273,11 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         .filter(|(_, p)| args.policies.is_empty() || args.policies.contains(p))
         .collect();
     if configs.is_empty() {
-        bail!("--models {:?} with --policies {:?} selects no configuration of profile `{profile}` (before-downsample applies to ResNet and U-Net only)", args.models, args.policies);
+        bail!(
+            "--models {:?} with --policies {:?} selects no configuration of profile `{profile}` (before-downsample applies to ResNet and U-Net only)",
+            args.models,
+            args.policies
+        );
     }
     let dir = args.out.clone().unwrap_or_else(|| PathBuf::from(format!("results/{profile}-{}", common.device.replace(':', ""))));
     let mut matrix = match Matrix::load(&dir) {
@@ -314,8 +318,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         None => None,
     };
 
-    let bar = ProgressBar::new(configs.len() as u64)
-        .with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} configs [{elapsed} < {eta}] {msg}")?);
+    let bar = ProgressBar::new(configs.len() as u64).with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} configs [{elapsed} < {eta}] {msg}")?);
     let mut ran_models: Vec<&Workload> = Vec::new();
     for (i, (w, policy)) in configs.iter().enumerate() {
         let have = matrix.find(&w.model, &policy.to_string()).is_some();
@@ -423,7 +426,8 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[Policy], rounds: u
         })
         .collect();
     for _ in 0..rounds {
-        let times: Vec<Option<f64>> = timed.iter().map(|p| Some(spawn_one(w, p, common, profile, true)).filter(|r| r.status == "ok").map(|r| r.step_ms_median)).collect();
+        let times: Vec<Option<f64>> =
+            timed.iter().map(|p| Some(spawn_one(w, p, common, profile, true)).filter(|r| r.status == "ok").map(|r| r.step_ms_median)).collect();
         let off = timed.iter().position(|p| **p == Policy::Off).and_then(|i| times[i]);
         for (ratio, t) in ratios.iter_mut().zip(&times) {
             if let (Some(t), Some(off)) = (t, off) {
@@ -460,9 +464,17 @@ fn baseline_summary(b: &baseline::Baseline, ours: &Record) -> String {
 fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time_only: bool) -> Record {
     let exe = std::env::current_exe().expect("own executable");
     let mut cmd = Command::new(exe);
-    cmd.args(["run-one", "--model", &w.model, "--policy", &policy.to_string(), "--profile", profile])
-        .args(["--steps", &common.steps.to_string(), "--seed", &common.seed.to_string(), "--device", &common.device]);
-    for (flag, value) in [("--memory-cap", common.memory_cap), ("--batch", common.batch.map(|b| b as u64)), ("--input-size", common.input_size.map(|n| n as u64))] {
+    cmd.args(["run-one", "--model", &w.model, "--policy", &policy.to_string(), "--profile", profile]).args([
+        "--steps",
+        &common.steps.to_string(),
+        "--seed",
+        &common.seed.to_string(),
+        "--device",
+        &common.device,
+    ]);
+    for (flag, value) in
+        [("--memory-cap", common.memory_cap), ("--batch", common.batch.map(|b| b as u64)), ("--input-size", common.input_size.map(|n| n as u64))]
+    {
         if let Some(v) = value {
             cmd.args([flag, &v.to_string()]);
         }
@@ -552,7 +564,16 @@ fn meta(profile: &str) -> Meta {
     let cpu = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string());
     // The project's own repository, wherever the harness runs from.
     let project = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-    let git = |args: &[&str]| Command::new("git").arg("-C").arg(project).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(project)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
     let commit = git(&["rev-parse", "--short", "HEAD"]).filter(|c| !c.is_empty()).unwrap_or_else(|| "unknown".into());
     let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
     Meta {

@@ -5,10 +5,10 @@
 use crate::workloads::Workload;
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device};
-use std::collections::BTreeMap;
 use remat::memory::{set_activity, Activity, Counter, Event, Meter};
 use remat::{Executor, Policy};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// One row of the matrix. Byte figures are heap bytes from the counting allocator (CPU).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

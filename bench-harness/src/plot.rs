@@ -12,7 +12,8 @@ use std::path::Path;
 static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 
 const MIB: f64 = 1024.0 * 1024.0;
-const COLORS: [RGBColor; 6] = [RGBColor(31, 119, 180), RGBColor(255, 127, 14), RGBColor(44, 160, 44), RGBColor(214, 39, 40), RGBColor(148, 103, 189), RGBColor(140, 86, 75)];
+const COLORS: [RGBColor; 6] =
+    [RGBColor(31, 119, 180), RGBColor(255, 127, 14), RGBColor(44, 160, 44), RGBColor(214, 39, 40), RGBColor(148, 103, 189), RGBColor(140, 86, 75)];
 
 fn color(i: usize) -> RGBColor {
     COLORS[i % COLORS.len()]
@@ -94,7 +95,13 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
                 .label(r.policy.clone())
                 .legend(move |(x, y)| Circle::new((x, y), 5, c.filled()));
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::LowerRight).draw().map_err(plot_err)?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::LowerRight)
+            .draw()
+            .map_err(plot_err)?;
     }
     Ok(())
 }
@@ -138,12 +145,20 @@ fn timelines<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> R
             if let Some(&last) = forward.last() {
                 backward.insert(0, last); // join the two halves
             }
-            chart.draw_series(LineSeries::new(forward, c.stroke_width(2))).map_err(plot_err)?.label(r.policy.clone()).legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
-            });
+            chart
+                .draw_series(LineSeries::new(forward, c.stroke_width(2)))
+                .map_err(plot_err)?
+                .label(r.policy.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
             chart.draw_series(DashedLineSeries::new(backward, 6, 4, c.stroke_width(2))).map_err(plot_err)?;
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw().map_err(plot_err)?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(plot_err)?;
     }
     Ok(())
 }
@@ -169,19 +184,15 @@ fn depth<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix, fits: &[
         .y_label_area_size(70)
         .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
         .map_err(plot_err)?;
-    chart
-        .configure_mesh()
-        .x_desc("blocks L")
-        .y_desc("activation peak (MiB)")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .draw()
-        .map_err(plot_err)?;
+    chart.configure_mesh().x_desc("blocks L").y_desc("activation peak (MiB)").x_label_formatter(&|x| format!("{x:.0}")).draw().map_err(plot_err)?;
     for (i, (policy, exponent)) in fits.iter().enumerate() {
         let c = color(i);
         let pts = points(policy);
-        chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2))).map_err(plot_err)?.label(format!("{policy}: ~ L^{exponent:.2}")).legend(move |(x, y)| {
-            PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
-        });
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .map_err(plot_err)?
+            .label(format!("{policy}: ~ L^{exponent:.2}"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
         chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 5, c.filled()))).map_err(plot_err)?;
     }
     chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperLeft).draw().map_err(plot_err)?;

@@ -200,7 +200,16 @@ events. Times are medians of the timed steps after a warm-up.\n\n\
         for b in &self.baselines {
             let Some(r) = self.find(&b.model, &b.policy).filter(|r| r.status == "ok") else { continue };
             if b.status != "ok" {
-                let _ = writeln!(out, "| {} | {} | {} | {}: {} | | {:.0} ms | | | | |", b.model, b.policy, mib(r.step_peak_bytes), b.status, b.error.replace('|', "/"), r.step_ms_median);
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {}: {} | | {:.0} ms | | | | |",
+                    b.model,
+                    b.policy,
+                    mib(r.step_peak_bytes),
+                    b.status,
+                    b.error.replace('|', "/"),
+                    r.step_ms_median
+                );
                 continue;
             }
             let ours_vs_off = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max));

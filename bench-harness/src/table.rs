@@ -20,7 +20,14 @@ const ARTICLE: [ArticleRow; 5] = [
     ArticleRow { label: "BERT-Large", models: &["bert-large", "bert-tiny"], batch: "32", off_gb: Some(22.0), ckpt_gb: 14.0, time: Some("+27%") },
     ArticleRow { label: "UNet3D", models: &["unet3d-cicek", "unet3d-small", "unet3d-tiny"], batch: "8", off_gb: Some(48.0), ckpt_gb: 31.0, time: Some("+35%") },
     ArticleRow { label: "ResNet-152", models: &["resnet152"], batch: "?", off_gb: Some(12.0), ckpt_gb: 7.0, time: Some("+25%") },
-    ArticleRow { label: "GPT-2 1.5B (+ accumulation)", models: &["gpt2-xl", "gpt2-large", "gpt2-medium", "gpt2-small", "gpt2-tiny"], batch: "1", off_gb: None, ckpt_gb: 21.0, time: None },
+    ArticleRow {
+        label: "GPT-2 1.5B (+ accumulation)",
+        models: &["gpt2-xl", "gpt2-large", "gpt2-medium", "gpt2-small", "gpt2-tiny"],
+        batch: "1",
+        off_gb: None,
+        ckpt_gb: 21.0,
+        time: None,
+    },
 ];
 
 /// The policy that fills the "with checkpointing" column.

@@ -7,11 +7,7 @@ use std::path::Path;
 fn every_claim_has_a_status_a_command_and_evidence_that_exists() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let text = std::fs::read_to_string(root.join("results/CLAIMS.md")).unwrap();
-    let rows: Vec<Vec<&str>> = text
-        .lines()
-        .filter(|l| l.starts_with("| C"))
-        .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
-        .collect();
+    let rows: Vec<Vec<&str>> = text.lines().filter(|l| l.starts_with("| C")).map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect()).collect();
     assert_eq!(rows.len(), 15, "the article makes 15 claims");
     for row in rows {
         let [id, claim, status, command, evidence] = row[..] else { panic!("a claim row needs 5 cells: {row:?}") };

@@ -40,12 +40,34 @@ enum Type {
 const COLUMNS: [(&str, Type); 28] = {
     use Type::*;
     [
-        ("framework", Candle), ("model", Str), ("policy", Str), ("batch", Int), ("input", Str), ("dtype", Str), ("device", Str), ("threads", Int),
-        ("model_state_bytes", Int), ("step_peak_bytes", Int), ("fwd_bwd_peak_bytes", Int), ("activation_peak_bytes", Int),
-        ("rss_peak_delta_bytes", Int), ("step_ms_median", Ms), ("step_ms_min", Ms), ("step_ms_max", Ms), ("timed_steps", Int),
-        ("segments", Int), ("loss", F32), ("grads_bit_identical", Bool), ("grads_differing", Int), ("max_abs_diff", F32),
-        ("params_without_grad", Int), ("status", Str), ("error", Str), ("time_vs_off_median", TimeVsOff("median")),
-        ("time_vs_off_min", TimeVsOff("min")), ("time_vs_off_max", TimeVsOff("max")),
+        ("framework", Candle),
+        ("model", Str),
+        ("policy", Str),
+        ("batch", Int),
+        ("input", Str),
+        ("dtype", Str),
+        ("device", Str),
+        ("threads", Int),
+        ("model_state_bytes", Int),
+        ("step_peak_bytes", Int),
+        ("fwd_bwd_peak_bytes", Int),
+        ("activation_peak_bytes", Int),
+        ("rss_peak_delta_bytes", Int),
+        ("step_ms_median", Ms),
+        ("step_ms_min", Ms),
+        ("step_ms_max", Ms),
+        ("timed_steps", Int),
+        ("segments", Int),
+        ("loss", F32),
+        ("grads_bit_identical", Bool),
+        ("grads_differing", Int),
+        ("max_abs_diff", F32),
+        ("params_without_grad", Int),
+        ("status", Str),
+        ("error", Str),
+        ("time_vs_off_median", TimeVsOff("median")),
+        ("time_vs_off_min", TimeVsOff("min")),
+        ("time_vs_off_max", TimeVsOff("max")),
     ]
 };
 
@@ -96,7 +118,22 @@ fn every_csv_column_is_written_and_parses_to_the_json_value() {
     // (status, error text) beside ordinary figures.
     smoke(&dir, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--no-rng-replay"]);
     // Every configuration of this run out of memory: recorded, and the harness exits non-zero.
-    let out = harness(&["--profile", "smoke", "--steps", "1", "--out", dir.to_str().unwrap(), "--matrix", "models", "--models", "bert-tiny", "--policies", "off", "--memory-cap", "2MiB"]);
+    let out = harness(&[
+        "--profile",
+        "smoke",
+        "--steps",
+        "1",
+        "--out",
+        dir.to_str().unwrap(),
+        "--matrix",
+        "models",
+        "--models",
+        "bert-tiny",
+        "--policies",
+        "off",
+        "--memory-cap",
+        "2MiB",
+    ]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("every configuration ran out of memory"));
     let recs = records(&dir);
     assert_eq!(recs.len(), 2);
@@ -108,7 +145,8 @@ fn every_csv_column_is_written_and_parses_to_the_json_value() {
     assert_eq!(header, COLUMNS.map(|(c, _)| c), "matrix.csv header");
     let mut fields: Vec<&str> = recs[0].as_object().unwrap().keys().map(String::as_str).filter(|k| !JSON_ONLY.contains(k)).collect();
     fields.sort_unstable();
-    let mut sorted: Vec<&str> = header.iter().copied().filter(|c| !matches!(COLUMNS.iter().find(|(n, _)| n == c), Some((_, Type::Candle | Type::TimeVsOff(_))))).collect();
+    let mut sorted: Vec<&str> =
+        header.iter().copied().filter(|c| !matches!(COLUMNS.iter().find(|(n, _)| n == c), Some((_, Type::Candle | Type::TimeVsOff(_))))).collect();
     sorted.sort_unstable();
     assert_eq!(sorted, fields, "a record field is missing from matrix.csv");
 

@@ -16,7 +16,23 @@ use std::time::{Duration, Instant};
 fn a_cap_that_sqrt_fits_records_sqrt_ok_and_names_where_off_ran_out() {
     let dir = out_dir("cap");
     let run = |extra: &[&str]| {
-        let mut args = vec!["--matrix", "models", "--profile", "smoke", "--models", "gpt2-tiny", "--policies", "off,sqrt", "--steps", "1", "--rounds", "0", "--force", "--out", dir.to_str().unwrap()];
+        let mut args = vec![
+            "--matrix",
+            "models",
+            "--profile",
+            "smoke",
+            "--models",
+            "gpt2-tiny",
+            "--policies",
+            "off,sqrt",
+            "--steps",
+            "1",
+            "--rounds",
+            "0",
+            "--force",
+            "--out",
+            dir.to_str().unwrap(),
+        ];
         args.extend_from_slice(extra);
         harness(&args)
     };

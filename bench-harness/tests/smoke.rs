@@ -41,9 +41,25 @@ fn smoke_matrix_checks_every_model_and_policy() {
     let csv = std::fs::read_to_string(dir.join("matrix.csv")).unwrap();
     let mut lines = csv.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();
-    for col in ["model", "policy", "batch", "input", "dtype", "device", "threads", "model_state_bytes", "step_peak_bytes", "activation_peak_bytes",
-        "rss_peak_delta_bytes", "step_ms_median", "step_ms_min", "step_ms_max", "grads_bit_identical", "max_abs_diff", "status"]
-    {
+    for col in [
+        "model",
+        "policy",
+        "batch",
+        "input",
+        "dtype",
+        "device",
+        "threads",
+        "model_state_bytes",
+        "step_peak_bytes",
+        "activation_peak_bytes",
+        "rss_peak_delta_bytes",
+        "step_ms_median",
+        "step_ms_min",
+        "step_ms_max",
+        "grads_bit_identical",
+        "max_abs_diff",
+        "status",
+    ] {
         assert!(header.contains(&col), "CSV lacks column {col}");
     }
     assert_eq!(lines.count(), recs.len());
@@ -80,8 +96,18 @@ fn smoke_matrix_checks_every_model_and_policy() {
 fn a_failing_configuration_is_recorded_and_the_matrix_goes_on() {
     let dir = out_dir("oom");
     let out = harness(&[
-        "--matrix", "models", "--profile", "smoke", "--models", "gpt2-tiny,bert-tiny", "--policies", "off",
-        "--memory-cap", "2MiB", "--out", dir.to_str().unwrap(),
+        "--matrix",
+        "models",
+        "--profile",
+        "smoke",
+        "--models",
+        "gpt2-tiny,bert-tiny",
+        "--policies",
+        "off",
+        "--memory-cap",
+        "2MiB",
+        "--out",
+        dir.to_str().unwrap(),
     ]);
     // An `oom` is a result, but a run where every configuration ran out exits non-zero.
     let err = String::from_utf8_lossy(&out.stderr);

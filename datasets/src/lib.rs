@@ -11,9 +11,9 @@
 //! Everything is a pure function of its seed: the same seed gives the same bytes on every machine.
 
 pub mod images;
-pub mod volumes;
 pub mod text;
 pub mod tokens;
+pub mod volumes;
 
 /// A tiny counter-based generator (SplitMix64), so data needs no RNG crate and no global state.
 #[derive(Clone, Debug)]

@@ -91,10 +91,7 @@ impl Config {
 
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads) {
-            return Err(format!(
-                "hidden_size ({}) must be a positive multiple of num_attention_heads ({})",
-                self.hidden_size, self.num_attention_heads
-            ));
+            return Err(format!("hidden_size ({}) must be a positive multiple of num_attention_heads ({})", self.hidden_size, self.num_attention_heads));
         }
         for (name, p) in [("hidden_dropout_prob", self.hidden_dropout_prob), ("attention_probs_dropout_prob", self.attention_probs_dropout_prob)] {
             if !(0.0..1.0).contains(&p) {
@@ -236,7 +233,8 @@ impl Stage for MlmHead {
         StageKind::Other
     }
     fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
-        Ok(vec![fused::cross_entropy(&self.logits(&inputs[0])?, &inputs[1], Some(&inputs[2]))?]) // logits (B*T, V)
+        Ok(vec![fused::cross_entropy(&self.logits(&inputs[0])?, &inputs[1], Some(&inputs[2]))?])
+        // logits (B*T, V)
     }
 }
 

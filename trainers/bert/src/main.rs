@@ -3,9 +3,9 @@
 use anyhow::{bail, Context, Result};
 use bert::{Bert, Config, MlmData};
 use candle_nn::Optimizer;
-use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use clap::Parser;
 use datasets::text::WordVocab;
+use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use std::path::PathBuf;

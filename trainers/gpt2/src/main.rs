@@ -2,10 +2,10 @@
 
 use anyhow::{bail, Context, Result};
 use candle_nn::Optimizer;
-use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use clap::Parser;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
+use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use std::path::PathBuf;

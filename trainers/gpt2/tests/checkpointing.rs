@@ -3,9 +3,9 @@
 
 use candle_core::Device;
 use candle_nn::Optimizer;
-use layers::{AdamW, ParamsAdamW};
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
+use layers::{AdamW, ParamsAdamW};
 use remat::{Executor, Policy};
 use std::collections::BTreeMap;
 
@@ -79,4 +79,3 @@ fn every_parameter_receives_a_nonzero_gradient() {
         }
     }
 }
-

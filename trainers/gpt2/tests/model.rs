@@ -38,8 +38,7 @@ fn hugging_face_snapshot_reproduces_the_logits() {
     let saved = Gpt2::new(cfg.clone(), &Device::Cpu, 1).unwrap();
     // Write the file the way a GPT2LMHeadModel state dict looks: prefixed names, the tied head,
     // and the attention-mask buffers.
-    let mut tensors: HashMap<String, Tensor> =
-        saved.params().named().map(|(n, v)| (format!("transformer.{n}"), v.as_tensor().clone())).collect();
+    let mut tensors: HashMap<String, Tensor> = saved.params().named().map(|(n, v)| (format!("transformer.{n}"), v.as_tensor().clone())).collect();
     let wte = tensors["transformer.wte.weight"].clone();
     tensors.insert("lm_head.weight".into(), wte);
     tensors.insert("transformer.h.0.attn.bias".into(), Tensor::ones((1, 1, 4, 4), candle_core::DType::F32, &Device::Cpu).unwrap());

@@ -67,11 +67,7 @@ fn bench(c: &mut Criterion) {
 
     type Op<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
     let cases: Vec<(&str, Op, Op)> = vec![
-        (
-            "layer_norm (2, 256, 768)",
-            Box::new(|| fused::layer_norm(&x, &w, &b, 1e-5)),
-            Box::new(|| candle_nn::ops::layer_norm_slow(&x, &w, &b, 1e-5)),
-        ),
+        ("layer_norm (2, 256, 768)", Box::new(|| fused::layer_norm(&x, &w, &b, 1e-5)), Box::new(|| candle_nn::ops::layer_norm_slow(&x, &w, &b, 1e-5))),
         (
             "linear (2, 128, 1024) -> 4096",
             Box::new(|| fused::linear(&h, &wi, Some(&bi), true)),
@@ -99,37 +95,17 @@ fn bench(c: &mut Criterion) {
             Box::new(|| fused::cross_entropy(&logits, &targets, None)),
             Box::new(|| candle_nn::loss::cross_entropy(&logits, &targets)),
         ),
-        (
-            "batch_norm + relu (8, 64, 64, 64)",
-            Box::new(|| bn.forward_relu(&feat, &recompute)),
-            Box::new(|| batch_norm_relu_composed(&feat, &fw, &fb)),
-        ),
+        ("batch_norm + relu (8, 64, 64, 64)", Box::new(|| bn.forward_relu(&feat, &recompute)), Box::new(|| batch_norm_relu_composed(&feat, &fw, &fb))),
         (
             "dropout (2, 256, 768)",
             Box::new(|| fused::dropout(&x, key, 0.1)),
             // What `layers::dropout` did before: draw the mask, hold it, multiply.
             Box::new(|| x.as_tensor() * Tensor::from_vec(key.dropout_mask(x.elem_count(), 0.1), x.shape(), &Device::Cpu)?),
         ),
-        (
-            "conv2d 7x7/2 (8, 3, 128, 128) -> 64",
-            Box::new(|| layers::conv2d(&img, &stem_w, 3, 2)),
-            Box::new(|| img.conv2d(&stem_w, 3, 2, 1, 1)),
-        ),
-        (
-            "conv2d 3x3 (8, 64, 32, 32) -> 64",
-            Box::new(|| layers::conv2d(&a64, &w3, 1, 1)),
-            Box::new(|| a64.conv2d(&w3, 1, 1, 1, 1)),
-        ),
-        (
-            "conv2d 3x3 (8, 512, 4, 4) -> 512",
-            Box::new(|| layers::conv2d(&a512, &w512, 1, 1)),
-            Box::new(|| a512.conv2d(&w512, 1, 1, 1, 1)),
-        ),
-        (
-            "conv2d 1x1 (8, 256, 32, 32) -> 64",
-            Box::new(|| layers::conv2d(&a256, &w1, 0, 1)),
-            Box::new(|| a256.conv2d(&w1, 0, 1, 1, 1)),
-        ),
+        ("conv2d 7x7/2 (8, 3, 128, 128) -> 64", Box::new(|| layers::conv2d(&img, &stem_w, 3, 2)), Box::new(|| img.conv2d(&stem_w, 3, 2, 1, 1))),
+        ("conv2d 3x3 (8, 64, 32, 32) -> 64", Box::new(|| layers::conv2d(&a64, &w3, 1, 1)), Box::new(|| a64.conv2d(&w3, 1, 1, 1, 1))),
+        ("conv2d 3x3 (8, 512, 4, 4) -> 512", Box::new(|| layers::conv2d(&a512, &w512, 1, 1)), Box::new(|| a512.conv2d(&w512, 1, 1, 1, 1))),
+        ("conv2d 1x1 (8, 256, 32, 32) -> 64", Box::new(|| layers::conv2d(&a256, &w1, 0, 1)), Box::new(|| a256.conv2d(&w1, 0, 1, 1, 1))),
         (
             "max_pool 3x3/2 (8, 64, 64, 64)",
             Box::new(|| layers::max_pool2d_k3s2p1(&feat)),
@@ -176,7 +152,10 @@ fn bench(c: &mut Criterion) {
                     let idx = Tensor::arange(a as u32, a as u32 + 32, &Device::Cpu)?;
                     let slices = x.index_select(&idx, 2)?.permute((0, 2, 1, 3, 4))?.reshape((64, 32, 32, 32))?;
                     let y = slices.conv2d(&w333.narrow(2, a, 1)?.squeeze(2)?, 1, 1, 1, 1)?;
-                    sum = Some(match sum { Some(s) => (s + y)?, None => y });
+                    sum = Some(match sum {
+                        Some(s) => (s + y)?,
+                        None => y,
+                    });
                 }
                 sum.expect("three slices").reshape((2, 32, 32, 32, 32))?.permute((0, 2, 1, 3, 4))?.contiguous()
             }),

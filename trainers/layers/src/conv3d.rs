@@ -212,13 +212,20 @@ mod tests {
         let (xs, ws) = ([2, 3, 2, 3, 2], [3, 4, 2, 2, 2]);
         let (x, w) = (rand("x", &xs), rand("w", &ws));
         let bias = rand("b", &[4]);
-        let (xt, wt, bt) = (Tensor::from_vec(x.clone(), &xs, &Device::Cpu)?, Tensor::from_vec(w.clone(), &ws, &Device::Cpu)?, Tensor::from_vec(bias.clone(), 4, &Device::Cpu)?);
+        let (xt, wt, bt) = (
+            Tensor::from_vec(x.clone(), &xs, &Device::Cpu)?,
+            Tensor::from_vec(w.clone(), &ws, &Device::Cpu)?,
+            Tensor::from_vec(bias.clone(), 4, &Device::Cpu)?,
+        );
         for f in [conv_transpose3d_k2s2, conv_transpose3d_k2s2_composed] {
             let got = f(&xt, &wt, &bt)?;
             assert_eq!(got.dims(), [2, 4, 4, 6, 4]);
             let got = got.flatten_all()?.to_vec1::<f32>()?;
             for (b, oc, z, i, j) in itertools(2, 4, 4, 6, 4) {
-                let want: f32 = bias[oc] + (0..3).map(|c| x[(((b * 3 + c) * 2 + z / 2) * 3 + i / 2) * 2 + j / 2] * w[(((c * 4 + oc) * 2 + z % 2) * 2 + i % 2) * 2 + j % 2]).sum::<f32>();
+                let want: f32 = bias[oc]
+                    + (0..3)
+                        .map(|c| x[(((b * 3 + c) * 2 + z / 2) * 3 + i / 2) * 2 + j / 2] * w[(((c * 4 + oc) * 2 + z % 2) * 2 + i % 2) * 2 + j % 2])
+                        .sum::<f32>();
                 let at = (((b * 4 + oc) * 4 + z) * 6 + i) * 4 + j;
                 assert!((got[at] - want).abs() < 1e-5, "{:?}", (b, oc, z, i, j));
             }
@@ -234,9 +241,8 @@ mod tests {
         assert_eq!(got.dims(), [1, 2, 2, 2, 3]);
         let got = got.flatten_all()?.to_vec1::<f32>()?;
         for (_, c, z, i, j) in itertools(1, 2, 2, 2, 3) {
-            let want = itertools(1, 1, 2, 2, 2)
-                .map(|(_, _, a, p, q)| x[((c * 5 + 2 * z + a) * 4 + 2 * i + p) * 6 + 2 * j + q])
-                .fold(f32::NEG_INFINITY, f32::max);
+            let want =
+                itertools(1, 1, 2, 2, 2).map(|(_, _, a, p, q)| x[((c * 5 + 2 * z + a) * 4 + 2 * i + p) * 6 + 2 * j + q]).fold(f32::NEG_INFINITY, f32::max);
             assert_eq!(got[((c * 2 + z) * 2 + i) * 3 + j], want);
         }
         Ok(())

@@ -35,8 +35,8 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, WithDType, D};
 use num_traits::Float;
-use remat::rng::RngKey;
 use rayon::prelude::*;
+use remat::rng::RngKey;
 
 /// Rows per chunk of a cross-row reduction: fixed, so the summation order is too.
 const CHUNK_ROWS: usize = 64;
@@ -352,8 +352,7 @@ impl CrossEntropyOp {
         if let Some(&bad) = targets.iter().find(|&&t| t as usize >= v) {
             candle_core::bail!("cross_entropy: target {bad} is outside the {v} classes")
         }
-        let losses: Vec<T> =
-            logits.par_chunks(v).zip(targets.par_iter()).map(|(row, &t)| log_sum_exp(row) - row[t as usize]).collect();
+        let losses: Vec<T> = logits.par_chunks(v).zip(targets.par_iter()).map(|(row, &t)| log_sum_exp(row) - row[t as usize]).collect();
         let total = losses.iter().zip(weights).fold(T::zero(), |acc, (&l, &w)| acc + l * w);
         Ok(total / weights.iter().copied().sum::<T>())
     }
@@ -388,9 +387,10 @@ impl CustomOp3 for CrossEntropyOp {
 
     fn bwd(&self, logits: &Tensor, targets: &Tensor, weights: &Tensor, _loss: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let g = g.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let d = with_slice::<u32, _>(targets, |t| {
-            per_dtype!(logits.dtype(), T => shaped(with_slice::<T, _>(logits, |l| with_slice(weights, |w| Ok(Self::backward(l, t, w, elem::<T>(g)))))?, logits))
-        })?;
+        let d = with_slice::<u32, _>(
+            targets,
+            |t| per_dtype!(logits.dtype(), T => shaped(with_slice::<T, _>(logits, |l| with_slice(weights, |w| Ok(Self::backward(l, t, w, elem::<T>(g)))))?, logits)),
+        )?;
         Ok((Some(d), None, None))
     }
 }
@@ -405,7 +405,14 @@ impl CustomOp3 for CrossEntropyOp {
 /// version keeps the normalised tensor and the sum as well). Returns the output and the batch's
 /// per-channel mean and biased variance (for the running statistics). CPU f32/f64 only: check
 /// [`fused`] first.
-pub(crate) fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Vec<f64>, Vec<f64>)> {
+pub(crate) fn batch_norm_train(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    residual: Option<&Tensor>,
+    eps: f64,
+    relu: bool,
+) -> Result<(Tensor, Vec<f64>, Vec<f64>)> {
     let x = x.contiguous()?;
     let (n, c) = (x.dim(0)?, x.dim(1)?);
     let spatial = x.elem_count() / (n * c).max(1);
@@ -702,7 +709,9 @@ impl Conv3dShape {
             return (0..n).flat_map(|s| (0..depth).flat_map(runs).map(move |(zs, is)| ConvBlock { samples: s..s + 1, zs, rows: is })).collect();
         }
         if slices < depth {
-            return (0..n).flat_map(|s| (0..depth).step_by(slices).map(move |z| ConvBlock { samples: s..s + 1, zs: z..(z + slices).min(depth), rows: 0..oh })).collect();
+            return (0..n)
+                .flat_map(|s| (0..depth).step_by(slices).map(move |z| ConvBlock { samples: s..s + 1, zs: z..(z + slices).min(depth), rows: 0..oh }))
+                .collect();
         }
         let samples = fit(per_row * oh * depth, n);
         (0..n).step_by(samples).map(|s| ConvBlock { samples: s..(s + samples).min(n), zs: 0..depth, rows: 0..oh }).collect()
@@ -825,12 +834,24 @@ fn matmul<T: Elem>(dst: &mut [T], a: Mat<T>, b: Mat<T>, (m, k, n): (usize, usize
     // shapes the strides describe.
     unsafe {
         gemm::gemm(
-            m, n, k,
-            dst.as_mut_ptr(), 1, n as isize, accumulate,
-            a.data.as_ptr(), a_cs, a_rs,
-            b.data.as_ptr(), b_cs, b_rs,
-            T::one(), T::one(),
-            false, false, false,
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a_cs,
+            a_rs,
+            b.data.as_ptr(),
+            b_cs,
+            b_rs,
+            T::one(),
+            T::one(),
+            false,
+            false,
+            false,
             parallelism,
         )
     }
@@ -876,7 +897,8 @@ impl Conv3dOp {
                 .flat_map(|o| b.samples.clone().flat_map(move |n| gy[(n * s.o + o) * cols + start..(n * s.o + o) * cols + start + len].iter().copied()))
                 .collect();
             matmul(&mut dw, mat(&g, false), mat(&s.vol2col(x, &b), true), (s.o, width, s.rows()), true); // += (O, rows)
-            s.col2vol(&matmul_new(mat(w, true), mat(&g, false), (s.rows(), s.o, width)), &b, &mut dx); // (rows, samples x len)
+            s.col2vol(&matmul_new(mat(w, true), mat(&g, false), (s.rows(), s.o, width)), &b, &mut dx);
+            // (rows, samples x len)
         }
         Ok((dx, dw))
     }
@@ -1035,7 +1057,8 @@ impl ConvTranspose3dOp {
                 db[oc] += rows.iter().copied().sum::<T>();
             }
             matmul(&mut dw, mat(x, false), mat(&g, true), (self.c, v, ok), true); // += (C, O 8)
-            dx.extend(matmul_new(mat(w, false), mat(&g, false), (self.c, ok, v))); // (C, DHW)
+            dx.extend(matmul_new(mat(w, false), mat(&g, false), (self.c, ok, v)));
+            // (C, DHW)
         }
         Ok((dx, dw, db))
     }
@@ -1124,7 +1147,9 @@ impl MaxPool2dOp {
     fn backward<T: Elem>(&self, x: &[T], g: &[T]) -> Vec<T> {
         let (ho, wo) = self.out();
         let mut dx = vec![T::zero(); x.len()];
-        dx.par_chunks_mut(self.h * self.w).zip(x.par_chunks(self.h * self.w).zip(g.par_chunks(ho * wo))).for_each(|(dx, (x, g))| self.argmax(x, |o, i| dx[i] += g[o]));
+        dx.par_chunks_mut(self.h * self.w)
+            .zip(x.par_chunks(self.h * self.w).zip(g.par_chunks(ho * wo)))
+            .for_each(|(dx, (x, g))| self.argmax(x, |o, i| dx[i] += g[o]));
         dx
     }
 }

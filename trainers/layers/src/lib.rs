@@ -22,8 +22,8 @@
 //! Model code lives in the trainer crates; the checkpointing engine in `remat`.
 
 mod batchnorm;
-pub mod fused;
 mod conv3d;
+pub mod fused;
 mod norm;
 mod optim;
 mod params;

@@ -9,10 +9,10 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, InplaceOp3, Layout, Result, Tensor, Var};
-use std::collections::HashMap;
-pub use candle_nn::ParamsAdamW;
 use candle_nn::Optimizer;
+pub use candle_nn::ParamsAdamW;
 use rayon::prelude::*;
+use std::collections::HashMap;
 
 /// Elements per task of an in-place update.
 const CHUNK: usize = 1 << 15;
@@ -162,7 +162,8 @@ impl TrainOptimizer for AdamW {
     }
 
     fn state(&self) -> Result<HashMap<String, Tensor>> {
-        let mut out: HashMap<String, Tensor> = self.vars.iter().enumerate().flat_map(|(i, s)| [(format!("m.{i}"), s.m.clone()), (format!("v.{i}"), s.v.clone())]).collect();
+        let mut out: HashMap<String, Tensor> =
+            self.vars.iter().enumerate().flat_map(|(i, s)| [(format!("m.{i}"), s.m.clone()), (format!("v.{i}"), s.v.clone())]).collect();
         out.insert("step".into(), Tensor::new(self.step as i64, &candle_core::Device::Cpu)?);
         Ok(out)
     }

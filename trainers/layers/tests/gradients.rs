@@ -8,9 +8,7 @@
 //! leaves four orders of magnitude of slack and still catches a gradient off by 1e-5 relative.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use layers::{
-    conv3d, fused, conv_transpose3d_k2s2, dropout, max_pool2d_k3s2p1, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, LayerNorm, ParamStore,
-};
+use layers::{conv3d, conv_transpose3d_k2s2, dropout, fused, max_pool2d_k3s2p1, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, LayerNorm, ParamStore};
 use remat::rng::RngKey;
 use remat::StageCtx;
 
@@ -286,10 +284,22 @@ fn fused_ops_agree_with_the_composed_candle_ops() -> Result<()> {
     };
     type Op<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
     let pairs: Vec<(&str, Op, Op)> = vec![
-        ("layer_norm", Box::new(|| fused::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)), Box::new(|| candle_nn::ops::layer_norm_slow(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5))),
+        (
+            "layer_norm",
+            Box::new(|| fused::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)),
+            Box::new(|| candle_nn::ops::layer_norm_slow(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)),
+        ),
         ("softmax", Box::new(|| fused::softmax_last_dim(x.as_tensor(), 0.25, false)), Box::new(|| candle_nn::ops::softmax(&(x.as_tensor() * 0.25)?, 3))),
-        ("causal softmax", Box::new(|| fused::softmax_last_dim(x.as_tensor(), 0.25, true)), Box::new(|| candle_nn::ops::softmax(&causal(&(x.as_tensor() * 0.25)?)?, 3))),
-        ("cross_entropy", Box::new(|| fused::cross_entropy(&x.as_tensor().reshape((128, 16))?.narrow(0, 0, 32)?, &targets, None)), Box::new(|| candle_nn::loss::cross_entropy(&x.as_tensor().reshape((128, 16))?.narrow(0, 0, 32)?, &targets))),
+        (
+            "causal softmax",
+            Box::new(|| fused::softmax_last_dim(x.as_tensor(), 0.25, true)),
+            Box::new(|| candle_nn::ops::softmax(&causal(&(x.as_tensor() * 0.25)?)?, 3)),
+        ),
+        (
+            "cross_entropy",
+            Box::new(|| fused::cross_entropy(&x.as_tensor().reshape((128, 16))?.narrow(0, 0, 32)?, &targets, None)),
+            Box::new(|| candle_nn::loss::cross_entropy(&x.as_tensor().reshape((128, 16))?.narrow(0, 0, 32)?, &targets)),
+        ),
     ];
     for (name, fused_op, composed) in pairs {
         let (a, c) = (fused_op()?, composed()?);
@@ -394,8 +404,12 @@ fn fused_dropout_equals_the_composed_mask_bit_for_bit() -> Result<()> {
 fn fused_linear_both_weight_layouts() -> Result<()> {
     let x = normal("x", &[2, 3, 5], 0.0, 1.0)?;
     let (w_in_out, w_out_in, b) = (normal("w", &[5, 4], 0.0, 1.0)?, normal("wt", &[4, 5], 0.0, 1.0)?, normal("b", &[4], 0.0, 1.0)?);
-    check_gradients("fused linear (in, out)", &[("x", &x), ("w", &w_in_out), ("b", &b)], || fused::linear(x.as_tensor(), w_in_out.as_tensor(), Some(b.as_tensor()), false))?;
-    check_gradients("fused linear (out, in)", &[("x", &x), ("w", &w_out_in), ("b", &b)], || fused::linear(x.as_tensor(), w_out_in.as_tensor(), Some(b.as_tensor()), true))?;
+    check_gradients("fused linear (in, out)", &[("x", &x), ("w", &w_in_out), ("b", &b)], || {
+        fused::linear(x.as_tensor(), w_in_out.as_tensor(), Some(b.as_tensor()), false)
+    })?;
+    check_gradients("fused linear (out, in)", &[("x", &x), ("w", &w_out_in), ("b", &b)], || {
+        fused::linear(x.as_tensor(), w_out_in.as_tensor(), Some(b.as_tensor()), true)
+    })?;
     check_gradients("fused linear, no bias", &[("x", &x), ("w", &w_out_in)], || fused::linear(x.as_tensor(), w_out_in.as_tensor(), None, true))?;
     // Against the composed product and bias, forward.
     let composed = x.as_tensor().reshape((6, 5))?.matmul(&w_out_in.as_tensor().t()?)?.broadcast_add(b.as_tensor())?.reshape((2, 3, 4))?;
@@ -416,7 +430,9 @@ fn fused_attention_queries_keys_and_values() -> Result<()> {
     // Key padding: the first sequence keeps 3 of its 5 keys, the second all of them.
     let padding = Tensor::new(&[[1u32, 1, 0, 1, 0], [1, 1, 1, 1, 1]], &Device::Cpu)?;
     check_gradients("attention, key padding", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, false, Some(&padding), None))?;
-    check_gradients("causal attention, key padding, dropout", &vars, || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, true, Some(&padding), Some((key, 0.3))))
+    check_gradients("causal attention, key padding, dropout", &vars, || {
+        fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, true, Some(&padding), Some((key, 0.3)))
+    })
 }
 
 /// A padded key changes nothing: not the output, and it gets no gradient.
@@ -426,7 +442,8 @@ fn padded_keys_are_ignored() -> Result<()> {
     let padding = Tensor::new(&[[1u32, 1, 0, 1, 0], [1, 1, 1, 1, 0]], &Device::Cpu)?;
     let y = fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, false, Some(&padding), None)?;
     // Other values at the padded positions (key 2 and 4 of the first sequence, 4 of the second).
-    let noise = (normal("noise", &[2, 2, 5, 3], 0.0, 5.0)?.as_tensor() * padding.to_dtype(DType::F64)?.neg()?.affine(1.0, 1.0)?.reshape((2, 1, 5, 1))?.broadcast_as((2, 2, 5, 3))?)?;
+    let noise = (normal("noise", &[2, 2, 5, 3], 0.0, 5.0)?.as_tensor()
+        * padding.to_dtype(DType::F64)?.neg()?.affine(1.0, 1.0)?.reshape((2, 1, 5, 1))?.broadcast_as((2, 2, 5, 3))?)?;
     let y2 = fused::attention(q.as_tensor(), &(k.as_tensor() + &noise)?, &(v.as_tensor() + &noise)?, 0.6, false, Some(&padding), None)?;
     assert_eq!(y.flatten_all()?.to_vec1::<f64>()?, y2.flatten_all()?.to_vec1::<f64>()?);
     let grads = y.sum_all()?.backward()?;
@@ -454,7 +471,8 @@ fn padded_keys_are_ignored() -> Result<()> {
 #[test]
 fn fused_attention_agrees_with_the_composed_ops() -> Result<()> {
     let to32 = |v: &Var| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?);
-    let (q, k, v) = (to32(&normal("q", &[2, 3, 16, 8], 0.0, 1.0)?)?, to32(&normal("k", &[2, 3, 16, 8], 0.0, 1.0)?)?, to32(&normal("v", &[2, 3, 16, 8], 0.0, 1.0)?)?);
+    let (q, k, v) =
+        (to32(&normal("q", &[2, 3, 16, 8], 0.0, 1.0)?)?, to32(&normal("k", &[2, 3, 16, 8], 0.0, 1.0)?)?, to32(&normal("v", &[2, 3, 16, 8], 0.0, 1.0)?)?);
     let key = RngKey::named(7, "attention");
     let fused_y = fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.35, true, None, Some((key, 0.2)))?;
     let p = fused::softmax_last_dim(&q.as_tensor().matmul(&k.as_tensor().t()?)?, 0.35, true)?;

@@ -31,7 +31,11 @@ fn graph(vb: &VarBuilder) -> Result<StageGraph> {
 
 /// The bits of every gradient, in the variable map's order.
 fn bits(varmap: &VarMap, grads: &candle_core::backprop::GradStore) -> Result<Vec<Vec<u32>>> {
-    varmap.all_vars().iter().map(|v| Ok(grads.get(v).expect("every parameter has a gradient").flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())).collect()
+    varmap
+        .all_vars()
+        .iter()
+        .map(|v| Ok(grads.get(v).expect("every parameter has a gradient").flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect()))
+        .collect()
 }
 
 pub fn main() -> Result<()> {

@@ -88,8 +88,7 @@ impl<'g> Executor<'g> {
         }
         let mut first_consumer = vec![None; graph.n_values()];
         let mut last_consumer = vec![None; graph.n_values()];
-        let mut segments: Vec<Segment> =
-            ranges.into_iter().map(|stages| Segment { stages, inputs: vec![], outputs: vec![] }).collect();
+        let mut segments: Vec<Segment> = ranges.into_iter().map(|stages| Segment { stages, inputs: vec![], outputs: vec![] }).collect();
         for (i, node) in nodes.iter().enumerate() {
             let s = seg_of_stage[i];
             for &v in &node.inputs {
@@ -239,15 +238,7 @@ impl<'g> Executor<'g> {
     /// standing in as a `Var` shared by its consumers in the segment, and returns one live run per
     /// stage; otherwise one live run of the whole segment.
     /// `grad_bytes`: parameter gradients held meanwhile, for the timeline.
-    fn run_segment(
-        &self,
-        s: usize,
-        stored: &mut [Option<Tensor>],
-        step: u64,
-        recompute: bool,
-        grad_bytes: u64,
-        timeline: &mut Timeline,
-    ) -> Result<Vec<Live>> {
+    fn run_segment(&self, s: usize, stored: &mut [Option<Tensor>], step: u64, recompute: bool, grad_bytes: u64, timeline: &mut Timeline) -> Result<Vec<Live>> {
         let graph = self.graph;
         let seg = &self.segments[s];
         let graphs = recompute || s == self.segments.len() - 1;

@@ -5,8 +5,8 @@
 //! stage's single output; skip edges (U-Net) are values consumed by stages further on.
 
 use crate::stage::{Stage, StageCtx, StageKind};
-use candle_core::Tensor;
 use crate::{Error, Result};
+use candle_core::Tensor;
 
 /// Index of a tensor value flowing through a [`StageGraph`].
 pub type ValueId = usize;

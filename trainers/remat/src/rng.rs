@@ -35,9 +35,7 @@ impl RngKey {
     }
 
     fn word(&self) -> u64 {
-        [self.seed, self.step, self.stage, self.call, self.pass]
-            .iter()
-            .fold(0u64, |acc, &part| mix(acc.wrapping_add(GOLDEN) ^ part))
+        [self.seed, self.step, self.stage, self.call, self.pass].iter().fold(0u64, |acc, &part| mix(acc.wrapping_add(GOLDEN) ^ part))
     }
 
     /// `n` draws uniform in [0, 1) with 24 bits of resolution (exact in f32).

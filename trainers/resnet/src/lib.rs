@@ -209,7 +209,8 @@ impl Stage for Block {
             h = bn.forward_relu(&conv.forward(&h)?, ctx)?;
         }
         // The last BatchNorm takes the identity and the ReLU after the add.
-        Ok(vec![last.1.forward_add_relu(&last.0.forward(&h)?, &identity, ctx)?]) // (B, C_out, H / stride, W / stride)
+        Ok(vec![last.1.forward_add_relu(&last.0.forward(&h)?, &identity, ctx)?])
+        // (B, C_out, H / stride, W / stride)
     }
 }
 
@@ -221,7 +222,8 @@ pub struct Head {
 
 impl Head {
     fn logits(&self, x: &Tensor) -> Result<Tensor> {
-        x.mean((2, 3))?.matmul(&self.fc_weight.t()?)?.broadcast_add(&self.fc_bias) // (B, classes)
+        x.mean((2, 3))?.matmul(&self.fc_weight.t()?)?.broadcast_add(&self.fc_bias)
+        // (B, classes)
     }
 }
 

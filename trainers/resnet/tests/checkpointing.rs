@@ -3,9 +3,9 @@
 //! snapshots.
 
 use candle_core::{Device, Tensor};
+use candle_nn::Optimizer;
 use datasets::images::SyntheticImages;
 use layers::{ParamsSgd, SgdMomentum};
-use candle_nn::Optimizer;
 
 use remat::{Executor, Policy};
 use resnet::{Config, ResNet};

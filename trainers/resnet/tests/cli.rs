@@ -9,10 +9,7 @@ fn run(args: &[&str]) -> std::process::Output {
 #[test]
 fn loss_falls_on_synthetic_images() {
     let log = std::env::temp_dir().join(format!("train-resnet-{}.jsonl", std::process::id()));
-    let out = run(&[
-        "--preset", "tiny", "--steps", "30", "--batch", "16", "--image-size", "32", "--classes", "4",
-        "--log-json", log.to_str().unwrap(),
-    ]);
+    let out = run(&["--preset", "tiny", "--steps", "30", "--batch", "16", "--image-size", "32", "--classes", "4", "--log-json", log.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let losses: Vec<f64> = trainkit::read_losses(&log).unwrap().into_iter().map(f64::from).collect();
     let median = |v: &[f64]| {

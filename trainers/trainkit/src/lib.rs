@@ -6,9 +6,9 @@
 pub mod reference;
 
 use anyhow::{bail, Context, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
+use indicatif::{ProgressBar, ProgressStyle};
 use remat::memory::{Meter, Usage};
 use remat::Executor;
 use serde::{Deserialize, Serialize};
@@ -66,7 +66,11 @@ pub fn check_footprint(flags: &str, what: &str, elements: Option<u128>) -> Resul
     if let (Some(avail), Some(swap)) = (kib("MemAvailable:"), kib("SwapFree:")) {
         let have = (avail + swap) * 1024;
         if bytes > have {
-            bail!("{flags}: {what} alone needs {:.1} GiB (f32); this machine has {:.1} GiB available", bytes as f64 / 2f64.powi(30), have as f64 / 2f64.powi(30));
+            bail!(
+                "{flags}: {what} alone needs {:.1} GiB (f32); this machine has {:.1} GiB available",
+                bytes as f64 / 2f64.powi(30),
+                have as f64 / 2f64.powi(30)
+            );
         }
     }
     Ok(())
@@ -177,15 +181,19 @@ pub fn mib(bytes: u64) -> f64 {
 impl StepLog {
     /// A log for `steps` steps, with the JSON file and snapshot schedule of `run`.
     pub fn new(steps: usize, run: &RunArgs) -> Result<Self> {
-        let bar = ProgressBar::new(steps as u64)
-            .with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
+        let bar = ProgressBar::new(steps as u64).with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
         if let Some(save) = &run.save {
             check_writable(save, "--save")?;
         }
         // A resumed run appends to the log of the run it continues.
         let json = match &run.log_json {
             Some(p) => Some(
-                std::fs::OpenOptions::new().create(true).write(true).append(run.resume.is_some()).truncate(run.resume.is_none()).open(p)
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .append(run.resume.is_some())
+                    .truncate(run.resume.is_none())
+                    .open(p)
                     .with_context(|| format!("--log-json {}", p.display()))?,
             ),
             None => None,
@@ -208,7 +216,13 @@ impl StepLog {
 
     /// After `step` (0-based): writes the weights snapshot (with `save_weights`, the model's own
     /// format) and the training snapshot when due: every `--save-every` steps and after the last.
-    pub fn save_if_due(&self, step: usize, store: &layers::ParamStore, opt: &dyn layers::TrainOptimizer, save_weights: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    pub fn save_if_due(
+        &self,
+        step: usize,
+        store: &layers::ParamStore,
+        opt: &dyn layers::TrainOptimizer,
+        save_weights: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<()> {
         let Some(path) = self.snapshot_due(step) else { return Ok(()) };
         save_weights(path)?;
         save_training(&training_snapshot_path(path), store, opt, step + 1, self.seed)
@@ -224,13 +238,7 @@ impl StepLog {
 
     /// One measured training step: forward and backward under `exec`, then `update` with the
     /// gradients; logged, and its loss returned.
-    pub fn train_step(
-        &mut self,
-        exec: &Executor,
-        inputs: &[Tensor],
-        step: usize,
-        update: impl FnOnce(&GradStore) -> candle_core::Result<()>,
-    ) -> Result<f32> {
+    pub fn train_step(&mut self, exec: &Executor, inputs: &[Tensor], step: usize, update: impl FnOnce(&GradStore) -> candle_core::Result<()>) -> Result<f32> {
         let meter = Meter::start(inputs[0].device());
         let out = exec.step(inputs, step as u64)?;
         update(&out.grads)?;
@@ -248,9 +256,7 @@ impl StepLog {
         self.times.push(usage.elapsed_ms);
         let rss = usage.rss_peak_delta.map_or("n/a".into(), |b| format!("{:.1} MiB", mib(b)));
         // `suspend` prints whether or not the bar is drawn (it is hidden when stderr is no terminal).
-        self.bar.suspend(|| {
-            say!("step {step:>4}  loss {loss:.4}  {:>8.1} ms  peak +{:.1} MiB (rss +{rss})", usage.elapsed_ms, mib(usage.heap_peak_delta))
-        });
+        self.bar.suspend(|| say!("step {step:>4}  loss {loss:.4}  {:>8.1} ms  peak +{:.1} MiB (rss +{rss})", usage.elapsed_ms, mib(usage.heap_peak_delta)));
         self.bar.set_message(format!("loss {loss:.3}"));
         self.bar.inc(1);
         if let Some(f) = self.json.as_mut() {
@@ -350,7 +356,13 @@ pub fn assert_deep_model_memory(peaks: impl Fn(&str) -> Peaks, off_activation: u
     // backward stays within the end-of-forward level plus the parameter gradients plus 5 %.
     let bound = off.forward_end + off.grads + off.forward_end * 5 / 100;
     eprintln!("off: forward ends at {} B, backward peaks at {} B, gradients {} B", off.forward_end, off.backward, off.grads);
-    assert!(off.backward <= bound, "off: backward peaks at {} B, above the end of forward {} B + gradients {} B + 5 %", off.backward, off.forward_end, off.grads);
+    assert!(
+        off.backward <= bound,
+        "off: backward peaks at {} B, above the end of forward {} B + gradients {} B + 5 %",
+        off.backward,
+        off.forward_end,
+        off.grads
+    );
     eprintln!("step peak: off {} B, sqrt {} B ({:.2}x)", off.step, sqrt.step, sqrt.step as f64 / off.step as f64);
     assert!(sqrt.step * 2 <= off.step, "sqrt peak {} B is more than half of off {} B", sqrt.step, off.step);
     assert_near_figure("off activation peak", off.activation, off_activation);

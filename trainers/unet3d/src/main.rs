@@ -2,9 +2,9 @@
 
 use anyhow::{bail, Result};
 use candle_nn::Optimizer;
-use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use clap::{Parser, ValueEnum};
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
+use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use std::path::PathBuf;

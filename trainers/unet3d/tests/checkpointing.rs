@@ -3,8 +3,8 @@
 
 use candle_core::Device;
 use candle_nn::Optimizer;
-use layers::{AdamW, ParamsAdamW};
 use datasets::volumes::SyntheticVolumes;
+use layers::{AdamW, ParamsAdamW};
 use remat::{Executor, Policy};
 use std::collections::BTreeMap;
 use unet3d::{Config, Loss, UNet3d};
@@ -98,7 +98,8 @@ fn before_downsample_stores_exactly_the_skip_tensors() {
 fn presets_have_the_paper_widths() {
     let model = UNet3d::new("cicek".parse().unwrap(), &Device::Cpu, 0).unwrap();
     let width = |name: &str| model.params().named().find(|(n, _)| *n == name).map(|(_, v)| v.dims()[0]).unwrap();
-    let widths: Vec<usize> = ["enc.0.conv1.weight", "enc.1.conv1.weight", "enc.2.conv1.weight", "bottom.conv1.weight", "bottom.conv2.weight"].iter().map(|n| width(n)).collect();
+    let widths: Vec<usize> =
+        ["enc.0.conv1.weight", "enc.1.conv1.weight", "enc.2.conv1.weight", "bottom.conv1.weight", "bottom.conv2.weight"].iter().map(|n| width(n)).collect();
     assert_eq!(widths, [32, 64, 128, 256, 512]);
     assert!("big".parse::<Config>().unwrap_err().contains("cicek"));
 }
