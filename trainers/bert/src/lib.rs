@@ -302,12 +302,11 @@ impl Bert {
         });
 
         let mut graph = StageGraph::new(3); // values 0: ids, 1: labels, 2: weights
-        let wrap = |e: remat::Error| candle_core::Error::Msg(e.to_string());
-        let mut x = graph.then(embeddings.clone(), 0).map_err(wrap)?;
+        let mut x = graph.then(embeddings.clone(), 0)?;
         for l in &layers {
-            x = graph.then(l.clone(), x).map_err(wrap)?;
+            x = graph.then(l.clone(), x)?;
         }
-        let loss = graph.add(head.clone(), &[x, 1, 2], 1).map_err(wrap)?[0];
+        let loss = graph.add(head.clone(), &[x, 1, 2], 1)?[0];
         graph.set_output(loss);
         Ok(Bert { config, params, embeddings, layers, head, graph })
     }

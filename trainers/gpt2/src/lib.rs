@@ -283,12 +283,11 @@ impl Gpt2 {
         let head = Arc::new(Head { ln_f, wte });
 
         let mut graph = StageGraph::new(2); // values 0: ids, 1: targets
-        let wrap = |e: remat::Error| candle_core::Error::Msg(e.to_string());
-        let mut x = graph.then(embed.clone(), 0).map_err(wrap)?;
+        let mut x = graph.then(embed.clone(), 0)?;
         for b in &blocks {
-            x = graph.then(b.clone(), x).map_err(wrap)?;
+            x = graph.then(b.clone(), x)?;
         }
-        let loss = graph.add(head.clone(), &[x, 1], 1).map_err(wrap)?[0];
+        let loss = graph.add(head.clone(), &[x, 1], 1)?[0];
         graph.set_output(loss);
         Ok(Gpt2 { config, params, embed, blocks, head, graph })
     }

@@ -26,7 +26,7 @@ fn graph(vb: &VarBuilder) -> Result<StageGraph> {
     }
     let head = candle_nn::linear(WIDTH, 10, vb.pp("head"))?;
     let loss = remat::from_fn("head", StageKind::Other, move |x, _| candle_nn::loss::cross_entropy(&head.forward(&x[0])?, &x[1]));
-    StageGraph::chain(blocks, loss).map_err(|e| candle_core::Error::Msg(e.to_string()))
+    Ok(StageGraph::chain(blocks, loss)?)
 }
 
 /// The bits of every gradient, in the variable map's order.
@@ -46,13 +46,13 @@ pub fn main() -> Result<()> {
     let y = Tensor::arange(0u32, BATCH as u32, &device)?.to_dtype(DType::F32)?.affine(1.0 / BATCH as f64 * 10.0, 0.0)?.floor()?.to_dtype(DType::U32)?; // classes 0..10
     let inputs = [x, y];
 
-    let plain = bits(&varmap, &graph.plain_loss(&inputs, 0, 0).map_err(|e| candle_core::Error::Msg(e.to_string()))?.backward()?)?;
+    let plain = bits(&varmap, &graph.plain_loss(&inputs, 0, 0)?.backward()?)?;
     let mut peaks = Vec::new();
     for policy in [Policy::Off, Policy::Sqrt] {
-        let exec = Executor::new(&graph, &policy, varmap.all_vars(), 0).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let exec = Executor::new(&graph, &policy, varmap.all_vars(), 0)?;
         let before = heap_current();
         reset_heap_peak();
-        let out = exec.step(&inputs, 0).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let out = exec.step(&inputs, 0)?;
         let peak = heap_peak() - before;
         let same = bits(&varmap, &out.grads)? == plain;
         println!("{policy}: {} segments, step peak {:.1} MiB, gradients = plain candle bit for bit: {same}", exec.segments().len(), peak as f64 / 1048576.0);

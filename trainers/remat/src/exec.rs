@@ -59,7 +59,6 @@ pub struct StepOutput {
 /// Runs training steps of a [`StageGraph`] under a [`Policy`].
 pub struct Executor<'g> {
     graph: &'g StageGraph,
-    policy: Policy,
     segments: Vec<Segment>,
     /// The earliest segment that consumes each value: after its backward the value is dead.
     first_consumer: Vec<Option<usize>>,
@@ -105,7 +104,7 @@ impl<'g> Executor<'g> {
                 segments[p].outputs.push(v);
             }
         }
-        Ok(Executor { graph, policy: policy.clone(), segments, first_consumer, params, seed, replay_rng: true, tell_recompute: true })
+        Ok(Executor { graph, segments, first_consumer, params, seed, replay_rng: true, tell_recompute: true })
     }
 
     /// Switches RNG replay off: recomputes draw fresh random keys, as a checkpoint built on global
@@ -122,10 +121,6 @@ impl<'g> Executor<'g> {
     pub fn without_recompute_flag(mut self) -> Self {
         self.tell_recompute = false;
         self
-    }
-
-    pub fn policy(&self) -> &Policy {
-        &self.policy
     }
 
     /// The stage ranges the policy cut the graph into.

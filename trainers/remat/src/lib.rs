@@ -36,3 +36,10 @@ pub enum Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Model code that builds its graph inside a candle `Result` can use `?` on the engine's errors.
+impl From<Error> for candle_core::Error {
+    fn from(e: Error) -> Self {
+        candle_core::Error::wrap(e)
+    }
+}

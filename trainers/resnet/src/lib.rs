@@ -265,12 +265,11 @@ impl ResNet {
         });
 
         let mut graph = StageGraph::new(2); // values 0: images, 1: labels
-        let wrap = |e: remat::Error| candle_core::Error::Msg(e.to_string());
         let mut x = 0;
         for s in &stages {
-            x = graph.then(s.clone(), x).map_err(wrap)?;
+            x = graph.then(s.clone(), x)?;
         }
-        let loss = graph.add(head.clone(), &[x, 1], 1).map_err(wrap)?[0];
+        let loss = graph.add(head.clone(), &[x, 1], 1)?[0];
         graph.set_output(loss);
         Ok(ResNet { config, params, stages, head, graph })
     }

@@ -226,11 +226,10 @@ impl UNet3d {
             candle_core::bail!("a 3D U-Net needs base >= 1 and levels >= 1")
         }
         let mut params = ParamStore::new(device, DType::F32, seed);
-        let wrap = |e: remat::Error| candle_core::Error::Msg(e.to_string());
         let mut graph = StageGraph::new(2); // values 0: volume, 1: labels
         let mut stages: Vec<(std::sync::Arc<dyn Stage>, Vec<usize>, usize)> = Vec::new();
         let mut add = |graph: &mut StageGraph, stage: std::sync::Arc<dyn Stage>, inputs: Vec<usize>| -> Result<usize> {
-            let v = graph.add(stage.clone(), &inputs, 1).map_err(wrap)?[0];
+            let v = graph.add(stage.clone(), &inputs, 1)?[0];
             stages.push((stage, inputs, v));
             Ok(v)
         };
@@ -258,7 +257,7 @@ impl UNet3d {
             classes: config.classes,
             loss: config.loss,
         });
-        let loss = graph.add(head.clone(), &[x, 1], 1).map_err(wrap)?[0];
+        let loss = graph.add(head.clone(), &[x, 1], 1)?[0];
         graph.set_output(loss);
         Ok(UNet3d { config, params, graph, head, stages })
     }
