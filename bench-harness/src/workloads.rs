@@ -7,7 +7,7 @@ use candle_nn::Optimizer;
 use datasets::images::SyntheticImages;
 use datasets::tokens::Batcher;
 use datasets::volumes::SyntheticVolumes;
-use layers::{AdamW, ParamStore, ParamsAdamW, ParamsSgd, SgdMomentum};
+use layers::{AdamW, Model, ParamStore, ParamsAdamW, ParamsSgd, SgdMomentum};
 use remat::{Policy, StageGraph};
 
 /// A model built and ready to train: its graph, parameters, data and optimizer.
@@ -164,8 +164,6 @@ impl Workload {
                 let data = Batcher::new(tokens, seq, config.vocab_size, seed)?;
                 Box::new(Built {
                     model: gpt2::Gpt2::new(config.clone(), device, seed)?,
-                    graph: gpt2::Gpt2::graph,
-                    store: gpt2::Gpt2::params,
                     inputs: Box::new(move |m, step| {
                         let (x, y) = data.batch(step, batch);
                         Ok(m.inputs(&x, &y, batch, seq, &dev)?)
@@ -177,8 +175,6 @@ impl Workload {
                 let (size, data) = (*size, SyntheticImages::new(config.classes, *size, seed));
                 Box::new(Built {
                     model: resnet::ResNet::new(config.clone(), device, seed)?,
-                    graph: resnet::ResNet::graph,
-                    store: resnet::ResNet::params,
                     inputs: Box::new(move |m, step| {
                         let (x, y) = data.batch(step, batch);
                         Ok(m.inputs(&x, &y, size, &dev)?)
@@ -190,8 +186,6 @@ impl Workload {
                 let (seq, data) = (*seq, bert::MlmData::synthetic(config.vocab_size, *seq, seed)?);
                 Box::new(Built {
                     model: bert::Bert::new(config.clone(), device, seed)?,
-                    graph: bert::Bert::graph,
-                    store: bert::Bert::params,
                     inputs: Box::new(move |m, step| Ok(m.inputs(&data.batch(step, batch), batch, seq, &dev)?)),
                     optimizer: adamw,
                 })
@@ -200,8 +194,6 @@ impl Workload {
                 let (side, data) = (*side, SyntheticVolumes::new(*side, seed));
                 Box::new(Built {
                     model: unet3d::UNet3d::new(config.clone(), device, seed)?,
-                    graph: unet3d::UNet3d::graph,
-                    store: unet3d::UNet3d::params,
                     inputs: Box::new(move |m, step| {
                         let (x, y) = data.batch(step, batch);
                         Ok(m.inputs(&x, &y, side, &dev)?)
@@ -219,18 +211,16 @@ type InputsFn<M> = Box<dyn Fn(&M, u64) -> Result<Vec<Tensor>>>;
 /// A model with its data and optimizer: what every kind of model becomes.
 struct Built<M> {
     model: M,
-    graph: fn(&M) -> &StageGraph,
-    store: fn(&M) -> &ParamStore,
     inputs: InputsFn<M>,
     optimizer: fn(&ParamStore) -> Result<OptimizerStep>,
 }
 
-impl<M> Instance for Built<M> {
+impl<M: Model> Instance for Built<M> {
     fn graph(&self) -> &StageGraph {
-        (self.graph)(&self.model)
+        self.model.graph()
     }
     fn store(&self) -> &ParamStore {
-        (self.store)(&self.model)
+        self.model.params()
     }
     fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
         (self.inputs)(&self.model, step)

@@ -7,7 +7,7 @@
 //! (candle's fused kernels have none). Parameter names are Hugging Face's `BertForMaskedLM`.
 
 use candle_core::{DType, Device, Result, Tensor};
-use layers::{dropout, fused, Init, LayerNorm, ParamStore, SnapshotError};
+use layers::{dropout, fused, Init, LayerNorm, ParamStore};
 use remat::rng::RngKey;
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
@@ -311,14 +311,6 @@ impl Bert {
         Ok(Bert { config, params, embeddings, layers, head, graph })
     }
 
-    pub fn graph(&self) -> &StageGraph {
-        &self.graph
-    }
-
-    pub fn params(&self) -> &ParamStore {
-        &self.params
-    }
-
     /// Graph inputs for a masked batch of `batch` sequences of length `seq`.
     pub fn inputs(&self, m: &MaskedBatch, batch: usize, seq: usize, device: &Device) -> Result<Vec<Tensor>> {
         if seq > self.config.max_position_embeddings {
@@ -339,24 +331,6 @@ impl Bert {
             x = l.forward(&[x], &ctx)?.remove(0);
         }
         self.head.logits(&x)
-    }
-
-    pub fn save_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
-        self.params.save(path)
-    }
-
-    /// Loads Hugging Face weights: `BertForMaskedLM` names, or a bare `BertModel` (no `bert.`
-    /// prefix; the MLM head must then be present under `cls.`), old `gamma`/`beta` LayerNorm names
-    /// included. The pooler, the tied decoder copy and `position_ids` are skipped.
-    pub fn load_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
-        self.params.load(path, |name| {
-            let skip = name.contains("pooler.") || name.ends_with("position_ids") || name.starts_with("cls.predictions.decoder.");
-            if skip {
-                return None;
-            }
-            let name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias");
-            Some(if name.starts_with("embeddings.") || name.starts_with("encoder.") { format!("bert.{name}") } else { name })
-        })
     }
 }
 
@@ -421,4 +395,26 @@ pub fn hub_files(model_id: &str, cache: Option<&Path>, offline: bool) -> anyhow:
     }
     let remote = api.build()?.model(model_id.to_string());
     Ok((remote.get("config.json")?, remote.get("model.safetensors")?))
+}
+
+impl layers::Model for Bert {
+    fn graph(&self) -> &StageGraph {
+        &self.graph
+    }
+
+    fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// Hugging Face names: `BertForMaskedLM`'s, or a bare `BertModel` (no `bert.`
+    /// prefix; the MLM head must then be present under `cls.`), old `gamma`/`beta` LayerNorm names
+    /// included. The pooler, the tied decoder copy and `position_ids` are skipped.
+    fn snapshot_name(&self, name: &str) -> Option<String> {
+        let skip = name.contains("pooler.") || name.ends_with("position_ids") || name.starts_with("cls.predictions.decoder.");
+        if skip {
+            return None;
+        }
+        let name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias");
+        Some(if name.starts_with("embeddings.") || name.starts_with("encoder.") { format!("bert.{name}") } else { name })
+    }
 }

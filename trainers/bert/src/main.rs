@@ -5,6 +5,7 @@ use bert::{Bert, Config, MlmData};
 use candle_nn::Optimizer;
 use clap::Parser;
 use datasets::text::WordVocab;
+use layers::Model;
 use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};

@@ -4,6 +4,7 @@
 use bert::{Bert, Config, MlmData};
 use candle_core::Device;
 use candle_nn::Optimizer;
+use layers::Model;
 use layers::{AdamW, ParamsAdamW};
 use remat::{Executor, Policy};
 use std::collections::BTreeMap;

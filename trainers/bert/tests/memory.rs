@@ -5,6 +5,7 @@
 
 use bert::{Bert, Config, MlmData};
 use candle_core::Device;
+use layers::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use trainkit::Peaks;

@@ -5,6 +5,7 @@
 use anyhow::Result;
 use bert::{Bert, MaskedBatch};
 use candle_core::{Device, Tensor};
+use layers::Model;
 use trainkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
 
 #[test]

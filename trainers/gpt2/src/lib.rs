@@ -10,7 +10,7 @@
 //! Not here: the training loop (`src/main.rs`), data (`datasets`), the engine (`remat`).
 
 use candle_core::{DType, Device, Result, Tensor};
-use layers::{dropout, fused, Init, LayerNorm, ParamStore, SnapshotError};
+use layers::{dropout, fused, Init, LayerNorm, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -292,14 +292,6 @@ impl Gpt2 {
         Ok(Gpt2 { config, params, embed, blocks, head, graph })
     }
 
-    pub fn graph(&self) -> &StageGraph {
-        &self.graph
-    }
-
-    pub fn params(&self) -> &ParamStore {
-        &self.params
-    }
-
     /// The graph inputs for a batch of flattened (B*T) ids and targets.
     pub fn inputs(&self, ids: &[u32], targets: &[u32], batch: usize, seq: usize, device: &Device) -> Result<Vec<Tensor>> {
         if seq > self.config.n_positions {
@@ -317,18 +309,22 @@ impl Gpt2 {
         }
         self.head.logits(&x)
     }
+}
 
-    pub fn save_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
-        self.params.save(path)
+impl layers::Model for Gpt2 {
+    fn graph(&self) -> &StageGraph {
+        &self.graph
     }
 
-    /// Loads Hugging Face GPT-2 weights (with or without the `transformer.` prefix; the tied
-    /// `lm_head.weight` and the attention-mask buffers are skipped).
-    pub fn load_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
-        self.params.load(path, |name| {
-            let name = name.strip_prefix("transformer.").unwrap_or(name);
-            let skip = name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias");
-            (!skip).then(|| name.to_string())
-        })
+    fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// Hugging Face GPT-2 names, with or without the `transformer.` prefix; the tied
+    /// `lm_head.weight` and the attention-mask buffers are skipped.
+    fn snapshot_name(&self, name: &str) -> Option<String> {
+        let name = name.strip_prefix("transformer.").unwrap_or(name);
+        let skip = name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias");
+        (!skip).then(|| name.to_string())
     }
 }

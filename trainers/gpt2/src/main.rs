@@ -5,6 +5,7 @@ use candle_nn::Optimizer;
 use clap::Parser;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
+use layers::Model;
 use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};

@@ -5,6 +5,7 @@ use candle_core::Device;
 use candle_nn::Optimizer;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
+use layers::Model;
 use layers::{AdamW, ParamsAdamW};
 use remat::{Executor, Policy};
 use std::collections::BTreeMap;

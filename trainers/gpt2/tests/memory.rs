@@ -6,6 +6,7 @@
 use candle_core::Device;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
+use layers::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use trainkit::Peaks;

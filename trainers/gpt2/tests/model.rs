@@ -2,6 +2,7 @@
 
 use candle_core::{Device, Tensor};
 use gpt2::{Config, Gpt2, Preset};
+use layers::Model;
 use std::collections::HashMap;
 use std::path::PathBuf;
 

@@ -5,6 +5,7 @@
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
+use layers::Model;
 use trainkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
 
 #[test]

@@ -16,6 +16,7 @@
 //! - [`conv3d`], [`conv_transpose3d_k2s2`], [`max_pool3d_k2s2`]: 3D layers candle lacks, composed
 //!   from 2D convolutions, matmuls and reshapes that have a backward; [`conv2d`] runs the fused
 //!   convolution kernel where it can (a lean backward), candle's elsewhere.
+//! - [`Model`]: the interface every model implements (graph, parameters, snapshots).
 //! - [`ParamStore`] holds named parameters with deterministic initialisation (candle's CPU RNG
 //!   cannot be seeded) and saves/loads them as safetensors snapshots under their published names.
 //!
@@ -24,6 +25,7 @@
 mod batchnorm;
 mod conv3d;
 pub mod fused;
+mod model;
 mod norm;
 mod optim;
 mod params;
@@ -31,6 +33,7 @@ mod pool;
 
 pub use batchnorm::BatchNorm;
 pub use conv3d::{conv2d, conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
+pub use model::Model;
 pub use norm::{GroupNorm, LayerNorm};
 pub use optim::{AdamW, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
 pub use params::{f32_bits, write_atomically, Init, ParamStore, SnapshotError};

@@ -8,9 +8,8 @@
 //! Parameter names are torchvision's (`layer1.0.conv1.weight`, `bn1.running_mean`, ...).
 
 use candle_core::{DType, Device, Result, Tensor};
-use layers::{max_pool2d_k3s2p1, BatchNorm, Init, ParamStore, SnapshotError};
+use layers::{max_pool2d_k3s2p1, BatchNorm, Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
-use std::path::Path;
 use std::str::FromStr;
 
 /// Architecture: block type, blocks per layer, stem width.
@@ -274,14 +273,6 @@ impl ResNet {
         Ok(ResNet { config, params, stages, head, graph })
     }
 
-    pub fn graph(&self) -> &StageGraph {
-        &self.graph
-    }
-
-    pub fn params(&self) -> &ParamStore {
-        &self.params
-    }
-
     /// Graph inputs for a batch: images flattened (B, 3, size, size) and labels.
     pub fn inputs(&self, images: &[f32], labels: &[u32], size: usize, device: &Device) -> Result<Vec<Tensor>> {
         let b = labels.len();
@@ -306,13 +297,19 @@ impl ResNet {
         }
         self.head.logits(&x)
     }
+}
 
-    pub fn save_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
-        self.params.save(path)
+impl layers::Model for ResNet {
+    fn graph(&self) -> &StageGraph {
+        &self.graph
     }
 
-    /// Loads torchvision weights (`num_batches_tracked` counters are skipped).
-    pub fn load_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
-        self.params.load(path, |name| (!name.ends_with("num_batches_tracked")).then(|| name.to_string()))
+    fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// torchvision names; the `num_batches_tracked` counters are skipped.
+    fn snapshot_name(&self, name: &str) -> Option<String> {
+        (!name.ends_with("num_batches_tracked")).then(|| name.to_string())
     }
 }

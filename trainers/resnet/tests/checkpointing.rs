@@ -7,6 +7,7 @@ use candle_nn::Optimizer;
 use datasets::images::SyntheticImages;
 use layers::{ParamsSgd, SgdMomentum};
 
+use layers::Model;
 use remat::{Executor, Policy};
 use resnet::{Config, ResNet};
 use std::collections::BTreeMap;

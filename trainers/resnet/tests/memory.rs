@@ -4,6 +4,7 @@
 
 use candle_core::Device;
 use datasets::images::SyntheticImages;
+use layers::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use resnet::{Config, ResNet};

@@ -6,6 +6,7 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
+use layers::Model;
 use resnet::{Config, ResNet};
 use trainkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
 

@@ -262,24 +262,6 @@ impl UNet3d {
         Ok(UNet3d { config, params, graph, head, stages })
     }
 
-    pub fn graph(&self) -> &StageGraph {
-        &self.graph
-    }
-
-    pub fn params(&self) -> &ParamStore {
-        &self.params
-    }
-
-    pub fn save_snapshot(&self, path: &std::path::Path) -> std::result::Result<(), layers::SnapshotError> {
-        self.params.save(path)
-    }
-
-    /// Loads a snapshot written by [`UNet3d::save_snapshot`]: our own names, so nothing is renamed
-    /// or skipped, and every parameter and BatchNorm buffer must be in the file.
-    pub fn load_snapshot(&self, path: &std::path::Path) -> std::result::Result<(), layers::SnapshotError> {
-        self.params.load(path, |n| Some(n.to_string()))
-    }
-
     /// Graph inputs: voxels flattened (N, C, S, S, S) and labels (N*S^3). The side must divide by
     /// 2^levels (every pool halves it).
     pub fn inputs(&self, voxels: &[f32], labels: &[u32], side: usize, device: &Device) -> Result<Vec<Tensor>> {
@@ -303,5 +285,15 @@ impl UNet3d {
             last = *output;
         }
         self.head.logits(&values[&last])
+    }
+}
+
+impl layers::Model for UNet3d {
+    fn graph(&self) -> &StageGraph {
+        &self.graph
+    }
+
+    fn params(&self) -> &ParamStore {
+        &self.params
     }
 }

@@ -4,6 +4,7 @@ use anyhow::{bail, Result};
 use candle_nn::Optimizer;
 use clap::{Parser, ValueEnum};
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
+use layers::Model;
 use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};

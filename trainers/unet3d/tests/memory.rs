@@ -4,6 +4,7 @@
 
 use candle_core::Device;
 use datasets::volumes::SyntheticVolumes;
+use layers::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use trainkit::{assert_near_figure, Peaks};

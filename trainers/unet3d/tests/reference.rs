@@ -7,6 +7,7 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
+use layers::Model;
 use trainkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
 use unet3d::{Config, Loss, Norm, UNet3d};
 
