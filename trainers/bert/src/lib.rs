@@ -3,16 +3,20 @@
 //! `embeddings -> encoder.layer.0 -> ... -> encoder.layer.{L-1} -> mlm head(loss)`. Post-LN
 //! encoder layers, GELU (erf), dropout 0.1 on the embeddings, the attention probabilities and every
 //! residual branch; the MLM head (dense, GELU, LayerNorm, decoder tied to the word embeddings)
-//! scores only the masked positions. LayerNorm and softmax are built from ops with a backward
-//! (candle's fused kernels have none). Parameter names are Hugging Face's `BertForMaskedLM`.
+//! scores only the masked positions. LayerNorm, attention, GELU, the embedding and the
+//! cross-entropy are `layers::fused` ops. Parameter names are Hugging Face's `BertForMaskedLM`.
+//! This file is the model; BERT's masking and the data are in `data`, the hub lookup in `hub`.
 
 use candle_core::{DType, Device, Result, Tensor};
 use layers::{dropout, fused, Init, LayerNorm, ParamStore};
-use remat::rng::RngKey;
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
-use std::path::Path;
 use std::sync::Arc;
+
+mod data;
+mod hub;
+pub use data::{mask_tokens, MaskedBatch, MlmData};
+pub use hub::hub_files;
 
 /// Hyper-parameters, with Hugging Face's `config.json` field names.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -82,7 +86,7 @@ impl Config {
     }
 
     /// Reads a Hugging Face `config.json`; errors name the file and the field.
-    pub fn from_json(path: &Path) -> std::result::Result<Self, String> {
+    pub fn from_json(path: &std::path::Path) -> std::result::Result<Self, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
         let c: Config = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
         c.validate().map_err(|e| format!("{}: {e}", path.display()))?;
@@ -238,38 +242,6 @@ impl Stage for MlmHead {
     }
 }
 
-/// One masked-LM batch: inputs with 15% of the tokens masked, and what the loss scores.
-pub struct MaskedBatch {
-    pub input_ids: Vec<u32>,
-    pub labels: Vec<u32>,
-    pub weights: Vec<f32>,
-}
-
-/// BERT's masking: 15% of the non-special tokens are chosen; of those 80% become `[MASK]`, 10% a
-/// random word, 10% stay. Every draw comes from `key`, so a step's masking is reproducible.
-pub fn mask_tokens(ids: &[u32], key: RngKey, vocab_size: usize, mask_id: u32, is_special: impl Fn(u32) -> bool) -> MaskedBatch {
-    let u = key.uniform(3 * ids.len());
-    let mut out = MaskedBatch { input_ids: ids.to_vec(), labels: ids.to_vec(), weights: vec![0.0; ids.len()] };
-    for (i, &id) in ids.iter().enumerate() {
-        if is_special(id) || u[3 * i] >= 0.15 {
-            continue;
-        }
-        out.weights[i] = 1.0;
-        let r = u[3 * i + 1];
-        if r < 0.8 {
-            out.input_ids[i] = mask_id;
-        } else if r < 0.9 {
-            out.input_ids[i] = ((u[3 * i + 2] * vocab_size as f32) as u32).min(vocab_size as u32 - 1);
-        }
-    }
-    if let (false, Some(i)) = (out.weights.contains(&1.0), ids.iter().position(|&id| !is_special(id))) {
-        // Never an empty loss: score at least one token.
-        out.weights[i] = 1.0;
-        out.input_ids[i] = mask_id;
-    }
-    out
-}
-
 /// A BERT masked-LM model: parameters and the stage graph (inputs: ids, labels, weights; output: loss).
 pub struct Bert {
     pub config: Config,
@@ -332,69 +304,6 @@ impl Bert {
         }
         self.head.logits(&x)
     }
-}
-
-/// Masked-LM batches from a text: whole-word tokens, `[CLS] window [SEP]` sequences, BERT masking.
-pub struct MlmData {
-    pub vocab: datasets::text::WordVocab,
-    windows: datasets::tokens::Batcher,
-    vocab_size: usize,
-    seq: usize,
-    seed: u64,
-}
-
-impl MlmData {
-    /// `vocab_size` is the model's; the text's vocabulary must fit in it.
-    pub fn new(text: &str, vocab: datasets::text::WordVocab, vocab_size: usize, seq: usize, seed: u64) -> anyhow::Result<Self> {
-        if vocab.len() > vocab_size {
-            anyhow::bail!("the vocabulary has {} tokens, the model only {vocab_size} (vocab_size)", vocab.len());
-        }
-        if seq < 3 {
-            anyhow::bail!("sequence length {seq} is too short for [CLS] ... [SEP]");
-        }
-        let ids: Vec<u16> = vocab.encode(text).into_iter().map(|i| i as u16).collect();
-        let windows = datasets::tokens::Batcher::new(ids, seq - 2, vocab_size, seed)?;
-        Ok(MlmData { vocab, windows, vocab_size, seq, seed })
-    }
-
-    /// The default data: the synthetic corpus with its own word vocabulary.
-    pub fn synthetic(vocab_size: usize, seq: usize, seed: u64) -> anyhow::Result<Self> {
-        let text = datasets::text::synthetic_corpus(seed, 1 << 19);
-        let vocab = datasets::text::WordVocab::build(&text);
-        Self::new(&text, vocab, vocab_size, seq, seed)
-    }
-
-    pub fn batch(&self, step: u64, batch: usize) -> MaskedBatch {
-        let (cls, sep) = (self.vocab.special("[CLS]"), self.vocab.special("[SEP]"));
-        let (windows, _) = self.windows.batch(step, batch);
-        let ids: Vec<u32> = windows.chunks(self.seq - 2).flat_map(|w| std::iter::once(cls).chain(w.iter().copied()).chain([sep])).collect();
-        let key = RngKey { step, ..RngKey::named(self.seed, "mlm-mask") };
-        mask_tokens(&ids, key, self.vocab.len().min(self.vocab_size), self.vocab.special("[MASK]"), |id| self.vocab.is_special(id))
-    }
-}
-
-/// Finds `config.json` and `model.safetensors` of a Hugging Face model id: in the local cache
-/// first (`cache`, or the default `~/.cache/huggingface/hub`), else downloaded into it unless
-/// `offline` (or `HF_HUB_OFFLINE=1`).
-pub fn hub_files(model_id: &str, cache: Option<&Path>, offline: bool) -> anyhow::Result<(std::path::PathBuf, std::path::PathBuf)> {
-    let offline = offline || std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1");
-    let local = match cache {
-        Some(dir) => hf_hub::Cache::new(dir.to_path_buf()),
-        None => hf_hub::Cache::from_env(),
-    };
-    let repo = local.model(model_id.to_string());
-    if let (Some(c), Some(w)) = (repo.get("config.json"), repo.get("model.safetensors")) {
-        return Ok((c, w));
-    }
-    if offline {
-        anyhow::bail!("model `{model_id}` is not in the cache {} (offline: not downloading)", local.path().display());
-    }
-    let mut api = hf_hub::api::sync::ApiBuilder::new();
-    if let Some(dir) = cache {
-        api = api.with_cache_dir(dir.to_path_buf());
-    }
-    let remote = api.build()?.model(model_id.to_string());
-    Ok((remote.get("config.json")?, remote.get("model.safetensors")?))
 }
 
 impl layers::Model for Bert {
