@@ -116,67 +116,15 @@ impl Matrix {
         Ok(())
     }
 
-    pub const CSV_COLUMNS: &'static str = "framework,model,policy,batch,input,dtype,device,threads,model_state_bytes,step_peak_bytes,\
-fwd_bwd_peak_bytes,activation_peak_bytes,rss_peak_delta_bytes,step_ms_median,step_ms_min,step_ms_max,timed_steps,segments,loss,\
-grads_bit_identical,grads_differing,max_abs_diff,params_without_grad,status,error,time_vs_off_median,time_vs_off_min,time_vs_off_max";
-
+    /// One row per record and per PyTorch baseline, the columns of [`COLUMNS`].
     pub fn csv(&self) -> String {
-        let mut out = format!("{}\n", Self::CSV_COLUMNS);
-        let quoted = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+        let mut out = COLUMNS.iter().map(|c| c.name).collect::<Vec<_>>().join(",") + "\n";
         for r in &self.records {
-            let spread = r.time_vs_off.as_ref().map_or(",,".into(), |t| format!("{:.3},{:.3},{:.3}", t.median, t.min, t.max));
-            let _ = writeln!(
-                out,
-                "candle,{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{},{},{},{},{:e},{},{},{},{spread}",
-                r.model,
-                quoted(&r.policy),
-                r.batch,
-                r.input,
-                r.dtype,
-                r.device,
-                r.threads,
-                r.model_state_bytes,
-                r.step_peak_bytes,
-                r.fwd_bwd_peak_bytes,
-                r.activation_peak_bytes,
-                r.rss_peak_delta_bytes,
-                r.step_ms_median,
-                r.step_ms_min,
-                r.step_ms_max,
-                r.timed_steps,
-                r.segments,
-                r.loss,
-                r.grads_bit_identical,
-                r.grads_differing,
-                r.max_abs_diff,
-                r.params_without_grad,
-                r.status,
-                quoted(&r.error)
-            );
+            out += &(COLUMNS.iter().map(|c| (c.ours)(r)).collect::<Vec<_>>().join(",") + "\n");
         }
-        // PyTorch rows: what the script measures (no gradient check, no activation timeline).
         for b in &self.baselines {
-            let input = self.find(&b.model, &b.policy).map_or(String::new(), |r| r.input.clone());
-            let _ = writeln!(
-                out,
-                "pytorch {},{},{},{},{input},f32,cpu,{},{},{},{},,,{:.3},{:.3},{:.3},{},{},{},,,,,{},{},,,",
-                b.framework_version,
-                b.model,
-                quoted(&b.policy),
-                b.batch,
-                b.threads,
-                b.model_state_bytes,
-                b.step_peak_bytes,
-                b.fwd_bwd_peak_bytes,
-                b.step_ms_median,
-                b.step_ms_min,
-                b.step_ms_max,
-                b.timed_steps,
-                b.segments,
-                b.loss,
-                b.status,
-                quoted(&b.error)
-            );
+            let ours = self.find(&b.model, &b.policy);
+            out += &(COLUMNS.iter().map(|c| (c.theirs)(b, ours)).collect::<Vec<_>>().join(",") + "\n");
         }
         out
     }
@@ -298,6 +246,64 @@ fresh process): median (min-max). \
         out
     }
 }
+
+/// One column of `matrix.csv`, declared once: its name, its cell for one of our records, and its
+/// cell for a PyTorch row (given our record of the same configuration; empty where the script
+/// measures no such figure: no gradient check, no activation timeline).
+struct Column {
+    name: &'static str,
+    ours: fn(&Record) -> String,
+    theirs: fn(&Baseline, Option<&Record>) -> String,
+}
+
+fn quoted(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+fn ms(v: f64) -> String {
+    format!("{v:.3}")
+}
+
+fn none(_: &Baseline, _: Option<&Record>) -> String {
+    String::new()
+}
+
+/// The spread of `time_vs_off`: median, min or max, empty where there is none.
+fn spread(r: &Record, pick: fn(&crate::measure::Spread) -> f64) -> String {
+    r.time_vs_off.as_ref().map_or(String::new(), |t| ms(pick(t)))
+}
+
+const COLUMNS: [Column; 29] = [
+    Column { name: "framework", ours: |_| "candle".into(), theirs: |b, _| format!("pytorch {}", b.framework_version) },
+    Column { name: "model", ours: |r| r.model.clone(), theirs: |b, _| b.model.clone() },
+    Column { name: "policy", ours: |r| quoted(&r.policy), theirs: |b, _| quoted(&b.policy) },
+    Column { name: "batch", ours: |r| r.batch.to_string(), theirs: |b, _| b.batch.to_string() },
+    Column { name: "input", ours: |r| r.input.clone(), theirs: |_, r| r.map_or(String::new(), |r| r.input.clone()) },
+    Column { name: "dtype", ours: |r| r.dtype.clone(), theirs: |_, _| "f32".into() },
+    Column { name: "device", ours: |r| r.device.clone(), theirs: |_, _| "cpu".into() },
+    Column { name: "threads", ours: |r| r.threads.to_string(), theirs: |b, _| b.threads.to_string() },
+    Column { name: "model_state_bytes", ours: |r| r.model_state_bytes.to_string(), theirs: |b, _| b.model_state_bytes.to_string() },
+    Column { name: "step_peak_bytes", ours: |r| r.step_peak_bytes.to_string(), theirs: |b, _| b.step_peak_bytes.to_string() },
+    Column { name: "fwd_bwd_peak_bytes", ours: |r| r.fwd_bwd_peak_bytes.to_string(), theirs: |b, _| b.fwd_bwd_peak_bytes.to_string() },
+    Column { name: "activation_peak_bytes", ours: |r| r.activation_peak_bytes.to_string(), theirs: none },
+    Column { name: "rss_peak_delta_bytes", ours: |r| r.rss_peak_delta_bytes.to_string(), theirs: none },
+    Column { name: "reserved_bytes", ours: |r| r.reserved_bytes.map_or(String::new(), |b| b.to_string()), theirs: none },
+    Column { name: "step_ms_median", ours: |r| ms(r.step_ms_median), theirs: |b, _| ms(b.step_ms_median) },
+    Column { name: "step_ms_min", ours: |r| ms(r.step_ms_min), theirs: |b, _| ms(b.step_ms_min) },
+    Column { name: "step_ms_max", ours: |r| ms(r.step_ms_max), theirs: |b, _| ms(b.step_ms_max) },
+    Column { name: "timed_steps", ours: |r| r.timed_steps.to_string(), theirs: |b, _| b.timed_steps.to_string() },
+    Column { name: "segments", ours: |r| r.segments.to_string(), theirs: |b, _| b.segments.to_string() },
+    Column { name: "loss", ours: |r| r.loss.to_string(), theirs: |b, _| b.loss.to_string() },
+    Column { name: "grads_bit_identical", ours: |r| r.grads_bit_identical.to_string(), theirs: none },
+    Column { name: "grads_differing", ours: |r| r.grads_differing.to_string(), theirs: none },
+    Column { name: "max_abs_diff", ours: |r| format!("{:e}", r.max_abs_diff), theirs: none },
+    Column { name: "params_without_grad", ours: |r| r.params_without_grad.to_string(), theirs: none },
+    Column { name: "status", ours: |r| r.status.clone(), theirs: |b, _| b.status.clone() },
+    Column { name: "error", ours: |r| quoted(&r.error), theirs: |b, _| quoted(&b.error) },
+    Column { name: "time_vs_off_median", ours: |r| spread(r, |t| t.median), theirs: none },
+    Column { name: "time_vs_off_min", ours: |r| spread(r, |t| t.min), theirs: none },
+    Column { name: "time_vs_off_max", ours: |r| spread(r, |t| t.max), theirs: none },
+];
 
 pub fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
