@@ -1,7 +1,7 @@
 //! `--baseline pytorch`: the same configurations in PyTorch eager (`scripts/torch_baseline.py`),
 //! one fresh Python process per configuration, cut into the same checkpoint segments as ours.
 
-use crate::measure::Record;
+use crate::measure::{Record, Status};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::process::Command;
@@ -29,13 +29,13 @@ pub struct Baseline {
     pub timed_steps: usize,
     pub loss: f64,
     #[serde(default = "ok")]
-    pub status: String,
+    pub status: Status,
     #[serde(default)]
     pub error: String,
 }
 
-fn ok() -> String {
-    "ok".into()
+fn ok() -> Status {
+    Status::Ok
 }
 
 fn script() -> PathBuf {
@@ -64,7 +64,7 @@ pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u
         model: ours.model.clone(),
         policy: ours.policy.clone(),
         batch: ours.batch,
-        status: "error".into(),
+        status: Status::Error,
         error,
         ..Default::default()
     };

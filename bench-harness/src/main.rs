@@ -14,7 +14,7 @@ mod workloads;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use measure::{Record, Spread};
+use measure::{Record, Spread, Status};
 use remat::memory::CountingAlloc;
 use remat::Policy;
 use report::{mib, Matrix, Meta};
@@ -306,7 +306,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         matrix.baselines.retain(|b| keep(&b.model));
     }
     let mut ran_any = false;
-    let mut statuses: Vec<(String, String)> = Vec::new();
+    let mut statuses: Vec<(String, Status)> = Vec::new();
     let python = match &args.baseline {
         Some(_) => match baseline::available(&args.python) {
             Ok(()) => Some(args.python.as_str()),
@@ -337,13 +337,13 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
             bar.set_message(format!("{} {policy}", w.model));
             let rec = spawn_one(w, policy, common, &profile, false);
             bar.suspend(|| trainkit::say!("{}", summary(&rec, matrix.find(&w.model, "off"))));
-            statuses.push((format!("{} {policy}", w.model), rec.status.clone()));
+            statuses.push((format!("{} {policy}", w.model), rec.status));
             matrix.put(rec);
             if !ran_models.iter().any(|m| m.model == w.model) {
                 ran_models.push(w);
             }
         }
-        if let (Some(python), Some(ours)) = (python, matrix.find(&w.model, &policy.to_string()).filter(|r| r.status == "ok")) {
+        if let (Some(python), Some(ours)) = (python, matrix.find(&w.model, &policy.to_string()).filter(|r| r.status == Status::Ok)) {
             if baseline::MODELS.contains(&w.model.as_str()) {
                 bar.set_message(format!("{} {policy} in PyTorch", w.model));
                 let b = baseline::run(python, ours, w.input_size(), common.steps, common.seed);
@@ -365,11 +365,11 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     matrix.save(&dir)?;
     trainkit::say!("results in {}", dir.display());
     // An `oom` is a result; an error is not, and neither is a run where every configuration ran out.
-    let failed: Vec<&str> = statuses.iter().filter(|(_, s)| s == "error").map(|(c, _)| c.as_str()).collect();
+    let failed: Vec<&str> = statuses.iter().filter(|(_, s)| *s == Status::Error).map(|(c, _)| c.as_str()).collect();
     if !failed.is_empty() {
         bail!("{} of {} configurations failed: {}", failed.len(), statuses.len(), failed.join(", "));
     }
-    if !statuses.is_empty() && statuses.iter().all(|(_, s)| s == "oom") {
+    if !statuses.is_empty() && statuses.iter().all(|(_, s)| *s == Status::Oom) {
         bail!("every configuration ran out of memory");
     }
     Ok(())
@@ -399,7 +399,7 @@ fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common
         if r.threads != threads {
             diff.push(format!("threads {} vs {threads}", r.threads));
         }
-        if r.status == "ok" && r.timed_steps != common.steps {
+        if r.status == Status::Ok && r.timed_steps != common.steps {
             diff.push(format!("timed steps {} vs {}", r.timed_steps, common.steps));
         }
         if !diff.is_empty() {
@@ -413,7 +413,7 @@ fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common
 /// each in a fresh process, and records each policy's time / off per round beside the ratio of
 /// the measuring run: run-to-run drift then shows as a spread instead of a wrong ratio.
 fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[Policy], rounds: usize, common: &Common, profile: &str) {
-    let ok = |m: &Matrix, p: &Policy| m.find(&w.model, &p.to_string()).is_some_and(|r| r.status == "ok");
+    let ok = |m: &Matrix, p: &Policy| m.find(&w.model, &p.to_string()).is_some_and(|r| r.status == Status::Ok);
     if !ok(matrix, &Policy::Off) {
         return;
     }
@@ -427,7 +427,7 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[Policy], rounds: u
         .collect();
     for _ in 0..rounds {
         let times: Vec<Option<f64>> =
-            timed.iter().map(|p| Some(spawn_one(w, p, common, profile, true)).filter(|r| r.status == "ok").map(|r| r.step_ms_median)).collect();
+            timed.iter().map(|p| Some(spawn_one(w, p, common, profile, true)).filter(|r| r.status == Status::Ok).map(|r| r.step_ms_median)).collect();
         let off = timed.iter().position(|p| **p == Policy::Off).and_then(|i| times[i]);
         for (ratio, t) in ratios.iter_mut().zip(&times) {
             if let (Some(t), Some(off)) = (t, off) {
@@ -445,7 +445,7 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[Policy], rounds: u
 }
 
 fn baseline_summary(b: &baseline::Baseline, ours: &Record) -> String {
-    if b.status != "ok" {
+    if b.status != Status::Ok {
         return format!("{:<14} {:<18} PyTorch {}: {}", b.model, b.policy, b.status, b.error);
     }
     format!(
@@ -486,10 +486,10 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time
         cmd.arg("--time-only");
     }
     die_with_parent(&mut cmd);
-    let failed = |status: &str, error: String| Record { status: status.into(), error, ..Record::new(w, policy, &common.device) };
+    let failed = |status: Status, error: String| Record { status, error, ..Record::new(w, policy, &common.device) };
     let out = match cmd.output() {
         Ok(out) => out,
-        Err(e) => return failed("error", format!("could not start: {e}")),
+        Err(e) => return failed(Status::Error, format!("could not start: {e}")),
     };
     let stdout = String::from_utf8_lossy(&out.stdout);
     if out.status.success() {
@@ -509,9 +509,9 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time
     #[cfg(not(unix))]
     let killed = false;
     match (oom_line, killed) {
-        (Some(line), _) => failed("oom", line.trim().to_string()),
-        (None, true) => failed("oom", "killed by SIGKILL (the kernel's OOM killer?)".into()),
-        _ => failed("error", if last.is_empty() { format!("exited with {}", out.status) } else { last }),
+        (Some(line), _) => failed(Status::Oom, line.trim().to_string()),
+        (None, true) => failed(Status::Oom, "killed by SIGKILL (the kernel's OOM killer?)".into()),
+        _ => failed(Status::Error, if last.is_empty() { format!("exited with {}", out.status) } else { last }),
     }
 }
 
@@ -541,11 +541,11 @@ pub fn die_with_parent(cmd: &mut Command) {
 }
 
 fn summary(r: &Record, off: Option<&Record>) -> String {
-    if r.status != "ok" {
+    if r.status != Status::Ok {
         return format!("{:<14} {:<18} {}: {}", r.model, r.policy, r.status, r.error);
     }
     let vs_off = off
-        .filter(|o| r.policy != "off" && o.status == "ok" && o.step_peak_bytes > 0)
+        .filter(|o| r.policy != "off" && o.status == Status::Ok && o.step_peak_bytes > 0)
         .map(|o| format!(" ({:.2}x off peak, {:.2}x off time)", r.step_peak_bytes as f64 / o.step_peak_bytes as f64, r.step_ms_median / o.step_ms_median))
         .unwrap_or_default();
     let grads = if r.grads_bit_identical { "grads = plain candle bit for bit" } else { "GRADS DIFFER FROM PLAIN CANDLE" };

@@ -58,14 +58,33 @@ pub struct Record {
     /// How many parameters the model has (what the gradient check expects gradients for).
     #[serde(skip)]
     pub n_params: usize,
-    /// `ok`, `oom` or `error`.
-    pub status: String,
+    pub status: Status,
     pub error: String,
     /// Memory timeline of the first timed step (JSON only), and the heap when that step began.
     #[serde(default)]
     pub timeline: Vec<Event>,
     #[serde(default)]
     pub timeline_base_bytes: u64,
+}
+
+/// How a configuration ended: measured, out of memory (a result: it does not fit), or failed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    Oom,
+    #[default]
+    Error,
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Status::Ok => "ok",
+            Status::Oom => "oom",
+            Status::Error => "error",
+        })
+    }
 }
 
 /// A ratio measured over several rounds: median, range, every round's value.
@@ -149,7 +168,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     rec.step_ms_median = times[times.len() / 2];
     rec.step_ms_min = times[0];
     rec.step_ms_max = times[times.len() - 1];
-    rec.status = "ok".into();
+    rec.status = Status::Ok;
     Ok(rec)
 }
 

@@ -2,6 +2,7 @@
 //! timelines, and peak activation memory against depth.
 
 use crate::measure::Record;
+use crate::measure::Status;
 use crate::report::Matrix;
 use anyhow::{anyhow, Result};
 use plotters::coord::Shift;
@@ -168,7 +169,9 @@ fn depth<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix, fits: &[
     let points = |policy: &str| -> Vec<(f64, f64)> {
         m.models(true)
             .iter()
-            .filter_map(|model| m.find(model, policy).filter(|r| r.status == "ok").map(|r| (depth_of(model) as f64, r.activation_peak_bytes as f64 / MIB)))
+            .filter_map(|model| {
+                m.find(model, policy).filter(|r| r.status == Status::Ok).map(|r| (depth_of(model) as f64, r.activation_peak_bytes as f64 / MIB))
+            })
             .collect()
     };
     let all: Vec<(f64, f64)> = fits.iter().flat_map(|(p, _)| points(p)).collect();

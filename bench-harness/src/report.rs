@@ -3,7 +3,7 @@
 //! side by side where it ran).
 
 use crate::baseline::Baseline;
-use crate::measure::Record;
+use crate::measure::{Record, Status};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
@@ -51,7 +51,7 @@ impl Matrix {
 
     /// The successful records of a model.
     pub fn ok_rows(&self, model: &str) -> Vec<&Record> {
-        self.records.iter().filter(|r| r.model == model && r.status == "ok").collect()
+        self.records.iter().filter(|r| r.model == model && r.status == Status::Ok).collect()
     }
 
     pub fn find(&self, model: &str, policy: &str) -> Option<&Record> {
@@ -86,7 +86,9 @@ impl Matrix {
                 let pts: Vec<(f64, f64)> = self
                     .models(true)
                     .iter()
-                    .filter_map(|m| self.find(m, p).filter(|r| r.status == "ok").map(|r| (crate::plot::depth_of(m) as f64, r.activation_peak_bytes as f64)))
+                    .filter_map(|m| {
+                        self.find(m, p).filter(|r| r.status == Status::Ok).map(|r| (crate::plot::depth_of(m) as f64, r.activation_peak_bytes as f64))
+                    })
                     .collect();
                 crate::plot::fit_exponent(&pts).map(|k| (p.to_string(), k))
             })
@@ -146,8 +148,8 @@ events. Times are medians of the timed steps after a warm-up.\n\n\
 |---|---|---|---|---|---|---|---|---|---|\n"
         );
         for b in &self.baselines {
-            let Some(r) = self.find(&b.model, &b.policy).filter(|r| r.status == "ok") else { continue };
-            if b.status != "ok" {
+            let Some(r) = self.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok) else { continue };
+            if b.status != Status::Ok {
                 let _ = writeln!(
                     out,
                     "| {} | {} | {} | {}: {} | | {:.0} ms | | | | |",
@@ -163,7 +165,7 @@ events. Times are medians of the timed steps after a warm-up.\n\n\
             let ours_vs_off = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max));
             let torch_vs_off = self
                 .find_baseline(&b.model, "off")
-                .filter(|o| o.status == "ok" && b.policy != "off")
+                .filter(|o| o.status == Status::Ok && b.policy != "off")
                 .map_or("-".into(), |o| format!("{:.2}x", b.step_ms_median / o.step_ms_median));
             let _ = writeln!(
                 out,
@@ -199,7 +201,7 @@ fresh process): median (min-max). \
             let model = model.as_str();
             let rows: Vec<&Record> = self.records.iter().filter(|r| r.model == model).collect();
             let first = rows[0];
-            let off = self.find(model, "off").filter(|r| r.status == "ok");
+            let off = self.find(model, "off").filter(|r| r.status == Status::Ok);
             let _ = write!(
                 out,
                 "\n## {model} (batch {}, {}, {}, {} threads): model state {}\n\n\
@@ -212,7 +214,7 @@ fresh process): median (min-max). \
                 mib(first.model_state_bytes)
             );
             for r in rows {
-                if r.status != "ok" {
+                if r.status != Status::Ok {
                     let _ = writeln!(out, "| {} | | | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
                     continue;
                 }
@@ -298,7 +300,7 @@ const COLUMNS: [Column; 29] = [
     Column { name: "grads_differing", ours: |r| r.grads_differing.to_string(), theirs: none },
     Column { name: "max_abs_diff", ours: |r| format!("{:e}", r.max_abs_diff), theirs: none },
     Column { name: "params_without_grad", ours: |r| r.params_without_grad.to_string(), theirs: none },
-    Column { name: "status", ours: |r| r.status.clone(), theirs: |b, _| b.status.clone() },
+    Column { name: "status", ours: |r| r.status.to_string(), theirs: |b, _| b.status.to_string() },
     Column { name: "error", ours: |r| quoted(&r.error), theirs: |b, _| quoted(&b.error) },
     Column { name: "time_vs_off_median", ours: |r| spread(r, |t| t.median), theirs: none },
     Column { name: "time_vs_off_min", ours: |r| spread(r, |t| t.min), theirs: none },

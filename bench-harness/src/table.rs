@@ -1,6 +1,7 @@
 //! `TABLE.md`: the article's A100 table next to the same columns measured by this matrix, and the
 //! depth sweep's fitted exponents.
 
+use crate::measure::Status;
 use crate::report::{mib, Matrix};
 use std::fmt::Write as _;
 
@@ -64,7 +65,7 @@ are quoted for comparison, not measured here.\n\n\
         );
         let found = row.models.iter().find_map(|name| Some((m.find(name, "off")?, m.find(name, TABLE_POLICY)?)));
         match found {
-            Some((off, ck)) if off.status == "ok" && ck.status == "ok" => {
+            Some((off, ck)) if off.status == Status::Ok && ck.status == Status::Ok => {
                 let total = |r: &crate::measure::Record| r.model_state_bytes + r.step_peak_bytes;
                 let _ = writeln!(
                     out,
@@ -105,7 +106,7 @@ least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|--
         }
         out.push_str("\n| L | activation peak off | activation peak sqrt | sqrt / off |\n|---|---|---|---|\n");
         for model in m.models(true) {
-            let peak = |p: &str| m.find(&model, p).filter(|r| r.status == "ok").map(|r| r.activation_peak_bytes);
+            let peak = |p: &str| m.find(&model, p).filter(|r| r.status == Status::Ok).map(|r| r.activation_peak_bytes);
             let cell = |b: Option<u64>| b.map_or("-".into(), mib);
             let ratio = peak("off").zip(peak("sqrt")).map_or("-".into(), |(o, s)| format!("{:.2}", s as f64 / o.max(1) as f64));
             let _ = writeln!(out, "| {} | {} | {} | {ratio} |", crate::plot::depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
