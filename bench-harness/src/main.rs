@@ -8,6 +8,7 @@ mod baseline;
 mod measure;
 mod plot;
 mod report;
+mod results;
 mod table;
 mod workloads;
 
@@ -17,7 +18,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use measure::{Record, Spread, Status};
 use remat::memory::CountingAlloc;
 use remat::Policy;
-use report::{mib, Matrix, Meta};
+use report::mib;
+use results::{Matrix, Meta};
 use std::path::PathBuf;
 use std::process::Command;
 use workloads::Workload;
@@ -255,7 +257,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     if !models && !depth {
         let dir = args.out.clone().unwrap_or_else(|| PathBuf::from(format!("results/{profile}-{}", common.device.replace(':', ""))));
         let matrix = Matrix::load(&dir)?.with_context(|| format!("{} has no matrix.json to render", dir.display()))?;
-        matrix.save(&dir)?;
+        report::save(&matrix, &dir)?;
         trainkit::say!("rendered {}", dir.display());
         return Ok(());
     }
@@ -362,7 +364,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
-    matrix.save(&dir)?;
+    report::save(&matrix, &dir)?;
     trainkit::say!("results in {}", dir.display());
     // An `oom` is a result; an error is not, and neither is a run where every configuration ran out.
     let failed: Vec<&str> = statuses.iter().filter(|(_, s)| *s == Status::Error).map(|(c, _)| c.as_str()).collect();

@@ -3,7 +3,7 @@
 
 use crate::measure::Record;
 use crate::measure::Status;
-use crate::report::Matrix;
+use crate::results::{depth_of, Matrix};
 use anyhow::{anyhow, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -200,32 +200,4 @@ fn depth<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix, fits: &[
     }
     chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperLeft).draw().map_err(plot_err)?;
     Ok(())
-}
-
-/// The depth of a depth-sweep model, named `depth-<L>`.
-pub fn depth_of(model: &str) -> usize {
-    model.strip_prefix(crate::workloads::DEPTH_PREFIX).and_then(|d| d.parse().ok()).unwrap_or(0)
-}
-
-/// Least-squares slope of log(y) against log(x): the exponent k of y ~ x^k.
-pub fn fit_exponent(points: &[(f64, f64)]) -> Option<f64> {
-    let pts: Vec<(f64, f64)> = points.iter().filter(|p| p.0 > 0.0 && p.1 > 0.0).map(|p| (p.0.ln(), p.1.ln())).collect();
-    if pts.len() < 2 {
-        return None;
-    }
-    let n = pts.len() as f64;
-    let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
-    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
-    (sxx > 0.0).then(|| sxy / sxx)
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn fits_a_power_law() {
-        let pts: Vec<(f64, f64)> = [16.0, 64.0, 256.0].iter().map(|&l: &f64| (l, 3.0 * l.powf(0.5))).collect();
-        assert!((super::fit_exponent(&pts).unwrap() - 0.5).abs() < 1e-9);
-        assert_eq!(super::fit_exponent(&pts[..1]), None);
-    }
 }

@@ -1,192 +1,95 @@
-//! Writing the matrix: `matrix.json` (everything), `matrix.csv` (one row per configuration and
-//! framework) and `matrix.md` (per model, each policy against `off` from the same run; PyTorch
-//! side by side where it ran).
+//! Writing the results: `matrix.csv` (one row per configuration and framework), `matrix.md` (per
+//! model, each policy against `off` from the same run; PyTorch side by side where it ran), and
+//! [`save`], which writes every file of a results folder.
 
 use crate::baseline::Baseline;
 use crate::measure::{Record, Status};
+use crate::results::Matrix;
 use anyhow::{Context, Result};
-use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::path::Path;
 
-/// Where and how the results were produced.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Meta {
-    pub machine: String,
-    pub candle_version: String,
-    pub git_commit: String,
-    pub command: String,
-    pub profile: String,
+/// Writes every file of a results folder: `matrix.json` (through a temporary file, so an
+/// interrupted write never loses finished configurations), the CSV, the Markdown, TABLE.md and
+/// the plots.
+pub fn save(m: &Matrix, dir: &Path) -> Result<()> {
+    m.save_json(dir)?;
+    std::fs::write(dir.join("matrix.csv"), csv(m)).with_context(|| format!("writing {}", dir.display()))?;
+    std::fs::write(dir.join("matrix.md"), markdown(m))?;
+    let fits = m.depth_fits();
+    std::fs::write(dir.join("TABLE.md"), crate::table::render(m, &fits))?;
+    crate::plot::all(dir, m, &fits)
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Matrix {
-    pub meta: Meta,
-    pub records: Vec<Record>,
-    /// The same configurations in PyTorch (`--baseline pytorch`).
-    #[serde(default)]
-    pub baselines: Vec<Baseline>,
+/// One row per record and per PyTorch baseline, the columns of [`COLUMNS`].
+pub fn csv(m: &Matrix) -> String {
+    let mut out = COLUMNS.iter().map(|c| c.name).collect::<Vec<_>>().join(",") + "\n";
+    for r in &m.records {
+        out += &(COLUMNS.iter().map(|c| (c.ours)(r)).collect::<Vec<_>>().join(",") + "\n");
+    }
+    for b in &m.baselines {
+        let ours = m.find(&b.model, &b.policy);
+        out += &(COLUMNS.iter().map(|c| (c.theirs)(b, ours)).collect::<Vec<_>>().join(",") + "\n");
+    }
+    out
 }
 
-impl Matrix {
-    pub fn load(dir: &Path) -> Result<Option<Matrix>> {
-        let path = dir.join("matrix.json");
-        if !path.exists() {
-            return Ok(None);
-        }
-        let text = std::fs::read_to_string(&path)?;
-        Ok(Some(serde_json::from_str(&text).with_context(|| format!("{} is not a matrix file", path.display()))?))
+/// Ours against PyTorch, configuration by configuration, as Markdown (empty without
+/// baselines): step peak above model state and step time, and each side's time / off.
+pub fn side_by_side(m: &Matrix) -> String {
+    if m.baselines.is_empty() {
+        return String::new();
     }
-
-    /// Model names in run order: the depth sweep's (`depth == true`) or the others.
-    pub fn models(&self, depth: bool) -> Vec<String> {
-        let mut names: Vec<String> = Vec::new();
-        for r in &self.records {
-            if r.model.starts_with(crate::workloads::DEPTH_PREFIX) == depth && !names.contains(&r.model) {
-                names.push(r.model.clone());
-            }
-        }
-        names
-    }
-
-    /// The successful records of a model.
-    pub fn ok_rows(&self, model: &str) -> Vec<&Record> {
-        self.records.iter().filter(|r| r.model == model && r.status == Status::Ok).collect()
-    }
-
-    pub fn find(&self, model: &str, policy: &str) -> Option<&Record> {
-        self.records.iter().find(|r| r.model == model && r.policy == policy)
-    }
-
-    /// Adds or replaces the record of its (model, policy).
-    pub fn put(&mut self, rec: Record) {
-        match self.records.iter_mut().find(|r| r.model == rec.model && r.policy == rec.policy) {
-            Some(slot) => *slot = rec,
-            None => self.records.push(rec),
-        }
-    }
-
-    pub fn find_baseline(&self, model: &str, policy: &str) -> Option<&Baseline> {
-        self.baselines.iter().find(|b| b.model == model && b.policy == policy)
-    }
-
-    /// Adds or replaces the PyTorch record of its (model, policy).
-    pub fn put_baseline(&mut self, b: Baseline) {
-        match self.baselines.iter_mut().find(|r| r.model == b.model && r.policy == b.policy) {
-            Some(slot) => *slot = b,
-            None => self.baselines.push(b),
-        }
-    }
-
-    /// The fitted exponents of activation peak against depth, for `off` and `sqrt`.
-    pub fn depth_fits(&self) -> Vec<(String, f64)> {
-        ["off", "sqrt"]
-            .iter()
-            .filter_map(|&p| {
-                let pts: Vec<(f64, f64)> = self
-                    .models(true)
-                    .iter()
-                    .filter_map(|m| {
-                        self.find(m, p).filter(|r| r.status == Status::Ok).map(|r| (crate::plot::depth_of(m) as f64, r.activation_peak_bytes as f64))
-                    })
-                    .collect();
-                crate::plot::fit_exponent(&pts).map(|k| (p.to_string(), k))
-            })
-            .collect()
-    }
-
-    /// Writes the matrix files, TABLE.md and the plots. The JSON goes through a temporary file so
-    /// an interrupted write never loses finished configurations.
-    pub fn save(&self, dir: &Path) -> Result<()> {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let tmp = dir.join("matrix.json.tmp");
-        std::fs::write(&tmp, serde_json::to_string_pretty(self)?)?;
-        std::fs::rename(&tmp, dir.join("matrix.json"))?;
-        std::fs::write(dir.join("matrix.csv"), self.csv())?;
-        std::fs::write(dir.join("matrix.md"), self.markdown())?;
-        let fits = self.depth_fits();
-        std::fs::write(dir.join("TABLE.md"), crate::table::render(self, &fits))?;
-        crate::plot::all(dir, self, &fits)
-    }
-
-    /// Writes only the JSON (after each configuration; plots are drawn once at the end).
-    pub fn save_json(&self, dir: &Path) -> Result<()> {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let tmp = dir.join("matrix.json.tmp");
-        std::fs::write(&tmp, serde_json::to_string_pretty(self)?)?;
-        std::fs::rename(&tmp, dir.join("matrix.json"))?;
-        Ok(())
-    }
-
-    /// One row per record and per PyTorch baseline, the columns of [`COLUMNS`].
-    pub fn csv(&self) -> String {
-        let mut out = COLUMNS.iter().map(|c| c.name).collect::<Vec<_>>().join(",") + "\n";
-        for r in &self.records {
-            out += &(COLUMNS.iter().map(|c| (c.ours)(r)).collect::<Vec<_>>().join(",") + "\n");
-        }
-        for b in &self.baselines {
-            let ours = self.find(&b.model, &b.policy);
-            out += &(COLUMNS.iter().map(|c| (c.theirs)(b, ours)).collect::<Vec<_>>().join(",") + "\n");
-        }
-        out
-    }
-
-    /// Ours against PyTorch, configuration by configuration, as Markdown (empty without
-    /// baselines): step peak above model state and step time, and each side's time / off.
-    pub fn side_by_side(&self) -> String {
-        if self.baselines.is_empty() {
-            return String::new();
-        }
-        let version = self.baselines.iter().find(|b| !b.framework_version.is_empty()).map_or("", |b| b.framework_version.as_str());
-        let mut out = format!(
-            "\n## Side by side with PyTorch {version}\n\nThe same configurations in PyTorch eager on the same machine, run right after ours \
+    let version = m.baselines.iter().find(|b| !b.framework_version.is_empty()).map_or("", |b| b.framework_version.as_str());
+    let mut out = format!(
+        "\n## Side by side with PyTorch {version}\n\nThe same configurations in PyTorch eager on the same machine, run right after ours \
 (`--baseline pytorch`: `scripts/torch_baseline.py`, torchvision/transformers models, `torch.utils.checkpoint(use_reentrant=False)` \
 on the same segments, the same optimizer, fp32, the same thread count). *Step peak*: the highest live bytes during a step \
 above the model state (parameters + optimizer state), ours from the counting allocator, PyTorch's from its profiler's allocation \
 events. Times are medians of the timed steps after a warm-up.\n\n\
 | model | policy | step peak: ours | step peak: PyTorch | ours / PyTorch | step time: ours | step time: PyTorch | ours / PyTorch | time / off: ours | time / off: PyTorch |\n\
 |---|---|---|---|---|---|---|---|---|---|\n"
-        );
-        for b in &self.baselines {
-            let Some(r) = self.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok) else { continue };
-            if b.status != Status::Ok {
-                let _ = writeln!(
-                    out,
-                    "| {} | {} | {} | {}: {} | | {:.0} ms | | | | |",
-                    b.model,
-                    b.policy,
-                    mib(r.step_peak_bytes),
-                    b.status,
-                    b.error.replace('|', "/"),
-                    r.step_ms_median
-                );
-                continue;
-            }
-            let ours_vs_off = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max));
-            let torch_vs_off = self
-                .find_baseline(&b.model, "off")
-                .filter(|o| o.status == Status::Ok && b.policy != "off")
-                .map_or("-".into(), |o| format!("{:.2}x", b.step_ms_median / o.step_ms_median));
+    );
+    for b in &m.baselines {
+        let Some(r) = m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok) else { continue };
+        if b.status != Status::Ok {
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {:.2}x | {:.0} ms | {:.0} ms | {:.2}x | {ours_vs_off} | {torch_vs_off} |",
+                "| {} | {} | {} | {}: {} | | {:.0} ms | | | | |",
                 b.model,
                 b.policy,
                 mib(r.step_peak_bytes),
-                mib(b.step_peak_bytes),
-                r.step_peak_bytes as f64 / b.step_peak_bytes.max(1) as f64,
-                r.step_ms_median,
-                b.step_ms_median,
-                r.step_ms_median / b.step_ms_median
+                b.status,
+                b.error.replace('|', "/"),
+                r.step_ms_median
             );
+            continue;
         }
-        out
+        let ours_vs_off = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max));
+        let torch_vs_off = m
+            .find_baseline(&b.model, "off")
+            .filter(|o| o.status == Status::Ok && b.policy != "off")
+            .map_or("-".into(), |o| format!("{:.2}x", b.step_ms_median / o.step_ms_median));
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {:.2}x | {:.0} ms | {:.0} ms | {:.2}x | {ours_vs_off} | {torch_vs_off} |",
+            b.model,
+            b.policy,
+            mib(r.step_peak_bytes),
+            mib(b.step_peak_bytes),
+            r.step_peak_bytes as f64 / b.step_peak_bytes.max(1) as f64,
+            r.step_ms_median,
+            b.step_ms_median,
+            r.step_ms_median / b.step_ms_median
+        );
     }
+    out
+}
 
-    pub fn markdown(&self) -> String {
-        let m = &self.meta;
-        let mut out = format!(
-            "# Checkpointing matrix: profile `{}`\n\nCommand: `{}`  \nMachine: {}  \ncandle {}, commit {}\n\n\
+pub fn markdown(m: &Matrix) -> String {
+    let meta = &m.meta;
+    let mut out = format!(
+        "# Checkpointing matrix: profile `{}`\n\nCommand: `{}`  \nMachine: {}  \ncandle {}, commit {}\n\n\
 Memory is heap bytes from the counting allocator above the model state (parameters + optimizer state); \
 ratios are against `off` of the same model in the same run. Times are medians of the timed steps after a warm-up. \
 *Activation peak* is what checkpointing acts on (forward and backward, parameter gradients excluded); *step peak* is the \
@@ -195,58 +98,57 @@ whole step, and *peak set in* says whether forward/backward or the optimizer upd
 fresh process): median (min-max). \
 *grads = plain candle*: one step of the policy through the executor (`off` included) against the same step in plain candle \
 (every stage in order, one `backward()`), every gradient and BatchNorm statistic compared bit for bit.\n",
-            m.profile, m.command, m.machine, m.candle_version, m.git_commit
-        );
-        for model in self.models(false).iter().chain(&self.models(true)) {
-            let model = model.as_str();
-            let rows: Vec<&Record> = self.records.iter().filter(|r| r.model == model).collect();
-            let first = rows[0];
-            let off = self.find(model, "off").filter(|r| r.status == Status::Ok);
-            let _ = write!(
-                out,
-                "\n## {model} (batch {}, {}, {}, {} threads): model state {}\n\n\
+        meta.profile, meta.command, meta.machine, meta.candle_version, meta.git_commit
+    );
+    for model in m.models(false).iter().chain(&m.models(true)) {
+        let model = model.as_str();
+        let rows: Vec<&Record> = m.records.iter().filter(|r| r.model == model).collect();
+        let first = rows[0];
+        let off = m.find(model, "off").filter(|r| r.status == Status::Ok);
+        let _ = write!(
+            out,
+            "\n## {model} (batch {}, {}, {}, {} threads): model state {}\n\n\
 | policy | segments | step peak | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | time / off, rounds | grads = plain candle (bits) | status |\n\
 |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
-                first.batch,
-                first.input,
-                first.dtype,
-                first.threads,
-                mib(first.model_state_bytes)
-            );
-            for r in rows {
-                if r.status != Status::Ok {
-                    let _ = writeln!(out, "| {} | | | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
-                    continue;
-                }
-                let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() };
-                let (peak, act, time) = match off {
-                    Some(o) => (
-                        ratio(r.step_peak_bytes as f64, o.step_peak_bytes as f64),
-                        ratio(r.activation_peak_bytes as f64, o.activation_peak_bytes as f64),
-                        ratio(r.step_ms_median, o.step_ms_median),
-                    ),
-                    None => ("-".into(), "-".into(), "-".into()),
-                };
-                let grads = if r.grads_bit_identical { "yes".to_string() } else { format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff) };
-                let rounds = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2}, {} rounds)", t.median, t.min, t.max, t.rounds.len()));
-                let _ = writeln!(
-                    out,
-                    "| {} | {} | {} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {rounds} | {grads} | ok |",
-                    r.policy,
-                    r.segments,
-                    mib(r.step_peak_bytes),
-                    if r.step_peak_bytes > r.fwd_bwd_peak_bytes { "optimizer" } else { "fwd/bwd" },
-                    mib(r.activation_peak_bytes),
-                    mib(r.rss_peak_delta_bytes),
-                    r.step_ms_median,
-                    r.step_ms_min,
-                    r.step_ms_max
-                );
+            first.batch,
+            first.input,
+            first.dtype,
+            first.threads,
+            mib(first.model_state_bytes)
+        );
+        for r in rows {
+            if r.status != Status::Ok {
+                let _ = writeln!(out, "| {} | | | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
+                continue;
             }
+            let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() };
+            let (peak, act, time) = match off {
+                Some(o) => (
+                    ratio(r.step_peak_bytes as f64, o.step_peak_bytes as f64),
+                    ratio(r.activation_peak_bytes as f64, o.activation_peak_bytes as f64),
+                    ratio(r.step_ms_median, o.step_ms_median),
+                ),
+                None => ("-".into(), "-".into(), "-".into()),
+            };
+            let grads = if r.grads_bit_identical { "yes".to_string() } else { format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff) };
+            let rounds = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2}, {} rounds)", t.median, t.min, t.max, t.rounds.len()));
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {rounds} | {grads} | ok |",
+                r.policy,
+                r.segments,
+                mib(r.step_peak_bytes),
+                if r.step_peak_bytes > r.fwd_bwd_peak_bytes { "optimizer" } else { "fwd/bwd" },
+                mib(r.activation_peak_bytes),
+                mib(r.rss_peak_delta_bytes),
+                r.step_ms_median,
+                r.step_ms_min,
+                r.step_ms_max
+            );
         }
-        out.push_str(&self.side_by_side());
-        out
     }
+    out.push_str(&side_by_side(m));
+    out
 }
 
 /// One column of `matrix.csv`, declared once: its name, its cell for one of our records, and its

@@ -2,7 +2,8 @@
 //! depth sweep's fitted exponents.
 
 use crate::measure::Status;
-use crate::report::{mib, Matrix};
+use crate::report::{mib, side_by_side};
+use crate::results::{depth_of, Matrix};
 use std::fmt::Write as _;
 
 /// One row of the article's table (section 4; ResNet-152 from section 1, GPT-2 from section 7).
@@ -100,7 +101,7 @@ it further: the activations column shows what it did to the memory it acts on. E
             "\n## Depth sweep (claim C2: O(sqrt L) memory)\n\nGPT-2 blocks of fixed width, activation peak against the number of blocks L, \
 least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|---|---|---|\n"
         );
-        let depths: Vec<String> = m.models(true).iter().map(|d| crate::plot::depth_of(d).to_string()).collect();
+        let depths: Vec<String> = m.models(true).iter().map(|d| depth_of(d).to_string()).collect();
         for (policy, k) in fits {
             let _ = writeln!(out, "| {policy} | {} | {k:.2} |", depths.join(", "));
         }
@@ -109,9 +110,9 @@ least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|--
             let peak = |p: &str| m.find(&model, p).filter(|r| r.status == Status::Ok).map(|r| r.activation_peak_bytes);
             let cell = |b: Option<u64>| b.map_or("-".into(), mib);
             let ratio = peak("off").zip(peak("sqrt")).map_or("-".into(), |(o, s)| format!("{:.2}", s as f64 / o.max(1) as f64));
-            let _ = writeln!(out, "| {} | {} | {} | {ratio} |", crate::plot::depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
+            let _ = writeln!(out, "| {} | {} | {} | {ratio} |", depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
         }
     }
-    out.push_str(&m.side_by_side());
+    out.push_str(&side_by_side(m));
     out
 }

@@ -1,0 +1,131 @@
+//! The results of a matrix run and the questions asked of them (records by configuration, the
+//! depth sweep's exponent); `matrix.json` is their file. Rendering them (CSV, Markdown, table,
+//! plots) is the job of `report`, `table` and `plot`, which read this module; it renders nothing.
+
+use crate::baseline::Baseline;
+use crate::measure::{Record, Status};
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// Where and how the results were produced.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Meta {
+    pub machine: String,
+    pub candle_version: String,
+    pub git_commit: String,
+    pub command: String,
+    pub profile: String,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Matrix {
+    pub meta: Meta,
+    pub records: Vec<Record>,
+    /// The same configurations in PyTorch (`--baseline pytorch`).
+    #[serde(default)]
+    pub baselines: Vec<Baseline>,
+}
+
+impl Matrix {
+    pub fn load(dir: &Path) -> Result<Option<Matrix>> {
+        let path = dir.join("matrix.json");
+        if !path.exists() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&path)?;
+        Ok(Some(serde_json::from_str(&text).with_context(|| format!("{} is not a matrix file", path.display()))?))
+    }
+
+    /// Model names in run order: the depth sweep's (`depth == true`) or the others.
+    pub fn models(&self, depth: bool) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for r in &self.records {
+            if r.model.starts_with(crate::workloads::DEPTH_PREFIX) == depth && !names.contains(&r.model) {
+                names.push(r.model.clone());
+            }
+        }
+        names
+    }
+
+    /// The successful records of a model.
+    pub fn ok_rows(&self, model: &str) -> Vec<&Record> {
+        self.records.iter().filter(|r| r.model == model && r.status == Status::Ok).collect()
+    }
+
+    pub fn find(&self, model: &str, policy: &str) -> Option<&Record> {
+        self.records.iter().find(|r| r.model == model && r.policy == policy)
+    }
+
+    /// Adds or replaces the record of its (model, policy).
+    pub fn put(&mut self, rec: Record) {
+        match self.records.iter_mut().find(|r| r.model == rec.model && r.policy == rec.policy) {
+            Some(slot) => *slot = rec,
+            None => self.records.push(rec),
+        }
+    }
+
+    pub fn find_baseline(&self, model: &str, policy: &str) -> Option<&Baseline> {
+        self.baselines.iter().find(|b| b.model == model && b.policy == policy)
+    }
+
+    /// Adds or replaces the PyTorch record of its (model, policy).
+    pub fn put_baseline(&mut self, b: Baseline) {
+        match self.baselines.iter_mut().find(|r| r.model == b.model && r.policy == b.policy) {
+            Some(slot) => *slot = b,
+            None => self.baselines.push(b),
+        }
+    }
+
+    /// The fitted exponents of activation peak against depth, for `off` and `sqrt`.
+    pub fn depth_fits(&self) -> Vec<(String, f64)> {
+        ["off", "sqrt"]
+            .iter()
+            .filter_map(|&p| {
+                let pts: Vec<(f64, f64)> = self
+                    .models(true)
+                    .iter()
+                    .filter_map(|m| self.find(m, p).filter(|r| r.status == Status::Ok).map(|r| (depth_of(m) as f64, r.activation_peak_bytes as f64)))
+                    .collect();
+                fit_exponent(&pts).map(|k| (p.to_string(), k))
+            })
+            .collect()
+    }
+
+    /// Writes only the JSON (after each configuration; plots are drawn once at the end).
+    pub fn save_json(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let tmp = dir.join("matrix.json.tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(self)?)?;
+        std::fs::rename(&tmp, dir.join("matrix.json"))?;
+        Ok(())
+    }
+}
+
+/// The depth of a depth-sweep model, named `depth-<L>`.
+pub fn depth_of(model: &str) -> usize {
+    model.strip_prefix(crate::workloads::DEPTH_PREFIX).and_then(|d| d.parse().ok()).unwrap_or(0)
+}
+
+/// Least-squares slope of log(y) against log(x): the exponent k of y ~ x^k.
+pub fn fit_exponent(points: &[(f64, f64)]) -> Option<f64> {
+    let pts: Vec<(f64, f64)> = points.iter().filter(|p| p.0 > 0.0 && p.1 > 0.0).map(|p| (p.0.ln(), p.1.ln())).collect();
+    if pts.len() < 2 {
+        return None;
+    }
+    let n = pts.len() as f64;
+    let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    (sxx > 0.0).then(|| sxy / sxx)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fits_a_power_law() {
+        let pts: Vec<(f64, f64)> = [16.0, 64.0, 256.0].iter().map(|&l: &f64| (l, 3.0 * l.powf(0.5))).collect();
+        assert!((super::fit_exponent(&pts).unwrap() - 0.5).abs() < 1e-9);
+        assert_eq!(super::fit_exponent(&pts[..1]), None);
+    }
+}
