@@ -48,7 +48,7 @@ fn gpt2(model: &str, config: gpt2::Config, batch: usize, seq: usize) -> Workload
 }
 
 fn resnet(model: &str, preset: &str, batch: usize, size: usize) -> Workload {
-    let config = resnet::Config { classes: 10, ..preset.parse().expect("known preset") };
+    let config = resnet::Config { classes: 10, ..preset.parse::<resnet::Preset>().expect("known preset").config() };
     Workload { model: model.into(), batch, kind: Kind::ResNet { config, size } }
 }
 
@@ -57,7 +57,7 @@ fn bert(model: &str, config: bert::Config, batch: usize, seq: usize) -> Workload
 }
 
 fn unet3d(model: &str, preset: &str, batch: usize, side: usize) -> Workload {
-    Workload { model: model.into(), batch, kind: Kind::UNet3d { config: preset.parse().expect("known preset"), side } }
+    Workload { model: model.into(), batch, kind: Kind::UNet3d { config: preset.parse::<unet3d::Preset>().expect("known preset").config(), side } }
 }
 
 /// The configurations of a profile.
@@ -94,7 +94,7 @@ pub fn profile(name: &str) -> Result<Vec<Workload>> {
 }
 
 fn bert_preset(name: &str) -> bert::Config {
-    bert::Config::preset(name).expect("known preset")
+    name.parse::<bert::Preset>().expect("known preset").config()
 }
 
 /// Models of the depth sweep are named `depth-<L>`.

@@ -53,18 +53,40 @@ fn default_eps() -> f64 {
 
 const PRESETS: &str = "tiny, base (110M), large (340M)";
 
-impl Config {
-    /// A preset: `tiny` (tests), `base` (12 x 768), `large` (24 x 1024).
-    pub fn preset(name: &str) -> std::result::Result<Self, String> {
-        let (layers, hidden, heads) = match name {
-            "tiny" => return Ok(Self::tiny(4, 32)),
-            "base" => (12, 768, 12),
-            "large" => (24, 1024, 16),
-            _ => return Err(format!("unknown BERT preset `{name}`; valid presets: {PRESETS}")),
-        };
-        Ok(Config { vocab_size: 30522, ..Self::sized(layers, hidden, heads) })
-    }
+/// The published sizes, plus `tiny` for tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preset {
+    Tiny,
+    Base,
+    Large,
+}
 
+impl std::str::FromStr for Preset {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Ok(match s {
+            "tiny" => Preset::Tiny,
+            "base" => Preset::Base,
+            "large" => Preset::Large,
+            _ => return Err(format!("unknown BERT preset `{s}`; valid presets: {PRESETS}")),
+        })
+    }
+}
+
+impl Preset {
+    /// `tiny` (tests), `base` (12 x 768), `large` (24 x 1024).
+    pub fn config(self) -> Config {
+        let (layers, hidden, heads) = match self {
+            Preset::Tiny => return Config::tiny(4, 32),
+            Preset::Base => (12, 768, 12),
+            Preset::Large => (24, 1024, 16),
+        };
+        Config { vocab_size: 30522, ..Config::sized(layers, hidden, heads) }
+    }
+}
+
+impl Config {
     /// A small model of `layers` layers of width `hidden` (4 heads) over a 512-word vocabulary.
     pub fn tiny(layers: usize, hidden: usize) -> Self {
         Config { vocab_size: 512, max_position_embeddings: 256, ..Self::sized(layers, hidden, 4) }

@@ -1,7 +1,7 @@
 //! `train-bert`: masked-LM training of BERT with activation checkpointing.
 
 use anyhow::{bail, Context, Result};
-use bert::{Bert, Config, MlmData};
+use bert::{Bert, Config, MlmData, Preset};
 use candle_nn::Optimizer;
 use clap::Parser;
 use datasets::text::WordVocab;
@@ -19,7 +19,7 @@ static ALLOC: CountingAlloc = CountingAlloc;
 struct Args {
     /// tiny, base (110M), large (340M).
     #[arg(long, default_value = "base")]
-    preset: String,
+    preset: Preset,
     /// A Hugging Face config.json; overrides --preset.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -66,7 +66,7 @@ fn main() -> Result<()> {
     };
     let config = match (&args.config, &hub) {
         (Some(path), _) | (None, Some((path, _))) => Config::from_json(path).map_err(anyhow::Error::msg)?,
-        (None, None) => Config::preset(&args.preset).map_err(anyhow::Error::msg)?,
+        (None, None) => args.preset.config(),
     };
     if args.seq > config.max_position_embeddings {
         bail!("--seq {} exceeds the model's max_position_embeddings ({})", args.seq, config.max_position_embeddings);

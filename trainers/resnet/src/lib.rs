@@ -24,21 +24,45 @@ pub struct Config {
 
 const PRESETS: &str = "tiny, resnet18, resnet34, resnet50, resnet101, resnet152";
 
-impl FromStr for Config {
+/// The published depths, plus `tiny` for tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preset {
+    Tiny,
+    Resnet18,
+    Resnet34,
+    Resnet50,
+    Resnet101,
+    Resnet152,
+}
+
+impl FromStr for Preset {
     type Err = String;
 
-    /// A preset name, with 1000 classes (set `classes` after).
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let (bottleneck, layers, width) = match s {
-            "tiny" => (true, [1, 2, 2, 1], 8),
-            "resnet18" => (false, [2, 2, 2, 2], 64),
-            "resnet34" => (false, [3, 4, 6, 3], 64),
-            "resnet50" => (true, [3, 4, 6, 3], 64),
-            "resnet101" => (true, [3, 4, 23, 3], 64),
-            "resnet152" => (true, [3, 8, 36, 3], 64),
+        Ok(match s {
+            "tiny" => Preset::Tiny,
+            "resnet18" => Preset::Resnet18,
+            "resnet34" => Preset::Resnet34,
+            "resnet50" => Preset::Resnet50,
+            "resnet101" => Preset::Resnet101,
+            "resnet152" => Preset::Resnet152,
             _ => return Err(format!("unknown ResNet preset `{s}`; valid presets: {PRESETS}")),
+        })
+    }
+}
+
+impl Preset {
+    /// The preset's configuration, with 1000 classes (set `classes` after).
+    pub fn config(self) -> Config {
+        let (bottleneck, layers, width) = match self {
+            Preset::Tiny => (true, [1, 2, 2, 1], 8),
+            Preset::Resnet18 => (false, [2, 2, 2, 2], 64),
+            Preset::Resnet34 => (false, [3, 4, 6, 3], 64),
+            Preset::Resnet50 => (true, [3, 4, 6, 3], 64),
+            Preset::Resnet101 => (true, [3, 4, 23, 3], 64),
+            Preset::Resnet152 => (true, [3, 8, 36, 3], 64),
         };
-        Ok(Config { bottleneck, layers, width, classes: 1000 })
+        Config { bottleneck, layers, width, classes: 1000 }
     }
 }
 

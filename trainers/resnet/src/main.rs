@@ -8,7 +8,7 @@ use layers::Model;
 use layers::{AdamW, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
-use resnet::{Config, ResNet};
+use resnet::{Config, Preset, ResNet};
 use std::path::PathBuf;
 
 #[global_allocator]
@@ -25,7 +25,7 @@ enum Opt {
 struct Args {
     /// tiny, resnet18, resnet34, resnet50, resnet101, resnet152.
     #[arg(long, default_value = "resnet50")]
-    preset: Config,
+    preset: Preset,
     /// off, sqrt, every-two-blocks, before-downsample, every-n=K, explicit=I,J,...
     #[arg(long, default_value = "before-downsample")]
     policy: Policy,
@@ -91,7 +91,7 @@ fn main() -> Result<()> {
         None => (Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.run.seed)), args.classes),
     };
     let device = trainkit::device(&args.run.device)?;
-    let model = ResNet::new(Config { classes, ..args.preset.clone() }, &device, args.run.seed)?;
+    let model = ResNet::new(Config { classes, ..args.preset.config() }, &device, args.run.seed)?;
     if let Some(path) = &args.init {
         model.load_snapshot(path)?;
     }

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 type Bits = BTreeMap<String, Vec<u32>>;
 
 fn tiny() -> Config {
-    Config { classes: 4, ..("tiny".parse().unwrap()) }
+    Config { classes: 4, ..resnet::Preset::Tiny.config() }
 }
 
 /// Two SGD steps of a tiny bottleneck ResNet: per step (loss bits, gradient bits), then the
@@ -86,14 +86,14 @@ fn every_parameter_receives_a_nonzero_gradient() {
 fn published_parameter_counts() {
     // torchvision's resnet18, resnet50, resnet152 (1000 classes), counted from the shapes...
     for (preset, count) in [("resnet18", 11_689_512), ("resnet50", 25_557_032), ("resnet152", 60_192_808)] {
-        assert_eq!(preset.parse::<Config>().unwrap().parameter_count(), count, "{preset}");
+        assert_eq!(preset.parse::<resnet::Preset>().unwrap().config().parameter_count(), count, "{preset}");
     }
     // ...which are the parameters the model builds (checked where building is cheap).
     for preset in ["tiny", "resnet18"] {
-        let config: Config = preset.parse().unwrap();
+        let config: Config = preset.parse::<resnet::Preset>().unwrap().config();
         assert_eq!(ResNet::new(config.clone(), &Device::Cpu, 0).unwrap().params().count(), config.parameter_count(), "{preset}");
     }
-    assert!("resnet51".parse::<Config>().unwrap_err().contains("resnet50"));
+    assert!("resnet51".parse::<resnet::Preset>().unwrap_err().contains("resnet50"));
 }
 
 #[test]

@@ -15,7 +15,7 @@ static ALLOC: CountingAlloc = CountingAlloc;
 
 fn peaks(policy: &str) -> Peaks {
     let (batch, size) = (2, 128);
-    let model = ResNet::new(Config { classes: 4, ..("tiny".parse().unwrap()) }, &Device::Cpu, 1).unwrap();
+    let model = ResNet::new(Config { classes: 4, ..resnet::Preset::Tiny.config() }, &Device::Cpu, 1).unwrap();
     let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 1).unwrap();
     let data = SyntheticImages::new(4, size, 1);
     trainkit::second_step_peaks(&exec, |step| {
@@ -53,7 +53,7 @@ fn checkpointing_lowers_the_step_peak_and_nothing_leaks() {
 /// that does arithmetic on Vars without detaching keeps every earlier step's tensors alive.
 fn training_does_not_grow_the_heap() {
     use candle_nn::Optimizer;
-    let model = ResNet::new(Config { classes: 4, ..("tiny".parse().unwrap()) }, &Device::Cpu, 1).unwrap();
+    let model = ResNet::new(Config { classes: 4, ..resnet::Preset::Tiny.config() }, &Device::Cpu, 1).unwrap();
     let exec = Executor::new(model.graph(), &"sqrt".parse().unwrap(), model.params().vars(), 1).unwrap();
     let mut opt = layers::SgdMomentum::new(model.params().vars(), Default::default()).unwrap();
     let data = SyntheticImages::new(4, 32, 1);

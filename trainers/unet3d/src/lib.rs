@@ -42,18 +42,36 @@ pub struct Config {
 
 const PRESETS: &str = "tiny, small (16-32-64-128), cicek (32-64-128-256, 512 at the bottom)";
 
-impl FromStr for Config {
+/// The sizes this crate trains: `tiny` for tests, `small`, and Çiçek et al.'s widths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preset {
+    Tiny,
+    Small,
+    Cicek,
+}
+
+impl FromStr for Preset {
     type Err = String;
 
-    /// A preset with one input channel, three classes (background, sphere, cube), BatchNorm.
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let (base, levels) = match s {
-            "tiny" => (4, 2),
-            "small" => (16, 3),
-            "cicek" => (32, 3),
+        Ok(match s {
+            "tiny" => Preset::Tiny,
+            "small" => Preset::Small,
+            "cicek" => Preset::Cicek,
             _ => return Err(format!("unknown 3D U-Net preset `{s}`; valid presets: {PRESETS}")),
+        })
+    }
+}
+
+impl Preset {
+    /// The preset with one input channel, three classes (background, sphere, cube), BatchNorm.
+    pub fn config(self) -> Config {
+        let (base, levels) = match self {
+            Preset::Tiny => (4, 2),
+            Preset::Small => (16, 3),
+            Preset::Cicek => (32, 3),
         };
-        Ok(Config { base, levels, in_channels: 1, classes: 3, norm: Norm::Batch, loss: Loss::CrossEntropy })
+        Config { base, levels, in_channels: 1, classes: 3, norm: Norm::Batch, loss: Loss::CrossEntropy }
     }
 }
 

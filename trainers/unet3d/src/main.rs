@@ -9,7 +9,7 @@ use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use std::path::PathBuf;
-use unet3d::{Config, Loss, Norm, UNet3d};
+use unet3d::{Config, Loss, Norm, Preset, UNet3d};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -25,7 +25,7 @@ enum LossArg {
 struct Args {
     /// tiny, small (16-32-64-128), cicek (32-64-128-256, 512 at the bottom).
     #[arg(long, default_value = "small")]
-    preset: Config,
+    preset: Preset,
     /// off, sqrt, every-two-blocks, before-downsample, every-n=K, explicit=I,J,...
     #[arg(long, default_value = "before-downsample")]
     policy: Policy,
@@ -88,7 +88,7 @@ fn main() -> Result<()> {
             LossArg::Ce => Loss::CrossEntropy,
             LossArg::CeDice => Loss::CrossEntropyDice,
         },
-        ..args.preset.clone()
+        ..args.preset.config()
     };
     let device = trainkit::device(&args.run.device)?;
     let model = UNet3d::new(config, &device, args.run.seed)?;

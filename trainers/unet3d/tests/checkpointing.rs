@@ -13,7 +13,7 @@ use unet3d::{Config, Loss, UNet3d};
 type Bits = BTreeMap<String, Vec<u32>>;
 
 fn tiny() -> Config {
-    "tiny".parse().unwrap()
+    unet3d::Preset::Tiny.config()
 }
 
 fn train(config: &Config, policy: &str) -> (Vec<(u32, Bits)>, Bits) {
@@ -97,12 +97,12 @@ fn before_downsample_stores_exactly_the_skip_tensors() {
 
 #[test]
 fn presets_have_the_paper_widths() {
-    let model = UNet3d::new("cicek".parse().unwrap(), &Device::Cpu, 0).unwrap();
+    let model = UNet3d::new(unet3d::Preset::Cicek.config(), &Device::Cpu, 0).unwrap();
     let width = |name: &str| model.params().named().find(|(n, _)| *n == name).map(|(_, v)| v.dims()[0]).unwrap();
     let widths: Vec<usize> =
         ["enc.0.conv1.weight", "enc.1.conv1.weight", "enc.2.conv1.weight", "bottom.conv1.weight", "bottom.conv2.weight"].iter().map(|n| width(n)).collect();
     assert_eq!(widths, [32, 64, 128, 256, 512]);
-    assert!("big".parse::<Config>().unwrap_err().contains("cicek"));
+    assert!("big".parse::<unet3d::Preset>().unwrap_err().contains("cicek"));
 }
 
 #[test]

@@ -15,7 +15,7 @@ static ALLOC: CountingAlloc = CountingAlloc;
 
 fn peaks(policy: &str) -> Peaks {
     let side = 24;
-    let model = UNet3d::new("tiny".parse().unwrap(), &Device::Cpu, 1).unwrap();
+    let model = UNet3d::new(unet3d::Preset::Tiny.config(), &Device::Cpu, 1).unwrap();
     let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 1).unwrap();
     let data = SyntheticVolumes::new(side, 1);
     trainkit::second_step_peaks(&exec, |step| {
