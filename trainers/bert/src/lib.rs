@@ -108,11 +108,8 @@ impl Config {
     }
 
     /// Reads a Hugging Face `config.json`; errors name the file and the field.
-    pub fn from_json(path: &std::path::Path) -> std::result::Result<Self, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let c: Config = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        c.validate().map_err(|e| format!("{}: {e}", path.display()))?;
-        Ok(c)
+    pub fn from_json(path: &std::path::Path) -> std::result::Result<Self, layers::ConfigError> {
+        layers::read_config(path, Config::validate)
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {

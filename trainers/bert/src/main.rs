@@ -65,7 +65,7 @@ fn main() -> Result<()> {
         None => None,
     };
     let config = match (&args.config, &hub) {
-        (Some(path), _) | (None, Some((path, _))) => Config::from_json(path).map_err(anyhow::Error::msg)?,
+        (Some(path), _) | (None, Some((path, _))) => Config::from_json(path)?,
         (None, None) => args.preset.config(),
     };
     if args.seq > config.max_position_embeddings {

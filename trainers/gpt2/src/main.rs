@@ -49,7 +49,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     trainkit::check_lr(args.lr)?;
     let config = match &args.config {
-        Some(path) => Config::from_json(path).map_err(anyhow::Error::msg)?,
+        Some(path) => Config::from_json(path)?,
         None => args.preset.config(),
     };
     if args.seq == 0 || args.seq > config.n_positions {

@@ -23,6 +23,7 @@
 //! Model code lives in the trainer crates; the checkpointing engine in `remat`.
 
 mod batchnorm;
+mod config;
 mod conv3d;
 pub mod fused;
 mod model;
@@ -32,6 +33,7 @@ mod params;
 mod pool;
 
 pub use batchnorm::BatchNorm;
+pub use config::{read_config, ConfigError};
 pub use conv3d::{conv2d, conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
 pub use model::Model;
 pub use norm::{GroupNorm, LayerNorm};

@@ -1,0 +1,22 @@
+//! Reading a model's configuration file (a Hugging Face `config.json`): one reader, one error type
+//! that names the file and what is wrong, for every model crate.
+
+use std::path::Path;
+
+/// A configuration file that cannot be read, parsed, or describes no valid model.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {reason}")]
+pub struct ConfigError {
+    pub path: String,
+    /// What is wrong, naming the field where one is at fault.
+    pub reason: String,
+}
+
+/// Reads the JSON file at `path` into `T` and checks it with `validate` (which names the field).
+pub fn read_config<T: serde::de::DeserializeOwned>(path: &Path, validate: impl FnOnce(&T) -> Result<(), String>) -> Result<T, ConfigError> {
+    let fail = |reason: String| ConfigError { path: path.display().to_string(), reason };
+    let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
+    let config: T = serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;
+    validate(&config).map_err(fail)?;
+    Ok(config)
+}
