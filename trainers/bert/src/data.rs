@@ -2,6 +2,17 @@
 
 use remat::rng::RngKey;
 
+/// Why masked-LM data cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum MlmDataError {
+    #[error("the vocabulary has {have} tokens, the model only {max} (vocab_size)")]
+    VocabularyTooLarge { have: usize, max: usize },
+    #[error("sequence length {0} is too short for [CLS] ... [SEP]")]
+    SequenceTooShort(usize),
+    #[error(transparent)]
+    Tokens(#[from] datasets::tokens::DataError),
+}
+
 /// One masked-LM batch: inputs with 15% of the tokens masked, and what the loss scores.
 pub struct MaskedBatch {
     pub input_ids: Vec<u32>,
@@ -45,12 +56,12 @@ pub struct MlmData {
 
 impl MlmData {
     /// `vocab_size` is the model's; the text's vocabulary must fit in it.
-    pub fn new(text: &str, vocab: datasets::text::WordVocab, vocab_size: usize, seq: usize, seed: u64) -> anyhow::Result<Self> {
+    pub fn new(text: &str, vocab: datasets::text::WordVocab, vocab_size: usize, seq: usize, seed: u64) -> Result<Self, MlmDataError> {
         if vocab.len() > vocab_size {
-            anyhow::bail!("the vocabulary has {} tokens, the model only {vocab_size} (vocab_size)", vocab.len());
+            return Err(MlmDataError::VocabularyTooLarge { have: vocab.len(), max: vocab_size });
         }
         if seq < 3 {
-            anyhow::bail!("sequence length {seq} is too short for [CLS] ... [SEP]");
+            return Err(MlmDataError::SequenceTooShort(seq));
         }
         let ids: Vec<u16> = vocab.encode(text).into_iter().map(|i| i as u16).collect();
         let windows = datasets::tokens::Batcher::new(ids, seq - 2, vocab_size, seed)?;
@@ -58,7 +69,7 @@ impl MlmData {
     }
 
     /// The default data: the synthetic corpus with its own word vocabulary.
-    pub fn synthetic(vocab_size: usize, seq: usize, seed: u64) -> anyhow::Result<Self> {
+    pub fn synthetic(vocab_size: usize, seq: usize, seed: u64) -> Result<Self, MlmDataError> {
         let text = datasets::text::synthetic_corpus(seed, 1 << 19);
         let vocab = datasets::text::WordVocab::build(&text);
         Self::new(&text, vocab, vocab_size, seq, seed)

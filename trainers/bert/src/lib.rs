@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 mod data;
 mod hub;
-pub use data::{mask_tokens, MaskedBatch, MlmData};
-pub use hub::hub_files;
+pub use data::{mask_tokens, MaskedBatch, MlmData, MlmDataError};
+pub use hub::{hub_files, HubError};
 
 /// Hyper-parameters, with Hugging Face's `config.json` field names.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
