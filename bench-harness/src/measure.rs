@@ -55,9 +55,6 @@ pub struct Record {
     pub max_abs_diff: f64,
     /// Parameters whose gradient is missing or all zero.
     pub params_without_grad: usize,
-    /// How many parameters the model has (what the gradient check expects gradients for).
-    #[serde(skip)]
-    pub n_params: usize,
     pub status: Status,
     pub error: String,
     /// Memory timeline of the first timed step (JSON only), and the heap when that step began.
@@ -162,7 +159,6 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         }
     }
     rec.reserved_bytes = counter.reserved();
-    rec.n_params = inst.store().vars().len();
     times.sort_by(f64::total_cmp);
     rec.timed_steps = times.len();
     rec.step_ms_median = times[times.len() / 2];
@@ -178,7 +174,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
 /// `--no-rng-replay`): it exists only to show the check can fail.
 pub fn check(rec: &mut Record, w: &Workload, policy: &Policy, seed: u64, device: &Device, replay_rng: bool) -> Result<()> {
     set_activity(Activity::GradCheck, None);
-    let check = gradcheck(w, policy, seed, device, rec.n_params, replay_rng)?;
+    let check = gradcheck(w, policy, seed, device, replay_rng)?;
     rec.grads_bit_identical = check.differing == 0;
     rec.grads_differing = check.differing;
     rec.max_abs_diff = check.max_abs_diff;
@@ -203,24 +199,24 @@ fn plain_step(w: &Workload, seed: u64, device: &Device) -> Result<Fingerprint> {
     Ok((inst.store().grad_bits(&grads)?, inst.store().buffer_bits()?))
 }
 
-/// Step 0 through the executor under `policy`, on a freshly built model.
-fn executor_step(w: &Workload, policy: &Policy, seed: u64, device: &Device, replay_rng: bool) -> Result<Fingerprint> {
+/// Step 0 through the executor under `policy`, on a freshly built model; and how many parameters
+/// the model has.
+fn executor_step(w: &Workload, policy: &Policy, seed: u64, device: &Device, replay_rng: bool) -> Result<(Fingerprint, usize)> {
     let inst = w.build(device, seed)?;
     let mut exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
     if !replay_rng {
         exec = exec.without_rng_replay();
     }
     let out = exec.step(&inst.inputs(0)?, 0)?;
-    Ok((inst.store().grad_bits(&out.grads)?, inst.store().buffer_bits()?))
+    Ok(((inst.store().grad_bits(&out.grads)?, inst.store().buffer_bits()?), inst.store().vars().len()))
 }
 
 /// One step in plain candle and one through the executor under `policy` (`off` included), on
 /// identical weights, batch and seed: every gradient element and every buffer element compared
-/// bit for bit. `n_params`: how many parameters the model has, each of which must receive a
-/// non-zero gradient.
-fn gradcheck(w: &Workload, policy: &Policy, seed: u64, device: &Device, n_params: usize, replay_rng: bool) -> Result<GradCheck> {
+/// bit for bit; and every parameter must receive a non-zero gradient.
+fn gradcheck(w: &Workload, policy: &Policy, seed: u64, device: &Device, replay_rng: bool) -> Result<GradCheck> {
     let (ref_grads, ref_bufs) = plain_step(w, seed, device)?;
-    let (grads, bufs) = executor_step(w, policy, seed, device, replay_rng)?;
+    let ((grads, bufs), n_params) = executor_step(w, policy, seed, device, replay_rng)?;
     let zero = grads.values().filter(|g| g.iter().all(|&x| f32::from_bits(x) == 0.0)).count();
     let mut check = GradCheck { differing: 0, max_abs_diff: 0.0, without_grad: n_params - grads.len() + zero };
     let pairs = ref_grads.iter().map(|(n, a)| (a, grads.get(n))).chain(ref_bufs.iter().map(|(n, a)| (a, bufs.get(n))));

@@ -59,10 +59,7 @@ impl Matrix {
 
     /// Adds or replaces the record of its (model, policy).
     pub fn put(&mut self, rec: Record) {
-        match self.records.iter_mut().find(|r| r.model == rec.model && r.policy == rec.policy) {
-            Some(slot) => *slot = rec,
-            None => self.records.push(rec),
-        }
+        replace_or_push(&mut self.records, rec, |r| (&r.model, &r.policy));
     }
 
     pub fn find_baseline(&self, model: &str, policy: &str) -> Option<&Baseline> {
@@ -71,10 +68,7 @@ impl Matrix {
 
     /// Adds or replaces the PyTorch record of its (model, policy).
     pub fn put_baseline(&mut self, b: Baseline) {
-        match self.baselines.iter_mut().find(|r| r.model == b.model && r.policy == b.policy) {
-            Some(slot) => *slot = b,
-            None => self.baselines.push(b),
-        }
+        replace_or_push(&mut self.baselines, b, |r| (&r.model, &r.policy));
     }
 
     /// The fitted exponents of activation peak against depth, for `off` and `sqrt`.
@@ -99,6 +93,14 @@ impl Matrix {
         std::fs::write(&tmp, serde_json::to_string_pretty(self)?)?;
         std::fs::rename(&tmp, dir.join("matrix.json"))?;
         Ok(())
+    }
+}
+
+/// Replaces the item of `list` with `item`'s key, or appends `item`.
+fn replace_or_push<T>(list: &mut Vec<T>, item: T, key: impl Fn(&T) -> (&String, &String)) {
+    match list.iter().position(|x| key(x) == key(&item)) {
+        Some(at) => list[at] = item,
+        None => list.push(item),
     }
 }
 

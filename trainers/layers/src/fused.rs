@@ -47,7 +47,7 @@ pub(crate) fn fused(t: &Tensor) -> bool {
 }
 
 /// The contiguous elements of a CPU storage as `T`.
-fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+pub(crate) fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     let (start, end) = l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("fused op: input is not contiguous".into()))?;
     Ok(&s.as_slice::<T>()?[start..end])
 }

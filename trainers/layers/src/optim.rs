@@ -7,6 +7,7 @@
 //! element's update is independent, so the bits do not depend on the thread count). Elsewhere they
 //! fall back to candle ops with temporaries (correct on every device, not lean).
 
+use crate::fused::slice;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, InplaceOp3, Layout, Result, Tensor, Var};
 use candle_nn::Optimizer;
@@ -34,11 +35,6 @@ impl<F: Fn(f64, f64, f64) -> f64 + Sync> Elementwise<F> {
     }
 }
 
-fn contiguous<'a, T: candle_core::WithDType>(s: &'a [T], l: &Layout, name: &str) -> Result<&'a [T]> {
-    let (start, end) = l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{name}: operand is not contiguous")))?;
-    Ok(&s[start..end])
-}
-
 impl<F: Fn(f64, f64, f64) -> f64 + Sync> InplaceOp3 for Elementwise<F> {
     fn name(&self) -> &'static str {
         self.name
@@ -46,13 +42,10 @@ impl<F: Fn(f64, f64, f64) -> f64 + Sync> InplaceOp3 for Elementwise<F> {
 
     fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
         let (start, end) = l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{}: target is not contiguous", self.name)))?;
-        match (s1, s2, s3) {
-            (CpuStorage::F32(d), CpuStorage::F32(a), CpuStorage::F32(b)) => {
-                self.run(&mut d[start..end], contiguous(a, l2, self.name)?, contiguous(b, l3, self.name)?)
-            }
-            (CpuStorage::F64(d), CpuStorage::F64(a), CpuStorage::F64(b)) => {
-                self.run(&mut d[start..end], contiguous(a, l2, self.name)?, contiguous(b, l3, self.name)?)
-            }
+        // `slice` fails on an operand of another dtype.
+        match s1 {
+            CpuStorage::F32(d) => self.run(&mut d[start..end], slice(s2, l2)?, slice(s3, l3)?),
+            CpuStorage::F64(d) => self.run(&mut d[start..end], slice(s2, l2)?, slice(s3, l3)?),
             _ => candle_core::bail!("{}: f32 or f64 operands of one dtype only", self.name),
         }
         Ok(())
@@ -246,9 +239,7 @@ impl TrainOptimizer for SgdMomentum {
     /// A parameter's momentum buffer exists once it has had a gradient (PyTorch's rule), so the
     /// state holds only those.
     fn state(&self) -> Result<HashMap<String, Tensor>> {
-        let mut out: HashMap<String, Tensor> = self.vars.iter().enumerate().filter_map(|(i, (_, v))| Some((format!("velocity.{i}"), v.clone()?))).collect();
-        out.insert("step".into(), Tensor::new(0i64, &candle_core::Device::Cpu)?);
-        Ok(out)
+        Ok(self.vars.iter().enumerate().filter_map(|(i, (_, v))| Some((format!("velocity.{i}"), v.clone()?))).collect())
     }
 
     fn set_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {

@@ -73,16 +73,32 @@ impl ParamStore {
     /// written beside the target and renamed over it, so an interrupted write keeps the old one.
     pub fn save(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
         let io = |source| SnapshotError::Io { path: path.display().to_string(), source };
-        let map: HashMap<String, Tensor> = self.all().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
+        let map = self.tensors();
         write_atomically(path, |tmp| candle_core::safetensors::save(&map, tmp)).map_err(io)
+    }
+
+    /// Every parameter and buffer under its name, as a snapshot holds them.
+    pub fn tensors(&self) -> HashMap<String, Tensor> {
+        self.all().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect()
     }
 
     /// Loads every parameter and buffer from a safetensors snapshot. `rename` maps a file's tensor
     /// name to the model's (or `None` to skip it: tied copies, counters); all must be found.
     pub fn load(&self, path: &Path, rename: impl Fn(&str) -> Option<String>) -> std::result::Result<(), SnapshotError> {
         let p = path.display().to_string();
+        let tensors = candle_core::safetensors::load(path, &self.device).map_err(|source| SnapshotError::Io { path: p.clone(), source })?;
+        self.load_tensors(tensors, &p, rename)
+    }
+
+    /// [`ParamStore::load`] from tensors already read from the snapshot `origin`.
+    pub fn load_tensors(
+        &self,
+        tensors: HashMap<String, Tensor>,
+        origin: &str,
+        rename: impl Fn(&str) -> Option<String>,
+    ) -> std::result::Result<(), SnapshotError> {
+        let p = origin.to_string();
         let io = |source| SnapshotError::Io { path: p.clone(), source };
-        let tensors = candle_core::safetensors::load(path, &self.device).map_err(io)?;
         let mut found: HashMap<String, Tensor> = HashMap::new();
         for (name, t) in tensors {
             if let Some(n) = rename(&name) {
@@ -94,7 +110,7 @@ impl ParamStore {
             if t.dims() != var.dims() {
                 return Err(SnapshotError::Shape { path: p.clone(), name: name.clone(), found: t.dims().to_vec(), expected: var.dims().to_vec() });
             }
-            var.set(&t.to_dtype(var.dtype()).map_err(io)?).map_err(io)?;
+            var.set(&t.to_dtype(var.dtype()).and_then(|t| t.to_device(var.device())).map_err(io)?).map_err(io)?;
         }
         Ok(())
     }

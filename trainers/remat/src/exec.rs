@@ -39,6 +39,8 @@ struct Segment {
     inputs: Vec<ValueId>,
     /// Values produced here and consumed by a later segment.
     outputs: Vec<ValueId>,
+    /// For each value a stage here reads, the last stage here that reads it.
+    last_reader: HashMap<ValueId, usize>,
 }
 
 /// The live tensors of one stage run with a graph (or of a whole segment run without): every
@@ -87,12 +89,14 @@ impl<'g> Executor<'g> {
         }
         let mut first_consumer = vec![None; graph.n_values()];
         let mut last_consumer = vec![None; graph.n_values()];
-        let mut segments: Vec<Segment> = ranges.into_iter().map(|stages| Segment { stages, inputs: vec![], outputs: vec![] }).collect();
+        let mut segments: Vec<Segment> =
+            ranges.into_iter().map(|stages| Segment { stages, inputs: vec![], outputs: vec![], last_reader: HashMap::new() }).collect();
         for (i, node) in nodes.iter().enumerate() {
             let s = seg_of_stage[i];
             for &v in &node.inputs {
                 first_consumer[v] = Some(first_consumer[v].map_or(s, |f: usize| f.min(s)));
                 last_consumer[v] = Some(last_consumer[v].map_or(s, |l: usize| l.max(s)));
+                segments[s].last_reader.insert(v, i); // stages come in order: the last insert wins
                 if seg_of_value(v) != Some(s) && !segments[s].inputs.contains(&v) {
                     segments[s].inputs.push(v);
                 }
@@ -280,7 +284,7 @@ impl<'g> Executor<'g> {
                 values.insert(v, t.clone());
             }
             // A value no later stage of this segment reads is held by its stage's run only.
-            let last_here = |v: &ValueId| seg.stages.clone().skip_while(|&j| j <= i).all(|j| !graph.nodes()[j].inputs.contains(v));
+            let last_here = |v: &ValueId| seg.last_reader.get(v).is_none_or(|&j| j <= i);
             values.retain(|v, _| !(last_here(v) && (graphs || !seg.outputs.contains(v))));
             live.values.extend(node.outputs.iter().copied().zip(outputs));
             if graphs {

@@ -64,9 +64,12 @@ pub enum Activity {
 
 impl Activity {
     pub fn name(self) -> &'static str {
-        ["setup", "model build", "forward", "recompute", "backward", "optimizer", "gradient check"][self as usize]
+        ACTIVITY_NAMES[self as usize]
     }
 }
+
+/// [`Activity::name`], by the variant's number (what [`ACTIVITY`] holds).
+const ACTIVITY_NAMES: [&str; 7] = ["setup", "model build", "forward", "recompute", "backward", "optimizer", "gradient check"];
 
 static ACTIVITY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(Activity::Setup as u8);
 /// The stage the activity is at, or `u64::MAX` for none.
@@ -97,9 +100,7 @@ fn tell_refusal(n: usize, live: u64, cap: u64) {
     use std::io::Write;
     let mut buf = [0u8; 200];
     let mut cur = std::io::Cursor::new(&mut buf[..]);
-    let activity = [Activity::Setup, Activity::Build, Activity::Forward, Activity::Recompute, Activity::Backward, Activity::Optimizer, Activity::GradCheck]
-        .get(ACTIVITY.load(Ordering::Relaxed) as usize)
-        .map_or("?", |a| a.name());
+    let activity = ACTIVITY_NAMES.get(ACTIVITY.load(Ordering::Relaxed) as usize).unwrap_or(&"?");
     let _ = write!(cur, "{CAP_REFUSAL} {n} bytes during {activity}");
     let stage = ACTIVITY_STAGE.load(Ordering::Relaxed);
     if stage != u64::MAX {

@@ -137,8 +137,7 @@ const SEED: &str = "training.seed";
 /// and the seed (the data and every random draw follow from the seed and the step). Written beside
 /// the target and renamed over it, so an interrupted write keeps the previous one.
 pub fn save_training(path: &Path, store: &layers::ParamStore, opt: &dyn layers::TrainOptimizer, next_step: usize, seed: u64) -> Result<()> {
-    let mut map: std::collections::HashMap<String, Tensor> =
-        store.named().chain(store.buffers()).map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
+    let mut map = store.tensors();
     map.extend(opt.state()?.into_iter().map(|(k, v)| (format!("{OPTIMIZER}{k}"), v)));
     map.insert(NEXT_STEP.into(), Tensor::new(next_step as i64, &Device::Cpu)?);
     map.insert(SEED.into(), Tensor::new(seed as i64, &Device::Cpu)?);
@@ -157,8 +156,8 @@ pub fn load_training(path: &Path, store: &layers::ParamStore, opt: &mut dyn laye
     if saved_seed as u64 != seed {
         bail!("{} was written with --seed {saved_seed}; resume with the same seed (this run has {seed})", path.display());
     }
-    store.load(path, |n| (!n.starts_with("training.")).then(|| n.to_string())).with_context(ctx)?;
     let state = tensors.iter().filter_map(|(k, v)| Some((k.strip_prefix(OPTIMIZER)?.to_string(), v.clone()))).collect();
+    store.load_tensors(tensors, &path.display().to_string(), |n| (!n.starts_with("training.")).then(|| n.to_string())).with_context(ctx)?;
     opt.set_state(&state).with_context(ctx)?;
     Ok(next as usize)
 }
