@@ -348,7 +348,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         if let (Some(python), Some(ours)) = (python, matrix.find(&w.model, &policy.to_string()).filter(|r| r.status == Status::Ok)) {
             if baseline::MODELS.contains(&w.model.as_str()) {
                 bar.set_message(format!("{} {policy} in PyTorch", w.model));
-                let b = baseline::run(python, ours, w.input_size(), common.steps, common.seed);
+                let b = baseline::run(python, ours, w.input_size, common.steps, common.seed);
                 bar.suspend(|| trainkit::say!("{}", baseline_summary(&b, ours)));
                 matrix.put_baseline(b);
             }

@@ -129,7 +129,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     let base = counter.current();
     set_activity(Activity::Build, None);
     let inst = w.build(device, seed)?;
-    let mut optimizer_step = inst.optimizer()?;
+    let mut optimizer = inst.optimizer()?;
     let exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
     rec.segments = exec.segments().len();
     rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
@@ -140,7 +140,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         let out = exec.step(&inputs, step)?;
         let fwd_bwd_peak = meter.peak_so_far();
         set_activity(Activity::Optimizer, None);
-        optimizer_step(&out.grads)?;
+        optimizer.update(&out.grads)?;
         drop(out.grads);
         let usage = meter.finish();
         if step == 0 {

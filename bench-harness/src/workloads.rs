@@ -1,14 +1,14 @@
 //! What the harness can run: one entry per model configuration of each profile.
 
 use anyhow::{bail, Result};
-use candle_core::backprop::GradStore;
+use bert::Bert;
 use candle_core::{Device, Tensor};
-use candle_nn::Optimizer;
-use datasets::images::SyntheticImages;
-use datasets::tokens::Batcher;
-use datasets::volumes::SyntheticVolumes;
-use layers::{AdamW, Model, ParamStore, ParamsAdamW, ParamsSgd, SgdMomentum};
+use gpt2::Gpt2;
+use layers::{Benchable, ParamStore, TrainOptimizer};
 use remat::{Policy, StageGraph};
+use resnet::ResNet;
+use std::sync::Arc;
+use unet3d::UNet3d;
 
 /// A model built and ready to train: its graph, parameters, data and optimizer.
 pub trait Instance {
@@ -19,10 +19,8 @@ pub trait Instance {
     fn inputs(&self, step: u64) -> Result<Vec<Tensor>>;
     /// A fresh optimizer over the parameters (separate from the instance, whose graph the
     /// executor borrows while the optimizer updates the weights).
-    fn optimizer(&self) -> Result<OptimizerStep>;
+    fn optimizer(&self) -> Result<Box<dyn TrainOptimizer>>;
 }
-
-pub type OptimizerStep = Box<dyn FnMut(&GradStore) -> Result<()>>;
 
 /// One model configuration of a profile.
 #[derive(Clone, Debug)]
@@ -30,71 +28,84 @@ pub struct Workload {
     /// e.g. `gpt2-small`, `resnet50`.
     pub model: String,
     pub batch: usize,
-    kind: Kind,
+    /// Sequence length, image side or volume side.
+    pub input_size: usize,
+    family: Arc<dyn Family>,
 }
 
-#[derive(Clone, Debug)]
-enum Kind {
-    Gpt2 { config: gpt2::Config, seq: usize },
-    ResNet { config: resnet::Config, size: usize },
-    Bert { config: bert::Config, seq: usize },
-    UNet3d { config: unet3d::Config, side: usize },
+/// A model family with its configuration, whatever the model: the one place the harness meets a
+/// model's type.
+trait Family: std::fmt::Debug {
+    fn describe_input(&self, size: usize) -> String;
+    fn downsamples(&self) -> bool;
+    fn build(&self, batch: usize, size: usize, device: &Device, seed: u64) -> Result<Box<dyn Instance>>;
+}
+
+struct Config<M: Benchable>(M::Config);
+
+impl<M: Benchable> std::fmt::Debug for Config<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl<M: Benchable> Family for Config<M> {
+    fn describe_input(&self, size: usize) -> String {
+        M::describe_input(size)
+    }
+    fn downsamples(&self) -> bool {
+        M::DOWNSAMPLES
+    }
+    fn build(&self, batch: usize, size: usize, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
+        let model = M::build(&self.0, device, seed)?;
+        let data = model.synthetic_data(size, seed)?;
+        Ok(Box::new(Built { model, data, batch, device: device.clone() }))
+    }
+}
+
+/// The workload `model` of the model type `M` with `config`, at `batch` and `input_size`.
+fn workload<M: Benchable>(model: &str, config: M::Config, batch: usize, input_size: usize) -> Workload {
+    Workload { model: model.into(), batch, input_size, family: Arc::new(Config::<M>(config)) }
 }
 
 pub const PROFILES: &str = "smoke, cpu, full";
 
-fn gpt2(model: &str, config: gpt2::Config, batch: usize, seq: usize) -> Workload {
-    Workload { model: model.into(), batch, kind: Kind::Gpt2 { config, seq } }
-}
-
-fn resnet(model: &str, preset: &str, batch: usize, size: usize) -> Workload {
-    let config = resnet::Config { classes: 10, ..preset.parse::<resnet::Preset>().expect("known preset").config() };
-    Workload { model: model.into(), batch, kind: Kind::ResNet { config, size } }
-}
-
-fn bert(model: &str, config: bert::Config, batch: usize, seq: usize) -> Workload {
-    Workload { model: model.into(), batch, kind: Kind::Bert { config, seq } }
-}
-
-fn unet3d(model: &str, preset: &str, batch: usize, side: usize) -> Workload {
-    Workload { model: model.into(), batch, kind: Kind::UNet3d { config: preset.parse::<unet3d::Preset>().expect("known preset").config(), side } }
+/// A ResNet preset with the 10 classes of the synthetic images.
+fn resnet(preset: resnet::Preset) -> resnet::Config {
+    resnet::Config { classes: 10, ..preset.config() }
 }
 
 /// The configurations of a profile.
 pub fn profile(name: &str) -> Result<Vec<Workload>> {
-    use gpt2::Preset;
+    use {bert::Preset as B, gpt2::Preset as G, resnet::Preset as R, unet3d::Preset as U};
     Ok(match name {
         "smoke" => vec![
-            resnet("resnet-tiny", "tiny", 2, 32),
-            bert("bert-tiny", bert::Config::tiny(4, 32), 2, 16),
-            unet3d("unet3d-tiny", "tiny", 2, 8),
-            gpt2("gpt2-tiny", gpt2::Config::tiny(4, 32), 2, 32),
+            workload::<ResNet>("resnet-tiny", resnet(R::Tiny), 2, 32),
+            workload::<Bert>("bert-tiny", B::Tiny.config(), 2, 16),
+            workload::<UNet3d>("unet3d-tiny", U::Tiny.config(), 2, 8),
+            workload::<Gpt2>("gpt2-tiny", gpt2::Config::tiny(4, 32), 2, 32),
         ],
         "cpu" => vec![
-            resnet("resnet50", "resnet50", 8, 128),
-            resnet("resnet152", "resnet152", 4, 128),
-            bert("bert-large", bert_preset("large"), 2, 128),
-            unet3d("unet3d-small", "small", 2, 32),
-            gpt2("gpt2-small", Preset::Small.config(), 2, 256),
+            workload::<ResNet>("resnet50", resnet(R::Resnet50), 8, 128),
+            workload::<ResNet>("resnet152", resnet(R::Resnet152), 4, 128),
+            workload::<Bert>("bert-large", B::Large.config(), 2, 128),
+            workload::<UNet3d>("unet3d-small", U::Small.config(), 2, 32),
+            workload::<Gpt2>("gpt2-small", G::Small.config(), 2, 256),
         ],
         "full" => vec![
-            resnet("resnet50", "resnet50", 256, 224),
-            resnet("resnet152", "resnet152", 64, 224),
-            bert("bert-large", bert_preset("large"), 32, 128),
+            workload::<ResNet>("resnet50", resnet(R::Resnet50), 256, 224),
+            workload::<ResNet>("resnet152", resnet(R::Resnet152), 64, 224),
+            workload::<Bert>("bert-large", B::Large.config(), 32, 128),
             // The paper's 132x132x116 input at batch 8 needs ~100 GB of activations in f32 with
             // this conv3d; 64^3 keeps off within one GPU so that both sides can be measured.
-            unet3d("unet3d-cicek", "cicek", 8, 64),
-            gpt2("gpt2-small", Preset::Small.config(), 1, 1024),
-            gpt2("gpt2-medium", Preset::Medium.config(), 1, 1024),
-            gpt2("gpt2-large", Preset::Large.config(), 1, 1024),
-            gpt2("gpt2-xl", Preset::Xl.config(), 1, 1024),
+            workload::<UNet3d>("unet3d-cicek", U::Cicek.config(), 8, 64),
+            workload::<Gpt2>("gpt2-small", G::Small.config(), 1, 1024),
+            workload::<Gpt2>("gpt2-medium", G::Medium.config(), 1, 1024),
+            workload::<Gpt2>("gpt2-large", G::Large.config(), 1, 1024),
+            workload::<Gpt2>("gpt2-xl", G::Xl.config(), 1, 1024),
         ],
         other => bail!("unknown profile `{other}`; valid profiles: {PROFILES}"),
     })
-}
-
-fn bert_preset(name: &str) -> bert::Config {
-    name.parse::<bert::Preset>().expect("known preset").config()
 }
 
 /// Models of the depth sweep are named `depth-<L>`.
@@ -108,38 +119,19 @@ pub fn depth_sweep(profile: &str) -> Result<Vec<Workload>> {
         "full" => (&[16, 64, 256, 1024], 256, 4, 256),
         other => bail!("unknown profile `{other}`; valid profiles: {PROFILES}"),
     };
-    Ok(depths.iter().map(|&l| gpt2(&format!("{DEPTH_PREFIX}{l}"), gpt2::Config::tiny(l, width), batch, seq)).collect())
+    Ok(depths.iter().map(|&l| workload::<Gpt2>(&format!("{DEPTH_PREFIX}{l}"), gpt2::Config::tiny(l, width), batch, seq)).collect())
 }
 
 impl Workload {
     /// The input size in words, e.g. `seq 256` or `128x128`.
     pub fn input(&self) -> String {
-        match &self.kind {
-            Kind::Gpt2 { seq, .. } | Kind::Bert { seq, .. } => format!("seq {seq}"),
-            Kind::ResNet { size, .. } => format!("{size}x{size}"),
-            Kind::UNet3d { side, .. } => format!("{side}^3"),
-        }
-    }
-
-    /// The input size as a number: sequence length, image or volume side.
-    pub fn input_size(&self) -> usize {
-        match &self.kind {
-            Kind::Gpt2 { seq, .. } | Kind::Bert { seq, .. } => *seq,
-            Kind::ResNet { size, .. } => *size,
-            Kind::UNet3d { side, .. } => *side,
-        }
+        self.family.describe_input(self.input_size)
     }
 
     /// Overrides the batch and the input size (sequence length, image side).
     pub fn resized(mut self, batch: Option<usize>, input: Option<usize>) -> Self {
         self.batch = batch.unwrap_or(self.batch);
-        if let Some(n) = input {
-            match &mut self.kind {
-                Kind::Gpt2 { seq, .. } | Kind::Bert { seq, .. } => *seq = n,
-                Kind::ResNet { size, .. } => *size = n,
-                Kind::UNet3d { side, .. } => *side = n,
-            }
-        }
+        self.input_size = input.unwrap_or(self.input_size);
         self
     }
 
@@ -149,73 +141,26 @@ impl Workload {
             return vec![Policy::Off, Policy::Sqrt];
         }
         let mut all = vec![Policy::Off, Policy::Sqrt, Policy::EveryN(2)];
-        if matches!(self.kind, Kind::ResNet { .. } | Kind::UNet3d { .. }) {
+        if self.family.downsamples() {
             all.push(Policy::BeforeDownsample);
         }
         all
     }
 
     pub fn build(&self, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
-        let (batch, dev) = (self.batch, device.clone());
-        Ok(match &self.kind {
-            Kind::Gpt2 { config, seq } => {
-                let seq = *seq;
-                let tokens = datasets::text::byte_tokens(&datasets::text::synthetic_corpus(seed, 1 << 18));
-                let data = Batcher::new(tokens, seq, config.vocab_size, seed)?;
-                Box::new(Built {
-                    model: gpt2::Gpt2::new(config.clone(), device, seed)?,
-                    inputs: Box::new(move |m, step| {
-                        let (x, y) = data.batch(step, batch);
-                        Ok(m.inputs(&x, &y, batch, seq, &dev)?)
-                    }),
-                    optimizer: adamw,
-                })
-            }
-            Kind::ResNet { config, size } => {
-                let (size, data) = (*size, SyntheticImages::new(config.classes, *size, seed));
-                Box::new(Built {
-                    model: resnet::ResNet::new(config.clone(), device, seed)?,
-                    inputs: Box::new(move |m, step| {
-                        let (x, y) = data.batch(step, batch);
-                        Ok(m.inputs(&x, &y, size, &dev)?)
-                    }),
-                    optimizer: sgd_momentum,
-                })
-            }
-            Kind::Bert { config, seq } => {
-                let (seq, data) = (*seq, bert::MlmData::synthetic(config.vocab_size, *seq, seed)?);
-                Box::new(Built {
-                    model: bert::Bert::new(config.clone(), device, seed)?,
-                    inputs: Box::new(move |m, step| Ok(m.inputs(&data.batch(step, batch), batch, seq, &dev)?)),
-                    optimizer: adamw,
-                })
-            }
-            Kind::UNet3d { config, side } => {
-                let (side, data) = (*side, SyntheticVolumes::new(*side, seed));
-                Box::new(Built {
-                    model: unet3d::UNet3d::new(config.clone(), device, seed)?,
-                    inputs: Box::new(move |m, step| {
-                        let (x, y) = data.batch(step, batch);
-                        Ok(m.inputs(&x, &y, side, &dev)?)
-                    }),
-                    optimizer: adamw,
-                })
-            }
-        })
+        self.family.build(self.batch, self.input_size, device, seed)
     }
 }
 
-/// A step's graph inputs from the model and the step number.
-type InputsFn<M> = Box<dyn Fn(&M, u64) -> Result<Vec<Tensor>>>;
-
-/// A model with its data and optimizer: what every kind of model becomes.
-struct Built<M> {
+/// A model with its synthetic data: what every kind of model becomes.
+struct Built<M: Benchable> {
     model: M,
-    inputs: InputsFn<M>,
-    optimizer: fn(&ParamStore) -> Result<OptimizerStep>,
+    data: M::Data,
+    batch: usize,
+    device: Device,
 }
 
-impl<M: Model> Instance for Built<M> {
+impl<M: Benchable> Instance for Built<M> {
     fn graph(&self) -> &StageGraph {
         self.model.graph()
     }
@@ -223,19 +168,9 @@ impl<M: Model> Instance for Built<M> {
         self.model.params()
     }
     fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
-        (self.inputs)(&self.model, step)
+        Ok(self.model.synthetic_inputs(&self.data, step, self.batch, &self.device)?)
     }
-    fn optimizer(&self) -> Result<OptimizerStep> {
-        (self.optimizer)(self.store())
+    fn optimizer(&self) -> Result<Box<dyn TrainOptimizer>> {
+        Ok(self.model.bench_optimizer()?)
     }
-}
-
-fn adamw(store: &ParamStore) -> Result<OptimizerStep> {
-    let mut opt = AdamW::new(store.vars(), ParamsAdamW { lr: 1e-4, ..Default::default() })?;
-    Ok(Box::new(move |g| Ok(opt.step(g)?)))
-}
-
-fn sgd_momentum(store: &ParamStore) -> Result<OptimizerStep> {
-    let mut opt = SgdMomentum::new(store.vars(), ParamsSgd { lr: 0.05, ..Default::default() })?;
-    Ok(Box::new(move |g| Ok(opt.step(g)?)))
 }

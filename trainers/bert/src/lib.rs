@@ -346,3 +346,26 @@ impl layers::Model for Bert {
         Some(if name.starts_with("embeddings.") || name.starts_with("encoder.") { format!("bert.{name}") } else { name })
     }
 }
+
+/// Synthetic masked-LM batches over the whole vocabulary.
+impl layers::Benchable for Bert {
+    type Config = Config;
+    type Data = (MlmData, usize);
+    const DOWNSAMPLES: bool = false;
+
+    fn describe_input(seq: usize) -> String {
+        format!("seq {seq}")
+    }
+
+    fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
+        Bert::new(config.clone(), device, seed)
+    }
+
+    fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {
+        Ok((MlmData::synthetic(self.config.vocab_size, seq, seed).map_err(candle_core::Error::wrap)?, seq))
+    }
+
+    fn synthetic_inputs(&self, (data, seq): &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>> {
+        self.inputs(&data.batch(step, batch), batch, *seq, device)
+    }
+}

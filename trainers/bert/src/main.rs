@@ -104,9 +104,10 @@ fn main() -> Result<()> {
 
     let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
     let start = log.resume(model.params(), &mut opt)?;
+    let batch = |step: u64| Ok(model.inputs(&data.batch(step, args.batch), args.batch, args.seq, &device)?);
     for step in start..args.steps {
-        let inputs = model.inputs(&data.batch(step as u64, args.batch), args.batch, args.seq, &device)?;
-        log.train_step(&exec, &inputs, step, |g| opt.update(g))?;
+        log.train_step(&exec, &batch(step as u64)?, step, |g| opt.update(g))?;
+        log.eval_if_due(step, &model, batch)?;
         log.save_if_due(step, model.params(), &opt, |p| Ok(model.save_snapshot(p)?))?;
     }
     log.finish();

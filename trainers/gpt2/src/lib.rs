@@ -325,3 +325,28 @@ impl layers::Model for Gpt2 {
         (!skip).then(|| name.to_string())
     }
 }
+
+/// Synthetic text: the byte tokens of a generated corpus, in sequences of the given length.
+impl layers::Benchable for Gpt2 {
+    type Config = Config;
+    type Data = (datasets::tokens::Batcher, usize);
+    const DOWNSAMPLES: bool = false;
+
+    fn describe_input(seq: usize) -> String {
+        format!("seq {seq}")
+    }
+
+    fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
+        Gpt2::new(config.clone(), device, seed)
+    }
+
+    fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {
+        let tokens = datasets::text::byte_tokens(&datasets::text::synthetic_corpus(seed, 1 << 18));
+        Ok((datasets::tokens::Batcher::new(tokens, seq, self.config.vocab_size, seed).map_err(candle_core::Error::wrap)?, seq))
+    }
+
+    fn synthetic_inputs(&self, (data, seq): &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>> {
+        let (ids, targets) = data.batch(step, batch);
+        self.inputs(&ids, &targets, batch, *seq, device)
+    }
+}

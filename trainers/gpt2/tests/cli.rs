@@ -80,3 +80,21 @@ fn impossible_sizes_name_the_flags() {
         fails_saying(&["--batch", batch, "--steps", "1"], "--batch x --seq: the logits alone needs");
     }
 }
+
+/// `--eval-every 2` over 5 steps evaluates after steps 1, 3 and the last, on held-out batches:
+/// printed, and logged as lines of their own that leave the training losses readable.
+#[test]
+fn evaluation_runs_when_due_and_is_logged() {
+    let log = std::env::temp_dir().join(format!("cli-eval-{}.jsonl", std::process::id()));
+    let out = train(&["--steps", "5", "--eval-every", "2", "--log-json", log.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    for step in [1, 3, 4] {
+        assert!(err.contains(&format!("eval after step {step}: loss")), "no evaluation after step {step}: {err}");
+    }
+    assert_eq!(trainkit::read_losses(&log).unwrap().len(), 5);
+    let eval = trainkit::read_eval_losses(&log).unwrap();
+    assert_eq!(eval.len(), 3);
+    assert!(eval.iter().all(|l| l.is_finite() && *l > 0.0), "{eval:?}");
+    std::fs::remove_file(&log).unwrap();
+}

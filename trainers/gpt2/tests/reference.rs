@@ -1,12 +1,12 @@
 //! GPT-2 against Hugging Face `transformers` (`tests/fixtures/gpt2.safetensors`, written by
-//! `scripts/make_fixtures.py`): a tiny model's logits, its training loss and every parameter's
+//! `scripts/make_fixtures.py`): a tiny model's logits and evaluation loss, its training loss and every parameter's
 //! gradient, under `off` and `sqrt`. Tolerances: `trainkit::reference`.
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
 use layers::Model;
-use trainkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
+use trainkit::reference::{check_close, check_evaluation, check_training_step, Fixture, LOGITS_TOL};
 
 #[test]
 fn logits_loss_and_gradients_match_pytorch() -> Result<()> {
@@ -17,6 +17,7 @@ fn logits_loss_and_gradients_match_pytorch() -> Result<()> {
     let ids = Tensor::from_vec(fx.ids("ids")?, (b, t), &Device::Cpu)?;
     check_close("logits", &model.logits(&ids)?, &fx.tensor("logits")?, LOGITS_TOL)?;
     let inputs = model.inputs(&fx.ids("ids")?, &fx.ids("targets")?, b, t, &Device::Cpu)?;
+    check_evaluation(&model, &inputs, &fx.tensor("logits")?, &fx.ids("targets")?)?;
     for policy in ["off", "sqrt"] {
         let worst = check_training_step(&fx, model.graph(), model.params(), &inputs, policy)?;
         eprintln!("{policy}: largest gradient error {worst:.2e}");

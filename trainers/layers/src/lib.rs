@@ -16,7 +16,8 @@
 //! - [`conv3d`], [`conv_transpose3d_k2s2`], [`max_pool3d_k2s2`]: 3D layers candle lacks, composed
 //!   from 2D convolutions, matmuls and reshapes that have a backward; [`conv2d`] runs the fused
 //!   convolution kernel where it can (a lean backward), candle's elsewhere.
-//! - [`Model`]: the interface every model implements (graph, parameters, snapshots).
+//! - [`Model`]: the interface every model implements (graph, parameters, snapshots, evaluation);
+//!   [`Benchable`]: what the bench harness needs to run one on synthetic data.
 //! - [`ParamStore`] holds named parameters with deterministic initialisation (candle's CPU RNG
 //!   cannot be seeded) and saves/loads them as safetensors snapshots under their published names.
 //!
@@ -35,7 +36,7 @@ mod pool;
 pub use batchnorm::BatchNorm;
 pub use config::{read_config, ConfigError};
 pub use conv3d::{conv2d, conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
-pub use model::Model;
+pub use model::{Benchable, Model};
 pub use norm::{GroupNorm, LayerNorm};
 pub use optim::{AdamW, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
 pub use params::{f32_bits, write_atomically, Init, ParamStore, SnapshotError};

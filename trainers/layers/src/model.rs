@@ -1,7 +1,11 @@
 //! The one interface every model crate implements, so that the trainers and the harness treat
-//! models alike: the stage graph, the parameters, and snapshots under the published names.
+//! models alike: the stage graph, the parameters, snapshots under the published names, and
+//! evaluation; and what the bench harness needs to run a model ([`Benchable`]).
 
+use crate::optim::{AdamW, ParamsAdamW, TrainOptimizer};
 use crate::params::{ParamStore, SnapshotError};
+use candle_core::{DType, Device, Result, Tensor};
+use candle_nn::Optimizer;
 use remat::StageGraph;
 use std::path::Path;
 
@@ -20,13 +24,46 @@ pub trait Model {
     }
 
     /// Writes every parameter and buffer as a safetensors snapshot.
-    fn save_snapshot(&self, path: &Path) -> Result<(), SnapshotError> {
+    fn save_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
         self.params().save(path)
+    }
+
+    /// The loss on `inputs` (the graph's inputs) in evaluation mode: no dropout, BatchNorm on its
+    /// running statistics, nothing updated ([`StageGraph::eval_loss`]).
+    fn evaluate(&self, inputs: &[Tensor]) -> Result<f32> {
+        self.graph().eval_loss(inputs)?.to_dtype(DType::F32)?.to_scalar::<f32>()
     }
 
     /// Loads a snapshot written by [`Model::save_snapshot`] or published in the model's format;
     /// every parameter and buffer must be found.
-    fn load_snapshot(&self, path: &Path) -> Result<(), SnapshotError> {
+    fn load_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
         self.params().load(path, |name| self.snapshot_name(name))
+    }
+}
+
+/// A model the bench harness can run at any batch and input size on synthetic data: implementing
+/// this in a model's crate, and naming the model in the harness's profiles, adds it to the matrix.
+pub trait Benchable: Model + Sized + 'static {
+    /// The architecture's configuration (a published preset's or a custom one).
+    type Config: Clone + std::fmt::Debug + 'static;
+    /// A deterministic source of synthetic batches, built once per run.
+    type Data: 'static;
+    /// Whether some stages reduce the spatial size, so that `before-downsample` applies.
+    const DOWNSAMPLES: bool;
+
+    /// The input size in words: `seq 256`, `128x128`, `32^3`.
+    fn describe_input(size: usize) -> String;
+
+    fn build(config: &Self::Config, device: &Device, seed: u64) -> Result<Self>;
+
+    /// The synthetic data for inputs of size `size` (sequence length, image or volume side).
+    fn synthetic_data(&self, size: usize, seed: u64) -> Result<Self::Data>;
+
+    /// The graph inputs of batch `step`: `batch` samples of `data`, the same for every policy.
+    fn synthetic_inputs(&self, data: &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>>;
+
+    /// The optimizer its benchmarks train with (AdamW at lr 1e-4 unless the model says otherwise).
+    fn bench_optimizer(&self) -> Result<Box<dyn TrainOptimizer>> {
+        Ok(Box::new(AdamW::new(self.params().vars(), ParamsAdamW { lr: 1e-4, ..Default::default() })?))
     }
 }

@@ -92,20 +92,46 @@ impl StageGraph {
     /// random keys the executor's forward draws, so this is the reference every policy, `off`
     /// included, must equal bit for bit; it shares no code with the executor.
     pub fn plain_loss(&self, inputs: &[Tensor], seed: u64, step: u64) -> Result<Tensor> {
+        self.forward_all(inputs, |i| StageCtx::new(seed, step, i, 0, false, true), false)
+    }
+
+    /// The loss in evaluation mode (no dropout, BatchNorm on its running statistics, no
+    /// statistics updated), for validation: every stage's outputs are detached and dropped after
+    /// their last reader, so the heap holds one stage's work and the values that cross it, not
+    /// the whole forward pass.
+    pub fn eval_loss(&self, inputs: &[Tensor]) -> Result<Tensor> {
+        self.forward_all(inputs, |_| StageCtx::eval(), true)
+    }
+
+    /// Runs every stage in order with the context `ctx(i)`; `detach` cuts candle's graph at each
+    /// stage output. Values are dropped after their last reader.
+    fn forward_all(&self, inputs: &[Tensor], ctx: impl Fn(usize) -> StageCtx, detach: bool) -> Result<Tensor> {
         if inputs.len() != self.n_inputs {
             return Err(Error::Graph(format!("expected {} inputs, got {}", self.n_inputs, inputs.len())));
+        }
+        let output = self.output()?;
+        let mut last_reader = vec![None; self.n_values];
+        for (i, node) in self.nodes.iter().enumerate() {
+            for &v in &node.inputs {
+                last_reader[v] = Some(i);
+            }
         }
         let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(self.n_values).collect();
         for (i, node) in self.nodes.iter().enumerate() {
             let missing = |v| Error::Graph(format!("stage `{}` consumes value {v}, which its producer did not return", node.stage.name()));
             let ins = node.inputs.iter().map(|&v| values[v].clone().ok_or_else(|| missing(v))).collect::<Result<Vec<Tensor>>>()?;
-            let ctx = StageCtx::new(seed, step, i, 0, false, true);
-            let outs = node.stage.forward(&ins, &ctx).map_err(|source| Error::Stage { stage: i, name: node.stage.name(), source })?;
+            for &v in &node.inputs {
+                if last_reader[v] == Some(i) && v != output {
+                    values[v] = None;
+                }
+            }
+            let outs = node.stage.forward(&ins, &ctx(i)).map_err(|source| Error::Stage { stage: i, name: node.stage.name(), source })?;
+            drop(ins);
             for (&v, t) in node.outputs.iter().zip(outs) {
-                values[v] = Some(t);
+                values[v] = Some(if detach { t.detach() } else { t });
             }
         }
-        values[self.output()?].clone().ok_or_else(|| Error::Graph("no stage produced the output".into()))
+        values[output].clone().ok_or_else(|| Error::Graph("no stage produced the output".into()))
     }
 
     /// Indices of the stages that count as blocks for the policies.

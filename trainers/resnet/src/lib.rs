@@ -337,3 +337,33 @@ impl layers::Model for ResNet {
         (!name.ends_with("num_batches_tracked")).then(|| name.to_string())
     }
 }
+
+/// Synthetic square images of the model's classes; trained with SGD and momentum (lr 0.05), as
+/// ResNets are.
+impl layers::Benchable for ResNet {
+    type Config = Config;
+    type Data = (datasets::images::SyntheticImages, usize);
+    const DOWNSAMPLES: bool = true;
+
+    fn describe_input(size: usize) -> String {
+        format!("{size}x{size}")
+    }
+
+    fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
+        ResNet::new(config.clone(), device, seed)
+    }
+
+    fn synthetic_data(&self, size: usize, seed: u64) -> Result<Self::Data> {
+        Ok((datasets::images::SyntheticImages::new(self.config.classes, size, seed), size))
+    }
+
+    fn synthetic_inputs(&self, (data, size): &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>> {
+        let (images, labels) = data.batch(step, batch);
+        self.inputs(&images, &labels, *size, device)
+    }
+
+    fn bench_optimizer(&self) -> Result<Box<dyn layers::TrainOptimizer>> {
+        use candle_nn::Optimizer;
+        Ok(Box::new(layers::SgdMomentum::new(self.params.vars(), layers::ParamsSgd { lr: 0.05, ..Default::default() })?))
+    }
+}

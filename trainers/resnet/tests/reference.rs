@@ -1,6 +1,6 @@
 //! ResNet against torchvision (`tests/fixtures/resnet.safetensors`, written by
 //! `scripts/make_fixtures.py` from torchvision's own `Bottleneck`): the `tiny` preset's
-//! evaluation logits (random running statistics), then one training step under `off` and
+//! evaluation logits (random running statistics) and evaluation loss, then one training step under `off` and
 //! `sqrt`: the loss with BatchNorm in training mode, every parameter's gradient and every running
 //! statistic after the step. Tolerances: `trainkit::reference`.
 
@@ -8,7 +8,7 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use layers::Model;
 use resnet::{Config, ResNet};
-use trainkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
+use trainkit::reference::{check_close, check_evaluation, check_training_step, Fixture, LOGITS_TOL};
 
 #[derive(serde::Deserialize)]
 struct FixtureConfig {
@@ -29,6 +29,7 @@ fn logits_loss_gradients_and_statistics_match_pytorch() -> Result<()> {
     model.load_snapshot(fx.path())?;
     let batch = Tensor::from_slice(&images, (labels.len(), 3, size, size), &Device::Cpu)?;
     check_close("logits", &model.logits(&batch)?, &fx.tensor("logits")?, LOGITS_TOL)?;
+    check_evaluation(&model, &model.inputs(&images, &labels, size, &Device::Cpu)?, &fx.tensor("logits")?, &labels)?;
     for policy in ["off", "sqrt"] {
         model.load_snapshot(fx.path())?; // the running statistics as the reference started
         let inputs = model.inputs(&images, &labels, size, &Device::Cpu)?;

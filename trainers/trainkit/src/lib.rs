@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use remat::memory::{Meter, Usage};
 use remat::Executor;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::io::Write;
 use std::path::Path;
 
@@ -88,7 +88,8 @@ fn check_writable(path: &Path, flag: &str) -> Result<()> {
     Ok(())
 }
 
-#[derive(Serialize, Deserialize)]
+/// One line of `--log-json` after a training step.
+#[derive(Serialize)]
 struct StepRecord {
     step: usize,
     loss: f32,
@@ -96,6 +97,14 @@ struct StepRecord {
     heap_base_bytes: u64,
     heap_peak_delta_bytes: u64,
     rss_peak_delta_bytes: Option<u64>,
+}
+
+/// One line of `--log-json` after an evaluation.
+#[derive(Serialize)]
+struct EvalRecord {
+    step: usize,
+    eval_loss: f32,
+    eval_batches: usize,
 }
 
 /// The command-line options every trainer shares.
@@ -120,6 +129,13 @@ pub struct RunArgs {
     /// those of an uninterrupted run, bit for bit (same flags and --seed); --log-json appends.
     #[arg(long)]
     pub resume: Option<std::path::PathBuf>,
+    /// Every N steps and after the last, print (and log) the loss in evaluation mode (no dropout,
+    /// BatchNorm on its running statistics) on --eval-batches batches that training never uses:
+    /// those the data stream would give after the last training step.
+    #[arg(long)]
+    pub eval_every: Option<usize>,
+    #[arg(long, default_value_t = 2)]
+    pub eval_batches: usize,
 }
 
 /// Where the training snapshot that goes with the weights snapshot `save` is written.
@@ -171,6 +187,8 @@ pub struct StepLog {
     save_every: Option<usize>,
     resume: Option<std::path::PathBuf>,
     seed: u64,
+    eval_every: Option<usize>,
+    eval_batches: usize,
 }
 
 pub fn mib(bytes: u64) -> f64 {
@@ -197,7 +215,18 @@ impl StepLog {
             ),
             None => None,
         };
-        Ok(StepLog { bar, json, times: Vec::new(), steps, save: run.save.clone(), save_every: run.save_every, resume: run.resume.clone(), seed: run.seed })
+        Ok(StepLog {
+            bar,
+            json,
+            times: Vec::new(),
+            steps,
+            save: run.save.clone(),
+            save_every: run.save_every,
+            resume: run.resume.clone(),
+            seed: run.seed,
+            eval_every: run.eval_every,
+            eval_batches: run.eval_batches,
+        })
     }
 
     /// With `--resume`, loads its training snapshot into the model and the optimizer and returns
@@ -230,9 +259,33 @@ impl StepLog {
     /// Where to write a snapshot after `step` (0-based), if one is due: every `--save-every`
     /// steps and after the last.
     fn snapshot_due(&self, step: usize) -> Option<&Path> {
+        self.save.as_deref().filter(|_| self.due(step, self.save_every))
+    }
+
+    /// Whether something done every `every` steps (if given) and after the last is due after `step`.
+    fn due(&self, step: usize, every: Option<usize>) -> bool {
         let done = step + 1;
-        let due = done == self.steps || self.save_every.is_some_and(|n| n > 0 && done.is_multiple_of(n));
-        self.save.as_deref().filter(|_| due)
+        done == self.steps || every.is_some_and(|n| n > 0 && done.is_multiple_of(n))
+    }
+
+    /// After `step` (0-based), when `--eval-every` says so: the mean evaluation-mode loss
+    /// ([`layers::Model::evaluate`]) over the held-out batches, `inputs(n)` being the graph inputs
+    /// of the data stream's batch `n` (those from `--steps` on are never trained on); logged.
+    pub fn eval_if_due(&mut self, step: usize, model: &impl layers::Model, inputs: impl Fn(u64) -> Result<Vec<Tensor>>) -> Result<()> {
+        if self.eval_every.is_none() || !self.due(step, self.eval_every) || self.eval_batches == 0 {
+            return Ok(());
+        }
+        let mut total = 0.0;
+        for n in 0..self.eval_batches {
+            total += model.evaluate(&inputs((self.steps + n) as u64)?)? as f64;
+        }
+        let eval_loss = (total / self.eval_batches as f64) as f32;
+        self.bar.suspend(|| say!("eval after step {step}: loss {eval_loss:.4} ({} held-out batches)", self.eval_batches));
+        if let Some(f) = self.json.as_mut() {
+            writeln!(f, "{}", serde_json::to_string(&EvalRecord { step, eval_loss, eval_batches: self.eval_batches })?)?;
+            f.flush()?;
+        }
+        Ok(())
     }
 
     /// One measured training step: forward and backward under `exec`, then `update` with the
@@ -288,10 +341,27 @@ impl StepLog {
     }
 }
 
-/// The losses of a `--log-json` file, in step order.
+/// The training losses of a `--log-json` file, in step order (evaluation lines skipped).
 pub fn read_losses(path: &Path) -> Result<Vec<f32>> {
+    read_log(path, "loss")
+}
+
+/// The evaluation losses of a `--log-json` file, in step order.
+pub fn read_eval_losses(path: &Path) -> Result<Vec<f32>> {
+    read_log(path, "eval_loss")
+}
+
+/// The values of `field` in the lines of a `--log-json` file that have it.
+fn read_log(path: &Path, field: &str) -> Result<Vec<f32>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    text.lines().map(|l| Ok(serde_json::from_str::<StepRecord>(l)?.loss)).collect()
+    let mut values = Vec::new();
+    for line in text.lines() {
+        let record: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{}: not a log line: {line}", path.display()))?;
+        if let Some(v) = record.get(field).and_then(|v| v.as_f64()) {
+            values.push(v as f32);
+        }
+    }
+    Ok(values)
 }
 
 /// Heap peaks of one training step (forward and backward), in bytes above the heap before it.

@@ -97,6 +97,31 @@ fn check_close_floor(what: &str, got: &Tensor, want: &Tensor, tol: f64, floor: f
     Ok(err)
 }
 
+/// The model's evaluation loss ([`layers::Model::evaluate`]) on `inputs` against the
+/// cross-entropy of the reference's evaluation logits (classes on the last axis) for `targets`,
+/// computed here in f64; evaluating twice gives the same loss and leaves every buffer as it was.
+pub fn check_evaluation(model: &impl layers::Model, inputs: &[Tensor], reference_logits: &Tensor, targets: &[u32]) -> Result<()> {
+    let classes = *reference_logits.dims().last().context("scalar logits")?;
+    let rows = reference_logits.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    ensure!(rows.len() == targets.len() * classes, "{} logits for {} targets of {classes} classes", rows.len(), targets.len());
+    let nll: f64 = rows
+        .chunks(classes)
+        .zip(targets)
+        .map(|(row, &t)| {
+            let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+            max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln() - row[t as usize]
+        })
+        .sum();
+    let want = nll / targets.len() as f64;
+    let buffers = model.params().buffer_bits()?;
+    let got = model.evaluate(inputs)?;
+    ensure!(model.evaluate(inputs)? == got, "evaluating twice gave two losses");
+    ensure!(model.params().buffer_bits()? == buffers, "evaluation changed a buffer");
+    let err = (got as f64 - want).abs() / want.abs().max(1.0);
+    ensure!(err <= LOSS_TOL, "evaluation loss {got} vs {want} from the reference logits: error {err:.3e} exceeds {LOSS_TOL:.0e}");
+    Ok(())
+}
+
 /// One training step of `graph` under `policy` against the fixture: the loss, the gradient of
 /// every parameter (the same set of names on both sides) and, where the fixture has them, every
 /// buffer after the step (BatchNorm running statistics). The weights and buffers must be the

@@ -315,3 +315,27 @@ impl layers::Model for UNet3d {
         &self.params
     }
 }
+
+/// Synthetic cubic volumes with a voxel-wise segmentation.
+impl layers::Benchable for UNet3d {
+    type Config = Config;
+    type Data = (datasets::volumes::SyntheticVolumes, usize);
+    const DOWNSAMPLES: bool = true;
+
+    fn describe_input(side: usize) -> String {
+        format!("{side}^3")
+    }
+
+    fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
+        UNet3d::new(config.clone(), device, seed)
+    }
+
+    fn synthetic_data(&self, side: usize, seed: u64) -> Result<Self::Data> {
+        Ok((datasets::volumes::SyntheticVolumes::new(side, seed), side))
+    }
+
+    fn synthetic_inputs(&self, (data, side): &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>> {
+        let (voxels, labels) = data.batch(step, batch);
+        self.inputs(&voxels, &labels, *side, device)
+    }
+}

@@ -105,19 +105,22 @@ fn main() -> Result<()> {
 
     let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
     let start = log.resume(model.params(), &mut opt)?;
-    for step in start..args.steps {
+    let batch = |step: u64| -> Result<Vec<candle_core::Tensor>> {
         let (voxels, labels) = match &data {
-            Data::Synthetic(d) => d.batch(step as u64, args.batch),
+            Data::Synthetic(d) => d.batch(step, args.batch),
             Data::Npy(d) => {
-                let (_, v, l) = d.batch(step as u64, args.batch)?;
+                let (_, v, l) = d.batch(step, args.batch)?;
                 (v, l)
             }
         };
         if let Some(&bad) = labels.iter().find(|&&l| l as usize >= args.classes) {
             bail!("label {bad} is outside --classes {}", args.classes);
         }
-        let inputs = model.inputs(&voxels, &labels, args.volume, &device)?;
-        log.train_step(&exec, &inputs, step, |g| opt.update(g))?;
+        Ok(model.inputs(&voxels, &labels, args.volume, &device)?)
+    };
+    for step in start..args.steps {
+        log.train_step(&exec, &batch(step as u64)?, step, |g| opt.update(g))?;
+        log.eval_if_due(step, &model, batch)?;
         log.save_if_due(step, model.params(), &opt, |p| Ok(model.save_snapshot(p)?))?;
     }
     log.finish();
