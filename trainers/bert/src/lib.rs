@@ -62,14 +62,14 @@ pub enum Preset {
 }
 
 impl std::str::FromStr for Preset {
-    type Err = String;
+    type Err = layers::UnknownPreset;
 
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         Ok(match s {
             "tiny" => Preset::Tiny,
             "base" => Preset::Base,
             "large" => Preset::Large,
-            _ => return Err(format!("unknown BERT preset `{s}`; valid presets: {PRESETS}")),
+            _ => return Err(layers::UnknownPreset { model: "BERT", given: s.into(), valid: PRESETS }),
         })
     }
 }

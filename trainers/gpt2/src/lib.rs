@@ -56,16 +56,16 @@ pub enum Preset {
 const PRESETS: &str = "tiny, small (124M), medium (350M), large (774M), xl (1.56B)";
 
 impl FromStr for Preset {
-    type Err = String;
+    type Err = layers::UnknownPreset;
 
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         match s {
             "tiny" => Ok(Preset::Tiny),
             "small" => Ok(Preset::Small),
             "medium" => Ok(Preset::Medium),
             "large" => Ok(Preset::Large),
             "xl" => Ok(Preset::Xl),
-            _ => Err(format!("unknown GPT-2 preset `{s}`; valid presets: {PRESETS}")),
+            _ => Err(layers::UnknownPreset { model: "GPT-2", given: s.into(), valid: PRESETS }),
         }
     }
 }

@@ -29,7 +29,7 @@ fn presets_have_the_published_sizes() {
     let c = Preset::Tiny.config();
     let (v, t, d, l) = (c.vocab_size, c.n_positions, c.n_embd, c.n_layer);
     assert_eq!(tiny.params().count(), v * d + t * d + l * (12 * d * d + 13 * d) + 2 * d);
-    assert!("huge".parse::<Preset>().unwrap_err().contains("small (124M)"));
+    assert!("huge".parse::<Preset>().unwrap_err().to_string().contains("small (124M)"));
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! Reading a model's configuration file (a Hugging Face `config.json`): one reader, one error type
-//! that names the file and what is wrong, for every model crate.
+//! that names the file and what is wrong, for every model crate; and the error of a preset name
+//! that is not one.
 
 use std::path::Path;
 
@@ -19,4 +20,13 @@ pub fn read_config<T: serde::de::DeserializeOwned>(path: &Path, validate: impl F
     let config: T = serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;
     validate(&config).map_err(fail)?;
     Ok(config)
+}
+
+/// A preset name a model does not have; the message lists the valid ones.
+#[derive(Debug, thiserror::Error)]
+#[error("unknown {model} preset `{given}`; valid presets: {valid}")]
+pub struct UnknownPreset {
+    pub model: &'static str,
+    pub given: String,
+    pub valid: &'static str,
 }

@@ -34,7 +34,7 @@ mod params;
 mod pool;
 
 pub use batchnorm::BatchNorm;
-pub use config::{read_config, ConfigError};
+pub use config::{read_config, ConfigError, UnknownPreset};
 pub use conv3d::{conv2d, conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
 pub use model::{Benchable, Model};
 pub use norm::{GroupNorm, LayerNorm};

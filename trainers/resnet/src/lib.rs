@@ -36,9 +36,9 @@ pub enum Preset {
 }
 
 impl FromStr for Preset {
-    type Err = String;
+    type Err = layers::UnknownPreset;
 
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         Ok(match s {
             "tiny" => Preset::Tiny,
             "resnet18" => Preset::Resnet18,
@@ -46,7 +46,7 @@ impl FromStr for Preset {
             "resnet50" => Preset::Resnet50,
             "resnet101" => Preset::Resnet101,
             "resnet152" => Preset::Resnet152,
-            _ => return Err(format!("unknown ResNet preset `{s}`; valid presets: {PRESETS}")),
+            _ => return Err(layers::UnknownPreset { model: "ResNet", given: s.into(), valid: PRESETS }),
         })
     }
 }

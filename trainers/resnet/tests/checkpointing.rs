@@ -93,7 +93,7 @@ fn published_parameter_counts() {
         let config: Config = preset.parse::<resnet::Preset>().unwrap().config();
         assert_eq!(ResNet::new(config.clone(), &Device::Cpu, 0).unwrap().params().count(), config.parameter_count(), "{preset}");
     }
-    assert!("resnet51".parse::<resnet::Preset>().unwrap_err().contains("resnet50"));
+    assert!("resnet51".parse::<resnet::Preset>().unwrap_err().to_string().contains("resnet50"));
 }
 
 #[test]

@@ -21,7 +21,7 @@ struct FixtureConfig {
 fn logits_loss_gradients_and_statistics_match_pytorch() -> Result<()> {
     let fx = Fixture::load(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/resnet.safetensors").as_ref())?;
     let cfg: FixtureConfig = fx.config()?;
-    let config = Config { classes: cfg.classes, ..cfg.preset.parse::<resnet::Preset>().map_err(anyhow::Error::msg)?.config() };
+    let config = Config { classes: cfg.classes, ..cfg.preset.parse::<resnet::Preset>()?.config() };
     let model = ResNet::new(config, &Device::Cpu, 0)?;
     let images = fx.f32s("images")?;
     let labels = fx.ids("labels")?;

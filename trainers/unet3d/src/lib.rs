@@ -51,14 +51,14 @@ pub enum Preset {
 }
 
 impl FromStr for Preset {
-    type Err = String;
+    type Err = layers::UnknownPreset;
 
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         Ok(match s {
             "tiny" => Preset::Tiny,
             "small" => Preset::Small,
             "cicek" => Preset::Cicek,
-            _ => return Err(format!("unknown 3D U-Net preset `{s}`; valid presets: {PRESETS}")),
+            _ => return Err(layers::UnknownPreset { model: "3D U-Net", given: s.into(), valid: PRESETS }),
         })
     }
 }

@@ -102,7 +102,7 @@ fn presets_have_the_paper_widths() {
     let widths: Vec<usize> =
         ["enc.0.conv1.weight", "enc.1.conv1.weight", "enc.2.conv1.weight", "bottom.conv1.weight", "bottom.conv2.weight"].iter().map(|n| width(n)).collect();
     assert_eq!(widths, [32, 64, 128, 256, 512]);
-    assert!("big".parse::<unet3d::Preset>().unwrap_err().contains("cicek"));
+    assert!("big".parse::<unet3d::Preset>().unwrap_err().to_string().contains("cicek"));
 }
 
 #[test]

@@ -27,7 +27,7 @@ fn check(file: &str) -> Result<()> {
     let config = Config {
         norm: if cfg.norm == "batch" { Norm::Batch } else { Norm::Group(cfg.groups) },
         loss: if cfg.loss == "ce" { Loss::CrossEntropy } else { Loss::CrossEntropyDice },
-        ..cfg.preset.parse::<unet3d::Preset>().map_err(anyhow::Error::msg)?.config()
+        ..cfg.preset.parse::<unet3d::Preset>()?.config()
     };
     let model = UNet3d::new(config, &Device::Cpu, 0)?;
     let (volume, labels, side) = (fx.f32s("volume")?, fx.ids("labels")?, cfg.side);
