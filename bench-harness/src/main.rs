@@ -78,6 +78,10 @@ struct Common {
     /// Override every selected model's input size: sequence length, or image side.
     #[arg(long)]
     input_size: Option<usize>,
+    /// Gradient accumulation: micro-batches of --batch per optimizer step; a timed step is all
+    /// of them and the update.
+    #[arg(long, default_value_t = 1)]
+    accumulate: usize,
     /// Emulate a smaller memory (e.g. 24GiB): on the CPU allocations beyond this much heap fail;
     /// on a GPU the rest of the device memory is held.
     #[arg(long, value_parser = parse_size)]
@@ -173,7 +177,8 @@ fn run_one(model: &str, policy: &Policy, time_only: bool, common: &Common) -> Re
         .chain(workloads::depth_sweep(&common.profile())?)
         .find(|w| w.model == model)
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
-        .resized(common.batch, common.input_size);
+        .resized(common.batch, common.input_size)
+        .accumulating(common.accumulate);
     let mut rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device)?;
     // The cap is for the measured configuration only: the check builds two more models.
     drop(held);
@@ -243,8 +248,11 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     };
     let common = &args.common;
     trainkit::device(&common.device)?;
-    if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) {
-        bail!("--steps, --batch and --input-size must be at least 1");
+    if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) || common.accumulate == 0 {
+        bail!("--steps, --batch, --input-size and --accumulate must be at least 1");
+    }
+    if args.baseline.is_some() && common.accumulate > 1 {
+        bail!("--baseline runs one micro-batch per step; it cannot be combined with --accumulate");
     }
     let profile = common.profile();
     let mut selected = Vec::new();
@@ -264,7 +272,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     let workloads: Vec<Workload> = selected
         .into_iter()
         .filter(|w| args.models.is_empty() || args.models.iter().any(|m| w.model.starts_with(m.as_str())))
-        .map(|w| w.resized(common.batch, common.input_size))
+        .map(|w| w.resized(common.batch, common.input_size).accumulating(common.accumulate))
         .collect();
     if workloads.is_empty() {
         bail!("--models {:?} matches no model of profile `{profile}`", args.models);
@@ -392,6 +400,9 @@ fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common
         if r.batch != w.batch {
             diff.push(format!("batch {} vs {}", r.batch, w.batch));
         }
+        if r.accumulate != w.accumulate {
+            diff.push(format!("accumulate {} vs {}", r.accumulate, w.accumulate));
+        }
         if r.input != w.input() {
             diff.push(format!("input {} vs {}", r.input, w.input()));
         }
@@ -473,6 +484,8 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time
         &common.seed.to_string(),
         "--device",
         &common.device,
+        "--accumulate",
+        &common.accumulate.to_string(),
     ]);
     for (flag, value) in
         [("--memory-cap", common.memory_cap), ("--batch", common.batch.map(|b| b as u64)), ("--input-size", common.input_size.map(|n| n as u64))]

@@ -4,6 +4,7 @@
 
 use crate::workloads::Workload;
 use anyhow::{anyhow, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device};
 use remat::memory::{set_activity, Activity, Counter, Event, Meter};
 use remat::{Executor, Policy};
@@ -16,6 +17,10 @@ pub struct Record {
     pub model: String,
     pub policy: String,
     pub batch: usize,
+    /// Micro-batches of `batch` per optimizer step (gradient accumulation); a timed step is all
+    /// of them and the update.
+    #[serde(default = "one")]
+    pub accumulate: usize,
     pub input: String,
     pub dtype: String,
     pub device: String,
@@ -105,12 +110,18 @@ impl Spread {
     }
 }
 
+/// Records written before accumulation existed ran one micro-batch per step.
+fn one() -> usize {
+    1
+}
+
 impl Record {
     pub fn new(w: &Workload, policy: &Policy, device: &str) -> Self {
         Record {
             model: w.model.clone(),
             policy: policy.to_string(),
             batch: w.batch,
+            accumulate: w.accumulate,
             input: w.input(),
             dtype: "f32".into(),
             device: device.to_string(),
@@ -134,14 +145,30 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     rec.segments = exec.segments().len();
     rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
     let mut times = Vec::new();
+    let micro = w.accumulate as u64;
     for step in 0..=steps as u64 {
-        let inputs = inst.inputs(step)?;
+        // Micro-batch m of step s is the data's batch s * accumulate + m, which keys its draws.
+        let mut first_inputs = Some(inst.inputs(step * micro)?);
         let meter = Meter::start(device);
-        let out = exec.step(&inputs, step)?;
+        let (mut grads, mut loss, mut activation_peak, mut timeline) = (GradStore::default(), 0f64, 0, None);
+        for n in step * micro..(step + 1) * micro {
+            let inputs = match first_inputs.take() {
+                Some(inputs) => inputs,
+                None => inst.inputs(n)?,
+            };
+            let out = exec.accumulate(&inputs, n, grads)?;
+            loss += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+            activation_peak = activation_peak.max(out.timeline.activation_peak(meter.heap_base()));
+            timeline.get_or_insert(out.timeline); // the first micro-batch's
+            grads = out.grads;
+        }
+        if micro > 1 {
+            layers::scale_grads(&mut grads, exec.params(), 1.0 / micro as f64)?;
+        }
         let fwd_bwd_peak = meter.peak_so_far();
         set_activity(Activity::Optimizer, None);
-        optimizer.update(&out.grads)?;
-        drop(out.grads);
+        optimizer.update(&grads)?;
+        drop(grads);
         let usage = meter.finish();
         if step == 0 {
             continue; // warm-up: first-touch page faults, lazily built kernels and caches
@@ -150,11 +177,11 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         rec.model_state_bytes = usage.heap_base.saturating_sub(base);
         rec.step_peak_bytes = rec.step_peak_bytes.max(usage.heap_peak_delta);
         rec.fwd_bwd_peak_bytes = rec.fwd_bwd_peak_bytes.max(fwd_bwd_peak);
-        rec.activation_peak_bytes = rec.activation_peak_bytes.max(out.timeline.activation_peak(usage.heap_base));
+        rec.activation_peak_bytes = rec.activation_peak_bytes.max(activation_peak);
         rec.rss_peak_delta_bytes = rec.rss_peak_delta_bytes.max(usage.rss_peak_delta.unwrap_or(0));
-        rec.loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        rec.loss = (loss / micro as f64) as f32;
         if rec.timeline.is_empty() {
-            rec.timeline = out.timeline.events;
+            rec.timeline = timeline.expect("at least one micro-batch").events;
             rec.timeline_base_bytes = usage.heap_base;
         }
     }

@@ -30,6 +30,8 @@ pub struct Workload {
     pub batch: usize,
     /// Sequence length, image side or volume side.
     pub input_size: usize,
+    /// Micro-batches of `batch` per optimizer step (gradient accumulation).
+    pub accumulate: usize,
     family: Arc<dyn Family>,
 }
 
@@ -65,7 +67,7 @@ impl<M: Benchable> Family for Config<M> {
 
 /// The workload `model` of the model type `M` with `config`, at `batch` and `input_size`.
 fn workload<M: Benchable>(model: &str, config: M::Config, batch: usize, input_size: usize) -> Workload {
-    Workload { model: model.into(), batch, input_size, family: Arc::new(Config::<M>(config)) }
+    Workload { model: model.into(), batch, input_size, accumulate: 1, family: Arc::new(Config::<M>(config)) }
 }
 
 pub const PROFILES: &str = "smoke, cpu, full";
@@ -132,6 +134,12 @@ impl Workload {
     pub fn resized(mut self, batch: Option<usize>, input: Option<usize>) -> Self {
         self.batch = batch.unwrap_or(self.batch);
         self.input_size = input.unwrap_or(self.input_size);
+        self
+    }
+
+    /// Accumulates `n` micro-batches per optimizer step.
+    pub fn accumulating(mut self, n: usize) -> Self {
+        self.accumulate = n;
         self
     }
 

@@ -19,6 +19,28 @@ fn batch_and_input_size_reach_the_record() {
     }
 }
 
+/// `--accumulate 3` reaches the record, the gradient check still passes, and the reported loss is
+/// the mean of the three micro-batches' (not the first micro-batch's alone).
+#[test]
+fn accumulation_reaches_the_record() {
+    let one = out_dir("accumulate-1");
+    let three = out_dir("accumulate-3");
+    smoke(&one, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off,sqrt", "--rounds", "0"]);
+    smoke(&three, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off,sqrt", "--rounds", "0", "--accumulate", "3"]);
+    for policy in ["off", "sqrt"] {
+        let (a, b) = (record(&one, "gpt2-tiny", policy), record(&three, "gpt2-tiny", policy));
+        assert_eq!(b["status"], "ok", "{}", b["error"]);
+        assert_eq!((a["accumulate"].as_u64(), b["accumulate"].as_u64()), (Some(1), Some(3)));
+        assert_eq!(b["grads_bit_identical"], true);
+        assert_ne!(a["loss"], b["loss"], "{policy}: the loss of three micro-batches equals the first's");
+    }
+    // Both runs' losses agree across policies: the same micro-batches, the same keys.
+    assert_eq!(record(&three, "gpt2-tiny", "off")["loss"], record(&three, "gpt2-tiny", "sqrt")["loss"]);
+    for dir in [one, three] {
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
 /// How a CSV cell must parse.
 #[derive(Clone, Copy, Debug)]
 enum Type {
@@ -39,13 +61,14 @@ enum Type {
 
 /// matrix.csv's columns in order, written out here rather than taken from the harness, so that a
 /// column dropped, renamed or moved in the writer fails the test.
-const COLUMNS: [(&str, Type); 29] = {
+const COLUMNS: [(&str, Type); 30] = {
     use Type::*;
     [
         ("framework", Candle),
         ("model", Str),
         ("policy", Str),
         ("batch", Int),
+        ("accumulate", Int),
         ("input", Str),
         ("dtype", Str),
         ("device", Str),

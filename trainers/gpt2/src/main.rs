@@ -83,14 +83,14 @@ fn main() -> Result<()> {
         args.seq
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
+    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
     let start = log.resume(model.params(), &mut opt)?;
     let batch = |step: u64| {
         let (x, y) = batcher.batch(step, args.batch);
         Ok(model.inputs(&x, &y, args.batch, args.seq, &device)?)
     };
     for step in start..args.steps {
-        log.train_step(&exec, &batch(step as u64)?, step, |g| opt.update(g))?;
+        log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;
         log.save_if_due(step, model.params(), &opt, |p| Ok(model.save_snapshot(p)?))?;
     }

@@ -98,3 +98,12 @@ fn evaluation_runs_when_due_and_is_logged() {
     assert!(eval.iter().all(|l| l.is_finite() && *l > 0.0), "{eval:?}");
     std::fs::remove_file(&log).unwrap();
 }
+
+/// `--accumulate N` says the micro-batch and the effective batch; `--accumulate 0` is refused.
+#[test]
+fn accumulation_shows_the_effective_batch() {
+    let out = train(&["--steps", "2", "--batch", "3", "--accumulate", "4"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("accumulating 4 micro-batches of 3 per optimizer step: effective batch 12"), "{err}");
+    fails_saying(&["--accumulate", "0"], "--accumulate must be at least 1");
+}

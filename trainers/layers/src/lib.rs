@@ -38,7 +38,7 @@ pub use config::{read_config, ConfigError, UnknownPreset};
 pub use conv3d::{conv2d, conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
 pub use model::{Benchable, Model};
 pub use norm::{GroupNorm, LayerNorm};
-pub use optim::{AdamW, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
+pub use optim::{scale_grads, AdamW, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
 pub use params::{f32_bits, write_atomically, Init, ParamStore, SnapshotError};
 pub use pool::max_pool2d_k3s2p1;
 

@@ -9,7 +9,7 @@
 
 use crate::fused::slice;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, InplaceOp3, Layout, Result, Tensor, Var};
+use candle_core::{CpuStorage, InplaceOp1, InplaceOp3, Layout, Result, Tensor, Var};
 use candle_nn::Optimizer;
 pub use candle_nn::ParamsAdamW;
 use rayon::prelude::*;
@@ -60,6 +60,43 @@ fn update_in_place(dst: &Tensor, a: &Tensor, b: &Tensor, name: &'static str, f: 
         dst.inplace_op3(&a.contiguous()?, &b.contiguous()?, &Elementwise { name, f })?;
     }
     Ok(lean)
+}
+
+/// Multiplies every gradient of `vars` in `grads` by `factor`, in place where it can (an
+/// accumulated sum of micro-batch gradients becomes their mean; an f16 loss scale is undone).
+pub fn scale_grads(grads: &mut GradStore, vars: &[Var], factor: f64) -> Result<()> {
+    for var in vars {
+        let Some(g) = grads.get(var) else { continue };
+        if crate::fused::fused(g) && g.is_contiguous() {
+            g.inplace_op1(&Scale(factor))?;
+        } else {
+            let scaled = (g * factor)?;
+            grads.insert(var.as_tensor(), scaled);
+        }
+    }
+    Ok(())
+}
+
+/// `t *= factor` on a contiguous f32/f64 CPU tensor, computed in f64.
+struct Scale(f64);
+
+impl InplaceOp1 for Scale {
+    fn name(&self) -> &'static str {
+        "scale"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
+        fn run<T: candle_core::WithDType>(d: &mut [T], factor: f64) {
+            d.par_chunks_mut(CHUNK).for_each(|d| d.iter_mut().for_each(|x| *x = T::from_f64(x.to_f64() * factor)));
+        }
+        let (start, end) = l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("scale: target is not contiguous".into()))?;
+        match s {
+            CpuStorage::F32(d) => run(&mut d[start..end], self.0),
+            CpuStorage::F64(d) => run(&mut d[start..end], self.0),
+            _ => candle_core::bail!("scale: f32 or f64 only"),
+        }
+        Ok(())
+    }
 }
 
 /// An optimizer a training run can stop and resume bit for bit: an update, and its whole state

@@ -30,6 +30,7 @@ use crate::stage::StageCtx;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp2, Layout, Shape, Tensor, Var};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -68,6 +69,10 @@ pub struct Executor<'g> {
     seed: u64,
     replay_rng: bool,
     tell_recompute: bool,
+    /// How many stages give each parameter a gradient, learned by a step that starts from empty
+    /// gradients: [`Executor::accumulate`] adds a parameter's micro-batch gradient to the running
+    /// sum once it is complete.
+    contributions: RefCell<Option<Vec<usize>>>,
 }
 
 impl<'g> Executor<'g> {
@@ -108,7 +113,7 @@ impl<'g> Executor<'g> {
                 segments[p].outputs.push(v);
             }
         }
-        Ok(Executor { graph, segments, first_consumer, params, seed, replay_rng: true, tell_recompute: true })
+        Ok(Executor { graph, segments, first_consumer, params, seed, replay_rng: true, tell_recompute: true, contributions: RefCell::new(None) })
     }
 
     /// Switches RNG replay off: recomputes draw fresh random keys, as a checkpoint built on global
@@ -125,6 +130,11 @@ impl<'g> Executor<'g> {
     pub fn without_recompute_flag(mut self) -> Self {
         self.tell_recompute = false;
         self
+    }
+
+    /// The trainable variables whose gradients a step returns.
+    pub fn params(&self) -> &[Var] {
+        &self.params
     }
 
     /// The stage ranges the policy cut the graph into.
@@ -145,6 +155,17 @@ impl<'g> Executor<'g> {
     /// One forward and backward pass: the loss, the parameter gradients and the memory timeline.
     /// `step` keys the random draws: use a different value for every step of a run.
     pub fn step(&self, inputs: &[Tensor], step: u64) -> Result<StepOutput> {
+        self.accumulate(inputs, step, GradStore::default())
+    }
+
+    /// Gradient accumulation: one forward and backward pass of a micro-batch whose parameter
+    /// gradients are added, in place, to `grads` (the sum of the earlier micro-batches' gradients,
+    /// as returned by the previous call; empty for the first). The result is exactly the sum of
+    /// the micro-batch gradients, `((g1 + g2) + g3) ...`, each micro-batch's gradient complete
+    /// before it is added (a parameter used by several stages, a tied embedding, keeps its partial
+    /// sum aside until its last stage), and no second gradient store is built. `step` keys the
+    /// random draws: give every micro-batch its own.
+    pub fn accumulate(&self, inputs: &[Tensor], step: u64, grads: GradStore) -> Result<StepOutput> {
         let graph = self.graph;
         if inputs.len() != graph.n_inputs() {
             return Err(Error::Graph(format!("expected {} inputs, got {}", graph.n_inputs(), inputs.len())));
@@ -158,24 +179,33 @@ impl<'g> Executor<'g> {
         let last = self.segments.len() - 1;
         let output = graph.output()?;
 
+        let first = self.params.iter().all(|p| grads.get(p).is_none());
+        let expected = if first {
+            None
+        } else {
+            let learned = self.contributions.borrow().clone();
+            Some(learned.ok_or_else(|| Error::Graph("accumulate: the first micro-batch must start from empty gradients".into()))?)
+        };
+        let mut sums = ParamGrads { sum: grads, partial: GradStore::default(), seen: vec![0; self.params.len()], expected };
+        // Earlier micro-batches' gradients are held throughout (the timeline counts them).
+        let held = sums.bytes(&self.params);
         // Forward: keep only what crosses a segment boundary; the last segment keeps its graphs.
         for s in 0..last {
-            let live = self.run_segment(s, &mut stored, step, false, 0, &mut timeline)?.remove(0);
+            let live = self.run_segment(s, &mut stored, step, false, held, &mut timeline)?.remove(0);
             for &v in &self.segments[s].outputs {
                 stored[v] = Some(live.values[&v].detach());
             }
         }
-        let mut kept = Some(self.run_segment(last, &mut stored, step, false, 0, &mut timeline)?);
+        let mut kept = Some(self.run_segment(last, &mut stored, step, false, held, &mut timeline)?);
         let loss = kept.iter().flatten().find_map(|l| l.values.get(&output)).expect("the last segment produces the loss").detach();
 
         // Backward, last segment first, each segment's stages last first.
         let mut value_grads: HashMap<ValueId, Tensor> = HashMap::new();
-        let mut param_grads = GradStore::default();
         for s in (0..=last).rev() {
             let seg = &self.segments[s];
             let mut stages = match kept.take() {
                 Some(stages) => stages,
-                None => self.run_segment(s, &mut stored, step, true, grad_bytes(&param_grads, &self.params), &mut timeline)?,
+                None => self.run_segment(s, &mut stored, step, true, sums.bytes(&self.params), &mut timeline)?,
             };
             for i in seg.stages.clone().rev() {
                 let live = stages.pop().expect("one live run per stage");
@@ -192,20 +222,9 @@ impl<'g> Executor<'g> {
                 if let Some(root) = root {
                     set_activity(Activity::Backward, Some(i));
                     let mut grads = root.backward()?;
-                    for p in &self.params {
+                    for (k, p) in self.params.iter().enumerate() {
                         if let Some(g) = grads.remove(p.as_tensor()) {
-                            let g = g.detach();
-                            let sum = match param_grads.get(p.as_tensor()) {
-                                Some(acc) if adds_in_place(acc, &g) => {
-                                    acc.inplace_op2(&g.contiguous()?, &AddAssign)?;
-                                    None
-                                }
-                                Some(acc) => Some((acc + g)?),
-                                None => Some(g),
-                            };
-                            if let Some(sum) = sum {
-                                param_grads.insert(p.as_tensor(), sum);
-                            }
+                            sums.add(k, p, g.detach())?;
                         }
                     }
                     for (v, var) in &live.input_vars {
@@ -221,7 +240,7 @@ impl<'g> Executor<'g> {
                     }
                 }
                 drop(live);
-                timeline.record(Phase::Backward, i, grad_bytes(&param_grads, &self.params));
+                timeline.record(Phase::Backward, i, sums.bytes(&self.params));
             }
             for &v in &seg.inputs {
                 if v >= graph.n_inputs() && self.first_consumer[v] == Some(s) {
@@ -229,7 +248,15 @@ impl<'g> Executor<'g> {
                 }
             }
         }
-        Ok(StepOutput { loss, grads: param_grads, timeline })
+        for p in &self.params {
+            if let Some(g) = sums.partial.remove(p.as_tensor()) {
+                add_into(&mut sums.sum, p, g)?;
+            }
+        }
+        if first {
+            *self.contributions.borrow_mut() = Some(sums.seen);
+        }
+        Ok(StepOutput { loss, grads: sums.sum, timeline })
     }
 
     /// Runs the stages of segment `s`. In the last segment and in a recompute it builds one graph
@@ -301,8 +328,53 @@ impl<'g> Executor<'g> {
     }
 }
 
-fn grad_bytes(grads: &GradStore, params: &[Var]) -> u64 {
-    params.iter().filter_map(|p| grads.get(p)).map(|g| (g.elem_count() * g.dtype().size_in_bytes()) as u64).sum()
+/// The parameter gradients of a step: the running sum (over stages, and over micro-batches when
+/// accumulating) and, while accumulating, this micro-batch's partial sums of the parameters that
+/// several stages use.
+struct ParamGrads {
+    sum: GradStore,
+    partial: GradStore,
+    /// Contributions seen this micro-batch, per parameter.
+    seen: Vec<usize>,
+    /// Contributions a micro-batch gives each parameter (`None`: the first micro-batch, which
+    /// sums straight into `sum`).
+    expected: Option<Vec<usize>>,
+}
+
+impl ParamGrads {
+    /// Adds one stage's gradient `g` of parameter `k`.
+    fn add(&mut self, k: usize, p: &Var, g: Tensor) -> Result<()> {
+        self.seen[k] += 1;
+        let Some(expected) = &self.expected else { return add_into(&mut self.sum, p, g) };
+        if expected[k] == 1 {
+            return add_into(&mut self.sum, p, g);
+        }
+        add_into(&mut self.partial, p, g)?;
+        if self.seen[k] == expected[k] {
+            let complete = self.partial.remove(p.as_tensor()).expect("just added");
+            add_into(&mut self.sum, p, complete)?;
+        }
+        Ok(())
+    }
+
+    fn bytes(&self, params: &[Var]) -> u64 {
+        let size = |g: &Tensor| (g.elem_count() * g.dtype().size_in_bytes()) as u64;
+        params.iter().flat_map(|p| [self.sum.get(p), self.partial.get(p)]).flatten().map(size).sum()
+    }
+}
+
+/// `store[p] += g`: in place where it can be (the same bits as candle's `acc + g`).
+fn add_into(store: &mut GradStore, p: &Var, g: Tensor) -> Result<()> {
+    let sum = match store.get(p.as_tensor()) {
+        Some(acc) if adds_in_place(acc, &g) => {
+            acc.inplace_op2(&g.contiguous()?, &AddAssign)?;
+            return Ok(());
+        }
+        Some(acc) => (acc + g)?,
+        None => g,
+    };
+    store.insert(p.as_tensor(), sum);
+    Ok(())
 }
 
 /// Whether `acc += g` can run in place ([`AddAssign`], CPU); elsewhere the sum is a new tensor.

@@ -392,6 +392,11 @@ impl Meter {
     }
 
     /// Highest bytes above the start so far (e.g. after backward, before the optimizer).
+    /// The heap when the meter started.
+    pub fn heap_base(&self) -> u64 {
+        self.heap_base
+    }
+
     pub fn peak_so_far(&self) -> u64 {
         self.counter.synchronize();
         self.counter.peak().saturating_sub(self.heap_base)

@@ -112,14 +112,14 @@ fn main() -> Result<()> {
         args.image_size
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
+    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
     let start = log.resume(model.params(), opt.as_mut())?;
     let batch = |step: u64| {
         let (images, labels) = data.batch(step, args.batch)?;
         Ok(model.inputs(&images, &labels, args.image_size, &device)?)
     };
     for step in start..args.steps {
-        log.train_step(&exec, &batch(step as u64)?, step, |g| opt.update(g))?;
+        log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;
         log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
     }

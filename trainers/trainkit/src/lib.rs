@@ -94,6 +94,7 @@ struct StepRecord {
     step: usize,
     loss: f32,
     step_ms: f64,
+    micro_batches: usize,
     heap_base_bytes: u64,
     heap_peak_delta_bytes: u64,
     rss_peak_delta_bytes: Option<u64>,
@@ -136,6 +137,10 @@ pub struct RunArgs {
     pub eval_every: Option<usize>,
     #[arg(long, default_value_t = 2)]
     pub eval_batches: usize,
+    /// Gradient accumulation: N micro-batches of --batch per optimizer step (effective batch
+    /// N x --batch); the gradient is the mean of the micro-batch gradients.
+    #[arg(long, default_value_t = 1)]
+    pub accumulate: usize,
 }
 
 /// Where the training snapshot that goes with the weights snapshot `save` is written.
@@ -189,6 +194,7 @@ pub struct StepLog {
     seed: u64,
     eval_every: Option<usize>,
     eval_batches: usize,
+    accumulate: usize,
 }
 
 pub fn mib(bytes: u64) -> f64 {
@@ -196,8 +202,15 @@ pub fn mib(bytes: u64) -> f64 {
 }
 
 impl StepLog {
-    /// A log for `steps` steps, with the JSON file and snapshot schedule of `run`.
-    pub fn new(steps: usize, run: &RunArgs) -> Result<Self> {
+    /// A log for `steps` optimizer steps of (micro-)batches of `batch` samples, with the JSON
+    /// file, snapshot schedule and accumulation of `run`.
+    pub fn new(steps: usize, batch: usize, run: &RunArgs) -> Result<Self> {
+        if run.accumulate == 0 {
+            bail!("--accumulate must be at least 1 (micro-batches per optimizer step)");
+        }
+        if run.accumulate > 1 {
+            say!("accumulating {} micro-batches of {batch} per optimizer step: effective batch {}", run.accumulate, run.accumulate * batch);
+        }
         let bar = ProgressBar::new(steps as u64).with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
         if let Some(save) = &run.save {
             check_writable(save, "--save")?;
@@ -226,6 +239,7 @@ impl StepLog {
             seed: run.seed,
             eval_every: run.eval_every,
             eval_batches: run.eval_batches,
+            accumulate: run.accumulate,
         })
     }
 
@@ -270,14 +284,16 @@ impl StepLog {
 
     /// After `step` (0-based), when `--eval-every` says so: the mean evaluation-mode loss
     /// ([`layers::Model::evaluate`]) over the held-out batches, `inputs(n)` being the graph inputs
-    /// of the data stream's batch `n` (those from `--steps` on are never trained on); logged.
+    /// of the data stream's batch `n` (those after the last training micro-batch are never
+    /// trained on); logged.
     pub fn eval_if_due(&mut self, step: usize, model: &impl layers::Model, inputs: impl Fn(u64) -> Result<Vec<Tensor>>) -> Result<()> {
         if self.eval_every.is_none() || !self.due(step, self.eval_every) || self.eval_batches == 0 {
             return Ok(());
         }
         let mut total = 0.0;
-        for n in 0..self.eval_batches {
-            total += model.evaluate(&inputs((self.steps + n) as u64)?)? as f64;
+        let held_out = (self.steps * self.accumulate) as u64;
+        for n in 0..self.eval_batches as u64 {
+            total += model.evaluate(&inputs(held_out + n)?)? as f64;
         }
         let eval_loss = (total / self.eval_batches as f64) as f32;
         self.bar.suspend(|| say!("eval after step {step}: loss {eval_loss:.4} ({} held-out batches)", self.eval_batches));
@@ -288,15 +304,35 @@ impl StepLog {
         Ok(())
     }
 
-    /// One measured training step: forward and backward under `exec`, then `update` with the
-    /// gradients; logged, and its loss returned.
-    pub fn train_step(&mut self, exec: &Executor, inputs: &[Tensor], step: usize, update: impl FnOnce(&GradStore) -> candle_core::Result<()>) -> Result<f32> {
-        let meter = Meter::start(inputs[0].device());
-        let out = exec.step(inputs, step as u64)?;
-        update(&out.grads)?;
-        drop(out.grads);
-        let usage = meter.finish();
-        let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    /// One measured optimizer step: forward and backward under `exec` of its `--accumulate`
+    /// micro-batches (`inputs(n)`: the graph inputs of the data stream's batch `n`; micro-batch
+    /// `m` of step `s` is batch `s * accumulate + m`, which also keys its random draws), the
+    /// gradients accumulated and averaged, then `update` with them; logged, and its loss (the
+    /// micro-batches' mean) returned.
+    pub fn train_step(
+        &mut self,
+        exec: &Executor,
+        step: usize,
+        inputs: impl Fn(u64) -> Result<Vec<Tensor>>,
+        update: impl FnOnce(&GradStore) -> candle_core::Result<()>,
+    ) -> Result<f32> {
+        let mut meter = None;
+        let (mut grads, mut total) = (GradStore::default(), 0f64);
+        for m in 0..self.accumulate {
+            let n = (step * self.accumulate + m) as u64;
+            let inputs = inputs(n)?;
+            meter.get_or_insert_with(|| Meter::start(inputs[0].device()));
+            let out = exec.accumulate(&inputs, n, grads)?;
+            total += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+            grads = out.grads;
+        }
+        if self.accumulate > 1 {
+            layers::scale_grads(&mut grads, exec.params(), 1.0 / self.accumulate as f64)?;
+        }
+        update(&grads)?;
+        drop(grads);
+        let usage = meter.expect("at least one micro-batch").finish();
+        let loss = (total / self.accumulate as f64) as f32;
         self.log(step, loss, &usage)?;
         if !loss.is_finite() {
             bail!("step {step}: the loss is {loss}; training cannot go on (a lower --lr may help)");
@@ -316,6 +352,7 @@ impl StepLog {
                 step,
                 loss,
                 step_ms: usage.elapsed_ms,
+                micro_batches: self.accumulate,
                 heap_base_bytes: usage.heap_base,
                 heap_peak_delta_bytes: usage.heap_peak_delta,
                 rss_peak_delta_bytes: usage.rss_peak_delta,

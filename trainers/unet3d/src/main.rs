@@ -103,7 +103,7 @@ fn main() -> Result<()> {
         args.volume
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, &args.run)?;
+    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
     let start = log.resume(model.params(), &mut opt)?;
     let batch = |step: u64| -> Result<Vec<candle_core::Tensor>> {
         let (voxels, labels) = match &data {
@@ -119,7 +119,7 @@ fn main() -> Result<()> {
         Ok(model.inputs(&voxels, &labels, args.volume, &device)?)
     };
     for step in start..args.steps {
-        log.train_step(&exec, &batch(step as u64)?, step, |g| opt.update(g))?;
+        log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;
         log.save_if_due(step, model.params(), &opt, |p| Ok(model.save_snapshot(p)?))?;
     }
