@@ -4,7 +4,8 @@
 For a tiny GPT-2 (Hugging Face `transformers`), a tiny BERT masked LM (`transformers`), a tiny
 ResNet built from torchvision's own `Bottleneck` blocks, and a tiny 3D U-Net written here with
 `torch.nn.functional` to match `trainers/unet3d` (one with BatchNorm and CE + soft Dice, one with
-GroupNorm and CE), it writes one safetensors file per model into `trainers/<model>/tests/fixtures/`:
+GroupNorm and CE), it writes one safetensors file per model into `trainers/<model>/tests/fixtures/` (and one of
+torch.optim.Adafactor's steps into `trainers/layers/tests/fixtures/`):
 
 - the weights, the whole state dict as the published checkpoints hold it (tied copies, BatchNorm
   counters), so the test loads them through the model's own snapshot loader, as f32;
@@ -255,6 +256,31 @@ def unet3d(gen, norm, loss_kind):
     save(out_path("unet3d", f"unet3d-{norm}"), weights, fixture, config)
 
 
+def adafactor(gen):
+    """torch.optim.Adafactor over five steps of given gradients, in f64 from f32 starting values,
+    for a matrix, a stack of matrices (factored over its last two axes), a vector and a scalar;
+    eps1 pinned to f32's epsilon (PyTorch takes the parameter dtype's) and lr high enough that
+    rho = 1/sqrt(t) takes over from step 3 on. Written to trainers/layers/tests/fixtures/."""
+    shapes = {"matrix": (6, 5), "stack": (2, 3, 4), "vector": (4,), "scalar": ()}
+    config = {"lr": 0.6, "beta2_decay": -0.8, "eps1": float(torch.finfo(torch.float32).eps), "eps2": 1e-3, "d": 1.0,
+              "weight_decay": 0.01, "steps": 5}
+    params = {k: torch.randn(s, generator=gen).to(torch.float32).to(torch.float64).requires_grad_() for k, s in shapes.items()}
+    fixture = {f"start.{k}": p.detach().clone() for k, p in params.items()}
+    opt = torch.optim.Adafactor(params.values(), lr=config["lr"], beta2_decay=config["beta2_decay"],
+                                eps=(config["eps1"], config["eps2"]), d=config["d"], weight_decay=config["weight_decay"],
+                                foreach=False)
+    for step in range(1, config["steps"] + 1):
+        for k, p in params.items():
+            # Gradients of varied scale per row, so the factored estimate differs from g^2.
+            scale = torch.rand(shapes[k], generator=gen) * 2 + 0.1
+            p.grad = (torch.randn(shapes[k], generator=gen) * scale).to(torch.float32).to(torch.float64)
+            fixture[f"grad.{step}.{k}"] = p.grad.clone()
+        opt.step()
+        for k, p in params.items():
+            fixture[f"after.{step}.{k}"] = p.detach().clone()
+    save(out_path("layers", "adafactor"), {}, fixture, config)
+
+
 def main():
     torch.use_deterministic_algorithms(True)
     gen = torch.Generator().manual_seed(20261130)
@@ -263,6 +289,7 @@ def main():
     resnet(gen)
     unet3d(gen, "batch", "ce-dice")
     unet3d(gen, "group", "ce")
+    adafactor(torch.Generator().manual_seed(20261201))
 
 
 if __name__ == "__main__":

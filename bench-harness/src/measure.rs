@@ -21,6 +21,10 @@ pub struct Record {
     /// of them and the update.
     #[serde(default = "one")]
     pub accumulate: usize,
+    /// `sgd`, `adamw` or `adafactor` (empty in records from before the choice existed, which
+    /// used the model's default).
+    #[serde(default)]
+    pub optimizer: String,
     pub input: String,
     pub dtype: String,
     pub device: String,
@@ -122,6 +126,7 @@ impl Record {
             policy: policy.to_string(),
             batch: w.batch,
             accumulate: w.accumulate,
+            optimizer: w.optimizer().to_string(),
             input: w.input(),
             dtype: "f32".into(),
             device: device.to_string(),

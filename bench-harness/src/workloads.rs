@@ -4,7 +4,7 @@ use anyhow::{bail, Result};
 use bert::Bert;
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
-use layers::{Benchable, ParamStore, TrainOptimizer};
+use layers::{Benchable, OptimizerKind, ParamStore, TrainOptimizer};
 use remat::{Policy, StageGraph};
 use resnet::ResNet;
 use std::sync::Arc;
@@ -32,6 +32,8 @@ pub struct Workload {
     pub input_size: usize,
     /// Micro-batches of `batch` per optimizer step (gradient accumulation).
     pub accumulate: usize,
+    /// The optimizer, where not the model's benchmark default.
+    optimizer: Option<OptimizerKind>,
     family: Arc<dyn Family>,
 }
 
@@ -40,7 +42,8 @@ pub struct Workload {
 trait Family: std::fmt::Debug {
     fn describe_input(&self, size: usize) -> String;
     fn downsamples(&self) -> bool;
-    fn build(&self, batch: usize, size: usize, device: &Device, seed: u64) -> Result<Box<dyn Instance>>;
+    fn optimizer(&self) -> OptimizerKind;
+    fn build(&self, batch: usize, size: usize, optimizer: OptimizerKind, device: &Device, seed: u64) -> Result<Box<dyn Instance>>;
 }
 
 struct Config<M: Benchable>(M::Config);
@@ -58,16 +61,19 @@ impl<M: Benchable> Family for Config<M> {
     fn downsamples(&self) -> bool {
         M::DOWNSAMPLES
     }
-    fn build(&self, batch: usize, size: usize, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
+    fn optimizer(&self) -> OptimizerKind {
+        M::OPTIMIZER
+    }
+    fn build(&self, batch: usize, size: usize, optimizer: OptimizerKind, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
         let model = M::build(&self.0, device, seed)?;
         let data = model.synthetic_data(size, seed)?;
-        Ok(Box::new(Built { model, data, batch, device: device.clone() }))
+        Ok(Box::new(Built { model, data, batch, optimizer, device: device.clone() }))
     }
 }
 
 /// The workload `model` of the model type `M` with `config`, at `batch` and `input_size`.
 fn workload<M: Benchable>(model: &str, config: M::Config, batch: usize, input_size: usize) -> Workload {
-    Workload { model: model.into(), batch, input_size, accumulate: 1, family: Arc::new(Config::<M>(config)) }
+    Workload { model: model.into(), batch, input_size, accumulate: 1, optimizer: None, family: Arc::new(Config::<M>(config)) }
 }
 
 pub const PROFILES: &str = "smoke, cpu, full";
@@ -143,6 +149,17 @@ impl Workload {
         self
     }
 
+    /// Trains with `kind` instead of the model's benchmark default (`None`: the default).
+    pub fn optimizing_with(mut self, kind: Option<OptimizerKind>) -> Self {
+        self.optimizer = kind.or(self.optimizer);
+        self
+    }
+
+    /// The optimizer it trains with.
+    pub fn optimizer(&self) -> OptimizerKind {
+        self.optimizer.unwrap_or_else(|| self.family.optimizer())
+    }
+
     /// The policies that apply to this model (`before-downsample` needs downsampling stages).
     pub fn policies(&self) -> Vec<Policy> {
         if self.model.starts_with(DEPTH_PREFIX) {
@@ -156,7 +173,7 @@ impl Workload {
     }
 
     pub fn build(&self, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
-        self.family.build(self.batch, self.input_size, device, seed)
+        self.family.build(self.batch, self.input_size, self.optimizer(), device, seed)
     }
 }
 
@@ -165,6 +182,7 @@ struct Built<M: Benchable> {
     model: M,
     data: M::Data,
     batch: usize,
+    optimizer: OptimizerKind,
     device: Device,
 }
 
@@ -179,6 +197,6 @@ impl<M: Benchable> Instance for Built<M> {
         Ok(self.model.synthetic_inputs(&self.data, step, self.batch, &self.device)?)
     }
     fn optimizer(&self) -> Result<Box<dyn TrainOptimizer>> {
-        Ok(self.model.bench_optimizer()?)
+        Ok(self.optimizer.build(self.model.params().vars(), self.optimizer.bench_lr())?)
     }
 }

@@ -41,6 +41,24 @@ fn accumulation_reaches_the_record() {
     }
 }
 
+/// `--optimizer adafactor` replaces the models' default optimizers in the record, and holds less
+/// state than AdamW (a factored second moment, no first moment).
+#[test]
+fn the_optimizer_reaches_the_record() {
+    let (adamw, adafactor) = (out_dir("optimizer-default"), out_dir("optimizer-adafactor"));
+    let args = ["--matrix", "models", "--models", "gpt2-tiny,resnet-tiny", "--policies", "off", "--rounds", "0"];
+    smoke(&adamw, &args);
+    smoke(&adafactor, &[&args[..], &["--optimizer", "adafactor"]].concat());
+    assert_eq!(record(&adamw, "resnet-tiny", "off")["optimizer"], "sgd");
+    let (a, b) = (record(&adamw, "gpt2-tiny", "off"), record(&adafactor, "gpt2-tiny", "off"));
+    assert_eq!((a["optimizer"].as_str(), b["optimizer"].as_str()), (Some("adamw"), Some("adafactor")));
+    assert_eq!(b["grads_bit_identical"], true);
+    assert!(b["model_state_bytes"].as_u64() < a["model_state_bytes"].as_u64(), "adafactor {b} vs adamw {a}");
+    for dir in [adamw, adafactor] {
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
 /// How a CSV cell must parse.
 #[derive(Clone, Copy, Debug)]
 enum Type {
@@ -61,7 +79,7 @@ enum Type {
 
 /// matrix.csv's columns in order, written out here rather than taken from the harness, so that a
 /// column dropped, renamed or moved in the writer fails the test.
-const COLUMNS: [(&str, Type); 30] = {
+const COLUMNS: [(&str, Type); 31] = {
     use Type::*;
     [
         ("framework", Candle),
@@ -69,6 +87,7 @@ const COLUMNS: [(&str, Type); 30] = {
         ("policy", Str),
         ("batch", Int),
         ("accumulate", Int),
+        ("optimizer", Str),
         ("input", Str),
         ("dtype", Str),
         ("device", Str),

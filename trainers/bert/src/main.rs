@@ -2,11 +2,9 @@
 
 use anyhow::{bail, Context, Result};
 use bert::{Bert, Config, MlmData, Preset};
-use candle_nn::Optimizer;
 use clap::Parser;
 use datasets::text::WordVocab;
 use layers::Model;
-use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use std::path::PathBuf;
@@ -50,6 +48,9 @@ struct Args {
     /// A vocabulary file (one token per line, e.g. WordPiece vocab.txt); default: the words of the data.
     #[arg(long)]
     vocab: Option<PathBuf>,
+    /// sgd, adamw or adafactor.
+    #[arg(long, default_value = "adamw")]
+    optimizer: layers::OptimizerKind,
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
 }
@@ -90,7 +91,7 @@ fn main() -> Result<()> {
         model.load_snapshot(weights)?;
     }
     let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
-    let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
+    let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     trainkit::say!(
         "BERT {} params, {} layers, policy {} ({} segments), batch {} x seq {}, vocabulary {}",
         model.params().count(),
@@ -103,12 +104,12 @@ fn main() -> Result<()> {
     );
 
     let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
-    let start = log.resume(model.params(), &mut opt)?;
+    let start = log.resume(model.params(), opt.as_mut())?;
     let batch = |step: u64| Ok(model.inputs(&data.batch(step, args.batch), args.batch, args.seq, &device)?);
     for step in start..args.steps {
         log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;
-        log.save_if_due(step, model.params(), &opt, |p| Ok(model.save_snapshot(p)?))?;
+        log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
     }
     log.finish();
     Ok(())

@@ -1,12 +1,10 @@
 //! `train-gpt2`: train GPT-2 with activation checkpointing on the default corpus or a token file.
 
 use anyhow::{bail, Context, Result};
-use candle_nn::Optimizer;
 use clap::Parser;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
 use layers::Model;
-use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use std::path::PathBuf;
@@ -38,6 +36,9 @@ struct Args {
     /// Flat u16 little-endian token file; default: the built-in synthetic corpus (byte tokens).
     #[arg(long)]
     data: Option<PathBuf>,
+    /// sgd, adamw or adafactor.
+    #[arg(long, default_value = "adamw")]
+    optimizer: layers::OptimizerKind,
     #[arg(long, default_value_t = 6e-4)]
     lr: f64,
     /// Start from these weights (Hugging Face GPT-2 safetensors).
@@ -72,7 +73,7 @@ fn main() -> Result<()> {
         model.load_snapshot(path)?;
     }
     let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
-    let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
+    let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     trainkit::say!(
         "GPT-2 {} params, {} layers, policy {} ({} segments), batch {} x seq {}",
         model.params().count(),
@@ -84,7 +85,7 @@ fn main() -> Result<()> {
     );
 
     let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
-    let start = log.resume(model.params(), &mut opt)?;
+    let start = log.resume(model.params(), opt.as_mut())?;
     let batch = |step: u64| {
         let (x, y) = batcher.batch(step, args.batch);
         Ok(model.inputs(&x, &y, args.batch, args.seq, &device)?)
@@ -92,7 +93,7 @@ fn main() -> Result<()> {
     for step in start..args.steps {
         log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;
-        log.save_if_due(step, model.params(), &opt, |p| Ok(model.save_snapshot(p)?))?;
+        log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
     }
     log.finish();
     Ok(())

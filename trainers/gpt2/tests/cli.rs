@@ -107,3 +107,9 @@ fn accumulation_shows_the_effective_batch() {
     assert!(out.status.success() && err.contains("accumulating 4 micro-batches of 3 per optimizer step: effective batch 12"), "{err}");
     fails_saying(&["--accumulate", "0"], "--accumulate must be at least 1");
 }
+
+/// An unknown `--optimizer` lists the valid ones.
+#[test]
+fn an_unknown_optimizer_lists_the_valid_ones() {
+    fails_saying(&["--optimizer", "lion"], "valid optimizers: sgd, adamw, adafactor");
+}

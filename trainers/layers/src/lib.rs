@@ -12,7 +12,8 @@
 //! - [`max_pool2d_k3s2p1`]: the ResNet stem pool with a correct backward (candle's is only right
 //!   when kernel == stride).
 //! - [`AdamW`] and [`SgdMomentum`] (which candle-nn lacks) update in place: a step allocates
-//!   nothing parameter-sized.
+//!   nothing parameter-sized; [`Adafactor`] keeps a factored second moment (R + C numbers for an
+//!   R x C weight) and no first moment.
 //! - [`conv3d`], [`conv_transpose3d_k2s2`], [`max_pool3d_k2s2`]: 3D layers candle lacks, composed
 //!   from 2D convolutions, matmuls and reshapes that have a backward; [`conv2d`] runs the fused
 //!   convolution kernel where it can (a lean backward), candle's elsewhere.
@@ -23,6 +24,7 @@
 //!
 //! Model code lives in the trainer crates; the checkpointing engine in `remat`.
 
+mod adafactor;
 mod batchnorm;
 mod config;
 mod conv3d;
@@ -33,12 +35,13 @@ mod optim;
 mod params;
 mod pool;
 
+pub use adafactor::{Adafactor, ParamsAdafactor};
 pub use batchnorm::BatchNorm;
 pub use config::{read_config, ConfigError, UnknownPreset};
 pub use conv3d::{conv2d, conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
 pub use model::{Benchable, Model};
 pub use norm::{GroupNorm, LayerNorm};
-pub use optim::{scale_grads, AdamW, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
+pub use optim::{scale_grads, AdamW, OptimizerKind, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
 pub use params::{f32_bits, write_atomically, Init, ParamStore, SnapshotError};
 pub use pool::max_pool2d_k3s2p1;
 

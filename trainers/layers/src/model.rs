@@ -2,10 +2,9 @@
 //! models alike: the stage graph, the parameters, snapshots under the published names, and
 //! evaluation; and what the bench harness needs to run a model ([`Benchable`]).
 
-use crate::optim::{AdamW, ParamsAdamW, TrainOptimizer};
+use crate::optim::OptimizerKind;
 use crate::params::{ParamStore, SnapshotError};
 use candle_core::{DType, Device, Result, Tensor};
-use candle_nn::Optimizer;
 use remat::StageGraph;
 use std::path::Path;
 
@@ -50,6 +49,8 @@ pub trait Benchable: Model + Sized + 'static {
     type Data: 'static;
     /// Whether some stages reduce the spatial size, so that `before-downsample` applies.
     const DOWNSAMPLES: bool;
+    /// The optimizer its benchmarks train with (at [`OptimizerKind::bench_lr`]).
+    const OPTIMIZER: OptimizerKind = OptimizerKind::Adamw;
 
     /// The input size in words: `seq 256`, `128x128`, `32^3`.
     fn describe_input(size: usize) -> String;
@@ -61,9 +62,4 @@ pub trait Benchable: Model + Sized + 'static {
 
     /// The graph inputs of batch `step`: `batch` samples of `data`, the same for every policy.
     fn synthetic_inputs(&self, data: &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>>;
-
-    /// The optimizer its benchmarks train with (AdamW at lr 1e-4 unless the model says otherwise).
-    fn bench_optimizer(&self) -> Result<Box<dyn TrainOptimizer>> {
-        Ok(Box::new(AdamW::new(self.params().vars(), ParamsAdamW { lr: 1e-4, ..Default::default() })?))
-    }
 }

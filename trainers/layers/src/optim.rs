@@ -62,6 +62,64 @@ fn update_in_place(dst: &Tensor, a: &Tensor, b: &Tensor, name: &'static str, f: 
     Ok(lean)
 }
 
+/// The optimizers a run can train with, by name (`sgd`, `adamw`, `adafactor`: the trainers' and
+/// the harness's `--optimizer`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimizerKind {
+    /// [`SgdMomentum`]: one buffer per parameter.
+    Sgd,
+    /// [`AdamW`]: two moments per parameter.
+    Adamw,
+    /// [`crate::Adafactor`]: a factored second moment, R + C numbers per R x C weight.
+    Adafactor,
+}
+
+impl OptimizerKind {
+    pub const NAMES: &'static str = "sgd, adamw, adafactor";
+
+    /// The optimizer over `vars` with learning rate `lr` and otherwise PyTorch's defaults (SGD:
+    /// momentum 0.9, weight decay 1e-4).
+    pub fn build(self, vars: Vec<Var>, lr: f64) -> Result<Box<dyn TrainOptimizer>> {
+        Ok(match self {
+            OptimizerKind::Sgd => Box::new(SgdMomentum::new(vars, ParamsSgd { lr, ..Default::default() })?),
+            OptimizerKind::Adamw => Box::new(AdamW::new(vars, ParamsAdamW { lr, ..Default::default() })?),
+            OptimizerKind::Adafactor => Box::new(crate::Adafactor::new(vars, crate::ParamsAdafactor { lr, ..Default::default() })?),
+        })
+    }
+
+    /// The learning rate the benchmarks train with.
+    pub fn bench_lr(self) -> f64 {
+        match self {
+            OptimizerKind::Sgd => 0.05,
+            OptimizerKind::Adamw => 1e-4,
+            OptimizerKind::Adafactor => 1e-2,
+        }
+    }
+}
+
+impl std::str::FromStr for OptimizerKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "sgd" => Ok(OptimizerKind::Sgd),
+            "adamw" => Ok(OptimizerKind::Adamw),
+            "adafactor" => Ok(OptimizerKind::Adafactor),
+            _ => Err(format!("unknown optimizer `{s}`; valid optimizers: {}", OptimizerKind::NAMES)),
+        }
+    }
+}
+
+impl std::fmt::Display for OptimizerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            OptimizerKind::Sgd => "sgd",
+            OptimizerKind::Adamw => "adamw",
+            OptimizerKind::Adafactor => "adafactor",
+        })
+    }
+}
+
 /// Multiplies every gradient of `vars` in `grads` by `factor`, in place where it can (an
 /// accumulated sum of micro-batch gradients becomes their mean; an f16 loss scale is undone).
 pub fn scale_grads(grads: &mut GradStore, vars: &[Var], factor: f64) -> Result<()> {
@@ -110,7 +168,7 @@ pub trait TrainOptimizer {
 }
 
 /// `state[name]`, shaped like `like`, as a tensor of `like`'s dtype and device.
-fn restored(state: &HashMap<String, Tensor>, name: &str, like: &Tensor) -> Result<Tensor> {
+pub(crate) fn restored(state: &HashMap<String, Tensor>, name: &str, like: &Tensor) -> Result<Tensor> {
     let t = state.get(name).ok_or_else(|| candle_core::Error::Msg(format!("optimizer state `{name}` is missing")))?;
     if t.dims() != like.dims() {
         candle_core::bail!("optimizer state `{name}` is {:?}, the parameter {:?}", t.dims(), like.dims())
@@ -118,7 +176,7 @@ fn restored(state: &HashMap<String, Tensor>, name: &str, like: &Tensor) -> Resul
     t.to_dtype(like.dtype())?.to_device(like.device())?.contiguous()?.copy()
 }
 
-fn step_count(state: &HashMap<String, Tensor>) -> Result<i64> {
+pub(crate) fn step_count(state: &HashMap<String, Tensor>) -> Result<i64> {
     state.get("step").ok_or_else(|| candle_core::Error::Msg("optimizer state `step` is missing".into()))?.to_scalar::<i64>()
 }
 

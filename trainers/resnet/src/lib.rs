@@ -338,12 +338,12 @@ impl layers::Model for ResNet {
     }
 }
 
-/// Synthetic square images of the model's classes; trained with SGD and momentum (lr 0.05), as
-/// ResNets are.
+/// Synthetic square images of the model's classes; trained with SGD and momentum, as ResNets are.
 impl layers::Benchable for ResNet {
     type Config = Config;
     type Data = (datasets::images::SyntheticImages, usize);
     const DOWNSAMPLES: bool = true;
+    const OPTIMIZER: layers::OptimizerKind = layers::OptimizerKind::Sgd;
 
     fn describe_input(size: usize) -> String {
         format!("{size}x{size}")
@@ -360,10 +360,5 @@ impl layers::Benchable for ResNet {
     fn synthetic_inputs(&self, (data, size): &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>> {
         let (images, labels) = data.batch(step, batch);
         self.inputs(&images, &labels, *size, device)
-    }
-
-    fn bench_optimizer(&self) -> Result<Box<dyn layers::TrainOptimizer>> {
-        use candle_nn::Optimizer;
-        Ok(Box::new(layers::SgdMomentum::new(self.params.vars(), layers::ParamsSgd { lr: 0.05, ..Default::default() })?))
     }
 }

@@ -1,11 +1,9 @@
 //! `train-resnet`: train a ResNet with activation checkpointing on synthetic images or an image folder.
 
 use anyhow::{bail, Result};
-use candle_nn::Optimizer;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use datasets::images::{ImageFolder, SyntheticImages};
 use layers::Model;
-use layers::{AdamW, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use resnet::{Config, Preset, ResNet};
@@ -13,12 +11,6 @@ use std::path::PathBuf;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Opt {
-    Sgd,
-    Adamw,
-}
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a ResNet with activation checkpointing (candle + remat)")]
@@ -44,8 +36,9 @@ struct Args {
     /// Classes of the synthetic data (the folder's sub-folders otherwise).
     #[arg(long, default_value_t = 10)]
     classes: usize,
-    #[arg(long, value_enum, default_value = "sgd")]
-    optimizer: Opt,
+    /// sgd, adamw or adafactor.
+    #[arg(long, default_value = "sgd")]
+    optimizer: layers::OptimizerKind,
     #[arg(long, default_value_t = 0.05)]
     lr: f64,
     /// Start from these weights (torchvision names, safetensors).
@@ -96,11 +89,7 @@ fn main() -> Result<()> {
         model.load_snapshot(path)?;
     }
     let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
-    let vars = model.params().vars();
-    let mut opt: Box<dyn TrainOptimizer> = match args.optimizer {
-        Opt::Sgd => Box::new(SgdMomentum::new(vars, ParamsSgd { lr: args.lr, ..Default::default() })?),
-        Opt::Adamw => Box::new(AdamW::new(vars, ParamsAdamW { lr: args.lr, ..Default::default() })?),
-    };
+    let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     trainkit::say!(
         "ResNet {} params, {} blocks, policy {} ({} segments), batch {} x {}x{}, {classes} classes",
         model.params().count(),

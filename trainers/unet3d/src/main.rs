@@ -1,11 +1,9 @@
 //! `train-unet3d`: train the 3D U-Net with activation checkpointing on synthetic or `.npy` volumes.
 
 use anyhow::{bail, Result};
-use candle_nn::Optimizer;
 use clap::{Parser, ValueEnum};
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
 use layers::Model;
-use layers::{AdamW, ParamsAdamW, TrainOptimizer};
 use remat::memory::CountingAlloc;
 use remat::{Executor, Policy};
 use std::path::PathBuf;
@@ -49,6 +47,9 @@ struct Args {
     group_norm: Option<usize>,
     #[arg(long, value_enum, default_value = "ce")]
     loss: LossArg,
+    /// sgd, adamw or adafactor.
+    #[arg(long, default_value = "adamw")]
+    optimizer: layers::OptimizerKind,
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
 }
@@ -93,7 +94,7 @@ fn main() -> Result<()> {
     let device = trainkit::device(&args.run.device)?;
     let model = UNet3d::new(config, &device, args.run.seed)?;
     let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
-    let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: args.lr, ..Default::default() })?;
+    let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     trainkit::say!(
         "3D U-Net {} params, policy {} ({} segments), batch {} x {}^3",
         model.params().count(),
@@ -104,7 +105,7 @@ fn main() -> Result<()> {
     );
 
     let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
-    let start = log.resume(model.params(), &mut opt)?;
+    let start = log.resume(model.params(), opt.as_mut())?;
     let batch = |step: u64| -> Result<Vec<candle_core::Tensor>> {
         let (voxels, labels) = match &data {
             Data::Synthetic(d) => d.batch(step, args.batch),
@@ -121,7 +122,7 @@ fn main() -> Result<()> {
     for step in start..args.steps {
         log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;
-        log.save_if_due(step, model.params(), &opt, |p| Ok(model.save_snapshot(p)?))?;
+        log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
     }
     log.finish();
     Ok(())
