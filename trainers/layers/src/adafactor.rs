@@ -14,7 +14,7 @@
 //! statistics in place: nothing parameter-sized is allocated (PyTorch's builds `v` and `u`, two
 //! parameter-sized temporaries). Elsewhere it runs composed candle ops (correct, not lean).
 
-use crate::fused::{fused, slice, with_slice};
+use crate::fused::{full_precision_cpu, slice, with_slice};
 use crate::optim::{restored, step_count, TrainOptimizer};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Tensor, Var, WithDType, D};
@@ -105,7 +105,7 @@ impl Optimizer for Adafactor {
             let p = var.as_tensor();
             let eps1 = eps1.unwrap_or(machine_epsilon(p.dtype()));
             let n = p.elem_count() as f64;
-            let lean = fused(p) && p.is_contiguous() && g.is_contiguous() && g.dtype() == p.dtype() && stats.is_contiguous();
+            let lean = full_precision_cpu(p) && p.is_contiguous() && g.is_contiguous() && g.dtype() == p.dtype() && stats.is_contiguous();
             if lean {
                 let alpha = eps2.max((sum_of_squares(p)? / n).sqrt()) * rho;
                 stats.inplace_op2(g, &Statistics { shape: *shape, w })?;
@@ -247,8 +247,8 @@ impl InplaceOp2 for Statistics {
     fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
         let (start, end) = l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("adafactor: statistics not contiguous".into()))?;
         match s1 {
-            CpuStorage::F32(s) => self.run(&mut s[start..end], slice(s2, l2)?),
-            CpuStorage::F64(s) => self.run(&mut s[start..end], slice(s2, l2)?),
+            CpuStorage::F32(s) => self.run(&mut s[start..end], &slice(s2, l2)?),
+            CpuStorage::F64(s) => self.run(&mut s[start..end], &slice(s2, l2)?),
             _ => candle_core::bail!("adafactor: f32 or f64 only"),
         }
         Ok(())
@@ -293,8 +293,8 @@ impl InplaceOp3 for Apply {
     fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
         let (start, end) = l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("adafactor: parameter not contiguous".into()))?;
         match s1 {
-            CpuStorage::F32(p) => self.run(&mut p[start..end], slice(s2, l2)?, slice(s3, l3)?),
-            CpuStorage::F64(p) => self.run(&mut p[start..end], slice(s2, l2)?, slice(s3, l3)?),
+            CpuStorage::F32(p) => self.run(&mut p[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
+            CpuStorage::F64(p) => self.run(&mut p[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
             _ => candle_core::bail!("adafactor: f32 or f64 only"),
         }
         Ok(())

@@ -30,45 +30,90 @@
 //! process it gives the same bits every time, so a recompute under checkpointing is bit-identical
 //! to the forward.
 //!
-//! f32 and f64 tensors on the CPU take the fused path; anything else (another dtype, a GPU) falls
-//! back to the composed candle ops, which are correct everywhere.
+//! f32 and f64 tensors on the CPU take the fused path, and so do bf16 and f16 ones: their kernels
+//! read the half-precision operands widened to f32 (a transient copy per op), compute in f32 and
+//! store results in the operands' dtype, so what an op keeps for backward stays in half precision
+//! (candle's CPU backend has no bf16 matrix product at all). A half-precision activation may meet
+//! f32 weights: each operand is read in its own dtype, and each gradient is made in its operand's
+//! dtype, so f32 weights get f32 gradients. Cross-entropy returns an f32 loss. Anything else (a
+//! GPU) falls back to the composed candle ops, which are correct everywhere.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, WithDType, D};
 use num_traits::Float;
 use rayon::prelude::*;
 use remat::rng::RngKey;
+use std::borrow::Cow;
 
 /// Rows per chunk of a cross-row reduction: fixed, so the summation order is too.
 const CHUNK_ROWS: usize = 64;
 
-/// The fused path applies: f32 or f64 on the CPU.
+/// The fused path applies: a float tensor on the CPU.
 pub(crate) fn fused(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+}
+
+/// The in-place updates (optimizers, gradient sums) apply: f32 or f64 on the CPU.
+pub(crate) fn full_precision_cpu(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
-/// The contiguous elements of a CPU storage as `T`.
-pub(crate) fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+/// bf16 or f16: the kernels widen it to f32.
+fn is_half(dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+}
+
+/// `t` as a fused kernel reads it next to an input `x`: in `x`'s dtype, except beside a
+/// half-precision `x`, where it stays as stored (an f32 weight is read as is, its gradient made in
+/// f32, with no half-precision copy kept); contiguous.
+fn operand(t: &Tensor, x: &Tensor) -> Result<Tensor> {
+    if is_half(x.dtype()) {
+        t.contiguous()
+    } else {
+        t.to_dtype(x.dtype())?.contiguous()
+    }
+}
+
+/// The contiguous elements of a CPU storage as `T`: borrowed where it holds `T`, converted (a
+/// copy) where it holds another float type (half precision widened to f32).
+pub(crate) fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [T]>> {
     let (start, end) = l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("fused op: input is not contiguous".into()))?;
-    Ok(&s.as_slice::<T>()?[start..end])
+    fn convert<S: WithDType, T: WithDType>(v: &[S]) -> Cow<'static, [T]> {
+        Cow::Owned(v.iter().map(|x| T::from_f64(x.to_f64())).collect())
+    }
+    Ok(match s {
+        CpuStorage::BF16(v) if T::DTYPE != DType::BF16 => convert(&v[start..end]),
+        CpuStorage::F16(v) if T::DTYPE != DType::F16 => convert(&v[start..end]),
+        CpuStorage::F32(v) if T::DTYPE != DType::F32 => convert(&v[start..end]),
+        CpuStorage::F64(v) if T::DTYPE != DType::F64 => convert(&v[start..end]),
+        _ => Cow::Borrowed(&s.as_slice::<T>()?[start..end]),
+    })
+}
+
+/// A kernel's f32 result stored as the half-precision type `H`.
+fn narrow<H: WithDType>(v: Vec<f32>) -> Vec<H> {
+    v.into_iter().map(|x| H::from_f64(x as f64)).collect()
 }
 
 /// Runs `f` on the contiguous elements of a CPU tensor.
 pub(crate) fn with_slice<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
-        Storage::Cpu(s) => f(slice::<T>(s, layout)?),
+        Storage::Cpu(s) => f(&slice::<T>(s, layout)?),
         _ => candle_core::bail!("fused op: tensor is not on the CPU"),
     }
 }
 
 /// The storage `$body` makes, a `Vec` of f32 or f64 as `$s` holds (the element type is inferred
-/// in each arm): the one dispatch every fused op's forward needs.
+/// in each arm; half precision computes in f32 and is stored narrowed): the one dispatch every
+/// fused op's forward needs.
 macro_rules! per_float {
     ($s:expr, $name:literal, $body:expr) => {
         match $s {
             CpuStorage::F32(_) => CpuStorage::F32($body),
             CpuStorage::F64(_) => CpuStorage::F64($body),
-            _ => candle_core::bail!(concat!("fused ", $name, ": f32 or f64 only")),
+            CpuStorage::BF16(_) => CpuStorage::BF16(narrow($body)),
+            CpuStorage::F16(_) => CpuStorage::F16(narrow($body)),
+            _ => candle_core::bail!(concat!("fused ", $name, ": float operands only")),
         }
     };
 }
@@ -78,7 +123,7 @@ macro_rules! per_float {
 macro_rules! per_dtype {
     ($dtype:expr, $t:ident => $body:expr) => {
         match $dtype {
-            DType::F32 => {
+            DType::F32 | DType::BF16 | DType::F16 => {
                 type $t = f32;
                 $body
             }
@@ -90,9 +135,9 @@ macro_rules! per_dtype {
     };
 }
 
-/// A gradient's elements as a tensor shaped and placed like `like`.
+/// A gradient's elements as a tensor shaped, placed and typed like `like`.
 fn shaped<T: WithDType>(v: Vec<T>, like: &Tensor) -> Result<Tensor> {
-    Tensor::from_vec(v, like.shape(), like.device())
+    Tensor::from_vec(v, like.shape(), like.device())?.to_dtype(like.dtype())
 }
 
 /// A float type the kernels run in.
@@ -139,7 +184,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     if weight.dims() != [d] || bias.dims() != [d] {
         candle_core::bail!("layer_norm: weight {:?} and bias {:?} must be [{d}]", weight.dims(), bias.dims())
     }
-    x.contiguous()?.apply_op3(&weight.to_dtype(x.dtype())?, &bias.to_dtype(x.dtype())?, LayerNormOp { eps })
+    x.contiguous()?.apply_op3(&operand(weight, x)?, &operand(bias, x)?, LayerNormOp { eps })
 }
 
 struct LayerNormOp {
@@ -203,7 +248,7 @@ impl CustomOp3 for LayerNormOp {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = per_float!(s1, "layer_norm", self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?));
+        let y = per_float!(s1, "layer_norm", self.forward(&slice(s1, l1)?, &slice(s2, l2)?, &slice(s3, l3)?));
         Ok((y, l1.shape().clone()))
     }
 
@@ -307,7 +352,7 @@ impl CustomOp1 for SoftmaxOp {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let width = l.dims().last().copied().unwrap_or(1);
-        let y = per_float!(s, "softmax", self.forward(slice(s, l)?, width));
+        let y = per_float!(s, "softmax", self.forward(&slice(s, l)?, width));
         Ok((y, l.shape().clone()))
     }
 
@@ -381,7 +426,11 @@ impl CustomOp3 for CrossEntropyOp {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
         let targets = slice::<u32>(s2, l2)?;
-        let loss = per_float!(s1, "cross_entropy", vec![Self::forward(slice(s1, l1)?, targets, slice(s3, l3)?)?]);
+        let loss = match s1 {
+            // The loss of half-precision logits is computed and returned in f32.
+            CpuStorage::BF16(_) | CpuStorage::F16(_) => CpuStorage::F32(vec![Self::forward::<f32>(&slice(s1, l1)?, &targets, &slice(s3, l3)?)?]),
+            _ => per_float!(s1, "cross_entropy", vec![Self::forward(&slice(s1, l1)?, &targets, &slice(s3, l3)?)?]),
+        };
         Ok((loss, Shape::from(())))
     }
 
@@ -405,14 +454,7 @@ impl CustomOp3 for CrossEntropyOp {
 /// version keeps the normalised tensor and the sum as well). Returns the output and the batch's
 /// per-channel mean and biased variance (for the running statistics). CPU f32/f64 only: check
 /// [`fused`] first.
-pub(crate) fn batch_norm_train(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
-    residual: Option<&Tensor>,
-    eps: f64,
-    relu: bool,
-) -> Result<(Tensor, Vec<f64>, Vec<f64>)> {
+pub fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Vec<f64>, Vec<f64>)> {
     let x = x.contiguous()?;
     let (n, c) = (x.dim(0)?, x.dim(1)?);
     let spatial = x.elem_count() / (n * c).max(1);
@@ -420,7 +462,7 @@ pub(crate) fn batch_norm_train(
     let rstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
     let op = BatchNormOp { mean: mean.clone(), rstd, relu, channels: c, spatial };
     // Weight and bias travel as one (2, C) operand so that the residual fits a three-input op.
-    let wb = Tensor::stack(&[weight, bias], 0)?.to_dtype(x.dtype())?;
+    let wb = operand(&Tensor::stack(&[weight, bias], 0)?, &x)?;
     let y = match residual {
         Some(r) => {
             if r.shape() != x.shape() {
@@ -519,7 +561,7 @@ impl BatchNormOp {
     }
 
     fn cpu_fwd(&self, x: (&CpuStorage, &Layout), wb: (&CpuStorage, &Layout), r: Option<(&CpuStorage, &Layout)>) -> Result<(CpuStorage, Shape)> {
-        let y = per_float!(x.0, "batch_norm", self.forward(slice(x.0, x.1)?, slice(wb.0, wb.1)?, r.map(|(s, l)| slice(s, l)).transpose()?));
+        let y = per_float!(x.0, "batch_norm", self.forward(&slice(x.0, x.1)?, &slice(wb.0, wb.1)?, r.map(|(s, l)| slice(s, l)).transpose()?.as_deref()));
         Ok((y, x.1.shape().clone()))
     }
 
@@ -611,7 +653,7 @@ impl CustomOp1 for DropoutOp {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = per_float!(s, "dropout", self.masked(slice(s, l)?));
+        let y = per_float!(s, "dropout", self.masked(&slice(s, l)?));
         Ok((y, l.shape().clone()))
     }
 
@@ -637,7 +679,7 @@ pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result
 /// least one output row; see `Conv3dShape::blocks`).
 pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, block_entries: usize) -> Result<Tensor> {
     let shape = Conv3dShape::new(x.dims5()?, w.dims5()?, g, block_entries)?;
-    x.contiguous()?.apply_op2(&w.to_dtype(x.dtype())?.contiguous()?, Conv3dOp { shape })
+    x.contiguous()?.apply_op2(&operand(w, x)?, Conv3dOp { shape })
 }
 
 /// The sizes of one 3D convolution.
@@ -910,7 +952,7 @@ impl CustomOp2 for Conv3dOp {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = per_float!(s1, "conv3d", self.forward(slice(s1, l1)?, slice(s2, l2)?)?);
+        let y = per_float!(s1, "conv3d", self.forward(&slice(s1, l1)?, &slice(s2, l2)?)?);
         let s = &self.shape;
         Ok((y, Shape::from(vec![s.n, s.o, s.output[0], s.output[1], s.output[2]])))
     }
@@ -977,8 +1019,8 @@ impl CustomOp2 for EmbeddingOp {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let ids = slice::<u32>(s2, l2)?;
-        self.check(ids)?;
-        let y = per_float!(s1, "embedding", self.forward(slice(s1, l1)?, ids));
+        self.check(&ids)?;
+        let y = per_float!(s1, "embedding", self.forward(&slice(s1, l1)?, &ids));
         Ok((y, Shape::from((ids.len(), self.width))))
     }
 
@@ -1003,7 +1045,7 @@ pub(crate) fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor) -> Resul
         candle_core::bail!("conv_transpose3d_k2s2: kernel {:?} and bias {:?} do not fit input with {c} channels", w.dims(), b.dims())
     }
     let op = ConvTranspose3dOp { n, c, o, input: [d, h, wd] };
-    x.contiguous()?.apply_op3(&w.to_dtype(x.dtype())?.contiguous()?, &b.to_dtype(x.dtype())?.contiguous()?, op)
+    x.contiguous()?.apply_op3(&operand(w, x)?, &operand(b, x)?, op)
 }
 
 struct ConvTranspose3dOp {
@@ -1070,7 +1112,7 @@ impl CustomOp3 for ConvTranspose3dOp {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = per_float!(s1, "conv_transpose3d", self.forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?)?);
+        let y = per_float!(s1, "conv_transpose3d", self.forward(&slice(s1, l1)?, &slice(s2, l2)?, &slice(s3, l3)?)?);
         let [d, h, w] = self.input;
         Ok((y, Shape::from(vec![self.n, self.o, 2 * d, 2 * h, 2 * w])))
     }
@@ -1160,7 +1202,7 @@ impl CustomOp1 for MaxPool2dOp {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = per_float!(s, "max_pool2d", self.forward(slice(s, l)?));
+        let y = per_float!(s, "max_pool2d", self.forward(&slice(s, l)?));
         let mut dims = l.dims().to_vec();
         let r = dims.len();
         (dims[r - 2], dims[r - 1]) = self.out();
@@ -1195,9 +1237,9 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> 
         *dims.last_mut().expect("rank >= 1") = y.dim(1)?;
         return y.reshape(dims);
     }
-    let (x, w) = (x.contiguous()?, w.to_dtype(x.dtype())?.contiguous()?);
+    let (x, w) = (x.contiguous()?, operand(w, x)?);
     match b {
-        Some(b) => x.apply_op3(&w, &b.to_dtype(x.dtype())?.contiguous()?, LinearOp { w_is_out_in }),
+        Some(b) => x.apply_op3(&w, &operand(b, &x)?, LinearOp { w_is_out_in }),
         None => x.apply_op2(&w, LinearOp { w_is_out_in }),
     }
 }
@@ -1208,7 +1250,7 @@ struct LinearOp {
 
 impl LinearOp {
     fn cpu_fwd(&self, x: (&CpuStorage, &Layout), w: (&CpuStorage, &Layout), b: Option<(&CpuStorage, &Layout)>) -> Result<(CpuStorage, Shape)> {
-        let y = per_float!(x.0, "linear", self.forward(slice(x.0, x.1)?, x.1, slice(w.0, w.1)?, b.map(|(s, l)| slice(s, l)).transpose()?));
+        let y = per_float!(x.0, "linear", self.forward(&slice(x.0, x.1)?, x.1, &slice(w.0, w.1)?, b.map(|(s, l)| slice(s, l)).transpose()?.as_deref()));
         let mut dims = x.1.dims().to_vec();
         *dims.last_mut().expect("rank >= 1") = w.1.dims()[if self.w_is_out_in { 0 } else { 1 }];
         Ok((y, Shape::from(dims)))
@@ -1244,6 +1286,8 @@ impl LinearOp {
             })))?;
             (shaped(dx, x)?, shaped(dw, w)?)
         });
+        // The bias gradient summed in f32 at least (candle would sum a bf16 g in bf16).
+        let g = if is_half(g.dtype()) { g.to_dtype(DType::F32)? } else { g };
         Ok((dx, dw, g.reshape((rows, n))?.sum(0)?))
     }
 }
@@ -1272,9 +1316,9 @@ impl CustomOp3 for LinearOp {
         LinearOp::cpu_fwd(self, (s1, l1), (s2, l2), Some((s3, l3)))
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, x: &Tensor, w: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, db) = LinearOp::bwd(self, x, w, g)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        Ok((Some(dx), Some(dw), Some(db.to_dtype(b.dtype())?)))
     }
 }
 
@@ -1380,7 +1424,7 @@ impl CustomOp3 for AttentionOp {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
         fn run<T: Elem>(op: &AttentionOp, s: [(&CpuStorage, &Layout); 3]) -> Result<Vec<T>> {
-            let t = |(st, l): (&CpuStorage, &Layout)| Tensor::from_slice(slice::<T>(st, l)?, l.dims(), &candle_core::Device::Cpu);
+            let t = |(st, l): (&CpuStorage, &Layout)| Tensor::from_slice(&slice::<T>(st, l)?, l.dims(), &candle_core::Device::Cpu);
             op.forward::<T>(t(s[0])?, t(s[1])?, t(s[2])?)
         }
         let args = [(s1, l1), (s2, l2), (s3, l3)];
@@ -1391,9 +1435,12 @@ impl CustomOp3 for AttentionOp {
     }
 
     fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (q, k, v, g) = (q.detach(), k.detach(), v.detach(), g.detach().contiguous()?);
+        // Half precision runs in f32 (candle's CPU matrix product has no bf16).
+        let dtype = q.dtype();
+        let wide = |t: &Tensor| if is_half(dtype) { t.detach().to_dtype(DType::F32) } else { Ok(t.detach()) };
+        let (q, k, v, g) = (wide(q)?, wide(k)?, wide(v)?, wide(g)?.contiguous()?);
         let (dq, dk, dv) = per_dtype!(q.dtype(), T => self.backward::<T>(&q, &k, &v, &g)?);
-        Ok((Some(dq), Some(dk), Some(dv)))
+        Ok((Some(dq.to_dtype(dtype)?), Some(dk.to_dtype(dtype)?), Some(dv.to_dtype(dtype)?)))
     }
 }
 
@@ -1454,7 +1501,7 @@ impl CustomOp1 for GeluOp {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = per_float!(s, "gelu", self.map(slice(s, l)?, None));
+        let y = per_float!(s, "gelu", self.map(&slice(s, l)?, None));
         Ok((y, l.shape().clone()))
     }
 

@@ -44,8 +44,8 @@ impl<F: Fn(f64, f64, f64) -> f64 + Sync> InplaceOp3 for Elementwise<F> {
         let (start, end) = l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{}: target is not contiguous", self.name)))?;
         // `slice` fails on an operand of another dtype.
         match s1 {
-            CpuStorage::F32(d) => self.run(&mut d[start..end], slice(s2, l2)?, slice(s3, l3)?),
-            CpuStorage::F64(d) => self.run(&mut d[start..end], slice(s2, l2)?, slice(s3, l3)?),
+            CpuStorage::F32(d) => self.run(&mut d[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
+            CpuStorage::F64(d) => self.run(&mut d[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
             _ => candle_core::bail!("{}: f32 or f64 operands of one dtype only", self.name),
         }
         Ok(())
@@ -55,7 +55,7 @@ impl<F: Fn(f64, f64, f64) -> f64 + Sync> InplaceOp3 for Elementwise<F> {
 /// Applies `f` to `dst` in place where that path exists (f32/f64 on the CPU, equal shapes);
 /// returns false where the caller must use its composed fallback.
 fn update_in_place(dst: &Tensor, a: &Tensor, b: &Tensor, name: &'static str, f: impl Fn(f64, f64, f64) -> f64 + Sync) -> Result<bool> {
-    let lean = crate::fused::fused(dst) && dst.is_contiguous() && [a, b].iter().all(|t| t.dtype() == dst.dtype() && t.shape() == dst.shape());
+    let lean = crate::fused::full_precision_cpu(dst) && dst.is_contiguous() && [a, b].iter().all(|t| t.dtype() == dst.dtype() && t.shape() == dst.shape());
     if lean {
         dst.inplace_op3(&a.contiguous()?, &b.contiguous()?, &Elementwise { name, f })?;
     }
@@ -125,7 +125,7 @@ impl std::fmt::Display for OptimizerKind {
 pub fn scale_grads(grads: &mut GradStore, vars: &[Var], factor: f64) -> Result<()> {
     for var in vars {
         let Some(g) = grads.get(var) else { continue };
-        if crate::fused::fused(g) && g.is_contiguous() {
+        if crate::fused::full_precision_cpu(g) && g.is_contiguous() {
             g.inplace_op1(&Scale(factor))?;
         } else {
             let scaled = (g * factor)?;
