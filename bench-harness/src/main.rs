@@ -86,6 +86,10 @@ struct Common {
     /// default (SGD for the ResNets, AdamW for the others).
     #[arg(long)]
     optimizer: Option<layers::OptimizerKind>,
+    /// The dtype activations are computed in (f32, bf16, f16; parameters stay f32). f16 runs with
+    /// dynamic loss scaling.
+    #[arg(long, default_value = "f32")]
+    dtype: layers::Precision,
     /// Emulate a smaller memory (e.g. 24GiB): on the CPU allocations beyond this much heap fail;
     /// on a GPU the rest of the device memory is held.
     #[arg(long, value_parser = parse_size)]
@@ -183,7 +187,8 @@ fn run_one(model: &str, policy: &Policy, time_only: bool, common: &Common) -> Re
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .resized(common.batch, common.input_size)
         .accumulating(common.accumulate)
-        .optimizing_with(common.optimizer);
+        .optimizing_with(common.optimizer)
+        .in_dtype(common.dtype);
     let mut rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device)?;
     // The cap is for the measured configuration only: the check builds two more models.
     drop(held);
@@ -256,8 +261,10 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) || common.accumulate == 0 {
         bail!("--steps, --batch, --input-size and --accumulate must be at least 1");
     }
-    if args.baseline.is_some() && (common.accumulate > 1 || common.optimizer.is_some()) {
-        bail!("--baseline runs one micro-batch per step with each model's default optimizer; it cannot be combined with --accumulate or --optimizer");
+    if args.baseline.is_some() && (common.accumulate > 1 || common.optimizer.is_some() || common.dtype != layers::Precision::F32) {
+        bail!(
+            "--baseline runs one f32 micro-batch per step with each model's default optimizer; it cannot be combined with --accumulate, --optimizer or --dtype"
+        );
     }
     let profile = common.profile();
     let mut selected = Vec::new();
@@ -277,7 +284,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     let workloads: Vec<Workload> = selected
         .into_iter()
         .filter(|w| args.models.is_empty() || args.models.iter().any(|m| w.model.starts_with(m.as_str())))
-        .map(|w| w.resized(common.batch, common.input_size).accumulating(common.accumulate).optimizing_with(common.optimizer))
+        .map(|w| w.resized(common.batch, common.input_size).accumulating(common.accumulate).optimizing_with(common.optimizer).in_dtype(common.dtype))
         .collect();
     if workloads.is_empty() {
         bail!("--models {:?} matches no model of profile `{profile}`", args.models);
@@ -408,6 +415,9 @@ fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common
         if r.accumulate != w.accumulate {
             diff.push(format!("accumulate {} vs {}", r.accumulate, w.accumulate));
         }
+        if r.dtype != w.dtype.to_string() {
+            diff.push(format!("dtype {} vs {}", r.dtype, w.dtype));
+        }
         if !r.optimizer.is_empty() && r.optimizer != w.optimizer().to_string() {
             diff.push(format!("optimizer {} vs {}", r.optimizer, w.optimizer()));
         }
@@ -498,6 +508,7 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time
     if let Some(kind) = common.optimizer {
         cmd.args(["--optimizer", &kind.to_string()]);
     }
+    cmd.args(["--dtype", &common.dtype.to_string()]);
     for (flag, value) in
         [("--memory-cap", common.memory_cap), ("--batch", common.batch.map(|b| b as u64)), ("--input-size", common.input_size.map(|n| n as u64))]
     {

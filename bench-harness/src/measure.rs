@@ -21,6 +21,9 @@ pub struct Record {
     /// of them and the update.
     #[serde(default = "one")]
     pub accumulate: usize,
+    /// f16: timed steps whose update the loss scaler skipped (non-finite gradients).
+    #[serde(default)]
+    pub skipped_updates: usize,
     /// `sgd`, `adamw` or `adafactor` (empty in records from before the choice existed, which
     /// used the model's default).
     #[serde(default)]
@@ -128,7 +131,7 @@ impl Record {
             accumulate: w.accumulate,
             optimizer: w.optimizer().to_string(),
             input: w.input(),
-            dtype: "f32".into(),
+            dtype: w.dtype.to_string(),
             device: device.to_string(),
             threads: candle_core::utils::get_num_threads(),
             ..Default::default()
@@ -151,9 +154,12 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
     let mut times = Vec::new();
     let micro = w.accumulate as u64;
+    // f16 trains under dynamic loss scaling, as the trainers do.
+    let mut scaler = (w.dtype == layers::Precision::F16).then(trainkit::LossScaler::default);
     for step in 0..=steps as u64 {
         // Micro-batch m of step s is the data's batch s * accumulate + m, which keys its draws.
         let mut first_inputs = Some(inst.inputs(step * micro)?);
+        exec.set_loss_scale(scaler.map_or(1.0, |s| s.scale));
         let meter = Meter::start(device);
         let (mut grads, mut loss, mut activation_peak, mut timeline) = (GradStore::default(), 0f64, 0, None);
         for n in step * micro..(step + 1) * micro {
@@ -167,12 +173,14 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
             timeline.get_or_insert(out.timeline); // the first micro-batch's
             grads = out.grads;
         }
-        if micro > 1 {
-            layers::scale_grads(&mut grads, exec.params(), 1.0 / micro as f64)?;
-        }
+        let update = trainkit::finish_gradients(&mut grads, exec.params(), micro as usize, scaler.as_mut())?;
         let fwd_bwd_peak = meter.peak_so_far();
         set_activity(Activity::Optimizer, None);
-        optimizer.update(&grads)?;
+        if update {
+            optimizer.update(&grads)?;
+        } else if step > 0 {
+            rec.skipped_updates += 1;
+        }
         drop(grads);
         let usage = meter.finish();
         if step == 0 {

@@ -177,13 +177,14 @@ fn spread(r: &Record, pick: fn(&crate::measure::Spread) -> f64) -> String {
     r.time_vs_off.as_ref().map_or(String::new(), |t| ms(pick(t)))
 }
 
-const COLUMNS: [Column; 31] = [
+const COLUMNS: [Column; 32] = [
     Column { name: "framework", ours: |_| "candle".into(), theirs: |b, _| format!("pytorch {}", b.framework_version) },
     Column { name: "model", ours: |r| r.model.clone(), theirs: |b, _| b.model.clone() },
     Column { name: "policy", ours: |r| quoted(&r.policy), theirs: |b, _| quoted(&b.policy) },
     Column { name: "batch", ours: |r| r.batch.to_string(), theirs: |b, _| b.batch.to_string() },
     Column { name: "accumulate", ours: |r| r.accumulate.to_string(), theirs: |_, _| "1".into() },
     Column { name: "optimizer", ours: |r| r.optimizer.clone(), theirs: |_, r| r.map_or(String::new(), |r| r.optimizer.clone()) },
+    Column { name: "skipped_updates", ours: |r| r.skipped_updates.to_string(), theirs: |_, _| "0".into() },
     Column { name: "input", ours: |r| r.input.clone(), theirs: |_, r| r.map_or(String::new(), |r| r.input.clone()) },
     Column { name: "dtype", ours: |r| r.dtype.clone(), theirs: |_, _| "f32".into() },
     Column { name: "device", ours: |r| r.device.clone(), theirs: |_, _| "cpu".into() },

@@ -4,7 +4,7 @@ use anyhow::{bail, Result};
 use bert::Bert;
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
-use layers::{Benchable, OptimizerKind, ParamStore, TrainOptimizer};
+use layers::{Benchable, OptimizerKind, ParamStore, Precision, TrainOptimizer};
 use remat::{Policy, StageGraph};
 use resnet::ResNet;
 use std::sync::Arc;
@@ -34,6 +34,8 @@ pub struct Workload {
     pub accumulate: usize,
     /// The optimizer, where not the model's benchmark default.
     optimizer: Option<OptimizerKind>,
+    /// The dtype activations are computed in.
+    pub dtype: Precision,
     family: Arc<dyn Family>,
 }
 
@@ -43,7 +45,7 @@ trait Family: std::fmt::Debug {
     fn describe_input(&self, size: usize) -> String;
     fn downsamples(&self) -> bool;
     fn optimizer(&self) -> OptimizerKind;
-    fn build(&self, batch: usize, size: usize, optimizer: OptimizerKind, device: &Device, seed: u64) -> Result<Box<dyn Instance>>;
+    fn build(&self, batch: usize, size: usize, dtype: Precision, optimizer: OptimizerKind, device: &Device, seed: u64) -> Result<Box<dyn Instance>>;
 }
 
 struct Config<M: Benchable>(M::Config);
@@ -64,8 +66,8 @@ impl<M: Benchable> Family for Config<M> {
     fn optimizer(&self) -> OptimizerKind {
         M::OPTIMIZER
     }
-    fn build(&self, batch: usize, size: usize, optimizer: OptimizerKind, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
-        let model = M::build(&self.0, device, seed)?;
+    fn build(&self, batch: usize, size: usize, dtype: Precision, optimizer: OptimizerKind, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
+        let model = M::build(&M::with_dtype(&self.0, dtype), device, seed)?;
         let data = model.synthetic_data(size, seed)?;
         Ok(Box::new(Built { model, data, batch, optimizer, device: device.clone() }))
     }
@@ -73,7 +75,7 @@ impl<M: Benchable> Family for Config<M> {
 
 /// The workload `model` of the model type `M` with `config`, at `batch` and `input_size`.
 fn workload<M: Benchable>(model: &str, config: M::Config, batch: usize, input_size: usize) -> Workload {
-    Workload { model: model.into(), batch, input_size, accumulate: 1, optimizer: None, family: Arc::new(Config::<M>(config)) }
+    Workload { model: model.into(), batch, input_size, accumulate: 1, optimizer: None, dtype: Precision::F32, family: Arc::new(Config::<M>(config)) }
 }
 
 pub const PROFILES: &str = "smoke, cpu, full";
@@ -149,6 +151,12 @@ impl Workload {
         self
     }
 
+    /// Computes in `dtype`.
+    pub fn in_dtype(mut self, dtype: Precision) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
     /// Trains with `kind` instead of the model's benchmark default (`None`: the default).
     pub fn optimizing_with(mut self, kind: Option<OptimizerKind>) -> Self {
         self.optimizer = kind.or(self.optimizer);
@@ -173,7 +181,7 @@ impl Workload {
     }
 
     pub fn build(&self, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
-        self.family.build(self.batch, self.input_size, self.optimizer(), device, seed)
+        self.family.build(self.batch, self.input_size, self.dtype, self.optimizer(), device, seed)
     }
 }
 

@@ -79,7 +79,7 @@ enum Type {
 
 /// matrix.csv's columns in order, written out here rather than taken from the harness, so that a
 /// column dropped, renamed or moved in the writer fails the test.
-const COLUMNS: [(&str, Type); 31] = {
+const COLUMNS: [(&str, Type); 32] = {
     use Type::*;
     [
         ("framework", Candle),
@@ -88,6 +88,7 @@ const COLUMNS: [(&str, Type); 31] = {
         ("batch", Int),
         ("accumulate", Int),
         ("optimizer", Str),
+        ("skipped_updates", Int),
         ("input", Str),
         ("dtype", Str),
         ("device", Str),

@@ -36,6 +36,9 @@ pub struct Config {
     pub attention_probs_dropout_prob: f32,
     #[serde(default = "default_eps")]
     pub layer_norm_eps: f64,
+    /// The dtype activations are stored in (not in `config.json`: a training choice).
+    #[serde(skip)]
+    pub dtype: layers::Precision,
 }
 
 fn default_max_pos() -> usize {
@@ -104,6 +107,7 @@ impl Config {
             hidden_dropout_prob: default_pdrop(),
             attention_probs_dropout_prob: default_pdrop(),
             layer_norm_eps: default_eps(),
+            dtype: layers::Precision::F32,
         }
     }
 
@@ -151,6 +155,7 @@ pub struct Embeddings {
     token_type: Tensor,
     ln: LayerNorm,
     pdrop: f32,
+    dtype: DType,
 }
 
 impl Stage for Embeddings {
@@ -165,7 +170,8 @@ impl Stage for Embeddings {
         let words = layers::fused::embedding(&self.word, &inputs[0])?; // (B, T, C)
         let pos = self.position.narrow(0, 0, t)?; // (T, C)
         let segment = self.token_type.narrow(0, 0, 1)?; // (1, C): every token is in segment A
-        let x = words.broadcast_add(&pos)?.broadcast_add(&segment)?;
+                                                        // Activations from here on are in the compute dtype.
+        let x = words.broadcast_add(&pos)?.broadcast_add(&segment)?.to_dtype(self.dtype)?;
         Ok(vec![dropout(&self.ln.forward(&x)?, self.pdrop, ctx)?])
     }
 }
@@ -283,6 +289,7 @@ impl Bert {
             token_type: params.get("bert.embeddings.token_type_embeddings.weight", &[config.type_vocab_size, c], Init::Normal { std: 0.02 })?,
             ln: LayerNorm::new(&mut params, "bert.embeddings.LayerNorm", c, eps)?,
             pdrop: config.hidden_dropout_prob,
+            dtype: config.dtype.dtype(),
         });
         let layers = (0..config.num_hidden_layers).map(|i| Layer::new(&mut params, &config, i).map(Arc::new)).collect::<Result<Vec<_>>>()?;
         let head = Arc::new(MlmHead {
@@ -359,6 +366,10 @@ impl layers::Benchable for Bert {
 
     fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
         Bert::new(config.clone(), device, seed)
+    }
+
+    fn with_dtype(config: &Config, dtype: layers::Precision) -> Config {
+        Config { dtype, ..config.clone() }
     }
 
     fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {

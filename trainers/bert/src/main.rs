@@ -69,6 +69,7 @@ fn main() -> Result<()> {
         (Some(path), _) | (None, Some((path, _))) => Config::from_json(path)?,
         (None, None) => args.preset.config(),
     };
+    let config = Config { dtype: args.run.dtype, ..config };
     if args.seq > config.max_position_embeddings {
         bail!("--seq {} exceeds the model's max_position_embeddings ({})", args.seq, config.max_position_embeddings);
     }

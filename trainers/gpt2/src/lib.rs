@@ -33,6 +33,9 @@ pub struct Config {
     pub attn_pdrop: f32,
     #[serde(default = "default_pdrop")]
     pub resid_pdrop: f32,
+    /// The dtype activations are stored in (not in `config.json`: a training choice).
+    #[serde(skip)]
+    pub dtype: layers::Precision,
 }
 
 fn default_eps() -> f64 {
@@ -96,6 +99,7 @@ impl Config {
             embd_pdrop: 0.1,
             attn_pdrop: 0.1,
             resid_pdrop: 0.1,
+            dtype: layers::Precision::F32,
         }
     }
 
@@ -149,6 +153,7 @@ pub struct Embed {
     wte: Tensor,
     wpe: Tensor,
     pdrop: f32,
+    dtype: DType,
 }
 
 impl Stage for Embed {
@@ -163,7 +168,8 @@ impl Stage for Embed {
         let t = ids.dim(1)?;
         let tok = layers::fused::embedding(&self.wte, ids)?; // (B, T, C)
         let pos = self.wpe.narrow(0, 0, t)?; // (T, C)
-        Ok(vec![dropout(&tok.broadcast_add(&pos)?, self.pdrop, ctx)?])
+                                             // Activations from here on are in the compute dtype.
+        Ok(vec![dropout(&tok.broadcast_add(&pos)?.to_dtype(self.dtype)?, self.pdrop, ctx)?])
     }
 }
 
@@ -274,7 +280,7 @@ impl Gpt2 {
         let mut params = ParamStore::new(device, DType::F32, seed);
         let wte = params.get("wte.weight", &[v, c], Init::Normal { std: 0.02 })?;
         let wpe = params.get("wpe.weight", &[config.n_positions, c], Init::Normal { std: 0.02 })?;
-        let embed = Arc::new(Embed { wte: wte.clone(), wpe, pdrop: config.embd_pdrop });
+        let embed = Arc::new(Embed { wte: wte.clone(), wpe, pdrop: config.embd_pdrop, dtype: config.dtype.dtype() });
         let blocks = (0..config.n_layer).map(|i| Block::new(&mut params, &config, i).map(Arc::new)).collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::new(&mut params, "ln_f", c, config.layer_norm_epsilon)?;
         let head = Arc::new(Head { ln_f, wte });
@@ -338,6 +344,10 @@ impl layers::Benchable for Gpt2 {
 
     fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
         Gpt2::new(config.clone(), device, seed)
+    }
+
+    fn with_dtype(config: &Config, dtype: layers::Precision) -> Config {
+        Config { dtype, ..config.clone() }
     }
 
     fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {

@@ -53,6 +53,7 @@ fn main() -> Result<()> {
         Some(path) => Config::from_json(path)?,
         None => args.preset.config(),
     };
+    let config = Config { dtype: args.run.dtype, ..config };
     if args.seq == 0 || args.seq > config.n_positions {
         bail!("--seq {} is out of range: the model's context is 1..={} positions", args.seq, config.n_positions);
     }

@@ -20,7 +20,12 @@ fn batcher(cfg: &Config, seq: usize) -> Batcher {
 
 /// Two training steps of a tiny GPT-2 with dropout 0.1 under `policy`.
 fn train(policy: &str, replay_rng: bool) -> Trace {
-    let cfg = Config::tiny(8, 32);
+    train_in(policy, replay_rng, layers::Precision::F32)
+}
+
+/// [`train`] with activations in `dtype`.
+fn train_in(policy: &str, replay_rng: bool, dtype: layers::Precision) -> Trace {
+    let cfg = Config { dtype, ..Config::tiny(8, 32) };
     let (batch, seq) = (2, 32);
     let model = Gpt2::new(cfg.clone(), &Device::Cpu, 42).unwrap();
     let mut exec = Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 7).unwrap();
@@ -42,6 +47,22 @@ fn train(policy: &str, replay_rng: bool) -> Trace {
 
 fn n_params() -> usize {
     Gpt2::new(Config::tiny(8, 32), &Device::Cpu, 42).unwrap().params().vars().len()
+}
+
+/// In bf16 and f16 too (the parameters and their gradients f32, the activations half), every
+/// policy equals `off` bit for bit, and every parameter gets a non-zero gradient.
+#[test]
+fn gradients_equal_off_bit_for_bit_in_half_precision() {
+    for dtype in [layers::Precision::Bf16, layers::Precision::F16] {
+        let off = train_in("off", true, dtype);
+        assert_eq!(off[0].1.len(), n_params(), "{dtype}: a parameter got no gradient");
+        for (name, g) in &off[0].1 {
+            assert!(g.iter().any(|&x| f32::from_bits(x) != 0.0), "{dtype}: `{name}` got a zero gradient");
+        }
+        for policy in ["sqrt", "every-two-blocks"] {
+            assert!(train_in(policy, true, dtype) == off, "{dtype} {policy}: losses or gradients differ from off");
+        }
+    }
 }
 
 #[test]

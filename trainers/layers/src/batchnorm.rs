@@ -56,6 +56,10 @@ impl BatchNorm {
             }
             return Ok(y);
         }
+        // Composed in f32 at least: candle's CPU ops would reduce a half-precision x in its own
+        // precision.
+        let dtype = x.dtype();
+        let (x, residual) = (&crate::fused::widened(x)?, residual.map(crate::fused::widened).transpose()?);
         let mut shape = vec![1; x.rank()];
         shape[1] = c; // (1, C, 1, ...): broadcasts over batch and space
         let reduce: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
@@ -76,11 +80,8 @@ impl BatchNorm {
             Some(r) => (y + r)?,
             None => y,
         };
-        if relu {
-            y.relu()
-        } else {
-            Ok(y)
-        }
+        let y = if relu { y.relu()? } else { y };
+        y.to_dtype(dtype)
     }
 
     /// The running statistics from a batch's per-channel mean and biased variance over `n`

@@ -57,8 +57,18 @@ pub(crate) fn full_precision_cpu(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
+/// `t` in f32 if it is in half precision, else as it is: for the composed ops that have no
+/// half-precision path on the CPU (they then keep the f32 copy for backward).
+pub(crate) fn widened(t: &Tensor) -> Result<Tensor> {
+    if is_half(t.dtype()) {
+        t.to_dtype(DType::F32)
+    } else {
+        Ok(t.clone())
+    }
+}
+
 /// bf16 or f16: the kernels widen it to f32.
-fn is_half(dtype: DType) -> bool {
+pub(crate) fn is_half(dtype: DType) -> bool {
     matches!(dtype, DType::BF16 | DType::F16)
 }
 

@@ -22,6 +22,8 @@
 //! - [`ParamStore`] holds named parameters with deterministic initialisation (candle's CPU RNG
 //!   cannot be seeded) and saves/loads them as safetensors snapshots under their published names.
 //!
+//! - [`Precision`]: the dtype activations are stored in (`--dtype`); parameters stay f32.
+//!
 //! Model code lives in the trainer crates; the checkpointing engine in `remat`.
 
 mod adafactor;
@@ -34,6 +36,7 @@ mod norm;
 mod optim;
 mod params;
 mod pool;
+mod precision;
 
 pub use adafactor::{Adafactor, ParamsAdafactor};
 pub use batchnorm::BatchNorm;
@@ -44,6 +47,7 @@ pub use norm::{GroupNorm, LayerNorm};
 pub use optim::{scale_grads, AdamW, OptimizerKind, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
 pub use params::{f32_bits, write_atomically, Init, ParamStore, SnapshotError};
 pub use pool::max_pool2d_k3s2p1;
+pub use precision::Precision;
 
 use candle_core::{Result, Tensor};
 use remat::StageCtx;

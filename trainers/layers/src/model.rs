@@ -4,6 +4,7 @@
 
 use crate::optim::OptimizerKind;
 use crate::params::{ParamStore, SnapshotError};
+use crate::precision::Precision;
 use candle_core::{DType, Device, Result, Tensor};
 use remat::StageGraph;
 use std::path::Path;
@@ -56,6 +57,9 @@ pub trait Benchable: Model + Sized + 'static {
     fn describe_input(size: usize) -> String;
 
     fn build(config: &Self::Config, device: &Device, seed: u64) -> Result<Self>;
+
+    /// `config` computing in `dtype`.
+    fn with_dtype(config: &Self::Config, dtype: Precision) -> Self::Config;
 
     /// The synthetic data for inputs of size `size` (sequence length, image or volume side).
     fn synthetic_data(&self, size: usize, seed: u64) -> Result<Self::Data>;

@@ -45,15 +45,19 @@ impl GroupNorm {
         })
     }
 
+    /// Composed from candle ops, in f32 for a half-precision x (candle's CPU ops would reduce it
+    /// in its own precision), which then keeps f32 copies for backward.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (n, c) = (x.dim(0)?, x.dim(1)?);
+        let dtype = x.dtype();
+        let x = &crate::fused::widened(x)?;
         let grouped = x.reshape((n, self.groups, ()))?; // (N, G, C/G * spatial)
         let centered = grouped.broadcast_sub(&grouped.mean_keepdim(2)?)?;
         let var = centered.sqr()?.mean_keepdim(2)?;
         let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?.reshape(x.shape())?;
         let mut shape = vec![1; x.rank()];
         shape[1] = c;
-        normed.broadcast_mul(&self.weight.reshape(shape.as_slice())?)?.broadcast_add(&self.bias.reshape(shape.as_slice())?)
+        normed.broadcast_mul(&self.weight.reshape(shape.as_slice())?)?.broadcast_add(&self.bias.reshape(shape.as_slice())?)?.to_dtype(dtype)
     }
 }
 

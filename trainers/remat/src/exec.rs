@@ -30,7 +30,7 @@ use crate::stage::StageCtx;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp2, Layout, Shape, Tensor, Var};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -73,6 +73,8 @@ pub struct Executor<'g> {
     /// gradients: [`Executor::accumulate`] adds a parameter's micro-batch gradient to the running
     /// sum once it is complete.
     contributions: RefCell<Option<Vec<usize>>>,
+    /// Backward starts from the loss times this (f16 loss scaling); the returned loss is unscaled.
+    loss_scale: Cell<f64>,
 }
 
 impl<'g> Executor<'g> {
@@ -113,7 +115,17 @@ impl<'g> Executor<'g> {
                 segments[p].outputs.push(v);
             }
         }
-        Ok(Executor { graph, segments, first_consumer, params, seed, replay_rng: true, tell_recompute: true, contributions: RefCell::new(None) })
+        Ok(Executor {
+            graph,
+            segments,
+            first_consumer,
+            params,
+            seed,
+            replay_rng: true,
+            tell_recompute: true,
+            contributions: RefCell::new(None),
+            loss_scale: Cell::new(1.0),
+        })
     }
 
     /// Switches RNG replay off: recomputes draw fresh random keys, as a checkpoint built on global
@@ -130,6 +142,13 @@ impl<'g> Executor<'g> {
     pub fn without_recompute_flag(mut self) -> Self {
         self.tell_recompute = false;
         self
+    }
+
+    /// Loss scaling (for f16 activations, whose small gradients underflow): the following steps'
+    /// backward passes start from `scale` times the loss, so every gradient they return is scaled
+    /// by it too (the caller divides it out). 1 by default.
+    pub fn set_loss_scale(&self, scale: f64) {
+        self.loss_scale.set(scale);
     }
 
     /// The trainable variables whose gradients a step returns.
@@ -209,7 +228,13 @@ impl<'g> Executor<'g> {
             };
             for i in seg.stages.clone().rev() {
                 let live = stages.pop().expect("one live run per stage");
-                let mut root = if s == last && self.graph.nodes()[i].outputs.contains(&output) { Some(live.values[&output].clone()) } else { None };
+                let mut root = if s == last && self.graph.nodes()[i].outputs.contains(&output) {
+                    let loss = &live.values[&output];
+                    let scale = self.loss_scale.get();
+                    Some(if scale == 1.0 { loss.clone() } else { (loss * scale)? })
+                } else {
+                    None
+                };
                 for &v in &self.graph.nodes()[i].outputs {
                     if let Some(g) = value_grads.remove(&v) {
                         let seeded = seed(&live.values[&v], g)?;

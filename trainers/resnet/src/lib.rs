@@ -20,6 +20,8 @@ pub struct Config {
     /// Channels of the stem and of layer 1 (64 in every published ResNet).
     pub width: usize,
     pub classes: usize,
+    /// The dtype activations are stored in.
+    pub dtype: layers::Precision,
 }
 
 const PRESETS: &str = "tiny, resnet18, resnet34, resnet50, resnet101, resnet152";
@@ -62,7 +64,7 @@ impl Preset {
             Preset::Resnet101 => (true, [3, 4, 23, 3], 64),
             Preset::Resnet152 => (true, [3, 8, 36, 3], 64),
         };
-        Config { bottleneck, layers, width, classes: 1000 }
+        Config { bottleneck, layers, width, classes: 1000, dtype: layers::Precision::F32 }
     }
 }
 
@@ -150,6 +152,7 @@ impl Conv {
 pub struct Stem {
     conv1: Conv,
     bn1: BatchNorm,
+    dtype: DType,
 }
 
 impl Stage for Stem {
@@ -160,7 +163,8 @@ impl Stage for Stem {
         StageKind::Other
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
-        Ok(vec![self.bn1.forward_relu(&self.conv1.forward(&inputs[0])?, ctx)?])
+        // Activations from here on are in the compute dtype.
+        Ok(vec![self.bn1.forward_relu(&self.conv1.forward(&inputs[0].to_dtype(self.dtype)?)?, ctx)?])
     }
 }
 
@@ -245,7 +249,8 @@ pub struct Head {
 
 impl Head {
     fn logits(&self, x: &Tensor) -> Result<Tensor> {
-        x.mean((2, 3))?.matmul(&self.fc_weight.t()?)?.broadcast_add(&self.fc_bias)
+        // Pooled in f32 whatever the compute dtype: the classifier and the loss run in f32.
+        x.to_dtype(DType::F32)?.mean((2, 3))?.matmul(&self.fc_weight.t()?)?.broadcast_add(&self.fc_bias)
         // (B, classes)
     }
 }
@@ -275,7 +280,7 @@ impl ResNet {
     pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
         let mut params = ParamStore::new(device, DType::F32, seed);
         let w = config.width;
-        let stem = Stem { conv1: Conv::new(&mut params, "conv1", 3, w, 7, 2)?, bn1: BatchNorm::new(&mut params, "bn1", w)? };
+        let stem = Stem { conv1: Conv::new(&mut params, "conv1", 3, w, 7, 2)?, bn1: BatchNorm::new(&mut params, "bn1", w)?, dtype: config.dtype.dtype() };
         let mut stages: Vec<std::sync::Arc<dyn Stage>> = vec![std::sync::Arc::new(stem), std::sync::Arc::new(Pool)];
         for (name, c_in, planes, stride) in config.blocks() {
             stages.push(std::sync::Arc::new(Block::new(&mut params, &config, name, c_in, planes, stride)?));
@@ -351,6 +356,10 @@ impl layers::Benchable for ResNet {
 
     fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
         ResNet::new(config.clone(), device, seed)
+    }
+
+    fn with_dtype(config: &Config, dtype: layers::Precision) -> Config {
+        Config { dtype, ..config.clone() }
     }
 
     fn synthetic_data(&self, size: usize, seed: u64) -> Result<Self::Data> {

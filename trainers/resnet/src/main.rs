@@ -84,7 +84,7 @@ fn main() -> Result<()> {
         None => (Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.run.seed)), args.classes),
     };
     let device = trainkit::device(&args.run.device)?;
-    let model = ResNet::new(Config { classes, ..args.preset.config() }, &device, args.run.seed)?;
+    let model = ResNet::new(Config { classes, dtype: args.run.dtype, ..args.preset.config() }, &device, args.run.seed)?;
     if let Some(path) = &args.init {
         model.load_snapshot(path)?;
     }

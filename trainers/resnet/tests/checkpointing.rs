@@ -21,8 +21,13 @@ fn tiny() -> Config {
 /// Two SGD steps of a tiny bottleneck ResNet: per step (loss bits, gradient bits), then the
 /// BatchNorm running statistics at the end.
 fn train(policy: &str, guard: bool) -> (Vec<(u32, Bits)>, Bits) {
+    train_in(policy, guard, layers::Precision::F32)
+}
+
+/// [`train`] with activations in `dtype`.
+fn train_in(policy: &str, guard: bool, dtype: layers::Precision) -> (Vec<(u32, Bits)>, Bits) {
     let (batch, size) = (4, 32);
-    let model = ResNet::new(tiny(), &Device::Cpu, 11).unwrap();
+    let model = ResNet::new(Config { dtype, ..tiny() }, &Device::Cpu, 11).unwrap();
     let mut exec = Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 5).unwrap();
     if !guard {
         exec = exec.without_recompute_flag();
@@ -41,6 +46,21 @@ fn train(policy: &str, guard: bool) -> (Vec<(u32, Bits)>, Bits) {
 }
 
 const POLICIES: [&str; 3] = ["sqrt", "every-two-blocks", "before-downsample"];
+
+/// In bf16 and f16 too (parameters, gradients and running statistics f32, activations half),
+/// every policy equals `off` bit for bit, and every parameter gets a non-zero gradient.
+#[test]
+fn gradients_and_statistics_equal_off_bit_for_bit_in_half_precision() {
+    for dtype in [layers::Precision::Bf16, layers::Precision::F16] {
+        let off = train_in("off", true, dtype);
+        for (name, g) in &off.0[0].1 {
+            assert!(g.iter().any(|&x| f32::from_bits(x) != 0.0), "{dtype}: `{name}` got a zero gradient");
+        }
+        for policy in POLICIES {
+            assert!(train_in(policy, true, dtype) == off, "{dtype} {policy}: losses, gradients or statistics differ from off");
+        }
+    }
+}
 
 #[test]
 fn gradients_and_batchnorm_statistics_equal_off_bit_for_bit() {

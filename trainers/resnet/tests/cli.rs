@@ -8,20 +8,22 @@ fn run(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn loss_falls_on_synthetic_images() {
-    let log = std::env::temp_dir().join(format!("train-resnet-{}.jsonl", std::process::id()));
-    let out = run(&["--preset", "tiny", "--steps", "30", "--batch", "16", "--image-size", "32", "--classes", "4", "--log-json", log.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let losses: Vec<f64> = trainkit::read_losses(&log).unwrap().into_iter().map(f64::from).collect();
-    let median = |v: &[f64]| {
-        let mut v = v.to_vec();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    // Medians, not means: at this learning rate single batches spike (a loss of 4 between losses
-    // of 0.01), and a mean of five follows the spike, which the last rounding bit can move.
-    let (first, last) = (median(&losses[..5]), median(&losses[20..]));
-    // Chance level for 4 classes is ln 4 = 1.39.
-    assert!(last < 0.6 * first, "loss went {first:.3} -> {last:.3}");
+    // In f32 and with bf16 and f16 activations (f16 under loss scaling).
+    for dtype in ["f32", "bf16", "f16"] {
+        let args = ["--preset", "tiny", "--steps", "30", "--batch", "16", "--image-size", "32", "--classes", "4", "--dtype", dtype];
+        let (losses, _) = trainkit::run_logged(env!("CARGO_BIN_EXE_train-resnet"), &args);
+        let median = |v: &[f32]| {
+            let mut v = v.to_vec();
+            v.sort_by(f32::total_cmp);
+            v[v.len() / 2]
+        };
+        // Medians, not means: at this learning rate single batches spike (a loss of 4 between
+        // losses of 0.01), and a mean of five follows the spike, which the last rounding bit can
+        // move.
+        let (first, last) = (median(&losses[..5]), median(&losses[20..]));
+        // Chance level for 4 classes is ln 4 = 1.39.
+        assert!(last < 0.6 * first, "{dtype}: loss went {first:.3} -> {last:.3}");
+    }
 }
 
 #[test]

@@ -141,6 +141,80 @@ pub struct RunArgs {
     /// N x --batch); the gradient is the mean of the micro-batch gradients.
     #[arg(long, default_value_t = 1)]
     pub accumulate: usize,
+    /// The dtype activations are computed and stored in: f32, bf16 or f16. Parameters, their
+    /// gradients and the optimizer state stay f32.
+    #[arg(long, default_value = "f32")]
+    pub dtype: layers::Precision,
+    /// f16 only: the initial loss scale (default 65536). A step whose gradients are not finite is
+    /// skipped and the scale halved; after 2000 good steps in a row it doubles (PyTorch's
+    /// GradScaler).
+    #[arg(long)]
+    pub loss_scale: Option<f64>,
+}
+
+/// Dynamic loss scaling for f16, as PyTorch's `GradScaler`: backward starts from the loss times
+/// `scale`; a step with non-finite gradients is skipped and the scale halved; after
+/// `GROWTH_INTERVAL` good steps in a row it doubles.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossScaler {
+    pub scale: f64,
+    /// Good steps since the scale last changed.
+    pub good_steps: u64,
+}
+
+impl LossScaler {
+    pub const GROWTH_INTERVAL: u64 = 2000;
+
+    /// After a step whose gradients were (`finite`) or were not all finite.
+    fn after(&mut self, finite: bool) {
+        if !finite {
+            *self = LossScaler { scale: self.scale / 2.0, good_steps: 0 };
+        } else if self.good_steps + 1 == Self::GROWTH_INTERVAL {
+            *self = LossScaler { scale: self.scale * 2.0, good_steps: 0 };
+        } else {
+            self.good_steps += 1;
+        }
+    }
+}
+
+/// The gradients of an optimizer step's `micro_batches` micro-batches, accumulated under the loss
+/// scale of `scaler` (f16), made ready for the update: the scaler told whether they are finite,
+/// and, if they are, divided by the micro-batch count and the loss scale in place. Returns whether
+/// the update goes ahead (false: a non-finite gradient, the step is skipped).
+pub fn finish_gradients(grads: &mut GradStore, vars: &[candle_core::Var], micro_batches: usize, scaler: Option<&mut LossScaler>) -> Result<bool> {
+    let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
+    if let Some(scaler) = scaler {
+        let finite = all_finite(grads, vars)?;
+        scaler.after(finite);
+        if !finite {
+            return Ok(false);
+        }
+    }
+    let factor = 1.0 / (micro_batches as f64 * scale);
+    if factor != 1.0 {
+        layers::scale_grads(grads, vars, factor)?;
+    }
+    Ok(true)
+}
+
+/// PyTorch's initial scale, 2^16.
+impl Default for LossScaler {
+    fn default() -> Self {
+        LossScaler { scale: 65536.0, good_steps: 0 }
+    }
+}
+
+/// Whether every gradient of `vars` in `grads` is finite (a sum per gradient: an infinity or a
+/// NaN anywhere makes it non-finite).
+fn all_finite(grads: &GradStore, vars: &[candle_core::Var]) -> Result<bool> {
+    for v in vars {
+        if let Some(g) = grads.get(v) {
+            if !g.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.is_finite() {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
 }
 
 /// Where the training snapshot that goes with the weights snapshot `save` is written.
@@ -153,20 +227,41 @@ pub fn training_snapshot_path(save: &Path) -> std::path::PathBuf {
 const OPTIMIZER: &str = "training.optimizer.";
 const NEXT_STEP: &str = "training.next_step";
 const SEED: &str = "training.seed";
+const LOSS_SCALE: &str = "training.loss_scale";
+const GOOD_STEPS: &str = "training.loss_scale_good_steps";
 
-/// Writes a training snapshot: every parameter and buffer, the optimizer's state, the next step
-/// and the seed (the data and every random draw follow from the seed and the step). Written beside
-/// the target and renamed over it, so an interrupted write keeps the previous one.
-pub fn save_training(path: &Path, store: &layers::ParamStore, opt: &dyn layers::TrainOptimizer, next_step: usize, seed: u64) -> Result<()> {
+/// Writes a training snapshot: every parameter and buffer, the optimizer's state, the next step,
+/// the seed (the data and every random draw follow from the seed and the step) and the f16 loss
+/// scaler's state. Written beside the target and renamed over it, so an interrupted write keeps
+/// the previous one.
+pub fn save_training(
+    path: &Path,
+    store: &layers::ParamStore,
+    opt: &dyn layers::TrainOptimizer,
+    next_step: usize,
+    seed: u64,
+    scaler: Option<LossScaler>,
+) -> Result<()> {
     let mut map = store.tensors();
     map.extend(opt.state()?.into_iter().map(|(k, v)| (format!("{OPTIMIZER}{k}"), v)));
     map.insert(NEXT_STEP.into(), Tensor::new(next_step as i64, &Device::Cpu)?);
     map.insert(SEED.into(), Tensor::new(seed as i64, &Device::Cpu)?);
+    if let Some(s) = scaler {
+        map.insert(LOSS_SCALE.into(), Tensor::new(s.scale, &Device::Cpu)?);
+        map.insert(GOOD_STEPS.into(), Tensor::new(s.good_steps as i64, &Device::Cpu)?);
+    }
     layers::write_atomically(path, |tmp| candle_core::safetensors::save(&map, tmp)).with_context(|| format!("writing {}", path.display()))
 }
 
-/// Loads a training snapshot into the model and the optimizer; returns the step to continue from.
-pub fn load_training(path: &Path, store: &layers::ParamStore, opt: &mut dyn layers::TrainOptimizer, seed: u64) -> Result<usize> {
+/// Loads a training snapshot into the model, the optimizer and the loss scaler (where the run
+/// has one); returns the step to continue from.
+pub fn load_training(
+    path: &Path,
+    store: &layers::ParamStore,
+    opt: &mut dyn layers::TrainOptimizer,
+    seed: u64,
+    scaler: Option<&mut LossScaler>,
+) -> Result<usize> {
     let ctx = || format!("--resume {}", path.display());
     let tensors = candle_core::safetensors::load(path, &Device::Cpu).with_context(ctx)?;
     let scalar = |name: &str| -> Result<i64> {
@@ -176,6 +271,10 @@ pub fn load_training(path: &Path, store: &layers::ParamStore, opt: &mut dyn laye
     let (next, saved_seed) = (scalar(NEXT_STEP)?, scalar(SEED)?);
     if saved_seed as u64 != seed {
         bail!("{} was written with --seed {saved_seed}; resume with the same seed (this run has {seed})", path.display());
+    }
+    if let Some(scaler) = scaler {
+        let scale = tensors.get(LOSS_SCALE).with_context(|| format!("{} was not written by an f16 run (no loss scale)", path.display()))?;
+        *scaler = LossScaler { scale: scale.to_scalar::<f64>()?, good_steps: scalar(GOOD_STEPS)? as u64 };
     }
     let state = tensors.iter().filter_map(|(k, v)| Some((k.strip_prefix(OPTIMIZER)?.to_string(), v.clone()))).collect();
     store.load_tensors(tensors, &path.display().to_string(), |n| (!n.starts_with("training.")).then(|| n.to_string())).with_context(ctx)?;
@@ -195,6 +294,8 @@ pub struct StepLog {
     eval_every: Option<usize>,
     eval_batches: usize,
     accumulate: usize,
+    /// f16 runs only.
+    scaler: Option<LossScaler>,
 }
 
 pub fn mib(bytes: u64) -> f64 {
@@ -207,6 +308,13 @@ impl StepLog {
     pub fn new(steps: usize, batch: usize, run: &RunArgs) -> Result<Self> {
         if run.accumulate == 0 {
             bail!("--accumulate must be at least 1 (micro-batches per optimizer step)");
+        }
+        if run.dtype != layers::Precision::F16 && run.loss_scale.is_some() {
+            bail!("--loss-scale applies to --dtype f16 only (this run: {})", run.dtype);
+        }
+        let loss_scale = run.loss_scale.unwrap_or(LossScaler::default().scale);
+        if !(loss_scale.is_finite() && loss_scale > 0.0) {
+            bail!("--loss-scale {loss_scale} is not a positive finite number");
         }
         if run.accumulate > 1 {
             say!("accumulating {} micro-batches of {batch} per optimizer step: effective batch {}", run.accumulate, run.accumulate * batch);
@@ -240,6 +348,7 @@ impl StepLog {
             eval_every: run.eval_every,
             eval_batches: run.eval_batches,
             accumulate: run.accumulate,
+            scaler: (run.dtype == layers::Precision::F16).then_some(LossScaler { scale: loss_scale, good_steps: 0 }),
         })
     }
 
@@ -247,7 +356,7 @@ impl StepLog {
     /// the step to continue from; 0 without.
     pub fn resume(&mut self, store: &layers::ParamStore, opt: &mut dyn layers::TrainOptimizer) -> Result<usize> {
         let Some(path) = &self.resume else { return Ok(0) };
-        let next = load_training(path, store, opt, self.seed)?;
+        let next = load_training(path, store, opt, self.seed, self.scaler.as_mut())?;
         if next > self.steps {
             bail!("{} is at step {next}, beyond --steps {}", path.display(), self.steps);
         }
@@ -267,7 +376,7 @@ impl StepLog {
     ) -> Result<()> {
         let Some(path) = self.snapshot_due(step) else { return Ok(()) };
         save_weights(path)?;
-        save_training(&training_snapshot_path(path), store, opt, step + 1, self.seed)
+        save_training(&training_snapshot_path(path), store, opt, step + 1, self.seed, self.scaler)
     }
 
     /// Where to write a snapshot after `step` (0-based), if one is due: every `--save-every`
@@ -316,6 +425,8 @@ impl StepLog {
         inputs: impl Fn(u64) -> Result<Vec<Tensor>>,
         update: impl FnOnce(&GradStore) -> candle_core::Result<()>,
     ) -> Result<f32> {
+        let scale = self.scaler.map_or(1.0, |s| s.scale);
+        exec.set_loss_scale(scale);
         let mut meter = None;
         let (mut grads, mut total) = (GradStore::default(), 0f64);
         for m in 0..self.accumulate {
@@ -326,10 +437,12 @@ impl StepLog {
             total += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
             grads = out.grads;
         }
-        if self.accumulate > 1 {
-            layers::scale_grads(&mut grads, exec.params(), 1.0 / self.accumulate as f64)?;
+        if finish_gradients(&mut grads, exec.params(), self.accumulate, self.scaler.as_mut())? {
+            update(&grads)?;
+        } else {
+            let now = self.scaler.map_or(1.0, |s| s.scale);
+            self.bar.suspend(|| say!("step {step}: gradients not finite at loss scale {scale}; update skipped, loss scale now {now}"));
         }
-        update(&grads)?;
         drop(grads);
         let usage = meter.expect("at least one micro-batch").finish();
         let loss = (total / self.accumulate as f64) as f32;
@@ -515,6 +628,33 @@ pub fn device(name: &str) -> Result<Device> {
         }
         other => bail!("unknown device `{other}`; valid devices: cpu, cuda, cuda:N"),
     }
+}
+
+/// Runs the trainer binary `bin` with `args` and `--log-json`; it must succeed. Returns the
+/// per-step training losses and what it printed on stderr.
+pub fn run_logged(bin: &str, args: &[&str]) -> (Vec<f32>, String) {
+    let log = std::env::temp_dir().join(format!("run-logged-{}-{:x}.jsonl", std::process::id(), rand_suffix(args)));
+    let out = std::process::Command::new(bin).args(args).args(["--log-json", log.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{bin} {args:?}: {err}");
+    let losses = read_losses(&log).unwrap();
+    std::fs::remove_file(&log).unwrap();
+    (losses, err)
+}
+
+/// A name for `args` (tests of one binary run in parallel, each with its own log).
+fn rand_suffix(args: &[&str]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    args.hash(&mut h);
+    h.finish()
+}
+
+/// Fails unless the mean of the last five losses is below the mean of the first five by `margin`.
+pub fn assert_loss_falls(losses: &[f32], margin: f32, what: &str) {
+    let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len() as f32;
+    let (first, last) = (mean(&losses[..5]), mean(&losses[losses.len() - 5..]));
+    assert!(last < first - margin, "{what}: the loss went from {first:.3} to {last:.3} (needs a fall of {margin}): {losses:?}");
 }
 
 /// Runs the trainer binary `bin` (with its model and size flags `args`) for 4 steps straight, and

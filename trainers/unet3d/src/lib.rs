@@ -38,6 +38,8 @@ pub struct Config {
     pub classes: usize,
     pub norm: Norm,
     pub loss: Loss,
+    /// The dtype activations are stored in (the volume is cast to it on input).
+    pub dtype: layers::Precision,
 }
 
 const PRESETS: &str = "tiny, small (16-32-64-128), cicek (32-64-128-256, 512 at the bottom)";
@@ -71,7 +73,7 @@ impl Preset {
             Preset::Small => (16, 3),
             Preset::Cicek => (32, 3),
         };
-        Config { base, levels, in_channels: 1, classes: 3, norm: Norm::Batch, loss: Loss::CrossEntropy }
+        Config { base, levels, in_channels: 1, classes: 3, norm: Norm::Batch, loss: Loss::CrossEntropy, dtype: layers::Precision::F32 }
     }
 }
 
@@ -185,10 +187,10 @@ pub struct Head {
 }
 
 impl Head {
-    /// Per-voxel scores (N*D*H*W, K).
+    /// Per-voxel scores (N*D*H*W, K), in f32 whatever the compute dtype (as is the loss).
     fn scores(&self, x: &Tensor) -> Result<Tensor> {
         let c = x.dim(1)?;
-        let voxels = x.permute((0, 2, 3, 4, 1))?.reshape(((), c))?; // (N*D*H*W, C)
+        let voxels = x.permute((0, 2, 3, 4, 1))?.reshape(((), c))?.to_dtype(DType::F32)?; // (N*D*H*W, C)
         voxels.matmul(&self.weight.reshape((self.classes, c))?.t()?)?.broadcast_add(&self.bias)
     }
 
@@ -289,7 +291,8 @@ impl UNet3d {
         }
         let n = labels.len() / (side * side * side);
         let c = self.config.in_channels;
-        Ok(vec![Tensor::from_slice(voxels, (n, c, side, side, side), device)?, Tensor::from_slice(labels, n * side * side * side, device)?])
+        let volume = Tensor::from_slice(voxels, (n, c, side, side, side), device)?.to_dtype(self.config.dtype.dtype())?;
+        Ok(vec![volume, Tensor::from_slice(labels, n * side * side * side, device)?])
     }
 
     /// Class scores (N, K, D, H, W) in evaluation mode.
@@ -328,6 +331,10 @@ impl layers::Benchable for UNet3d {
 
     fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
         UNet3d::new(config.clone(), device, seed)
+    }
+
+    fn with_dtype(config: &Config, dtype: layers::Precision) -> Config {
+        Config { dtype, ..config.clone() }
     }
 
     fn synthetic_data(&self, side: usize, seed: u64) -> Result<Self::Data> {

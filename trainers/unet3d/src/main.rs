@@ -89,6 +89,7 @@ fn main() -> Result<()> {
             LossArg::Ce => Loss::CrossEntropy,
             LossArg::CeDice => Loss::CrossEntropyDice,
         },
+        dtype: args.run.dtype,
         ..args.preset.config()
     };
     let device = trainkit::device(&args.run.device)?;
