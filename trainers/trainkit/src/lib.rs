@@ -633,7 +633,7 @@ pub fn device(name: &str) -> Result<Device> {
 /// Runs the trainer binary `bin` with `args` and `--log-json`; it must succeed. Returns the
 /// per-step training losses and what it printed on stderr.
 pub fn run_logged(bin: &str, args: &[&str]) -> (Vec<f32>, String) {
-    let log = std::env::temp_dir().join(format!("run-logged-{}-{:x}.jsonl", std::process::id(), rand_suffix(args)));
+    let log = std::env::temp_dir().join(format!("run-logged-{}-{:x}.jsonl", std::process::id(), args_hash(args)));
     let out = std::process::Command::new(bin).args(args).args(["--log-json", log.to_str().unwrap()]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "{bin} {args:?}: {err}");
@@ -642,8 +642,8 @@ pub fn run_logged(bin: &str, args: &[&str]) -> (Vec<f32>, String) {
     (losses, err)
 }
 
-/// A name for `args` (tests of one binary run in parallel, each with its own log).
-fn rand_suffix(args: &[&str]) -> u64 {
+/// A name for `args` (tests of one binary run in parallel, each with its own files).
+fn args_hash(args: &[&str]) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     args.hash(&mut h);
@@ -662,7 +662,8 @@ pub fn assert_loss_falls(losses: &[f32], margin: f32, what: &str) {
 /// the final weights snapshot must be the same bits. Before training snapshots, `--init` restarted
 /// at step 0 with fresh optimizer state and its losses differed from step 1 on.
 pub fn assert_resume_is_bit_identical(bin: &str, args: &[&str]) {
-    let dir = std::env::temp_dir().join(format!("resume-{}-{}", Path::new(bin).file_name().unwrap().to_string_lossy(), std::process::id()));
+    let name = Path::new(bin).file_name().unwrap().to_string_lossy().into_owned();
+    let dir = std::env::temp_dir().join(format!("resume-{name}-{}-{:x}", std::process::id(), args_hash(args)));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let path = |name: &str| dir.join(name).to_string_lossy().into_owned();
