@@ -7,9 +7,11 @@
 mod baseline;
 mod measure;
 mod plot;
+mod predict;
 mod report;
 mod results;
 mod table;
+mod table24;
 mod workloads;
 
 use anyhow::{bail, Context, Result};
@@ -79,17 +81,17 @@ struct Common {
     #[arg(long)]
     input_size: Option<usize>,
     /// Gradient accumulation: micro-batches of --batch per optimizer step; a timed step is all
-    /// of them and the update.
-    #[arg(long, default_value_t = 1)]
-    accumulate: usize,
+    /// of them and the update (default: the profile's, 1 but in gpt2-24gb).
+    #[arg(long)]
+    accumulate: Option<usize>,
     /// Train every selected model with this optimizer (sgd, adamw, adafactor) instead of its
     /// default (SGD for the ResNets, AdamW for the others).
     #[arg(long)]
     optimizer: Option<layers::OptimizerKind>,
-    /// The dtype activations are computed in (f32, bf16, f16; parameters stay f32). f16 runs with
-    /// dynamic loss scaling.
-    #[arg(long, default_value = "f32")]
-    dtype: layers::Precision,
+    /// The dtype activations are computed in (f32, bf16, f16; parameters stay f32); default:
+    /// the profile's, f32 but in gpt2-24gb. f16 runs with dynamic loss scaling.
+    #[arg(long)]
+    dtype: Option<layers::Precision>,
     /// Emulate a smaller memory (e.g. 24GiB): on the CPU allocations beyond this much heap fail;
     /// on a GPU the rest of the device memory is held.
     #[arg(long, value_parser = parse_size)]
@@ -134,6 +136,13 @@ struct MatrixArgs {
     python: String,
     #[command(flatten)]
     common: Common,
+}
+
+impl Common {
+    /// What the flags change in every selected workload.
+    fn overrides(&self) -> workloads::Overrides {
+        workloads::Overrides { batch: self.batch, input_size: self.input_size, accumulate: self.accumulate, optimizer: self.optimizer, dtype: self.dtype }
+    }
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -185,10 +194,7 @@ fn run_one(model: &str, policy: &Policy, time_only: bool, common: &Common) -> Re
         .chain(workloads::depth_sweep(&common.profile())?)
         .find(|w| w.model == model)
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
-        .resized(common.batch, common.input_size)
-        .accumulating(common.accumulate)
-        .optimizing_with(common.optimizer)
-        .in_dtype(common.dtype);
+        .overridden(common.overrides());
     let mut rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device)?;
     // The cap is for the measured configuration only: the check builds two more models.
     drop(held);
@@ -248,20 +254,26 @@ fn hold_beyond(device: &candle_core::Device, cap: u64) -> Result<Option<candle_c
     }
 }
 
-fn run_matrix(args: MatrixArgs) -> Result<()> {
+fn run_matrix(mut args: MatrixArgs) -> Result<()> {
     let (models, depth) = match args.matrix.as_str() {
         "all" => (true, true),
         "models" => (true, false),
         "depth" => (false, true),
         "render" => (false, false),
-        other => bail!("unknown matrix `{other}`; valid: all, models, depth, render (narrow them with --models and --policies)"),
+        workloads::GPT2_24GB => {
+            gpt2_24gb_defaults(&mut args.common)?;
+            (true, false)
+        }
+        other => bail!("unknown matrix `{other}`; valid: all, models, depth, render, gpt2-24gb (narrow them with --models and --policies)"),
     };
     let common = &args.common;
     trainkit::device(&common.device)?;
-    if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) || common.accumulate == 0 {
+    if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) || common.accumulate == Some(0) {
         bail!("--steps, --batch, --input-size and --accumulate must be at least 1");
     }
-    if args.baseline.is_some() && (common.accumulate > 1 || common.optimizer.is_some() || common.dtype != layers::Precision::F32) {
+    if args.baseline.is_some()
+        && (common.accumulate.is_some_and(|n| n > 1) || common.optimizer.is_some() || common.dtype.is_some_and(|d| d != layers::Precision::F32))
+    {
         bail!(
             "--baseline runs one f32 micro-batch per step with each model's default optimizer; it cannot be combined with --accumulate, --optimizer or --dtype"
         );
@@ -284,7 +296,7 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
     let workloads: Vec<Workload> = selected
         .into_iter()
         .filter(|w| args.models.is_empty() || args.models.iter().any(|m| w.model.starts_with(m.as_str())))
-        .map(|w| w.resized(common.batch, common.input_size).accumulating(common.accumulate).optimizing_with(common.optimizer).in_dtype(common.dtype))
+        .map(|w| w.overridden(common.overrides()))
         .collect();
     if workloads.is_empty() {
         bail!("--models {:?} matches no model of profile `{profile}`", args.models);
@@ -357,7 +369,11 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         }
         if args.force || !have {
             bar.set_message(format!("{} {policy}", w.model));
-            let rec = spawn_one(w, policy, common, &profile, false);
+            let rec = if profile == workloads::GPT2_24GB {
+                run_predicted(&matrix, &workloads, w, policy, common, &profile)?
+            } else {
+                spawn_one(w, policy, common, &profile, false)
+            };
             bar.suspend(|| trainkit::say!("{}", summary(&rec, matrix.find(&w.model, "off"))));
             statuses.push((format!("{} {policy}", w.model), rec.status));
             matrix.put(rec);
@@ -395,6 +411,63 @@ fn run_matrix(args: MatrixArgs) -> Result<()> {
         bail!("every configuration ran out of memory");
     }
     Ok(())
+}
+
+/// `--matrix gpt2-24gb`: the profile, sequence 256 on the CPU (a step of GPT-2 XL at 1024 takes
+/// minutes on two cores) and 1024 elsewhere, and a memory cap of 24 GiB, or on the CPU what this
+/// machine can give if that is less.
+fn gpt2_24gb_defaults(common: &mut Common) -> Result<()> {
+    if common.profile.as_deref().is_some_and(|p| p != workloads::GPT2_24GB) {
+        bail!("--matrix gpt2-24gb runs its own profile; drop --profile");
+    }
+    common.profile = Some(workloads::GPT2_24GB.into());
+    let cpu = common.device == "cpu";
+    common.input_size = common.input_size.or(Some(if cpu { 256 } else { 1024 }));
+    const GIB_24: u64 = 24 << 30;
+    // The harness, the OS and the page cache need some of what is available.
+    let machine = trainkit::available_memory().map(|b| b.saturating_sub(3 << 30));
+    common.memory_cap = common.memory_cap.or(Some(if cpu { machine.map_or(GIB_24, |m| m.min(GIB_24)) } else { GIB_24 }));
+    Ok(())
+}
+
+/// A `gpt2-24gb` configuration: predicted first ([`predict`], calibrated on gpt2-small's record
+/// of the same variant and policy), skipped where the prediction exceeds the memory cap, run
+/// otherwise. The gradient check needs two models and a copy of every gradient beside them, so
+/// it runs only where that fits the cap (four times the parameters' f32 bytes, with room for the
+/// activations).
+fn run_predicted(matrix: &Matrix, workloads: &[Workload], w: &Workload, policy: &Policy, common: &Common, profile: &str) -> Result<Record> {
+    let variant = w.model.split('/').nth(1).unwrap_or_default();
+    let small = format!("gpt2-small/{variant}");
+    let calibration = if w.model == small {
+        None
+    } else {
+        let cw = workloads.iter().find(|c| c.model == small);
+        let rec = matrix.find(&small, &policy.to_string()).filter(|r| r.status == Status::Ok);
+        cw.zip(rec)
+    };
+    let prediction = predict::predict(w, policy, calibration)?;
+    let cap = common.memory_cap.expect("set by gpt2_24gb_defaults");
+    let total = prediction.total();
+    let mut rec = match total {
+        Some(t) if t > cap => Record {
+            status: Status::Skipped,
+            error: format!("does not fit (predicted {:.1} GiB > cap {:.1} GiB)", gib(t), gib(cap)),
+            ..Record::new(w, policy, &common.device)
+        },
+        _ => {
+            let check_fits = prediction.params * 4 + prediction.activations.unwrap_or(0) < cap;
+            let mut rec = spawn_one(w, policy, common, profile, !check_fits);
+            rec.grads_checked = check_fits && rec.status == Status::Ok;
+            rec
+        }
+    };
+    rec.predicted = Some(prediction);
+    rec.predicted_total_bytes = total;
+    Ok(rec)
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }
 
 /// What in the results folder was measured under another configuration than this run's (profile,
@@ -502,18 +575,19 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time
         &common.seed.to_string(),
         "--device",
         &common.device,
-        "--accumulate",
-        &common.accumulate.to_string(),
     ]);
-    if let Some(kind) = common.optimizer {
-        cmd.args(["--optimizer", &kind.to_string()]);
-    }
-    cmd.args(["--dtype", &common.dtype.to_string()]);
-    for (flag, value) in
-        [("--memory-cap", common.memory_cap), ("--batch", common.batch.map(|b| b as u64)), ("--input-size", common.input_size.map(|n| n as u64))]
-    {
+    let o = common.overrides();
+    let flags = [
+        ("--memory-cap", common.memory_cap.map(|b| b.to_string())),
+        ("--batch", o.batch.map(|b| b.to_string())),
+        ("--input-size", o.input_size.map(|n| n.to_string())),
+        ("--accumulate", o.accumulate.map(|n| n.to_string())),
+        ("--optimizer", o.optimizer.map(|k| k.to_string())),
+        ("--dtype", o.dtype.map(|d| d.to_string())),
+    ];
+    for (flag, value) in flags {
         if let Some(v) = value {
-            cmd.args([flag, &v.to_string()]);
+            cmd.args([flag, &v]);
         }
     }
     if common.no_rng_replay {
@@ -585,7 +659,11 @@ fn summary(r: &Record, off: Option<&Record>) -> String {
         .filter(|o| r.policy != "off" && o.status == Status::Ok && o.step_peak_bytes > 0)
         .map(|o| format!(" ({:.2}x off peak, {:.2}x off time)", r.step_peak_bytes as f64 / o.step_peak_bytes as f64, r.step_ms_median / o.step_ms_median))
         .unwrap_or_default();
-    let grads = if r.grads_bit_identical { "grads = plain candle bit for bit" } else { "GRADS DIFFER FROM PLAIN CANDLE" };
+    let grads = match (r.grads_checked, r.grads_bit_identical) {
+        (false, _) => "grads not checked",
+        (true, true) => "grads = plain candle bit for bit",
+        (true, false) => "GRADS DIFFER FROM PLAIN CANDLE",
+    };
     format!(
         "{:<14} {:<18} peak {:>11} act {:>11} {:>8.0} ms{vs_off}; {grads}",
         r.model,

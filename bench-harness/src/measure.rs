@@ -62,6 +62,16 @@ pub struct Record {
     pub loss: f32,
     /// Every gradient and buffer element equals plain candle's bit for bit (see [`run`]).
     pub grads_bit_identical: bool,
+    /// Whether the gradient check ran (`gpt2-24gb` skips it where it would need more memory than
+    /// the machine has: two models and a copy of every gradient).
+    #[serde(default = "yes")]
+    pub grads_checked: bool,
+    /// `gpt2-24gb`: what the configuration was predicted to need ([`crate::predict`]), and its
+    /// total (the state, the gradients and the activations at the step's peak).
+    #[serde(default)]
+    pub predicted: Option<crate::predict::Prediction>,
+    #[serde(default)]
+    pub predicted_total_bytes: Option<u64>,
     /// Gradient and buffer elements whose bits differ from plain candle's.
     pub grads_differing: u64,
     pub max_abs_diff: f64,
@@ -84,6 +94,8 @@ pub enum Status {
     Oom,
     #[default]
     Error,
+    /// Not run: predicted to need more than the memory cap.
+    Skipped,
 }
 
 impl std::fmt::Display for Status {
@@ -92,6 +104,7 @@ impl std::fmt::Display for Status {
             Status::Ok => "ok",
             Status::Oom => "oom",
             Status::Error => "error",
+            Status::Skipped => "skipped",
         })
     }
 }
@@ -120,6 +133,11 @@ impl Spread {
 /// Records written before accumulation existed ran one micro-batch per step.
 fn one() -> usize {
     1
+}
+
+/// Records written before the check could be skipped were all checked.
+fn yes() -> bool {
+    true
 }
 
 impl Record {
@@ -215,6 +233,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
 pub fn check(rec: &mut Record, w: &Workload, policy: &Policy, seed: u64, device: &Device, replay_rng: bool) -> Result<()> {
     set_activity(Activity::GradCheck, None);
     let check = gradcheck(w, policy, seed, device, replay_rng)?;
+    rec.grads_checked = true;
     rec.grads_bit_identical = check.differing == 0;
     rec.grads_differing = check.differing;
     rec.max_abs_diff = check.max_abs_diff;

@@ -38,6 +38,7 @@ pub enum Figure<'a> {
     Tradeoff(&'a Matrix),
     Timelines(&'a Matrix),
     Depth { matrix: &'a Matrix, fits: &'a [(String, f64)] },
+    Gpt2Memory(&'a Matrix),
 }
 
 impl Figure<'_> {
@@ -47,6 +48,7 @@ impl Figure<'_> {
             Figure::Tradeoff(m) => tradeoff(&root, m)?,
             Figure::Timelines(m) => timelines(&root, m)?,
             Figure::Depth { matrix, fits } => depth(&root, matrix, fits)?,
+            Figure::Gpt2Memory(m) => gpt2_memory(&root, m)?,
         }
         root.present().map_err(plot_err)
     }
@@ -61,6 +63,54 @@ pub fn all(dir: &Path, m: &Matrix, fits: &[(String, f64)]) -> Result<()> {
     if !m.models(true).is_empty() {
         both(dir, "depth", (900, 600), |out| out(Figure::Depth { matrix: m, fits }))?;
     }
+    Ok(())
+}
+
+/// The figure of `--matrix gpt2-24gb`: `memory.png` and `.svg`.
+pub fn gpt2_24gb(dir: &Path, m: &Matrix) -> Result<()> {
+    both(dir, "memory", (1100, 120 + 22 * m.records.len() as u32), |out| out(Figure::Gpt2Memory(m)))
+}
+
+/// Peak memory of every configuration as a bar (measured where it ran, predicted and pale where
+/// it did not), against a line at 24 GiB.
+fn gpt2_memory<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
+    const GIB: f64 = (1u64 << 30) as f64;
+    let bars: Vec<(String, f64, bool)> = m
+        .records
+        .iter()
+        .filter_map(|r| match r.status {
+            Status::Ok => Some((format!("{} {}", r.model, r.policy), crate::table24::measured_total(r) as f64 / GIB, true)),
+            _ => Some((format!("{} {} ({})", r.model, r.policy, r.status), r.predicted_total_bytes? as f64 / GIB, false)),
+        })
+        .collect();
+    let max = bars.iter().map(|b| b.1).fold(26.0, f64::max) * 1.05;
+    let n = bars.len().max(1);
+    let mut chart = ChartBuilder::on(root)
+        .caption("GPT-2, batch 1 (8 micro-batches): peak memory by configuration", ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(330)
+        .build_cartesian_2d(0.0..max, 0.0..n as f64)
+        .map_err(plot_err)?;
+    let label = |y: &f64| bars.get(*y as usize).map_or(String::new(), |b| b.0.clone());
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .y_labels(n)
+        .y_label_formatter(&label)
+        .x_desc("GiB (measured; pale: predicted, not run)")
+        .draw()
+        .map_err(plot_err)?;
+    for (i, (_, v, measured)) in bars.iter().enumerate() {
+        let c = if *measured { color(0).filled() } else { color(0).mix(0.3).filled() };
+        chart.draw_series([Rectangle::new([(0.0, i as f64 + 0.15), (*v, i as f64 + 0.85)], c)]).map_err(plot_err)?;
+    }
+    chart
+        .draw_series(LineSeries::new([(24.0, 0.0), (24.0, n as f64)], color(3).stroke_width(2)))
+        .map_err(plot_err)?
+        .label("24 GiB")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], color(3).stroke_width(2)));
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::LowerRight).draw().map_err(plot_err)?;
     Ok(())
 }
 

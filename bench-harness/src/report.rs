@@ -16,6 +16,10 @@ pub fn save(m: &Matrix, dir: &Path) -> Result<()> {
     m.save_json(dir)?;
     std::fs::write(dir.join("matrix.csv"), csv(m)).with_context(|| format!("writing {}", dir.display()))?;
     std::fs::write(dir.join("matrix.md"), markdown(m))?;
+    if m.meta.profile == crate::workloads::GPT2_24GB {
+        std::fs::write(dir.join("TABLE.md"), crate::table24::render(m))?;
+        return crate::plot::gpt2_24gb(dir, m);
+    }
     let fits = m.depth_fits();
     std::fs::write(dir.join("TABLE.md"), crate::table::render(m, &fits))?;
     crate::plot::all(dir, m, &fits)
@@ -130,7 +134,11 @@ fresh process): median (min-max). \
                 ),
                 None => ("-".into(), "-".into(), "-".into()),
             };
-            let grads = if r.grads_bit_identical { "yes".to_string() } else { format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff) };
+            let grads = match (r.grads_checked, r.grads_bit_identical) {
+                (false, _) => "not checked".to_string(),
+                (true, true) => "yes".to_string(),
+                (true, false) => format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff),
+            };
             let rounds = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2}, {} rounds)", t.median, t.min, t.max, t.rounds.len()));
             let _ = writeln!(
                 out,
@@ -177,7 +185,7 @@ fn spread(r: &Record, pick: fn(&crate::measure::Spread) -> f64) -> String {
     r.time_vs_off.as_ref().map_or(String::new(), |t| ms(pick(t)))
 }
 
-const COLUMNS: [Column; 32] = [
+const COLUMNS: [Column; 34] = [
     Column { name: "framework", ours: |_| "candle".into(), theirs: |b, _| format!("pytorch {}", b.framework_version) },
     Column { name: "model", ours: |r| r.model.clone(), theirs: |b, _| b.model.clone() },
     Column { name: "policy", ours: |r| quoted(&r.policy), theirs: |b, _| quoted(&b.policy) },
@@ -202,6 +210,8 @@ const COLUMNS: [Column; 32] = [
     Column { name: "segments", ours: |r| r.segments.to_string(), theirs: |b, _| b.segments.to_string() },
     Column { name: "loss", ours: |r| r.loss.to_string(), theirs: |b, _| b.loss.to_string() },
     Column { name: "grads_bit_identical", ours: |r| r.grads_bit_identical.to_string(), theirs: none },
+    Column { name: "grads_checked", ours: |r| r.grads_checked.to_string(), theirs: none },
+    Column { name: "predicted_total_bytes", ours: |r| r.predicted_total_bytes.map_or(String::new(), |b| b.to_string()), theirs: none },
     Column { name: "grads_differing", ours: |r| r.grads_differing.to_string(), theirs: none },
     Column { name: "max_abs_diff", ours: |r| format!("{:e}", r.max_abs_diff), theirs: none },
     Column { name: "params_without_grad", ours: |r| r.params_without_grad.to_string(), theirs: none },

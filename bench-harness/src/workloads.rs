@@ -45,6 +45,7 @@ trait Family: std::fmt::Debug {
     fn describe_input(&self, size: usize) -> String;
     fn downsamples(&self) -> bool;
     fn optimizer(&self) -> OptimizerKind;
+    fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>>;
     fn build(&self, batch: usize, size: usize, dtype: Precision, optimizer: OptimizerKind, device: &Device, seed: u64) -> Result<Box<dyn Instance>>;
 }
 
@@ -66,6 +67,9 @@ impl<M: Benchable> Family for Config<M> {
     fn optimizer(&self) -> OptimizerKind {
         M::OPTIMIZER
     }
+    fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>> {
+        Ok(M::parameter_shapes(&self.0)?)
+    }
     fn build(&self, batch: usize, size: usize, dtype: Precision, optimizer: OptimizerKind, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
         let model = M::build(&M::with_dtype(&self.0, dtype), device, seed)?;
         let data = model.synthetic_data(size, seed)?;
@@ -78,7 +82,10 @@ fn workload<M: Benchable>(model: &str, config: M::Config, batch: usize, input_si
     Workload { model: model.into(), batch, input_size, accumulate: 1, optimizer: None, dtype: Precision::F32, family: Arc::new(Config::<M>(config)) }
 }
 
-pub const PROFILES: &str = "smoke, cpu, full";
+pub const PROFILES: &str = "smoke, cpu, full, gpt2-24gb";
+
+/// The profile of `--matrix gpt2-24gb`.
+pub const GPT2_24GB: &str = "gpt2-24gb";
 
 /// A ResNet preset with the 10 classes of the synthetic images.
 fn resnet(preset: resnet::Preset) -> resnet::Config {
@@ -114,8 +121,37 @@ pub fn profile(name: &str) -> Result<Vec<Workload>> {
             workload::<Gpt2>("gpt2-large", G::Large.config(), 1, 1024),
             workload::<Gpt2>("gpt2-xl", G::Xl.config(), 1, 1024),
         ],
+        GPT2_24GB => gpt2_24gb(),
         other => bail!("unknown profile `{other}`; valid profiles: {PROFILES}"),
     })
+}
+
+/// The ways `gpt2-24gb` holds a model's state: (name, activation dtype, optimizer).
+pub const STATE_VARIANTS: [(&str, Precision, OptimizerKind); 3] = [
+    ("f32-adamw", Precision::F32, OptimizerKind::Adamw),
+    ("bf16-adamw", Precision::Bf16, OptimizerKind::Adamw),
+    ("bf16-adafactor", Precision::Bf16, OptimizerKind::Adafactor),
+];
+
+/// Micro-batches per step in `gpt2-24gb`: batch 1, effective batch 8.
+pub const GPT2_24GB_ACCUMULATE: usize = 8;
+
+/// GPT-2 at every published size at batch 1 and sequence 1024, 8 micro-batches accumulated per
+/// step, in each of [`STATE_VARIANTS`]: named `gpt2-<size>/<variant>`.
+fn gpt2_24gb() -> Vec<Workload> {
+    use gpt2::Preset as G;
+    let sizes = [("small", G::Small), ("medium", G::Medium), ("large", G::Large), ("xl", G::Xl)];
+    sizes
+        .into_iter()
+        .flat_map(|(size, preset)| {
+            STATE_VARIANTS.into_iter().map(move |(variant, dtype, optimizer)| Workload {
+                accumulate: GPT2_24GB_ACCUMULATE,
+                dtype,
+                optimizer: Some(optimizer),
+                ..workload::<Gpt2>(&format!("gpt2-{size}/{variant}"), preset.config(), 1, 1024)
+            })
+        })
+        .collect()
 }
 
 /// Models of the depth sweep are named `depth-<L>`.
@@ -127,9 +163,20 @@ pub fn depth_sweep(profile: &str) -> Result<Vec<Workload>> {
         "smoke" => (&[2, 4, 8, 16], 16, 2, 16),
         "cpu" => (&[16, 64, 256, 1024], 64, 2, 64),
         "full" => (&[16, 64, 256, 1024], 256, 4, 256),
+        GPT2_24GB => return Ok(Vec::new()),
         other => bail!("unknown profile `{other}`; valid profiles: {PROFILES}"),
     };
     Ok(depths.iter().map(|&l| workload::<Gpt2>(&format!("{DEPTH_PREFIX}{l}"), gpt2::Config::tiny(l, width), batch, seq)).collect())
+}
+
+/// Changes to a workload from the command line: `None` keeps the profile's.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Overrides {
+    pub batch: Option<usize>,
+    pub input_size: Option<usize>,
+    pub accumulate: Option<usize>,
+    pub optimizer: Option<OptimizerKind>,
+    pub dtype: Option<Precision>,
 }
 
 impl Workload {
@@ -138,29 +185,21 @@ impl Workload {
         self.family.describe_input(self.input_size)
     }
 
-    /// Overrides the batch and the input size (sequence length, image side).
-    pub fn resized(mut self, batch: Option<usize>, input: Option<usize>) -> Self {
-        self.batch = batch.unwrap_or(self.batch);
-        self.input_size = input.unwrap_or(self.input_size);
-        self
+    /// The workload with what `o` sets changed.
+    pub fn overridden(self, o: Overrides) -> Self {
+        Workload {
+            batch: o.batch.unwrap_or(self.batch),
+            input_size: o.input_size.unwrap_or(self.input_size),
+            accumulate: o.accumulate.unwrap_or(self.accumulate),
+            optimizer: o.optimizer.or(self.optimizer),
+            dtype: o.dtype.unwrap_or(self.dtype),
+            ..self
+        }
     }
 
-    /// Accumulates `n` micro-batches per optimizer step.
-    pub fn accumulating(mut self, n: usize) -> Self {
-        self.accumulate = n;
-        self
-    }
-
-    /// Computes in `dtype`.
-    pub fn in_dtype(mut self, dtype: Precision) -> Self {
-        self.dtype = dtype;
-        self
-    }
-
-    /// Trains with `kind` instead of the model's benchmark default (`None`: the default).
-    pub fn optimizing_with(mut self, kind: Option<OptimizerKind>) -> Self {
-        self.optimizer = kind.or(self.optimizer);
-        self
+    /// The shapes of its trainable parameters.
+    pub fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>> {
+        self.family.parameter_shapes()
     }
 
     /// The optimizer it trains with.

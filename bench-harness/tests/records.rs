@@ -79,7 +79,7 @@ enum Type {
 
 /// matrix.csv's columns in order, written out here rather than taken from the harness, so that a
 /// column dropped, renamed or moved in the writer fails the test.
-const COLUMNS: [(&str, Type); 32] = {
+const COLUMNS: [(&str, Type); 34] = {
     use Type::*;
     [
         ("framework", Candle),
@@ -106,6 +106,8 @@ const COLUMNS: [(&str, Type); 32] = {
         ("segments", Int),
         ("loss", F32),
         ("grads_bit_identical", Bool),
+        ("grads_checked", Bool),
+        ("predicted_total_bytes", OptInt),
         ("grads_differing", Int),
         ("max_abs_diff", F32),
         ("params_without_grad", Int),
@@ -119,7 +121,7 @@ const COLUMNS: [(&str, Type); 32] = {
 
 /// Record fields that are JSON only: the timeline, the segments' stage ranges, and the time / off
 /// rounds (the CSV has their median and range).
-const JSON_ONLY: [&str; 4] = ["timeline", "timeline_base_bytes", "segment_ranges", "time_vs_off"];
+const JSON_ONLY: [&str; 5] = ["timeline", "timeline_base_bytes", "segment_ranges", "time_vs_off", "predicted"];
 
 /// The cells of one CSV line: fields in double quotes may hold commas, and `""` for a quote.
 fn cells(line: &str) -> Vec<String> {

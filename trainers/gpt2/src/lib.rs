@@ -350,6 +350,16 @@ impl layers::Benchable for Gpt2 {
         Config { dtype, ..config.clone() }
     }
 
+    /// From the configuration, without building: GPT-2 XL's weights alone are 6.2 GB.
+    fn parameter_shapes(config: &Config) -> Result<Vec<Vec<usize>>> {
+        let (c, v, n) = (config.n_embd, config.vocab_size, config.n_positions);
+        let layer_norm = || [vec![c], vec![c]];
+        let conv1d = |n_in: usize, n_out: usize| [vec![n_in, n_out], vec![n_out]];
+        let block = || [layer_norm(), conv1d(c, 3 * c), conv1d(c, c), layer_norm(), conv1d(c, 4 * c), conv1d(4 * c, c)].concat();
+        let blocks = (0..config.n_layer).flat_map(|_| block());
+        Ok([vec![v, c], vec![n, c]].into_iter().chain(blocks).chain(layer_norm()).collect())
+    }
+
     fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {
         let tokens = datasets::text::byte_tokens(&datasets::text::synthetic_corpus(seed, 1 << 18));
         Ok((datasets::tokens::Batcher::new(tokens, seq, self.config.vocab_size, seed).map_err(candle_core::Error::wrap)?, seq))

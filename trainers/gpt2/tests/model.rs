@@ -79,3 +79,19 @@ fn bad_configs_name_the_field() {
     assert!(Config::from_json(&path).unwrap_err().to_string().contains("n_embd"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// GPT-2's parameter shapes derived from its configuration (how the harness predicts the state of
+/// sizes it cannot build) are those of the model built; and GPT-2 XL has its published
+/// 1,557,611,200 parameters.
+#[test]
+fn parameter_shapes_from_the_configuration_match_the_model() {
+    use layers::Benchable;
+    let cfg = gpt2::Config::tiny(3, 32);
+    let mut built: Vec<Vec<usize>> = Gpt2::new(cfg.clone(), &Device::Cpu, 0).unwrap().params().vars().iter().map(|v| v.dims().to_vec()).collect();
+    let mut derived = Gpt2::parameter_shapes(&cfg).unwrap();
+    built.sort();
+    derived.sort();
+    assert_eq!(derived, built);
+    let xl: usize = Gpt2::parameter_shapes(&Preset::Xl.config()).unwrap().iter().map(|s| s.iter().product::<usize>()).sum();
+    assert_eq!(xl, 1_557_611_200);
+}

@@ -61,6 +61,14 @@ pub trait Benchable: Model + Sized + 'static {
     /// `config` computing in `dtype`.
     fn with_dtype(config: &Self::Config, dtype: Precision) -> Self::Config;
 
+    /// The shapes of the trainable parameters of a model of `config`, in no particular order. By
+    /// default from a model built on the CPU; a model too big for that
+    /// derives them from its configuration.
+    fn parameter_shapes(config: &Self::Config) -> Result<Vec<Vec<usize>>> {
+        let model = Self::build(config, &Device::Cpu, 0)?;
+        Ok(model.params().vars().iter().map(|v| v.dims().to_vec()).collect())
+    }
+
     /// The synthetic data for inputs of size `size` (sequence length, image or volume side).
     fn synthetic_data(&self, size: usize, seed: u64) -> Result<Self::Data>;
 

@@ -61,10 +61,7 @@ pub fn check_footprint(flags: &str, what: &str, elements: Option<u128>) -> Resul
     let Some(bytes) = elements.and_then(|n| n.checked_mul(4)) else {
         bail!("{flags}: {what} would have more elements than this machine can address");
     };
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let kib = |field: &str| meminfo.lines().find_map(|l| l.strip_prefix(field)?.trim().trim_end_matches("kB").trim().parse::<u128>().ok());
-    if let (Some(avail), Some(swap)) = (kib("MemAvailable:"), kib("SwapFree:")) {
-        let have = (avail + swap) * 1024;
+    if let Some(have) = available_memory().map(u128::from) {
         if bytes > have {
             bail!(
                 "{flags}: {what} alone needs {:.1} GiB (f32); this machine has {:.1} GiB available",
@@ -74,6 +71,13 @@ pub fn check_footprint(flags: &str, what: &str, elements: Option<u128>) -> Resul
         }
     }
     Ok(())
+}
+
+/// This machine's available memory in bytes (MemAvailable + SwapFree), where /proc/meminfo says.
+pub fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = |field: &str| meminfo.lines().find_map(|l| l.strip_prefix(field)?.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
+    Some((kib("MemAvailable:")? + kib("SwapFree:")?) * 1024)
 }
 
 /// Fails now, before any training, if `path` (given with `flag`) cannot be written: a directory,

@@ -1,0 +1,100 @@
+//! `TABLE.md` of `--matrix gpt2-24gb`: for GPT-2 at every published size, batch 1 with 8
+//! micro-batches accumulated, each way of holding its state and each policy: the predicted bytes
+//! (with the state's arithmetic), the measured peak, whether it fits 24 GiB, and tokens per
+//! second. The article claims GPT-2 1.5B trains on a 24 GB card this way in 21 GB.
+
+use crate::measure::{Record, Status};
+use crate::predict::Prediction;
+use crate::results::Matrix;
+use std::fmt::Write as _;
+
+const GIB: f64 = (1u64 << 30) as f64;
+const GIB_24: u64 = 24 << 30;
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2}", bytes as f64 / GIB)
+}
+
+/// Everything the step held at its peak: the state before it (parameters, optimizer state,
+/// inputs) and the step's peak above that (gradients, activations, temporaries).
+pub fn measured_total(r: &Record) -> u64 {
+    r.model_state_bytes + r.step_peak_bytes
+}
+
+/// Whether a configuration fits 24 GiB, in words.
+fn fits(r: &Record) -> String {
+    match (r.status, r.predicted_total_bytes) {
+        (Status::Ok, _) => if measured_total(r) <= GIB_24 { "**yes**" } else { "no" }.into(),
+        (Status::Oom, _) => "no (out of memory under the cap)".into(),
+        (Status::Skipped, Some(p)) if p <= GIB_24 => "predicted yes: not run here (above this machine's cap)".into(),
+        (Status::Skipped, _) => "no (predicted)".into(),
+        (Status::Error, _) => format!("error: {}", r.error),
+    }
+}
+
+fn state_row(model: &str, variant: &str, p: &Prediction) -> String {
+    let params = p.params / 4;
+    format!("| {model} | {variant} | {params} | {} | {} | {} | {} |", gib(p.params), gib(p.grads), gib(p.optimizer), gib(p.params + p.grads + p.optimizer))
+}
+
+pub fn render(m: &Matrix) -> String {
+    let meta = &m.meta;
+    let first = m.records.first();
+    let (input, accumulate) = first.map_or(("?".into(), 0), |r| (r.input.clone(), r.accumulate));
+    let mut out = format!(
+        "# GPT-2 on 24 GiB: state, precision, optimizer and checkpointing, measured\n\n\
+         Command: `{}`  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\n\
+         Every configuration trains at batch 1, {input}, with {accumulate} micro-batches accumulated per optimizer step \
+         (effective batch {accumulate}). Variants: `f32-adamw` (everything f32), `bf16-adamw` (bf16 activations, f32 parameters, \
+         gradients and AdamW moments), `bf16-adafactor` (bf16 activations, f32 parameters and gradients, Adafactor's factored \
+         second moment). Parameters are f32 master weights in every variant.\n\n",
+        meta.command, meta.machine, meta.candle_version, meta.git_commit, meta.profile
+    );
+    out += "## The model state, by arithmetic\n\n\
+            Parameters and gradients 4 bytes each; AdamW 8 bytes per parameter; Adafactor 4 bytes per row and per column of each \
+            weight matrix (per element of a vector). Computed from the parameter shapes, not measured.\n\n\
+            | model | variant | parameters | params GiB | grads GiB | optimizer GiB | state GiB |\n|---|---|---|---|---|---|---|\n";
+    let mut seen = Vec::new();
+    for r in &m.records {
+        let (Some(p), Some((model, variant))) = (r.predicted, r.model.split_once('/')) else { continue };
+        if !seen.contains(&r.model) {
+            seen.push(r.model.clone());
+            let _ = writeln!(out, "{}", state_row(model, variant, &p));
+        }
+    }
+    out += "\n## Predicted against measured\n\n\
+            Predicted total: the state above plus the activations scaled from gpt2-small's measured activation peak under the same \
+            variant and policy (its logits recomputed for each model, its blocks scaled by width times the blocks the policy keeps: \
+            L, or sqrt(L) under `sqrt`); gpt2-small is the calibration and has no prediction of its own. Measured total: the heap \
+            before the step (parameters, optimizer state) plus the step's peak above it (gradients, activations), the median-free \
+            maximum over the timed steps. Configurations predicted above the memory cap are not run.\n\n\
+            | model | variant | policy | predicted GiB | measured GiB | error | fits 24 GiB | tokens/s | step time | gradients |\n\
+            |---|---|---|---|---|---|---|---|---|---|\n";
+    for r in &m.records {
+        let (model, variant) = r.model.split_once('/').unwrap_or((&r.model, ""));
+        let predicted = r.predicted_total_bytes.map_or("calibration".into(), gib);
+        let (measured, error, tokens, time) = if r.status == Status::Ok {
+            let total = measured_total(r);
+            let error = r.predicted_total_bytes.map_or("-".into(), |p| format!("{:+.1}%", (p as f64 / total as f64 - 1.0) * 100.0));
+            let tokens = (r.batch * r.accumulate) as f64 * r.input.trim_start_matches("seq ").parse::<f64>().unwrap_or(0.0);
+            (gib(total), error, format!("{:.1}", tokens / (r.step_ms_median / 1000.0)), format!("{:.1} s", r.step_ms_median / 1000.0))
+        } else {
+            ("-".into(), "-".into(), "-".into(), "-".into())
+        };
+        let grads = match (r.status, r.grads_checked, r.grads_bit_identical) {
+            (Status::Ok, true, true) => "= plain candle",
+            (Status::Ok, true, false) => "DIFFER",
+            (Status::Ok, false, _) => "not checked (memory)",
+            _ => "-",
+        };
+        let _ = writeln!(out, "| {model} | {variant} | {} | {predicted} | {measured} | {error} | {} | {tokens} | {time} | {grads} |", r.policy, fits(r));
+    }
+    let fit: Vec<String> = m
+        .records
+        .iter()
+        .filter(|r| r.status == Status::Ok && measured_total(r) <= GIB_24)
+        .map(|r| format!("{} `{}` ({} GiB)", r.model, r.policy, gib(measured_total(r))))
+        .collect();
+    let _ = write!(out, "\n## Fits 24 GiB at batch 1 (measured)\n\n{}\n", if fit.is_empty() { "None.".into() } else { fit.join(", ") });
+    out
+}
