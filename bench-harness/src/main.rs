@@ -106,8 +106,10 @@ struct Common {
 #[derive(Args)]
 struct MatrixArgs {
     /// Which matrix to run: `models` (every model x every applicable policy of the profile),
-    /// `depth` (the depth sweep: off and sqrt on ever deeper GPT-2 block stacks), `all` (both), or
-    /// `render` (rewrite the CSV, Markdown, TABLE.md and plots from matrix.json; run nothing).
+    /// `depth` (the depth sweep: off and sqrt on ever deeper GPT-2 block stacks), `all` (both),
+    /// `gpt2-24gb` (GPT-2 small to XL at batch 1 with accumulation, in three precision/optimizer
+    /// variants, predicted and measured against 24 GiB), or `render` (rewrite the CSV, Markdown,
+    /// TABLE.md and plots from matrix.json; run nothing).
     #[arg(long, default_value = "all")]
     matrix: String,
     /// Only models whose name starts with one of these (comma-separated), e.g. gpt2,resnet50.
@@ -134,6 +136,10 @@ struct MatrixArgs {
     /// The Python that has torch, torchvision and transformers (for --baseline pytorch).
     #[arg(long, default_value = "python3")]
     python: String,
+    /// gpt2-24gb: predict every configuration that has its calibration (gpt2-small's record of
+    /// the same variant and policy, from an earlier run into the same folder) and run none.
+    #[arg(long)]
+    dry_run: bool,
     #[command(flatten)]
     common: Common,
 }
@@ -370,7 +376,13 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
         if args.force || !have {
             bar.set_message(format!("{} {policy}", w.model));
             let rec = if profile == workloads::GPT2_24GB {
-                run_predicted(&matrix, &workloads, w, policy, common, &profile)?
+                match run_predicted(&matrix, w, policy, common, &profile, args.dry_run)? {
+                    Some(rec) => rec,
+                    None => {
+                        bar.inc(1);
+                        continue;
+                    }
+                }
             } else {
                 spawn_one(w, policy, common, &profile, false)
             };
@@ -434,26 +446,29 @@ fn gpt2_24gb_defaults(common: &mut Common) -> Result<()> {
 /// of the same variant and policy), skipped where the prediction exceeds the memory cap, run
 /// otherwise. The gradient check needs two models and a copy of every gradient beside them, so
 /// it runs only where that fits the cap (four times the parameters' f32 bytes, with room for the
-/// activations).
-fn run_predicted(matrix: &Matrix, workloads: &[Workload], w: &Workload, policy: &Policy, common: &Common, profile: &str) -> Result<Record> {
+/// activations). `dry_run`: nothing runs, and a configuration that cannot be predicted (no
+/// calibration) gets no record.
+fn run_predicted(matrix: &Matrix, w: &Workload, policy: &Policy, common: &Common, profile: &str, dry_run: bool) -> Result<Option<Record>> {
     let variant = w.model.split('/').nth(1).unwrap_or_default();
     let small = format!("gpt2-small/{variant}");
+    // From the whole profile: --models may have left gpt2-small out of this run.
+    let small_workload = workloads::profile(profile)?.into_iter().find(|c| c.model == small).map(|c| c.overridden(common.overrides()));
     let calibration = if w.model == small {
         None
     } else {
-        let cw = workloads.iter().find(|c| c.model == small);
         let rec = matrix.find(&small, &policy.to_string()).filter(|r| r.status == Status::Ok);
-        cw.zip(rec)
+        small_workload.as_ref().zip(rec)
     };
     let prediction = predict::predict(w, policy, calibration)?;
     let cap = common.memory_cap.expect("set by gpt2_24gb_defaults");
+    let state = prediction.params + prediction.grads + prediction.optimizer;
     let total = prediction.total();
+    let skipped = |error: String| Record { status: Status::Skipped, error, ..Record::new(w, policy, &common.device) };
     let mut rec = match total {
-        Some(t) if t > cap => Record {
-            status: Status::Skipped,
-            error: format!("does not fit (predicted {:.1} GiB > cap {:.1} GiB)", gib(t), gib(cap)),
-            ..Record::new(w, policy, &common.device)
-        },
+        None if dry_run => return Ok(None),
+        Some(t) if dry_run => skipped(format!("dry run (predicted {:.1} GiB)", gib(t))),
+        Some(t) if t > cap => skipped(format!("does not fit (predicted {:.1} GiB > cap {:.1} GiB)", gib(t), gib(cap))),
+        None if state > cap => skipped(format!("does not fit (its state alone is {:.1} GiB > cap {:.1} GiB)", gib(state), gib(cap))),
         _ => {
             let check_fits = prediction.params * 4 + prediction.activations.unwrap_or(0) < cap;
             let mut rec = spawn_one(w, policy, common, profile, !check_fits);
@@ -463,7 +478,7 @@ fn run_predicted(matrix: &Matrix, workloads: &[Workload], w: &Workload, policy: 
     };
     rec.predicted = Some(prediction);
     rec.predicted_total_bytes = total;
-    Ok(rec)
+    Ok(Some(rec))
 }
 
 fn gib(bytes: u64) -> f64 {

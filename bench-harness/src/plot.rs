@@ -72,11 +72,14 @@ pub fn gpt2_24gb(dir: &Path, m: &Matrix) -> Result<()> {
 }
 
 /// Peak memory of every configuration as a bar (measured where it ran, predicted and pale where
-/// it did not), against a line at 24 GiB.
+/// it did not), smallest model at the top, against a line at 24 GiB.
 fn gpt2_memory<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
     const GIB: f64 = (1u64 << 30) as f64;
-    let bars: Vec<(String, f64, bool)> = m
-        .records
+    const SIZES: [&str; 4] = ["gpt2-small/", "gpt2-medium/", "gpt2-large/", "gpt2-xl/"];
+    let mut records: Vec<&Record> = m.records.iter().collect();
+    // Stable: within a size, the matrix's order (variant, then policy).
+    records.sort_by_key(|r| std::cmp::Reverse(SIZES.iter().position(|s| r.model.starts_with(s))));
+    let bars: Vec<(String, f64, bool)> = records
         .iter()
         .filter_map(|r| match r.status {
             Status::Ok => Some((format!("{} {}", r.model, r.policy), crate::table24::measured_total(r) as f64 / GIB, true)),
@@ -84,29 +87,33 @@ fn gpt2_memory<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) ->
         })
         .collect();
     let max = bars.iter().map(|b| b.1).fold(26.0, f64::max) * 1.05;
-    let n = bars.len().max(1);
+    let n = bars.len().max(1) as i32;
     let mut chart = ChartBuilder::on(root)
         .caption("GPT-2, batch 1 (8 micro-batches): peak memory by configuration", ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
-        .y_label_area_size(330)
-        .build_cartesian_2d(0.0..max, 0.0..n as f64)
+        .y_label_area_size(360)
+        .build_cartesian_2d(0.0..max, (0..n).into_segmented())
         .map_err(plot_err)?;
-    let label = |y: &f64| bars.get(*y as usize).map_or(String::new(), |b| b.0.clone());
+    let label = |y: &SegmentValue<i32>| match y {
+        SegmentValue::CenterOf(i) => bars.get(*i as usize).map_or(String::new(), |b| b.0.clone()),
+        _ => String::new(),
+    };
     chart
         .configure_mesh()
         .disable_y_mesh()
-        .y_labels(n)
+        .y_labels(n as usize)
         .y_label_formatter(&label)
-        .x_desc("GiB (measured; pale: predicted, not run)")
+        .x_desc("GiB at the step's peak (measured; pale: predicted, not run)")
         .draw()
         .map_err(plot_err)?;
     for (i, (_, v, measured)) in bars.iter().enumerate() {
         let c = if *measured { color(0).filled() } else { color(0).mix(0.3).filled() };
-        chart.draw_series([Rectangle::new([(0.0, i as f64 + 0.15), (*v, i as f64 + 0.85)], c)]).map_err(plot_err)?;
+        let (lo, hi) = (SegmentValue::Exact(i as i32), SegmentValue::Exact(i as i32 + 1));
+        chart.draw_series([Rectangle::new([(0.0, lo), (*v, hi)], c)]).map_err(plot_err)?;
     }
     chart
-        .draw_series(LineSeries::new([(24.0, 0.0), (24.0, n as f64)], color(3).stroke_width(2)))
+        .draw_series(LineSeries::new([(24.0, SegmentValue::Exact(0)), (24.0, SegmentValue::Exact(n))], color(3).stroke_width(2)))
         .map_err(plot_err)?
         .label("24 GiB")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], color(3).stroke_width(2)));

@@ -26,7 +26,7 @@ fn fits(r: &Record) -> String {
     match (r.status, r.predicted_total_bytes) {
         (Status::Ok, _) => if measured_total(r) <= GIB_24 { "**yes**" } else { "no" }.into(),
         (Status::Oom, _) => "no (out of memory under the cap)".into(),
-        (Status::Skipped, Some(p)) if p <= GIB_24 => "predicted yes: not run here (above this machine's cap)".into(),
+        (Status::Skipped, Some(p)) if p <= GIB_24 => "predicted yes".into(),
         (Status::Skipped, _) => "no (predicted)".into(),
         (Status::Error, _) => format!("error: {}", r.error),
     }
@@ -66,20 +66,22 @@ pub fn render(m: &Matrix) -> String {
             Predicted total: the state above plus the activations scaled from gpt2-small's measured activation peak under the same \
             variant and policy (its logits recomputed for each model, its blocks scaled by width times the blocks the policy keeps: \
             L, or sqrt(L) under `sqrt`); gpt2-small is the calibration and has no prediction of its own. Measured total: the heap \
-            before the step (parameters, optimizer state) plus the step's peak above it (gradients, activations), the median-free \
-            maximum over the timed steps. Configurations predicted above the memory cap are not run.\n\n\
+            before the step (parameters, optimizer state) plus the step's peak above it (gradients, activations), the highest \
+            over the timed steps. Configurations predicted above the memory cap are not run; with `--dry-run`, none is, and every \
+            row but the calibration's is a prediction.\n\n\
             | model | variant | policy | predicted GiB | measured GiB | error | fits 24 GiB | tokens/s | step time | gradients |\n\
             |---|---|---|---|---|---|---|---|---|---|\n";
     for r in &m.records {
         let (model, variant) = r.model.split_once('/').unwrap_or((&r.model, ""));
         let predicted = r.predicted_total_bytes.map_or("calibration".into(), gib);
+        let seq = r.input.trim_start_matches("seq ").parse::<usize>().unwrap_or(0);
         let (measured, error, tokens, time) = if r.status == Status::Ok {
             let total = measured_total(r);
             let error = r.predicted_total_bytes.map_or("-".into(), |p| format!("{:+.1}%", (p as f64 / total as f64 - 1.0) * 100.0));
-            let tokens = (r.batch * r.accumulate) as f64 * r.input.trim_start_matches("seq ").parse::<f64>().unwrap_or(0.0);
+            let tokens = (r.batch * r.accumulate * seq) as f64;
             (gib(total), error, format!("{:.1}", tokens / (r.step_ms_median / 1000.0)), format!("{:.1} s", r.step_ms_median / 1000.0))
         } else {
-            ("-".into(), "-".into(), "-".into(), "-".into())
+            (format!("not run: {}", r.error), "-".into(), "-".into(), "-".into())
         };
         let grads = match (r.status, r.grads_checked, r.grads_bit_identical) {
             (Status::Ok, true, true) => "= plain candle",

@@ -4,17 +4,15 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_nn::Optimizer;
 use layers::{Adafactor, AdamW, ParamsAdafactor, ParamsAdamW, ParamsSgd, SgdMomentum};
-use remat::memory::{heap_current, heap_peak, reset_heap_peak};
+use remat::memory::peak_during;
 
 #[global_allocator]
 static ALLOC: remat::memory::CountingAlloc = remat::memory::CountingAlloc;
 
 /// Heap above the level before `f`, at its peak.
 fn peak_of(f: impl FnOnce() -> Result<()>) -> Result<u64> {
-    let before = heap_current();
-    reset_heap_peak();
-    f()?;
-    Ok(heap_peak() - before)
+    let (result, peak) = peak_during(f);
+    result.map(|()| peak)
 }
 
 #[test]

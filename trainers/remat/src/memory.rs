@@ -186,6 +186,15 @@ pub fn reset_heap_peak() {
     WINDOW_PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
 }
 
+/// Runs `f`; returns its result and the highest live heap bytes above the level before it, while
+/// it ran (the peak meter is reset: not for use inside a measured step).
+pub fn peak_during<R>(f: impl FnOnce() -> R) -> (R, u64) {
+    let before = heap_current();
+    reset_heap_peak();
+    let out = f();
+    (out, heap_peak().saturating_sub(before))
+}
+
 /// The highest live heap bytes since the previous call, then starts a new window.
 fn take_window_peak() -> u64 {
     WINDOW_PEAK.swap(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed)
