@@ -75,12 +75,10 @@ pub fn gpt2_24gb(dir: &Path, m: &Matrix) -> Result<()> {
 /// it did not), smallest model at the top, against a line at 24 GiB.
 fn gpt2_memory<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
     const GIB: f64 = (1u64 << 30) as f64;
-    const SIZES: [&str; 4] = ["gpt2-small/", "gpt2-medium/", "gpt2-large/", "gpt2-xl/"];
-    let mut records: Vec<&Record> = m.records.iter().collect();
-    // Stable: within a size, the matrix's order (variant, then policy).
-    records.sort_by_key(|r| std::cmp::Reverse(SIZES.iter().position(|s| r.model.starts_with(s))));
-    let bars: Vec<(String, f64, bool)> = records
-        .iter()
+    // Bottom up: the largest model's last configuration first.
+    let bars: Vec<(String, f64, bool)> = crate::table24::in_size_order(m)
+        .into_iter()
+        .rev()
         .filter_map(|r| match r.status {
             Status::Ok => Some((format!("{} {}", r.model, r.policy), crate::table24::measured_total(r) as f64 / GIB, true)),
             _ => Some((format!("{} {} ({})", r.model, r.policy, r.status), r.predicted_total_bytes? as f64 / GIB, false)),

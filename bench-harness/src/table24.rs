@@ -21,6 +21,15 @@ pub fn measured_total(r: &Record) -> u64 {
     r.model_state_bytes + r.step_peak_bytes
 }
 
+/// The records smallest model first (within a size, in the matrix's order: variant, then policy),
+/// whatever order the runs that made them came in.
+pub fn in_size_order(m: &Matrix) -> Vec<&Record> {
+    const SIZES: [&str; 4] = ["gpt2-small/", "gpt2-medium/", "gpt2-large/", "gpt2-xl/"];
+    let mut records: Vec<&Record> = m.records.iter().collect();
+    records.sort_by_key(|r| SIZES.iter().position(|s| r.model.starts_with(s)));
+    records
+}
+
 /// Whether a configuration fits 24 GiB, in words.
 fn fits(r: &Record) -> String {
     match (r.status, r.predicted_total_bytes) {
@@ -54,8 +63,9 @@ pub fn render(m: &Matrix) -> String {
             Parameters and gradients 4 bytes each; AdamW 8 bytes per parameter; Adafactor 4 bytes per row and per column of each \
             weight matrix (per element of a vector). Computed from the parameter shapes, not measured.\n\n\
             | model | variant | parameters | params GiB | grads GiB | optimizer GiB | state GiB |\n|---|---|---|---|---|---|---|\n";
+    let records = in_size_order(m);
     let mut seen = Vec::new();
-    for r in &m.records {
+    for r in &records {
         let (Some(p), Some((model, variant))) = (r.predicted, r.model.split_once('/')) else { continue };
         if !seen.contains(&r.model) {
             seen.push(r.model.clone());
@@ -71,7 +81,7 @@ pub fn render(m: &Matrix) -> String {
             row but the calibration's is a prediction.\n\n\
             | model | variant | policy | predicted GiB | measured GiB | error | fits 24 GiB | tokens/s | step time | gradients |\n\
             |---|---|---|---|---|---|---|---|---|---|\n";
-    for r in &m.records {
+    for r in &records {
         let (model, variant) = r.model.split_once('/').unwrap_or((&r.model, ""));
         let predicted = r.predicted_total_bytes.map_or("calibration".into(), gib);
         let seq = r.input.trim_start_matches("seq ").parse::<usize>().unwrap_or(0);
@@ -91,8 +101,7 @@ pub fn render(m: &Matrix) -> String {
         };
         let _ = writeln!(out, "| {model} | {variant} | {} | {predicted} | {measured} | {error} | {} | {tokens} | {time} | {grads} |", r.policy, fits(r));
     }
-    let fit: Vec<String> = m
-        .records
+    let fit: Vec<String> = records
         .iter()
         .filter(|r| r.status == Status::Ok && measured_total(r) <= GIB_24)
         .map(|r| format!("{} `{}` ({} GiB)", r.model, r.policy, gib(measured_total(r))))
