@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use measure::{Record, Spread, Status};
 use remat::memory::CountingAlloc;
 use remat::Policy;
-use report::mib;
+use report::{gib, mib};
 use results::{Matrix, Meta};
 use std::path::PathBuf;
 use std::process::Command;
@@ -479,10 +479,6 @@ fn run_predicted(matrix: &Matrix, w: &Workload, policy: &Policy, common: &Common
     rec.predicted = Some(prediction);
     rec.predicted_total_bytes = total;
     Ok(Some(rec))
-}
-
-fn gib(bytes: u64) -> f64 {
-    bytes as f64 / (1u64 << 30) as f64
 }
 
 /// What in the results folder was measured under another configuration than this run's (profile,

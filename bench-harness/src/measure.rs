@@ -171,16 +171,15 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     rec.segments = exec.segments().len();
     rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
     let mut times = Vec::new();
-    let micro = w.accumulate as u64;
     // f16 trains under dynamic loss scaling, as the trainers do.
     let mut scaler = (w.dtype == layers::Precision::F16).then(trainkit::LossScaler::default);
     for step in 0..=steps as u64 {
-        // Micro-batch m of step s is the data's batch s * accumulate + m, which keys its draws.
-        let mut first_inputs = Some(inst.inputs(step * micro)?);
+        let batches = trainkit::micro_batches(step, w.accumulate);
+        let mut first_inputs = Some(inst.inputs(batches.start)?);
         exec.set_loss_scale(scaler.map_or(1.0, |s| s.scale));
         let meter = Meter::start(device);
         let (mut grads, mut loss, mut activation_peak, mut timeline) = (GradStore::default(), 0f64, 0, None);
-        for n in step * micro..(step + 1) * micro {
+        for n in batches {
             let inputs = match first_inputs.take() {
                 Some(inputs) => inputs,
                 None => inst.inputs(n)?,
@@ -191,7 +190,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
             timeline.get_or_insert(out.timeline); // the first micro-batch's
             grads = out.grads;
         }
-        let update = trainkit::finish_gradients(&mut grads, exec.params(), micro as usize, scaler.as_mut())?;
+        let update = trainkit::finish_gradients(&mut grads, exec.params(), w.accumulate, scaler.as_mut())?;
         let fwd_bwd_peak = meter.peak_so_far();
         set_activity(Activity::Optimizer, None);
         if update {
@@ -210,7 +209,7 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         rec.fwd_bwd_peak_bytes = rec.fwd_bwd_peak_bytes.max(fwd_bwd_peak);
         rec.activation_peak_bytes = rec.activation_peak_bytes.max(activation_peak);
         rec.rss_peak_delta_bytes = rec.rss_peak_delta_bytes.max(usage.rss_peak_delta.unwrap_or(0));
-        rec.loss = (loss / micro as f64) as f32;
+        rec.loss = (loss / w.accumulate as f64) as f32;
         if rec.timeline.is_empty() {
             rec.timeline = timeline.expect("at least one micro-batch").events;
             rec.timeline_base_bytes = usage.heap_base;

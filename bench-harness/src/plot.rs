@@ -74,14 +74,13 @@ pub fn gpt2_24gb(dir: &Path, m: &Matrix) -> Result<()> {
 /// Peak memory of every configuration as a bar (measured where it ran, predicted and pale where
 /// it did not), smallest model at the top, against a line at 24 GiB.
 fn gpt2_memory<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
-    const GIB: f64 = (1u64 << 30) as f64;
     // Bottom up: the largest model's last configuration first.
     let bars: Vec<(String, f64, bool)> = crate::table24::in_size_order(m)
         .into_iter()
         .rev()
         .filter_map(|r| match r.status {
-            Status::Ok => Some((format!("{} {}", r.model, r.policy), crate::table24::measured_total(r) as f64 / GIB, true)),
-            _ => Some((format!("{} {} ({})", r.model, r.policy, r.status), r.predicted_total_bytes? as f64 / GIB, false)),
+            Status::Ok => Some((format!("{} {}", r.model, r.policy), crate::report::gib(crate::table24::measured_total(r)), true)),
+            _ => Some((format!("{} {} ({})", r.model, r.policy, r.status), crate::report::gib(r.predicted_total_bytes?), false)),
         })
         .collect();
     let max = bars.iter().map(|b| b.1).fold(26.0, f64::max) * 1.05;

@@ -222,6 +222,11 @@ const COLUMNS: [Column; 34] = [
     Column { name: "time_vs_off_max", ours: |r| spread(r, |t| t.max), theirs: none },
 ];
 
+/// Bytes in GiB, for the caller to format.
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
 pub fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }

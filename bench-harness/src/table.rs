@@ -37,7 +37,7 @@ pub const TABLE_POLICY: &str = "sqrt";
 
 fn gib(bytes: u64) -> String {
     if bytes >= 1 << 30 {
-        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+        format!("{:.2} GiB", crate::report::gib(bytes))
     } else {
         mib(bytes)
     }

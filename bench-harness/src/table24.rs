@@ -8,11 +8,10 @@ use crate::predict::Prediction;
 use crate::results::Matrix;
 use std::fmt::Write as _;
 
-const GIB: f64 = (1u64 << 30) as f64;
 const GIB_24: u64 = 24 << 30;
 
 fn gib(bytes: u64) -> String {
-    format!("{:.2}", bytes as f64 / GIB)
+    format!("{:.2}", crate::report::gib(bytes))
 }
 
 /// Everything the step held at its peak: the state before it (parameters, optimizer state,

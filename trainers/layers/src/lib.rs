@@ -26,6 +26,31 @@
 //!
 //! Model code lives in the trainer crates; the checkpointing engine in `remat`.
 
+/// `FromStr` and `Display` for a choice named on the command line (`--dtype`, `--optimizer`), from
+/// one table of names: an unknown name is refused with "unknown <what> `x`; valid <what>s: ...".
+macro_rules! named_choice {
+    ($ty:ty, $what:literal, [$($variant:path => $name:literal),+ $(,)?]) => {
+        impl std::str::FromStr for $ty {
+            type Err = String;
+
+            fn from_str(s: &str) -> std::result::Result<Self, String> {
+                match s {
+                    $($name => Ok($variant),)+
+                    _ => Err(format!(concat!("unknown ", $what, " `{}`; valid ", $what, "s: {}"), s, [$($name),+].join(", "))),
+                }
+            }
+        }
+
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(match self {
+                    $($variant => $name,)+
+                })
+            }
+        }
+    };
+}
+
 mod adafactor;
 mod batchnorm;
 mod config;

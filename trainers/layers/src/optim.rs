@@ -74,9 +74,9 @@ pub enum OptimizerKind {
     Adafactor,
 }
 
-impl OptimizerKind {
-    pub const NAMES: &'static str = "sgd, adamw, adafactor";
+named_choice!(OptimizerKind, "optimizer", [OptimizerKind::Sgd => "sgd", OptimizerKind::Adamw => "adamw", OptimizerKind::Adafactor => "adafactor"]);
 
+impl OptimizerKind {
     /// The optimizer over `vars` with learning rate `lr` and otherwise PyTorch's defaults (SGD:
     /// momentum 0.9, weight decay 1e-4).
     pub fn build(self, vars: Vec<Var>, lr: f64) -> Result<Box<dyn TrainOptimizer>> {
@@ -94,29 +94,6 @@ impl OptimizerKind {
             OptimizerKind::Adamw => 1e-4,
             OptimizerKind::Adafactor => 1e-2,
         }
-    }
-}
-
-impl std::str::FromStr for OptimizerKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "sgd" => Ok(OptimizerKind::Sgd),
-            "adamw" => Ok(OptimizerKind::Adamw),
-            "adafactor" => Ok(OptimizerKind::Adafactor),
-            _ => Err(format!("unknown optimizer `{s}`; valid optimizers: {}", OptimizerKind::NAMES)),
-        }
-    }
-}
-
-impl std::fmt::Display for OptimizerKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            OptimizerKind::Sgd => "sgd",
-            OptimizerKind::Adamw => "adamw",
-            OptimizerKind::Adafactor => "adafactor",
-        })
     }
 }
 

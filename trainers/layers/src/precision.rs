@@ -13,9 +13,9 @@ pub enum Precision {
     F16,
 }
 
-impl Precision {
-    pub const NAMES: &'static str = "f32, bf16, f16";
+named_choice!(Precision, "dtype", [Precision::F32 => "f32", Precision::Bf16 => "bf16", Precision::F16 => "f16"]);
 
+impl Precision {
     /// The dtype activations are stored in.
     pub fn dtype(self) -> DType {
         match self {
@@ -23,28 +23,5 @@ impl Precision {
             Precision::Bf16 => DType::BF16,
             Precision::F16 => DType::F16,
         }
-    }
-}
-
-impl std::str::FromStr for Precision {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "f32" => Ok(Precision::F32),
-            "bf16" => Ok(Precision::Bf16),
-            "f16" => Ok(Precision::F16),
-            _ => Err(format!("unknown dtype `{s}`; valid dtypes: {}", Precision::NAMES)),
-        }
-    }
-}
-
-impl std::fmt::Display for Precision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Precision::F32 => "f32",
-            Precision::Bf16 => "bf16",
-            Precision::F16 => "f16",
-        })
     }
 }

@@ -181,6 +181,14 @@ impl LossScaler {
     }
 }
 
+/// The data batches of optimizer step `step` under gradient accumulation: micro-batch `m` is
+/// batch `step * accumulate + m`, which also keys its random draws (the trainers and the harness
+/// alike; with `accumulate` 1, batch `step`).
+pub fn micro_batches(step: u64, accumulate: usize) -> std::ops::Range<u64> {
+    let n = accumulate as u64;
+    step * n..(step + 1) * n
+}
+
 /// The gradients of an optimizer step's `micro_batches` micro-batches, accumulated under the loss
 /// scale of `scaler` (f16), made ready for the update: the scaler told whether they are finite,
 /// and, if they are, divided by the micro-batch count and the loss scale in place. Returns whether
@@ -404,7 +412,8 @@ impl StepLog {
             return Ok(());
         }
         let mut total = 0.0;
-        let held_out = (self.steps * self.accumulate) as u64;
+        // The first batch after the last training step's micro-batches.
+        let held_out = micro_batches(self.steps as u64, self.accumulate).start;
         for n in 0..self.eval_batches as u64 {
             total += model.evaluate(&inputs(held_out + n)?)? as f64;
         }
@@ -418,8 +427,8 @@ impl StepLog {
     }
 
     /// One measured optimizer step: forward and backward under `exec` of its `--accumulate`
-    /// micro-batches (`inputs(n)`: the graph inputs of the data stream's batch `n`; micro-batch
-    /// `m` of step `s` is batch `s * accumulate + m`, which also keys its random draws), the
+    /// micro-batches (`inputs(n)`: the graph inputs of the data stream's batch `n`, for the
+    /// batches of [`micro_batches`]), the
     /// gradients accumulated and averaged, then `update` with them; logged, and its loss (the
     /// micro-batches' mean) returned.
     pub fn train_step(
@@ -433,8 +442,7 @@ impl StepLog {
         exec.set_loss_scale(scale);
         let mut meter = None;
         let (mut grads, mut total) = (GradStore::default(), 0f64);
-        for m in 0..self.accumulate {
-            let n = (step * self.accumulate + m) as u64;
+        for n in micro_batches(step as u64, self.accumulate) {
             let inputs = inputs(n)?;
             meter.get_or_insert_with(|| Meter::start(inputs[0].device()));
             let out = exec.accumulate(&inputs, n, grads)?;
