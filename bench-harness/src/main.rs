@@ -107,7 +107,7 @@ struct Common {
 struct MatrixArgs {
     /// Which matrix to run: `models` (every model x every applicable policy of the profile),
     /// `depth` (the depth sweep: off and sqrt on ever deeper GPT-2 block stacks), `all` (both),
-    /// `gpt2-24gb` (GPT-2 small to XL at batch 1 with accumulation, in three precision/optimizer
+    /// `gpt2-24gb` (GPT-2 small to XL at batch 1 with accumulation, in four precision/optimizer
     /// variants, predicted and measured against 24 GiB), or `render` (rewrite the CSV, Markdown,
     /// TABLE.md and plots from matrix.json; run nothing).
     #[arg(long, default_value = "all")]

@@ -40,8 +40,9 @@ fn fits(r: &Record) -> String {
     }
 }
 
-fn state_row(model: &str, variant: &str, p: &Prediction) -> String {
-    let params = p.params / 4;
+fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
+    let bytes = r.dtype.parse::<layers::Precision>().map_or(4, |d| d.weights().size_in_bytes() as u64);
+    let params = p.params / bytes;
     format!("| {model} | {variant} | {params} | {} | {} | {} | {} |", gib(p.params), gib(p.grads), gib(p.optimizer), gib(p.params + p.grads + p.optimizer))
 }
 
@@ -54,12 +55,13 @@ pub fn render(m: &Matrix) -> String {
          Command: `{}`  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\n\
          Every configuration trains at batch 1, {input}, with {accumulate} micro-batches accumulated per optimizer step \
          (effective batch {accumulate}). Variants: `f32-adamw` (everything f32), `bf16-adamw` (bf16 activations, f32 parameters, \
-         gradients and AdamW moments), `bf16-adafactor` (bf16 activations, f32 parameters and gradients, Adafactor's factored \
-         second moment). Parameters are f32 master weights in every variant.\n\n",
+         gradients and AdamW moments), `bf16-weights-adamw` (bf16 activations, parameters and gradients, f32 AdamW moments: \
+         no f32 master copy), `bf16-adafactor` (bf16 activations, f32 parameters and gradients, Adafactor's factored \
+         second moment).\n\n",
         meta.command, meta.machine, meta.candle_version, meta.git_commit, meta.profile
     );
     out += "## The model state, by arithmetic\n\n\
-            Parameters and gradients 4 bytes each; AdamW 8 bytes per parameter; Adafactor 4 bytes per row and per column of each \
+            Parameters and gradients 4 bytes each (2 under `bf16-weights-adamw`); AdamW 8 bytes per parameter; Adafactor 4 bytes per row and per column of each \
             weight matrix (per element of a vector). Computed from the parameter shapes, not measured.\n\n\
             | model | variant | parameters | params GiB | grads GiB | optimizer GiB | state GiB |\n|---|---|---|---|---|---|---|\n";
     let records = in_size_order(m);
@@ -68,7 +70,7 @@ pub fn render(m: &Matrix) -> String {
         let (Some(p), Some((model, variant))) = (r.predicted, r.model.split_once('/')) else { continue };
         if !seen.contains(&r.model) {
             seen.push(r.model.clone());
-            let _ = writeln!(out, "{}", state_row(model, variant, &p));
+            let _ = writeln!(out, "{}", state_row(r, model, variant, &p));
         }
     }
     out += "\n## Predicted against measured\n\n\

@@ -127,9 +127,10 @@ pub fn profile(name: &str) -> Result<Vec<Workload>> {
 }
 
 /// The ways `gpt2-24gb` holds a model's state: (name, activation dtype, optimizer).
-pub const STATE_VARIANTS: [(&str, Precision, OptimizerKind); 3] = [
+pub const STATE_VARIANTS: [(&str, Precision, OptimizerKind); 4] = [
     ("f32-adamw", Precision::F32, OptimizerKind::Adamw),
     ("bf16-adamw", Precision::Bf16, OptimizerKind::Adamw),
+    ("bf16-weights-adamw", Precision::Bf16Weights, OptimizerKind::Adamw),
     ("bf16-adafactor", Precision::Bf16, OptimizerKind::Adafactor),
 ];
 

@@ -281,7 +281,7 @@ impl Bert {
     pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
         config.validate().map_err(candle_core::Error::Msg)?;
         let (c, eps) = (config.hidden_size, config.layer_norm_eps);
-        let mut params = ParamStore::new(device, DType::F32, seed);
+        let mut params = ParamStore::new(device, config.dtype.weights(), seed);
         let word = params.get("bert.embeddings.word_embeddings.weight", &[config.vocab_size, c], Init::Normal { std: 0.02 })?;
         let embeddings = Arc::new(Embeddings {
             word: word.clone(),

@@ -277,7 +277,7 @@ impl Gpt2 {
     pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
         config.validate().map_err(candle_core::Error::Msg)?;
         let (c, v) = (config.n_embd, config.vocab_size);
-        let mut params = ParamStore::new(device, DType::F32, seed);
+        let mut params = ParamStore::new(device, config.dtype.weights(), seed);
         let wte = params.get("wte.weight", &[v, c], Init::Normal { std: 0.02 })?;
         let wpe = params.get("wpe.weight", &[config.n_positions, c], Init::Normal { std: 0.02 })?;
         let embed = Arc::new(Embed { wte: wte.clone(), wpe, pdrop: config.embd_pdrop, dtype: config.dtype.dtype() });

@@ -49,11 +49,12 @@ fn n_params() -> usize {
     Gpt2::new(Config::tiny(8, 32), &Device::Cpu, 42).unwrap().params().vars().len()
 }
 
-/// In bf16 and f16 too (the parameters and their gradients f32, the activations half), every
+/// In bf16 and f16 too (the parameters and their gradients f32, the activations half), and in
+/// bf16-weights (parameters and gradients bf16 as well), every
 /// policy equals `off` bit for bit, and every parameter gets a non-zero gradient.
 #[test]
 fn gradients_equal_off_bit_for_bit_in_half_precision() {
-    for dtype in [layers::Precision::Bf16, layers::Precision::F16] {
+    for dtype in [layers::Precision::Bf16, layers::Precision::F16, layers::Precision::Bf16Weights] {
         let off = train_in("off", true, dtype);
         assert_eq!(off[0].1.len(), n_params(), "{dtype}: a parameter got no gradient");
         for (name, g) in &off[0].1 {
@@ -100,4 +101,24 @@ fn every_parameter_receives_a_nonzero_gradient() {
             }
         }
     }
+}
+
+/// Under `bf16-weights` the parameters and their gradients are bf16 (2 bytes each, no f32 copy)
+/// and AdamW's moments f32.
+#[test]
+fn bf16_weights_keep_bf16_parameters_and_gradients_and_f32_moments() {
+    let cfg = Config { dtype: layers::Precision::Bf16Weights, ..Config::tiny(8, 32) };
+    let model = Gpt2::new(cfg.clone(), &Device::Cpu, 42).unwrap();
+    let vars = model.params().vars();
+    let exec = Executor::new(model.graph(), &"sqrt".parse::<Policy>().unwrap(), vars.clone(), 7).unwrap();
+    let (x, y) = batcher(&cfg, 32).batch(0, 2);
+    let out = exec.step(&model.inputs(&x, &y, 2, 32, &Device::Cpu).unwrap(), 0).unwrap();
+    let mut opt = AdamW::new(vars.clone(), ParamsAdamW::default()).unwrap();
+    opt.step(&out.grads).unwrap();
+    for (name, var) in model.params().named() {
+        assert_eq!(var.dtype(), candle_core::DType::BF16, "parameter `{name}`");
+        assert_eq!(out.grads.get(var).map(|g| g.dtype()), Some(candle_core::DType::BF16), "gradient of `{name}`");
+    }
+    let state = layers::TrainOptimizer::state(&opt).unwrap();
+    assert!(state.iter().filter(|(k, _)| *k != "step").all(|(_, t)| t.dtype() == candle_core::DType::F32));
 }

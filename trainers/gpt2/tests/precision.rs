@@ -1,6 +1,6 @@
-//! Mixed precision through the trainer: bf16 and f16 activations train (the loss falls), f16's
-//! loss scaling skips the steps whose gradients overflow and recovers, and bad `--dtype` and
-//! `--loss-scale` input is refused.
+//! Mixed precision through the trainer: bf16 and f16 activations, and bf16 weights, train (the
+//! loss falls), f16's loss scaling skips the steps whose gradients overflow and recovers, and bad
+//! `--dtype` and `--loss-scale` input is refused.
 
 const BIN: &str = env!("CARGO_BIN_EXE_train-gpt2");
 
@@ -10,7 +10,7 @@ fn args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
 
 #[test]
 fn half_precision_training_lowers_the_loss() {
-    for dtype in ["bf16", "f16"] {
+    for dtype in ["bf16", "f16", "bf16-weights"] {
         let (losses, _) = trainkit::run_logged(BIN, &args(&["--dtype", dtype]));
         trainkit::assert_loss_falls(&losses, 0.5, dtype);
     }
@@ -36,7 +36,7 @@ fn bad_precision_input_is_refused() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(needle), "{extra:?}: {err}");
     };
-    fails(&["--dtype", "f8"], "valid dtypes: f32, bf16, f16");
+    fails(&["--dtype", "f8"], "valid dtypes: f32, bf16, f16, bf16-weights");
     fails(&["--loss-scale", "1024"], "--loss-scale applies to --dtype f16 only");
     fails(&["--dtype", "f16", "--loss-scale", "0"], "is not a positive finite number");
 }

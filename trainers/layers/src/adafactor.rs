@@ -10,15 +10,18 @@
 //! `u = g / sqrt(max(v, eps1^2))`; `p -= alpha / max(1, rms(u) / d) * u`. `eps1` defaults to the
 //! parameter dtype's machine epsilon, as in PyTorch.
 //!
-//! On the CPU in f32/f64 a step reads the gradient three times and rewrites the parameter and its
-//! statistics in place: nothing parameter-sized is allocated (PyTorch's builds `v` and `u`, two
-//! parameter-sized temporaries). Elsewhere it runs composed candle ops (correct, not lean).
+//! On the CPU a step reads the gradient three times and rewrites the parameter and its statistics
+//! in place: nothing parameter-sized is allocated (PyTorch's builds `v` and `u`, two
+//! parameter-sized temporaries). The statistics of a half-precision parameter are f32. Elsewhere
+//! it runs composed candle ops (correct, not lean).
 
-use crate::fused::{full_precision_cpu, slice, with_slice};
-use crate::optim::{restored, step_count, TrainOptimizer};
+use crate::fused::{fused, slice};
+use crate::optim::{restored, state_dtype, state_zeros, step_count, ParamElem, TrainOptimizer};
+use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Tensor, Var, WithDType, D};
+use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Storage, Tensor, Var, WithDType, D};
 use candle_nn::Optimizer;
+use half::{bf16, f16};
 use rayon::prelude::*;
 use std::collections::HashMap;
 
@@ -47,6 +50,14 @@ pub struct Adafactor {
     vars: Vec<Factored>,
     params: ParamsAdafactor,
     step: i64,
+    composed: bool,
+}
+
+impl Adafactor {
+    /// As [`crate::AdamW::composed`]: candle ops on the CPU too, to test the other devices' path.
+    pub fn composed(self) -> Self {
+        Adafactor { composed: true, ..self }
+    }
 }
 
 /// A parameter and its second-moment statistics.
@@ -85,13 +96,13 @@ impl Optimizer for Adafactor {
             .map(|var| {
                 let shape = Shape2::of(var.as_tensor());
                 let stats = match shape {
-                    Shape2::Factored { lead, r, c } => Tensor::zeros((lead, r + c), var.dtype(), var.device())?,
-                    Shape2::Whole => var.zeros_like()?,
+                    Shape2::Factored { lead, r, c } => Tensor::zeros((lead, r + c), state_dtype(var.dtype()), var.device())?,
+                    Shape2::Whole => state_zeros(&var)?,
                 };
                 Ok(Factored { var, shape, stats })
             })
             .collect::<Result<_>>()?;
-        Ok(Adafactor { vars, params, step: 0 })
+        Ok(Adafactor { vars, params, step: 0, composed: false })
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
@@ -105,7 +116,7 @@ impl Optimizer for Adafactor {
             let p = var.as_tensor();
             let eps1 = eps1.unwrap_or(machine_epsilon(p.dtype()));
             let n = p.elem_count() as f64;
-            let lean = full_precision_cpu(p) && p.is_contiguous() && g.is_contiguous() && g.dtype() == p.dtype() && stats.is_contiguous();
+            let lean = !self.composed && fused(p) && p.is_contiguous() && g.is_contiguous() && g.dtype() == p.dtype() && stats.is_contiguous();
             if lean {
                 let alpha = eps2.max((sum_of_squares(p)? / n).sqrt()) * rho;
                 stats.inplace_op2(g, &Statistics { shape: *shape, w })?;
@@ -113,12 +124,13 @@ impl Optimizer for Adafactor {
                 let step_size = alpha / (u_rms / d).max(1.0);
                 p.inplace_op3(g, stats, &Apply { shape: *shape, eps1, decay: 1.0 - lr * weight_decay, step_size })?;
             } else {
-                let alpha = eps2.max(p.sqr()?.mean_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.sqrt()) * rho;
-                let g = g.detach();
+                // In the state dtype: a half-precision parameter is updated in f32 and rounded once.
+                let (p32, g) = (p.detach().to_dtype(stats.dtype())?, g.detach().to_dtype(stats.dtype())?);
+                let alpha = eps2.max(p32.sqr()?.mean_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.sqrt()) * rho;
                 let (next_stats, u) = composed(&g, stats, *shape, w, eps1)?;
                 let u_rms = u.sqr()?.mean_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.sqrt();
                 let step_size = alpha / (u_rms / d).max(1.0);
-                var.set(&((p.detach() * (1.0 - lr * weight_decay))? - (u * step_size)?)?)?;
+                var.set(&((p32 * (1.0 - lr * weight_decay))? - (u * step_size)?)?.to_dtype(p.dtype())?)?;
                 *stats = next_stats;
             }
         }
@@ -163,14 +175,41 @@ fn machine_epsilon(dtype: DType) -> f64 {
     }
 }
 
+/// `$body` with `$p` the Rust type of the parameter storage `$s` (f32, f64, bf16, f16).
+macro_rules! per_param {
+    ($s:expr, $what:literal, $p:ident => $body:expr) => {
+        match $s.dtype() {
+            DType::F32 => {
+                type $p = f32;
+                $body
+            }
+            DType::F64 => {
+                type $p = f64;
+                $body
+            }
+            DType::BF16 => {
+                type $p = bf16;
+                $body
+            }
+            DType::F16 => {
+                type $p = f16;
+                $body
+            }
+            other => candle_core::bail!(concat!("adafactor ", $what, ": no {:?} parameters"), other),
+        }
+    };
+}
+
+/// The contiguous elements of a CPU tensor as `T`, its own dtype (borrowed, never converted).
+fn elements<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(s) = &*storage else { candle_core::bail!("adafactor: tensor is not on the CPU") };
+    let (start, end) = layout.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("adafactor: tensor is not contiguous".into()))?;
+    Ok(f(&s.as_slice::<T>()?[start..end]))
+}
+
 fn sum_of_squares(t: &Tensor) -> Result<f64> {
-    fn sum<T: WithDType>(x: &[T]) -> f64 {
-        x.iter().map(|v| v.to_f64() * v.to_f64()).sum()
-    }
-    match t.dtype() {
-        DType::F32 => with_slice::<f32, _>(t, |x| Ok(sum(x))),
-        _ => with_slice::<f64, _>(t, |x| Ok(sum(x))),
-    }
+    per_param!(t, "parameter", P => elements::<P, _>(t, |x| x.iter().map(|v| v.to_f64() * v.to_f64()).sum()))
 }
 
 /// The variance estimate of element `(i, j)` of a block from its row and column statistics.
@@ -180,13 +219,13 @@ fn variance(row: f64, col: f64, row_mean: f64, eps1: f64) -> f64 {
 
 /// The blocks of a factored parameter: for each, its gradient (R x C, row-major) and its
 /// statistics (R rows then C columns), with the mean of its row statistics.
-fn blocks<'a, T: WithDType>(g: &'a [T], stats: &'a [T], r: usize, c: usize) -> impl Iterator<Item = (&'a [T], &'a [T], f64)> {
+fn blocks<'a, G: WithDType, S: WithDType>(g: &'a [G], stats: &'a [S], r: usize, c: usize) -> impl Iterator<Item = (&'a [G], &'a [S], f64)> {
     g.chunks(r * c).zip(stats.chunks(r + c)).map(move |(g, s)| (g, s, s[..r].iter().map(|x| x.to_f64()).sum::<f64>() / r as f64))
 }
 
 /// The sum of squares of the update `u = g / sqrt(v)`, with the statistics already updated.
 fn update_sum_of_squares(g: &Tensor, stats: &Tensor, shape: Shape2, eps1: f64) -> Result<f64> {
-    fn run<T: WithDType>(g: &[T], stats: &[T], shape: Shape2, eps1: f64) -> f64 {
+    fn run<G: WithDType, S: WithDType>(g: &[G], stats: &[S], shape: Shape2, eps1: f64) -> f64 {
         match shape {
             Shape2::Whole => g.iter().zip(stats).map(|(g, v)| g.to_f64() * g.to_f64() / v.to_f64().max(eps1 * eps1)).sum(),
             Shape2::Factored { r, c, .. } => blocks(g, stats, r, c)
@@ -202,10 +241,7 @@ fn update_sum_of_squares(g: &Tensor, stats: &Tensor, shape: Shape2, eps1: f64) -
                 .sum(),
         }
     }
-    match g.dtype() {
-        DType::F32 => with_slice::<f32, _>(g, |g| with_slice::<f32, _>(stats, |s| Ok(run(g, s, shape, eps1)))),
-        _ => with_slice::<f64, _>(g, |g| with_slice::<f64, _>(stats, |s| Ok(run(g, s, shape, eps1)))),
-    }
+    per_param!(g, "gradient", P => elements::<P, _>(g, |g| elements::<<P as ParamElem>::State, _>(stats, |s| run(g, s, shape, eps1)))?)
 }
 
 /// Moves the statistics (the destination) toward this step's squared gradient (the operand).
@@ -215,8 +251,8 @@ struct Statistics {
 }
 
 impl Statistics {
-    fn run<T: WithDType>(&self, stats: &mut [T], g: &[T]) {
-        let lerp = |s: &mut T, x: f64| *s = T::from_f64(s.to_f64() + self.w * (x - s.to_f64()));
+    fn run<S: WithDType, G: WithDType>(&self, stats: &mut [S], g: &[G]) {
+        let lerp = |s: &mut S, x: f64| *s = S::from_f64(s.to_f64() + self.w * (x - s.to_f64()));
         match self.shape {
             Shape2::Whole => stats.iter_mut().zip(g).for_each(|(s, g)| lerp(s, g.to_f64() * g.to_f64())),
             Shape2::Factored { r, c, .. } => {
@@ -246,10 +282,13 @@ impl InplaceOp2 for Statistics {
 
     fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
         let (start, end) = l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("adafactor: statistics not contiguous".into()))?;
-        match s1 {
-            CpuStorage::F32(s) => self.run(&mut s[start..end], &slice(s2, l2)?),
-            CpuStorage::F64(s) => self.run(&mut s[start..end], &slice(s2, l2)?),
-            _ => candle_core::bail!("adafactor: f32 or f64 only"),
+        // The gradient in its own dtype (`slice` borrows it), the statistics in its state dtype.
+        match (s1, s2.dtype()) {
+            (CpuStorage::F32(s), DType::F32) => self.run(&mut s[start..end], &slice::<f32>(s2, l2)?),
+            (CpuStorage::F32(s), DType::BF16) => self.run(&mut s[start..end], &slice::<bf16>(s2, l2)?),
+            (CpuStorage::F32(s), DType::F16) => self.run(&mut s[start..end], &slice::<f16>(s2, l2)?),
+            (CpuStorage::F64(s), DType::F64) => self.run(&mut s[start..end], &slice::<f64>(s2, l2)?),
+            (s, g) => candle_core::bail!("adafactor: no {:?} statistics for {g:?} gradients", s.dtype()),
         }
         Ok(())
     }
@@ -266,8 +305,8 @@ struct Apply {
 }
 
 impl Apply {
-    fn run<T: WithDType>(&self, p: &mut [T], g: &[T], stats: &[T]) {
-        let update = |p: &mut T, g: &T, v: f64| *p = T::from_f64(p.to_f64() * self.decay - self.step_size * g.to_f64() / v.sqrt());
+    fn run<P: ParamElem>(&self, p: &mut [P], g: &[P], stats: &[P::State]) {
+        let update = |p: &mut P, g: &P, v: f64| *p = P::from_f64(p.to_f64() * self.decay - self.step_size * g.to_f64() / v.sqrt());
         match self.shape {
             Shape2::Whole => p.par_iter_mut().zip(g.par_iter().zip(stats)).for_each(|(p, (g, v))| update(p, g, v.to_f64().max(self.eps1 * self.eps1))),
             Shape2::Factored { r, c, .. } => {
@@ -295,7 +334,9 @@ impl InplaceOp3 for Apply {
         match s1 {
             CpuStorage::F32(p) => self.run(&mut p[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
             CpuStorage::F64(p) => self.run(&mut p[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
-            _ => candle_core::bail!("adafactor: f32 or f64 only"),
+            CpuStorage::BF16(p) => self.run(&mut p[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
+            CpuStorage::F16(p) => self.run(&mut p[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
+            p => candle_core::bail!("adafactor: no {:?} parameters", p.dtype()),
         }
         Ok(())
     }

@@ -75,7 +75,8 @@ impl BatchNorm {
             (self.running_mean.as_tensor().reshape(shape.as_slice())?, self.running_var.as_tensor().reshape(shape.as_slice())?)
         };
         let x_hat = x.broadcast_sub(&mean)?.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        let y = x_hat.broadcast_mul(&self.weight.reshape(shape.as_slice())?)?.broadcast_add(&self.bias.reshape(shape.as_slice())?)?;
+        let (weight, bias) = (crate::fused::widened(&self.weight)?, crate::fused::widened(&self.bias)?);
+        let y = x_hat.broadcast_mul(&weight.reshape(shape.as_slice())?)?.broadcast_add(&bias.reshape(shape.as_slice())?)?;
         let y = match residual {
             Some(r) => (y + r)?,
             None => y,

@@ -52,14 +52,9 @@ pub(crate) fn fused(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
 }
 
-/// The in-place updates (optimizers, gradient sums) apply: f32 or f64 on the CPU.
-pub(crate) fn full_precision_cpu(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
-}
-
 /// `t` in f32 if it is in half precision, else as it is: for the composed ops that have no
 /// half-precision path on the CPU (they then keep the f32 copy for backward).
-pub(crate) fn widened(t: &Tensor) -> Result<Tensor> {
+pub fn widened(t: &Tensor) -> Result<Tensor> {
     if is_half(t.dtype()) {
         t.to_dtype(DType::F32)
     } else {

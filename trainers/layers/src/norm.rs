@@ -57,7 +57,8 @@ impl GroupNorm {
         let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?.reshape(x.shape())?;
         let mut shape = vec![1; x.rank()];
         shape[1] = c;
-        normed.broadcast_mul(&self.weight.reshape(shape.as_slice())?)?.broadcast_add(&self.bias.reshape(shape.as_slice())?)?.to_dtype(dtype)
+        let (weight, bias) = (crate::fused::widened(&self.weight)?, crate::fused::widened(&self.bias)?);
+        normed.broadcast_mul(&weight.reshape(shape.as_slice())?)?.broadcast_add(&bias.reshape(shape.as_slice())?)?.to_dtype(dtype)
     }
 }
 

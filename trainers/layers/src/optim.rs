@@ -3,35 +3,82 @@
 //! parameter-sized temporaries per parameter, which made the optimizer, not the activations, set
 //! the step's peak for the transformers here.
 //!
-//! On the CPU in f32/f64 the updates are single passes over the elements (split over threads; each
-//! element's update is independent, so the bits do not depend on the thread count). Elsewhere they
-//! fall back to candle ops with temporaries (correct on every device, not lean).
+//! The state (moments, factored statistics) is kept in f32 for half-precision parameters
+//! (`--dtype bf16-weights`: bf16 weights and gradients, f32 moments) and in the parameter's dtype
+//! otherwise. On the CPU the updates are single passes over the elements, computed in f64 and
+//! split over threads (each element's update is independent, so the bits do not depend on the
+//! thread count). Elsewhere they fall back to candle ops with temporaries (correct on every
+//! device, not lean).
 
 use crate::fused::slice;
+use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, InplaceOp1, InplaceOp3, Layout, Result, Tensor, Var};
+use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp3, Layout, Result, Tensor, Var, WithDType};
 use candle_nn::Optimizer;
 pub use candle_nn::ParamsAdamW;
+use half::{bf16, f16};
 use rayon::prelude::*;
 use std::collections::HashMap;
 
 /// Elements per task of an in-place update.
 const CHUNK: usize = 1 << 15;
 
-/// `dst[i] = f(dst[i], a[i], b[i])`, computed in f64, for contiguous f32/f64 CPU tensors of one
-/// dtype and shape.
+/// The dtype an optimizer keeps a parameter's state in: f32 for a half-precision parameter,
+/// the parameter's own otherwise.
+pub(crate) fn state_dtype(param: DType) -> DType {
+    if crate::fused::is_half(param) {
+        DType::F32
+    } else {
+        param
+    }
+}
+
+/// Zeros shaped like `var`, in its state dtype.
+pub(crate) fn state_zeros(var: &Var) -> Result<Tensor> {
+    Tensor::zeros(var.shape(), state_dtype(var.dtype()), var.device())
+}
+
+/// A float element type of parameters on the CPU and the element type of their state.
+pub(crate) trait ParamElem: WithDType {
+    type State: WithDType;
+}
+
+impl ParamElem for f32 {
+    type State = f32;
+}
+
+impl ParamElem for f64 {
+    type State = f64;
+}
+
+impl ParamElem for bf16 {
+    type State = f32;
+}
+
+impl ParamElem for f16 {
+    type State = f32;
+}
+
+/// `dst[i] = f(dst[i], a[i], b[i])`, computed in f64, for contiguous CPU tensors of one shape:
+/// `a` and `b` of one dtype, `dst` of that dtype or the state dtype beside it (a moment updated
+/// from a bf16 gradient, a bf16 parameter from f32 moments).
 struct Elementwise<F> {
     name: &'static str,
     f: F,
 }
 
 impl<F: Fn(f64, f64, f64) -> f64 + Sync> Elementwise<F> {
-    fn run<T: candle_core::WithDType>(&self, dst: &mut [T], a: &[T], b: &[T]) {
+    fn run<D: WithDType, A: WithDType>(&self, dst: &mut [D], a: &[A], b: &[A]) {
         dst.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK))).for_each(|(d, (a, b))| {
             for ((d, a), b) in d.iter_mut().zip(a).zip(b) {
-                *d = T::from_f64((self.f)(d.to_f64(), a.to_f64(), b.to_f64()));
+                *d = D::from_f64((self.f)(d.to_f64(), a.to_f64(), b.to_f64()));
             }
         });
+    }
+
+    fn operands<D: WithDType, A: WithDType>(&self, dst: &mut [D], s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
+        self.run(dst, &slice::<A>(s2, l2)?, &slice::<A>(s3, l3)?);
+        Ok(())
     }
 }
 
@@ -42,20 +89,29 @@ impl<F: Fn(f64, f64, f64) -> f64 + Sync> InplaceOp3 for Elementwise<F> {
 
     fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
         let (start, end) = l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{}: target is not contiguous", self.name)))?;
-        // `slice` fails on an operand of another dtype.
-        match s1 {
-            CpuStorage::F32(d) => self.run(&mut d[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
-            CpuStorage::F64(d) => self.run(&mut d[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
-            _ => candle_core::bail!("{}: f32 or f64 operands of one dtype only", self.name),
+        // `update_in_place` admits only these pairs, so `slice` borrows and never converts.
+        match (s1, s2.dtype()) {
+            (CpuStorage::F32(d), DType::F32) => self.operands::<_, f32>(&mut d[start..end], s2, l2, s3, l3),
+            (CpuStorage::F32(d), DType::BF16) => self.operands::<_, bf16>(&mut d[start..end], s2, l2, s3, l3),
+            (CpuStorage::F32(d), DType::F16) => self.operands::<_, f16>(&mut d[start..end], s2, l2, s3, l3),
+            (CpuStorage::F64(d), DType::F64) => self.operands::<_, f64>(&mut d[start..end], s2, l2, s3, l3),
+            (CpuStorage::BF16(d), DType::F32) => self.operands::<_, f32>(&mut d[start..end], s2, l2, s3, l3),
+            (CpuStorage::F16(d), DType::F32) => self.operands::<_, f32>(&mut d[start..end], s2, l2, s3, l3),
+            (s1, a) => candle_core::bail!("{}: no in-place update of {:?} from {a:?}", self.name, s1.dtype()),
         }
-        Ok(())
     }
 }
 
-/// Applies `f` to `dst` in place where that path exists (f32/f64 on the CPU, equal shapes);
-/// returns false where the caller must use its composed fallback.
+/// Applies `f` to `dst` in place where that path exists (CPU, equal shapes, `a` and `b` of one
+/// dtype, `dst` of that dtype or its state dtype beside it); returns false where the caller must
+/// use its composed fallback.
 fn update_in_place(dst: &Tensor, a: &Tensor, b: &Tensor, name: &'static str, f: impl Fn(f64, f64, f64) -> f64 + Sync) -> Result<bool> {
-    let lean = crate::fused::full_precision_cpu(dst) && dst.is_contiguous() && [a, b].iter().all(|t| t.dtype() == dst.dtype() && t.shape() == dst.shape());
+    let pair = |d: DType, a: DType| d == a || d == state_dtype(a) || a == state_dtype(d);
+    let lean = crate::fused::fused(dst)
+        && dst.is_contiguous()
+        && a.dtype() == b.dtype()
+        && pair(dst.dtype(), a.dtype())
+        && [a, b].iter().all(|t| t.device().is_cpu() && t.shape() == dst.shape());
     if lean {
         dst.inplace_op3(&a.contiguous()?, &b.contiguous()?, &Elementwise { name, f })?;
     }
@@ -102,7 +158,7 @@ impl OptimizerKind {
 pub fn scale_grads(grads: &mut GradStore, vars: &[Var], factor: f64) -> Result<()> {
     for var in vars {
         let Some(g) = grads.get(var) else { continue };
-        if crate::fused::full_precision_cpu(g) && g.is_contiguous() {
+        if crate::fused::fused(g) && g.is_contiguous() {
             g.inplace_op1(&Scale(factor))?;
         } else {
             let scaled = (g * factor)?;
@@ -112,7 +168,7 @@ pub fn scale_grads(grads: &mut GradStore, vars: &[Var], factor: f64) -> Result<(
     Ok(())
 }
 
-/// `t *= factor` on a contiguous f32/f64 CPU tensor, computed in f64.
+/// `t *= factor` on a contiguous float CPU tensor, computed in f64.
 struct Scale(f64);
 
 impl InplaceOp1 for Scale {
@@ -128,7 +184,9 @@ impl InplaceOp1 for Scale {
         match s {
             CpuStorage::F32(d) => run(&mut d[start..end], self.0),
             CpuStorage::F64(d) => run(&mut d[start..end], self.0),
-            _ => candle_core::bail!("scale: f32 or f64 only"),
+            CpuStorage::BF16(d) => run(&mut d[start..end], self.0),
+            CpuStorage::F16(d) => run(&mut d[start..end], self.0),
+            s => candle_core::bail!("scale: float tensors only, not {:?}", s.dtype()),
         }
         Ok(())
     }
@@ -165,6 +223,15 @@ pub struct AdamW {
     vars: Vec<Moments>,
     params: ParamsAdamW,
     step: i32,
+    composed: bool,
+}
+
+impl AdamW {
+    /// Updates with candle ops on the CPU too: the path other devices take (parameter-sized
+    /// temporaries), for testing it where no other device is.
+    pub fn composed(self) -> Self {
+        AdamW { composed: true, ..self }
+    }
 }
 
 struct Moments {
@@ -180,9 +247,9 @@ impl Optimizer for AdamW {
         let vars = vars
             .into_iter()
             .filter(|v| v.dtype().is_float())
-            .map(|var| Ok(Moments { m: var.zeros_like()?, v: var.zeros_like()?, var }))
+            .map(|var| Ok(Moments { m: state_zeros(&var)?, v: state_zeros(&var)?, var }))
             .collect::<Result<_>>()?;
-        Ok(AdamW { vars, params, step: 0 })
+        Ok(AdamW { vars, params, step: 0, composed: false })
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
@@ -194,17 +261,19 @@ impl Optimizer for AdamW {
         for Moments { var, m, v } in &mut self.vars {
             let Some(g) = grads.get(var) else { continue };
             let p = var.as_tensor();
-            let lean = update_in_place(m, g, g, "adamw-m", |m, g, _| beta1 * m + (1.0 - beta1) * g)?
+            let lean = !self.composed
+                && update_in_place(m, g, g, "adamw-m", |m, g, _| beta1 * m + (1.0 - beta1) * g)?
                 && update_in_place(v, g, g, "adamw-v", |v, g, _| beta2 * v + (1.0 - beta2) * g * g)?
                 && update_in_place(p, m, v, "adamw-p", |p, m, v| p * (1.0 - lr * weight_decay) - step_size * m / (v.sqrt() / bias2_sqrt + eps))?;
             if !lean {
-                let g = g.detach();
+                // In the state dtype: a bf16 parameter is updated in f32 and rounded once.
+                let g = g.detach().to_dtype(m.dtype())?;
                 let next_m = ((&*m * beta1)? + (&g * (1.0 - beta1))?)?;
                 let next_v = ((&*v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
                 let denom = ((next_v.sqrt()? / bias2_sqrt)? + eps)?;
-                let decayed = (p.detach() * (1.0 - lr * weight_decay))?;
+                let decayed = (p.detach().to_dtype(m.dtype())? * (1.0 - lr * weight_decay))?;
                 let next_p = (decayed - ((&next_m / denom)? * step_size)?)?;
-                var.set(&next_p)?;
+                var.set(&next_p.to_dtype(p.dtype())?)?;
                 *m = next_m;
                 *v = next_v;
             }
@@ -249,6 +318,14 @@ impl TrainOptimizer for AdamW {
 pub struct SgdMomentum {
     vars: Vec<(Var, Option<Tensor>)>,
     params: ParamsSgd,
+    composed: bool,
+}
+
+impl SgdMomentum {
+    /// As [`AdamW::composed`].
+    pub fn composed(self) -> Self {
+        SgdMomentum { composed: true, ..self }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -268,7 +345,7 @@ impl Optimizer for SgdMomentum {
     type Config = ParamsSgd;
 
     fn new(vars: Vec<Var>, params: ParamsSgd) -> Result<Self> {
-        Ok(SgdMomentum { vars: vars.into_iter().map(|v| (v, None)).collect(), params })
+        Ok(SgdMomentum { vars: vars.into_iter().map(|v| (v, None)).collect(), params, composed: false })
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
@@ -279,15 +356,17 @@ impl Optimizer for SgdMomentum {
             // The first step starts the buffer at g + wd p: momentum times a zero buffer adds 0.
             let first = velocity.is_none();
             if first {
-                *velocity = Some(p.zeros_like()?);
+                *velocity = Some(state_zeros(var)?);
             }
             let v = velocity.clone().expect("set above");
-            let lean = update_in_place(&v, g, p, "sgd-v", |v, g, p| if first { g + weight_decay * p } else { momentum * v + (g + weight_decay * p) })?
+            let lean = !self.composed
+                && update_in_place(&v, g, p, "sgd-v", |v, g, p| if first { g + weight_decay * p } else { momentum * v + (g + weight_decay * p) })?
                 && update_in_place(p, &v, &v, "sgd-p", |p, v, _| p - lr * v)?;
             if !lean {
-                let d = (g.detach() + (p.detach() * weight_decay)?)?;
+                let (g, p) = (g.detach().to_dtype(v.dtype())?, p.detach().to_dtype(v.dtype())?);
+                let d = (g + (&p * weight_decay)?)?;
                 let next_v = if first { d } else { ((&v * momentum)? + d)? };
-                var.set(&(p.detach() - (&next_v * lr)?)?)?;
+                var.set(&(p - (&next_v * lr)?)?.to_dtype(var.dtype())?)?;
                 *velocity = Some(next_v);
             }
         }
@@ -332,10 +411,10 @@ mod tests {
 
     /// Three steps of `opt` on loss = sum(w^2 / 2 + c w) (so g = w + c) against `by_hand(step, w, g)`
     /// updating f64 copies with the rule as PyTorch writes it.
-    fn follows<O: Optimizer>(dtype: DType, tol: f64, config: O::Config, mut by_hand: impl FnMut(i32, &mut [f64], &[f64])) -> Result<()> {
+    fn follows<O: Optimizer>(dtype: DType, tol: f64, build: impl Fn(Vec<Var>) -> Result<O>, mut by_hand: impl FnMut(i32, &mut [f64], &[f64])) -> Result<()> {
         let w = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0, 0.25], &Device::Cpu)?.to_dtype(dtype)?)?;
         let c = Tensor::new(&C, &Device::Cpu)?.to_dtype(dtype)?;
-        let mut opt = O::new(vec![w.clone()], config)?;
+        let mut opt = build(vec![w.clone()])?;
         let mut expect = [1.0f64, -2.0, 0.25];
         for step in 1..=3 {
             let loss = ((w.as_tensor().sqr()? * 0.5)? + w.as_tensor().mul(&c)?)?.sum_all()?;
@@ -374,20 +453,38 @@ mod tests {
         }
     }
 
+    /// Tolerances: the dtype's rounding of the parameter (half precision keeps f32 moments).
+    const DTYPES: [(DType, f64); 4] = [(DType::F32, 1e-6), (DType::F64, 1e-12), (DType::BF16, 8e-3), (DType::F16, 1e-3)];
+
     #[test]
     fn adamw_follows_the_pytorch_update_rule() -> Result<()> {
         let p = ParamsAdamW { lr: 0.1, weight_decay: 0.1, ..Default::default() };
-        follows::<AdamW>(DType::F32, 1e-6, p.clone(), adamw_by_hand(p.clone()))?;
-        follows::<AdamW>(DType::F64, 1e-12, p.clone(), adamw_by_hand(p.clone()))?;
-        // f16 has no in-place path: the composed fallback, at f16's precision.
-        follows::<AdamW>(DType::F16, 4e-3, p.clone(), adamw_by_hand(p))
+        for (dtype, tol) in DTYPES {
+            follows(dtype, tol, |vars| AdamW::new(vars, p.clone()), adamw_by_hand(p.clone()))?;
+            follows(dtype, tol, |vars| Ok(AdamW::new(vars, p.clone())?.composed()), adamw_by_hand(p.clone()))?;
+        }
+        Ok(())
     }
 
     #[test]
     fn sgd_follows_the_pytorch_update_rule() -> Result<()> {
         let p = ParamsSgd { lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
-        follows::<SgdMomentum>(DType::F32, 1e-6, p, sgd_by_hand(p))?;
-        follows::<SgdMomentum>(DType::F64, 1e-12, p, sgd_by_hand(p))?;
-        follows::<SgdMomentum>(DType::F16, 4e-3, p, sgd_by_hand(p))
+        for (dtype, tol) in DTYPES {
+            follows(dtype, tol, |vars| SgdMomentum::new(vars, p), sgd_by_hand(p))?;
+            follows(dtype, tol, |vars| Ok(SgdMomentum::new(vars, p)?.composed()), sgd_by_hand(p))?;
+        }
+        Ok(())
+    }
+
+    /// A half-precision parameter keeps f32 moments, updated in place from its gradient.
+    #[test]
+    fn half_precision_parameters_keep_f32_state() -> Result<()> {
+        let w = Var::from_tensor(&Tensor::ones(4, DType::BF16, &Device::Cpu)?)?;
+        let mut opt = AdamW::new(vec![w.clone()], ParamsAdamW::default())?;
+        opt.step(&w.as_tensor().sum_all()?.backward()?)?;
+        let state = opt.state()?;
+        assert_eq!((state["m.0"].dtype(), state["v.0"].dtype(), w.dtype()), (DType::F32, DType::F32, DType::BF16));
+        assert_eq!(state["m.0"].to_vec1::<f32>()?, vec![0.1f32; 4]);
+        Ok(())
     }
 }

@@ -1,6 +1,7 @@
 //! Adafactor against PyTorch's `torch.optim.Adafactor` (`tests/fixtures/adafactor.safetensors`,
 //! written by `scripts/make_fixtures.py`): five steps of given gradients on a matrix, a stack of
-//! matrices, a vector and a scalar. f32 and f64 run the in-place path, f16 the composed one.
+//! matrices, a vector and a scalar; in every dtype, by the in-place path and by the composed one
+//! (candle ops, what other devices run). Half-precision parameters keep f32 statistics.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
@@ -23,14 +24,18 @@ fn config() -> (ParamsAdafactor, usize) {
     (params, c["steps"].as_u64().unwrap() as usize)
 }
 
-/// Runs the fixture's steps in `dtype`; fails where a parameter is further than `tol` (relative
-/// to max(1, |want|)) from PyTorch's after any step. Returns the largest error seen.
-fn follow(dtype: DType, tol: f64) -> f64 {
+/// Runs the fixture's steps in `dtype` (by the composed path if `composed`); fails where a
+/// parameter is further than `tol` (relative to max(1, |want|)) from PyTorch's after any step.
+/// Returns the largest error seen.
+fn follow(dtype: DType, composed: bool, tol: f64) -> f64 {
     let fx: HashMap<String, Tensor> = candle_core::safetensors::load(FIXTURE, &Device::Cpu).unwrap();
     let t = |name: String| fx[&format!("fixture.{name}")].to_dtype(dtype).unwrap();
     let (params, steps) = config();
     let vars: Vec<Var> = NAMES.iter().map(|n| Var::from_tensor(&t(format!("start.{n}"))).unwrap()).collect();
     let mut opt = Adafactor::new(vars.clone(), params).unwrap();
+    if composed {
+        opt = opt.composed();
+    }
     let mut worst = 0f64;
     for step in 1..=steps {
         let mut grads = GradStore::default();
@@ -48,20 +53,35 @@ fn follow(dtype: DType, tol: f64) -> f64 {
             }
         }
     }
-    eprintln!("{dtype:?}: largest error {worst:.2e}");
+    eprintln!("{dtype:?} (composed: {composed}): largest error {worst:.2e}");
     worst
 }
 
 #[test]
 fn follows_pytorch_in_f64_and_f32() {
     // The fixture stores f32: f64 can match it no closer than f32 rounding (6e-8).
-    follow(DType::F64, 2e-7);
-    follow(DType::F32, 1e-5);
+    for composed in [false, true] {
+        follow(DType::F64, composed, 2e-7);
+        follow(DType::F32, composed, 1e-5);
+    }
+}
+
+/// Half-precision parameters differ from PyTorch's f32 run by their own rounding (bf16 keeps 8
+/// bits of mantissa, f16 11); the statistics are f32.
+#[test]
+fn follows_pytorch_in_half_precision() {
+    for composed in [false, true] {
+        follow(DType::F16, composed, 2e-3);
+        follow(DType::BF16, composed, 2e-2);
+    }
 }
 
 #[test]
-fn the_composed_path_follows_pytorch_in_f16() {
-    follow(DType::F16, 2e-2);
+fn half_precision_parameters_keep_f32_statistics() {
+    let w = Var::from_tensor(&Tensor::zeros((30, 20), DType::BF16, &Device::Cpu).unwrap()).unwrap();
+    let opt = Adafactor::new(vec![w], ParamsAdafactor::default()).unwrap();
+    let state = layers::TrainOptimizer::state(&opt).unwrap();
+    assert_eq!(state["stats.0"].dtype(), DType::F32);
 }
 
 /// The state of an R x C weight is R + C numbers (AdamW: 2 R C).

@@ -8,6 +8,7 @@
 //! Parameter names are torchvision's (`layer1.0.conv1.weight`, `bn1.running_mean`, ...).
 
 use candle_core::{DType, Device, Result, Tensor};
+use layers::fused::widened;
 use layers::{max_pool2d_k3s2p1, BatchNorm, Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use std::str::FromStr;
@@ -249,8 +250,10 @@ pub struct Head {
 
 impl Head {
     fn logits(&self, x: &Tensor) -> Result<Tensor> {
-        // Pooled in f32 whatever the compute dtype: the classifier and the loss run in f32.
-        x.to_dtype(DType::F32)?.mean((2, 3))?.matmul(&self.fc_weight.t()?)?.broadcast_add(&self.fc_bias)
+        // Pooled in f32 whatever the compute dtype: the classifier and the loss run in f32 (bf16
+        // weights are read widened, their gradients narrowed back).
+        let (weight, bias) = (widened(&self.fc_weight)?, widened(&self.fc_bias)?);
+        x.to_dtype(DType::F32)?.mean((2, 3))?.matmul(&weight.t()?)?.broadcast_add(&bias)
         // (B, classes)
     }
 }
@@ -278,7 +281,7 @@ pub struct ResNet {
 
 impl ResNet {
     pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
-        let mut params = ParamStore::new(device, DType::F32, seed);
+        let mut params = ParamStore::new(device, config.dtype.weights(), seed);
         let w = config.width;
         let stem = Stem { conv1: Conv::new(&mut params, "conv1", 3, w, 7, 2)?, bn1: BatchNorm::new(&mut params, "bn1", w)?, dtype: config.dtype.dtype() };
         let mut stages: Vec<std::sync::Arc<dyn Stage>> = vec![std::sync::Arc::new(stem), std::sync::Arc::new(Pool)];

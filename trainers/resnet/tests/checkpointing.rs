@@ -47,11 +47,12 @@ fn train_in(policy: &str, guard: bool, dtype: layers::Precision) -> (Vec<(u32, B
 
 const POLICIES: [&str; 3] = ["sqrt", "every-two-blocks", "before-downsample"];
 
-/// In bf16 and f16 too (parameters, gradients and running statistics f32, activations half),
+/// In bf16 and f16 too (parameters, gradients and running statistics f32, activations half), and
+/// in bf16-weights (parameters and gradients bf16, running statistics f32),
 /// every policy equals `off` bit for bit, and every parameter gets a non-zero gradient.
 #[test]
 fn gradients_and_statistics_equal_off_bit_for_bit_in_half_precision() {
-    for dtype in [layers::Precision::Bf16, layers::Precision::F16] {
+    for dtype in [layers::Precision::Bf16, layers::Precision::F16, layers::Precision::Bf16Weights] {
         let off = train_in("off", true, dtype);
         for (name, g) in &off.0[0].1 {
             assert!(g.iter().any(|&x| f32::from_bits(x) != 0.0), "{dtype}: `{name}` got a zero gradient");

@@ -11,6 +11,7 @@
 //! pool, so `before-downsample` stores exactly the skip tensors.
 
 use candle_core::{DType, Device, Result, Tensor};
+use layers::fused::widened;
 use layers::{conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use std::str::FromStr;
@@ -191,7 +192,8 @@ impl Head {
     fn scores(&self, x: &Tensor) -> Result<Tensor> {
         let c = x.dim(1)?;
         let voxels = x.permute((0, 2, 3, 4, 1))?.reshape(((), c))?.to_dtype(DType::F32)?; // (N*D*H*W, C)
-        voxels.matmul(&self.weight.reshape((self.classes, c))?.t()?)?.broadcast_add(&self.bias)
+        let (weight, bias) = (widened(&self.weight)?, widened(&self.bias)?);
+        voxels.matmul(&weight.reshape((self.classes, c))?.t()?)?.broadcast_add(&bias)
     }
 
     /// Per-voxel scores as a volume (N, K, D, H, W).
@@ -245,7 +247,7 @@ impl UNet3d {
         if b == 0 || levels == 0 {
             candle_core::bail!("a 3D U-Net needs base >= 1 and levels >= 1")
         }
-        let mut params = ParamStore::new(device, DType::F32, seed);
+        let mut params = ParamStore::new(device, config.dtype.weights(), seed);
         let mut graph = StageGraph::new(2); // values 0: volume, 1: labels
         let mut stages: Vec<(std::sync::Arc<dyn Stage>, Vec<usize>, usize)> = Vec::new();
         let mut add = |graph: &mut StageGraph, stage: std::sync::Arc<dyn Stage>, inputs: Vec<usize>| -> Result<usize> {
