@@ -94,7 +94,7 @@ struct Common {
     dtype: Option<layers::Precision>,
     /// Emulate a smaller memory (e.g. 24GiB): on the CPU allocations beyond this much heap fail;
     /// on a GPU the rest of the device memory is held.
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = remat::memory::parse_size)]
     memory_cap: Option<u64>,
     /// Negative control: the gradient check's recomputes draw fresh dropout keys instead of
     /// replaying the forward's, so every policy that recomputes dropout must fail the check.
@@ -151,27 +151,6 @@ impl Common {
     }
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size like 24GiB, 512MiB or 1000000"))?;
-    let mult = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1u64,
-        "kib" | "k" => 1 << 10,
-        "mib" | "m" => 1 << 20,
-        "gib" | "g" => 1 << 30,
-        "kb" => 1000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        _ => return Err(format!("unknown unit `{unit}` in `{s}`; use B, KiB, MiB, GiB, KB, MB or GB")),
-    };
-    if n.is_nan() || n <= 0.0 || !n.is_finite() {
-        return Err(format!("`{s}` is not a positive size"));
-    }
-    Ok((n * mult as f64) as u64)
-}
-
 impl Common {
     /// The profile that fits the device unless one was named.
     fn profile(&self) -> String {
@@ -201,7 +180,7 @@ fn run_one(model: &str, policy: &Policy, time_only: bool, common: &Common) -> Re
         .find(|w| w.model == model)
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .overridden(common.overrides());
-    let mut rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device)?;
+    let mut rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device, common.memory_cap)?;
     // The cap is for the measured configuration only: the check builds two more models.
     drop(held);
     remat::memory::set_heap_cap(u64::MAX);
@@ -232,7 +211,7 @@ fn selftest(device_name: &str) -> Result<()> {
     let peak = counter.peak().saturating_sub(base);
     anyhow::ensure!(peak > 0, "the memory meter saw no allocation");
     let w = workloads::profile("smoke")?.into_iter().find(|w| w.model == "gpt2-tiny").context("gpt2-tiny in smoke")?;
-    let mut rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name)?;
+    let mut rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name, None)?;
     measure::check(&mut rec, &w, &Policy::Sqrt, 0, &dev, true)?;
     anyhow::ensure!(rec.grads_bit_identical, "gpt2-tiny sqrt: {} gradient elements differ from plain candle", rec.grads_differing);
     let report = serde_json::json!({
@@ -309,8 +288,10 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
     }
     let configs: Vec<(Workload, Policy)> = workloads
         .iter()
-        .flat_map(|w| w.policies().into_iter().map(move |p| (w.clone(), p)))
-        .filter(|(_, p)| args.policies.is_empty() || args.policies.contains(p))
+        .flat_map(|w| {
+            let chosen = if args.policies.is_empty() { w.policies() } else { args.policies.iter().filter(|p| w.applies(p)).cloned().collect() };
+            chosen.into_iter().map(move |p| (w.clone(), p))
+        })
         .collect();
     if configs.is_empty() {
         bail!(
@@ -675,8 +656,13 @@ fn summary(r: &Record, off: Option<&Record>) -> String {
         (true, true) => "grads = plain candle bit for bit",
         (true, false) => "GRADS DIFFER FROM PLAIN CANDLE",
     };
+    let predicted = r
+        .predicted_peak_bytes
+        .map(|p| format!(" (predicted {}, {:+.1}%)", mib(p), (p as f64 / r.step_peak_bytes.max(1) as f64 - 1.0) * 100.0))
+        .unwrap_or_default();
+    let plan = if r.plan.is_empty() { String::new() } else { format!(" [{}]", r.plan) };
     format!(
-        "{:<14} {:<18} peak {:>11} act {:>11} {:>8.0} ms{vs_off}; {grads}",
+        "{:<14} {:<18} peak {:>11}{predicted} act {:>11} {:>8.0} ms{vs_off}; {grads}{plan}",
         r.model,
         r.policy,
         mib(r.step_peak_bytes),

@@ -2,11 +2,13 @@
 //! bit-for-bit gradient check against plain candle (the graph's stages run in order, one
 //! `backward()`), which every policy, `off` included, must equal.
 
+use crate::workloads::Instance;
 use crate::workloads::Workload;
 use anyhow::{anyhow, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device};
 use remat::memory::{set_activity, Activity, Counter, Event, Meter};
+use remat::plan::{Estimate, Profile};
 use remat::{Executor, Policy};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -72,6 +74,15 @@ pub struct Record {
     pub predicted: Option<crate::predict::Prediction>,
     #[serde(default)]
     pub predicted_total_bytes: Option<u64>,
+    /// The planner's prediction of `step_peak_bytes` ([`remat::plan`], from stage profiles at
+    /// batches 1 and 2 extrapolated to this batch) and of the step time over `off`'s.
+    #[serde(default)]
+    pub predicted_peak_bytes: Option<u64>,
+    #[serde(default)]
+    pub predicted_time_ratio: Option<f64>,
+    /// The segment starts a `budget=`/`auto` policy resolved to (`plan=...`), else empty.
+    #[serde(default)]
+    pub plan: String,
     /// Gradient and buffer elements whose bits differ from plain candle's.
     pub grads_differing: u64,
     pub max_abs_diff: f64,
@@ -157,9 +168,37 @@ impl Record {
     }
 }
 
+/// The planner's profile of `inst` at its batch: measured at batches 1 and 2 and extrapolated,
+/// after a first pass at batch 1 that is thrown away (it pays the allocations a process makes
+/// once: thread pools, kernel workspaces).
+pub fn profile(inst: &dyn Instance, seed: u64) -> Result<Profile> {
+    let vars = inst.store().vars();
+    let at = |batch| Profile::measure(inst.graph(), &inst.inputs_at(0, batch)?, &vars, batch, seed).map_err(anyhow::Error::from);
+    at(1)?;
+    Ok(Profile::extrapolate(&at(1)?, &at(2)?, inst.batch())?)
+}
+
+/// Bytes of the optimizer state allocated so far (SGD allocates its buffers at the first update).
+fn allocated_state(optimizer: &dyn layers::TrainOptimizer) -> Result<u64> {
+    Ok(optimizer.state()?.values().map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum())
+}
+
+/// The predicted step of `policy` with `accumulate` micro-batches: the first micro-batch
+/// gathers the parameter gradients, later ones hold them all from the start.
+pub fn predict(profile: &Profile, policy: &Policy, accumulate: usize) -> Result<Estimate> {
+    let first = profile.predict_policy(policy, 0)?;
+    if accumulate == 1 {
+        return Ok(first);
+    }
+    let later = profile.predict_policy(policy, profile.param_grad_bytes())?;
+    Ok(if later.peak > first.peak { Estimate { recompute_ms: first.recompute_ms, step_ms: first.step_ms, ..later } } else { first })
+}
+
 /// Measures `policy` on `w`: a warm-up step, then `steps` timed steps (the record's status is
-/// `ok`, its gradient fields still empty: see [`check`]).
-pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str) -> Result<Record> {
+/// `ok`, its gradient fields still empty: see [`check`]). The planner profiles the model first
+/// and predicts the step (a `budget=`/`auto` policy is resolved from that profile; `auto` takes
+/// `cap`, the memory the run may use).
+pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str, cap: Option<u64>) -> Result<Record> {
     let mut rec = Record::new(w, policy, device_name);
     let counter = Counter::for_device(device);
     counter.synchronize();
@@ -167,7 +206,20 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     set_activity(Activity::Build, None);
     let inst = w.build(device, seed)?;
     let mut optimizer = inst.optimizer()?;
-    let exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
+    let profile = profile(&*inst, seed)?;
+    // The heap a step starts from: parameters, buffers, the optimizer's state, the inputs.
+    let inputs_bytes: u64 = inst.inputs(0)?.iter().map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum();
+    counter.synchronize();
+    let fixed = (counter.current() - base) + optimizer.state_bytes().saturating_sub(allocated_state(&*optimizer)?) + inputs_bytes;
+    let held = if w.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
+    let (policy, plan) = remat::plan::resolve(policy, || Ok(profile.clone()), fixed, held, cap)?;
+    if plan.is_some() {
+        rec.plan = policy.to_string();
+    }
+    let estimate = predict(&profile, &policy, w.accumulate)?;
+    rec.predicted_peak_bytes = Some(estimate.peak);
+    rec.predicted_time_ratio = Some(estimate.time_ratio());
+    let exec = Executor::new(inst.graph(), &policy, inst.store().vars(), seed)?;
     rec.segments = exec.segments().len();
     rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
     let mut times = Vec::new();

@@ -185,7 +185,7 @@ fn spread(r: &Record, pick: fn(&crate::measure::Spread) -> f64) -> String {
     r.time_vs_off.as_ref().map_or(String::new(), |t| ms(pick(t)))
 }
 
-const COLUMNS: [Column; 34] = [
+const COLUMNS: [Column; 37] = [
     Column { name: "framework", ours: |_| "candle".into(), theirs: |b, _| format!("pytorch {}", b.framework_version) },
     Column { name: "model", ours: |r| r.model.clone(), theirs: |b, _| b.model.clone() },
     Column { name: "policy", ours: |r| quoted(&r.policy), theirs: |b, _| quoted(&b.policy) },
@@ -212,6 +212,9 @@ const COLUMNS: [Column; 34] = [
     Column { name: "grads_bit_identical", ours: |r| r.grads_bit_identical.to_string(), theirs: none },
     Column { name: "grads_checked", ours: |r| r.grads_checked.to_string(), theirs: none },
     Column { name: "predicted_total_bytes", ours: |r| r.predicted_total_bytes.map_or(String::new(), |b| b.to_string()), theirs: none },
+    Column { name: "predicted_peak_bytes", ours: |r| r.predicted_peak_bytes.map_or(String::new(), |b| b.to_string()), theirs: none },
+    Column { name: "predicted_time_ratio", ours: |r| r.predicted_time_ratio.map_or(String::new(), |t| format!("{t:.3}")), theirs: none },
+    Column { name: "plan", ours: |r| quoted(&r.plan), theirs: none },
     Column { name: "grads_differing", ours: |r| r.grads_differing.to_string(), theirs: none },
     Column { name: "max_abs_diff", ours: |r| format!("{:e}", r.max_abs_diff), theirs: none },
     Column { name: "params_without_grad", ours: |r| r.params_without_grad.to_string(), theirs: none },

@@ -16,7 +16,12 @@ pub trait Instance {
     /// Parameters (trained) and buffers (BatchNorm statistics).
     fn store(&self) -> &ParamStore;
     /// The graph inputs of `step` (the same for every policy).
-    fn inputs(&self, step: u64) -> Result<Vec<Tensor>>;
+    fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
+        self.inputs_at(step, self.batch())
+    }
+    /// The graph inputs of `step` at another batch size (the planner's profiles).
+    fn inputs_at(&self, step: u64, batch: usize) -> Result<Vec<Tensor>>;
+    fn batch(&self) -> usize;
     /// A fresh optimizer over the parameters (separate from the instance, whose graph the
     /// executor borrows while the optimizer updates the weights).
     fn optimizer(&self) -> Result<Box<dyn TrainOptimizer>>;
@@ -208,16 +213,17 @@ impl Workload {
         self.optimizer.unwrap_or_else(|| self.family.optimizer())
     }
 
-    /// The policies that apply to this model (`before-downsample` needs downsampling stages).
+    /// Whether `policy` applies to this model (`before-downsample` needs downsampling stages).
+    pub fn applies(&self, policy: &Policy) -> bool {
+        *policy != Policy::BeforeDownsample || self.family.downsamples()
+    }
+
+    /// The policies the matrix runs on this model by default.
     pub fn policies(&self) -> Vec<Policy> {
         if self.model.starts_with(DEPTH_PREFIX) {
             return vec![Policy::Off, Policy::Sqrt];
         }
-        let mut all = vec![Policy::Off, Policy::Sqrt, Policy::EveryN(2)];
-        if self.family.downsamples() {
-            all.push(Policy::BeforeDownsample);
-        }
-        all
+        [Policy::Off, Policy::Sqrt, Policy::EveryN(2), Policy::BeforeDownsample].into_iter().filter(|p| self.applies(p)).collect()
     }
 
     pub fn build(&self, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
@@ -241,8 +247,11 @@ impl<M: Benchable> Instance for Built<M> {
     fn store(&self) -> &ParamStore {
         self.model.params()
     }
-    fn inputs(&self, step: u64) -> Result<Vec<Tensor>> {
-        Ok(self.model.synthetic_inputs(&self.data, step, self.batch, &self.device)?)
+    fn inputs_at(&self, step: u64, batch: usize) -> Result<Vec<Tensor>> {
+        Ok(self.model.synthetic_inputs(&self.data, step, batch, &self.device)?)
+    }
+    fn batch(&self) -> usize {
+        self.batch
     }
     fn optimizer(&self) -> Result<Box<dyn TrainOptimizer>> {
         Ok(self.optimizer.build(self.model.params().vars(), self.optimizer.bench_lr())?)

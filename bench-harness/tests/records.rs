@@ -67,6 +67,8 @@ enum Type {
     Bool,
     /// A float written with 3 decimals (times in ms).
     Ms,
+    /// [`Type::Ms`], empty for null.
+    OptMs,
     /// A float written exactly (an f32 value).
     F32,
     /// Always `candle`: the framework column (PyTorch rows come from `--baseline pytorch`).
@@ -79,7 +81,7 @@ enum Type {
 
 /// matrix.csv's columns in order, written out here rather than taken from the harness, so that a
 /// column dropped, renamed or moved in the writer fails the test.
-const COLUMNS: [(&str, Type); 34] = {
+const COLUMNS: [(&str, Type); 37] = {
     use Type::*;
     [
         ("framework", Candle),
@@ -108,6 +110,9 @@ const COLUMNS: [(&str, Type); 34] = {
         ("grads_bit_identical", Bool),
         ("grads_checked", Bool),
         ("predicted_total_bytes", OptInt),
+        ("predicted_peak_bytes", OptInt),
+        ("predicted_time_ratio", OptMs),
+        ("plan", Str),
         ("grads_differing", Int),
         ("max_abs_diff", F32),
         ("params_without_grad", Int),
@@ -162,6 +167,8 @@ fn matches(cell: &str, ty: Type, want: &Value) -> bool {
         }
         Type::Bool => cell.parse::<bool>().ok() == want.as_bool(),
         Type::Ms => cell.parse::<f64>().is_ok_and(|x| want.as_f64().is_some_and(|w| (x - w).abs() <= 5e-4)),
+        Type::OptMs if want.is_null() => cell.is_empty(),
+        Type::OptMs => cell.parse::<f64>().is_ok_and(|x| want.as_f64().is_some_and(|w| (x - w).abs() <= 5e-4)),
         Type::F32 => cell.parse::<f32>().ok() == want.as_f64().map(|w| w as f32),
     }
 }

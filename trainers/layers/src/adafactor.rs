@@ -164,6 +164,10 @@ impl TrainOptimizer for Adafactor {
         self.step = step_count(state)?;
         Ok(())
     }
+
+    fn state_bytes(&self) -> u64 {
+        self.vars.iter().map(|f| (f.stats.elem_count() * f.stats.dtype().size_in_bytes()) as u64).sum()
+    }
 }
 
 fn machine_epsilon(dtype: DType) -> f64 {

@@ -200,6 +200,12 @@ pub trait TrainOptimizer {
     fn state(&self) -> Result<HashMap<String, Tensor>>;
     /// Restores what [`TrainOptimizer::state`] returned; a missing or misshapen entry is an error.
     fn set_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()>;
+    /// Bytes of the state once every parameter has had a gradient (SGD's buffers start then).
+    fn state_bytes(&self) -> u64;
+}
+
+fn bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 
 /// `state[name]`, shaped like `like`, as a tensor of `like`'s dtype and device.
@@ -310,6 +316,10 @@ impl TrainOptimizer for AdamW {
         self.step = step_count(state)? as i32;
         Ok(())
     }
+
+    fn state_bytes(&self) -> u64 {
+        self.vars.iter().map(|s| bytes(&s.m) + bytes(&s.v)).sum()
+    }
 }
 
 /// SGD with momentum and weight decay, as PyTorch defines it (no dampening, no Nesterov):
@@ -400,6 +410,10 @@ impl TrainOptimizer for SgdMomentum {
         }
         Ok(())
     }
+
+    fn state_bytes(&self) -> u64 {
+        self.vars.iter().map(|(var, _)| (var.elem_count() * state_dtype(var.dtype()).size_in_bytes()) as u64).sum()
+    }
 }
 
 #[cfg(test)]
@@ -485,6 +499,18 @@ mod tests {
         let state = opt.state()?;
         assert_eq!((state["m.0"].dtype(), state["v.0"].dtype(), w.dtype()), (DType::F32, DType::F32, DType::BF16));
         assert_eq!(state["m.0"].to_vec1::<f32>()?, vec![0.1f32; 4]);
+        assert_eq!(opt.state_bytes(), 2 * 4 * 4);
+        Ok(())
+    }
+
+    /// SGD's buffers exist from the first gradient on; its state size counts them from the start.
+    #[test]
+    fn state_bytes_count_the_state_a_step_will_hold() -> Result<()> {
+        let w = Var::from_tensor(&Tensor::ones(10, DType::F32, &Device::Cpu)?)?;
+        let sgd = SgdMomentum::new(vec![w.clone()], ParamsSgd::default())?;
+        assert!(sgd.state()?.is_empty());
+        assert_eq!(sgd.state_bytes(), 40);
+        assert_eq!(AdamW::new(vec![w], ParamsAdamW::default())?.state_bytes(), 80);
         Ok(())
     }
 }

@@ -92,4 +92,5 @@ fn the_state_is_factored() {
     let state = layers::TrainOptimizer::state(&opt).unwrap();
     let numbers: usize = state.iter().filter(|(k, _)| *k != "step").map(|(_, t)| t.elem_count()).sum();
     assert_eq!(numbers, 300 + 200);
+    assert_eq!(layers::TrainOptimizer::state_bytes(&opt), 4 * (300 + 200));
 }

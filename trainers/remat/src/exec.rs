@@ -435,7 +435,7 @@ impl InplaceOp2 for AddAssign {
 
 /// A zero scalar whose backward hands `grad` to `t` unchanged: `t`'s gradient becomes `0 + grad`,
 /// as in a plain backward.
-fn seed(t: &Tensor, grad: Tensor) -> Result<Tensor> {
+pub(crate) fn seed(t: &Tensor, grad: Tensor) -> Result<Tensor> {
     if t.device().is_cpu() {
         Ok(t.apply_op1(GradSeed(grad))?)
     } else {

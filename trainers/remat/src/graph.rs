@@ -134,17 +134,23 @@ impl StageGraph {
         values[output].clone().ok_or_else(|| Error::Graph("no stage produced the output".into()))
     }
 
+    /// Every stage's kind, in order: what the policies cut by.
+    pub fn kinds(&self) -> Vec<StageKind> {
+        self.nodes.iter().map(|n| n.stage.kind()).collect()
+    }
+
     /// Indices of the stages that count as blocks for the policies.
     pub fn blocks(&self) -> Vec<usize> {
-        self.stages_of_kind(StageKind::is_block)
+        stages_of_kind(&self.kinds(), StageKind::is_block)
     }
 
     /// Indices of the stages that reduce the spatial size (blocks or pools).
     pub fn downsampling_stages(&self) -> Vec<usize> {
-        self.stages_of_kind(StageKind::is_downsample)
+        stages_of_kind(&self.kinds(), StageKind::is_downsample)
     }
+}
 
-    fn stages_of_kind(&self, keep: impl Fn(StageKind) -> bool) -> Vec<usize> {
-        self.nodes.iter().enumerate().filter(|(_, n)| keep(n.stage.kind())).map(|(i, _)| i).collect()
-    }
+/// Indices of the stages whose kind `keep` selects.
+pub fn stages_of_kind(kinds: &[StageKind], keep: fn(StageKind) -> bool) -> Vec<usize> {
+    kinds.iter().enumerate().filter(|(_, k)| keep(**k)).map(|(i, _)| i).collect()
 }

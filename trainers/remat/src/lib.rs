@@ -13,6 +13,7 @@
 pub mod exec;
 pub mod graph;
 pub mod memory;
+pub mod plan;
 pub mod policy;
 pub mod rng;
 pub mod stage;

@@ -165,6 +165,38 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 }
 
+/// Bytes from a size like `24GiB`, `512MiB`, `1.5GB` or `1000000` (binary and decimal units).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size like 24GiB, 512MiB or 1000000"))?;
+    let mult = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1u64,
+        "kib" | "k" => 1 << 10,
+        "mib" | "m" => 1 << 20,
+        "gib" | "g" => 1 << 30,
+        "kb" => 1000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        _ => return Err(format!("unknown unit `{unit}` in `{s}`; use B, KiB, MiB, GiB, KB, MB or GB")),
+    };
+    if n.is_nan() || n <= 0.0 || !n.is_finite() {
+        return Err(format!("`{s}` is not a positive size"));
+    }
+    Ok((n * mult as f64) as u64)
+}
+
+/// A byte count as [`parse_size`] reads it back: whole GiB/MiB/KiB where exact, else bytes.
+pub fn format_size(bytes: u64) -> String {
+    match bytes {
+        b if b > 0 && b % (1 << 30) == 0 => format!("{}GiB", b >> 30),
+        b if b > 0 && b % (1 << 20) == 0 => format!("{}MiB", b >> 20),
+        b if b > 0 && b % (1 << 10) == 0 => format!("{}KiB", b >> 10),
+        b => b.to_string(),
+    }
+}
+
 /// Whether [`CountingAlloc`] is the global allocator of this process (otherwise it has counted
 /// nothing: the Rust runtime allocates before `main`, so an installed meter is never at zero).
 pub fn heap_meter_installed() -> bool {
@@ -268,7 +300,7 @@ impl Counter {
     }
 
     /// Highest live bytes since the previous call, then starts a new window.
-    fn take_window_peak(&self) -> u64 {
+    pub(crate) fn take_window_peak(&self) -> u64 {
         match self {
             Counter::Heap => take_window_peak(),
             #[cfg(feature = "cuda")]

@@ -3,8 +3,12 @@
 //! A policy names the stages whose inputs start a new segment. Everything that crosses a segment
 //! boundary is stored in forward; everything inside a segment is discarded and recomputed in
 //! backward. The last segment is never recomputed: its forward graph is kept for backward.
+//!
+//! `budget=SIZE` and `auto` are requests to the planner ([`crate::plan`]): they become a
+//! [`Policy::Plan`] once the model's stages have been profiled ([`crate::plan::resolve`]).
 
-use crate::graph::StageGraph;
+use crate::graph::{stages_of_kind, StageGraph};
+use crate::stage::StageKind;
 use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
@@ -21,6 +25,14 @@ pub enum Policy {
     BeforeDownsample,
     /// A boundary before each listed block (0-based block indices).
     Explicit(Vec<usize>),
+    /// Segments starting at these stage indices (what the planner chooses; any stage may start one).
+    Plan(Vec<usize>),
+    /// The plan with the least recompute whose predicted peak, model state included, fits this
+    /// many bytes.
+    Budget(u64),
+    /// `budget=` with the memory the device has free, less a margin (CUDA), or the memory cap
+    /// the run is given (CPU).
+    Auto,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -33,7 +45,8 @@ pub enum PolicyError {
     NotApplicable { policy: String, why: String },
 }
 
-const VALID: &str = "off, sqrt, every-two-blocks, every-n=K (K >= 1), before-downsample, explicit=I,J,... (block indices)";
+const VALID: &str = "off, sqrt, every-two-blocks, every-n=K (K >= 1), before-downsample, explicit=I,J,... (block indices), \
+                     plan=I,J,... (stage indices), budget=SIZE (e.g. 2GiB), auto";
 
 impl FromStr for Policy {
     type Err = PolicyError;
@@ -48,12 +61,15 @@ impl FromStr for Policy {
             "sqrt" => Ok(Policy::Sqrt),
             "every-two-blocks" => Ok(Policy::EveryN(2)),
             "before-downsample" => Ok(Policy::BeforeDownsample),
+            "auto" => Ok(Policy::Auto),
             t => match t.split_once('=') {
                 Some(("every-n", k)) => match k.trim().parse::<usize>() {
                     Ok(k) if k >= 1 => Ok(Policy::EveryN(k)),
                     _ => Err(invalid("K must be an integer >= 1")),
                 },
                 Some(("explicit", v)) => Ok(Policy::Explicit(list(v)?)),
+                Some(("plan", v)) => Ok(Policy::Plan(list(v)?)),
+                Some(("budget", v)) => Ok(Policy::Budget(crate::memory::parse_size(v).map_err(|e| invalid(&e))?)),
                 _ => Err(PolicyError::Unknown(s.to_string())),
             },
         }
@@ -68,25 +84,41 @@ impl fmt::Display for Policy {
             Policy::EveryN(2) => write!(f, "every-two-blocks"),
             Policy::EveryN(k) => write!(f, "every-n={k}"),
             Policy::BeforeDownsample => write!(f, "before-downsample"),
-            Policy::Explicit(v) => {
-                let v: Vec<String> = v.iter().map(|i| i.to_string()).collect();
-                write!(f, "explicit={}", v.join(","))
-            }
+            Policy::Explicit(v) => write!(f, "explicit={}", joined(v)),
+            Policy::Plan(v) => write!(f, "plan={}", joined(v)),
+            Policy::Budget(bytes) => write!(f, "budget={}", crate::memory::format_size(*bytes)),
+            Policy::Auto => write!(f, "auto"),
         }
     }
 }
 
+fn joined(v: &[usize]) -> String {
+    v.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+}
+
 impl Policy {
+    /// Whether the planner must resolve this policy ([`crate::plan::resolve`]) before it cuts a graph.
+    pub fn needs_plan(&self) -> bool {
+        matches!(self, Policy::Budget(_) | Policy::Auto)
+    }
+
     /// Cuts the graph's stages into contiguous segments.
     pub fn segments(&self, graph: &StageGraph) -> Result<Vec<Range<usize>>, PolicyError> {
+        self.segments_of(&graph.kinds())
+    }
+
+    /// Cuts stages of these kinds, in order, into contiguous segments.
+    pub fn segments_of(&self, kinds: &[StageKind]) -> Result<Vec<Range<usize>>, PolicyError> {
         let not_applicable = |why: String| PolicyError::NotApplicable { policy: self.to_string(), why };
-        let blocks = graph.blocks();
+        let of_kind = |keep| stages_of_kind(kinds, keep);
+        let blocks = of_kind(StageKind::is_block);
+        let n = kinds.len();
         let starts: Vec<usize> = match self {
             Policy::Off => vec![],
             Policy::Sqrt => every(&blocks, (blocks.len() as f64).sqrt().ceil().max(1.0) as usize),
             Policy::EveryN(k) => every(&blocks, *k),
             Policy::BeforeDownsample => {
-                let down = graph.downsampling_stages();
+                let down = of_kind(StageKind::is_downsample);
                 if down.is_empty() {
                     return Err(not_applicable("the model has no downsampling stage".into()));
                 }
@@ -96,8 +128,14 @@ impl Policy {
                 .iter()
                 .map(|&i| blocks.get(i).copied().ok_or_else(|| not_applicable(format!("block {i} does not exist (the model has {} blocks)", blocks.len()))))
                 .collect::<Result<_, _>>()?,
+            Policy::Plan(starts) => match starts.iter().find(|&&s| s >= n) {
+                Some(s) => return Err(not_applicable(format!("stage {s} does not exist (the model has {n} stages)"))),
+                None => starts.clone(),
+            },
+            Policy::Budget(_) | Policy::Auto => {
+                return Err(not_applicable("the planner resolves it from the model's profile first (remat::plan::resolve)".into()))
+            }
         };
-        let n = graph.nodes().len();
         let mut cuts: Vec<usize> = std::iter::once(0).chain(starts).chain(std::iter::once(n)).collect();
         cuts.sort_unstable();
         cuts.dedup();
@@ -144,15 +182,16 @@ mod tests {
 
     #[test]
     fn parse_and_display_round_trip() {
-        for s in ["off", "sqrt", "every-two-blocks", "every-n=3", "before-downsample", "explicit=1,4"] {
+        for s in ["off", "sqrt", "every-two-blocks", "every-n=3", "before-downsample", "explicit=1,4", "plan=0,3,7", "budget=2GiB", "budget=300MiB", "auto"] {
             assert_eq!(s.parse::<Policy>().unwrap().to_string(), s);
         }
+        assert_eq!("budget=1.5GiB".parse::<Policy>().unwrap(), Policy::Budget(1536 << 20));
         assert_eq!("every-n=2".parse::<Policy>().unwrap(), Policy::EveryN(2));
     }
 
     #[test]
     fn bad_names_list_the_valid_ones() {
-        for bad in ["sqrtt", "every-n=0", "every-n=x", "explicit=a", ""] {
+        for bad in ["sqrtt", "every-n=0", "every-n=x", "explicit=a", "", "budget=lots", "budget=-1GiB"] {
             let e = bad.parse::<Policy>().unwrap_err().to_string();
             assert!(e.contains("every-two-blocks") && e.contains("before-downsample"), "{e}");
         }
@@ -168,6 +207,9 @@ mod tests {
         assert_eq!(seg("every-two-blocks"), vec![0..4, 4..6, 6..8, 8..10, 10..12]);
         assert_eq!(seg("before-downsample"), vec![0..1, 1..5, 5..8, 8..12]);
         assert_eq!(seg("explicit=0,5"), vec![0..2, 2..7, 7..12]);
+        assert_eq!(seg("plan=1,6"), vec![0..1, 1..6, 6..12]);
+        assert!(seg_err(&g, "plan=12").contains("stage 12 does not exist"));
+        assert!(seg_err(&g, "budget=1GiB").contains("planner"));
         assert!(seg_err(&g, "explicit=9").contains("block 9 does not exist"));
     }
 

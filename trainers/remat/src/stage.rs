@@ -6,7 +6,8 @@ use std::cell::Cell;
 
 /// What a stage is to the policies: `sqrt` and `every-n` count blocks, `before-downsample` stores
 /// the input of every downsampling stage; other stages (stems, heads) are not counted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum StageKind {
     Block,
     /// A block that reduces the spatial size (a residual block with a stride-2 conv).

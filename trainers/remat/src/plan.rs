@@ -1,0 +1,654 @@
+//! The planner: what a policy will cost before it runs, and the cheapest plan for a budget.
+//!
+//! - [`Profile::measure`] runs every stage once, alone, under the memory meter, as the executor
+//!   runs it in each of its modes: without stage graphs (the forward of an earlier segment, whose
+//!   stage outputs keep their candle op graph until the segment's boundaries are detached), with a
+//!   graph on `Var` copies of its inputs (the last segment and every recompute), and its backward
+//!   from seeded output gradients. It records the bytes each mode leaves live and its transient
+//!   peak, the bytes of every value, the parameter gradients each stage adds and the times.
+//!   Every quantity is linear in the batch, so two profiles at small batches give any batch
+//!   ([`Profile::extrapolate`]): full sizes that do not fit this machine are predictable.
+//! - [`Profile::predict`] replays the executor's bookkeeping for a cut of the stages into
+//!   segments: stored boundaries (skip tensors included: every value read in a later segment
+//!   than its producer's), each segment's live stages, the value gradients in flight, the
+//!   parameter gradients gathered so far. The result is the step's peak above the heap before it
+//!   (the caller adds the model state) and the time spent recomputing.
+//! - [`Profile::plan`] finds the segment starts with the least recompute time whose predicted
+//!   peak fits a budget, by dynamic programming over the stage order: a plan's cost to come and
+//!   its effect on later segments depend on earlier cuts only through the bytes of stored values
+//!   all of whose readers lie before the current cut, so each cut position keeps the Pareto set of
+//!   (those bytes, recompute time) and extends it segment by segment. [`resolve`] turns a
+//!   `budget=`/`auto` policy into the plan.
+
+use crate::graph::{StageGraph, ValueId};
+use crate::memory::{set_activity, Activity, Counter};
+use crate::policy::Policy;
+use crate::stage::{StageCtx, StageKind};
+use crate::{Error, Result};
+use candle_core::{Tensor, Var};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::ops::Range;
+use std::time::Instant;
+
+/// What one stage costs, measured alone.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StageCost {
+    pub name: String,
+    pub kind: StageKind,
+    pub inputs: Vec<ValueId>,
+    pub outputs: Vec<ValueId>,
+    /// Bytes its forward leaves live when it runs with a graph on `Var` inputs (the last segment,
+    /// a recompute): its outputs and what its graph saves for backward, not the input copies.
+    pub graph_bytes: u64,
+    /// Bytes its forward leaves live without a graph of its own (an earlier segment's forward):
+    /// its outputs and what their op graph references through the parameters.
+    pub chain_bytes: u64,
+    /// Highest bytes above what each forward leaves, while it runs (temporaries).
+    pub graph_transient: u64,
+    pub chain_transient: u64,
+    /// Highest bytes above the heap at its start while its backward runs.
+    pub backward_transient: u64,
+    /// Bytes of the parameter gradients that appear in its backward (walking backward, a
+    /// parameter several stages use counts at the last of them).
+    pub param_grad_bytes: u64,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+}
+
+/// A value flowing between stages.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ValueCost {
+    pub bytes: u64,
+    /// Float values get `Var` copies and gradients; integer ones (targets, indices) do not.
+    pub float: bool,
+}
+
+/// The measured costs of every stage of a graph at one batch size.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Profile {
+    pub batch: usize,
+    pub n_inputs: usize,
+    pub values: Vec<ValueCost>,
+    pub stages: Vec<StageCost>,
+}
+
+/// What a cut of the stages into segments is predicted to cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Estimate {
+    /// Highest bytes above the heap before the step (parameters, optimizer state and inputs are
+    /// the caller's), forward and backward.
+    pub peak: u64,
+    pub forward_peak: u64,
+    pub backward_peak: u64,
+    /// What the peak is made of.
+    pub at_peak: Breakdown,
+    /// Forward time spent again in recomputes, and the whole step's (forward, recompute,
+    /// backward), in milliseconds.
+    pub recompute_ms: f64,
+    pub step_ms: f64,
+}
+
+impl Estimate {
+    /// The step's time over the same step without recompute (`off`).
+    pub fn time_ratio(&self) -> f64 {
+        self.step_ms / (self.step_ms - self.recompute_ms)
+    }
+}
+
+/// The parts of a predicted peak.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Breakdown {
+    /// Stored segment boundaries.
+    pub stored: u64,
+    /// Parameter gradients gathered so far (and those held from earlier micro-batches).
+    pub param_grads: u64,
+    /// Gradients of values waiting for their producer's backward.
+    pub value_grads: u64,
+    /// The live stages of the current segment, their input copies included.
+    pub live: u64,
+    /// The running stage's temporaries.
+    pub transient: u64,
+}
+
+impl Breakdown {
+    fn total(&self) -> u64 {
+        self.stored + self.param_grads + self.value_grads + self.live + self.transient
+    }
+
+    /// The largest part, in words.
+    fn dominant(&self) -> (&'static str, u64) {
+        [
+            ("stored boundaries", self.stored),
+            ("parameter gradients", self.param_grads),
+            ("gradients in flight", self.value_grads),
+            ("one segment's activations", self.live),
+            ("one stage's temporaries", self.transient),
+        ]
+        .into_iter()
+        .max_by_key(|(_, b)| *b)
+        .expect("five parts")
+    }
+}
+
+/// The chosen segment starts and what they are predicted to cost.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// Stage indices that start a segment (0 first).
+    pub starts: Vec<usize>,
+    pub estimate: Estimate,
+}
+
+impl Plan {
+    pub fn policy(&self) -> Policy {
+        Policy::Plan(self.starts[1..].to_vec())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error(
+        "budget {} is below the smallest peak any checkpoint plan reaches, {} (plan {plan}): the state before the step \
+         (parameters, optimizer state, inputs) is {}, and of the step's own {}, {dominant} take {}",
+        mib(*.budget), mib(.fixed + .step), mib(*.fixed), mib(*.step), mib(*.dominant_bytes)
+    )]
+    BelowMinimum { budget: u64, fixed: u64, step: u64, plan: String, dominant: &'static str, dominant_bytes: u64 },
+    #[error("profiles at batch {0} and {1} cannot be extrapolated: they must be of the same graph at two different batch sizes")]
+    Extrapolate(usize, usize),
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+fn bytes_of(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+/// Runs `f` and returns what it gave, the bytes it left live, its peak above that and its time.
+fn metered<R>(counter: &Counter, f: impl FnOnce() -> Result<R>) -> Result<(R, u64, u64, f64)> {
+    counter.synchronize();
+    let before = counter.current();
+    counter.take_window_peak();
+    let start = Instant::now();
+    let out = f()?;
+    counter.synchronize();
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    let (after, peak) = (counter.current(), counter.take_window_peak());
+    let left = after.saturating_sub(before);
+    Ok((out, left, peak.saturating_sub(before).saturating_sub(left), ms))
+}
+
+impl Profile {
+    /// Measures every stage of `graph` on `inputs` (a batch of `batch`); `params` are the
+    /// trainable variables. Stages run in training mode with the recompute flag set, so nothing
+    /// is updated (BatchNorm statistics) and dropout draws as in a step.
+    pub fn measure(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: usize, seed: u64) -> Result<Profile> {
+        if inputs.len() != graph.n_inputs() {
+            return Err(Error::Graph(format!("expected {} inputs, got {}", graph.n_inputs(), inputs.len())));
+        }
+        let counter = Counter::for_device(inputs.first().map_or(&candle_core::Device::Cpu, |t| t.device()));
+        let n_inputs = graph.n_inputs();
+        let output = graph.output()?;
+        let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(graph.n_values()).collect();
+        let mut costs: Vec<ValueCost> = vec![ValueCost { bytes: 0, float: false }; graph.n_values()];
+        for (c, t) in costs.iter_mut().zip(inputs) {
+            *c = ValueCost { bytes: bytes_of(t), float: t.dtype().is_float() };
+        }
+        let mut last_user = vec![None; params.len()];
+        let mut param_bytes = vec![0u64; params.len()];
+        let mut stages = Vec::with_capacity(graph.nodes().len());
+        for (i, node) in graph.nodes().iter().enumerate() {
+            let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
+            let ctx = || StageCtx::new(seed, 0, i, 0, true, true);
+            let ins = node
+                .inputs
+                .iter()
+                .map(|&v| values[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not produced"))))
+                .collect::<Result<Vec<_>>>()?;
+            set_activity(Activity::Forward, Some(i));
+            // Without a graph of its own: the outputs keep their op graph until detached.
+            let (outs, chain_bytes, chain_transient, _) = metered(&counter, || node.stage.forward(&ins, &ctx()).map_err(stage_err))?;
+            for (&v, t) in node.outputs.iter().zip(&outs) {
+                costs[v] = ValueCost { bytes: bytes_of(t), float: t.dtype().is_float() };
+                values[v] = Some(t.detach());
+            }
+            drop(outs);
+            // With a graph on `Var` copies, as the executor's last segment and recomputes run it.
+            let graph_ins = node
+                .inputs
+                .iter()
+                .zip(&ins)
+                .map(|(&v, t)| Ok(if v >= n_inputs && t.dtype().is_float() { Some(Var::from_tensor(&t.detach())?) } else { None }))
+                .collect::<Result<Vec<Option<Var>>>>()?;
+            let run_ins: Vec<Tensor> = graph_ins.iter().zip(&ins).map(|(var, t)| var.as_ref().map_or(t.clone(), |v| v.as_tensor().clone())).collect();
+            let (outs, graph_bytes, graph_transient, forward_ms) = metered(&counter, || node.stage.forward(&run_ins, &ctx()).map_err(stage_err))?;
+            // Backward from the loss, or from a gradient of ones for every float output.
+            let seeds = node
+                .outputs
+                .iter()
+                .zip(&outs)
+                .filter(|(&v, t)| v != output && t.dtype().is_float())
+                .map(|(_, t)| Ok((t.clone(), t.ones_like()?)))
+                .collect::<Result<Vec<_>>>()?;
+            let loss = node.outputs.iter().position(|&v| v == output).map(|k| outs[k].clone());
+            set_activity(Activity::Backward, Some(i));
+            let (grads, grads_left, above_left, backward_ms) = metered(&counter, || {
+                let mut root = loss.clone();
+                for (t, g) in seeds {
+                    let seeded = crate::exec::seed(&t, g)?;
+                    root = Some(match root {
+                        Some(r) => (r + seeded)?,
+                        None => seeded,
+                    });
+                }
+                Ok(match root {
+                    Some(r) => Some(r.backward()?),
+                    None => None,
+                })
+            })?;
+            // Its peak above the heap at its start: the gradients it leaves are part of it.
+            let backward_transient = grads_left + above_left;
+            for (k, p) in params.iter().enumerate() {
+                if let Some(g) = grads.as_ref().and_then(|g| g.get(p)) {
+                    last_user[k] = Some(i);
+                    param_bytes[k] = bytes_of(g);
+                }
+            }
+            drop((grads, outs, run_ins, graph_ins, loss));
+            for &v in &node.inputs {
+                if graph.nodes()[i + 1..].iter().all(|n| !n.inputs.contains(&v)) && v >= n_inputs {
+                    values[v] = None;
+                }
+            }
+            stages.push(StageCost {
+                name: node.stage.name(),
+                kind: node.stage.kind(),
+                inputs: node.inputs.clone(),
+                outputs: node.outputs.clone(),
+                graph_bytes,
+                chain_bytes,
+                graph_transient,
+                chain_transient,
+                backward_transient,
+                param_grad_bytes: 0,
+                forward_ms,
+                backward_ms,
+            });
+        }
+        for (k, user) in last_user.iter().enumerate() {
+            if let Some(i) = user {
+                stages[*i].param_grad_bytes += param_bytes[k];
+            }
+        }
+        set_activity(Activity::Setup, None);
+        Ok(Profile { batch, n_inputs, values: costs, stages })
+    }
+
+    /// The profile at `batch`, from profiles `a` and `b` of the same graph at two batch sizes:
+    /// every quantity on the line through the two (bytes rounded, never below zero).
+    pub fn extrapolate(a: &Profile, b: &Profile, batch: usize) -> std::result::Result<Profile, PlanError> {
+        let same = a.batch != b.batch && a.stages.len() == b.stages.len() && a.values.len() == b.values.len();
+        if !same {
+            return Err(PlanError::Extrapolate(a.batch, b.batch));
+        }
+        let t = (batch as f64 - a.batch as f64) / (b.batch as f64 - a.batch as f64);
+        let line = |x: f64, y: f64| x + (y - x) * t;
+        let bytes = |x: u64, y: u64| line(x as f64, y as f64).round().max(0.0) as u64;
+        let ms = |x: f64, y: f64| line(x, y).max(0.0);
+        let values = a.values.iter().zip(&b.values).map(|(x, y)| ValueCost { bytes: bytes(x.bytes, y.bytes), float: x.float }).collect();
+        let stages = a
+            .stages
+            .iter()
+            .zip(&b.stages)
+            .map(|(x, y)| StageCost {
+                graph_bytes: bytes(x.graph_bytes, y.graph_bytes),
+                chain_bytes: bytes(x.chain_bytes, y.chain_bytes),
+                graph_transient: bytes(x.graph_transient, y.graph_transient),
+                chain_transient: bytes(x.chain_transient, y.chain_transient),
+                backward_transient: bytes(x.backward_transient, y.backward_transient),
+                param_grad_bytes: x.param_grad_bytes,
+                forward_ms: ms(x.forward_ms, y.forward_ms),
+                backward_ms: ms(x.backward_ms, y.backward_ms),
+                ..x.clone()
+            })
+            .collect();
+        Ok(Profile { batch, n_inputs: a.n_inputs, values, stages })
+    }
+
+    pub fn kinds(&self) -> Vec<StageKind> {
+        self.stages.iter().map(|s| s.kind).collect()
+    }
+
+    /// Bytes of every parameter gradient.
+    pub fn param_grad_bytes(&self) -> u64 {
+        self.stages.iter().map(|s| s.param_grad_bytes).sum()
+    }
+
+    /// The estimate for `policy` (a fixed policy or a plan; resolve `budget=`/`auto` first).
+    /// `held_grads`: parameter gradient bytes held from the start (accumulating micro-batches
+    /// after the first), which then do not grow.
+    pub fn predict_policy(&self, policy: &Policy, held_grads: u64) -> Result<Estimate> {
+        Ok(self.predict(&policy.segments_of(&self.kinds())?, held_grads))
+    }
+
+    /// The estimate for a cut of the stages into `segments` (contiguous, in order).
+    pub fn predict(&self, segments: &[Range<usize>], held_grads: u64) -> Estimate {
+        let walk = Walk::new(self, held_grads);
+        let mut past = 0;
+        let mut estimate = Estimate::default();
+        for (k, seg) in segments.iter().enumerate() {
+            let cost = walk.segment(seg.start, seg.end, k + 1 == segments.len(), past);
+            estimate.merge(&cost);
+            past += walk.settled(seg.start, seg.end);
+        }
+        estimate.step_ms += self.stages.iter().map(|s| s.forward_ms + s.backward_ms).sum::<f64>();
+        estimate
+    }
+
+    /// Stages where a segment may start: blocks and downsampling stages (what the fixed
+    /// policies cut at), and stage 0.
+    fn candidates(&self) -> Vec<usize> {
+        let mut c: Vec<usize> =
+            self.stages.iter().enumerate().filter(|(i, s)| *i == 0 || s.kind.is_block() || s.kind.is_downsample()).map(|(i, _)| i).collect();
+        c.dedup();
+        c
+    }
+
+    /// The plan with the least recompute time whose peak, plus `fixed` (the heap before the step:
+    /// parameters, optimizer state, inputs), fits `budget`; equal times go to the lower peak.
+    pub fn plan(&self, budget: u64, fixed: u64, held_grads: u64) -> std::result::Result<Plan, PlanError> {
+        let found = if budget >= fixed { self.search(budget - fixed, held_grads) } else { None };
+        match found {
+            Some(plan) => Ok(plan),
+            None => {
+                let min = self.least_peak(held_grads);
+                let (dominant, dominant_bytes) = min.estimate.at_peak.dominant();
+                Err(PlanError::BelowMinimum { budget, fixed, step: min.estimate.peak, plan: min.policy().to_string(), dominant, dominant_bytes })
+            }
+        }
+    }
+
+    /// The plan with the smallest predicted peak (a bisection over budgets of [`Profile::search`]).
+    pub fn least_peak(&self, held_grads: u64) -> Plan {
+        let all = self.stages.iter().map(|s| s.graph_bytes + s.chain_bytes + s.graph_transient + s.backward_transient).sum::<u64>()
+            + self.values.iter().map(|v| 2 * v.bytes).sum::<u64>()
+            + self.param_grad_bytes()
+            + held_grads;
+        let mut best = self.search(all, held_grads).expect("every plan fits a budget of everything at once");
+        let (mut lo, mut hi) = (0u64, best.estimate.peak);
+        while lo + 1 < hi {
+            let mid = lo + (hi - lo) / 2;
+            match self.search(mid, held_grads) {
+                Some(p) => {
+                    hi = p.estimate.peak.min(mid);
+                    best = p;
+                }
+                None => lo = mid,
+            }
+        }
+        best
+    }
+
+    /// The dynamic programme: for each candidate cut position, the Pareto set of partial plans
+    /// by (bytes of stored values all of whose readers lie before the cut, recompute time).
+    fn search(&self, step_budget: u64, held_grads: u64) -> Option<Plan> {
+        let walk = Walk::new(self, held_grads);
+        let n = self.stages.len();
+        let cuts = self.candidates();
+        struct Partial {
+            past: u64,
+            recompute: f64,
+            peak: Estimate,
+            starts: Vec<usize>,
+        }
+        let mut fronts: Vec<Vec<Partial>> = (0..cuts.len()).map(|_| Vec::new()).collect();
+        fronts[0].push(Partial { past: 0, recompute: 0.0, peak: Estimate::default(), starts: vec![0] });
+        let mut best: Option<Partial> = None;
+        for (ia, &a) in cuts.iter().enumerate() {
+            let front = std::mem::take(&mut fronts[ia]);
+            for p in &front {
+                for (ib, b) in cuts.iter().copied().enumerate().skip(ia + 1).map(|(i, b)| (Some(i), b)).chain(std::iter::once((None, n))) {
+                    let last = ib.is_none();
+                    let cost = walk.segment(a, b, last, p.past);
+                    if cost.peak > step_budget {
+                        continue;
+                    }
+                    let mut peak = p.peak;
+                    peak.merge(&cost);
+                    let mut starts = p.starts.clone();
+                    let next = Partial { past: p.past + walk.settled(a, b), recompute: p.recompute + cost.recompute_ms, peak, starts: Vec::new() };
+                    match ib {
+                        None => {
+                            let better = best.as_ref().is_none_or(|q| (next.recompute, next.peak.peak) < (q.recompute, q.peak.peak));
+                            if better {
+                                best = Some(Partial { starts, ..next });
+                            }
+                        }
+                        Some(ib) => {
+                            let f = &mut fronts[ib];
+                            let dominated = f.iter().any(|q| q.past <= next.past && q.recompute <= next.recompute && q.peak.peak <= next.peak.peak);
+                            if !dominated {
+                                f.retain(|q| !(next.past <= q.past && next.recompute <= q.recompute && next.peak.peak <= q.peak.peak));
+                                starts.push(b);
+                                f.push(Partial { starts, ..next });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let best = best?;
+        let segments: Vec<Range<usize>> = best.starts.iter().zip(best.starts.iter().skip(1).chain(std::iter::once(&n))).map(|(&a, &b)| a..b).collect();
+        Some(Plan { estimate: self.predict(&segments, held_grads), starts: best.starts })
+    }
+}
+
+impl Estimate {
+    fn merge(&mut self, other: &Estimate) {
+        if other.peak > self.peak {
+            self.peak = other.peak;
+            self.at_peak = other.at_peak;
+        }
+        self.forward_peak = self.forward_peak.max(other.forward_peak);
+        self.backward_peak = self.backward_peak.max(other.backward_peak);
+        self.recompute_ms += other.recompute_ms;
+        self.step_ms += other.recompute_ms;
+    }
+}
+
+/// The graph's connections, for replaying the executor on a profile.
+struct Walk<'p> {
+    p: &'p Profile,
+    /// Producing stage of every value (`None`: a graph input).
+    producer: Vec<Option<usize>>,
+    /// Reading stages of every value, in order.
+    readers: Vec<Vec<usize>>,
+    held_grads: u64,
+}
+
+impl<'p> Walk<'p> {
+    fn new(p: &'p Profile, held_grads: u64) -> Self {
+        let mut producer = vec![None; p.values.len()];
+        let mut readers = vec![Vec::new(); p.values.len()];
+        for (i, s) in p.stages.iter().enumerate() {
+            s.outputs.iter().for_each(|&v| producer[v] = Some(i));
+            s.inputs.iter().for_each(|&v| readers[v].push(i));
+        }
+        Walk { p, producer, readers, held_grads }
+    }
+
+    fn bytes(&self, v: ValueId) -> u64 {
+        self.p.values[v].bytes
+    }
+
+    /// Values a cut before stage `a` stores: produced before it (not graph inputs), read at or after it.
+    fn crossing(&self, a: usize) -> impl Iterator<Item = ValueId> + '_ {
+        (0..self.p.values.len()).filter(move |&v| self.producer[v].is_some_and(|p| p < a) && self.readers[v].last().is_some_and(|&r| r >= a))
+    }
+
+    /// Bytes of the values stored at the cut `a` whose readers all lie before `b`: after the
+    /// segment `a..b` they are settled (held until the backward of their first reader's segment,
+    /// whatever later cuts are chosen).
+    fn settled(&self, a: usize, b: usize) -> u64 {
+        self.crossing(a).filter(|&v| self.readers[v].last().is_some_and(|&r| r < b)).map(|v| self.bytes(v)).sum()
+    }
+
+    /// The segment `a..b` (`last`: the one whose graphs forward keeps), with `past` bytes of
+    /// settled stored values from earlier segments: its forward and backward peaks and its
+    /// recompute time.
+    fn segment(&self, a: usize, b: usize, last: bool, past: u64) -> Estimate {
+        let stages = &self.p.stages;
+        let n_inputs = self.p.n_inputs;
+        let float = |v: ValueId| self.p.values[v].float;
+        let crossing: Vec<ValueId> = self.crossing(a).collect();
+        let first_reader = |v: ValueId| self.readers[v][0];
+        // Stored inputs first read here: moved into this segment's copies when it has graphs.
+        let moved: u64 = crossing.iter().filter(|&&v| (a..b).contains(&first_reader(v)) && float(v)).map(|&v| self.bytes(v)).sum();
+        // The `Var` copies stage i makes: each float value once per segment, at its first reader here.
+        let copies = |i: usize| -> u64 {
+            stages[i]
+                .inputs
+                .iter()
+                .filter(|&&v| v >= n_inputs && float(v) && self.readers[v].iter().find(|&&r| r >= a) == Some(&i))
+                .map(|&v| self.bytes(v))
+                .sum()
+        };
+        let mut est = Estimate::default();
+        let mut see = |forward: bool, parts: Breakdown| {
+            let total = parts.total();
+            if forward {
+                est.forward_peak = est.forward_peak.max(total);
+            } else {
+                est.backward_peak = est.backward_peak.max(total);
+            }
+            if total > est.peak {
+                est.peak = total;
+                est.at_peak = parts;
+            }
+        };
+        let param_grads_after: u64 = self.held_grads + if self.held_grads > 0 { 0 } else { stages[b..].iter().map(|s| s.param_grad_bytes).sum() };
+
+        // Forward: every value stored so far, then this segment's stages.
+        let stored = past + crossing.iter().map(|&v| self.bytes(v)).sum::<u64>();
+        let forward_grads = self.held_grads;
+        let mut live = 0;
+        for (i, st) in stages.iter().enumerate().take(b).skip(a) {
+            let (keep, transient) = if last { (copies(i) + st.graph_bytes, st.graph_transient) } else { (st.chain_bytes, st.chain_transient) };
+            let stored = if last { stored - moved } else { stored };
+            see(true, Breakdown { stored, param_grads: forward_grads, value_grads: 0, live: live + keep, transient });
+            live += keep;
+        }
+
+        // Backward: stored values whose first reader is here or earlier are still held.
+        let stored = past + crossing.iter().filter(|&&v| first_reader(v) < b).map(|&v| self.bytes(v)).sum::<u64>() - moved;
+        let mut pending: BTreeSet<ValueId> = self.crossing(b).filter(|&v| float(v)).collect();
+        let pending_bytes = |p: &BTreeSet<ValueId>| p.iter().map(|&v| self.bytes(v)).sum::<u64>();
+        let mut grads = param_grads_after;
+        if !last {
+            live = 0;
+            for (i, st) in stages.iter().enumerate().take(b).skip(a) {
+                let keep = copies(i) + st.graph_bytes;
+                see(false, Breakdown { stored, param_grads: grads, value_grads: pending_bytes(&pending), live: live + keep, transient: st.graph_transient });
+                live += keep;
+                est.recompute_ms += st.forward_ms;
+            }
+        }
+        for i in (a..b).rev() {
+            see(false, Breakdown { stored, param_grads: grads, value_grads: pending_bytes(&pending), live, transient: stages[i].backward_transient });
+            live -= copies(i) + stages[i].graph_bytes;
+            stages[i].outputs.iter().for_each(|v| {
+                pending.remove(v);
+            });
+            stages[i].inputs.iter().filter(|&&v| v >= n_inputs && float(v)).for_each(|&v| {
+                pending.insert(v);
+            });
+            if self.held_grads == 0 {
+                grads += stages[i].param_grad_bytes;
+            }
+        }
+        est
+    }
+}
+
+/// Turns `budget=`/`auto` into a [`Policy::Plan`] from the profile `profile()` gives (measured
+/// only when needed); other policies are returned as they are. `fixed`: the heap before a step
+/// (parameters, optimizer state, inputs); `available`: what `auto` may use (the device's free
+/// memory less a margin, or the memory cap).
+pub fn resolve(
+    policy: &Policy,
+    profile: impl FnOnce() -> Result<Profile>,
+    fixed: u64,
+    held_grads: u64,
+    available: Option<u64>,
+) -> Result<(Policy, Option<Plan>)> {
+    let budget = match policy {
+        Policy::Budget(b) => *b,
+        Policy::Auto => available.ok_or_else(|| Error::Graph("`auto` needs a memory limit: a --memory-cap on the CPU, or a GPU's free memory".into()))?,
+        other => return Ok((other.clone(), None)),
+    };
+    let plan = profile()?.plan(budget, fixed, held_grads).map_err(|e| Error::Graph(format!("{policy}: {e}")))?;
+    Ok((plan.policy(), Some(plan)))
+}
+
+/// The plans for a range of budgets, from the least peak up to the peak of `off`: the memory/time
+/// frontier (deduplicated: budgets that give the same plan appear once).
+pub fn frontier(profile: &Profile, fixed: u64, held_grads: u64, points: usize) -> Vec<Plan> {
+    let low = profile.least_peak(held_grads).estimate.peak;
+    let high = profile.predict_policy(&Policy::Off, held_grads).map_or(low, |e| e.peak);
+    let mut plans: Vec<Plan> = Vec::new();
+    for k in 0..points.max(2) {
+        let budget = fixed + low + (high.saturating_sub(low)) * k as u64 / (points.max(2) - 1) as u64;
+        if let Ok(p) = profile.plan(budget, fixed, held_grads) {
+            if plans.last().is_none_or(|q| q.starts != p.starts) {
+                plans.push(p);
+            }
+        }
+    }
+    plans
+}
+
+/// A readable summary of a profile's stages (for `--dry-run`).
+pub fn describe(profile: &Profile) -> String {
+    let mut out = format!("{:>4}  {:<24} {:>12} {:>12} {:>12} {:>10}\n", "#", "stage", "keeps", "backward+", "param grads", "forward");
+    for (i, s) in profile.stages.iter().enumerate() {
+        out += &format!(
+            "{i:>4}  {:<24} {:>12} {:>12} {:>12} {:>8.1}ms\n",
+            s.name,
+            mib(s.graph_bytes),
+            mib(s.backward_transient),
+            mib(s.param_grad_bytes),
+            s.forward_ms
+        );
+    }
+    out
+}
+
+/// Every field of `e` in one line.
+pub fn summary(e: &Estimate) -> String {
+    let d = &e.at_peak;
+    format!(
+        "peak {} above the state (forward {}, backward {}): stored {}, parameter gradients {}, gradients in flight {}, live stages {}, temporaries {}; recompute {:.0} ms of {:.0} ms ({:.2}x off)",
+        mib(e.peak),
+        mib(e.forward_peak),
+        mib(e.backward_peak),
+        mib(d.stored),
+        mib(d.param_grads),
+        mib(d.value_grads),
+        mib(d.live),
+        mib(d.transient),
+        e.recompute_ms,
+        e.step_ms,
+        e.time_ratio()
+    )
+}
+
+/// Counts of each stage's stored output values under `segments`, for tests and reports: the
+/// values a cut stores.
+pub fn stored_values(profile: &Profile, segments: &[Range<usize>]) -> Vec<ValueId> {
+    let walk = Walk::new(profile, 0);
+    let mut out: Vec<ValueId> = segments.iter().skip(1).flat_map(|s| walk.crossing(s.start).collect::<Vec<_>>()).collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
