@@ -8,6 +8,7 @@ mod baseline;
 mod measure;
 mod plot;
 mod predict;
+mod projection;
 mod report;
 mod results;
 mod table;
@@ -46,6 +47,15 @@ enum Cmd {
         #[arg(long, default_value = "cpu")]
         device: String,
     },
+    /// Predict one model of the `full` profile at its size and print the projection as JSON
+    /// (the matrix runs this for the article's table).
+    #[command(hide = true)]
+    ProjectOne {
+        #[arg(long)]
+        model: String,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Measure one configuration and print its record as JSON (the matrix runs this per config).
     #[command(hide = true)]
     RunOne {
@@ -56,6 +66,9 @@ enum Cmd {
         /// Time the steps only: no gradient check (the interleaved timing rounds).
         #[arg(long)]
         time_only: bool,
+        /// Predict only: profile the stages and print the record with the prediction, run no step.
+        #[arg(long)]
+        dry_run: bool,
         #[command(flatten)]
         common: Common,
     },
@@ -136,8 +149,10 @@ struct MatrixArgs {
     /// The Python that has torch, torchvision and transformers (for --baseline pytorch).
     #[arg(long, default_value = "python3")]
     python: String,
-    /// gpt2-24gb: predict every configuration that has its calibration (gpt2-small's record of
-    /// the same variant and policy, from an earlier run into the same folder) and run none.
+    /// Predict every configuration and run none: the planner's step peak (forward and backward,
+    /// and what it is made of) and time, printed, nothing saved. gpt2-24gb: every configuration
+    /// that has its calibration (gpt2-small's record of the same variant and policy, from an
+    /// earlier run into the same folder), recorded as not run.
     #[arg(long)]
     dry_run: bool,
     #[command(flatten)]
@@ -161,13 +176,73 @@ impl Common {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::RunOne { model, policy, time_only, common }) => run_one(&model, &policy, time_only, &common),
+        Some(Cmd::RunOne { model, policy, time_only, dry_run, common }) => run_one(
+            &model,
+            &policy,
+            if dry_run {
+                One::DryRun
+            } else if time_only {
+                One::TimeOnly
+            } else {
+                One::Full
+            },
+            &common,
+        ),
+        Some(Cmd::ProjectOne { model, common }) => project_one(&model, &common),
         Some(Cmd::Selftest { device }) => selftest(&device),
         None => run_matrix(cli.matrix),
     }
 }
 
-fn run_one(model: &str, policy: &Policy, time_only: bool, common: &Common) -> Result<()> {
+/// What a `run-one` process does.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum One {
+    /// Timed steps and the gradient check.
+    Full,
+    /// Timed steps only (a timing round).
+    TimeOnly,
+    /// The prediction only.
+    DryRun,
+}
+
+fn project_one(model: &str, common: &Common) -> Result<()> {
+    let dev = trainkit::device(&common.device)?;
+    let w = workloads::profile("full")?.into_iter().find(|w| w.model == model).with_context(|| format!("model `{model}` is not in profile `full`"))?;
+    println!("{}", serde_json::to_string(&projection::project(&w, &dev, common.seed)?)?);
+    Ok(())
+}
+
+/// Runs `project-one` for every model of the article's table that `models` selects (all where
+/// it is empty), in fresh processes, into the matrix; a projection already there is kept unless
+/// `force`.
+fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, force: bool) {
+    for model in projection::MODELS.iter().filter(|m| models.is_empty() || models.iter().any(|s| m.starts_with(s.as_str()))) {
+        if !force && matrix.projections.iter().any(|p| p.model == *model) {
+            continue;
+        }
+        let exe = std::env::current_exe().expect("own executable");
+        let mut cmd = Command::new(exe);
+        cmd.args(["project-one", "--model", model, "--seed", &common.seed.to_string(), "--device", &common.device]);
+        die_with_parent(&mut cmd);
+        let projected = cmd.output().map_err(anyhow::Error::from).and_then(|out| {
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            match stdout.lines().last().and_then(|l| serde_json::from_str::<projection::Projection>(l).ok()) {
+                Some(p) if out.status.success() => Ok(p),
+                _ => bail!("{}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("no output")),
+            }
+        });
+        match projected {
+            Ok(p) => {
+                let off = p.rows.first().map_or(0, |r| r.total_bytes);
+                trainkit::say!("projected {model} at batch {} ({}): off {:.1} GB", p.batch, p.input, off as f64 / 1e9);
+                matrix.put_projection(p);
+            }
+            Err(e) => trainkit::say!("projection of {model} failed: {e:#}"),
+        }
+    }
+}
+
+fn run_one(model: &str, policy: &Policy, mode: One, common: &Common) -> Result<()> {
     let dev = trainkit::device(&common.device)?;
     // Held while the configuration is measured: the device memory beyond the cap.
     let held = match common.memory_cap {
@@ -180,12 +255,15 @@ fn run_one(model: &str, policy: &Policy, time_only: bool, common: &Common) -> Re
         .find(|w| w.model == model)
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .overridden(common.overrides());
-    let mut rec = measure::run(&w, policy, common.steps, common.seed, &dev, &common.device, common.memory_cap)?;
+    let steps = if mode == One::DryRun { 0 } else { common.steps };
+    let mut rec = measure::run(&w, policy, steps, common.seed, &dev, &common.device, common.memory_cap)?;
     // The cap is for the measured configuration only: the check builds two more models.
     drop(held);
     remat::memory::set_heap_cap(u64::MAX);
-    if !time_only {
-        measure::check(&mut rec, &w, policy, common.seed, &dev, !common.no_rng_replay)?;
+    if mode == One::Full {
+        // A budget is checked as the plan it resolved to.
+        let checked: Policy = if rec.plan.is_empty() { policy.clone() } else { rec.plan.parse()? };
+        measure::check(&mut rec, &w, &checked, common.seed, &dev, !common.no_rng_replay)?;
     }
     println!("{}", serde_json::to_string(&rec)?);
     Ok(())
@@ -341,7 +419,14 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
 
     let bar = ProgressBar::new(configs.len() as u64).with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} configs [{elapsed} < {eta}] {msg}")?);
     let mut ran_models: Vec<&Workload> = Vec::new();
+    let dry_run = args.dry_run && profile != workloads::GPT2_24GB;
     for (i, (w, policy)) in configs.iter().enumerate() {
+        if dry_run {
+            let rec = spawn_one(w, policy, common, &profile, One::DryRun);
+            bar.suspend(|| trainkit::say!("{}", dry_summary(&rec)));
+            bar.inc(1);
+            continue;
+        }
         let have = matrix.find(&w.model, &policy.to_string()).is_some();
         let have_baseline = python.is_none() || !baseline::MODELS.contains(&w.model.as_str()) || matrix.find_baseline(&w.model, &policy.to_string()).is_some();
         if !args.force && have && have_baseline {
@@ -365,7 +450,7 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
                     }
                 }
             } else {
-                spawn_one(w, policy, common, &profile, false)
+                spawn_one(w, policy, common, &profile, One::Full)
             };
             bar.suspend(|| trainkit::say!("{}", summary(&rec, matrix.find(&w.model, "off"))));
             statuses.push((format!("{} {policy}", w.model), rec.status));
@@ -393,6 +478,12 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
+    if dry_run {
+        return Ok(());
+    }
+    if profile == "cpu" || profile == "full" {
+        project_all(&mut matrix, &args.models, common, args.force);
+    }
     report::save(&matrix, &dir)?;
     trainkit::say!("results in {}", dir.display());
     // An `oom` is a result; an error is not, and neither is a run where every configuration ran out.
@@ -452,7 +543,7 @@ fn run_predicted(matrix: &Matrix, w: &Workload, policy: &Policy, common: &Common
         None if state > cap => skipped(format!("does not fit (its state alone is {:.1} GiB > cap {:.1} GiB)", gib(state), gib(cap))),
         _ => {
             let check_fits = prediction.params * 4 + prediction.activations.unwrap_or(0) < cap;
-            let mut rec = spawn_one(w, policy, common, profile, !check_fits);
+            let mut rec = spawn_one(w, policy, common, profile, if check_fits { One::Full } else { One::TimeOnly });
             rec.grads_checked = check_fits && rec.status == Status::Ok;
             rec
         }
@@ -523,7 +614,7 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[Policy], rounds: u
         .collect();
     for _ in 0..rounds {
         let times: Vec<Option<f64>> =
-            timed.iter().map(|p| Some(spawn_one(w, p, common, profile, true)).filter(|r| r.status == Status::Ok).map(|r| r.step_ms_median)).collect();
+            timed.iter().map(|p| Some(spawn_one(w, p, common, profile, One::TimeOnly)).filter(|r| r.status == Status::Ok).map(|r| r.step_ms_median)).collect();
         let off = timed.iter().position(|p| **p == Policy::Off).and_then(|i| times[i]);
         for (ratio, t) in ratios.iter_mut().zip(&times) {
             if let (Some(t), Some(off)) = (t, off) {
@@ -556,8 +647,7 @@ fn baseline_summary(b: &baseline::Baseline, ours: &Record) -> String {
 }
 
 /// Runs one configuration in a fresh process, so one run's peak never leaks into another.
-/// `time_only`: no gradient check (a timing round).
-fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time_only: bool) -> Record {
+fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, mode: One) -> Record {
     let exe = std::env::current_exe().expect("own executable");
     let mut cmd = Command::new(exe);
     cmd.args(["run-one", "--model", &w.model, "--policy", &policy.to_string(), "--profile", profile]).args([
@@ -585,8 +675,14 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time
     if common.no_rng_replay {
         cmd.arg("--no-rng-replay");
     }
-    if time_only {
-        cmd.arg("--time-only");
+    match mode {
+        One::Full => {}
+        One::TimeOnly => {
+            cmd.arg("--time-only");
+        }
+        One::DryRun => {
+            cmd.arg("--dry-run");
+        }
     }
     die_with_parent(&mut cmd);
     let failed = |status: Status, error: String| Record { status, error, ..Record::new(w, policy, &common.device) };
@@ -601,7 +697,9 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, time
         }
     }
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim().to_string();
+    // anyhow's "Error: ..." line, not the backtrace RUST_BACKTRACE appends; else the last line.
+    let last =
+        stderr.lines().find_map(|l| l.strip_prefix("Error: ")).or_else(|| stderr.lines().rev().find(|l| !l.trim().is_empty())).unwrap_or("").trim().to_string();
     // Our allocator names the phase of a refused allocation; otherwise the runtime's line.
     let oom_line = stderr
         .lines()
@@ -641,6 +739,17 @@ pub fn die_with_parent(cmd: &mut Command) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = cmd;
+}
+
+/// A dry run's line: the prediction of one configuration, per phase.
+fn dry_summary(r: &Record) -> String {
+    match &r.estimate {
+        Some(e) if r.status == Status::Skipped => {
+            let plan = if r.plan.is_empty() { String::new() } else { format!(" [{}]", r.plan) };
+            format!("{:<14} {:<18} predicted {}{plan}", r.model, r.policy, remat::plan::summary(e))
+        }
+        _ => format!("{:<14} {:<18} {}: {}", r.model, r.policy, r.status, r.error),
+    }
 }
 
 fn summary(r: &Record, off: Option<&Record>) -> String {

@@ -75,7 +75,7 @@ pub struct Record {
     #[serde(default)]
     pub predicted_total_bytes: Option<u64>,
     /// The planner's prediction of `step_peak_bytes` ([`remat::plan`], from stage profiles at
-    /// batches 1 and 2 extrapolated to this batch) and of the step time over `off`'s.
+    /// this batch, one stage at a time) and of the step time over `off`'s.
     #[serde(default)]
     pub predicted_peak_bytes: Option<u64>,
     #[serde(default)]
@@ -83,6 +83,14 @@ pub struct Record {
     /// The segment starts a `budget=`/`auto` policy resolved to (`plan=...`), else empty.
     #[serde(default)]
     pub plan: String,
+    /// `off` only (JSON only): the planner's memory/time frontier, the `budget=` plans for budgets
+    /// from the least peak to `off`'s.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub frontier: Vec<FrontierPoint>,
+    /// The planner's whole estimate (JSON only): forward and backward peaks, what the peak is
+    /// made of, recompute time.
+    #[serde(default)]
+    pub estimate: Option<Estimate>,
     /// Gradient and buffer elements whose bits differ from plain candle's.
     pub grads_differing: u64,
     pub max_abs_diff: f64,
@@ -95,6 +103,14 @@ pub struct Record {
     pub timeline: Vec<Event>,
     #[serde(default)]
     pub timeline_base_bytes: u64,
+}
+
+/// A plan on the planner's memory/time frontier, predicted.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct FrontierPoint {
+    pub plan: String,
+    pub peak_bytes: u64,
+    pub time_ratio: f64,
 }
 
 /// How a configuration ended: measured, out of memory (a result: it does not fit), or failed.
@@ -168,14 +184,10 @@ impl Record {
     }
 }
 
-/// The planner's profile of `inst` at its batch: measured at batches 1 and 2 and extrapolated,
-/// after a first pass at batch 1 that is thrown away (it pays the allocations a process makes
-/// once: thread pools, kernel workspaces).
+/// The planner's profile of `inst` at its batch, measured at that batch ([`Profile::at_batch`]).
 pub fn profile(inst: &dyn Instance, seed: u64) -> Result<Profile> {
-    let vars = inst.store().vars();
-    let at = |batch| Profile::measure(inst.graph(), &inst.inputs_at(0, batch)?, &vars, batch, seed).map_err(anyhow::Error::from);
-    at(1)?;
-    Ok(Profile::extrapolate(&at(1)?, &at(2)?, inst.batch())?)
+    let inputs_at = |n| inst.inputs_at(0, n).map_err(|e| remat::Error::Graph(format!("{e:#}")));
+    Ok(Profile::at_batch(inst.graph(), inputs_at, &inst.store().vars(), inst.batch(), seed)?)
 }
 
 /// Bytes of the optimizer state allocated so far (SGD allocates its buffers at the first update).
@@ -195,7 +207,8 @@ pub fn predict(profile: &Profile, policy: &Policy, accumulate: usize) -> Result<
 }
 
 /// Measures `policy` on `w`: a warm-up step, then `steps` timed steps (the record's status is
-/// `ok`, its gradient fields still empty: see [`check`]). The planner profiles the model first
+/// `ok`, its gradient fields still empty: see [`check`]); `steps == 0` predicts only (a dry run:
+/// status `skipped`). The planner profiles the model first
 /// and predicts the step (a `budget=`/`auto` policy is resolved from that profile; `auto` takes
 /// `cap`, the memory the run may use).
 pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str, cap: Option<u64>) -> Result<Record> {
@@ -212,13 +225,24 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     counter.synchronize();
     let fixed = (counter.current() - base) + optimizer.state_bytes().saturating_sub(allocated_state(&*optimizer)?) + inputs_bytes;
     let held = if w.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
-    let (policy, plan) = remat::plan::resolve(policy, || Ok(profile.clone()), fixed, held, cap)?;
+    let (policy, plan) = remat::plan::resolve(policy, &profile, fixed, held, trainkit::auto_budget(device, cap))?;
     if plan.is_some() {
         rec.plan = policy.to_string();
     }
     let estimate = predict(&profile, &policy, w.accumulate)?;
+    if policy == Policy::Off {
+        let points = remat::plan::frontier(&profile, fixed, held, 16);
+        rec.frontier =
+            points.iter().map(|p| FrontierPoint { plan: p.policy().to_string(), peak_bytes: p.estimate.peak, time_ratio: p.estimate.time_ratio() }).collect();
+    }
     rec.predicted_peak_bytes = Some(estimate.peak);
     rec.predicted_time_ratio = Some(estimate.time_ratio());
+    rec.estimate = Some(estimate);
+    if steps == 0 {
+        rec.status = Status::Skipped;
+        rec.error = "dry run".into();
+        return Ok(rec);
+    }
     let exec = Executor::new(inst.graph(), &policy, inst.store().vars(), seed)?;
     rec.segments = exec.segments().len();
     rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();

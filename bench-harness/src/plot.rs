@@ -130,9 +130,16 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
         if rows.is_empty() {
             continue;
         }
-        let max_t = rows.iter().map(|r| r.step_ms_median).fold(0.0, f64::max) * 1.1;
-        let min_t = rows.iter().map(|r| r.step_ms_median).fold(f64::MAX, f64::min) * 0.9;
-        let max_m = rows.iter().map(|r| r.step_peak_bytes as f64 / MIB).fold(0.0, f64::max) * 1.15;
+        // The planner's frontier: every budget= plan, predicted (time from off's measured step).
+        let frontier: Vec<(f64, f64)> = rows
+            .iter()
+            .find(|r| r.policy == "off")
+            .map(|off| off.frontier.iter().map(|p| (off.step_ms_median * p.time_ratio, p.peak_bytes as f64 / MIB)).collect())
+            .unwrap_or_default();
+        let times = rows.iter().map(|r| r.step_ms_median).chain(frontier.iter().map(|p| p.0));
+        let max_t = times.clone().fold(0.0, f64::max) * 1.1;
+        let min_t = times.fold(f64::MAX, f64::min) * 0.9;
+        let max_m = rows.iter().map(|r| r.step_peak_bytes as f64 / MIB).chain(frontier.iter().map(|p| p.1)).fold(0.0, f64::max) * 1.15;
         let mut chart = ChartBuilder::on(area)
             .caption(format!("{model}: peak memory vs step time"), ("sans-serif", 18))
             .margin(12)
@@ -141,6 +148,13 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
             .build_cartesian_2d(min_t..max_t, 0.0..max_m)
             .map_err(plot_err)?;
         chart.configure_mesh().x_desc("step time (ms, median)").y_desc("peak above model state (MiB)").draw().map_err(plot_err)?;
+        if !frontier.is_empty() {
+            chart
+                .draw_series(LineSeries::new(frontier.iter().copied(), BLACK.stroke_width(1)).point_size(3))
+                .map_err(plot_err)?
+                .label("budget= plans (predicted)")
+                .legend(|(x, y)| PathElement::new([(x - 8, y), (x + 8, y)], BLACK));
+        }
         for (i, r) in rows.iter().enumerate() {
             let (t, step, act) = (r.step_ms_median, r.step_peak_bytes as f64 / MIB, r.activation_peak_bytes as f64 / MIB);
             let c = color(i);

@@ -25,6 +25,9 @@ pub struct Matrix {
     /// The same configurations in PyTorch (`--baseline pytorch`).
     #[serde(default)]
     pub baselines: Vec<Baseline>,
+    /// The article's configurations at full size, predicted by the planner.
+    #[serde(default)]
+    pub projections: Vec<crate::projection::Projection>,
 }
 
 impl Matrix {
@@ -69,6 +72,11 @@ impl Matrix {
     /// Adds or replaces the PyTorch record of its (model, policy).
     pub fn put_baseline(&mut self, b: Baseline) {
         replace_or_push(&mut self.baselines, b, |r| (&r.model, &r.policy));
+    }
+
+    /// Adds or replaces the projection of its model.
+    pub fn put_projection(&mut self, p: crate::projection::Projection) {
+        replace_or_push(&mut self.projections, p, |r| (&r.model, &r.model));
     }
 
     /// The fitted exponents of activation peak against depth, for `off` and `sqrt`.

@@ -113,6 +113,9 @@ least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|--
             let _ = writeln!(out, "| {} | {} | {} | {ratio} |", depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
         }
     }
+    out.push_str(&crate::projection::render(&m.projections, |model| {
+        ARTICLE.iter().find(|r| r.models.contains(&model)).and_then(|r| Some((r.off_gb?, r.ckpt_gb, r.time?)))
+    }));
     out.push_str(&side_by_side(m));
     out
 }

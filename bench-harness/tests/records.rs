@@ -126,7 +126,7 @@ const COLUMNS: [(&str, Type); 37] = {
 
 /// Record fields that are JSON only: the timeline, the segments' stage ranges, and the time / off
 /// rounds (the CSV has their median and range).
-const JSON_ONLY: [&str; 5] = ["timeline", "timeline_base_bytes", "segment_ranges", "time_vs_off", "predicted"];
+const JSON_ONLY: [&str; 7] = ["timeline", "timeline_base_bytes", "segment_ranges", "time_vs_off", "predicted", "frontier", "estimate"];
 
 /// The cells of one CSV line: fields in double quotes may hold commas, and `""` for a quote.
 fn cells(line: &str) -> Vec<String> {

@@ -31,7 +31,8 @@ struct Args {
     /// Never download (also: HF_HUB_OFFLINE=1).
     #[arg(long)]
     offline: bool,
-    /// off, sqrt, every-two-blocks, every-n=K, explicit=I,J,...
+    /// off, sqrt, every-two-blocks, every-n=K, explicit=I,J,..., budget=SIZE (the plan with the
+    /// least recompute that fits SIZE, model state included), auto
     #[arg(long, default_value = "every-two-blocks")]
     policy: Policy,
     #[arg(long, default_value_t = 2)]
@@ -91,13 +92,22 @@ fn main() -> Result<()> {
     if let Some((_, weights)) = &hub {
         model.load_snapshot(weights)?;
     }
-    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
+    let inputs = |step: u64, n: usize| Ok(model.inputs(&data.batch(step, n), n, args.seq, &device)?);
+    let Some(policy) = trainkit::plan_policy(
+        &args.run,
+        &args.policy,
+        trainkit::Planning { graph: model.graph(), store: model.params(), optimizer: opt.as_ref(), batch: args.batch, inputs_at: &|n| inputs(0, n) },
+    )?
+    else {
+        return Ok(());
+    };
+    let exec = Executor::new(model.graph(), &policy, model.params().vars(), args.run.seed)?;
     trainkit::say!(
         "BERT {} params, {} layers, policy {} ({} segments), batch {} x seq {}, vocabulary {}",
         model.params().count(),
         model.config.num_hidden_layers,
-        args.policy,
+        policy,
         exec.segments().len(),
         args.batch,
         args.seq,
@@ -106,7 +116,7 @@ fn main() -> Result<()> {
 
     let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
     let start = log.resume(model.params(), opt.as_mut())?;
-    let batch = |step: u64| Ok(model.inputs(&data.batch(step, args.batch), args.batch, args.seq, &device)?);
+    let batch = |step: u64| inputs(step, args.batch);
     for step in start..args.steps {
         log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;

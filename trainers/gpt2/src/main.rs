@@ -21,7 +21,8 @@ struct Args {
     /// A Hugging Face config.json; overrides --preset.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Checkpointing policy: off, sqrt, every-two-blocks, every-n=K, explicit=I,J,...
+    /// Checkpointing policy: off, sqrt, every-two-blocks, every-n=K, explicit=I,J,...,
+    /// budget=SIZE (the plan with the least recompute that fits SIZE, model state included), auto
     #[arg(long, default_value = "sqrt")]
     policy: Policy,
     #[arg(long, default_value_t = 50)]
@@ -73,13 +74,25 @@ fn main() -> Result<()> {
     if let Some(path) = &args.init {
         model.load_snapshot(path)?;
     }
-    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
+    let inputs = |step: u64, n: usize| {
+        let (x, y) = batcher.batch(step, n);
+        Ok(model.inputs(&x, &y, n, args.seq, &device)?)
+    };
+    let Some(policy) = trainkit::plan_policy(
+        &args.run,
+        &args.policy,
+        trainkit::Planning { graph: model.graph(), store: model.params(), optimizer: opt.as_ref(), batch: args.batch, inputs_at: &|n| inputs(0, n) },
+    )?
+    else {
+        return Ok(());
+    };
+    let exec = Executor::new(model.graph(), &policy, model.params().vars(), args.run.seed)?;
     trainkit::say!(
         "GPT-2 {} params, {} layers, policy {} ({} segments), batch {} x seq {}",
         model.params().count(),
         model.config.n_layer,
-        args.policy,
+        policy,
         exec.segments().len(),
         args.batch,
         args.seq
@@ -87,10 +100,7 @@ fn main() -> Result<()> {
 
     let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
     let start = log.resume(model.params(), opt.as_mut())?;
-    let batch = |step: u64| {
-        let (x, y) = batcher.batch(step, args.batch);
-        Ok(model.inputs(&x, &y, args.batch, args.seq, &device)?)
-    };
+    let batch = |step: u64| inputs(step, args.batch);
     for step in start..args.steps {
         log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;

@@ -30,6 +30,8 @@ pub enum Error {
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Policy(#[from] PolicyError),
+    #[error("{policy}: {source}")]
+    Plan { policy: String, source: Box<plan::PlanError> },
     #[error("stage graph: {0}")]
     Graph(String),
     #[error("stage {stage} (`{name}`): {source}")]

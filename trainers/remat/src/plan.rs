@@ -199,82 +199,32 @@ impl Profile {
         let mut param_bytes = vec![0u64; params.len()];
         let mut stages = Vec::with_capacity(graph.nodes().len());
         for (i, node) in graph.nodes().iter().enumerate() {
-            let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
-            let ctx = || StageCtx::new(seed, 0, i, 0, true, true);
             let ins = node
                 .inputs
                 .iter()
                 .map(|&v| values[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not produced"))))
                 .collect::<Result<Vec<_>>>()?;
-            set_activity(Activity::Forward, Some(i));
-            // Without a graph of its own: the outputs keep their op graph until detached.
-            let (outs, chain_bytes, chain_transient, _) = metered(&counter, || node.stage.forward(&ins, &ctx()).map_err(stage_err))?;
+            // Each stage runs twice and every figure is the smaller of the two: a kernel's first
+            // call may grow a workspace it keeps (per thread, by the size it meets), which is
+            // not the stage's to keep.
+            let once = || measure_stage(&counter, node, i, &ins, n_inputs, output, params, seed);
+            let (outs, first, grads) = once()?;
+            let (_, second, _) = once()?;
+            let cost = first.least(&second);
             for (&v, t) in node.outputs.iter().zip(&outs) {
                 costs[v] = ValueCost { bytes: bytes_of(t), float: t.dtype().is_float() };
-                values[v] = Some(t.detach());
+                values[v] = Some(t.clone());
             }
-            drop(outs);
-            // With a graph on `Var` copies, as the executor's last segment and recomputes run it.
-            let graph_ins = node
-                .inputs
-                .iter()
-                .zip(&ins)
-                .map(|(&v, t)| Ok(if v >= n_inputs && t.dtype().is_float() { Some(Var::from_tensor(&t.detach())?) } else { None }))
-                .collect::<Result<Vec<Option<Var>>>>()?;
-            let run_ins: Vec<Tensor> = graph_ins.iter().zip(&ins).map(|(var, t)| var.as_ref().map_or(t.clone(), |v| v.as_tensor().clone())).collect();
-            let (outs, graph_bytes, graph_transient, forward_ms) = metered(&counter, || node.stage.forward(&run_ins, &ctx()).map_err(stage_err))?;
-            // Backward from the loss, or from a gradient of ones for every float output.
-            let seeds = node
-                .outputs
-                .iter()
-                .zip(&outs)
-                .filter(|(&v, t)| v != output && t.dtype().is_float())
-                .map(|(_, t)| Ok((t.clone(), t.ones_like()?)))
-                .collect::<Result<Vec<_>>>()?;
-            let loss = node.outputs.iter().position(|&v| v == output).map(|k| outs[k].clone());
-            set_activity(Activity::Backward, Some(i));
-            let (grads, grads_left, above_left, backward_ms) = metered(&counter, || {
-                let mut root = loss.clone();
-                for (t, g) in seeds {
-                    let seeded = crate::exec::seed(&t, g)?;
-                    root = Some(match root {
-                        Some(r) => (r + seeded)?,
-                        None => seeded,
-                    });
-                }
-                Ok(match root {
-                    Some(r) => Some(r.backward()?),
-                    None => None,
-                })
-            })?;
-            // Its peak above the heap at its start: the gradients it leaves are part of it.
-            let backward_transient = grads_left + above_left;
-            for (k, p) in params.iter().enumerate() {
-                if let Some(g) = grads.as_ref().and_then(|g| g.get(p)) {
-                    last_user[k] = Some(i);
-                    param_bytes[k] = bytes_of(g);
-                }
+            for (k, bytes) in grads {
+                last_user[k] = Some(i);
+                param_bytes[k] = bytes;
             }
-            drop((grads, outs, run_ins, graph_ins, loss));
             for &v in &node.inputs {
                 if graph.nodes()[i + 1..].iter().all(|n| !n.inputs.contains(&v)) && v >= n_inputs {
                     values[v] = None;
                 }
             }
-            stages.push(StageCost {
-                name: node.stage.name(),
-                kind: node.stage.kind(),
-                inputs: node.inputs.clone(),
-                outputs: node.outputs.clone(),
-                graph_bytes,
-                chain_bytes,
-                graph_transient,
-                chain_transient,
-                backward_transient,
-                param_grad_bytes: 0,
-                forward_ms,
-                backward_ms,
-            });
+            stages.push(cost);
         }
         for (k, user) in last_user.iter().enumerate() {
             if let Some(i) = user {
@@ -283,6 +233,32 @@ impl Profile {
         }
         set_activity(Activity::Setup, None);
         Ok(Profile { batch, n_inputs, values: costs, stages })
+    }
+
+    /// The profile at `batch` (`inputs_at(n)`: the graph inputs of a batch of `n`), measured at
+    /// that batch. Stages run one at a time, so this needs one stage's memory, not a step's. A
+    /// first pass is thrown away: it pays what a process allocates once and keeps (thread pools,
+    /// workspaces sized by the largest product seen).
+    pub fn at_batch(graph: &StageGraph, inputs_at: impl Fn(usize) -> Result<Vec<Tensor>>, params: &[Var], batch: usize, seed: u64) -> Result<Profile> {
+        let inputs = inputs_at(batch)?;
+        Profile::measure(graph, &inputs, params, batch, seed)?;
+        Profile::measure(graph, &inputs, params, batch, seed)
+    }
+
+    /// The profile at `batch` from measurements at the two smaller batches `probes`, extrapolated
+    /// ([`Profile::extrapolate`]), for sizes where even one stage at the full batch is too big or
+    /// too slow to run. Kept bytes are linear in the batch; some kernels' temporaries are not
+    /// (candle's composed 3D convolutions chunk theirs), so extrapolated temporaries over-predict.
+    pub fn extrapolated(
+        graph: &StageGraph,
+        inputs_at: impl Fn(usize) -> Result<Vec<Tensor>>,
+        params: &[Var],
+        probes: (usize, usize),
+        batch: usize,
+        seed: u64,
+    ) -> Result<Profile> {
+        let (one, two) = (Profile::at_batch(graph, &inputs_at, params, probes.0, seed)?, Profile::at_batch(graph, &inputs_at, params, probes.1, seed)?);
+        Profile::extrapolate(&one, &two, batch).map_err(|e| Error::Graph(e.to_string()))
     }
 
     /// The profile at `batch`, from profiles `a` and `b` of the same graph at two batch sizes:
@@ -444,6 +420,98 @@ impl Profile {
     }
 }
 
+/// Bytes of each parameter gradient a stage's backward gives, by index in the parameter list.
+type ParamGradBytes = Vec<(usize, u64)>;
+
+/// One measurement of stage `i` of a graph on its inputs `ins`: its outputs (detached), its
+/// costs, and the bytes of each parameter gradient (by index in `params`) its backward gives.
+#[allow(clippy::too_many_arguments)]
+fn measure_stage(
+    counter: &Counter,
+    node: &crate::graph::Node,
+    i: usize,
+    ins: &[Tensor],
+    n_inputs: usize,
+    output: ValueId,
+    params: &[Var],
+    seed: u64,
+) -> Result<(Vec<Tensor>, StageCost, ParamGradBytes)> {
+    let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
+    let ctx = || StageCtx::new(seed, 0, i, 0, true, true);
+    set_activity(Activity::Forward, Some(i));
+    // Without a graph of its own: the outputs keep their op graph until detached.
+    let (outs, chain_bytes, chain_transient, _) = metered(counter, || node.stage.forward(ins, &ctx()).map_err(stage_err))?;
+    let detached: Vec<Tensor> = outs.iter().map(Tensor::detach).collect();
+    drop(outs);
+    // With a graph on `Var` copies, as the executor's last segment and recomputes run it.
+    let graph_ins = node
+        .inputs
+        .iter()
+        .zip(ins)
+        .map(|(&v, t)| Ok(if v >= n_inputs && t.dtype().is_float() { Some(Var::from_tensor(&t.detach())?) } else { None }))
+        .collect::<Result<Vec<Option<Var>>>>()?;
+    let run_ins: Vec<Tensor> = graph_ins.iter().zip(ins).map(|(var, t)| var.as_ref().map_or(t.clone(), |v| v.as_tensor().clone())).collect();
+    let (outs, graph_bytes, graph_transient, forward_ms) = metered(counter, || node.stage.forward(&run_ins, &ctx()).map_err(stage_err))?;
+    // Backward from the loss, or from a gradient of ones for every float output.
+    let seeds = node
+        .outputs
+        .iter()
+        .zip(&outs)
+        .filter(|(&v, t)| v != output && t.dtype().is_float())
+        .map(|(_, t)| Ok((t.clone(), t.ones_like()?)))
+        .collect::<Result<Vec<_>>>()?;
+    let loss = node.outputs.iter().position(|&v| v == output).map(|k| outs[k].clone());
+    set_activity(Activity::Backward, Some(i));
+    let (grads, grads_left, above_left, backward_ms) = metered(counter, || {
+        let mut root = loss.clone();
+        for (t, g) in seeds {
+            let seeded = crate::exec::seed(&t, g)?;
+            root = Some(match root {
+                Some(r) => (r + seeded)?,
+                None => seeded,
+            });
+        }
+        Ok(match root {
+            Some(r) => Some(r.backward()?),
+            None => None,
+        })
+    })?;
+    let param_grads = params.iter().enumerate().filter_map(|(k, p)| Some((k, bytes_of(grads.as_ref()?.get(p)?)))).collect();
+    set_activity(Activity::Setup, None);
+    let cost = StageCost {
+        name: node.stage.name(),
+        kind: node.stage.kind(),
+        inputs: node.inputs.clone(),
+        outputs: node.outputs.clone(),
+        graph_bytes,
+        chain_bytes,
+        graph_transient,
+        chain_transient,
+        // Its peak above the heap at its start: the gradients it leaves are part of it.
+        backward_transient: grads_left + above_left,
+        param_grad_bytes: 0,
+        forward_ms,
+        backward_ms,
+    };
+    Ok((detached, cost, param_grads))
+}
+
+impl StageCost {
+    /// Every figure the smaller of two measurements of the same stage.
+    fn least(&self, other: &StageCost) -> StageCost {
+        StageCost {
+            graph_bytes: self.graph_bytes.min(other.graph_bytes),
+            chain_bytes: self.chain_bytes.min(other.chain_bytes),
+            graph_transient: self.graph_transient.min(other.graph_transient),
+            chain_transient: self.chain_transient.min(other.chain_transient),
+            backward_transient: self.backward_transient.min(other.backward_transient),
+            forward_ms: self.forward_ms.min(other.forward_ms),
+            backward_ms: self.backward_ms.min(other.backward_ms),
+            ..self.clone()
+        }
+    }
+}
+
 impl Estimate {
     fn merge(&mut self, other: &Estimate) {
         if other.peak > self.peak {
@@ -571,23 +639,17 @@ impl<'p> Walk<'p> {
     }
 }
 
-/// Turns `budget=`/`auto` into a [`Policy::Plan`] from the profile `profile()` gives (measured
-/// only when needed); other policies are returned as they are. `fixed`: the heap before a step
+/// Turns `budget=`/`auto` into a [`Policy::Plan`] for `profile`; other policies are returned as
+/// they are. `fixed`: the heap before a step
 /// (parameters, optimizer state, inputs); `available`: what `auto` may use (the device's free
 /// memory less a margin, or the memory cap).
-pub fn resolve(
-    policy: &Policy,
-    profile: impl FnOnce() -> Result<Profile>,
-    fixed: u64,
-    held_grads: u64,
-    available: Option<u64>,
-) -> Result<(Policy, Option<Plan>)> {
+pub fn resolve(policy: &Policy, profile: &Profile, fixed: u64, held_grads: u64, available: Option<u64>) -> Result<(Policy, Option<Plan>)> {
     let budget = match policy {
         Policy::Budget(b) => *b,
         Policy::Auto => available.ok_or_else(|| Error::Graph("`auto` needs a memory limit: a --memory-cap on the CPU, or a GPU's free memory".into()))?,
         other => return Ok((other.clone(), None)),
     };
-    let plan = profile()?.plan(budget, fixed, held_grads).map_err(|e| Error::Graph(format!("{policy}: {e}")))?;
+    let plan = profile.plan(budget, fixed, held_grads).map_err(|source| Error::Plan { policy: policy.to_string(), source: Box::new(source) })?;
     Ok((plan.policy(), Some(plan)))
 }
 

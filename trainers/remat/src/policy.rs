@@ -68,7 +68,8 @@ impl FromStr for Policy {
                     _ => Err(invalid("K must be an integer >= 1")),
                 },
                 Some(("explicit", v)) => Ok(Policy::Explicit(list(v)?)),
-                Some(("plan", v)) => Ok(Policy::Plan(list(v)?)),
+                // An empty plan is one segment (what a budget that fits `off` gives).
+                Some(("plan", v)) => Ok(Policy::Plan(if v.trim().is_empty() { Vec::new() } else { list(v)? })),
                 Some(("budget", v)) => Ok(Policy::Budget(crate::memory::parse_size(v).map_err(|e| invalid(&e))?)),
                 _ => Err(PolicyError::Unknown(s.to_string())),
             },
@@ -182,7 +183,9 @@ mod tests {
 
     #[test]
     fn parse_and_display_round_trip() {
-        for s in ["off", "sqrt", "every-two-blocks", "every-n=3", "before-downsample", "explicit=1,4", "plan=0,3,7", "budget=2GiB", "budget=300MiB", "auto"] {
+        for s in
+            ["off", "sqrt", "every-two-blocks", "every-n=3", "before-downsample", "explicit=1,4", "plan=0,3,7", "plan=", "budget=2GiB", "budget=300MiB", "auto"]
+        {
             assert_eq!(s.parse::<Policy>().unwrap().to_string(), s);
         }
         assert_eq!("budget=1.5GiB".parse::<Policy>().unwrap(), Policy::Budget(1536 << 20));

@@ -18,7 +18,8 @@ struct Args {
     /// tiny, resnet18, resnet34, resnet50, resnet101, resnet152.
     #[arg(long, default_value = "resnet50")]
     preset: Preset,
-    /// off, sqrt, every-two-blocks, before-downsample, every-n=K, explicit=I,J,...
+    /// off, sqrt, every-two-blocks, before-downsample, every-n=K, explicit=I,J,..., budget=SIZE
+    /// (the plan with the least recompute that fits SIZE, model state included), auto
     #[arg(long, default_value = "before-downsample")]
     policy: Policy,
     #[arg(long, default_value_t = 8)]
@@ -88,13 +89,25 @@ fn main() -> Result<()> {
     if let Some(path) = &args.init {
         model.load_snapshot(path)?;
     }
-    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
+    let inputs = |step: u64, n: usize| {
+        let (images, labels) = data.batch(step, n)?;
+        Ok(model.inputs(&images, &labels, args.image_size, &device)?)
+    };
+    let Some(policy) = trainkit::plan_policy(
+        &args.run,
+        &args.policy,
+        trainkit::Planning { graph: model.graph(), store: model.params(), optimizer: opt.as_ref(), batch: args.batch, inputs_at: &|n| inputs(0, n) },
+    )?
+    else {
+        return Ok(());
+    };
+    let exec = Executor::new(model.graph(), &policy, model.params().vars(), args.run.seed)?;
     trainkit::say!(
         "ResNet {} params, {} blocks, policy {} ({} segments), batch {} x {}x{}, {classes} classes",
         model.params().count(),
         model.graph().blocks().len(),
-        args.policy,
+        policy,
         exec.segments().len(),
         args.batch,
         args.image_size,
@@ -103,10 +116,7 @@ fn main() -> Result<()> {
 
     let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
     let start = log.resume(model.params(), opt.as_mut())?;
-    let batch = |step: u64| {
-        let (images, labels) = data.batch(step, args.batch)?;
-        Ok(model.inputs(&images, &labels, args.image_size, &device)?)
-    };
+    let batch = |step: u64| inputs(step, args.batch);
     for step in start..args.steps {
         log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;

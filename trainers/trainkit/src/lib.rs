@@ -80,6 +80,72 @@ pub fn available_memory() -> Option<u64> {
     Some((kib("MemAvailable:")? + kib("SwapFree:")?) * 1024)
 }
 
+/// What the device can still give: free memory on a GPU, available memory on the CPU.
+pub fn free_memory(device: &Device) -> Option<u64> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => d.cuda_stream().context().mem_get_info().ok().map(|(free, _)| free as u64),
+        _ => available_memory(),
+    }
+}
+
+/// The memory `auto` plans for: the `--memory-cap` where given, else what the device can still
+/// give less a tenth (the allocator's slack, other processes).
+pub fn auto_budget(device: &Device, cap: Option<u64>) -> Option<u64> {
+    cap.or_else(|| free_memory(device).map(|free| free - free / 10))
+}
+
+/// What a trainer plans with: its graph, parameters and optimizer, and its inputs at any batch.
+pub struct Planning<'a> {
+    pub graph: &'a remat::StageGraph,
+    pub store: &'a layers::ParamStore,
+    pub optimizer: &'a dyn layers::TrainOptimizer,
+    pub batch: usize,
+    pub inputs_at: &'a dyn Fn(usize) -> Result<Vec<Tensor>>,
+}
+
+/// `--policy budget=SIZE`/`auto` and `--dry-run`: profiles the model's stages one at a time at
+/// the run's batch ([`remat::plan::Profile::at_batch`]: one stage's memory, not a step's).
+/// Returns the policy to train with (a budget resolved to its plan), or `None` after a dry run,
+/// which prints the prediction per phase for the policy and the fixed policies and trains nothing.
+pub fn plan_policy(run: &RunArgs, policy: &remat::Policy, p: Planning) -> Result<Option<remat::Policy>> {
+    use remat::plan::{resolve, summary, Profile};
+    if !policy.needs_plan() && !run.dry_run {
+        return Ok(Some(policy.clone()));
+    }
+    let heap_before = remat::memory::heap_current();
+    remat::memory::reset_heap_peak();
+    let vars = p.store.vars();
+    let inputs_at = |n| (p.inputs_at)(n).map_err(|e| remat::Error::Graph(format!("{e:#}")));
+    let profile = Profile::at_batch(p.graph, inputs_at, &vars, p.batch, run.seed)?;
+    let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+    let weights: u64 = vars.iter().map(|v| bytes(v.as_tensor())).sum::<u64>() + p.store.buffers().map(|(_, b)| bytes(b.as_tensor())).sum::<u64>();
+    let inputs: u64 = (p.inputs_at)(1)?.iter().map(bytes).sum::<u64>() * p.batch as u64;
+    let fixed = weights + p.optimizer.state_bytes() + inputs;
+    let held = if run.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
+    let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let (resolved, plan) = resolve(policy, &profile, fixed, held, auto_budget(&device, run.memory_cap))?;
+    if let Some(plan) = &plan {
+        say!("{policy}: {} ({} segments), predicted {:.1} MiB in all", resolved, plan.starts.len(), mib(fixed + plan.estimate.peak));
+    }
+    if !run.dry_run {
+        return Ok(Some(resolved));
+    }
+    let dry_peak = remat::memory::heap_peak().saturating_sub(heap_before);
+    show!("{}", remat::plan::describe(&profile));
+    show!("state before a step (weights, optimizer state, inputs): {:.1} MiB", mib(fixed));
+    let mut policies = vec![resolved.clone()];
+    policies.extend([remat::Policy::Off, remat::Policy::Sqrt, remat::Policy::EveryN(2)].into_iter().filter(|q| *q != resolved));
+    for q in policies {
+        let e = profile.predict_policy(&q, held)?;
+        show!("{q}: total {:.1} MiB; {}", mib(fixed + e.peak), summary(&e));
+    }
+    let least = profile.least_peak(held);
+    show!("least memory: {} total {:.1} MiB; {}", least.policy(), mib(fixed + least.estimate.peak), summary(&least.estimate));
+    show!("dry run: trained nothing; profiling used {:.1} MiB of heap beyond the model", mib(dry_peak));
+    Ok(None)
+}
+
 /// Fails now, before any training, if `path` (given with `flag`) cannot be written: a directory,
 /// a missing folder, no permission. Before, a bad `--save` failed after the last step.
 fn check_writable(path: &Path, flag: &str) -> Result<()> {
@@ -145,8 +211,9 @@ pub struct RunArgs {
     /// N x --batch); the gradient is the mean of the micro-batch gradients.
     #[arg(long, default_value_t = 1)]
     pub accumulate: usize,
-    /// The dtype activations are computed and stored in: f32, bf16 or f16. Parameters, their
-    /// gradients and the optimizer state stay f32.
+    /// The dtype activations are computed and stored in: f32, bf16 or f16 (parameters, their
+    /// gradients and the optimizer state stay f32), or bf16-weights (parameters and gradients
+    /// bf16 too, optimizer moments f32).
     #[arg(long, default_value = "f32")]
     pub dtype: layers::Precision,
     /// f16 only: the initial loss scale (default 65536). A step whose gradients are not finite is
@@ -154,6 +221,15 @@ pub struct RunArgs {
     /// GradScaler).
     #[arg(long)]
     pub loss_scale: Option<f64>,
+    /// Predict the run's memory (per phase, for this policy and the fixed ones) and step time
+    /// from a profile of the model's stages (one at a time), print it, and train nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// The memory the run may use, e.g. 8GiB: on the CPU allocations beyond it fail (an emulated
+    /// smaller device), and `--policy auto` plans for it (without it, `auto` plans for the
+    /// device's free memory less a tenth).
+    #[arg(long, value_parser = remat::memory::parse_size)]
+    pub memory_cap: Option<u64>,
 }
 
 /// Dynamic loss scaling for f16, as PyTorch's `GradScaler`: backward starts from the loss times
@@ -327,6 +403,9 @@ impl StepLog {
         let loss_scale = run.loss_scale.unwrap_or(LossScaler::default().scale);
         if !(loss_scale.is_finite() && loss_scale > 0.0) {
             bail!("--loss-scale {loss_scale} is not a positive finite number");
+        }
+        if let Some(cap) = run.memory_cap {
+            remat::memory::set_heap_cap(cap);
         }
         if run.accumulate > 1 {
             say!("accumulating {} micro-batches of {batch} per optimizer step: effective batch {}", run.accumulate, run.accumulate * batch);

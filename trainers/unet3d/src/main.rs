@@ -24,7 +24,8 @@ struct Args {
     /// tiny, small (16-32-64-128), cicek (32-64-128-256, 512 at the bottom).
     #[arg(long, default_value = "small")]
     preset: Preset,
-    /// off, sqrt, every-two-blocks, before-downsample, every-n=K, explicit=I,J,...
+    /// off, sqrt, every-two-blocks, before-downsample, every-n=K, explicit=I,J,..., budget=SIZE
+    /// (the plan with the least recompute that fits SIZE, model state included), auto
     #[arg(long, default_value = "before-downsample")]
     policy: Policy,
     #[arg(long, default_value_t = 2)]
@@ -94,24 +95,12 @@ fn main() -> Result<()> {
     };
     let device = trainkit::device(&args.run.device)?;
     let model = UNet3d::new(config, &device, args.run.seed)?;
-    let exec = Executor::new(model.graph(), &args.policy, model.params().vars(), args.run.seed)?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
-    trainkit::say!(
-        "3D U-Net {} params, policy {} ({} segments), batch {} x {}^3",
-        model.params().count(),
-        args.policy,
-        exec.segments().len(),
-        args.batch,
-        args.volume
-    );
-
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
-    let start = log.resume(model.params(), opt.as_mut())?;
-    let batch = |step: u64| -> Result<Vec<candle_core::Tensor>> {
+    let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> {
         let (voxels, labels) = match &data {
-            Data::Synthetic(d) => d.batch(step, args.batch),
+            Data::Synthetic(d) => d.batch(step, n),
             Data::Npy(d) => {
-                let (_, v, l) = d.batch(step, args.batch)?;
+                let (_, v, l) = d.batch(step, n)?;
                 (v, l)
             }
         };
@@ -120,6 +109,27 @@ fn main() -> Result<()> {
         }
         Ok(model.inputs(&voxels, &labels, args.volume, &device)?)
     };
+    let Some(policy) = trainkit::plan_policy(
+        &args.run,
+        &args.policy,
+        trainkit::Planning { graph: model.graph(), store: model.params(), optimizer: opt.as_ref(), batch: args.batch, inputs_at: &|n| inputs(0, n) },
+    )?
+    else {
+        return Ok(());
+    };
+    let exec = Executor::new(model.graph(), &policy, model.params().vars(), args.run.seed)?;
+    trainkit::say!(
+        "3D U-Net {} params, policy {} ({} segments), batch {} x {}^3",
+        model.params().count(),
+        policy,
+        exec.segments().len(),
+        args.batch,
+        args.volume
+    );
+
+    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
+    let start = log.resume(model.params(), opt.as_mut())?;
+    let batch = |step: u64| inputs(step, args.batch);
     for step in start..args.steps {
         log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;

@@ -1,0 +1,141 @@
+//! The article's A100 table projected at its own sizes by the planner, for machines that cannot
+//! run them: each model of the `full` profile is built, its stages profiled one at a time at the
+//! full input size, at the article's batch where it is at most [`PROBES`]`.1`, else at the two
+//! probe batches and extrapolated to the article's batch; the state
+//! (parameters, optimizer, inputs) is arithmetic. Every policy and two planner plans are then
+//! predicted. These are predictions, labelled so; where a GPU run exists, its measured figures
+//! sit beside them in `TABLE.md`.
+
+use crate::workloads::Workload;
+use anyhow::Result;
+use candle_core::Device;
+use layers::TrainOptimizer;
+use remat::plan::{Estimate, Profile};
+use remat::Policy;
+use serde::{Deserialize, Serialize};
+
+/// The batches a projection measures at and extrapolates from, when the article's is larger.
+pub const PROBES: (usize, usize) = (8, 16);
+
+/// The `full` profile's models that stand for rows of the article's table.
+pub const MODELS: [&str; 4] = ["resnet50", "resnet152", "bert-large", "unet3d-cicek"];
+
+/// One model at the article's size, predicted.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Projection {
+    pub model: String,
+    pub batch: usize,
+    pub input: String,
+    pub optimizer: String,
+    pub dtype: String,
+    /// Parameters, buffers, optimizer state and one batch of inputs: the heap before a step.
+    pub state_bytes: u64,
+    pub rows: Vec<ProjectedPolicy>,
+}
+
+/// One policy or plan of a projection.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ProjectedPolicy {
+    /// The policy as named (`sqrt`), or what a plan is for (`budget = sqrt's memory`).
+    pub label: String,
+    /// The segment starts of a plan (`plan=...`), else empty.
+    pub plan: String,
+    /// The step's predicted peak above the state, and the state plus it.
+    pub peak_bytes: u64,
+    pub total_bytes: u64,
+    /// Predicted step time over `off`'s (from the profile's stage times on this machine).
+    pub time_ratio: f64,
+}
+
+fn bytes_of(t: &candle_core::Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+/// Profiles `w` (its `full` size) and predicts its policies, the plan with the least recompute
+/// that fits `sqrt`'s memory, and the plan with the least memory.
+pub fn project(w: &Workload, device: &Device, seed: u64) -> Result<Projection> {
+    let inst = w.build(device, seed)?;
+    let store = inst.store();
+    let weights: u64 = store.vars().iter().map(|v| bytes_of(v.as_tensor())).sum::<u64>() + store.buffers().map(|(_, b)| bytes_of(b.as_tensor())).sum::<u64>();
+    let optimizer: Box<dyn TrainOptimizer> = inst.optimizer()?;
+    let inputs = inst.inputs_at(0, 1)?.iter().map(bytes_of).sum::<u64>() * w.batch as u64;
+    let state_bytes = weights + optimizer.state_bytes() + inputs;
+    drop(optimizer);
+    let inputs_at = |n| inst.inputs_at(0, n).map_err(|e| remat::Error::Graph(format!("{e:#}")));
+    let vars = inst.store().vars();
+    let profile = if w.batch <= PROBES.1 {
+        Profile::at_batch(inst.graph(), inputs_at, &vars, w.batch, seed)?
+    } else {
+        Profile::extrapolated(inst.graph(), inputs_at, &vars, PROBES, w.batch, seed)?
+    };
+    let row = |label: String, plan: String, e: &Estimate| ProjectedPolicy {
+        label,
+        plan,
+        peak_bytes: e.peak,
+        total_bytes: state_bytes + e.peak,
+        time_ratio: e.time_ratio(),
+    };
+    let mut rows = Vec::new();
+    for policy in w.policies() {
+        rows.push(row(policy.to_string(), String::new(), &profile.predict_policy(&policy, 0)?));
+    }
+    let sqrt_total = state_bytes + profile.predict_policy(&Policy::Sqrt, 0)?.peak;
+    let at_sqrt = profile.plan(sqrt_total, state_bytes, 0)?;
+    rows.push(row("budget = sqrt's memory".into(), at_sqrt.policy().to_string(), &at_sqrt.estimate));
+    let least = profile.least_peak(0);
+    rows.push(row("least memory".into(), least.policy().to_string(), &least.estimate));
+    Ok(Projection {
+        model: w.model.clone(),
+        batch: w.batch,
+        input: w.input(),
+        optimizer: w.optimizer().to_string(),
+        dtype: w.dtype.to_string(),
+        state_bytes,
+        rows,
+    })
+}
+
+fn gb(bytes: u64) -> String {
+    format!("{:.1} GB", bytes as f64 / 1e9)
+}
+
+/// The `TABLE.md` section: every projection beside the article's figures (`article(model)`:
+/// off GB, checkpointed GB, time increase).
+pub fn render(projections: &[Projection], article: impl Fn(&str) -> Option<(f64, f64, &'static str)>) -> String {
+    if projections.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\n## Projected at the article's sizes (predictions, not measurements)\n\n\
+         The planner's prediction for the article's configurations, which do not fit this machine: each model built at its full \
+         size, its stages profiled one at a time at the full input size, at the article's batch where it is 16 or less, else at \
+         batches 8 and 16 and extrapolated (kept bytes are linear in the batch; some kernels' temporaries grow slower, so those \
+         projections lean high); the state (weights, optimizer state, inputs) is arithmetic. Totals \
+         are the state plus the step's predicted peak, in GB (10^9 bytes, as the article writes them). Time is the predicted step \
+         time over `off`'s from this machine's stage times (a CPU ratio, not an A100's). *budget = sqrt's memory*: the plan with \
+         the least recompute whose peak fits what `sqrt` needs; *least memory*: the plan with the smallest peak. The article's \
+         optimizer is not stated: ResNet and U-Net assume SGD with momentum / the model's default, BERT AdamW (the `optimizer` column).\n\n\
+         | model | batch | input | optimizer | state | policy or plan | predicted total | / off | predicted time | article: off → checkpointing | article: time |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for p in projections {
+        let off = p.rows.iter().find(|r| r.label == "off").map_or(1, |r| r.total_bytes);
+        let art = article(&p.model).map_or("-".to_string(), |(o, c, _)| format!("{o} GB → {c} GB ({:.2})", c / o));
+        let art_time = article(&p.model).map_or("-", |(_, _, t)| t);
+        for (k, r) in p.rows.iter().enumerate() {
+            let policy = if r.plan.is_empty() { format!("`{}`", r.label) } else { format!("{} (`{}`)", r.label, r.plan) };
+            let (model, batch, input, optimizer, state, a, at) = if k == 0 {
+                (p.model.as_str(), p.batch.to_string(), p.input.as_str(), p.optimizer.as_str(), gb(p.state_bytes), art.as_str(), art_time)
+            } else {
+                ("", String::new(), "", "", String::new(), "", "")
+            };
+            out += &format!(
+                "| {model} | {batch} | {input} | {optimizer} | {state} | {policy} | {} | {:.2} | {:+.0}% | {a} | {at} |\n",
+                gb(r.total_bytes),
+                r.total_bytes as f64 / off as f64,
+                (r.time_ratio - 1.0) * 100.0
+            );
+        }
+    }
+    out
+}

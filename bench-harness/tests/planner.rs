@@ -1,0 +1,68 @@
+//! The planner against the meter: its predicted step peak equals the measured one for tiny models
+//! of all four kinds under every policy; a `budget=` plan fits its budget when it runs; a budget
+//! below the least any plan reaches is refused with that minimum; the `off` record carries the
+//! memory/time frontier.
+
+mod common;
+use common::{harness, out_dir, records, smoke};
+
+/// Relative error the tests allow between predicted and measured step peaks. Measured: under
+/// 1% for every smoke configuration at batch 8 (the largest was ResNet's -0.8%).
+const TOLERANCE: f64 = 0.03;
+
+#[test]
+fn predictions_match_the_meter_for_tiny_models_of_every_kind() {
+    let dir = out_dir("planner-predict");
+    smoke(&dir, &["--matrix", "models", "--batch", "8", "--rounds", "0"]);
+    let recs = records(&dir);
+    assert_eq!(recs.len(), 14, "every model and policy of the smoke profile");
+    for r in &recs {
+        let what = format!("{} {}", r["model"], r["policy"]);
+        let (measured, predicted) = (r["step_peak_bytes"].as_f64().unwrap(), r["predicted_peak_bytes"].as_f64().unwrap_or(0.0));
+        let error = predicted / measured - 1.0;
+        assert!(error.abs() <= TOLERANCE, "{what}: predicted {predicted}, measured {measured} ({:+.1}%)", error * 100.0);
+        let ratio = r["predicted_time_ratio"].as_f64().unwrap();
+        assert!(if r["policy"] == "off" { ratio == 1.0 } else { ratio > 1.0 }, "{what}: predicted time ratio {ratio}");
+    }
+    let off = recs.iter().find(|r| r["model"] == "gpt2-tiny" && r["policy"] == "off").unwrap();
+    let frontier = off["frontier"].as_array().expect("off carries the frontier");
+    assert!(frontier.len() >= 2, "{frontier:?}");
+    let peaks: Vec<u64> = frontier.iter().map(|p| p["peak_bytes"].as_u64().unwrap()).collect();
+    assert!(peaks.windows(2).all(|w| w[0] <= w[1]), "the frontier runs from the least peak up: {peaks:?}");
+}
+
+#[test]
+fn a_budget_plan_fits_its_budget_and_one_below_the_minimum_is_refused() {
+    let dir = out_dir("planner-budget");
+    smoke(&dir, &["--matrix", "models", "--models", "gpt2", "--batch", "8", "--policies", "off", "--rounds", "0"]);
+    let off = &records(&dir)[0];
+    let off_total = off["model_state_bytes"].as_u64().unwrap() + off["step_peak_bytes"].as_u64().unwrap();
+    // Between the least peak and off's: the planner must cut, and the cut must fit.
+    let budget = off_total * 9 / 10;
+    let policy = format!("budget={budget}");
+    smoke(&dir, &["--matrix", "models", "--models", "gpt2", "--batch", "8", "--policies", &policy, "--rounds", "0"]);
+    let r = records(&dir).into_iter().find(|r| r["policy"] == policy.as_str()).unwrap();
+    assert_eq!(r["status"], "ok", "{}", r["error"]);
+    assert!(r["plan"].as_str().unwrap().starts_with("plan="), "{}", r["plan"]);
+    assert_eq!(r["grads_bit_identical"], true);
+    let total = r["model_state_bytes"].as_u64().unwrap() + r["step_peak_bytes"].as_u64().unwrap();
+    assert!(total <= budget, "measured {total} bytes under budget {budget}");
+
+    let out = harness(&[
+        "--matrix",
+        "models",
+        "--profile",
+        "smoke",
+        "--models",
+        "gpt2",
+        "--policies",
+        "budget=1KiB",
+        "--rounds",
+        "0",
+        "--out",
+        out_dir("planner-refused").to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("below the smallest peak any checkpoint plan reaches") && err.contains("the state before the step"), "{err}");
+}
