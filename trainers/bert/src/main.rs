@@ -6,7 +6,7 @@ use clap::Parser;
 use datasets::text::WordVocab;
 use layers::Model;
 use remat::memory::CountingAlloc;
-use remat::{Executor, Policy};
+use remat::Policy;
 use std::path::PathBuf;
 
 #[global_allocator]
@@ -94,15 +94,9 @@ fn main() -> Result<()> {
     }
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| Ok(model.inputs(&data.batch(step, n), n, args.seq, &device)?);
-    let Some(policy) = trainkit::plan_policy(
-        &args.run,
-        &args.policy,
-        trainkit::Planning { graph: model.graph(), store: model.params(), optimizer: opt.as_ref(), batch: args.batch, inputs_at: &|n| inputs(0, n) },
-    )?
-    else {
+    let Some((exec, policy)) = trainkit::executor(&args.run, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
         return Ok(());
     };
-    let exec = Executor::new(model.graph(), &policy, model.params().vars(), args.run.seed)?;
     trainkit::say!(
         "BERT {} params, {} layers, policy {} ({} segments), batch {} x seq {}, vocabulary {}",
         model.params().count(),

@@ -6,7 +6,7 @@ use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
 use layers::Model;
 use remat::memory::CountingAlloc;
-use remat::{Executor, Policy};
+use remat::Policy;
 use std::path::PathBuf;
 
 #[global_allocator]
@@ -79,15 +79,9 @@ fn main() -> Result<()> {
         let (x, y) = batcher.batch(step, n);
         Ok(model.inputs(&x, &y, n, args.seq, &device)?)
     };
-    let Some(policy) = trainkit::plan_policy(
-        &args.run,
-        &args.policy,
-        trainkit::Planning { graph: model.graph(), store: model.params(), optimizer: opt.as_ref(), batch: args.batch, inputs_at: &|n| inputs(0, n) },
-    )?
-    else {
+    let Some((exec, policy)) = trainkit::executor(&args.run, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
         return Ok(());
     };
-    let exec = Executor::new(model.graph(), &policy, model.params().vars(), args.run.seed)?;
     trainkit::say!(
         "GPT-2 {} params, {} layers, policy {} ({} segments), batch {} x seq {}",
         model.params().count(),

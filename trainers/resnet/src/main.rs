@@ -5,7 +5,7 @@ use clap::Parser;
 use datasets::images::{ImageFolder, SyntheticImages};
 use layers::Model;
 use remat::memory::CountingAlloc;
-use remat::{Executor, Policy};
+use remat::Policy;
 use resnet::{Config, Preset, ResNet};
 use std::path::PathBuf;
 
@@ -94,15 +94,9 @@ fn main() -> Result<()> {
         let (images, labels) = data.batch(step, n)?;
         Ok(model.inputs(&images, &labels, args.image_size, &device)?)
     };
-    let Some(policy) = trainkit::plan_policy(
-        &args.run,
-        &args.policy,
-        trainkit::Planning { graph: model.graph(), store: model.params(), optimizer: opt.as_ref(), batch: args.batch, inputs_at: &|n| inputs(0, n) },
-    )?
-    else {
+    let Some((exec, policy)) = trainkit::executor(&args.run, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
         return Ok(());
     };
-    let exec = Executor::new(model.graph(), &policy, model.params().vars(), args.run.seed)?;
     trainkit::say!(
         "ResNet {} params, {} blocks, policy {} ({} segments), batch {} x {}x{}, {classes} classes",
         model.params().count(),

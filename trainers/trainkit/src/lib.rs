@@ -95,33 +95,44 @@ pub fn auto_budget(device: &Device, cap: Option<u64>) -> Option<u64> {
     cap.or_else(|| free_memory(device).map(|free| free - free / 10))
 }
 
-/// What a trainer plans with: its graph, parameters and optimizer, and its inputs at any batch.
-pub struct Planning<'a> {
-    pub graph: &'a remat::StageGraph,
-    pub store: &'a layers::ParamStore,
-    pub optimizer: &'a dyn layers::TrainOptimizer,
-    pub batch: usize,
-    pub inputs_at: &'a dyn Fn(usize) -> Result<Vec<Tensor>>,
-}
-
 /// `--policy budget=SIZE`/`auto` and `--dry-run`: profiles the model's stages one at a time at
 /// the run's batch ([`remat::plan::Profile::at_batch`]: one stage's memory, not a step's).
-/// Returns the policy to train with (a budget resolved to its plan), or `None` after a dry run,
-/// which prints the prediction per phase for the policy and the fixed policies and trains nothing.
-pub fn plan_policy(run: &RunArgs, policy: &remat::Policy, p: Planning) -> Result<Option<remat::Policy>> {
+/// Returns the executor to train with and its policy (a budget resolved to its plan), or `None`
+/// after a dry run, which prints the prediction per phase for the policy and the fixed policies
+/// and trains nothing. `inputs_at(n)`: the graph inputs of a batch of `n`.
+pub fn executor<'m>(
+    run: &RunArgs,
+    policy: &remat::Policy,
+    model: &'m impl layers::Model,
+    optimizer: &dyn layers::TrainOptimizer,
+    batch: usize,
+    inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
+) -> Result<Option<(Executor<'m>, remat::Policy)>> {
+    let Some(policy) = plan_policy(run, policy, model, optimizer, batch, inputs_at)? else { return Ok(None) };
+    Ok(Some((Executor::new(model.graph(), &policy, model.params().vars(), run.seed)?, policy)))
+}
+
+fn plan_policy(
+    run: &RunArgs,
+    policy: &remat::Policy,
+    model: &impl layers::Model,
+    optimizer: &dyn layers::TrainOptimizer,
+    batch: usize,
+    inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
+) -> Result<Option<remat::Policy>> {
     use remat::plan::{resolve, summary, Profile};
     if !policy.needs_plan() && !run.dry_run {
         return Ok(Some(policy.clone()));
     }
     let heap_before = remat::memory::heap_current();
     remat::memory::reset_heap_peak();
-    let vars = p.store.vars();
-    let inputs_at = |n| (p.inputs_at)(n).map_err(|e| remat::Error::Graph(format!("{e:#}")));
-    let profile = Profile::at_batch(p.graph, inputs_at, &vars, p.batch, run.seed)?;
+    let vars = model.params().vars();
+    let graph_inputs = |n| inputs_at(n).map_err(|e| remat::Error::Graph(format!("{e:#}")));
+    let profile = Profile::at_batch(model.graph(), graph_inputs, &vars, batch, run.seed)?;
     let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
-    let weights: u64 = vars.iter().map(|v| bytes(v.as_tensor())).sum::<u64>() + p.store.buffers().map(|(_, b)| bytes(b.as_tensor())).sum::<u64>();
-    let inputs: u64 = (p.inputs_at)(1)?.iter().map(bytes).sum::<u64>() * p.batch as u64;
-    let fixed = weights + p.optimizer.state_bytes() + inputs;
+    let weights: u64 = vars.iter().map(|v| bytes(v.as_tensor())).sum::<u64>() + model.params().buffers().map(|(_, b)| bytes(b.as_tensor())).sum::<u64>();
+    let inputs: u64 = inputs_at(1)?.iter().map(bytes).sum::<u64>() * batch as u64;
+    let fixed = weights + optimizer.state_bytes() + inputs;
     let held = if run.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
     let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
     let (resolved, plan) = resolve(policy, &profile, fixed, held, auto_budget(&device, run.memory_cap))?;

@@ -5,7 +5,7 @@ use clap::{Parser, ValueEnum};
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
 use layers::Model;
 use remat::memory::CountingAlloc;
-use remat::{Executor, Policy};
+use remat::Policy;
 use std::path::PathBuf;
 use unet3d::{Config, Loss, Norm, Preset, UNet3d};
 
@@ -109,15 +109,9 @@ fn main() -> Result<()> {
         }
         Ok(model.inputs(&voxels, &labels, args.volume, &device)?)
     };
-    let Some(policy) = trainkit::plan_policy(
-        &args.run,
-        &args.policy,
-        trainkit::Planning { graph: model.graph(), store: model.params(), optimizer: opt.as_ref(), batch: args.batch, inputs_at: &|n| inputs(0, n) },
-    )?
-    else {
+    let Some((exec, policy)) = trainkit::executor(&args.run, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
         return Ok(());
     };
-    let exec = Executor::new(model.graph(), &policy, model.params().vars(), args.run.seed)?;
     trainkit::say!(
         "3D U-Net {} params, policy {} ({} segments), batch {} x {}^3",
         model.params().count(),
