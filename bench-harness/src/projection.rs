@@ -114,7 +114,8 @@ pub fn render(projections: &[Projection], article: impl Fn(&str) -> Option<(f64,
          are the state plus the step's predicted peak, in GB (10^9 bytes, as the article writes them). Time is the predicted step \
          time over `off`'s from this machine's stage times (a CPU ratio, not an A100's). *budget = sqrt's memory*: the plan with \
          the least recompute whose peak fits what `sqrt` needs; *least memory*: the plan with the smallest peak. The article's \
-         optimizer is not stated: ResNet and U-Net assume SGD with momentum / the model's default, BERT AdamW (the `optimizer` column).\n\n\
+         optimizer is not stated: each model trains with its benchmark default (the `optimizer` column: SGD with momentum for \
+         the ResNets, AdamW for BERT and the U-Net).\n\n\
          | model | batch | input | optimizer | state | policy or plan | predicted total | / off | predicted time | article: off → checkpointing | article: time |\n\
          |---|---|---|---|---|---|---|---|---|---|---|\n",
     );

@@ -101,9 +101,29 @@ whole step, and *peak set in* says whether forward/backward or the optimizer upd
 *time / off, rounds*: the same ratio over this run and the interleaved timing rounds (off, policy, off, policy, ... each in a \
 fresh process): median (min-max). \
 *grads = plain candle*: one step of the policy through the executor (`off` included) against the same step in plain candle \
-(every stage in order, one `backward()`), every gradient and BatchNorm statistic compared bit for bit.\n",
+(every stage in order, one `backward()`), every gradient and BatchNorm statistic compared bit for bit. \
+*predicted*: the planner's step peak (from the model's stages profiled one at a time before the run) and its error against \
+the measured step peak, and its predicted time / off.\n",
         meta.profile, meta.command, meta.machine, meta.candle_version, meta.git_commit
     );
+    let errors: Vec<(f64, &Record)> = m
+        .records
+        .iter()
+        .filter(|r| r.status == Status::Ok && r.step_peak_bytes > 0)
+        .filter_map(|r| Some((r.predicted_peak_bytes? as f64 / r.step_peak_bytes as f64 - 1.0, r)))
+        .collect();
+    if let Some((worst, r)) = errors.iter().max_by(|a, b| a.0.abs().total_cmp(&b.0.abs())) {
+        let within = errors.iter().filter(|(e, _)| e.abs() <= 0.05).count();
+        let _ = writeln!(
+            out,
+            "\n**Planner**: predicted step peak within 5% of the measured for {within} of {} configurations; the largest error is \
+             {:+.1}% ({} {}).",
+            errors.len(),
+            worst * 100.0,
+            r.model,
+            r.policy
+        );
+    }
     for model in m.models(false).iter().chain(&m.models(true)) {
         let model = model.as_str();
         let rows: Vec<&Record> = m.records.iter().filter(|r| r.model == model).collect();
@@ -112,8 +132,8 @@ fresh process): median (min-max). \
         let _ = write!(
             out,
             "\n## {model} (batch {}, {}, {}, {} threads): model state {}\n\n\
-| policy | segments | step peak | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | time / off, rounds | grads = plain candle (bits) | status |\n\
-|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+| policy | segments | step peak | predicted (error) | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | predicted time / off | time / off, rounds | grads = plain candle (bits) | status |\n\
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             first.batch,
             first.input,
             first.dtype,
@@ -122,7 +142,7 @@ fresh process): median (min-max). \
         );
         for r in rows {
             if r.status != Status::Ok {
-                let _ = writeln!(out, "| {} | | | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
+                let _ = writeln!(out, "| {} | | | | | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
                 continue;
             }
             let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() };
@@ -140,10 +160,13 @@ fresh process): median (min-max). \
                 (true, false) => format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff),
             };
             let rounds = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2}, {} rounds)", t.median, t.min, t.max, t.rounds.len()));
+            let predicted =
+                r.predicted_peak_bytes.map_or("-".into(), |p| format!("{} ({:+.1}%)", mib(p), (p as f64 / r.step_peak_bytes.max(1) as f64 - 1.0) * 100.0));
+            let predicted_time = r.predicted_time_ratio.map_or("-".into(), |t| format!("{t:.2}x"));
+            let policy = if r.plan.is_empty() { r.policy.clone() } else { format!("{} → `{}`", r.policy, r.plan) };
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {rounds} | {grads} | ok |",
-                r.policy,
+                "| {policy} | {} | {} | {predicted} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {predicted_time} | {rounds} | {grads} | ok |",
                 r.segments,
                 mib(r.step_peak_bytes),
                 if r.step_peak_bytes > r.fwd_bwd_peak_bytes { "optimizer" } else { "fwd/bwd" },

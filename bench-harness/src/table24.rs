@@ -33,6 +33,10 @@ pub fn in_size_order(m: &Matrix) -> Vec<&Record> {
 fn fits(r: &Record) -> String {
     match (r.status, r.predicted_total_bytes) {
         (Status::Ok, _) => if measured_total(r) <= GIB_24 { "**yes**" } else { "no" }.into(),
+        // The kernel, not the cap: the process's resident memory outgrew the machine.
+        (Status::Oom, p) if r.error.contains("SIGKILL") => {
+            format!("not measured: killed by the kernel (this machine's memory){}", p.map_or(String::new(), |p| format!("; predicted {} GiB", gib(p))))
+        }
         (Status::Oom, _) => "no (out of memory under the cap)".into(),
         (Status::Skipped, Some(p)) if p <= GIB_24 => "predicted yes".into(),
         (Status::Skipped, _) => "no (predicted)".into(),
@@ -79,7 +83,9 @@ pub fn render(m: &Matrix) -> String {
             L, or sqrt(L) under `sqrt`); gpt2-small is the calibration and has no prediction of its own. Measured total: the heap \
             before the step (parameters, optimizer state) plus the step's peak above it (gradients, activations), the highest \
             over the timed steps. Configurations predicted above the memory cap are not run; with `--dry-run`, none is, and every \
-            row but the calibration's is a prediction.\n\n\
+            row but the calibration's is a prediction. The meter counts live bytes; the allocator keeps freed pages for reuse \
+            (a step faults in no new memory), so a process's resident memory runs above its live heap (by 3-4 GiB for GPT-2 XL): \
+            near a machine's limit the kernel may kill a run whose live heap fits, which the table says.\n\n\
             | model | variant | policy | predicted GiB | measured GiB | error | fits 24 GiB | tokens/s | step time | gradients |\n\
             |---|---|---|---|---|---|---|---|---|---|\n";
     for r in &records {

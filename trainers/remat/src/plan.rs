@@ -639,6 +639,9 @@ impl<'p> Walk<'p> {
     }
 }
 
+/// The most cut positions [`frontier`] searches (ResNet-152 has 52, a 1024-block stack 1024).
+pub const FRONTIER_CUTS: usize = 64;
+
 /// Turns `budget=`/`auto` into a [`Policy::Plan`] for `profile`; other policies are returned as
 /// they are. `fixed`: the heap before a step
 /// (parameters, optimizer state, inputs); `available`: what `auto` may use (the device's free
@@ -654,8 +657,13 @@ pub fn resolve(policy: &Policy, profile: &Profile, fixed: u64, held_grads: u64, 
 }
 
 /// The plans for a range of budgets, from the least peak up to the peak of `off`: the memory/time
-/// frontier (deduplicated: budgets that give the same plan appear once).
+/// frontier (deduplicated: budgets that give the same plan appear once). Empty for graphs with
+/// more than [`FRONTIER_CUTS`] cut positions: the search is quadratic in them and the frontier
+/// runs it some fifty times (a single `budget=` plan is one search).
 pub fn frontier(profile: &Profile, fixed: u64, held_grads: u64, points: usize) -> Vec<Plan> {
+    if profile.candidates().len() > FRONTIER_CUTS {
+        return Vec::new();
+    }
     let low = profile.least_peak(held_grads).estimate.peak;
     let high = profile.predict_policy(&Policy::Off, held_grads).map_or(low, |e| e.peak);
     let mut plans: Vec<Plan> = Vec::new();
