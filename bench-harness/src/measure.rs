@@ -190,11 +190,6 @@ pub fn profile(inst: &dyn Instance, seed: u64) -> Result<Profile> {
     Ok(Profile::at_batch(inst.graph(), inputs_at, &inst.store().vars(), inst.batch(), seed)?)
 }
 
-/// Bytes of the optimizer state allocated so far (SGD allocates its buffers at the first update).
-fn allocated_state(optimizer: &dyn layers::TrainOptimizer) -> Result<u64> {
-    Ok(optimizer.state()?.values().map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum())
-}
-
 /// The predicted step of `policy` with `accumulate` micro-batches: the first micro-batch
 /// gathers the parameter gradients, later ones hold them all from the start.
 pub fn predict(profile: &Profile, policy: &Policy, accumulate: usize) -> Result<Estimate> {
@@ -220,10 +215,9 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     let inst = w.build(device, seed)?;
     let mut optimizer = inst.optimizer()?;
     let profile = profile(&*inst, seed)?;
-    // The heap a step starts from: parameters, buffers, the optimizer's state, the inputs.
+    // After the profile: the workspaces kernels keep from their first calls are part of it.
     let inputs_bytes: u64 = inst.inputs(0)?.iter().map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum();
-    counter.synchronize();
-    let fixed = (counter.current() - base) + optimizer.state_bytes().saturating_sub(allocated_state(&*optimizer)?) + inputs_bytes;
+    let fixed = trainkit::memory_before_step(device, &*optimizer, inputs_bytes)?;
     let held = if w.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
     let (policy, plan) = remat::plan::resolve(policy, &profile, fixed, held, trainkit::auto_budget(device, cap))?;
     if plan.is_some() {

@@ -19,7 +19,7 @@ fn a_dry_run_predicts_every_phase_and_allocates_no_step() {
     let out = run(&["--dry-run", "--policy", "sqrt"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
-    for phase in ["forward", "backward", "recompute", "state before a step"] {
+    for phase in ["forward", "backward", "recompute", "memory before a step"] {
         assert!(text.contains(phase), "no {phase} in:\n{text}");
     }
     let off_step = mib_after(&text, "off: total");
@@ -41,4 +41,15 @@ fn a_budget_plan_trains() {
     let out = run(&["--policy", "budget=40MiB", "--steps", "2"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && err.contains("budget=40MiB: plan="), "{err}");
+}
+
+/// `auto` plans for `--memory-cap`: a cap nothing fits is refused, one that fits trains under it.
+#[test]
+fn auto_plans_for_the_memory_cap() {
+    let out = run(&["--policy", "auto", "--memory-cap", "1MiB", "--steps", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("auto: budget 1.0 MiB is below the smallest peak"), "{err}");
+    let out = run(&["--policy", "auto", "--memory-cap", "200MiB", "--steps", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("auto: plan="), "{err}");
 }

@@ -149,7 +149,7 @@ impl Plan {
 pub enum PlanError {
     #[error(
         "budget {} is below the smallest peak any checkpoint plan reaches, {} (plan {plan}): the state before the step \
-         (parameters, optimizer state, inputs) is {}, and of the step's own {}, {dominant} take {}",
+         (parameters, optimizer state, data, inputs) is {}, and of the step's own {}, {dominant} take {}",
         mib(*.budget), mib(.fixed + .step), mib(*.fixed), mib(*.step), mib(*.dominant_bytes)
     )]
     BelowMinimum { budget: u64, fixed: u64, step: u64, plan: String, dominant: &'static str, dominant_bytes: u64 },

@@ -80,6 +80,20 @@ pub fn available_memory() -> Option<u64> {
     Some((kib("MemAvailable:")? + kib("SwapFree:")?) * 1024)
 }
 
+fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+/// The memory a training step starts from, as a budget or a memory cap counts it: everything the
+/// device holds now (weights, buffers, data, the optimizer state allocated so far), the optimizer
+/// state still to come (SGD's buffers appear at the first update), and one batch of inputs.
+pub fn memory_before_step(device: &Device, optimizer: &dyn layers::TrainOptimizer, inputs_bytes: u64) -> Result<u64> {
+    let counter = remat::memory::Counter::for_device(device);
+    counter.synchronize();
+    let allocated: u64 = optimizer.state()?.values().map(tensor_bytes).sum();
+    Ok(counter.current() + optimizer.state_bytes().saturating_sub(allocated) + inputs_bytes)
+}
+
 /// What the device can still give: free memory on a GPU, available memory on the CPU.
 pub fn free_memory(device: &Device) -> Option<u64> {
     match device {
@@ -124,17 +138,16 @@ fn plan_policy(
     if !policy.needs_plan() && !run.dry_run {
         return Ok(Some(policy.clone()));
     }
+    let vars = model.params().vars();
+    let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
     let heap_before = remat::memory::heap_current();
     remat::memory::reset_heap_peak();
-    let vars = model.params().vars();
     let graph_inputs = |n| inputs_at(n).map_err(|e| remat::Error::Graph(format!("{e:#}")));
     let profile = Profile::at_batch(model.graph(), graph_inputs, &vars, batch, run.seed)?;
-    let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
-    let weights: u64 = vars.iter().map(|v| bytes(v.as_tensor())).sum::<u64>() + model.params().buffers().map(|(_, b)| bytes(b.as_tensor())).sum::<u64>();
-    let inputs: u64 = inputs_at(1)?.iter().map(bytes).sum::<u64>() * batch as u64;
-    let fixed = weights + optimizer.state_bytes() + inputs;
+    // After the profile: the workspaces kernels keep from their first calls are part of it.
+    let inputs: u64 = inputs_at(1)?.iter().map(tensor_bytes).sum::<u64>() * batch as u64;
+    let fixed = memory_before_step(&device, optimizer, inputs)?;
     let held = if run.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
-    let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
     let (resolved, plan) = resolve(policy, &profile, fixed, held, auto_budget(&device, run.memory_cap))?;
     if let Some(plan) = &plan {
         say!("{policy}: {} ({} segments), predicted {:.1} MiB in all", resolved, plan.starts.len(), mib(fixed + plan.estimate.peak));
@@ -144,7 +157,7 @@ fn plan_policy(
     }
     let dry_peak = remat::memory::heap_peak().saturating_sub(heap_before);
     show!("{}", remat::plan::describe(&profile));
-    show!("state before a step (weights, optimizer state, inputs): {:.1} MiB", mib(fixed));
+    show!("memory before a step (weights, optimizer state, data, inputs): {:.1} MiB", mib(fixed));
     let mut policies = vec![resolved.clone()];
     policies.extend([remat::Policy::Off, remat::Policy::Sqrt, remat::Policy::EveryN(2)].into_iter().filter(|q| *q != resolved));
     for q in policies {
