@@ -46,8 +46,9 @@ struct Args {
     /// A UTF-8 text file to train on; default: the built-in synthetic corpus.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// A vocabulary file (one token per line, e.g. WordPiece vocab.txt); default: the words of the data.
-    #[arg(long)]
+    /// A vocabulary file (one token per line, e.g. WordPiece vocab.txt) for --data; default: the
+    /// words of the data. Refused without --data: the synthetic corpus has its own vocabulary.
+    #[arg(long, requires = "data")]
     vocab: Option<PathBuf>,
     /// sgd, adamw or adafactor.
     #[arg(long, default_value = "adamw")]
