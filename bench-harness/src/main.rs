@@ -63,9 +63,12 @@ enum Cmd {
         model: String,
         #[arg(long)]
         policy: Policy,
-        /// Time the steps only: no gradient check (the interleaved timing rounds).
+        /// Time the steps only: no prediction, no gradient check (the interleaved timing rounds).
         #[arg(long)]
         time_only: bool,
+        /// Measure and predict, but skip the gradient check (where two more models do not fit).
+        #[arg(long)]
+        no_check: bool,
         /// Predict only: profile the stages and print the record with the prediction, run no step.
         #[arg(long)]
         dry_run: bool,
@@ -176,18 +179,15 @@ impl Common {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::RunOne { model, policy, time_only, dry_run, common }) => run_one(
-            &model,
-            &policy,
-            if dry_run {
-                One::DryRun
-            } else if time_only {
-                One::TimeOnly
-            } else {
-                One::Full
-            },
-            &common,
-        ),
+        Some(Cmd::RunOne { model, policy, time_only, no_check, dry_run, common }) => {
+            let mode = match (dry_run, time_only, no_check) {
+                (true, _, _) => One::DryRun,
+                (_, true, _) => One::TimeOnly,
+                (_, _, true) => One::Unchecked,
+                _ => One::Full,
+            };
+            run_one(&model, &policy, mode, &common)
+        }
         Some(Cmd::ProjectOne { model, common }) => project_one(&model, &common),
         Some(Cmd::Selftest { device }) => selftest(&device),
         None => run_matrix(cli.matrix),
@@ -199,6 +199,8 @@ fn main() -> Result<()> {
 enum One {
     /// Timed steps and the gradient check.
     Full,
+    /// Timed steps and the prediction, no gradient check.
+    Unchecked,
     /// Timed steps only (a timing round).
     TimeOnly,
     /// The prediction only.
@@ -228,7 +230,7 @@ fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, force: b
             let stdout = String::from_utf8_lossy(&out.stdout);
             match stdout.lines().last().and_then(|l| serde_json::from_str::<projection::Projection>(l).ok()) {
                 Some(p) if out.status.success() => Ok(p),
-                _ => bail!("{}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("no output")),
+                _ => bail!("{}", child_error(&String::from_utf8_lossy(&out.stderr), out.status)),
             }
         });
         match projected {
@@ -256,7 +258,7 @@ fn run_one(model: &str, policy: &Policy, mode: One, common: &Common) -> Result<(
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .overridden(common.overrides());
     let steps = if mode == One::DryRun { 0 } else { common.steps };
-    let mut rec = measure::run(&w, policy, steps, common.seed, &dev, &common.device, common.memory_cap)?;
+    let mut rec = measure::run(&w, policy, steps, common.seed, &dev, &common.device, common.memory_cap, mode != One::TimeOnly)?;
     // The cap is for the measured configuration only: the check builds two more models.
     drop(held);
     remat::memory::set_heap_cap(u64::MAX);
@@ -289,7 +291,7 @@ fn selftest(device_name: &str) -> Result<()> {
     let peak = counter.peak().saturating_sub(base);
     anyhow::ensure!(peak > 0, "the memory meter saw no allocation");
     let w = workloads::profile("smoke")?.into_iter().find(|w| w.model == "gpt2-tiny").context("gpt2-tiny in smoke")?;
-    let mut rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name, None)?;
+    let mut rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name, None, true)?;
     measure::check(&mut rec, &w, &Policy::Sqrt, 0, &dev, true)?;
     anyhow::ensure!(rec.grads_bit_identical, "gpt2-tiny sqrt: {} gradient elements differ from plain candle", rec.grads_differing);
     let report = serde_json::json!({
@@ -543,7 +545,7 @@ fn run_predicted(matrix: &Matrix, w: &Workload, policy: &Policy, common: &Common
         None if state > cap => skipped(format!("does not fit (its state alone is {:.1} GiB > cap {:.1} GiB)", gib(state), gib(cap))),
         _ => {
             let check_fits = prediction.params * 4 + prediction.activations.unwrap_or(0) < cap;
-            let mut rec = spawn_one(w, policy, common, profile, if check_fits { One::Full } else { One::TimeOnly });
+            let mut rec = spawn_one(w, policy, common, profile, if check_fits { One::Full } else { One::Unchecked });
             rec.grads_checked = check_fits && rec.status == Status::Ok;
             rec
         }
@@ -680,6 +682,9 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, mode
         One::TimeOnly => {
             cmd.arg("--time-only");
         }
+        One::Unchecked => {
+            cmd.arg("--no-check");
+        }
         One::DryRun => {
             cmd.arg("--dry-run");
         }
@@ -697,9 +702,6 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, mode
         }
     }
     let stderr = String::from_utf8_lossy(&out.stderr);
-    // anyhow's "Error: ..." line, not the backtrace RUST_BACKTRACE appends; else the last line.
-    let last =
-        stderr.lines().find_map(|l| l.strip_prefix("Error: ")).or_else(|| stderr.lines().rev().find(|l| !l.trim().is_empty())).unwrap_or("").trim().to_string();
     // Our allocator names the phase of a refused allocation; otherwise the runtime's line.
     let oom_line = stderr
         .lines()
@@ -712,7 +714,18 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, mode
     match (oom_line, killed) {
         (Some(line), _) => failed(Status::Oom, line.trim().to_string()),
         (None, true) => failed(Status::Oom, "killed by SIGKILL (the kernel's OOM killer?)".into()),
-        _ => failed(Status::Error, if last.is_empty() { format!("exited with {}", out.status) } else { last }),
+        _ => failed(Status::Error, child_error(&stderr, out.status)),
+    }
+}
+
+/// What a failed child process said: anyhow's "Error: ..." line, not the backtrace
+/// RUST_BACKTRACE appends; else its last line; else its exit status.
+fn child_error(stderr: &str, status: std::process::ExitStatus) -> String {
+    let line = stderr.lines().find_map(|l| l.strip_prefix("Error: ")).or_else(|| stderr.lines().rev().find(|l| !l.trim().is_empty())).unwrap_or("").trim();
+    if line.is_empty() {
+        format!("exited with {status}")
+    } else {
+        line.to_string()
     }
 }
 

@@ -186,8 +186,7 @@ impl Record {
 
 /// The planner's profile of `inst` at its batch, measured at that batch ([`Profile::at_batch`]).
 pub fn profile(inst: &dyn Instance, seed: u64) -> Result<Profile> {
-    let inputs_at = |n| inst.inputs_at(0, n).map_err(|e| remat::Error::Graph(format!("{e:#}")));
-    Ok(Profile::at_batch(inst.graph(), inputs_at, &inst.store().vars(), inst.batch(), seed)?)
+    Ok(Profile::at_batch(inst.graph(), |n| inst.inputs_at(0, n), &inst.store().vars(), inst.batch(), seed)?)
 }
 
 /// The predicted step of `policy` with `accumulate` micro-batches: the first micro-batch
@@ -203,10 +202,11 @@ pub fn predict(profile: &Profile, policy: &Policy, accumulate: usize) -> Result<
 
 /// Measures `policy` on `w`: a warm-up step, then `steps` timed steps (the record's status is
 /// `ok`, its gradient fields still empty: see [`check`]); `steps == 0` predicts only (a dry run:
-/// status `skipped`). The planner profiles the model first
-/// and predicts the step (a `budget=`/`auto` policy is resolved from that profile; `auto` takes
-/// `cap`, the memory the run may use).
-pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str, cap: Option<u64>) -> Result<Record> {
+/// status `skipped`). With `predict_step` the planner profiles the model first and predicts the
+/// step; a `budget=`/`auto` policy is resolved from a profile either way (`auto` takes `cap`, the
+/// memory the run may use). The timing rounds, which keep only the step time, predict nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str, cap: Option<u64>, predict_step: bool) -> Result<Record> {
     let mut rec = Record::new(w, policy, device_name);
     let counter = Counter::for_device(device);
     counter.synchronize();
@@ -214,24 +214,32 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
     set_activity(Activity::Build, None);
     let inst = w.build(device, seed)?;
     let mut optimizer = inst.optimizer()?;
-    let profile = profile(&*inst, seed)?;
-    // After the profile: the workspaces kernels keep from their first calls are part of it.
-    let inputs_bytes: u64 = inst.inputs(0)?.iter().map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum();
-    let fixed = trainkit::memory_before_step(device, &*optimizer, inputs_bytes)?;
-    let held = if w.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
-    let (policy, plan) = remat::plan::resolve(policy, &profile, fixed, held, trainkit::auto_budget(device, cap))?;
-    if plan.is_some() {
-        rec.plan = policy.to_string();
+    let mut policy = policy.clone();
+    if predict_step || policy.needs_plan() {
+        let profile = profile(&*inst, seed)?;
+        // After the profile: the workspaces kernels keep from their first calls are part of it.
+        let inputs_bytes: u64 = inst.inputs(0)?.iter().map(remat::memory::tensor_bytes).sum();
+        let fixed = trainkit::memory_before_step(device, &*optimizer, inputs_bytes)?;
+        let held = if w.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
+        let (resolved, plan) = remat::plan::resolve(&policy, &profile, fixed, held, trainkit::auto_budget(device, cap))?;
+        policy = resolved;
+        if plan.is_some() {
+            rec.plan = policy.to_string();
+        }
+        if predict_step {
+            let estimate = predict(&profile, &policy, w.accumulate)?;
+            if policy == Policy::Off {
+                let points = remat::plan::frontier(&profile, fixed, held, 16);
+                rec.frontier = points
+                    .iter()
+                    .map(|p| FrontierPoint { plan: p.policy().to_string(), peak_bytes: p.estimate.peak, time_ratio: p.estimate.time_ratio() })
+                    .collect();
+            }
+            rec.predicted_peak_bytes = Some(estimate.peak);
+            rec.predicted_time_ratio = Some(estimate.time_ratio());
+            rec.estimate = Some(estimate);
+        }
     }
-    let estimate = predict(&profile, &policy, w.accumulate)?;
-    if policy == Policy::Off {
-        let points = remat::plan::frontier(&profile, fixed, held, 16);
-        rec.frontier =
-            points.iter().map(|p| FrontierPoint { plan: p.policy().to_string(), peak_bytes: p.estimate.peak, time_ratio: p.estimate.time_ratio() }).collect();
-    }
-    rec.predicted_peak_bytes = Some(estimate.peak);
-    rec.predicted_time_ratio = Some(estimate.time_ratio());
-    rec.estimate = Some(estimate);
     if steps == 0 {
         rec.status = Status::Skipped;
         rec.error = "dry run".into();

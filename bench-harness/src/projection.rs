@@ -10,6 +10,7 @@ use crate::workloads::Workload;
 use anyhow::Result;
 use candle_core::Device;
 use layers::TrainOptimizer;
+use remat::memory::tensor_bytes;
 use remat::plan::{Estimate, Profile};
 use remat::Policy;
 use serde::{Deserialize, Serialize};
@@ -47,21 +48,18 @@ pub struct ProjectedPolicy {
     pub time_ratio: f64,
 }
 
-fn bytes_of(t: &candle_core::Tensor) -> u64 {
-    (t.elem_count() * t.dtype().size_in_bytes()) as u64
-}
-
 /// Profiles `w` (its `full` size) and predicts its policies, the plan with the least recompute
 /// that fits `sqrt`'s memory, and the plan with the least memory.
 pub fn project(w: &Workload, device: &Device, seed: u64) -> Result<Projection> {
     let inst = w.build(device, seed)?;
     let store = inst.store();
-    let weights: u64 = store.vars().iter().map(|v| bytes_of(v.as_tensor())).sum::<u64>() + store.buffers().map(|(_, b)| bytes_of(b.as_tensor())).sum::<u64>();
+    let weights: u64 =
+        store.vars().iter().map(|v| tensor_bytes(v.as_tensor())).sum::<u64>() + store.buffers().map(|(_, b)| tensor_bytes(b.as_tensor())).sum::<u64>();
     let optimizer: Box<dyn TrainOptimizer> = inst.optimizer()?;
-    let inputs = inst.inputs_at(0, 1)?.iter().map(bytes_of).sum::<u64>() * w.batch as u64;
+    let inputs = inst.inputs_at(0, 1)?.iter().map(tensor_bytes).sum::<u64>() * w.batch as u64;
     let state_bytes = weights + optimizer.state_bytes() + inputs;
     drop(optimizer);
-    let inputs_at = |n| inst.inputs_at(0, n).map_err(|e| remat::Error::Graph(format!("{e:#}")));
+    let inputs_at = |n| inst.inputs_at(0, n);
     let vars = inst.store().vars();
     let profile = if w.batch <= PROBES.1 {
         Profile::at_batch(inst.graph(), inputs_at, &vars, w.batch, seed)?

@@ -166,7 +166,7 @@ impl TrainOptimizer for Adafactor {
     }
 
     fn state_bytes(&self) -> u64 {
-        self.vars.iter().map(|f| (f.stats.elem_count() * f.stats.dtype().size_in_bytes()) as u64).sum()
+        self.vars.iter().map(|f| remat::memory::tensor_bytes(&f.stats)).sum()
     }
 }
 

@@ -18,6 +18,7 @@ use candle_nn::Optimizer;
 pub use candle_nn::ParamsAdamW;
 use half::{bf16, f16};
 use rayon::prelude::*;
+use remat::memory::tensor_bytes;
 use std::collections::HashMap;
 
 /// Elements per task of an in-place update.
@@ -204,10 +205,6 @@ pub trait TrainOptimizer {
     fn state_bytes(&self) -> u64;
 }
 
-fn bytes(t: &Tensor) -> u64 {
-    (t.elem_count() * t.dtype().size_in_bytes()) as u64
-}
-
 /// `state[name]`, shaped like `like`, as a tensor of `like`'s dtype and device.
 pub(crate) fn restored(state: &HashMap<String, Tensor>, name: &str, like: &Tensor) -> Result<Tensor> {
     let t = state.get(name).ok_or_else(|| candle_core::Error::Msg(format!("optimizer state `{name}` is missing")))?;
@@ -318,7 +315,7 @@ impl TrainOptimizer for AdamW {
     }
 
     fn state_bytes(&self) -> u64 {
-        self.vars.iter().map(|s| bytes(&s.m) + bytes(&s.v)).sum()
+        self.vars.iter().map(|s| tensor_bytes(&s.m) + tensor_bytes(&s.v)).sum()
     }
 }
 

@@ -383,8 +383,7 @@ impl ParamGrads {
     }
 
     fn bytes(&self, params: &[Var]) -> u64 {
-        let size = |g: &Tensor| (g.elem_count() * g.dtype().size_in_bytes()) as u64;
-        params.iter().flat_map(|p| [self.sum.get(p), self.partial.get(p)]).flatten().map(size).sum()
+        params.iter().flat_map(|p| [self.sum.get(p), self.partial.get(p)]).flatten().map(crate::memory::tensor_bytes).sum()
     }
 }
 

@@ -110,12 +110,7 @@ impl StageGraph {
             return Err(Error::Graph(format!("expected {} inputs, got {}", self.n_inputs, inputs.len())));
         }
         let output = self.output()?;
-        let mut last_reader = vec![None; self.n_values];
-        for (i, node) in self.nodes.iter().enumerate() {
-            for &v in &node.inputs {
-                last_reader[v] = Some(i);
-            }
-        }
+        let last_reader = self.last_readers();
         let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(self.n_values).collect();
         for (i, node) in self.nodes.iter().enumerate() {
             let missing = |v| Error::Graph(format!("stage `{}` consumes value {v}, which its producer did not return", node.stage.name()));
@@ -132,6 +127,17 @@ impl StageGraph {
             }
         }
         values[output].clone().ok_or_else(|| Error::Graph("no stage produced the output".into()))
+    }
+
+    /// The last stage that reads each value (`None`: no stage does), by value id.
+    pub fn last_readers(&self) -> Vec<Option<usize>> {
+        let mut last = vec![None; self.n_values];
+        for (i, node) in self.nodes.iter().enumerate() {
+            for &v in &node.inputs {
+                last[v] = Some(i);
+            }
+        }
+        last
     }
 
     /// Every stage's kind, in order: what the policies cut by.

@@ -165,6 +165,11 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 }
 
+/// Bytes a tensor's elements take (its storage, if contiguous and not a view of a larger one).
+pub fn tensor_bytes(t: &candle_core::Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
 /// Bytes from a size like `24GiB`, `512MiB`, `1.5GB` or `1000000` (binary and decimal units).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();

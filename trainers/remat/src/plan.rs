@@ -21,7 +21,7 @@
 //!   `budget=`/`auto` policy into the plan.
 
 use crate::graph::{StageGraph, ValueId};
-use crate::memory::{set_activity, Activity, Counter};
+use crate::memory::{set_activity, tensor_bytes, Activity, Counter};
 use crate::policy::Policy;
 use crate::stage::{StageCtx, StageKind};
 use crate::{Error, Result};
@@ -161,10 +161,6 @@ fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
-fn bytes_of(t: &Tensor) -> u64 {
-    (t.elem_count() * t.dtype().size_in_bytes()) as u64
-}
-
 /// Runs `f` and returns what it gave, the bytes it left live, its peak above that and its time.
 fn metered<R>(counter: &Counter, f: impl FnOnce() -> Result<R>) -> Result<(R, u64, u64, f64)> {
     counter.synchronize();
@@ -193,11 +189,12 @@ impl Profile {
         let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(graph.n_values()).collect();
         let mut costs: Vec<ValueCost> = vec![ValueCost { bytes: 0, float: false }; graph.n_values()];
         for (c, t) in costs.iter_mut().zip(inputs) {
-            *c = ValueCost { bytes: bytes_of(t), float: t.dtype().is_float() };
+            *c = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
         }
         let mut last_user = vec![None; params.len()];
         let mut param_bytes = vec![0u64; params.len()];
         let mut stages = Vec::with_capacity(graph.nodes().len());
+        let last_reader = graph.last_readers();
         for (i, node) in graph.nodes().iter().enumerate() {
             let ins = node
                 .inputs
@@ -212,7 +209,7 @@ impl Profile {
             let (_, second, _) = once()?;
             let cost = first.least(&second);
             for (&v, t) in node.outputs.iter().zip(&outs) {
-                costs[v] = ValueCost { bytes: bytes_of(t), float: t.dtype().is_float() };
+                costs[v] = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
                 values[v] = Some(t.clone());
             }
             for (k, bytes) in grads {
@@ -220,7 +217,7 @@ impl Profile {
                 param_bytes[k] = bytes;
             }
             for &v in &node.inputs {
-                if graph.nodes()[i + 1..].iter().all(|n| !n.inputs.contains(&v)) && v >= n_inputs {
+                if last_reader[v] == Some(i) && v >= n_inputs {
                     values[v] = None;
                 }
             }
@@ -239,8 +236,14 @@ impl Profile {
     /// that batch. Stages run one at a time, so this needs one stage's memory, not a step's. A
     /// first pass is thrown away: it pays what a process allocates once and keeps (thread pools,
     /// workspaces sized by the largest product seen).
-    pub fn at_batch(graph: &StageGraph, inputs_at: impl Fn(usize) -> Result<Vec<Tensor>>, params: &[Var], batch: usize, seed: u64) -> Result<Profile> {
-        let inputs = inputs_at(batch)?;
+    pub fn at_batch<E: std::fmt::Display>(
+        graph: &StageGraph,
+        inputs_at: impl Fn(usize) -> std::result::Result<Vec<Tensor>, E>,
+        params: &[Var],
+        batch: usize,
+        seed: u64,
+    ) -> Result<Profile> {
+        let inputs = inputs_at(batch).map_err(|e| Error::Graph(format!("{e:#}")))?;
         Profile::measure(graph, &inputs, params, batch, seed)?;
         Profile::measure(graph, &inputs, params, batch, seed)
     }
@@ -249,9 +252,9 @@ impl Profile {
     /// ([`Profile::extrapolate`]), for sizes where even one stage at the full batch is too big or
     /// too slow to run. Kept bytes are linear in the batch; some kernels' temporaries are not
     /// (candle's composed 3D convolutions chunk theirs), so extrapolated temporaries over-predict.
-    pub fn extrapolated(
+    pub fn extrapolated<E: std::fmt::Display>(
         graph: &StageGraph,
-        inputs_at: impl Fn(usize) -> Result<Vec<Tensor>>,
+        inputs_at: impl Fn(usize) -> std::result::Result<Vec<Tensor>, E>,
         params: &[Var],
         probes: (usize, usize),
         batch: usize,
@@ -325,10 +328,7 @@ impl Profile {
     /// Stages where a segment may start: blocks and downsampling stages (what the fixed
     /// policies cut at), and stage 0.
     fn candidates(&self) -> Vec<usize> {
-        let mut c: Vec<usize> =
-            self.stages.iter().enumerate().filter(|(i, s)| *i == 0 || s.kind.is_block() || s.kind.is_downsample()).map(|(i, _)| i).collect();
-        c.dedup();
-        c
+        self.stages.iter().enumerate().filter(|(i, s)| *i == 0 || s.kind.is_block() || s.kind.is_downsample()).map(|(i, _)| i).collect()
     }
 
     /// The plan with the least recompute time whose peak, plus `fixed` (the heap before the step:
@@ -476,7 +476,7 @@ fn measure_stage(
             None => None,
         })
     })?;
-    let param_grads = params.iter().enumerate().filter_map(|(k, p)| Some((k, bytes_of(grads.as_ref()?.get(p)?)))).collect();
+    let param_grads = params.iter().enumerate().filter_map(|(k, p)| Some((k, tensor_bytes(grads.as_ref()?.get(p)?)))).collect();
     set_activity(Activity::Setup, None);
     let cost = StageCost {
         name: node.stage.name(),
@@ -713,8 +713,7 @@ pub fn summary(e: &Estimate) -> String {
     )
 }
 
-/// Counts of each stage's stored output values under `segments`, for tests and reports: the
-/// values a cut stores.
+/// The values a cut of the stages into `segments` stores (graph inputs excluded), in order.
 pub fn stored_values(profile: &Profile, segments: &[Range<usize>]) -> Vec<ValueId> {
     let walk = Walk::new(profile, 0);
     let mut out: Vec<ValueId> = segments.iter().skip(1).flat_map(|s| walk.crossing(s.start).collect::<Vec<_>>()).collect();

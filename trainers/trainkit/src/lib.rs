@@ -80,17 +80,13 @@ pub fn available_memory() -> Option<u64> {
     Some((kib("MemAvailable:")? + kib("SwapFree:")?) * 1024)
 }
 
-fn tensor_bytes(t: &Tensor) -> u64 {
-    (t.elem_count() * t.dtype().size_in_bytes()) as u64
-}
-
 /// The memory a training step starts from, as a budget or a memory cap counts it: everything the
 /// device holds now (weights, buffers, data, the optimizer state allocated so far), the optimizer
 /// state still to come (SGD's buffers appear at the first update), and one batch of inputs.
 pub fn memory_before_step(device: &Device, optimizer: &dyn layers::TrainOptimizer, inputs_bytes: u64) -> Result<u64> {
     let counter = remat::memory::Counter::for_device(device);
     counter.synchronize();
-    let allocated: u64 = optimizer.state()?.values().map(tensor_bytes).sum();
+    let allocated: u64 = optimizer.state()?.values().map(remat::memory::tensor_bytes).sum();
     Ok(counter.current() + optimizer.state_bytes().saturating_sub(allocated) + inputs_bytes)
 }
 
@@ -140,12 +136,10 @@ fn plan_policy(
     }
     let vars = model.params().vars();
     let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
-    let heap_before = remat::memory::heap_current();
-    remat::memory::reset_heap_peak();
-    let graph_inputs = |n| inputs_at(n).map_err(|e| remat::Error::Graph(format!("{e:#}")));
-    let profile = Profile::at_batch(model.graph(), graph_inputs, &vars, batch, run.seed)?;
+    let (profile, dry_peak) = remat::memory::peak_during(|| Profile::at_batch(model.graph(), inputs_at, &vars, batch, run.seed));
+    let profile = profile?;
     // After the profile: the workspaces kernels keep from their first calls are part of it.
-    let inputs: u64 = inputs_at(1)?.iter().map(tensor_bytes).sum::<u64>() * batch as u64;
+    let inputs: u64 = inputs_at(1)?.iter().map(remat::memory::tensor_bytes).sum::<u64>() * batch as u64;
     let fixed = memory_before_step(&device, optimizer, inputs)?;
     let held = if run.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
     let (resolved, plan) = resolve(policy, &profile, fixed, held, auto_budget(&device, run.memory_cap))?;
@@ -155,7 +149,6 @@ fn plan_policy(
     if !run.dry_run {
         return Ok(Some(resolved));
     }
-    let dry_peak = remat::memory::heap_peak().saturating_sub(heap_before);
     show!("{}", remat::plan::describe(&profile));
     show!("memory before a step (weights, optimizer state, data, inputs): {:.1} MiB", mib(fixed));
     let mut policies = vec![resolved.clone()];
