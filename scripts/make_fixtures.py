@@ -112,12 +112,20 @@ def bert(gen):
     labels = torch.randint(0, config["vocab_size"], (b * t,), generator=gen)
     scored = (torch.rand(b * t, generator=gen) < 0.3).to(torch.float64)
     scored[0] = 1.0
+    # Segments and padding from a generator of their own, so that the fixtures after this one keep
+    # their draws: row 1 ends in 5 padding positions (not scored), token types are random.
+    extra = torch.Generator().manual_seed(20261202)
+    token_types = torch.randint(0, config["type_vocab_size"], (b, t), generator=extra)
+    attention_mask = torch.ones(b, t, dtype=torch.int64)
+    attention_mask[1, t - 5:] = 0
+    scored = scored * attention_mask.reshape(-1)
     model = model.double().train()
-    logits = model(input_ids=ids).logits.reshape(b * t, -1)  # (B*T, V)
+    logits = model(input_ids=ids, token_type_ids=token_types, attention_mask=attention_mask).logits.reshape(b * t, -1)  # (B*T, V)
     logp = F.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
     loss = -(logp * scored).sum() / scored.sum()
     loss.backward()
-    fixture = {"ids": ids, "labels": labels, "weights": scored, "logits": logits, "loss": loss,
+    fixture = {"ids": ids, "token_types": token_types, "attention_mask": attention_mask, "labels": labels, "weights": scored,
+               "logits": logits, "loss": loss,
                **grads(model, lambda n: n)}
     save(out_path("bert", "bert"), weights, fixture, config)
 

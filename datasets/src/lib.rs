@@ -6,12 +6,15 @@
 //!   learn; byte-level tokens ([`text::byte_tokens`]) make it usable with any GPT-2 vocabulary.
 //! - [`volumes::SyntheticVolumes`]: spheres and cubes to segment; [`volumes::NpyVolumes`]: `.npy` volumes.
 //! - [`tokens::load_u16`]: flat token files (u16 little-endian, the usual GPT-2 preprocessing).
-//! - [`tokens::Batcher`]: deterministic (input, target) windows for a step.
+//! - [`tokens::Batcher`]: deterministic (input, target) windows for a step; [`tokens::Examples`]:
+//!   documents of different lengths, each once per epoch.
+//! - [`tokenizer::Tokenizer`]: text through a Hugging Face `tokenizer.json` (WordPiece, BPE).
 //!
 //! Everything is a pure function of its seed: the same seed gives the same bytes on every machine.
 
 pub mod images;
 pub mod text;
+pub mod tokenizer;
 pub mod tokens;
 pub mod volumes;
 

@@ -15,6 +15,15 @@ pub enum DataError {
     TooShort { have: usize, need: usize },
     #[error("token {token} at position {pos} is outside the vocabulary of {vocab}")]
     OutOfVocab { token: u16, pos: usize, vocab: usize },
+    #[error("token id {token} does not fit a u16 token stream (a vocabulary of more than 65536 tokens)")]
+    WideToken { token: u32 },
+    #[error("the text has no tokens")]
+    NoDocuments,
+}
+
+/// Token ids as a u16 stream, the format [`Batcher`] and the token files use.
+pub fn narrow_u16(ids: &[u32]) -> Result<Vec<u16>, DataError> {
+    ids.iter().map(|&t| u16::try_from(t).map_err(|_| DataError::WideToken { token: t })).collect()
 }
 
 /// Reads a flat file of u16 little-endian token ids.
@@ -68,6 +77,60 @@ impl Batcher {
     }
 }
 
+/// Examples of different lengths (documents cut to at most `max_len` tokens), drawn for a step
+/// without replacement: each epoch visits every example once, in an order fixed by the seed.
+#[derive(Debug)]
+pub struct Examples {
+    examples: Vec<Vec<u32>>,
+    seed: u64,
+}
+
+impl Examples {
+    /// Documents longer than `max_len` are cut into consecutive pieces; empty ones are dropped.
+    pub fn new(documents: Vec<Vec<u32>>, max_len: usize, seed: u64) -> Result<Self, DataError> {
+        let examples: Vec<Vec<u32>> = documents.iter().flat_map(|d| d.chunks(max_len.max(1)).map(<[u32]>::to_vec)).collect();
+        if examples.is_empty() {
+            return Err(DataError::NoDocuments);
+        }
+        Ok(Examples { examples, seed })
+    }
+
+    pub fn len(&self) -> usize {
+        self.examples.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.examples.is_empty()
+    }
+
+    /// The `batch` examples of `step`: positions `step * batch ..` of the epochs' orders.
+    pub fn batch(&self, step: u64, batch: usize) -> Vec<&[u32]> {
+        let n = self.examples.len() as u64;
+        let mut order: Option<(u64, Vec<usize>)> = None;
+        (0..batch as u64)
+            .map(|i| {
+                let at = step * batch as u64 + i;
+                let epoch = at / n;
+                if order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                    order = Some((epoch, self.order(epoch)));
+                }
+                let (_, perm) = order.as_ref().expect("just set");
+                self.examples[perm[(at % n) as usize]].as_slice()
+            })
+            .collect()
+    }
+
+    /// A Fisher-Yates shuffle of the examples for `epoch`.
+    fn order(&self, epoch: u64) -> Vec<usize> {
+        let mut rng = SplitMix::new(self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5EED);
+        let mut perm: Vec<usize> = (0..self.examples.len()).collect();
+        for i in (1..perm.len()).rev() {
+            perm.swap(i, rng.below(i + 1));
+        }
+        perm
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,5 +165,20 @@ mod tests {
         assert_ne!(b.batch(6, 3).0, x);
         assert!(Batcher::new(vec![1; 10], 16, 256, 1).is_err());
         assert!(Batcher::new(vec![300; 100], 16, 256, 1).unwrap_err().to_string().contains("vocabulary"));
+    }
+
+    #[test]
+    fn examples_visit_every_piece_once_per_epoch() {
+        let docs = vec![vec![1, 2, 3, 4, 5], vec![], vec![6], vec![7, 8]];
+        let ex = Examples::new(docs, 2, 3).unwrap();
+        assert_eq!(ex.len(), 5, "[1 2] [3 4] [5] [6] [7 8]");
+        let epoch: Vec<Vec<u32>> = (0..5).flat_map(|s| ex.batch(s, 1)).map(<[u32]>::to_vec).collect();
+        let mut sorted = epoch.clone();
+        sorted.sort();
+        assert_eq!(sorted, vec![vec![1, 2], vec![3, 4], vec![5], vec![6], vec![7, 8]]);
+        assert_eq!(ex.batch(1, 2), epoch[2..4].iter().map(Vec::as_slice).collect::<Vec<_>>(), "a batch of 2 at step 1 is epoch positions 2 and 3");
+        assert_eq!(ex.batch(2, 3).len(), 3, "a batch runs across the end of an epoch");
+        assert!(Examples::new(vec![vec![]], 4, 0).is_err());
+        assert!(narrow_u16(&[70_000]).unwrap_err().to_string().contains("65536"));
     }
 }

@@ -1,5 +1,9 @@
-//! Masked-LM data: BERT's masking of a token sequence, and batches of it from a text.
+//! Masked-LM data: BERT's masking of token sequences, and batches of them from the synthetic
+//! corpus or a text file (whole words, or a `tokenizer.json`).
 
+use datasets::text::WordVocab;
+use datasets::tokenizer::Tokenizer;
+use datasets::tokens::{Batcher, Examples};
 use remat::rng::RngKey;
 
 /// Why masked-LM data cannot be made.
@@ -9,77 +13,169 @@ pub enum MlmDataError {
     VocabularyTooLarge { have: usize, max: usize },
     #[error("sequence length {0} is too short for [CLS] ... [SEP]")]
     SequenceTooShort(usize),
+    #[error("tokenizer {path} has no {token} token, which BERT's masked-LM data needs")]
+    MissingSpecial { path: String, token: &'static str },
     #[error(transparent)]
     Tokens(#[from] datasets::tokens::DataError),
+    #[error(transparent)]
+    Tokenizer(#[from] datasets::tokenizer::TokenizerError),
 }
 
-/// One masked-LM batch: inputs with 15% of the tokens masked, and what the loss scores.
+/// One masked-LM batch of `batch` sequences of `seq` tokens (row-major): inputs with 15% of the
+/// tokens masked, what the loss scores, and the padding.
 pub struct MaskedBatch {
+    pub batch: usize,
+    pub seq: usize,
     pub input_ids: Vec<u32>,
+    /// Segment A (0) or B (1) of every token.
+    pub token_types: Vec<u32>,
+    /// 1 for a token, 0 for padding.
+    pub attention_mask: Vec<f32>,
     pub labels: Vec<u32>,
+    /// 1 at masked positions, 0 elsewhere.
     pub weights: Vec<f32>,
 }
 
 /// BERT's masking: 15% of the non-special tokens are chosen; of those 80% become `[MASK]`, 10% a
-/// random word, 10% stay. Every draw comes from `key`, so a step's masking is reproducible.
-pub fn mask_tokens(ids: &[u32], key: RngKey, vocab_size: usize, mask_id: u32, is_special: impl Fn(u32) -> bool) -> MaskedBatch {
+/// random word (an id below `vocab_size`), 10% stay. Every draw comes from `key`, so a step's
+/// masking is reproducible. Returns (input ids, labels, weights).
+pub fn mask_tokens(ids: &[u32], key: RngKey, vocab_size: usize, mask_id: u32, is_special: impl Fn(u32) -> bool) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
     let u = key.uniform(3 * ids.len());
-    let mut out = MaskedBatch { input_ids: ids.to_vec(), labels: ids.to_vec(), weights: vec![0.0; ids.len()] };
+    let (mut input_ids, mut weights) = (ids.to_vec(), vec![0.0; ids.len()]);
     for (i, &id) in ids.iter().enumerate() {
         if is_special(id) || u[3 * i] >= 0.15 {
             continue;
         }
-        out.weights[i] = 1.0;
+        weights[i] = 1.0;
         let r = u[3 * i + 1];
         if r < 0.8 {
-            out.input_ids[i] = mask_id;
+            input_ids[i] = mask_id;
         } else if r < 0.9 {
-            out.input_ids[i] = ((u[3 * i + 2] * vocab_size as f32) as u32).min(vocab_size as u32 - 1);
+            input_ids[i] = ((u[3 * i + 2] * vocab_size as f32) as u32).min(vocab_size as u32 - 1);
         }
     }
-    if let (false, Some(i)) = (out.weights.contains(&1.0), ids.iter().position(|&id| !is_special(id))) {
+    if let (false, Some(i)) = (weights.contains(&1.0), ids.iter().position(|&id| !is_special(id))) {
         // Never an empty loss: score at least one token.
-        out.weights[i] = 1.0;
-        out.input_ids[i] = mask_id;
+        weights[i] = 1.0;
+        input_ids[i] = mask_id;
     }
-    out
+    (input_ids, ids.to_vec(), weights)
 }
 
-/// Masked-LM batches from a text: whole-word tokens, `[CLS] window [SEP]` sequences, BERT masking.
+/// The special tokens masked-LM data uses, by id.
+#[derive(Clone, Debug)]
+pub struct Specials {
+    pub cls: u32,
+    pub sep: u32,
+    pub mask: u32,
+    pub pad: u32,
+    /// These four and `[UNK]` where the vocabulary has it: never masked, never scored.
+    all: Vec<u32>,
+}
+
+impl Specials {
+    fn new([cls, sep, mask, pad]: [u32; 4], unk: Option<u32>) -> Self {
+        Specials { cls, sep, mask, pad, all: [cls, sep, mask, pad].into_iter().chain(unk).collect() }
+    }
+
+    fn of_words(vocab: &WordVocab) -> Self {
+        Self::new(["[CLS]", "[SEP]", "[MASK]", "[PAD]"].map(|t| vocab.special(t)), vocab.id("[UNK]"))
+    }
+
+    fn of_tokenizer(tok: &Tokenizer) -> Result<Self, MlmDataError> {
+        let id = |token| tok.token_id(token).ok_or_else(|| MlmDataError::MissingSpecial { path: tok.path().to_string(), token });
+        Ok(Self::new([id("[CLS]")?, id("[SEP]")?, id("[MASK]")?, id("[PAD]")?], tok.token_id("[UNK]")))
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.all.contains(&id)
+    }
+}
+
+/// Where sequences come from.
+enum Source {
+    /// Full-length windows of one token stream (the synthetic corpus: every batch `seq` long).
+    Stream(Batcher),
+    /// One example per document (line), cut to fit; batches padded to their longest.
+    Documents(Examples),
+}
+
+/// Masked-LM batches: `[CLS] tokens [SEP]` sequences with BERT's masking.
 pub struct MlmData {
-    pub vocab: datasets::text::WordVocab,
-    windows: datasets::tokens::Batcher,
-    vocab_size: usize,
+    source: Source,
+    pub specials: Specials,
+    /// Tokens in the data's vocabulary (random replacements are drawn below it).
+    pub vocab_len: usize,
     seq: usize,
     seed: u64,
 }
 
 impl MlmData {
-    /// `vocab_size` is the model's; the text's vocabulary must fit in it.
-    pub fn new(text: &str, vocab: datasets::text::WordVocab, vocab_size: usize, seq: usize, seed: u64) -> Result<Self, MlmDataError> {
-        if vocab.len() > vocab_size {
-            return Err(MlmDataError::VocabularyTooLarge { have: vocab.len(), max: vocab_size });
-        }
-        if seq < 3 {
-            return Err(MlmDataError::SequenceTooShort(seq));
-        }
-        let ids: Vec<u16> = vocab.encode(text).into_iter().map(|i| i as u16).collect();
-        let windows = datasets::tokens::Batcher::new(ids, seq - 2, vocab_size, seed)?;
-        Ok(MlmData { vocab, windows, vocab_size, seq, seed })
-    }
-
-    /// The default data: the synthetic corpus with its own word vocabulary.
+    /// The default data: windows of the synthetic corpus with its own word vocabulary.
     pub fn synthetic(vocab_size: usize, seq: usize, seed: u64) -> Result<Self, MlmDataError> {
         let text = datasets::text::synthetic_corpus(seed, 1 << 19);
-        let vocab = datasets::text::WordVocab::build(&text);
-        Self::new(&text, vocab, vocab_size, seq, seed)
+        let vocab = WordVocab::build(&text);
+        check(vocab.len(), vocab_size, seq)?;
+        let ids = datasets::tokens::narrow_u16(&vocab.encode(&text))?;
+        let source = Source::Stream(Batcher::new(ids, seq - 2, vocab_size, seed)?);
+        Ok(MlmData { source, specials: Specials::of_words(&vocab), vocab_len: vocab.len(), seq, seed })
     }
 
-    pub fn batch(&self, step: u64, batch: usize) -> MaskedBatch {
-        let (cls, sep) = (self.vocab.special("[CLS]"), self.vocab.special("[SEP]"));
-        let (windows, _) = self.windows.batch(step, batch);
-        let ids: Vec<u32> = windows.chunks(self.seq - 2).flat_map(|w| std::iter::once(cls).chain(w.iter().copied()).chain([sep])).collect();
-        let key = RngKey { step, ..RngKey::named(self.seed, "mlm-mask") };
-        mask_tokens(&ids, key, self.vocab.len().min(self.vocab_size), self.vocab.special("[MASK]"), |id| self.vocab.is_special(id))
+    /// A text file, one document per line, in whole words of `vocab` (`vocab_size` is the model's).
+    pub fn words(text: &str, vocab: &WordVocab, vocab_size: usize, seq: usize, seed: u64) -> Result<Self, MlmDataError> {
+        check(vocab.len(), vocab_size, seq)?;
+        let docs = text.lines().map(|l| vocab.encode(l)).collect();
+        Self::documents(docs, Specials::of_words(vocab), vocab.len(), seq, seed)
     }
+
+    /// A text file, one document per line, through a tokenizer (`vocab_size` is the model's).
+    pub fn tokenized(text: &str, tokenizer: &Tokenizer, vocab_size: usize, seq: usize, seed: u64) -> Result<Self, MlmDataError> {
+        check(tokenizer.vocab_size(), vocab_size, seq)?;
+        let specials = Specials::of_tokenizer(tokenizer)?;
+        Self::documents(tokenizer.encode_lines(text)?, specials, tokenizer.vocab_size(), seq, seed)
+    }
+
+    fn documents(docs: Vec<Vec<u32>>, specials: Specials, vocab_len: usize, seq: usize, seed: u64) -> Result<Self, MlmDataError> {
+        let source = Source::Documents(Examples::new(docs, seq - 2, seed)?);
+        Ok(MlmData { source, specials, vocab_len, seq, seed })
+    }
+
+    /// The masked batch of `step`: `[CLS] example [SEP]` rows, padded with `[PAD]` to the
+    /// longest row (masked out of attention, never scored).
+    pub fn batch(&self, step: u64, batch: usize) -> MaskedBatch {
+        let examples: Vec<&[u32]> = match &self.source {
+            Source::Stream(windows) => {
+                let (ids, _) = windows.batch(step, batch);
+                return self.frame(step, ids.chunks(self.seq - 2).collect());
+            }
+            Source::Documents(docs) => docs.batch(step, batch),
+        };
+        self.frame(step, examples)
+    }
+
+    fn frame(&self, step: u64, examples: Vec<&[u32]>) -> MaskedBatch {
+        let s = &self.specials;
+        let seq = examples.iter().map(|e| e.len() + 2).max().unwrap_or(2);
+        let (mut ids, mut attention_mask) = (Vec::with_capacity(examples.len() * seq), Vec::with_capacity(examples.len() * seq));
+        for e in &examples {
+            ids.push(s.cls);
+            ids.extend_from_slice(e);
+            ids.push(s.sep);
+            ids.extend(std::iter::repeat_n(s.pad, seq - e.len() - 2));
+            attention_mask.extend((0..seq).map(|i| if i < e.len() + 2 { 1.0 } else { 0.0 }));
+        }
+        let key = RngKey { step, ..RngKey::named(self.seed, "mlm-mask") };
+        let (input_ids, labels, weights) = mask_tokens(&ids, key, self.vocab_len, s.mask, |id| s.is_special(id));
+        MaskedBatch { batch: examples.len(), seq, token_types: vec![0; ids.len()], attention_mask, input_ids, labels, weights }
+    }
+}
+
+fn check(vocab_len: usize, vocab_size: usize, seq: usize) -> Result<(), MlmDataError> {
+    if vocab_len > vocab_size {
+        return Err(MlmDataError::VocabularyTooLarge { have: vocab_len, max: vocab_size });
+    }
+    if seq < 3 {
+        return Err(MlmDataError::SequenceTooShort(seq));
+    }
+    Ok(())
 }

@@ -5,7 +5,7 @@
 //! residual branch; the MLM head (dense, GELU, LayerNorm, decoder tied to the word embeddings)
 //! scores only the masked positions. LayerNorm, attention, GELU, the embedding and the
 //! cross-entropy are `layers::fused` ops. Parameter names are Hugging Face's `BertForMaskedLM`.
-//! This file is the model; BERT's masking and the data are in `data`, the hub lookup in `hub`.
+//! This file is the model; BERT's masking and the data are in `data`.
 
 use candle_core::{DType, Device, Result, Tensor};
 use layers::{dropout, fused, Init, LayerNorm, ParamStore};
@@ -14,9 +14,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
 mod data;
-mod hub;
-pub use data::{mask_tokens, MaskedBatch, MlmData, MlmDataError};
-pub use hub::{hub_files, HubError};
+pub use data::{mask_tokens, MaskedBatch, MlmData, MlmDataError, Specials};
 
 /// Hyper-parameters, with Hugging Face's `config.json` field names.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -148,7 +146,8 @@ impl Linear {
     }
 }
 
-/// Word + position + token-type embeddings, LayerNorm, dropout. Input: ids (B, T). Output (B, T, C).
+/// Word + position + token-type embeddings, LayerNorm, dropout. Inputs: ids (B, T), token types
+/// (B, T). Output (B, T, C).
 pub struct Embeddings {
     word: Tensor,
     position: Tensor,
@@ -167,11 +166,11 @@ impl Stage for Embeddings {
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let t = inputs[0].dim(1)?;
-        let words = layers::fused::embedding(&self.word, &inputs[0])?; // (B, T, C)
+        let words = fused::embedding(&self.word, &inputs[0])?; // (B, T, C)
         let pos = self.position.narrow(0, 0, t)?; // (T, C)
-        let segment = self.token_type.narrow(0, 0, 1)?; // (1, C): every token is in segment A
-                                                        // Activations from here on are in the compute dtype.
-        let x = words.broadcast_add(&pos)?.broadcast_add(&segment)?.to_dtype(self.dtype)?;
+        let segments = fused::embedding(&self.token_type, &inputs[1])?; // (B, T, C)
+                                                                        // Activations from here on are in the compute dtype.
+        let x = (words.broadcast_add(&pos)? + segments)?.to_dtype(self.dtype)?;
         Ok(vec![dropout(&self.ln.forward(&x)?, self.pdrop, ctx)?])
     }
 }
@@ -212,12 +211,13 @@ impl Layer {
         })
     }
 
-    fn attention(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+    /// Self-attention over the keys `mask` (B, T) keeps (1; 0 for padding).
+    fn attention(&self, x: &Tensor, mask: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let (nh, hd) = (self.n_head, c / self.n_head);
         let heads = |l: &Linear| l.forward(x)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (heads(&self.query)?, heads(&self.key)?, heads(&self.value)?);
-        let y = layers::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), false, None, self.attn_pdrop, ctx)?; // (B, nh, T, hd)
+        let y = layers::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), false, Some(mask), self.attn_pdrop, ctx)?; // (B, nh, T, hd)
         y.transpose(1, 2)?.reshape((b, t, c)) // (B, T, C)
     }
 }
@@ -227,8 +227,8 @@ impl Stage for Layer {
         format!("encoder.layer.{}", self.index)
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
-        let x = &inputs[0]; // (B, T, C)
-        let a = dropout(&self.attn_out.forward(&self.attention(x, ctx)?)?, self.hidden_pdrop, ctx)?;
+        let (x, mask) = (&inputs[0], &inputs[1]); // (B, T, C), (B, T)
+        let a = dropout(&self.attn_out.forward(&self.attention(x, mask, ctx)?)?, self.hidden_pdrop, ctx)?;
         let h = self.attn_ln.forward(&(a + x)?)?;
         let f = self.output.forward(&fused::gelu(&self.intermediate.forward(&h)?, true)?)?; // (B, T, 4C) -> (B, T, C)
         let f = dropout(&f, self.hidden_pdrop, ctx)?;
@@ -247,6 +247,7 @@ pub struct MlmHead {
 }
 
 impl MlmHead {
+    /// Logits (B*T, V) of hidden states (B, T, C).
     fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let h = self.ln.forward(&fused::gelu(&self.transform.forward(x)?, true)?)?.reshape((b * t, c))?;
@@ -267,7 +268,8 @@ impl Stage for MlmHead {
     }
 }
 
-/// A BERT masked-LM model: parameters and the stage graph (inputs: ids, labels, weights; output: loss).
+/// A BERT masked-LM model: parameters and the stage graph (inputs: ids, token types, attention
+/// mask, labels, weights; output: the loss).
 pub struct Bert {
     pub config: Config,
     params: ParamStore,
@@ -299,36 +301,49 @@ impl Bert {
             bias: params.get("cls.predictions.bias", &[config.vocab_size], Init::Zeros)?,
         });
 
-        let mut graph = StageGraph::new(3); // values 0: ids, 1: labels, 2: weights
-        let mut x = graph.then(embeddings.clone(), 0)?;
+        let mut graph = StageGraph::new(5); // values 0: ids, 1: token types, 2: attention mask, 3: labels, 4: weights
+        let mut x = graph.add(embeddings.clone(), &[0, 1], 1)?[0];
         for l in &layers {
-            x = graph.then(l.clone(), x)?;
+            x = graph.add(l.clone(), &[x, 2], 1)?[0];
         }
-        let loss = graph.add(head.clone(), &[x, 1, 2], 1)?[0];
+        let loss = graph.add(head.clone(), &[x, 3, 4], 1)?[0];
         graph.set_output(loss);
         Ok(Bert { config, params, embeddings, layers, head, graph })
     }
 
-    /// Graph inputs for a masked batch of `batch` sequences of length `seq`.
-    pub fn inputs(&self, m: &MaskedBatch, batch: usize, seq: usize, device: &Device) -> Result<Vec<Tensor>> {
-        if seq > self.config.max_position_embeddings {
-            candle_core::bail!("sequence length {seq} exceeds max_position_embeddings ({})", self.config.max_position_embeddings)
+    /// Graph inputs for a masked batch.
+    pub fn inputs(&self, m: &MaskedBatch, device: &Device) -> Result<Vec<Tensor>> {
+        let (b, t) = (m.batch, m.seq);
+        if t > self.config.max_position_embeddings {
+            candle_core::bail!("sequence length {t} exceeds max_position_embeddings ({})", self.config.max_position_embeddings)
         }
         Ok(vec![
-            Tensor::from_slice(&m.input_ids, (batch, seq), device)?,
-            Tensor::from_slice(&m.labels, batch * seq, device)?,
-            Tensor::from_slice(&m.weights, batch * seq, device)?,
+            Tensor::from_slice(&m.input_ids, (b, t), device)?,
+            Tensor::from_slice(&m.token_types, (b, t), device)?,
+            Tensor::from_slice(&m.attention_mask, (b, t), device)?,
+            Tensor::from_slice(&m.labels, b * t, device)?,
+            Tensor::from_slice(&m.weights, b * t, device)?,
         ])
     }
 
-    /// MLM logits (B*T, V) in evaluation mode (no dropout).
-    pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+    /// The encoder's output, hidden states (B, T, C), for ids (B, T) in evaluation mode (no
+    /// dropout). `token_types` (B, T) default to 0 (every token in segment A); `attention_mask`
+    /// (B, T) is 1 for tokens and 0 for padding, which no token attends to (default: all 1).
+    pub fn hidden_states(&self, ids: &Tensor, token_types: Option<&Tensor>, attention_mask: Option<&Tensor>) -> Result<Tensor> {
         let ctx = StageCtx::eval();
-        let mut x = self.embeddings.forward(std::slice::from_ref(ids), &ctx)?.remove(0);
+        let zeros = ids.zeros_like()?;
+        let ones = Tensor::ones(ids.dims(), DType::F32, ids.device())?;
+        let mask = attention_mask.unwrap_or(&ones);
+        let mut x = self.embeddings.forward(&[ids.clone(), token_types.unwrap_or(&zeros).clone()], &ctx)?.remove(0);
         for l in &self.layers {
-            x = l.forward(&[x], &ctx)?.remove(0);
+            x = l.forward(&[x, mask.clone()], &ctx)?.remove(0);
         }
-        self.head.logits(&x)
+        Ok(x)
+    }
+
+    /// The masked-LM head's logits (B*T, V) for hidden states (B, T, C).
+    pub fn logits(&self, hidden_states: &Tensor) -> Result<Tensor> {
+        self.head.logits(hidden_states)
     }
 }
 
@@ -341,9 +356,9 @@ impl layers::Model for Bert {
         &self.params
     }
 
-    /// Hugging Face names: `BertForMaskedLM`'s, or a bare `BertModel` (no `bert.`
-    /// prefix; the MLM head must then be present under `cls.`), old `gamma`/`beta` LayerNorm names
-    /// included. The pooler, the tied decoder copy and `position_ids` are skipped.
+    /// Hugging Face names: `BertForMaskedLM`'s, or a bare `BertModel`'s (no `bert.` prefix), old
+    /// `gamma`/`beta` LayerNorm names included. The pooler, the tied decoder copy and
+    /// `position_ids` are skipped.
     fn snapshot_name(&self, name: &str) -> Option<String> {
         let skip = name.contains("pooler.") || name.ends_with("position_ids") || name.starts_with("cls.predictions.decoder.");
         if skip {
@@ -352,12 +367,17 @@ impl layers::Model for Bert {
         let name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias");
         Some(if name.starts_with("embeddings.") || name.starts_with("encoder.") { format!("bert.{name}") } else { name })
     }
+
+    /// The masked-LM head (its decoder is the word embeddings): a bare `BertModel` has none.
+    fn task_head(&self, name: &str) -> bool {
+        name.starts_with("cls.")
+    }
 }
 
 /// Synthetic masked-LM batches over the whole vocabulary.
 impl layers::Benchable for Bert {
     type Config = Config;
-    type Data = (MlmData, usize);
+    type Data = MlmData;
     const DOWNSAMPLES: bool = false;
 
     fn describe_input(seq: usize) -> String {
@@ -373,10 +393,10 @@ impl layers::Benchable for Bert {
     }
 
     fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {
-        Ok((MlmData::synthetic(self.config.vocab_size, seq, seed).map_err(candle_core::Error::wrap)?, seq))
+        MlmData::synthetic(self.config.vocab_size, seq, seed).map_err(candle_core::Error::wrap)
     }
 
-    fn synthetic_inputs(&self, (data, seq): &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>> {
-        self.inputs(&data.batch(step, batch), batch, *seq, device)
+    fn synthetic_inputs(&self, data: &MlmData, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>> {
+        self.inputs(&data.batch(step, batch), device)
     }
 }

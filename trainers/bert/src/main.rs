@@ -4,6 +4,7 @@ use anyhow::{bail, Context, Result};
 use bert::{Bert, Config, MlmData, Preset};
 use clap::Parser;
 use datasets::text::WordVocab;
+use datasets::tokenizer::Tokenizer;
 use layers::Model;
 use remat::memory::CountingAlloc;
 use remat::Policy;
@@ -16,39 +17,39 @@ static ALLOC: CountingAlloc = CountingAlloc;
 #[command(about = "Masked-LM training of BERT with activation checkpointing (candle + remat)")]
 struct Args {
     /// tiny, base (110M), large (340M).
-    #[arg(long, default_value = "base")]
+    #[arg(long, default_value = "base", conflicts_with_all = ["config", "model_id"])]
     preset: Preset,
-    /// A Hugging Face config.json; overrides --preset.
+    /// A Hugging Face config.json (instead of --preset).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// A Hugging Face model id (e.g. bert-base-uncased): its config and weights, from the cache
-    /// or downloaded into it.
-    #[arg(long)]
-    model_id: Option<String>,
-    /// The Hugging Face cache folder (default: ~/.cache/huggingface/hub).
-    #[arg(long)]
-    hub_cache: Option<PathBuf>,
-    /// Never download (also: HF_HUB_OFFLINE=1).
-    #[arg(long)]
-    offline: bool,
+    #[command(flatten)]
+    hub: trainkit::hub::HubArgs,
+    #[command(flatten)]
+    init: trainkit::hub::InitArgs,
     /// off, sqrt, every-two-blocks, every-n=K, explicit=I,J,..., budget=SIZE (the plan with the
     /// least recompute that fits SIZE, model state included), auto
     #[arg(long, default_value = "every-two-blocks")]
     policy: Policy,
     #[arg(long, default_value_t = 2)]
     batch: usize,
+    /// The sequence length: of every sequence on the synthetic corpus, the longest with --text.
     #[arg(long, default_value_t = 128)]
     seq: usize,
     #[arg(long, default_value_t = 20)]
     steps: usize,
     #[command(flatten)]
     run: trainkit::RunArgs,
-    /// A UTF-8 text file to train on; default: the built-in synthetic corpus.
+    /// A UTF-8 text file to train on, one document per line (a longer one is cut into several
+    /// sequences; a batch is padded to its longest); default: the built-in synthetic corpus.
     #[arg(long)]
-    data: Option<PathBuf>,
-    /// A vocabulary file (one token per line, e.g. WordPiece vocab.txt) for --data; default: the
-    /// words of the data. Refused without --data: the synthetic corpus has its own vocabulary.
-    #[arg(long, requires = "data")]
+    text: Option<PathBuf>,
+    /// The tokenizer.json for --text; default: the --model-id's, or one beside --config or --init.
+    /// Without one, --text is read in whole words.
+    #[arg(long, requires = "text")]
+    tokenizer: Option<PathBuf>,
+    /// A vocabulary file (one token per line, e.g. WordPiece vocab.txt) to read --text in whole
+    /// words; default: the words of the text.
+    #[arg(long, requires = "text", conflicts_with = "tokenizer")]
     vocab: Option<PathBuf>,
     /// sgd, adamw or adafactor.
     #[arg(long, default_value = "adamw")]
@@ -63,12 +64,10 @@ fn main() -> Result<()> {
     if args.batch == 0 || args.steps == 0 {
         bail!("--batch and --steps must be at least 1");
     }
-    let hub = match &args.model_id {
-        Some(id) => Some(bert::hub_files(id, args.hub_cache.as_deref(), args.offline)?),
-        None => None,
-    };
+    let hub = args.hub.files()?;
     let config = match (&args.config, &hub) {
-        (Some(path), _) | (None, Some((path, _))) => Config::from_json(path)?,
+        (Some(path), _) => Config::from_json(path)?,
+        (None, Some(files)) => Config::from_json(&files.config)?,
         (None, None) => args.preset.config(),
     };
     let config = Config { dtype: args.run.dtype, ..config };
@@ -77,24 +76,12 @@ fn main() -> Result<()> {
     }
     let hidden = (args.batch as u128).checked_mul(args.seq as u128).and_then(|n| n.checked_mul(config.hidden_size as u128));
     trainkit::check_footprint("--batch x --seq", "one layer's hidden states", hidden)?;
-    let data = match &args.data {
-        Some(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("--data {}", path.display()))?;
-            let vocab = match &args.vocab {
-                Some(v) => WordVocab::from_file(v).with_context(|| format!("--vocab {}", v.display()))?,
-                None => WordVocab::build(&text),
-            };
-            MlmData::new(&text, vocab, config.vocab_size, args.seq, args.run.seed)?
-        }
-        None => MlmData::synthetic(config.vocab_size, args.seq, args.run.seed)?,
-    };
+    let data = data(&args, &config, hub.as_ref())?;
     let device = trainkit::device(&args.run.device)?;
     let model = Bert::new(config, &device, args.run.seed)?;
-    if let Some((_, weights)) = &hub {
-        model.load_snapshot(weights)?;
-    }
+    args.init.load(&model, hub.as_ref())?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
-    let inputs = |step: u64, n: usize| Ok(model.inputs(&data.batch(step, n), n, args.seq, &device)?);
+    let inputs = |step: u64, n: usize| Ok(model.inputs(&data.batch(step, n), &device)?);
     let Some((exec, policy)) = trainkit::executor(&args.run, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
         return Ok(());
     };
@@ -106,7 +93,7 @@ fn main() -> Result<()> {
         exec.segments().len(),
         args.batch,
         args.seq,
-        data.vocab.len()
+        data.vocab_len
     );
 
     let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
@@ -119,4 +106,32 @@ fn main() -> Result<()> {
     }
     log.finish();
     Ok(())
+}
+
+/// The synthetic corpus, or `--text` through its tokenizer or in whole words.
+fn data(args: &Args, config: &Config, hub: Option<&trainkit::hub::HubFiles>) -> Result<MlmData> {
+    let Some(path) = &args.text else {
+        return Ok(MlmData::synthetic(config.vocab_size, args.seq, args.run.seed)?);
+    };
+    let text = std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?;
+    let tokenizer = match &args.vocab {
+        Some(_) => None,
+        None => trainkit::hub::tokenizer_file(args.tokenizer.as_deref(), hub, &[args.config.as_deref(), args.init.init.as_deref()]),
+    };
+    let (seq, seed) = (args.seq, args.run.seed);
+    if let Some(file) = tokenizer {
+        let tokenizer = Tokenizer::from_file(&file)?;
+        trainkit::say!("--text {}: tokenized by {}", path.display(), file.display());
+        return MlmData::tokenized(&text, &tokenizer, config.vocab_size, seq, seed).with_context(|| format!("--text {}", path.display()));
+    }
+    let vocab = match &args.vocab {
+        Some(v) => WordVocab::from_file(v).with_context(|| format!("--vocab {}", v.display()))?,
+        None => WordVocab::build(&text),
+    };
+    if args.vocab.is_none() && (hub.is_some() || args.init.init.is_some()) {
+        trainkit::say!(
+            "warning: --text is read in whole words of its own vocabulary, whose ids mean nothing to the pre-trained embeddings: give --tokenizer (or --vocab)"
+        );
+    }
+    MlmData::words(&text, &vocab, config.vocab_size, seq, seed).with_context(|| format!("--text {}", path.display()))
 }

@@ -1,5 +1,6 @@
 //! BERT is dropout-heavy: the strictest test of RNG replay. Gradients and losses under every
-//! policy equal `off` bit for bit over two steps, and every parameter learns.
+//! policy equal `off` bit for bit over two steps, on full-length sequences and on padded batches
+//! (attention masks in every layer), and every parameter learns.
 
 use bert::{Bert, Config, MlmData};
 use candle_core::Device;
@@ -11,7 +12,36 @@ use std::collections::BTreeMap;
 
 type Trace = Vec<(u32, BTreeMap<String, Vec<u32>>)>;
 
+/// Lines of 3 to 30 words: cut at 22 tokens and padded per batch, rows differ in length.
+fn ragged_text() -> String {
+    let corpus = datasets::text::synthetic_corpus(5, 4000);
+    let words: Vec<&str> = corpus.split_whitespace().collect();
+    let mut at = 0;
+    (0..40)
+        .map(|i| {
+            let n = 3 + (i * 7) % 28;
+            at += n;
+            words[at - n..at].join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn data(padded: bool, vocab_size: usize, seq: usize) -> MlmData {
+    match padded {
+        false => MlmData::synthetic(vocab_size, seq, 1).unwrap(),
+        true => {
+            let text = ragged_text();
+            MlmData::words(&text, &datasets::text::WordVocab::build(&text), vocab_size, seq, 1).unwrap()
+        }
+    }
+}
+
 fn train(policy: &str, replay_rng: bool) -> Trace {
+    train_on(policy, replay_rng, false)
+}
+
+fn train_on(policy: &str, replay_rng: bool, padded: bool) -> Trace {
     let cfg = Config::tiny(6, 32);
     let (batch, seq) = (2, 24);
     let model = Bert::new(cfg.clone(), &Device::Cpu, 42).unwrap();
@@ -20,10 +50,12 @@ fn train(policy: &str, replay_rng: bool) -> Trace {
         exec = exec.without_rng_replay();
     }
     let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: 1e-3, ..Default::default() }).unwrap();
-    let data = MlmData::synthetic(cfg.vocab_size, seq, 1).unwrap();
+    let data = data(padded, cfg.vocab_size, seq);
     (0..2u64)
         .map(|step| {
-            let out = exec.step(&model.inputs(&data.batch(step, batch), batch, seq, &Device::Cpu).unwrap(), step).unwrap();
+            let m = data.batch(step, batch);
+            assert_eq!(padded, m.attention_mask.contains(&0.0), "padded batches must hold padding, full-length ones none");
+            let out = exec.step(&model.inputs(&m, &Device::Cpu).unwrap(), step).unwrap();
             opt.step(&out.grads).unwrap();
             (out.loss.to_scalar::<f32>().unwrap().to_bits(), model.params().grad_bits(&out.grads).unwrap())
         })
@@ -32,14 +64,20 @@ fn train(policy: &str, replay_rng: bool) -> Trace {
 
 #[test]
 fn gradients_equal_off_bit_for_bit() {
-    let off = train("off", true);
+    for padded in [false, true] {
+        assert_policies_match_off(padded);
+    }
+}
+
+fn assert_policies_match_off(padded: bool) {
+    let off = train_on("off", true, padded);
     for policy in ["sqrt", "every-two-blocks", "every-n=1"] {
-        let run = train(policy, true);
+        let run = train_on(policy, true, padded);
         for (step, (a, b)) in off.iter().zip(&run).enumerate() {
-            assert_eq!(a.0, b.0, "{policy}: loss differs at step {step}");
+            assert_eq!(a.0, b.0, "{policy} (padded: {padded}): loss differs at step {step}");
             assert_eq!(a.1.len(), b.1.len(), "{policy}");
             for (name, g) in &a.1 {
-                assert!(g == &b.1[name], "{policy}: gradient of {name} differs at step {step}");
+                assert!(g == &b.1[name], "{policy} (padded: {padded}): gradient of {name} differs at step {step}");
             }
         }
     }
@@ -68,7 +106,7 @@ fn every_parameter_receives_a_nonzero_gradient() {
 fn masking_follows_bert() {
     let data = MlmData::synthetic(512, 128, 3).unwrap();
     let m = data.batch(0, 64);
-    let (mask, cls) = (data.vocab.special("[MASK]"), data.vocab.special("[CLS]"));
+    let (mask, cls) = (data.specials.mask, data.specials.cls);
     let chosen: Vec<usize> = (0..m.weights.len()).filter(|&i| m.weights[i] == 1.0).collect();
     let frac = chosen.len() as f64 / (64.0 * 126.0);
     assert!((frac - 0.15).abs() < 0.01, "{frac} of the words chosen");

@@ -22,7 +22,7 @@ fn peaks(policy: &str) -> Peaks {
     let model = Bert::new(cfg.clone(), &Device::Cpu, 3).unwrap();
     let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
     let data = MlmData::synthetic(cfg.vocab_size, SEQ, 1).unwrap();
-    trainkit::second_step_peaks(&exec, |step| model.inputs(&data.batch(step, BATCH), BATCH, SEQ, &Device::Cpu).unwrap()).unwrap()
+    trainkit::second_step_peaks(&exec, |step| model.inputs(&data.batch(step, BATCH), &Device::Cpu).unwrap()).unwrap()
 }
 
 #[test]

@@ -35,7 +35,7 @@ fn write_hf_files(model: &Bert, dir: &Path) {
 
 fn logits(model: &Bert) -> Vec<f32> {
     let ids = Tensor::new(&[[2u32, 7, 9, 4, 3], [2, 30, 31, 32, 3]], &Device::Cpu).unwrap();
-    model.logits(&ids).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    model.logits(&model.hidden_states(&ids, None, None).unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
 
 #[test]
@@ -69,11 +69,11 @@ fn a_model_id_resolves_from_the_hub_cache_offline() {
     let saved = Bert::new(Config::tiny(2, 32), &Device::Cpu, 1).unwrap();
     write_hf_files(&saved, &snapshot);
 
-    let (config, weights) = bert::hub_files("someone/tiny-bert", Some(&cache), true).unwrap();
-    let loaded = Bert::new(Config::from_json(&config).unwrap(), &Device::Cpu, 5).unwrap();
-    loaded.load_snapshot(&weights).unwrap();
+    let files = trainkit::hub::hub_files("someone/tiny-bert", Some(&cache), true).unwrap();
+    let loaded = Bert::new(Config::from_json(&files.config).unwrap(), &Device::Cpu, 5).unwrap();
+    loaded.load_snapshot(&files.weights).unwrap();
     assert_eq!(logits(&loaded), logits(&saved));
-    let err = bert::hub_files("someone/missing", Some(&cache), true).unwrap_err().to_string();
+    let err = trainkit::hub::hub_files("someone/missing", Some(&cache), true).unwrap_err().to_string();
     assert!(err.contains("not in the cache") && err.contains("offline"), "{err}");
 
     // The trainer takes the same path: one step from the cached weights.

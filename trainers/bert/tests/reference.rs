@@ -1,10 +1,11 @@
 //! BERT (masked LM) against Hugging Face `transformers` (`tests/fixtures/bert.safetensors`, written
 //! by `scripts/make_fixtures.py`): a tiny model's MLM logits, the masked-LM loss and every
-//! parameter's gradient, under `off` and `sqrt`. Tolerances: `trainkit::reference`.
+//! parameter's gradient, under `off` and `sqrt`, on a batch with random token types and a padded
+//! row. Tolerances: `trainkit::reference`.
 
 use anyhow::Result;
 use bert::{Bert, MaskedBatch};
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use layers::Model;
 use trainkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
 
@@ -14,10 +15,20 @@ fn logits_loss_and_gradients_match_pytorch() -> Result<()> {
     let model = Bert::new(fx.config()?, &Device::Cpu, 0)?;
     model.load_snapshot(fx.path())?;
     let (b, t) = fx.tensor("ids")?.dims2()?;
-    let ids = Tensor::from_vec(fx.ids("ids")?, (b, t), &Device::Cpu)?;
-    check_close("logits", &model.logits(&ids)?, &fx.tensor("logits")?, LOGITS_TOL)?;
-    let batch = MaskedBatch { input_ids: fx.ids("ids")?, labels: fx.ids("labels")?, weights: fx.f32s("weights")? };
-    let inputs = model.inputs(&batch, b, t, &Device::Cpu)?;
+    let attention_mask: Vec<f32> = fx.ids("attention_mask")?.into_iter().map(|m| m as f32).collect();
+    assert!(attention_mask.contains(&0.0) && fx.ids("token_types")?.contains(&1), "the fixture exercises padding and segment B");
+    let batch = MaskedBatch {
+        batch: b,
+        seq: t,
+        input_ids: fx.ids("ids")?,
+        token_types: fx.ids("token_types")?,
+        attention_mask,
+        labels: fx.ids("labels")?,
+        weights: fx.f32s("weights")?,
+    };
+    let inputs = model.inputs(&batch, &Device::Cpu)?;
+    let hidden = model.hidden_states(&inputs[0], Some(&inputs[1]), Some(&inputs[2]))?;
+    check_close("logits", &model.logits(&hidden)?, &fx.tensor("logits")?, LOGITS_TOL)?;
     for policy in ["off", "sqrt"] {
         let worst = check_training_step(&fx, model.graph(), model.params(), &inputs, policy)?;
         eprintln!("{policy}: largest gradient error {worst:.2e}");

@@ -1,7 +1,9 @@
-//! `train-gpt2`: train GPT-2 with activation checkpointing on the default corpus or a token file.
+//! `train-gpt2`: train GPT-2 with activation checkpointing on the default corpus, a text file or a
+//! token file.
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use datasets::tokenizer::Tokenizer;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
 use layers::Model;
@@ -16,11 +18,15 @@ static ALLOC: CountingAlloc = CountingAlloc;
 #[command(about = "Train GPT-2 with activation checkpointing (candle + remat)")]
 struct Args {
     /// Model size: tiny, small (124M), medium (350M), large (774M), xl (1.56B).
-    #[arg(long, default_value = "small")]
+    #[arg(long, default_value = "small", conflicts_with_all = ["config", "model_id"])]
     preset: Preset,
-    /// A Hugging Face config.json; overrides --preset.
+    /// A Hugging Face config.json (instead of --preset).
     #[arg(long)]
     config: Option<PathBuf>,
+    #[command(flatten)]
+    hub: trainkit::hub::HubArgs,
+    #[command(flatten)]
+    init: trainkit::hub::InitArgs,
     /// Checkpointing policy: off, sqrt, every-two-blocks, every-n=K, explicit=I,J,...,
     /// budget=SIZE (the plan with the least recompute that fits SIZE, model state included), auto
     #[arg(long, default_value = "sqrt")]
@@ -35,24 +41,29 @@ struct Args {
     #[command(flatten)]
     run: trainkit::RunArgs,
     /// Flat u16 little-endian token file; default: the built-in synthetic corpus (byte tokens).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "text")]
     data: Option<PathBuf>,
+    /// A UTF-8 text file to train on, tokenized whole and packed into full sequences.
+    #[arg(long)]
+    text: Option<PathBuf>,
+    /// The tokenizer.json for --text; default: the --model-id's, or one beside --config or --init.
+    #[arg(long, requires = "text")]
+    tokenizer: Option<PathBuf>,
     /// sgd, adamw or adafactor.
     #[arg(long, default_value = "adamw")]
     optimizer: layers::OptimizerKind,
     #[arg(long, default_value_t = 6e-4)]
     lr: f64,
-    /// Start from these weights (Hugging Face GPT-2 safetensors).
-    #[arg(long)]
-    init: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
     trainkit::check_lr(args.lr)?;
-    let config = match &args.config {
-        Some(path) => Config::from_json(path)?,
-        None => args.preset.config(),
+    let hub = args.hub.files()?;
+    let config = match (&args.config, &hub) {
+        (Some(path), _) => Config::from_json(path)?,
+        (None, Some(files)) => Config::from_json(&files.config)?,
+        (None, None) => args.preset.config(),
     };
     let config = Config { dtype: args.run.dtype, ..config };
     if args.seq == 0 || args.seq > config.n_positions {
@@ -63,17 +74,16 @@ fn main() -> Result<()> {
     }
     let logits = (args.batch as u128).checked_mul(args.seq as u128).and_then(|n| n.checked_mul(config.vocab_size as u128));
     trainkit::check_footprint("--batch x --seq", "the logits", logits)?;
-    let tokens = match &args.data {
-        Some(path) => datasets::tokens::load_u16(path)?,
-        None => datasets::text::byte_tokens(&datasets::text::synthetic_corpus(args.run.seed, 1 << 20)),
+    let tokens = match (&args.data, &args.text) {
+        (Some(path), _) => datasets::tokens::load_u16(path)?,
+        (None, Some(path)) => text_tokens(&args, path, hub.as_ref())?,
+        (None, None) => datasets::text::byte_tokens(&datasets::text::synthetic_corpus(args.run.seed, 1 << 20)),
     };
-    let batcher = Batcher::new(tokens, args.seq, config.vocab_size, args.run.seed).context("--data")?;
+    let batcher = Batcher::new(tokens, args.seq, config.vocab_size, args.run.seed).context(if args.text.is_some() { "--text" } else { "--data" })?;
 
     let device = trainkit::device(&args.run.device)?;
     let model = Gpt2::new(config, &device, args.run.seed)?;
-    if let Some(path) = &args.init {
-        model.load_snapshot(path)?;
-    }
+    args.init.load(&model, hub.as_ref())?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| {
         let (x, y) = batcher.batch(step, n);
@@ -102,4 +112,15 @@ fn main() -> Result<()> {
     }
     log.finish();
     Ok(())
+}
+
+/// `--text` through its tokenizer, as one token stream.
+fn text_tokens(args: &Args, path: &std::path::Path, hub: Option<&trainkit::hub::HubFiles>) -> Result<Vec<u16>> {
+    let Some(file) = trainkit::hub::tokenizer_file(args.tokenizer.as_deref(), hub, &[args.config.as_deref(), args.init.init.as_deref()]) else {
+        bail!("--text needs a tokenizer: give --tokenizer tokenizer.json (or put one beside --config or --init)");
+    };
+    let text = std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?;
+    let ids = Tokenizer::from_file(&file)?.encode(&text)?;
+    trainkit::say!("--text {}: {} tokens by {}", path.display(), ids.len(), file.display());
+    datasets::tokens::narrow_u16(&ids).with_context(|| format!("--text {}", path.display()))
 }

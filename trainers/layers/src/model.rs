@@ -3,7 +3,7 @@
 //! evaluation; and what the bench harness needs to run a model ([`Benchable`]).
 
 use crate::optim::OptimizerKind;
-use crate::params::{ParamStore, SnapshotError};
+use crate::params::{Initialised, ParamStore, SnapshotError};
 use crate::precision::Precision;
 use candle_core::{DType, Device, Result, Tensor};
 use remat::StageGraph;
@@ -34,10 +34,25 @@ pub trait Model {
         self.graph().eval_loss(inputs)?.to_dtype(DType::F32)?.to_scalar::<f32>()
     }
 
+    /// Whether parameter `name` belongs to the task head, which pre-trained snapshots may lack
+    /// (a bare BERT encoder has no masked-LM head) or have for another task (a classifier's
+    /// 1000 classes): [`Model::init_from`] keeps such a parameter's initial value. Default: none.
+    fn task_head(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
+
     /// Loads a snapshot written by [`Model::save_snapshot`] or published in the model's format;
     /// every parameter and buffer must be found.
     fn load_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
-        self.params().load(path, |name| self.snapshot_name(name))
+        self.params().load(path, |name| self.snapshot_name(name), |_| false).map(drop)
+    }
+
+    /// Starts from pre-trained weights: [`Model::load_snapshot`], except that task-head
+    /// parameters ([`Model::task_head`]) the snapshot lacks or has at another shape keep their
+    /// initial values (returned, for the log), unless `strict`.
+    fn init_from(&self, path: &Path, strict: bool) -> std::result::Result<Vec<Initialised>, SnapshotError> {
+        self.params().load(path, |name| self.snapshot_name(name), |name| !strict && self.task_head(name))
     }
 }
 

@@ -22,6 +22,24 @@ pub enum SnapshotError {
     Missing { path: String, name: String },
 }
 
+/// A parameter that a snapshot did not provide, left at its initial value (see
+/// [`ParamStore::load_tensors`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Initialised {
+    pub name: String,
+    /// `None`: absent from the snapshot; else the shape the snapshot had.
+    pub found: Option<Vec<usize>>,
+}
+
+impl std::fmt::Display for Initialised {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.found {
+            None => write!(f, "{} (absent)", self.name),
+            Some(shape) => write!(f, "{} (shape {shape:?} in the snapshot)", self.name),
+        }
+    }
+}
+
 /// The named trainable parameters of a model, in name order, and its buffers (state that is
 /// saved and loaded but not trained: BatchNorm running statistics).
 pub struct ParamStore {
@@ -82,21 +100,30 @@ impl ParamStore {
         self.all().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect()
     }
 
-    /// Loads every parameter and buffer from a safetensors snapshot. `rename` maps a file's tensor
-    /// name to the model's (or `None` to skip it: tied copies, counters); all must be found.
-    pub fn load(&self, path: &Path, rename: impl Fn(&str) -> Option<String>) -> std::result::Result<(), SnapshotError> {
+    /// Loads parameters and buffers from a safetensors snapshot ([`ParamStore::load_tensors`]).
+    pub fn load(
+        &self,
+        path: &Path,
+        rename: impl Fn(&str) -> Option<String>,
+        replaceable: impl Fn(&str) -> bool,
+    ) -> std::result::Result<Vec<Initialised>, SnapshotError> {
         let p = path.display().to_string();
         let tensors = candle_core::safetensors::load(path, &self.device).map_err(|source| SnapshotError::Io { path: p.clone(), source })?;
-        self.load_tensors(tensors, &p, rename)
+        self.load_tensors(tensors, &p, rename, replaceable)
     }
 
-    /// [`ParamStore::load`] from tensors already read from the snapshot `origin`.
+    /// Loads parameters and buffers from tensors read from the snapshot `origin`. `rename` maps a
+    /// file's tensor name to the model's (or `None` to skip it: tied copies, counters). Every
+    /// parameter must be found at its shape, except those `replaceable` accepts (a task head a
+    /// pre-trained snapshot lacks or has for another number of classes): they keep their initial
+    /// values and are returned. Nothing is written unless the whole load succeeds.
     pub fn load_tensors(
         &self,
         tensors: HashMap<String, Tensor>,
         origin: &str,
         rename: impl Fn(&str) -> Option<String>,
-    ) -> std::result::Result<(), SnapshotError> {
+        replaceable: impl Fn(&str) -> bool,
+    ) -> std::result::Result<Vec<Initialised>, SnapshotError> {
         let p = origin.to_string();
         let io = |source| SnapshotError::Io { path: p.clone(), source };
         let mut found: HashMap<String, Tensor> = HashMap::new();
@@ -105,14 +132,20 @@ impl ParamStore {
                 found.insert(n, t);
             }
         }
+        let (mut updates, mut initialised) = (Vec::new(), Vec::new());
         for (name, var) in self.all() {
-            let t = found.remove(name).ok_or_else(|| SnapshotError::Missing { path: p.clone(), name: name.clone() })?;
-            if t.dims() != var.dims() {
-                return Err(SnapshotError::Shape { path: p.clone(), name: name.clone(), found: t.dims().to_vec(), expected: var.dims().to_vec() });
+            match found.remove(name) {
+                Some(t) if t.dims() == var.dims() => updates.push((var, t)),
+                Some(t) if replaceable(name) => initialised.push(Initialised { name: name.clone(), found: Some(t.dims().to_vec()) }),
+                None if replaceable(name) => initialised.push(Initialised { name: name.clone(), found: None }),
+                Some(t) => return Err(SnapshotError::Shape { path: p.clone(), name: name.clone(), found: t.dims().to_vec(), expected: var.dims().to_vec() }),
+                None => return Err(SnapshotError::Missing { path: p.clone(), name: name.clone() }),
             }
+        }
+        for (var, t) in updates {
             var.set(&t.to_dtype(var.dtype()).and_then(|t| t.to_device(var.device())).map_err(io)?).map_err(io)?;
         }
-        Ok(())
+        Ok(initialised)
     }
 }
 

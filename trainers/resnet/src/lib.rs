@@ -344,6 +344,11 @@ impl layers::Model for ResNet {
     fn snapshot_name(&self, name: &str) -> Option<String> {
         (!name.ends_with("num_batches_tracked")).then(|| name.to_string())
     }
+
+    /// The classifier: an ImageNet snapshot's has 1000 classes.
+    fn task_head(&self, name: &str) -> bool {
+        name.starts_with("fc.")
+    }
 }
 
 /// Synthetic square images of the model's classes; trained with SGD and momentum, as ResNets are.

@@ -34,17 +34,16 @@ struct Args {
     /// An image folder (one sub-folder per class, the ImageFolder layout); default: synthetic images.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Classes of the synthetic data (the folder's sub-folders otherwise).
-    #[arg(long, default_value_t = 10)]
+    /// Classes of the synthetic data (with --data, the folder's sub-folders are the classes).
+    #[arg(long, default_value_t = 10, conflicts_with = "data")]
     classes: usize,
     /// sgd, adamw or adafactor.
     #[arg(long, default_value = "sgd")]
     optimizer: layers::OptimizerKind,
     #[arg(long, default_value_t = 0.05)]
     lr: f64,
-    /// Start from these weights (torchvision names, safetensors).
-    #[arg(long)]
-    init: Option<PathBuf>,
+    #[command(flatten)]
+    init: trainkit::hub::InitArgs,
 }
 
 /// Where batches come from.
@@ -86,9 +85,7 @@ fn main() -> Result<()> {
     };
     let device = trainkit::device(&args.run.device)?;
     let model = ResNet::new(Config { classes, dtype: args.run.dtype, ..args.preset.config() }, &device, args.run.seed)?;
-    if let Some(path) = &args.init {
-        model.load_snapshot(path)?;
-    }
+    args.init.load(&model, None)?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| {
         let (images, labels) = data.batch(step, n)?;

@@ -3,6 +3,7 @@
 //! records, and the median step time at the end. It does not own the loop: each trainer's `main`
 //! does. [`reference`] holds what the model tests compare against PyTorch.
 
+pub mod hub;
 pub mod reference;
 
 use anyhow::{bail, Context, Result};
@@ -222,7 +223,7 @@ pub struct RunArgs {
     /// those the data stream would give after the last training step.
     #[arg(long)]
     pub eval_every: Option<usize>,
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, requires = "eval_every")]
     pub eval_batches: usize,
     /// Gradient accumulation: N micro-batches of --batch per optimizer step (effective batch
     /// N x --batch); the gradient is the mean of the micro-batch gradients.
@@ -382,7 +383,7 @@ pub fn load_training(
         *scaler = LossScaler { scale: scale.to_scalar::<f64>()?, good_steps: scalar(GOOD_STEPS)? as u64 };
     }
     let state = tensors.iter().filter_map(|(k, v)| Some((k.strip_prefix(OPTIMIZER)?.to_string(), v.clone()))).collect();
-    store.load_tensors(tensors, &path.display().to_string(), |n| (!n.starts_with("training.")).then(|| n.to_string())).with_context(ctx)?;
+    store.load_tensors(tensors, &path.display().to_string(), |n| (!n.starts_with("training.")).then(|| n.to_string()), |_| false).with_context(ctx)?;
     opt.set_state(&state).with_context(ctx)?;
     Ok(next as usize)
 }

@@ -1,0 +1,125 @@
+//! Where a run's pre-trained weights come from: a Hugging Face model id (the local cache, or
+//! downloaded into it) or a local snapshot, loaded with the task head initialised where the
+//! snapshot lacks it; and the `tokenizer.json` that goes with them.
+
+use anyhow::{bail, Context, Result};
+use layers::Model;
+use std::path::{Path, PathBuf};
+
+/// Why a model's files could not be found or fetched.
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    #[error("model `{model}` is not in the cache {cache} (offline: not downloading)")]
+    NotCached { model: String, cache: String },
+    #[error("fetching `{model}` from the Hugging Face hub: {source}")]
+    Fetch { model: String, source: hf_hub::api::sync::ApiError },
+}
+
+/// A published model's files.
+#[derive(Clone, Debug)]
+pub struct HubFiles {
+    pub config: PathBuf,
+    pub weights: PathBuf,
+    /// `tokenizer.json`, where the model publishes one.
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// Finds `config.json`, `model.safetensors` and `tokenizer.json` (optional) of a Hugging Face
+/// model id: in the local cache first (`cache`, or the default `~/.cache/huggingface/hub`), else
+/// downloaded into it unless `offline` (or `HF_HUB_OFFLINE=1`).
+pub fn hub_files(model_id: &str, cache: Option<&Path>, offline: bool) -> Result<HubFiles, HubError> {
+    let offline = offline || std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1");
+    let local = match cache {
+        Some(dir) => hf_hub::Cache::new(dir.to_path_buf()),
+        None => hf_hub::Cache::from_env(),
+    };
+    let repo = local.model(model_id.to_string());
+    if let (Some(config), Some(weights)) = (repo.get("config.json"), repo.get("model.safetensors")) {
+        return Ok(HubFiles { config, weights, tokenizer: repo.get("tokenizer.json") });
+    }
+    if offline {
+        return Err(HubError::NotCached { model: model_id.to_string(), cache: local.path().display().to_string() });
+    }
+    let mut api = hf_hub::api::sync::ApiBuilder::new();
+    if let Some(dir) = cache {
+        api = api.with_cache_dir(dir.to_path_buf());
+    }
+    let fetch = |source| HubError::Fetch { model: model_id.to_string(), source };
+    let remote = api.build().map_err(fetch)?.model(model_id.to_string());
+    Ok(HubFiles {
+        config: remote.get("config.json").map_err(fetch)?,
+        weights: remote.get("model.safetensors").map_err(fetch)?,
+        tokenizer: remote.get("tokenizer.json").ok(),
+    })
+}
+
+/// The options of trainers that can start from a published model on the Hugging Face hub.
+#[derive(clap::Args, Debug)]
+pub struct HubArgs {
+    /// A Hugging Face model id (e.g. bert-base-uncased, gpt2): its config.json, model.safetensors
+    /// and tokenizer.json, from the cache or downloaded into it.
+    #[arg(long, conflicts_with_all = ["config", "init"])]
+    pub model_id: Option<String>,
+    /// The Hugging Face cache folder (default: ~/.cache/huggingface/hub).
+    #[arg(long, requires = "model_id")]
+    pub hub_cache: Option<PathBuf>,
+    /// Never download (also: HF_HUB_OFFLINE=1).
+    #[arg(long, requires = "model_id")]
+    pub offline: bool,
+}
+
+impl HubArgs {
+    /// The model's files, if `--model-id` names one.
+    pub fn files(&self) -> Result<Option<HubFiles>> {
+        let Some(id) = &self.model_id else { return Ok(None) };
+        Ok(Some(hub_files(id, self.hub_cache.as_deref(), self.offline)?))
+    }
+}
+
+/// The options of every trainer that can start from pre-trained weights.
+#[derive(clap::Args, Debug)]
+pub struct InitArgs {
+    /// Start from these weights: a safetensors snapshot under the published names (Hugging Face,
+    /// torchvision). A task head the snapshot lacks, or has for another number of classes, is
+    /// initialised instead, and the log names it.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// Refuse weights that lack part of the model (the task head) instead of initialising it.
+    #[arg(long)]
+    pub strict: bool,
+}
+
+impl InitArgs {
+    /// Loads `--init`, or else the hub model's weights, into `model`, and says what it
+    /// initialised instead of loading.
+    pub fn load(&self, model: &impl Model, hub: Option<&HubFiles>) -> Result<()> {
+        let path = match (&self.init, hub) {
+            (Some(path), _) => path,
+            (None, Some(files)) => &files.weights,
+            (None, None) if self.strict => bail!("--strict applies to pre-trained weights, and none were given (--init or --model-id)"),
+            (None, None) => return Ok(()),
+        };
+        let fresh = model.init_from(path, self.strict).with_context(|| match self.strict {
+            true => "--strict: the weights must hold every parameter (without --strict the task head is initialised)",
+            false => "loading pre-trained weights",
+        })?;
+        crate::say!("weights from {}", path.display());
+        if !fresh.is_empty() {
+            let names: Vec<String> = fresh.iter().map(ToString::to_string).collect();
+            crate::say!("initialised, not loaded ({} task-head tensors): {}", fresh.len(), names.join(", "));
+        }
+        Ok(())
+    }
+}
+
+/// The `tokenizer.json` of a run: `explicit` (`--tokenizer`), else the hub model's, else one in
+/// the folder of any of `beside` (the `--config` and `--init` files).
+pub fn tokenizer_file(explicit: Option<&Path>, hub: Option<&HubFiles>, beside: &[Option<&Path>]) -> Option<PathBuf> {
+    if let Some(path) = explicit {
+        return Some(path.to_path_buf());
+    }
+    if let Some(path) = hub.and_then(|h| h.tokenizer.clone()) {
+        return Some(path);
+    }
+    beside.iter().flatten().filter_map(|p| Some(p.parent()?.join("tokenizer.json"))).find(|p| p.is_file())
+}
