@@ -11,6 +11,16 @@ pub enum TokenizerError {
     Encode { path: String, message: String },
 }
 
+/// The two kinds of tokenizer [`Tokenizer::train`] makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// BERT's: lower-casing, split on whitespace and punctuation, WordPiece with `##`
+    /// continuations, the special tokens `[PAD] [UNK] [CLS] [SEP] [MASK]`.
+    WordPiece,
+    /// GPT-2's: byte-level BPE over every byte, and `<|endoftext|>`.
+    ByteLevelBpe,
+}
+
 /// A tokenizer read from a `tokenizer.json`. It encodes without the special tokens its
 /// post-processor would add: the data code frames sequences itself (BERT's `[CLS] ... [SEP]`).
 pub struct Tokenizer {
@@ -23,6 +33,47 @@ impl Tokenizer {
         let p = path.display().to_string();
         let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| TokenizerError::Read { path: p.clone(), message: e.to_string() })?;
         Ok(Tokenizer { inner, path: p })
+    }
+
+    /// Learns a tokenizer of `kind` with at most `vocab_size` tokens from the lines of `text`,
+    /// and writes it to `path` as a `tokenizer.json`: for a corpus without a published tokenizer,
+    /// and for tests, which must not download one.
+    pub fn train(kind: Kind, text: &str, vocab_size: usize, path: &Path) -> Result<Self, TokenizerError> {
+        use tokenizers::models::{bpe::BpeTrainer, wordpiece::WordPieceTrainer, TrainerWrapper};
+        use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+        use tokenizers::AddedToken;
+        let special = |names: &[&str]| names.iter().map(|t| AddedToken::from(t.to_string(), true)).collect::<Vec<_>>();
+        let (mut tokenizer, mut trainer): (tokenizers::Tokenizer, TrainerWrapper) = match kind {
+            Kind::WordPiece => {
+                let mut t = tokenizers::Tokenizer::new(tokenizers::models::wordpiece::WordPiece::default());
+                t.with_normalizer(Some(tokenizers::normalizers::BertNormalizer::default())).expect("a normalizer is always accepted");
+                t.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::bert::BertPreTokenizer));
+                t.with_decoder(Some(tokenizers::decoders::wordpiece::WordPiece::default()));
+                let trainer = WordPieceTrainer::builder()
+                    .vocab_size(vocab_size)
+                    .show_progress(false)
+                    .special_tokens(special(&["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
+                    .build();
+                (t, trainer.into())
+            }
+            Kind::ByteLevelBpe => {
+                let mut t = tokenizers::Tokenizer::new(tokenizers::models::bpe::BPE::default());
+                t.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
+                t.with_decoder(Some(ByteLevel::default()));
+                let trainer = BpeTrainer::builder()
+                    .vocab_size(vocab_size)
+                    .show_progress(false)
+                    .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+                    .special_tokens(special(&["<|endoftext|>"]))
+                    .build();
+                (t, trainer.into())
+            }
+        };
+        let p = path.display().to_string();
+        let failed = |e: tokenizers::Error| TokenizerError::Read { path: p.clone(), message: format!("training: {e}") };
+        tokenizer.train(&mut trainer, text.lines()).map_err(failed)?;
+        tokenizer.save(path, false).map_err(failed)?;
+        Self::from_file(path)
     }
 
     /// The file it was read from.

@@ -61,11 +61,7 @@ fn own_snapshot_round_trips_into_a_freshly_seeded_model() {
 #[test]
 fn a_model_id_resolves_from_the_hub_cache_offline() {
     let cache = temp_dir("hub");
-    let repo = cache.join("models--someone--tiny-bert");
-    std::fs::create_dir_all(repo.join("refs")).unwrap();
-    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
-    let snapshot = repo.join("snapshots/0123abcd");
-    std::fs::create_dir_all(&snapshot).unwrap();
+    let snapshot = trainkit::hub::cache_folder(&cache, "someone/tiny-bert").unwrap();
     let saved = Bert::new(Config::tiny(2, 32), &Device::Cpu, 1).unwrap();
     write_hf_files(&saved, &snapshot);
 

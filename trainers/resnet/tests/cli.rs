@@ -39,3 +39,24 @@ fn bad_input_gives_clear_errors() {
         assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
     }
 }
+
+/// An ImageNet snapshot has a 1000-class `fc`: `--init` into a model of another class count loads
+/// the rest and initialises `fc`, saying so; `--strict` refuses the mismatch.
+#[test]
+fn init_with_another_class_count_initialises_the_classifier() {
+    use layers::Model;
+    let dir = std::env::temp_dir().join(format!("resnet-init-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("imagenet.safetensors");
+    let config = resnet::Config { classes: 1000, ..resnet::Preset::Tiny.config() };
+    resnet::ResNet::new(config, &candle_core::Device::Cpu, 3).unwrap().save_snapshot(&path).unwrap();
+
+    let args = ["--preset", "tiny", "--classes", "4", "--image-size", "32", "--steps", "1", "--init", path.to_str().unwrap()];
+    let out = run(&args);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && log.contains("fc.weight (shape [1000, 256] in the snapshot)") && log.contains("fc.bias (shape [1000]"), "{log}");
+    let out = run(&[&args[..], &["--strict"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--strict") && err.contains("expects [4"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -53,6 +53,18 @@ pub fn hub_files(model_id: &str, cache: Option<&Path>, offline: bool) -> Result<
     })
 }
 
+/// Makes the folder of `model_id` in the hub cache `cache`, the layout `hf-hub` reads (a `main`
+/// ref to a snapshot), and returns it: files put there resolve offline as if downloaded. For a
+/// machine without network, and for tests, which must not download.
+pub fn cache_folder(cache: &Path, model_id: &str) -> std::io::Result<PathBuf> {
+    let repo = cache.join(format!("models--{}", model_id.replace('/', "--")));
+    std::fs::create_dir_all(repo.join("refs"))?;
+    std::fs::write(repo.join("refs/main"), "local")?;
+    let snapshot = repo.join("snapshots/local");
+    std::fs::create_dir_all(&snapshot)?;
+    Ok(snapshot)
+}
+
 /// The options of trainers that can start from a published model on the Hugging Face hub.
 #[derive(clap::Args, Debug)]
 pub struct HubArgs {
@@ -61,17 +73,24 @@ pub struct HubArgs {
     #[arg(long, conflicts_with_all = ["config", "init"])]
     pub model_id: Option<String>,
     /// The Hugging Face cache folder (default: ~/.cache/huggingface/hub).
-    #[arg(long, requires = "model_id")]
+    #[arg(long)]
     pub hub_cache: Option<PathBuf>,
     /// Never download (also: HF_HUB_OFFLINE=1).
-    #[arg(long, requires = "model_id")]
+    #[arg(long)]
     pub offline: bool,
 }
 
 impl HubArgs {
     /// The model's files, if `--model-id` names one.
     pub fn files(&self) -> Result<Option<HubFiles>> {
-        let Some(id) = &self.model_id else { return Ok(None) };
+        // Checked here, not by clap: clap waives `requires` whenever `--preset` (which conflicts
+        // with --model-id) is given.
+        let Some(id) = &self.model_id else {
+            if self.hub_cache.is_some() || self.offline {
+                bail!("--hub-cache and --offline apply to --model-id, which was not given");
+            }
+            return Ok(None);
+        };
         Ok(Some(hub_files(id, self.hub_cache.as_deref(), self.offline)?))
     }
 }

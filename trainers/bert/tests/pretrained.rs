@@ -1,0 +1,125 @@
+//! Starting from published checkpoints and training on real text: a bare `BertModel` snapshot (no
+//! masked-LM head) loads with the head initialised and named, `--strict` refuses it; `--text`
+//! goes through a `tokenizer.json` exactly as the `tokenizers` crate encodes it, and the loss falls.
+
+use bert::{Bert, Config, MlmData};
+use candle_core::{Device, Tensor};
+use datasets::tokenizer::{Kind, Tokenizer};
+use layers::Model;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bert-pretrained-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Writes `model` as a sentence-transformers-style bare `BertModel` (names without `bert.`, a
+/// pooler, no `cls.` head) with its config.json into `dir`; returns the weights' path.
+fn write_headless(model: &Bert, dir: &Path) -> PathBuf {
+    let mut tensors: HashMap<String, Tensor> = model
+        .params()
+        .named()
+        .filter(|(n, _)| !n.starts_with("cls."))
+        .map(|(n, v)| (n.strip_prefix("bert.").unwrap().to_string(), v.as_tensor().clone()))
+        .collect();
+    let c = model.config.hidden_size;
+    tensors.insert("pooler.dense.weight".into(), Tensor::zeros((c, c), candle_core::DType::F32, &Device::Cpu).unwrap());
+    let path = dir.join("model.safetensors");
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    std::fs::write(dir.join("config.json"), serde_json::to_string(&model.config).unwrap()).unwrap();
+    path
+}
+
+fn hidden(model: &Bert) -> Vec<f32> {
+    let ids = Tensor::new(&[[2u32, 7, 9, 4, 3]], &Device::Cpu).unwrap();
+    model.hidden_states(&ids, None, None).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+fn head(model: &Bert) -> Vec<Vec<f32>> {
+    model.params().named().filter(|(n, _)| n.starts_with("cls.")).map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap()).collect()
+}
+
+#[test]
+fn a_headless_checkpoint_loads_with_the_head_initialised() {
+    let dir = temp_dir("headless");
+    let published = Bert::new(Config::tiny(2, 32), &Device::Cpu, 1).unwrap();
+    let weights = write_headless(&published, &dir);
+
+    let model = Bert::new(Config::tiny(2, 32), &Device::Cpu, 2).unwrap();
+    let fresh = model.init_from(&weights, false).unwrap();
+    let names: Vec<&str> = fresh.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "cls.predictions.bias",
+            "cls.predictions.transform.LayerNorm.bias",
+            "cls.predictions.transform.LayerNorm.weight",
+            "cls.predictions.transform.dense.bias",
+            "cls.predictions.transform.dense.weight"
+        ]
+    );
+    assert_eq!(hidden(&model), hidden(&published), "the encoder is the snapshot's");
+    assert_eq!(head(&model), head(&Bert::new(Config::tiny(2, 32), &Device::Cpu, 2).unwrap()), "the head keeps its initial values");
+    let err = model.init_from(&weights, true).unwrap_err().to_string();
+    assert!(err.contains("cls.predictions") && err.contains("missing"), "{err}");
+
+    // The trainer says what it initialised; with --strict it refuses.
+    let config = dir.join("config.json");
+    let args = ["--config", config.to_str().unwrap(), "--init", weights.to_str().unwrap(), "--steps", "1", "--seq", "16"];
+    let out = Command::new(env!("CARGO_BIN_EXE_train-bert")).args(args).output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && log.contains("initialised, not loaded (5 task-head tensors)") && log.contains("cls.predictions.bias (absent)"), "{log}");
+    let out = Command::new(env!("CARGO_BIN_EXE_train-bert")).args(args).arg("--strict").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--strict") && err.contains("is missing"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn text_through_a_tokenizer_trains_and_the_loss_falls() {
+    let dir = temp_dir("text");
+    let text = datasets::text::synthetic_corpus(11, 60_000);
+    let text_path = dir.join("train.txt");
+    std::fs::write(&text_path, &text).unwrap();
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = Tokenizer::train(Kind::WordPiece, &text, 300, &tok_path).unwrap();
+
+    // Every row is [CLS] + a line's ids as the tokenizers crate gives them (cut to 30) + [SEP].
+    let (seq, direct) = (32, tokenizers::Tokenizer::from_file(&tok_path).unwrap());
+    let lines: Vec<Vec<u32>> = text.lines().map(|l| direct.encode(l, false).unwrap().get_ids().to_vec()).collect();
+    let data = MlmData::tokenized(&text, &tokenizer, 512, seq, 0).unwrap();
+    let b = data.batch(0, 4);
+    let (cls, sep, pad) = (data.specials.cls, data.specials.sep, data.specials.pad);
+    for row in b.labels.chunks(b.seq) {
+        let body: Vec<u32> = row.iter().copied().skip(1).take_while(|&t| t != sep).collect();
+        assert_eq!(row[0], cls);
+        assert!(lines.iter().any(|l| l.chunks(seq - 2).any(|piece| piece == body.as_slice())), "a row that is no piece of a line: {body:?}");
+        assert!(row[body.len() + 2..].iter().all(|&t| t == pad));
+    }
+
+    let (losses, log) = trainkit::run_logged(
+        env!("CARGO_BIN_EXE_train-bert"),
+        &[
+            "--preset",
+            "tiny",
+            "--text",
+            text_path.to_str().unwrap(),
+            "--tokenizer",
+            tok_path.to_str().unwrap(),
+            "--steps",
+            "20",
+            "--batch",
+            "8",
+            "--seq",
+            "32",
+            "--lr",
+            "3e-3",
+        ],
+    );
+    assert!(log.contains("tokenized by"), "{log}");
+    trainkit::assert_loss_falls(&losses, 0.5, "train-bert --text");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
