@@ -60,6 +60,12 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let Some(group) = trainkit::launch(&args.run)? else { return Ok(()) };
+    trainkit::or_abort(&group, train(&args, &group))
+}
+
+/// One rank's training (the only one, without data parallelism).
+fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
     trainkit::check_lr(args.lr)?;
     if args.batch == 0 || args.steps == 0 {
         bail!("--batch and --steps must be at least 1");
@@ -76,13 +82,13 @@ fn main() -> Result<()> {
     }
     let hidden = (args.batch as u128).checked_mul(args.seq as u128).and_then(|n| n.checked_mul(config.hidden_size as u128));
     trainkit::check_footprint("--batch x --seq", "one layer's hidden states", hidden)?;
-    let data = data(&args, &config, hub.as_ref())?;
+    let data = data(args, &config, hub.as_ref())?;
     let device = trainkit::device(&args.run.device)?;
     let model = Bert::new(config, &device, args.run.seed)?;
     args.init.load(&model, hub.as_ref())?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| Ok(model.inputs(&data.batch(step, n), &device)?);
-    let Some((exec, policy)) = trainkit::executor(&args.run, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
+    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
         return Ok(());
     };
     trainkit::say!(
@@ -96,15 +102,15 @@ fn main() -> Result<()> {
         data.vocab_len
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
+    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group)?;
     let start = log.resume(model.params(), opt.as_mut())?;
-    let batch = |step: u64| inputs(step, args.batch);
+    let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
     for step in start..args.steps {
         log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;
         log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
     }
-    log.finish();
+    log.finish(model.params())?;
     Ok(())
 }
 

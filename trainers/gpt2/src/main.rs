@@ -58,6 +58,12 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let Some(group) = trainkit::launch(&args.run)? else { return Ok(()) };
+    trainkit::or_abort(&group, train(&args, &group))
+}
+
+/// One rank's training (the only one, without data parallelism).
+fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
     trainkit::check_lr(args.lr)?;
     let hub = args.hub.files()?;
     let config = match (&args.config, &hub) {
@@ -76,7 +82,7 @@ fn main() -> Result<()> {
     trainkit::check_footprint("--batch x --seq", "the logits", logits)?;
     let tokens = match (&args.data, &args.text) {
         (Some(path), _) => datasets::tokens::load_u16(path)?,
-        (None, Some(path)) => text_tokens(&args, path, hub.as_ref())?,
+        (None, Some(path)) => text_tokens(args, path, hub.as_ref())?,
         (None, None) => datasets::text::byte_tokens(&datasets::text::synthetic_corpus(args.run.seed, 1 << 20)),
     };
     let batcher = Batcher::new(tokens, args.seq, config.vocab_size, args.run.seed).context(if args.text.is_some() { "--text" } else { "--data" })?;
@@ -89,7 +95,7 @@ fn main() -> Result<()> {
         let (x, y) = batcher.batch(step, n);
         Ok(model.inputs(&x, &y, n, args.seq, &device)?)
     };
-    let Some((exec, policy)) = trainkit::executor(&args.run, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
+    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
         return Ok(());
     };
     trainkit::say!(
@@ -102,15 +108,15 @@ fn main() -> Result<()> {
         args.seq
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
+    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group)?;
     let start = log.resume(model.params(), opt.as_mut())?;
-    let batch = |step: u64| inputs(step, args.batch);
+    let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
     for step in start..args.steps {
         log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;
         log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
     }
-    log.finish();
+    log.finish(model.params())?;
     Ok(())
 }
 

@@ -73,6 +73,9 @@ pub struct Executor<'g> {
     /// gradients: [`Executor::accumulate`] adds a parameter's micro-batch gradient to the running
     /// sum once it is complete.
     contributions: RefCell<Option<Vec<usize>>>,
+    /// For each parameter, the segment after whose backward its gradient is complete (`None`: it
+    /// gets none), learned by the first step: [`Executor::accumulate_reporting`] reports it then.
+    finished_after: RefCell<Option<Vec<Option<usize>>>>,
     /// Backward starts from the loss times this (f16 loss scaling); the returned loss is unscaled.
     loss_scale: Cell<f64>,
 }
@@ -124,6 +127,7 @@ impl<'g> Executor<'g> {
             replay_rng: true,
             tell_recompute: true,
             contributions: RefCell::new(None),
+            finished_after: RefCell::new(None),
             loss_scale: Cell::new(1.0),
         })
     }
@@ -185,6 +189,22 @@ impl<'g> Executor<'g> {
     /// sum aside until its last stage), and no second gradient store is built. `step` keys the
     /// random draws: give every micro-batch its own.
     pub fn accumulate(&self, inputs: &[Tensor], step: u64, grads: GradStore) -> Result<StepOutput> {
+        self.accumulate_reporting(inputs, step, grads, &mut |_, _| Ok(()))
+    }
+
+    /// [`Executor::accumulate`], calling `finished` during backward with the parameters (indices
+    /// into [`Executor::params`]) whose gradients are complete, and the gradients so far: after
+    /// each segment's backward, those no earlier segment contributes to, so that data parallelism
+    /// can average them across ranks while the earlier segments recompute; at the end, the rest.
+    /// Every parameter is reported once, in the same order on every step after the first (which
+    /// learns where gradients complete, and reports them all at the end).
+    pub fn accumulate_reporting(
+        &self,
+        inputs: &[Tensor],
+        step: u64,
+        grads: GradStore,
+        finished: &mut dyn FnMut(&[usize], &GradStore) -> candle_core::Result<()>,
+    ) -> Result<StepOutput> {
         let graph = self.graph;
         if inputs.len() != graph.n_inputs() {
             return Err(Error::Graph(format!("expected {} inputs, got {}", graph.n_inputs(), inputs.len())));
@@ -220,6 +240,8 @@ impl<'g> Executor<'g> {
 
         // Backward, last segment first, each segment's stages last first.
         let mut value_grads: HashMap<ValueId, Tensor> = HashMap::new();
+        let finished_after = self.finished_after.borrow().clone();
+        let (mut lowest, mut reported) = (vec![None; self.params.len()], vec![false; self.params.len()]);
         for s in (0..=last).rev() {
             let seg = &self.segments[s];
             let mut stages = match kept.take() {
@@ -250,6 +272,7 @@ impl<'g> Executor<'g> {
                     for (k, p) in self.params.iter().enumerate() {
                         if let Some(g) = grads.remove(p.as_tensor()) {
                             sums.add(k, p, g.detach())?;
+                            lowest[k] = Some(s);
                         }
                     }
                     for (v, var) in &live.input_vars {
@@ -272,11 +295,25 @@ impl<'g> Executor<'g> {
                     stored[v] = None;
                 }
             }
+            if let Some(after) = &finished_after {
+                let ready: Vec<usize> = (0..self.params.len()).filter(|&k| after[k] == Some(s)).collect();
+                if !ready.is_empty() {
+                    finished(&ready, &sums.sum)?;
+                    ready.iter().for_each(|&k| reported[k] = true);
+                }
+            }
         }
         for p in &self.params {
             if let Some(g) = sums.partial.remove(p.as_tensor()) {
                 add_into(&mut sums.sum, p, g)?;
             }
+        }
+        let rest: Vec<usize> = (0..self.params.len()).filter(|&k| !reported[k]).collect();
+        if !rest.is_empty() {
+            finished(&rest, &sums.sum)?;
+        }
+        if finished_after.is_none() {
+            *self.finished_after.borrow_mut() = Some(lowest);
         }
         if first {
             *self.contributions.borrow_mut() = Some(sums.seen);

@@ -63,6 +63,12 @@ impl Data {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let Some(group) = trainkit::launch(&args.run)? else { return Ok(()) };
+    trainkit::or_abort(&group, train(&args, &group))
+}
+
+/// One rank's training (the only one, without data parallelism).
+fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
     trainkit::check_lr(args.lr)?;
     if args.classes == 0 {
         bail!("--classes must be at least 1");
@@ -91,7 +97,7 @@ fn main() -> Result<()> {
         let (images, labels) = data.batch(step, n)?;
         Ok(model.inputs(&images, &labels, args.image_size, &device)?)
     };
-    let Some((exec, policy)) = trainkit::executor(&args.run, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
+    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
         return Ok(());
     };
     trainkit::say!(
@@ -105,14 +111,14 @@ fn main() -> Result<()> {
         args.image_size
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run)?;
+    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group)?;
     let start = log.resume(model.params(), opt.as_mut())?;
-    let batch = |step: u64| inputs(step, args.batch);
+    let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
     for step in start..args.steps {
         log.train_step(&exec, step, batch, |g| opt.update(g))?;
         log.eval_if_due(step, &model, batch)?;
         log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
     }
-    log.finish();
+    log.finish(model.params())?;
     Ok(())
 }

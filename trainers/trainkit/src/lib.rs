@@ -4,7 +4,10 @@
 //! does. [`reference`] holds what the model tests compare against PyTorch.
 
 pub mod hub;
+pub mod parallel;
 pub mod reference;
+
+pub use parallel::{launch, or_abort, Group};
 
 use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
@@ -16,9 +19,15 @@ use serde::Serialize;
 use std::io::Write;
 use std::path::Path;
 
+/// Set on every rank but the first of a data-parallel run: rank 0 speaks for all.
+static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Writes one line to stderr (or stdout), ending the process quietly with exit 0 when the reader
 /// has closed the pipe (`train-gpt2 ... 2>&1 | head -2`), where `eprintln!` would panic.
 pub fn say_line(stdout: bool, args: std::fmt::Arguments) {
+    if QUIET.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
     let result = if stdout {
         let mut out = std::io::stdout().lock();
         out.write_fmt(args).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush())
@@ -113,6 +122,7 @@ pub fn auto_budget(device: &Device, cap: Option<u64>) -> Option<u64> {
 /// and trains nothing. `inputs_at(n)`: the graph inputs of a batch of `n`.
 pub fn executor<'m>(
     run: &RunArgs,
+    group: &Group,
     policy: &remat::Policy,
     model: &'m impl layers::Model,
     optimizer: &dyn layers::TrainOptimizer,
@@ -120,7 +130,13 @@ pub fn executor<'m>(
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<Option<(Executor<'m>, remat::Policy)>> {
     let Some(policy) = plan_policy(run, policy, model, optimizer, batch, inputs_at)? else { return Ok(None) };
-    Ok(Some((Executor::new(model.graph(), &policy, model.params().vars(), run.seed)?, policy)))
+    Ok(Some((Executor::new(model.graph(), &policy, model.params().vars(), rank_seed(run.seed, group.rank()))?, policy)))
+}
+
+/// The random keys of rank `rank`: rank 0 draws those of a one-rank run, the others their own
+/// (ranks must not share dropout masks); checkpointing replays each rank's keys on recompute.
+pub fn rank_seed(seed: u64, rank: usize) -> u64 {
+    seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 fn plan_policy(
@@ -186,6 +202,16 @@ struct StepRecord {
     heap_base_bytes: u64,
     heap_peak_delta_bytes: u64,
     rss_peak_delta_bytes: Option<u64>,
+    /// Data-parallel ranks (the loss is their mean; memory is rank 0's).
+    ranks: usize,
+    /// The largest rank's step peak, with several ranks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    heap_peak_delta_max_bytes: Option<u64>,
+    /// Time in gradient all-reduces this step, and the part the training thread waited for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    all_reduce_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    all_reduce_wait_ms: Option<f64>,
 }
 
 /// One line of `--log-json` after an evaluation.
@@ -248,6 +274,12 @@ pub struct RunArgs {
     /// device's free memory less a tenth).
     #[arg(long, value_parser = remat::memory::parse_size)]
     pub memory_cap: Option<u64>,
+    /// Data parallelism over N processes on this machine: re-runs this command under
+    /// `mpirun -np N` (a build with `--features mpi`), each rank bound to its own cores and
+    /// training on its shard of every batch (--batch is per rank). Already under mpirun, the
+    /// ranks are mpirun's.
+    #[arg(long, default_value_t = 1)]
+    pub ranks: usize,
 }
 
 /// Dynamic loss scaling for f16, as PyTorch's `GradScaler`: backward starts from the loss times
@@ -388,7 +420,10 @@ pub fn load_training(
     Ok(next as usize)
 }
 
-pub struct StepLog {
+pub struct StepLog<'g> {
+    group: &'g Group,
+    /// Communication time when the last step was logged.
+    comm: collective::CommTime,
     bar: ProgressBar,
     json: Option<std::fs::File>,
     times: Vec<f64>,
@@ -408,10 +443,11 @@ pub fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-impl StepLog {
+impl<'g> StepLog<'g> {
     /// A log for `steps` optimizer steps of (micro-)batches of `batch` samples, with the JSON
-    /// file, snapshot schedule and accumulation of `run`.
-    pub fn new(steps: usize, batch: usize, run: &RunArgs) -> Result<Self> {
+    /// file, snapshot schedule and accumulation of `run`, on the ranks of `group` (rank 0 writes
+    /// the log and the snapshots; gradients and losses are averaged over the ranks).
+    pub fn new(steps: usize, batch: usize, run: &RunArgs, group: &'g Group) -> Result<Self> {
         if run.accumulate == 0 {
             bail!("--accumulate must be at least 1 (micro-batches per optimizer step)");
         }
@@ -429,11 +465,11 @@ impl StepLog {
             say!("accumulating {} micro-batches of {batch} per optimizer step: effective batch {}", run.accumulate, run.accumulate * batch);
         }
         let bar = ProgressBar::new(steps as u64).with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
-        if let Some(save) = &run.save {
+        if let (Some(save), true) = (&run.save, group.is_root()) {
             check_writable(save, "--save")?;
         }
         // A resumed run appends to the log of the run it continues.
-        let json = match &run.log_json {
+        let json = match run.log_json.as_ref().filter(|_| group.is_root()) {
             Some(p) => Some(
                 std::fs::OpenOptions::new()
                     .create(true)
@@ -446,6 +482,8 @@ impl StepLog {
             None => None,
         };
         Ok(StepLog {
+            group,
+            comm: group.comm_time(),
             bar,
             json,
             times: Vec::new(),
@@ -491,7 +529,7 @@ impl StepLog {
     /// Where to write a snapshot after `step` (0-based), if one is due: every `--save-every`
     /// steps and after the last.
     fn snapshot_due(&self, step: usize) -> Option<&Path> {
-        self.save.as_deref().filter(|_| self.due(step, self.save_every))
+        self.save.as_deref().filter(|_| self.group.is_root() && self.due(step, self.save_every))
     }
 
     /// Whether something done every `every` steps (if given) and after the last is due after `step`.
@@ -514,7 +552,7 @@ impl StepLog {
         for n in 0..self.eval_batches as u64 {
             total += model.evaluate(&inputs(held_out + n)?)? as f64;
         }
-        let eval_loss = (total / self.eval_batches as f64) as f32;
+        let eval_loss = parallel::mean(self.group, total / self.eval_batches as f64)? as f32;
         self.bar.suspend(|| say!("eval after step {step}: loss {eval_loss:.4} ({} held-out batches)", self.eval_batches));
         if let Some(f) = self.json.as_mut() {
             writeln!(f, "{}", serde_json::to_string(&EvalRecord { step, eval_loss, eval_batches: self.eval_batches })?)?;
@@ -539,10 +577,16 @@ impl StepLog {
         exec.set_loss_scale(scale);
         let mut meter = None;
         let (mut grads, mut total) = (GradStore::default(), 0f64);
-        for n in micro_batches(step as u64, self.accumulate) {
+        let batches = micro_batches(step as u64, self.accumulate);
+        let last = batches.end - 1;
+        for n in batches {
             let inputs = inputs(n)?;
             meter.get_or_insert_with(|| Meter::start(inputs[0].device()));
-            let out = exec.accumulate(&inputs, n, grads)?;
+            let out = match self.group.world() {
+                1 => exec.accumulate(&inputs, n, grads)?,
+                _ if n == last => parallel::accumulate_averaged(self.group, exec, &inputs, n, grads)?,
+                _ => exec.accumulate(&inputs, n, grads)?,
+            };
             total += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
             grads = out.grads;
         }
@@ -554,7 +598,7 @@ impl StepLog {
         }
         drop(grads);
         let usage = meter.expect("at least one micro-batch").finish();
-        let loss = (total / self.accumulate as f64) as f32;
+        let loss = parallel::mean(self.group, total / self.accumulate as f64)? as f32;
         self.log(step, loss, &usage)?;
         if !loss.is_finite() {
             bail!("step {step}: the loss is {loss}; training cannot go on (a lower --lr may help)");
@@ -569,6 +613,10 @@ impl StepLog {
         self.bar.suspend(|| say!("step {step:>4}  loss {loss:.4}  {:>8.1} ms  peak +{:.1} MiB (rss +{rss})", usage.elapsed_ms, mib(usage.heap_peak_delta)));
         self.bar.set_message(format!("loss {loss:.3}"));
         self.bar.inc(1);
+        let (now, before) = (self.group.comm_time(), std::mem::replace(&mut self.comm, self.group.comm_time()));
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let parallel = (self.group.world() > 1).then(|| (ms(now.all_reduce - before.all_reduce), ms(now.waited - before.waited)));
+        let peaks = if self.group.world() > 1 { Some(self.group.min_max(usage.heap_peak_delta)?) } else { None };
         if let Some(f) = self.json.as_mut() {
             let rec = StepRecord {
                 step,
@@ -578,6 +626,10 @@ impl StepLog {
                 heap_base_bytes: usage.heap_base,
                 heap_peak_delta_bytes: usage.heap_peak_delta,
                 rss_peak_delta_bytes: usage.rss_peak_delta,
+                ranks: self.group.world(),
+                heap_peak_delta_max_bytes: peaks.map(|p| p.1),
+                all_reduce_ms: parallel.map(|p| p.0),
+                all_reduce_wait_ms: parallel.map(|p| p.1),
             };
             writeln!(f, "{}", serde_json::to_string(&rec)?)?;
             f.flush()?;
@@ -585,10 +637,17 @@ impl StepLog {
         Ok(())
     }
 
-    /// Clears the bar; prints the median step time (the first, warm-up step excluded) and where
-    /// the snapshot went.
-    pub fn finish(self) {
+    /// Clears the bar; checks that the ranks' parameters (`store`) agree; prints the median step
+    /// time (the first, warm-up step excluded), the time spent in all-reduces and where the
+    /// snapshot went.
+    pub fn finish(self, store: &layers::ParamStore) -> Result<()> {
         self.bar.finish_and_clear();
+        parallel::check_in_sync(self.group, store)?;
+        let comm = self.group.comm_time();
+        if self.group.world() > 1 {
+            let (busy, waited) = (comm.all_reduce.as_secs_f64() * 1e3, comm.waited.as_secs_f64() * 1e3);
+            say!("all-reduce: {busy:.1} ms in all, {waited:.1} ms of it waited for ({:.1} MiB of f32 summed per rank)", mib(comm.floats * 4));
+        }
         if self.times.len() > 1 {
             let mut t = self.times[1..].to_vec();
             t.sort_by(f64::total_cmp);
@@ -597,6 +656,7 @@ impl StepLog {
         if let Some(path) = &self.save {
             say!("saved snapshot to {}", path.display());
         }
+        Ok(())
     }
 }
 

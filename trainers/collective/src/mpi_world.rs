@@ -1,0 +1,109 @@
+//! The MPI world, served by one thread that alone calls MPI (it initialises it, so the
+//! `Funneled` thread level suffices): the training thread hands it requests and goes on.
+
+use crate::{CollectiveError, Result};
+use mpi::collective::SystemOperation;
+use mpi::traits::*;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::time::{Duration, Instant};
+
+enum Request {
+    Sum(Vec<f32>),
+    MinMax(u64),
+    Abort(i32),
+}
+
+enum Reply {
+    Sum(Vec<f32>, Duration),
+    MinMax(u64, u64),
+}
+
+pub(crate) struct MpiWorld {
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    requests: Option<Sender<Request>>,
+    replies: Receiver<Reply>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl MpiWorld {
+    pub(crate) fn start() -> Result<Self> {
+        let (requests, inbox) = channel::<Request>();
+        let (outbox, replies) = channel::<Reply>();
+        let (ready, started) = channel::<std::result::Result<(usize, usize), String>>();
+        let thread = std::thread::Builder::new()
+            .name("mpi".into())
+            .spawn(move || {
+                let Some((universe, _)) = mpi::initialize_with_threading(mpi::Threading::Funneled) else {
+                    let _ = ready.send(Err("MPI was already initialised".into()));
+                    return;
+                };
+                let world = universe.world();
+                let _ = ready.send(Ok((world.rank() as usize, world.size() as usize)));
+                for request in inbox {
+                    let reply = match request {
+                        Request::Sum(local) => {
+                            let clock = Instant::now();
+                            let mut sum = vec![0f32; local.len()];
+                            world.all_reduce_into(&local[..], &mut sum[..], SystemOperation::sum());
+                            Reply::Sum(sum, clock.elapsed())
+                        }
+                        Request::MinMax(v) => {
+                            let (mut min, mut max) = (0u64, 0u64);
+                            world.all_reduce_into(&v, &mut min, SystemOperation::min());
+                            world.all_reduce_into(&v, &mut max, SystemOperation::max());
+                            Reply::MinMax(min, max)
+                        }
+                        Request::Abort(code) => world.abort(code),
+                    };
+                    if outbox.send(reply).is_err() {
+                        break;
+                    }
+                }
+                // `universe` drops here: MPI_Finalize, on the thread that initialised MPI.
+            })
+            .map_err(|e| CollectiveError::Mpi(format!("cannot start the MPI thread: {e}")))?;
+        let (rank, size) = started.recv().map_err(|_| CollectiveError::Gone)?.map_err(CollectiveError::Mpi)?;
+        Ok(MpiWorld { rank, size, requests: Some(requests), replies, thread: Some(thread) })
+    }
+
+    fn send(&self, request: Request) -> Result<()> {
+        self.requests.as_ref().expect("open until drop").send(request).map_err(|_| CollectiveError::Gone)
+    }
+
+    pub(crate) fn send_sum(&self, local: Vec<f32>) -> Result<()> {
+        self.send(Request::Sum(local))
+    }
+
+    pub(crate) fn receive_sum(&self) -> Result<(Vec<f32>, Duration)> {
+        match self.replies.recv().map_err(|_| CollectiveError::Gone)? {
+            Reply::Sum(sum, busy) => Ok((sum, busy)),
+            Reply::MinMax(..) => Err(CollectiveError::Mpi("replies out of order".into())),
+        }
+    }
+
+    /// The least and the greatest `value` over the ranks. Call with no sum in flight.
+    pub(crate) fn min_max(&self, value: u64) -> Result<(u64, u64)> {
+        self.send(Request::MinMax(value))?;
+        match self.replies.recv().map_err(|_| CollectiveError::Gone)? {
+            Reply::MinMax(min, max) => Ok((min, max)),
+            Reply::Sum(..) => Err(CollectiveError::Mpi("replies out of order: a sum was still in flight".into())),
+        }
+    }
+
+    pub(crate) fn abort(&self, code: i32) -> ! {
+        let _ = self.send(Request::Abort(code));
+        // MPI_Abort ends this process too; should the thread be gone, end it here.
+        std::thread::sleep(Duration::from_secs(10));
+        std::process::exit(code)
+    }
+}
+
+impl Drop for MpiWorld {
+    fn drop(&mut self) {
+        self.requests.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! Data parallelism for the trainers: starting the ranks, averaging each step's gradients across
+//! them while the executor recomputes, and checking that they stay in sync.
+
+use crate::RunArgs;
+use anyhow::{bail, Context, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor};
+pub use collective::Group;
+use remat::Executor;
+
+/// The ranks of this run. With `--ranks N` (N > 1) outside a launcher, runs this very command
+/// under `mpirun -np N`, waits, and returns `None` (the ranks did the work; a failed rank makes
+/// this fail). Under a launcher, the launcher's ranks; otherwise one. Every rank but the first
+/// is quiet.
+pub fn launch(run: &RunArgs) -> Result<Option<Group>> {
+    let group = Group::from_launcher()?;
+    if run.ranks > 1 && group.world() == 1 {
+        let status = under_mpirun(run.ranks)?;
+        if !status.success() {
+            bail!("mpirun -np {}: {status}", run.ranks);
+        }
+        return Ok(None);
+    }
+    if run.ranks > 1 && run.ranks != group.world() {
+        bail!("--ranks {} under a launcher of {} ranks", run.ranks, group.world());
+    }
+    if !group.is_root() {
+        crate::QUIET.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    if group.world() > 1 {
+        let threads = candle_core::utils::get_num_threads();
+        crate::say!("data parallel: {} ranks (MPI), {threads} threads each; --batch is per rank", group.world());
+    }
+    Ok(Some(group))
+}
+
+/// This process's command line again, without `--ranks`, under `mpirun -np n`: each rank bound
+/// to its cores, and its thread pools (rayon's, and candle's matrix products, which count the
+/// machine's cores, not the binding) sized to them by `RAYON_NUM_THREADS` unless already set.
+fn under_mpirun(n: usize) -> Result<std::process::ExitStatus> {
+    let cores = (candle_core::utils::get_num_threads() / n).max(1);
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| cores.to_string());
+    let exe = std::env::current_exe()?;
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    while let Some(i) = args.iter().position(|a| a == "--ranks" || a.starts_with("--ranks=")) {
+        let width = if args[i] == "--ranks" { 2 } else { 1 };
+        args.drain(i..(i + width).min(args.len()));
+    }
+    std::process::Command::new("mpirun")
+        .args(["-np", &n.to_string(), "--map-by", &format!("slot:PE={cores}"), "--bind-to", "core"])
+        .arg(exe)
+        .args(args)
+        // mpirun refuses root without these; containers and CI machines run as root.
+        .env("RAYON_NUM_THREADS", threads)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .status()
+        .context("--ranks runs mpirun (Open MPI: apt-get install openmpi-bin libopenmpi-dev)")
+}
+
+/// `result`, except that on a rank of several a failure is printed with the rank and ends every
+/// rank (the others would wait for this one in their next all-reduce).
+pub fn or_abort(group: &Group, result: Result<()>) -> Result<()> {
+    match result {
+        Err(e) if group.world() > 1 => {
+            eprintln!("rank {} of {}: error: {e:#}", group.rank(), group.world());
+            group.abort(1)
+        }
+        other => other,
+    }
+}
+
+/// One forward and backward pass of the last micro-batch of a step, its finished gradients
+/// summed across the ranks while earlier segments recompute (those of `off`'s single segment
+/// after its backward), then divided by the ranks, in f32, and stored back in each gradient's
+/// dtype.
+pub(crate) fn accumulate_averaged(group: &Group, exec: &Executor, inputs: &[Tensor], n: u64, grads: GradStore) -> Result<remat::StepOutput> {
+    let params = exec.params();
+    let mut started: Vec<Vec<usize>> = Vec::new();
+    let mut out = exec.accumulate_reporting(inputs, n, grads, &mut |ready, store| {
+        let present: Vec<usize> = ready.iter().copied().filter(|&k| store.get(params[k].as_tensor()).is_some()).collect();
+        let tensors: Vec<Tensor> = present.iter().map(|&k| store.get(params[k].as_tensor()).expect("present").clone()).collect();
+        group.start_sum(&tensors).map_err(candle_core::Error::wrap)?;
+        started.push(present);
+        Ok(())
+    })?;
+    let world = group.world() as f64;
+    for present in started {
+        for (k, sum) in present.into_iter().zip(group.wait_sum()?) {
+            let p = params[k].as_tensor();
+            let dtype = out.grads.get(p).map_or(DType::F32, Tensor::dtype);
+            out.grads.insert(p, (sum / world)?.to_dtype(dtype)?);
+        }
+    }
+    Ok(out)
+}
+
+/// The mean of `value` over the ranks.
+pub(crate) fn mean(group: &Group, value: f64) -> Result<f64> {
+    if group.world() == 1 {
+        return Ok(value);
+    }
+    group.start_sum(&[Tensor::new(&[value as f32], &candle_core::Device::Cpu)?])?;
+    let sum = group.wait_sum()?.remove(0).to_vec1::<f32>()?[0];
+    Ok(sum as f64 / group.world() as f64)
+}
+
+/// Fails unless every rank holds the same parameter bits (a hash of them, compared by all-reduce).
+pub(crate) fn check_in_sync(group: &Group, store: &layers::ParamStore) -> Result<()> {
+    if group.world() == 1 {
+        return Ok(());
+    }
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for (name, var) in store.named() {
+        name.hash(&mut h);
+        layers::f32_bits(var.as_tensor())?.hash(&mut h);
+    }
+    if !group.same_everywhere(h.finish())? {
+        bail!("the ranks' parameters differ: data-parallel training went out of sync");
+    }
+    crate::say!("ranks in sync: parameters bit-identical on all {} ranks", group.world());
+    Ok(())
+}
