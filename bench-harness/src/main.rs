@@ -112,6 +112,12 @@ struct Common {
     /// on a GPU the rest of the device memory is held.
     #[arg(long, value_parser = remat::memory::parse_size)]
     memory_cap: Option<u64>,
+    /// Data parallelism: every configuration runs on N ranks under mpirun (a build with
+    /// `--features mpi`), each with its own batch (--batch is per rank) and its share of the
+    /// cores; records the largest rank's step peak and the time in gradient all-reduces.
+    /// Results go to results/<profile>-<device>-ranksN.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
     /// Negative control: the gradient check's recomputes draw fresh dropout keys instead of
     /// replaying the forward's, so every policy that recomputes dropout must fail the check.
     /// Exists only to prove the check can fail (tests); never use it for results.
@@ -170,6 +176,12 @@ impl Common {
 }
 
 impl Common {
+    /// The default results folder: `results/<profile>-<device>`, `-ranksN` with data parallelism.
+    fn results_dir(&self, profile: &str) -> PathBuf {
+        let ranks = if self.ranks > 1 { format!("-ranks{}", self.ranks) } else { String::new() };
+        PathBuf::from(format!("results/{profile}-{}{ranks}", self.device.replace(':', "")))
+    }
+
     /// The profile that fits the device unless one was named.
     fn profile(&self) -> String {
         self.profile.clone().unwrap_or_else(|| if self.device == "cpu" { "cpu" } else { "full" }.into())
@@ -245,6 +257,12 @@ fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, force: b
 }
 
 fn run_one(model: &str, policy: &Policy, mode: One, common: &Common) -> Result<()> {
+    let group = trainkit::Group::from_launcher()?;
+    trainkit::or_abort(&group, measure_one(model, policy, mode, common, &group))
+}
+
+/// `run-one` on one rank of `group`: the first prints the record.
+fn measure_one(model: &str, policy: &Policy, mode: One, common: &Common, group: &trainkit::Group) -> Result<()> {
     let dev = trainkit::device(&common.device)?;
     // Held while the configuration is measured: the device memory beyond the cap.
     let held = match common.memory_cap {
@@ -258,12 +276,16 @@ fn run_one(model: &str, policy: &Policy, mode: One, common: &Common) -> Result<(
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .overridden(common.overrides());
     let steps = if mode == One::DryRun { 0 } else { common.steps };
-    let mut rec = measure::run(&w, policy, steps, common.seed, &dev, &common.device, common.memory_cap, mode != One::TimeOnly)?;
+    let mut rec = measure::run(&w, policy, steps, common.seed, &dev, &common.device, common.memory_cap, mode != One::TimeOnly, group)?;
     // The cap is for the measured configuration only: the check builds two more models.
     drop(held);
     remat::memory::set_heap_cap(u64::MAX);
+    if !group.is_root() {
+        return Ok(());
+    }
     if mode == One::Full {
-        // A budget is checked as the plan it resolved to.
+        // A budget is checked as the plan it resolved to (one process's step: the ranks'
+        // agreement is the parameter check in `measure::run`).
         let checked: Policy = if rec.plan.is_empty() { policy.clone() } else { rec.plan.parse()? };
         measure::check(&mut rec, &w, &checked, common.seed, &dev, !common.no_rng_replay)?;
     }
@@ -291,7 +313,7 @@ fn selftest(device_name: &str) -> Result<()> {
     let peak = counter.peak().saturating_sub(base);
     anyhow::ensure!(peak > 0, "the memory meter saw no allocation");
     let w = workloads::profile("smoke")?.into_iter().find(|w| w.model == "gpt2-tiny").context("gpt2-tiny in smoke")?;
-    let mut rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name, None, true)?;
+    let mut rec = measure::run(&w, &Policy::Sqrt, 1, 0, &dev, device_name, None, true, &trainkit::Group::single())?;
     measure::check(&mut rec, &w, &Policy::Sqrt, 0, &dev, true)?;
     anyhow::ensure!(rec.grads_bit_identical, "gpt2-tiny sqrt: {} gradient elements differ from plain candle", rec.grads_differing);
     let report = serde_json::json!({
@@ -336,6 +358,12 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
     if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) || common.accumulate == Some(0) {
         bail!("--steps, --batch, --input-size and --accumulate must be at least 1");
     }
+    if common.ranks == 0 {
+        bail!("--ranks must be at least 1");
+    }
+    if args.baseline.is_some() && common.ranks > 1 {
+        bail!("--baseline runs PyTorch in one process; it cannot be combined with --ranks");
+    }
     if args.baseline.is_some()
         && (common.accumulate.is_some_and(|n| n > 1) || common.optimizer.is_some() || common.dtype.is_some_and(|d| d != layers::Precision::F32))
     {
@@ -352,7 +380,7 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
         selected.extend(workloads::depth_sweep(&profile)?);
     }
     if !models && !depth {
-        let dir = args.out.clone().unwrap_or_else(|| PathBuf::from(format!("results/{profile}-{}", common.device.replace(':', ""))));
+        let dir = args.out.clone().unwrap_or_else(|| common.results_dir(&profile));
         let matrix = Matrix::load(&dir)?.with_context(|| format!("{} has no matrix.json to render", dir.display()))?;
         report::save(&matrix, &dir)?;
         trainkit::say!("rendered {}", dir.display());
@@ -380,7 +408,7 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
             args.policies
         );
     }
-    let dir = args.out.clone().unwrap_or_else(|| PathBuf::from(format!("results/{profile}-{}", common.device.replace(':', ""))));
+    let dir = args.out.clone().unwrap_or_else(|| common.results_dir(&profile));
     let mut matrix = match Matrix::load(&dir) {
         Ok(m) => m.unwrap_or_default(),
         // An unreadable file (a run killed mid-write before writes became atomic, a hand edit)
@@ -651,7 +679,7 @@ fn baseline_summary(b: &baseline::Baseline, ours: &Record) -> String {
 /// Runs one configuration in a fresh process, so one run's peak never leaks into another.
 fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, mode: One) -> Record {
     let exe = std::env::current_exe().expect("own executable");
-    let mut cmd = Command::new(exe);
+    let mut cmd = if common.ranks > 1 { trainkit::parallel::mpirun(common.ranks, &exe) } else { Command::new(exe) };
     cmd.args(["run-one", "--model", &w.model, "--policy", &policy.to_string(), "--profile", profile]).args([
         "--steps",
         &common.steps.to_string(),

@@ -98,6 +98,17 @@ pub struct Record {
     pub params_without_grad: usize,
     pub status: Status,
     pub error: String,
+    /// Data-parallel ranks the configuration ran on (MPI); byte and time figures are rank 0's.
+    #[serde(default = "one")]
+    pub ranks: usize,
+    /// With several ranks: the largest rank's `step_peak_bytes`, and the time per step in
+    /// gradient all-reduces (median) and the part of it the training thread waited for.
+    #[serde(default)]
+    pub step_peak_bytes_max_rank: Option<u64>,
+    #[serde(default)]
+    pub all_reduce_ms: Option<f64>,
+    #[serde(default)]
+    pub all_reduce_wait_ms: Option<f64>,
     /// Memory timeline of the first timed step (JSON only), and the heap when that step began.
     #[serde(default)]
     pub timeline: Vec<Event>,
@@ -179,6 +190,7 @@ impl Record {
             dtype: w.dtype.to_string(),
             device: device.to_string(),
             threads: candle_core::utils::get_num_threads(),
+            ranks: 1,
             ..Default::default()
         }
     }
@@ -206,7 +218,17 @@ pub fn predict(profile: &Profile, policy: &Policy, accumulate: usize) -> Result<
 /// step; a `budget=`/`auto` policy is resolved from a profile either way (`auto` takes `cap`, the
 /// memory the run may use). The timing rounds, which keep only the step time, predict nothing.
 #[allow(clippy::too_many_arguments)]
-pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Device, device_name: &str, cap: Option<u64>, predict_step: bool) -> Result<Record> {
+pub fn run(
+    w: &Workload,
+    policy: &Policy,
+    steps: usize,
+    seed: u64,
+    device: &Device,
+    device_name: &str,
+    cap: Option<u64>,
+    predict_step: bool,
+    group: &trainkit::Group,
+) -> Result<Record> {
     let mut rec = Record::new(w, policy, device_name);
     let counter = Counter::for_device(device);
     counter.synchronize();
@@ -245,24 +267,33 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         rec.error = "dry run".into();
         return Ok(rec);
     }
-    let exec = Executor::new(inst.graph(), &policy, inst.store().vars(), seed)?;
+    let exec = Executor::new(inst.graph(), &policy, inst.store().vars(), trainkit::rank_seed(seed, group.rank()))?;
     rec.segments = exec.segments().len();
+    rec.ranks = group.world();
+    // Every rank draws the global batch and keeps its rows (the ranks see it whole between them).
+    let inputs = |n: u64| -> Result<Vec<candle_core::Tensor>> { Ok(group.shard(inst.inputs_at(n, inst.batch() * group.world())?)?) };
+    let (mut comm_ms, mut wait_ms) = (Vec::new(), Vec::new());
     rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
     let mut times = Vec::new();
     // f16 trains under dynamic loss scaling, as the trainers do.
     let mut scaler = (w.dtype == layers::Precision::F16).then(trainkit::LossScaler::default);
     for step in 0..=steps as u64 {
         let batches = trainkit::micro_batches(step, w.accumulate);
-        let mut first_inputs = Some(inst.inputs(batches.start)?);
+        let mut first_inputs = Some(inputs(batches.start)?);
+        let (last, comm_before) = (batches.end - 1, group.comm_time());
         exec.set_loss_scale(scaler.map_or(1.0, |s| s.scale));
         let meter = Meter::start(device);
         let (mut grads, mut loss, mut activation_peak, mut timeline) = (GradStore::default(), 0f64, 0, None);
         for n in batches {
             let inputs = match first_inputs.take() {
                 Some(inputs) => inputs,
-                None => inst.inputs(n)?,
+                None => inputs(n)?,
             };
-            let out = exec.accumulate(&inputs, n, grads)?;
+            let out = match group.world() {
+                1 => exec.accumulate(&inputs, n, grads)?,
+                _ if n == last => trainkit::parallel::accumulate_averaged(group, &exec, &inputs, n, grads)?,
+                _ => exec.accumulate(&inputs, n, grads)?,
+            };
             loss += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
             activation_peak = activation_peak.max(out.timeline.activation_peak(meter.heap_base()));
             timeline.get_or_insert(out.timeline); // the first micro-batch's
@@ -278,10 +309,13 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         }
         drop(grads);
         let usage = meter.finish();
+        let comm = group.comm_time();
         if step == 0 {
             continue; // warm-up: first-touch page faults, lazily built kernels and caches
         }
         times.push(usage.elapsed_ms);
+        comm_ms.push((comm.all_reduce - comm_before.all_reduce).as_secs_f64() * 1e3);
+        wait_ms.push((comm.waited - comm_before.waited).as_secs_f64() * 1e3);
         rec.model_state_bytes = usage.heap_base.saturating_sub(base);
         rec.step_peak_bytes = rec.step_peak_bytes.max(usage.heap_peak_delta);
         rec.fwd_bwd_peak_bytes = rec.fwd_bwd_peak_bytes.max(fwd_bwd_peak);
@@ -294,6 +328,16 @@ pub fn run(w: &Workload, policy: &Policy, steps: usize, seed: u64, device: &Devi
         }
     }
     rec.reserved_bytes = counter.reserved();
+    if group.world() > 1 {
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        rec.all_reduce_ms = Some(median(comm_ms));
+        rec.all_reduce_wait_ms = Some(median(wait_ms));
+        rec.step_peak_bytes_max_rank = Some(group.min_max(rec.step_peak_bytes)?.1);
+        trainkit::parallel::check_in_sync(group, inst.store())?;
+    }
     times.sort_by(f64::total_cmp);
     rec.timed_steps = times.len();
     rec.step_ms_median = times[times.len() / 2];

@@ -177,6 +177,18 @@ the measured step peak, and its predicted time / off.\n",
                 r.step_ms_max
             );
         }
+        if first.ranks > 1 {
+            let _ = write!(
+                out,
+                "\n{} ranks (MPI), batch {} each: memory above is rank 0's.\n\n| policy | step peak, rank 0 | step peak, largest rank | all-reduce per step | of it waited for |\n|---|---|---|---|---|\n",
+                first.ranks, first.batch
+            );
+            for r in m.records.iter().filter(|r| r.model == model && r.status == Status::Ok) {
+                let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1} ms"));
+                let largest = r.step_peak_bytes_max_rank.map_or("-".into(), mib);
+                let _ = writeln!(out, "| {} | {} | {largest} | {} | {} |", r.policy, mib(r.step_peak_bytes), ms(r.all_reduce_ms), ms(r.all_reduce_wait_ms));
+            }
+        }
     }
     out.push_str(&side_by_side(m));
     out

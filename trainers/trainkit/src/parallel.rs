@@ -34,28 +34,30 @@ pub fn launch(run: &RunArgs) -> Result<Option<Group>> {
     Ok(Some(group))
 }
 
-/// This process's command line again, without `--ranks`, under `mpirun -np n`: each rank bound
-/// to its cores, and its thread pools (rayon's, and candle's matrix products, which count the
-/// machine's cores, not the binding) sized to them by `RAYON_NUM_THREADS` unless already set.
+/// This process's command line again, without `--ranks`, under `mpirun -np n` ([`mpirun`]).
 fn under_mpirun(n: usize) -> Result<std::process::ExitStatus> {
-    let cores = (candle_core::utils::get_num_threads() / n).max(1);
-    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| cores.to_string());
-    let exe = std::env::current_exe()?;
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     while let Some(i) = args.iter().position(|a| a == "--ranks" || a.starts_with("--ranks=")) {
         let width = if args[i] == "--ranks" { 2 } else { 1 };
         args.drain(i..(i + width).min(args.len()));
     }
-    std::process::Command::new("mpirun")
-        .args(["-np", &n.to_string(), "--map-by", &format!("slot:PE={cores}"), "--bind-to", "core"])
+    mpirun(n, &std::env::current_exe()?).args(args).status().context("--ranks runs mpirun (Open MPI: apt-get install openmpi-bin libopenmpi-dev)")
+}
+
+/// `mpirun -np n exe`, to which the caller adds `exe`'s arguments: each rank bound to its share
+/// of the cores, and its thread pools (rayon's, and candle's matrix products, which count the
+/// machine's cores, not the binding) sized to them by `RAYON_NUM_THREADS` unless already set.
+pub fn mpirun(n: usize, exe: &std::path::Path) -> std::process::Command {
+    let cores = (candle_core::utils::get_num_threads() / n).max(1);
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| cores.to_string());
+    let mut cmd = std::process::Command::new("mpirun");
+    cmd.args(["-np", &n.to_string(), "--map-by", &format!("slot:PE={cores}"), "--bind-to", "core"])
         .arg(exe)
-        .args(args)
-        // mpirun refuses root without these; containers and CI machines run as root.
         .env("RAYON_NUM_THREADS", threads)
+        // mpirun refuses root without these; containers and CI machines run as root.
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .status()
-        .context("--ranks runs mpirun (Open MPI: apt-get install openmpi-bin libopenmpi-dev)")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    cmd
 }
 
 /// `result`, except that on a rank of several a failure is printed with the rank and ends every
@@ -74,7 +76,7 @@ pub fn or_abort(group: &Group, result: Result<()>) -> Result<()> {
 /// summed across the ranks while earlier segments recompute (those of `off`'s single segment
 /// after its backward), then divided by the ranks, in f32, and stored back in each gradient's
 /// dtype.
-pub(crate) fn accumulate_averaged(group: &Group, exec: &Executor, inputs: &[Tensor], n: u64, grads: GradStore) -> Result<remat::StepOutput> {
+pub fn accumulate_averaged(group: &Group, exec: &Executor, inputs: &[Tensor], n: u64, grads: GradStore) -> Result<remat::StepOutput> {
     let params = exec.params();
     let mut started: Vec<Vec<usize>> = Vec::new();
     let mut out = exec.accumulate_reporting(inputs, n, grads, &mut |ready, store| {
@@ -106,7 +108,7 @@ pub(crate) fn mean(group: &Group, value: f64) -> Result<f64> {
 }
 
 /// Fails unless every rank holds the same parameter bits (a hash of them, compared by all-reduce).
-pub(crate) fn check_in_sync(group: &Group, store: &layers::ParamStore) -> Result<()> {
+pub fn check_in_sync(group: &Group, store: &layers::ParamStore) -> Result<()> {
     if group.world() == 1 {
         return Ok(());
     }
