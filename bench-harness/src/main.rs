@@ -257,7 +257,7 @@ fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, force: b
 }
 
 fn run_one(model: &str, policy: &Policy, mode: One, common: &Common) -> Result<()> {
-    let group = trainkit::Group::from_launcher()?;
+    let group = trainkit::Group::from_launcher(&trainkit::device(&common.device)?)?;
     trainkit::or_abort(&group, measure_one(model, policy, mode, common, &group))
 }
 

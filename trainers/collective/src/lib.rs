@@ -1,21 +1,25 @@
 //! `collective`: the ranks of a data-parallel run and what they say to each other.
 //!
 //! A [`Group`] is this process's place among the ranks: one rank by default; under `mpirun`
-//! (feature `mpi`), the MPI world. Its one job in training is summing gradients across ranks
-//! ([`Group::start_sum`], [`Group::wait_sum`]): a sum started while the executor recomputes an
-//! earlier segment runs meanwhile, on a thread of its own that alone makes MPI calls. It also
+//! (feature `mpi`), the MPI world; launched one process per GPU with `RANK`, `WORLD_SIZE` and
+//! `NCCL_ID_FILE` set (feature `nccl`), an NCCL communicator. Its one job in training is summing
+//! gradients across ranks ([`Group::start_mean`], [`Group::wait_mean`]): a sum started while the
+//! executor recomputes an earlier segment runs meanwhile (MPI: on a thread of its own that alone
+//! makes MPI calls; NCCL: queued on the GPU's stream). It also
 //! shards a batch ([`Group::shard`]), checks that every rank holds the same bits
 //! ([`Group::same_everywhere`]) and ends all ranks when one fails ([`Group::abort`]).
 //!
 //! Not here: the training loop (`trainkit`), launching processes (`mpirun`), the model.
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{DType, Device, Tensor};
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::time::Duration;
 
 #[cfg(feature = "mpi")]
 mod mpi_world;
+#[cfg(feature = "nccl")]
+mod nccl_world;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CollectiveError {
@@ -25,6 +29,8 @@ pub enum CollectiveError {
     NotBuiltFor { launcher: &'static str, world: usize, feature: &'static str },
     #[error("MPI: {0}")]
     Mpi(String),
+    #[error("NCCL: {0}")]
+    Nccl(String),
     #[error("the communication thread ended (another rank failed?)")]
     Gone,
     #[error("wait_sum without a sum started")]
@@ -36,26 +42,40 @@ pub type Result<T> = std::result::Result<T, CollectiveError>;
 /// Time spent communicating, summed over a run.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CommTime {
-    /// In all-reduce calls (on the communication thread, overlapping the computation).
+    /// In all-reduce calls (MPI: on the communication thread, overlapping the computation; NCCL:
+    /// not measured, the sums run on the GPU).
     pub all_reduce: Duration,
-    /// Of it, what the training thread waited for: the part the computation did not hide.
+    /// What the training thread waited for sums: the part the computation did not hide.
     pub waited: Duration,
     /// Floats summed.
     pub floats: u64,
 }
 
-/// A sum in flight: where its tensors go back; one rank's sum is its own input.
-struct Pending {
-    shapes: Vec<(Shape, Device)>,
-    local: Option<Vec<f32>>,
+/// A sum in flight: where its tensors go back.
+enum Pending {
+    /// One rank: the sum is the input.
+    Local(Vec<Tensor>),
+    /// MPI: the flat sum comes back from the communication thread.
+    #[cfg(feature = "mpi")]
+    Host(Vec<(candle_core::Shape, Device)>),
+    /// NCCL: the sums, queued on the GPU.
+    #[cfg(feature = "nccl")]
+    Device(Vec<Tensor>),
+}
+
+enum Backend {
+    Single,
+    #[cfg(feature = "mpi")]
+    Mpi(mpi_world::MpiWorld),
+    #[cfg(feature = "nccl")]
+    Nccl(nccl_world::NcclWorld, Device),
 }
 
 /// This process's place among the ranks of a run.
 pub struct Group {
     rank: usize,
     world: usize,
-    #[cfg(feature = "mpi")]
-    mpi: Option<mpi_world::MpiWorld>,
+    backend: Backend,
     pending: RefCell<VecDeque<Pending>>,
     time: Cell<CommTime>,
 }
@@ -63,7 +83,9 @@ pub struct Group {
 /// The environment variables launchers set: (launcher, world size, rank).
 fn launched() -> Option<(&'static str, usize, usize)> {
     let var = |name: &str| std::env::var(name).ok()?.parse::<usize>().ok();
-    for (launcher, size, rank) in [("mpirun", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), ("an MPI launcher", "PMI_SIZE", "PMI_RANK")] {
+    for (launcher, size, rank) in
+        [("mpirun", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), ("an MPI launcher", "PMI_SIZE", "PMI_RANK"), ("RANK/WORLD_SIZE", "WORLD_SIZE", "RANK")]
+    {
         if let (Some(world), Some(rank)) = (var(size), var(rank)) {
             return Some((launcher, world, rank));
         }
@@ -74,29 +96,38 @@ fn launched() -> Option<(&'static str, usize, usize)> {
 impl Group {
     /// One rank: nothing to communicate.
     pub fn single() -> Self {
-        Group {
-            rank: 0,
-            world: 1,
-            #[cfg(feature = "mpi")]
-            mpi: None,
-            pending: RefCell::new(VecDeque::new()),
-            time: Cell::new(CommTime::default()),
-        }
+        Group { rank: 0, world: 1, backend: Backend::Single, pending: RefCell::new(VecDeque::new()), time: Cell::new(CommTime::default()) }
     }
 
-    /// The ranks this process was launched among: the MPI world under `mpirun -np N` (N > 1),
-    /// else one rank. A launch this binary cannot serve (no `mpi` feature) is an error, not N
-    /// independent runs.
-    pub fn from_launcher() -> Result<Self> {
-        match launched() {
-            None | Some((_, 1, _)) => Ok(Self::single()),
+    #[cfg(any(feature = "mpi", feature = "nccl"))]
+    fn of(backend: Backend, rank: usize, world: usize) -> Self {
+        Group { rank, world, backend, ..Self::single() }
+    }
+
+    /// The ranks this process was launched among: the MPI world under `mpirun -np N` (N > 1);
+    /// with `RANK` and `WORLD_SIZE` (N > 1) and a CUDA `device`, an NCCL group meeting through
+    /// the file `NCCL_ID_FILE`; else one rank. A launch this binary cannot serve (built without
+    /// the feature) is an error, not N independent runs.
+    pub fn from_launcher(device: &Device) -> Result<Self> {
+        let Some((launcher, world, rank)) = launched().filter(|l| l.1 > 1) else { return Ok(Self::single()) };
+        let _ = (device, rank);
+        match launcher {
             #[cfg(feature = "mpi")]
-            Some(_) => {
-                let world = mpi_world::MpiWorld::start()?;
-                Ok(Group { rank: world.rank, world: world.size, mpi: Some(world), ..Self::single() })
+            "mpirun" | "an MPI launcher" => {
+                let w = mpi_world::MpiWorld::start()?;
+                let (rank, size) = (w.rank, w.size);
+                Ok(Self::of(Backend::Mpi(w), rank, size))
             }
-            #[cfg(not(feature = "mpi"))]
-            Some((launcher, world, _)) => Err(CollectiveError::NotBuiltFor { launcher, world, feature: "mpi" }),
+            #[cfg(feature = "nccl")]
+            "RANK/WORLD_SIZE" => {
+                let id_file =
+                    std::env::var_os("NCCL_ID_FILE").ok_or_else(|| CollectiveError::Nccl("set NCCL_ID_FILE to a file path every rank can read".into()))?;
+                let w = nccl_world::NcclWorld::start(device, rank, world, std::path::Path::new(&id_file))?;
+                let (rank, size) = (w.rank, w.size);
+                Ok(Self::of(Backend::Nccl(w, device.clone()), rank, size))
+            }
+            "RANK/WORLD_SIZE" => Err(CollectiveError::NotBuiltFor { launcher, world, feature: "nccl" }),
+            _ => Err(CollectiveError::NotBuiltFor { launcher, world, feature: "mpi" }),
         }
     }
 
@@ -138,59 +169,78 @@ impl Group {
             .map_err(Into::into)
     }
 
-    /// Starts summing `tensors` across the ranks (as f32), to be collected by [`Group::wait_sum`]
-    /// in the order started; every rank must start the same sums in the same order. Returns at
-    /// once: the sum runs while the caller computes.
-    pub fn start_sum(&self, tensors: &[Tensor]) -> Result<()> {
-        let shapes = tensors.iter().map(|t| (t.shape().clone(), t.device().clone())).collect();
-        let mut flat = Vec::with_capacity(tensors.iter().map(Tensor::elem_count).sum());
-        for t in tensors {
-            flat.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
-        }
+    /// Starts averaging `tensors` across the ranks (in f32), to be collected by
+    /// [`Group::wait_mean`] in the order started; every rank must start the same means in the
+    /// same order. Returns at once: the sum runs while the caller computes. The tensors are taken
+    /// (MPI copies each into one host buffer and drops it, so a gradient is not held twice).
+    pub fn start_mean(&self, tensors: Vec<Tensor>) -> Result<()> {
         let mut time = self.time.get();
-        time.floats += flat.len() as u64;
+        time.floats += tensors.iter().map(|t| t.elem_count() as u64).sum::<u64>();
         self.time.set(time);
-        let local = match self.mpi() {
-            Some(world) => {
+        let pending = match &self.backend {
+            Backend::Single => Pending::Local(tensors.iter().map(|t| t.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?),
+            #[cfg(feature = "mpi")]
+            Backend::Mpi(world) => {
+                let shapes = tensors.iter().map(|t| (t.shape().clone(), t.device().clone())).collect();
+                let mut flat = Vec::with_capacity(tensors.iter().map(Tensor::elem_count).sum());
+                for t in tensors {
+                    flat.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+                }
                 world.send_sum(flat)?;
-                None
+                Pending::Host(shapes)
             }
-            None => Some(flat),
+            #[cfg(feature = "nccl")]
+            Backend::Nccl(world, _) => Pending::Device(tensors.iter().map(|t| world.sum(t)).collect::<Result<_>>()?),
         };
-        self.pending.borrow_mut().push_back(Pending { shapes, local });
+        self.pending.borrow_mut().push_back(pending);
         Ok(())
     }
 
-    /// The oldest sum started: the tensors' sums over the ranks, f32, in their shapes and devices.
-    pub fn wait_sum(&self) -> Result<Vec<Tensor>> {
+    /// The oldest mean started: the tensors' means over the ranks (sums divided by the ranks, in
+    /// f32), in their shapes and devices. MPI's are views into one buffer, which the sum
+    /// overwrote in place.
+    pub fn wait_mean(&self) -> Result<Vec<Tensor>> {
         let pending = self.pending.borrow_mut().pop_front().ok_or(CollectiveError::NothingStarted)?;
         let clock = std::time::Instant::now();
-        let (flat, busy) = match (pending.local, self.mpi()) {
-            (Some(flat), _) => (flat, Duration::ZERO),
-            (None, Some(world)) => world.receive_sum()?,
-            (None, None) => unreachable!("a sum without a local result is an MPI one"),
+        let (means, busy) = match (pending, &self.backend) {
+            (Pending::Local(sums), _) => (sums, Duration::ZERO),
+            #[cfg(feature = "nccl")]
+            (Pending::Device(sums), _) => (sums.iter().map(|s| s / self.world as f64).collect::<candle_core::Result<_>>()?, Duration::ZERO),
+            #[cfg(feature = "mpi")]
+            (Pending::Host(shapes), Backend::Mpi(world)) => {
+                let (mut flat, busy) = world.receive_sum()?;
+                let n = self.world as f32;
+                flat.iter_mut().for_each(|x| *x /= n);
+                let flat = Tensor::from_vec(flat, shapes.iter().map(|(s, _)| s.elem_count()).sum::<usize>(), &Device::Cpu)?;
+                let mut at = 0;
+                let means = shapes
+                    .into_iter()
+                    .map(|(shape, device)| {
+                        let n = shape.elem_count();
+                        at += n;
+                        flat.narrow(0, at - n, n)?.reshape(shape)?.to_device(&device)
+                    })
+                    .collect::<candle_core::Result<_>>()?;
+                (means, busy)
+            }
+            #[cfg(feature = "mpi")]
+            (Pending::Host(_), _) => unreachable!("host sums are MPI's"),
         };
         let mut time = self.time.get();
         time.waited += clock.elapsed();
         time.all_reduce += busy;
         self.time.set(time);
-        let mut at = 0;
-        pending
-            .shapes
-            .into_iter()
-            .map(|(shape, device)| {
-                let n = shape.elem_count();
-                at += n;
-                Ok(Tensor::from_slice(&flat[at - n..at], shape, &device)?)
-            })
-            .collect()
+        Ok(means)
     }
 
     /// The least and the greatest `value` over the ranks (per-rank peaks). Call between sums.
     pub fn min_max(&self, value: u64) -> Result<(u64, u64)> {
-        match self.mpi() {
-            Some(world) => world.min_max(value),
-            None => Ok((value, value)),
+        match &self.backend {
+            Backend::Single => Ok((value, value)),
+            #[cfg(feature = "mpi")]
+            Backend::Mpi(world) => world.min_max(value),
+            #[cfg(feature = "nccl")]
+            Backend::Nccl(world, device) => world.min_max(value, device),
         }
     }
 
@@ -200,42 +250,13 @@ impl Group {
         Ok(min == max)
     }
 
-    /// Ends every rank's process (MPI_Abort) after this one failed: without it the others would
-    /// wait for it in their next sum. One rank: exits.
+    /// Ends every rank's process after this one failed (MPI_Abort; under NCCL the launcher ends
+    /// the others): without it the others would wait for this one in their next sum.
     pub fn abort(&self, code: i32) -> ! {
-        if let Some(world) = self.mpi() {
+        #[cfg(feature = "mpi")]
+        if let Backend::Mpi(world) = &self.backend {
             world.abort(code);
         }
         std::process::exit(code)
-    }
-
-    #[cfg(feature = "mpi")]
-    fn mpi(&self) -> Option<&mpi_world::MpiWorld> {
-        self.mpi.as_ref()
-    }
-
-    #[cfg(not(feature = "mpi"))]
-    fn mpi(&self) -> Option<&NoMpi> {
-        None
-    }
-}
-
-/// Stands in for the MPI world in a build without it: never constructed.
-#[cfg(not(feature = "mpi"))]
-enum NoMpi {}
-
-#[cfg(not(feature = "mpi"))]
-impl NoMpi {
-    fn send_sum(&self, _: Vec<f32>) -> Result<()> {
-        match *self {}
-    }
-    fn receive_sum(&self) -> Result<(Vec<f32>, Duration)> {
-        match *self {}
-    }
-    fn min_max(&self, _: u64) -> Result<(u64, u64)> {
-        match *self {}
-    }
-    fn abort(&self, _: i32) -> ! {
-        match *self {}
     }
 }

@@ -7,6 +7,9 @@ use mpi::traits::*;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::{Duration, Instant};
 
+/// Floats per all-reduce call (16 MiB).
+const CHUNK: usize = 1 << 22;
+
 enum Request {
     Sum(Vec<f32>),
     MinMax(u64),
@@ -42,11 +45,17 @@ impl MpiWorld {
                 let _ = ready.send(Ok((world.rank() as usize, world.size() as usize)));
                 for request in inbox {
                     let reply = match request {
-                        Request::Sum(local) => {
+                        Request::Sum(mut values) => {
+                            // In place, a chunk at a time: a second buffer of the whole size
+                            // would hold every gradient twice.
                             let clock = Instant::now();
-                            let mut sum = vec![0f32; local.len()];
-                            world.all_reduce_into(&local[..], &mut sum[..], SystemOperation::sum());
-                            Reply::Sum(sum, clock.elapsed())
+                            let mut sum = vec![0f32; CHUNK.min(values.len())];
+                            for chunk in values.chunks_mut(CHUNK) {
+                                let sum = &mut sum[..chunk.len()];
+                                world.all_reduce_into(&chunk[..], &mut sum[..], SystemOperation::sum());
+                                chunk.copy_from_slice(sum);
+                            }
+                            Reply::Sum(values, clock.elapsed())
                         }
                         Request::MinMax(v) => {
                             let (mut min, mut max) = (0u64, 0u64);

@@ -197,13 +197,14 @@ impl<'g> Executor<'g> {
     /// each segment's backward, those no earlier segment contributes to, so that data parallelism
     /// can average them across ranks while the earlier segments recompute; at the end, the rest.
     /// Every parameter is reported once, in the same order on every step after the first (which
-    /// learns where gradients complete, and reports them all at the end).
+    /// learns where gradients complete, and reports them all at the end). `finished` may take the
+    /// reported gradients out of the store (no later stage adds to them) and put them back later.
     pub fn accumulate_reporting(
         &self,
         inputs: &[Tensor],
         step: u64,
         grads: GradStore,
-        finished: &mut dyn FnMut(&[usize], &GradStore) -> candle_core::Result<()>,
+        finished: &mut dyn FnMut(&[usize], &mut GradStore) -> candle_core::Result<()>,
     ) -> Result<StepOutput> {
         let graph = self.graph;
         if inputs.len() != graph.n_inputs() {
@@ -298,7 +299,7 @@ impl<'g> Executor<'g> {
             if let Some(after) = &finished_after {
                 let ready: Vec<usize> = (0..self.params.len()).filter(|&k| after[k] == Some(s)).collect();
                 if !ready.is_empty() {
-                    finished(&ready, &sums.sum)?;
+                    finished(&ready, &mut sums.sum)?;
                     ready.iter().for_each(|&k| reported[k] = true);
                 }
             }
@@ -310,7 +311,7 @@ impl<'g> Executor<'g> {
         }
         let rest: Vec<usize> = (0..self.params.len()).filter(|&k| !reported[k]).collect();
         if !rest.is_empty() {
-            finished(&rest, &sums.sum)?;
+            finished(&rest, &mut sums.sum)?;
         }
         if finished_after.is_none() {
             *self.finished_after.borrow_mut() = Some(lowest);

@@ -789,7 +789,9 @@ pub fn device(name: &str) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::Cpu),
         d if d == "cuda" || d.starts_with("cuda:") => {
-            let ordinal: usize = d.strip_prefix("cuda:").map_or(Ok(0), str::parse).context("--device cuda:N needs a number")?;
+            // One process per GPU (data parallelism): plain `cuda` is this rank's GPU.
+            let local = std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
+            let ordinal: usize = d.strip_prefix("cuda:").map_or(Ok(local), str::parse).context("--device cuda:N needs a number")?;
             if !candle_core::utils::cuda_is_available() {
                 bail!("--device {d}: this build has no CUDA support (build with --features cuda)");
             }

@@ -13,11 +13,14 @@ use remat::Executor;
 /// this fail). Under a launcher, the launcher's ranks; otherwise one. Every rank but the first
 /// is quiet.
 pub fn launch(run: &RunArgs) -> Result<Option<Group>> {
-    let group = Group::from_launcher()?;
+    let group = Group::from_launcher(&crate::device(&run.device)?)?;
     if run.ranks > 1 && group.world() == 1 {
-        let status = under_mpirun(run.ranks)?;
+        let (how, status) = match run.device.starts_with("cuda") {
+            true => ("one process per GPU", one_process_per_gpu(run.ranks)?),
+            false => ("mpirun", under_mpirun(run.ranks)?),
+        };
         if !status.success() {
-            bail!("mpirun -np {}: {status}", run.ranks);
+            bail!("--ranks {} ({how}): {status}", run.ranks);
         }
         return Ok(None);
     }
@@ -29,19 +32,65 @@ pub fn launch(run: &RunArgs) -> Result<Option<Group>> {
     }
     if group.world() > 1 {
         let threads = candle_core::utils::get_num_threads();
-        crate::say!("data parallel: {} ranks (MPI), {threads} threads each; --batch is per rank", group.world());
+        let over = if run.device.starts_with("cuda") { "NCCL" } else { "MPI" };
+        crate::say!("data parallel: {} ranks ({over}), {threads} threads each; --batch is per rank", group.world());
     }
     Ok(Some(group))
 }
 
-/// This process's command line again, without `--ranks`, under `mpirun -np n` ([`mpirun`]).
-fn under_mpirun(n: usize) -> Result<std::process::ExitStatus> {
+/// This process's arguments without `--ranks`.
+fn own_args() -> Vec<String> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     while let Some(i) = args.iter().position(|a| a == "--ranks" || a.starts_with("--ranks=")) {
         let width = if args[i] == "--ranks" { 2 } else { 1 };
         args.drain(i..(i + width).min(args.len()));
     }
-    mpirun(n, &std::env::current_exe()?).args(args).status().context("--ranks runs mpirun (Open MPI: apt-get install openmpi-bin libopenmpi-dev)")
+    args
+}
+
+/// This process's command line again, without `--ranks`, under `mpirun -np n` ([`mpirun`]).
+fn under_mpirun(n: usize) -> Result<std::process::ExitStatus> {
+    mpirun(n, &std::env::current_exe()?).args(own_args()).status().context("--ranks runs mpirun (Open MPI: apt-get install openmpi-bin libopenmpi-dev)")
+}
+
+/// This process's command line again, without `--ranks`, in `n` processes, one per GPU (NCCL,
+/// a build with `--features nccl`): `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the GPU) and the file
+/// in which rank 0 leaves NCCL's id. When one fails, the others are ended.
+fn one_process_per_gpu(n: usize) -> Result<std::process::ExitStatus> {
+    let id_file = std::env::temp_dir().join(format!("nccl-id-{}", std::process::id()));
+    std::fs::remove_file(&id_file).ok();
+    let exe = std::env::current_exe()?;
+    let mut children = (0..n)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(own_args())
+                .envs([("RANK", rank.to_string()), ("LOCAL_RANK", rank.to_string()), ("WORLD_SIZE", n.to_string())])
+                .env("NCCL_ID_FILE", &id_file)
+                .spawn()
+        })
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let mut statuses: Vec<Option<std::process::ExitStatus>> = vec![None; n];
+    let outcome = loop {
+        for (child, status) in children.iter_mut().zip(&mut statuses) {
+            if status.is_none() {
+                *status = child.try_wait()?;
+            }
+        }
+        if let Some(failed) = statuses.iter().flatten().find(|s| !s.success()) {
+            break *failed;
+        }
+        if let Some(done) = statuses.iter().all(Option::is_some).then(|| statuses[0]).flatten() {
+            break done;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    for (child, status) in children.iter_mut().zip(&statuses) {
+        if status.is_none() {
+            child.kill().ok();
+        }
+    }
+    std::fs::remove_file(&id_file).ok();
+    Ok(outcome)
 }
 
 /// `mpirun -np n exe`, to which the caller adds `exe`'s arguments: each rank bound to its share
@@ -73,25 +122,20 @@ pub fn or_abort(group: &Group, result: Result<()>) -> Result<()> {
 }
 
 /// One forward and backward pass of the last micro-batch of a step, its finished gradients
-/// summed across the ranks while earlier segments recompute (those of `off`'s single segment
-/// after its backward), then divided by the ranks, in f32, and stored back in each gradient's
-/// dtype.
+/// averaged across the ranks while earlier segments recompute (those of `off`'s single segment
+/// after its backward): taken out of the store as they are handed over, summed in f32, divided
+/// by the ranks and put back in each gradient's dtype.
 pub fn accumulate_averaged(group: &Group, exec: &Executor, inputs: &[Tensor], n: u64, grads: GradStore) -> Result<remat::StepOutput> {
     let params = exec.params();
-    let mut started: Vec<Vec<usize>> = Vec::new();
+    let mut started: Vec<Vec<(usize, DType)>> = Vec::new();
     let mut out = exec.accumulate_reporting(inputs, n, grads, &mut |ready, store| {
-        let present: Vec<usize> = ready.iter().copied().filter(|&k| store.get(params[k].as_tensor()).is_some()).collect();
-        let tensors: Vec<Tensor> = present.iter().map(|&k| store.get(params[k].as_tensor()).expect("present").clone()).collect();
-        group.start_sum(&tensors).map_err(candle_core::Error::wrap)?;
-        started.push(present);
-        Ok(())
+        let taken: Vec<(usize, Tensor)> = ready.iter().filter_map(|&k| Some((k, store.remove(params[k].as_tensor())?))).collect();
+        started.push(taken.iter().map(|(k, g)| (*k, g.dtype())).collect());
+        group.start_mean(taken.into_iter().map(|(_, g)| g).collect()).map_err(candle_core::Error::wrap)
     })?;
-    let world = group.world() as f64;
-    for present in started {
-        for (k, sum) in present.into_iter().zip(group.wait_sum()?) {
-            let p = params[k].as_tensor();
-            let dtype = out.grads.get(p).map_or(DType::F32, Tensor::dtype);
-            out.grads.insert(p, (sum / world)?.to_dtype(dtype)?);
+    for taken in started {
+        for ((k, dtype), mean) in taken.into_iter().zip(group.wait_mean()?) {
+            out.grads.insert(params[k].as_tensor(), mean.to_dtype(dtype)?);
         }
     }
     Ok(out)
@@ -102,9 +146,8 @@ pub(crate) fn mean(group: &Group, value: f64) -> Result<f64> {
     if group.world() == 1 {
         return Ok(value);
     }
-    group.start_sum(&[Tensor::new(&[value as f32], &candle_core::Device::Cpu)?])?;
-    let sum = group.wait_sum()?.remove(0).to_vec1::<f32>()?[0];
-    Ok(sum as f64 / group.world() as f64)
+    group.start_mean(vec![Tensor::new(&[value as f32], &candle_core::Device::Cpu)?])?;
+    Ok(group.wait_mean()?.remove(0).to_vec1::<f32>()?[0] as f64)
 }
 
 /// Fails unless every rank holds the same parameter bits (a hash of them, compared by all-reduce).
