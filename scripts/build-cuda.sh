@@ -77,6 +77,7 @@ cublas libcublas libcublas.so.13
 cublaslt libcublasLt libcublasLt.so.13
 curand libcurand libcurand.so.10
 nvrtc libnvrtc libnvrtc.so.13
+nccl libnccl libnccl.so.2
 EOF
 
 # 3. Build. cudarc reads the CUDA version from `nvcc --version`; candle's kernels compile for

@@ -126,6 +126,7 @@ impl Group {
                 let (rank, size) = (w.rank, w.size);
                 Ok(Self::of(Backend::Nccl(w, device.clone()), rank, size))
             }
+            #[cfg(not(feature = "nccl"))]
             "RANK/WORLD_SIZE" => Err(CollectiveError::NotBuiltFor { launcher, world, feature: "nccl" }),
             _ => Err(CollectiveError::NotBuiltFor { launcher, world, feature: "mpi" }),
         }
