@@ -143,19 +143,29 @@ impl MlmData {
     /// The masked batch of `step`: `[CLS] example [SEP]` rows, padded with `[PAD]` to the
     /// longest row (masked out of attention, never scored).
     pub fn batch(&self, step: u64, batch: usize) -> MaskedBatch {
+        self.padded_batch(step, batch, 0)
+    }
+
+    /// [`MlmData::batch`] padded to the full sequence length: as large as a batch of this data
+    /// can be, which is what a memory plan must fit.
+    pub fn full_length_batch(&self, step: u64, batch: usize) -> MaskedBatch {
+        self.padded_batch(step, batch, self.seq)
+    }
+
+    fn padded_batch(&self, step: u64, batch: usize, min_len: usize) -> MaskedBatch {
         let examples: Vec<&[u32]> = match &self.source {
             Source::Stream(windows) => {
                 let (ids, _) = windows.batch(step, batch);
-                return self.frame(step, ids.chunks(self.seq - 2).collect());
+                return self.frame(step, ids.chunks(self.seq - 2).collect(), min_len);
             }
             Source::Documents(docs) => docs.batch(step, batch),
         };
-        self.frame(step, examples)
+        self.frame(step, examples, min_len)
     }
 
-    fn frame(&self, step: u64, examples: Vec<&[u32]>) -> MaskedBatch {
+    fn frame(&self, step: u64, examples: Vec<&[u32]>, min_len: usize) -> MaskedBatch {
         let s = &self.specials;
-        let seq = examples.iter().map(|e| e.len() + 2).max().unwrap_or(2);
+        let seq = examples.iter().map(|e| e.len() + 2).max().unwrap_or(2).max(min_len);
         let (mut ids, mut attention_mask) = (Vec::with_capacity(examples.len() * seq), Vec::with_capacity(examples.len() * seq));
         for e in &examples {
             ids.push(s.cls);

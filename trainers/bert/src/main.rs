@@ -88,7 +88,9 @@ fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
     args.init.load(&model, hub.as_ref())?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| Ok(model.inputs(&data.batch(step, n), &device)?);
-    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
+    // Planned for the longest batch the data can give (--text batches are padded to their own longest row).
+    let longest = |n: usize| Ok(model.inputs(&data.full_length_batch(0, n), &device)?);
+    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &longest)? else {
         return Ok(());
     };
     trainkit::say!(

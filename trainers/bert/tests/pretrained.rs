@@ -99,6 +99,9 @@ fn text_through_a_tokenizer_trains_and_the_loss_falls() {
         assert!(lines.iter().any(|l| l.chunks(seq - 2).any(|piece| piece == body.as_slice())), "a row that is no piece of a line: {body:?}");
         assert!(row[body.len() + 2..].iter().all(|&t| t == pad));
     }
+    // What memory plans are made for: the same rows, padded to the whole --seq.
+    let full = data.full_length_batch(0, 4);
+    assert_eq!((full.seq, full.attention_mask.iter().filter(|&&m| m == 1.0).count()), (seq, b.attention_mask.iter().filter(|&&m| m == 1.0).count()));
 
     let (losses, log) = trainkit::run_logged(
         env!("CARGO_BIN_EXE_train-bert"),

@@ -1,7 +1,9 @@
 //! `trainkit`: what every trainer binary shares, so their training loops stay short: a measured
 //! training step, a progress bar, one log line per step (loss, time, peak memory), optional JSON
-//! records, and the median step time at the end. It does not own the loop: each trainer's `main`
-//! does. [`reference`] holds what the model tests compare against PyTorch.
+//! records, and the median step time at the end; pre-trained weights and the Hugging Face hub
+//! ([`hub`]); data parallelism over the ranks of a `collective::Group` ([`parallel`]). It does not
+//! own the loop: each trainer's `main` does. [`reference`] holds what the model tests compare
+//! against PyTorch.
 
 pub mod hub;
 pub mod parallel;
