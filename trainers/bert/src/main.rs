@@ -87,9 +87,9 @@ fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
     let model = Bert::new(config, &device, args.run.seed)?;
     args.init.load(&model, hub.as_ref())?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
-    let inputs = |step: u64, n: usize| Ok(model.inputs(&data.batch(step, n), &device)?);
+    let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.batch(step, n), &device)?) };
     // Planned for the longest batch the data can give (--text batches are padded to their own longest row).
-    let longest = |n: usize| Ok(model.inputs(&data.full_length_batch(0, n), &device)?);
+    let longest = |n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.full_length_batch(0, n), &device)?) };
     let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &longest)? else {
         return Ok(());
     };
