@@ -220,7 +220,7 @@ fn spread(r: &Record, pick: fn(&crate::measure::Spread) -> f64) -> String {
     r.time_vs_off.as_ref().map_or(String::new(), |t| ms(pick(t)))
 }
 
-const COLUMNS: [Column; 37] = [
+const COLUMNS: [Column; 41] = [
     Column { name: "framework", ours: |_| "candle".into(), theirs: |b, _| format!("pytorch {}", b.framework_version) },
     Column { name: "model", ours: |r| r.model.clone(), theirs: |b, _| b.model.clone() },
     Column { name: "policy", ours: |r| quoted(&r.policy), theirs: |b, _| quoted(&b.policy) },
@@ -232,15 +232,19 @@ const COLUMNS: [Column; 37] = [
     Column { name: "dtype", ours: |r| r.dtype.clone(), theirs: |_, _| "f32".into() },
     Column { name: "device", ours: |r| r.device.clone(), theirs: |_, _| "cpu".into() },
     Column { name: "threads", ours: |r| r.threads.to_string(), theirs: |b, _| b.threads.to_string() },
+    Column { name: "ranks", ours: |r| r.ranks.to_string(), theirs: |_, _| "1".into() },
     Column { name: "model_state_bytes", ours: |r| r.model_state_bytes.to_string(), theirs: |b, _| b.model_state_bytes.to_string() },
     Column { name: "step_peak_bytes", ours: |r| r.step_peak_bytes.to_string(), theirs: |b, _| b.step_peak_bytes.to_string() },
     Column { name: "fwd_bwd_peak_bytes", ours: |r| r.fwd_bwd_peak_bytes.to_string(), theirs: |b, _| b.fwd_bwd_peak_bytes.to_string() },
     Column { name: "activation_peak_bytes", ours: |r| r.activation_peak_bytes.to_string(), theirs: none },
     Column { name: "rss_peak_delta_bytes", ours: |r| r.rss_peak_delta_bytes.to_string(), theirs: none },
     Column { name: "reserved_bytes", ours: |r| r.reserved_bytes.map_or(String::new(), |b| b.to_string()), theirs: none },
+    Column { name: "step_peak_bytes_max_rank", ours: |r| r.step_peak_bytes_max_rank.map_or(String::new(), |b| b.to_string()), theirs: none },
     Column { name: "step_ms_median", ours: |r| ms(r.step_ms_median), theirs: |b, _| ms(b.step_ms_median) },
     Column { name: "step_ms_min", ours: |r| ms(r.step_ms_min), theirs: |b, _| ms(b.step_ms_min) },
     Column { name: "step_ms_max", ours: |r| ms(r.step_ms_max), theirs: |b, _| ms(b.step_ms_max) },
+    Column { name: "all_reduce_ms", ours: |r| r.all_reduce_ms.map_or(String::new(), ms), theirs: none },
+    Column { name: "all_reduce_wait_ms", ours: |r| r.all_reduce_wait_ms.map_or(String::new(), ms), theirs: none },
     Column { name: "timed_steps", ours: |r| r.timed_steps.to_string(), theirs: |b, _| b.timed_steps.to_string() },
     Column { name: "segments", ours: |r| r.segments.to_string(), theirs: |b, _| b.segments.to_string() },
     Column { name: "loss", ours: |r| r.loss.to_string(), theirs: |b, _| b.loss.to_string() },

@@ -81,7 +81,7 @@ enum Type {
 
 /// matrix.csv's columns in order, written out here rather than taken from the harness, so that a
 /// column dropped, renamed or moved in the writer fails the test.
-const COLUMNS: [(&str, Type); 37] = {
+const COLUMNS: [(&str, Type); 41] = {
     use Type::*;
     [
         ("framework", Candle),
@@ -95,15 +95,19 @@ const COLUMNS: [(&str, Type); 37] = {
         ("dtype", Str),
         ("device", Str),
         ("threads", Int),
+        ("ranks", Int),
         ("model_state_bytes", Int),
         ("step_peak_bytes", Int),
         ("fwd_bwd_peak_bytes", Int),
         ("activation_peak_bytes", Int),
         ("rss_peak_delta_bytes", Int),
         ("reserved_bytes", OptInt),
+        ("step_peak_bytes_max_rank", OptInt),
         ("step_ms_median", Ms),
         ("step_ms_min", Ms),
         ("step_ms_max", Ms),
+        ("all_reduce_ms", OptMs),
+        ("all_reduce_wait_ms", OptMs),
         ("timed_steps", Int),
         ("segments", Int),
         ("loss", F32),
