@@ -102,7 +102,8 @@ pub struct Record {
     #[serde(default = "one")]
     pub ranks: usize,
     /// With several ranks: the largest rank's `step_peak_bytes`, and the time per step in
-    /// gradient all-reduces (median) and the part of it the training thread waited for.
+    /// gradient all-reduce calls (median) and how long the training thread waited for the means
+    /// (dividing by the ranks included).
     #[serde(default)]
     pub step_peak_bytes_max_rank: Option<u64>,
     #[serde(default)]

@@ -180,7 +180,7 @@ the measured step peak, and its predicted time / off.\n",
         if first.ranks > 1 {
             let _ = write!(
                 out,
-                "\n{} ranks (MPI), batch {} each: memory above is rank 0's.\n\n| policy | step peak, rank 0 | step peak, largest rank | all-reduce per step | of it waited for |\n|---|---|---|---|---|\n",
+                "\n{} ranks (MPI), batch {} each: memory above is rank 0's.\n\n| policy | step peak, rank 0 | step peak, largest rank | all-reduce per step | training thread waited (dividing included) |\n|---|---|---|---|---|\n",
                 first.ranks, first.batch
             );
             for r in m.records.iter().filter(|r| r.model == model && r.status == Status::Ok) {

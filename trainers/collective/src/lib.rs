@@ -45,7 +45,8 @@ pub struct CommTime {
     /// In all-reduce calls (MPI: on the communication thread, overlapping the computation; NCCL:
     /// not measured, the sums run on the GPU).
     pub all_reduce: Duration,
-    /// What the training thread waited for sums: the part the computation did not hide.
+    /// What the training thread waited for the means (dividing by the ranks included): the part
+    /// of the communication the computation did not hide.
     pub waited: Duration,
     /// Floats summed.
     pub floats: u64,

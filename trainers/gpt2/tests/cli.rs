@@ -113,3 +113,11 @@ fn accumulation_shows_the_effective_batch() {
 fn an_unknown_optimizer_lists_the_valid_ones() {
     fails_saying(&["--optimizer", "lion"], "valid optimizers: sgd, adamw, adafactor");
 }
+
+/// `--ranks` in a build without MPI says which feature it needs, instead of starting mpirun on
+/// processes that cannot join.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn ranks_without_the_mpi_feature_name_it() {
+    fails_saying(&["--steps", "1", "--ranks", "2"], "--features mpi");
+}

@@ -648,7 +648,10 @@ impl<'g> StepLog<'g> {
         let comm = self.group.comm_time();
         if self.group.world() > 1 {
             let (busy, waited) = (comm.all_reduce.as_secs_f64() * 1e3, comm.waited.as_secs_f64() * 1e3);
-            say!("all-reduce: {busy:.1} ms in all, {waited:.1} ms of it waited for ({:.1} MiB of f32 summed per rank)", mib(comm.floats * 4));
+            say!(
+                "all-reduce: {busy:.1} ms in all-reduce calls; the training thread waited {waited:.1} ms for the means ({:.1} MiB of f32 per rank)",
+                mib(comm.floats * 4)
+            );
         }
         if self.times.len() > 1 {
             let mut t = self.times[1..].to_vec();

@@ -15,6 +15,14 @@ use remat::Executor;
 pub fn launch(run: &RunArgs) -> Result<Option<Group>> {
     let group = Group::from_launcher(&crate::device(&run.device)?)?;
     if run.ranks > 1 && group.world() == 1 {
+        let (feature, built) = if run.device.starts_with("cuda") { ("nccl", cfg!(feature = "nccl")) } else { ("mpi", cfg!(feature = "mpi")) };
+        if !built {
+            bail!(
+                "--ranks {} on {} needs a build with `--features {feature}` (e.g. cargo build --release -p gpt2 --features {feature})",
+                run.ranks,
+                run.device
+            );
+        }
         let (how, status) = match run.device.starts_with("cuda") {
             true => ("one process per GPU", one_process_per_gpu(run.ranks)?),
             false => ("mpirun", under_mpirun(run.ranks)?),
