@@ -81,17 +81,21 @@ pub struct Group {
     time: Cell<CommTime>,
 }
 
-/// The environment variables launchers set: (launcher, world size, rank).
-fn launched() -> Option<(&'static str, usize, usize)> {
+/// How this process was started among others.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Launcher {
+    /// `mpirun` or another MPI launcher (its world size and rank variables are set).
+    Mpi,
+    /// One process per GPU with `RANK` and `WORLD_SIZE` (as `--ranks` on CUDA and torchrun set).
+    PerGpu,
+}
+
+/// The launcher of this process, its world size and its rank, from the variables launchers set.
+fn launched() -> Option<(Launcher, usize, usize)> {
     let var = |name: &str| std::env::var(name).ok()?.parse::<usize>().ok();
-    for (launcher, size, rank) in
-        [("mpirun", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), ("an MPI launcher", "PMI_SIZE", "PMI_RANK"), ("RANK/WORLD_SIZE", "WORLD_SIZE", "RANK")]
-    {
-        if let (Some(world), Some(rank)) = (var(size), var(rank)) {
-            return Some((launcher, world, rank));
-        }
-    }
-    None
+    let vars =
+        [(Launcher::Mpi, "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), (Launcher::Mpi, "PMI_SIZE", "PMI_RANK"), (Launcher::PerGpu, "WORLD_SIZE", "RANK")];
+    vars.into_iter().find_map(|(launcher, size, rank)| Some((launcher, var(size)?, var(rank)?)))
 }
 
 impl Group {
@@ -111,25 +115,28 @@ impl Group {
     /// the feature) is an error, not N independent runs.
     pub fn from_launcher(device: &Device) -> Result<Self> {
         let Some((launcher, world, rank)) = launched().filter(|l| l.1 > 1) else { return Ok(Self::single()) };
-        let _ = (device, rank);
         match launcher {
             #[cfg(feature = "mpi")]
-            "mpirun" | "an MPI launcher" => {
+            Launcher::Mpi => {
                 let w = mpi_world::MpiWorld::start()?;
                 let (rank, size) = (w.rank, w.size);
                 Ok(Self::of(Backend::Mpi(w), rank, size))
             }
             #[cfg(feature = "nccl")]
-            "RANK/WORLD_SIZE" => {
+            Launcher::PerGpu => {
                 let id_file =
                     std::env::var_os("NCCL_ID_FILE").ok_or_else(|| CollectiveError::Nccl("set NCCL_ID_FILE to a file path every rank can read".into()))?;
                 let w = nccl_world::NcclWorld::start(device, rank, world, std::path::Path::new(&id_file))?;
                 let (rank, size) = (w.rank, w.size);
                 Ok(Self::of(Backend::Nccl(w, device.clone()), rank, size))
             }
+            #[cfg(not(feature = "mpi"))]
+            Launcher::Mpi => Err(CollectiveError::NotBuiltFor { launcher: "mpirun", world, feature: "mpi" }),
             #[cfg(not(feature = "nccl"))]
-            "RANK/WORLD_SIZE" => Err(CollectiveError::NotBuiltFor { launcher, world, feature: "nccl" }),
-            _ => Err(CollectiveError::NotBuiltFor { launcher, world, feature: "mpi" }),
+            Launcher::PerGpu => {
+                let _ = (device, rank); // an NCCL build's
+                Err(CollectiveError::NotBuiltFor { launcher: "RANK/WORLD_SIZE", world, feature: "nccl" })
+            }
         }
     }
 
