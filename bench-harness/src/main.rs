@@ -257,16 +257,16 @@ fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, force: b
 }
 
 fn run_one(model: &str, policy: &Policy, mode: One, common: &Common) -> Result<()> {
-    let group = trainkit::Group::from_launcher(&trainkit::device(&common.device)?)?;
-    trainkit::or_abort(&group, measure_one(model, policy, mode, common, &group))
+    let dev = trainkit::device(&common.device)?;
+    let group = trainkit::Group::from_launcher(&dev)?;
+    trainkit::or_abort(&group, measure_one(model, policy, mode, common, &group, &dev))
 }
 
-/// `run-one` on one rank of `group`: the first prints the record.
-fn measure_one(model: &str, policy: &Policy, mode: One, common: &Common, group: &trainkit::Group) -> Result<()> {
-    let dev = trainkit::device(&common.device)?;
+/// `run-one` on one rank of `group`, on `dev`: the first rank prints the record.
+fn measure_one(model: &str, policy: &Policy, mode: One, common: &Common, group: &trainkit::Group, dev: &candle_core::Device) -> Result<()> {
     // Held while the configuration is measured: the device memory beyond the cap.
     let held = match common.memory_cap {
-        Some(cap) => hold_beyond(&dev, cap)?,
+        Some(cap) => hold_beyond(dev, cap)?,
         None => None,
     };
     let w = workloads::profile(&common.profile())?
@@ -276,7 +276,7 @@ fn measure_one(model: &str, policy: &Policy, mode: One, common: &Common, group: 
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .overridden(common.overrides());
     let steps = if mode == One::DryRun { 0 } else { common.steps };
-    let mut rec = measure::run(&w, policy, steps, common.seed, &dev, &common.device, common.memory_cap, mode != One::TimeOnly, group)?;
+    let mut rec = measure::run(&w, policy, steps, common.seed, dev, &common.device, common.memory_cap, mode != One::TimeOnly, group)?;
     // The cap is for the measured configuration only: the check builds two more models.
     drop(held);
     remat::memory::set_heap_cap(u64::MAX);
@@ -287,7 +287,7 @@ fn measure_one(model: &str, policy: &Policy, mode: One, common: &Common, group: 
         // A budget is checked as the plan it resolved to (one process's step: the ranks'
         // agreement is the parameter check in `measure::run`).
         let checked: Policy = if rec.plan.is_empty() { policy.clone() } else { rec.plan.parse()? };
-        measure::check(&mut rec, &w, &checked, common.seed, &dev, !common.no_rng_replay)?;
+        measure::check(&mut rec, &w, &checked, common.seed, dev, !common.no_rng_replay)?;
     }
     println!("{}", serde_json::to_string(&rec)?);
     Ok(())

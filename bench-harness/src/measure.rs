@@ -290,11 +290,7 @@ pub fn run(
                 Some(inputs) => inputs,
                 None => inputs(n)?,
             };
-            let out = match group.world() {
-                1 => exec.accumulate(&inputs, n, grads)?,
-                _ if n == last => trainkit::parallel::accumulate_averaged(group, &exec, &inputs, n, grads)?,
-                _ => exec.accumulate(&inputs, n, grads)?,
-            };
+            let out = trainkit::parallel::accumulate(group, &exec, &inputs, n, last, grads)?;
             loss += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
             activation_peak = activation_peak.max(out.timeline.activation_peak(meter.heap_base()));
             timeline.get_or_insert(out.timeline); // the first micro-batch's

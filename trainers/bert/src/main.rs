@@ -60,12 +60,12 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let Some(group) = trainkit::launch(&args.run)? else { return Ok(()) };
-    trainkit::or_abort(&group, train(&args, &group))
+    let Some((group, device)) = trainkit::launch(&args.run)? else { return Ok(()) };
+    trainkit::or_abort(&group, train(&args, &group, &device))
 }
 
 /// One rank's training (the only one, without data parallelism).
-fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
+fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
     trainkit::check_lr(args.lr)?;
     if args.batch == 0 || args.steps == 0 {
         bail!("--batch and --steps must be at least 1");
@@ -83,13 +83,12 @@ fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
     let hidden = (args.batch as u128).checked_mul(args.seq as u128).and_then(|n| n.checked_mul(config.hidden_size as u128));
     trainkit::check_footprint("--batch x --seq", "one layer's hidden states", hidden)?;
     let data = data(args, &config, hub.as_ref())?;
-    let device = trainkit::device(&args.run.device)?;
-    let model = Bert::new(config, &device, args.run.seed)?;
+    let model = Bert::new(config, device, args.run.seed)?;
     args.init.load(&model, hub.as_ref())?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
-    let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.batch(step, n), &device)?) };
+    let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.batch(step, n), device)?) };
     // Planned for the longest batch the data can give (--text batches are padded to their own longest row).
-    let longest = |n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.full_length_batch(0, n), &device)?) };
+    let longest = |n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.full_length_batch(0, n), device)?) };
     let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &longest)? else {
         return Ok(());
     };

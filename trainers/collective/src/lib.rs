@@ -33,7 +33,7 @@ pub enum CollectiveError {
     Nccl(String),
     #[error("the communication thread ended (another rank failed?)")]
     Gone,
-    #[error("wait_sum without a sum started")]
+    #[error("wait_mean without a mean started")]
     NothingStarted,
 }
 
@@ -240,6 +240,21 @@ impl Group {
         time.all_reduce += busy;
         self.time.set(time);
         Ok(means)
+    }
+
+    /// The mean of `value` over the ranks (a loss), through the same path as the gradients: on
+    /// the GPU under NCCL, which sums device tensors only.
+    pub fn mean_of(&self, value: f64) -> Result<f64> {
+        if self.world == 1 {
+            return Ok(value);
+        }
+        let device = match &self.backend {
+            #[cfg(feature = "nccl")]
+            Backend::Nccl(_, device) => device.clone(),
+            _ => Device::Cpu,
+        };
+        self.start_mean(vec![Tensor::new(&[value as f32], &device)?])?;
+        Ok(self.wait_mean()?.remove(0).to_vec1::<f32>()?[0] as f64)
     }
 
     /// The least and the greatest `value` over the ranks (per-rank peaks). Call between sums.

@@ -58,12 +58,12 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let Some(group) = trainkit::launch(&args.run)? else { return Ok(()) };
-    trainkit::or_abort(&group, train(&args, &group))
+    let Some((group, device)) = trainkit::launch(&args.run)? else { return Ok(()) };
+    trainkit::or_abort(&group, train(&args, &group, &device))
 }
 
 /// One rank's training (the only one, without data parallelism).
-fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
+fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
     trainkit::check_lr(args.lr)?;
     let hub = args.hub.files()?;
     let config = match (&args.config, &hub) {
@@ -87,13 +87,12 @@ fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
     };
     let batcher = Batcher::new(tokens, args.seq, config.vocab_size, args.run.seed).context(if args.text.is_some() { "--text" } else { "--data" })?;
 
-    let device = trainkit::device(&args.run.device)?;
-    let model = Gpt2::new(config, &device, args.run.seed)?;
+    let model = Gpt2::new(config, device, args.run.seed)?;
     args.init.load(&model, hub.as_ref())?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| {
         let (x, y) = batcher.batch(step, n);
-        Ok(model.inputs(&x, &y, n, args.seq, &device)?)
+        Ok(model.inputs(&x, &y, n, args.seq, device)?)
     };
     let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
         return Ok(());

@@ -63,12 +63,12 @@ impl Data {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let Some(group) = trainkit::launch(&args.run)? else { return Ok(()) };
-    trainkit::or_abort(&group, train(&args, &group))
+    let Some((group, device)) = trainkit::launch(&args.run)? else { return Ok(()) };
+    trainkit::or_abort(&group, train(&args, &group, &device))
 }
 
 /// One rank's training (the only one, without data parallelism).
-fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
+fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
     trainkit::check_lr(args.lr)?;
     if args.classes == 0 {
         bail!("--classes must be at least 1");
@@ -89,13 +89,12 @@ fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
         }
         None => (Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.run.seed)), args.classes),
     };
-    let device = trainkit::device(&args.run.device)?;
-    let model = ResNet::new(Config { classes, dtype: args.run.dtype, ..args.preset.config() }, &device, args.run.seed)?;
+    let model = ResNet::new(Config { classes, dtype: args.run.dtype, ..args.preset.config() }, device, args.run.seed)?;
     args.init.load(&model, None)?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| {
         let (images, labels) = data.batch(step, n)?;
-        Ok(model.inputs(&images, &labels, args.image_size, &device)?)
+        Ok(model.inputs(&images, &labels, args.image_size, device)?)
     };
     let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
         return Ok(());

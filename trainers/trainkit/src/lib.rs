@@ -554,7 +554,7 @@ impl<'g> StepLog<'g> {
         for n in 0..self.eval_batches as u64 {
             total += model.evaluate(&inputs(held_out + n)?)? as f64;
         }
-        let eval_loss = parallel::mean(self.group, total / self.eval_batches as f64)? as f32;
+        let eval_loss = self.group.mean_of(total / self.eval_batches as f64)? as f32;
         self.bar.suspend(|| say!("eval after step {step}: loss {eval_loss:.4} ({} held-out batches)", self.eval_batches));
         if let Some(f) = self.json.as_mut() {
             writeln!(f, "{}", serde_json::to_string(&EvalRecord { step, eval_loss, eval_batches: self.eval_batches })?)?;
@@ -584,11 +584,7 @@ impl<'g> StepLog<'g> {
         for n in batches {
             let inputs = inputs(n)?;
             meter.get_or_insert_with(|| Meter::start(inputs[0].device()));
-            let out = match self.group.world() {
-                1 => exec.accumulate(&inputs, n, grads)?,
-                _ if n == last => parallel::accumulate_averaged(self.group, exec, &inputs, n, grads)?,
-                _ => exec.accumulate(&inputs, n, grads)?,
-            };
+            let out = parallel::accumulate(self.group, exec, &inputs, n, last, grads)?;
             total += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
             grads = out.grads;
         }
@@ -600,7 +596,7 @@ impl<'g> StepLog<'g> {
         }
         drop(grads);
         let usage = meter.expect("at least one micro-batch").finish();
-        let loss = parallel::mean(self.group, total / self.accumulate as f64)? as f32;
+        let loss = self.group.mean_of(total / self.accumulate as f64)? as f32;
         self.log(step, loss, &usage)?;
         if !loss.is_finite() {
             bail!("step {step}: the loss is {loss}; training cannot go on (a lower --lr may help)");

@@ -8,12 +8,15 @@ use candle_core::{DType, Tensor};
 pub use collective::Group;
 use remat::Executor;
 
-/// The ranks of this run. With `--ranks N` (N > 1) outside a launcher, runs this very command
-/// under `mpirun -np N`, waits, and returns `None` (the ranks did the work; a failed rank makes
-/// this fail). Under a launcher, the launcher's ranks; otherwise one. Every rank but the first
-/// is quiet.
-pub fn launch(run: &RunArgs) -> Result<Option<Group>> {
-    let group = Group::from_launcher(&crate::device(&run.device)?)?;
+/// The ranks of this run and this rank's device (`--device`; plain `cuda` is the rank's GPU
+/// under one process per GPU), made once: an NCCL group works on that device's stream. With
+/// `--ranks N` (N > 1) outside a launcher, runs this very command under `mpirun -np N` (or one
+/// process per GPU), waits, and returns `None` (the ranks did the work; a failed rank makes this
+/// fail). Under a launcher, the launcher's ranks; otherwise one. Every rank but the first is
+/// quiet.
+pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
+    let device = crate::device(&run.device)?;
+    let group = Group::from_launcher(&device)?;
     if run.ranks > 1 && group.world() == 1 {
         let (feature, built) = if run.device.starts_with("cuda") { ("nccl", cfg!(feature = "nccl")) } else { ("mpi", cfg!(feature = "mpi")) };
         if !built {
@@ -43,7 +46,7 @@ pub fn launch(run: &RunArgs) -> Result<Option<Group>> {
         let over = if run.device.starts_with("cuda") { "NCCL" } else { "MPI" };
         crate::say!("data parallel: {} ranks ({over}), {threads} threads each; --batch is per rank", group.world());
     }
-    Ok(Some(group))
+    Ok(Some((group, device)))
 }
 
 /// This process's arguments without `--ranks`.
@@ -129,11 +132,15 @@ pub fn or_abort(group: &Group, result: Result<()>) -> Result<()> {
     }
 }
 
-/// One forward and backward pass of the last micro-batch of a step, its finished gradients
-/// averaged across the ranks while earlier segments recompute (those of `off`'s single segment
-/// after its backward): taken out of the store as they are handed over, summed in f32, divided
-/// by the ranks and put back in each gradient's dtype.
-pub fn accumulate_averaged(group: &Group, exec: &Executor, inputs: &[Tensor], n: u64, grads: GradStore) -> Result<remat::StepOutput> {
+/// Micro-batch `n` of a step whose last is `last`: one forward and backward pass, its gradients
+/// added to `grads`. With several ranks the last micro-batch's finished gradients are averaged
+/// across them while earlier segments recompute (those of `off`'s single segment after its
+/// backward): taken out of the store as they are handed over, summed in f32, divided by the
+/// ranks and put back in each gradient's dtype.
+pub fn accumulate(group: &Group, exec: &Executor, inputs: &[Tensor], n: u64, last: u64, grads: GradStore) -> Result<remat::StepOutput> {
+    if group.world() == 1 || n != last {
+        return Ok(exec.accumulate(inputs, n, grads)?);
+    }
     let params = exec.params();
     let mut started: Vec<Vec<(usize, DType)>> = Vec::new();
     let mut out = exec.accumulate_reporting(inputs, n, grads, &mut |ready, store| {
@@ -147,15 +154,6 @@ pub fn accumulate_averaged(group: &Group, exec: &Executor, inputs: &[Tensor], n:
         }
     }
     Ok(out)
-}
-
-/// The mean of `value` over the ranks.
-pub(crate) fn mean(group: &Group, value: f64) -> Result<f64> {
-    if group.world() == 1 {
-        return Ok(value);
-    }
-    group.start_mean(vec![Tensor::new(&[value as f32], &candle_core::Device::Cpu)?])?;
-    Ok(group.wait_mean()?.remove(0).to_vec1::<f32>()?[0] as f64)
 }
 
 /// Fails unless every rank holds the same parameter bits (a hash of them, compared by all-reduce).

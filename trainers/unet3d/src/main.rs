@@ -62,12 +62,12 @@ enum Data {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let Some(group) = trainkit::launch(&args.run)? else { return Ok(()) };
-    trainkit::or_abort(&group, train(&args, &group))
+    let Some((group, device)) = trainkit::launch(&args.run)? else { return Ok(()) };
+    trainkit::or_abort(&group, train(&args, &group, &device))
 }
 
 /// One rank's training (the only one, without data parallelism).
-fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
+fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
     trainkit::check_lr(args.lr)?;
     if args.classes == 0 {
         bail!("--classes must be at least 1");
@@ -99,8 +99,7 @@ fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
         dtype: args.run.dtype,
         ..args.preset.config()
     };
-    let device = trainkit::device(&args.run.device)?;
-    let model = UNet3d::new(config, &device, args.run.seed)?;
+    let model = UNet3d::new(config, device, args.run.seed)?;
     let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> {
         let (voxels, labels) = match &data {
@@ -113,7 +112,7 @@ fn train(args: &Args, group: &trainkit::Group) -> Result<()> {
         if let Some(&bad) = labels.iter().find(|&&l| l as usize >= args.classes) {
             bail!("label {bad} is outside --classes {}", args.classes);
         }
-        Ok(model.inputs(&voxels, &labels, args.volume, &device)?)
+        Ok(model.inputs(&voxels, &labels, args.volume, device)?)
     };
     let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
         return Ok(());
