@@ -118,6 +118,10 @@ struct Common {
     /// Results go to results/<profile>-<device>-ranksN.
     #[arg(long, default_value_t = 1)]
     ranks: usize,
+    /// With --ranks: shard the optimizer state over the ranks (ZeRO stage 1): each keeps and
+    /// updates its share. Results go to results/<profile>-<device>-ranksN-sharded.
+    #[arg(long)]
+    shard_optimizer: bool,
     /// Negative control: the gradient check's recomputes draw fresh dropout keys instead of
     /// replaying the forward's, so every policy that recomputes dropout must fail the check.
     /// Exists only to prove the check can fail (tests); never use it for results.
@@ -171,14 +175,23 @@ struct MatrixArgs {
 impl Common {
     /// What the flags change in every selected workload.
     fn overrides(&self) -> workloads::Overrides {
-        workloads::Overrides { batch: self.batch, input_size: self.input_size, accumulate: self.accumulate, optimizer: self.optimizer, dtype: self.dtype }
+        workloads::Overrides {
+            batch: self.batch,
+            input_size: self.input_size,
+            accumulate: self.accumulate,
+            optimizer: self.optimizer,
+            dtype: self.dtype,
+            shard_optimizer: self.shard_optimizer,
+        }
     }
 }
 
 impl Common {
-    /// The default results folder: `results/<profile>-<device>`, `-ranksN` with data parallelism.
+    /// The default results folder: `results/<profile>-<device>`, `-ranksN` with data parallelism
+    /// (`-ranksN-sharded` with the optimizer state sharded).
     fn results_dir(&self, profile: &str) -> PathBuf {
-        let ranks = if self.ranks > 1 { format!("-ranks{}", self.ranks) } else { String::new() };
+        let sharded = if self.shard_optimizer { "-sharded" } else { "" };
+        let ranks = if self.ranks > 1 { format!("-ranks{}{sharded}", self.ranks) } else { String::new() };
         PathBuf::from(format!("results/{profile}-{}{ranks}", self.device.replace(':', "")))
     }
 
@@ -360,6 +373,9 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
     }
     if common.ranks == 0 {
         bail!("--ranks must be at least 1");
+    }
+    if common.shard_optimizer && common.ranks < 2 {
+        bail!("--shard-optimizer shares the optimizer state among data-parallel ranks: give --ranks N (N > 1)");
     }
     if args.baseline.is_some() && common.ranks > 1 {
         bail!("--baseline runs PyTorch in one process; it cannot be combined with --ranks");
@@ -607,6 +623,9 @@ fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common
         if !r.optimizer.is_empty() && r.optimizer != w.optimizer().to_string() {
             diff.push(format!("optimizer {} vs {}", r.optimizer, w.optimizer()));
         }
+        if r.shard_optimizer != w.shard_optimizer {
+            diff.push(format!("optimizer sharded {} vs {}", r.shard_optimizer, w.shard_optimizer));
+        }
         if r.input != w.input() {
             diff.push(format!("input {} vs {}", r.input, w.input()));
         }
@@ -704,6 +723,9 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, mode
     }
     if common.no_rng_replay {
         cmd.arg("--no-rng-replay");
+    }
+    if common.shard_optimizer {
+        cmd.arg("--shard-optimizer");
     }
     match mode {
         One::Full => {}

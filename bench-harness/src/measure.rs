@@ -101,9 +101,14 @@ pub struct Record {
     /// Data-parallel ranks the configuration ran on (MPI); byte and time figures are rank 0's.
     #[serde(default = "one")]
     pub ranks: usize,
-    /// With several ranks: the largest rank's `step_peak_bytes`, and the time per step in
-    /// gradient all-reduce calls (median) and how long the training thread waited for the means
-    /// (dividing by the ranks included).
+    /// With several ranks: the optimizer state sharded over them (ZeRO stage 1).
+    #[serde(default)]
+    pub shard_optimizer: bool,
+    /// With several ranks: the largest rank's `model_state_bytes` and `step_peak_bytes`, and the
+    /// time per step in gradient all-reduce calls (median) and how long the training thread
+    /// waited for the means (dividing by the ranks included).
+    #[serde(default)]
+    pub model_state_bytes_max_rank: Option<u64>,
     #[serde(default)]
     pub step_peak_bytes_max_rank: Option<u64>,
     #[serde(default)]
@@ -192,6 +197,7 @@ impl Record {
             device: device.to_string(),
             threads: candle_core::utils::get_num_threads(),
             ranks: 1,
+            shard_optimizer: w.shard_optimizer,
             ..Default::default()
         }
     }
@@ -236,7 +242,7 @@ pub fn run(
     let base = counter.current();
     set_activity(Activity::Build, None);
     let inst = w.build(device, seed)?;
-    let mut optimizer = inst.optimizer()?;
+    let mut optimizer = inst.optimizer(w.shard_optimizer, group)?;
     let mut policy = policy.clone();
     if predict_step || policy.needs_plan() {
         let profile = profile(&*inst, seed)?;
@@ -333,6 +339,7 @@ pub fn run(
         rec.all_reduce_ms = Some(median(comm_ms));
         rec.all_reduce_wait_ms = Some(median(wait_ms));
         rec.step_peak_bytes_max_rank = Some(group.min_max(rec.step_peak_bytes)?.1);
+        rec.model_state_bytes_max_rank = Some(group.min_max(rec.model_state_bytes)?.1);
         trainkit::parallel::check_in_sync(group, inst.store())?;
     }
     times.sort_by(f64::total_cmp);

@@ -55,7 +55,8 @@ pub fn project(w: &Workload, device: &Device, seed: u64) -> Result<Projection> {
     let store = inst.store();
     let weights: u64 =
         store.vars().iter().map(|v| tensor_bytes(v.as_tensor())).sum::<u64>() + store.buffers().map(|(_, b)| tensor_bytes(b.as_tensor())).sum::<u64>();
-    let optimizer: Box<dyn TrainOptimizer> = inst.optimizer()?;
+    let one = trainkit::Group::single();
+    let optimizer: Box<dyn TrainOptimizer> = inst.optimizer(false, &one)?;
     let inputs = inst.inputs_at(0, 1)?.iter().map(tensor_bytes).sum::<u64>() * w.batch as u64;
     let state_bytes = weights + optimizer.state_bytes() + inputs;
     drop(optimizer);

@@ -180,13 +180,25 @@ the measured step peak, and its predicted time / off.\n",
         if first.ranks > 1 {
             let _ = write!(
                 out,
-                "\n{} ranks (MPI), batch {} each: memory above is rank 0's.\n\n| policy | step peak, rank 0 | step peak, largest rank | all-reduce per step | training thread waited (dividing included) |\n|---|---|---|---|---|\n",
-                first.ranks, first.batch
+                "\n{} ranks (MPI), batch {} each{}: memory above is rank 0's.\n\n| policy | model state, rank 0 | model state, largest rank | step peak, rank 0 | step peak, largest rank | all-reduce per step | training thread waited (dividing included) |\n|---|---|---|---|---|---|---|\n",
+                first.ranks,
+                first.batch,
+                if first.shard_optimizer { ", optimizer state sharded over the ranks (ZeRO stage 1)" } else { "" }
             );
             for r in m.records.iter().filter(|r| r.model == model && r.status == Status::Ok) {
                 let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1} ms"));
-                let largest = r.step_peak_bytes_max_rank.map_or("-".into(), mib);
-                let _ = writeln!(out, "| {} | {} | {largest} | {} | {} |", r.policy, mib(r.step_peak_bytes), ms(r.all_reduce_ms), ms(r.all_reduce_wait_ms));
+                let largest = |v: Option<u64>| v.map_or("-".into(), mib);
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {} | {} |",
+                    r.policy,
+                    mib(r.model_state_bytes),
+                    largest(r.model_state_bytes_max_rank),
+                    mib(r.step_peak_bytes),
+                    largest(r.step_peak_bytes_max_rank),
+                    ms(r.all_reduce_ms),
+                    ms(r.all_reduce_wait_ms)
+                );
             }
         }
     }
@@ -220,7 +232,7 @@ fn spread(r: &Record, pick: fn(&crate::measure::Spread) -> f64) -> String {
     r.time_vs_off.as_ref().map_or(String::new(), |t| ms(pick(t)))
 }
 
-const COLUMNS: [Column; 41] = [
+const COLUMNS: [Column; 43] = [
     Column { name: "framework", ours: |_| "candle".into(), theirs: |b, _| format!("pytorch {}", b.framework_version) },
     Column { name: "model", ours: |r| r.model.clone(), theirs: |b, _| b.model.clone() },
     Column { name: "policy", ours: |r| quoted(&r.policy), theirs: |b, _| quoted(&b.policy) },
@@ -233,12 +245,14 @@ const COLUMNS: [Column; 41] = [
     Column { name: "device", ours: |r| r.device.clone(), theirs: |_, _| "cpu".into() },
     Column { name: "threads", ours: |r| r.threads.to_string(), theirs: |b, _| b.threads.to_string() },
     Column { name: "ranks", ours: |r| r.ranks.to_string(), theirs: |_, _| "1".into() },
+    Column { name: "shard_optimizer", ours: |r| r.shard_optimizer.to_string(), theirs: |_, _| "false".into() },
     Column { name: "model_state_bytes", ours: |r| r.model_state_bytes.to_string(), theirs: |b, _| b.model_state_bytes.to_string() },
     Column { name: "step_peak_bytes", ours: |r| r.step_peak_bytes.to_string(), theirs: |b, _| b.step_peak_bytes.to_string() },
     Column { name: "fwd_bwd_peak_bytes", ours: |r| r.fwd_bwd_peak_bytes.to_string(), theirs: |b, _| b.fwd_bwd_peak_bytes.to_string() },
     Column { name: "activation_peak_bytes", ours: |r| r.activation_peak_bytes.to_string(), theirs: none },
     Column { name: "rss_peak_delta_bytes", ours: |r| r.rss_peak_delta_bytes.to_string(), theirs: none },
     Column { name: "reserved_bytes", ours: |r| r.reserved_bytes.map_or(String::new(), |b| b.to_string()), theirs: none },
+    Column { name: "model_state_bytes_max_rank", ours: |r| r.model_state_bytes_max_rank.map_or(String::new(), |b| b.to_string()), theirs: none },
     Column { name: "step_peak_bytes_max_rank", ours: |r| r.step_peak_bytes_max_rank.map_or(String::new(), |b| b.to_string()), theirs: none },
     Column { name: "step_ms_median", ours: |r| ms(r.step_ms_median), theirs: |b, _| ms(b.step_ms_median) },
     Column { name: "step_ms_min", ours: |r| ms(r.step_ms_min), theirs: |b, _| ms(b.step_ms_min) },

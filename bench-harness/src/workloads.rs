@@ -23,8 +23,9 @@ pub trait Instance {
     fn inputs_at(&self, step: u64, batch: usize) -> Result<Vec<Tensor>>;
     fn batch(&self) -> usize;
     /// A fresh optimizer over the parameters (separate from the instance, whose graph the
-    /// executor borrows while the optimizer updates the weights).
-    fn optimizer(&self) -> Result<Box<dyn TrainOptimizer>>;
+    /// executor borrows while the optimizer updates the weights); with `shard`, its state
+    /// sharded over the ranks of `group` (ZeRO stage 1).
+    fn optimizer<'g>(&self, shard: bool, group: &'g trainkit::Group) -> Result<Box<dyn TrainOptimizer + 'g>>;
 }
 
 /// One model configuration of a profile.
@@ -41,6 +42,8 @@ pub struct Workload {
     optimizer: Option<OptimizerKind>,
     /// The dtype activations are computed in.
     pub dtype: Precision,
+    /// Data parallelism only: the optimizer state sharded over the ranks (ZeRO stage 1).
+    pub shard_optimizer: bool,
     family: Arc<dyn Family>,
 }
 
@@ -84,7 +87,16 @@ impl<M: Benchable> Family for Config<M> {
 
 /// The workload `model` of the model type `M` with `config`, at `batch` and `input_size`.
 fn workload<M: Benchable>(model: &str, config: M::Config, batch: usize, input_size: usize) -> Workload {
-    Workload { model: model.into(), batch, input_size, accumulate: 1, optimizer: None, dtype: Precision::F32, family: Arc::new(Config::<M>(config)) }
+    Workload {
+        model: model.into(),
+        batch,
+        input_size,
+        accumulate: 1,
+        optimizer: None,
+        dtype: Precision::F32,
+        shard_optimizer: false,
+        family: Arc::new(Config::<M>(config)),
+    }
 }
 
 pub const PROFILES: &str = "smoke, cpu, full, gpt2-24gb";
@@ -183,6 +195,7 @@ pub struct Overrides {
     pub accumulate: Option<usize>,
     pub optimizer: Option<OptimizerKind>,
     pub dtype: Option<Precision>,
+    pub shard_optimizer: bool,
 }
 
 impl Workload {
@@ -199,6 +212,7 @@ impl Workload {
             accumulate: o.accumulate.unwrap_or(self.accumulate),
             optimizer: o.optimizer.or(self.optimizer),
             dtype: o.dtype.unwrap_or(self.dtype),
+            shard_optimizer: o.shard_optimizer || self.shard_optimizer,
             ..self
         }
     }
@@ -253,7 +267,7 @@ impl<M: Benchable> Instance for Built<M> {
     fn batch(&self) -> usize {
         self.batch
     }
-    fn optimizer(&self) -> Result<Box<dyn TrainOptimizer>> {
-        Ok(self.optimizer.build(self.model.params().vars(), self.optimizer.bench_lr())?)
+    fn optimizer<'g>(&self, shard: bool, group: &'g trainkit::Group) -> Result<Box<dyn TrainOptimizer + 'g>> {
+        trainkit::optimizer(shard, group, self.optimizer, self.model.params().vars(), self.optimizer.bench_lr())
     }
 }

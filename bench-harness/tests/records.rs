@@ -81,7 +81,7 @@ enum Type {
 
 /// matrix.csv's columns in order, written out here rather than taken from the harness, so that a
 /// column dropped, renamed or moved in the writer fails the test.
-const COLUMNS: [(&str, Type); 41] = {
+const COLUMNS: [(&str, Type); 43] = {
     use Type::*;
     [
         ("framework", Candle),
@@ -96,12 +96,14 @@ const COLUMNS: [(&str, Type); 41] = {
         ("device", Str),
         ("threads", Int),
         ("ranks", Int),
+        ("shard_optimizer", Bool),
         ("model_state_bytes", Int),
         ("step_peak_bytes", Int),
         ("fwd_bwd_peak_bytes", Int),
         ("activation_peak_bytes", Int),
         ("rss_peak_delta_bytes", Int),
         ("reserved_bytes", OptInt),
+        ("model_state_bytes_max_rank", OptInt),
         ("step_peak_bytes_max_rank", OptInt),
         ("step_ms_median", Ms),
         ("step_ms_min", Ms),

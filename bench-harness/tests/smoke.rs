@@ -132,6 +132,7 @@ fn bad_arguments_name_the_valid_choices() {
         (vec!["--device", "tpu"], "valid devices: cpu, cuda"),
         (vec!["--profile", "smoke", "--models", "vgg"], "matches no model"),
         (vec!["--memory-cap", "12 parsecs"], "unknown unit"),
+        (vec!["--profile", "smoke", "--shard-optimizer"], "--shard-optimizer shares the optimizer state among data-parallel ranks"),
     ] {
         let out = harness(&args);
         let err = String::from_utf8_lossy(&out.stderr);

@@ -85,7 +85,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     let data = data(args, &config, hub.as_ref())?;
     let model = Bert::new(config, device, args.run.seed)?;
     args.init.load(&model, hub.as_ref())?;
-    let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
+    let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.batch(step, n), device)?) };
     // Planned for the longest batch the data can give (--text batches are padded to their own longest row).
     let longest = |n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.full_length_batch(0, n), device)?) };

@@ -5,9 +5,11 @@
 //! `NCCL_ID_FILE` set (feature `nccl`), an NCCL communicator. Its one job in training is summing
 //! gradients across ranks ([`Group::start_mean`], [`Group::wait_mean`]): a sum started while the
 //! executor recomputes an earlier segment runs meanwhile (MPI: on a thread of its own that alone
-//! makes MPI calls; NCCL: queued on the GPU's stream). It also
-//! shards a batch ([`Group::shard`]), checks that every rank holds the same bits
-//! ([`Group::same_everywhere`]) and ends all ranks when one fails ([`Group::abort`]).
+//! makes MPI calls; NCCL: queued on the GPU's stream). It also shards a batch
+//! ([`Group::shard`]), passes one rank's tensor to all ([`Group::broadcast`]) and every rank's
+//! bytes to rank 0 ([`Group::gather_bytes`]) (a sharded optimizer's parameters and state),
+//! checks that every rank holds the same bits ([`Group::same_everywhere`]) and ends all ranks
+//! when one fails ([`Group::abort`]).
 //!
 //! Not here: the training loop (`trainkit`), launching processes (`mpirun`), the model.
 
@@ -33,6 +35,8 @@ pub enum CollectiveError {
     Nccl(String),
     #[error("the communication thread ended (another rank failed?)")]
     Gone,
+    #[error("there is no rank {rank} among {world}")]
+    NoSuchRank { rank: usize, world: usize },
     #[error("wait_mean without a mean started")]
     NothingStarted,
 }
@@ -272,6 +276,45 @@ impl Group {
     pub fn same_everywhere(&self, value: u64) -> Result<bool> {
         let (min, max) = self.min_max(value)?;
         Ok(min == max)
+    }
+
+    /// `t` as rank `root` holds it, on every rank: the root's bits, in `t`'s shape, dtype and
+    /// device (the other ranks pass their own tensor of that shape and dtype, whose values are
+    /// replaced). Call with no mean in flight.
+    pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        if root >= self.world {
+            return Err(CollectiveError::NoSuchRank { rank: root, world: self.world });
+        }
+        match &self.backend {
+            Backend::Single => Ok(t.clone()),
+            #[cfg(feature = "mpi")]
+            Backend::Mpi(world) => {
+                let bytes = if self.rank == root {
+                    safetensors::View::data(&t.to_device(&Device::Cpu)?).into_owned()
+                } else {
+                    vec![0u8; t.elem_count() * t.dtype().size_in_bytes()]
+                };
+                let bytes = world.broadcast(bytes, root)?;
+                if self.rank == root {
+                    return Ok(t.clone());
+                }
+                Ok(Tensor::from_raw_buffer(&bytes, t.dtype(), t.dims(), t.device())?)
+            }
+            #[cfg(feature = "nccl")]
+            Backend::Nccl(world, _) => world.broadcast(t, root),
+        }
+    }
+
+    /// Every rank's `bytes` on rank 0, in rank order (its own first); `None` on the others. Call
+    /// with no mean in flight.
+    pub fn gather_bytes(&self, bytes: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
+        match &self.backend {
+            Backend::Single => Ok(Some(vec![bytes])),
+            #[cfg(feature = "mpi")]
+            Backend::Mpi(world) => world.gather(bytes),
+            #[cfg(feature = "nccl")]
+            Backend::Nccl(world, device) => world.gather(bytes, device),
+        }
     }
 
     /// Ends every rank's process after this one failed (MPI_Abort; under NCCL the launcher ends

@@ -9,16 +9,24 @@ use std::time::{Duration, Instant};
 
 /// Floats per all-reduce call (16 MiB).
 const CHUNK: usize = 1 << 22;
+/// Bytes per broadcast or send (16 MiB: MPI counts in `int`).
+const BYTE_CHUNK: usize = 1 << 24;
 
 enum Request {
     Sum(Vec<f32>),
     MinMax(u64),
+    /// The root's bytes into every rank's buffer (of the root's length).
+    Broadcast(Vec<u8>, usize),
+    /// Every rank's bytes to rank 0.
+    Gather(Vec<u8>),
     Abort(i32),
 }
 
 enum Reply {
     Sum(Vec<f32>, Duration),
     MinMax(u64, u64),
+    Bytes(Vec<u8>),
+    Gathered(Option<Vec<Vec<u8>>>),
 }
 
 pub(crate) struct MpiWorld {
@@ -63,6 +71,12 @@ impl MpiWorld {
                             world.all_reduce_into(&v, &mut max, SystemOperation::max());
                             Reply::MinMax(min, max)
                         }
+                        Request::Broadcast(mut bytes, root) => {
+                            let root = world.process_at_rank(root as i32);
+                            bytes.chunks_mut(BYTE_CHUNK).for_each(|chunk| root.broadcast_into(chunk));
+                            Reply::Bytes(bytes)
+                        }
+                        Request::Gather(bytes) => Reply::Gathered(gather(&world, bytes)),
                         Request::Abort(code) => world.abort(code),
                     };
                     if outbox.send(reply).is_err() {
@@ -84,19 +98,42 @@ impl MpiWorld {
         self.send(Request::Sum(local))
     }
 
+    fn reply(&self) -> Result<Reply> {
+        self.replies.recv().map_err(|_| CollectiveError::Gone)
+    }
+
     pub(crate) fn receive_sum(&self) -> Result<(Vec<f32>, Duration)> {
-        match self.replies.recv().map_err(|_| CollectiveError::Gone)? {
+        match self.reply()? {
             Reply::Sum(sum, busy) => Ok((sum, busy)),
-            Reply::MinMax(..) => Err(CollectiveError::Mpi("replies out of order".into())),
+            _ => Err(out_of_order()),
         }
     }
 
     /// The least and the greatest `value` over the ranks. Call with no sum in flight.
     pub(crate) fn min_max(&self, value: u64) -> Result<(u64, u64)> {
         self.send(Request::MinMax(value))?;
-        match self.replies.recv().map_err(|_| CollectiveError::Gone)? {
+        match self.reply()? {
             Reply::MinMax(min, max) => Ok((min, max)),
-            Reply::Sum(..) => Err(CollectiveError::Mpi("replies out of order: a sum was still in flight".into())),
+            _ => Err(out_of_order()),
+        }
+    }
+
+    /// `bytes` of rank `root` on every rank (the others pass a buffer of that length). Call with
+    /// no sum in flight.
+    pub(crate) fn broadcast(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+        self.send(Request::Broadcast(bytes, root))?;
+        match self.reply()? {
+            Reply::Bytes(bytes) => Ok(bytes),
+            _ => Err(out_of_order()),
+        }
+    }
+
+    /// Every rank's `bytes` on rank 0, in rank order; `None` elsewhere. Call with no sum in flight.
+    pub(crate) fn gather(&self, bytes: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
+        self.send(Request::Gather(bytes))?;
+        match self.reply()? {
+            Reply::Gathered(all) => Ok(all),
+            _ => Err(out_of_order()),
         }
     }
 
@@ -106,6 +143,32 @@ impl MpiWorld {
         std::thread::sleep(Duration::from_secs(10));
         std::process::exit(code)
     }
+}
+
+fn out_of_order() -> CollectiveError {
+    CollectiveError::Mpi("replies out of order: a sum was still in flight".into())
+}
+
+/// Rank 0 receives every other rank's bytes (their length, then the bytes a chunk at a time);
+/// the others send theirs.
+fn gather(world: &mpi::topology::SimpleCommunicator, bytes: Vec<u8>) -> Option<Vec<Vec<u8>>> {
+    if world.rank() != 0 {
+        let root = world.process_at_rank(0);
+        root.send(&(bytes.len() as u64));
+        bytes.chunks(BYTE_CHUNK).for_each(|chunk| root.send(chunk));
+        return None;
+    }
+    let mut all = vec![bytes];
+    for rank in 1..world.size() {
+        let from = world.process_at_rank(rank);
+        let (len, _) = from.receive::<u64>();
+        let mut bytes = vec![0u8; len as usize];
+        bytes.chunks_mut(BYTE_CHUNK).for_each(|chunk| {
+            from.receive_into(chunk);
+        });
+        all.push(bytes);
+    }
+    Some(all)
 }
 
 impl Drop for MpiWorld {

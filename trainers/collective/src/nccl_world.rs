@@ -4,7 +4,9 @@
 
 use crate::{CollectiveError, Result};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::nccl::{Comm, Id, ReduceOp};
+use candle_core::cuda::cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+use candle_core::cuda::cudarc::nccl::{Comm, Id, NcclType, ReduceOp};
+use candle_core::cuda::CudaDType;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use std::path::Path;
 use std::sync::Arc;
@@ -69,6 +71,110 @@ impl NcclWorld {
         let t = Tensor::new(&[value as i64], device)?;
         let reduce = |op| -> Result<u64> { Ok(t.apply_op1_no_bwd(&AllReduce { comm: self.comm.clone(), op })?.to_vec1::<i64>()?[0] as u64) };
         Ok((reduce(Op::Min)?, reduce(Op::Max)?))
+    }
+}
+
+impl NcclWorld {
+    /// `t` as rank `root` holds it, on every rank (in `t`'s dtype: NCCL moves the bits).
+    pub(crate) fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        Ok(t.contiguous()?.apply_op1_no_bwd(&Broadcast { comm: self.comm.clone(), root, rank: self.rank })?)
+    }
+
+    /// Every rank's `bytes` on rank 0 (through the GPU: NCCL's send and receive), its own first.
+    pub(crate) fn gather(&self, bytes: Vec<u8>, device: &Device) -> Result<Option<Vec<Vec<u8>>>> {
+        let send = |bytes: Vec<u8>| -> Result<()> {
+            let n = bytes.len();
+            Tensor::from_vec(bytes, n, device)?.apply_op1_no_bwd(&PointToPoint { comm: self.comm.clone(), peer: 0, receive: None })?;
+            Ok(())
+        };
+        let receive = |len: usize, peer: usize| -> Result<Vec<u8>> {
+            let any = Tensor::zeros(1, DType::U8, device)?;
+            Ok(any.apply_op1_no_bwd(&PointToPoint { comm: self.comm.clone(), peer, receive: Some(len) })?.to_vec1::<u8>()?)
+        };
+        if self.rank != 0 {
+            send((bytes.len() as u64).to_le_bytes().to_vec())?;
+            send(bytes)?;
+            return Ok(None);
+        }
+        let mut all = vec![bytes];
+        for peer in 1..self.size {
+            let len = u64::from_le_bytes(receive(8, peer)?.try_into().expect("8 bytes"));
+            all.push(receive(len as usize, peer)?);
+        }
+        Ok(Some(all))
+    }
+}
+
+/// NCCL's broadcast from `root`, out of place.
+struct Broadcast {
+    comm: Arc<Handle>,
+    root: usize,
+    rank: usize,
+}
+
+impl Broadcast {
+    fn run<T: CudaDType + NcclType + DeviceRepr + ValidAsZeroBits>(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<CudaStorage> {
+        let Some((start, end)) = l.contiguous_offsets() else { candle_core::bail!("nccl-broadcast: the tensor must be contiguous") };
+        let dev = s.device().clone();
+        let src = s.as_cuda_slice::<T>()?.slice(start..end);
+        let mut dst = dev.alloc_zeros::<T>(end - start)?;
+        let send = (self.rank == self.root).then_some(&src);
+        self.comm.0.broadcast(send, &mut dst, self.root as i32).map_err(|e| candle_core::Error::Msg(format!("ncclBroadcast: {e:?}")))?;
+        Ok(CudaStorage::wrap_cuda_slice(dst, dev))
+    }
+}
+
+impl CustomOp1 for Broadcast {
+    fn name(&self) -> &'static str {
+        "nccl-broadcast"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("NCCL broadcasts CUDA tensors only")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let out = match s.dtype() {
+            DType::F32 => self.run::<f32>(s, l)?,
+            DType::BF16 => self.run::<half::bf16>(s, l)?,
+            DType::F16 => self.run::<half::f16>(s, l)?,
+            DType::F64 => self.run::<f64>(s, l)?,
+            DType::I64 => self.run::<i64>(s, l)?,
+            DType::U8 => self.run::<u8>(s, l)?,
+            other => candle_core::bail!("nccl-broadcast: {other:?} is not broadcast here"),
+        };
+        Ok((out, l.shape().clone()))
+    }
+}
+
+/// Sends the bytes of a U8 tensor to `peer` (the result is a byte of nothing), or with
+/// `receive: Some(len)`, returns `len` bytes received from `peer`.
+struct PointToPoint {
+    comm: Arc<Handle>,
+    peer: usize,
+    receive: Option<usize>,
+}
+
+impl CustomOp1 for PointToPoint {
+    fn name(&self) -> &'static str {
+        "nccl-send-receive"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("NCCL sends CUDA tensors only")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = s.device().clone();
+        let failed = |e: candle_core::cuda::cudarc::nccl::result::NcclError| candle_core::Error::Msg(format!("ncclSend/ncclRecv: {e:?}"));
+        if let Some(len) = self.receive {
+            let mut dst = dev.alloc_zeros::<u8>(len)?;
+            self.comm.0.recv(&mut dst, self.peer as i32).map_err(failed)?;
+            return Ok((CudaStorage::wrap_cuda_slice(dst, dev), Shape::from(len)));
+        }
+        let Some((start, end)) = l.contiguous_offsets() else { candle_core::bail!("nccl-send: the tensor must be contiguous") };
+        self.comm.0.send(&s.as_cuda_slice::<u8>()?.slice(start..end), self.peer as i32).map_err(failed)?;
+        Ok((CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<u8>(1)?, dev), Shape::from(1)))
     }
 }
 

@@ -89,7 +89,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
 
     let model = Gpt2::new(config, device, args.run.seed)?;
     args.init.load(&model, hub.as_ref())?;
-    let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
+    let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| {
         let (x, y) = batcher.batch(step, n);
         Ok(model.inputs(&x, &y, n, args.seq, device)?)

@@ -114,6 +114,12 @@ fn an_unknown_optimizer_lists_the_valid_ones() {
     fails_saying(&["--optimizer", "lion"], "valid optimizers: sgd, adamw, adafactor");
 }
 
+/// `--shard-optimizer` (ZeRO stage 1) on one rank would shard nothing: refused before training.
+#[test]
+fn a_sharded_optimizer_needs_several_ranks() {
+    fails_saying(&["--steps", "1", "--shard-optimizer"], "--shard-optimizer shares the optimizer state among data-parallel ranks");
+}
+
 /// `--ranks` in a build without MPI says which feature it needs, instead of starting mpirun on
 /// processes that cannot join.
 #[cfg(not(feature = "mpi"))]

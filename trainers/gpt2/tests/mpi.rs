@@ -1,6 +1,7 @@
 //! Data parallelism over MPI (`cargo test -p gpt2 --features mpi --test mpi`; needs Open MPI's
 //! `mpirun`): two ranks of batch B train as one rank of batch 2B; ranks stay bit-identical;
-//! checkpointing keeps two-rank gradients bit-identical to two-rank `off`; a failing rank ends
+//! checkpointing keeps two-rank gradients bit-identical to two-rank `off`; a sharded optimizer
+//! (ZeRO stage 1) trains, saves and resumes bit for bit as an unsharded one; a failing rank ends
 //! every rank with its error instead of a hang.
 #![cfg(feature = "mpi")]
 
@@ -95,6 +96,38 @@ fn checkpointing_keeps_two_rank_gradients_bit_identical() {
     let off = snapshot("off");
     for policy in ["sqrt", "every-two-blocks"] {
         assert!(snapshot(policy) == off, "{policy}: two-rank weights differ from two-rank off");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every tensor of a safetensors file, as bits.
+fn bits(path: &Path) -> BTreeMap<String, Vec<u32>> {
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, layers::f32_bits(&t).unwrap())).collect()
+}
+
+#[test]
+fn a_sharded_optimizer_trains_saves_and_resumes_as_an_unsharded_one() {
+    let dir = temp_dir("sharded");
+    let path = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let run = |extra: &[&str]| train(&[&["--preset", "tiny", "--ranks", "2", "--batch", "2", "--optimizer", "adamw", "--policy", "sqrt"][..], extra].concat());
+    run(&["--steps", "3", "--save", &path("plain.safetensors")]);
+    let log = run(&["--steps", "3", "--save", &path("sharded.safetensors"), "--shard-optimizer"]);
+    // Each rank holds about half of AdamW's two moments.
+    let share = log.lines().find_map(|l| l.strip_prefix("optimizer state sharded over 2 ranks (ZeRO stage 1): ")).expect(&log);
+    let mib: Vec<f64> = share.split(" MiB").filter_map(|s| s.rsplit(' ').next()?.parse().ok()).collect();
+    assert!(mib.len() == 2 && mib[0] < 0.6 * mib[1], "{share}");
+    assert!(log.contains("ranks in sync: parameters bit-identical on all 2 ranks"), "{log}");
+    // The same weights, and the same training snapshot: the state gathered on rank 0 under the
+    // unsharded optimizer's names.
+    assert!(bits(&dir.join("sharded.safetensors")) == bits(&dir.join("plain.safetensors")), "sharded weights differ");
+    assert!(bits(&dir.join("sharded.train.safetensors")) == bits(&dir.join("plain.train.safetensors")), "sharded training snapshot differs");
+    // Cut after 2 steps, resumed to 3, sharded and not: the straight run's weights.
+    run(&["--steps", "2", "--save", &path("cut.safetensors"), "--shard-optimizer"]);
+    for (name, shard) in [("resumed-sharded", true), ("resumed-plain", false)] {
+        let save = path(&format!("{name}.safetensors"));
+        let args = ["--steps", "3", "--save", &save, "--resume", &path("cut.train.safetensors")];
+        run(&[&args[..], if shard { &["--shard-optimizer"][..] } else { &[] }].concat());
+        assert!(bits(Path::new(&save)) == bits(&dir.join("plain.safetensors")), "{name}: weights differ from the straight run's");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

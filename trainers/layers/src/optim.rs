@@ -203,6 +203,12 @@ pub trait TrainOptimizer {
     fn set_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()>;
     /// Bytes of the state once every parameter has had a gradient (SGD's buffers start then).
     fn state_bytes(&self) -> u64;
+    /// The whole state, to write in a training snapshot: [`TrainOptimizer::state`], except for
+    /// an optimizer whose state is spread over processes (sharded over data-parallel ranks),
+    /// which each must call this: the first gets the whole state, the others `None`.
+    fn snapshot_state(&self) -> Result<Option<HashMap<String, Tensor>>> {
+        Ok(Some(self.state()?))
+    }
 }
 
 /// `state[name]`, shaped like `like`, as a tensor of `like`'s dtype and device.

@@ -91,7 +91,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     };
     let model = ResNet::new(Config { classes, dtype: args.run.dtype, ..args.preset.config() }, device, args.run.seed)?;
     args.init.load(&model, None)?;
-    let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
+    let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| {
         let (images, labels) = data.batch(step, n)?;
         Ok(model.inputs(&images, &labels, args.image_size, device)?)

@@ -9,7 +9,7 @@ pub mod hub;
 pub mod parallel;
 pub mod reference;
 
-pub use parallel::{launch, or_abort, Group};
+pub use parallel::{launch, optimizer, or_abort, Group};
 
 use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
@@ -18,6 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use remat::memory::{Meter, Usage};
 use remat::Executor;
 use serde::Serialize;
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
 
@@ -282,6 +283,11 @@ pub struct RunArgs {
     /// ranks are mpirun's.
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
+    /// With several ranks: ZeRO stage 1. Each rank keeps and updates the optimizer state of its
+    /// share of the parameters only, then sends those parameters to the others; training
+    /// snapshots gather the whole state on rank 0.
+    #[arg(long)]
+    pub shard_optimizer: bool,
 }
 
 /// Dynamic loss scaling for f16, as PyTorch's `GradScaler`: backward starts from the loss times
@@ -370,20 +376,20 @@ const SEED: &str = "training.seed";
 const LOSS_SCALE: &str = "training.loss_scale";
 const GOOD_STEPS: &str = "training.loss_scale_good_steps";
 
-/// Writes a training snapshot: every parameter and buffer, the optimizer's state, the next step,
+/// Writes a training snapshot: every parameter and buffer, the optimizer's `state`, the next step,
 /// the seed (the data and every random draw follow from the seed and the step) and the f16 loss
 /// scaler's state. Written beside the target and renamed over it, so an interrupted write keeps
 /// the previous one.
 pub fn save_training(
     path: &Path,
     store: &layers::ParamStore,
-    opt: &dyn layers::TrainOptimizer,
+    state: HashMap<String, Tensor>,
     next_step: usize,
     seed: u64,
     scaler: Option<LossScaler>,
 ) -> Result<()> {
     let mut map = store.tensors();
-    map.extend(opt.state()?.into_iter().map(|(k, v)| (format!("{OPTIMIZER}{k}"), v)));
+    map.extend(state.into_iter().map(|(k, v)| (format!("{OPTIMIZER}{k}"), v)));
     map.insert(NEXT_STEP.into(), Tensor::new(next_step as i64, &Device::Cpu)?);
     map.insert(SEED.into(), Tensor::new(seed as i64, &Device::Cpu)?);
     if let Some(s) = scaler {
@@ -523,15 +529,14 @@ impl<'g> StepLog<'g> {
         opt: &dyn layers::TrainOptimizer,
         save_weights: impl FnOnce(&Path) -> Result<()>,
     ) -> Result<()> {
-        let Some(path) = self.snapshot_due(step) else { return Ok(()) };
+        if self.save.is_none() || !self.due(step, self.save_every) {
+            return Ok(());
+        }
+        // On every rank: a sharded optimizer gathers its state from all of them.
+        let Some(state) = opt.snapshot_state()? else { return Ok(()) };
+        let Some(path) = self.save.as_deref().filter(|_| self.group.is_root()) else { return Ok(()) };
         save_weights(path)?;
-        save_training(&training_snapshot_path(path), store, opt, step + 1, self.seed, self.scaler)
-    }
-
-    /// Where to write a snapshot after `step` (0-based), if one is due: every `--save-every`
-    /// steps and after the last.
-    fn snapshot_due(&self, step: usize) -> Option<&Path> {
-        self.save.as_deref().filter(|_| self.group.is_root() && self.due(step, self.save_every))
+        save_training(&training_snapshot_path(path), store, state, step + 1, self.seed, self.scaler)
     }
 
     /// Whether something done every `every` steps (if given) and after the last is due after `step`.

@@ -1,12 +1,15 @@
 //! Data parallelism for the trainers: starting the ranks, averaging each step's gradients across
-//! them while the executor recomputes, and checking that they stay in sync.
+//! them while the executor recomputes, sharding the optimizer state (ZeRO stage 1) and checking
+//! that they stay in sync.
 
 use crate::RunArgs;
 use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, Var};
 pub use collective::Group;
+use layers::{OptimizerKind, TrainOptimizer};
 use remat::Executor;
+use std::collections::HashMap;
 
 /// The ranks of this run and this rank's device (`--device`; plain `cuda` is the rank's GPU
 /// under one process per GPU), made once: an NCCL group works on that device's stream. With
@@ -37,6 +40,9 @@ pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
     }
     if run.ranks > 1 && run.ranks != group.world() {
         bail!("--ranks {} under a launcher of {} ranks", run.ranks, group.world());
+    }
+    if run.shard_optimizer && group.world() == 1 {
+        bail!("--shard-optimizer shares the optimizer state among data-parallel ranks: give --ranks N (N > 1) or start under a launcher");
     }
     if !group.is_root() {
         crate::QUIET.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -172,4 +178,136 @@ pub fn check_in_sync(group: &Group, store: &layers::ParamStore) -> Result<()> {
     }
     crate::say!("ranks in sync: parameters bit-identical on all {} ranks", group.world());
     Ok(())
+}
+
+/// The run's optimizer over `vars`: `kind`'s, or with `shard` (`--shard-optimizer`) a
+/// [`ShardedOptimizer`] over the ranks of `group`.
+pub fn optimizer<'g>(shard: bool, group: &'g Group, kind: OptimizerKind, vars: Vec<Var>, lr: f64) -> Result<Box<dyn TrainOptimizer + 'g>> {
+    if !shard {
+        return Ok(kind.build(vars, lr)?);
+    }
+    let sharded = ShardedOptimizer::new(group, kind, vars, lr)?;
+    let (mine, total) = (sharded.state_bytes(), group.mean_of(sharded.state_bytes() as f64)? * group.world() as f64);
+    let (_, most) = group.min_max(mine)?;
+    crate::say!(
+        "optimizer state sharded over {} ranks (ZeRO stage 1): {:.1} MiB on the largest share of {:.1} MiB",
+        group.world(),
+        crate::mib(most),
+        total / (1024.0 * 1024.0)
+    );
+    Ok(Box::new(sharded))
+}
+
+/// ZeRO stage 1: each rank keeps and updates the optimizer state of its share of the parameters
+/// (consecutive parameters holding about 1/N of the bytes); after each update every parameter
+/// is broadcast from the rank that updated it, so all ranks hold the same bits, equal to an
+/// unsharded run's (the optimizers update each parameter on its own). The gradients are still
+/// all-reduced whole (a reduce-scatter would move half as much). The state carries the unsharded
+/// optimizer's names, and training snapshots gather it on rank 0: a snapshot resumes on any
+/// number of ranks, sharded or not.
+pub struct ShardedOptimizer<'g> {
+    group: &'g Group,
+    /// Over this rank's share, `vars[first..first + count]`.
+    inner: Box<dyn TrainOptimizer>,
+    vars: Vec<Var>,
+    /// The rank that updates each of `vars`.
+    owners: Vec<usize>,
+    first: usize,
+    count: usize,
+}
+
+impl<'g> ShardedOptimizer<'g> {
+    pub fn new(group: &'g Group, kind: OptimizerKind, vars: Vec<Var>, lr: f64) -> Result<Self> {
+        let owners = owners(&vars.iter().map(|v| remat::memory::tensor_bytes(v.as_tensor())).collect::<Vec<_>>(), group.world());
+        let first = owners.iter().position(|&r| r >= group.rank()).unwrap_or(vars.len());
+        let count = owners.iter().filter(|&&r| r == group.rank()).count();
+        let inner = kind.build(vars[first..first + count].to_vec(), lr)?;
+        Ok(ShardedOptimizer { group, inner, vars, owners, first, count })
+    }
+}
+
+/// The rank updating each parameter of `bytes` sizes among `world` ranks: consecutive runs, the
+/// parameter going to the rank in whose 1/`world` of the total bytes its middle falls.
+fn owners(bytes: &[u64], world: usize) -> Vec<usize> {
+    let total = bytes.iter().sum::<u64>().max(1) as u128;
+    let mut before = 0u64;
+    bytes
+        .iter()
+        .map(|&b| {
+            let middle = before as u128 * 2 + b as u128; // twice the middle, to stay in integers
+            before += b;
+            ((middle * world as u128 / (2 * total)) as usize).min(world - 1)
+        })
+        .collect()
+}
+
+/// `name` with its trailing parameter index (`m.3`) mapped by `index`; `None` where `index`
+/// drops it. Names without an index (`step`) are kept.
+fn reindexed(name: &str, index: impl Fn(usize) -> Option<usize>) -> Option<String> {
+    match name.rsplit_once('.').and_then(|(stem, i)| Some((stem, i.parse::<usize>().ok()?))) {
+        Some((stem, i)) => Some(format!("{stem}.{}", index(i)?)),
+        None => Some(name.to_string()),
+    }
+}
+
+impl TrainOptimizer for ShardedOptimizer<'_> {
+    fn update(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.inner.update(grads)?;
+        for (var, &owner) in self.vars.iter().zip(&self.owners) {
+            let updated = self.group.broadcast(var.as_tensor(), owner).map_err(candle_core::Error::wrap)?;
+            if owner != self.group.rank() {
+                var.set(&updated)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// This rank's share, under the unsharded names.
+    fn state(&self) -> candle_core::Result<HashMap<String, Tensor>> {
+        Ok(self.inner.state()?.into_iter().filter_map(|(k, v)| Some((reindexed(&k, |i| Some(self.first + i))?, v))).collect())
+    }
+
+    /// Takes this rank's share of a whole state (an unsharded run's, or one gathered on rank 0).
+    fn set_state(&mut self, state: &HashMap<String, Tensor>) -> candle_core::Result<()> {
+        let (first, count) = (self.first, self.count);
+        let mine = state.iter().filter_map(|(k, v)| Some((reindexed(k, |i| (first..first + count).contains(&i).then(|| i - first))?, v.clone()))).collect();
+        self.inner.set_state(&mine)
+    }
+
+    fn state_bytes(&self) -> u64 {
+        self.inner.state_bytes()
+    }
+
+    fn snapshot_state(&self) -> candle_core::Result<Option<HashMap<String, Tensor>>> {
+        let mine = self.state()?;
+        let bytes = safetensors::serialize(mine.iter().map(|(k, v)| (k.as_str(), v)), None).map_err(candle_core::Error::wrap)?;
+        drop(mine);
+        let Some(all) = self.group.gather_bytes(bytes).map_err(candle_core::Error::wrap)? else { return Ok(None) };
+        let mut whole = HashMap::new();
+        for bytes in all {
+            whole.extend(candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)?);
+        }
+        Ok(Some(whole))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owners_are_consecutive_and_balanced() {
+        assert_eq!(owners(&[10, 10, 10, 10], 2), [0, 0, 1, 1]);
+        assert_eq!(owners(&[100, 1, 1, 1, 1], 2), [0, 1, 1, 1, 1]);
+        assert_eq!(owners(&[5; 6], 3), [0, 0, 1, 1, 2, 2]);
+        assert_eq!(owners(&[1, 2], 4), [0, 2]);
+        assert_eq!(owners(&[], 2), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn state_names_map_between_shard_and_whole() {
+        assert_eq!(reindexed("m.3", |i| Some(i + 10)).as_deref(), Some("m.13"));
+        assert_eq!(reindexed("velocity.0", |_| None), None);
+        assert_eq!(reindexed("step", |_| None).as_deref(), Some("step"));
+    }
 }

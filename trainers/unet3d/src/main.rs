@@ -100,7 +100,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         ..args.preset.config()
     };
     let model = UNet3d::new(config, device, args.run.seed)?;
-    let mut opt = args.optimizer.build(model.params().vars(), args.lr)?;
+    let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> {
         let (voxels, labels) = match &data {
             Data::Synthetic(d) => d.batch(step, n),
