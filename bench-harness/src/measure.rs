@@ -251,7 +251,7 @@ pub fn run(
         let fixed = trainkit::memory_before_step(device, &*optimizer, inputs_bytes)?;
         let held = if w.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
         let (resolved, plan) = remat::plan::resolve(&policy, &profile, fixed, held, trainkit::auto_budget(device, cap))?;
-        policy = resolved;
+        policy = trainkit::parallel::agreed_policy(group, &policy, resolved)?;
         if plan.is_some() {
             rec.plan = policy.to_string();
         }

@@ -47,7 +47,16 @@ fn fits(r: &Record) -> String {
 fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
     let bytes = r.dtype.parse::<layers::Precision>().map_or(4, |d| d.weights().size_in_bytes() as u64);
     let params = p.params / bytes;
-    format!("| {model} | {variant} | {params} | {} | {} | {} | {} |", gib(p.params), gib(p.grads), gib(p.optimizer), gib(p.params + p.grads + p.optimizer))
+    let per_rank = |ranks: u64| gib(p.params + p.grads + p.optimizer.div_ceil(ranks));
+    format!(
+        "| {model} | {variant} | {params} | {} | {} | {} | {} | {} | {} |",
+        gib(p.params),
+        gib(p.grads),
+        gib(p.optimizer),
+        gib(p.params + p.grads + p.optimizer),
+        per_rank(2),
+        per_rank(4)
+    )
 }
 
 pub fn render(m: &Matrix) -> String {
@@ -66,8 +75,10 @@ pub fn render(m: &Matrix) -> String {
     );
     out += "## The model state, by arithmetic\n\n\
             Parameters and gradients 4 bytes each (2 under `bf16-weights-adamw`); AdamW 8 bytes per parameter; Adafactor 4 bytes per row and per column of each \
-            weight matrix (per element of a vector). Computed from the parameter shapes, not measured.\n\n\
-            | model | variant | parameters | params GiB | grads GiB | optimizer GiB | state GiB |\n|---|---|---|---|---|---|---|\n";
+            weight matrix (per element of a vector). Computed from the parameter shapes, not measured. The last two columns are \
+            one rank's state when the optimizer state is sharded over 2 or 4 data-parallel ranks (`--ranks N --shard-optimizer`, \
+            ZeRO stage 1: every rank still holds all parameters and gradients).\n\n\
+            | model | variant | parameters | params GiB | grads GiB | optimizer GiB | state GiB | per rank, sharded over 2 | over 4 |\n|---|---|---|---|---|---|---|---|---|\n";
     let records = in_size_order(m);
     let mut seen = Vec::new();
     for r in &records {

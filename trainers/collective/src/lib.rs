@@ -252,13 +252,18 @@ impl Group {
         if self.world == 1 {
             return Ok(value);
         }
-        let device = match &self.backend {
+        self.start_mean(vec![Tensor::new(&[value as f32], &self.device())?])?;
+        Ok(self.wait_mean()?.remove(0).to_vec1::<f32>()?[0] as f64)
+    }
+
+    /// Where the group's own small messages live: the GPU under NCCL (which moves device
+    /// tensors only), else the CPU.
+    fn device(&self) -> Device {
+        match &self.backend {
             #[cfg(feature = "nccl")]
             Backend::Nccl(_, device) => device.clone(),
             _ => Device::Cpu,
-        };
-        self.start_mean(vec![Tensor::new(&[value as f32], &device)?])?;
-        Ok(self.wait_mean()?.remove(0).to_vec1::<f32>()?[0] as f64)
+        }
     }
 
     /// The least and the greatest `value` over the ranks (per-rank peaks). Call between sums.
@@ -303,6 +308,18 @@ impl Group {
             #[cfg(feature = "nccl")]
             Backend::Nccl(world, _) => world.broadcast(t, root),
         }
+    }
+
+    /// Rank `root`'s `bytes` on every rank, whatever the others pass (a message: its length
+    /// travels first). Call with no mean in flight.
+    pub fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+        if self.world == 1 {
+            return Ok(bytes);
+        }
+        let device = self.device();
+        let len = self.broadcast(&Tensor::new(&[bytes.len() as i64], &device)?, root)?.to_vec1::<i64>()?[0] as usize;
+        let bytes = if self.rank == root { bytes } else { vec![0; len] };
+        Ok(self.broadcast(&Tensor::from_vec(bytes, len, &device)?, root)?.to_vec1::<u8>()?)
     }
 
     /// Every rank's `bytes` on rank 0, in rank order (its own first); `None` on the others. Call

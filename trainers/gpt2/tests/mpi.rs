@@ -1,8 +1,8 @@
 //! Data parallelism over MPI (`cargo test -p gpt2 --features mpi --test mpi`; needs Open MPI's
 //! `mpirun`): two ranks of batch B train as one rank of batch 2B; ranks stay bit-identical;
 //! checkpointing keeps two-rank gradients bit-identical to two-rank `off`; a sharded optimizer
-//! (ZeRO stage 1) trains, saves and resumes bit for bit as an unsharded one; a failing rank ends
-//! every rank with its error instead of a hang.
+//! (ZeRO stage 1) trains, saves and resumes bit for bit as an unsharded one; ranks given
+//! different policies stop; a failing rank ends every rank with its error instead of a hang.
 #![cfg(feature = "mpi")]
 
 use candle_core::Device;
@@ -132,14 +132,33 @@ fn a_sharded_optimizer_trains_saves_and_resumes_as_an_unsharded_one() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Two ranks started by one `mpirun` with their own arguments (a multiple-program launch).
+fn two_ranks(rank0: &[&str], rank1: &[&str]) -> Output {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["-np", "1", BIN]).args(rank0).args([":", "-np", "1", BIN]).args(rank1);
+    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1").env("RAYON_NUM_THREADS", "1");
+    run_within(cmd, Duration::from_secs(120))
+}
+
 #[test]
 fn a_failing_rank_ends_every_rank_with_its_error() {
-    let mut cmd = Command::new("mpirun");
     let rank = ["--preset", "tiny", "--seq", "16", "--steps", "50"];
-    cmd.args(["-np", "1", BIN]).args(rank).args([":", "-np", "1", BIN]).args(rank).args(["--data", "/no/such/tokens.bin"]);
-    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1").env("RAYON_NUM_THREADS", "1");
-    let out = run_within(cmd, Duration::from_secs(120));
+    let out = two_ranks(&rank, &[&rank[..], &["--data", "/no/such/tokens.bin"]].concat());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("rank 1 of 2") && err.contains("/no/such/tokens.bin"), "{err}");
+}
+
+/// Ranks given different policies would start different gradient sums: they stop at once. A
+/// plan resolved from a budget (which depends on each rank's measurements and, sharded, its
+/// share of the state) is rank 0's on every rank.
+#[test]
+fn ranks_checkpoint_in_sync_or_not_at_all() {
+    let rank = ["--preset", "tiny", "--seq", "16", "--steps", "2"];
+    let out = two_ranks(&[&rank[..], &["--policy", "sqrt"]].concat(), &[&rank[..], &["--policy", "off"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("rank 1 was given --policy off, rank 0 sqrt: every rank must checkpoint in sync"), "{err}");
+    let log = train(&["--preset", "tiny", "--ranks", "2", "--batch", "2", "--steps", "2", "--policy", "auto", "--shard-optimizer"]);
+    assert!(log.contains("ranks in sync: parameters bit-identical on all 2 ranks"), "{log}");
 }

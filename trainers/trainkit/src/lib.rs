@@ -132,7 +132,8 @@ pub fn executor<'m>(
     batch: usize,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<Option<(Executor<'m>, remat::Policy)>> {
-    let Some(policy) = plan_policy(run, policy, model, optimizer, batch, inputs_at)? else { return Ok(None) };
+    let Some(resolved) = plan_policy(run, policy, model, optimizer, batch, inputs_at)? else { return Ok(None) };
+    let policy = parallel::agreed_policy(group, policy, resolved)?;
     Ok(Some((Executor::new(model.graph(), &policy, model.params().vars(), rank_seed(run.seed, group.rank()))?, policy)))
 }
 

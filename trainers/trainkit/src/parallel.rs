@@ -162,6 +162,21 @@ pub fn accumulate(group: &Group, exec: &Executor, inputs: &[Tensor], n: u64, las
     Ok(out)
 }
 
+/// The plan every rank trains with: rank 0's `resolved` (what the ranks' `requested` policy
+/// became). A plan chosen for a budget depends on what each rank measured (stage times, free
+/// memory, its share of a sharded optimizer state), and ranks under different plans would start
+/// different gradient sums; ranks asked for different policies fail.
+pub fn agreed_policy(group: &Group, requested: &remat::Policy, resolved: remat::Policy) -> Result<remat::Policy> {
+    if group.world() == 1 {
+        return Ok(resolved);
+    }
+    let theirs = String::from_utf8(group.broadcast_bytes(requested.to_string().into_bytes(), 0)?)?;
+    if theirs != requested.to_string() {
+        bail!("rank {} was given --policy {requested}, rank 0 {theirs}: every rank must checkpoint in sync", group.rank());
+    }
+    Ok(String::from_utf8(group.broadcast_bytes(resolved.to_string().into_bytes(), 0)?)?.parse()?)
+}
+
 /// Fails unless every rank holds the same parameter bits (a hash of them, compared by all-reduce).
 pub fn check_in_sync(group: &Group, store: &layers::ParamStore) -> Result<()> {
     if group.world() == 1 {
