@@ -12,6 +12,9 @@ pub const MODELS: [&str; 5] = ["resnet50", "resnet152", "bert-large", "unet3d-sm
 /// One PyTorch row, as the script prints it (plus status and error where it failed).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Baseline {
+    /// The harness command that ran it (with `--baseline pytorch`).
+    #[serde(default)]
+    pub command: String,
     pub framework: String,
     #[serde(default)]
     pub framework_version: String,

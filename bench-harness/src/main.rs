@@ -260,6 +260,7 @@ fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, force: b
         });
         match projected {
             Ok(p) => {
+                let p = projection::Projection { command: this_command(), ..p };
                 let off = p.rows.first().map_or(0, |r| r.total_bytes);
                 trainkit::say!("projected {model} at batch {} ({}): off {:.1} GB", p.batch, p.input, off as f64 / 1e9);
                 matrix.put_projection(p);
@@ -487,7 +488,7 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
         }
         if args.force || !have {
             bar.set_message(format!("{} {policy}", w.model));
-            let rec = if profile == workloads::GPT2_24GB {
+            let mut rec = if profile == workloads::GPT2_24GB {
                 match run_predicted(&matrix, w, policy, common, &profile, args.dry_run)? {
                     Some(rec) => rec,
                     None => {
@@ -500,6 +501,7 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
             };
             bar.suspend(|| trainkit::say!("{}", summary(&rec, matrix.find(&w.model, "off"))));
             statuses.push((format!("{} {policy}", w.model), rec.status));
+            rec.command = this_command();
             matrix.put(rec);
             if !ran_models.iter().any(|m| m.model == w.model) {
                 ran_models.push(w);
@@ -508,7 +510,7 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
         if let (Some(python), Some(ours)) = (python, matrix.find(&w.model, &policy.to_string()).filter(|r| r.status == Status::Ok)) {
             if baseline::MODELS.contains(&w.model.as_str()) {
                 bar.set_message(format!("{} {policy} in PyTorch", w.model));
-                let b = baseline::run(python, ours, w.input_size, common.steps, common.seed);
+                let b = baseline::Baseline { command: this_command(), ..baseline::run(python, ours, w.input_size, common.steps, common.seed) };
                 bar.suspend(|| trainkit::say!("{}", baseline_summary(&b, ours)));
                 matrix.put_baseline(b);
             }
@@ -843,6 +845,11 @@ fn summary(r: &Record, off: Option<&Record>) -> String {
     )
 }
 
+/// This harness command line, as results name what made them.
+fn this_command() -> String {
+    std::env::args().collect::<Vec<_>>().join(" ")
+}
+
 fn meta(profile: &str) -> Meta {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string());
@@ -869,7 +876,7 @@ fn meta(profile: &str) -> Meta {
         ),
         candle_version: env!("CANDLE_VERSION").into(),
         git_commit: if dirty { format!("{commit}-dirty") } else { commit },
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        command: this_command(),
         profile: profile.into(),
     }
 }

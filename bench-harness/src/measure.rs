@@ -115,6 +115,10 @@ pub struct Record {
     pub all_reduce_ms: Option<f64>,
     #[serde(default)]
     pub all_reduce_wait_ms: Option<f64>,
+    /// The harness command that measured this record (JSON only: the reports list the distinct
+    /// ones, as a folder's records can come from several runs).
+    #[serde(default)]
+    pub command: String,
     /// Memory timeline of the first timed step (JSON only), and the heap when that step began.
     #[serde(default)]
     pub timeline: Vec<Event>,

@@ -32,6 +32,9 @@ pub struct Projection {
     /// Parameters, buffers, optimizer state and one batch of inputs: the heap before a step.
     pub state_bytes: u64,
     pub rows: Vec<ProjectedPolicy>,
+    /// The harness command that made it.
+    #[serde(default)]
+    pub command: String,
 }
 
 /// One policy or plan of a projection.
@@ -91,6 +94,7 @@ pub fn project(w: &Workload, device: &Device, seed: u64) -> Result<Projection> {
         dtype: w.dtype.to_string(),
         state_bytes,
         rows,
+        command: String::new(), // the matrix run that asked for it names itself
     })
 }
 
@@ -100,12 +104,12 @@ fn gb(bytes: u64) -> String {
 
 /// The `TABLE.md` section: every projection beside the article's figures (`article(model)`:
 /// off GB, checkpointed GB, time increase).
-pub fn render(projections: &[Projection], article: impl Fn(&str) -> Option<(f64, f64, &'static str)>) -> String {
+pub fn render(projections: &[Projection], last_run: &str, article: impl Fn(&str) -> Option<(f64, f64, &'static str)>) -> String {
     if projections.is_empty() {
         return String::new();
     }
-    let mut out = String::from(
-        "\n## Projected at the article's sizes (predictions, not measurements)\n\n\
+    let mut out = format!(
+        "\n## Projected at the article's sizes (predictions, not measurements)\n\n{}.\n\n\
          The planner's prediction for the article's configurations, which do not fit this machine: each model built at its full \
          size, its stages profiled one at a time at the full input size, at the article's batch where it is 16 or less, else at \
          batches 8 and 16 and extrapolated (kept bytes are linear in the batch; some kernels' temporaries grow slower, so those \
@@ -117,6 +121,7 @@ pub fn render(projections: &[Projection], article: impl Fn(&str) -> Option<(f64,
          the ResNets, AdamW for BERT and the U-Net).\n\n\
          | model | batch | input | optimizer | state | policy or plan | predicted total | / off | predicted time | article: off → checkpointing | article: time |\n\
          |---|---|---|---|---|---|---|---|---|---|---|\n",
+        crate::results::made_by(projections.iter().map(|p| p.command.as_str()), last_run)
     );
     for p in projections {
         let off = p.rows.iter().find(|r| r.label == "off").map_or(1, |r| r.total_bytes);

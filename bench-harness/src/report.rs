@@ -50,9 +50,10 @@ pub fn side_by_side(m: &Matrix) -> String {
 (`--baseline pytorch`: `scripts/torch_baseline.py`, torchvision/transformers models, `torch.utils.checkpoint(use_reentrant=False)` \
 on the same segments, the same optimizer, fp32, the same thread count). *Step peak*: the highest live bytes during a step \
 above the model state (parameters + optimizer state), ours from the counting allocator, PyTorch's from its profiler's allocation \
-events. Times are medians of the timed steps after a warm-up.\n\n\
+events. Times are medians of the timed steps after a warm-up. PyTorch's side: {}.\n\n\
 | model | policy | step peak: ours | step peak: PyTorch | ours / PyTorch | step time: ours | step time: PyTorch | ours / PyTorch | time / off: ours | time / off: PyTorch |\n\
-|---|---|---|---|---|---|---|---|---|---|\n"
+|---|---|---|---|---|---|---|---|---|---|\n",
+        crate::results::made_by(m.baselines.iter().map(|b| b.command.as_str()), &m.meta.command)
     );
     for b in &m.baselines {
         let Some(r) = m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok) else { continue };
@@ -93,7 +94,7 @@ events. Times are medians of the timed steps after a warm-up.\n\n\
 pub fn markdown(m: &Matrix) -> String {
     let meta = &m.meta;
     let mut out = format!(
-        "# Checkpointing matrix: profile `{}`\n\nCommand: `{}`  \nMachine: {}  \ncandle {}, commit {}\n\n\
+        "# Checkpointing matrix: profile `{}`\n\n{}  \nMachine: {}  \ncandle {}, commit {}\n\n\
 Memory is heap bytes from the counting allocator above the model state (parameters + optimizer state); \
 ratios are against `off` of the same model in the same run. Times are medians of the timed steps after a warm-up. \
 *Activation peak* is what checkpointing acts on (forward and backward, parameter gradients excluded); *step peak* is the \
@@ -104,7 +105,11 @@ fresh process): median (min-max). \
 (every stage in order, one `backward()`), every gradient and BatchNorm statistic compared bit for bit. \
 *predicted*: the planner's step peak (from the model's stages profiled one at a time before the run) and its error against \
 the measured step peak, and its predicted time / off.\n",
-        meta.profile, meta.command, meta.machine, meta.candle_version, meta.git_commit
+        meta.profile,
+        crate::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
+        meta.machine,
+        meta.candle_version,
+        meta.git_commit
     );
     let errors: Vec<(f64, &Record)> = m
         .records

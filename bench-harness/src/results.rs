@@ -18,6 +18,28 @@ pub struct Meta {
     pub profile: String,
 }
 
+/// What made a set of results, in words: "Command: `A`", or the commands in the order of what
+/// they made, where a folder's results come from several runs. Results from before results named
+/// their command are said to come from earlier runs, `last_run` (the folder's last) among them.
+pub fn made_by<'a>(commands: impl IntoIterator<Item = &'a str>, last_run: &str) -> String {
+    let (mut named, mut unnamed) = (Vec::new(), false);
+    for c in commands {
+        match c {
+            "" => unnamed = true,
+            c if !named.contains(&c) => named.push(c),
+            _ => {}
+        }
+    }
+    let list = named.iter().map(|c| format!("`{c}`")).collect::<Vec<_>>().join("; ");
+    match (named.len(), unnamed) {
+        (0, false) => "Command: none".into(),
+        (0, true) => format!("Command of the last run: `{last_run}` (earlier runs may have made some of these results: their commands were not recorded)"),
+        (1, false) => format!("Command: {list}"),
+        (_, false) => format!("Commands (in the order of the results they made; matrix.json names each result's): {list}"),
+        (_, true) => format!("Commands: {list}; the other results by earlier runs, whose commands were not recorded"),
+    }
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Matrix {
     pub meta: Meta,

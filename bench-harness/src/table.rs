@@ -46,14 +46,18 @@ fn gib(bytes: u64) -> String {
 pub fn render(m: &Matrix, fits: &[(String, f64)]) -> String {
     let meta = &m.meta;
     let mut out = format!(
-        "# The article's table, measured\n\nCommand: `{}`  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\n\
+        "# The article's table, measured\n\n{}  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\n\
 *Memory* is what a step holds at its peak: model state (parameters, optimizer state) plus the step's peak above it, \
 from the counting allocator (on a GPU: the memory pool). *With checkpointing* is policy `{TABLE_POLICY}`; every policy is in \
 `matrix.csv`. *Time increase* is the ratio of median step times in the same run. The article's figures (A100, PyTorch) \
 are quoted for comparison, not measured here.\n\n\
 | model | batch | input | memory off | memory {TABLE_POLICY} | {TABLE_POLICY} / off | activations {TABLE_POLICY} / off | {TABLE_POLICY} step peak set by | time increase | article: batch | article: off | article: checkpointing | article: ratio | article: time |\n\
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
-        meta.command, meta.machine, meta.candle_version, meta.git_commit, meta.profile
+        crate::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
+        meta.machine,
+        meta.candle_version,
+        meta.git_commit,
+        meta.profile
     );
     for row in &ARTICLE {
         let article = format!(
@@ -113,7 +117,7 @@ least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|--
             let _ = writeln!(out, "| {} | {} | {} | {ratio} |", depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
         }
     }
-    out.push_str(&crate::projection::render(&m.projections, |model| {
+    out.push_str(&crate::projection::render(&m.projections, &meta.command, |model| {
         ARTICLE.iter().find(|r| r.models.contains(&model)).and_then(|r| Some((r.off_gb?, r.ckpt_gb, r.time?)))
     }));
     out.push_str(&side_by_side(m));

@@ -65,13 +65,17 @@ pub fn render(m: &Matrix) -> String {
     let (input, accumulate) = first.map_or(("?".into(), 0), |r| (r.input.clone(), r.accumulate));
     let mut out = format!(
         "# GPT-2 on 24 GiB: state, precision, optimizer and checkpointing, measured\n\n\
-         Command: `{}`  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\n\
+         {}  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\n\
          Every configuration trains at batch 1, {input}, with {accumulate} micro-batches accumulated per optimizer step \
          (effective batch {accumulate}). Variants: `f32-adamw` (everything f32), `bf16-adamw` (bf16 activations, f32 parameters, \
          gradients and AdamW moments), `bf16-weights-adamw` (bf16 activations, parameters and gradients, f32 AdamW moments: \
          no f32 master copy), `bf16-adafactor` (bf16 activations, f32 parameters and gradients, Adafactor's factored \
          second moment).\n\n",
-        meta.command, meta.machine, meta.candle_version, meta.git_commit, meta.profile
+        crate::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
+        meta.machine,
+        meta.candle_version,
+        meta.git_commit,
+        meta.profile
     );
     out += "## The model state, by arithmetic\n\n\
             Parameters and gradients 4 bytes each (2 under `bf16-weights-adamw`); AdamW 8 bytes per parameter; Adafactor 4 bytes per row and per column of each \

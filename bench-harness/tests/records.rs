@@ -19,6 +19,22 @@ fn batch_and_input_size_reach_the_record() {
     }
 }
 
+/// Each record names the command that measured it, and a folder filled by two runs lists both
+/// (before, the reports named only the last run's).
+#[test]
+fn every_record_names_the_command_that_measured_it() {
+    let dir = out_dir("commands");
+    smoke(&dir, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off", "--rounds", "0"]);
+    smoke(&dir, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--rounds", "0"]);
+    let command = |policy: &str| record(&dir, "gpt2-tiny", policy)["command"].as_str().unwrap().to_string();
+    assert!(command("off").ends_with("--policies off --rounds 0") && command("sqrt").ends_with("--policies sqrt --rounds 0"), "{}", command("off"));
+    let md = std::fs::read_to_string(dir.join("matrix.md")).unwrap();
+    let header = md.lines().find(|l| l.starts_with("Commands (in the order of the results they made")).expect(&md);
+    let at = |policy: &str| header.find(&command(policy)).unwrap_or_else(|| panic!("{header}"));
+    assert!(at("off") < at("sqrt"), "{header}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `--accumulate 3` reaches the record, the gradient check still passes, and the reported loss is
 /// the mean of the three micro-batches' (not the first micro-batch's alone).
 #[test]
@@ -130,9 +146,9 @@ const COLUMNS: [(&str, Type); 43] = {
     ]
 };
 
-/// Record fields that are JSON only: the timeline, the segments' stage ranges, and the time / off
-/// rounds (the CSV has their median and range).
-const JSON_ONLY: [&str; 7] = ["timeline", "timeline_base_bytes", "segment_ranges", "time_vs_off", "predicted", "frontier", "estimate"];
+/// Record fields that are JSON only: the timeline, the segments' stage ranges, the time / off
+/// rounds (the CSV has their median and range) and the command (the Markdown lists them).
+const JSON_ONLY: [&str; 8] = ["timeline", "timeline_base_bytes", "segment_ranges", "time_vs_off", "predicted", "frontier", "estimate", "command"];
 
 /// The cells of one CSV line: fields in double quotes may hold commas, and `""` for a quote.
 fn cells(line: &str) -> Vec<String> {
