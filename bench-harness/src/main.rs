@@ -118,6 +118,11 @@ struct Common {
     /// Results go to results/<profile>-<device>-ranksN.
     #[arg(long, default_value_t = 1)]
     ranks: usize,
+    /// Give freed memory back to the OS at once (mimalloc's purge delay 0) instead of keeping it
+    /// for the next step: resident memory stays near the live heap, which near the machine's
+    /// memory decides whether a run is killed, at the cost of page faults every step.
+    #[arg(long)]
+    return_freed_memory: bool,
     /// With --ranks: shard the optimizer state over the ranks (ZeRO stage 1): each keeps and
     /// updates its share. Results go to results/<profile>-<device>-ranksN-sharded.
     #[arg(long)]
@@ -728,6 +733,9 @@ fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: &str, mode
     }
     if common.shard_optimizer {
         cmd.arg("--shard-optimizer");
+    }
+    if common.return_freed_memory {
+        cmd.env("MIMALLOC_PURGE_DELAY", "0");
     }
     match mode {
         One::Full => {}
