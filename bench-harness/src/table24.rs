@@ -111,7 +111,9 @@ pub fn render(m: &Matrix) -> String {
             let total = measured_total(r);
             let error = r.predicted_total_bytes.map_or("-".into(), |p| format!("{:+.1}%", (p as f64 / total as f64 - 1.0) * 100.0));
             let tokens = (r.batch * r.accumulate * seq) as f64;
-            (gib(total), error, format!("{:.1}", tokens / (r.step_ms_median / 1000.0)), format!("{:.1} s", r.step_ms_median / 1000.0))
+            // Returning freed memory makes every step fault its pages in again: not the others' time.
+            let mark = if r.command.contains("--return-freed-memory") { " †" } else { "" };
+            (gib(total), error, format!("{:.1}{mark}", tokens / (r.step_ms_median / 1000.0)), format!("{:.1} s{mark}", r.step_ms_median / 1000.0))
         } else {
             (format!("not run: {}", r.error), "-".into(), "-".into(), "-".into())
         };
@@ -128,6 +130,11 @@ pub fn render(m: &Matrix) -> String {
         .filter(|r| r.status == Status::Ok && measured_total(r) <= GIB_24)
         .map(|r| format!("{} `{}` ({} GiB)", r.model, r.policy, gib(measured_total(r))))
         .collect();
+    if records.iter().any(|r| r.status == Status::Ok && r.command.contains("--return-freed-memory")) {
+        out += "\n† Measured with `--return-freed-memory` (freed memory given back to the OS at once, so that resident memory \
+                stays near the live heap on this machine): every step faults its pages in again, so its time is not comparable \
+                with the other rows'.\n";
+    }
     let _ = write!(out, "\n## Fits 24 GiB at batch 1 (measured)\n\n{}\n", if fit.is_empty() { "None.".into() } else { fit.join(", ") });
     out
 }
