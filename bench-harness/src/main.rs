@@ -380,9 +380,7 @@ fn run_matrix(mut args: MatrixArgs) -> Result<()> {
     if common.ranks == 0 {
         bail!("--ranks must be at least 1");
     }
-    if common.shard_optimizer && common.ranks < 2 {
-        bail!("--shard-optimizer shares the optimizer state among data-parallel ranks: give --ranks N (N > 1)");
-    }
+    trainkit::parallel::check_sharding(common.shard_optimizer, common.ranks)?;
     if args.baseline.is_some() && common.ranks > 1 {
         bail!("--baseline runs PyTorch in one process; it cannot be combined with --ranks");
     }

@@ -44,6 +44,12 @@ fn fits(r: &Record) -> String {
     }
 }
 
+/// Whether `r` was measured with freed memory given back at once: every step faulted its pages
+/// in again, so its time is not the other rows' kind.
+fn returned_freed_memory(r: &Record) -> bool {
+    r.command.contains("--return-freed-memory")
+}
+
 fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
     let bytes = r.dtype.parse::<layers::Precision>().map_or(4, |d| d.weights().size_in_bytes() as u64);
     let params = p.params / bytes;
@@ -111,8 +117,7 @@ pub fn render(m: &Matrix) -> String {
             let total = measured_total(r);
             let error = r.predicted_total_bytes.map_or("-".into(), |p| format!("{:+.1}%", (p as f64 / total as f64 - 1.0) * 100.0));
             let tokens = (r.batch * r.accumulate * seq) as f64;
-            // Returning freed memory makes every step fault its pages in again: not the others' time.
-            let mark = if r.command.contains("--return-freed-memory") { " †" } else { "" };
+            let mark = if returned_freed_memory(r) { " †" } else { "" };
             (gib(total), error, format!("{:.1}{mark}", tokens / (r.step_ms_median / 1000.0)), format!("{:.1} s{mark}", r.step_ms_median / 1000.0))
         } else {
             (format!("not run: {}", r.error), "-".into(), "-".into(), "-".into())
@@ -130,7 +135,7 @@ pub fn render(m: &Matrix) -> String {
         .filter(|r| r.status == Status::Ok && measured_total(r) <= GIB_24)
         .map(|r| format!("{} `{}` ({} GiB)", r.model, r.policy, gib(measured_total(r))))
         .collect();
-    if records.iter().any(|r| r.status == Status::Ok && r.command.contains("--return-freed-memory")) {
+    if records.iter().any(|r| r.status == Status::Ok && returned_freed_memory(r)) {
         out += "\n† Measured with `--return-freed-memory` (freed memory given back to the OS at once, so that resident memory \
                 stays near the live heap on this machine): every step faults its pages in again, so its time is not comparable \
                 with the other rows'.\n";

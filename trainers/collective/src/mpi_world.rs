@@ -146,7 +146,7 @@ impl MpiWorld {
 }
 
 fn out_of_order() -> CollectiveError {
-    CollectiveError::Mpi("replies out of order: a sum was still in flight".into())
+    CollectiveError::Mpi("replies out of order: a call was made while a sum was in flight".into())
 }
 
 /// Rank 0 receives every other rank's bytes (their length, then the bytes a chunk at a time);

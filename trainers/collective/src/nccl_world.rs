@@ -72,9 +72,7 @@ impl NcclWorld {
         let reduce = |op| -> Result<u64> { Ok(t.apply_op1_no_bwd(&AllReduce { comm: self.comm.clone(), op })?.to_vec1::<i64>()?[0] as u64) };
         Ok((reduce(Op::Min)?, reduce(Op::Max)?))
     }
-}
 
-impl NcclWorld {
     /// `t` as rank `root` holds it, on every rank (in `t`'s dtype: NCCL moves the bits).
     pub(crate) fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         Ok(t.contiguous()?.apply_op1_no_bwd(&Broadcast { comm: self.comm.clone(), root, rank: self.rank })?)

@@ -41,9 +41,7 @@ pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
     if run.ranks > 1 && run.ranks != group.world() {
         bail!("--ranks {} under a launcher of {} ranks", run.ranks, group.world());
     }
-    if run.shard_optimizer && group.world() == 1 {
-        bail!("--shard-optimizer shares the optimizer state among data-parallel ranks: give --ranks N (N > 1) or start under a launcher");
-    }
+    check_sharding(run.shard_optimizer, group.world())?;
     if !group.is_root() {
         crate::QUIET.store(true, std::sync::atomic::Ordering::Relaxed);
     }
@@ -195,6 +193,15 @@ pub fn check_in_sync(group: &Group, store: &layers::ParamStore) -> Result<()> {
     Ok(())
 }
 
+/// Refuses `--shard-optimizer` (`shard`) on fewer than two ranks, where it would shard nothing:
+/// before anything is built.
+pub fn check_sharding(shard: bool, ranks: usize) -> Result<()> {
+    if shard && ranks < 2 {
+        bail!("--shard-optimizer shares the optimizer state among data-parallel ranks: give --ranks N (N > 1)");
+    }
+    Ok(())
+}
+
 /// The run's optimizer over `vars`: `kind`'s, or with `shard` (`--shard-optimizer`) a
 /// [`ShardedOptimizer`] over the ranks of `group`.
 pub fn optimizer<'g>(shard: bool, group: &'g Group, kind: OptimizerKind, vars: Vec<Var>, lr: f64) -> Result<Box<dyn TrainOptimizer + 'g>> {
@@ -202,7 +209,8 @@ pub fn optimizer<'g>(shard: bool, group: &'g Group, kind: OptimizerKind, vars: V
         return Ok(kind.build(vars, lr)?);
     }
     let sharded = ShardedOptimizer::new(group, kind, vars, lr)?;
-    let (mine, total) = (sharded.state_bytes(), group.mean_of(sharded.state_bytes() as f64)? * group.world() as f64);
+    let mine = sharded.state_bytes();
+    let total = group.mean_of(mine as f64)? * group.world() as f64;
     let (_, most) = group.min_max(mine)?;
     crate::say!(
         "optimizer state sharded over {} ranks (ZeRO stage 1): {:.1} MiB on the largest share of {:.1} MiB",
