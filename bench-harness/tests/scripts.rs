@@ -1,4 +1,5 @@
-//! The CUDA build script explains itself on a machine without CUDA (it builds nothing for `--help`).
+//! The CUDA build script explains itself on a machine without CUDA (it builds nothing for `--help`);
+//! the README's harness commands parse.
 
 use std::path::Path;
 use std::process::Command;
@@ -12,4 +13,10 @@ fn build_cuda_help_works_without_cuda() {
     for needle in ["usage: scripts/build-cuda.sh", "CUDA_COMPUTE_CAP", "PyPI", "stubs"] {
         assert!(help.contains(needle), "--help lacks `{needle}`:\n{help}");
     }
+}
+
+/// The README's harness command lines still parse (a renamed flag fails here).
+#[test]
+fn the_readme_commands_parse() {
+    trainkit::assert_readme_commands_parse("bench-harness", env!("CARGO_BIN_EXE_bench-harness"), 5);
 }

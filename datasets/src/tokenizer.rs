@@ -29,9 +29,20 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
+    /// Reads a `tokenizer.json`, with its padding and truncation turned off: published files
+    /// often carry both (pad and cut every text to 128 ids), and the data code splits long
+    /// documents and pads batches itself (with an attention mask) instead.
     pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
         let p = path.display().to_string();
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| TokenizerError::Read { path: p.clone(), message: e.to_string() })?;
+        let read = |message: String| TokenizerError::Read { path: p.clone(), message };
+        let text = std::fs::read_to_string(path).map_err(|e| read(e.to_string()))?;
+        let mut inner: tokenizers::Tokenizer = text.parse().map_err(|e| {
+            let is_json = serde_json::from_str::<serde_json::Value>(&text).is_ok();
+            let what = if is_json { "JSON, but not a Hugging Face tokenizer.json" } else { "not a Hugging Face tokenizer.json (not even JSON)" };
+            read(format!("{what}: {e}"))
+        })?;
+        inner.with_padding(None);
+        inner.with_truncation(None).map_err(|e| read(e.to_string()))?;
         Ok(Tokenizer { inner, path: p })
     }
 

@@ -121,12 +121,21 @@ impl NpyVolumes {
         Ok(Volume { shape, voxels, labels })
     }
 
+    /// Which volumes batch `step` of `n` holds.
+    fn picks(&self, step: u64, n: usize) -> Vec<usize> {
+        let mut rng = SplitMix::new(self.seed ^ step.wrapping_mul(0xC2B2_AE3D_27D4_EB4F));
+        (0..n).map(|_| rng.below(self.pairs.len())).collect()
+    }
+
+    /// The image files of batch `step` of `n`, in batch order: what an error about the batch names.
+    pub fn files(&self, step: u64, n: usize) -> Vec<String> {
+        self.picks(step, n).into_iter().map(|i| self.pairs[i].0.display().to_string()).collect()
+    }
+
     /// `n` random volumes of `step`, which must all have the same shape: (shape, voxels, labels).
     pub fn batch(&self, step: u64, n: usize) -> Result<VolumeBatch, VolumeError> {
-        let mut rng = SplitMix::new(self.seed ^ step.wrapping_mul(0xC2B2_AE3D_27D4_EB4F));
         let (mut shape, mut voxels, mut labels) = (None, Vec::new(), Vec::new());
-        for _ in 0..n {
-            let i = rng.below(self.pairs.len());
+        for i in self.picks(step, n) {
             let v = self.read(i)?;
             if shape.get_or_insert(v.shape.clone()) != &v.shape {
                 let why = format!("shape {:?} differs from the batch's {:?}", v.shape, shape);

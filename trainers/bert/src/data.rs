@@ -15,6 +15,8 @@ pub enum MlmDataError {
     SequenceTooShort(usize),
     #[error("tokenizer {path} has no {token} token, which BERT's masked-LM data needs")]
     MissingSpecial { path: String, token: &'static str },
+    #[error("no document has a token to predict: every one holds special tokens only ([UNK], [PAD], ...)")]
+    NothingToPredict,
     #[error(transparent)]
     Tokens(#[from] datasets::tokens::DataError),
     #[error(transparent)]
@@ -38,8 +40,10 @@ pub struct MaskedBatch {
 
 /// BERT's masking: 15% of the non-special tokens are chosen; of those 80% become `[MASK]`, 10% a
 /// random word (an id below `vocab_size`), 10% stay. Every draw comes from `key`, so a step's
-/// masking is reproducible. Returns (input ids, labels, weights).
-pub fn mask_tokens(ids: &[u32], key: RngKey, vocab_size: usize, mask_id: u32, is_special: impl Fn(u32) -> bool) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+/// masking is reproducible. `ids` holds rows of `row_len` tokens; a row where no token was chosen
+/// has its first non-special token masked, so that every row (and so every data-parallel rank's
+/// share of a batch) has a position to score. Returns (input ids, labels, weights).
+pub fn mask_tokens(ids: &[u32], row_len: usize, key: RngKey, vocab_size: usize, mask_id: u32, is_special: impl Fn(u32) -> bool) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
     let u = key.uniform(3 * ids.len());
     let (mut input_ids, mut weights) = (ids.to_vec(), vec![0.0; ids.len()]);
     for (i, &id) in ids.iter().enumerate() {
@@ -54,10 +58,12 @@ pub fn mask_tokens(ids: &[u32], key: RngKey, vocab_size: usize, mask_id: u32, is
             input_ids[i] = ((u[3 * i + 2] * vocab_size as f32) as u32).min(vocab_size as u32 - 1);
         }
     }
-    if let (false, Some(i)) = (weights.contains(&1.0), ids.iter().position(|&id| !is_special(id))) {
-        // Never an empty loss: score at least one token.
-        weights[i] = 1.0;
-        input_ids[i] = mask_id;
+    for start in (0..ids.len()).step_by(row_len.max(1)) {
+        let row = start..(start + row_len).min(ids.len());
+        if let (false, Some(i)) = (weights[row.clone()].contains(&1.0), ids[row.clone()].iter().position(|&id| !is_special(id))) {
+            weights[start + i] = 1.0;
+            input_ids[start + i] = mask_id;
+        }
     }
     (input_ids, ids.to_vec(), weights)
 }
@@ -136,7 +142,14 @@ impl MlmData {
     }
 
     fn documents(docs: Vec<Vec<u32>>, specials: Specials, vocab_len: usize, seq: usize, seed: u64) -> Result<Self, MlmDataError> {
-        let source = Source::Documents(Examples::new(docs, seq - 2, seed)?);
+        // Cut here rather than in `Examples`, to drop the pieces with nothing to predict (only
+        // special tokens: `[UNK]`s, or a literal `[PAD]` in the text): a batch of them would have
+        // no position to score.
+        let pieces: Vec<Vec<u32>> = docs.iter().flat_map(|d| d.chunks(seq - 2)).filter(|p| p.iter().any(|&id| !specials.is_special(id))).map(<[u32]>::to_vec).collect();
+        if pieces.is_empty() {
+            return Err(MlmDataError::NothingToPredict);
+        }
+        let source = Source::Documents(Examples::new(pieces, seq - 2, seed)?);
         Ok(MlmData { source, specials, vocab_len, seq, seed })
     }
 
@@ -175,7 +188,7 @@ impl MlmData {
             attention_mask.extend((0..seq).map(|i| if i < e.len() + 2 { 1.0 } else { 0.0 }));
         }
         let key = RngKey { step, ..RngKey::named(self.seed, "mlm-mask") };
-        let (input_ids, labels, weights) = mask_tokens(&ids, key, self.vocab_len, s.mask, |id| s.is_special(id));
+        let (input_ids, labels, weights) = mask_tokens(&ids, seq, key, self.vocab_len, s.mask, |id| s.is_special(id));
         MaskedBatch { batch: examples.len(), seq, token_types: vec![0; ids.len()], attention_mask, input_ids, labels, weights }
     }
 }

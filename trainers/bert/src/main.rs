@@ -83,27 +83,27 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     let hidden = (args.batch as u128).checked_mul(args.seq as u128).and_then(|n| n.checked_mul(config.hidden_size as u128));
     trainkit::check_footprint("--batch x --seq", "one layer's hidden states", hidden)?;
     let data = data(args, &config, hub.as_ref())?;
-    let model = Bert::new(config, device, args.run.seed)?;
+    let model = trainkit::build_model("--preset, --config or --model-id", || Ok(Bert::new(config, device, args.run.seed)?))?;
     args.init.load(&model, hub.as_ref())?;
     let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.batch(step, n), device)?) };
     // Planned for the longest batch the data can give (--text batches are padded to their own longest row).
     let longest = |n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.full_length_batch(0, n), device)?) };
-    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &longest)? else {
+    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &format!("--batch {} x --seq {}", args.batch, args.seq), &longest)? else {
         return Ok(());
     };
     trainkit::say!(
-        "BERT {} params, {} layers, policy {} ({} segments), batch {} x seq {}, vocabulary {}",
+        "BERT {} params, {} layers, policy {} ({}), batch {} x seq {}, vocabulary {}",
         model.params().count(),
         model.config.num_hidden_layers,
         policy,
-        exec.segments().len(),
+        trainkit::segments(exec.segments().len()),
         args.batch,
         args.seq,
         data.vocab_len
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group)?;
+    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group, &[("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())])?;
     let start = log.resume(model.params(), opt.as_mut())?;
     let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
     for step in start..args.steps {

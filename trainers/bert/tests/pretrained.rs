@@ -126,3 +126,76 @@ fn text_through_a_tokenizer_trains_and_the_loss_falls() {
     trainkit::assert_loss_falls(&losses, 0.5, "train-bert --text");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A `tokenizer.json` as sentence-transformers and many BERT checkpoints publish it: padding to
+/// 128 and truncation at 128 set. Before, every line came back as 128 ids (mostly `[PAD]`, fed as
+/// tokens with mask 1), a longer document was cut, and at `--seq 32` a batch of padding alone had
+/// nothing to score: `step 0 loss NaN`.
+#[test]
+fn a_published_tokenizer_with_padding_and_truncation_set_trains() {
+    let dir = temp_dir("published-tokenizer");
+    // Short lines and one document of about 200 words, longer than the truncation length.
+    let short = datasets::text::synthetic_corpus(5, 20_000);
+    let long = short.split_whitespace().take(200).collect::<Vec<_>>().join(" ");
+    let text = format!("{long}\n{short}");
+    let text_path = dir.join("train.txt");
+    std::fs::write(&text_path, &text).unwrap();
+    let tok_path = dir.join("tokenizer.json");
+    Tokenizer::train(Kind::WordPiece, &text, 300, &tok_path).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tok_path).unwrap()).unwrap();
+    json["padding"] = serde_json::json!({"strategy": {"Fixed": 128}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"});
+    json["truncation"] = serde_json::json!({"direction": "Right", "max_length": 128, "strategy": "LongestFirst", "stride": 0});
+    std::fs::write(&tok_path, json.to_string()).unwrap();
+
+    let tokenizer = Tokenizer::from_file(&tok_path).unwrap();
+    let pad = tokenizer.token_id("[PAD]").unwrap();
+    let first = &tokenizer.encode_lines(&text).unwrap()[0];
+    assert!(first.len() > 128 && !first.contains(&pad), "the long document came back as {} ids, padding included or cut", first.len());
+    // `train-gpt2 --text` encodes its text in one piece, through the same call.
+    assert_eq!(tokenizer.encode(&long).unwrap().len(), first.len());
+    // Every batch: no [PAD] attended to, something to score in every row.
+    let data = MlmData::tokenized(&text, &tokenizer, 512, 32, 0).unwrap();
+    for step in 0..50 {
+        let b = data.batch(step, 4);
+        for (ids, (mask, weights)) in b.labels.chunks(b.seq).zip(b.attention_mask.chunks(b.seq).zip(b.weights.chunks(b.seq))) {
+            assert!(ids.iter().zip(mask).all(|(&id, &m)| (id == pad) == (m == 0.0)), "step {step}: a [PAD] attended to, or a token masked out");
+            assert!(weights.contains(&1.0), "step {step}: a row with nothing to score");
+        }
+    }
+
+    let (losses, _) = trainkit::run_logged(
+        env!("CARGO_BIN_EXE_train-bert"),
+        &["--preset", "tiny", "--text", text_path.to_str().unwrap(), "--tokenizer", tok_path.to_str().unwrap(), "--steps", "8", "--batch", "4", "--seq", "32"],
+    );
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A masked-LM batch whose weights are all zero (nothing to score) is refused with an error that
+/// says so, where the mean over no position would be NaN (as PyTorch's is).
+#[test]
+fn a_cross_entropy_with_no_weight_is_refused() {
+    let logits = Tensor::zeros((3, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let targets = Tensor::new(&[0u32, 1, 2], &Device::Cpu).unwrap();
+    let weights = Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu).unwrap();
+    let err = layers::fused::cross_entropy(&logits, &targets, Some(&weights)).unwrap_err().to_string();
+    assert!(err.contains("every weight is zero"), "{err}");
+}
+
+/// Documents of special tokens alone (a line of `[UNK]`s, a literal `[PAD]`) have nothing to
+/// predict: dropped, and data of nothing else is refused.
+#[test]
+fn documents_with_nothing_to_predict_are_dropped() {
+    let dir = temp_dir("specials-only");
+    let text = datasets::text::synthetic_corpus(6, 5_000);
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = Tokenizer::train(Kind::WordPiece, &text, 300, &tok_path).unwrap();
+    let err = MlmData::tokenized("[PAD] [PAD]\n[UNK]\n", &tokenizer, 512, 32, 0).err().expect("refused").to_string();
+    assert!(err.contains("no document has a token to predict"), "{err}");
+    let data = MlmData::tokenized(&format!("[PAD] [PAD]\n{text}"), &tokenizer, 512, 32, 0).unwrap();
+    for step in 0..20 {
+        let b = data.batch(step, 4);
+        assert!(b.weights.chunks(b.seq).all(|w| w.contains(&1.0)), "step {step}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

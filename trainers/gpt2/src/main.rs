@@ -80,6 +80,10 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     }
     let logits = (args.batch as u128).checked_mul(args.seq as u128).and_then(|n| n.checked_mul(config.vocab_size as u128));
     trainkit::check_footprint("--batch x --seq", "the logits", logits)?;
+    // The parameters and their gradients, from the configuration: a config.json of 100000 layers
+    // is refused now, not after building a model the machine cannot hold.
+    let params = <Gpt2 as layers::Benchable>::parameter_shapes(&config)?.iter().map(|s| s.iter().map(|&d| d as u128).product::<u128>()).sum::<u128>();
+    trainkit::check_footprint("--preset, --config or --model-id", "the parameters and their gradients", params.checked_mul(2))?;
     let tokens = match (&args.data, &args.text) {
         (Some(path), _) => datasets::tokens::load_u16(path)?,
         (None, Some(path)) => text_tokens(args, path, hub.as_ref())?,
@@ -87,27 +91,27 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     };
     let batcher = Batcher::new(tokens, args.seq, config.vocab_size, args.run.seed).context(if args.text.is_some() { "--text" } else { "--data" })?;
 
-    let model = Gpt2::new(config, device, args.run.seed)?;
+    let model = trainkit::build_model("--preset, --config or --model-id", || Ok(Gpt2::new(config, device, args.run.seed)?))?;
     args.init.load(&model, hub.as_ref())?;
     let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| {
         let (x, y) = batcher.batch(step, n);
         Ok(model.inputs(&x, &y, n, args.seq, device)?)
     };
-    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
+    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &format!("--batch {} x --seq {}", args.batch, args.seq), &|n| inputs(0, n))? else {
         return Ok(());
     };
     trainkit::say!(
-        "GPT-2 {} params, {} layers, policy {} ({} segments), batch {} x seq {}",
+        "GPT-2 {} params, {} layers, policy {} ({}), batch {} x seq {}",
         model.params().count(),
         model.config.n_layer,
         policy,
-        exec.segments().len(),
+        trainkit::segments(exec.segments().len()),
         args.batch,
         args.seq
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group)?;
+    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group, &[("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())])?;
     let start = log.resume(model.params(), opt.as_mut())?;
     let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
     for step in start..args.steps {

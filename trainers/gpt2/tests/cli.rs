@@ -34,11 +34,12 @@ fn an_unwritable_save_path_fails_before_training() {
 fn non_finite_learning_rates_and_losses_fail() {
     fails_saying(&["--lr", "nan"], "is not a positive finite number");
     fails_saying(&["--lr=-1"], "is not a positive finite number");
-    fails_saying(&["--steps", "20", "--lr", "1e30"], "the loss is");
+    fails_saying(&["--steps", "20", "--lr", "1e30"], "not finite");
 }
 
-/// A reader that closes the pipe after one line (`2>&1 | head -1`) ends the trainer quietly:
-/// exit 0, no panic. Before, it panicked with exit 101.
+/// A reader that closes the pipe after one line (`2>&1 | head -1`) ends the trainer quietly, no
+/// panic, with exit 141 as a process that SIGPIPE ended: the run did not do its work. Before, it
+/// panicked with exit 101, and then exited 0 without training or saving anything.
 #[test]
 fn a_closed_pipe_ends_the_run_quietly() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
@@ -50,7 +51,7 @@ fn a_closed_pipe_ends_the_run_quietly() {
     let mut first = String::new();
     BufReader::new(child.stderr.take().unwrap()).read_line(&mut first).unwrap(); // the reader then goes away
     let status = child.wait().unwrap();
-    assert!(status.success(), "{first}: exited with {status}");
+    assert_eq!(status.code(), Some(trainkit::CLOSED_PIPE_EXIT), "{first}: exited with {status}");
 }
 
 /// A config.json whose values cannot describe a model names the field. Before, `vocab_size: 0`
@@ -126,4 +127,147 @@ fn a_sharded_optimizer_needs_several_ranks() {
 #[test]
 fn ranks_without_the_mpi_feature_name_it() {
     fails_saying(&["--steps", "1", "--ranks", "2"], "--features mpi");
+}
+
+/// A scratch folder of its own for a test.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A resume whose flags differ from the run that wrote the training snapshot is refused, naming
+/// the flag and both values; the policy may change. Before, only the seed and the step were
+/// checked: `--batch`, `--dtype` and `--optimizer` (AdamW's moments silently dropped when
+/// resuming as SGD) changed and the run went on.
+#[test]
+fn a_resume_with_other_flags_is_refused() {
+    let dir = scratch("resume-flags");
+    let save = dir.join("w.safetensors");
+    let save = save.to_str().unwrap();
+    let out = train(&["--steps", "2", "--save", save, "--save-every", "1"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let snapshot = dir.join("w.train.safetensors");
+    let snapshot = snapshot.to_str().unwrap();
+    let resume = |extra: &[&'static str]| -> Vec<&str> { [&["--steps", "3", "--resume", snapshot][..], extra].concat() };
+    for (extra, said) in [
+        (vec!["--batch", "3"], "--batch is 3 in this run but was 2"),
+        (vec!["--optimizer", "sgd"], "--optimizer is sgd in this run but was adamw"),
+        (vec!["--dtype", "bf16"], "--dtype is bf16 in this run but was f32"),
+        (vec!["--accumulate", "2"], "--accumulate is 2 in this run but was 1"),
+        (vec!["--lr", "0.1"], "--lr is 0.1 in this run but was 0.0006"),
+    ] {
+        fails_saying(&resume(&extra), said);
+    }
+    let out = train(&resume(&["--policy", "off"]));
+    assert!(out.status.success(), "another policy resumes: {}", String::from_utf8_lossy(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An output path that exists and is not a regular file is refused before training, and left as
+/// it was; so is one path given for two outputs. Before, as root, `--save /dev/full` turned the
+/// device into a regular file and a symlink was replaced by a file.
+#[test]
+fn outputs_must_be_regular_files_of_their_own() {
+    let dir = scratch("outputs");
+    let target = dir.join("target.txt");
+    std::fs::write(&target, "keep me").unwrap();
+    let link = dir.join("link.safetensors");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    fails_saying(&["--steps", "1", "--save", link.to_str().unwrap()], "is a symbolic link");
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    fails_saying(&["--steps", "1", "--log-json", link.to_str().unwrap()], "is a symbolic link");
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
+    for flag in ["--save", "--log-json"] {
+        fails_saying(&["--steps", "1", flag, "/dev/null"], "is not a regular file");
+    }
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::metadata("/dev/null").unwrap().file_type().is_char_device());
+    let same = dir.join("same");
+    let same = same.to_str().unwrap();
+    fails_saying(&["--steps", "1", "--save", same, "--log-json", same], "are both");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A corrupted training snapshot or weights snapshot is refused on load, naming the file. Before,
+/// 0xff bytes failed steps later with "loss is NaN ... a lower --lr may help", and finite garbage
+/// resumed silently.
+#[test]
+fn a_corrupted_snapshot_is_detected() {
+    let dir = scratch("corrupted");
+    let save = dir.join("w.safetensors");
+    let out = train(&["--steps", "1", "--save", save.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for (file, flag) in [("w.train.safetensors", "--resume"), ("w.safetensors", "--init")] {
+        let path = dir.join(file);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        // Finite garbage: a few bytes near the end (tensor data) changed.
+        bytes[n - 40..n - 36].copy_from_slice(&1.5f32.to_le_bytes());
+        let bad = dir.join(format!("bad-{file}"));
+        std::fs::write(&bad, &bytes).unwrap();
+        let err = fails_saying(&["--steps", "2", flag, bad.to_str().unwrap()], "is corrupted");
+        assert!(err.contains(bad.to_str().unwrap()), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Options that would be ignored are refused: `--dry-run` with outputs or a resume, `--init` with
+/// `--resume`, counts of 0, an evaluation that would run for days. Before, each ran without a word
+/// (and `--eval-batches 100000000000` hung).
+#[test]
+fn options_that_would_be_ignored_are_refused() {
+    for (args, said) in [
+        (&["--dry-run", "--save", "w.safetensors"][..], "cannot be used with"),
+        (&["--dry-run", "--log-json", "log.json"][..], "cannot be used with"),
+        (&["--dry-run", "--resume", "w.train.safetensors"][..], "cannot be used with"),
+        (&["--init", "w.safetensors", "--resume", "w.train.safetensors"][..], "cannot be used with"),
+        (&["--save", "w.safetensors", "--save-every", "0"][..], "--save-every must be at least 1"),
+        (&["--eval-every", "0"][..], "--eval-every must be at least 1"),
+        (&["--eval-every", "1", "--eval-batches", "0"][..], "--eval-batches must be at least 1"),
+        (&["--eval-every", "1", "--eval-batches", "100000000000"][..], "is more than 10000"),
+        (&["--ranks", "0"][..], "--ranks must be at least 1"),
+    ] {
+        fails_saying(args, said);
+    }
+}
+
+/// A step that cannot fit is refused before it is allocated, naming the flags, with exit 1 (no
+/// abort, no OOM kill). Before, `--batch 1000000` was killed by the kernel after 54 s (taking the
+/// machine with it) and a config of 100000 layers aborted after 59 s.
+#[test]
+fn steps_and_models_that_cannot_fit_are_refused_first() {
+    let start = std::time::Instant::now();
+    let out = train(&["--batch", "1000000", "--steps", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("--batch 1000000 x --seq 16: a training step under sqrt needs") && err.contains("available"), "{err}");
+    let dir = scratch("huge-config");
+    let config = dir.join("config.json");
+    std::fs::write(&config, r#"{"vocab_size": 256, "n_positions": 64, "n_embd": 1024, "n_layer": 100000, "n_head": 2, "layer_norm_epsilon": 1e-5}"#).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_train-gpt2")).args(["--config", config.to_str().unwrap(), "--seq", "16", "--steps", "1"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(1) && err.contains("--preset, --config or --model-id: the parameters and their gradients alone needs"), "{err}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(60), "took {:?}", start.elapsed());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Under `--memory-cap`, a policy the planner predicts above the cap is refused before training,
+/// with exit 1 and the prediction. Before, the run aborted at the allocation that crossed the cap
+/// (SIGABRT, exit 134).
+#[test]
+fn a_policy_predicted_above_the_memory_cap_is_refused_before_training() {
+    let out = train(&["--policy", "off", "--memory-cap", "4MiB", "--steps", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("--policy off needs") && err.contains("above --memory-cap 4.0 MiB") && !err.contains("step    0"), "{err}");
+}
+
+/// A cut into one segment says "1 segment".
+#[test]
+fn one_segment_is_singular() {
+    let out = train(&["--policy", "off", "--steps", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("(1 segment)"), "{err}");
 }

@@ -158,6 +158,16 @@ fn wide<T: Elem>(v: T) -> f64 {
     WithDType::to_f64(v)
 }
 
+/// The larger of `m` and `v`, NaN winning, as PyTorch's reductions: `Float::max` ignores a NaN,
+/// which let a NaN vanish from a row's maximum (an all-NaN softmax row came out as zeros).
+fn nan_max<T: Elem>(m: T, v: T) -> T {
+    if v.is_nan() || v > m {
+        v
+    } else {
+        m
+    }
+}
+
 /// Sums `n_rows` rows' contributions of width `width` (from `row(i, out)`, which adds row i into
 /// `out`) in fixed chunks of rows, the chunks' partial sums then added in order.
 fn sum_rows<T: Elem>(n_rows: usize, width: usize, row: impl Fn(usize, &mut [T]) + Sync) -> Vec<T> {
@@ -321,7 +331,7 @@ impl SoftmaxOp {
         let mut y = vec![T::zero(); x.len()];
         y.par_chunks_mut(width).zip(x.par_chunks(width)).enumerate().for_each(|(r, (y, x))| {
             let (n, keep) = (self.visible(r, width), self.keeps(r, width));
-            let max = (0..n).filter(|&j| keep(j)).fold(T::neg_infinity(), |m, j| Float::max(m, x[j] * scale));
+            let max = (0..n).filter(|&j| keep(j)).fold(T::neg_infinity(), |m, j| nan_max(m, x[j] * scale));
             if max == T::neg_infinity() {
                 return; // every key masked: the row stays zero
             }
@@ -373,7 +383,8 @@ impl CustomOp1 for SoftmaxOp {
 
 /// Cross-entropy of logits (N, V) against class ids (N) u32: the mean over rows of
 /// `logsumexp(row) - row[target]`, or with `weights` (N) the weighted mean
-/// `sum(w_i ce_i) / sum(w_i)` (BERT scores only its masked positions).
+/// `sum(w_i ce_i) / sum(w_i)` (BERT scores only its masked positions). Weights that are all zero
+/// are an error ([`NO_WEIGHT`]).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: Option<&Tensor>) -> Result<Tensor> {
     let (n, _) = logits.dims2()?;
     let weights = match weights {
@@ -383,16 +394,24 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: Option<&Tensor>
     if !fused(logits) {
         let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
         let picked = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
-        return ((picked * &weights)?.sum_all()? / weights.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?)?.neg();
+        let total = weights.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        if total == 0.0 {
+            candle_core::bail!("{NO_WEIGHT}")
+        }
+        return ((picked * &weights)?.sum_all()? / total)?.neg();
     }
     logits.contiguous()?.apply_op3(&targets.to_dtype(DType::U32)?.contiguous()?, &weights.contiguous()?, CrossEntropyOp)
 }
 
 struct CrossEntropyOp;
 
+/// The error of a weighted cross-entropy whose weights are all zero. PyTorch returns NaN (a mean
+/// over no target), which then reads as a diverged run; here it is refused, naming the cause.
+const NO_WEIGHT: &str = "cross_entropy: every weight is zero, so the batch has no position to score (the mean over none is undefined)";
+
 /// logsumexp of a row.
 fn log_sum_exp<T: Elem>(row: &[T]) -> T {
-    let max = row.iter().fold(T::neg_infinity(), |m, &v| Float::max(m, v));
+    let max = row.iter().fold(T::neg_infinity(), |m, &v| nan_max(m, v));
     max + row.iter().map(|&v| (v - max).exp()).sum::<T>().ln()
 }
 
@@ -402,9 +421,13 @@ impl CrossEntropyOp {
         if let Some(&bad) = targets.iter().find(|&&t| t as usize >= v) {
             candle_core::bail!("cross_entropy: target {bad} is outside the {v} classes")
         }
+        let weight = weights.iter().copied().sum::<T>();
+        if weight == T::zero() {
+            candle_core::bail!("{NO_WEIGHT}")
+        }
         let losses: Vec<T> = logits.par_chunks(v).zip(targets.par_iter()).map(|(row, &t)| log_sum_exp(row) - row[t as usize]).collect();
         let total = losses.iter().zip(weights).fold(T::zero(), |acc, (&l, &w)| acc + l * w);
-        Ok(total / weights.iter().copied().sum::<T>())
+        Ok(total / weight)
     }
 
     /// d/dlogits = g w_i / sum(w) (softmax(row) - onehot(target)).
@@ -517,7 +540,9 @@ impl BatchNormOp {
                 if let Some(r) = r {
                     v += r[j];
                 }
-                *y = if self.relu { Float::max(v, T::zero()) } else { v };
+                // A NaN stays NaN through the ReLU, as in PyTorch (`Float::max` made it 0, and
+                // a NaN input trained on with a finite loss).
+                *y = if self.relu && !v.is_nan() { Float::max(v, T::zero()) } else { v };
             }
         });
         y

@@ -70,7 +70,7 @@ pub use conv3d::{conv2d, conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dG
 pub use model::{Benchable, Model};
 pub use norm::{GroupNorm, LayerNorm};
 pub use optim::{scale_grads, AdamW, OptimizerKind, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
-pub use params::{f32_bits, write_atomically, Init, Initialised, ParamStore, SnapshotError};
+pub use params::{f32_bits, read_snapshot, write_atomically, write_snapshot, Init, Initialised, ParamStore, SnapshotError};
 pub use pool::max_pool2d_k3s2p1;
 pub use precision::Precision;
 

@@ -211,13 +211,14 @@ pub trait TrainOptimizer {
     }
 }
 
-/// `state[name]`, shaped like `like`, as a tensor of `like`'s dtype and device.
+/// `state[name]`, shaped like `like`, as a tensor of `like`'s state dtype ([`state_dtype`]: a
+/// bf16 parameter's SGD velocity stays f32, as it was trained and saved) on its device.
 pub(crate) fn restored(state: &HashMap<String, Tensor>, name: &str, like: &Tensor) -> Result<Tensor> {
     let t = state.get(name).ok_or_else(|| candle_core::Error::Msg(format!("optimizer state `{name}` is missing")))?;
     if t.dims() != like.dims() {
         candle_core::bail!("optimizer state `{name}` is {:?}, the parameter {:?}", t.dims(), like.dims())
     }
-    t.to_dtype(like.dtype())?.to_device(like.device())?.contiguous()?.copy()
+    t.to_dtype(state_dtype(like.dtype()))?.to_device(like.device())?.contiguous()?.copy()
 }
 
 pub(crate) fn step_count(state: &HashMap<String, Tensor>) -> Result<i64> {

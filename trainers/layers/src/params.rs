@@ -20,6 +20,8 @@ pub enum SnapshotError {
     Shape { path: String, name: String, found: Vec<usize>, expected: Vec<usize> },
     #[error("snapshot {path}: the model's parameter `{name}` is missing")]
     Missing { path: String, name: String },
+    #[error("snapshot {path} is corrupted: its tensors do not match the checksum written with them")]
+    Corrupted { path: String },
 }
 
 /// A parameter that a snapshot did not provide, left at its initial value (see
@@ -91,8 +93,7 @@ impl ParamStore {
     /// written beside the target and renamed over it, so an interrupted write keeps the old one.
     pub fn save(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
         let io = |source| SnapshotError::Io { path: path.display().to_string(), source };
-        let map = self.tensors();
-        write_atomically(path, |tmp| candle_core::safetensors::save(&map, tmp)).map_err(io)
+        write_snapshot(path, &self.tensors(), HashMap::new()).map_err(io)
     }
 
     /// Every parameter and buffer under its name, as a snapshot holds them.
@@ -107,9 +108,8 @@ impl ParamStore {
         rename: impl Fn(&str) -> Option<String>,
         replaceable: impl Fn(&str) -> bool,
     ) -> std::result::Result<Vec<Initialised>, SnapshotError> {
-        let p = path.display().to_string();
-        let tensors = candle_core::safetensors::load(path, &self.device).map_err(|source| SnapshotError::Io { path: p.clone(), source })?;
-        self.load_tensors(tensors, &p, rename, replaceable)
+        let (tensors, _) = read_snapshot(path, &self.device)?;
+        self.load_tensors(tensors, &path.display().to_string(), rename, replaceable)
     }
 
     /// Loads parameters and buffers from tensors read from the snapshot `origin`. `rename` maps a
@@ -147,6 +147,76 @@ impl ParamStore {
         }
         Ok(initialised)
     }
+}
+
+/// The metadata key of the checksum our snapshots carry.
+const CHECKSUM: &str = "checksum";
+
+/// A checksum of safetensors tensors: names, dtypes, shapes and bytes, added in name order. Not
+/// cryptographic: it catches a file damaged on disk or in transfer, which would otherwise load
+/// as finite garbage or fail steps later as a NaN loss.
+struct Checksum(u64);
+
+impl Checksum {
+    fn new() -> Self {
+        Checksum(0xcbf2_9ce4_8422_2325)
+    }
+
+    fn mix(&mut self, w: u64) {
+        self.0 = (self.0 ^ w).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29);
+    }
+
+    fn add(&mut self, name: &str, dtype: safetensors::Dtype, shape: &[usize], data: &[u8]) {
+        format!("{name}:{dtype:?}").bytes().for_each(|b| self.mix(b as u64));
+        shape.iter().for_each(|&d| self.mix(d as u64));
+        let words = data.chunks_exact(8);
+        let tail = words.remainder();
+        words.for_each(|w| self.mix(u64::from_le_bytes(w.try_into().expect("8 bytes"))));
+        tail.iter().for_each(|&b| self.mix(b as u64));
+        self.mix(data.len() as u64);
+    }
+
+    fn hex(&self) -> String {
+        format!("{:016x}", self.0)
+    }
+}
+
+/// Writes `tensors` as a safetensors file (atomically: [`write_atomically`]) with `metadata`
+/// and a checksum of the tensors, which [`read_snapshot`] verifies.
+pub fn write_snapshot(path: &Path, tensors: &HashMap<String, Tensor>, mut metadata: HashMap<String, String>) -> Result<()> {
+    use safetensors::View;
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let mut sum = Checksum::new();
+    for name in names {
+        // One tensor's bytes at a time: a copy of the whole model would double the memory.
+        let t = &tensors[name];
+        sum.add(name, View::dtype(t), t.dims(), &View::data(t));
+    }
+    metadata.insert(CHECKSUM.into(), sum.hex());
+    write_atomically(path, |tmp| safetensors::serialize_to_file(tensors.iter().map(|(k, v)| (k.as_str(), v)), Some(metadata), tmp).map_err(candle_core::Error::wrap))
+}
+
+/// Reads a safetensors file: its tensors (on `device`) and its metadata. A file that carries a
+/// checksum ([`write_snapshot`]: ours; published files have none) must match it.
+pub fn read_snapshot(path: &Path, device: &Device) -> std::result::Result<(HashMap<String, Tensor>, HashMap<String, String>), SnapshotError> {
+    let p = path.display().to_string();
+    let io = |source| SnapshotError::Io { path: p.clone(), source };
+    let bytes = std::fs::read(path).map_err(|e| io(e.into()))?;
+    let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| io(e.into()))?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| io(e.into()))?;
+    let metadata = header.metadata().clone().unwrap_or_default();
+    if let Some(written) = metadata.get(CHECKSUM) {
+        let mut views: Vec<_> = file.iter().collect();
+        views.sort_by(|a, b| a.0.cmp(b.0));
+        let mut sum = Checksum::new();
+        views.iter().for_each(|(name, v)| sum.add(name, v.dtype(), v.shape(), v.data()));
+        if sum.hex() != *written {
+            return Err(SnapshotError::Corrupted { path: p });
+        }
+    }
+    let tensors = candle_core::safetensors::load_buffer(&bytes, device).map_err(io)?;
+    Ok((tensors, metadata))
 }
 
 /// Writes a file through `write` to a temporary beside `path`, then renames it over `path`: an

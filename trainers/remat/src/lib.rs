@@ -30,8 +30,9 @@ pub enum Error {
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Policy(#[from] PolicyError),
-    #[error("{policy}: {source}")]
-    Plan { policy: String, source: Box<plan::PlanError> },
+    /// Not a `source`: the message already includes it, and a chain would print it twice.
+    #[error("{policy}: {reason}")]
+    Plan { policy: String, reason: Box<plan::PlanError> },
     #[error("stage graph: {0}")]
     Graph(String),
     #[error("stage {stage} (`{name}`): {source}")]

@@ -46,7 +46,10 @@ fn shrink(n: u64) {
 }
 
 /// Makes allocations fail once the live heap would exceed `bytes`, so a CPU run can emulate a
-/// smaller memory (the process aborts with "memory allocation of N bytes failed", like an OOM).
+/// smaller memory. The process then ends with exit 1 after one line on stderr naming the
+/// allocation and what the process was doing ([`CAP_REFUSAL`]), as an out-of-memory error would
+/// end it: returning the failure to Rust would abort (SIGABRT, exit 134, and its own message),
+/// and stable Rust has no way to turn it into an error.
 pub fn set_heap_cap(bytes: u64) {
     CAP.store(bytes, Ordering::Relaxed);
 }
@@ -87,13 +90,33 @@ pub fn set_activity(activity: Activity, stage: Option<usize>) {
 /// The first line of an allocation the cap refuses, which callers parse: it starts with this.
 pub const CAP_REFUSAL: &str = "heap cap: refused";
 
-fn over_cap(n: usize) -> bool {
-    let (live, cap) = (CURRENT.load(Ordering::Relaxed), CAP.load(Ordering::Relaxed));
-    let over = live.saturating_add(n as u64) > cap;
-    if over {
-        tell_refusal(n, live, cap);
+/// A second line for a refusal, naming what the user can change ([`set_refusal_hint`]).
+static HINT: std::sync::Mutex<&'static str> = std::sync::Mutex::new("");
+
+/// Sets the line written after a refusal from now on, e.g. which flags make the model too large
+/// while it is built ("" for none). Leaked: a hint is set a few times per process.
+pub fn set_refusal_hint(hint: String) {
+    let hint: &'static str = if hint.is_empty() { "" } else { Box::leak(hint.into_boxed_str()) };
+    if let Ok(mut h) = HINT.lock() {
+        *h = hint;
     }
-    over
+}
+
+/// The heap cap now.
+pub fn heap_cap() -> u64 {
+    CAP.load(Ordering::Relaxed)
+}
+
+/// Ends the process (exit 1, after [`tell_refusal`]) if allocating `n` more bytes would take the
+/// live heap above the cap.
+fn check_cap(n: usize) {
+    let (live, cap) = (CURRENT.load(Ordering::Relaxed), CAP.load(Ordering::Relaxed));
+    if live.saturating_add(n as u64) > cap {
+        tell_refusal(n, live, cap);
+        // SAFETY: ends the process at once, allocating nothing, running no destructor (which
+        // could allocate and re-enter the refusing allocator).
+        unsafe { libc::_exit(1) }
+    }
 }
 
 /// Writes to stderr, without allocating (the allocator is the caller), which allocation the cap
@@ -111,7 +134,16 @@ fn tell_refusal(n: usize, live: u64, cap: u64) {
     }
     let _ = writeln!(cur, "; {live} of {cap} bytes live");
     let len = cur.position() as usize;
-    let _ = std::io::stderr().lock().write_all(&buf[..len]);
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_all(&buf[..len]);
+    // `try_lock`: the refused allocation may come from a thread that holds it (it never does,
+    // setting a hint allocates before locking); a hint is not worth a deadlock.
+    if let Ok(hint) = HINT.try_lock() {
+        if !hint.is_empty() {
+            let _ = err.write_all(hint.as_bytes());
+            let _ = err.write_all(b"\n");
+        }
+    }
 }
 
 /// mimalloc's `mi_option_purge_delay` (15 in mimalloc 2 and 3): -1 never purges.
@@ -133,9 +165,7 @@ fn configure() {
 
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if over_cap(layout.size()) {
-            return std::ptr::null_mut();
-        }
+        check_cap(layout.size());
         configure();
         let p = MiMalloc.alloc(layout);
         if !p.is_null() {
@@ -145,9 +175,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if over_cap(layout.size()) {
-            return std::ptr::null_mut();
-        }
+        check_cap(layout.size());
         configure();
         let p = MiMalloc.alloc_zeroed(layout);
         if !p.is_null() {
@@ -162,9 +190,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if over_cap(new_size.saturating_sub(layout.size())) {
-            return std::ptr::null_mut();
-        }
+        check_cap(new_size.saturating_sub(layout.size()));
         let p = MiMalloc.realloc(ptr, layout, new_size);
         if !p.is_null() {
             shrink(layout.size() as u64);

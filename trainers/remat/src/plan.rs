@@ -157,8 +157,13 @@ pub enum PlanError {
     Extrapolate(usize, usize),
 }
 
+/// Bytes in MiB, or in KiB or bytes below a tenth of a MiB (`budget=1KiB` read "0.0 MiB").
 fn mib(bytes: u64) -> String {
-    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    match bytes {
+        b if b >= (1 << 20) / 10 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / (1u64 << 10) as f64),
+        b => format!("{b} B"),
+    }
 }
 
 /// Runs `f` and returns what it gave, the bytes it left live, its peak above that and its time.
@@ -652,7 +657,7 @@ pub fn resolve(policy: &Policy, profile: &Profile, fixed: u64, held_grads: u64, 
         Policy::Auto => available.ok_or_else(|| Error::Graph("`auto` needs a memory limit: a --memory-cap on the CPU, or a GPU's free memory".into()))?,
         other => return Ok((other.clone(), None)),
     };
-    let plan = profile.plan(budget, fixed, held_grads).map_err(|source| Error::Plan { policy: policy.to_string(), source: Box::new(source) })?;
+    let plan = profile.plan(budget, fixed, held_grads).map_err(|reason| Error::Plan { policy: policy.to_string(), reason: Box::new(reason) })?;
     Ok((plan.policy(), Some(plan)))
 }
 

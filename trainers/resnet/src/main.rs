@@ -70,8 +70,8 @@ fn main() -> Result<()> {
 /// One rank's training (the only one, without data parallelism).
 fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
     trainkit::check_lr(args.lr)?;
-    if args.classes == 0 {
-        bail!("--classes must be at least 1");
+    if args.classes < 2 {
+        bail!("--classes must be at least 2 (with one class the loss is 0 and nothing is learned)");
     }
     if args.batch == 0 || args.steps == 0 {
         bail!("--batch and --steps must be at least 1");
@@ -89,28 +89,29 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         }
         None => (Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.run.seed)), args.classes),
     };
-    let model = ResNet::new(Config { classes, dtype: args.run.dtype, ..args.preset.config() }, device, args.run.seed)?;
+    let config = Config { classes, dtype: args.run.dtype, ..args.preset.config() };
+    let model = trainkit::build_model("--preset, --classes", || Ok(ResNet::new(config, device, args.run.seed)?))?;
     args.init.load(&model, None)?;
     let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| {
         let (images, labels) = data.batch(step, n)?;
         Ok(model.inputs(&images, &labels, args.image_size, device)?)
     };
-    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
+    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &format!("--batch {} x --image-size {}", args.batch, args.image_size), &|n| inputs(0, n))? else {
         return Ok(());
     };
     trainkit::say!(
-        "ResNet {} params, {} blocks, policy {} ({} segments), batch {} x {}x{}, {classes} classes",
+        "ResNet {} params, {} blocks, policy {} ({}), batch {} x {}x{}, {classes} classes",
         model.params().count(),
         model.graph().blocks().len(),
         policy,
-        exec.segments().len(),
+        trainkit::segments(exec.segments().len()),
         args.batch,
         args.image_size,
         args.image_size
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group)?;
+    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group, &[("--image-size", args.image_size.to_string()), ("--classes", classes.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())])?;
     let start = log.resume(model.params(), opt.as_mut())?;
     let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
     for step in start..args.steps {

@@ -100,8 +100,9 @@ impl HubArgs {
 pub struct InitArgs {
     /// Start from these weights: a safetensors snapshot under the published names (Hugging Face,
     /// torchvision). A task head the snapshot lacks, or has for another number of classes, is
-    /// initialised instead, and the log names it.
-    #[arg(long)]
+    /// initialised instead, and the log names it. Not with --resume, whose training snapshot
+    /// holds the weights to continue from.
+    #[arg(long, conflicts_with = "resume")]
     pub init: Option<PathBuf>,
     /// Refuse weights that lack part of the model (the task head) instead of initialising it.
     #[arg(long)]

@@ -25,8 +25,9 @@ use std::path::Path;
 /// Set on every rank but the first of a data-parallel run: rank 0 speaks for all.
 static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Writes one line to stderr (or stdout), ending the process quietly with exit 0 when the reader
-/// has closed the pipe (`train-gpt2 ... 2>&1 | head -2`), where `eprintln!` would panic.
+/// Writes one line to stderr (or stdout), ending the process quietly when the reader has closed
+/// the pipe (`train-gpt2 ... 2>&1 | head -2`), where `eprintln!` would panic: with exit 141, as a
+/// process killed by SIGPIPE, since the run did not do its work (exit 0 told a script it had).
 pub fn say_line(stdout: bool, args: std::fmt::Arguments) {
     if QUIET.load(std::sync::atomic::Ordering::Relaxed) {
         return;
@@ -40,10 +41,14 @@ pub fn say_line(stdout: bool, args: std::fmt::Arguments) {
     };
     if let Err(e) = result {
         if e.kind() == std::io::ErrorKind::BrokenPipe {
-            std::process::exit(0);
+            std::process::exit(CLOSED_PIPE_EXIT);
         }
     }
 }
+
+/// The exit status of a run whose output pipe was closed: 128 + SIGPIPE, a shell's status for a
+/// process that signal ended.
+pub const CLOSED_PIPE_EXIT: i32 = 141;
 
 /// `eprintln!` that ends quietly on a closed pipe ([`say_line`]).
 #[macro_export]
@@ -118,11 +123,84 @@ pub fn auto_budget(device: &Device, cap: Option<u64>) -> Option<u64> {
     cap.or_else(|| free_memory(device).map(|free| free - free / 10))
 }
 
+/// Runs `f` with the heap capped at what this machine can give now (the live heap plus its
+/// available memory, or a lower cap already set), with `hint` as the line that follows a
+/// refusal: a model or a profile too large for the machine then ends the run with exit 1 and
+/// those two lines ([`remat::memory::set_heap_cap`]), instead of swapping the machine to a halt
+/// until the kernel's OOM killer ends it (or something else). The cap before is restored after.
+pub fn within_memory<T>(hint: String, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    use remat::memory::{heap_cap, heap_current, set_heap_cap, set_refusal_hint};
+    let before = heap_cap();
+    if let Some(free) = available_memory() {
+        set_heap_cap(before.min(heap_current().saturating_add(free)));
+    }
+    set_refusal_hint(hint);
+    let out = f();
+    set_refusal_hint(String::new());
+    set_heap_cap(before);
+    out
+}
+
+/// Builds a model with [`within_memory`]: `flags` name what sets its size (`--preset/--config`).
+pub fn build_model<M>(flags: &str, build: impl FnOnce() -> Result<M>) -> Result<M> {
+    let hint = format!("the model does not fit in this machine's available memory: choose a smaller one ({flags})");
+    remat::memory::set_activity(remat::memory::Activity::Build, None);
+    let model = within_memory(hint, build);
+    remat::memory::set_activity(remat::memory::Activity::Setup, None);
+    model
+}
+
+/// Refuses a training step the device cannot hold, before allocating it: the planner's
+/// prediction of the step under `policy` (a budget or `auto`: the least any plan needs), from
+/// profiles at batches 1 and 2 extrapolated to `batch` ([`remat::plan::Profile::extrapolated`],
+/// which over-predicts a little where temporaries are not linear in the batch), plus the state
+/// still to come (optimizer state, the inputs), against what the device can give. `sizes` names
+/// the flags that set the step's size. The profiles themselves run [`within_memory`].
+fn check_step_fits(
+    run: &RunArgs,
+    policy: &remat::Policy,
+    model: &impl layers::Model,
+    optimizer: &dyn layers::TrainOptimizer,
+    batch: usize,
+    sizes: &str,
+    inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
+) -> Result<()> {
+    use remat::plan::Profile;
+    let vars = model.params().vars();
+    let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let Some(free) = free_memory(&device) else { return Ok(()) };
+    let hint = format!("a training step does not fit in this machine's available memory: make it smaller ({sizes})");
+    let profile = within_memory(hint, || {
+        Ok(match batch {
+            1 | 2 => Profile::at_batch(model.graph(), inputs_at, &vars, batch, run.seed)?,
+            _ => Profile::extrapolated(model.graph(), inputs_at, &vars, (1, 2), batch, run.seed)?,
+        })
+    })?;
+    let inputs: u64 = inputs_at(1)?.iter().map(remat::memory::tensor_bytes).sum::<u64>().saturating_mul(batch as u64);
+    let counter = remat::memory::Counter::for_device(&device);
+    let held = if run.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
+    let least = profile.least_peak(held);
+    let peak = if policy.needs_plan() { least.estimate.peak } else { profile.predict_policy(policy, held)?.peak };
+    let more = memory_before_step(&device, optimizer, inputs)?.saturating_sub(counter.current()).saturating_add(peak);
+    if more > free {
+        let gib = |b: u64| b as f64 / 2f64.powi(30);
+        let other = if least.estimate.peak < peak { format!(" (the least any checkpoint plan needs is {:.1} GiB: {})", gib(least.estimate.peak), least.policy()) } else { String::new() };
+        bail!(
+            "{sizes}: a training step under {policy} needs {:.1} GiB beyond the model by the planner's prediction{other}; this device has {:.1} GiB available. Make the step smaller",
+            gib(more),
+            gib(free)
+        );
+    }
+    Ok(())
+}
+
 /// `--policy budget=SIZE`/`auto` and `--dry-run`: profiles the model's stages one at a time at
 /// the run's batch ([`remat::plan::Profile::at_batch`]: one stage's memory, not a step's).
 /// Returns the executor to train with and its policy (a budget resolved to its plan), or `None`
 /// after a dry run, which prints the prediction per phase for the policy and the fixed policies
-/// and trains nothing. `inputs_at(n)`: the graph inputs of a batch of `n`.
+/// and trains nothing. `inputs_at(n)`: the graph inputs of a batch of `n`. First, a step the
+/// device cannot hold is refused ([`check_step_fits`]; `sizes` names the flags that set its size).
+#[allow(clippy::too_many_arguments)]
 pub fn executor<'m>(
     run: &RunArgs,
     group: &Group,
@@ -130,8 +208,10 @@ pub fn executor<'m>(
     model: &'m impl layers::Model,
     optimizer: &dyn layers::TrainOptimizer,
     batch: usize,
+    sizes: &str,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<Option<(Executor<'m>, remat::Policy)>> {
+    check_step_fits(run, policy, model, optimizer, batch, sizes, inputs_at)?;
     let Some(resolved) = plan_policy(run, policy, model, optimizer, batch, inputs_at)? else { return Ok(None) };
     let policy = parallel::agreed_policy(group, policy, resolved)?;
     Ok(Some((Executor::new(model.graph(), &policy, model.params().vars(), rank_seed(run.seed, group.rank()))?, policy)))
@@ -152,7 +232,7 @@ fn plan_policy(
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<Option<remat::Policy>> {
     use remat::plan::{resolve, summary, Profile};
-    if !policy.needs_plan() && !run.dry_run {
+    if !policy.needs_plan() && !run.dry_run && run.memory_cap.is_none() {
         return Ok(Some(policy.clone()));
     }
     let vars = model.params().vars();
@@ -164,8 +244,24 @@ fn plan_policy(
     let fixed = memory_before_step(&device, optimizer, inputs)?;
     let held = if run.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
     let (resolved, plan) = resolve(policy, &profile, fixed, held, auto_budget(&device, run.memory_cap))?;
+    if let (Some(cap), None, false) = (run.memory_cap, &plan, run.dry_run) {
+        // A fixed policy under a cap: refused now if the planner says it cannot fit, where the
+        // run would otherwise end at the allocation that crosses the cap.
+        let need = fixed + profile.predict_policy(&resolved, held)?.peak;
+        if need > cap {
+            let least = profile.least_peak(held);
+            bail!(
+                "--policy {resolved} needs {:.1} MiB by the planner's prediction (state before the step {:.1} MiB), above --memory-cap {:.1} MiB; the least any checkpoint plan needs is {:.1} MiB ({}), and --policy auto picks the fastest plan that fits",
+                mib(need),
+                mib(fixed),
+                mib(cap),
+                mib(fixed + least.estimate.peak),
+                least.policy()
+            );
+        }
+    }
     if let Some(plan) = &plan {
-        say!("{policy}: {} ({} segments), predicted {:.1} MiB in all", resolved, plan.starts.len(), mib(fixed + plan.estimate.peak));
+        say!("{policy}: {} ({}), predicted {:.1} MiB in all", resolved, segments(plan.starts.len()), mib(fixed + plan.estimate.peak));
     }
     if !run.dry_run {
         return Ok(Some(resolved));
@@ -185,15 +281,61 @@ fn plan_policy(
 }
 
 /// Fails now, before any training, if `path` (given with `flag`) cannot be written: a directory,
-/// a missing folder, no permission. Before, a bad `--save` failed after the last step.
+/// a missing folder, no permission, or something that exists and is not a regular file (a device
+/// such as /dev/full, a symlink, a pipe), which writing would replace or feed. Before, a bad
+/// `--save` failed after the last step, and `--save /dev/full` turned the device into a file.
 fn check_writable(path: &Path, flag: &str) -> Result<()> {
     if path.is_dir() {
         bail!("{flag} {} is a directory; give a file name", path.display());
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_file() {
+            let kind = if meta.file_type().is_symlink() { "a symbolic link" } else { "not a regular file" };
+            bail!("{flag} {} exists and is {kind}; give the path of a regular file (it would be replaced)", path.display());
+        }
     }
     let probe = path.with_extension("probe");
     std::fs::File::create(&probe).with_context(|| format!("{flag} {}: cannot write there", path.display()))?;
     std::fs::remove_file(&probe).ok();
     Ok(())
+}
+
+/// The files a run writes (`--save`, its training snapshot, `--log-json`), checked before
+/// training: each writable ([`check_writable`]) and no two the same (`--save X --log-json X`
+/// would interleave a log with a snapshot).
+fn check_outputs(run: &RunArgs) -> Result<()> {
+    let mut outputs: Vec<(String, &Path)> = Vec::new();
+    let training = run.save.as_deref().map(training_snapshot_path);
+    if let Some(save) = &run.save {
+        outputs.push(("--save".into(), save));
+    }
+    if let Some(train) = &training {
+        outputs.push(("--save's training snapshot".into(), train));
+    }
+    if let Some(log) = &run.log_json {
+        outputs.push(("--log-json".into(), log));
+    }
+    for (i, (flag, path)) in outputs.iter().enumerate() {
+        check_writable(path, flag)?;
+        if let Some((other, _)) = outputs[..i].iter().find(|(_, p)| same_file(p, path)) {
+            bail!("{flag} and {other} are both {}; give each its own file", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// Whether two paths name one file: equal as given, or (where both exist) the same inode.
+fn same_file(a: &Path, b: &Path) -> bool {
+    if a == b {
+        return true;
+    }
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => match (a.parent().and_then(|p| std::fs::canonicalize(p).ok()), b.parent().and_then(|p| std::fs::canonicalize(p).ok())) {
+            (Some(x), Some(y)) => x.join(a.file_name().unwrap_or_default()) == y.join(b.file_name().unwrap_or_default()),
+            _ => false,
+        },
+    }
 }
 
 /// One line of `--log-json` after a training step.
@@ -270,8 +412,9 @@ pub struct RunArgs {
     #[arg(long)]
     pub loss_scale: Option<f64>,
     /// Predict the run's memory (per phase, for this policy and the fixed ones) and step time
-    /// from a profile of the model's stages (one at a time), print it, and train nothing.
-    #[arg(long)]
+    /// from a profile of the model's stages (one at a time), print it, and train nothing (so
+    /// nothing to save, resume or log).
+    #[arg(long, conflicts_with_all = ["save", "resume", "log_json"])]
     pub dry_run: bool,
     /// The memory the run may use, e.g. 8GiB: on the CPU allocations beyond it fail (an emulated
     /// smaller device), and `--policy auto` plans for it (without it, `auto` plans for the
@@ -289,6 +432,36 @@ pub struct RunArgs {
     /// snapshots gather the whole state on rank 0.
     #[arg(long)]
     pub shard_optimizer: bool,
+}
+
+/// The most held-out batches an evaluation runs (`--eval-batches`): each is a forward pass, and
+/// 10^11 of them ran for days without a word.
+const MAX_EVAL_BATCHES: usize = 10_000;
+
+impl RunArgs {
+    /// Refuses values the run could only ignore or misuse, before anything starts: counts of 0
+    /// (`--save-every 0` never saved, `--eval-every 0` and `--eval-batches 0` never evaluated),
+    /// `--eval-batches` beyond [`MAX_EVAL_BATCHES`], a loss scale f32 cannot hold.
+    pub fn check(&self) -> Result<()> {
+        let positive = [("--save-every", self.save_every), ("--eval-every", self.eval_every), ("--eval-batches", Some(self.eval_batches)), ("--ranks", Some(self.ranks)), ("--accumulate", Some(self.accumulate))];
+        for (flag, value) in positive {
+            if value == Some(0) {
+                bail!("{flag} must be at least 1");
+            }
+        }
+        if self.eval_batches > MAX_EVAL_BATCHES {
+            bail!("--eval-batches {} is more than {MAX_EVAL_BATCHES} (each is a forward pass)", self.eval_batches);
+        }
+        if let Some(scale) = self.loss_scale {
+            if self.dtype != layers::Precision::F16 {
+                bail!("--loss-scale applies to --dtype f16 only (this run: {})", self.dtype);
+            }
+            if !(scale.is_finite() && scale > 0.0 && scale <= f32::MAX as f64) {
+                bail!("--loss-scale {scale} is not a positive number f32 can hold (at most {:e}): every step would overflow and be skipped", f32::MAX);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Dynamic loss scaling for f16, as PyTorch's `GradScaler`: backward starts from the loss times
@@ -377,10 +550,49 @@ const SEED: &str = "training.seed";
 const LOSS_SCALE: &str = "training.loss_scale";
 const GOOD_STEPS: &str = "training.loss_scale_good_steps";
 
+/// The metadata key of a training snapshot's [`RunConfig`].
+const CONFIG: &str = "training.config";
+
+/// The flags that decide what a run computes, kept in its training snapshots: a resumed run must
+/// give the same ones, or it would continue another run (AdamW's moments dropped when resuming as
+/// SGD, another batch size's data order). Where a run goes and what it writes may differ
+/// (`--policy`: gradients are bit-identical under every policy; `--steps`, `--device`, the
+/// output files, evaluation). The seed is checked on its own ([`load_training`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct RunConfig(std::collections::BTreeMap<String, String>);
+
+impl RunConfig {
+    /// The shared flags of `run` at (per-rank) batch `batch` on `ranks` ranks, and the trainer's
+    /// own (`fields`: the flag and its value, e.g. `("--seq", "128")`).
+    pub fn new(run: &RunArgs, batch: usize, ranks: usize, fields: &[(&str, String)]) -> Self {
+        let shared = [("--batch", batch.to_string()), ("--dtype", run.dtype.to_string()), ("--accumulate", run.accumulate.to_string()), ("--ranks", ranks.to_string())];
+        RunConfig(shared.into_iter().chain(fields.iter().cloned()).map(|(k, v)| (k.to_string(), v)).collect())
+    }
+
+    /// Fails naming the first flag whose value differs from `saved`'s (the snapshot's), with both.
+    fn check_against(&self, saved: &RunConfig, snapshot: &Path) -> Result<()> {
+        let flags: std::collections::BTreeSet<&String> = self.0.keys().chain(saved.0.keys()).collect();
+        for flag in flags {
+            let (now, then) = (self.0.get(flag), saved.0.get(flag));
+            if now != then {
+                let show = |v: Option<&String>| v.map_or("not given".to_string(), |v| v.clone());
+                bail!(
+                    "--resume {}: {flag} is {} in this run but was {} in the run that wrote the snapshot; resume with the same flags (only --policy, --steps, --device and the output files may change)",
+                    snapshot.display(),
+                    show(now),
+                    show(then)
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Writes a training snapshot: every parameter and buffer, the optimizer's `state`, the next step,
-/// the seed (the data and every random draw follow from the seed and the step) and the f16 loss
-/// scaler's state. Written beside the target and renamed over it, so an interrupted write keeps
-/// the previous one.
+/// the seed (the data and every random draw follow from the seed and the step), the f16 loss
+/// scaler's state, and the run's `config` with a checksum in the metadata
+/// ([`layers::write_snapshot`]). Written beside the target and renamed over it, so an interrupted
+/// write keeps the previous one.
 pub fn save_training(
     path: &Path,
     store: &layers::ParamStore,
@@ -388,6 +600,7 @@ pub fn save_training(
     next_step: usize,
     seed: u64,
     scaler: Option<LossScaler>,
+    config: &RunConfig,
 ) -> Result<()> {
     let mut map = store.tensors();
     map.extend(state.into_iter().map(|(k, v)| (format!("{OPTIMIZER}{k}"), v)));
@@ -397,20 +610,23 @@ pub fn save_training(
         map.insert(LOSS_SCALE.into(), Tensor::new(s.scale, &Device::Cpu)?);
         map.insert(GOOD_STEPS.into(), Tensor::new(s.good_steps as i64, &Device::Cpu)?);
     }
-    layers::write_atomically(path, |tmp| candle_core::safetensors::save(&map, tmp)).with_context(|| format!("writing {}", path.display()))
+    let metadata = HashMap::from([(CONFIG.to_string(), serde_json::to_string(config)?)]);
+    layers::write_snapshot(path, &map, metadata).with_context(|| format!("writing {}", path.display()))
 }
 
 /// Loads a training snapshot into the model, the optimizer and the loss scaler (where the run
-/// has one); returns the step to continue from.
+/// has one), after checking its checksum, seed and configuration against this run's; returns the
+/// step to continue from.
 pub fn load_training(
     path: &Path,
     store: &layers::ParamStore,
     opt: &mut dyn layers::TrainOptimizer,
     seed: u64,
     scaler: Option<&mut LossScaler>,
+    config: &RunConfig,
 ) -> Result<usize> {
     let ctx = || format!("--resume {}", path.display());
-    let tensors = candle_core::safetensors::load(path, &Device::Cpu).with_context(ctx)?;
+    let (tensors, metadata) = layers::read_snapshot(path, &Device::Cpu).with_context(ctx)?;
     let scalar = |name: &str| -> Result<i64> {
         let t = tensors.get(name).with_context(|| format!("{} is not a training snapshot (no `{name}`)", path.display()))?;
         Ok(t.to_scalar::<i64>()?)
@@ -418,6 +634,10 @@ pub fn load_training(
     let (next, saved_seed) = (scalar(NEXT_STEP)?, scalar(SEED)?);
     if saved_seed as u64 != seed {
         bail!("{} was written with --seed {saved_seed}; resume with the same seed (this run has {seed})", path.display());
+    }
+    match metadata.get(CONFIG) {
+        Some(saved) => config.check_against(&serde_json::from_str(saved).with_context(ctx)?, path)?,
+        None => say!("--resume {}: written before training snapshots kept their run's flags; make sure this run gives the same ones", path.display()),
     }
     if let Some(scaler) = scaler {
         let scale = tensors.get(LOSS_SCALE).with_context(|| format!("{} was not written by an f16 run (no loss scale)", path.display()))?;
@@ -446,6 +666,14 @@ pub struct StepLog<'g> {
     accumulate: usize,
     /// f16 runs only.
     scaler: Option<LossScaler>,
+    config: RunConfig,
+    /// What a data batch is, by number, where the data comes from files ([`StepLog::name_batches`]).
+    batch_names: Option<Box<dyn Fn(u64) -> String + 'g>>,
+}
+
+/// "1 segment", "3 segments": what a log line says of a cut.
+pub fn segments(n: usize) -> String {
+    format!("{n} segment{}", if n == 1 { "" } else { "s" })
 }
 
 pub fn mib(bytes: u64) -> f64 {
@@ -455,18 +683,12 @@ pub fn mib(bytes: u64) -> f64 {
 impl<'g> StepLog<'g> {
     /// A log for `steps` optimizer steps of (micro-)batches of `batch` samples, with the JSON
     /// file, snapshot schedule and accumulation of `run`, on the ranks of `group` (rank 0 writes
-    /// the log and the snapshots; gradients and losses are averaged over the ranks).
-    pub fn new(steps: usize, batch: usize, run: &RunArgs, group: &'g Group) -> Result<Self> {
-        if run.accumulate == 0 {
-            bail!("--accumulate must be at least 1 (micro-batches per optimizer step)");
-        }
-        if run.dtype != layers::Precision::F16 && run.loss_scale.is_some() {
-            bail!("--loss-scale applies to --dtype f16 only (this run: {})", run.dtype);
-        }
+    /// the log and the snapshots; gradients and losses are averaged over the ranks). `fields`:
+    /// the trainer's own flags that decide what the run computes ([`RunConfig`]), which its
+    /// training snapshots keep and a resume must match.
+    pub fn new(steps: usize, batch: usize, run: &RunArgs, group: &'g Group, fields: &[(&str, String)]) -> Result<Self> {
+        run.check()?;
         let loss_scale = run.loss_scale.unwrap_or(LossScaler::default().scale);
-        if !(loss_scale.is_finite() && loss_scale > 0.0) {
-            bail!("--loss-scale {loss_scale} is not a positive finite number");
-        }
         if let Some(cap) = run.memory_cap {
             remat::memory::set_heap_cap(cap);
         }
@@ -474,8 +696,8 @@ impl<'g> StepLog<'g> {
             say!("accumulating {} micro-batches of {batch} per optimizer step: effective batch {}", run.accumulate, run.accumulate * batch);
         }
         let bar = ProgressBar::new(steps as u64).with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
-        if let (Some(save), true) = (&run.save, group.is_root()) {
-            check_writable(save, "--save")?;
+        if group.is_root() {
+            check_outputs(run)?;
         }
         // A resumed run appends to the log of the run it continues.
         let json = match run.log_json.as_ref().filter(|_| group.is_root()) {
@@ -505,14 +727,22 @@ impl<'g> StepLog<'g> {
             eval_batches: run.eval_batches,
             accumulate: run.accumulate,
             scaler: (run.dtype == layers::Precision::F16).then_some(LossScaler { scale: loss_scale, good_steps: 0 }),
+            config: RunConfig::new(run, batch, group.world(), fields),
+            batch_names: None,
         })
+    }
+
+    /// Names data batch `n` in errors (`names(n)`: e.g. the files it was read from), for a step
+    /// whose gradients are not finite.
+    pub fn name_batches(&mut self, names: impl Fn(u64) -> String + 'g) {
+        self.batch_names = Some(Box::new(names));
     }
 
     /// With `--resume`, loads its training snapshot into the model and the optimizer and returns
     /// the step to continue from; 0 without.
     pub fn resume(&mut self, store: &layers::ParamStore, opt: &mut dyn layers::TrainOptimizer) -> Result<usize> {
         let Some(path) = &self.resume else { return Ok(0) };
-        let next = load_training(path, store, opt, self.seed, self.scaler.as_mut())?;
+        let next = load_training(path, store, opt, self.seed, self.scaler.as_mut(), &self.config)?;
         if next > self.steps {
             bail!("{} is at step {next}, beyond --steps {}", path.display(), self.steps);
         }
@@ -537,7 +767,7 @@ impl<'g> StepLog<'g> {
         let Some(state) = opt.snapshot_state()? else { return Ok(()) };
         let Some(path) = self.save.as_deref().filter(|_| self.group.is_root()) else { return Ok(()) };
         save_weights(path)?;
-        save_training(&training_snapshot_path(path), store, state, step + 1, self.seed, self.scaler)
+        save_training(&training_snapshot_path(path), store, state, step + 1, self.seed, self.scaler, &self.config)
     }
 
     /// Whether something done every `every` steps (if given) and after the last is due after `step`.
@@ -587,12 +817,34 @@ impl<'g> StepLog<'g> {
         let (mut grads, mut total) = (GradStore::default(), 0f64);
         let batches = micro_batches(step as u64, self.accumulate);
         let last = batches.end - 1;
-        for n in batches {
+        let mut non_finite_losses = Vec::new();
+        for n in batches.clone() {
             let inputs = inputs(n)?;
             meter.get_or_insert_with(|| Meter::start(inputs[0].device()));
             let out = parallel::accumulate(self.group, exec, &inputs, n, last, grads)?;
-            total += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+            let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            if !loss.is_finite() {
+                non_finite_losses.push(n);
+            }
+            total += loss as f64;
             grads = out.grads;
+        }
+        // Without a loss scaler (whose rule is to skip such a step), a non-finite gradient ends
+        // the run before it reaches the weights: a NaN in the data otherwise trains on silently.
+        if self.scaler.is_none() && !all_finite(&grads, exec.params())? {
+            // The micro-batches whose loss was not finite, or where all were, every one of the step.
+            let suspects = if non_finite_losses.is_empty() { batches.collect() } else { non_finite_losses };
+            let named: Vec<String> = suspects
+                .into_iter()
+                .map(|n| match &self.batch_names {
+                    Some(names) => format!("data batch {n}: {}", names(n)),
+                    None => format!("data batch {n}"),
+                })
+                .collect();
+            bail!(
+                "step {step}: the gradients are not finite, so the weights were not updated; a NaN or an infinity in the data ({}), or a diverging run (a lower --lr may help)",
+                named.join("; ")
+            );
         }
         if finish_gradients(&mut grads, exec.params(), self.accumulate, self.scaler.as_mut())? {
             update(&grads)?;
@@ -866,4 +1118,39 @@ pub fn assert_resume_is_bit_identical(bin: &str, args: &[&str]) {
         assert_eq!(std::fs::metadata(dir.join(name)).unwrap().permissions().mode() & 0o777, 0o644, "{name}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The command lines of README.md that run the binary `bin` (`cargo run ... --bin train-gpt2 --
+/// ARGS`, `cargo run ... -p bench-harness -- ARGS`, `target/release/train-gpt2 ARGS`; lines ending
+/// in `\` joined, `# comments` dropped): each one's ARGS, for a test to check that they still parse.
+pub fn readme_commands(bin: &str) -> Vec<Vec<String>> {
+    let readme = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+    let text = std::fs::read_to_string(&readme).unwrap_or_else(|e| panic!("{}: {e}", readme.display()));
+    let joined = text.replace("\\\n", " ");
+    let starts = [format!("--bin {bin} -- "), format!("target/release/{bin} ")];
+    let mut commands = Vec::new();
+    for line in joined.lines() {
+        let line = line.split(" # ").next().unwrap_or("").trim();
+        let harness = bin == "bench-harness" && line.starts_with("cargo run") && line.contains("-p bench-harness");
+        let args = match starts.iter().find_map(|s| line.split_once(s.as_str())) {
+            Some((_, args)) => args,
+            None if harness => line.split_once(" -- ").map_or("", |(_, args)| args),
+            None => continue,
+        };
+        // Up to the end of the command: a pipe, a redirection or the next command.
+        commands.push(args.split_whitespace().take_while(|w| !["&&", "||", "|", ";"].contains(w) && !w.starts_with('>') && !w.starts_with("2>")).map(str::to_string).collect());
+    }
+    commands
+}
+
+/// Fails unless every README command line of `bin` ([`readme_commands`]; at least `at_least` of
+/// them) still parses: run with `--help` last, which the parser answers only once every flag
+/// before it exists and its value reads.
+pub fn assert_readme_commands_parse(bin: &str, path: &str, at_least: usize) {
+    let commands = readme_commands(bin);
+    assert!(commands.len() >= at_least, "README.md has {} command lines of {bin}, expected {at_least} or more", commands.len());
+    for args in commands {
+        let out = std::process::Command::new(path).args(&args).arg("--help").output().unwrap();
+        assert!(out.status.success(), "README.md: {bin} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    }
 }

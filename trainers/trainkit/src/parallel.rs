@@ -18,6 +18,7 @@ use std::collections::HashMap;
 /// fail). Under a launcher, the launcher's ranks; otherwise one. Every rank but the first is
 /// quiet.
 pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
+    run.check()?;
     let device = crate::device(&run.device)?;
     let group = Group::from_launcher(&device)?;
     if run.ranks > 1 && group.world() == 1 {

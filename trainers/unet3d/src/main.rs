@@ -69,8 +69,8 @@ fn main() -> Result<()> {
 /// One rank's training (the only one, without data parallelism).
 fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
     trainkit::check_lr(args.lr)?;
-    if args.classes == 0 {
-        bail!("--classes must be at least 1");
+    if args.classes < 2 {
+        bail!("--classes must be at least 2 (with one class the loss is 0 and nothing is learned)");
     }
     if args.batch == 0 || args.steps == 0 {
         bail!("--batch and --steps must be at least 1");
@@ -99,7 +99,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         dtype: args.run.dtype,
         ..args.preset.config()
     };
-    let model = UNet3d::new(config, device, args.run.seed)?;
+    let model = trainkit::build_model("--preset, --classes", || Ok(UNet3d::new(config, device, args.run.seed)?))?;
     let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> {
         let (voxels, labels) = match &data {
@@ -114,19 +114,30 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         }
         Ok(model.inputs(&voxels, &labels, args.volume, device)?)
     };
-    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &|n| inputs(0, n))? else {
+    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &format!("--batch {} x --volume {}", args.batch, args.volume), &|n| inputs(0, n))? else {
         return Ok(());
     };
     trainkit::say!(
-        "3D U-Net {} params, policy {} ({} segments), batch {} x {}^3",
+        "3D U-Net {} params, policy {} ({}), batch {} x {}^3",
         model.params().count(),
         policy,
-        exec.segments().len(),
+        trainkit::segments(exec.segments().len()),
         args.batch,
         args.volume
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group)?;
+    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group, &[
+        ("--volume", args.volume.to_string()),
+        ("--classes", args.classes.to_string()),
+        ("--group-norm", args.group_norm.map_or("not given".into(), |g| g.to_string())),
+        ("--loss", format!("{:?}", args.loss).to_lowercase()),
+        ("--optimizer", args.optimizer.to_string()),
+        ("--lr", args.lr.to_string()),
+    ])?;
+    if let Data::Npy(volumes) = &data {
+        let per_step = args.batch * group.world();
+        log.name_batches(move |n| volumes.files(n, per_step).join(", "));
+    }
     let start = log.resume(model.params(), opt.as_mut())?;
     let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
     for step in start..args.steps {

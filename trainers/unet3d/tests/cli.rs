@@ -14,5 +14,7 @@ fn fails_saying(args: &[&str], needle: &str) {
 #[test]
 fn impossible_groups_and_classes_are_refused() {
     fails_saying(&["--group-norm", "1000"], "GroupNorm groups do not divide");
-    fails_saying(&["--classes", "0"], "--classes must be at least 1");
+    fails_saying(&["--classes", "0"], "--classes must be at least 2");
+    // One class trained at loss 0.
+    fails_saying(&["--classes", "1"], "--classes must be at least 2");
 }
