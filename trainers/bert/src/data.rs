@@ -43,7 +43,14 @@ pub struct MaskedBatch {
 /// masking is reproducible. `ids` holds rows of `row_len` tokens; a row where no token was chosen
 /// has its first non-special token masked, so that every row (and so every data-parallel rank's
 /// share of a batch) has a position to score. Returns (input ids, labels, weights).
-pub fn mask_tokens(ids: &[u32], row_len: usize, key: RngKey, vocab_size: usize, mask_id: u32, is_special: impl Fn(u32) -> bool) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+pub fn mask_tokens(
+    ids: &[u32],
+    row_len: usize,
+    key: RngKey,
+    vocab_size: usize,
+    mask_id: u32,
+    is_special: impl Fn(u32) -> bool,
+) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
     let u = key.uniform(3 * ids.len());
     let (mut input_ids, mut weights) = (ids.to_vec(), vec![0.0; ids.len()]);
     for (i, &id) in ids.iter().enumerate() {
@@ -145,7 +152,8 @@ impl MlmData {
         // Cut here rather than in `Examples`, to drop the pieces with nothing to predict (only
         // special tokens: `[UNK]`s, or a literal `[PAD]` in the text): a batch of them would have
         // no position to score.
-        let pieces: Vec<Vec<u32>> = docs.iter().flat_map(|d| d.chunks(seq - 2)).filter(|p| p.iter().any(|&id| !specials.is_special(id))).map(<[u32]>::to_vec).collect();
+        let pieces: Vec<Vec<u32>> =
+            docs.iter().flat_map(|d| d.chunks(seq - 2)).filter(|p| p.iter().any(|&id| !specials.is_special(id))).map(<[u32]>::to_vec).collect();
         if pieces.is_empty() {
             return Err(MlmDataError::NothingToPredict);
         }

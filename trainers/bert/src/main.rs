@@ -89,7 +89,17 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.batch(step, n), device)?) };
     // Planned for the longest batch the data can give (--text batches are padded to their own longest row).
     let longest = |n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.full_length_batch(0, n), device)?) };
-    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &format!("--batch {} x --seq {}", args.batch, args.seq), &longest)? else {
+    let Some((exec, policy)) = trainkit::executor(
+        &args.run,
+        group,
+        &args.policy,
+        &model,
+        opt.as_ref(),
+        args.batch,
+        &format!("--batch {} x --seq {}", args.batch, args.seq),
+        &longest,
+    )?
+    else {
         return Ok(());
     };
     trainkit::say!(
@@ -103,7 +113,13 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         data.vocab_len
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group, &[("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())])?;
+    let mut log = trainkit::StepLog::new(
+        args.steps,
+        args.batch,
+        &args.run,
+        group,
+        &[("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
+    )?;
     let start = log.resume(model.params(), opt.as_mut())?;
     let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
     for step in start..args.steps {

@@ -6,6 +6,7 @@ use bert::{Bert, Config, MlmData};
 use candle_core::Device;
 use candle_nn::Optimizer;
 use layers::Model;
+use layers::Precision;
 use layers::{AdamW, ParamsAdamW};
 use remat::{Executor, Policy};
 use std::collections::BTreeMap;
@@ -38,11 +39,11 @@ fn data(padded: bool, vocab_size: usize, seq: usize) -> MlmData {
 }
 
 fn train(policy: &str, replay_rng: bool) -> Trace {
-    train_on(policy, replay_rng, false)
+    train_on(policy, replay_rng, false, Precision::F32)
 }
 
-fn train_on(policy: &str, replay_rng: bool, padded: bool) -> Trace {
-    let cfg = Config::tiny(6, 32);
+fn train_on(policy: &str, replay_rng: bool, padded: bool, dtype: Precision) -> Trace {
+    let cfg = Config { dtype, ..Config::tiny(6, 32) };
     let (batch, seq) = (2, 24);
     let model = Bert::new(cfg.clone(), &Device::Cpu, 42).unwrap();
     let mut exec = Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 7).unwrap();
@@ -57,7 +58,7 @@ fn train_on(policy: &str, replay_rng: bool, padded: bool) -> Trace {
             assert_eq!(padded, m.attention_mask.contains(&0.0), "padded batches must hold padding, full-length ones none");
             let out = exec.step(&model.inputs(&m, &Device::Cpu).unwrap(), step).unwrap();
             opt.step(&out.grads).unwrap();
-            (out.loss.to_scalar::<f32>().unwrap().to_bits(), model.params().grad_bits(&out.grads).unwrap())
+            (out.loss.to_dtype(candle_core::DType::F32).unwrap().to_scalar::<f32>().unwrap().to_bits(), model.params().grad_bits(&out.grads).unwrap())
         })
         .collect()
 }
@@ -65,19 +66,27 @@ fn train_on(policy: &str, replay_rng: bool, padded: bool) -> Trace {
 #[test]
 fn gradients_equal_off_bit_for_bit() {
     for padded in [false, true] {
-        assert_policies_match_off(padded);
+        assert_policies_match_off(padded, Precision::F32);
     }
 }
 
-fn assert_policies_match_off(padded: bool) {
-    let off = train_on("off", true, padded);
+/// The same in mixed precision, on padded batches (before, only GPT-2 was checked in bf16 and f16).
+#[test]
+fn half_precision_gradients_equal_off_bit_for_bit() {
+    for dtype in [Precision::Bf16, Precision::F16, Precision::Bf16Weights] {
+        assert_policies_match_off(true, dtype);
+    }
+}
+
+fn assert_policies_match_off(padded: bool, dtype: Precision) {
+    let off = train_on("off", true, padded, dtype);
     for policy in ["sqrt", "every-two-blocks", "every-n=1"] {
-        let run = train_on(policy, true, padded);
+        let run = train_on(policy, true, padded, dtype);
         for (step, (a, b)) in off.iter().zip(&run).enumerate() {
-            assert_eq!(a.0, b.0, "{policy} (padded: {padded}): loss differs at step {step}");
+            assert_eq!(a.0, b.0, "{policy} (padded: {padded}, {dtype}): loss differs at step {step}");
             assert_eq!(a.1.len(), b.1.len(), "{policy}");
             for (name, g) in &a.1 {
-                assert!(g == &b.1[name], "{policy} (padded: {padded}): gradient of {name} differs at step {step}");
+                assert!(g == &b.1[name], "{policy} (padded: {padded}, {dtype}): gradient of {name} differs at step {step}");
             }
         }
     }

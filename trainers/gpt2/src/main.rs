@@ -98,7 +98,11 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         let (x, y) = batcher.batch(step, n);
         Ok(model.inputs(&x, &y, n, args.seq, device)?)
     };
-    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &format!("--batch {} x --seq {}", args.batch, args.seq), &|n| inputs(0, n))? else {
+    let Some((exec, policy)) =
+        trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &format!("--batch {} x --seq {}", args.batch, args.seq), &|n| {
+            inputs(0, n)
+        })?
+    else {
         return Ok(());
     };
     trainkit::say!(
@@ -111,7 +115,13 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         args.seq
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group, &[("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())])?;
+    let mut log = trainkit::StepLog::new(
+        args.steps,
+        args.batch,
+        &args.run,
+        group,
+        &[("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
+    )?;
     let start = log.resume(model.params(), opt.as_mut())?;
     let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
     for step in start..args.steps {

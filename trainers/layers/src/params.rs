@@ -194,12 +194,17 @@ pub fn write_snapshot(path: &Path, tensors: &HashMap<String, Tensor>, mut metada
         sum.add(name, View::dtype(t), t.dims(), &View::data(t));
     }
     metadata.insert(CHECKSUM.into(), sum.hex());
-    write_atomically(path, |tmp| safetensors::serialize_to_file(tensors.iter().map(|(k, v)| (k.as_str(), v)), Some(metadata), tmp).map_err(candle_core::Error::wrap))
+    write_atomically(path, |tmp| {
+        safetensors::serialize_to_file(tensors.iter().map(|(k, v)| (k.as_str(), v)), Some(metadata), tmp).map_err(candle_core::Error::wrap)
+    })
 }
+
+/// A snapshot's tensors by name, and its metadata.
+pub type Snapshot = (HashMap<String, Tensor>, HashMap<String, String>);
 
 /// Reads a safetensors file: its tensors (on `device`) and its metadata. A file that carries a
 /// checksum ([`write_snapshot`]: ours; published files have none) must match it.
-pub fn read_snapshot(path: &Path, device: &Device) -> std::result::Result<(HashMap<String, Tensor>, HashMap<String, String>), SnapshotError> {
+pub fn read_snapshot(path: &Path, device: &Device) -> std::result::Result<Snapshot, SnapshotError> {
     let p = path.display().to_string();
     let io = |source| SnapshotError::Io { path: p.clone(), source };
     let bytes = std::fs::read(path).map_err(|e| io(e.into()))?;

@@ -32,11 +32,14 @@ fn has_nan(t: &Tensor) -> Result<bool> {
 /// max-pooling's input or an embedding table: theirs stay finite).
 struct Input(&'static str, Var, usize, bool);
 
+/// An op over its inputs.
+type Op = Box<dyn Fn(&[Var]) -> Result<Tensor>>;
+
 /// An op under test: its inputs and `op` over them.
-struct Case<'a> {
+struct Case {
     name: &'static str,
     inputs: Vec<Input>,
-    op: Box<dyn Fn(&[Var]) -> Result<Tensor> + 'a>,
+    op: Op,
 }
 
 fn check(case: &Case, value: f32) -> Result<()> {
@@ -61,25 +64,28 @@ fn check(case: &Case, value: f32) -> Result<()> {
     Ok(())
 }
 
-fn cases(dev: &Device) -> Result<Vec<Case<'static>>> {
+fn cases(dev: &Device) -> Result<Vec<Case>> {
     let targets = Tensor::new(&[1u32, 0, 3, 2], dev)?;
     let ids = Tensor::new(&[2u32, 0, 2], dev)?;
     let key = RngKey::named(3, "dropout");
     Ok(vec![
         Case {
             name: "layer_norm",
-            inputs: vec![Input("x", normal("ln-x", &[3, 5])?, 4, true), Input("weight", normal("ln-w", &[5])?, 1, true), Input("bias", normal("ln-b", &[5])?, 2, false)],
-            op: Box::new(|v| fused::layer_norm(&v[0], &v[1], &v[2], 1e-5))
+            inputs: vec![
+                Input("x", normal("ln-x", &[3, 5])?, 4, true),
+                Input("weight", normal("ln-w", &[5])?, 1, true),
+                Input("bias", normal("ln-b", &[5])?, 2, false),
+            ],
+            op: Box::new(|v| fused::layer_norm(&v[0], &v[1], &v[2], 1e-5)),
         },
-        Case {
-            name: "softmax",
-            inputs: vec![Input("x", normal("sm-x", &[2, 3, 4])?, 5, true)],
-            op: Box::new(|v| fused::softmax_last_dim(&v[0], 0.5, true))
-        },
+        Case { name: "softmax", inputs: vec![Input("x", normal("sm-x", &[2, 3, 4])?, 5, true)], op: Box::new(|v| fused::softmax_last_dim(&v[0], 0.5, true)) },
         Case {
             name: "cross_entropy",
-            inputs: vec![Input("logits", normal("ce-l", &[4, 5])?, 7, true), Input("weights", Var::from_tensor(&Tensor::new(&[1f32, 0.5, 2.0, 1.0], dev)?)?, 2, true)],
-            op: Box::new(move |v| fused::cross_entropy(&v[0], &targets, Some(&v[1])))
+            inputs: vec![
+                Input("logits", normal("ce-l", &[4, 5])?, 7, true),
+                Input("weights", Var::from_tensor(&Tensor::new(&[1f32, 0.5, 2.0, 1.0], dev)?)?, 2, true),
+            ],
+            op: Box::new(move |v| fused::cross_entropy(&v[0], &targets, Some(&v[1]))),
         },
         Case {
             name: "batch_norm + residual + relu",
@@ -89,48 +95,50 @@ fn cases(dev: &Device) -> Result<Vec<Case<'static>>> {
                 Input("bias", normal("bn-b", &[3])?, 0, false),
                 Input("residual", normal("bn-r", &[2, 3, 4])?, 3, false),
             ],
-            op: Box::new(|v| Ok(fused::batch_norm_train(&v[0], &v[1], &v[2], Some(&v[3]), 1e-5, true)?.0))
+            op: Box::new(|v| Ok(fused::batch_norm_train(&v[0], &v[1], &v[2], Some(&v[3]), 1e-5, true)?.0)),
         },
-        Case {
-            name: "dropout",
-            inputs: vec![Input("x", normal("do-x", &[64])?, 0, false)],
-            op: Box::new(move |v| fused::dropout(&v[0], key, 0.5))
-        },
+        Case { name: "dropout", inputs: vec![Input("x", normal("do-x", &[64])?, 0, false)], op: Box::new(move |v| fused::dropout(&v[0], key, 0.5)) },
         Case {
             name: "conv3d",
             inputs: vec![Input("x", normal("c3-x", &[1, 2, 4, 4, 4])?, 21, true), Input("w", normal("c3-w", &[2, 2, 3, 3, 3])?, 5, true)],
-            op: Box::new(|v| conv3d(&v[0], &v[1], Conv3dGeometry::same(3)))
+            op: Box::new(|v| conv3d(&v[0], &v[1], Conv3dGeometry::same(3))),
         },
         Case {
             name: "conv_transpose3d",
-            inputs: vec![Input("x", normal("ct-x", &[1, 2, 2, 2, 2])?, 3, true), Input("w", normal("ct-w", &[2, 3, 2, 2, 2])?, 4, true), Input("b", normal("ct-b", &[3])?, 1, false)],
-            op: Box::new(|v| conv_transpose3d_k2s2(&v[0], &v[1], &v[2]))
+            inputs: vec![
+                Input("x", normal("ct-x", &[1, 2, 2, 2, 2])?, 3, true),
+                Input("w", normal("ct-w", &[2, 3, 2, 2, 2])?, 4, true),
+                Input("b", normal("ct-b", &[3])?, 1, false),
+            ],
+            op: Box::new(|v| conv_transpose3d_k2s2(&v[0], &v[1], &v[2])),
         },
-        Case {
-            name: "max_pool2d",
-            inputs: vec![Input("x", normal("mp-x", &[1, 2, 5, 5])?, 12, false)],
-            op: Box::new(|v| max_pool2d_k3s2p1(&v[0]))
-        },
+        Case { name: "max_pool2d", inputs: vec![Input("x", normal("mp-x", &[1, 2, 5, 5])?, 12, false)], op: Box::new(|v| max_pool2d_k3s2p1(&v[0])) },
         Case {
             name: "embedding",
             // Row 2, which the ids look up.
             inputs: vec![Input("table", normal("em-w", &[4, 3])?, 7, false)],
-            op: Box::new(move |v| fused::embedding(&v[0], &ids))
+            op: Box::new(move |v| fused::embedding(&v[0], &ids)),
         },
         Case {
             name: "linear",
-            inputs: vec![Input("x", normal("li-x", &[3, 4])?, 5, true), Input("w", normal("li-w", &[2, 4])?, 3, true), Input("b", normal("li-b", &[2])?, 1, false)],
-            op: Box::new(|v| fused::linear(&v[0], &v[1], Some(&v[2]), true))
+            inputs: vec![
+                Input("x", normal("li-x", &[3, 4])?, 5, true),
+                Input("w", normal("li-w", &[2, 4])?, 3, true),
+                Input("b", normal("li-b", &[2])?, 1, false),
+            ],
+            op: Box::new(|v| fused::linear(&v[0], &v[1], Some(&v[2]), true)),
         },
         Case {
             name: "attention",
-            inputs: vec![Input("q", normal("at-q", &[1, 2, 3, 4])?, 6, true), Input("k", normal("at-k", &[1, 2, 3, 4])?, 2, true), Input("v", normal("at-v", &[1, 2, 3, 4])?, 9, true)],
-            op: Box::new(move |v| fused::attention(&v[0], &v[1], &v[2], 0.5, true, None, Some((key, 0.1))))
+            inputs: vec![
+                Input("q", normal("at-q", &[1, 2, 3, 4])?, 6, true),
+                Input("k", normal("at-k", &[1, 2, 3, 4])?, 2, true),
+                Input("v", normal("at-v", &[1, 2, 3, 4])?, 9, true),
+            ],
+            op: Box::new(move |v| fused::attention(&v[0], &v[1], &v[2], 0.5, true, None, Some((key, 0.1)))),
         },
-        Case { name: "gelu (tanh)", inputs: vec![Input("x", normal("ge-x", &[7])?, 3, true)], op: Box::new(|v| fused::gelu(&v[0], false))
-        },
-        Case { name: "gelu (erf)", inputs: vec![Input("x", normal("ge-x", &[7])?, 3, true)], op: Box::new(|v| fused::gelu(&v[0], true))
-        },
+        Case { name: "gelu (tanh)", inputs: vec![Input("x", normal("ge-x", &[7])?, 3, true)], op: Box::new(|v| fused::gelu(&v[0], false)) },
+        Case { name: "gelu (erf)", inputs: vec![Input("x", normal("ge-x", &[7])?, 3, true)], op: Box::new(|v| fused::gelu(&v[0], true)) },
     ])
 }
 

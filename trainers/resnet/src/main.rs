@@ -97,7 +97,17 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         let (images, labels) = data.batch(step, n)?;
         Ok(model.inputs(&images, &labels, args.image_size, device)?)
     };
-    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &format!("--batch {} x --image-size {}", args.batch, args.image_size), &|n| inputs(0, n))? else {
+    let Some((exec, policy)) = trainkit::executor(
+        &args.run,
+        group,
+        &args.policy,
+        &model,
+        opt.as_ref(),
+        args.batch,
+        &format!("--batch {} x --image-size {}", args.batch, args.image_size),
+        &|n| inputs(0, n),
+    )?
+    else {
         return Ok(());
     };
     trainkit::say!(
@@ -111,7 +121,18 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         args.image_size
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group, &[("--image-size", args.image_size.to_string()), ("--classes", classes.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())])?;
+    let mut log = trainkit::StepLog::new(
+        args.steps,
+        args.batch,
+        &args.run,
+        group,
+        &[
+            ("--image-size", args.image_size.to_string()),
+            ("--classes", classes.to_string()),
+            ("--optimizer", args.optimizer.to_string()),
+            ("--lr", args.lr.to_string()),
+        ],
+    )?;
     let start = log.resume(model.params(), opt.as_mut())?;
     let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
     for step in start..args.steps {

@@ -184,7 +184,11 @@ fn check_step_fits(
     let more = memory_before_step(&device, optimizer, inputs)?.saturating_sub(counter.current()).saturating_add(peak);
     if more > free {
         let gib = |b: u64| b as f64 / 2f64.powi(30);
-        let other = if least.estimate.peak < peak { format!(" (the least any checkpoint plan needs is {:.1} GiB: {})", gib(least.estimate.peak), least.policy()) } else { String::new() };
+        let other = if least.estimate.peak < peak {
+            format!(" (the least any checkpoint plan needs is {:.1} GiB: {})", gib(least.estimate.peak), least.policy())
+        } else {
+            String::new()
+        };
         bail!(
             "{sizes}: a training step under {policy} needs {:.1} GiB beyond the model by the planner's prediction{other}; this device has {:.1} GiB available. Make the step smaller",
             gib(more),
@@ -443,7 +447,13 @@ impl RunArgs {
     /// (`--save-every 0` never saved, `--eval-every 0` and `--eval-batches 0` never evaluated),
     /// `--eval-batches` beyond [`MAX_EVAL_BATCHES`], a loss scale f32 cannot hold.
     pub fn check(&self) -> Result<()> {
-        let positive = [("--save-every", self.save_every), ("--eval-every", self.eval_every), ("--eval-batches", Some(self.eval_batches)), ("--ranks", Some(self.ranks)), ("--accumulate", Some(self.accumulate))];
+        let positive = [
+            ("--save-every", self.save_every),
+            ("--eval-every", self.eval_every),
+            ("--eval-batches", Some(self.eval_batches)),
+            ("--ranks", Some(self.ranks)),
+            ("--accumulate", Some(self.accumulate)),
+        ];
         for (flag, value) in positive {
             if value == Some(0) {
                 bail!("{flag} must be at least 1");
@@ -565,7 +575,8 @@ impl RunConfig {
     /// The shared flags of `run` at (per-rank) batch `batch` on `ranks` ranks, and the trainer's
     /// own (`fields`: the flag and its value, e.g. `("--seq", "128")`).
     pub fn new(run: &RunArgs, batch: usize, ranks: usize, fields: &[(&str, String)]) -> Self {
-        let shared = [("--batch", batch.to_string()), ("--dtype", run.dtype.to_string()), ("--accumulate", run.accumulate.to_string()), ("--ranks", ranks.to_string())];
+        let shared =
+            [("--batch", batch.to_string()), ("--dtype", run.dtype.to_string()), ("--accumulate", run.accumulate.to_string()), ("--ranks", ranks.to_string())];
         RunConfig(shared.into_iter().chain(fields.iter().cloned()).map(|(k, v)| (k.to_string(), v)).collect())
     }
 
@@ -1138,7 +1149,12 @@ pub fn readme_commands(bin: &str) -> Vec<Vec<String>> {
             None => continue,
         };
         // Up to the end of the command: a pipe, a redirection or the next command.
-        commands.push(args.split_whitespace().take_while(|w| !["&&", "||", "|", ";"].contains(w) && !w.starts_with('>') && !w.starts_with("2>")).map(str::to_string).collect());
+        commands.push(
+            args.split_whitespace()
+                .take_while(|w| !["&&", "||", "|", ";"].contains(w) && !w.starts_with('>') && !w.starts_with("2>"))
+                .map(str::to_string)
+                .collect(),
+        );
     }
     commands
 }
@@ -1152,5 +1168,26 @@ pub fn assert_readme_commands_parse(bin: &str, path: &str, at_least: usize) {
     for args in commands {
         let out = std::process::Command::new(path).args(&args).arg("--help").output().unwrap();
         assert!(out.status.success(), "README.md: {bin} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LossScaler;
+
+    /// f16's scale doubles after `GROWTH_INTERVAL` good steps in a row, and an overflow halves it
+    /// and restarts the count (PyTorch's `GradScaler`). Before, no test reached the growth.
+    #[test]
+    fn the_loss_scale_grows_after_its_interval_and_halves_on_overflow() {
+        let mut s = LossScaler::default();
+        for _ in 0..LossScaler::GROWTH_INTERVAL - 1 {
+            s.after(true);
+        }
+        assert_eq!(s, LossScaler { scale: 65536.0, good_steps: LossScaler::GROWTH_INTERVAL - 1 });
+        s.after(true);
+        assert_eq!(s, LossScaler { scale: 131072.0, good_steps: 0 });
+        s.after(true);
+        s.after(false);
+        assert_eq!(s, LossScaler { scale: 65536.0, good_steps: 0 });
     }
 }

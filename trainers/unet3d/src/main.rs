@@ -114,7 +114,17 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         }
         Ok(model.inputs(&voxels, &labels, args.volume, device)?)
     };
-    let Some((exec, policy)) = trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &format!("--batch {} x --volume {}", args.batch, args.volume), &|n| inputs(0, n))? else {
+    let Some((exec, policy)) = trainkit::executor(
+        &args.run,
+        group,
+        &args.policy,
+        &model,
+        opt.as_ref(),
+        args.batch,
+        &format!("--batch {} x --volume {}", args.batch, args.volume),
+        &|n| inputs(0, n),
+    )?
+    else {
         return Ok(());
     };
     trainkit::say!(
@@ -126,14 +136,20 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         args.volume
     );
 
-    let mut log = trainkit::StepLog::new(args.steps, args.batch, &args.run, group, &[
-        ("--volume", args.volume.to_string()),
-        ("--classes", args.classes.to_string()),
-        ("--group-norm", args.group_norm.map_or("not given".into(), |g| g.to_string())),
-        ("--loss", format!("{:?}", args.loss).to_lowercase()),
-        ("--optimizer", args.optimizer.to_string()),
-        ("--lr", args.lr.to_string()),
-    ])?;
+    let mut log = trainkit::StepLog::new(
+        args.steps,
+        args.batch,
+        &args.run,
+        group,
+        &[
+            ("--volume", args.volume.to_string()),
+            ("--classes", args.classes.to_string()),
+            ("--group-norm", args.group_norm.map_or("not given".into(), |g| g.to_string())),
+            ("--loss", format!("{:?}", args.loss).to_lowercase()),
+            ("--optimizer", args.optimizer.to_string()),
+            ("--lr", args.lr.to_string()),
+        ],
+    )?;
     if let Data::Npy(volumes) = &data {
         let per_step = args.batch * group.world();
         log.name_batches(move |n| volumes.files(n, per_step).join(", "));

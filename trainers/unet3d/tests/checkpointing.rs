@@ -36,7 +36,7 @@ fn train_guarded(config: &Config, policy: &str, guard: bool) -> (Vec<(u32, Bits)
             let (x, y) = data.batch(step, 2);
             let out = exec.step(&model.inputs(&x, &y, side, &Device::Cpu).unwrap(), step).unwrap();
             opt.step(&out.grads).unwrap();
-            (out.loss.to_scalar::<f32>().unwrap().to_bits(), model.params().grad_bits(&out.grads).unwrap())
+            (out.loss.to_dtype(candle_core::DType::F32).unwrap().to_scalar::<f32>().unwrap().to_bits(), model.params().grad_bits(&out.grads).unwrap())
         })
         .collect();
     (steps, model.params().buffer_bits().unwrap())
@@ -44,7 +44,9 @@ fn train_guarded(config: &Config, policy: &str, guard: bool) -> (Vec<(u32, Bits)
 
 #[test]
 fn gradients_and_batchnorm_statistics_equal_off_bit_for_bit() {
-    for config in [tiny(), Config { loss: Loss::CrossEntropyDice, ..tiny() }] {
+    // Mixed precision too: before, only GPT-2 was checked in bf16 and f16.
+    let half = [layers::Precision::Bf16, layers::Precision::F16, layers::Precision::Bf16Weights].map(|dtype| Config { dtype, ..tiny() });
+    for config in [tiny(), Config { loss: Loss::CrossEntropyDice, ..tiny() }].into_iter().chain(half) {
         let (off, off_stats) = train(&config, "off");
         assert!(!off_stats.is_empty());
         for policy in ["sqrt", "every-two-blocks", "before-downsample", "every-n=1"] {
@@ -53,7 +55,7 @@ fn gradients_and_batchnorm_statistics_equal_off_bit_for_bit() {
                 assert_eq!(a.0, b.0, "{policy}: loss differs at step {step}");
                 assert_eq!(a.1.len(), b.1.len(), "{policy}");
                 for (name, g) in &a.1 {
-                    assert!(g == &b.1[name], "{policy}: gradient of {name} differs at step {step}");
+                    assert!(g == &b.1[name], "{policy} ({:?}): gradient of {name} differs at step {step}", config.dtype);
                 }
             }
             assert!(off_stats == stats, "{policy}: BatchNorm running statistics differ from off");

@@ -1,0 +1,68 @@
+//! Harness paths the smoke matrix does not take: `--matrix gpt2-24gb` (the predictor and the skip
+//! of a configuration predicted above the cap), `--baseline pytorch` on a machine without torch,
+//! and `--return-freed-memory`.
+
+mod common;
+use common::{harness, out_dir, records, smoke};
+
+/// GPT-2 small runs (it calibrates the predictor); GPT-2 medium, predicted from it above a 2 GiB
+/// cap, is skipped and says what it would have needed.
+#[test]
+fn gpt2_24gb_predicts_and_skips_what_cannot_fit() {
+    let dir = out_dir("gpt2-24gb");
+    let out = harness(&[
+        "--matrix",
+        "gpt2-24gb",
+        "--models",
+        "gpt2-small/bf16-adafactor,gpt2-medium/bf16-adafactor",
+        "--policies",
+        "sqrt",
+        "--input-size",
+        "16",
+        "--steps",
+        "1",
+        "--rounds",
+        "0",
+        "--memory-cap",
+        "2GiB",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let recs = records(&dir);
+    let find = |model: &str| recs.iter().find(|r| r["model"] == model).unwrap_or_else(|| panic!("no record of {model}: {err}"));
+    let small = find("gpt2-small/bf16-adafactor");
+    assert_eq!(small["status"], "ok", "{}", small["error"]);
+    let medium = find("gpt2-medium/bf16-adafactor");
+    assert_eq!(medium["status"], "skipped", "{medium}");
+    assert!(medium["error"].as_str().unwrap().starts_with("does not fit (predicted"), "{}", medium["error"]);
+    let predicted = medium["predicted_total_bytes"].as_u64().unwrap();
+    assert!(predicted > 2 << 30, "medium predicted at {predicted} bytes, under the cap it was skipped for");
+    assert!(std::fs::read_to_string(dir.join("TABLE.md")).unwrap().contains("gpt2-medium"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Without a Python that has torch, `--baseline pytorch` says how to get one and measures ours.
+#[test]
+fn a_pytorch_baseline_without_torch_goes_on_without_it() {
+    let dir = out_dir("no-torch");
+    let err = smoke(
+        &dir,
+        &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off", "--rounds", "0", "--baseline", "pytorch", "--python", "/nonexistent/python3"],
+    );
+    assert!(err.contains("no PyTorch baseline:") && err.contains("going on without it"), "{err}");
+    assert_eq!(records(&dir).len(), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--return-freed-memory` reaches the measured children, and their records say it was used.
+#[test]
+fn return_freed_memory_reaches_the_children() {
+    let dir = out_dir("return-freed");
+    smoke(&dir, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off", "--rounds", "0", "--return-freed-memory"]);
+    let r = &records(&dir)[0];
+    assert_eq!(r["status"], "ok", "{}", r["error"]);
+    assert!(r["command"].as_str().unwrap().contains("--return-freed-memory"), "{}", r["command"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
