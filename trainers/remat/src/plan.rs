@@ -481,7 +481,7 @@ fn measure_stage(
             None => None,
         })
     })?;
-    let param_grads = params.iter().enumerate().filter_map(|(k, p)| Some((k, tensor_bytes(grads.as_ref()?.get(p)?)))).collect();
+    let param_grads = params.iter().enumerate().filter_map(|(k, p)| Some((k, counter.held_bytes(grads.as_ref()?.get(p)?)))).collect();
     set_activity(Activity::Setup, None);
     let cost = StageCost {
         name: node.stage.name(),
