@@ -71,6 +71,10 @@ fn a_budget_plan_fits_its_budget_and_one_below_the_minimum_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("below the smallest peak any checkpoint plan reaches") && err.contains("the state before the step"), "{err}");
+    // Said once (the planner's error was also its own cause, printed twice), in a unit that
+    // shows the budget (it read "budget 0.0 MiB").
+    assert_eq!(err.matches("below the smallest peak").count(), 1, "{err}");
+    assert!(err.contains("budget 1.0 KiB is below"), "{err}");
 }
 
 /// The depth sweep's `sqrt` rows, where the parameter gradients of many narrow blocks are held

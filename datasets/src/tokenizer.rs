@@ -118,3 +118,24 @@ impl Tokenizer {
         TokenizerError::Encode { path: self.path.clone(), message: e.to_string() }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Tokenizer;
+
+    /// A file that is not a tokenizer.json says what it is not (it gave a serde position only).
+    #[test]
+    fn a_file_that_is_no_tokenizer_says_so() {
+        let dir = std::env::temp_dir().join(format!("tokenizer-not-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, text, said) in
+            [("config.json", r#"{"vocab_size": 3}"#, "JSON, but not a Hugging Face tokenizer.json"), ("vocab.txt", "[PAD]\n[UNK]\n", "not even JSON")]
+        {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            let err = Tokenizer::from_file(&path).err().expect("refused").to_string();
+            assert!(err.contains(said) && err.contains(name), "{err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

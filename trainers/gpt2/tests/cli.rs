@@ -271,3 +271,28 @@ fn one_segment_is_singular() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && err.contains("(1 segment)"), "{err}");
 }
+
+/// A `--log-json` that can no longer be written ends the run naming the file. Before, a full disk
+/// said only "No space left on device". Emulated without root by a file size limit
+/// (RLIMIT_FSIZE, with SIGXFSZ ignored so the write fails instead of killing the process).
+#[test]
+fn a_log_that_cannot_be_written_names_its_file() {
+    use std::os::unix::process::CommandExt;
+    let dir = scratch("log-full");
+    let log = dir.join("log.jsonl");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_train-gpt2"));
+    cmd.args(["--preset", "tiny", "--seq", "16", "--steps", "30", "--log-json", log.to_str().unwrap()]);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let limit = libc::rlimit { rlim_cur: 1024, rlim_max: 1024 };
+            libc::setrlimit(libc::RLIMIT_FSIZE, &limit);
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains(&format!("--log-json {}", log.display())) && err.contains("File too large"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -665,7 +665,8 @@ pub struct StepLog<'g> {
     /// Communication time when the last step was logged.
     comm: collective::CommTime,
     bar: ProgressBar,
-    json: Option<std::fs::File>,
+    /// `--log-json` and its file.
+    json: Option<(std::path::PathBuf, std::fs::File)>,
     times: Vec<f64>,
     steps: usize,
     save: Option<std::path::PathBuf>,
@@ -712,7 +713,8 @@ impl<'g> StepLog<'g> {
         }
         // A resumed run appends to the log of the run it continues.
         let json = match run.log_json.as_ref().filter(|_| group.is_root()) {
-            Some(p) => Some(
+            Some(p) => Some((
+                p.clone(),
                 std::fs::OpenOptions::new()
                     .create(true)
                     .write(true)
@@ -720,7 +722,7 @@ impl<'g> StepLog<'g> {
                     .truncate(run.resume.is_none())
                     .open(p)
                     .with_context(|| format!("--log-json {}", p.display()))?,
-            ),
+            )),
             None => None,
         };
         Ok(StepLog {
@@ -803,11 +805,14 @@ impl<'g> StepLog<'g> {
         }
         let eval_loss = self.group.mean_of(total / self.eval_batches as f64)? as f32;
         self.bar.suspend(|| say!("eval after step {step}: loss {eval_loss:.4} ({} held-out batches)", self.eval_batches));
-        if let Some(f) = self.json.as_mut() {
-            writeln!(f, "{}", serde_json::to_string(&EvalRecord { step, eval_loss, eval_batches: self.eval_batches })?)?;
-            f.flush()?;
-        }
-        Ok(())
+        self.write_json(&EvalRecord { step, eval_loss, eval_batches: self.eval_batches })
+    }
+
+    /// Appends `record` as one line to `--log-json`, if given; an error names the file (a full
+    /// disk said only "No space left on device").
+    fn write_json(&mut self, record: &impl Serialize) -> Result<()> {
+        let Some((path, f)) = self.json.as_mut() else { return Ok(()) };
+        writeln!(f, "{}", serde_json::to_string(record)?).and_then(|()| f.flush()).with_context(|| format!("--log-json {}", path.display()))
     }
 
     /// One measured optimizer step: forward and backward under `exec` of its `--accumulate`
@@ -884,7 +889,7 @@ impl<'g> StepLog<'g> {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         let parallel = (self.group.world() > 1).then(|| (ms(now.all_reduce - before.all_reduce), ms(now.waited - before.waited)));
         let peaks = if self.group.world() > 1 { Some(self.group.min_max(usage.heap_peak_delta)?) } else { None };
-        if let Some(f) = self.json.as_mut() {
+        if self.json.is_some() {
             let rec = StepRecord {
                 step,
                 loss,
@@ -898,8 +903,7 @@ impl<'g> StepLog<'g> {
                 all_reduce_ms: parallel.map(|p| p.0),
                 all_reduce_wait_ms: parallel.map(|p| p.1),
             };
-            writeln!(f, "{}", serde_json::to_string(&rec)?)?;
-            f.flush()?;
+            self.write_json(&rec)?;
         }
         Ok(())
     }
