@@ -33,6 +33,8 @@ fn bad_input_gives_clear_errors() {
         (vec!["--preset", "tiny", "--policy", "every-other"], "valid policies"),
         (vec!["--preset", "tiny", "--image-size", "16"], "at least 32"),
         (vec!["--preset", "tiny", "--data", "/nonexistent/folder"], "image folder /nonexistent/folder"),
+        // One class trained at loss 0.
+        (vec!["--preset", "tiny", "--classes", "1"], "--classes must be at least 2"),
     ] {
         let out = run(&args);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -59,4 +61,18 @@ fn init_with_another_class_count_initialises_the_classifier() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--strict") && err.contains("expects [4"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A classifier too large for the machine is refused while it is built, with exit 1 and the flags
+/// to change. Before, `--classes 100000000000` aborted at once (SIGABRT, "memory allocation of
+/// ... bytes failed").
+#[test]
+fn a_model_too_large_for_the_machine_is_refused() {
+    let out = run(&["--preset", "tiny", "--classes", "100000000000", "--steps", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("heap cap: refused") && err.contains("the model does not fit in this machine's available memory") && err.contains("--classes"),
+        "{err}"
+    );
 }
