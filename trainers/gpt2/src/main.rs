@@ -83,7 +83,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     // The parameters and their gradients, from the configuration: a config.json of 100000 layers
     // is refused now, not after building a model the machine cannot hold.
     let params = <Gpt2 as layers::Benchable>::parameter_shapes(&config)?.iter().map(|s| s.iter().map(|&d| d as u128).product::<u128>()).sum::<u128>();
-    trainkit::check_footprint("--preset, --config or --model-id", "the parameters and their gradients", params.checked_mul(2))?;
+    trainkit::check_footprint("--preset, --config or --model-id", "the memory of the parameters and their gradients", params.checked_mul(2))?;
     let tokens = match (&args.data, &args.text) {
         (Some(path), _) => datasets::tokens::load_u16(path)?,
         (None, Some(path)) => text_tokens(args, path, hub.as_ref())?,
