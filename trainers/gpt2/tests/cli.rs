@@ -248,7 +248,10 @@ fn steps_and_models_that_cannot_fit_are_refused_first() {
     std::fs::write(&config, r#"{"vocab_size": 256, "n_positions": 64, "n_embd": 1024, "n_layer": 100000, "n_head": 2, "layer_norm_epsilon": 1e-5}"#).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_train-gpt2")).args(["--config", config.to_str().unwrap(), "--seq", "16", "--steps", "1"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.code() == Some(1) && err.contains("--preset, --config or --model-id: the memory of the parameters and their gradients alone needs"), "{err}");
+    assert!(
+        out.status.code() == Some(1) && err.contains("--preset, --config or --model-id: the memory of the parameters and their gradients alone needs"),
+        "{err}"
+    );
     assert!(start.elapsed() < std::time::Duration::from_secs(60), "took {:?}", start.elapsed());
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -152,7 +152,7 @@ pub fn build_model<M>(flags: &str, build: impl FnOnce() -> Result<M>) -> Result<
 
 /// Refuses a training step the device cannot hold, before allocating it: the planner's
 /// prediction of the step under `policy` (a budget or `auto`: the least any plan needs), from
-/// profiles at batches 1 and 2 extrapolated to `batch` ([`remat::plan::Profile::extrapolated`],
+/// profiles at batches 1 and 2 extrapolated to `batch` ([`remat::plan::Profile::extrapolate`],
 /// which over-predicts a little where temporaries are not linear in the batch), plus the state
 /// still to come (optimizer state, the inputs), against what the device can give. `sizes` names
 /// the flags that set the step's size. The profiles themselves run [`within_memory`].
@@ -170,10 +170,13 @@ fn check_step_fits(
     let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
     let Some(free) = free_memory(&device) else { return Ok(()) };
     let hint = format!("a training step does not fit in this machine's available memory: make it smaller ({sizes})");
+    // Each batch measured once (a plan measures twice, for the least of two): this runs at the
+    // start of every run, and a first call's workspaces only make it over-predict.
+    let measure = |n: usize| -> Result<Profile> { Ok(Profile::measure(model.graph(), &inputs_at(n)?, &vars, n, run.seed)?) };
     let profile = within_memory(hint, || {
         Ok(match batch {
-            1 | 2 => Profile::at_batch(model.graph(), inputs_at, &vars, batch, run.seed)?,
-            _ => Profile::extrapolated(model.graph(), inputs_at, &vars, (1, 2), batch, run.seed)?,
+            1 | 2 => measure(batch)?,
+            _ => Profile::extrapolate(&measure(1)?, &measure(2)?, batch)?,
         })
     })?;
     let inputs: u64 = inputs_at(1)?.iter().map(remat::memory::tensor_bytes).sum::<u64>().saturating_mul(batch as u64);
