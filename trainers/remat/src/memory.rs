@@ -508,12 +508,12 @@ impl Meter {
         Meter { heap_base: counter.current(), counter, start: Instant::now(), rss_base }
     }
 
-    /// Highest bytes above the start so far (e.g. after backward, before the optimizer).
     /// The heap when the meter started.
     pub fn heap_base(&self) -> u64 {
         self.heap_base
     }
 
+    /// Highest bytes above the start so far (e.g. after backward, before the optimizer).
     pub fn peak_so_far(&self) -> u64 {
         self.counter.synchronize();
         self.counter.peak().saturating_sub(self.heap_base)
@@ -540,7 +540,7 @@ pub enum Phase {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Event {
     pub phase: Phase,
-    /// Stage index (forward, recompute) or the first stage of the segment (backward).
+    /// The stage whose forward, recompute or backward just ended.
     pub stage: usize,
     pub at_ms: f64,
     /// Live heap bytes at this point.

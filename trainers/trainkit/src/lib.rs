@@ -1010,10 +1010,9 @@ pub fn assert_near_figure(what: &str, measured: u64, committed: u64) {
 /// The memory checks of a deep transformer, given its peaks under a policy: `sqrt` at least
 /// halves the step peak, the activation peaks of `off` and `sqrt` are the committed figures, and
 /// under `off` the heap during backward stays within the end-of-forward level plus the parameter
-/// gradients plus 15 %: the gradients in flight (candle starts every input gradient as zeros plus
-/// an add, so an op's backward briefly holds three tensors of its input's size; measured 10-11 %
-/// on the tiny transformers). A backward that kept gradients it no longer needs exceeds it: with
-/// the dropout masks' gradients kept, as candle did for a composed dropout, it was 40-60 %.
+/// gradients plus 5 %: the gradients in flight (the executor frees each stage once its gradients
+/// are propagated). A backward that kept gradients it no longer needs exceeds it: with the
+/// dropout masks' gradients kept, as candle did for a composed dropout, it was 40-60 %.
 /// `off_forward_end` is what `off` holds at the end of forward as the model's shapes give it (the
 /// test derives it): the measurement must be within 5 % of it.
 pub fn assert_deep_model_memory(peaks: impl Fn(&str) -> Peaks, off_forward_end: u64, off_activation: u64, sqrt_activation: u64) {
