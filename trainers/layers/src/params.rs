@@ -211,16 +211,17 @@ pub fn read_snapshot(path: &Path, device: &Device) -> std::result::Result<Snapsh
     let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| io(e.into()))?;
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| io(e.into()))?;
     let metadata = header.metadata().clone().unwrap_or_default();
+    let mut views = file.tensors();
     if let Some(written) = metadata.get(CHECKSUM) {
-        let mut views: Vec<_> = file.iter().collect();
-        views.sort_by(|a, b| a.0.cmp(b.0));
+        views.sort_by(|a, b| a.0.cmp(&b.0));
         let mut sum = Checksum::new();
         views.iter().for_each(|(name, v)| sum.add(name, v.dtype(), v.shape(), v.data()));
         if sum.hex() != *written {
             return Err(SnapshotError::Corrupted { path: p });
         }
     }
-    let tensors = candle_core::safetensors::load_buffer(&bytes, device).map_err(io)?;
+    use candle_core::safetensors::Load;
+    let tensors = views.into_iter().map(|(name, v)| Ok((name, v.load(device)?))).collect::<Result<_>>().map_err(io)?;
     Ok((tensors, metadata))
 }
 

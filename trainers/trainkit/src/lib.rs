@@ -166,8 +166,7 @@ fn check_step_fits(
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<()> {
     use remat::plan::Profile;
-    let vars = model.params().vars();
-    let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let (vars, device) = vars_and_device(model);
     let Some(free) = free_memory(&device) else { return Ok(()) };
     let hint = format!("a training step does not fit in this machine's available memory: make it smaller ({sizes})");
     // Each batch measured once (a plan measures twice, for the least of two): this runs at the
@@ -179,12 +178,11 @@ fn check_step_fits(
             _ => Profile::extrapolate(&measure(1)?, &measure(2)?, batch)?,
         })
     })?;
-    let inputs: u64 = inputs_at(1)?.iter().map(remat::memory::tensor_bytes).sum::<u64>().saturating_mul(batch as u64);
-    let counter = remat::memory::Counter::for_device(&device);
-    let held = if run.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
+    let (fixed, held) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
     let least = profile.least_peak(held);
     let peak = if policy.needs_plan() { least.estimate.peak } else { profile.predict_policy(policy, held)?.peak };
-    let more = memory_before_step(&device, optimizer, inputs)?.saturating_sub(counter.current()).saturating_add(peak);
+    // What is already allocated (the model) is not asked of the free memory again.
+    let more = fixed.saturating_sub(remat::memory::Counter::for_device(&device).current()).saturating_add(peak);
     if more > free {
         let gib = |b: u64| b as f64 / 2f64.powi(30);
         let other = if least.estimate.peak < peak {
@@ -199,6 +197,30 @@ fn check_step_fits(
         );
     }
     Ok(())
+}
+
+/// A model's parameters and the device they are on.
+fn vars_and_device(model: &impl layers::Model) -> (Vec<candle_core::Var>, Device) {
+    let vars = model.params().vars();
+    let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    (vars, device)
+}
+
+/// What a step of `batch` starts from, as the planner counts it: the memory before the step
+/// ([`memory_before_step`] with a batch of inputs; called after profiling, so the workspaces
+/// kernels keep from their first calls are part of it), and the parameter gradients held across
+/// micro-batches (`profile`'s, under `--accumulate`).
+fn step_start(
+    run: &RunArgs,
+    device: &Device,
+    optimizer: &dyn layers::TrainOptimizer,
+    profile: &remat::plan::Profile,
+    batch: usize,
+    inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
+) -> Result<(u64, u64)> {
+    let inputs: u64 = inputs_at(1)?.iter().map(remat::memory::tensor_bytes).sum::<u64>().saturating_mul(batch as u64);
+    let held = if run.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
+    Ok((memory_before_step(device, optimizer, inputs)?, held))
 }
 
 /// `--policy budget=SIZE`/`auto` and `--dry-run`: profiles the model's stages one at a time at
@@ -242,14 +264,10 @@ fn plan_policy(
     if !policy.needs_plan() && !run.dry_run && run.memory_cap.is_none() {
         return Ok(Some(policy.clone()));
     }
-    let vars = model.params().vars();
-    let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let (vars, device) = vars_and_device(model);
     let (profile, dry_peak) = remat::memory::peak_during(|| Profile::at_batch(model.graph(), inputs_at, &vars, batch, run.seed));
     let profile = profile?;
-    // After the profile: the workspaces kernels keep from their first calls are part of it.
-    let inputs: u64 = inputs_at(1)?.iter().map(remat::memory::tensor_bytes).sum::<u64>() * batch as u64;
-    let fixed = memory_before_step(&device, optimizer, inputs)?;
-    let held = if run.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
+    let (fixed, held) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
     let (resolved, plan) = resolve(policy, &profile, fixed, held, auto_budget(&device, run.memory_cap))?;
     if let (Some(cap), None, false) = (run.memory_cap, &plan, run.dry_run) {
         // A fixed policy under a cap: refused now if the planner says it cannot fit, where the
@@ -311,18 +329,13 @@ fn check_writable(path: &Path, flag: &str) -> Result<()> {
 /// training: each writable ([`check_writable`]) and no two the same (`--save X --log-json X`
 /// would interleave a log with a snapshot).
 fn check_outputs(run: &RunArgs) -> Result<()> {
-    let mut outputs: Vec<(String, &Path)> = Vec::new();
     let training = run.save.as_deref().map(training_snapshot_path);
-    if let Some(save) = &run.save {
-        outputs.push(("--save".into(), save));
-    }
-    if let Some(train) = &training {
-        outputs.push(("--save's training snapshot".into(), train));
-    }
-    if let Some(log) = &run.log_json {
-        outputs.push(("--log-json".into(), log));
-    }
-    for (i, (flag, path)) in outputs.iter().enumerate() {
+    let outputs: Vec<(&str, &Path)> =
+        [("--save", run.save.as_deref()), ("--save's training snapshot", training.as_deref()), ("--log-json", run.log_json.as_deref())]
+            .into_iter()
+            .filter_map(|(flag, path)| Some((flag, path?)))
+            .collect();
+    for (i, &(flag, path)) in outputs.iter().enumerate() {
         check_writable(path, flag)?;
         if let Some((other, _)) = outputs[..i].iter().find(|(_, p)| same_file(p, path)) {
             bail!("{flag} and {other} are both {}; give each its own file", path.display());
@@ -331,18 +344,14 @@ fn check_outputs(run: &RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// Whether two paths name one file: equal as given, or (where both exist) the same inode.
+/// Whether two output paths name one file: equal as given, or in the same folder (symlinks and
+/// `..` resolved) under the same name. [`check_writable`] has refused a symlink as the file itself.
 fn same_file(a: &Path, b: &Path) -> bool {
-    if a == b {
-        return true;
-    }
-    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => match (a.parent().and_then(|p| std::fs::canonicalize(p).ok()), b.parent().and_then(|p| std::fs::canonicalize(p).ok())) {
-            (Some(x), Some(y)) => x.join(a.file_name().unwrap_or_default()) == y.join(b.file_name().unwrap_or_default()),
-            _ => false,
-        },
-    }
+    let resolved = |p: &Path| {
+        let folder = p.parent().filter(|f| !f.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        Some(std::fs::canonicalize(folder).ok()?.join(p.file_name()?))
+    };
+    a == b || resolved(a).is_some_and(|x| Some(x) == resolved(b))
 }
 
 /// One line of `--log-json` after a training step.
@@ -702,7 +711,7 @@ impl<'g> StepLog<'g> {
     /// the trainer's own flags that decide what the run computes ([`RunConfig`]), which its
     /// training snapshots keep and a resume must match.
     pub fn new(steps: usize, batch: usize, run: &RunArgs, group: &'g Group, fields: &[(&str, String)]) -> Result<Self> {
-        run.check()?;
+        // `run` was checked by `launch` ([`RunArgs::check`]), before anything started.
         let loss_scale = run.loss_scale.unwrap_or(LossScaler::default().scale);
         if let Some(cap) = run.memory_cap {
             remat::memory::set_heap_cap(cap);
