@@ -5,9 +5,8 @@
 use crate::workloads::Instance;
 use crate::workloads::Workload;
 use anyhow::{anyhow, Result};
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Device};
-use remat::memory::{set_activity, Activity, Counter, Event, Meter};
+use candle_core::Device;
+use remat::memory::{set_activity, Activity, Counter, Event};
 use remat::plan::{Estimate, Profile};
 use remat::{Executor, Policy};
 use serde::{Deserialize, Serialize};
@@ -288,49 +287,29 @@ pub fn run(
     let mut times = Vec::new();
     // f16 trains under dynamic loss scaling, as the trainers do.
     let mut scaler = (w.dtype == layers::Precision::F16).then(trainkit::LossScaler::default);
+    let stepper = trainkit::Stepper { group, exec: &exec, accumulate: w.accumulate, batch_names: None };
     for step in 0..=steps as u64 {
-        let batches = trainkit::micro_batches(step, w.accumulate);
-        let mut first_inputs = Some(inputs(batches.start)?);
-        let (last, comm_before) = (batches.end - 1, group.comm_time());
-        exec.set_loss_scale(scaler.map_or(1.0, |s| s.scale));
-        let meter = Meter::start(device);
-        let (mut grads, mut loss, mut activation_peak, mut timeline) = (GradStore::default(), 0f64, 0, None);
-        for n in batches {
-            let inputs = match first_inputs.take() {
-                Some(inputs) => inputs,
-                None => inputs(n)?,
-            };
-            let out = trainkit::parallel::accumulate(group, &exec, &inputs, n, last, grads)?;
-            loss += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
-            activation_peak = activation_peak.max(out.timeline.activation_peak(meter.heap_base()));
-            timeline.get_or_insert(out.timeline); // the first micro-batch's
-            grads = out.grads;
-        }
-        let update = trainkit::finish_gradients(&mut grads, exec.params(), w.accumulate, scaler.as_mut())?;
-        let fwd_bwd_peak = meter.peak_so_far();
-        set_activity(Activity::Optimizer, None);
-        if update {
-            optimizer.update(&grads)?;
-        } else if step > 0 {
-            rec.skipped_updates += 1;
-        }
-        drop(grads);
-        let usage = meter.finish();
+        let comm_before = group.comm_time();
+        let out = stepper.step(step, scaler.as_mut(), inputs, |grads| Ok(optimizer.update(grads)?))?;
         let comm = group.comm_time();
         if step == 0 {
             continue; // warm-up: first-touch page faults, lazily built kernels and caches
         }
+        if !out.updated {
+            rec.skipped_updates += 1;
+        }
+        let usage = out.usage;
         times.push(usage.elapsed_ms);
         comm_ms.push((comm.all_reduce - comm_before.all_reduce).as_secs_f64() * 1e3);
         wait_ms.push((comm.waited - comm_before.waited).as_secs_f64() * 1e3);
         rec.model_state_bytes = usage.heap_base.saturating_sub(base);
         rec.step_peak_bytes = rec.step_peak_bytes.max(usage.heap_peak_delta);
-        rec.fwd_bwd_peak_bytes = rec.fwd_bwd_peak_bytes.max(fwd_bwd_peak);
-        rec.activation_peak_bytes = rec.activation_peak_bytes.max(activation_peak);
+        rec.fwd_bwd_peak_bytes = rec.fwd_bwd_peak_bytes.max(out.fwd_bwd_peak);
+        rec.activation_peak_bytes = rec.activation_peak_bytes.max(out.activation_peak);
         rec.rss_peak_delta_bytes = rec.rss_peak_delta_bytes.max(usage.rss_peak_delta.unwrap_or(0));
-        rec.loss = (loss / w.accumulate as f64) as f32;
+        rec.loss = out.loss as f32;
         if rec.timeline.is_empty() {
-            rec.timeline = timeline.expect("at least one micro-batch").events;
+            rec.timeline = out.timeline.events;
             rec.timeline_base_bytes = usage.heap_base;
         }
     }

@@ -18,5 +18,5 @@ fn build_cuda_help_works_without_cuda() {
 /// The README's harness command lines still parse (a renamed flag fails here).
 #[test]
 fn the_readme_commands_parse() {
-    trainkit::assert_readme_commands_parse("bench-harness", env!("CARGO_BIN_EXE_bench-harness"), 5);
+    testkit::assert_readme_commands_parse("bench-harness", env!("CARGO_BIN_EXE_bench-harness"), 5);
 }

@@ -85,50 +85,33 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     let data = data(args, &config, hub.as_ref())?;
     let model = trainkit::build_model("--preset, --config or --model-id", || Ok(Bert::new(config, device, args.run.seed)?))?;
     args.init.load(&model, hub.as_ref())?;
-    let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.batch(step, n), device)?) };
     // Planned for the longest batch the data can give (--text batches are padded to their own longest row).
     let longest = |n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.full_length_batch(0, n), device)?) };
-    let Some((exec, policy)) = trainkit::executor(
-        &args.run,
+    let trainer = trainkit::Trainer {
+        run: &args.run,
         group,
-        &args.policy,
-        &model,
-        opt.as_ref(),
-        args.batch,
-        &format!("--batch {} x --seq {}", args.batch, args.seq),
-        &longest,
-    )?
-    else {
-        return Ok(());
+        model: &model,
+        policy: &args.policy,
+        optimizer: args.optimizer,
+        lr: args.lr,
+        steps: args.steps,
+        batch: args.batch,
+        sizes: format!("--batch {} x --seq {}", args.batch, args.seq),
+        fields: vec![("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
+        planned_inputs: Some(&longest),
+        batch_names: None,
     };
-    trainkit::say!(
-        "BERT {} params, {} layers, policy {} ({}), batch {} x seq {}, vocabulary {}",
-        model.params().count(),
-        model.config.num_hidden_layers,
-        policy,
-        trainkit::segments(exec.segments().len()),
-        args.batch,
-        args.seq,
-        data.vocab_len
-    );
-
-    let mut log = trainkit::StepLog::new(
-        args.steps,
-        args.batch,
-        &args.run,
-        group,
-        &[("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
-    )?;
-    let start = log.resume(model.params(), opt.as_mut())?;
-    let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
-    for step in start..args.steps {
-        log.train_step(&exec, step, batch, |g| opt.update(g))?;
-        log.eval_if_due(step, &model, batch)?;
-        log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
-    }
-    log.finish(model.params())?;
-    Ok(())
+    trainer.run(&inputs, |policy, segments| {
+        format!(
+            "BERT {} params, {} layers, policy {policy} ({segments}), batch {} x seq {}, vocabulary {}",
+            model.params().count(),
+            model.config.num_hidden_layers,
+            args.batch,
+            args.seq,
+            data.vocab_len
+        )
+    })
 }
 
 /// The synthetic corpus, or `--text` through its tokenizer or in whole words.

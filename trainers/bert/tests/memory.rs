@@ -8,7 +8,7 @@ use candle_core::Device;
 use layers::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
-use trainkit::Peaks;
+use testkit::Peaks;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -22,12 +22,12 @@ fn peaks(policy: &str) -> Peaks {
     let model = Bert::new(cfg.clone(), &Device::Cpu, 3).unwrap();
     let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
     let data = MlmData::synthetic(cfg.vocab_size, SEQ, 1).unwrap();
-    trainkit::second_step_peaks(&exec, |step| model.inputs(&data.batch(step, BATCH), &Device::Cpu).unwrap()).unwrap()
+    testkit::second_step_peaks(&exec, |step| model.inputs(&data.batch(step, BATCH), &Device::Cpu).unwrap()).unwrap()
 }
 
 #[test]
 fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
-    trainkit::assert_deep_model_memory(peaks, off_forward_end(), OFF_ACTIVATION, SQRT_ACTIVATION);
+    testkit::assert_deep_model_memory(peaks, off_forward_end(), OFF_ACTIVATION, SQRT_ACTIVATION);
 }
 
 /// The end of `off`'s forward from the shapes (derived below): 24 BTC per layer, 5 for the

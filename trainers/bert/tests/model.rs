@@ -55,7 +55,7 @@ fn own_snapshot_round_trips_into_a_freshly_seeded_model() {
     // What `--save` writes loads back: our own names pass the Hugging Face renaming unchanged.
     let saved = Bert::new(Config::tiny(2, 32), &Device::Cpu, 1).unwrap();
     let fresh = Bert::new(Config::tiny(2, 32), &Device::Cpu, 2).unwrap();
-    trainkit::assert_snapshot_round_trip(&saved, &fresh, Bert::params, logits, Bert::load_snapshot);
+    testkit::assert_snapshot_round_trip(&saved, &fresh, Bert::params, logits, Bert::load_snapshot);
 }
 
 #[test]

@@ -103,7 +103,7 @@ fn text_through_a_tokenizer_trains_and_the_loss_falls() {
     let full = data.full_length_batch(0, 4);
     assert_eq!((full.seq, full.attention_mask.iter().filter(|&&m| m == 1.0).count()), (seq, b.attention_mask.iter().filter(|&&m| m == 1.0).count()));
 
-    let (losses, log) = trainkit::run_logged(
+    let (losses, log) = testkit::run_logged(
         env!("CARGO_BIN_EXE_train-bert"),
         &[
             "--preset",
@@ -123,7 +123,7 @@ fn text_through_a_tokenizer_trains_and_the_loss_falls() {
         ],
     );
     assert!(log.contains("tokenized by"), "{log}");
-    trainkit::assert_loss_falls(&losses, 0.5, "train-bert --text");
+    testkit::assert_loss_falls(&losses, 0.5, "train-bert --text");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -164,7 +164,7 @@ fn a_published_tokenizer_with_padding_and_truncation_set_trains() {
         }
     }
 
-    let (losses, _) = trainkit::run_logged(
+    let (losses, _) = testkit::run_logged(
         env!("CARGO_BIN_EXE_train-bert"),
         &["--preset", "tiny", "--text", text_path.to_str().unwrap(), "--tokenizer", tok_path.to_str().unwrap(), "--steps", "8", "--batch", "4", "--seq", "32"],
     );

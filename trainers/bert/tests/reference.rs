@@ -1,13 +1,13 @@
 //! BERT (masked LM) against Hugging Face `transformers` (`tests/fixtures/bert.safetensors`, written
 //! by `scripts/make_fixtures.py`): a tiny model's MLM logits, the masked-LM loss and every
 //! parameter's gradient, under `off` and `sqrt`, on a batch with random token types and a padded
-//! row. Tolerances: `trainkit::reference`.
+//! row. Tolerances: `testkit::reference`.
 
 use anyhow::Result;
 use bert::{Bert, MaskedBatch};
 use candle_core::Device;
 use layers::Model;
-use trainkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
+use testkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
 
 #[test]
 fn logits_loss_and_gradients_match_pytorch() -> Result<()> {

@@ -93,44 +93,33 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
 
     let model = trainkit::build_model("--preset, --config or --model-id", || Ok(Gpt2::new(config, device, args.run.seed)?))?;
     args.init.load(&model, hub.as_ref())?;
-    let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| {
         let (x, y) = batcher.batch(step, n);
         Ok(model.inputs(&x, &y, n, args.seq, device)?)
     };
-    let Some((exec, policy)) =
-        trainkit::executor(&args.run, group, &args.policy, &model, opt.as_ref(), args.batch, &format!("--batch {} x --seq {}", args.batch, args.seq), &|n| {
-            inputs(0, n)
-        })?
-    else {
-        return Ok(());
-    };
-    trainkit::say!(
-        "GPT-2 {} params, {} layers, policy {} ({}), batch {} x seq {}",
-        model.params().count(),
-        model.config.n_layer,
-        policy,
-        trainkit::segments(exec.segments().len()),
-        args.batch,
-        args.seq
-    );
-
-    let mut log = trainkit::StepLog::new(
-        args.steps,
-        args.batch,
-        &args.run,
+    let trainer = trainkit::Trainer {
+        run: &args.run,
         group,
-        &[("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
-    )?;
-    let start = log.resume(model.params(), opt.as_mut())?;
-    let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
-    for step in start..args.steps {
-        log.train_step(&exec, step, batch, |g| opt.update(g))?;
-        log.eval_if_due(step, &model, batch)?;
-        log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
-    }
-    log.finish(model.params())?;
-    Ok(())
+        model: &model,
+        policy: &args.policy,
+        optimizer: args.optimizer,
+        lr: args.lr,
+        steps: args.steps,
+        batch: args.batch,
+        sizes: format!("--batch {} x --seq {}", args.batch, args.seq),
+        fields: vec![("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
+        planned_inputs: None,
+        batch_names: None,
+    };
+    trainer.run(&inputs, |policy, segments| {
+        format!(
+            "GPT-2 {} params, {} layers, policy {policy} ({segments}), batch {} x seq {}",
+            model.params().count(),
+            model.config.n_layer,
+            args.batch,
+            args.seq
+        )
+    })
 }
 
 /// `--text` through its tokenizer, as one token stream.

@@ -9,7 +9,7 @@ use gpt2::{Config, Gpt2};
 use layers::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
-use trainkit::Peaks;
+use testkit::Peaks;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -24,7 +24,7 @@ fn peaks(policy: &str) -> Peaks {
     let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
     let text = datasets::text::synthetic_corpus(1, 100_000);
     let data = Batcher::new(datasets::text::byte_tokens(&text), SEQ, cfg.vocab_size, 1).unwrap();
-    trainkit::second_step_peaks(&exec, |step| {
+    testkit::second_step_peaks(&exec, |step| {
         let (x, y) = data.batch(step, BATCH);
         model.inputs(&x, &y, BATCH, SEQ, &Device::Cpu).unwrap()
     })
@@ -33,7 +33,7 @@ fn peaks(policy: &str) -> Peaks {
 
 #[test]
 fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
-    trainkit::assert_deep_model_memory(peaks, off_forward_end(), OFF_ACTIVATION, SQRT_ACTIVATION);
+    testkit::assert_deep_model_memory(peaks, off_forward_end(), OFF_ACTIVATION, SQRT_ACTIVATION);
 }
 
 /// The end of `off`'s forward from the shapes (derived below): 27 BTC per block, 3 for the

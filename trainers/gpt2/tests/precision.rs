@@ -11,8 +11,8 @@ fn args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
 #[test]
 fn half_precision_training_lowers_the_loss() {
     for dtype in ["bf16", "f16", "bf16-weights"] {
-        let (losses, _) = trainkit::run_logged(BIN, &args(&["--dtype", dtype]));
-        trainkit::assert_loss_falls(&losses, 0.5, dtype);
+        let (losses, _) = testkit::run_logged(BIN, &args(&["--dtype", dtype]));
+        testkit::assert_loss_falls(&losses, 0.5, dtype);
     }
 }
 
@@ -20,13 +20,13 @@ fn half_precision_training_lowers_the_loss() {
 /// until it fits, then training goes on.
 #[test]
 fn f16_loss_scaling_skips_overflowing_steps_and_recovers() {
-    let (losses, err) = trainkit::run_logged(BIN, &args(&["--dtype", "f16", "--loss-scale", "1e9"]));
+    let (losses, err) = testkit::run_logged(BIN, &args(&["--dtype", "f16", "--loss-scale", "1e9"]));
     let skipped: Vec<usize> =
         err.lines().filter(|l| l.contains("update skipped")).filter_map(|l| l.strip_prefix("step ")?.split(':').next()?.parse().ok()).collect();
     assert!(skipped.first() == Some(&0), "step 0 was not skipped: {err}");
     let recovered = skipped.last().unwrap() + 1;
     assert!(recovered + 10 <= losses.len(), "still skipping after step {recovered}: {err}");
-    trainkit::assert_loss_falls(&losses[recovered..], 0.3, "after the scale recovered");
+    testkit::assert_loss_falls(&losses[recovered..], 0.3, "after the scale recovered");
 }
 
 #[test]

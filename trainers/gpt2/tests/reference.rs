@@ -1,12 +1,12 @@
 //! GPT-2 against Hugging Face `transformers` (`tests/fixtures/gpt2.safetensors`, written by
 //! `scripts/make_fixtures.py`): a tiny model's logits and evaluation loss, its training loss and every parameter's
-//! gradient, under `off` and `sqrt`. Tolerances: `trainkit::reference`.
+//! gradient, under `off` and `sqrt`. Tolerances: `testkit::reference`.
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
 use layers::Model;
-use trainkit::reference::{check_close, check_evaluation, check_training_step, Fixture, LOGITS_TOL};
+use testkit::reference::{check_close, check_evaluation, check_training_step, Fixture, LOGITS_TOL};
 
 #[test]
 fn logits_loss_and_gradients_match_pytorch() -> Result<()> {

@@ -3,7 +3,7 @@
 
 #[test]
 fn a_resumed_run_is_bit_identical_to_an_uninterrupted_one() {
-    trainkit::assert_resume_is_bit_identical(env!("CARGO_BIN_EXE_train-gpt2"), &["--preset", "tiny", "--seq", "32"]);
+    testkit::assert_resume_is_bit_identical(env!("CARGO_BIN_EXE_train-gpt2"), &["--preset", "tiny", "--seq", "32"]);
 }
 
 /// Under f16 the loss scaler's state travels in the training snapshot: at this initial scale
@@ -12,7 +12,7 @@ fn a_resumed_run_is_bit_identical_to_an_uninterrupted_one() {
 #[test]
 fn a_resumed_f16_run_keeps_its_loss_scale() {
     let args = ["--preset", "tiny", "--seq", "32", "--dtype", "f16", "--loss-scale", "3.9e6", "--accumulate", "2"];
-    trainkit::assert_resume_is_bit_identical(env!("CARGO_BIN_EXE_train-gpt2"), &args);
+    testkit::assert_resume_is_bit_identical(env!("CARGO_BIN_EXE_train-gpt2"), &args);
 }
 
 /// Every optimizer under every dtype resumes bit for bit. Before, `--dtype bf16-weights` with SGD
@@ -27,7 +27,7 @@ fn every_optimizer_resumes_bit_identically_under_every_dtype() {
                 // A scale that keeps tiny's f16 gradients finite: every step updates.
                 args.extend(["--loss-scale", "1024"]);
             }
-            trainkit::assert_resume_is_bit_identical(env!("CARGO_BIN_EXE_train-gpt2"), &args);
+            testkit::assert_resume_is_bit_identical(env!("CARGO_BIN_EXE_train-gpt2"), &args);
         }
     }
 }

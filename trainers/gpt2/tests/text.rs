@@ -26,7 +26,7 @@ fn a_published_checkpoint_fine_tunes_on_text() {
     std::fs::write(snapshot.join("config.json"), serde_json::to_string(&config).unwrap()).unwrap();
 
     let (cache, text_path) = (dir.join("hub"), text_path.to_str().unwrap());
-    let (losses, log) = trainkit::run_logged(
+    let (losses, log) = testkit::run_logged(
         env!("CARGO_BIN_EXE_train-gpt2"),
         &[
             "--model-id",
@@ -47,7 +47,7 @@ fn a_published_checkpoint_fine_tunes_on_text() {
         ],
     );
     assert!(log.contains("weights from") && log.contains("tokens by") && !log.contains("initialised"), "{log}");
-    trainkit::assert_loss_falls(&losses, 0.5, "train-gpt2 --model-id --text");
+    testkit::assert_loss_falls(&losses, 0.5, "train-gpt2 --model-id --text");
 
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_train-gpt2")).args(["--preset", "tiny", "--steps", "1", "--text", text_path]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

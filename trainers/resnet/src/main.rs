@@ -92,54 +92,36 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     let config = Config { classes, dtype: args.run.dtype, ..args.preset.config() };
     let model = trainkit::build_model("--preset, --classes", || Ok(ResNet::new(config, device, args.run.seed)?))?;
     args.init.load(&model, None)?;
-    let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| {
         let (images, labels) = data.batch(step, n)?;
         Ok(model.inputs(&images, &labels, args.image_size, device)?)
     };
-    let Some((exec, policy)) = trainkit::executor(
-        &args.run,
+    let trainer = trainkit::Trainer {
+        run: &args.run,
         group,
-        &args.policy,
-        &model,
-        opt.as_ref(),
-        args.batch,
-        &format!("--batch {} x --image-size {}", args.batch, args.image_size),
-        &|n| inputs(0, n),
-    )?
-    else {
-        return Ok(());
-    };
-    trainkit::say!(
-        "ResNet {} params, {} blocks, policy {} ({}), batch {} x {}x{}, {classes} classes",
-        model.params().count(),
-        model.graph().blocks().len(),
-        policy,
-        trainkit::segments(exec.segments().len()),
-        args.batch,
-        args.image_size,
-        args.image_size
-    );
-
-    let mut log = trainkit::StepLog::new(
-        args.steps,
-        args.batch,
-        &args.run,
-        group,
-        &[
+        model: &model,
+        policy: &args.policy,
+        optimizer: args.optimizer,
+        lr: args.lr,
+        steps: args.steps,
+        batch: args.batch,
+        sizes: format!("--batch {} x --image-size {}", args.batch, args.image_size),
+        fields: vec![
             ("--image-size", args.image_size.to_string()),
             ("--classes", classes.to_string()),
             ("--optimizer", args.optimizer.to_string()),
             ("--lr", args.lr.to_string()),
         ],
-    )?;
-    let start = log.resume(model.params(), opt.as_mut())?;
-    let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
-    for step in start..args.steps {
-        log.train_step(&exec, step, batch, |g| opt.update(g))?;
-        log.eval_if_due(step, &model, batch)?;
-        log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
-    }
-    log.finish(model.params())?;
-    Ok(())
+        planned_inputs: None,
+        batch_names: None,
+    };
+    trainer.run(&inputs, |policy, segments| {
+        let size = args.image_size;
+        format!(
+            "ResNet {} params, {} blocks, policy {policy} ({segments}), batch {} x {size}x{size}, {classes} classes",
+            model.params().count(),
+            model.graph().blocks().len(),
+            args.batch
+        )
+    })
 }

@@ -152,5 +152,5 @@ fn own_snapshot_round_trips_into_a_freshly_seeded_model() {
     exec.step(&inputs, 0).unwrap();
     let logits = |m: &ResNet| m.logits(&inputs[0]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let fresh = ResNet::new(tiny(), &Device::Cpu, 2).unwrap();
-    trainkit::assert_snapshot_round_trip(&saved, &fresh, ResNet::params, logits, ResNet::load_snapshot);
+    testkit::assert_snapshot_round_trip(&saved, &fresh, ResNet::params, logits, ResNet::load_snapshot);
 }

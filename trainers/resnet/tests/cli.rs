@@ -11,7 +11,7 @@ fn loss_falls_on_synthetic_images() {
     // In f32, with bf16 and f16 activations (f16 under loss scaling) and with bf16 weights.
     for dtype in ["f32", "bf16", "f16", "bf16-weights"] {
         let args = ["--preset", "tiny", "--steps", "30", "--batch", "16", "--image-size", "32", "--classes", "4", "--dtype", dtype];
-        let (losses, _) = trainkit::run_logged(env!("CARGO_BIN_EXE_train-resnet"), &args);
+        let (losses, _) = testkit::run_logged(env!("CARGO_BIN_EXE_train-resnet"), &args);
         let median = |v: &[f32]| {
             let mut v = v.to_vec();
             v.sort_by(f32::total_cmp);

@@ -9,7 +9,7 @@ use layers::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use resnet::{Config, ResNet};
-use trainkit::Peaks;
+use testkit::Peaks;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -36,7 +36,7 @@ fn inputs(model: &ResNet, step: u64) -> Vec<candle_core::Tensor> {
 fn peaks(policy: &str) -> Peaks {
     let model = model();
     let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 1).unwrap();
-    trainkit::second_step_peaks(&exec, |step| inputs(&model, step)).unwrap()
+    testkit::second_step_peaks(&exec, |step| inputs(&model, step)).unwrap()
 }
 
 /// Bytes of every stage's outputs, from their shapes: what `off` holds at the end of forward at

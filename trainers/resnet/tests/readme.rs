@@ -1,16 +1,16 @@
-//! The README's command lines for `train-resnet` still parse: a renamed or removed flag fails here, not
+//! The documented command lines for `train-resnet` still parse: a renamed or removed flag fails here, not
 //! in a reader's terminal.
 
 #[test]
 fn the_readme_commands_parse() {
-    trainkit::assert_readme_commands_parse("train-resnet", env!("CARGO_BIN_EXE_train-resnet"), 2);
+    testkit::assert_readme_commands_parse("train-resnet", env!("CARGO_BIN_EXE_train-resnet"), 2);
 }
 
-/// The README's planner example: its command is refused with the message it quotes, and the cap
-/// it says fits trains. Before, the README said 9MiB fits, which had long been refused.
+/// The documentation's planner example: its command is refused with the message it quotes, and the cap
+/// it says fits trains.
 #[test]
 fn the_readme_planner_example_holds() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap().split_whitespace().collect::<Vec<_>>().join(" ");
+    let readme = testkit::docs_text().split_whitespace().collect::<Vec<_>>().join(" ");
     let (_, rest) = readme.split_once("(`train-resnet ").expect("the README's planner example");
     let (command, rest) = rest.split_once("`)").unwrap();
     let quoted = rest.trim_start().strip_prefix('"').unwrap().split(',').next().unwrap();

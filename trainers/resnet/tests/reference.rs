@@ -2,13 +2,13 @@
 //! `scripts/make_fixtures.py` from torchvision's own `Bottleneck`): the `tiny` preset's
 //! evaluation logits (random running statistics) and evaluation loss, then one training step under `off` and
 //! `sqrt`: the loss with BatchNorm in training mode, every parameter's gradient and every running
-//! statistic after the step. Tolerances: `trainkit::reference`.
+//! statistic after the step. Tolerances: `testkit::reference`.
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use layers::Model;
 use resnet::{Config, ResNet};
-use trainkit::reference::{check_close, check_evaluation, check_training_step, Fixture, LOGITS_TOL};
+use testkit::reference::{check_close, check_evaluation, check_training_step, Fixture, LOGITS_TOL};
 
 #[derive(serde::Deserialize)]
 struct FixtureConfig {

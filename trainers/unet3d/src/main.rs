@@ -100,7 +100,6 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         ..args.preset.config()
     };
     let model = trainkit::build_model("--preset, --classes", || Ok(UNet3d::new(config, device, args.run.seed)?))?;
-    let mut opt = trainkit::optimizer(args.run.shard_optimizer, group, args.optimizer, model.params().vars(), args.lr)?;
     let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> {
         let (voxels, labels) = match &data {
             Data::Synthetic(d) => d.batch(step, n),
@@ -114,34 +113,18 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         }
         Ok(model.inputs(&voxels, &labels, args.volume, device)?)
     };
-    let Some((exec, policy)) = trainkit::executor(
-        &args.run,
+    let per_step = args.batch * group.world();
+    let trainer = trainkit::Trainer {
+        run: &args.run,
         group,
-        &args.policy,
-        &model,
-        opt.as_ref(),
-        args.batch,
-        &format!("--batch {} x --volume {}", args.batch, args.volume),
-        &|n| inputs(0, n),
-    )?
-    else {
-        return Ok(());
-    };
-    trainkit::say!(
-        "3D U-Net {} params, policy {} ({}), batch {} x {}^3",
-        model.params().count(),
-        policy,
-        trainkit::segments(exec.segments().len()),
-        args.batch,
-        args.volume
-    );
-
-    let mut log = trainkit::StepLog::new(
-        args.steps,
-        args.batch,
-        &args.run,
-        group,
-        &[
+        model: &model,
+        policy: &args.policy,
+        optimizer: args.optimizer,
+        lr: args.lr,
+        steps: args.steps,
+        batch: args.batch,
+        sizes: format!("--batch {} x --volume {}", args.batch, args.volume),
+        fields: vec![
             ("--volume", args.volume.to_string()),
             ("--classes", args.classes.to_string()),
             ("--group-norm", args.group_norm.map_or("not given".into(), |g| g.to_string())),
@@ -149,18 +132,13 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
             ("--optimizer", args.optimizer.to_string()),
             ("--lr", args.lr.to_string()),
         ],
-    )?;
-    if let Data::Npy(volumes) = &data {
-        let per_step = args.batch * group.world();
-        log.name_batches(move |n| volumes.files(n, per_step).join(", "));
-    }
-    let start = log.resume(model.params(), opt.as_mut())?;
-    let batch = |step: u64| Ok(group.shard(inputs(step, args.batch * group.world())?)?);
-    for step in start..args.steps {
-        log.train_step(&exec, step, batch, |g| opt.update(g))?;
-        log.eval_if_due(step, &model, batch)?;
-        log.save_if_due(step, model.params(), opt.as_ref(), |p| Ok(model.save_snapshot(p)?))?;
-    }
-    log.finish(model.params())?;
-    Ok(())
+        planned_inputs: None,
+        batch_names: match &data {
+            Data::Npy(volumes) => Some(Box::new(move |n| volumes.files(n, per_step).join(", "))),
+            Data::Synthetic(_) => None,
+        },
+    };
+    trainer.run(&inputs, |policy, segments| {
+        format!("3D U-Net {} params, policy {policy} ({segments}), batch {} x {}^3", model.params().count(), args.batch, args.volume)
+    })
 }

@@ -118,5 +118,5 @@ fn own_snapshot_round_trips_into_a_freshly_seeded_model() {
     exec.step(&inputs, 0).unwrap();
     let logits = |m: &UNet3d| m.logits(&inputs[0]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let fresh = UNet3d::new(tiny(), &Device::Cpu, 2).unwrap();
-    trainkit::assert_snapshot_round_trip(&saved, &fresh, UNet3d::params, logits, UNet3d::load_snapshot);
+    testkit::assert_snapshot_round_trip(&saved, &fresh, UNet3d::params, logits, UNet3d::load_snapshot);
 }

@@ -7,7 +7,7 @@ use datasets::volumes::SyntheticVolumes;
 use layers::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
-use trainkit::{assert_near_figure, Peaks};
+use testkit::{assert_near_figure, Peaks};
 use unet3d::UNet3d;
 
 #[global_allocator]
@@ -18,7 +18,7 @@ fn peaks(policy: &str) -> Peaks {
     let model = UNet3d::new(unet3d::Preset::Tiny.config(), &Device::Cpu, 1).unwrap();
     let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 1).unwrap();
     let data = SyntheticVolumes::new(side, 1);
-    trainkit::second_step_peaks(&exec, |step| {
+    testkit::second_step_peaks(&exec, |step| {
         let (x, y) = data.batch(step, 2);
         model.inputs(&x, &y, side, &Device::Cpu).unwrap()
     })

@@ -1,7 +1,7 @@
-//! The README's command lines for `train-unet3d` still parse: a renamed or removed flag fails here, not
+//! The documented command lines for `train-unet3d` still parse: a renamed or removed flag fails here, not
 //! in a reader's terminal.
 
 #[test]
 fn the_readme_commands_parse() {
-    trainkit::assert_readme_commands_parse("train-unet3d", env!("CARGO_BIN_EXE_train-unet3d"), 1);
+    testkit::assert_readme_commands_parse("train-unet3d", env!("CARGO_BIN_EXE_train-unet3d"), 1);
 }

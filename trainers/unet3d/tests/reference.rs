@@ -3,12 +3,12 @@
 //! batch_norm and group_norm): the `tiny` preset's evaluation logits, then one training step under
 //! `off`, `sqrt` and `before-downsample`: the loss (BatchNorm with CE + soft Dice, GroupNorm with
 //! CE), every parameter's gradient and every running statistic after the step. Tolerances:
-//! `trainkit::reference`.
+//! `testkit::reference`.
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use layers::Model;
-use trainkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
+use testkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
 use unet3d::{Config, Loss, Norm, UNet3d};
 
 #[derive(serde::Deserialize)]

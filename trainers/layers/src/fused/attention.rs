@@ -1,0 +1,127 @@
+//! Scaled dot-product attention with causal mask, key padding and dropout: keeps only q, k, v
+//! (scores and probabilities are rebuilt in backward).
+
+use super::dropout::DropoutOp;
+use super::softmax::SoftmaxOp;
+use super::{exactly, fused, is_half, slice, softmax_last_dim, Elem, FusedOp, Operand};
+use candle_core::{CpuStorage, DType, Result, Shape, Tensor};
+use remat::rng::RngKey;
+
+/// Scaled dot-product attention of q, k, v (B, heads, T, d): `dropout(softmax(scale q k^T)) v`,
+/// with the causal mask if `causal` and dropout by `dropout = (key, p)`. One op: the scores and
+/// probabilities are rebuilt in backward (and the dropout mask drawn again from its key), so it
+/// keeps nothing but q, k and v, where the composed attention keeps three maps of (B, heads, T, T).
+/// `padding` (B, S), nonzero where a key may be attended to (Hugging Face's `attention_mask`),
+/// masks the padded keys for every query; a query with no key left gets zeros.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, padding: Option<&Tensor>, dropout: Option<(RngKey, f32)>) -> Result<Tensor> {
+    let (b, heads, t, _) = q.dims4()?;
+    let s = k.dim(2)?;
+    if let Some(m) = padding {
+        if m.dims() != [b, s] {
+            candle_core::bail!("attention: the padding mask must be (batch {b}, keys {s}), got {:?}", m.dims())
+        }
+    }
+    if !fused(q) {
+        let scores = q.matmul(&k.t()?)?;
+        let scores = match padding {
+            Some(m) => {
+                let keep = m.ne(0.0)?.reshape((b, 1, 1, s))?.broadcast_as(scores.shape())?;
+                let neg_inf = Tensor::new(f32::NEG_INFINITY, q.device())?.to_dtype(scores.dtype())?.broadcast_as(scores.shape())?;
+                keep.where_cond(&scores, &neg_inf)?
+            }
+            None => scores,
+        };
+        let p = softmax_last_dim(&scores, scale, causal)?;
+        let p = match dropout {
+            Some((key, rate)) => super::dropout(&p, key, rate)?,
+            None => p,
+        };
+        return p.matmul(v);
+    }
+    let padding = match padding {
+        Some(m) => Some((std::sync::Arc::new(m.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(|v| v != 0.0).collect()), heads * t)),
+        None => None,
+    };
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.to_dtype(q.dtype())?.contiguous()?);
+    q.apply_op3(&k, &v, AttentionOp { scale, causal, padding, dropout })
+}
+
+struct AttentionOp {
+    scale: f64,
+    causal: bool,
+    /// Which keys each batch element may attend to, and the rows per batch element.
+    padding: Option<(std::sync::Arc<Vec<bool>>, usize)>,
+    dropout: Option<(RngKey, f32)>,
+}
+
+impl AttentionOp {
+    fn softmax(&self, t: usize) -> SoftmaxOp {
+        SoftmaxOp { scale: self.scale, causal: self.causal, rows_per_block: t, padding: self.padding.clone() }
+    }
+
+    /// The probabilities (B, heads, T, T), flat, of detached q and k.
+    fn probabilities<T: Elem>(&self, q: &Tensor, k: &Tensor) -> Result<Vec<T>> {
+        let scores = q.matmul(&k.t()?)?.flatten_all()?.to_vec1::<T>()?;
+        Ok(self.softmax(q.dim(2)?).forward(&scores, k.dim(2)?))
+    }
+
+    fn drop_out<T: Elem>(&self, p: &mut [T]) {
+        if let Some((key, rate)) = self.dropout {
+            DropoutOp { key, p: rate }.mask_in_place(p);
+        }
+    }
+
+    /// A flat (B, heads, T, S) map as a tensor, without copying it.
+    fn map<T: Elem>(m: Vec<T>, q: &Tensor, k: &Tensor) -> Result<Tensor> {
+        Tensor::from_vec(m, (q.dim(0)?, q.dim(1)?, q.dim(2)?, k.dim(2)?), q.device())
+    }
+
+    fn forward<T: Elem>(&self, q: Tensor, k: Tensor, v: Tensor) -> Result<Vec<T>> {
+        let mut p = self.probabilities::<T>(&q, &k)?;
+        self.drop_out(&mut p);
+        Self::map(p, &q, &k)?.matmul(&v)?.flatten_all()?.to_vec1::<T>()
+    }
+
+    /// With P the probabilities and P' = dropout(P): dV = P'^T g; dP = dropout(g V^T) (the same
+    /// mask); dS = softmax backward of dP (scale included); dQ = dS K; dK = dS^T Q. At most three
+    /// maps of (B, heads, T, T) are alive at once.
+    fn backward<T: Elem>(&self, q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let p = self.probabilities::<T>(q, k)?;
+        let mut dropped = p.clone();
+        self.drop_out(&mut dropped);
+        let dv = Self::map(dropped, q, k)?.t()?.matmul(g)?;
+        let mut dp = g.matmul(&v.t()?)?.flatten_all()?.to_vec1::<T>()?;
+        self.drop_out(&mut dp);
+        let ds = self.softmax(q.dim(2)?).backward(&p, &dp, k.dim(2)?);
+        drop((p, dp));
+        let ds = Self::map(ds, q, k)?;
+        Ok((ds.matmul(k)?, ds.t()?.matmul(q)?, dv))
+    }
+}
+
+impl FusedOp for AttentionOp {
+    fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Elem>(op: &AttentionOp, s: [Operand; 3]) -> Result<Vec<T>> {
+            let t = |(st, l): Operand| Tensor::from_slice(&slice::<T>(st, l)?, l.dims(), &candle_core::Device::Cpu);
+            op.forward::<T>(t(s[0])?, t(s[1])?, t(s[2])?)
+        }
+        let args = exactly(inputs)?;
+        let [(q, ql), _, (_, vl)] = args;
+        let y = per_float!(q, "attention", run(self, args)?);
+        let mut dims = ql.dims().to_vec();
+        *dims.last_mut().expect("rank 4") = *vl.dims().last().expect("rank 4");
+        Ok((y, Shape::from(dims)))
+    }
+
+    fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let [q, k, v] = exactly(inputs)?;
+        // Half precision runs in f32 (candle's CPU matrix product has no bf16).
+        let dtype = q.dtype();
+        let wide = |t: &Tensor| if is_half(dtype) { t.detach().to_dtype(DType::F32) } else { Ok(t.detach()) };
+        let (q, k, v, g) = (wide(q)?, wide(k)?, wide(v)?, wide(g)?.contiguous()?);
+        let (dq, dk, dv) = per_dtype!(q.dtype(), T => self.backward::<T>(&q, &k, &v, &g)?);
+        Ok(vec![Some(dq.to_dtype(dtype)?), Some(dk.to_dtype(dtype)?), Some(dv.to_dtype(dtype)?)])
+    }
+}
+
+custom_op!(AttentionOp: 3 "fused-attention");

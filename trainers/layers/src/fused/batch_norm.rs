@@ -1,0 +1,144 @@
+//! BatchNorm in training mode, optionally with the residual and ReLU that follow it: keeps its
+//! input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size).
+
+use super::{elem, operand, shaped, slice, wide, with_slice, Elem, FusedOp, Operand};
+use candle_core::{CpuStorage, Result, Shape, Tensor};
+use num_traits::Float;
+use rayon::prelude::*;
+
+/// BatchNorm of x (N, C, *spatial) with the batch's statistics, as PyTorch's training mode:
+/// `(x - mean_c) / sqrt(var_c + eps) * weight_c + bias_c` with the biased variance, then
+/// `+ residual` if given (same shape as x), then a ReLU if `relu` (a ResNet block's end:
+/// `relu(bn(conv(h)) + identity)` as one op, which keeps only x and the output where the composed
+/// version keeps the normalised tensor and the sum as well). Returns the output and the batch's
+/// per-channel mean and biased variance (for the running statistics). CPU f32/f64 only: check
+/// [`fused`](super::fused) first.
+pub fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Vec<f64>, Vec<f64>)> {
+    let x = x.contiguous()?;
+    let (n, c) = (x.dim(0)?, x.dim(1)?);
+    let spatial = x.elem_count() / (n * c).max(1);
+    let (mean, var) = per_dtype!(x.dtype(), T => with_slice::<T, _>(&x, |xs| Ok(channel_stats(xs, c, spatial)))?);
+    let rstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+    let op = BatchNormOp { mean: mean.clone(), rstd, relu, channels: c, spatial };
+    // Weight and bias travel as one (2, C) operand so that the residual fits a three-input op.
+    let wb = operand(&Tensor::stack(&[weight, bias], 0)?, &x)?;
+    let y = match residual {
+        Some(r) => {
+            if r.shape() != x.shape() {
+                candle_core::bail!("batch_norm: residual {:?} does not match the input {:?}", r.dims(), x.dims())
+            }
+            x.apply_op3(&wb, &r.to_dtype(x.dtype())?.contiguous()?, op)?
+        }
+        None => x.apply_op2(&wb, op)?,
+    };
+    Ok((y, mean, var))
+}
+
+/// Per-channel mean and biased variance of (N, C, S) data, in f64, two passes; one channel per
+/// task, each summed in a fixed order.
+fn channel_stats<T: Elem>(x: &[T], c: usize, s: usize) -> (Vec<f64>, Vec<f64>) {
+    let n = x.len() / (c * s);
+    let m = (n * s) as f64;
+    let values = |ch: usize| (0..n).flat_map(move |b| x[(b * c + ch) * s..(b * c + ch + 1) * s].iter().map(|&v| wide(v)));
+    (0..c)
+        .into_par_iter()
+        .map(|ch| {
+            let mean = values(ch).sum::<f64>() / m;
+            (mean, values(ch).map(|v| (v - mean) * (v - mean)).sum::<f64>() / m)
+        })
+        .unzip()
+}
+
+struct BatchNormOp {
+    mean: Vec<f64>,
+    rstd: Vec<f64>,
+    relu: bool,
+    channels: usize,
+    spatial: usize,
+}
+
+impl BatchNormOp {
+    /// `wb` is (2, C): weight then bias.
+    fn forward<T: Elem>(&self, x: &[T], wb: &[T], residual: Option<&[T]>) -> Vec<T> {
+        let (w, b) = wb.split_at(self.channels);
+        let mut y = vec![T::zero(); x.len()];
+        y.par_chunks_mut(self.spatial).zip(x.par_chunks(self.spatial)).enumerate().for_each(|(i, (y, x))| {
+            let ch = i % self.channels;
+            let (mean, scale) = (elem::<T>(self.mean[ch]), elem::<T>(self.rstd[ch]) * w[ch]);
+            let r = residual.map(|r| &r[i * self.spatial..(i + 1) * self.spatial]);
+            for (j, (y, &x)) in y.iter_mut().zip(x).enumerate() {
+                let mut v = (x - mean) * scale + b[ch];
+                if let Some(r) = r {
+                    v += r[j];
+                }
+                // A NaN stays NaN through the ReLU, as in PyTorch (`Float::max` would make it 0,
+                // and a NaN input would train on with a finite loss).
+                *y = if self.relu && !v.is_nan() { Float::max(v, T::zero()) } else { v };
+            }
+        });
+        y
+    }
+
+    /// With g' = g (masked by y > 0 after a ReLU) and x_hat the normalised input, per channel:
+    /// db = sum g', dw = sum g' x_hat, dx = w rstd / M (M g' - db - x_hat dw); the residual's
+    /// gradient is g'. Returns dx, d(weight, bias) as (2, C), and g' (None without a residual).
+    fn backward<T: Elem>(&self, x: &[T], y: &[T], wb: &[T], g: &[T], residual: bool) -> (Vec<T>, Vec<T>, Option<Vec<T>>) {
+        let (c, s) = (self.channels, self.spatial);
+        let n = x.len() / (c * s);
+        let grad = |i: usize| if self.relu && y[i] <= T::zero() { 0.0 } else { wide(g[i]) };
+        let (db, dw): (Vec<f64>, Vec<f64>) = (0..c)
+            .into_par_iter()
+            .map(|ch| {
+                let (mut db, mut dw) = (0f64, 0f64);
+                for bi in 0..n {
+                    let at = (bi * c + ch) * s;
+                    for (i, &xi) in x[at..at + s].iter().enumerate() {
+                        let gi = grad(at + i);
+                        db += gi;
+                        dw += gi * (wide(xi) - self.mean[ch]) * self.rstd[ch];
+                    }
+                }
+                (db, dw)
+            })
+            .unzip();
+        let m = (n * s) as f64;
+        let mut dx = vec![T::zero(); x.len()];
+        dx.par_chunks_mut(s).enumerate().for_each(|(block, dx)| {
+            let ch = block % c;
+            let k = wide(wb[ch]) * self.rstd[ch] / m;
+            for (j, d) in dx.iter_mut().enumerate() {
+                let i = block * s + j;
+                let x_hat = (wide(x[i]) - self.mean[ch]) * self.rstd[ch];
+                *d = elem(k * (m * grad(i) - db[ch] - x_hat * dw[ch]));
+            }
+        });
+        let dr = residual.then(|| {
+            let mut dr = vec![T::zero(); x.len()];
+            dr.par_chunks_mut(s).enumerate().for_each(|(block, dr)| dr.iter_mut().enumerate().for_each(|(j, d)| *d = elem(grad(block * s + j))));
+            dr
+        });
+        let dwb = dw.into_iter().chain(db).map(elem::<T>).collect();
+        (dx, dwb, dr)
+    }
+}
+
+/// Operands x, (weight; bias) and, at arity 3, the residual.
+impl FusedOp for BatchNormOp {
+    fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
+        let ((x, xl), (wb, wbl), residual) = (inputs[0], inputs[1], inputs.get(2));
+        let y = per_float!(x, "batch_norm", self.forward(&slice(x, xl)?, &slice(wb, wbl)?, residual.map(|&(s, l)| slice(s, l)).transpose()?.as_deref()));
+        Ok((y, xl.shape().clone()))
+    }
+
+    fn bwd(&self, inputs: &[&Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let (x, wb, residual) = (inputs[0], inputs[1], inputs.len() == 3);
+        let g = g.contiguous()?;
+        let (dx, dwb, dr) = per_dtype!(x.dtype(), T => {
+            let (dx, dwb, dr) = with_slice::<T, _>(x, |xs| with_slice(y, |ys| with_slice(wb, |ws| with_slice(&g, |gs| Ok(self.backward(xs, ys, ws, gs, residual))))))?;
+            (shaped(dx, x)?, shaped(dwb, wb)?, dr.map(|dr| shaped(dr, x)).transpose()?)
+        });
+        Ok([Some(dx), Some(dwb), dr].into_iter().take(inputs.len()).collect())
+    }
+}
+
+custom_op!(BatchNormOp: 2 "fused-batch-norm", 3 "fused-batch-norm-add");

@@ -1,0 +1,97 @@
+//! Cross-entropy: the mean (optionally weighted) negative log-likelihood of logits; keeps nothing
+//! but its inputs.
+
+use super::{elem, exactly, fused, nan_max, shaped, slice, with_slice, Elem, FusedOp, Operand};
+use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+/// Cross-entropy of logits (N, V) against class ids (N) u32: the mean over rows of
+/// `logsumexp(row) - row[target]`, or with `weights` (N) the weighted mean
+/// `sum(w_i ce_i) / sum(w_i)` (BERT scores only its masked positions). Weights that are all zero
+/// are an error ([`NO_WEIGHT`]).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: Option<&Tensor>) -> Result<Tensor> {
+    let (n, _) = logits.dims2()?;
+    let weights = match weights {
+        Some(w) => w.to_dtype(logits.dtype())?,
+        None => Tensor::ones(n, logits.dtype(), logits.device())?,
+    };
+    if !fused(logits) {
+        let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+        let picked = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
+        let total = weights.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        if total == 0.0 {
+            candle_core::bail!("{NO_WEIGHT}")
+        }
+        return ((picked * &weights)?.sum_all()? / total)?.neg();
+    }
+    logits.contiguous()?.apply_op3(&targets.to_dtype(DType::U32)?.contiguous()?, &weights.contiguous()?, CrossEntropyOp)
+}
+
+struct CrossEntropyOp;
+
+/// The error of a weighted cross-entropy whose weights are all zero. PyTorch returns NaN (a mean
+/// over no target), which then reads as a diverged run; here it is refused, naming the cause.
+const NO_WEIGHT: &str = "cross_entropy: every weight is zero, so the batch has no position to score (the mean over none is undefined)";
+
+/// logsumexp of a row.
+fn log_sum_exp<T: Elem>(row: &[T]) -> T {
+    let max = row.iter().fold(T::neg_infinity(), |m, &v| nan_max(m, v));
+    max + row.iter().map(|&v| (v - max).exp()).sum::<T>().ln()
+}
+
+impl CrossEntropyOp {
+    fn forward<T: Elem>(logits: &[T], targets: &[u32], weights: &[T]) -> Result<T> {
+        let v = logits.len() / targets.len();
+        if let Some(&bad) = targets.iter().find(|&&t| t as usize >= v) {
+            candle_core::bail!("cross_entropy: target {bad} is outside the {v} classes")
+        }
+        let weight = weights.iter().copied().sum::<T>();
+        if weight == T::zero() {
+            candle_core::bail!("{NO_WEIGHT}")
+        }
+        let losses: Vec<T> = logits.par_chunks(v).zip(targets.par_iter()).map(|(row, &t)| log_sum_exp(row) - row[t as usize]).collect();
+        let total = losses.iter().zip(weights).fold(T::zero(), |acc, (&l, &w)| acc + l * w);
+        Ok(total / weight)
+    }
+
+    /// d/dlogits = g w_i / sum(w) (softmax(row) - onehot(target)).
+    fn backward<T: Elem>(logits: &[T], targets: &[u32], weights: &[T], g: T) -> Vec<T> {
+        let v = logits.len() / targets.len();
+        let scale = g / weights.iter().copied().sum::<T>();
+        let mut d = vec![T::zero(); logits.len()];
+        d.par_chunks_mut(v).zip(logits.par_chunks(v)).zip(targets.par_iter().zip(weights.par_iter())).for_each(|((d, row), (&t, &w))| {
+            let lse = log_sum_exp(row);
+            let s = scale * w;
+            for j in 0..v {
+                d[j] = s * (row[j] - lse).exp();
+            }
+            d[t as usize] -= s;
+        });
+        d
+    }
+}
+
+impl FusedOp for CrossEntropyOp {
+    fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
+        let [(logits, ll), (targets, tl), (weights, wl)] = exactly(inputs)?;
+        let targets = slice::<u32>(targets, tl)?;
+        let loss = match logits {
+            // The loss of half-precision logits is computed and returned in f32.
+            CpuStorage::BF16(_) | CpuStorage::F16(_) => CpuStorage::F32(vec![Self::forward::<f32>(&slice(logits, ll)?, &targets, &slice(weights, wl)?)?]),
+            _ => per_float!(logits, "cross_entropy", vec![Self::forward(&slice(logits, ll)?, &targets, &slice(weights, wl)?)?]),
+        };
+        Ok((loss, Shape::from(())))
+    }
+
+    fn bwd(&self, inputs: &[&Tensor], _loss: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let [logits, targets, weights] = exactly(inputs)?;
+        let g = g.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let d = with_slice::<u32, _>(
+            targets,
+            |t| per_dtype!(logits.dtype(), T => shaped(with_slice::<T, _>(logits, |l| with_slice(weights, |w| Ok(Self::backward(l, t, w, elem::<T>(g)))))?, logits)),
+        )?;
+        Ok(vec![Some(d), None, None])
+    }
+}
+
+custom_op!(CrossEntropyOp: 3 "fused-cross-entropy");

@@ -1,0 +1,60 @@
+//! Inverted dropout: keeps nothing, its backward draws the mask again from its key instead of
+//! holding it; its bits equal `x * mask` composed.
+
+use super::{elem, exactly, fused, shaped, slice, with_slice, Elem, FusedOp, Operand, ELEMENT_CHUNK};
+use candle_core::{CpuStorage, Result, Shape, Tensor};
+use rayon::prelude::*;
+use remat::rng::RngKey;
+
+/// Inverted dropout: `x * mask` with `mask = 1 / (1 - p)` where `key`'s uniform draw is below
+/// `1 - p`, else 0 (`RngKey::dropout_mask`). Backward draws the mask again from the key.
+pub fn dropout(x: &Tensor, key: RngKey, p: f32) -> Result<Tensor> {
+    if !fused(x) {
+        let mask = Tensor::from_vec(key.dropout_mask(x.elem_count(), p), x.shape(), x.device())?.to_dtype(x.dtype())?;
+        return x * mask;
+    }
+    x.contiguous()?.apply_op1(DropoutOp { key, p })
+}
+
+pub(super) struct DropoutOp {
+    pub(super) key: RngKey,
+    pub(super) p: f32,
+}
+
+impl DropoutOp {
+    /// `x * mask`, element by element, the mask drawn in parallel pieces of the key's stream.
+    fn masked<T: Elem>(&self, x: &[T]) -> Vec<T> {
+        let mut y = x.to_vec();
+        self.mask_in_place(&mut y);
+        y
+    }
+
+    pub(super) fn mask_in_place<T: Elem>(&self, x: &mut [T]) {
+        let keep = 1.0 - self.p;
+        let scale = elem::<T>((1.0 / keep) as f64);
+        x.par_chunks_mut(ELEMENT_CHUNK).enumerate().for_each(|(c, x)| {
+            let mut u = vec![0f32; x.len()];
+            self.key.uniform_into(c * ELEMENT_CHUNK, &mut u);
+            for (x, &u) in x.iter_mut().zip(&u) {
+                *x *= if u < keep { scale } else { T::zero() };
+            }
+        });
+    }
+}
+
+impl FusedOp for DropoutOp {
+    fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
+        let [(s, l)] = exactly(inputs)?;
+        let y = per_float!(s, "dropout", self.masked(&slice(s, l)?));
+        Ok((y, l.shape().clone()))
+    }
+
+    fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let [x] = exactly(inputs)?;
+        let g = g.contiguous()?;
+        let dx = per_dtype!(x.dtype(), T => shaped(with_slice::<T, _>(&g, |gs| Ok(self.masked(gs)))?, x)?);
+        Ok(vec![Some(dx)])
+    }
+}
+
+custom_op!(DropoutOp: 1 "fused-dropout");

@@ -1,0 +1,93 @@
+//! LayerNorm: keeps nothing but its input (the statistics are recomputed in backward).
+
+use super::{elem, exactly, fused, operand, shaped, slice, sum_rows, with_slice, Elem, FusedOp, Operand};
+use candle_core::{CpuStorage, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+/// Layer normalisation over the last dimension: `(x - mean) / sqrt(var + eps) * weight + bias`,
+/// with the biased variance, as PyTorch's `layer_norm`.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if !fused(x) {
+        return candle_nn::ops::layer_norm_slow(x, weight, bias, eps as f32);
+    }
+    let d = x.dim(D::Minus1)?;
+    if weight.dims() != [d] || bias.dims() != [d] {
+        candle_core::bail!("layer_norm: weight {:?} and bias {:?} must be [{d}]", weight.dims(), bias.dims())
+    }
+    x.contiguous()?.apply_op3(&operand(weight, x)?, &operand(bias, x)?, LayerNormOp { eps })
+}
+
+struct LayerNormOp {
+    eps: f64,
+}
+
+/// Mean and 1/sqrt(var + eps) of one row (two passes: the mean, then the centred squares).
+fn row_stats<T: Elem>(row: &[T], eps: f64) -> (T, T) {
+    let n = elem::<T>(row.len() as f64);
+    let mean = row.iter().copied().sum::<T>() / n;
+    let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<T>() / n;
+    (mean, T::one() / (var + elem(eps)).sqrt())
+}
+
+impl LayerNormOp {
+    fn forward<T: Elem>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
+        let mut y = vec![T::zero(); x.len()];
+        y.par_chunks_mut(w.len()).zip(x.par_chunks(w.len())).for_each(|(y, x)| {
+            let (mean, rstd) = row_stats(x, self.eps);
+            for j in 0..x.len() {
+                y[j] = (x[j] - mean) * rstd * w[j] + b[j];
+            }
+        });
+        y
+    }
+
+    /// dx = rstd (g w - mean(g w) - x_hat mean(g w x_hat)); dw = sum over rows of g x_hat; db =
+    /// sum over rows of g.
+    fn backward<T: Elem>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let d = w.len();
+        let mut dx = vec![T::zero(); x.len()];
+        dx.par_chunks_mut(d).zip(x.par_chunks(d).zip(g.par_chunks(d))).for_each(|(dx, (x, g))| {
+            let (mean, rstd) = row_stats(x, self.eps);
+            let n = elem::<T>(d as f64);
+            let (mut m1, mut m2) = (T::zero(), T::zero());
+            for j in 0..d {
+                let gw = g[j] * w[j];
+                m1 += gw;
+                m2 += gw * (x[j] - mean) * rstd;
+            }
+            let (m1, m2) = (m1 / n, m2 / n);
+            for j in 0..d {
+                dx[j] = rstd * (g[j] * w[j] - m1 - (x[j] - mean) * rstd * m2);
+            }
+        });
+        let sums = sum_rows::<T>(x.len() / d, 2 * d, |i, acc| {
+            let (x, g) = (&x[i * d..(i + 1) * d], &g[i * d..(i + 1) * d]);
+            let (mean, rstd) = row_stats(x, self.eps);
+            for j in 0..d {
+                acc[j] += g[j] * (x[j] - mean) * rstd;
+                acc[d + j] += g[j];
+            }
+        });
+        (dx, sums[..d].to_vec(), sums[d..].to_vec())
+    }
+}
+
+impl FusedOp for LayerNormOp {
+    fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
+        let [(x, xl), (w, wl), (b, bl)] = exactly(inputs)?;
+        let y = per_float!(x, "layer_norm", self.forward(&slice(x, xl)?, &slice(w, wl)?, &slice(b, bl)?));
+        Ok((y, xl.shape().clone()))
+    }
+
+    fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let [x, w, _b] = exactly(inputs)?;
+        let g = g.contiguous()?;
+        let (dx, dw, db) = per_dtype!(x.dtype(), T => {
+            let (dx, dw, db) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| Ok(self.backward(xs, ws, gs)))))?;
+            (shaped(dx, x)?, shaped(dw, w)?, shaped(db, w)?)
+        });
+        Ok(vec![Some(dx), Some(dw), Some(db)])
+    }
+}
+
+custom_op!(LayerNormOp: 3 "fused-layer-norm");

@@ -1,0 +1,85 @@
+//! Linear: `x @ w + b` as one op, so the product before the bias is not kept; keeps its inputs.
+
+use super::{fused, is_half, mat, matmul, matmul_new, operand, shaped, slice, with_slice, Elem, FusedOp, Operand};
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
+
+/// `x @ w + b` over the last dimension of x (.., in): `w` is (in, out), or (out, in) with
+/// `w_is_out_in` (Hugging Face's `Linear`; GPT-2's `Conv1D` stores (in, out)). One op: the
+/// product before the bias is no graph node, so it is not kept for backward as `matmul` followed
+/// by `broadcast_add` keeps it.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> Result<Tensor> {
+    let k = x.dim(D::Minus1)?;
+    let w_in = if w_is_out_in { w.t()? } else { w.clone() }; // (in, out)
+    if !fused(x) {
+        let rows = x.elem_count() / k;
+        let y = x.reshape((rows, k))?.matmul(&w_in)?;
+        let y = match b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let mut dims = x.dims().to_vec();
+        *dims.last_mut().expect("rank >= 1") = y.dim(1)?;
+        return y.reshape(dims);
+    }
+    let (x, w) = (x.contiguous()?, operand(w, x)?);
+    match b {
+        Some(b) => x.apply_op3(&w, &operand(b, &x)?, LinearOp { w_is_out_in }),
+        None => x.apply_op2(&w, LinearOp { w_is_out_in }),
+    }
+}
+
+struct LinearOp {
+    w_is_out_in: bool,
+}
+
+impl LinearOp {
+    fn forward<T: Elem>(&self, x: &[T], xl: &Layout, w: &[T], b: Option<&[T]>) -> Vec<T> {
+        let k = *xl.dims().last().expect("rank >= 1");
+        let (rows, n) = (x.len() / k, w.len() / k);
+        let mut y = match b {
+            Some(b) => b.repeat(rows),
+            None => vec![T::zero(); rows * n],
+        };
+        // y = b + x @ w_in, the bias added first: as one product accumulated onto it.
+        matmul(&mut y, mat(x, false), mat(w, self.w_is_out_in), (rows, k, n), b.is_some());
+        y
+    }
+}
+
+/// Operands x, w and, at arity 3, the bias.
+impl FusedOp for LinearOp {
+    fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
+        let ((x, xl), (w, wl), b) = (inputs[0], inputs[1], inputs.get(2));
+        let y = per_float!(x, "linear", self.forward(&slice(x, xl)?, xl, &slice(w, wl)?, b.map(|&(s, l)| slice(s, l)).transpose()?.as_deref()));
+        let mut dims = xl.dims().to_vec();
+        *dims.last_mut().expect("rank >= 1") = wl.dims()[if self.w_is_out_in { 0 } else { 1 }];
+        Ok((y, Shape::from(dims)))
+    }
+
+    /// dx = g w_in^T, dw = x^T g (as g^T x for an (out, in) weight), db = column sums of g.
+    fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let (x, w, b) = (inputs[0], inputs[1], inputs.get(2));
+        let k = x.dim(D::Minus1)?;
+        let (rows, n) = (x.elem_count() / k, w.elem_count() / k);
+        let g = g.contiguous()?;
+        let (dx, dw) = per_dtype!(x.dtype(), T => {
+            let (dx, dw) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| {
+                // w_in^T is the stored w read the other way round.
+                let dx = matmul_new(mat(gs, false), mat(ws, !self.w_is_out_in), (rows, n, k));
+                let dw = if self.w_is_out_in {
+                    matmul_new(mat(gs, true), mat(xs, false), (n, rows, k))
+                } else {
+                    matmul_new(mat(xs, true), mat(gs, false), (k, rows, n))
+                };
+                Ok((dx, dw))
+            })))?;
+            (shaped(dx, x)?, shaped(dw, w)?)
+        });
+        let Some(b) = b else { return Ok(vec![Some(dx), Some(dw)]) };
+        // The bias gradient summed in f32 at least (candle would sum a bf16 g in bf16).
+        let g = if is_half(g.dtype()) { g.to_dtype(DType::F32)? } else { g };
+        Ok(vec![Some(dx), Some(dw), Some(g.reshape((rows, n))?.sum(0)?.to_dtype(b.dtype())?)])
+    }
+}
+
+custom_op!(LinearOp: 2 "fused-linear", 3 "fused-linear-bias");

@@ -1,0 +1,103 @@
+//! Softmax over the last dimension, with an optional scale and causal mask folded in: keeps only
+//! its output.
+
+use super::{elem, exactly, fused, nan_max, shaped, slice, with_slice, Elem, FusedOp, Operand};
+use candle_core::{CpuStorage, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+/// `softmax(scale * x)` over the last dimension; with `causal`, element (.., i, j) of the last two
+/// dimensions is masked out (probability 0) where j > i, as in a decoder's self-attention.
+pub fn softmax_last_dim(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+    if !fused(x) {
+        let x = (x * scale)?;
+        let x = if causal {
+            let (t, s) = (x.dim(D::Minus2)?, x.dim(D::Minus1)?);
+            let future = Tensor::from_vec((0..t * s).map(|i| u8::from(i % s > i / s)).collect(), (t, s), x.device())?;
+            let neg_inf = Tensor::new(f32::NEG_INFINITY, x.device())?.to_dtype(x.dtype())?.broadcast_as(x.shape())?;
+            future.broadcast_as(x.shape())?.where_cond(&neg_inf, &x)?
+        } else {
+            x
+        };
+        return candle_nn::ops::softmax(&x, D::Minus1); // candle's fused softmax_last_dim has no backward
+    }
+    let rows_per_block = if causal { x.dim(D::Minus2)? } else { 1 };
+    x.contiguous()?.apply_op1(SoftmaxOp { scale, causal, rows_per_block, padding: None })
+}
+
+pub(super) struct SoftmaxOp {
+    pub(super) scale: f64,
+    pub(super) causal: bool,
+    /// With `causal`, the number of rows of each (T, S) attention map: row r is query r % T.
+    pub(super) rows_per_block: usize,
+    /// Key padding: which of each batch element's S keys may be attended to, (B, S) flat, and
+    /// the rows per batch element (heads x T). A row with no key left is all zeros.
+    pub(super) padding: Option<(std::sync::Arc<Vec<bool>>, usize)>,
+}
+
+impl SoftmaxOp {
+    /// How many leading entries of row `r` are visible.
+    fn visible(&self, r: usize, width: usize) -> usize {
+        if self.causal {
+            (r % self.rows_per_block + 1).min(width)
+        } else {
+            width
+        }
+    }
+
+    /// Whether entry `j` of row `r` (of `width`) takes part: visible and not padding.
+    fn keeps(&self, r: usize, width: usize) -> impl Fn(usize) -> bool + '_ {
+        let n = self.visible(r, width);
+        let keys = self.padding.as_ref().map(|(keep, rows)| &keep[r / rows * width..(r / rows + 1) * width]);
+        move |j| j < n && keys.is_none_or(|k| k[j])
+    }
+
+    pub(super) fn forward<T: Elem>(&self, x: &[T], width: usize) -> Vec<T> {
+        let scale = elem::<T>(self.scale);
+        let mut y = vec![T::zero(); x.len()];
+        y.par_chunks_mut(width).zip(x.par_chunks(width)).enumerate().for_each(|(r, (y, x))| {
+            let (n, keep) = (self.visible(r, width), self.keeps(r, width));
+            let max = (0..n).filter(|&j| keep(j)).fold(T::neg_infinity(), |m, j| nan_max(m, x[j] * scale));
+            if max == T::neg_infinity() {
+                return; // every key masked: the row stays zero
+            }
+            let mut sum = T::zero();
+            for j in (0..n).filter(|&j| keep(j)) {
+                y[j] = (x[j] * scale - max).exp();
+                sum += y[j];
+            }
+            y[..n].iter_mut().for_each(|v| *v /= sum);
+        });
+        y
+    }
+
+    /// dx = scale * y * (g - sum(g y)) per row (masked entries have y = 0, so dx = 0 there).
+    pub(super) fn backward<T: Elem>(&self, y: &[T], g: &[T], width: usize) -> Vec<T> {
+        let scale = elem::<T>(self.scale);
+        let mut dx = vec![T::zero(); y.len()];
+        dx.par_chunks_mut(width).zip(y.par_chunks(width).zip(g.par_chunks(width))).enumerate().for_each(|(r, (dx, (y, g)))| {
+            let (n, keep) = (self.visible(r, width), self.keeps(r, width));
+            let dot = (0..n).filter(|&j| keep(j)).map(|j| g[j] * y[j]).sum::<T>();
+            for j in (0..n).filter(|&j| keep(j)) {
+                dx[j] = scale * y[j] * (g[j] - dot);
+            }
+        });
+        dx
+    }
+}
+
+impl FusedOp for SoftmaxOp {
+    fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
+        let [(s, l)] = exactly(inputs)?;
+        let width = l.dims().last().copied().unwrap_or(1);
+        let y = per_float!(s, "softmax", self.forward(&slice(s, l)?, width));
+        Ok((y, l.shape().clone()))
+    }
+
+    fn bwd(&self, _inputs: &[&Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let (g, width) = (g.contiguous()?, y.dim(D::Minus1)?);
+        let dx = per_dtype!(y.dtype(), T => shaped(with_slice::<T, _>(y, |ys| with_slice(&g, |gs| Ok(self.backward(ys, gs, width))))?, y)?);
+        Ok(vec![Some(dx)])
+    }
+}
+
+custom_op!(SoftmaxOp: 1 "fused-softmax");

@@ -1,0 +1,227 @@
+//! `testkit`: what the tests of the trainers and the harness share, and nothing the product
+//! needs: the PyTorch reference fixtures ([`reference`]), memory checks of a training step,
+//! running a trainer binary and reading its log, and checking that the documentation's command
+//! lines still parse. A dev-dependency only.
+
+pub mod reference;
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use remat::memory::Meter;
+use remat::Executor;
+use std::path::Path;
+use trainkit::read_losses;
+
+/// Heap peaks of one training step (forward and backward), in bytes above the heap before it.
+#[derive(Clone, Copy, Debug)]
+pub struct Peaks {
+    /// The highest heap during the step.
+    pub step: u64,
+    /// The same less the parameter gradients held at that point: what checkpointing acts on
+    /// (`remat::memory::Timeline::activation_peak`).
+    pub activation: u64,
+    /// The heap when the forward pass ended (the last stage's output computed).
+    pub forward_end: u64,
+    /// The highest heap during backward (recomputes included).
+    pub backward: u64,
+    /// Bytes of the parameter gradients at the end of the step.
+    pub grads: u64,
+}
+
+/// The peaks of the second of two steps under `exec` (the first pays one-off allocations such
+/// as per-thread buffers). Needs [`remat::memory::CountingAlloc`] as the global allocator.
+pub fn second_step_peaks(exec: &Executor, inputs: impl Fn(u64) -> Vec<Tensor>) -> Result<Peaks> {
+    let mut peaks = Peaks { step: 0, activation: 0, forward_end: 0, backward: 0, grads: 0 };
+    for step in 0..2 {
+        let inputs = inputs(step);
+        let meter = Meter::start(inputs[0].device());
+        let out = exec.step(&inputs, step)?;
+        let usage = meter.finish();
+        let events = &out.timeline.events;
+        let forward = events.iter().take_while(|e| e.phase == remat::memory::Phase::Forward).count();
+        let above = |b: u64| b.saturating_sub(usage.heap_base);
+        peaks = Peaks {
+            step: usage.heap_peak_delta,
+            activation: out.timeline.activation_peak(usage.heap_base),
+            forward_end: events[..forward].last().map_or(0, |e| above(e.bytes)),
+            backward: events[forward..].iter().map(|e| above(e.window_peak)).max().unwrap_or(0),
+            grads: events.last().map_or(0, |e| e.grad_bytes),
+        };
+    }
+    Ok(peaks)
+}
+
+/// Fails unless a measured figure is within 10 % of the one committed with a test: a memory
+/// regression fails it, and so does an improvement, whose change must then update the figure.
+pub fn assert_near_figure(what: &str, measured: u64, committed: u64) {
+    let ratio = measured as f64 / committed as f64;
+    eprintln!("{what}: {measured} B measured, {committed} B committed ({ratio:.3}x)");
+    assert!((0.9..=1.1).contains(&ratio), "{what}: measured {measured} B is {ratio:.3}x the committed {committed} B (allowed 0.9-1.1)");
+}
+
+/// The memory checks of a deep transformer, given its peaks under a policy: `sqrt` at least
+/// halves the step peak, the activation peaks of `off` and `sqrt` are the committed figures, and
+/// under `off` the heap during backward stays within the end-of-forward level plus the parameter
+/// gradients plus 5 %: the gradients in flight (the executor frees each stage once its gradients
+/// are propagated). A backward that kept gradients it no longer needs exceeds it: with the
+/// dropout masks' gradients kept, as candle did for a composed dropout, it was 40-60 %.
+/// `off_forward_end` is what `off` holds at the end of forward as the model's shapes give it (the
+/// test derives it): the measurement must be within 5 % of it.
+pub fn assert_deep_model_memory(peaks: impl Fn(&str) -> Peaks, off_forward_end: u64, off_activation: u64, sqrt_activation: u64) {
+    assert!(remat::memory::heap_meter_installed());
+    let (off, sqrt) = (peaks("off"), peaks("sqrt"));
+    let ratio = off.forward_end as f64 / off_forward_end as f64;
+    eprintln!("off: forward ends at {} B, {off_forward_end} B from the shapes ({ratio:.3}x)", off.forward_end);
+    assert!((0.95..=1.05).contains(&ratio), "off: forward ends at {} B, {ratio:.3}x the {off_forward_end} B the shapes give", off.forward_end);
+    // The executor's backward frees each stage once its gradients are propagated: the heap during
+    // backward stays within the end-of-forward level plus the parameter gradients plus 5 %.
+    let bound = off.forward_end + off.grads + off.forward_end * 5 / 100;
+    eprintln!("off: forward ends at {} B, backward peaks at {} B, gradients {} B", off.forward_end, off.backward, off.grads);
+    assert!(
+        off.backward <= bound,
+        "off: backward peaks at {} B, above the end of forward {} B + gradients {} B + 5 %",
+        off.backward,
+        off.forward_end,
+        off.grads
+    );
+    eprintln!("step peak: off {} B, sqrt {} B ({:.2}x)", off.step, sqrt.step, sqrt.step as f64 / off.step as f64);
+    assert!(sqrt.step * 2 <= off.step, "sqrt peak {} B is more than half of off {} B", sqrt.step, off.step);
+    assert_near_figure("off activation peak", off.activation, off_activation);
+    assert_near_figure("sqrt activation peak", sqrt.activation, sqrt_activation);
+}
+
+/// A snapshot of `saved` loaded into `fresh`, a model built from another seed: their evaluation
+/// outputs (`eval`) and buffers (BatchNorm statistics: `saved`'s must have moved, e.g. by a
+/// training step) differ before loading and are bit-identical after.
+pub fn assert_snapshot_round_trip<M>(
+    saved: &M,
+    fresh: &M,
+    store: impl Fn(&M) -> &layers::ParamStore,
+    eval: impl Fn(&M) -> Vec<f32>,
+    load: impl Fn(&M, &Path) -> std::result::Result<(), layers::SnapshotError>,
+) {
+    let dir = std::env::temp_dir().join(format!("snapshot-round-trip-{}-{:?}", std::process::id(), std::thread::current().id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("own.safetensors");
+    store(saved).save(&path).unwrap();
+    let buffers = |m: &M| store(m).buffer_bits().unwrap();
+    assert_ne!(eval(fresh), eval(saved), "different seeds must give different models");
+    let saved_buffers = buffers(saved);
+    if !saved_buffers.is_empty() {
+        assert!(saved_buffers != buffers(fresh), "the running statistics must have moved, or loading them proves nothing");
+    }
+    load(fresh, &path).unwrap();
+    assert_eq!(eval(fresh), eval(saved), "evaluation outputs differ after loading");
+    assert!(buffers(fresh) == saved_buffers, "buffers differ after loading");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Runs the trainer binary `bin` with `args` and `--log-json`; it must succeed. Returns the
+/// per-step training losses and what it printed on stderr.
+pub fn run_logged(bin: &str, args: &[&str]) -> (Vec<f32>, String) {
+    let log = std::env::temp_dir().join(format!("run-logged-{}-{:x}.jsonl", std::process::id(), args_hash(args)));
+    let out = std::process::Command::new(bin).args(args).args(["--log-json", log.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{bin} {args:?}: {err}");
+    let losses = read_losses(&log).unwrap();
+    std::fs::remove_file(&log).unwrap();
+    (losses, err)
+}
+
+/// A name for `args` (tests of one binary run in parallel, each with its own files).
+fn args_hash(args: &[&str]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    args.hash(&mut h);
+    h.finish()
+}
+
+/// Fails unless the mean of the last five losses is below the mean of the first five by `margin`.
+pub fn assert_loss_falls(losses: &[f32], margin: f32, what: &str) {
+    let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len() as f32;
+    let (first, last) = (mean(&losses[..5]), mean(&losses[losses.len() - 5..]));
+    assert!(last < first - margin, "{what}: the loss went from {first:.3} to {last:.3} (needs a fall of {margin}): {losses:?}");
+}
+
+/// Runs the trainer binary `bin` (with its model and size flags `args`) for 4 steps straight, and
+/// for 2 steps with a training snapshot followed by `--resume` to step 4: the per-step losses and
+/// the final weights snapshot must be the same bits. Before training snapshots, `--init` restarted
+/// at step 0 with fresh optimizer state and its losses differed from step 1 on.
+pub fn assert_resume_is_bit_identical(bin: &str, args: &[&str]) {
+    let name = Path::new(bin).file_name().unwrap().to_string_lossy().into_owned();
+    let dir = std::env::temp_dir().join(format!("resume-{name}-{}-{:x}", std::process::id(), args_hash(args)));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(bin).args(args).args(["--policy", "sqrt"]).args(extra).output().unwrap();
+        assert!(out.status.success(), "{bin} {args:?} {extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    run(&["--steps", "4", "--save", &path("straight.safetensors"), "--log-json", &path("straight.json")]);
+    run(&["--steps", "2", "--save", &path("cut.safetensors"), "--save-every", "2", "--log-json", &path("cut.json")]);
+    run(&["--steps", "4", "--save", &path("cut.safetensors"), "--resume", &path("cut.train.safetensors"), "--log-json", &path("cut.json")]);
+    let losses = |name: &str| read_losses(&dir.join(name)).unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(losses("straight.json").len(), 4);
+    assert_eq!(losses("cut.json"), losses("straight.json"), "losses of the resumed run");
+    let weights = |name: &str| -> std::collections::BTreeMap<String, Vec<u32>> {
+        candle_core::safetensors::load(dir.join(name), &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, layers::f32_bits(&t).unwrap())).collect()
+    };
+    assert_eq!(weights("cut.safetensors"), weights("straight.safetensors"), "final weights of the resumed run");
+    // Snapshots are readable by all, as other tools write files (they were 0600).
+    #[cfg(unix)]
+    for name in ["cut.safetensors", "cut.train.safetensors"] {
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(dir.join(name)).unwrap().permissions().mode() & 0o777, 0o644, "{name}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// README.md and every page of docs/, one after the other: the documentation a user reads.
+pub fn docs_text() -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut pages = vec![root.join("README.md")];
+    if let Ok(entries) = std::fs::read_dir(root.join("docs")) {
+        let mut docs: Vec<_> = entries.filter_map(|e| Some(e.ok()?.path())).filter(|p| p.extension().is_some_and(|x| x == "md")).collect();
+        docs.sort();
+        pages.extend(docs);
+    }
+    pages.iter().map(|p| std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).collect::<Vec<_>>().join("\n")
+}
+
+/// The command lines of README.md and docs/ that run the binary `bin` (`cargo run ... --bin train-gpt2 --
+/// ARGS`, `cargo run ... -p bench-harness -- ARGS`, `target/release/train-gpt2 ARGS`; lines ending
+/// in `\` joined, `# comments` dropped): each one's ARGS, for a test to check that they still parse.
+pub fn readme_commands(bin: &str) -> Vec<Vec<String>> {
+    let joined = docs_text().replace("\\\n", " ");
+    let starts = [format!("--bin {bin} -- "), format!("target/release/{bin} ")];
+    let mut commands = Vec::new();
+    for line in joined.lines() {
+        let line = line.split(" # ").next().unwrap_or("").trim();
+        let harness = bin == "bench-harness" && line.starts_with("cargo run") && line.contains("-p bench-harness");
+        let args = match starts.iter().find_map(|s| line.split_once(s.as_str())) {
+            Some((_, args)) => args,
+            None if harness => line.split_once(" -- ").map_or("", |(_, args)| args),
+            None => continue,
+        };
+        // Up to the end of the command: a pipe, a redirection or the next command.
+        commands.push(
+            args.split_whitespace()
+                .take_while(|w| !["&&", "||", "|", ";"].contains(w) && !w.starts_with('>') && !w.starts_with("2>"))
+                .map(str::to_string)
+                .collect(),
+        );
+    }
+    commands
+}
+
+/// Fails unless every documented command line of `bin` ([`readme_commands`]; at least `at_least` of
+/// them) still parses: run with `--help` last, which the parser answers only once every flag
+/// before it exists and its value reads.
+pub fn assert_readme_commands_parse(bin: &str, path: &str, at_least: usize) {
+    let commands = readme_commands(bin);
+    assert!(commands.len() >= at_least, "README.md and docs/ have {} command lines of {bin}, expected {at_least} or more", commands.len());
+    for args in commands {
+        let out = std::process::Command::new(path).args(&args).arg("--help").output().unwrap();
+        assert!(out.status.success(), "documented command {bin} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    }
+}

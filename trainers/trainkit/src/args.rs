@@ -1,0 +1,207 @@
+//! The flags every trainer shares ([`RunArgs`]) and the checks that refuse bad values before
+//! anything starts: counts, the learning rate, sizes that overflow, output files that cannot be
+//! written, the device.
+
+use crate::plan::available_memory;
+use crate::snapshot::training_snapshot_path;
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use std::path::Path;
+
+/// A learning rate must be a positive finite number: NaN or infinity would train to garbage
+/// without a word.
+pub fn check_lr(lr: f64) -> Result<()> {
+    if !(lr.is_finite() && lr > 0.0) {
+        bail!("--lr {lr} is not a positive finite number");
+    }
+    Ok(())
+}
+
+/// Refuses sizes whose `what` alone (a tensor every step must hold, computed by the caller with
+/// checked arithmetic: `None` for an overflow) needs more than this machine's available memory
+/// (MemAvailable + SwapFree): the error names `flags` and the bytes, where the run would abort
+/// inside an allocation. A lower bound of the step's need, so a run that passes can still run out.
+pub fn check_footprint(flags: &str, what: &str, elements: Option<u128>) -> Result<()> {
+    let Some(bytes) = elements.and_then(|n| n.checked_mul(4)) else {
+        bail!("{flags}: {what} would have more elements than this machine can address");
+    };
+    if let Some(have) = available_memory().map(u128::from) {
+        if bytes > have {
+            bail!(
+                "{flags}: {what} alone needs {:.1} GiB (f32); this machine has {:.1} GiB available",
+                bytes as f64 / 2f64.powi(30),
+                have as f64 / 2f64.powi(30)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The command-line options every trainer shares.
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Write one JSON record per step to this file.
+    #[arg(long)]
+    pub log_json: Option<std::path::PathBuf>,
+    /// Write the trained weights (and BatchNorm statistics) here as a safetensors snapshot.
+    #[arg(long)]
+    pub save: Option<std::path::PathBuf>,
+    /// Also write the snapshot every N steps, with a training snapshot beside it
+    /// (`<save>.train.safetensors`: weights, optimizer state, next step) that `--resume` continues.
+    #[arg(long, requires = "save")]
+    pub save_every: Option<usize>,
+    /// Continue an interrupted run from its training snapshot: the losses and final weights are
+    /// those of an uninterrupted run, bit for bit (same flags and --seed); --log-json appends.
+    #[arg(long)]
+    pub resume: Option<std::path::PathBuf>,
+    /// Every N steps and after the last, print (and log) the loss in evaluation mode (no dropout,
+    /// BatchNorm on its running statistics) on --eval-batches batches that training never uses:
+    /// those the data stream would give after the last training step.
+    #[arg(long)]
+    pub eval_every: Option<usize>,
+    #[arg(long, default_value_t = 2, requires = "eval_every")]
+    pub eval_batches: usize,
+    /// Gradient accumulation: N micro-batches of --batch per optimizer step (effective batch
+    /// N x --batch); the gradient is the mean of the micro-batch gradients.
+    #[arg(long, default_value_t = 1)]
+    pub accumulate: usize,
+    /// The dtype activations are computed and stored in: f32, bf16 or f16 (parameters, their
+    /// gradients and the optimizer state stay f32), or bf16-weights (parameters and gradients
+    /// bf16 too, optimizer moments f32).
+    #[arg(long, default_value = "f32")]
+    pub dtype: layers::Precision,
+    /// f16 only: the initial loss scale (default 65536). A step whose gradients are not finite is
+    /// skipped and the scale halved; after 2000 good steps in a row it doubles (PyTorch's
+    /// GradScaler).
+    #[arg(long)]
+    pub loss_scale: Option<f64>,
+    /// Predict the run's memory (per phase, for this policy and the fixed ones) and step time
+    /// from a profile of the model's stages (one at a time), print it, and train nothing (so
+    /// nothing to save, resume or log).
+    #[arg(long, conflicts_with_all = ["save", "resume", "log_json"])]
+    pub dry_run: bool,
+    /// The memory the run may use, e.g. 8GiB: on the CPU allocations beyond it fail (an emulated
+    /// smaller device), and `--policy auto` plans for it (without it, `auto` plans for the
+    /// device's free memory less a tenth).
+    #[arg(long, value_parser = remat::memory::parse_size)]
+    pub memory_cap: Option<u64>,
+    /// Data parallelism over N processes on this machine: re-runs this command under
+    /// `mpirun -np N` (a build with `--features mpi`), each rank bound to its own cores and
+    /// training on its shard of every batch (--batch is per rank). Already under mpirun, the
+    /// ranks are mpirun's.
+    #[arg(long, default_value_t = 1)]
+    pub ranks: usize,
+    /// With several ranks: ZeRO stage 1. Each rank keeps and updates the optimizer state of its
+    /// share of the parameters only, then sends those parameters to the others; training
+    /// snapshots gather the whole state on rank 0.
+    #[arg(long)]
+    pub shard_optimizer: bool,
+}
+
+/// The most held-out batches an evaluation runs (`--eval-batches`): each is a forward pass, and
+/// 10^11 of them ran for days without a word.
+const MAX_EVAL_BATCHES: usize = 10_000;
+
+impl RunArgs {
+    /// Refuses values the run could only ignore or misuse, before anything starts: counts of 0
+    /// (`--save-every 0` never saved, `--eval-every 0` and `--eval-batches 0` never evaluated),
+    /// `--eval-batches` beyond [`MAX_EVAL_BATCHES`], a loss scale f32 cannot hold.
+    pub fn check(&self) -> Result<()> {
+        let positive = [
+            ("--save-every", self.save_every),
+            ("--eval-every", self.eval_every),
+            ("--eval-batches", Some(self.eval_batches)),
+            ("--ranks", Some(self.ranks)),
+            ("--accumulate", Some(self.accumulate)),
+        ];
+        for (flag, value) in positive {
+            if value == Some(0) {
+                bail!("{flag} must be at least 1");
+            }
+        }
+        if self.eval_batches > MAX_EVAL_BATCHES {
+            bail!("--eval-batches {} is more than {MAX_EVAL_BATCHES} (each is a forward pass)", self.eval_batches);
+        }
+        if let Some(scale) = self.loss_scale {
+            if self.dtype != layers::Precision::F16 {
+                bail!("--loss-scale applies to --dtype f16 only (this run: {})", self.dtype);
+            }
+            if !(scale.is_finite() && scale > 0.0 && scale <= f32::MAX as f64) {
+                bail!("--loss-scale {scale} is not a positive number f32 can hold (at most {:e}): every step would overflow and be skipped", f32::MAX);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Fails now, before any training, if `path` (given with `flag`) cannot be written: a directory,
+/// a missing folder, no permission, or something that exists and is not a regular file (a device
+/// such as /dev/full, a symlink, a pipe), which writing would replace or feed. Before, a bad
+/// `--save` failed after the last step, and `--save /dev/full` turned the device into a file.
+fn check_writable(path: &Path, flag: &str) -> Result<()> {
+    if path.is_dir() {
+        bail!("{flag} {} is a directory; give a file name", path.display());
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_file() {
+            let kind = if meta.file_type().is_symlink() { "a symbolic link" } else { "not a regular file" };
+            bail!("{flag} {} exists and is {kind}; give the path of a regular file (it would be replaced)", path.display());
+        }
+    }
+    let probe = path.with_extension("probe");
+    std::fs::File::create(&probe).with_context(|| format!("{flag} {}: cannot write there", path.display()))?;
+    std::fs::remove_file(&probe).ok();
+    Ok(())
+}
+
+/// The files a run writes (`--save`, its training snapshot, `--log-json`), checked before
+/// training: each writable ([`check_writable`]) and no two the same (`--save X --log-json X`
+/// would interleave a log with a snapshot).
+pub(crate) fn check_outputs(run: &RunArgs) -> Result<()> {
+    let training = run.save.as_deref().map(training_snapshot_path);
+    let outputs: Vec<(&str, &Path)> =
+        [("--save", run.save.as_deref()), ("--save's training snapshot", training.as_deref()), ("--log-json", run.log_json.as_deref())]
+            .into_iter()
+            .filter_map(|(flag, path)| Some((flag, path?)))
+            .collect();
+    for (i, &(flag, path)) in outputs.iter().enumerate() {
+        check_writable(path, flag)?;
+        if let Some((other, _)) = outputs[..i].iter().find(|(_, p)| same_file(p, path)) {
+            bail!("{flag} and {other} are both {}; give each its own file", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// Whether two output paths name one file: equal as given, or in the same folder (symlinks and
+/// `..` resolved) under the same name. [`check_writable`] has refused a symlink as the file itself.
+fn same_file(a: &Path, b: &Path) -> bool {
+    let resolved = |p: &Path| {
+        let folder = p.parent().filter(|f| !f.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        Some(std::fs::canonicalize(folder).ok()?.join(p.file_name()?))
+    };
+    a == b || resolved(a).is_some_and(|x| Some(x) == resolved(b))
+}
+
+/// The device named on a command line: `cpu`, `cuda` or `cuda:N`; a clear error when this build
+/// has no CUDA support.
+pub fn device(name: &str) -> Result<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        d if d == "cuda" || d.starts_with("cuda:") => {
+            // One process per GPU (data parallelism): plain `cuda` is this rank's GPU.
+            let local = std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
+            let ordinal: usize = d.strip_prefix("cuda:").map_or(Ok(local), str::parse).context("--device cuda:N needs a number")?;
+            if !candle_core::utils::cuda_is_available() {
+                bail!("--device {d}: this build has no CUDA support (build with --features cuda)");
+            }
+            Ok(Device::new_cuda(ordinal)?)
+        }
+        other => bail!("unknown device `{other}`; valid devices: cpu, cuda, cuda:N"),
+    }
+}

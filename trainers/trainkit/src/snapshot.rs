@@ -1,0 +1,124 @@
+//! Training snapshots: the weights, the optimizer state, the next step, the loss scaler and the
+//! run's flags, written every `--save-every` steps for `--resume` to continue bit for bit.
+
+use crate::args::RunArgs;
+use crate::say;
+use crate::scaler::LossScaler;
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Where the training snapshot that goes with the weights snapshot `save` is written.
+pub fn training_snapshot_path(save: &Path) -> std::path::PathBuf {
+    save.with_extension("train.safetensors")
+}
+
+/// The tensor names of a training snapshot: the model's under their own names, the optimizer's
+/// and the run's under these prefixes.
+const OPTIMIZER: &str = "training.optimizer.";
+const NEXT_STEP: &str = "training.next_step";
+const SEED: &str = "training.seed";
+const LOSS_SCALE: &str = "training.loss_scale";
+const GOOD_STEPS: &str = "training.loss_scale_good_steps";
+
+/// The metadata key of a training snapshot's [`RunConfig`].
+const CONFIG: &str = "training.config";
+
+/// The flags that decide what a run computes, kept in its training snapshots: a resumed run must
+/// give the same ones, or it would continue another run (AdamW's moments dropped when resuming as
+/// SGD, another batch size's data order). Where a run goes and what it writes may differ
+/// (`--policy`: gradients are bit-identical under every policy; `--steps`, `--device`, the
+/// output files, evaluation). The seed is checked on its own ([`load_training`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct RunConfig(std::collections::BTreeMap<String, String>);
+
+impl RunConfig {
+    /// The shared flags of `run` at (per-rank) batch `batch` on `ranks` ranks, and the trainer's
+    /// own (`fields`: the flag and its value, e.g. `("--seq", "128")`).
+    pub fn new(run: &RunArgs, batch: usize, ranks: usize, fields: &[(&str, String)]) -> Self {
+        let shared =
+            [("--batch", batch.to_string()), ("--dtype", run.dtype.to_string()), ("--accumulate", run.accumulate.to_string()), ("--ranks", ranks.to_string())];
+        RunConfig(shared.into_iter().chain(fields.iter().cloned()).map(|(k, v)| (k.to_string(), v)).collect())
+    }
+
+    /// Fails naming the first flag whose value differs from `saved`'s (the snapshot's), with both.
+    fn check_against(&self, saved: &RunConfig, snapshot: &Path) -> Result<()> {
+        let flags: std::collections::BTreeSet<&String> = self.0.keys().chain(saved.0.keys()).collect();
+        for flag in flags {
+            let (now, then) = (self.0.get(flag), saved.0.get(flag));
+            if now != then {
+                let show = |v: Option<&String>| v.map_or("not given".to_string(), |v| v.clone());
+                bail!(
+                    "--resume {}: {flag} is {} in this run but was {} in the run that wrote the snapshot; resume with the same flags (only --policy, --steps, --device and the output files may change)",
+                    snapshot.display(),
+                    show(now),
+                    show(then)
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes a training snapshot: every parameter and buffer, the optimizer's `state`, the next step,
+/// the seed (the data and every random draw follow from the seed and the step), the f16 loss
+/// scaler's state, and the run's `config` with a checksum in the metadata
+/// ([`layers::write_snapshot`]). Written beside the target and renamed over it, so an interrupted
+/// write keeps the previous one.
+pub fn save_training(
+    path: &Path,
+    store: &layers::ParamStore,
+    state: HashMap<String, Tensor>,
+    next_step: usize,
+    seed: u64,
+    scaler: Option<LossScaler>,
+    config: &RunConfig,
+) -> Result<()> {
+    let mut map = store.tensors();
+    map.extend(state.into_iter().map(|(k, v)| (format!("{OPTIMIZER}{k}"), v)));
+    map.insert(NEXT_STEP.into(), Tensor::new(next_step as i64, &Device::Cpu)?);
+    map.insert(SEED.into(), Tensor::new(seed as i64, &Device::Cpu)?);
+    if let Some(s) = scaler {
+        map.insert(LOSS_SCALE.into(), Tensor::new(s.scale, &Device::Cpu)?);
+        map.insert(GOOD_STEPS.into(), Tensor::new(s.good_steps as i64, &Device::Cpu)?);
+    }
+    let metadata = HashMap::from([(CONFIG.to_string(), serde_json::to_string(config)?)]);
+    layers::write_snapshot(path, &map, metadata).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Loads a training snapshot into the model, the optimizer and the loss scaler (where the run
+/// has one), after checking its checksum, seed and configuration against this run's; returns the
+/// step to continue from.
+pub fn load_training(
+    path: &Path,
+    store: &layers::ParamStore,
+    opt: &mut dyn layers::TrainOptimizer,
+    seed: u64,
+    scaler: Option<&mut LossScaler>,
+    config: &RunConfig,
+) -> Result<usize> {
+    let ctx = || format!("--resume {}", path.display());
+    let (tensors, metadata) = layers::read_snapshot(path, &Device::Cpu).with_context(ctx)?;
+    let scalar = |name: &str| -> Result<i64> {
+        let t = tensors.get(name).with_context(|| format!("{} is not a training snapshot (no `{name}`)", path.display()))?;
+        Ok(t.to_scalar::<i64>()?)
+    };
+    let (next, saved_seed) = (scalar(NEXT_STEP)?, scalar(SEED)?);
+    if saved_seed as u64 != seed {
+        bail!("{} was written with --seed {saved_seed}; resume with the same seed (this run has {seed})", path.display());
+    }
+    match metadata.get(CONFIG) {
+        Some(saved) => config.check_against(&serde_json::from_str(saved).with_context(ctx)?, path)?,
+        None => say!("--resume {}: written before training snapshots kept their run's flags; make sure this run gives the same ones", path.display()),
+    }
+    if let Some(scaler) = scaler {
+        let scale = tensors.get(LOSS_SCALE).with_context(|| format!("{} was not written by an f16 run (no loss scale)", path.display()))?;
+        *scaler = LossScaler { scale: scale.to_scalar::<f64>()?, good_steps: scalar(GOOD_STEPS)? as u64 };
+    }
+    let state = tensors.iter().filter_map(|(k, v)| Some((k.strip_prefix(OPTIMIZER)?.to_string(), v.clone()))).collect();
+    store.load_tensors(tensors, &path.display().to_string(), |n| (!n.starts_with("training.")).then(|| n.to_string()), |_| false).with_context(ctx)?;
+    opt.set_state(&state).with_context(ctx)?;
+    Ok(next as usize)
+}

@@ -1,0 +1,109 @@
+//! One optimizer step as the trainers and the harness's measurement both run it: the
+//! micro-batches of gradient accumulation forward and backward under the executor (their
+//! gradients summed, and averaged over the ranks of a data-parallel group), the gradients made
+//! ready (loss scale, mean over micro-batches), the update; and what it cost.
+
+use crate::parallel::{self, Group};
+use crate::scaler::{all_finite, finish_gradients, LossScaler};
+use anyhow::{bail, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor};
+use remat::memory::{set_activity, Activity, Meter, Timeline, Usage};
+use remat::Executor;
+
+/// The data batches of optimizer step `step` under gradient accumulation: micro-batch `m` is
+/// batch `step * accumulate + m`, which also keys its random draws (the trainers and the harness
+/// alike; with `accumulate` 1, batch `step`).
+pub fn micro_batches(step: u64, accumulate: usize) -> std::ops::Range<u64> {
+    let n = accumulate as u64;
+    step * n..(step + 1) * n
+}
+
+/// What one optimizer step did and what it cost.
+pub struct StepOutcome {
+    /// The mean of this rank's micro-batch losses.
+    pub loss: f64,
+    /// Whether the update ran: the loss scaler (f16) skips a step whose gradients are not finite.
+    pub updated: bool,
+    /// Time and heap of the whole step: forward, backward and the update.
+    pub usage: Usage,
+    /// The highest heap during forward and backward, above the step's base.
+    pub fwd_bwd_peak: u64,
+    /// The same less the parameter gradients held at each point, the highest over the
+    /// micro-batches: what checkpointing acts on.
+    pub activation_peak: u64,
+    /// The first micro-batch's memory timeline.
+    pub timeline: Timeline,
+}
+
+/// Runs optimizer steps of `accumulate` micro-batches under `exec` on the ranks of `group`.
+pub struct Stepper<'a> {
+    pub group: &'a Group,
+    pub exec: &'a Executor<'a>,
+    pub accumulate: usize,
+    /// What a data batch is, by number, where the data comes from files: named in the error of a
+    /// step whose gradients are not finite.
+    pub batch_names: Option<Box<dyn Fn(u64) -> String + 'a>>,
+}
+
+impl Stepper<'_> {
+    /// Optimizer step `step`: `inputs(n)` gives the graph inputs of data batch `n` (this rank's
+    /// share), for the batches of [`micro_batches`]; `update` applies the finished gradients.
+    /// Without a loss scaler (whose rule is to skip such a step), gradients that are not finite
+    /// end the run before they reach the weights, naming the batches whose loss was not finite
+    /// (or every batch of the step): a NaN in the data otherwise trains on silently.
+    pub fn step(
+        &self,
+        step: u64,
+        scaler: Option<&mut LossScaler>,
+        inputs: impl Fn(u64) -> Result<Vec<Tensor>>,
+        update: impl FnOnce(&GradStore) -> Result<()>,
+    ) -> Result<StepOutcome> {
+        let batches = micro_batches(step, self.accumulate);
+        let last = batches.end - 1;
+        self.exec.set_loss_scale(scaler.as_ref().map_or(1.0, |s| s.scale));
+        let mut first_inputs = Some(inputs(batches.start)?);
+        let meter = Meter::start(first_inputs.as_ref().expect("just made")[0].device());
+        let (mut grads, mut total, mut activation_peak, mut timeline) = (GradStore::default(), 0f64, 0, None);
+        let mut non_finite_losses = Vec::new();
+        for n in batches.clone() {
+            let inputs = match first_inputs.take() {
+                Some(inputs) => inputs,
+                None => inputs(n)?,
+            };
+            let out = parallel::accumulate(self.group, self.exec, &inputs, n, last, grads)?;
+            let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            if !loss.is_finite() {
+                non_finite_losses.push(n);
+            }
+            total += loss as f64;
+            activation_peak = activation_peak.max(out.timeline.activation_peak(meter.heap_base()));
+            timeline.get_or_insert(out.timeline);
+            grads = out.grads;
+        }
+        if scaler.is_none() && !all_finite(&grads, self.exec.params())? {
+            let suspects = if non_finite_losses.is_empty() { batches.collect() } else { non_finite_losses };
+            let named: Vec<String> = suspects
+                .into_iter()
+                .map(|n| match &self.batch_names {
+                    Some(names) => format!("data batch {n}: {}", names(n)),
+                    None => format!("data batch {n}"),
+                })
+                .collect();
+            bail!(
+                "step {step}: the gradients are not finite, so the weights were not updated; a NaN or an infinity in the data ({}), or a diverging run (a lower --lr may help)",
+                named.join("; ")
+            );
+        }
+        let updated = finish_gradients(&mut grads, self.exec.params(), self.accumulate, scaler)?;
+        let fwd_bwd_peak = meter.peak_so_far();
+        set_activity(Activity::Optimizer, None);
+        if updated {
+            update(&grads)?;
+        }
+        drop(grads);
+        let usage = meter.finish();
+        let timeline = timeline.expect("at least one micro-batch");
+        Ok(StepOutcome { loss: total / self.accumulate as f64, updated, usage, fwd_bwd_peak, activation_peak, timeline })
+    }
+}

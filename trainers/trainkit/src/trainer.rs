@@ -1,0 +1,144 @@
+//! The training loop every trainer binary runs: the optimizer, the policy planned (or a dry run),
+//! then step after step ([`Stepper`]) with evaluation and snapshots when due, resumable from a
+//! training snapshot. A trainer binary builds its model and data and hands them to
+//! [`Trainer::run`].
+
+use crate::args::{check_outputs, RunArgs};
+use crate::log::Log;
+use crate::parallel::{self, Group};
+use crate::plan::executor;
+use crate::say;
+use crate::scaler::LossScaler;
+use crate::snapshot::{load_training, save_training, training_snapshot_path, RunConfig};
+use crate::step::{micro_batches, Stepper};
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+use layers::{Model, OptimizerKind, TrainOptimizer};
+use remat::Policy;
+
+/// The graph inputs of data batch `n` of `size` samples.
+pub type Inputs<'a> = dyn Fn(u64, usize) -> Result<Vec<Tensor>> + 'a;
+
+/// One training run of `model`, as its command line asked.
+pub struct Trainer<'a, M> {
+    pub run: &'a RunArgs,
+    pub group: &'a Group,
+    pub model: &'a M,
+    pub policy: &'a Policy,
+    pub optimizer: OptimizerKind,
+    pub lr: f64,
+    pub steps: usize,
+    /// Samples per (micro-)batch on each rank.
+    pub batch: usize,
+    /// The flags that set a step's size, as errors name them: `--batch 2 x --seq 256`.
+    pub sizes: String,
+    /// The trainer's own flags that decide what the run computes ([`RunConfig`]), with their
+    /// values: its training snapshots keep them and a resume must match them.
+    pub fields: Vec<(&'static str, String)>,
+    /// The inputs the planner measures a batch of `n` with, where they are not data batch 0's
+    /// (masked-LM batches of text are padded to their own longest row: planned at full length).
+    pub planned_inputs: Option<&'a dyn Fn(usize) -> Result<Vec<Tensor>>>,
+    /// What a data batch is, by number, where the data comes from files: named in the error of a
+    /// step whose gradients are not finite.
+    pub batch_names: Option<Box<dyn Fn(u64) -> String + 'a>>,
+}
+
+impl<M: Model> Trainer<'_, M> {
+    /// Trains `steps` optimizer steps on `inputs` (a rank takes its share of each batch) and
+    /// prints `describe(policy, segments)` once the policy is settled; returns after a dry run's
+    /// prediction without training.
+    pub fn run(mut self, inputs: &Inputs, describe: impl FnOnce(&Policy, &str) -> String) -> Result<()> {
+        let (run, group, model) = (self.run, self.group, self.model);
+        let batch_names = self.batch_names.take();
+        let mut opt = parallel::optimizer(run.shard_optimizer, group, self.optimizer, model.params().vars(), self.lr)?;
+        let first = |n: usize| inputs(0, n);
+        let planned: &dyn Fn(usize) -> Result<Vec<Tensor>> = self.planned_inputs.unwrap_or(&first);
+        let Some((exec, policy)) = executor(run, group, self.policy, model, opt.as_ref(), self.batch, &self.sizes, planned)? else {
+            return Ok(());
+        };
+        say!("{}", describe(&policy, &crate::segments(exec.segments().len())));
+
+        // `run` was checked by `launch` ([`RunArgs::check`]), before anything started.
+        if let Some(cap) = run.memory_cap {
+            remat::memory::set_heap_cap(cap);
+        }
+        if run.accumulate > 1 {
+            say!("accumulating {} micro-batches of {} per optimizer step: effective batch {}", run.accumulate, self.batch, run.accumulate * self.batch);
+        }
+        if group.is_root() {
+            check_outputs(run)?;
+        }
+        let mut log = Log::new(group, self.steps, run.accumulate, run.log_json.as_deref(), run.resume.is_some())?;
+        let mut scaler =
+            (run.dtype == layers::Precision::F16).then(|| LossScaler { scale: run.loss_scale.unwrap_or(LossScaler::default().scale), good_steps: 0 });
+        let config = RunConfig::new(run, self.batch, group.world(), &self.fields);
+        let start = match &run.resume {
+            Some(path) => {
+                let next = load_training(path, model.params(), opt.as_mut(), run.seed, scaler.as_mut(), &config)?;
+                if next > self.steps {
+                    bail!("{} is at step {next}, beyond --steps {}", path.display(), self.steps);
+                }
+                log.start_at(next);
+                say!("resumed from {} at step {next}", path.display());
+                next
+            }
+            None => 0,
+        };
+
+        let stepper = Stepper { group, exec: &exec, accumulate: run.accumulate, batch_names };
+        let batch = |n: u64| Ok(group.shard(inputs(n, self.batch * group.world())?)?);
+        for step in start..self.steps {
+            let scale = scaler.map_or(1.0, |s| s.scale);
+            let out = stepper.step(step as u64, scaler.as_mut(), batch, |g| Ok(opt.update(g)?))?;
+            if !out.updated {
+                let now = scaler.map_or(1.0, |s| s.scale);
+                log.say(format_args!("step {step}: gradients not finite at loss scale {scale}; update skipped, loss scale now {now}"));
+            }
+            let loss = group.mean_of(out.loss)? as f32;
+            log.step(step, loss, &out.usage)?;
+            if !loss.is_finite() {
+                bail!("step {step}: the loss is {loss}; training cannot go on (a lower --lr may help)");
+            }
+            if run.eval_every.is_some() && self.due(step, run.eval_every) {
+                let eval_loss = self.evaluate(&batch)?;
+                log.eval(step, eval_loss, run.eval_batches)?;
+            }
+            if run.save.is_some() && self.due(step, run.save_every) {
+                self.save(step, opt.as_ref(), scaler, &config)?;
+            }
+        }
+        parallel::check_in_sync(group, model.params())?;
+        log.finish();
+        if let Some(path) = &run.save {
+            say!("saved snapshot to {}", path.display());
+        }
+        Ok(())
+    }
+
+    /// Whether something done every `every` steps (if given) and after the last is due after `step`.
+    fn due(&self, step: usize, every: Option<usize>) -> bool {
+        let done = step + 1;
+        done == self.steps || every.is_some_and(|n| n > 0 && done.is_multiple_of(n))
+    }
+
+    /// The mean evaluation-mode loss ([`layers::Model::evaluate`]) over `--eval-batches` held-out
+    /// batches: those the data stream gives after the last training micro-batch, never trained on.
+    fn evaluate(&self, inputs: &dyn Fn(u64) -> Result<Vec<Tensor>>) -> Result<f32> {
+        let held_out = micro_batches(self.steps as u64, self.run.accumulate).start;
+        let mut total = 0.0;
+        for n in 0..self.run.eval_batches as u64 {
+            total += self.model.evaluate(&inputs(held_out + n)?)? as f64;
+        }
+        Ok(self.group.mean_of(total / self.run.eval_batches as f64)? as f32)
+    }
+
+    /// After `step` (0-based): the weights snapshot (the model's own format) and the training
+    /// snapshot beside it, written by rank 0.
+    fn save(&self, step: usize, opt: &dyn TrainOptimizer, scaler: Option<LossScaler>, config: &RunConfig) -> Result<()> {
+        // On every rank: a sharded optimizer gathers its state from all of them.
+        let Some(state) = opt.snapshot_state()? else { return Ok(()) };
+        let Some(path) = self.run.save.as_deref().filter(|_| self.group.is_root()) else { return Ok(()) };
+        self.model.save_snapshot(path)?;
+        save_training(&training_snapshot_path(path), self.model.params(), state, step + 1, self.run.seed, scaler, config)
+    }
+}
