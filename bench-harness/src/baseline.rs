@@ -1,45 +1,15 @@
 //! `--baseline pytorch`: the same configurations in PyTorch eager (`scripts/torch_baseline.py`),
 //! one fresh Python process per configuration, cut into the same checkpoint segments as ours.
 
-use crate::measure::{Record, Status};
-use serde::{Deserialize, Serialize};
+use crate::record::{Baseline, Record, Status};
+use crate::results::Matrix;
+use crate::units::mib;
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::Command;
 
 /// The models `scripts/torch_baseline.py` has a PyTorch version of.
 pub const MODELS: [&str; 5] = ["resnet50", "resnet152", "bert-large", "unet3d-small", "gpt2-small"];
-
-/// One PyTorch row, as the script prints it (plus status and error where it failed).
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Baseline {
-    /// The harness command that ran it (with `--baseline pytorch`).
-    #[serde(default)]
-    pub command: String,
-    pub framework: String,
-    #[serde(default)]
-    pub framework_version: String,
-    pub model: String,
-    pub policy: String,
-    pub batch: usize,
-    pub threads: usize,
-    pub segments: usize,
-    pub model_state_bytes: u64,
-    pub step_peak_bytes: u64,
-    pub fwd_bwd_peak_bytes: u64,
-    pub step_ms_median: f64,
-    pub step_ms_min: f64,
-    pub step_ms_max: f64,
-    pub timed_steps: usize,
-    pub loss: f64,
-    #[serde(default = "ok")]
-    pub status: Status,
-    #[serde(default)]
-    pub error: String,
-}
-
-fn ok() -> Status {
-    Status::Ok
-}
 
 fn script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_baseline.py")
@@ -76,7 +46,7 @@ pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u
         return failed("our run recorded no segments".into());
     }
     let mut cmd = Command::new(python);
-    crate::die_with_parent(&mut cmd);
+    crate::child::die_with_parent(&mut cmd);
     let out = cmd
         .arg(script())
         .args(["--model", &ours.model, "--policy", &ours.policy, "--segments", &segments.join(",")])
@@ -96,4 +66,57 @@ pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u
             failed(format!("{} ({})", last.trim(), out.status))
         }
     }
+}
+
+/// Ours against PyTorch, configuration by configuration, as Markdown (empty without
+/// baselines): step peak above model state and step time, and each side's time / off.
+pub fn side_by_side(m: &Matrix) -> String {
+    if m.baselines.is_empty() {
+        return String::new();
+    }
+    let version = m.baselines.iter().find(|b| !b.framework_version.is_empty()).map_or("", |b| b.framework_version.as_str());
+    let mut out = format!(
+        "\n## Side by side with PyTorch {version}\n\nThe same configurations in PyTorch eager on the same machine, run right after ours \
+(`--baseline pytorch`: `scripts/torch_baseline.py`, torchvision/transformers models, `torch.utils.checkpoint(use_reentrant=False)` \
+on the same segments, the same optimizer, fp32, the same thread count). *Step peak*: the highest live bytes during a step \
+above the model state (parameters + optimizer state), ours from the counting allocator, PyTorch's from its profiler's allocation \
+events. Times are medians of the timed steps after a warm-up. PyTorch's side: {}.\n\n\
+| model | policy | step peak: ours | step peak: PyTorch | ours / PyTorch | step time: ours | step time: PyTorch | ours / PyTorch | time / off: ours | time / off: PyTorch |\n\
+|---|---|---|---|---|---|---|---|---|---|\n",
+        crate::results::made_by(m.baselines.iter().map(|b| b.command.as_str()), &m.meta.command)
+    );
+    for b in &m.baselines {
+        let Some(r) = m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok) else { continue };
+        if b.status != Status::Ok {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {}: {} | | {:.0} ms | | | | |",
+                b.model,
+                b.policy,
+                mib(r.step_peak_bytes),
+                b.status,
+                b.error.replace('|', "/"),
+                r.step_ms_median
+            );
+            continue;
+        }
+        let ours_vs_off = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max));
+        let torch_vs_off = m
+            .find_baseline(&b.model, "off")
+            .filter(|o| o.status == Status::Ok && b.policy != "off")
+            .map_or("-".into(), |o| format!("{:.2}x", b.step_ms_median / o.step_ms_median));
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {:.2}x | {:.0} ms | {:.0} ms | {:.2}x | {ours_vs_off} | {torch_vs_off} |",
+            b.model,
+            b.policy,
+            mib(r.step_peak_bytes),
+            mib(b.step_peak_bytes),
+            r.step_peak_bytes as f64 / b.step_peak_bytes.max(1) as f64,
+            r.step_ms_median,
+            b.step_ms_median,
+            r.step_ms_median / b.step_ms_median
+        );
+    }
+    out
 }

@@ -2,206 +2,68 @@
 //! bit-for-bit gradient check against plain candle (the graph's stages run in order, one
 //! `backward()`), which every policy, `off` included, must equal.
 
-use crate::workloads::Instance;
-use crate::workloads::Workload;
-use anyhow::{anyhow, Result};
+use crate::child::One;
+use crate::cli::Common;
+use crate::record::{FrontierPoint, Record, Status};
+use crate::workloads::{self, Instance, Workload};
+use anyhow::{anyhow, Context, Result};
 use candle_core::Device;
-use remat::memory::{set_activity, Activity, Counter, Event};
+use remat::memory::{set_activity, Activity, Counter};
 use remat::plan::{Estimate, Profile};
 use remat::{Executor, Policy};
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// One row of the matrix. Byte figures are heap bytes from the counting allocator (CPU).
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Record {
-    pub model: String,
-    pub policy: String,
-    pub batch: usize,
-    /// Micro-batches of `batch` per optimizer step (gradient accumulation); a timed step is all
-    /// of them and the update.
-    #[serde(default = "one")]
-    pub accumulate: usize,
-    /// f16: timed steps whose update the loss scaler skipped (non-finite gradients).
-    #[serde(default)]
-    pub skipped_updates: usize,
-    /// `sgd`, `adamw` or `adafactor` (empty in records from before the choice existed, which
-    /// used the model's default).
-    #[serde(default)]
-    pub optimizer: String,
-    pub input: String,
-    pub dtype: String,
-    pub device: String,
-    pub threads: usize,
-    /// Held before a step: parameters, optimizer state, the step's inputs.
-    pub model_state_bytes: u64,
-    /// Highest heap during a whole step (forward, backward, optimizer) above `model_state_bytes`.
-    pub step_peak_bytes: u64,
-    /// Highest heap during forward and backward (the executor's step) above `model_state_bytes`;
-    /// when `step_peak_bytes` is higher, the optimizer update set the step's peak.
-    pub fwd_bwd_peak_bytes: u64,
-    /// Highest heap during forward and backward above `model_state_bytes`, less the parameter
-    /// gradients held at that point: what checkpointing acts on.
-    pub activation_peak_bytes: u64,
-    /// Peak RSS during a step minus RSS at its start.
-    pub rss_peak_delta_bytes: u64,
-    /// GPU only: bytes the device memory pool holds reserved after the timed steps.
-    #[serde(default)]
-    pub reserved_bytes: Option<u64>,
-    pub step_ms_median: f64,
-    pub step_ms_min: f64,
-    pub step_ms_max: f64,
-    pub timed_steps: usize,
-    pub segments: usize,
-    /// The stage ranges `[start, end)` of the segments (what the PyTorch baseline replays).
-    #[serde(default)]
-    pub segment_ranges: Vec<[usize; 2]>,
-    /// Step time over `off`'s, one ratio per timing round (this run's, then the interleaved
-    /// rounds: off, policy, off, policy, ... in fresh processes). `None` for `off`.
-    #[serde(default)]
-    pub time_vs_off: Option<Spread>,
-    pub loss: f32,
-    /// Every gradient and buffer element equals plain candle's bit for bit (see [`run`]).
-    pub grads_bit_identical: bool,
-    /// Whether the gradient check ran (`gpt2-24gb` skips it where it would need more memory than
-    /// the machine has: two models and a copy of every gradient).
-    #[serde(default = "yes")]
-    pub grads_checked: bool,
-    /// `gpt2-24gb`: what the configuration was predicted to need ([`crate::predict`]), and its
-    /// total (the state, the gradients and the activations at the step's peak).
-    #[serde(default)]
-    pub predicted: Option<crate::predict::Prediction>,
-    #[serde(default)]
-    pub predicted_total_bytes: Option<u64>,
-    /// The planner's prediction of `step_peak_bytes` ([`remat::plan`], from stage profiles at
-    /// this batch, one stage at a time) and of the step time over `off`'s.
-    #[serde(default)]
-    pub predicted_peak_bytes: Option<u64>,
-    #[serde(default)]
-    pub predicted_time_ratio: Option<f64>,
-    /// The segment starts a `budget=`/`auto` policy resolved to (`plan=...`), else empty.
-    #[serde(default)]
-    pub plan: String,
-    /// `off` only (JSON only): the planner's memory/time frontier, the `budget=` plans for budgets
-    /// from the least peak to `off`'s.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub frontier: Vec<FrontierPoint>,
-    /// The planner's whole estimate (JSON only): forward and backward peaks, what the peak is
-    /// made of, recompute time.
-    #[serde(default)]
-    pub estimate: Option<Estimate>,
-    /// Gradient and buffer elements whose bits differ from plain candle's.
-    pub grads_differing: u64,
-    pub max_abs_diff: f64,
-    /// Parameters whose gradient is missing or all zero.
-    pub params_without_grad: usize,
-    pub status: Status,
-    pub error: String,
-    /// Data-parallel ranks the configuration ran on (MPI); byte and time figures are rank 0's.
-    #[serde(default = "one")]
-    pub ranks: usize,
-    /// With several ranks: the optimizer state sharded over them (ZeRO stage 1).
-    #[serde(default)]
-    pub shard_optimizer: bool,
-    /// With several ranks: the largest rank's `model_state_bytes` and `step_peak_bytes`, and the
-    /// time per step in gradient all-reduce calls (median) and how long the training thread
-    /// waited for the means (dividing by the ranks included).
-    #[serde(default)]
-    pub model_state_bytes_max_rank: Option<u64>,
-    #[serde(default)]
-    pub step_peak_bytes_max_rank: Option<u64>,
-    #[serde(default)]
-    pub all_reduce_ms: Option<f64>,
-    #[serde(default)]
-    pub all_reduce_wait_ms: Option<f64>,
-    /// The harness command that measured this record (JSON only: the reports list the distinct
-    /// ones, as a folder's records can come from several runs).
-    #[serde(default)]
-    pub command: String,
-    /// Memory timeline of the first timed step (JSON only), and the heap when that step began.
-    #[serde(default)]
-    pub timeline: Vec<Event>,
-    #[serde(default)]
-    pub timeline_base_bytes: u64,
+/// `run-one`: one configuration measured in this process, on the ranks `mpirun` started.
+pub fn run_one(model: &str, policy: &Policy, mode: One, common: &Common) -> Result<()> {
+    let dev = trainkit::device(&common.device)?;
+    let group = trainkit::Group::from_launcher(&dev)?;
+    trainkit::or_abort(&group, measure_one(model, policy, mode, common, &group, &dev))
 }
 
-/// A plan on the planner's memory/time frontier, predicted.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct FrontierPoint {
-    pub plan: String,
-    pub peak_bytes: u64,
-    pub time_ratio: f64,
-}
-
-/// How a configuration ended: measured, out of memory (a result: it does not fit), or failed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Status {
-    Ok,
-    Oom,
-    #[default]
-    Error,
-    /// Not run: predicted to need more than the memory cap.
-    Skipped,
-}
-
-impl std::fmt::Display for Status {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Status::Ok => "ok",
-            Status::Oom => "oom",
-            Status::Error => "error",
-            Status::Skipped => "skipped",
-        })
+/// `run-one` on one rank of `group`, on `dev`: the first rank prints the record.
+fn measure_one(model: &str, policy: &Policy, mode: One, common: &Common, group: &trainkit::Group, dev: &candle_core::Device) -> Result<()> {
+    // Held while the configuration is measured: the device memory beyond the cap.
+    let held = match common.memory_cap {
+        Some(cap) => hold_beyond(dev, cap)?,
+        None => None,
+    };
+    let w = workloads::profile(common.profile())
+        .into_iter()
+        .chain(workloads::depth_sweep(common.profile()))
+        .find(|w| w.model == model)
+        .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
+        .overridden(common.overrides());
+    let steps = if mode == One::DryRun { 0 } else { common.steps };
+    let mut rec = run(&w, policy, steps, common.seed, dev, &common.device, common.memory_cap, mode != One::TimeOnly, group)?;
+    // The cap is for the measured configuration only: the check builds two more models.
+    drop(held);
+    remat::memory::set_heap_cap(u64::MAX);
+    if !group.is_root() {
+        return Ok(());
     }
+    if mode == One::Full {
+        // A budget is checked as the plan it resolved to (one process's step: the ranks'
+        // agreement is the parameter check in `measure::run`).
+        let checked: Policy = if rec.plan.is_empty() { policy.clone() } else { rec.plan.parse()? };
+        check(&mut rec, &w, &checked, common.seed, dev, !common.no_rng_replay)?;
+    }
+    println!("{}", serde_json::to_string(&rec)?);
+    Ok(())
 }
 
-/// A ratio measured over several rounds: median, range, every round's value.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Spread {
-    pub median: f64,
-    pub min: f64,
-    pub max: f64,
-    pub rounds: Vec<f64>,
-}
-
-impl Spread {
-    pub fn of(mut rounds: Vec<f64>) -> Option<Spread> {
-        rounds.retain(|r| r.is_finite());
-        if rounds.is_empty() {
-            return None;
+/// Emulates a device with `cap` bytes: on the CPU, allocations beyond `cap` bytes of heap fail; on
+/// a GPU, everything free beyond `cap` is allocated and held (returned; dropping it releases it).
+fn hold_beyond(device: &candle_core::Device, cap: u64) -> Result<Option<candle_core::Tensor>> {
+    match device {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(d) => {
+            let (free, _total) = d.cuda_stream().context().mem_get_info()?;
+            let hold = (free as u64).saturating_sub(cap) as usize;
+            Ok(Some(candle_core::Tensor::zeros(hold, candle_core::DType::U8, device)?))
         }
-        let mut sorted = rounds.clone();
-        sorted.sort_by(f64::total_cmp);
-        Some(Spread { median: sorted[sorted.len() / 2], min: sorted[0], max: sorted[sorted.len() - 1], rounds })
-    }
-}
-
-/// Records written before accumulation existed ran one micro-batch per step.
-fn one() -> usize {
-    1
-}
-
-/// Records written before the check could be skipped were all checked.
-fn yes() -> bool {
-    true
-}
-
-impl Record {
-    pub fn new(w: &Workload, policy: &Policy, device: &str) -> Self {
-        Record {
-            model: w.model.clone(),
-            policy: policy.to_string(),
-            batch: w.batch,
-            accumulate: w.accumulate,
-            optimizer: w.optimizer().to_string(),
-            input: w.input(),
-            dtype: w.dtype.to_string(),
-            device: device.to_string(),
-            threads: candle_core::utils::get_num_threads(),
-            ranks: 1,
-            shard_optimizer: w.shard_optimizer,
-            ..Default::default()
+        _ => {
+            remat::memory::set_heap_cap(cap);
+            Ok(None)
         }
     }
 }

@@ -1,8 +1,8 @@
-//! Plots of a matrix (PNG and SVG): the memory-time trade-off per model, each model's step
-//! timelines, and peak activation memory against depth.
+//! Plots (PNG and SVG): how a figure is written ([`Chart`], [`both`]), and the figures of the
+//! models and depth matrices: the memory-time trade-off per model, each model's step timelines,
+//! and peak activation memory against depth.
 
-use crate::measure::Record;
-use crate::measure::Status;
+use crate::record::{Record, Status};
 use crate::results::{depth_of, Matrix};
 use anyhow::{anyhow, Result};
 use plotters::coord::Shift;
@@ -16,41 +16,47 @@ const MIB: f64 = 1024.0 * 1024.0;
 const COLORS: [RGBColor; 6] =
     [RGBColor(31, 119, 180), RGBColor(255, 127, 14), RGBColor(44, 160, 44), RGBColor(214, 39, 40), RGBColor(148, 103, 189), RGBColor(140, 86, 75)];
 
-fn color(i: usize) -> RGBColor {
+pub fn color(i: usize) -> RGBColor {
     COLORS[i % COLORS.len()]
 }
 
-fn plot_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+pub fn plot_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow!("plotting: {e:?}")
 }
 
-/// Draws one figure twice: `<stem>.png` and `<stem>.svg`.
-fn both(dir: &Path, stem: &str, size: (u32, u32), draw: impl Fn(&mut dyn FnMut(Figure) -> Result<()>) -> Result<()>) -> Result<()> {
-    let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
-    let png = dir.join(format!("{stem}.png"));
-    let svg = dir.join(format!("{stem}.svg"));
-    draw(&mut |fig| fig.render(BitMapBackend::new(&png, size).into_drawing_area()))?;
-    draw(&mut |fig| fig.render(SVGBackend::new(&svg, size).into_drawing_area()))
+/// A figure, drawn the same on any backend.
+pub trait Chart {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()>;
 }
 
-/// What a figure shows, independent of the backend it is drawn on.
-pub enum Figure<'a> {
+/// Draws `chart` twice: `<stem>.png` and `<stem>.svg`.
+pub fn both(dir: &Path, stem: &str, size: (u32, u32), chart: &impl Chart) -> Result<()> {
+    let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
+    let (png, svg) = (dir.join(format!("{stem}.png")), dir.join(format!("{stem}.svg")));
+    render(BitMapBackend::new(&png, size).into_drawing_area(), chart)?;
+    render(SVGBackend::new(&svg, size).into_drawing_area(), chart)
+}
+
+fn render<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, chart: &impl Chart) -> Result<()> {
+    root.fill(&WHITE).map_err(plot_err)?;
+    chart.draw(&root)?;
+    root.present().map_err(plot_err)
+}
+
+/// The figures of a models and depth matrix.
+enum Figure<'a> {
     Tradeoff(&'a Matrix),
     Timelines(&'a Matrix),
     Depth { matrix: &'a Matrix, fits: &'a [(String, f64)] },
-    Gpt2Memory(&'a Matrix),
 }
 
-impl Figure<'_> {
-    fn render<DB: DrawingBackend>(&self, root: DrawingArea<DB, Shift>) -> Result<()> {
-        root.fill(&WHITE).map_err(plot_err)?;
+impl Chart for Figure<'_> {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
         match self {
-            Figure::Tradeoff(m) => tradeoff(&root, m)?,
-            Figure::Timelines(m) => timelines(&root, m)?,
-            Figure::Depth { matrix, fits } => depth(&root, matrix, fits)?,
-            Figure::Gpt2Memory(m) => gpt2_memory(&root, m)?,
+            Figure::Tradeoff(m) => tradeoff(root, m),
+            Figure::Timelines(m) => timelines(root, m),
+            Figure::Depth { matrix, fits } => depth(root, matrix, fits),
         }
-        root.present().map_err(plot_err)
     }
 }
 
@@ -58,63 +64,11 @@ impl Figure<'_> {
 pub fn all(dir: &Path, m: &Matrix, fits: &[(String, f64)]) -> Result<()> {
     let models = m.models(false).len().max(1) as u32;
     let rows = models.div_ceil(2);
-    both(dir, "tradeoff", (1200, 420 * rows), |out| out(Figure::Tradeoff(m)))?;
-    both(dir, "timelines", (1200, 420 * rows), |out| out(Figure::Timelines(m)))?;
+    both(dir, "tradeoff", (1200, 420 * rows), &Figure::Tradeoff(m))?;
+    both(dir, "timelines", (1200, 420 * rows), &Figure::Timelines(m))?;
     if !m.models(true).is_empty() {
-        both(dir, "depth", (900, 600), |out| out(Figure::Depth { matrix: m, fits }))?;
+        both(dir, "depth", (900, 600), &Figure::Depth { matrix: m, fits })?;
     }
-    Ok(())
-}
-
-/// The figure of `--matrix gpt2-24gb`: `memory.png` and `.svg`.
-pub fn gpt2_24gb(dir: &Path, m: &Matrix) -> Result<()> {
-    both(dir, "memory", (1100, 120 + 22 * m.records.len() as u32), |out| out(Figure::Gpt2Memory(m)))
-}
-
-/// Peak memory of every configuration as a bar (measured where it ran, predicted and pale where
-/// it did not), smallest model at the top, against a line at 24 GiB.
-fn gpt2_memory<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
-    // Bottom up: the largest model's last configuration first.
-    let bars: Vec<(String, f64, bool)> = crate::table24::in_size_order(m)
-        .into_iter()
-        .rev()
-        .filter_map(|r| match r.status {
-            Status::Ok => Some((format!("{} {}", r.model, r.policy), crate::report::gib(crate::table24::measured_total(r)), true)),
-            _ => Some((format!("{} {} ({})", r.model, r.policy, r.status), crate::report::gib(r.predicted_total_bytes?), false)),
-        })
-        .collect();
-    let max = bars.iter().map(|b| b.1).fold(26.0, f64::max) * 1.05;
-    let n = bars.len().max(1) as i32;
-    let mut chart = ChartBuilder::on(root)
-        .caption("GPT-2, batch 1 (8 micro-batches): peak memory by configuration", ("sans-serif", 20))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(360)
-        .build_cartesian_2d(0.0..max, (0..n).into_segmented())
-        .map_err(plot_err)?;
-    let label = |y: &SegmentValue<i32>| match y {
-        SegmentValue::CenterOf(i) => bars.get(*i as usize).map_or(String::new(), |b| b.0.clone()),
-        _ => String::new(),
-    };
-    chart
-        .configure_mesh()
-        .disable_y_mesh()
-        .y_labels(n as usize)
-        .y_label_formatter(&label)
-        .x_desc("GiB at the step's peak (measured; pale: predicted, not run)")
-        .draw()
-        .map_err(plot_err)?;
-    for (i, (_, v, measured)) in bars.iter().enumerate() {
-        let c = if *measured { color(0).filled() } else { color(0).mix(0.3).filled() };
-        let (lo, hi) = (SegmentValue::Exact(i as i32), SegmentValue::Exact(i as i32 + 1));
-        chart.draw_series([Rectangle::new([(0.0, lo), (*v, hi)], c)]).map_err(plot_err)?;
-    }
-    chart
-        .draw_series(LineSeries::new([(24.0, SegmentValue::Exact(0)), (24.0, SegmentValue::Exact(n))], color(3).stroke_width(2)))
-        .map_err(plot_err)?
-        .label("24 GiB")
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], color(3).stroke_width(2)));
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::LowerRight).draw().map_err(plot_err)?;
     Ok(())
 }
 

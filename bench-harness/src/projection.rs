@@ -6,14 +6,18 @@
 //! predicted. These are predictions, labelled so; where a GPU run exists, its measured figures
 //! sit beside them in `TABLE.md`.
 
-use crate::workloads::Workload;
-use anyhow::Result;
+use crate::child::{child_error, die_with_parent, this_command};
+use crate::cli::Common;
+use crate::record::{ProjectedPolicy, Projection};
+use crate::results::{made_by, Matrix};
+use crate::workloads::{self, Workload};
+use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use layers::TrainOptimizer;
 use remat::memory::tensor_bytes;
 use remat::plan::{Estimate, Profile};
 use remat::Policy;
-use serde::{Deserialize, Serialize};
+use std::process::Command;
 
 /// The batches a projection measures at and extrapolates from, when the article's is larger.
 pub const PROBES: (usize, usize) = (8, 16);
@@ -21,34 +25,46 @@ pub const PROBES: (usize, usize) = (8, 16);
 /// The `full` profile's models that stand for rows of the article's table.
 pub const MODELS: [&str; 4] = ["resnet50", "resnet152", "bert-large", "unet3d-cicek"];
 
-/// One model at the article's size, predicted.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Projection {
-    pub model: String,
-    pub batch: usize,
-    pub input: String,
-    pub optimizer: String,
-    pub dtype: String,
-    /// Parameters, buffers, optimizer state and one batch of inputs: the heap before a step.
-    pub state_bytes: u64,
-    pub rows: Vec<ProjectedPolicy>,
-    /// The harness command that made it.
-    #[serde(default)]
-    pub command: String,
+/// `project-one`: one model of the `full` profile projected at its size, printed as JSON.
+pub fn project_one(model: &str, common: &Common) -> Result<()> {
+    let dev = trainkit::device(&common.device)?;
+    let w = workloads::profile(workloads::Profile::Full)
+        .into_iter()
+        .find(|w| w.model == model)
+        .with_context(|| format!("model `{model}` is not in profile `full`"))?;
+    println!("{}", serde_json::to_string(&project(&w, &dev, common.seed)?)?);
+    Ok(())
 }
 
-/// One policy or plan of a projection.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ProjectedPolicy {
-    /// The policy as named (`sqrt`), or what a plan is for (`budget = sqrt's memory`).
-    pub label: String,
-    /// The segment starts of a plan (`plan=...`), else empty.
-    pub plan: String,
-    /// The step's predicted peak above the state, and the state plus it.
-    pub peak_bytes: u64,
-    pub total_bytes: u64,
-    /// Predicted step time over `off`'s (from the profile's stage times on this machine).
-    pub time_ratio: f64,
+/// Runs `project-one` for every model of the article's table that `models` selects (all where
+/// it is empty), in fresh processes, into the matrix; a projection already there is kept unless
+/// `force`.
+pub fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, force: bool) {
+    for model in MODELS.iter().filter(|m| models.is_empty() || models.iter().any(|s| m.starts_with(s.as_str()))) {
+        if !force && matrix.projections.iter().any(|p| p.model == *model) {
+            continue;
+        }
+        let exe = std::env::current_exe().expect("own executable");
+        let mut cmd = Command::new(exe);
+        cmd.args(["project-one", "--model", model, "--seed", &common.seed.to_string(), "--device", &common.device]);
+        die_with_parent(&mut cmd);
+        let projected = cmd.output().map_err(anyhow::Error::from).and_then(|out| {
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            match stdout.lines().last().and_then(|l| serde_json::from_str::<Projection>(l).ok()) {
+                Some(p) if out.status.success() => Ok(p),
+                _ => bail!("{}", child_error(&String::from_utf8_lossy(&out.stderr), out.status)),
+            }
+        });
+        match projected {
+            Ok(p) => {
+                let p = Projection { command: this_command(), ..p };
+                let off = p.rows.first().map_or(0, |r| r.total_bytes);
+                trainkit::say!("projected {model} at batch {} ({}): off {:.1} GB", p.batch, p.input, off as f64 / 1e9);
+                matrix.put_projection(p);
+            }
+            Err(e) => trainkit::say!("projection of {model} failed: {e:#}"),
+        }
+    }
 }
 
 /// Profiles `w` (its `full` size) and predicts its policies, the plan with the least recompute
@@ -121,7 +137,7 @@ pub fn render(projections: &[Projection], last_run: &str, article: impl Fn(&str)
          the ResNets, AdamW for BERT and the U-Net).\n\n\
          | model | batch | input | optimizer | state | policy or plan | predicted total | / off | predicted time | article: off → checkpointing | article: time |\n\
          |---|---|---|---|---|---|---|---|---|---|---|\n",
-        crate::results::made_by(projections.iter().map(|p| p.command.as_str()), last_run)
+        made_by(projections.iter().map(|p| p.command.as_str()), last_run)
     );
     for p in projections {
         let off = p.rows.iter().find(|r| r.label == "off").map_or(1, |r| r.total_bytes);

@@ -2,9 +2,11 @@
 //! model, each policy against `off` from the same run; PyTorch side by side where it ran), and
 //! [`save`], which writes every file of a results folder.
 
-use crate::baseline::Baseline;
-use crate::measure::{Record, Status};
+use crate::gpt2_24gb;
+use crate::record::{Baseline, Record, Status};
 use crate::results::Matrix;
+use crate::units::mib;
+use crate::workloads::Profile;
 use anyhow::{Context, Result};
 use std::fmt::Write as _;
 use std::path::Path;
@@ -16,9 +18,9 @@ pub fn save(m: &Matrix, dir: &Path) -> Result<()> {
     m.save_json(dir)?;
     std::fs::write(dir.join("matrix.csv"), csv(m)).with_context(|| format!("writing {}", dir.display()))?;
     std::fs::write(dir.join("matrix.md"), markdown(m))?;
-    if m.meta.profile == crate::workloads::GPT2_24GB {
-        std::fs::write(dir.join("TABLE.md"), crate::table24::render(m))?;
-        return crate::plot::gpt2_24gb(dir, m);
+    if m.meta.profile == Profile::Gpt2_24gb.name() {
+        std::fs::write(dir.join("TABLE.md"), gpt2_24gb::table(m))?;
+        return gpt2_24gb::plot(dir, m);
     }
     let fits = m.depth_fits();
     std::fs::write(dir.join("TABLE.md"), crate::table::render(m, &fits))?;
@@ -34,59 +36,6 @@ pub fn csv(m: &Matrix) -> String {
     for b in &m.baselines {
         let ours = m.find(&b.model, &b.policy);
         out += &(COLUMNS.iter().map(|c| (c.theirs)(b, ours)).collect::<Vec<_>>().join(",") + "\n");
-    }
-    out
-}
-
-/// Ours against PyTorch, configuration by configuration, as Markdown (empty without
-/// baselines): step peak above model state and step time, and each side's time / off.
-pub fn side_by_side(m: &Matrix) -> String {
-    if m.baselines.is_empty() {
-        return String::new();
-    }
-    let version = m.baselines.iter().find(|b| !b.framework_version.is_empty()).map_or("", |b| b.framework_version.as_str());
-    let mut out = format!(
-        "\n## Side by side with PyTorch {version}\n\nThe same configurations in PyTorch eager on the same machine, run right after ours \
-(`--baseline pytorch`: `scripts/torch_baseline.py`, torchvision/transformers models, `torch.utils.checkpoint(use_reentrant=False)` \
-on the same segments, the same optimizer, fp32, the same thread count). *Step peak*: the highest live bytes during a step \
-above the model state (parameters + optimizer state), ours from the counting allocator, PyTorch's from its profiler's allocation \
-events. Times are medians of the timed steps after a warm-up. PyTorch's side: {}.\n\n\
-| model | policy | step peak: ours | step peak: PyTorch | ours / PyTorch | step time: ours | step time: PyTorch | ours / PyTorch | time / off: ours | time / off: PyTorch |\n\
-|---|---|---|---|---|---|---|---|---|---|\n",
-        crate::results::made_by(m.baselines.iter().map(|b| b.command.as_str()), &m.meta.command)
-    );
-    for b in &m.baselines {
-        let Some(r) = m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok) else { continue };
-        if b.status != Status::Ok {
-            let _ = writeln!(
-                out,
-                "| {} | {} | {} | {}: {} | | {:.0} ms | | | | |",
-                b.model,
-                b.policy,
-                mib(r.step_peak_bytes),
-                b.status,
-                b.error.replace('|', "/"),
-                r.step_ms_median
-            );
-            continue;
-        }
-        let ours_vs_off = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max));
-        let torch_vs_off = m
-            .find_baseline(&b.model, "off")
-            .filter(|o| o.status == Status::Ok && b.policy != "off")
-            .map_or("-".into(), |o| format!("{:.2}x", b.step_ms_median / o.step_ms_median));
-        let _ = writeln!(
-            out,
-            "| {} | {} | {} | {} | {:.2}x | {:.0} ms | {:.0} ms | {:.2}x | {ours_vs_off} | {torch_vs_off} |",
-            b.model,
-            b.policy,
-            mib(r.step_peak_bytes),
-            mib(b.step_peak_bytes),
-            r.step_peak_bytes as f64 / b.step_peak_bytes.max(1) as f64,
-            r.step_ms_median,
-            b.step_ms_median,
-            r.step_ms_median / b.step_ms_median
-        );
     }
     out
 }
@@ -207,7 +156,7 @@ the measured step peak, and its predicted time / off.\n",
             }
         }
     }
-    out.push_str(&side_by_side(m));
+    out.push_str(&crate::baseline::side_by_side(m));
     out
 }
 
@@ -233,7 +182,7 @@ fn none(_: &Baseline, _: Option<&Record>) -> String {
 }
 
 /// The spread of `time_vs_off`: median, min or max, empty where there is none.
-fn spread(r: &Record, pick: fn(&crate::measure::Spread) -> f64) -> String {
+fn spread(r: &Record, pick: fn(&crate::record::Spread) -> f64) -> String {
     r.time_vs_off.as_ref().map_or(String::new(), |t| ms(pick(t)))
 }
 
@@ -282,12 +231,3 @@ const COLUMNS: [Column; 43] = [
     Column { name: "time_vs_off_min", ours: |r| spread(r, |t| t.min), theirs: none },
     Column { name: "time_vs_off_max", ours: |r| spread(r, |t| t.max), theirs: none },
 ];
-
-/// Bytes in GiB, for the caller to format.
-pub fn gib(bytes: u64) -> f64 {
-    bytes as f64 / (1u64 << 30) as f64
-}
-
-pub fn mib(bytes: u64) -> String {
-    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
-}

@@ -1,12 +1,13 @@
 //! The results of a matrix run and the questions asked of them (records by configuration, the
 //! depth sweep's exponent); `matrix.json` is their file. Rendering them (CSV, Markdown, table,
-//! plots) is the job of `report`, `table` and `plot`, which read this module; it renders nothing.
+//! plots) is the job of `report`, which reads this module; it renders nothing.
 
-use crate::baseline::Baseline;
-use crate::measure::{Record, Status};
+use crate::record::{Baseline, Projection, Record, Status};
+use crate::workloads::Profile;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+use std::process::Command;
 
 /// Where and how the results were produced.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -16,6 +17,38 @@ pub struct Meta {
     pub git_commit: String,
     pub command: String,
     pub profile: String,
+}
+
+/// What made results from now: the machine, candle, the commit, this command, the profile.
+pub fn meta(profile: Profile) -> Meta {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string());
+    // The project's own repository, wherever the harness runs from.
+    let project = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(project)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let commit = git(&["rev-parse", "--short", "HEAD"]).filter(|c| !c.is_empty()).unwrap_or_else(|| "unknown".into());
+    let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    Meta {
+        machine: format!(
+            "{} ({} CPUs visible, candle threads {})",
+            cpu.unwrap_or_else(|| std::env::consts::ARCH.into()),
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+            candle_core::utils::get_num_threads()
+        ),
+        candle_version: env!("CANDLE_VERSION").into(),
+        git_commit: if dirty { format!("{commit}-dirty") } else { commit },
+        command: crate::child::this_command(),
+        profile: profile.name().into(),
+    }
 }
 
 /// What made a set of results, in words: "Command: `A`", or the commands in the order of what
@@ -49,7 +82,7 @@ pub struct Matrix {
     pub baselines: Vec<Baseline>,
     /// The article's configurations at full size, predicted by the planner.
     #[serde(default)]
-    pub projections: Vec<crate::projection::Projection>,
+    pub projections: Vec<Projection>,
 }
 
 impl Matrix {
@@ -97,7 +130,7 @@ impl Matrix {
     }
 
     /// Adds or replaces the projection of its model.
-    pub fn put_projection(&mut self, p: crate::projection::Projection) {
+    pub fn put_projection(&mut self, p: Projection) {
         replace_or_push(&mut self.projections, p, |r| (&r.model, &r.model));
     }
 

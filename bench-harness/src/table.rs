@@ -1,9 +1,10 @@
 //! `TABLE.md`: the article's A100 table next to the same columns measured by this matrix, and the
 //! depth sweep's fitted exponents.
 
-use crate::measure::Status;
-use crate::report::{mib, side_by_side};
+use crate::baseline::side_by_side;
+use crate::record::{Record, Status};
 use crate::results::{depth_of, Matrix};
+use crate::units::{self, mib};
 use std::fmt::Write as _;
 
 /// One row of the article's table (section 4; ResNet-152 from section 1, GPT-2 from section 7).
@@ -37,7 +38,7 @@ pub const TABLE_POLICY: &str = "sqrt";
 
 fn gib(bytes: u64) -> String {
     if bytes >= 1 << 30 {
-        format!("{:.2} GiB", crate::report::gib(bytes))
+        format!("{:.2} GiB", units::gib(bytes))
     } else {
         mib(bytes)
     }
@@ -71,7 +72,7 @@ are quoted for comparison, not measured here.\n\n\
         let found = row.models.iter().find_map(|name| Some((m.find(name, "off")?, m.find(name, TABLE_POLICY)?)));
         match found {
             Some((off, ck)) if off.status == Status::Ok && ck.status == Status::Ok => {
-                let total = |r: &crate::measure::Record| r.model_state_bytes + r.step_peak_bytes;
+                let total = |r: &Record| r.model_state_bytes + r.step_peak_bytes;
                 let _ = writeln!(
                     out,
                     "| {} ({}) | {} | {} | {} | {} | {:.2} | {:.2} | {} | {:+.0}% | {article} |",

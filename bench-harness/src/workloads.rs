@@ -1,6 +1,6 @@
 //! What the harness can run: one entry per model configuration of each profile.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use bert::Bert;
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
@@ -99,10 +99,37 @@ fn workload<M: Benchable>(model: &str, config: M::Config, batch: usize, input_si
     }
 }
 
-pub const PROFILES: &str = "smoke, cpu, full, gpt2-24gb";
+/// A set of configurations (`--profile`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Profile {
+    /// Tiny models, seconds.
+    Smoke,
+    /// Minutes per model on a CPU.
+    Cpu,
+    /// The article's sizes.
+    Full,
+    /// The profile of `--matrix gpt2-24gb`.
+    #[value(name = "gpt2-24gb")]
+    Gpt2_24gb,
+}
 
-/// The profile of `--matrix gpt2-24gb`.
-pub const GPT2_24GB: &str = "gpt2-24gb";
+impl Profile {
+    /// The name results folders and records use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Profile::Smoke => "smoke",
+            Profile::Cpu => "cpu",
+            Profile::Full => "full",
+            Profile::Gpt2_24gb => "gpt2-24gb",
+        }
+    }
+}
+
+impl std::fmt::Display for Profile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// A ResNet preset with the 10 classes of the synthetic images.
 fn resnet(preset: resnet::Preset) -> resnet::Config {
@@ -110,23 +137,23 @@ fn resnet(preset: resnet::Preset) -> resnet::Config {
 }
 
 /// The configurations of a profile.
-pub fn profile(name: &str) -> Result<Vec<Workload>> {
+pub fn profile(profile: Profile) -> Vec<Workload> {
     use {bert::Preset as B, gpt2::Preset as G, resnet::Preset as R, unet3d::Preset as U};
-    Ok(match name {
-        "smoke" => vec![
+    match profile {
+        Profile::Smoke => vec![
             workload::<ResNet>("resnet-tiny", resnet(R::Tiny), 2, 32),
             workload::<Bert>("bert-tiny", B::Tiny.config(), 2, 16),
             workload::<UNet3d>("unet3d-tiny", U::Tiny.config(), 2, 8),
             workload::<Gpt2>("gpt2-tiny", gpt2::Config::tiny(4, 32), 2, 32),
         ],
-        "cpu" => vec![
+        Profile::Cpu => vec![
             workload::<ResNet>("resnet50", resnet(R::Resnet50), 8, 128),
             workload::<ResNet>("resnet152", resnet(R::Resnet152), 4, 128),
             workload::<Bert>("bert-large", B::Large.config(), 2, 128),
             workload::<UNet3d>("unet3d-small", U::Small.config(), 2, 32),
             workload::<Gpt2>("gpt2-small", G::Small.config(), 2, 256),
         ],
-        "full" => vec![
+        Profile::Full => vec![
             workload::<ResNet>("resnet50", resnet(R::Resnet50), 256, 224),
             workload::<ResNet>("resnet152", resnet(R::Resnet152), 64, 224),
             workload::<Bert>("bert-large", B::Large.config(), 32, 128),
@@ -138,9 +165,8 @@ pub fn profile(name: &str) -> Result<Vec<Workload>> {
             workload::<Gpt2>("gpt2-large", G::Large.config(), 1, 1024),
             workload::<Gpt2>("gpt2-xl", G::Xl.config(), 1, 1024),
         ],
-        GPT2_24GB => gpt2_24gb(),
-        other => bail!("unknown profile `{other}`; valid profiles: {PROFILES}"),
-    })
+        Profile::Gpt2_24gb => gpt2_24gb(),
+    }
 }
 
 /// The ways `gpt2-24gb` holds a model's state: (name, activation dtype, optimizer).
@@ -176,15 +202,14 @@ fn gpt2_24gb() -> Vec<Workload> {
 pub const DEPTH_PREFIX: &str = "depth-";
 
 /// The depth sweep of a profile: GPT-2 blocks of one width at growing depth, `off` and `sqrt`.
-pub fn depth_sweep(profile: &str) -> Result<Vec<Workload>> {
+pub fn depth_sweep(profile: Profile) -> Vec<Workload> {
     let (depths, width, batch, seq): (&[usize], usize, usize, usize) = match profile {
-        "smoke" => (&[2, 4, 8, 16], 16, 2, 16),
-        "cpu" => (&[16, 64, 256, 1024], 64, 2, 64),
-        "full" => (&[16, 64, 256, 1024], 256, 4, 256),
-        GPT2_24GB => return Ok(Vec::new()),
-        other => bail!("unknown profile `{other}`; valid profiles: {PROFILES}"),
+        Profile::Smoke => (&[2, 4, 8, 16], 16, 2, 16),
+        Profile::Cpu => (&[16, 64, 256, 1024], 64, 2, 64),
+        Profile::Full => (&[16, 64, 256, 1024], 256, 4, 256),
+        Profile::Gpt2_24gb => return Vec::new(),
     };
-    Ok(depths.iter().map(|&l| workload::<Gpt2>(&format!("{DEPTH_PREFIX}{l}"), gpt2::Config::tiny(l, width), batch, seq)).collect())
+    depths.iter().map(|&l| workload::<Gpt2>(&format!("{DEPTH_PREFIX}{l}"), gpt2::Config::tiny(l, width), batch, seq)).collect()
 }
 
 /// Changes to a workload from the command line: `None` keeps the profile's.

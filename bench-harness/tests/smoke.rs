@@ -126,9 +126,9 @@ fn a_failing_configuration_is_recorded_and_the_matrix_goes_on() {
 #[test]
 fn bad_arguments_name_the_valid_choices() {
     for (args, needle) in [
-        (vec!["--profile", "huge"], "valid profiles: smoke, cpu, full"),
+        (vec!["--profile", "huge"], "possible values: smoke, cpu, full, gpt2-24gb"),
         (vec!["--policies", "sqrtt"], "valid policies"),
-        (vec!["--matrix", "some"], "valid: all, models, depth, render"),
+        (vec!["--matrix", "some"], "possible values: all, models, depth, render, gpt2-24gb"),
         (vec!["--device", "tpu"], "valid devices: cpu, cuda"),
         (vec!["--profile", "smoke", "--models", "vgg"], "matches no model"),
         (vec!["--memory-cap", "12 parsecs"], "unknown unit"),

@@ -1,38 +1,14 @@
 //! The flags every trainer shares ([`RunArgs`]) and the checks that refuse bad values before
-//! anything starts: counts, the learning rate, sizes that overflow, output files that cannot be
-//! written, the device.
+//! anything starts: counts, the learning rate, the loss scale, the device.
 
-use crate::plan::available_memory;
-use crate::snapshot::training_snapshot_path;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
-use std::path::Path;
 
 /// A learning rate must be a positive finite number: NaN or infinity would train to garbage
 /// without a word.
 pub fn check_lr(lr: f64) -> Result<()> {
     if !(lr.is_finite() && lr > 0.0) {
         bail!("--lr {lr} is not a positive finite number");
-    }
-    Ok(())
-}
-
-/// Refuses sizes whose `what` alone (a tensor every step must hold, computed by the caller with
-/// checked arithmetic: `None` for an overflow) needs more than this machine's available memory
-/// (MemAvailable + SwapFree): the error names `flags` and the bytes, where the run would abort
-/// inside an allocation. A lower bound of the step's need, so a run that passes can still run out.
-pub fn check_footprint(flags: &str, what: &str, elements: Option<u128>) -> Result<()> {
-    let Some(bytes) = elements.and_then(|n| n.checked_mul(4)) else {
-        bail!("{flags}: {what} would have more elements than this machine can address");
-    };
-    if let Some(have) = available_memory().map(u128::from) {
-        if bytes > have {
-            bail!(
-                "{flags}: {what} alone needs {:.1} GiB (f32); this machine has {:.1} GiB available",
-                bytes as f64 / 2f64.powi(30),
-                have as f64 / 2f64.powi(30)
-            );
-        }
     }
     Ok(())
 }
@@ -137,55 +113,6 @@ impl RunArgs {
         }
         Ok(())
     }
-}
-
-/// Fails now, before any training, if `path` (given with `flag`) cannot be written: a directory,
-/// a missing folder, no permission, or something that exists and is not a regular file (a device
-/// such as /dev/full, a symlink, a pipe), which writing would replace or feed. Before, a bad
-/// `--save` failed after the last step, and `--save /dev/full` turned the device into a file.
-fn check_writable(path: &Path, flag: &str) -> Result<()> {
-    if path.is_dir() {
-        bail!("{flag} {} is a directory; give a file name", path.display());
-    }
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        if !meta.file_type().is_file() {
-            let kind = if meta.file_type().is_symlink() { "a symbolic link" } else { "not a regular file" };
-            bail!("{flag} {} exists and is {kind}; give the path of a regular file (it would be replaced)", path.display());
-        }
-    }
-    let probe = path.with_extension("probe");
-    std::fs::File::create(&probe).with_context(|| format!("{flag} {}: cannot write there", path.display()))?;
-    std::fs::remove_file(&probe).ok();
-    Ok(())
-}
-
-/// The files a run writes (`--save`, its training snapshot, `--log-json`), checked before
-/// training: each writable ([`check_writable`]) and no two the same (`--save X --log-json X`
-/// would interleave a log with a snapshot).
-pub(crate) fn check_outputs(run: &RunArgs) -> Result<()> {
-    let training = run.save.as_deref().map(training_snapshot_path);
-    let outputs: Vec<(&str, &Path)> =
-        [("--save", run.save.as_deref()), ("--save's training snapshot", training.as_deref()), ("--log-json", run.log_json.as_deref())]
-            .into_iter()
-            .filter_map(|(flag, path)| Some((flag, path?)))
-            .collect();
-    for (i, &(flag, path)) in outputs.iter().enumerate() {
-        check_writable(path, flag)?;
-        if let Some((other, _)) = outputs[..i].iter().find(|(_, p)| same_file(p, path)) {
-            bail!("{flag} and {other} are both {}; give each its own file", path.display());
-        }
-    }
-    Ok(())
-}
-
-/// Whether two output paths name one file: equal as given, or in the same folder (symlinks and
-/// `..` resolved) under the same name. [`check_writable`] has refused a symlink as the file itself.
-fn same_file(a: &Path, b: &Path) -> bool {
-    let resolved = |p: &Path| {
-        let folder = p.parent().filter(|f| !f.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        Some(std::fs::canonicalize(folder).ok()?.join(p.file_name()?))
-    };
-    a == b || resolved(a).is_some_and(|x| Some(x) == resolved(b))
 }
 
 /// The device named on a command line: `cpu`, `cuda` or `cuda:N`; a clear error when this build

@@ -25,6 +25,26 @@ pub fn memory_before_step(device: &Device, optimizer: &dyn layers::TrainOptimize
     Ok(counter.current() + optimizer.state_bytes().saturating_sub(allocated) + inputs_bytes)
 }
 
+/// Refuses sizes whose `what` alone (a tensor every step must hold, computed by the caller with
+/// checked arithmetic: `None` for an overflow) needs more than this machine's available memory
+/// (MemAvailable + SwapFree): the error names `flags` and the bytes, where the run would abort
+/// inside an allocation. A lower bound of the step's need, so a run that passes can still run out.
+pub fn check_footprint(flags: &str, what: &str, elements: Option<u128>) -> Result<()> {
+    let Some(bytes) = elements.and_then(|n| n.checked_mul(4)) else {
+        bail!("{flags}: {what} would have more elements than this machine can address");
+    };
+    if let Some(have) = available_memory().map(u128::from) {
+        if bytes > have {
+            bail!(
+                "{flags}: {what} alone needs {:.1} GiB (f32); this machine has {:.1} GiB available",
+                bytes as f64 / 2f64.powi(30),
+                have as f64 / 2f64.powi(30)
+            );
+        }
+    }
+    Ok(())
+}
+
 /// What the device can still give: free memory on a GPU, available memory on the CPU.
 pub fn free_memory(device: &Device) -> Option<u64> {
     match device {

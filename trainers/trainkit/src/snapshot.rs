@@ -1,5 +1,6 @@
 //! Training snapshots: the weights, the optimizer state, the next step, the loss scaler and the
-//! run's flags, written every `--save-every` steps for `--resume` to continue bit for bit.
+//! run's flags, written every `--save-every` steps for `--resume` to continue bit for bit; and
+//! the files a run writes, checked before it starts.
 
 use crate::args::RunArgs;
 use crate::say;
@@ -121,4 +122,52 @@ pub fn load_training(
     store.load_tensors(tensors, &path.display().to_string(), |n| (!n.starts_with("training.")).then(|| n.to_string()), |_| false).with_context(ctx)?;
     opt.set_state(&state).with_context(ctx)?;
     Ok(next as usize)
+}
+
+/// Fails now, before any training, if `path` (given with `flag`) cannot be written: a directory,
+/// a missing folder, no permission, or something that exists and is not a regular file (a device
+/// such as /dev/full, a symlink, a pipe), which writing would replace or feed.
+fn check_writable(path: &Path, flag: &str) -> Result<()> {
+    if path.is_dir() {
+        bail!("{flag} {} is a directory; give a file name", path.display());
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_file() {
+            let kind = if meta.file_type().is_symlink() { "a symbolic link" } else { "not a regular file" };
+            bail!("{flag} {} exists and is {kind}; give the path of a regular file (it would be replaced)", path.display());
+        }
+    }
+    let probe = path.with_extension("probe");
+    std::fs::File::create(&probe).with_context(|| format!("{flag} {}: cannot write there", path.display()))?;
+    std::fs::remove_file(&probe).ok();
+    Ok(())
+}
+
+/// The files a run writes (`--save`, its training snapshot, `--log-json`), checked before
+/// training: each writable ([`check_writable`]) and no two the same (`--save X --log-json X`
+/// would interleave a log with a snapshot).
+pub(crate) fn check_outputs(run: &RunArgs) -> Result<()> {
+    let training = run.save.as_deref().map(training_snapshot_path);
+    let outputs: Vec<(&str, &Path)> =
+        [("--save", run.save.as_deref()), ("--save's training snapshot", training.as_deref()), ("--log-json", run.log_json.as_deref())]
+            .into_iter()
+            .filter_map(|(flag, path)| Some((flag, path?)))
+            .collect();
+    for (i, &(flag, path)) in outputs.iter().enumerate() {
+        check_writable(path, flag)?;
+        if let Some((other, _)) = outputs[..i].iter().find(|(_, p)| same_file(p, path)) {
+            bail!("{flag} and {other} are both {}; give each its own file", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// Whether two output paths name one file: equal as given, or in the same folder (symlinks and
+/// `..` resolved) under the same name. [`check_writable`] has refused a symlink as the file itself.
+fn same_file(a: &Path, b: &Path) -> bool {
+    let resolved = |p: &Path| {
+        let folder = p.parent().filter(|f| !f.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        Some(std::fs::canonicalize(folder).ok()?.join(p.file_name()?))
+    };
+    a == b || resolved(a).is_some_and(|x| Some(x) == resolved(b))
 }

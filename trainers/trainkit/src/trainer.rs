@@ -3,13 +3,13 @@
 //! training snapshot. A trainer binary builds its model and data and hands them to
 //! [`Trainer::run`].
 
-use crate::args::{check_outputs, RunArgs};
+use crate::args::RunArgs;
 use crate::log::Log;
 use crate::parallel::{self, Group};
 use crate::plan::executor;
 use crate::say;
 use crate::scaler::LossScaler;
-use crate::snapshot::{load_training, save_training, training_snapshot_path, RunConfig};
+use crate::snapshot::{check_outputs, load_training, save_training, training_snapshot_path, RunConfig};
 use crate::step::{micro_batches, Stepper};
 use anyhow::{bail, Result};
 use candle_core::Tensor;

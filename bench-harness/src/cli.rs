@@ -1,0 +1,157 @@
+//! The harness's command line: what every command shares ([`Common`]) and what the matrix adds
+//! ([`MatrixArgs`]).
+
+use crate::workloads::{self, Profile};
+use clap::{Args, ValueEnum};
+use remat::Policy;
+use std::path::PathBuf;
+
+/// Which matrix to run (`--matrix`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MatrixKind {
+    /// `models` and `depth`.
+    All,
+    /// Every model x every applicable policy of the profile.
+    Models,
+    /// Off and sqrt on ever deeper GPT-2 block stacks.
+    Depth,
+    /// Rewrite the reports from matrix.json; run nothing.
+    Render,
+    /// GPT-2 small to XL against 24 GiB.
+    #[value(name = "gpt2-24gb")]
+    Gpt2_24gb,
+}
+
+/// Another framework run beside ours (`--baseline`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BaselineKind {
+    /// PyTorch eager with torch.utils.checkpoint on the same segments.
+    Pytorch,
+}
+
+#[derive(Args, Clone)]
+pub struct Common {
+    /// Configuration set: smoke (tiny, seconds), cpu (minutes per model), full (the article's sizes).
+    #[arg(long)]
+    pub profile: Option<Profile>,
+    /// Timed steps per configuration (after one warm-up step).
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Override every selected model's batch size.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Override every selected model's input size: sequence length, or image side.
+    #[arg(long)]
+    pub input_size: Option<usize>,
+    /// Gradient accumulation: micro-batches of --batch per optimizer step; a timed step is all
+    /// of them and the update (default: the profile's, 1 but in gpt2-24gb).
+    #[arg(long)]
+    pub accumulate: Option<usize>,
+    /// Train every selected model with this optimizer (sgd, adamw, adafactor) instead of its
+    /// default (SGD for the ResNets, AdamW for the others).
+    #[arg(long)]
+    pub optimizer: Option<layers::OptimizerKind>,
+    /// The dtype activations are computed in (f32, bf16, f16; parameters stay f32); default:
+    /// the profile's, f32 but in gpt2-24gb. f16 runs with dynamic loss scaling.
+    #[arg(long)]
+    pub dtype: Option<layers::Precision>,
+    /// Emulate a smaller memory (e.g. 24GiB): on the CPU allocations beyond this much heap fail;
+    /// on a GPU the rest of the device memory is held.
+    #[arg(long, value_parser = remat::memory::parse_size)]
+    pub memory_cap: Option<u64>,
+    /// Data parallelism: every configuration runs on N ranks under mpirun (a build with
+    /// `--features mpi`), each with its own batch (--batch is per rank) and its share of the
+    /// cores; records the largest rank's step peak and the time in gradient all-reduces.
+    /// Results go to results/<profile>-<device>-ranksN.
+    #[arg(long, default_value_t = 1)]
+    pub ranks: usize,
+    /// Give freed memory back to the OS at once (mimalloc's purge delay 0) instead of keeping it
+    /// for the next step: resident memory stays near the live heap, which near the machine's
+    /// memory decides whether a run is killed, at the cost of page faults every step.
+    #[arg(long)]
+    pub return_freed_memory: bool,
+    /// With --ranks: shard the optimizer state over the ranks (ZeRO stage 1): each keeps and
+    /// updates its share. Results go to results/<profile>-<device>-ranksN-sharded.
+    #[arg(long)]
+    pub shard_optimizer: bool,
+    /// Negative control: the gradient check's recomputes draw fresh dropout keys instead of
+    /// replaying the forward's, so every policy that recomputes dropout must fail the check.
+    /// Exists only to prove the check can fail (tests); never use it for results.
+    #[arg(long, hide = true)]
+    pub no_rng_replay: bool,
+}
+
+#[derive(Args)]
+pub struct MatrixArgs {
+    /// Which matrix to run: `models` (every model x every applicable policy of the profile),
+    /// `depth` (the depth sweep: off and sqrt on ever deeper GPT-2 block stacks), `all` (both),
+    /// `gpt2-24gb` (GPT-2 small to XL at batch 1 with accumulation, in four precision/optimizer
+    /// variants, predicted and measured against 24 GiB), or `render` (rewrite the CSV, Markdown,
+    /// TABLE.md and plots from matrix.json; run nothing).
+    #[arg(long, value_enum, default_value_t = MatrixKind::All)]
+    pub matrix: MatrixKind,
+    /// Only models whose name starts with one of these (comma-separated), e.g. gpt2,resnet50.
+    #[arg(long, value_delimiter = ',')]
+    pub models: Vec<String>,
+    /// Only these policies (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub policies: Vec<Policy>,
+    /// Results folder; default results/<profile>-<device>.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Rerun configurations that already have a result.
+    #[arg(long)]
+    pub force: bool,
+    /// Extra timing rounds per model after its configurations: every policy again, interleaved
+    /// (off, sqrt, ..., off, sqrt, ...), each in a fresh process; each policy's time / off is then
+    /// reported as the median and range over this run's ratio and the rounds'.
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
+    /// Also run each configuration in another framework, side by side: `pytorch` runs
+    /// scripts/torch_baseline.py (PyTorch eager, torch.utils.checkpoint on the same segments).
+    #[arg(long, value_enum)]
+    pub baseline: Option<BaselineKind>,
+    /// The Python that has torch, torchvision and transformers (for --baseline pytorch).
+    #[arg(long, default_value = "python3")]
+    pub python: String,
+    /// Predict every configuration and run none: the planner's step peak (forward and backward,
+    /// and what it is made of) and time, printed, nothing saved. gpt2-24gb: every configuration
+    /// that has its calibration (gpt2-small's record of the same variant and policy, from an
+    /// earlier run into the same folder), recorded as not run.
+    #[arg(long)]
+    pub dry_run: bool,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+impl Common {
+    /// What the flags change in every selected workload.
+    pub fn overrides(&self) -> workloads::Overrides {
+        workloads::Overrides {
+            batch: self.batch,
+            input_size: self.input_size,
+            accumulate: self.accumulate,
+            optimizer: self.optimizer,
+            dtype: self.dtype,
+            shard_optimizer: self.shard_optimizer,
+        }
+    }
+
+    /// The default results folder: `results/<profile>-<device>`, `-ranksN` with data parallelism
+    /// (`-ranksN-sharded` with the optimizer state sharded).
+    pub fn results_dir(&self, profile: Profile) -> PathBuf {
+        let sharded = if self.shard_optimizer { "-sharded" } else { "" };
+        let ranks = if self.ranks > 1 { format!("-ranks{}{sharded}", self.ranks) } else { String::new() };
+        PathBuf::from(format!("results/{profile}-{}{ranks}", self.device.replace(':', "")))
+    }
+
+    /// The profile that fits the device unless one was named.
+    pub fn profile(&self) -> Profile {
+        self.profile.unwrap_or(if self.device == "cpu" { Profile::Cpu } else { Profile::Full })
+    }
+}

@@ -1,0 +1,376 @@
+//! `--matrix gpt2-24gb`: does GPT-2 at every published size train in 24 GiB with checkpointing and
+//! gradient accumulation (the article: GPT-2 1.5B in 21 GB)? Its defaults, its prediction before
+//! a configuration runs, its table and its figure.
+//!
+//! The prediction ([`predict`]) is layered on measurement, not on the planner: the planner
+//! profiles a model at its size, which for GPT-2 XL is the very step that may not fit; this one
+//! scales gpt2-small's measured activation peak (the calibration, run first) to the larger
+//! sizes, so a configuration that cannot fit is never started.
+//!
+//! The prediction:
+//! - The model state is exact arithmetic on the parameter shapes: the parameters and their
+//!   gradients in f32 whatever the activation dtype (they are the master weights), bf16 under
+//!   `bf16-weights`; and the optimizer's state, f32 in every variant: AdamW two moments per
+//!   parameter, Adafactor R + C numbers per R x C weight (a vector whole), SGD one buffer.
+//! - The activations are scaled from gpt2-small's measured activation peak under the same state
+//!   variant and policy (the calibration, run first). The head's part is taken out and computed
+//!   for the model: the logits and their gradient (B T V values each, in the activation dtype),
+//!   and the tied embedding's gradient in flight, V C values (in the weights' dtype) four times (candle's backward
+//!   briefly holds three tensors of a gradient's size, and the executor keeps the head's share
+//!   until the embedding's arrives). The rest (the blocks) is scaled by the width times the blocks
+//!   a policy keeps: L for `off` and `every-two-blocks` (every block's output, or every other
+//!   one, is stored), sqrt(L) for `sqrt`.
+//!
+//! The table, `TABLE.md`: for GPT-2 at every published size, batch 1 with 8
+//! micro-batches accumulated, each way of holding its state and each policy: the predicted bytes
+//! (with the state's arithmetic), the measured peak, whether it fits 24 GiB, and tokens per
+//! second. The article claims GPT-2 1.5B trains on a 24 GB card this way in 21 GB.
+
+use crate::child::{spawn_one, One};
+use crate::cli::Common;
+use crate::plot::{self, color, plot_err, Chart};
+use crate::record::{Prediction, Record, Status};
+use crate::results::Matrix;
+use crate::units;
+use crate::workloads::{self, Profile, Workload};
+use anyhow::{bail, Context, Result};
+use layers::{OptimizerKind, Precision};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use remat::Policy;
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// `--matrix gpt2-24gb`: the profile, sequence 256 on the CPU (a step of GPT-2 XL at 1024 takes
+/// minutes on two cores) and 1024 elsewhere, and a memory cap of 24 GiB, or on the CPU what this
+/// machine can give if that is less.
+pub fn defaults(common: &mut Common) -> Result<()> {
+    if common.profile.is_some_and(|p| p != Profile::Gpt2_24gb) {
+        bail!("--matrix gpt2-24gb runs its own profile; drop --profile");
+    }
+    common.profile = Some(Profile::Gpt2_24gb);
+    let cpu = common.device == "cpu";
+    common.input_size = common.input_size.or(Some(if cpu { 256 } else { 1024 }));
+    const GIB_24: u64 = 24 << 30;
+    // The harness, the OS and the page cache need some of what is available.
+    let machine = trainkit::available_memory().map(|b| b.saturating_sub(3 << 30));
+    common.memory_cap = common.memory_cap.or(Some(if cpu { machine.map_or(GIB_24, |m| m.min(GIB_24)) } else { GIB_24 }));
+    Ok(())
+}
+
+/// A `gpt2-24gb` configuration: predicted first ([`predict`], calibrated on gpt2-small's record
+/// of the same variant and policy), skipped where the prediction exceeds the memory cap, run
+/// otherwise. The gradient check needs two models and a copy of every gradient beside them, so
+/// it runs only where that fits the cap (four times the parameters' f32 bytes, with room for the
+/// activations). `dry_run`: nothing runs, and a configuration that cannot be predicted (no
+/// calibration) gets no record.
+pub fn run_predicted(matrix: &Matrix, w: &Workload, policy: &Policy, common: &Common, profile: Profile, dry_run: bool) -> Result<Option<Record>> {
+    let variant = w.model.split('/').nth(1).unwrap_or_default();
+    let small = format!("gpt2-small/{variant}");
+    // From the whole profile: --models may have left gpt2-small out of this run.
+    let small_workload = workloads::profile(profile).into_iter().find(|c| c.model == small).map(|c| c.overridden(common.overrides()));
+    let calibration = if w.model == small {
+        None
+    } else {
+        let rec = matrix.find(&small, &policy.to_string()).filter(|r| r.status == Status::Ok);
+        small_workload.as_ref().zip(rec)
+    };
+    let prediction = predict(w, policy, calibration)?;
+    let cap = common.memory_cap.expect("set by defaults");
+    let state = prediction.params + prediction.grads + prediction.optimizer;
+    let total = prediction.total();
+    let skipped = |error: String| Record { status: Status::Skipped, error, ..Record::new(w, policy, &common.device) };
+    let mut rec = match total {
+        None if dry_run => return Ok(None),
+        Some(t) if dry_run => skipped(format!("dry run (predicted {:.1} GiB)", units::gib(t))),
+        Some(t) if t > cap => skipped(format!("does not fit (predicted {:.1} GiB > cap {:.1} GiB)", units::gib(t), units::gib(cap))),
+        None if state > cap => skipped(format!("does not fit (its state alone is {:.1} GiB > cap {:.1} GiB)", units::gib(state), units::gib(cap))),
+        _ => {
+            let check_fits = prediction.params * 4 + prediction.activations.unwrap_or(0) < cap;
+            let mut rec = spawn_one(w, policy, common, profile, if check_fits { One::Full } else { One::Unchecked });
+            rec.grads_checked = check_fits && rec.status == Status::Ok;
+            rec
+        }
+    };
+    rec.predicted = Some(prediction);
+    rec.predicted_total_bytes = total;
+    Ok(Some(rec))
+}
+
+/// The bytes of the parameters and of their gradients (in `precision`'s weight dtype) and of
+/// `optimizer`'s state (f32).
+pub fn state(shapes: &[Vec<usize>], optimizer: OptimizerKind, precision: Precision) -> (u64, u64, u64) {
+    let count = |s: &Vec<usize>| s.iter().product::<usize>() as u64;
+    let params: u64 = shapes.iter().map(count).sum();
+    let state = match optimizer {
+        OptimizerKind::Sgd => params,
+        OptimizerKind::Adamw => 2 * params,
+        OptimizerKind::Adafactor => shapes
+            .iter()
+            .map(|s| match s.as_slice() {
+                [lead @ .., r, c] => lead.iter().product::<usize>() as u64 * (r + c) as u64,
+                _ => count(s),
+            })
+            .sum(),
+    };
+    let weight = precision.weights().size_in_bytes() as u64;
+    (weight * params, weight * params, 4 * state)
+}
+
+/// GPT-2's configuration from a `gpt2-24gb` model name, `gpt2-<size>/<variant>`.
+pub fn gpt2_config(model: &str) -> Result<gpt2::Config> {
+    let size = model.strip_prefix("gpt2-").and_then(|m| m.split('/').next()).with_context(|| format!("`{model}` is not a gpt2-24gb model"))?;
+    Ok(size.parse::<gpt2::Preset>()?.config())
+}
+
+/// The blocks whose activations a policy keeps alive, as the scale of the block part.
+fn kept_blocks(policy: &Policy, layers: usize) -> f64 {
+    match policy {
+        Policy::Sqrt => (layers as f64).sqrt(),
+        _ => layers as f64,
+    }
+}
+
+/// The head's part of the activation peak: the logits and their gradient, and the tied
+/// embedding's gradient in flight.
+fn head_bytes(w: &Workload, config: &gpt2::Config) -> u64 {
+    let logits = 2 * w.batch * w.input_size * config.vocab_size * w.dtype.dtype().size_in_bytes();
+    (logits + 4 * config.vocab_size * config.n_embd * w.dtype.weights().size_in_bytes()) as u64
+}
+
+/// The prediction for `w` under `policy`; `calibration` is gpt2-small's workload and measured
+/// record under the same variant and policy (`None` for gpt2-small itself).
+pub fn predict(w: &Workload, policy: &Policy, calibration: Option<(&Workload, &Record)>) -> Result<Prediction> {
+    let (params, grads, optimizer) = state(&w.parameter_shapes()?, w.optimizer(), w.dtype);
+    let activations = match calibration {
+        Some((cw, rec)) => {
+            let (me, small) = (gpt2_config(&w.model)?, gpt2_config(&cw.model)?);
+            let blocks = rec.activation_peak_bytes.saturating_sub(head_bytes(cw, &small)) as f64;
+            let scale = (me.n_embd as f64 * kept_blocks(policy, me.n_layer)) / (small.n_embd as f64 * kept_blocks(policy, small.n_layer));
+            let tokens = (w.batch * w.input_size) as f64 / (cw.batch * cw.input_size) as f64;
+            Some(head_bytes(w, &me) + (blocks * scale * tokens) as u64)
+        }
+        None => None,
+    };
+    Ok(Prediction { params, grads, optimizer, activations })
+}
+
+const GIB_24: u64 = 24 << 30;
+
+/// Bytes as a table cell: GiB with two decimals.
+fn cell(bytes: u64) -> String {
+    format!("{:.2}", units::gib(bytes))
+}
+
+/// Everything the step held at its peak: the state before it (parameters, optimizer state,
+/// inputs) and the step's peak above that (gradients, activations, temporaries).
+pub fn measured_total(r: &Record) -> u64 {
+    r.model_state_bytes + r.step_peak_bytes
+}
+
+/// The records smallest model first (within a size, in the matrix's order: variant, then policy),
+/// whatever order the runs that made them came in.
+pub fn in_size_order(m: &Matrix) -> Vec<&Record> {
+    const SIZES: [&str; 4] = ["gpt2-small/", "gpt2-medium/", "gpt2-large/", "gpt2-xl/"];
+    let mut records: Vec<&Record> = m.records.iter().collect();
+    records.sort_by_key(|r| SIZES.iter().position(|s| r.model.starts_with(s)));
+    records
+}
+
+/// Whether a configuration fits 24 GiB, in words.
+fn fits(r: &Record) -> String {
+    match (r.status, r.predicted_total_bytes) {
+        (Status::Ok, _) => if measured_total(r) <= GIB_24 { "**yes**" } else { "no" }.into(),
+        // The kernel, not the cap: the process's resident memory outgrew the machine.
+        (Status::Oom, p) if r.error.contains("SIGKILL") => {
+            format!("not measured: killed by the kernel (this machine's memory){}", p.map_or(String::new(), |p| format!("; predicted {} GiB", cell(p))))
+        }
+        (Status::Oom, _) => "no (out of memory under the cap)".into(),
+        (Status::Skipped, Some(p)) if p <= GIB_24 => "predicted yes".into(),
+        (Status::Skipped, _) => "no (predicted)".into(),
+        (Status::Error, _) => format!("error: {}", r.error),
+    }
+}
+
+/// Whether `r` was measured with freed memory given back at once: every step faulted its pages
+/// in again, so its time is not the other rows' kind.
+fn returned_freed_memory(r: &Record) -> bool {
+    r.command.contains("--return-freed-memory")
+}
+
+fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
+    let bytes = r.dtype.parse::<layers::Precision>().map_or(4, |d| d.weights().size_in_bytes() as u64);
+    let params = p.params / bytes;
+    let per_rank = |ranks: u64| cell(p.params + p.grads + p.optimizer.div_ceil(ranks));
+    format!(
+        "| {model} | {variant} | {params} | {} | {} | {} | {} | {} | {} |",
+        cell(p.params),
+        cell(p.grads),
+        cell(p.optimizer),
+        cell(p.params + p.grads + p.optimizer),
+        per_rank(2),
+        per_rank(4)
+    )
+}
+
+/// `TABLE.md`.
+pub fn table(m: &Matrix) -> String {
+    let meta = &m.meta;
+    let first = m.records.first();
+    let (input, accumulate) = first.map_or(("?".into(), 0), |r| (r.input.clone(), r.accumulate));
+    let mut out = format!(
+        "# GPT-2 on 24 GiB: state, precision, optimizer and checkpointing, measured\n\n\
+         {}  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\n\
+         Every configuration trains at batch 1, {input}, with {accumulate} micro-batches accumulated per optimizer step \
+         (effective batch {accumulate}). Variants: `f32-adamw` (everything f32), `bf16-adamw` (bf16 activations, f32 parameters, \
+         gradients and AdamW moments), `bf16-weights-adamw` (bf16 activations, parameters and gradients, f32 AdamW moments: \
+         no f32 master copy), `bf16-adafactor` (bf16 activations, f32 parameters and gradients, Adafactor's factored \
+         second moment).\n\n",
+        crate::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
+        meta.machine,
+        meta.candle_version,
+        meta.git_commit,
+        meta.profile
+    );
+    out += "## The model state, by arithmetic\n\n\
+            Parameters and gradients 4 bytes each (2 under `bf16-weights-adamw`); AdamW 8 bytes per parameter; Adafactor 4 bytes per row and per column of each \
+            weight matrix (per element of a vector). Computed from the parameter shapes, not measured. The last two columns are \
+            one rank's state when the optimizer state is sharded over 2 or 4 data-parallel ranks (`--ranks N --shard-optimizer`, \
+            ZeRO stage 1: every rank still holds all parameters and gradients).\n\n\
+            | model | variant | parameters | params GiB | grads GiB | optimizer GiB | state GiB | per rank, sharded over 2 | over 4 |\n|---|---|---|---|---|---|---|---|---|\n";
+    let records = in_size_order(m);
+    let mut seen = Vec::new();
+    for r in &records {
+        let (Some(p), Some((model, variant))) = (r.predicted, r.model.split_once('/')) else { continue };
+        if !seen.contains(&r.model) {
+            seen.push(r.model.clone());
+            let _ = writeln!(out, "{}", state_row(r, model, variant, &p));
+        }
+    }
+    out += "\n## Predicted against measured\n\n\
+            Predicted total: the state above plus the activations scaled from gpt2-small's measured activation peak under the same \
+            variant and policy (its logits recomputed for each model, its blocks scaled by width times the blocks the policy keeps: \
+            L, or sqrt(L) under `sqrt`); gpt2-small is the calibration and has no prediction of its own. Measured total: the heap \
+            before the step (parameters, optimizer state) plus the step's peak above it (gradients, activations), the highest \
+            over the timed steps. Configurations predicted above the memory cap are not run; with `--dry-run`, none is, and every \
+            row but the calibration's is a prediction. The meter counts live bytes; the allocator keeps freed pages for reuse \
+            (a step faults in no new memory), so a process's resident memory runs above its live heap (by 3-4 GiB for GPT-2 XL): \
+            near a machine's limit the kernel may kill a run whose live heap fits, which the table says.\n\n\
+            | model | variant | policy | predicted GiB | measured GiB | error | fits 24 GiB | tokens/s | step time | gradients |\n\
+            |---|---|---|---|---|---|---|---|---|---|\n";
+    for r in &records {
+        let (model, variant) = r.model.split_once('/').unwrap_or((&r.model, ""));
+        let predicted = r.predicted_total_bytes.map_or("calibration".into(), cell);
+        let seq = r.input.trim_start_matches("seq ").parse::<usize>().unwrap_or(0);
+        let (measured, error, tokens, time) = if r.status == Status::Ok {
+            let total = measured_total(r);
+            let error = r.predicted_total_bytes.map_or("-".into(), |p| format!("{:+.1}%", (p as f64 / total as f64 - 1.0) * 100.0));
+            let tokens = (r.batch * r.accumulate * seq) as f64;
+            let mark = if returned_freed_memory(r) { " †" } else { "" };
+            (cell(total), error, format!("{:.1}{mark}", tokens / (r.step_ms_median / 1000.0)), format!("{:.1} s{mark}", r.step_ms_median / 1000.0))
+        } else {
+            (format!("not run: {}", r.error), "-".into(), "-".into(), "-".into())
+        };
+        let grads = match (r.status, r.grads_checked, r.grads_bit_identical) {
+            (Status::Ok, true, true) => "= plain candle",
+            (Status::Ok, true, false) => "DIFFER",
+            (Status::Ok, false, _) => "not checked (memory)",
+            _ => "-",
+        };
+        let _ = writeln!(out, "| {model} | {variant} | {} | {predicted} | {measured} | {error} | {} | {tokens} | {time} | {grads} |", r.policy, fits(r));
+    }
+    let fit: Vec<String> = records
+        .iter()
+        .filter(|r| r.status == Status::Ok && measured_total(r) <= GIB_24)
+        .map(|r| format!("{} `{}` ({} GiB)", r.model, r.policy, cell(measured_total(r))))
+        .collect();
+    if records.iter().any(|r| r.status == Status::Ok && returned_freed_memory(r)) {
+        out += "\n† Measured with `--return-freed-memory` (freed memory given back to the OS at once, so that resident memory \
+                stays near the live heap on this machine): every step faults its pages in again, so its time is not comparable \
+                with the other rows'.\n";
+    }
+    let _ = write!(out, "\n## Fits 24 GiB at batch 1 (measured)\n\n{}\n", if fit.is_empty() { "None.".into() } else { fit.join(", ") });
+    out
+}
+
+/// The figure of `--matrix gpt2-24gb`: `memory.png` and `.svg`.
+pub fn plot(dir: &Path, m: &Matrix) -> Result<()> {
+    plot::both(dir, "memory", (1100, 120 + 22 * m.records.len() as u32), &MemoryChart(m))
+}
+
+struct MemoryChart<'a>(&'a Matrix);
+
+impl Chart for MemoryChart<'_> {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        memory_chart(root, self.0)
+    }
+}
+
+/// Peak memory of every configuration as a bar (measured where it ran, predicted and pale where
+/// it did not), smallest model at the top, against a line at 24 GiB.
+fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
+    // Bottom up: the largest model's last configuration first.
+    let bars: Vec<(String, f64, bool)> = in_size_order(m)
+        .into_iter()
+        .rev()
+        .filter_map(|r| match r.status {
+            Status::Ok => Some((format!("{} {}", r.model, r.policy), units::gib(measured_total(r)), true)),
+            _ => Some((format!("{} {} ({})", r.model, r.policy, r.status), units::gib(r.predicted_total_bytes?), false)),
+        })
+        .collect();
+    let max = bars.iter().map(|b| b.1).fold(26.0, f64::max) * 1.05;
+    let n = bars.len().max(1) as i32;
+    let mut chart = ChartBuilder::on(root)
+        .caption("GPT-2, batch 1 (8 micro-batches): peak memory by configuration", ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(360)
+        .build_cartesian_2d(0.0..max, (0..n).into_segmented())
+        .map_err(plot_err)?;
+    let label = |y: &SegmentValue<i32>| match y {
+        SegmentValue::CenterOf(i) => bars.get(*i as usize).map_or(String::new(), |b| b.0.clone()),
+        _ => String::new(),
+    };
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .y_labels(n as usize)
+        .y_label_formatter(&label)
+        .x_desc("GiB at the step's peak (measured; pale: predicted, not run)")
+        .draw()
+        .map_err(plot_err)?;
+    for (i, (_, v, measured)) in bars.iter().enumerate() {
+        let c = if *measured { color(0).filled() } else { color(0).mix(0.3).filled() };
+        let (lo, hi) = (SegmentValue::Exact(i as i32), SegmentValue::Exact(i as i32 + 1));
+        chart.draw_series([Rectangle::new([(0.0, lo), (*v, hi)], c)]).map_err(plot_err)?;
+    }
+    chart
+        .draw_series(LineSeries::new([(24.0, SegmentValue::Exact(0)), (24.0, SegmentValue::Exact(n))], color(3).stroke_width(2)))
+        .map_err(plot_err)?
+        .label("24 GiB")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], color(3).stroke_width(2)));
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::LowerRight).draw().map_err(plot_err)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GPT-2 XL's published parameter count and the bytes per parameter of each way of holding
+    /// its state: f32 weights, gradients and AdamW moments 16; bf16 weights and gradients with f32
+    /// moments 12; Adafactor's factored statistics a few MB beside f32 weights and gradients.
+    #[test]
+    fn the_state_of_gpt2_xl_by_arithmetic() {
+        let shapes = <gpt2::Gpt2 as layers::Benchable>::parameter_shapes(&gpt2::Preset::Xl.config()).unwrap();
+        let n: u64 = shapes.iter().map(|s| s.iter().product::<usize>() as u64).sum();
+        assert_eq!(n, 1_557_611_200);
+        let total = |(p, g, o): (u64, u64, u64)| p + g + o;
+        assert_eq!(total(state(&shapes, OptimizerKind::Adamw, Precision::F32)), 16 * n);
+        assert_eq!(total(state(&shapes, OptimizerKind::Adamw, Precision::Bf16)), 16 * n);
+        assert_eq!(total(state(&shapes, OptimizerKind::Adamw, Precision::Bf16Weights)), 12 * n);
+        let (p, g, o) = state(&shapes, OptimizerKind::Adafactor, Precision::Bf16);
+        assert_eq!((p, g), (4 * n, 4 * n));
+        assert!(o < 20 << 20, "Adafactor's state of GPT-2 XL: {o} bytes");
+    }
+}

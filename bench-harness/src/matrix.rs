@@ -1,0 +1,383 @@
+//! `--matrix models`, `depth`, `all` and `gpt2-24gb`: the configurations selected, each run in a
+//! fresh process ([`crate::child`]) into the results folder, resumable (what is there is kept
+//! unless `--force`), with PyTorch beside them (`--baseline`), interleaved timing rounds, and the
+//! reports written at the end.
+
+use crate::baseline;
+use crate::child::{spawn_one, this_command, One};
+use crate::cli::{Common, MatrixArgs, MatrixKind};
+use crate::record::Baseline;
+use crate::record::{Record, Spread, Status};
+use crate::results::{meta, Matrix};
+use crate::units::mib;
+use crate::workloads::{self, Profile, Workload};
+use crate::{gpt2_24gb, projection, report};
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use remat::Policy;
+use std::path::{Path, PathBuf};
+
+/// One configuration of the matrix: a workload under a policy.
+type Config = (Workload, Policy);
+
+/// Runs the matrix `args` asks for (or renders its folder).
+pub fn run(mut args: MatrixArgs) -> Result<()> {
+    if args.matrix == MatrixKind::Gpt2_24gb {
+        gpt2_24gb::defaults(&mut args.common)?;
+    }
+    check(&args)?;
+    let profile = args.common.profile();
+    let dir = args.out.clone().unwrap_or_else(|| args.common.results_dir(profile));
+    if args.matrix == MatrixKind::Render {
+        let matrix = Matrix::load(&dir)?.with_context(|| format!("{} has no matrix.json to render", dir.display()))?;
+        report::save(&matrix, &dir)?;
+        trainkit::say!("rendered {}", dir.display());
+        return Ok(());
+    }
+    let (workloads, configs) = select(&args, profile)?;
+    let mut run = Run { matrix: open(&dir, &args, &workloads, profile)?, args: &args, profile, dir, statuses: Vec::new(), ran_any: false };
+    let dry_run = args.dry_run && profile != Profile::Gpt2_24gb;
+    run.all(&configs, dry_run)?;
+    if dry_run {
+        return Ok(());
+    }
+    let Run { mut matrix, statuses, dir, .. } = run;
+    if matches!(profile, Profile::Cpu | Profile::Full) {
+        projection::project_all(&mut matrix, &args.models, &args.common, args.force);
+    }
+    report::save(&matrix, &dir)?;
+    trainkit::say!("results in {}", dir.display());
+    // An `oom` is a result; an error is not, and neither is a run where every configuration ran out.
+    let failed: Vec<&str> = statuses.iter().filter(|(_, s)| *s == Status::Error).map(|(c, _)| c.as_str()).collect();
+    if !failed.is_empty() {
+        bail!("{} of {} configurations failed: {}", failed.len(), statuses.len(), failed.join(", "));
+    }
+    if !statuses.is_empty() && statuses.iter().all(|(_, s)| *s == Status::Oom) {
+        bail!("every configuration ran out of memory");
+    }
+    Ok(())
+}
+
+/// Refuses flags that cannot go together, before anything runs.
+fn check(args: &MatrixArgs) -> Result<()> {
+    let common = &args.common;
+    trainkit::device(&common.device)?;
+    if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) || common.accumulate == Some(0) {
+        bail!("--steps, --batch, --input-size and --accumulate must be at least 1");
+    }
+    if common.ranks == 0 {
+        bail!("--ranks must be at least 1");
+    }
+    trainkit::parallel::check_sharding(common.shard_optimizer, common.ranks)?;
+    if args.baseline.is_some() && common.ranks > 1 {
+        bail!("--baseline runs PyTorch in one process; it cannot be combined with --ranks");
+    }
+    if args.baseline.is_some()
+        && (common.accumulate.is_some_and(|n| n > 1) || common.optimizer.is_some() || common.dtype.is_some_and(|d| d != layers::Precision::F32))
+    {
+        bail!(
+            "--baseline runs one f32 micro-batch per step with each model's default optimizer; it cannot be combined with --accumulate, --optimizer or --dtype"
+        );
+    }
+    Ok(())
+}
+
+/// The workloads of the matrix's kind and profile that `--models` selects, with the command
+/// line's overrides, and every (workload, policy) to run: each workload's policies, or those of
+/// `--policies` that apply to it.
+fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Config>)> {
+    let mut selected = Vec::new();
+    if matches!(args.matrix, MatrixKind::All | MatrixKind::Models | MatrixKind::Gpt2_24gb) {
+        selected.extend(workloads::profile(profile));
+    }
+    if matches!(args.matrix, MatrixKind::All | MatrixKind::Depth) {
+        selected.extend(workloads::depth_sweep(profile));
+    }
+    let workloads: Vec<Workload> = selected
+        .into_iter()
+        .filter(|w| args.models.is_empty() || args.models.iter().any(|m| w.model.starts_with(m.as_str())))
+        .map(|w| w.overridden(args.common.overrides()))
+        .collect();
+    if workloads.is_empty() {
+        bail!("--models {:?} matches no model of profile `{profile}`", args.models);
+    }
+    let configs: Vec<Config> = workloads
+        .iter()
+        .flat_map(|w| {
+            let chosen = if args.policies.is_empty() { w.policies() } else { args.policies.iter().filter(|p| w.applies(p)).cloned().collect() };
+            chosen.into_iter().map(move |p| (w.clone(), p))
+        })
+        .collect();
+    if configs.is_empty() {
+        bail!(
+            "--models {:?} with --policies {:?} selects no configuration of profile `{profile}` (before-downsample applies to ResNet and U-Net only)",
+            args.models,
+            args.policies
+        );
+    }
+    Ok((workloads, configs))
+}
+
+/// The results folder's matrix, to resume: refused where it holds results of another
+/// configuration (they would be compared as if alike) unless `--force`, which drops them and
+/// sets an unreadable file aside.
+fn open(dir: &Path, args: &MatrixArgs, workloads: &[Workload], profile: Profile) -> Result<Matrix> {
+    let mut matrix = match Matrix::load(dir) {
+        Ok(m) => m.unwrap_or_default(),
+        // An unreadable file (a hand edit, a disk that filled) must not block a fresh run:
+        // --force sets it aside.
+        Err(e) if args.force => {
+            let aside = dir.join("matrix.json.unreadable");
+            std::fs::rename(dir.join("matrix.json"), &aside)?;
+            trainkit::say!("{e:#}; moved to {} and starting afresh", aside.display());
+            Matrix::default()
+        }
+        Err(e) => return Err(e.context("rerun with --force to set it aside and start afresh")),
+    };
+    let mismatched = other_configurations(&matrix, workloads, &args.common, profile);
+    if !mismatched.is_empty() {
+        if !args.force {
+            bail!(
+                "{} holds results of another configuration ({}); a resume would mix them: use another --out, or --force to replace them",
+                dir.display(),
+                mismatched.join("; ")
+            );
+        }
+        let keep = |model: &str| workloads.iter().all(|w| w.model != model) && matrix.meta.profile == profile.name();
+        matrix.records.retain(|r| keep(&r.model));
+        matrix.baselines.retain(|b| keep(&b.model));
+    }
+    Ok(matrix)
+}
+
+/// One matrix run in progress: the results so far and how each configuration ended.
+struct Run<'a> {
+    matrix: Matrix,
+    args: &'a MatrixArgs,
+    profile: Profile,
+    dir: PathBuf,
+    statuses: Vec<(String, Status)>,
+    /// Whether a configuration has run yet (the results' metadata then names this run).
+    ran_any: bool,
+}
+
+impl Run<'_> {
+    /// Every configuration in order, under a progress bar; after a model's last one, its timing
+    /// rounds. `dry_run`: each predicted and printed, nothing saved.
+    fn all(&mut self, configs: &[Config], dry_run: bool) -> Result<()> {
+        let (args, common, profile) = (self.args, &self.args.common, self.profile);
+        let python = match &args.baseline {
+            Some(_) => match baseline::available(&args.python) {
+                Ok(()) => Some(args.python.as_str()),
+                Err(why) => {
+                    trainkit::say!("no PyTorch baseline: {why}; going on without it");
+                    None
+                }
+            },
+            None => None,
+        };
+        let bar = ProgressBar::new(configs.len() as u64).with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} configs [{elapsed} < {eta}] {msg}")?);
+        let mut ran_models: Vec<&str> = Vec::new();
+        for (i, (w, policy)) in configs.iter().enumerate() {
+            if dry_run {
+                let rec = spawn_one(w, policy, common, profile, One::DryRun);
+                bar.suspend(|| trainkit::say!("{}", dry_summary(&rec)));
+                bar.inc(1);
+                continue;
+            }
+            if self.one(w, policy, python, &bar)? {
+                ran_models.push(&w.model);
+            }
+            bar.inc(1);
+            let model_done = configs.get(i + 1).is_none_or(|(next, _)| next.model != w.model);
+            if model_done && args.rounds > 0 && ran_models.contains(&w.model.as_str()) {
+                bar.set_message(format!("{}: {} interleaved timing rounds", w.model, args.rounds));
+                let policies: Vec<Policy> = configs.iter().filter(|(c, _)| c.model == w.model).map(|(_, p)| p.clone()).collect();
+                time_rounds(&mut self.matrix, w, &policies, args.rounds, common, profile);
+                self.matrix.save_json(&self.dir)?;
+            }
+        }
+        bar.finish_and_clear();
+        Ok(())
+    }
+
+    /// One configuration, unless the folder has it (and its baseline) already; then its PyTorch
+    /// baseline where asked; saved. Returns whether the configuration ran.
+    fn one(&mut self, w: &Workload, policy: &Policy, python: Option<&str>, bar: &ProgressBar) -> Result<bool> {
+        let (args, common, profile) = (self.args, &self.args.common, self.profile);
+        let have = self.matrix.find(&w.model, &policy.to_string()).is_some();
+        let have_baseline =
+            python.is_none() || !baseline::MODELS.contains(&w.model.as_str()) || self.matrix.find_baseline(&w.model, &policy.to_string()).is_some();
+        if !args.force && have && have_baseline {
+            return Ok(false);
+        }
+        if !self.ran_any {
+            // The files describe the run that produced their records: a resume that runs
+            // nothing keeps the earlier command and commit.
+            self.matrix.meta = meta(profile);
+            self.ran_any = true;
+        }
+        let mut ran = false;
+        if args.force || !have {
+            bar.set_message(format!("{} {policy}", w.model));
+            let rec = if profile == Profile::Gpt2_24gb {
+                gpt2_24gb::run_predicted(&self.matrix, w, policy, common, profile, args.dry_run)?
+            } else {
+                Some(spawn_one(w, policy, common, profile, One::Full))
+            };
+            let Some(mut rec) = rec else { return Ok(false) };
+            bar.suspend(|| trainkit::say!("{}", summary(&rec, self.matrix.find(&w.model, "off"))));
+            self.statuses.push((format!("{} {policy}", w.model), rec.status));
+            rec.command = this_command();
+            self.matrix.put(rec);
+            ran = true;
+        }
+        if let (Some(python), Some(ours)) = (python, self.matrix.find(&w.model, &policy.to_string()).filter(|r| r.status == Status::Ok)) {
+            if baseline::MODELS.contains(&w.model.as_str()) {
+                bar.set_message(format!("{} {policy} in PyTorch", w.model));
+                let b = Baseline { command: this_command(), ..baseline::run(python, ours, w.input_size, common.steps, common.seed) };
+                bar.suspend(|| trainkit::say!("{}", baseline_summary(&b, ours)));
+                self.matrix.put_baseline(b);
+            }
+        }
+        self.matrix.save_json(&self.dir)?;
+        Ok(ran)
+    }
+}
+
+/// What in the results folder was measured under another configuration than this run's (profile,
+/// or a model's batch, input, device, threads or timed steps): a description of each, empty if all
+/// match. Records are matched by model and policy, so mixing them would compare unlike runs.
+fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common, profile: Profile) -> Vec<String> {
+    let mut out = Vec::new();
+    if !matrix.records.is_empty() && matrix.meta.profile != profile.name() {
+        out.push(format!("profile `{}`, this run `{profile}`", matrix.meta.profile));
+    }
+    let threads = candle_core::utils::get_num_threads();
+    for r in &matrix.records {
+        let Some(w) = workloads.iter().find(|w| w.model == r.model) else { continue };
+        let mut diff = Vec::new();
+        if r.batch != w.batch {
+            diff.push(format!("batch {} vs {}", r.batch, w.batch));
+        }
+        if r.accumulate != w.accumulate {
+            diff.push(format!("accumulate {} vs {}", r.accumulate, w.accumulate));
+        }
+        if r.dtype != w.dtype.to_string() {
+            diff.push(format!("dtype {} vs {}", r.dtype, w.dtype));
+        }
+        if !r.optimizer.is_empty() && r.optimizer != w.optimizer().to_string() {
+            diff.push(format!("optimizer {} vs {}", r.optimizer, w.optimizer()));
+        }
+        if r.shard_optimizer != w.shard_optimizer {
+            diff.push(format!("optimizer sharded {} vs {}", r.shard_optimizer, w.shard_optimizer));
+        }
+        if r.input != w.input() {
+            diff.push(format!("input {} vs {}", r.input, w.input()));
+        }
+        if r.device != common.device {
+            diff.push(format!("device {} vs {}", r.device, common.device));
+        }
+        if r.threads != threads {
+            diff.push(format!("threads {} vs {threads}", r.threads));
+        }
+        if r.status == Status::Ok && r.timed_steps != common.steps {
+            diff.push(format!("timed steps {} vs {}", r.timed_steps, common.steps));
+        }
+        if !diff.is_empty() {
+            out.push(format!("{} {}: {}", r.model, r.policy, diff.join(", ")));
+        }
+    }
+    out
+}
+
+/// Times every policy of `w` again, `rounds` times interleaved (off, p1, p2, ..., off, p1, ...),
+/// each in a fresh process, and records each policy's time / off per round beside the ratio of
+/// the measuring run: run-to-run drift then shows as a spread instead of a wrong ratio.
+fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[Policy], rounds: usize, common: &Common, profile: Profile) {
+    let ok = |m: &Matrix, p: &Policy| m.find(&w.model, &p.to_string()).is_some_and(|r| r.status == Status::Ok);
+    if !ok(matrix, &Policy::Off) {
+        return;
+    }
+    let timed: Vec<&Policy> = policies.iter().filter(|p| ok(matrix, p)).collect();
+    let mut ratios: Vec<Vec<f64>> = timed
+        .iter()
+        .map(|p| {
+            let (r, off) = (matrix.find(&w.model, &p.to_string()).unwrap(), matrix.find(&w.model, "off").unwrap());
+            vec![r.step_ms_median / off.step_ms_median]
+        })
+        .collect();
+    for _ in 0..rounds {
+        let times: Vec<Option<f64>> =
+            timed.iter().map(|p| Some(spawn_one(w, p, common, profile, One::TimeOnly)).filter(|r| r.status == Status::Ok).map(|r| r.step_ms_median)).collect();
+        let off = timed.iter().position(|p| **p == Policy::Off).and_then(|i| times[i]);
+        for (ratio, t) in ratios.iter_mut().zip(&times) {
+            if let (Some(t), Some(off)) = (t, off) {
+                ratio.push(t / off);
+            }
+        }
+    }
+    for (p, ratio) in timed.iter().zip(ratios) {
+        if **p != Policy::Off {
+            let mut rec = matrix.find(&w.model, &p.to_string()).unwrap().clone();
+            rec.time_vs_off = Spread::of(ratio);
+            matrix.put(rec);
+        }
+    }
+}
+
+/// A baseline's line: PyTorch's peak and time, and ours over them.
+fn baseline_summary(b: &Baseline, ours: &Record) -> String {
+    if b.status != Status::Ok {
+        return format!("{:<14} {:<18} PyTorch {}: {}", b.model, b.policy, b.status, b.error);
+    }
+    format!(
+        "{:<14} {:<18} PyTorch peak {:>11} {:>8.0} ms; ours / PyTorch: peak {:.2}x, time {:.2}x",
+        b.model,
+        b.policy,
+        mib(b.step_peak_bytes),
+        b.step_ms_median,
+        ours.step_peak_bytes as f64 / b.step_peak_bytes.max(1) as f64,
+        ours.step_ms_median / b.step_ms_median
+    )
+}
+
+/// A dry run's line: the prediction of one configuration, per phase.
+fn dry_summary(r: &Record) -> String {
+    match &r.estimate {
+        Some(e) if r.status == Status::Skipped => {
+            let plan = if r.plan.is_empty() { String::new() } else { format!(" [{}]", r.plan) };
+            format!("{:<14} {:<18} predicted {}{plan}", r.model, r.policy, remat::plan::summary(e))
+        }
+        _ => format!("{:<14} {:<18} {}: {}", r.model, r.policy, r.status, r.error),
+    }
+}
+
+/// A configuration's line: its peak (and the prediction), activations, time, against `off`, and the gradient check.
+fn summary(r: &Record, off: Option<&Record>) -> String {
+    if r.status != Status::Ok {
+        return format!("{:<14} {:<18} {}: {}", r.model, r.policy, r.status, r.error);
+    }
+    let vs_off = off
+        .filter(|o| r.policy != "off" && o.status == Status::Ok && o.step_peak_bytes > 0)
+        .map(|o| format!(" ({:.2}x off peak, {:.2}x off time)", r.step_peak_bytes as f64 / o.step_peak_bytes as f64, r.step_ms_median / o.step_ms_median))
+        .unwrap_or_default();
+    let grads = match (r.grads_checked, r.grads_bit_identical) {
+        (false, _) => "grads not checked",
+        (true, true) => "grads = plain candle bit for bit",
+        (true, false) => "GRADS DIFFER FROM PLAIN CANDLE",
+    };
+    let predicted = r
+        .predicted_peak_bytes
+        .map(|p| format!(" (predicted {}, {:+.1}%)", mib(p), (p as f64 / r.step_peak_bytes.max(1) as f64 - 1.0) * 100.0))
+        .unwrap_or_default();
+    let plan = if r.plan.is_empty() { String::new() } else { format!(" [{}]", r.plan) };
+    format!(
+        "{:<14} {:<18} peak {:>11}{predicted} act {:>11} {:>8.0} ms{vs_off}; {grads}{plan}",
+        r.model,
+        r.policy,
+        mib(r.step_peak_bytes),
+        mib(r.activation_peak_bytes),
+        r.step_ms_median
+    )
+}

@@ -1,0 +1,284 @@
+//! What a results folder holds, as data: one record per measured configuration ([`Record`]),
+//! the gpt2-24gb prediction beside it ([`Prediction`]) and the article's configurations
+//! projected at full size ([`Projection`]), and PyTorch's row beside ours ([`Baseline`]). Measuring, predicting and rendering them are other
+//! modules' jobs; this one depends on none of them.
+
+use crate::workloads::Workload;
+use remat::memory::Event;
+use remat::plan::Estimate;
+use remat::Policy;
+use serde::{Deserialize, Serialize};
+
+/// One row of the matrix. Byte figures are heap bytes from the counting allocator (CPU).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Record {
+    pub model: String,
+    pub policy: String,
+    pub batch: usize,
+    /// Micro-batches of `batch` per optimizer step (gradient accumulation); a timed step is all
+    /// of them and the update.
+    #[serde(default = "one")]
+    pub accumulate: usize,
+    /// f16: timed steps whose update the loss scaler skipped (non-finite gradients).
+    #[serde(default)]
+    pub skipped_updates: usize,
+    /// `sgd`, `adamw` or `adafactor` (empty in records from before the choice existed, which
+    /// used the model's default).
+    #[serde(default)]
+    pub optimizer: String,
+    pub input: String,
+    pub dtype: String,
+    pub device: String,
+    pub threads: usize,
+    /// Held before a step: parameters, optimizer state, the step's inputs.
+    pub model_state_bytes: u64,
+    /// Highest heap during a whole step (forward, backward, optimizer) above `model_state_bytes`.
+    pub step_peak_bytes: u64,
+    /// Highest heap during forward and backward (the executor's step) above `model_state_bytes`;
+    /// when `step_peak_bytes` is higher, the optimizer update set the step's peak.
+    pub fwd_bwd_peak_bytes: u64,
+    /// Highest heap during forward and backward above `model_state_bytes`, less the parameter
+    /// gradients held at that point: what checkpointing acts on.
+    pub activation_peak_bytes: u64,
+    /// Peak RSS during a step minus RSS at its start.
+    pub rss_peak_delta_bytes: u64,
+    /// GPU only: bytes the device memory pool holds reserved after the timed steps.
+    #[serde(default)]
+    pub reserved_bytes: Option<u64>,
+    pub step_ms_median: f64,
+    pub step_ms_min: f64,
+    pub step_ms_max: f64,
+    pub timed_steps: usize,
+    pub segments: usize,
+    /// The stage ranges `[start, end)` of the segments (what the PyTorch baseline replays).
+    #[serde(default)]
+    pub segment_ranges: Vec<[usize; 2]>,
+    /// Step time over `off`'s, one ratio per timing round (this run's, then the interleaved
+    /// rounds: off, policy, off, policy, ... in fresh processes). `None` for `off`.
+    #[serde(default)]
+    pub time_vs_off: Option<Spread>,
+    pub loss: f32,
+    /// Every gradient and buffer element equals plain candle's bit for bit (see [`run`]).
+    pub grads_bit_identical: bool,
+    /// Whether the gradient check ran (`gpt2-24gb` skips it where it would need more memory than
+    /// the machine has: two models and a copy of every gradient).
+    #[serde(default = "yes")]
+    pub grads_checked: bool,
+    /// `gpt2-24gb`: what the configuration was predicted to need ([`crate::gpt2_24gb::predict`]), and its
+    /// total (the state, the gradients and the activations at the step's peak).
+    #[serde(default)]
+    pub predicted: Option<Prediction>,
+    #[serde(default)]
+    pub predicted_total_bytes: Option<u64>,
+    /// The planner's prediction of `step_peak_bytes` ([`remat::plan`], from stage profiles at
+    /// this batch, one stage at a time) and of the step time over `off`'s.
+    #[serde(default)]
+    pub predicted_peak_bytes: Option<u64>,
+    #[serde(default)]
+    pub predicted_time_ratio: Option<f64>,
+    /// The segment starts a `budget=`/`auto` policy resolved to (`plan=...`), else empty.
+    #[serde(default)]
+    pub plan: String,
+    /// `off` only (JSON only): the planner's memory/time frontier, the `budget=` plans for budgets
+    /// from the least peak to `off`'s.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub frontier: Vec<FrontierPoint>,
+    /// The planner's whole estimate (JSON only): forward and backward peaks, what the peak is
+    /// made of, recompute time.
+    #[serde(default)]
+    pub estimate: Option<Estimate>,
+    /// Gradient and buffer elements whose bits differ from plain candle's.
+    pub grads_differing: u64,
+    pub max_abs_diff: f64,
+    /// Parameters whose gradient is missing or all zero.
+    pub params_without_grad: usize,
+    pub status: Status,
+    pub error: String,
+    /// Data-parallel ranks the configuration ran on (MPI); byte and time figures are rank 0's.
+    #[serde(default = "one")]
+    pub ranks: usize,
+    /// With several ranks: the optimizer state sharded over them (ZeRO stage 1).
+    #[serde(default)]
+    pub shard_optimizer: bool,
+    /// With several ranks: the largest rank's `model_state_bytes` and `step_peak_bytes`, and the
+    /// time per step in gradient all-reduce calls (median) and how long the training thread
+    /// waited for the means (dividing by the ranks included).
+    #[serde(default)]
+    pub model_state_bytes_max_rank: Option<u64>,
+    #[serde(default)]
+    pub step_peak_bytes_max_rank: Option<u64>,
+    #[serde(default)]
+    pub all_reduce_ms: Option<f64>,
+    #[serde(default)]
+    pub all_reduce_wait_ms: Option<f64>,
+    /// The harness command that measured this record (JSON only: the reports list the distinct
+    /// ones, as a folder's records can come from several runs).
+    #[serde(default)]
+    pub command: String,
+    /// Memory timeline of the first timed step (JSON only), and the heap when that step began.
+    #[serde(default)]
+    pub timeline: Vec<Event>,
+    #[serde(default)]
+    pub timeline_base_bytes: u64,
+}
+
+/// A plan on the planner's memory/time frontier, predicted.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct FrontierPoint {
+    pub plan: String,
+    pub peak_bytes: u64,
+    pub time_ratio: f64,
+}
+
+/// How a configuration ended: measured, out of memory (a result: it does not fit), or failed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    Oom,
+    #[default]
+    Error,
+    /// Not run: predicted to need more than the memory cap.
+    Skipped,
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Status::Ok => "ok",
+            Status::Oom => "oom",
+            Status::Error => "error",
+            Status::Skipped => "skipped",
+        })
+    }
+}
+
+/// A ratio measured over several rounds: median, range, every round's value.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    pub rounds: Vec<f64>,
+}
+
+impl Spread {
+    pub fn of(mut rounds: Vec<f64>) -> Option<Spread> {
+        rounds.retain(|r| r.is_finite());
+        if rounds.is_empty() {
+            return None;
+        }
+        let mut sorted = rounds.clone();
+        sorted.sort_by(f64::total_cmp);
+        Some(Spread { median: sorted[sorted.len() / 2], min: sorted[0], max: sorted[sorted.len() - 1], rounds })
+    }
+}
+
+/// Records written before accumulation existed ran one micro-batch per step.
+fn one() -> usize {
+    1
+}
+
+/// Records written before the check could be skipped were all checked.
+fn yes() -> bool {
+    true
+}
+
+impl Record {
+    pub fn new(w: &Workload, policy: &Policy, device: &str) -> Self {
+        Record {
+            model: w.model.clone(),
+            policy: policy.to_string(),
+            batch: w.batch,
+            accumulate: w.accumulate,
+            optimizer: w.optimizer().to_string(),
+            input: w.input(),
+            dtype: w.dtype.to_string(),
+            device: device.to_string(),
+            threads: candle_core::utils::get_num_threads(),
+            ranks: 1,
+            shard_optimizer: w.shard_optimizer,
+            ..Default::default()
+        }
+    }
+}
+
+/// Predicted bytes of one configuration.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer: u64,
+    /// `None` for the calibration configuration itself (gpt2-small).
+    pub activations: Option<u64>,
+}
+
+impl Prediction {
+    /// Everything at the step's peak: the state, the gradients and the activations.
+    pub fn total(&self) -> Option<u64> {
+        Some(self.params + self.grads + self.optimizer + self.activations?)
+    }
+}
+
+/// One model at the article's size, predicted.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Projection {
+    pub model: String,
+    pub batch: usize,
+    pub input: String,
+    pub optimizer: String,
+    pub dtype: String,
+    /// Parameters, buffers, optimizer state and one batch of inputs: the heap before a step.
+    pub state_bytes: u64,
+    pub rows: Vec<ProjectedPolicy>,
+    /// The harness command that made it.
+    #[serde(default)]
+    pub command: String,
+}
+
+/// One policy or plan of a projection.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ProjectedPolicy {
+    /// The policy as named (`sqrt`), or what a plan is for (`budget = sqrt's memory`).
+    pub label: String,
+    /// The segment starts of a plan (`plan=...`), else empty.
+    pub plan: String,
+    /// The step's predicted peak above the state, and the state plus it.
+    pub peak_bytes: u64,
+    pub total_bytes: u64,
+    /// Predicted step time over `off`'s (from the profile's stage times on this machine).
+    pub time_ratio: f64,
+}
+
+/// One PyTorch row, as the script prints it (plus status and error where it failed).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Baseline {
+    /// The harness command that ran it (with `--baseline pytorch`).
+    #[serde(default)]
+    pub command: String,
+    pub framework: String,
+    #[serde(default)]
+    pub framework_version: String,
+    pub model: String,
+    pub policy: String,
+    pub batch: usize,
+    pub threads: usize,
+    pub segments: usize,
+    pub model_state_bytes: u64,
+    pub step_peak_bytes: u64,
+    pub fwd_bwd_peak_bytes: u64,
+    pub step_ms_median: f64,
+    pub step_ms_min: f64,
+    pub step_ms_max: f64,
+    pub timed_steps: usize,
+    pub loss: f64,
+    #[serde(default = "ok")]
+    pub status: Status,
+    #[serde(default)]
+    pub error: String,
+}
+
+/// Baselines written before they had a status all ran.
+fn ok() -> Status {
+    Status::Ok
+}
