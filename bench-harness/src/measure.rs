@@ -110,29 +110,7 @@ pub fn run(
     let mut optimizer = inst.optimizer(w.shard_optimizer, group)?;
     let mut policy = policy.clone();
     if predict_step || policy.needs_plan() {
-        let profile = profile(&*inst, seed)?;
-        // After the profile: the workspaces kernels keep from their first calls are part of it.
-        let inputs_bytes: u64 = inst.inputs(0)?.iter().map(remat::memory::tensor_bytes).sum();
-        let fixed = trainkit::memory_before_step(device, &*optimizer, inputs_bytes)?;
-        let held = if w.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
-        let (resolved, plan) = remat::plan::resolve(&policy, &profile, fixed, held, trainkit::auto_budget(device, cap))?;
-        policy = trainkit::parallel::agreed_policy(group, &policy, resolved)?;
-        if plan.is_some() {
-            rec.plan = policy.to_string();
-        }
-        if predict_step {
-            let estimate = predict(&profile, &policy, w.accumulate)?;
-            if policy == Policy::Off {
-                let points = remat::plan::frontier(&profile, fixed, held, 16);
-                rec.frontier = points
-                    .iter()
-                    .map(|p| FrontierPoint { plan: p.policy().to_string(), peak_bytes: p.estimate.peak, time_ratio: p.estimate.time_ratio() })
-                    .collect();
-            }
-            rec.predicted_peak_bytes = Some(estimate.peak);
-            rec.predicted_time_ratio = Some(estimate.time_ratio());
-            rec.estimate = Some(estimate);
-        }
+        policy = plan(&mut rec, (w, &*inst, device), &*optimizer, &policy, seed, cap, predict_step, group)?;
     }
     if steps == 0 {
         rec.status = Status::Skipped;
@@ -194,6 +172,46 @@ pub fn run(
     rec.step_ms_max = times[times.len() - 1];
     rec.status = Status::Ok;
     Ok(rec)
+}
+
+/// Profiles `inst` for the planner: a `budget=`/`auto` policy resolved (the ranks agreeing on
+/// one plan, kept in `rec.plan`), and with `predict_step` the step predicted into `rec` (for
+/// `off`, with the planner's memory/time frontier). Returns the policy to run.
+#[allow(clippy::too_many_arguments)]
+fn plan(
+    rec: &mut Record,
+    (w, inst, device): (&Workload, &dyn Instance, &Device),
+    optimizer: &dyn layers::TrainOptimizer,
+    policy: &Policy,
+    seed: u64,
+    cap: Option<u64>,
+    predict_step: bool,
+    group: &trainkit::Group,
+) -> Result<Policy> {
+    let profile = profile(inst, seed)?;
+    // After the profile: the workspaces kernels keep from their first calls are part of it.
+    let inputs_bytes: u64 = inst.inputs(0)?.iter().map(remat::memory::tensor_bytes).sum();
+    let fixed = trainkit::memory_before_step(device, optimizer, inputs_bytes)?;
+    let held = if w.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
+    let (resolved, plan) = remat::plan::resolve(policy, &profile, fixed, held, trainkit::auto_budget(device, cap))?;
+    let policy = trainkit::parallel::agreed_policy(group, policy, resolved)?;
+    if plan.is_some() {
+        rec.plan = policy.to_string();
+    }
+    if predict_step {
+        let estimate = predict(&profile, &policy, w.accumulate)?;
+        if policy == Policy::Off {
+            let points = remat::plan::frontier(&profile, fixed, held, 16);
+            rec.frontier = points
+                .iter()
+                .map(|p| FrontierPoint { plan: p.policy().to_string(), peak_bytes: p.estimate.peak, time_ratio: p.estimate.time_ratio() })
+                .collect();
+        }
+        rec.predicted_peak_bytes = Some(estimate.peak);
+        rec.predicted_time_ratio = Some(estimate.time_ratio());
+        rec.estimate = Some(estimate);
+    }
+    Ok(policy)
 }
 
 /// Checks `policy` on `w` against plain candle and fills the record's gradient fields (run it
