@@ -22,15 +22,19 @@
 //! embedding) gets each stage's contribution added to the sum so far, later stages first, as
 //! candle adds them. That sum is accumulated in place, so a tied vocabulary-sized weight does not
 //! need three copies of its gradient at once.
+//!
+//! What a step holds, frees and recomputes when follows the rules of [`crate::rules`], which the
+//! planner replays to predict it; `// Rule N` marks where each is implemented.
 
-use crate::graph::{StageGraph, ValueId};
-use crate::memory::{set_activity, Activity, Phase, Timeline};
+use crate::graph::{Node, StageGraph, ValueId};
+use crate::memory::{set_activity, tensor_bytes, Activity, Phase, Timeline};
 use crate::policy::Policy;
+use crate::rules::Wiring;
 use crate::stage::StageCtx;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp2, Layout, Shape, Tensor, Var};
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, OnceCell};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -44,8 +48,27 @@ struct Segment {
     last_reader: HashMap<ValueId, usize>,
 }
 
+impl Segment {
+    fn new(stages: Range<usize>, nodes: &[Node], wiring: &Wiring) -> Segment {
+        let (mut inputs, mut last_reader) = (Vec::new(), HashMap::new());
+        for i in stages.clone() {
+            for &v in &nodes[i].inputs {
+                last_reader.insert(v, i); // stages come in order: the last insert wins
+                let produced_here = wiring.producer(v).is_some_and(|p| stages.contains(&p));
+                if !produced_here && !inputs.contains(&v) {
+                    inputs.push(v);
+                }
+            }
+        }
+        // Rule 1: what the cut after this segment stores, of what it produces.
+        let outputs = wiring.stored_at(stages.end).filter(|&v| wiring.producer(v).is_some_and(|p| p >= stages.start)).collect();
+        Segment { stages, inputs, outputs, last_reader }
+    }
+}
+
 /// The live tensors of one stage run with a graph (or of a whole segment run without): every
 /// value it touched, and the `Var`s standing in for its float inputs.
+#[derive(Default)]
 struct Live {
     values: HashMap<ValueId, Tensor>,
     input_vars: Vec<(ValueId, Var)>,
@@ -59,23 +82,35 @@ pub struct StepOutput {
     pub timeline: Timeline,
 }
 
+/// What the first step learns about the parameters' gradients; later steps only read it.
+struct Schedule {
+    /// How many stages give each parameter a gradient: a micro-batch after the first adds a
+    /// parameter's gradient to the running sum once all of them are in ([`ParamGrads::add`]).
+    contributions: Vec<usize>,
+    /// For each parameter, the segment after whose backward its gradient is complete (`None`: it
+    /// gets none): [`Executor::accumulate_reporting`] reports it then.
+    complete_after: Vec<Option<usize>>,
+}
+
+impl Schedule {
+    /// The parameters whose gradients are complete once segment `s`'s backward has run.
+    fn complete_after(&self, s: usize) -> Vec<usize> {
+        (0..self.complete_after.len()).filter(|&k| self.complete_after[k] == Some(s)).collect()
+    }
+}
+
 /// Runs training steps of a [`StageGraph`] under a [`Policy`].
 pub struct Executor<'g> {
     graph: &'g StageGraph,
     segments: Vec<Segment>,
-    /// The earliest segment that consumes each value: after its backward the value is dead.
+    /// The earliest segment that reads each value: the one that takes it over (Rule 5).
     first_consumer: Vec<Option<usize>>,
     params: Vec<Var>,
     seed: u64,
     replay_rng: bool,
     tell_recompute: bool,
-    /// How many stages give each parameter a gradient, learned by a step that starts from empty
-    /// gradients: [`Executor::accumulate`] adds a parameter's micro-batch gradient to the running
-    /// sum once it is complete.
-    contributions: RefCell<Option<Vec<usize>>>,
-    /// For each parameter, the segment after whose backward its gradient is complete (`None`: it
-    /// gets none), learned by the first step: [`Executor::accumulate_reporting`] reports it then.
-    finished_after: RefCell<Option<Vec<Option<usize>>>>,
+    /// Learned by the first step, which starts from empty gradients.
+    schedule: OnceCell<Schedule>,
     /// Backward starts from the loss times this (f16 loss scaling); the returned loss is unscaled.
     loss_scale: Cell<f64>,
 }
@@ -89,35 +124,17 @@ impl<'g> Executor<'g> {
         if nodes.is_empty() {
             return Err(Error::Graph("the graph has no stages".into()));
         }
+        let wiring = Wiring::new(graph.n_values(), nodes.iter().map(|n| (&n.inputs[..], &n.outputs[..])));
         let mut seg_of_stage = vec![0; nodes.len()];
         for (s, r) in ranges.iter().enumerate() {
             r.clone().for_each(|i| seg_of_stage[i] = s);
         }
-        let seg_of_value = |v: ValueId| graph.producer(v).map(|p| seg_of_stage[p]);
-        if seg_of_value(output) != Some(ranges.len() - 1) {
+        if wiring.producer(output).map(|p| seg_of_stage[p]) != Some(ranges.len() - 1) {
             return Err(Error::Graph("the loss must be produced by a stage of the last segment".into()));
         }
-        let mut first_consumer = vec![None; graph.n_values()];
-        let mut last_consumer = vec![None; graph.n_values()];
-        let mut segments: Vec<Segment> =
-            ranges.into_iter().map(|stages| Segment { stages, inputs: vec![], outputs: vec![], last_reader: HashMap::new() }).collect();
-        for (i, node) in nodes.iter().enumerate() {
-            let s = seg_of_stage[i];
-            for &v in &node.inputs {
-                first_consumer[v] = Some(first_consumer[v].map_or(s, |f: usize| f.min(s)));
-                last_consumer[v] = Some(last_consumer[v].map_or(s, |l: usize| l.max(s)));
-                segments[s].last_reader.insert(v, i); // stages come in order: the last insert wins
-                if seg_of_value(v) != Some(s) && !segments[s].inputs.contains(&v) {
-                    segments[s].inputs.push(v);
-                }
-            }
-        }
-        for (v, &last) in last_consumer.iter().enumerate().skip(graph.n_inputs()) {
-            let (Some(p), Some(l)) = (seg_of_value(v), last) else { continue };
-            if l > p {
-                segments[p].outputs.push(v);
-            }
-        }
+        // Rule 5: the earliest segment that reads a value.
+        let first_consumer = (0..graph.n_values()).map(|v| wiring.first_reader(v).map(|r| seg_of_stage[r])).collect();
+        let segments = ranges.into_iter().map(|stages| Segment::new(stages, nodes, &wiring)).collect();
         Ok(Executor {
             graph,
             segments,
@@ -126,8 +143,7 @@ impl<'g> Executor<'g> {
             seed,
             replay_rng: true,
             tell_recompute: true,
-            contributions: RefCell::new(None),
-            finished_after: RefCell::new(None),
+            schedule: OnceCell::new(),
             loss_scale: Cell::new(1.0),
         })
     }
@@ -206,120 +222,94 @@ impl<'g> Executor<'g> {
         grads: GradStore,
         finished: &mut dyn FnMut(&[usize], &mut GradStore) -> candle_core::Result<()>,
     ) -> Result<StepOutput> {
-        let graph = self.graph;
-        if inputs.len() != graph.n_inputs() {
-            return Err(Error::Graph(format!("expected {} inputs, got {}", graph.n_inputs(), inputs.len())));
+        if inputs.len() != self.graph.n_inputs() {
+            return Err(Error::Graph(format!("expected {} inputs, got {}", self.graph.n_inputs(), inputs.len())));
         }
+        let schedule = self.schedule.get();
+        // A micro-batch after the first adds complete gradients only, so it must know how many
+        // contributions make one.
+        let fresh = self.params.iter().all(|p| grads.get(p).is_none());
+        let expected = match (fresh, schedule) {
+            (true, _) => None,
+            (false, Some(schedule)) => Some(&schedule.contributions[..]),
+            (false, None) => return Err(Error::Graph("accumulate: the first micro-batch must start from empty gradients".into())),
+        };
+        let mut run = StepRun::start(self, inputs, step);
+        // Rule 8: the earlier micro-batches' gradients are held throughout.
+        let held = grad_bytes(&self.params, &grads);
+        let (loss, kept) = run.forward(held)?;
+        let mut sums = ParamGrads::new(grads, expected, self.params.len());
+        run.backward(kept, &mut sums, &mut Reporter::new(finished, schedule, self.params.len()))?;
+        let (grads, learned) = sums.finish();
+        if schedule.is_none() {
+            let _ = self.schedule.set(learned);
+        }
+        Ok(StepOutput { loss, grads, timeline: run.timeline })
+    }
+}
+
+/// One step in flight: the values it stores, the gradients of values waiting for their
+/// producer's backward, and its memory timeline.
+struct StepRun<'e, 'g> {
+    exec: &'e Executor<'g>,
+    step: u64,
+    stored: Vec<Option<Tensor>>,
+    value_grads: HashMap<ValueId, Tensor>,
+    timeline: Timeline,
+}
+
+impl<'e, 'g> StepRun<'e, 'g> {
+    fn start(exec: &'e Executor<'g>, inputs: &[Tensor], step: u64) -> Self {
         let device = inputs.first().map_or(candle_core::Device::Cpu, |t| t.device().clone());
-        let mut timeline = Timeline::start(&device);
-        let mut stored: Vec<Option<Tensor>> = vec![None; graph.n_values()];
+        let timeline = Timeline::start(&device);
+        let mut stored: Vec<Option<Tensor>> = vec![None; exec.graph.n_values()];
         for (slot, t) in stored.iter_mut().zip(inputs) {
             *slot = Some(t.clone());
         }
-        let last = self.segments.len() - 1;
-        let output = graph.output()?;
+        StepRun { exec, step, stored, value_grads: HashMap::new(), timeline }
+    }
 
-        let first = self.params.iter().all(|p| grads.get(p).is_none());
-        let expected = if first {
-            None
-        } else {
-            let learned = self.contributions.borrow().clone();
-            Some(learned.ok_or_else(|| Error::Graph("accumulate: the first micro-batch must start from empty gradients".into()))?)
-        };
-        let mut sums = ParamGrads { sum: grads, partial: GradStore::default(), seen: vec![0; self.params.len()], expected };
-        // Earlier micro-batches' gradients are held throughout (the timeline counts them).
-        let held = sums.bytes(&self.params);
-        // Forward: keep only what crosses a segment boundary; the last segment keeps its graphs.
-        for s in 0..last {
-            let live = self.run_segment(s, &mut stored, step, false, held, &mut timeline)?.remove(0);
-            for &v in &self.segments[s].outputs {
-                stored[v] = Some(live.values[&v].detach());
+    /// Every segment's forward, `grad_bytes` of parameter gradients held meanwhile: the loss and
+    /// the last segment's live runs.
+    fn forward(&mut self, grad_bytes: u64) -> Result<(Tensor, Vec<Live>)> {
+        let segments = &self.exec.segments;
+        let last = segments.len() - 1;
+        for (s, seg) in segments.iter().enumerate().take(last) {
+            let live = self.run_segment(s, false, grad_bytes)?.remove(0);
+            // Rule 1, Rule 2: only the stored values outlive the segment's forward, detached.
+            for &v in &seg.outputs {
+                self.stored[v] = Some(live.values[&v].detach());
             }
         }
-        let mut kept = Some(self.run_segment(last, &mut stored, step, false, held, &mut timeline)?);
-        let loss = kept.iter().flatten().find_map(|l| l.values.get(&output)).expect("the last segment produces the loss").detach();
+        // Rule 3: the last segment's graphs are kept for its backward.
+        let kept = self.run_segment(last, false, grad_bytes)?;
+        let output = self.exec.graph.output()?;
+        let loss = kept.iter().find_map(|l| l.values.get(&output)).expect("the last segment produces the loss").detach();
+        Ok((loss, kept))
+    }
 
-        // Backward, last segment first, each segment's stages last first.
-        let mut value_grads: HashMap<ValueId, Tensor> = HashMap::new();
-        let finished_after = self.finished_after.borrow().clone();
-        let (mut lowest, mut reported) = (vec![None; self.params.len()], vec![false; self.params.len()]);
-        for s in (0..=last).rev() {
-            let seg = &self.segments[s];
-            let mut stages = match kept.take() {
-                Some(stages) => stages,
-                None => self.run_segment(s, &mut stored, step, true, sums.bytes(&self.params), &mut timeline)?,
+    /// Every segment's backward, last first, recomputing all but the last (Rule 3), the finished
+    /// parameter gradients reported as they complete.
+    fn backward(&mut self, kept: Vec<Live>, sums: &mut ParamGrads, reporter: &mut Reporter) -> Result<()> {
+        let exec = self.exec;
+        let mut kept = Some(kept);
+        for s in (0..exec.segments.len()).rev() {
+            let runs = match kept.take() {
+                Some(runs) => runs,
+                None => {
+                    // Rule 5: what this segment stores is dead (every later segment is done) and
+                    // made anew by its recompute.
+                    for &v in &exec.segments[s].outputs {
+                        self.stored[v] = None;
+                    }
+                    self.run_segment(s, true, sums.bytes(&exec.params))?
+                }
             };
-            for i in seg.stages.clone().rev() {
-                let live = stages.pop().expect("one live run per stage");
-                let mut root = if s == last && self.graph.nodes()[i].outputs.contains(&output) {
-                    let loss = &live.values[&output];
-                    let scale = self.loss_scale.get();
-                    Some(if scale == 1.0 { loss.clone() } else { (loss * scale)? })
-                } else {
-                    None
-                };
-                for &v in &self.graph.nodes()[i].outputs {
-                    if let Some(g) = value_grads.remove(&v) {
-                        let seeded = seed(&live.values[&v], g)?;
-                        root = Some(match root {
-                            Some(r) => (r + seeded)?,
-                            None => seeded,
-                        });
-                    }
-                }
-                if let Some(root) = root {
-                    set_activity(Activity::Backward, Some(i));
-                    let mut grads = root.backward()?;
-                    for (k, p) in self.params.iter().enumerate() {
-                        if let Some(g) = grads.remove(p.as_tensor()) {
-                            sums.add(k, p, g.detach())?;
-                            lowest[k] = Some(s);
-                        }
-                    }
-                    for (v, var) in &live.input_vars {
-                        if let Some(g) = grads.remove(var.as_tensor()) {
-                            // Detached: a gradient's ops reference this stage's forward tensors,
-                            // which would otherwise stay alive until an earlier stage consumes it.
-                            let g = match value_grads.remove(v) {
-                                Some(acc) => (acc + g)?.detach(),
-                                None => g.detach(),
-                            };
-                            value_grads.insert(*v, g);
-                        }
-                    }
-                }
-                drop(live);
-                timeline.record(Phase::Backward, i, sums.bytes(&self.params));
-            }
-            for &v in &seg.inputs {
-                if v >= graph.n_inputs() && self.first_consumer[v] == Some(s) {
-                    stored[v] = None;
-                }
-            }
-            if let Some(after) = &finished_after {
-                let ready: Vec<usize> = (0..self.params.len()).filter(|&k| after[k] == Some(s)).collect();
-                if !ready.is_empty() {
-                    finished(&ready, &mut sums.sum)?;
-                    ready.iter().for_each(|&k| reported[k] = true);
-                }
-            }
+            SegmentBackward { s, runs }.run(self, sums)?;
+            reporter.after_segment(s, &mut sums.sum)?;
         }
-        for p in &self.params {
-            if let Some(g) = sums.partial.remove(p.as_tensor()) {
-                add_into(&mut sums.sum, p, g)?;
-            }
-        }
-        let rest: Vec<usize> = (0..self.params.len()).filter(|&k| !reported[k]).collect();
-        if !rest.is_empty() {
-            finished(&rest, &mut sums.sum)?;
-        }
-        if finished_after.is_none() {
-            *self.finished_after.borrow_mut() = Some(lowest);
-        }
-        if first {
-            *self.contributions.borrow_mut() = Some(sums.seen);
-        }
-        Ok(StepOutput { loss, grads: sums.sum, timeline })
+        sums.flush(&exec.params)?;
+        reporter.rest(&mut sums.sum)
     }
 
     /// Runs the stages of segment `s`. In the last segment and in a recompute it builds one graph
@@ -327,41 +317,21 @@ impl<'g> Executor<'g> {
     /// standing in as a `Var` shared by its consumers in the segment, and returns one live run per
     /// stage; otherwise one live run of the whole segment.
     /// `grad_bytes`: parameter gradients held meanwhile, for the timeline.
-    fn run_segment(&self, s: usize, stored: &mut [Option<Tensor>], step: u64, recompute: bool, grad_bytes: u64, timeline: &mut Timeline) -> Result<Vec<Live>> {
-        let graph = self.graph;
-        let seg = &self.segments[s];
-        let graphs = recompute || s == self.segments.len() - 1;
-        let mut values: HashMap<ValueId, Tensor> = HashMap::new();
-        for &v in &seg.inputs {
-            let t = stored[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not stored")))?;
-            if graphs && self.first_consumer[v] == Some(s) && v >= graph.n_inputs() {
-                // A `Var` will hold a copy; without this the value would live twice.
-                stored[v] = None;
-            }
-            values.insert(v, t);
-        }
+    fn run_segment(&mut self, s: usize, recompute: bool, grad_bytes: u64) -> Result<Vec<Live>> {
+        let exec = self.exec;
+        let seg = &exec.segments[s];
+        // Rule 3: graphs in the last segment and in a recompute; Rule 2: none otherwise.
+        let graphs = recompute || s == exec.segments.len() - 1;
+        let mut values = self.segment_inputs(s, graphs)?;
         let mut vars: HashMap<ValueId, Var> = HashMap::new();
         let mut runs = Vec::new();
-        let mut whole = Live { values: HashMap::new(), input_vars: Vec::new() };
-        let pass = u64::from(recompute && !self.replay_rng);
+        let mut whole = Live::default();
+        let pass = u64::from(recompute && !exec.replay_rng);
         for i in seg.stages.clone() {
-            let node = &graph.nodes()[i];
-            let mut live = Live { values: HashMap::new(), input_vars: Vec::new() };
-            let mut inputs = Vec::with_capacity(node.inputs.len());
-            for &v in &node.inputs {
-                let t = &values[&v];
-                if graphs && v >= graph.n_inputs() && t.dtype().is_float() {
-                    let var = match vars.get(&v) {
-                        Some(var) => var.clone(),
-                        None => vars.entry(v).or_insert(Var::from_tensor(&t.detach())?).clone(),
-                    };
-                    inputs.push(var.as_tensor().clone());
-                    live.input_vars.push((v, var));
-                } else {
-                    inputs.push(t.clone());
-                }
-            }
-            let ctx = StageCtx::new(self.seed, step, i, pass, recompute && self.tell_recompute, true);
+            let node = &exec.graph.nodes()[i];
+            let mut live = Live::default();
+            let inputs = self.stage_inputs(i, &values, &mut vars, graphs, &mut live)?;
+            let ctx = StageCtx::new(exec.seed, self.step, i, pass, recompute && exec.tell_recompute, true);
             set_activity(if recompute { Activity::Recompute } else { Activity::Forward }, Some(i));
             let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
             let outputs = node.stage.forward(&inputs, &ctx).map_err(stage_err)?;
@@ -373,7 +343,10 @@ impl<'g> Executor<'g> {
             for (&v, t) in node.outputs.iter().zip(&outputs) {
                 values.insert(v, t.clone());
             }
-            // A value no later stage of this segment reads is held by its stage's run only.
+            // A value no later stage here reads is left to whatever else holds it: the runs of its
+            // producer and readers (Rule 4: its copy), the op graph of the segment's outputs (Rule
+            // 2), nothing once a stored value this segment took over has had its last reader
+            // here (Rule 5).
             let last_here = |v: &ValueId| seg.last_reader.get(v).is_none_or(|&j| j <= i);
             values.retain(|v, _| !(last_here(v) && (graphs || !seg.outputs.contains(v))));
             live.values.extend(node.outputs.iter().copied().zip(outputs));
@@ -382,33 +355,199 @@ impl<'g> Executor<'g> {
             } else {
                 whole.values.extend(live.values.into_iter().filter(|(v, _)| seg.outputs.contains(v)));
             }
-            timeline.record(if recompute { Phase::Recompute } else { Phase::Forward }, i, grad_bytes);
+            // Rule 9
+            self.timeline.record(if recompute { Phase::Recompute } else { Phase::Forward }, i, grad_bytes);
         }
         if !graphs {
             runs.push(whole);
         }
         Ok(runs)
     }
+
+    /// The stored values and graph inputs segment `s` reads.
+    fn segment_inputs(&mut self, s: usize, graphs: bool) -> Result<HashMap<ValueId, Tensor>> {
+        let exec = self.exec;
+        let mut values = HashMap::new();
+        for &v in &exec.segments[s].inputs {
+            let t = self.stored[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not stored")))?;
+            if graphs && exec.first_consumer[v] == Some(s) && v >= exec.graph.n_inputs() {
+                // Rule 5: taken over by this segment, which holds it until its last reader here
+                // (its `Var` copy from the first on); kept stored as well, it would live on.
+                self.stored[v] = None;
+            }
+            values.insert(v, t);
+        }
+        Ok(values)
+    }
+
+    /// The tensors stage `i` runs on. With `graphs`, a float value (not a graph input) is read
+    /// through its `Var` copy, made by its first reader in the segment (Rule 4) and recorded in
+    /// `live`.
+    fn stage_inputs(
+        &self,
+        i: usize,
+        values: &HashMap<ValueId, Tensor>,
+        vars: &mut HashMap<ValueId, Var>,
+        graphs: bool,
+        live: &mut Live,
+    ) -> Result<Vec<Tensor>> {
+        let node = &self.exec.graph.nodes()[i];
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for &v in &node.inputs {
+            let t = &values[&v];
+            if graphs && v >= self.exec.graph.n_inputs() && t.dtype().is_float() {
+                let var = match vars.get(&v) {
+                    Some(var) => var.clone(),
+                    None => vars.entry(v).or_insert(Var::from_tensor(&t.detach())?).clone(),
+                };
+                inputs.push(var.as_tensor().clone());
+                live.input_vars.push((v, var));
+            } else {
+                inputs.push(t.clone());
+            }
+        }
+        Ok(inputs)
+    }
+}
+
+/// The backward of one segment: the live runs of its stages, walked last first.
+struct SegmentBackward {
+    s: usize,
+    runs: Vec<Live>,
+}
+
+impl SegmentBackward {
+    fn run(mut self, step: &mut StepRun, sums: &mut ParamGrads) -> Result<()> {
+        let exec = step.exec;
+        for i in exec.segments[self.s].stages.clone().rev() {
+            let live = self.runs.pop().expect("one live run per stage");
+            self.stage(i, live, step, sums)?;
+            // Rule 9: after Rule 6's drop.
+            step.timeline.record(Phase::Backward, i, sums.bytes(&exec.params));
+        }
+        Ok(())
+    }
+
+    /// Stage `i`'s backward: its parameter gradients into `sums`, its input gradients passed on.
+    /// Rule 6: its run is dropped on return.
+    fn stage(&self, i: usize, live: Live, step: &mut StepRun, sums: &mut ParamGrads) -> Result<()> {
+        let Some(root) = self.root(i, &live, step)? else { return Ok(()) };
+        set_activity(Activity::Backward, Some(i));
+        let mut grads = root.backward()?;
+        for (k, p) in step.exec.params.iter().enumerate() {
+            if let Some(g) = grads.remove(p.as_tensor()) {
+                sums.add(k, p, g.detach(), self.s)?;
+            }
+        }
+        Self::pass_on(&live, &mut grads, step)
+    }
+
+    /// What stage `i`'s backward starts from: the loss (scaled) if the stage computes it, plus a
+    /// seed for each output whose gradient is waiting (Rule 7: taken up here); `None` when
+    /// nothing flows into the stage.
+    fn root(&self, i: usize, live: &Live, step: &mut StepRun) -> Result<Option<Tensor>> {
+        let exec = step.exec;
+        let output = exec.graph.output()?;
+        let outputs = &exec.graph.nodes()[i].outputs;
+        let mut root = if self.s == exec.segments.len() - 1 && outputs.contains(&output) {
+            let loss = &live.values[&output];
+            let scale = exec.loss_scale.get();
+            Some(if scale == 1.0 { loss.clone() } else { (loss * scale)? })
+        } else {
+            None
+        };
+        for &v in outputs {
+            if let Some(g) = step.value_grads.remove(&v) {
+                let seeded = seed(&live.values[&v], g)?;
+                root = Some(match root {
+                    Some(r) => (r + seeded)?,
+                    None => seeded,
+                });
+            }
+        }
+        Ok(root)
+    }
+
+    /// Rule 7: the gradients of the stage's inputs (their `Var` copies), each added to what the
+    /// value's later readers gave.
+    fn pass_on(live: &Live, grads: &mut GradStore, step: &mut StepRun) -> Result<()> {
+        for (v, var) in &live.input_vars {
+            if let Some(g) = grads.remove(var.as_tensor()) {
+                // Detached: a gradient's ops reference this stage's forward tensors, which would
+                // otherwise stay alive until an earlier stage consumes it.
+                let g = match step.value_grads.remove(v) {
+                    Some(acc) => (acc + g)?.detach(),
+                    None => g.detach(),
+                };
+                step.value_grads.insert(*v, g);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Hands the parameters whose gradients are complete to the caller of
+/// [`Executor::accumulate_reporting`], each once.
+struct Reporter<'f, 's> {
+    finished: &'f mut dyn FnMut(&[usize], &mut GradStore) -> candle_core::Result<()>,
+    /// `None` on the first step, which reports everything at the end.
+    schedule: Option<&'s Schedule>,
+    reported: Vec<bool>,
+}
+
+impl<'f, 's> Reporter<'f, 's> {
+    fn new(finished: &'f mut dyn FnMut(&[usize], &mut GradStore) -> candle_core::Result<()>, schedule: Option<&'s Schedule>, n_params: usize) -> Self {
+        Reporter { finished, schedule, reported: vec![false; n_params] }
+    }
+
+    /// After segment `s`'s backward: the gradients no earlier segment adds to.
+    fn after_segment(&mut self, s: usize, store: &mut GradStore) -> Result<()> {
+        match self.schedule {
+            Some(schedule) => self.report(&schedule.complete_after(s), store),
+            None => Ok(()),
+        }
+    }
+
+    /// At the end of the step: every parameter not reported yet.
+    fn rest(&mut self, store: &mut GradStore) -> Result<()> {
+        let rest: Vec<usize> = (0..self.reported.len()).filter(|&k| !self.reported[k]).collect();
+        self.report(&rest, store)
+    }
+
+    fn report(&mut self, ready: &[usize], store: &mut GradStore) -> Result<()> {
+        if !ready.is_empty() {
+            (self.finished)(ready, store)?;
+            ready.iter().for_each(|&k| self.reported[k] = true);
+        }
+        Ok(())
+    }
 }
 
 /// The parameter gradients of a step: the running sum (over stages, and over micro-batches when
 /// accumulating) and, while accumulating, this micro-batch's partial sums of the parameters that
-/// several stages use.
-struct ParamGrads {
+/// several stages use. Rule 8.
+struct ParamGrads<'s> {
     sum: GradStore,
     partial: GradStore,
     /// Contributions seen this micro-batch, per parameter.
     seen: Vec<usize>,
+    /// The earliest segment that gave each parameter a gradient so far.
+    lowest: Vec<Option<usize>>,
     /// Contributions a micro-batch gives each parameter (`None`: the first micro-batch, which
     /// sums straight into `sum`).
-    expected: Option<Vec<usize>>,
+    expected: Option<&'s [usize]>,
 }
 
-impl ParamGrads {
-    /// Adds one stage's gradient `g` of parameter `k`.
-    fn add(&mut self, k: usize, p: &Var, g: Tensor) -> Result<()> {
+impl<'s> ParamGrads<'s> {
+    fn new(sum: GradStore, expected: Option<&'s [usize]>, n_params: usize) -> Self {
+        ParamGrads { sum, partial: GradStore::default(), seen: vec![0; n_params], lowest: vec![None; n_params], expected }
+    }
+
+    /// Adds one stage's gradient `g` of parameter `k`, from segment `s`.
+    fn add(&mut self, k: usize, p: &Var, g: Tensor, s: usize) -> Result<()> {
         self.seen[k] += 1;
-        let Some(expected) = &self.expected else { return add_into(&mut self.sum, p, g) };
+        self.lowest[k] = Some(s);
+        let Some(expected) = self.expected else { return add_into(&mut self.sum, p, g) };
         if expected[k] == 1 {
             return add_into(&mut self.sum, p, g);
         }
@@ -420,9 +559,29 @@ impl ParamGrads {
         Ok(())
     }
 
-    fn bytes(&self, params: &[Var]) -> u64 {
-        params.iter().flat_map(|p| [self.sum.get(p), self.partial.get(p)]).flatten().map(crate::memory::tensor_bytes).sum()
+    /// Adds the partial sums still aside (contributions that did not all come) to the sum.
+    fn flush(&mut self, params: &[Var]) -> Result<()> {
+        for p in params {
+            if let Some(g) = self.partial.remove(p.as_tensor()) {
+                add_into(&mut self.sum, p, g)?;
+            }
+        }
+        Ok(())
     }
+
+    fn bytes(&self, params: &[Var]) -> u64 {
+        grad_bytes(params, &self.sum) + grad_bytes(params, &self.partial)
+    }
+
+    /// The sum, and where this step's gradients came from.
+    fn finish(self) -> (GradStore, Schedule) {
+        (self.sum, Schedule { contributions: self.seen, complete_after: self.lowest })
+    }
+}
+
+/// Bytes of the gradients of `params` that `store` holds.
+fn grad_bytes(params: &[Var], store: &GradStore) -> u64 {
+    params.iter().filter_map(|p| store.get(p)).map(tensor_bytes).sum()
 }
 
 /// `store[p] += g`: in place where it can be (the same bits as candle's `acc + g`).

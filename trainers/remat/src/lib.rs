@@ -16,6 +16,7 @@ pub mod memory;
 pub mod plan;
 pub mod policy;
 pub mod rng;
+pub mod rules;
 pub mod stage;
 
 pub use exec::{Executor, StepOutput};

@@ -8,11 +8,12 @@
 //!   peak, the bytes of every value, the parameter gradients each stage adds and the times.
 //!   Every quantity is linear in the batch, so two profiles at small batches give any batch
 //!   ([`Profile::extrapolate`]): full sizes that do not fit this machine are predictable.
-//! - [`Profile::predict`] replays the executor's bookkeeping for a cut of the stages into
-//!   segments: stored boundaries (skip tensors included: every value read in a later segment
-//!   than its producer's), each segment's live stages, the value gradients in flight, the
+//! - [`Profile::predict`] replays the executor's bookkeeping ([`crate::rules`]) for a cut of the
+//!   stages into segments: stored boundaries (skip tensors included: every value read in a later
+//!   segment than its producer's), each segment's live stages, the value gradients in flight, the
 //!   parameter gradients gathered so far. The result is the step's peak above the heap before it
-//!   (the caller adds the model state) and the time spent recomputing.
+//!   (the caller adds the model state) and the time spent recomputing; [`Profile::timeline`]
+//!   gives the replay event by event, as the executor's timeline records the step.
 //! - [`Profile::plan`] finds the segment starts with the least recompute time whose predicted
 //!   peak fits a budget, by dynamic programming over the stage order: a plan's cost to come and
 //!   its effect on later segments depend on earlier cuts only through the bytes of stored values
@@ -21,8 +22,9 @@
 //!   `budget=`/`auto` policy into the plan.
 
 use crate::graph::{StageGraph, ValueId};
-use crate::memory::{set_activity, tensor_bytes, Activity, Counter};
+use crate::memory::{set_activity, tensor_bytes, Activity, Counter, Phase};
 use crate::policy::Policy;
+use crate::rules::Wiring;
 use crate::stage::{StageCtx, StageKind};
 use crate::{Error, Result};
 use candle_core::{Tensor, Var};
@@ -112,7 +114,7 @@ pub struct Breakdown {
 }
 
 impl Breakdown {
-    fn total(&self) -> u64 {
+    pub fn total(&self) -> u64 {
         self.stored + self.param_grads + self.value_grads + self.live + self.transient
     }
 
@@ -128,6 +130,26 @@ impl Breakdown {
         .into_iter()
         .max_by_key(|(_, b)| *b)
         .expect("five parts")
+    }
+}
+
+/// One point of a predicted step: a stage's forward, recompute or backward, as the executor's
+/// timeline records it ([`crate::memory::Event`], Rule 9).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Point {
+    pub phase: Phase,
+    pub stage: usize,
+    /// What the step holds once the stage has run, above the heap before the step: the event's
+    /// `bytes` less that heap. No transient.
+    pub held: Breakdown,
+    /// The highest moment while it ran.
+    pub peak: Breakdown,
+}
+
+impl Point {
+    /// A forward or a recompute: it holds what it leaves, plus `transient` while it runs.
+    fn after(phase: Phase, stage: usize, held: Breakdown, transient: u64) -> Point {
+        Point { phase, stage, held, peak: Breakdown { transient, ..held } }
     }
 }
 
@@ -322,12 +344,27 @@ impl Profile {
         let mut past = 0;
         let mut estimate = Estimate::default();
         for (k, seg) in segments.iter().enumerate() {
-            let cost = walk.segment(seg.start, seg.end, k + 1 == segments.len(), past);
+            let cost = walk.estimate(seg.start, seg.end, k + 1 == segments.len(), past);
             estimate.merge(&cost);
             past += walk.settled(seg.start, seg.end);
         }
         estimate.step_ms += self.stages.iter().map(|s| s.forward_ms + s.backward_ms).sum::<f64>();
         estimate
+    }
+
+    /// The predicted timeline of a step cut into `segments`: one point per event of the
+    /// executor's timeline, in its order (Rule 3).
+    pub fn timeline(&self, segments: &[Range<usize>], held_grads: u64) -> Vec<Point> {
+        let walk = Walk::new(self, held_grads);
+        let (mut forward, mut backward) = (Vec::new(), Vec::new());
+        let mut past = 0;
+        for (k, seg) in segments.iter().enumerate() {
+            let mut back = Vec::new();
+            walk.segment(seg.start, seg.end, k + 1 == segments.len(), past, |p| if p.phase == Phase::Forward { forward.push(p) } else { back.push(p) });
+            backward.push(back);
+            past += walk.settled(seg.start, seg.end);
+        }
+        forward.into_iter().chain(backward.into_iter().rev().flatten()).collect()
     }
 
     /// Stages where a segment may start: blocks and downsampling stages (what the fixed
@@ -391,7 +428,7 @@ impl Profile {
             for p in &front {
                 for (ib, b) in cuts.iter().copied().enumerate().skip(ia + 1).map(|(i, b)| (Some(i), b)).chain(std::iter::once((None, n))) {
                     let last = ib.is_none();
-                    let cost = walk.segment(a, b, last, p.past);
+                    let cost = walk.estimate(a, b, last, p.past);
                     if cost.peak > step_budget {
                         continue;
                     }
@@ -518,6 +555,20 @@ impl StageCost {
 }
 
 impl Estimate {
+    /// Takes in one point of the step.
+    fn see(&mut self, point: &Point) {
+        let total = point.peak.total();
+        if point.phase == Phase::Forward {
+            self.forward_peak = self.forward_peak.max(total);
+        } else {
+            self.backward_peak = self.backward_peak.max(total);
+        }
+        if total > self.peak {
+            self.peak = total;
+            self.at_peak = point.peak;
+        }
+    }
+
     fn merge(&mut self, other: &Estimate) {
         if other.peak > self.peak {
             self.peak = other.peak;
@@ -530,117 +581,123 @@ impl Estimate {
     }
 }
 
-/// The graph's connections, for replaying the executor on a profile.
+/// A profile's stages and their wiring, for replaying the executor's bookkeeping
+/// ([`crate::rules`]) on them.
 struct Walk<'p> {
     p: &'p Profile,
-    /// Producing stage of every value (`None`: a graph input).
-    producer: Vec<Option<usize>>,
-    /// Reading stages of every value, in order.
-    readers: Vec<Vec<usize>>,
+    wiring: Wiring,
     held_grads: u64,
 }
 
 impl<'p> Walk<'p> {
     fn new(p: &'p Profile, held_grads: u64) -> Self {
-        let mut producer = vec![None; p.values.len()];
-        let mut readers = vec![Vec::new(); p.values.len()];
-        for (i, s) in p.stages.iter().enumerate() {
-            s.outputs.iter().for_each(|&v| producer[v] = Some(i));
-            s.inputs.iter().for_each(|&v| readers[v].push(i));
-        }
-        Walk { p, producer, readers, held_grads }
+        let wiring = Wiring::new(p.values.len(), p.stages.iter().map(|s| (&s.inputs[..], &s.outputs[..])));
+        Walk { p, wiring, held_grads }
     }
 
     fn bytes(&self, v: ValueId) -> u64 {
         self.p.values[v].bytes
     }
 
-    /// Values a cut before stage `a` stores: produced before it (not graph inputs), read at or after it.
-    fn crossing(&self, a: usize) -> impl Iterator<Item = ValueId> + '_ {
-        (0..self.p.values.len()).filter(move |&v| self.producer[v].is_some_and(|p| p < a) && self.readers[v].last().is_some_and(|&r| r >= a))
-    }
-
     /// Bytes of the values stored at the cut `a` whose readers all lie before `b`: after the
-    /// segment `a..b` they are settled (held until the backward of their first reader's segment,
-    /// whatever later cuts are chosen).
+    /// segment `a..b` they are settled (held until their earliest reader's segment takes them
+    /// over, Rule 5, whatever later cuts are chosen).
     fn settled(&self, a: usize, b: usize) -> u64 {
-        self.crossing(a).filter(|&v| self.readers[v].last().is_some_and(|&r| r < b)).map(|v| self.bytes(v)).sum()
+        self.wiring.stored_at(a).filter(|&v| self.wiring.readers(v).last().is_some_and(|&r| r < b)).map(|v| self.bytes(v)).sum()
     }
 
-    /// The segment `a..b` (`last`: the one whose graphs forward keeps), with `past` bytes of
-    /// settled stored values from earlier segments: its forward and backward peaks and its
-    /// recompute time.
-    fn segment(&self, a: usize, b: usize, last: bool, past: u64) -> Estimate {
-        let stages = &self.p.stages;
-        let n_inputs = self.p.n_inputs;
-        let float = |v: ValueId| self.p.values[v].float;
-        let crossing: Vec<ValueId> = self.crossing(a).collect();
-        let first_reader = |v: ValueId| self.readers[v][0];
-        // Stored inputs first read here: moved into this segment's copies when it has graphs.
-        let moved: u64 = crossing.iter().filter(|&&v| (a..b).contains(&first_reader(v)) && float(v)).map(|&v| self.bytes(v)).sum();
-        // The `Var` copies stage i makes: each float value once per segment, at its first reader here.
-        let copies = |i: usize| -> u64 {
-            stages[i]
-                .inputs
-                .iter()
-                .filter(|&&v| v >= n_inputs && float(v) && self.readers[v].iter().find(|&&r| r >= a) == Some(&i))
-                .map(|&v| self.bytes(v))
-                .sum()
-        };
+    /// The estimate of the segment `a..b` alone: its points' peaks and its recompute time.
+    fn estimate(&self, a: usize, b: usize, last: bool, past: u64) -> Estimate {
         let mut est = Estimate::default();
-        let mut see = |forward: bool, parts: Breakdown| {
-            let total = parts.total();
-            if forward {
-                est.forward_peak = est.forward_peak.max(total);
-            } else {
-                est.backward_peak = est.backward_peak.max(total);
-            }
-            if total > est.peak {
-                est.peak = total;
-                est.at_peak = parts;
-            }
-        };
-        let param_grads_after: u64 = self.held_grads + if self.held_grads > 0 { 0 } else { stages[b..].iter().map(|s| s.param_grad_bytes).sum() };
-
-        // Forward: every value stored so far, then this segment's stages.
-        let stored = past + crossing.iter().map(|&v| self.bytes(v)).sum::<u64>();
-        let forward_grads = self.held_grads;
-        let mut live = 0;
-        for (i, st) in stages.iter().enumerate().take(b).skip(a) {
-            let (keep, transient) = if last { (copies(i) + st.graph_bytes, st.graph_transient) } else { (st.chain_bytes, st.chain_transient) };
-            let stored = if last { stored - moved } else { stored };
-            see(true, Breakdown { stored, param_grads: forward_grads, value_grads: 0, live: live + keep, transient });
-            live += keep;
-        }
-
-        // Backward: stored values whose first reader is here or earlier are still held.
-        let stored = past + crossing.iter().filter(|&&v| first_reader(v) < b).map(|&v| self.bytes(v)).sum::<u64>() - moved;
-        let mut pending: BTreeSet<ValueId> = self.crossing(b).filter(|&v| float(v)).collect();
-        let pending_bytes = |p: &BTreeSet<ValueId>| p.iter().map(|&v| self.bytes(v)).sum::<u64>();
-        let mut grads = param_grads_after;
+        self.segment(a, b, last, past, |point| est.see(&point));
         if !last {
-            live = 0;
-            for (i, st) in stages.iter().enumerate().take(b).skip(a) {
-                let keep = copies(i) + st.graph_bytes;
-                see(false, Breakdown { stored, param_grads: grads, value_grads: pending_bytes(&pending), live: live + keep, transient: st.graph_transient });
-                live += keep;
-                est.recompute_ms += st.forward_ms;
-            }
-        }
-        for i in (a..b).rev() {
-            see(false, Breakdown { stored, param_grads: grads, value_grads: pending_bytes(&pending), live, transient: stages[i].backward_transient });
-            live -= copies(i) + stages[i].graph_bytes;
-            stages[i].outputs.iter().for_each(|v| {
-                pending.remove(v);
-            });
-            stages[i].inputs.iter().filter(|&&v| v >= n_inputs && float(v)).for_each(|&v| {
-                pending.insert(v);
-            });
-            if self.held_grads == 0 {
-                grads += stages[i].param_grad_bytes;
-            }
+            est.recompute_ms = self.p.stages[a..b].iter().fold(0.0, |t, s| t + s.forward_ms);
         }
         est
+    }
+
+    /// Replays the segment `a..b` (`last`: the one whose graphs forward keeps), with `past` bytes
+    /// of settled stored values from earlier segments: `see` gets its points, its forward first,
+    /// then its recompute and backward.
+    fn segment(&self, a: usize, b: usize, last: bool, past: u64, mut see: impl FnMut(Point)) {
+        let stages = &self.p.stages;
+        let stored_here: Vec<ValueId> = self.wiring.stored_at(a).collect();
+        let first_reader = |v: ValueId| self.wiring.first_reader(v).expect("a stored value has a reader");
+        let float = |v: ValueId| self.p.values[v].float;
+        // Rule 5: the stored float values first read here, which this segment takes over when it
+        // builds graphs: each held until its last reader here has run. Integer ones stay counted
+        // as stored to the end of its backward: no copy replaces them, and a reader's graph may
+        // hold them until its own backward.
+        let handed: Vec<(usize, u64)> = stored_here
+            .iter()
+            .filter(|&&v| (a..b).contains(&first_reader(v)) && float(v))
+            .map(|&v| (self.wiring.readers(v).iter().copied().take_while(|&r| r < b).last().expect("read here"), self.bytes(v)))
+            .collect();
+        let handed_by = |i: usize| handed.iter().filter(|&&(last, _)| last <= i).map(|&(_, bytes)| bytes).sum::<u64>();
+        let copies = |i: usize| self.copies(a, i);
+        // Rule 8: walking backward, the gradients of later stages' parameters are in (while
+        // accumulating, `held_grads` stays as it is: the partial sums are not replayed).
+        let grads_after: u64 = self.held_grads + if self.held_grads > 0 { 0 } else { stages[b..].iter().map(|s| s.param_grad_bytes).sum() };
+
+        // Rule 1: forward holds every value stored so far; Rule 2: a segment's stages stay until it ends.
+        let stored = past + stored_here.iter().map(|&v| self.bytes(v)).sum::<u64>();
+        let mut live = 0;
+        for (i, st) in stages.iter().enumerate().take(b).skip(a) {
+            // Rule 3: the last segment's forward builds graphs, on copies (Rule 4).
+            let (keep, transient) = if last { (copies(i) + st.graph_bytes, st.graph_transient) } else { (st.chain_bytes, st.chain_transient) };
+            let stored = if last { stored - handed_by(i) } else { stored };
+            live += keep;
+            see(Point::after(Phase::Forward, i, Breakdown { stored, param_grads: self.held_grads, value_grads: 0, live, transient: 0 }, transient));
+        }
+
+        // Rule 5: stored values whose earliest reader's segment is this one or an earlier one are
+        // held (not what this segment stores: its recompute makes those anew).
+        let stored = past + stored_here.iter().filter(|&&v| first_reader(v) < b).map(|&v| self.bytes(v)).sum::<u64>();
+        // Rule 7: gradients of the values later segments read, waiting for their producers.
+        let mut pending: BTreeSet<ValueId> = self.wiring.stored_at(b).filter(|&v| float(v)).collect();
+        let value_grads = pending.iter().map(|&v| self.bytes(v)).sum();
+        let mut held = Breakdown { stored, param_grads: grads_after, value_grads, live: 0, transient: 0 };
+        if !last {
+            // Rule 3: recomputed with graphs, right before its backward.
+            for (i, st) in stages.iter().enumerate().take(b).skip(a) {
+                held.live += copies(i) + st.graph_bytes;
+                let now = Breakdown { stored: stored - handed_by(i), ..held };
+                see(Point::after(Phase::Recompute, i, now, st.graph_transient));
+            }
+        } else {
+            held.live = live;
+        }
+        // Rule 5: by its backward, what this segment took over is held by copies only.
+        held.stored = stored - handed_by(b);
+        for i in (a..b).rev() {
+            let during = Breakdown { transient: stages[i].backward_transient, ..held };
+            // Rule 6: the stage's run goes once its backward has run.
+            held.live -= copies(i) + stages[i].graph_bytes;
+            // Rule 7: its outputs' gradients are taken up, its float inputs' appear.
+            for v in &stages[i].outputs {
+                if pending.remove(v) {
+                    held.value_grads -= self.bytes(*v);
+                }
+            }
+            for &v in stages[i].inputs.iter().filter(|&&v| v >= self.p.n_inputs && float(v)) {
+                if pending.insert(v) {
+                    held.value_grads += self.bytes(v);
+                }
+            }
+            // Rule 8
+            if self.held_grads == 0 {
+                held.param_grads += stages[i].param_grad_bytes;
+            }
+            see(Point { phase: Phase::Backward, stage: i, held, peak: during });
+        }
+    }
+
+    /// Bytes of the `Var` copies stage `i` of the segment starting at `a` makes (Rule 4): each
+    /// float value once per segment, at its first reader there.
+    fn copies(&self, a: usize, i: usize) -> u64 {
+        let n_inputs = self.p.n_inputs;
+        let first_here = |v: ValueId| self.wiring.readers(v).iter().find(|&&r| r >= a) == Some(&i);
+        self.p.stages[i].inputs.iter().filter(|&&v| v >= n_inputs && self.p.values[v].float && first_here(v)).map(|&v| self.bytes(v)).sum()
     }
 }
 
@@ -721,7 +778,7 @@ pub fn summary(e: &Estimate) -> String {
 /// The values a cut of the stages into `segments` stores (graph inputs excluded), in order.
 pub fn stored_values(profile: &Profile, segments: &[Range<usize>]) -> Vec<ValueId> {
     let walk = Walk::new(profile, 0);
-    let mut out: Vec<ValueId> = segments.iter().skip(1).flat_map(|s| walk.crossing(s.start).collect::<Vec<_>>()).collect();
+    let mut out: Vec<ValueId> = segments.iter().skip(1).flat_map(|s| walk.wiring.stored_at(s.start).collect::<Vec<_>>()).collect();
     out.sort_unstable();
     out.dedup();
     out

@@ -1,0 +1,88 @@
+//! The bookkeeping rules of a step: what the executor ([`crate::exec`]) holds, frees and
+//! recomputes when, stated once. The planner ([`crate::plan`]) predicts a step's memory by
+//! replaying them on measured stage costs, so both cite them (`// Rule 3`) where they implement
+//! one, and a rule changed on one side only fails `tests/schedule.rs`, which runs steps next to
+//! their replay. What both sides compute alike from the graph's wiring is here (`Wiring`).
+//!
+//! A policy cuts the stages, in order, into segments; a cut before stage `a` starts one.
+//!
+//! - Rule 1: a cut before stage `a` stores every value that a stage before `a` produces and a
+//!   stage at or after `a` reads (skip tensors included), detached. Graph inputs belong to the
+//!   caller: never stored, copied or freed (`Wiring::stored_at`).
+//! - Rule 2: every segment but the last runs forward once without stage graphs: its stages'
+//!   outputs keep their candle op graph, so the whole segment stays alive until its last stage
+//!   has run; then only the values it stores remain.
+//! - Rule 3: the last segment's forward builds the stage graphs its backward uses; every other
+//!   segment is recomputed, with graphs, right before its backward. A step runs every stage's
+//!   forward, then segment by segment, last first, its recompute (stages in order) and its
+//!   backward (stages last first).
+//! - Rule 4: a stage graph reads `Var` copies of the float values it consumes (graph inputs and
+//!   integer values as they are): one copy of a value per segment, made by its first reader there
+//!   and shared with its later readers there, so that it lives until that first reader's backward.
+//! - Rule 5: a stored value is released when the earliest segment that reads it
+//!   (`Wiring::first_reader`) builds its graphs. If that is its producer's segment, it goes
+//!   before the recompute, which makes it anew. Otherwise that segment takes the stored tensor
+//!   over and holds it until its last reader there has run (its first reader's copy, Rule 4,
+//!   holding the value too from then on).
+//! - Rule 6: in backward, a stage's run (its graph, its outputs, the copies it alone still holds)
+//!   is dropped as soon as its backward has run.
+//! - Rule 7: a value's gradient is held from the backward of its last reader until its
+//!   producer's backward takes it up, its readers' contributions summed as they come. Float
+//!   values only, graph inputs excepted: only Rule 4 copies get gradients.
+//! - Rule 8: a parameter's gradient appears at the backward of the last stage that uses it and is
+//!   held to the end of the step; earlier users add to it in place. When micro-batches
+//!   accumulate, the earlier ones' sum is held throughout, and a parameter several stages use
+//!   keeps this micro-batch's partial sum aside until its first user's backward (which the planner
+//!   does not replay: a profile does not say which parameters are shared).
+//! - Rule 9: the timeline records one event as each stage's forward, recompute or backward ends
+//!   (after Rule 6's drop): the heap, and the bytes of the parameter gradients held. The
+//!   planner's [`crate::plan::Point`]s predict them.
+
+use crate::graph::ValueId;
+
+/// Who produces and who reads each value: what the rules are stated over. Built from every
+/// stage's inputs and outputs in stage order, from a graph's nodes (the executor) or a profile's
+/// stages (the planner).
+pub(crate) struct Wiring {
+    /// Producing stage of every value (`None`: a graph input).
+    producer: Vec<Option<usize>>,
+    /// Reading stages of every value, in order.
+    readers: Vec<Vec<usize>>,
+}
+
+impl Wiring {
+    /// `stages`: each stage's inputs and outputs, in order; `n_values` counts the graph inputs.
+    pub(crate) fn new<'a>(n_values: usize, stages: impl IntoIterator<Item = (&'a [ValueId], &'a [ValueId])>) -> Self {
+        let mut producer = vec![None; n_values];
+        let mut readers = vec![Vec::new(); n_values];
+        for (i, (inputs, outputs)) in stages.into_iter().enumerate() {
+            outputs.iter().for_each(|&v| producer[v] = Some(i));
+            inputs.iter().for_each(|&v| readers[v].push(i));
+        }
+        Wiring { producer, readers }
+    }
+
+    pub(crate) fn n_values(&self) -> usize {
+        self.producer.len()
+    }
+
+    /// The stage that produces `v` (`None`: a graph input).
+    pub(crate) fn producer(&self, v: ValueId) -> Option<usize> {
+        self.producer[v]
+    }
+
+    /// The stages that read `v`, in order.
+    pub(crate) fn readers(&self, v: ValueId) -> &[usize] {
+        &self.readers[v]
+    }
+
+    /// The first stage that reads `v`: its segment is the earliest that needs `v` (Rule 5).
+    pub(crate) fn first_reader(&self, v: ValueId) -> Option<usize> {
+        self.readers[v].first().copied()
+    }
+
+    /// The values a cut before stage `cut` stores (Rule 1), in order.
+    pub(crate) fn stored_at(&self, cut: usize) -> impl Iterator<Item = ValueId> + '_ {
+        (0..self.n_values()).filter(move |&v| self.producer[v].is_some_and(|p| p < cut) && self.readers[v].last().is_some_and(|&r| r >= cut))
+    }
+}
