@@ -40,9 +40,25 @@ pub fn csv(m: &Matrix) -> String {
     out
 }
 
+/// `matrix.md`: the provenance and how to read the tables, the planner's accuracy, one section
+/// per model, then PyTorch side by side.
 pub fn markdown(m: &Matrix) -> String {
+    let mut out = header(m);
+    planner_summary(&mut out, m);
+    for model in m.models(false).iter().chain(&m.models(true)) {
+        let rows: Vec<&Record> = m.records.iter().filter(|r| r.model == *model).collect();
+        model_table(&mut out, m, &rows);
+        if rows[0].ranks > 1 {
+            ranks_table(&mut out, &rows);
+        }
+    }
+    out.push_str(&crate::baseline::side_by_side(m));
+    out
+}
+
+fn header(m: &Matrix) -> String {
     let meta = &m.meta;
-    let mut out = format!(
+    format!(
         "# Checkpointing matrix: profile `{}`\n\n{}  \nMachine: {}  \ncandle {}, commit {}\n\n\
 Memory is heap bytes from the counting allocator above the model state (parameters + optimizer state); \
 ratios are against `off` of the same model in the same run. Times are medians of the timed steps after a warm-up. \
@@ -59,7 +75,10 @@ the measured step peak, and its predicted time / off.\n",
         meta.machine,
         meta.candle_version,
         meta.git_commit
-    );
+    )
+}
+
+fn planner_summary(out: &mut String, m: &Matrix) {
     let errors: Vec<(f64, &Record)> = m
         .records
         .iter()
@@ -78,86 +97,90 @@ the measured step peak, and its predicted time / off.\n",
             r.policy
         );
     }
-    for model in m.models(false).iter().chain(&m.models(true)) {
-        let model = model.as_str();
-        let rows: Vec<&Record> = m.records.iter().filter(|r| r.model == model).collect();
-        let first = rows[0];
-        let off = m.find(model, "off").filter(|r| r.status == Status::Ok);
-        let _ = write!(
-            out,
-            "\n## {model} (batch {}, {}, {}, {} threads): model state {}\n\n\
+}
+
+fn model_table(out: &mut String, m: &Matrix, rows: &[&Record]) {
+    let first = rows[0];
+    // A failed `off` leaves nothing to divide by: the ratios show "-" rather than a wrong figure.
+    let off = m.find(&first.model, "off").filter(|r| r.status == Status::Ok);
+    let _ = write!(
+        out,
+        "\n## {} (batch {}, {}, {}, {} threads): model state {}\n\n\
 | policy | segments | step peak | predicted (error) | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | predicted time / off | time / off, rounds | grads = plain candle (bits) | status |\n\
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
-            first.batch,
-            first.input,
-            first.dtype,
-            first.threads,
-            mib(first.model_state_bytes)
-        );
-        for r in rows {
-            if r.status != Status::Ok {
-                let _ = writeln!(out, "| {} | | | | | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
-                continue;
-            }
-            let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() };
-            let (peak, act, time) = match off {
-                Some(o) => (
-                    ratio(r.step_peak_bytes as f64, o.step_peak_bytes as f64),
-                    ratio(r.activation_peak_bytes as f64, o.activation_peak_bytes as f64),
-                    ratio(r.step_ms_median, o.step_ms_median),
-                ),
-                None => ("-".into(), "-".into(), "-".into()),
-            };
-            let grads = match (r.grads_checked, r.grads_bit_identical) {
-                (false, _) => "not checked".to_string(),
-                (true, true) => "yes".to_string(),
-                (true, false) => format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff),
-            };
-            let rounds = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2}, {} rounds)", t.median, t.min, t.max, t.rounds.len()));
-            let predicted =
-                r.predicted_peak_bytes.map_or("-".into(), |p| format!("{} ({:+.1}%)", mib(p), (p as f64 / r.step_peak_bytes.max(1) as f64 - 1.0) * 100.0));
-            let predicted_time = r.predicted_time_ratio.map_or("-".into(), |t| format!("{t:.2}x"));
-            let policy = if r.plan.is_empty() { r.policy.clone() } else { format!("{} → `{}`", r.policy, r.plan) };
-            let _ = writeln!(
-                out,
-                "| {policy} | {} | {} | {predicted} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {predicted_time} | {rounds} | {grads} | ok |",
-                r.segments,
-                mib(r.step_peak_bytes),
-                if r.step_peak_bytes > r.fwd_bwd_peak_bytes { "optimizer" } else { "fwd/bwd" },
-                mib(r.activation_peak_bytes),
-                mib(r.rss_peak_delta_bytes),
-                r.step_ms_median,
-                r.step_ms_min,
-                r.step_ms_max
-            );
-        }
-        if first.ranks > 1 {
-            let _ = write!(
-                out,
-                "\n{} ranks (MPI), batch {} each{}: memory above is rank 0's.\n\n| policy | model state, rank 0 | model state, largest rank | step peak, rank 0 | step peak, largest rank | all-reduce per step | training thread waited (dividing included) |\n|---|---|---|---|---|---|---|\n",
-                first.ranks,
-                first.batch,
-                if first.shard_optimizer { ", optimizer state sharded over the ranks (ZeRO stage 1)" } else { "" }
-            );
-            for r in m.records.iter().filter(|r| r.model == model && r.status == Status::Ok) {
-                let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1} ms"));
-                let largest = |v: Option<u64>| v.map_or("-".into(), mib);
-                let _ = writeln!(
-                    out,
-                    "| {} | {} | {} | {} | {} | {} | {} |",
-                    r.policy,
-                    mib(r.model_state_bytes),
-                    largest(r.model_state_bytes_max_rank),
-                    mib(r.step_peak_bytes),
-                    largest(r.step_peak_bytes_max_rank),
-                    ms(r.all_reduce_ms),
-                    ms(r.all_reduce_wait_ms)
-                );
-            }
+        first.model,
+        first.batch,
+        first.input,
+        first.dtype,
+        first.threads,
+        mib(first.model_state_bytes)
+    );
+    for r in rows {
+        if r.status == Status::Ok {
+            record_row(out, r, off);
+        } else {
+            let _ = writeln!(out, "| {} | | | | | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
         }
     }
-    out.push_str(&crate::baseline::side_by_side(m));
-    out
+}
+
+fn record_row(out: &mut String, r: &Record, off: Option<&Record>) {
+    let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() };
+    let (peak, act, time) = match off {
+        Some(o) => (
+            ratio(r.step_peak_bytes as f64, o.step_peak_bytes as f64),
+            ratio(r.activation_peak_bytes as f64, o.activation_peak_bytes as f64),
+            ratio(r.step_ms_median, o.step_ms_median),
+        ),
+        None => ("-".into(), "-".into(), "-".into()),
+    };
+    let grads = match (r.grads_checked, r.grads_bit_identical) {
+        (false, _) => "not checked".to_string(),
+        (true, true) => "yes".to_string(),
+        (true, false) => format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff),
+    };
+    let rounds = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2}, {} rounds)", t.median, t.min, t.max, t.rounds.len()));
+    let predicted = r.predicted_peak_bytes.map_or("-".into(), |p| format!("{} ({:+.1}%)", mib(p), (p as f64 / r.step_peak_bytes.max(1) as f64 - 1.0) * 100.0));
+    let predicted_time = r.predicted_time_ratio.map_or("-".into(), |t| format!("{t:.2}x"));
+    let policy = if r.plan.is_empty() { r.policy.clone() } else { format!("{} → `{}`", r.policy, r.plan) };
+    let _ = writeln!(
+        out,
+        "| {policy} | {} | {} | {predicted} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {predicted_time} | {rounds} | {grads} | ok |",
+        r.segments,
+        mib(r.step_peak_bytes),
+        if r.step_peak_bytes > r.fwd_bwd_peak_bytes { "optimizer" } else { "fwd/bwd" },
+        mib(r.activation_peak_bytes),
+        mib(r.rss_peak_delta_bytes),
+        r.step_ms_median,
+        r.step_ms_min,
+        r.step_ms_max
+    );
+}
+
+fn ranks_table(out: &mut String, rows: &[&Record]) {
+    let first = rows[0];
+    let _ = write!(
+        out,
+        "\n{} ranks (MPI), batch {} each{}: memory above is rank 0's.\n\n| policy | model state, rank 0 | model state, largest rank | step peak, rank 0 | step peak, largest rank | all-reduce per step | training thread waited (dividing included) |\n|---|---|---|---|---|---|---|\n",
+        first.ranks,
+        first.batch,
+        if first.shard_optimizer { ", optimizer state sharded over the ranks (ZeRO stage 1)" } else { "" }
+    );
+    let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1} ms"));
+    let largest = |v: Option<u64>| v.map_or("-".into(), mib);
+    for r in rows.iter().filter(|r| r.status == Status::Ok) {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            r.policy,
+            mib(r.model_state_bytes),
+            largest(r.model_state_bytes_max_rank),
+            mib(r.step_peak_bytes),
+            largest(r.step_peak_bytes_max_rank),
+            ms(r.all_reduce_ms),
+            ms(r.all_reduce_wait_ms)
+        );
+    }
 }
 
 /// One column of `matrix.csv`, declared once: its name, its cell for one of our records, and its
