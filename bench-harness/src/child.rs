@@ -5,7 +5,7 @@
 use crate::cli::Common;
 use crate::record::{Record, Status};
 use crate::workloads::{Profile, Workload};
-use remat::Policy;
+use remat::PolicyRequest;
 use std::process::Command;
 
 /// What a `run-one` process does.
@@ -22,7 +22,7 @@ pub enum One {
 }
 
 /// Runs one configuration in a fresh process, so one run's peak never leaks into another.
-pub fn spawn_one(w: &Workload, policy: &Policy, common: &Common, profile: Profile, mode: One) -> Record {
+pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, profile: Profile, mode: One) -> Record {
     let exe = std::env::current_exe().expect("own executable");
     let mut cmd = if common.ranks > 1 { trainkit::parallel::mpirun(common.ranks, &exe) } else { Command::new(exe) };
     cmd.args(["run-one", "--model", &w.model, "--policy", &policy.to_string(), "--profile", profile.name()]).args([

@@ -3,7 +3,7 @@
 
 use crate::workloads::{self, Profile};
 use clap::{Args, ValueEnum};
-use remat::Policy;
+use remat::PolicyRequest;
 use std::path::PathBuf;
 
 /// Which matrix to run (`--matrix`).
@@ -100,7 +100,7 @@ pub struct MatrixArgs {
     pub models: Vec<String>,
     /// Only these policies (comma-separated).
     #[arg(long, value_delimiter = ',')]
-    pub policies: Vec<Policy>,
+    pub policies: Vec<PolicyRequest>,
     /// Results folder; default results/<profile>-<device>.
     #[arg(long)]
     pub out: Option<PathBuf>,

@@ -37,7 +37,7 @@ use anyhow::{bail, Context, Result};
 use layers::{OptimizerKind, Precision};
 use plotters::coord::Shift;
 use plotters::prelude::*;
-use remat::Policy;
+use remat::{Policy, PolicyRequest};
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -64,7 +64,7 @@ pub fn defaults(common: &mut Common) -> Result<()> {
 /// it runs only where that fits the cap (four times the parameters' f32 bytes, with room for the
 /// activations). `dry_run`: nothing runs, and a configuration that cannot be predicted (no
 /// calibration) gets no record.
-pub fn run_predicted(matrix: &Matrix, w: &Workload, policy: &Policy, common: &Common, profile: Profile, dry_run: bool) -> Result<Option<Record>> {
+pub fn run_predicted(matrix: &Matrix, w: &Workload, policy: &PolicyRequest, common: &Common, profile: Profile, dry_run: bool) -> Result<Option<Record>> {
     let variant = w.model.split('/').nth(1).unwrap_or_default();
     let small = format!("gpt2-small/{variant}");
     // From the whole profile: --models may have left gpt2-small out of this run.
@@ -124,9 +124,9 @@ pub fn gpt2_config(model: &str) -> Result<gpt2::Config> {
 }
 
 /// The blocks whose activations a policy keeps alive, as the scale of the block part.
-fn kept_blocks(policy: &Policy, layers: usize) -> f64 {
+fn kept_blocks(policy: &PolicyRequest, layers: usize) -> f64 {
     match policy {
-        Policy::Sqrt => (layers as f64).sqrt(),
+        PolicyRequest::Fixed(Policy::Sqrt) => (layers as f64).sqrt(),
         _ => layers as f64,
     }
 }
@@ -140,7 +140,7 @@ fn head_bytes(w: &Workload, config: &gpt2::Config) -> u64 {
 
 /// The prediction for `w` under `policy`; `calibration` is gpt2-small's workload and measured
 /// record under the same variant and policy (`None` for gpt2-small itself).
-pub fn predict(w: &Workload, policy: &Policy, calibration: Option<(&Workload, &Record)>) -> Result<Prediction> {
+pub fn predict(w: &Workload, policy: &PolicyRequest, calibration: Option<(&Workload, &Record)>) -> Result<Prediction> {
     let (params, grads, optimizer) = state(&w.parameter_shapes()?, w.optimizer(), w.dtype);
     let activations = match calibration {
         Some((cw, rec)) => {

@@ -30,7 +30,7 @@ use child::One;
 use clap::{Parser, Subcommand};
 use cli::{Common, MatrixArgs};
 use remat::memory::CountingAlloc;
-use remat::Policy;
+use remat::PolicyRequest;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -67,7 +67,7 @@ enum Cmd {
         #[arg(long)]
         model: String,
         #[arg(long)]
-        policy: Policy,
+        policy: PolicyRequest,
         /// Time the steps only: no prediction, no gradient check (the interleaved timing rounds).
         #[arg(long)]
         time_only: bool,

@@ -14,11 +14,11 @@ use crate::workloads::{self, Profile, Workload};
 use crate::{gpt2_24gb, projection, report};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use remat::Policy;
+use remat::{Policy, PolicyRequest};
 use std::path::{Path, PathBuf};
 
 /// One configuration of the matrix: a workload under a policy.
-type Config = (Workload, Policy);
+type Config = (Workload, PolicyRequest);
 
 /// Runs the matrix `args` asks for (or renders its folder).
 pub fn run(mut args: MatrixArgs) -> Result<()> {
@@ -104,7 +104,11 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
     let configs: Vec<Config> = workloads
         .iter()
         .flat_map(|w| {
-            let chosen = if args.policies.is_empty() { w.policies() } else { args.policies.iter().filter(|p| w.applies(p)).cloned().collect() };
+            let chosen: Vec<PolicyRequest> = if args.policies.is_empty() {
+                w.policies().into_iter().map(PolicyRequest::from).collect()
+            } else {
+                args.policies.iter().filter(|p| p.fixed().is_none_or(|p| w.applies(p))).cloned().collect()
+            };
             chosen.into_iter().map(move |p| (w.clone(), p))
         })
         .collect();
@@ -192,7 +196,7 @@ impl Run<'_> {
             let model_done = configs.get(i + 1).is_none_or(|(next, _)| next.model != w.model);
             if model_done && args.rounds > 0 && ran_models.contains(&w.model.as_str()) {
                 bar.set_message(format!("{}: {} interleaved timing rounds", w.model, args.rounds));
-                let policies: Vec<Policy> = configs.iter().filter(|(c, _)| c.model == w.model).map(|(_, p)| p.clone()).collect();
+                let policies: Vec<PolicyRequest> = configs.iter().filter(|(c, _)| c.model == w.model).map(|(_, p)| p.clone()).collect();
                 time_rounds(&mut self.matrix, w, &policies, args.rounds, common, profile);
                 self.matrix.save_json(&self.dir)?;
             }
@@ -203,7 +207,7 @@ impl Run<'_> {
 
     /// One configuration, unless the folder has it (and its baseline) already; then its PyTorch
     /// baseline where asked; saved. Returns whether the configuration ran.
-    fn one(&mut self, w: &Workload, policy: &Policy, python: Option<&str>, bar: &ProgressBar) -> Result<bool> {
+    fn one(&mut self, w: &Workload, policy: &PolicyRequest, python: Option<&str>, bar: &ProgressBar) -> Result<bool> {
         let (args, common, profile) = (self.args, &self.args.common, self.profile);
         let have = self.matrix.find(&w.model, &policy.to_string()).is_some();
         let have_baseline =
@@ -294,12 +298,13 @@ fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common
 /// Times every policy of `w` again, `rounds` times interleaved (off, p1, p2, ..., off, p1, ...),
 /// each in a fresh process, and records each policy's time / off per round beside the ratio of
 /// the measuring run: run-to-run drift then shows as a spread instead of a wrong ratio.
-fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[Policy], rounds: usize, common: &Common, profile: Profile) {
-    let ok = |m: &Matrix, p: &Policy| m.find(&w.model, &p.to_string()).is_some_and(|r| r.status == Status::Ok);
-    if !ok(matrix, &Policy::Off) {
+fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], rounds: usize, common: &Common, profile: Profile) {
+    let off = PolicyRequest::Fixed(Policy::Off);
+    let ok = |m: &Matrix, p: &PolicyRequest| m.find(&w.model, &p.to_string()).is_some_and(|r| r.status == Status::Ok);
+    if !ok(matrix, &off) {
         return;
     }
-    let timed: Vec<&Policy> = policies.iter().filter(|p| ok(matrix, p)).collect();
+    let timed: Vec<&PolicyRequest> = policies.iter().filter(|p| ok(matrix, p)).collect();
     let mut ratios: Vec<Vec<f64>> = timed
         .iter()
         .map(|p| {
@@ -310,7 +315,7 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[Policy], rounds: u
     for _ in 0..rounds {
         let times: Vec<Option<f64>> =
             timed.iter().map(|p| Some(spawn_one(w, p, common, profile, One::TimeOnly)).filter(|r| r.status == Status::Ok).map(|r| r.step_ms_median)).collect();
-        let off = timed.iter().position(|p| **p == Policy::Off).and_then(|i| times[i]);
+        let off = timed.iter().position(|p| **p == off).and_then(|i| times[i]);
         for (ratio, t) in ratios.iter_mut().zip(&times) {
             if let (Some(t), Some(off)) = (t, off) {
                 ratio.push(t / off);
@@ -318,7 +323,7 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[Policy], rounds: u
         }
     }
     for (p, ratio) in timed.iter().zip(ratios) {
-        if **p != Policy::Off {
+        if **p != off {
             let mut rec = matrix.find(&w.model, &p.to_string()).unwrap().clone();
             rec.time_vs_off = Spread::of(ratio);
             matrix.put(rec);

@@ -10,18 +10,18 @@ use anyhow::{anyhow, Context, Result};
 use candle_core::Device;
 use remat::memory::{set_activity, Activity, Counter};
 use remat::plan::{Estimate, Profile};
-use remat::{Executor, Policy};
+use remat::{Executor, Policy, PolicyRequest};
 use std::collections::BTreeMap;
 
 /// `run-one`: one configuration measured in this process, on the ranks `mpirun` started.
-pub fn run_one(model: &str, policy: &Policy, mode: One, common: &Common) -> Result<()> {
+pub fn run_one(model: &str, policy: &PolicyRequest, mode: One, common: &Common) -> Result<()> {
     let dev = trainkit::device(&common.device)?;
     let group = trainkit::Group::from_launcher(&dev)?;
     trainkit::or_abort(&group, measure_one(model, policy, mode, common, &group, &dev))
 }
 
 /// `run-one` on one rank of `group`, on `dev`: the first rank prints the record.
-fn measure_one(model: &str, policy: &Policy, mode: One, common: &Common, group: &trainkit::Group, dev: &candle_core::Device) -> Result<()> {
+fn measure_one(model: &str, policy: &PolicyRequest, mode: One, common: &Common, group: &trainkit::Group, dev: &candle_core::Device) -> Result<()> {
     // Held while the configuration is measured: the device memory beyond the cap.
     let held = match common.memory_cap {
         Some(cap) => hold_beyond(dev, cap)?,
@@ -44,7 +44,10 @@ fn measure_one(model: &str, policy: &Policy, mode: One, common: &Common, group: 
     if mode == One::Full {
         // A budget is checked as the plan it resolved to (one process's step: the ranks'
         // agreement is the parameter check in `measure::run`).
-        let checked: Policy = if rec.plan.is_empty() { policy.clone() } else { rec.plan.parse()? };
+        let checked: Policy = match policy.fixed() {
+            Some(p) if rec.plan.is_empty() => p.clone(),
+            _ => rec.plan.parse()?,
+        };
         check(&mut rec, &w, &checked, common.seed, dev, !common.no_rng_replay)?;
     }
     println!("{}", serde_json::to_string(&rec)?);
@@ -92,7 +95,7 @@ pub fn predict(profile: &Profile, policy: &Policy, accumulate: usize) -> Result<
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     w: &Workload,
-    policy: &Policy,
+    policy: &PolicyRequest,
     steps: usize,
     seed: u64,
     device: &Device,
@@ -108,10 +111,10 @@ pub fn run(
     set_activity(Activity::Build, None);
     let inst = w.build(device, seed)?;
     let mut optimizer = inst.optimizer(w.shard_optimizer, group)?;
-    let mut policy = policy.clone();
-    if predict_step || policy.needs_plan() {
-        policy = plan(&mut rec, (w, &*inst, device), &*optimizer, &policy, seed, cap, predict_step, group)?;
-    }
+    let policy = match (policy.fixed(), predict_step) {
+        (Some(p), false) => p.clone(),
+        _ => plan(&mut rec, (w, &*inst, device), &*optimizer, policy, seed, cap, predict_step, group)?,
+    };
     if steps == 0 {
         rec.status = Status::Skipped;
         rec.error = "dry run".into();
@@ -182,7 +185,7 @@ fn plan(
     rec: &mut Record,
     (w, inst, device): (&Workload, &dyn Instance, &Device),
     optimizer: &dyn layers::TrainOptimizer,
-    policy: &Policy,
+    policy: &PolicyRequest,
     seed: u64,
     cap: Option<u64>,
     predict_step: bool,

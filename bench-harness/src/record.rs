@@ -6,7 +6,7 @@
 use crate::workloads::Workload;
 use remat::memory::Event;
 use remat::plan::Estimate;
-use remat::Policy;
+use remat::PolicyRequest;
 use serde::{Deserialize, Serialize};
 
 /// One row of the matrix. Byte figures are heap bytes from the counting allocator (CPU).
@@ -185,7 +185,7 @@ fn yes() -> bool {
 }
 
 impl Record {
-    pub fn new(w: &Workload, policy: &Policy, device: &str) -> Self {
+    pub fn new(w: &Workload, policy: &PolicyRequest, device: &str) -> Self {
         Record {
             model: w.model.clone(),
             policy: policy.to_string(),

@@ -45,7 +45,7 @@ fn a_budget_plan_fits_its_budget_and_one_below_the_minimum_is_refused() {
     // By what the policy means, not its spelling: the record writes a byte count that is a
     // multiple of 1024 in KiB (`budget=11088KiB` for 11354112), so a string match failed on
     // some machines' figures and not others'.
-    let meant = remat::Policy::Budget(budget);
+    let meant = remat::PolicyRequest::Budget(budget);
     let r = records(&dir).into_iter().find(|r| r["policy"].as_str().and_then(|p| p.parse().ok()) == Some(meant.clone()));
     let r = r.unwrap_or_else(|| panic!("no record of {meant} (asked as {policy})"));
     assert_eq!(r["status"], "ok", "{}", r["error"]);
@@ -71,16 +71,16 @@ fn a_budget_plan_fits_its_budget_and_one_below_the_minimum_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("below the smallest peak any checkpoint plan reaches") && err.contains("the state before the step"), "{err}");
-    // Said once (the planner's error was also its own cause, printed twice), in a unit that
-    // shows the budget (it read "budget 0.0 MiB").
+    // Said once (an error that is also its own cause would print twice), in a unit that shows
+    // the budget (in MiB it would read "budget 0.0 MiB").
     assert_eq!(err.matches("below the smallest peak").count(), 1, "{err}");
     assert!(err.contains("budget 1.0 KiB is below"), "{err}");
 }
 
 /// The depth sweep's `sqrt` rows, where the parameter gradients of many narrow blocks are held
-/// through the first segments' backward: within 5 % of the meter. Before, every gradient tensor's
-/// record (about 270 bytes on the heap beside its elements) was left out, and `sqrt` at depth 16
-/// was predicted 10.2 % low (under-prediction is the unsafe direction for a budget).
+/// through the first segments' backward: within 5 % of the meter. Leaving out every gradient
+/// tensor's record (about 270 bytes on the heap beside its elements) would predict `sqrt` at depth
+/// 16 10.2 % low (under-prediction is the unsafe direction for a budget).
 #[test]
 fn deep_sqrt_predictions_count_the_gradients_records() {
     let dir = out_dir("planner-depth");

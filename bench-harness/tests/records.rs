@@ -19,8 +19,8 @@ fn batch_and_input_size_reach_the_record() {
     }
 }
 
-/// Each record names the command that measured it, and a folder filled by two runs lists both
-/// (before, the reports named only the last run's).
+/// Each record names the command that measured it, and a folder filled by two runs lists both,
+/// not only the last run's.
 #[test]
 fn every_record_names_the_command_that_measured_it() {
     let dir = out_dir("commands");

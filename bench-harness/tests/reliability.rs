@@ -1,6 +1,6 @@
 //! The harness under hostile conditions: a memory cap that one policy fits and another does not,
 //! a `kill -9` in the middle of a run, a run from another directory, inputs that select nothing.
-//! Each of these failed before (the test says how).
+//! Each test says what would go wrong without its safeguard.
 
 mod common;
 use common::{harness, out_dir, record, records};
@@ -9,8 +9,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A cap between `sqrt`'s peak and `off`'s: `sqrt` is recorded `ok` and `off` `oom` with the phase
-/// named. Before, the gradient check ran an `off` step inside the same capped process, so a
-/// fitting `sqrt` was recorded `oom` too, and the record said only "memory allocation of N bytes
+/// named. A gradient check that ran an `off` step inside the same capped process would record a
+/// fitting `sqrt` as `oom` too, and the record would say only "memory allocation of N bytes
 /// failed".
 #[test]
 fn a_cap_that_sqrt_fits_records_sqrt_ok_and_names_where_off_ran_out() {
@@ -74,8 +74,8 @@ fn alive(pid: u32) -> bool {
     !stat.is_empty() && stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) != Some("Z")
 }
 
-/// `kill -9` of the harness takes its running child with it. Before, the `run-one` child ran on
-/// to completion (on a GPU it would hold the device).
+/// `kill -9` of the harness takes its running child with it. Otherwise the `run-one` child would
+/// run on to completion (on a GPU it would hold the device).
 #[test]
 #[cfg(target_os = "linux")]
 fn a_killed_harness_leaves_no_child() {
@@ -106,8 +106,8 @@ fn a_killed_harness_leaves_no_child() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The commit recorded is the project's, wherever the harness runs from. Before, it was read from
-/// the current directory's repository (a foreign commit, or none).
+/// The commit recorded is the project's, wherever the harness runs from. Read from the current
+/// directory's repository, it would be a foreign commit, or none.
 #[test]
 fn the_recorded_commit_is_the_projects_from_any_directory() {
     let project = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -130,8 +130,8 @@ fn the_recorded_commit_is_the_projects_from_any_directory() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Inputs that cannot mean anything fail with a message and a non-zero exit. Before, a cap of 0 or
-/// below was accepted, and a selection of nothing wrote an empty matrix and exited 0.
+/// Inputs that cannot mean anything fail with a message and a non-zero exit. Unchecked, a cap of 0
+/// or below would be accepted, and a selection of nothing would write an empty matrix and exit 0.
 #[test]
 fn caps_below_one_byte_and_empty_selections_fail() {
     let dir = out_dir("nothing");
@@ -149,8 +149,8 @@ fn caps_below_one_byte_and_empty_selections_fail() {
     assert!(!dir.join("matrix.json").exists(), "nothing ran, so nothing is written");
 }
 
-/// A truncated matrix.json no longer blocks a fresh run: `--force` sets it aside. Before, even
-/// `--force` failed on it.
+/// A truncated matrix.json does not block a fresh run: `--force` sets it aside instead of failing
+/// to read it.
 #[test]
 fn force_sets_an_unreadable_matrix_aside() {
     let dir = out_dir("truncated");

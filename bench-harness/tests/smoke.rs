@@ -79,8 +79,8 @@ fn smoke_matrix_checks_every_model_and_policy() {
     let again = harness(&["--matrix", "all", "--profile", "smoke", "--steps", "2", "--out", dir.to_str().unwrap()]);
     assert!(again.status.success());
     assert!(!String::from_utf8_lossy(&again.stderr).contains("grads = plain candle"), "a finished configuration was rerun");
-    // A resume under another configuration is refused, naming what differs (it used to keep the
-    // old records as if they matched).
+    // A resume under another configuration is refused, naming what differs, rather than keeping
+    // the old records as if they matched.
     for (flag, value, says) in [("--batch", "3", "batch 2 vs 3"), ("--steps", "1", "timed steps 2 vs 1")] {
         let mut args = vec!["--matrix", "all", "--profile", "smoke", "--steps", "2", "--out", dir.to_str().unwrap()];
         args.retain(|a| !(flag == "--steps" && (*a == "--steps" || *a == "2")));

@@ -7,7 +7,7 @@ use datasets::text::WordVocab;
 use datasets::tokenizer::Tokenizer;
 use layers::Model;
 use remat::memory::CountingAlloc;
-use remat::Policy;
+use remat::PolicyRequest;
 use std::path::PathBuf;
 
 #[global_allocator]
@@ -29,7 +29,7 @@ struct Args {
     /// off, sqrt, every-two-blocks, every-n=K, explicit=I,J,..., budget=SIZE (the plan with the
     /// least recompute that fits SIZE, model state included), auto
     #[arg(long, default_value = "every-two-blocks")]
-    policy: Policy,
+    policy: PolicyRequest,
     #[arg(long, default_value_t = 2)]
     batch: usize,
     /// The sequence length: of every sequence on the synthetic corpus, the longest with --text.

@@ -70,7 +70,7 @@ fn gradients_equal_off_bit_for_bit() {
     }
 }
 
-/// The same in mixed precision, on padded batches (before, only GPT-2 was checked in bf16 and f16).
+/// The same in mixed precision, on padded batches.
 #[test]
 fn half_precision_gradients_equal_off_bit_for_bit() {
     for dtype in [Precision::Bf16, Precision::F16, Precision::Bf16Weights] {

@@ -6,8 +6,9 @@ fn fails_saying(args: &[&str], needle: &str) {
     assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
 }
 
-/// `--vocab` without text data used to print the synthetic corpus's vocabulary size and train a
-/// random model without a word about the file it was given; each of the others was as silent.
+/// Options that would go unused are refused. Unchecked, `--vocab` without text data would print the
+/// synthetic corpus's vocabulary size and train a random model without a word about the file it
+/// was given; each of the others would be as silent.
 #[test]
 fn options_that_would_go_unused_are_refused() {
     let tiny = ["--preset", "tiny", "--steps", "1"];

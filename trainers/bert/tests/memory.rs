@@ -51,8 +51,8 @@ fn off_forward_end() -> u64 {
 // 39 MB at the end of forward; candle's backward adds the gradients in flight (measured, not
 // derived; the fused GELU's backward is one pass): 41 MB. `sqrt`: segments of 5 layers; a
 // recomputed segment holds 5 x 1.58 = 8 MB plus the embeddings or the stored boundaries, and its
-// backward's gradients: 10 MB. (Before the fused dropout, candle's backward also kept, until it
-// returned, a gradient for every dropout mask: a constant operand of a product, whose gradient
-// candle computes and stores but never releases; that was most of the 0.4-0.6x it added.)
+// backward's gradients: 10 MB. (With a composed dropout, candle's backward would also keep, until
+// it returned, a gradient for every dropout mask: a constant operand of a product, whose gradient
+// candle computes and stores but never releases; that would add most of 0.4-0.6x.)
 const OFF_ACTIVATION: u64 = 41_262_862;
 const SQRT_ACTIVATION: u64 = 10_195_079;

@@ -128,9 +128,9 @@ fn text_through_a_tokenizer_trains_and_the_loss_falls() {
 }
 
 /// A `tokenizer.json` as sentence-transformers and many BERT checkpoints publish it: padding to
-/// 128 and truncation at 128 set. Before, every line came back as 128 ids (mostly `[PAD]`, fed as
-/// tokens with mask 1), a longer document was cut, and at `--seq 32` a batch of padding alone had
-/// nothing to score: `step 0 loss NaN`.
+/// 128 and truncation at 128 set. Were those settings honoured, every line would come back as 128
+/// ids (mostly `[PAD]`, fed as tokens with mask 1), a longer document would be cut, and at `--seq 32`
+/// a batch of padding alone would have nothing to score: `step 0 loss NaN`.
 #[test]
 fn a_published_tokenizer_with_padding_and_truncation_set_trains() {
     let dir = temp_dir("published-tokenizer");

@@ -8,7 +8,7 @@ use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
 use layers::Model;
 use remat::memory::CountingAlloc;
-use remat::Policy;
+use remat::PolicyRequest;
 use std::path::PathBuf;
 
 #[global_allocator]
@@ -30,7 +30,7 @@ struct Args {
     /// Checkpointing policy: off, sqrt, every-two-blocks, every-n=K, explicit=I,J,...,
     /// budget=SIZE (the plan with the least recompute that fits SIZE, model state included), auto
     #[arg(long, default_value = "sqrt")]
-    policy: Policy,
+    policy: PolicyRequest,
     #[arg(long, default_value_t = 50)]
     steps: usize,
     #[arg(long, default_value_t = 2)]

@@ -1,5 +1,5 @@
 //! The trainer's command line under bad input. The code is `trainkit`'s, shared by every trainer;
-//! GPT-2's binary stands for all four. Each of these failed before (the test says how).
+//! GPT-2's binary stands for all four. Each test says what would go wrong without its check.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -16,7 +16,8 @@ fn fails_saying(args: &[&str], needle: &str) -> String {
 }
 
 /// A `--save` that cannot be written fails before the first step, and leaves no temporary file.
-/// Before, it failed after the last step, and a directory target kept `*.safetensors.partial`.
+/// Checked only at the end, it would fail after the last step, and a directory target would keep
+/// `*.safetensors.partial`.
 #[test]
 fn an_unwritable_save_path_fails_before_training() {
     let dir = std::env::temp_dir().join(format!("cli-save-{}", std::process::id()));
@@ -29,7 +30,7 @@ fn an_unwritable_save_path_fails_before_training() {
 }
 
 /// A learning rate that is not a positive finite number, and a loss that stops being finite, end
-/// the run with an error. Before, both ran to the end with exit 0.
+/// the run with an error, where unchecked both would run to the end with exit 0.
 #[test]
 fn non_finite_learning_rates_and_losses_fail() {
     fails_saying(&["--lr", "nan"], "is not a positive finite number");
@@ -38,8 +39,9 @@ fn non_finite_learning_rates_and_losses_fail() {
 }
 
 /// A reader that closes the pipe after one line (`2>&1 | head -1`) ends the trainer quietly, no
-/// panic, with exit 141 as a process that SIGPIPE ended: the run did not do its work. Before, it
-/// panicked with exit 101, and then exited 0 without training or saving anything.
+/// panic, with exit 141 as a process that SIGPIPE ended: the run did not do its work. `eprintln!`
+/// would panic (exit 101), and a quiet exit 0 would report success for a run that neither trained
+/// nor saved anything.
 #[test]
 fn a_closed_pipe_ends_the_run_quietly() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
@@ -54,8 +56,8 @@ fn a_closed_pipe_ends_the_run_quietly() {
     assert_eq!(status.code(), Some(trainkit::CLOSED_PIPE_EXIT), "{first}: exited with {status}");
 }
 
-/// A config.json whose values cannot describe a model names the field. Before, `vocab_size: 0`
-/// was blamed on `--data` and `layer_norm_epsilon: -1` trained to the end.
+/// A config.json whose values cannot describe a model names the field. Unchecked, `vocab_size: 0`
+/// would be blamed on `--data` and `layer_norm_epsilon: -1` would train to the end.
 #[test]
 fn a_bad_config_names_its_field() {
     let dir = std::env::temp_dir().join(format!("cli-config-{}", std::process::id()));
@@ -73,8 +75,8 @@ fn a_bad_config_names_its_field() {
 }
 
 /// Sizes this machine cannot hold are refused before anything is allocated, naming the flags and
-/// the bytes. Before, `--batch 18446744073709551615` panicked with `capacity overflow` and
-/// `--batch 100000000000` aborted with `memory allocation of ... bytes failed`.
+/// the bytes. Without the check, `--batch 18446744073709551615` would panic with `capacity
+/// overflow` and `--batch 100000000000` would abort with `memory allocation of ... bytes failed`.
 #[test]
 fn impossible_sizes_name_the_flags() {
     for batch in ["18446744073709551615", "100000000000"] {
@@ -138,9 +140,9 @@ fn scratch(name: &str) -> std::path::PathBuf {
 }
 
 /// A resume whose flags differ from the run that wrote the training snapshot is refused, naming
-/// the flag and both values; the policy may change. Before, only the seed and the step were
-/// checked: `--batch`, `--dtype` and `--optimizer` (AdamW's moments silently dropped when
-/// resuming as SGD) changed and the run went on.
+/// the flag and both values; the policy may change. Checking only the seed and the step would let
+/// `--batch`, `--dtype` and `--optimizer` (AdamW's moments silently dropped when resuming as SGD)
+/// change while the run went on.
 #[test]
 fn a_resume_with_other_flags_is_refused() {
     let dir = scratch("resume-flags");
@@ -166,8 +168,8 @@ fn a_resume_with_other_flags_is_refused() {
 }
 
 /// An output path that exists and is not a regular file is refused before training, and left as
-/// it was; so is one path given for two outputs. Before, as root, `--save /dev/full` turned the
-/// device into a regular file and a symlink was replaced by a file.
+/// it was; so is one path given for two outputs. Otherwise, as root, `--save /dev/full` would turn
+/// the device into a regular file, and a symlink would be replaced by a file.
 #[test]
 fn outputs_must_be_regular_files_of_their_own() {
     let dir = scratch("outputs");
@@ -190,9 +192,9 @@ fn outputs_must_be_regular_files_of_their_own() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A corrupted training snapshot or weights snapshot is refused on load, naming the file. Before,
-/// 0xff bytes failed steps later with "loss is NaN ... a lower --lr may help", and finite garbage
-/// resumed silently.
+/// A corrupted training snapshot or weights snapshot is refused on load, naming the file. Unchecked,
+/// 0xff bytes would fail steps later with "loss is NaN ... a lower --lr may help", and finite
+/// garbage would resume silently.
 #[test]
 fn a_corrupted_snapshot_is_detected() {
     let dir = scratch("corrupted");
@@ -214,8 +216,8 @@ fn a_corrupted_snapshot_is_detected() {
 }
 
 /// Options that would be ignored are refused: `--dry-run` with outputs or a resume, `--init` with
-/// `--resume`, counts of 0, an evaluation that would run for days. Before, each ran without a word
-/// (and `--eval-batches 100000000000` hung).
+/// `--resume`, counts of 0, an evaluation that would run for days. Unchecked, each would run
+/// without a word (and `--eval-batches 100000000000` would hang).
 #[test]
 fn options_that_would_be_ignored_are_refused() {
     for (args, said) in [
@@ -234,8 +236,8 @@ fn options_that_would_be_ignored_are_refused() {
 }
 
 /// A step that cannot fit is refused before it is allocated, naming the flags, with exit 1 (no
-/// abort, no OOM kill). Before, `--batch 1000000` was killed by the kernel after 54 s (taking the
-/// machine with it) and a config of 100000 layers aborted after 59 s.
+/// abort, no OOM kill). Unchecked, `--batch 1000000` would be killed by the kernel after 54 s
+/// (taking the machine with it) and a config of 100000 layers would abort after 59 s.
 #[test]
 fn steps_and_models_that_cannot_fit_are_refused_first() {
     let start = std::time::Instant::now();
@@ -257,7 +259,7 @@ fn steps_and_models_that_cannot_fit_are_refused_first() {
 }
 
 /// Under `--memory-cap`, a policy the planner predicts above the cap is refused before training,
-/// with exit 1 and the prediction. Before, the run aborted at the allocation that crossed the cap
+/// with exit 1 and the prediction, rather than aborting at the allocation that crosses the cap
 /// (SIGABRT, exit 134).
 #[test]
 fn a_policy_predicted_above_the_memory_cap_is_refused_before_training() {
@@ -275,9 +277,9 @@ fn one_segment_is_singular() {
     assert!(out.status.success() && err.contains("(1 segment)"), "{err}");
 }
 
-/// A `--log-json` that can no longer be written ends the run naming the file. Before, a full disk
-/// said only "No space left on device". Emulated without root by a file size limit
-/// (RLIMIT_FSIZE, with SIGXFSZ ignored so the write fails instead of killing the process).
+/// A `--log-json` that can no longer be written ends the run naming the file; a bare I/O error
+/// would say only "No space left on device". A full disk is emulated without root by a file size
+/// limit (RLIMIT_FSIZE, with SIGXFSZ ignored so the write fails instead of killing the process).
 #[test]
 fn a_log_that_cannot_be_written_names_its_file() {
     use std::os::unix::process::CommandExt;

@@ -39,6 +39,6 @@ fn bad_precision_input_is_refused() {
     fails(&["--dtype", "f8"], "valid dtypes: f32, bf16, f16, bf16-weights");
     fails(&["--loss-scale", "1024"], "--loss-scale applies to --dtype f16 only");
     fails(&["--dtype", "f16", "--loss-scale", "0"], "is not a positive number f32 can hold");
-    // Above f32's largest number every step overflowed and was skipped.
+    // Above f32's largest number every step would overflow and be skipped.
     fails(&["--dtype", "f16", "--loss-scale", "1e40"], "is not a positive number f32 can hold");
 }

@@ -15,9 +15,9 @@ fn a_resumed_f16_run_keeps_its_loss_scale() {
     testkit::assert_resume_is_bit_identical(env!("CARGO_BIN_EXE_train-gpt2"), &args);
 }
 
-/// Every optimizer under every dtype resumes bit for bit. Before, `--dtype bf16-weights` with SGD
-/// could never resume: the snapshot holds the velocity in f32 and it came back as bf16, which no
-/// in-place update takes ("sgd-v: no in-place update of BF16 from BF16").
+/// Every optimizer under every dtype resumes bit for bit. The snapshot holds SGD's velocity in f32;
+/// loaded back as bf16 under `--dtype bf16-weights`, it would stop the resume, as no in-place update
+/// takes it ("sgd-v: no in-place update of BF16 from BF16").
 #[test]
 fn every_optimizer_resumes_bit_identically_under_every_dtype() {
     for optimizer in ["sgd", "adamw", "adafactor"] {

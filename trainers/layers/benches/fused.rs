@@ -99,7 +99,7 @@ fn bench(c: &mut Criterion) {
         (
             "dropout (2, 256, 768)",
             Box::new(|| fused::dropout(&x, key, 0.1)),
-            // What `layers::dropout` did before: draw the mask, hold it, multiply.
+            // The composed dropout: draw the mask, hold it, multiply.
             Box::new(|| x.as_tensor() * Tensor::from_vec(key.dropout_mask(x.elem_count(), 0.1), x.shape(), &Device::Cpu)?),
         ),
         ("conv2d 7x7/2 (8, 3, 128, 128) -> 64", Box::new(|| layers::conv2d(&img, &stem_w, 3, 2)), Box::new(|| img.conv2d(&stem_w, 3, 2, 1, 1))),
@@ -109,7 +109,7 @@ fn bench(c: &mut Criterion) {
         (
             "max_pool 3x3/2 (8, 64, 64, 64)",
             Box::new(|| layers::max_pool2d_k3s2p1(&feat)),
-            // What the stem pool was before: separable, rows then columns, composed.
+            // The composed stem pool: separable, rows then columns.
             Box::new(|| {
                 let pool = |x: &Tensor, axis: usize| -> Result<Tensor> {
                     let pad = |len: usize| {

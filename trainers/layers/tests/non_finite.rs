@@ -1,7 +1,8 @@
 //! A NaN or an infinity in any input of a fused op comes out of it, forward and (where PyTorch's
-//! gradient depends on the values) backward, as it does in PyTorch. Before, BatchNorm's fused ReLU
-//! turned NaN into 0 (`f32::max` ignores NaN), so one NaN voxel trained the 3D U-Net with a finite
-//! loss near ln 3 while NaN reached its weights; and an all-NaN softmax row came out as zeros.
+//! gradient depends on the values) backward, as it does in PyTorch. Without this, BatchNorm's fused
+//! ReLU would turn NaN into 0 (`f32::max` ignores NaN), so one NaN voxel would train the 3D U-Net
+//! with a finite loss near ln 3 while NaN reached its weights; and an all-NaN softmax row would come
+//! out as zeros.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use layers::{conv3d, conv_transpose3d_k2s2, fused, max_pool2d_k3s2p1, Conv3dGeometry};

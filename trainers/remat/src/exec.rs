@@ -223,7 +223,7 @@ impl<'g> Executor<'g> {
         finished: &mut dyn FnMut(&[usize], &mut GradStore) -> candle_core::Result<()>,
     ) -> Result<StepOutput> {
         if inputs.len() != self.graph.n_inputs() {
-            return Err(Error::Graph(format!("expected {} inputs, got {}", self.graph.n_inputs(), inputs.len())));
+            return Err(Error::Inputs { expected: self.graph.n_inputs(), got: inputs.len() });
         }
         let schedule = self.schedule.get();
         // A micro-batch after the first adds complete gradients only, so it must know how many
@@ -232,7 +232,7 @@ impl<'g> Executor<'g> {
         let expected = match (fresh, schedule) {
             (true, _) => None,
             (false, Some(schedule)) => Some(&schedule.contributions[..]),
-            (false, None) => return Err(Error::Graph("accumulate: the first micro-batch must start from empty gradients".into())),
+            (false, None) => return Err(Error::FirstMicroBatch),
         };
         let mut run = StepRun::start(self, inputs, step);
         // Rule 8: the earlier micro-batches' gradients are held throughout.

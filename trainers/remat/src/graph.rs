@@ -107,7 +107,7 @@ impl StageGraph {
     /// stage output. Values are dropped after their last reader.
     fn forward_all(&self, inputs: &[Tensor], ctx: impl Fn(usize) -> StageCtx, detach: bool) -> Result<Tensor> {
         if inputs.len() != self.n_inputs {
-            return Err(Error::Graph(format!("expected {} inputs, got {}", self.n_inputs, inputs.len())));
+            return Err(Error::Inputs { expected: self.n_inputs, got: inputs.len() });
         }
         let output = self.output()?;
         let last_reader = self.last_readers();

@@ -21,7 +21,7 @@ pub mod stage;
 
 pub use exec::{Executor, StepOutput};
 pub use graph::{StageGraph, ValueId};
-pub use policy::{Policy, PolicyError};
+pub use policy::{Policy, PolicyError, PolicyRequest};
 pub use stage::{from_fn, module, Stage, StageCtx, StageKind};
 
 /// Errors of the checkpointing engine.
@@ -34,8 +34,21 @@ pub enum Error {
     /// Not a `source`: the message already includes it, and a chain would print it twice.
     #[error("{policy}: {reason}")]
     Plan { policy: String, reason: Box<plan::PlanError> },
+    /// A graph that cannot run: a stage reads a value nothing produced, no loss, no stages.
     #[error("stage graph: {0}")]
     Graph(String),
+    #[error("the graph takes {expected} inputs; {got} were given")]
+    Inputs { expected: usize, got: usize },
+    /// The caller's data (a profile's `inputs_at`) failed.
+    #[error("the inputs: {0}")]
+    Data(String),
+    #[error("accumulate: the first micro-batch must start from empty gradients")]
+    FirstMicroBatch,
+    #[error("`auto` needs a memory limit: a --memory-cap on the CPU, or a GPU's free memory")]
+    NoMemoryLimit,
+    /// Profiles the planner cannot use (two that are not of one graph at two batch sizes).
+    #[error(transparent)]
+    Profile(#[from] plan::PlanError),
     #[error("stage {stage} (`{name}`): {source}")]
     Stage { stage: usize, name: String, source: candle_core::Error },
 }

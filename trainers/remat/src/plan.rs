@@ -23,7 +23,7 @@
 
 use crate::graph::{StageGraph, ValueId};
 use crate::memory::{set_activity, tensor_bytes, Activity, Counter, Phase};
-use crate::policy::Policy;
+use crate::policy::{Policy, PolicyRequest};
 use crate::rules::Wiring;
 use crate::stage::{StageCtx, StageKind};
 use crate::{Error, Result};
@@ -163,7 +163,7 @@ pub struct Plan {
 
 impl Plan {
     pub fn policy(&self) -> Policy {
-        Policy::Plan(self.starts[1..].to_vec())
+        Policy::BeforeStages(self.starts[1..].to_vec())
     }
 }
 
@@ -208,7 +208,7 @@ impl Profile {
     /// is updated (BatchNorm statistics) and dropout draws as in a step.
     pub fn measure(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: usize, seed: u64) -> Result<Profile> {
         if inputs.len() != graph.n_inputs() {
-            return Err(Error::Graph(format!("expected {} inputs, got {}", graph.n_inputs(), inputs.len())));
+            return Err(Error::Inputs { expected: graph.n_inputs(), got: inputs.len() });
         }
         let counter = Counter::for_device(inputs.first().map_or(&candle_core::Device::Cpu, |t| t.device()));
         let n_inputs = graph.n_inputs();
@@ -270,7 +270,7 @@ impl Profile {
         batch: usize,
         seed: u64,
     ) -> Result<Profile> {
-        let inputs = inputs_at(batch).map_err(|e| Error::Graph(format!("{e:#}")))?;
+        let inputs = inputs_at(batch).map_err(|e| Error::Data(format!("{e:#}")))?;
         Profile::measure(graph, &inputs, params, batch, seed)?;
         Profile::measure(graph, &inputs, params, batch, seed)
     }
@@ -288,7 +288,7 @@ impl Profile {
         seed: u64,
     ) -> Result<Profile> {
         let (one, two) = (Profile::at_batch(graph, &inputs_at, params, probes.0, seed)?, Profile::at_batch(graph, &inputs_at, params, probes.1, seed)?);
-        Profile::extrapolate(&one, &two, batch).map_err(|e| Error::Graph(e.to_string()))
+        Ok(Profile::extrapolate(&one, &two, batch)?)
     }
 
     /// The profile at `batch`, from profiles `a` and `b` of the same graph at two batch sizes:
@@ -704,17 +704,17 @@ impl<'p> Walk<'p> {
 /// The most cut positions [`frontier`] searches (ResNet-152 has 52, a 1024-block stack 1024).
 pub const FRONTIER_CUTS: usize = 64;
 
-/// Turns `budget=`/`auto` into a [`Policy::Plan`] for `profile`; other policies are returned as
-/// they are. `fixed`: the heap before a step
+/// Turns `budget=`/`auto` into a [`Policy::BeforeStages`] plan for `profile`; a policy is returned
+/// as it is. `fixed`: the heap before a step
 /// (parameters, optimizer state, inputs); `available`: what `auto` may use (the device's free
 /// memory less a margin, or the memory cap).
-pub fn resolve(policy: &Policy, profile: &Profile, fixed: u64, held_grads: u64, available: Option<u64>) -> Result<(Policy, Option<Plan>)> {
-    let budget = match policy {
-        Policy::Budget(b) => *b,
-        Policy::Auto => available.ok_or_else(|| Error::Graph("`auto` needs a memory limit: a --memory-cap on the CPU, or a GPU's free memory".into()))?,
-        other => return Ok((other.clone(), None)),
+pub fn resolve(request: &PolicyRequest, profile: &Profile, fixed: u64, held_grads: u64, available: Option<u64>) -> Result<(Policy, Option<Plan>)> {
+    let budget = match request {
+        PolicyRequest::Budget(b) => *b,
+        PolicyRequest::Auto => available.ok_or(Error::NoMemoryLimit)?,
+        PolicyRequest::Fixed(policy) => return Ok((policy.clone(), None)),
     };
-    let plan = profile.plan(budget, fixed, held_grads).map_err(|reason| Error::Plan { policy: policy.to_string(), reason: Box::new(reason) })?;
+    let plan = profile.plan(budget, fixed, held_grads).map_err(|reason| Error::Plan { policy: request.to_string(), reason: Box::new(reason) })?;
     Ok((plan.policy(), Some(plan)))
 }
 

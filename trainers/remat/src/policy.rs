@@ -1,11 +1,13 @@
 //! Checkpointing policies: which stage boundaries are stored.
 //!
-//! A policy names the stages whose inputs start a new segment. Everything that crosses a segment
-//! boundary is stored in forward; everything inside a segment is discarded and recomputed in
-//! backward. The last segment is never recomputed: its forward graph is kept for backward.
+//! A [`Policy`] names the stages whose inputs start a new segment, so it always cuts a graph.
+//! Everything that crosses a segment boundary is stored in forward; everything inside a segment
+//! is discarded and recomputed in backward. The last segment is never recomputed: its forward
+//! graph is kept for backward.
 //!
-//! `budget=SIZE` and `auto` are requests to the planner ([`crate::plan`]): they become a
-//! [`Policy::Plan`] once the model's stages have been profiled ([`crate::plan::resolve`]).
+//! What a user asks for with `--policy` is a [`PolicyRequest`]: a policy, or `budget=SIZE` and
+//! `auto`, requests to the planner ([`crate::plan`]) that become a [`Policy::BeforeStages`] plan
+//! once the model's stages have been profiled ([`crate::plan::resolve`]).
 
 use crate::graph::{stages_of_kind, StageGraph};
 use crate::stage::StageKind;
@@ -23,10 +25,18 @@ pub enum Policy {
     EveryN(usize),
     /// A boundary before every downsampling stage (U-Net: the skip tensors).
     BeforeDownsample,
-    /// A boundary before each listed block (0-based block indices).
-    Explicit(Vec<usize>),
-    /// Segments starting at these stage indices (what the planner chooses; any stage may start one).
-    Plan(Vec<usize>),
+    /// `explicit=I,J,...`: a boundary before each listed block, counted among the blocks only
+    /// (0-based; the stem, pooling and head are not blocks).
+    BeforeBlocks(Vec<usize>),
+    /// `plan=I,J,...`: a boundary before each listed stage, counted among all stages (what the
+    /// planner chooses; any stage may start a segment).
+    BeforeStages(Vec<usize>),
+}
+
+/// What `--policy` asks for: a policy, or the planner's choice for a memory budget.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PolicyRequest {
+    Fixed(Policy),
     /// The plan with the least recompute whose predicted peak, model state included, fits this
     /// many bytes.
     Budget(u64),
@@ -43,12 +53,14 @@ pub enum PolicyError {
     Invalid { policy: String, why: String },
     #[error("policy `{policy}` does not apply to this model: {why}")]
     NotApplicable { policy: String, why: String },
+    #[error("`{0}` is a request to the planner, not a policy: resolve it from the model's profile first (remat::plan::resolve)")]
+    NeedsPlan(String),
 }
 
 const VALID: &str = "off, sqrt, every-two-blocks, every-n=K (K >= 1), before-downsample, explicit=I,J,... (block indices), \
                      plan=I,J,... (stage indices), budget=SIZE (e.g. 2GiB), auto";
 
-impl FromStr for Policy {
+impl FromStr for PolicyRequest {
     type Err = PolicyError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
@@ -56,23 +68,36 @@ impl FromStr for Policy {
         let list = |v: &str| -> Result<Vec<usize>, PolicyError> {
             v.split(',').map(|i| i.trim().parse::<usize>().map_err(|_| invalid("expected comma-separated block indices"))).collect()
         };
+        let fixed = |p| Ok(PolicyRequest::Fixed(p));
         match s.trim() {
-            "off" => Ok(Policy::Off),
-            "sqrt" => Ok(Policy::Sqrt),
-            "every-two-blocks" => Ok(Policy::EveryN(2)),
-            "before-downsample" => Ok(Policy::BeforeDownsample),
-            "auto" => Ok(Policy::Auto),
+            "off" => fixed(Policy::Off),
+            "sqrt" => fixed(Policy::Sqrt),
+            "every-two-blocks" => fixed(Policy::EveryN(2)),
+            "before-downsample" => fixed(Policy::BeforeDownsample),
+            "auto" => Ok(PolicyRequest::Auto),
             t => match t.split_once('=') {
                 Some(("every-n", k)) => match k.trim().parse::<usize>() {
-                    Ok(k) if k >= 1 => Ok(Policy::EveryN(k)),
+                    Ok(k) if k >= 1 => fixed(Policy::EveryN(k)),
                     _ => Err(invalid("K must be an integer >= 1")),
                 },
-                Some(("explicit", v)) => Ok(Policy::Explicit(list(v)?)),
+                Some(("explicit", v)) => fixed(Policy::BeforeBlocks(list(v)?)),
                 // An empty plan is one segment (what a budget that fits `off` gives).
-                Some(("plan", v)) => Ok(Policy::Plan(if v.trim().is_empty() { Vec::new() } else { list(v)? })),
-                Some(("budget", v)) => Ok(Policy::Budget(crate::memory::parse_size(v).map_err(|e| invalid(&e))?)),
+                Some(("plan", v)) => fixed(Policy::BeforeStages(if v.trim().is_empty() { Vec::new() } else { list(v)? })),
+                Some(("budget", v)) => Ok(PolicyRequest::Budget(crate::memory::parse_size(v).map_err(|e| invalid(&e))?)),
                 _ => Err(PolicyError::Unknown(s.to_string())),
             },
+        }
+    }
+}
+
+/// A policy by name; `budget=` and `auto` are refused ([`PolicyError::NeedsPlan`]).
+impl FromStr for Policy {
+    type Err = PolicyError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.parse::<PolicyRequest>()? {
+            PolicyRequest::Fixed(p) => Ok(p),
+            _ => Err(PolicyError::NeedsPlan(s.trim().to_string())),
         }
     }
 }
@@ -85,10 +110,34 @@ impl fmt::Display for Policy {
             Policy::EveryN(2) => write!(f, "every-two-blocks"),
             Policy::EveryN(k) => write!(f, "every-n={k}"),
             Policy::BeforeDownsample => write!(f, "before-downsample"),
-            Policy::Explicit(v) => write!(f, "explicit={}", joined(v)),
-            Policy::Plan(v) => write!(f, "plan={}", joined(v)),
-            Policy::Budget(bytes) => write!(f, "budget={}", crate::memory::format_size(*bytes)),
-            Policy::Auto => write!(f, "auto"),
+            Policy::BeforeBlocks(v) => write!(f, "explicit={}", joined(v)),
+            Policy::BeforeStages(v) => write!(f, "plan={}", joined(v)),
+        }
+    }
+}
+
+impl fmt::Display for PolicyRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PolicyRequest::Fixed(p) => p.fmt(f),
+            PolicyRequest::Budget(bytes) => write!(f, "budget={}", crate::memory::format_size(*bytes)),
+            PolicyRequest::Auto => write!(f, "auto"),
+        }
+    }
+}
+
+impl From<Policy> for PolicyRequest {
+    fn from(p: Policy) -> Self {
+        PolicyRequest::Fixed(p)
+    }
+}
+
+impl PolicyRequest {
+    /// The policy asked for, where it is one (not `budget=` or `auto`).
+    pub fn fixed(&self) -> Option<&Policy> {
+        match self {
+            PolicyRequest::Fixed(p) => Some(p),
+            _ => None,
         }
     }
 }
@@ -98,11 +147,6 @@ fn joined(v: &[usize]) -> String {
 }
 
 impl Policy {
-    /// Whether the planner must resolve this policy ([`crate::plan::resolve`]) before it cuts a graph.
-    pub fn needs_plan(&self) -> bool {
-        matches!(self, Policy::Budget(_) | Policy::Auto)
-    }
-
     /// Cuts the graph's stages into contiguous segments.
     pub fn segments(&self, graph: &StageGraph) -> Result<Vec<Range<usize>>, PolicyError> {
         self.segments_of(&graph.kinds())
@@ -125,17 +169,14 @@ impl Policy {
                 }
                 down
             }
-            Policy::Explicit(idx) => idx
+            Policy::BeforeBlocks(idx) => idx
                 .iter()
                 .map(|&i| blocks.get(i).copied().ok_or_else(|| not_applicable(format!("block {i} does not exist (the model has {} blocks)", blocks.len()))))
                 .collect::<Result<_, _>>()?,
-            Policy::Plan(starts) => match starts.iter().find(|&&s| s >= n) {
+            Policy::BeforeStages(starts) => match starts.iter().find(|&&s| s >= n) {
                 Some(s) => return Err(not_applicable(format!("stage {s} does not exist (the model has {n} stages)"))),
                 None => starts.clone(),
             },
-            Policy::Budget(_) | Policy::Auto => {
-                return Err(not_applicable("the planner resolves it from the model's profile first (remat::plan::resolve)".into()))
-            }
         };
         let mut cuts: Vec<usize> = std::iter::once(0).chain(starts).chain(std::iter::once(n)).collect();
         cuts.sort_unstable();
@@ -186,16 +227,17 @@ mod tests {
         for s in
             ["off", "sqrt", "every-two-blocks", "every-n=3", "before-downsample", "explicit=1,4", "plan=0,3,7", "plan=", "budget=2GiB", "budget=300MiB", "auto"]
         {
-            assert_eq!(s.parse::<Policy>().unwrap().to_string(), s);
+            assert_eq!(s.parse::<PolicyRequest>().unwrap().to_string(), s);
         }
-        assert_eq!("budget=1.5GiB".parse::<Policy>().unwrap(), Policy::Budget(1536 << 20));
+        assert_eq!("budget=1.5GiB".parse::<PolicyRequest>().unwrap(), PolicyRequest::Budget(1536 << 20));
         assert_eq!("every-n=2".parse::<Policy>().unwrap(), Policy::EveryN(2));
+        assert!(matches!("auto".parse::<Policy>(), Err(PolicyError::NeedsPlan(_))));
     }
 
     #[test]
     fn bad_names_list_the_valid_ones() {
         for bad in ["sqrtt", "every-n=0", "every-n=x", "explicit=a", "", "budget=lots", "budget=-1GiB"] {
-            let e = bad.parse::<Policy>().unwrap_err().to_string();
+            let e = bad.parse::<PolicyRequest>().unwrap_err().to_string();
             assert!(e.contains("every-two-blocks") && e.contains("before-downsample"), "{e}");
         }
     }
@@ -212,7 +254,6 @@ mod tests {
         assert_eq!(seg("explicit=0,5"), vec![0..2, 2..7, 7..12]);
         assert_eq!(seg("plan=1,6"), vec![0..1, 1..6, 6..12]);
         assert!(seg_err(&g, "plan=12").contains("stage 12 does not exist"));
-        assert!(seg_err(&g, "budget=1GiB").contains("planner"));
         assert!(seg_err(&g, "explicit=9").contains("block 9 does not exist"));
     }
 

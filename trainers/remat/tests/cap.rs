@@ -1,7 +1,7 @@
 //! An allocation beyond the heap cap ends the process with exit 1 after one line that names it
-//! (and the hint set for the phase), as an out-of-memory error would end a run. Before, the
-//! allocator returned null and Rust aborted: SIGABRT, exit 134, "memory allocation of N bytes
-//! failed", which a trainer's user saw as a crash.
+//! (and the hint set for the phase), as an out-of-memory error would end a run. An allocator that
+//! returned null instead would make Rust abort: SIGABRT, exit 134, "memory allocation of N bytes
+//! failed", which a trainer's user would see as a crash.
 
 use remat::memory::{set_heap_cap, set_refusal_hint, CountingAlloc, CAP_REFUSAL};
 use std::process::Command;

@@ -5,7 +5,7 @@ use clap::Parser;
 use datasets::images::{ImageFolder, SyntheticImages};
 use layers::Model;
 use remat::memory::CountingAlloc;
-use remat::Policy;
+use remat::PolicyRequest;
 use resnet::{Config, Preset, ResNet};
 use std::path::PathBuf;
 
@@ -21,7 +21,7 @@ struct Args {
     /// off, sqrt, every-two-blocks, before-downsample, every-n=K, explicit=I,J,..., budget=SIZE
     /// (the plan with the least recompute that fits SIZE, model state included), auto
     #[arg(long, default_value = "before-downsample")]
-    policy: Policy,
+    policy: PolicyRequest,
     #[arg(long, default_value_t = 8)]
     batch: usize,
     /// Side of the square input images (at least 32).

@@ -64,8 +64,8 @@ fn init_with_another_class_count_initialises_the_classifier() {
 }
 
 /// A classifier too large for the machine is refused while it is built, with exit 1 and the flags
-/// to change. Before, `--classes 100000000000` aborted at once (SIGABRT, "memory allocation of
-/// ... bytes failed").
+/// to change. Without the check, `--classes 100000000000` would abort at once (SIGABRT, "memory
+/// allocation of ... bytes failed").
 #[test]
 fn a_model_too_large_for_the_machine_is_refused() {
     let out = run(&["--preset", "tiny", "--classes", "100000000000", "--steps", "1"]);

@@ -64,7 +64,7 @@ pub fn assert_near_figure(what: &str, measured: u64, committed: u64) {
 /// under `off` the heap during backward stays within the end-of-forward level plus the parameter
 /// gradients plus 5 %: the gradients in flight (the executor frees each stage once its gradients
 /// are propagated). A backward that kept gradients it no longer needs exceeds it: with the
-/// dropout masks' gradients kept, as candle did for a composed dropout, it was 40-60 %.
+/// dropout masks' gradients kept, as candle does for a composed dropout, it is 40-60 %.
 /// `off_forward_end` is what `off` holds at the end of forward as the model's shapes give it (the
 /// test derives it): the measurement must be within 5 % of it.
 pub fn assert_deep_model_memory(peaks: impl Fn(&str) -> Peaks, off_forward_end: u64, off_activation: u64, sqrt_activation: u64) {
@@ -145,8 +145,8 @@ pub fn assert_loss_falls(losses: &[f32], margin: f32, what: &str) {
 
 /// Runs the trainer binary `bin` (with its model and size flags `args`) for 4 steps straight, and
 /// for 2 steps with a training snapshot followed by `--resume` to step 4: the per-step losses and
-/// the final weights snapshot must be the same bits. Before training snapshots, `--init` restarted
-/// at step 0 with fresh optimizer state and its losses differed from step 1 on.
+/// the final weights snapshot must be the same bits. Without a training snapshot, `--init` would
+/// restart at step 0 with fresh optimizer state and its losses would differ from step 1 on.
 pub fn assert_resume_is_bit_identical(bin: &str, args: &[&str]) {
     let name = Path::new(bin).file_name().unwrap().to_string_lossy().into_owned();
     let dir = std::env::temp_dir().join(format!("resume-{name}-{}-{:x}", std::process::id(), args_hash(args)));
@@ -167,7 +167,7 @@ pub fn assert_resume_is_bit_identical(bin: &str, args: &[&str]) {
         candle_core::safetensors::load(dir.join(name), &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, layers::f32_bits(&t).unwrap())).collect()
     };
     assert_eq!(weights("cut.safetensors"), weights("straight.safetensors"), "final weights of the resumed run");
-    // Snapshots are readable by all, as other tools write files (they were 0600).
+    // Snapshots are readable by all (0644, not 0600), as other tools write files.
     #[cfg(unix)]
     for name in ["cut.safetensors", "cut.train.safetensors"] {
         use std::os::unix::fs::PermissionsExt;

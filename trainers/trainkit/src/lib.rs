@@ -38,7 +38,7 @@ static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new
 
 /// Writes one line to stderr (or stdout), ending the process quietly when the reader has closed
 /// the pipe (`train-gpt2 ... 2>&1 | head -2`), where `eprintln!` would panic: with exit 141, as a
-/// process killed by SIGPIPE, since the run did not do its work (exit 0 told a script it had).
+/// process killed by SIGPIPE, since the run did not do its work (exit 0 would tell a script it had).
 pub fn say_line(stdout: bool, args: std::fmt::Arguments) {
     if QUIET.load(std::sync::atomic::Ordering::Relaxed) {
         return;

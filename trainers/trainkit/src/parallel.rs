@@ -165,7 +165,7 @@ pub fn accumulate(group: &Group, exec: &Executor, inputs: &[Tensor], n: u64, las
 /// became). A plan chosen for a budget depends on what each rank measured (stage times, free
 /// memory, its share of a sharded optimizer state), and ranks under different plans would start
 /// different gradient sums; ranks asked for different policies fail.
-pub fn agreed_policy(group: &Group, requested: &remat::Policy, resolved: remat::Policy) -> Result<remat::Policy> {
+pub fn agreed_policy(group: &Group, requested: &remat::PolicyRequest, resolved: remat::Policy) -> Result<remat::Policy> {
     if group.world() == 1 {
         return Ok(resolved);
     }

@@ -95,7 +95,7 @@ pub fn build_model<M>(flags: &str, build: impl FnOnce() -> Result<M>) -> Result<
 /// the flags that set the step's size. The profiles themselves run [`within_memory`].
 fn check_step_fits(
     run: &RunArgs,
-    policy: &remat::Policy,
+    policy: &remat::PolicyRequest,
     model: &impl layers::Model,
     optimizer: &dyn layers::TrainOptimizer,
     batch: usize,
@@ -117,7 +117,10 @@ fn check_step_fits(
     })?;
     let (fixed, held) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
     let least = profile.least_peak(held);
-    let peak = if policy.needs_plan() { least.estimate.peak } else { profile.predict_policy(policy, held)?.peak };
+    let peak = match policy.fixed() {
+        Some(policy) => profile.predict_policy(policy, held)?.peak,
+        None => least.estimate.peak,
+    };
     // What is already allocated (the model) is not asked of the free memory again.
     let more = fixed.saturating_sub(remat::memory::Counter::for_device(&device).current()).saturating_add(peak);
     if more > free {
@@ -170,7 +173,7 @@ fn step_start(
 pub fn executor<'m>(
     run: &RunArgs,
     group: &Group,
-    policy: &remat::Policy,
+    policy: &remat::PolicyRequest,
     model: &'m impl layers::Model,
     optimizer: &dyn layers::TrainOptimizer,
     batch: usize,
@@ -191,14 +194,14 @@ pub fn rank_seed(seed: u64, rank: usize) -> u64 {
 
 fn plan_policy(
     run: &RunArgs,
-    policy: &remat::Policy,
+    policy: &remat::PolicyRequest,
     model: &impl layers::Model,
     optimizer: &dyn layers::TrainOptimizer,
     batch: usize,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<Option<remat::Policy>> {
     use remat::plan::{resolve, summary, Profile};
-    if !policy.needs_plan() && !run.dry_run && run.memory_cap.is_none() {
+    if let (Some(policy), false, None) = (policy.fixed(), run.dry_run, run.memory_cap) {
         return Ok(Some(policy.clone()));
     }
     let (vars, device) = vars_and_device(model);

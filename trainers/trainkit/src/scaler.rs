@@ -74,7 +74,8 @@ mod tests {
     use super::LossScaler;
 
     /// f16's scale doubles after `GROWTH_INTERVAL` good steps in a row, and an overflow halves it
-    /// and restarts the count (PyTorch's `GradScaler`). Before, no test reached the growth.
+    /// and restarts the count (PyTorch's `GradScaler`). The test runs long enough to reach the
+    /// growth.
     #[test]
     fn the_loss_scale_grows_after_its_interval_and_halves_on_overflow() {
         let mut s = LossScaler::default();

@@ -14,7 +14,7 @@ use crate::step::{micro_batches, Stepper};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 use layers::{Model, OptimizerKind, TrainOptimizer};
-use remat::Policy;
+use remat::{Policy, PolicyRequest};
 
 /// The graph inputs of data batch `n` of `size` samples.
 pub type Inputs<'a> = dyn Fn(u64, usize) -> Result<Vec<Tensor>> + 'a;
@@ -24,7 +24,7 @@ pub struct Trainer<'a, M> {
     pub run: &'a RunArgs,
     pub group: &'a Group,
     pub model: &'a M,
-    pub policy: &'a Policy,
+    pub policy: &'a PolicyRequest,
     pub optimizer: OptimizerKind,
     pub lr: f64,
     pub steps: usize,

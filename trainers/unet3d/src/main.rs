@@ -5,7 +5,7 @@ use clap::{Parser, ValueEnum};
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
 use layers::Model;
 use remat::memory::CountingAlloc;
-use remat::Policy;
+use remat::PolicyRequest;
 use std::path::PathBuf;
 use unet3d::{Config, Loss, Norm, Preset, UNet3d};
 
@@ -27,7 +27,7 @@ struct Args {
     /// off, sqrt, every-two-blocks, before-downsample, every-n=K, explicit=I,J,..., budget=SIZE
     /// (the plan with the least recompute that fits SIZE, model state included), auto
     #[arg(long, default_value = "before-downsample")]
-    policy: Policy,
+    policy: PolicyRequest,
     #[arg(long, default_value_t = 2)]
     batch: usize,
     /// Side of the cubic input volume (a multiple of 2^levels).

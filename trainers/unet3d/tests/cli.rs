@@ -1,4 +1,4 @@
-//! The trainer's command line under bad input (each failed before: the test says how).
+//! The trainer's command line under bad input (each test says what would go wrong unchecked).
 
 use std::process::Command;
 
@@ -8,9 +8,9 @@ fn fails_saying(args: &[&str], needle: &str) {
     assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
 }
 
-/// `--group-norm` with more groups than channels is refused (it was silently clamped, training
-/// another model than the one asked for), and `--classes 0` names the flag (it failed deep inside
-/// with `empty tensor for reduce`).
+/// `--group-norm` with more groups than channels is refused (clamped silently, it would train
+/// another model than the one asked for), and `--classes 0` names the flag (unchecked, it would
+/// fail deep inside with `empty tensor for reduce`).
 #[test]
 fn impossible_groups_and_classes_are_refused() {
     fails_saying(&["--group-norm", "1000"], "GroupNorm groups do not divide");
@@ -35,8 +35,8 @@ fn write_npy(path: &std::path::Path, descr: &str, shape: &[usize], data: &[u8]) 
 }
 
 /// One NaN voxel in the data stops the run at the first step, before the update, naming the
-/// step and the file; nothing is saved. Before, the fused BatchNorm + ReLU turned the NaN into 0:
-/// the run trained at a finite loss near ln 3, exited 0 and saved NaN weights and statistics.
+/// step and the file; nothing is saved. A fused BatchNorm + ReLU that turned the NaN into 0 would
+/// let the run train at a finite loss near ln 3, exit 0 and save NaN weights and statistics.
 #[test]
 fn a_nan_voxel_stops_the_run_naming_its_file() {
     let dir = std::env::temp_dir().join(format!("unet3d-nan-{}", std::process::id()));

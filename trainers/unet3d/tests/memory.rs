@@ -26,8 +26,8 @@ fn peaks(policy: &str) -> Peaks {
 }
 
 /// Thresholds from measurements on a 2-core machine: 0.95 and 0.87 of off with the fused ops
-/// (0.79 and 0.66 before them, when the composed conv3d and BatchNorm kept far more of the
-/// analysis path). `before-downsample` stores the skip tensors and recomputes the analysis path;
+/// (0.79 and 0.66 with the composed conv3d and BatchNorm, which keep far more of the analysis
+/// path). `before-downsample` stores the skip tensors and recomputes the analysis path;
 /// the synthesis path is the last segment, kept from forward, so it saves less than
 /// `every-two-blocks`, which cuts the decoder too.
 #[test]
