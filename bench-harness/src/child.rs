@@ -31,7 +31,7 @@ pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, profile:
         "--seed",
         &common.seed.to_string(),
         "--device",
-        &common.device,
+        &common.device.to_string(),
     ]);
     let o = common.overrides();
     let flags = [
@@ -69,7 +69,7 @@ pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, profile:
         }
     }
     die_with_parent(&mut cmd);
-    let failed = |status: Status, error: String| Record { status, error, ..Record::new(w, policy, &common.device) };
+    let failed = |status: Status, error: String| Record { status, error, ..Record::new(w, policy, &common.device.to_string()) };
     let out = match cmd.output() {
         Ok(out) => out,
         Err(e) => return failed(Status::Error, format!("could not start: {e}")),

@@ -5,6 +5,7 @@ use crate::workloads::{self, Profile};
 use clap::{Args, ValueEnum};
 use remat::PolicyRequest;
 use std::path::PathBuf;
+use trainkit::DeviceName;
 
 /// Which matrix to run (`--matrix`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -41,7 +42,7 @@ pub struct Common {
     pub seed: u64,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
-    pub device: String,
+    pub device: DeviceName,
     /// Override every selected model's batch size.
     #[arg(long)]
     pub batch: Option<usize>,
@@ -147,11 +148,11 @@ impl Common {
     pub fn results_dir(&self, profile: Profile) -> PathBuf {
         let sharded = if self.shard_optimizer { "-sharded" } else { "" };
         let ranks = if self.ranks > 1 { format!("-ranks{}{sharded}", self.ranks) } else { String::new() };
-        PathBuf::from(format!("results/{profile}-{}{ranks}", self.device.replace(':', "")))
+        PathBuf::from(format!("results/{profile}-{}{ranks}", self.device.to_string().replace(':', "")))
     }
 
     /// The profile that fits the device unless one was named.
     pub fn profile(&self) -> Profile {
-        self.profile.unwrap_or(if self.device == "cpu" { Profile::Cpu } else { Profile::Full })
+        self.profile.unwrap_or(if self.device == DeviceName::Cpu { Profile::Cpu } else { Profile::Full })
     }
 }

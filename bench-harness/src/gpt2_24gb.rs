@@ -49,7 +49,7 @@ pub fn defaults(common: &mut Common) -> Result<()> {
         bail!("--matrix gpt2-24gb runs its own profile; drop --profile");
     }
     common.profile = Some(Profile::Gpt2_24gb);
-    let cpu = common.device == "cpu";
+    let cpu = common.device == trainkit::DeviceName::Cpu;
     common.input_size = common.input_size.or(Some(if cpu { 256 } else { 1024 }));
     const GIB_24: u64 = 24 << 30;
     // The harness, the OS and the page cache need some of what is available.
@@ -79,7 +79,7 @@ pub fn run_predicted(matrix: &Matrix, w: &Workload, policy: &PolicyRequest, comm
     let cap = common.memory_cap.expect("set by defaults");
     let state = prediction.params + prediction.grads + prediction.optimizer;
     let total = prediction.total();
-    let skipped = |error: String| Record { status: Status::Skipped, error, ..Record::new(w, policy, &common.device) };
+    let skipped = |error: String| Record { status: Status::Skipped, error, ..Record::new(w, policy, &common.device.to_string()) };
     let mut rec = match total {
         None if dry_run => return Ok(None),
         Some(t) if dry_run => skipped(format!("dry run (predicted {:.1} GiB)", units::gib(t))),

@@ -50,7 +50,7 @@ enum Cmd {
     /// bit-exact gradient check; prints one JSON line and fails on any problem.
     Selftest {
         #[arg(long, default_value = "cpu")]
-        device: String,
+        device: trainkit::DeviceName,
     },
     /// Predict one model of the `full` profile at its size and print the projection as JSON
     /// (the matrix runs this for the article's table).
@@ -95,7 +95,7 @@ fn main() -> Result<()> {
             measure::run_one(&model, &policy, mode, &common)
         }
         Some(Cmd::ProjectOne { model, common }) => projection::project_one(&model, &common),
-        Some(Cmd::Selftest { device }) => selftest::selftest(&device),
+        Some(Cmd::Selftest { device }) => selftest::selftest(device),
         None => matrix::run(cli.matrix),
     }
 }

@@ -61,7 +61,7 @@ pub fn run(mut args: MatrixArgs) -> Result<()> {
 /// Refuses flags that cannot go together, before anything runs.
 fn check(args: &MatrixArgs) -> Result<()> {
     let common = &args.common;
-    trainkit::device(&common.device)?;
+    common.device.open()?;
     if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) || common.accumulate == Some(0) {
         bail!("--steps, --batch, --input-size and --accumulate must be at least 1");
     }
@@ -279,7 +279,7 @@ fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common
         if r.input != w.input() {
             diff.push(format!("input {} vs {}", r.input, w.input()));
         }
-        if r.device != common.device {
+        if r.device != common.device.to_string() {
             diff.push(format!("device {} vs {}", r.device, common.device));
         }
         if r.threads != threads {

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 /// `run-one`: one configuration measured in this process, on the ranks `mpirun` started.
 pub fn run_one(model: &str, policy: &PolicyRequest, mode: One, common: &Common) -> Result<()> {
-    let dev = trainkit::device(&common.device)?;
+    let dev = common.device.open()?;
     let group = trainkit::Group::from_launcher(&dev)?;
     trainkit::or_abort(&group, measure_one(model, policy, mode, common, &group, &dev))
 }
@@ -34,7 +34,7 @@ fn measure_one(model: &str, policy: &PolicyRequest, mode: One, common: &Common, 
         .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
         .overridden(common.overrides());
     let steps = if mode == One::DryRun { 0 } else { common.steps };
-    let mut rec = run(&w, policy, steps, common.seed, dev, &common.device, common.memory_cap, mode != One::TimeOnly, group)?;
+    let mut rec = run(&w, policy, steps, common.seed, dev, &common.device.to_string(), common.memory_cap, mode != One::TimeOnly, group)?;
     // The cap is for the measured configuration only: the check builds two more models.
     drop(held);
     remat::memory::set_heap_cap(u64::MAX);
@@ -108,6 +108,8 @@ pub fn run(
     let counter = Counter::for_device(device);
     counter.synchronize();
     let base = counter.current();
+    // Held from here on, as the model is: part of the state before a step, never of a step.
+    layers::allocate_matmul_workspaces();
     set_activity(Activity::Build, None);
     let inst = w.build(device, seed)?;
     let mut optimizer = inst.optimizer(w.shard_optimizer, group)?;
@@ -158,14 +160,7 @@ pub fn run(
     }
     rec.reserved_bytes = counter.reserved();
     if group.world() > 1 {
-        let median = |mut v: Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
-        rec.all_reduce_ms = Some(median(comm_ms));
-        rec.all_reduce_wait_ms = Some(median(wait_ms));
-        rec.step_peak_bytes_max_rank = Some(group.min_max(rec.step_peak_bytes)?.1);
-        rec.model_state_bytes_max_rank = Some(group.min_max(rec.model_state_bytes)?.1);
+        ranks_summary(&mut rec, group, comm_ms, wait_ms)?;
         trainkit::parallel::check_in_sync(group, inst.store())?;
     }
     times.sort_by(f64::total_cmp);
@@ -175,6 +170,20 @@ pub fn run(
     rec.step_ms_max = times[times.len() - 1];
     rec.status = Status::Ok;
     Ok(rec)
+}
+
+/// With several ranks: the median time in all-reduces and waiting for them per step, and the
+/// largest rank's state and step peak.
+fn ranks_summary(rec: &mut Record, group: &trainkit::Group, comm_ms: Vec<f64>, wait_ms: Vec<f64>) -> Result<()> {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    rec.all_reduce_ms = Some(median(comm_ms));
+    rec.all_reduce_wait_ms = Some(median(wait_ms));
+    rec.step_peak_bytes_max_rank = Some(group.min_max(rec.step_peak_bytes)?.1);
+    rec.model_state_bytes_max_rank = Some(group.min_max(rec.model_state_bytes)?.1);
+    Ok(())
 }
 
 /// Profiles `inst` for the planner: a `budget=`/`auto` policy resolved (the ranks agreeing on

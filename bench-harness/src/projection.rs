@@ -27,7 +27,7 @@ pub const MODELS: [&str; 4] = ["resnet50", "resnet152", "bert-large", "unet3d-ci
 
 /// `project-one`: one model of the `full` profile projected at its size, printed as JSON.
 pub fn project_one(model: &str, common: &Common) -> Result<()> {
-    let dev = trainkit::device(&common.device)?;
+    let dev = common.device.open()?;
     let w = workloads::profile(workloads::Profile::Full)
         .into_iter()
         .find(|w| w.model == model)
@@ -46,7 +46,7 @@ pub fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, forc
         }
         let exe = std::env::current_exe().expect("own executable");
         let mut cmd = Command::new(exe);
-        cmd.args(["project-one", "--model", model, "--seed", &common.seed.to_string(), "--device", &common.device]);
+        cmd.args(["project-one", "--model", model, "--seed", &common.seed.to_string(), "--device", &common.device.to_string()]);
         die_with_parent(&mut cmd);
         let projected = cmd.output().map_err(anyhow::Error::from).and_then(|out| {
             let stdout = String::from_utf8_lossy(&out.stdout);

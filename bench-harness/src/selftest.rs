@@ -7,9 +7,10 @@ use remat::Policy;
 
 /// `selftest`: the device's tensor ops, conv2d and backward, the memory meter, and a bit-exact
 /// gradient check of gpt2-tiny under `sqrt`; one JSON line, or the first problem as an error.
-pub fn selftest(device_name: &str) -> Result<()> {
+pub fn selftest(device: trainkit::DeviceName) -> Result<()> {
+    let device_name = device.to_string();
     use candle_core::{DType, Tensor, Var};
-    let dev = trainkit::device(device_name)?;
+    let dev = device.open()?;
     let counter = remat::memory::Counter::for_device(&dev);
     counter.reset_peak();
     let base = counter.current();
@@ -27,7 +28,7 @@ pub fn selftest(device_name: &str) -> Result<()> {
     let peak = counter.peak().saturating_sub(base);
     anyhow::ensure!(peak > 0, "the memory meter saw no allocation");
     let w = workloads::profile(Profile::Smoke).into_iter().find(|w| w.model == "gpt2-tiny").context("gpt2-tiny in smoke")?;
-    let mut rec = measure::run(&w, &Policy::Sqrt.into(), 1, 0, &dev, device_name, None, true, &trainkit::Group::single())?;
+    let mut rec = measure::run(&w, &Policy::Sqrt.into(), 1, 0, &dev, &device_name, None, true, &trainkit::Group::single())?;
     measure::check(&mut rec, &w, &Policy::Sqrt, 0, &dev, true)?;
     anyhow::ensure!(rec.grads_bit_identical, "gpt2-tiny sqrt: {} gradient elements differ from plain candle", rec.grads_differing);
     let report = serde_json::json!({

@@ -20,7 +20,7 @@ pub struct RunArgs {
     pub seed: u64,
     /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
     #[arg(long, default_value = "cpu")]
-    pub device: String,
+    pub device: DeviceName,
     /// Write one JSON record per step to this file.
     #[arg(long)]
     pub log_json: Option<std::path::PathBuf>,
@@ -115,20 +115,51 @@ impl RunArgs {
     }
 }
 
-/// The device named on a command line: `cpu`, `cuda` or `cuda:N`; a clear error when this build
-/// has no CUDA support.
-pub fn device(name: &str) -> Result<Device> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        d if d == "cuda" || d.starts_with("cuda:") => {
-            // One process per GPU (data parallelism): plain `cuda` is this rank's GPU.
-            let local = std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
-            let ordinal: usize = d.strip_prefix("cuda:").map_or(Ok(local), str::parse).context("--device cuda:N needs a number")?;
-            if !candle_core::utils::cuda_is_available() {
-                bail!("--device {d}: this build has no CUDA support (build with --features cuda)");
-            }
-            Ok(Device::new_cuda(ordinal)?)
+/// The device a run is on (`--device`): `cpu`, `cuda` (this rank's GPU: under one process per
+/// GPU, the `LOCAL_RANK`-th) or `cuda:N`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceName {
+    Cpu,
+    Cuda(Option<usize>),
+}
+
+impl std::str::FromStr for DeviceName {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(DeviceName::Cpu),
+            "cuda" => Ok(DeviceName::Cuda(None)),
+            d => match d.strip_prefix("cuda:") {
+                Some(n) => Ok(DeviceName::Cuda(Some(n.parse().context("--device cuda:N needs a number")?))),
+                None => bail!("unknown device `{d}`; valid devices: cpu, cuda, cuda:N"),
+            },
         }
-        other => bail!("unknown device `{other}`; valid devices: cpu, cuda, cuda:N"),
+    }
+}
+
+impl std::fmt::Display for DeviceName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceName::Cpu => write!(f, "cpu"),
+            DeviceName::Cuda(None) => write!(f, "cuda"),
+            DeviceName::Cuda(Some(n)) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl DeviceName {
+    pub fn is_cuda(self) -> bool {
+        matches!(self, DeviceName::Cuda(_))
+    }
+
+    /// The device itself; a clear error when this build has no CUDA support.
+    pub fn open(self) -> Result<Device> {
+        let DeviceName::Cuda(ordinal) = self else { return Ok(Device::Cpu) };
+        if !candle_core::utils::cuda_is_available() {
+            bail!("--device {self}: this build has no CUDA support (build with --features cuda)");
+        }
+        let local = || std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
+        Ok(Device::new_cuda(ordinal.unwrap_or_else(local))?)
     }
 }

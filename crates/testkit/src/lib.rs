@@ -31,6 +31,7 @@ pub struct Peaks {
 /// The peaks of the second of two steps under `exec` (the first pays one-off allocations such
 /// as per-thread buffers). Needs [`remat::memory::CountingAlloc`] as the global allocator.
 pub fn second_step_peaks(exec: &Executor, inputs: impl Fn(u64) -> Vec<Tensor>) -> Result<Peaks> {
+    layers::allocate_matmul_workspaces();
     let mut peaks = Peaks { step: 0, activation: 0, forward_end: 0, backward: 0, grads: 0 };
     for step in 0..2 {
         let inputs = inputs(step);

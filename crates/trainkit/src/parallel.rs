@@ -19,10 +19,11 @@ use std::collections::HashMap;
 /// quiet.
 pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
     run.check()?;
-    let device = crate::device(&run.device)?;
+    let device = run.device.open()?;
+    layers::allocate_matmul_workspaces();
     let group = Group::from_launcher(&device)?;
     if run.ranks > 1 && group.world() == 1 {
-        let (feature, built) = if run.device.starts_with("cuda") { ("nccl", cfg!(feature = "nccl")) } else { ("mpi", cfg!(feature = "mpi")) };
+        let (feature, built) = if run.device.is_cuda() { ("nccl", cfg!(feature = "nccl")) } else { ("mpi", cfg!(feature = "mpi")) };
         if !built {
             bail!(
                 "--ranks {} on {} needs a build with `--features {feature}` (e.g. cargo build --release -p gpt2 --features {feature})",
@@ -30,7 +31,7 @@ pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
                 run.device
             );
         }
-        let (how, status) = match run.device.starts_with("cuda") {
+        let (how, status) = match run.device.is_cuda() {
             true => ("one process per GPU", one_process_per_gpu(run.ranks)?),
             false => ("mpirun", under_mpirun(run.ranks)?),
         };
@@ -48,7 +49,7 @@ pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
     }
     if group.world() > 1 {
         let threads = candle_core::utils::get_num_threads();
-        let over = if run.device.starts_with("cuda") { "NCCL" } else { "MPI" };
+        let over = if run.device.is_cuda() { "NCCL" } else { "MPI" };
         crate::say!("data parallel: {} ranks ({over}), {threads} threads each; --batch is per rank", group.world());
     }
     Ok(Some((group, device)))

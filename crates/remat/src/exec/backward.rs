@@ -1,0 +1,113 @@
+//! A step's backward: the segments last first, recomputing all but the last, and each segment's
+//! stages walked in reverse, one stage's graph at a time ([`SegmentBackward`]).
+
+use super::forward::StepRun;
+use super::grads::{ParamGrads, Reporter};
+use super::ops::seed;
+use super::Live;
+use crate::memory::{set_activity, Activity, Phase};
+use crate::Result;
+use candle_core::backprop::GradStore;
+use candle_core::Tensor;
+
+impl<'e, 'g> StepRun<'e, 'g> {
+    /// Every segment's backward, last first, recomputing all but the last (Rule 3), the finished
+    /// parameter gradients reported as they complete.
+    pub(super) fn backward(&mut self, kept: Vec<Live>, sums: &mut ParamGrads, reporter: &mut Reporter) -> Result<()> {
+        let exec = self.exec;
+        let mut kept = Some(kept);
+        for s in (0..exec.segments.len()).rev() {
+            let runs = match kept.take() {
+                Some(runs) => runs,
+                None => {
+                    // Rule 5: what this segment stores is dead (every later segment is done) and
+                    // made anew by its recompute.
+                    for &v in &exec.segments[s].outputs {
+                        self.stored[v] = None;
+                    }
+                    self.run_segment(s, true, sums.bytes(&exec.params))?
+                }
+            };
+            SegmentBackward { s, runs }.run(self, sums)?;
+            reporter.after_segment(s, &mut sums.sum)?;
+        }
+        sums.flush(&exec.params)?;
+        reporter.rest(&mut sums.sum)
+    }
+}
+
+/// The backward of one segment: the live runs of its stages, walked last first.
+struct SegmentBackward {
+    s: usize,
+    runs: Vec<Live>,
+}
+
+impl SegmentBackward {
+    fn run(mut self, step: &mut StepRun, sums: &mut ParamGrads) -> Result<()> {
+        let exec = step.exec;
+        for i in exec.segments[self.s].stages.clone().rev() {
+            let live = self.runs.pop().expect("one live run per stage");
+            self.stage(i, live, step, sums)?;
+            // Rule 9: after Rule 6's drop.
+            step.timeline.record(Phase::Backward, i, sums.bytes(&exec.params));
+        }
+        Ok(())
+    }
+
+    /// Stage `i`'s backward: its parameter gradients into `sums`, its input gradients passed on.
+    /// Rule 6: its run is dropped on return.
+    fn stage(&self, i: usize, live: Live, step: &mut StepRun, sums: &mut ParamGrads) -> Result<()> {
+        let Some(root) = self.root(i, &live, step)? else { return Ok(()) };
+        set_activity(Activity::Backward, Some(i));
+        let mut grads = root.backward()?;
+        for (k, p) in step.exec.params.iter().enumerate() {
+            if let Some(g) = grads.remove(p.as_tensor()) {
+                sums.add(k, p, g.detach(), self.s)?;
+            }
+        }
+        Self::pass_on(&live, &mut grads, step)
+    }
+
+    /// What stage `i`'s backward starts from: the loss (scaled) if the stage computes it, plus a
+    /// seed for each output whose gradient is waiting (Rule 7: taken up here); `None` when
+    /// nothing flows into the stage.
+    fn root(&self, i: usize, live: &Live, step: &mut StepRun) -> Result<Option<Tensor>> {
+        let exec = step.exec;
+        let output = exec.graph.output()?;
+        let outputs = &exec.graph.nodes()[i].outputs;
+        let mut root = if self.s == exec.segments.len() - 1 && outputs.contains(&output) {
+            let loss = &live.values[&output];
+            let scale = exec.loss_scale.get();
+            Some(if scale == 1.0 { loss.clone() } else { (loss * scale)? })
+        } else {
+            None
+        };
+        for &v in outputs {
+            if let Some(g) = step.value_grads.remove(&v) {
+                let seeded = seed(&live.values[&v], g)?;
+                root = Some(match root {
+                    Some(r) => (r + seeded)?,
+                    None => seeded,
+                });
+            }
+        }
+        Ok(root)
+    }
+
+    /// Rule 7: the gradients of the stage's inputs (their `Var` copies), each added to what the
+    /// value's later readers gave.
+    fn pass_on(live: &Live, grads: &mut GradStore, step: &mut StepRun) -> Result<()> {
+        for (v, var) in &live.input_vars {
+            if let Some(g) = grads.remove(var.as_tensor()) {
+                // Detached: a gradient's ops reference this stage's forward tensors, which would
+                // otherwise stay alive until an earlier stage consumes it.
+                let g = match step.value_grads.remove(v) {
+                    Some(acc) => (acc + g)?.detach(),
+                    None => g.detach(),
+                };
+                step.value_grads.insert(*v, g);
+            }
+        }
+        Ok(())
+    }
+}

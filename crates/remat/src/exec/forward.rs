@@ -1,0 +1,147 @@
+//! One step in flight ([`StepRun`]): its forward, segment by segment, and the segment runs that
+//! the forward and the recomputes share.
+
+use super::{Executor, Live};
+use crate::graph::ValueId;
+use crate::memory::{set_activity, Activity, Phase, Timeline};
+use crate::stage::StageCtx;
+use crate::{Error, Result};
+use candle_core::{Tensor, Var};
+use std::collections::HashMap;
+
+/// One step in flight: the values it stores, the gradients of values waiting for their
+/// producer's backward, and its memory timeline.
+pub(super) struct StepRun<'e, 'g> {
+    pub(super) exec: &'e Executor<'g>,
+    step: u64,
+    pub(super) stored: Vec<Option<Tensor>>,
+    pub(super) value_grads: HashMap<ValueId, Tensor>,
+    pub(super) timeline: Timeline,
+}
+
+impl<'e, 'g> StepRun<'e, 'g> {
+    pub(super) fn start(exec: &'e Executor<'g>, inputs: &[Tensor], step: u64) -> Self {
+        let device = inputs.first().map_or(candle_core::Device::Cpu, |t| t.device().clone());
+        let timeline = Timeline::start(&device);
+        let mut stored: Vec<Option<Tensor>> = vec![None; exec.graph.n_values()];
+        for (slot, t) in stored.iter_mut().zip(inputs) {
+            *slot = Some(t.clone());
+        }
+        StepRun { exec, step, stored, value_grads: HashMap::new(), timeline }
+    }
+
+    /// Every segment's forward, `grad_bytes` of parameter gradients held meanwhile: the loss and
+    /// the last segment's live runs.
+    pub(super) fn forward(&mut self, grad_bytes: u64) -> Result<(Tensor, Vec<Live>)> {
+        let segments = &self.exec.segments;
+        let last = segments.len() - 1;
+        for (s, seg) in segments.iter().enumerate().take(last) {
+            let live = self.run_segment(s, false, grad_bytes)?.remove(0);
+            // Rule 1, Rule 2: only the stored values outlive the segment's forward, detached.
+            for &v in &seg.outputs {
+                self.stored[v] = Some(live.values[&v].detach());
+            }
+        }
+        // Rule 3: the last segment's graphs are kept for its backward.
+        let kept = self.run_segment(last, false, grad_bytes)?;
+        let output = self.exec.graph.output()?;
+        let loss = kept.iter().find_map(|l| l.values.get(&output)).expect("the last segment produces the loss").detach();
+        Ok((loss, kept))
+    }
+    /// Runs the stages of segment `s`. In the last segment and in a recompute it builds one graph
+    /// per stage, every float value a stage consumes (a stored input or an earlier stage's output)
+    /// standing in as a `Var` shared by its consumers in the segment, and returns one live run per
+    /// stage; otherwise one live run of the whole segment.
+    /// `grad_bytes`: parameter gradients held meanwhile, for the timeline.
+    pub(super) fn run_segment(&mut self, s: usize, recompute: bool, grad_bytes: u64) -> Result<Vec<Live>> {
+        let exec = self.exec;
+        let seg = &exec.segments[s];
+        // Rule 3: graphs in the last segment and in a recompute; Rule 2: none otherwise.
+        let graphs = recompute || s == exec.segments.len() - 1;
+        let mut values = self.segment_inputs(s, graphs)?;
+        let mut vars: HashMap<ValueId, Var> = HashMap::new();
+        let mut runs = Vec::new();
+        let mut whole = Live::default();
+        let pass = u64::from(recompute && !exec.replay_rng);
+        for i in seg.stages.clone() {
+            let node = &exec.graph.nodes()[i];
+            let mut live = Live::default();
+            let inputs = self.stage_inputs(i, &values, &mut vars, graphs, &mut live)?;
+            let ctx = StageCtx::new(exec.seed, self.step, i, pass, recompute && exec.tell_recompute, true);
+            set_activity(if recompute { Activity::Recompute } else { Activity::Forward }, Some(i));
+            let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
+            let outputs = node.stage.forward(&inputs, &ctx).map_err(stage_err)?;
+            drop(inputs);
+            if outputs.len() != node.outputs.len() {
+                let msg = format!("returned {} outputs, the graph expects {}", outputs.len(), node.outputs.len());
+                return Err(stage_err(candle_core::Error::Msg(msg)));
+            }
+            for (&v, t) in node.outputs.iter().zip(&outputs) {
+                values.insert(v, t.clone());
+            }
+            // A value no later stage here reads is left to whatever else holds it: the runs of its
+            // producer and readers (Rule 4: its copy), the op graph of the segment's outputs (Rule
+            // 2), nothing once a stored value this segment took over has had its last reader
+            // here (Rule 5).
+            let last_here = |v: &ValueId| seg.last_reader.get(v).is_none_or(|&j| j <= i);
+            values.retain(|v, _| !(last_here(v) && (graphs || !seg.outputs.contains(v))));
+            live.values.extend(node.outputs.iter().copied().zip(outputs));
+            if graphs {
+                runs.push(live);
+            } else {
+                whole.values.extend(live.values.into_iter().filter(|(v, _)| seg.outputs.contains(v)));
+            }
+            // Rule 9
+            self.timeline.record(if recompute { Phase::Recompute } else { Phase::Forward }, i, grad_bytes);
+        }
+        if !graphs {
+            runs.push(whole);
+        }
+        Ok(runs)
+    }
+
+    /// The stored values and graph inputs segment `s` reads.
+    fn segment_inputs(&mut self, s: usize, graphs: bool) -> Result<HashMap<ValueId, Tensor>> {
+        let exec = self.exec;
+        let mut values = HashMap::new();
+        for &v in &exec.segments[s].inputs {
+            let t = self.stored[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not stored")))?;
+            if graphs && exec.first_consumer[v] == Some(s) && v >= exec.graph.n_inputs() {
+                // Rule 5: taken over by this segment, which holds it until its last reader here
+                // (its `Var` copy from the first on); kept stored as well, it would live on.
+                self.stored[v] = None;
+            }
+            values.insert(v, t);
+        }
+        Ok(values)
+    }
+
+    /// The tensors stage `i` runs on. With `graphs`, a float value (not a graph input) is read
+    /// through its `Var` copy, made by its first reader in the segment (Rule 4) and recorded in
+    /// `live`.
+    fn stage_inputs(
+        &self,
+        i: usize,
+        values: &HashMap<ValueId, Tensor>,
+        vars: &mut HashMap<ValueId, Var>,
+        graphs: bool,
+        live: &mut Live,
+    ) -> Result<Vec<Tensor>> {
+        let node = &self.exec.graph.nodes()[i];
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for &v in &node.inputs {
+            let t = &values[&v];
+            if graphs && v >= self.exec.graph.n_inputs() && t.dtype().is_float() {
+                let var = match vars.get(&v) {
+                    Some(var) => var.clone(),
+                    None => vars.entry(v).or_insert(Var::from_tensor(&t.detach())?).clone(),
+                };
+                inputs.push(var.as_tensor().clone());
+                live.input_vars.push((v, var));
+            } else {
+                inputs.push(t.clone());
+            }
+        }
+        Ok(inputs)
+    }
+}

@@ -1,0 +1,257 @@
+//! The executor: forward keeping only segment boundaries, backward stage by stage.
+//!
+//! candle has no hook to start backprop from a given output gradient, and `backward()` needs the
+//! whole forward graph alive. So each non-last segment runs forward on detached inputs and only
+//! its boundary outputs are kept (detached). Backward walks the segments in reverse, recomputing
+//! each (the last one keeps its forward graphs: recomputing it would buy nothing).
+//!
+//! Where a segment's graphs are built (its recompute, and the last segment's forward), every
+//! stage runs on `Var` copies of the float values it consumes, so each stage is a graph of its
+//! own. Backward then walks the stages in reverse: it seeds each stage's outputs with their
+//! incoming gradients, calls `backward()` on that stage alone, moves the parameter gradients
+//! (detached) into the step's store, passes the input gradients on and drops the stage, so its
+//! activations are freed as soon as its gradients are propagated (candle's own `backward()`
+//! holds every activation of the graph until it returns: a PyTorch-like peak during backward
+//! needs this). The price is one copy of each value that crosses a stage inside such a segment.
+//!
+//! Bit-exactness with `off` holds by construction: every policy runs the same per-stage backward
+//! passes in the same order, and a recompute draws the same random keys, so only the stored
+//! boundaries differ. It also equals plain candle (one `backward()` of the whole graph) where each
+//! parameter is used by one op per stage: a seed's backward hands candle the incoming gradient
+//! unchanged (`0 + g`, as candle itself does), and a parameter used by several stages (a tied
+//! embedding) gets each stage's contribution added to the sum so far, later stages first, as
+//! candle adds them. That sum is accumulated in place, so a tied vocabulary-sized weight does not
+//! need three copies of its gradient at once.
+//!
+//! What a step holds, frees and recomputes when follows the rules of [`crate::rules`], which the
+//! planner replays to predict it; `// Rule N` marks where each is implemented.
+
+mod backward;
+mod forward;
+mod grads;
+mod ops;
+
+pub(crate) use ops::seed;
+
+use crate::graph::{Node, StageGraph, ValueId};
+use crate::memory::Timeline;
+use crate::policy::Policy;
+use crate::rules::Wiring;
+use crate::{Error, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use forward::StepRun;
+use grads::{grad_bytes, ParamGrads, Reporter};
+use std::cell::{Cell, OnceCell};
+use std::collections::HashMap;
+use std::ops::Range;
+
+struct Segment {
+    stages: Range<usize>,
+    /// Values consumed here but produced before: stored boundaries and graph inputs.
+    inputs: Vec<ValueId>,
+    /// Values produced here and consumed by a later segment.
+    outputs: Vec<ValueId>,
+    /// For each value a stage here reads, the last stage here that reads it.
+    last_reader: HashMap<ValueId, usize>,
+}
+
+impl Segment {
+    fn new(stages: Range<usize>, nodes: &[Node], wiring: &Wiring) -> Segment {
+        let (mut inputs, mut last_reader) = (Vec::new(), HashMap::new());
+        for i in stages.clone() {
+            for &v in &nodes[i].inputs {
+                last_reader.insert(v, i); // stages come in order: the last insert wins
+                let produced_here = wiring.producer(v).is_some_and(|p| stages.contains(&p));
+                if !produced_here && !inputs.contains(&v) {
+                    inputs.push(v);
+                }
+            }
+        }
+        // Rule 1: what the cut after this segment stores, of what it produces.
+        let outputs = wiring.stored_at(stages.end).filter(|&v| wiring.producer(v).is_some_and(|p| p >= stages.start)).collect();
+        Segment { stages, inputs, outputs, last_reader }
+    }
+}
+
+/// The live tensors of one stage run with a graph (or of a whole segment run without): every
+/// value it touched, and the `Var`s standing in for its float inputs.
+#[derive(Default)]
+struct Live {
+    values: HashMap<ValueId, Tensor>,
+    input_vars: Vec<(ValueId, Var)>,
+}
+
+/// What one training step produced.
+pub struct StepOutput {
+    pub loss: Tensor,
+    /// Gradients of the parameters (detached), keyed as candle keys them.
+    pub grads: GradStore,
+    pub timeline: Timeline,
+}
+
+/// What the first step learns about the parameters' gradients; later steps only read it.
+struct Schedule {
+    /// How many stages give each parameter a gradient: a micro-batch after the first adds a
+    /// parameter's gradient to the running sum once all of them are in ([`ParamGrads::add`]).
+    contributions: Vec<usize>,
+    /// For each parameter, the segment after whose backward its gradient is complete (`None`: it
+    /// gets none): [`Executor::accumulate_reporting`] reports it then.
+    complete_after: Vec<Option<usize>>,
+}
+
+impl Schedule {
+    /// The parameters whose gradients are complete once segment `s`'s backward has run.
+    fn complete_after(&self, s: usize) -> Vec<usize> {
+        (0..self.complete_after.len()).filter(|&k| self.complete_after[k] == Some(s)).collect()
+    }
+}
+
+/// Runs training steps of a [`StageGraph`] under a [`Policy`].
+pub struct Executor<'g> {
+    graph: &'g StageGraph,
+    segments: Vec<Segment>,
+    /// The earliest segment that reads each value: the one that takes it over (Rule 5).
+    first_consumer: Vec<Option<usize>>,
+    params: Vec<Var>,
+    seed: u64,
+    replay_rng: bool,
+    tell_recompute: bool,
+    /// Learned by the first step, which starts from empty gradients.
+    schedule: OnceCell<Schedule>,
+    /// Backward starts from the loss times this (f16 loss scaling); the returned loss is unscaled.
+    loss_scale: Cell<f64>,
+}
+
+impl<'g> Executor<'g> {
+    /// `params` are the trainable variables whose gradients [`Executor::step`] returns.
+    pub fn new(graph: &'g StageGraph, policy: &Policy, params: Vec<Var>, seed: u64) -> Result<Self> {
+        let ranges = policy.segments(graph)?;
+        let output = graph.output()?;
+        let nodes = graph.nodes();
+        if nodes.is_empty() {
+            return Err(Error::Graph("the graph has no stages".into()));
+        }
+        let wiring = Wiring::new(graph.n_values(), nodes.iter().map(|n| (&n.inputs[..], &n.outputs[..])));
+        let mut seg_of_stage = vec![0; nodes.len()];
+        for (s, r) in ranges.iter().enumerate() {
+            r.clone().for_each(|i| seg_of_stage[i] = s);
+        }
+        if wiring.producer(output).map(|p| seg_of_stage[p]) != Some(ranges.len() - 1) {
+            return Err(Error::Graph("the loss must be produced by a stage of the last segment".into()));
+        }
+        // Rule 5: the earliest segment that reads a value.
+        let first_consumer = (0..graph.n_values()).map(|v| wiring.first_reader(v).map(|r| seg_of_stage[r])).collect();
+        let segments = ranges.into_iter().map(|stages| Segment::new(stages, nodes, &wiring)).collect();
+        Ok(Executor {
+            graph,
+            segments,
+            first_consumer,
+            params,
+            seed,
+            replay_rng: true,
+            tell_recompute: true,
+            schedule: OnceCell::new(),
+            loss_scale: Cell::new(1.0),
+        })
+    }
+
+    /// Switches RNG replay off: recomputes draw fresh random keys, as a checkpoint built on global
+    /// RNG state would. Exists only to show that the bit-exactness tests can fail.
+    #[doc(hidden)]
+    pub fn without_rng_replay(mut self) -> Self {
+        self.replay_rng = false;
+        self
+    }
+
+    /// Hides the recompute flag from the stages: a recompute then repeats the forward's side
+    /// effects (BatchNorm updates its running statistics twice). Exists only for tests.
+    #[doc(hidden)]
+    pub fn without_recompute_flag(mut self) -> Self {
+        self.tell_recompute = false;
+        self
+    }
+
+    /// Loss scaling (for f16 activations, whose small gradients underflow): the following steps'
+    /// backward passes start from `scale` times the loss, so every gradient they return is scaled
+    /// by it too (the caller divides it out). 1 by default.
+    pub fn set_loss_scale(&self, scale: f64) {
+        self.loss_scale.set(scale);
+    }
+
+    /// The trainable variables whose gradients a step returns.
+    pub fn params(&self) -> &[Var] {
+        &self.params
+    }
+
+    /// The stage ranges the policy cut the graph into.
+    pub fn segments(&self) -> Vec<Range<usize>> {
+        self.segments.iter().map(|s| s.stages.clone()).collect()
+    }
+
+    /// The values kept between forward and backward (the stored boundaries), graph inputs excluded.
+    pub fn stored_values(&self) -> Vec<ValueId> {
+        let n = self.graph.n_inputs();
+        let last = self.segments.len() - 1;
+        let mut v: Vec<ValueId> = self.segments[..last].iter().flat_map(|s| s.outputs.iter().copied()).filter(|&v| v >= n).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// One forward and backward pass: the loss, the parameter gradients and the memory timeline.
+    /// `step` keys the random draws: use a different value for every step of a run.
+    pub fn step(&self, inputs: &[Tensor], step: u64) -> Result<StepOutput> {
+        self.accumulate(inputs, step, GradStore::default())
+    }
+
+    /// Gradient accumulation: one forward and backward pass of a micro-batch whose parameter
+    /// gradients are added, in place, to `grads` (the sum of the earlier micro-batches' gradients,
+    /// as returned by the previous call; empty for the first). The result is exactly the sum of
+    /// the micro-batch gradients, `((g1 + g2) + g3) ...`, each micro-batch's gradient complete
+    /// before it is added (a parameter used by several stages, a tied embedding, keeps its partial
+    /// sum aside until its last stage), and no second gradient store is built. `step` keys the
+    /// random draws: give every micro-batch its own.
+    pub fn accumulate(&self, inputs: &[Tensor], step: u64, grads: GradStore) -> Result<StepOutput> {
+        self.accumulate_reporting(inputs, step, grads, &mut |_, _| Ok(()))
+    }
+
+    /// [`Executor::accumulate`], calling `finished` during backward with the parameters (indices
+    /// into [`Executor::params`]) whose gradients are complete, and the gradients so far: after
+    /// each segment's backward, those no earlier segment contributes to, so that data parallelism
+    /// can average them across ranks while the earlier segments recompute; at the end, the rest.
+    /// Every parameter is reported once, in the same order on every step after the first (which
+    /// learns where gradients complete, and reports them all at the end). `finished` may take the
+    /// reported gradients out of the store (no later stage adds to them) and put them back later.
+    pub fn accumulate_reporting(
+        &self,
+        inputs: &[Tensor],
+        step: u64,
+        grads: GradStore,
+        finished: &mut dyn FnMut(&[usize], &mut GradStore) -> candle_core::Result<()>,
+    ) -> Result<StepOutput> {
+        if inputs.len() != self.graph.n_inputs() {
+            return Err(Error::Inputs { expected: self.graph.n_inputs(), got: inputs.len() });
+        }
+        let schedule = self.schedule.get();
+        // A micro-batch after the first adds complete gradients only, so it must know how many
+        // contributions make one.
+        let fresh = self.params.iter().all(|p| grads.get(p).is_none());
+        let expected = match (fresh, schedule) {
+            (true, _) => None,
+            (false, Some(schedule)) => Some(&schedule.contributions[..]),
+            (false, None) => return Err(Error::FirstMicroBatch),
+        };
+        let mut run = StepRun::start(self, inputs, step);
+        // Rule 8: the earlier micro-batches' gradients are held throughout.
+        let held = grad_bytes(&self.params, &grads);
+        let (loss, kept) = run.forward(held)?;
+        let mut sums = ParamGrads::new(grads, expected, self.params.len());
+        run.backward(kept, &mut sums, &mut Reporter::new(finished, schedule, self.params.len()))?;
+        let (grads, learned) = sums.finish();
+        if schedule.is_none() {
+            let _ = self.schedule.set(learned);
+        }
+        Ok(StepOutput { loss, grads, timeline: run.timeline })
+    }
+}

@@ -1,0 +1,78 @@
+//! The candle ops the executor adds: gradient sums in place, and the seed that starts a stage's
+//! backward from a given gradient.
+
+use crate::Result;
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp2, Layout, Shape, Tensor, Var};
+
+/// `store[p] += g`: in place where it can be (the same bits as candle's `acc + g`).
+pub(super) fn add_into(store: &mut GradStore, p: &Var, g: Tensor) -> Result<()> {
+    let sum = match store.get(p.as_tensor()) {
+        Some(acc) if adds_in_place(acc, &g) => {
+            acc.inplace_op2(&g.contiguous()?, &AddAssign)?;
+            return Ok(());
+        }
+        Some(acc) => (acc + g)?,
+        None => g,
+    };
+    store.insert(p.as_tensor(), sum);
+    Ok(())
+}
+
+/// Whether `acc += g` can run in place ([`AddAssign`], CPU); elsewhere the sum is a new tensor.
+/// The same bits as candle's `acc + g` either way.
+fn adds_in_place(acc: &Tensor, g: &Tensor) -> bool {
+    acc.device().is_cpu() && acc.is_contiguous() && g.dtype() == acc.dtype() && g.shape() == acc.shape()
+}
+
+struct AddAssign;
+
+impl InplaceOp2 for AddAssign {
+    fn name(&self) -> &'static str {
+        "remat-add-assign"
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+        fn add<T: Copy + std::ops::Add<Output = T>>(a: &mut [T], b: &[T]) {
+            a.iter_mut().zip(b).for_each(|(a, &b)| *a = *a + b);
+        }
+        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("remat-add-assign: operands must be contiguous")
+        };
+        match (s1, s2) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => add(&mut a[a0..a1], &b[b0..b1]),
+            (CpuStorage::F64(a), CpuStorage::F64(b)) => add(&mut a[a0..a1], &b[b0..b1]),
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => add(&mut a[a0..a1], &b[b0..b1]),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => add(&mut a[a0..a1], &b[b0..b1]),
+            _ => candle_core::bail!("remat-add-assign: float operands of one dtype only"),
+        }
+        Ok(())
+    }
+}
+
+/// A zero scalar whose backward hands `grad` to `t` unchanged: `t`'s gradient becomes `0 + grad`,
+/// as in a plain backward.
+pub(crate) fn seed(t: &Tensor, grad: Tensor) -> Result<Tensor> {
+    if t.device().is_cpu() {
+        Ok(t.apply_op1(GradSeed(grad))?)
+    } else {
+        // No device kernel for the custom op yet: sum(t * g) has the same gradient, 1 * g = g.
+        Ok((t * grad)?.sum_all()?.to_dtype(DType::F32)?)
+    }
+}
+
+struct GradSeed(Tensor);
+
+impl CustomOp1 for GradSeed {
+    fn name(&self) -> &'static str {
+        "remat-grad-seed"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(vec![0.0]), Shape::from(())))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, _grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(self.0.clone()))
+    }
+}

@@ -1,0 +1,263 @@
+//! The planner: what a policy will cost before it runs, and the cheapest plan for a budget.
+//!
+//! - [`Profile::measure`] runs every stage once, alone, under the memory meter, as the executor
+//!   runs it in each of its modes: without stage graphs (the forward of an earlier segment, whose
+//!   stage outputs keep their candle op graph until the segment's boundaries are detached), with a
+//!   graph on `Var` copies of its inputs (the last segment and every recompute), and its backward
+//!   from seeded output gradients. It records the bytes each mode leaves live and its transient
+//!   peak, the bytes of every value, the parameter gradients each stage adds and the times.
+//!   Every quantity is linear in the batch, so two profiles at small batches give any batch
+//!   ([`Profile::extrapolate`]): full sizes that do not fit this machine are predictable.
+//! - [`Profile::predict`] replays the executor's bookkeeping ([`crate::rules`]) for a cut of the
+//!   stages into segments: stored boundaries (skip tensors included: every value read in a later
+//!   segment than its producer's), each segment's live stages, the value gradients in flight, the
+//!   parameter gradients gathered so far. The result is the step's peak above the heap before it
+//!   (the caller adds the model state) and the time spent recomputing; [`Profile::timeline`]
+//!   gives the replay event by event, as the executor's timeline records the step.
+//! - [`Profile::plan`] finds the segment starts with the least recompute time whose predicted
+//!   peak fits a budget, by dynamic programming over the stage order: a plan's cost to come and
+//!   its effect on later segments depend on earlier cuts only through the bytes of stored values
+//!   all of whose readers lie before the current cut, so each cut position keeps the Pareto set of
+//!   (those bytes, recompute time) and extends it segment by segment. [`resolve`] turns a
+//!   `budget=`/`auto` policy into the plan.
+
+mod profile;
+mod search;
+mod walk;
+
+pub use walk::stored_values;
+
+use crate::graph::ValueId;
+use crate::memory::Phase;
+use crate::policy::{Policy, PolicyRequest};
+use crate::stage::StageKind;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// What one stage costs, measured alone.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StageCost {
+    pub name: String,
+    pub kind: StageKind,
+    pub inputs: Vec<ValueId>,
+    pub outputs: Vec<ValueId>,
+    /// Bytes its forward leaves live when it runs with a graph on `Var` inputs (the last segment,
+    /// a recompute): its outputs and what its graph saves for backward, not the input copies.
+    pub graph_bytes: u64,
+    /// Bytes its forward leaves live without a graph of its own (an earlier segment's forward):
+    /// its outputs and what their op graph references through the parameters.
+    pub chain_bytes: u64,
+    /// Highest bytes above what each forward leaves, while it runs (temporaries).
+    pub graph_transient: u64,
+    pub chain_transient: u64,
+    /// Highest bytes above the heap at its start while its backward runs.
+    pub backward_transient: u64,
+    /// Bytes of the parameter gradients that appear in its backward (walking backward, a
+    /// parameter several stages use counts at the last of them).
+    pub param_grad_bytes: u64,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+}
+
+/// A value flowing between stages.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ValueCost {
+    pub bytes: u64,
+    /// Float values get `Var` copies and gradients; integer ones (targets, indices) do not.
+    pub float: bool,
+}
+
+/// The measured costs of every stage of a graph at one batch size.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Profile {
+    pub batch: usize,
+    pub n_inputs: usize,
+    pub values: Vec<ValueCost>,
+    pub stages: Vec<StageCost>,
+}
+
+/// What a cut of the stages into segments is predicted to cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Estimate {
+    /// Highest bytes above the heap before the step (parameters, optimizer state and inputs are
+    /// the caller's), forward and backward.
+    pub peak: u64,
+    pub forward_peak: u64,
+    pub backward_peak: u64,
+    /// What the peak is made of.
+    pub at_peak: Breakdown,
+    /// Forward time spent again in recomputes, and the whole step's (forward, recompute,
+    /// backward), in milliseconds.
+    pub recompute_ms: f64,
+    pub step_ms: f64,
+}
+
+impl Estimate {
+    /// The step's time over the same step without recompute (`off`).
+    pub fn time_ratio(&self) -> f64 {
+        self.step_ms / (self.step_ms - self.recompute_ms)
+    }
+}
+
+/// The parts of a predicted peak.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Breakdown {
+    /// Stored segment boundaries.
+    pub stored: u64,
+    /// Parameter gradients gathered so far (and those held from earlier micro-batches).
+    pub param_grads: u64,
+    /// Gradients of values waiting for their producer's backward.
+    pub value_grads: u64,
+    /// The live stages of the current segment, their input copies included.
+    pub live: u64,
+    /// The running stage's temporaries.
+    pub transient: u64,
+}
+
+impl Breakdown {
+    pub fn total(&self) -> u64 {
+        self.stored + self.param_grads + self.value_grads + self.live + self.transient
+    }
+
+    /// The largest part, in words.
+    fn dominant(&self) -> (&'static str, u64) {
+        [
+            ("stored boundaries", self.stored),
+            ("parameter gradients", self.param_grads),
+            ("gradients in flight", self.value_grads),
+            ("one segment's activations", self.live),
+            ("one stage's temporaries", self.transient),
+        ]
+        .into_iter()
+        .max_by_key(|(_, b)| *b)
+        .expect("five parts")
+    }
+}
+
+/// One point of a predicted step: a stage's forward, recompute or backward, as the executor's
+/// timeline records it ([`crate::memory::Event`], Rule 9).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Point {
+    pub phase: Phase,
+    pub stage: usize,
+    /// What the step holds once the stage has run, above the heap before the step: the event's
+    /// `bytes` less that heap. No transient.
+    pub held: Breakdown,
+    /// The highest moment while it ran.
+    pub peak: Breakdown,
+}
+
+impl Point {
+    /// A forward or a recompute: it holds what it leaves, plus `transient` while it runs.
+    fn after(phase: Phase, stage: usize, held: Breakdown, transient: u64) -> Point {
+        Point { phase, stage, held, peak: Breakdown { transient, ..held } }
+    }
+}
+
+/// The chosen segment starts and what they are predicted to cost.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// Stage indices that start a segment (0 first).
+    pub starts: Vec<usize>,
+    pub estimate: Estimate,
+}
+
+impl Plan {
+    pub fn policy(&self) -> Policy {
+        Policy::BeforeStages(self.starts[1..].to_vec())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error(
+        "budget {} is below the smallest peak any checkpoint plan reaches, {} (plan {plan}): the state before the step \
+         (parameters, optimizer state, data, inputs) is {}, and of the step's own {}, {dominant} take {}",
+        mib(*.budget), mib(.fixed + .step), mib(*.fixed), mib(*.step), mib(*.dominant_bytes)
+    )]
+    BelowMinimum { budget: u64, fixed: u64, step: u64, plan: String, dominant: &'static str, dominant_bytes: u64 },
+    #[error("profiles at batch {0} and {1} cannot be extrapolated: they must be of the same graph at two different batch sizes")]
+    Extrapolate(usize, usize),
+}
+
+/// Bytes in MiB, or in KiB or bytes below a tenth of a MiB (`budget=1KiB` read "0.0 MiB").
+fn mib(bytes: u64) -> String {
+    match bytes {
+        b if b >= (1 << 20) / 10 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / (1u64 << 10) as f64),
+        b => format!("{b} B"),
+    }
+}
+/// The most cut positions [`frontier`] searches (ResNet-152 has 52, a 1024-block stack 1024).
+pub const FRONTIER_CUTS: usize = 64;
+
+/// Turns `budget=`/`auto` into a [`Policy::BeforeStages`] plan for `profile`; a policy is returned
+/// as it is. `fixed`: the heap before a step
+/// (parameters, optimizer state, inputs); `available`: what `auto` may use (the device's free
+/// memory less a margin, or the memory cap).
+pub fn resolve(request: &PolicyRequest, profile: &Profile, fixed: u64, held_grads: u64, available: Option<u64>) -> Result<(Policy, Option<Plan>)> {
+    let budget = match request {
+        PolicyRequest::Budget(b) => *b,
+        PolicyRequest::Auto => available.ok_or(Error::NoMemoryLimit)?,
+        PolicyRequest::Fixed(policy) => return Ok((policy.clone(), None)),
+    };
+    let plan = profile.plan(budget, fixed, held_grads).map_err(|reason| Error::Plan { policy: request.to_string(), reason: Box::new(reason) })?;
+    Ok((plan.policy(), Some(plan)))
+}
+
+/// The plans for a range of budgets, from the least peak up to the peak of `off`: the memory/time
+/// frontier (deduplicated: budgets that give the same plan appear once). Empty for graphs with
+/// more than [`FRONTIER_CUTS`] cut positions: the search is quadratic in them and the frontier
+/// runs it some fifty times (a single `budget=` plan is one search).
+pub fn frontier(profile: &Profile, fixed: u64, held_grads: u64, points: usize) -> Vec<Plan> {
+    if profile.candidates().len() > FRONTIER_CUTS {
+        return Vec::new();
+    }
+    let low = profile.least_peak(held_grads).estimate.peak;
+    let high = profile.predict_policy(&Policy::Off, held_grads).map_or(low, |e| e.peak);
+    let mut plans: Vec<Plan> = Vec::new();
+    for k in 0..points.max(2) {
+        let budget = fixed + low + (high.saturating_sub(low)) * k as u64 / (points.max(2) - 1) as u64;
+        if let Ok(p) = profile.plan(budget, fixed, held_grads) {
+            if plans.last().is_none_or(|q| q.starts != p.starts) {
+                plans.push(p);
+            }
+        }
+    }
+    plans
+}
+
+/// A readable summary of a profile's stages (for `--dry-run`).
+pub fn describe(profile: &Profile) -> String {
+    let mut out = format!("{:>4}  {:<24} {:>12} {:>12} {:>12} {:>10}\n", "#", "stage", "keeps", "backward+", "param grads", "forward");
+    for (i, s) in profile.stages.iter().enumerate() {
+        out += &format!(
+            "{i:>4}  {:<24} {:>12} {:>12} {:>12} {:>8.1}ms\n",
+            s.name,
+            mib(s.graph_bytes),
+            mib(s.backward_transient),
+            mib(s.param_grad_bytes),
+            s.forward_ms
+        );
+    }
+    out
+}
+
+/// Every field of `e` in one line.
+pub fn summary(e: &Estimate) -> String {
+    let d = &e.at_peak;
+    format!(
+        "peak {} above the state (forward {}, backward {}): stored {}, parameter gradients {}, gradients in flight {}, live stages {}, temporaries {}; recompute {:.0} ms of {:.0} ms ({:.2}x off)",
+        mib(e.peak),
+        mib(e.forward_peak),
+        mib(e.backward_peak),
+        mib(d.stored),
+        mib(d.param_grads),
+        mib(d.value_grads),
+        mib(d.live),
+        mib(d.transient),
+        e.recompute_ms,
+        e.step_ms,
+        e.time_ratio()
+    )
+}

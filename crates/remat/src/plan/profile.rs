@@ -1,0 +1,246 @@
+//! Measuring a profile: every stage run alone under the memory meter, in each of the executor's
+//! modes ([`Profile::measure`]), and profiles at other batch sizes ([`Profile::extrapolate`]).
+
+use super::{PlanError, Profile, StageCost, ValueCost};
+use crate::graph::{StageGraph, ValueId};
+use crate::memory::{set_activity, tensor_bytes, Activity, Counter};
+use crate::stage::{StageCtx, StageKind};
+use crate::{Error, Result};
+use candle_core::{Tensor, Var};
+use std::time::Instant;
+
+/// Runs `f` and returns what it gave, the bytes it left live, its peak above that and its time.
+fn metered<R>(counter: &Counter, f: impl FnOnce() -> Result<R>) -> Result<(R, u64, u64, f64)> {
+    counter.synchronize();
+    let before = counter.current();
+    counter.take_window_peak();
+    let start = Instant::now();
+    let out = f()?;
+    counter.synchronize();
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    let (after, peak) = (counter.current(), counter.take_window_peak());
+    let left = after.saturating_sub(before);
+    Ok((out, left, peak.saturating_sub(before).saturating_sub(left), ms))
+}
+
+impl Profile {
+    /// Measures every stage of `graph` on `inputs` (a batch of `batch`); `params` are the
+    /// trainable variables. Stages run in training mode with the recompute flag set, so nothing
+    /// is updated (BatchNorm statistics) and dropout draws as in a step.
+    pub fn measure(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: usize, seed: u64) -> Result<Profile> {
+        if inputs.len() != graph.n_inputs() {
+            return Err(Error::Inputs { expected: graph.n_inputs(), got: inputs.len() });
+        }
+        let counter = Counter::for_device(inputs.first().map_or(&candle_core::Device::Cpu, |t| t.device()));
+        let n_inputs = graph.n_inputs();
+        let output = graph.output()?;
+        let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(graph.n_values()).collect();
+        let mut costs: Vec<ValueCost> = vec![ValueCost { bytes: 0, float: false }; graph.n_values()];
+        for (c, t) in costs.iter_mut().zip(inputs) {
+            *c = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
+        }
+        let mut last_user = vec![None; params.len()];
+        let mut param_bytes = vec![0u64; params.len()];
+        let mut stages = Vec::with_capacity(graph.nodes().len());
+        let last_reader = graph.last_readers();
+        for (i, node) in graph.nodes().iter().enumerate() {
+            let ins = node
+                .inputs
+                .iter()
+                .map(|&v| values[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not produced"))))
+                .collect::<Result<Vec<_>>>()?;
+            // Each stage runs twice and every figure is the smaller of the two: a kernel's first
+            // call may grow a workspace it keeps (per thread, by the size it meets), which is
+            // not the stage's to keep.
+            let once = || measure_stage(&counter, node, i, &ins, n_inputs, output, params, seed);
+            let (outs, first, grads) = once()?;
+            let (_, second, _) = once()?;
+            let cost = first.least(&second);
+            for (&v, t) in node.outputs.iter().zip(&outs) {
+                costs[v] = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
+                values[v] = Some(t.clone());
+            }
+            for (k, bytes) in grads {
+                last_user[k] = Some(i);
+                param_bytes[k] = bytes;
+            }
+            for &v in &node.inputs {
+                if last_reader[v] == Some(i) && v >= n_inputs {
+                    values[v] = None;
+                }
+            }
+            stages.push(cost);
+        }
+        for (k, user) in last_user.iter().enumerate() {
+            if let Some(i) = user {
+                stages[*i].param_grad_bytes += param_bytes[k];
+            }
+        }
+        set_activity(Activity::Setup, None);
+        Ok(Profile { batch, n_inputs, values: costs, stages })
+    }
+
+    /// The profile at `batch` (`inputs_at(n)`: the graph inputs of a batch of `n`), measured at
+    /// that batch. Stages run one at a time, so this needs one stage's memory, not a step's. A
+    /// first pass is thrown away: it pays what a process allocates once and keeps (thread pools,
+    /// workspaces sized by the largest product seen).
+    pub fn at_batch<E: std::fmt::Display>(
+        graph: &StageGraph,
+        inputs_at: impl Fn(usize) -> std::result::Result<Vec<Tensor>, E>,
+        params: &[Var],
+        batch: usize,
+        seed: u64,
+    ) -> Result<Profile> {
+        let inputs = inputs_at(batch).map_err(|e| Error::Data(format!("{e:#}")))?;
+        Profile::measure(graph, &inputs, params, batch, seed)?;
+        Profile::measure(graph, &inputs, params, batch, seed)
+    }
+
+    /// The profile at `batch` from measurements at the two smaller batches `probes`, extrapolated
+    /// ([`Profile::extrapolate`]), for sizes where even one stage at the full batch is too big or
+    /// too slow to run. Kept bytes are linear in the batch; some kernels' temporaries are not
+    /// (candle's composed 3D convolutions chunk theirs), so extrapolated temporaries over-predict.
+    pub fn extrapolated<E: std::fmt::Display>(
+        graph: &StageGraph,
+        inputs_at: impl Fn(usize) -> std::result::Result<Vec<Tensor>, E>,
+        params: &[Var],
+        probes: (usize, usize),
+        batch: usize,
+        seed: u64,
+    ) -> Result<Profile> {
+        let (one, two) = (Profile::at_batch(graph, &inputs_at, params, probes.0, seed)?, Profile::at_batch(graph, &inputs_at, params, probes.1, seed)?);
+        Ok(Profile::extrapolate(&one, &two, batch)?)
+    }
+
+    /// The profile at `batch`, from profiles `a` and `b` of the same graph at two batch sizes:
+    /// every quantity on the line through the two (bytes rounded, never below zero).
+    pub fn extrapolate(a: &Profile, b: &Profile, batch: usize) -> std::result::Result<Profile, PlanError> {
+        let same = a.batch != b.batch && a.stages.len() == b.stages.len() && a.values.len() == b.values.len();
+        if !same {
+            return Err(PlanError::Extrapolate(a.batch, b.batch));
+        }
+        let t = (batch as f64 - a.batch as f64) / (b.batch as f64 - a.batch as f64);
+        let line = |x: f64, y: f64| x + (y - x) * t;
+        let bytes = |x: u64, y: u64| line(x as f64, y as f64).round().max(0.0) as u64;
+        let ms = |x: f64, y: f64| line(x, y).max(0.0);
+        let values = a.values.iter().zip(&b.values).map(|(x, y)| ValueCost { bytes: bytes(x.bytes, y.bytes), float: x.float }).collect();
+        let stages = a
+            .stages
+            .iter()
+            .zip(&b.stages)
+            .map(|(x, y)| StageCost {
+                graph_bytes: bytes(x.graph_bytes, y.graph_bytes),
+                chain_bytes: bytes(x.chain_bytes, y.chain_bytes),
+                graph_transient: bytes(x.graph_transient, y.graph_transient),
+                chain_transient: bytes(x.chain_transient, y.chain_transient),
+                backward_transient: bytes(x.backward_transient, y.backward_transient),
+                param_grad_bytes: x.param_grad_bytes,
+                forward_ms: ms(x.forward_ms, y.forward_ms),
+                backward_ms: ms(x.backward_ms, y.backward_ms),
+                ..x.clone()
+            })
+            .collect();
+        Ok(Profile { batch, n_inputs: a.n_inputs, values, stages })
+    }
+
+    pub fn kinds(&self) -> Vec<StageKind> {
+        self.stages.iter().map(|s| s.kind).collect()
+    }
+
+    /// Bytes of every parameter gradient.
+    pub fn param_grad_bytes(&self) -> u64 {
+        self.stages.iter().map(|s| s.param_grad_bytes).sum()
+    }
+}
+
+/// Bytes of each parameter gradient a stage's backward gives, by index in the parameter list.
+type ParamGradBytes = Vec<(usize, u64)>;
+
+/// One measurement of stage `i` of a graph on its inputs `ins`: its outputs (detached), its
+/// costs, and the bytes of each parameter gradient (by index in `params`) its backward gives.
+#[allow(clippy::too_many_arguments)]
+fn measure_stage(
+    counter: &Counter,
+    node: &crate::graph::Node,
+    i: usize,
+    ins: &[Tensor],
+    n_inputs: usize,
+    output: ValueId,
+    params: &[Var],
+    seed: u64,
+) -> Result<(Vec<Tensor>, StageCost, ParamGradBytes)> {
+    let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
+    let ctx = || StageCtx::new(seed, 0, i, 0, true, true);
+    set_activity(Activity::Forward, Some(i));
+    // Without a graph of its own: the outputs keep their op graph until detached.
+    let (outs, chain_bytes, chain_transient, _) = metered(counter, || node.stage.forward(ins, &ctx()).map_err(stage_err))?;
+    let detached: Vec<Tensor> = outs.iter().map(Tensor::detach).collect();
+    drop(outs);
+    // With a graph on `Var` copies, as the executor's last segment and recomputes run it.
+    let graph_ins = node
+        .inputs
+        .iter()
+        .zip(ins)
+        .map(|(&v, t)| Ok(if v >= n_inputs && t.dtype().is_float() { Some(Var::from_tensor(&t.detach())?) } else { None }))
+        .collect::<Result<Vec<Option<Var>>>>()?;
+    let run_ins: Vec<Tensor> = graph_ins.iter().zip(ins).map(|(var, t)| var.as_ref().map_or(t.clone(), |v| v.as_tensor().clone())).collect();
+    let (outs, graph_bytes, graph_transient, forward_ms) = metered(counter, || node.stage.forward(&run_ins, &ctx()).map_err(stage_err))?;
+    // Backward from the loss, or from a gradient of ones for every float output.
+    let seeds = node
+        .outputs
+        .iter()
+        .zip(&outs)
+        .filter(|(&v, t)| v != output && t.dtype().is_float())
+        .map(|(_, t)| Ok((t.clone(), t.ones_like()?)))
+        .collect::<Result<Vec<_>>>()?;
+    let loss = node.outputs.iter().position(|&v| v == output).map(|k| outs[k].clone());
+    set_activity(Activity::Backward, Some(i));
+    let (grads, grads_left, above_left, backward_ms) = metered(counter, || {
+        let mut root = loss.clone();
+        for (t, g) in seeds {
+            let seeded = crate::exec::seed(&t, g)?;
+            root = Some(match root {
+                Some(r) => (r + seeded)?,
+                None => seeded,
+            });
+        }
+        Ok(match root {
+            Some(r) => Some(r.backward()?),
+            None => None,
+        })
+    })?;
+    let param_grads = params.iter().enumerate().filter_map(|(k, p)| Some((k, counter.held_bytes(grads.as_ref()?.get(p)?)))).collect();
+    set_activity(Activity::Setup, None);
+    let cost = StageCost {
+        name: node.stage.name(),
+        kind: node.stage.kind(),
+        inputs: node.inputs.clone(),
+        outputs: node.outputs.clone(),
+        graph_bytes,
+        chain_bytes,
+        graph_transient,
+        chain_transient,
+        // Its peak above the heap at its start: the gradients it leaves are part of it.
+        backward_transient: grads_left + above_left,
+        param_grad_bytes: 0,
+        forward_ms,
+        backward_ms,
+    };
+    Ok((detached, cost, param_grads))
+}
+
+impl StageCost {
+    /// Every figure the smaller of two measurements of the same stage.
+    fn least(&self, other: &StageCost) -> StageCost {
+        StageCost {
+            graph_bytes: self.graph_bytes.min(other.graph_bytes),
+            chain_bytes: self.chain_bytes.min(other.chain_bytes),
+            graph_transient: self.graph_transient.min(other.graph_transient),
+            chain_transient: self.chain_transient.min(other.chain_transient),
+            backward_transient: self.backward_transient.min(other.backward_transient),
+            forward_ms: self.forward_ms.min(other.forward_ms),
+            backward_ms: self.backward_ms.min(other.backward_ms),
+            ..self.clone()
+        }
+    }
+}

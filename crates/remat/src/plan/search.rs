@@ -1,0 +1,102 @@
+//! The plan search: the segment starts with the least recompute time whose predicted peak fits
+//! a budget ([`Profile::plan`]), by dynamic programming over the cut positions.
+
+use super::walk::Walk;
+use super::{Estimate, Plan, PlanError, Profile};
+use std::ops::Range;
+
+impl Profile {
+    /// Stages where a segment may start: blocks and downsampling stages (what the fixed
+    /// policies cut at), and stage 0.
+    pub(super) fn candidates(&self) -> Vec<usize> {
+        self.stages.iter().enumerate().filter(|(i, s)| *i == 0 || s.kind.is_block() || s.kind.is_downsample()).map(|(i, _)| i).collect()
+    }
+
+    /// The plan with the least recompute time whose peak, plus `fixed` (the heap before the step:
+    /// parameters, optimizer state, inputs), fits `budget`; equal times go to the lower peak.
+    pub fn plan(&self, budget: u64, fixed: u64, held_grads: u64) -> std::result::Result<Plan, PlanError> {
+        let found = if budget >= fixed { self.search(budget - fixed, held_grads) } else { None };
+        match found {
+            Some(plan) => Ok(plan),
+            None => {
+                let min = self.least_peak(held_grads);
+                let (dominant, dominant_bytes) = min.estimate.at_peak.dominant();
+                Err(PlanError::BelowMinimum { budget, fixed, step: min.estimate.peak, plan: min.policy().to_string(), dominant, dominant_bytes })
+            }
+        }
+    }
+
+    /// The plan with the smallest predicted peak (a bisection over budgets of [`Profile::search`]).
+    pub fn least_peak(&self, held_grads: u64) -> Plan {
+        let all = self.stages.iter().map(|s| s.graph_bytes + s.chain_bytes + s.graph_transient + s.backward_transient).sum::<u64>()
+            + self.values.iter().map(|v| 2 * v.bytes).sum::<u64>()
+            + self.param_grad_bytes()
+            + held_grads;
+        let mut best = self.search(all, held_grads).expect("every plan fits a budget of everything at once");
+        let (mut lo, mut hi) = (0u64, best.estimate.peak);
+        while lo + 1 < hi {
+            let mid = lo + (hi - lo) / 2;
+            match self.search(mid, held_grads) {
+                Some(p) => {
+                    hi = p.estimate.peak.min(mid);
+                    best = p;
+                }
+                None => lo = mid,
+            }
+        }
+        best
+    }
+
+    /// The dynamic programme: for each candidate cut position, the Pareto set of partial plans
+    /// by (bytes of stored values all of whose readers lie before the cut, recompute time).
+    fn search(&self, step_budget: u64, held_grads: u64) -> Option<Plan> {
+        let walk = Walk::new(self, held_grads);
+        let n = self.stages.len();
+        let cuts = self.candidates();
+        struct Partial {
+            past: u64,
+            recompute: f64,
+            peak: Estimate,
+            starts: Vec<usize>,
+        }
+        let mut fronts: Vec<Vec<Partial>> = (0..cuts.len()).map(|_| Vec::new()).collect();
+        fronts[0].push(Partial { past: 0, recompute: 0.0, peak: Estimate::default(), starts: vec![0] });
+        let mut best: Option<Partial> = None;
+        for (ia, &a) in cuts.iter().enumerate() {
+            let front = std::mem::take(&mut fronts[ia]);
+            for p in &front {
+                for (ib, b) in cuts.iter().copied().enumerate().skip(ia + 1).map(|(i, b)| (Some(i), b)).chain(std::iter::once((None, n))) {
+                    let last = ib.is_none();
+                    let cost = walk.estimate(a, b, last, p.past);
+                    if cost.peak > step_budget {
+                        continue;
+                    }
+                    let mut peak = p.peak;
+                    peak.merge(&cost);
+                    let mut starts = p.starts.clone();
+                    let next = Partial { past: p.past + walk.settled(a, b), recompute: p.recompute + cost.recompute_ms, peak, starts: Vec::new() };
+                    match ib {
+                        None => {
+                            let better = best.as_ref().is_none_or(|q| (next.recompute, next.peak.peak) < (q.recompute, q.peak.peak));
+                            if better {
+                                best = Some(Partial { starts, ..next });
+                            }
+                        }
+                        Some(ib) => {
+                            let f = &mut fronts[ib];
+                            let dominated = f.iter().any(|q| q.past <= next.past && q.recompute <= next.recompute && q.peak.peak <= next.peak.peak);
+                            if !dominated {
+                                f.retain(|q| !(next.past <= q.past && next.recompute <= q.recompute && next.peak.peak <= q.peak.peak));
+                                starts.push(b);
+                                f.push(Partial { starts, ..next });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let best = best?;
+        let segments: Vec<Range<usize>> = best.starts.iter().zip(best.starts.iter().skip(1).chain(std::iter::once(&n))).map(|(&a, &b)| a..b).collect();
+        Some(Plan { estimate: self.predict(&segments, held_grads), starts: best.starts })
+    }
+}

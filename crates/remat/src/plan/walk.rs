@@ -1,0 +1,204 @@
+//! The replay: the executor's bookkeeping ([`crate::rules`]) walked over a profile, predicting a
+//! step's memory event by event ([`Profile::predict`], [`Profile::timeline`]).
+
+use super::{Breakdown, Estimate, Point, Profile};
+use crate::graph::ValueId;
+use crate::memory::Phase;
+use crate::policy::Policy;
+use crate::rules::Wiring;
+use crate::Result;
+use std::collections::BTreeSet;
+use std::ops::Range;
+
+impl Profile {
+    /// The estimate for `policy` (a fixed policy or a plan; resolve `budget=`/`auto` first).
+    /// `held_grads`: parameter gradient bytes held from the start (accumulating micro-batches
+    /// after the first), which then do not grow.
+    pub fn predict_policy(&self, policy: &Policy, held_grads: u64) -> Result<Estimate> {
+        Ok(self.predict(&policy.segments_of(&self.kinds())?, held_grads))
+    }
+
+    /// The estimate for a cut of the stages into `segments` (contiguous, in order).
+    pub fn predict(&self, segments: &[Range<usize>], held_grads: u64) -> Estimate {
+        let walk = Walk::new(self, held_grads);
+        let mut past = 0;
+        let mut estimate = Estimate::default();
+        for (k, seg) in segments.iter().enumerate() {
+            let cost = walk.estimate(seg.start, seg.end, k + 1 == segments.len(), past);
+            estimate.merge(&cost);
+            past += walk.settled(seg.start, seg.end);
+        }
+        estimate.step_ms += self.stages.iter().map(|s| s.forward_ms + s.backward_ms).sum::<f64>();
+        estimate
+    }
+
+    /// The predicted timeline of a step cut into `segments`: one point per event of the
+    /// executor's timeline, in its order (Rule 3).
+    pub fn timeline(&self, segments: &[Range<usize>], held_grads: u64) -> Vec<Point> {
+        let walk = Walk::new(self, held_grads);
+        let (mut forward, mut backward) = (Vec::new(), Vec::new());
+        let mut past = 0;
+        for (k, seg) in segments.iter().enumerate() {
+            let mut back = Vec::new();
+            walk.segment(seg.start, seg.end, k + 1 == segments.len(), past, |p| if p.phase == Phase::Forward { forward.push(p) } else { back.push(p) });
+            backward.push(back);
+            past += walk.settled(seg.start, seg.end);
+        }
+        forward.into_iter().chain(backward.into_iter().rev().flatten()).collect()
+    }
+}
+
+impl Estimate {
+    /// Takes in one point of the step.
+    fn see(&mut self, point: &Point) {
+        let total = point.peak.total();
+        if point.phase == Phase::Forward {
+            self.forward_peak = self.forward_peak.max(total);
+        } else {
+            self.backward_peak = self.backward_peak.max(total);
+        }
+        if total > self.peak {
+            self.peak = total;
+            self.at_peak = point.peak;
+        }
+    }
+
+    pub(super) fn merge(&mut self, other: &Estimate) {
+        if other.peak > self.peak {
+            self.peak = other.peak;
+            self.at_peak = other.at_peak;
+        }
+        self.forward_peak = self.forward_peak.max(other.forward_peak);
+        self.backward_peak = self.backward_peak.max(other.backward_peak);
+        self.recompute_ms += other.recompute_ms;
+        self.step_ms += other.recompute_ms;
+    }
+}
+
+/// A profile's stages and their wiring, for replaying the executor's bookkeeping
+/// ([`crate::rules`]) on them.
+pub(super) struct Walk<'p> {
+    p: &'p Profile,
+    wiring: Wiring,
+    held_grads: u64,
+}
+
+impl<'p> Walk<'p> {
+    pub(super) fn new(p: &'p Profile, held_grads: u64) -> Self {
+        let wiring = Wiring::new(p.values.len(), p.stages.iter().map(|s| (&s.inputs[..], &s.outputs[..])));
+        Walk { p, wiring, held_grads }
+    }
+
+    fn bytes(&self, v: ValueId) -> u64 {
+        self.p.values[v].bytes
+    }
+
+    /// Bytes of the values stored at the cut `a` whose readers all lie before `b`: after the
+    /// segment `a..b` they are settled (held until their earliest reader's segment takes them
+    /// over, Rule 5, whatever later cuts are chosen).
+    pub(super) fn settled(&self, a: usize, b: usize) -> u64 {
+        self.wiring.stored_at(a).filter(|&v| self.wiring.readers(v).last().is_some_and(|&r| r < b)).map(|v| self.bytes(v)).sum()
+    }
+
+    /// The estimate of the segment `a..b` alone: its points' peaks and its recompute time.
+    pub(super) fn estimate(&self, a: usize, b: usize, last: bool, past: u64) -> Estimate {
+        let mut est = Estimate::default();
+        self.segment(a, b, last, past, |point| est.see(&point));
+        if !last {
+            est.recompute_ms = self.p.stages[a..b].iter().fold(0.0, |t, s| t + s.forward_ms);
+        }
+        est
+    }
+
+    /// Replays the segment `a..b` (`last`: the one whose graphs forward keeps), with `past` bytes
+    /// of settled stored values from earlier segments: `see` gets its points, its forward first,
+    /// then its recompute and backward.
+    fn segment(&self, a: usize, b: usize, last: bool, past: u64, mut see: impl FnMut(Point)) {
+        let stages = &self.p.stages;
+        let stored_here: Vec<ValueId> = self.wiring.stored_at(a).collect();
+        let first_reader = |v: ValueId| self.wiring.first_reader(v).expect("a stored value has a reader");
+        let float = |v: ValueId| self.p.values[v].float;
+        // Rule 5: the stored float values first read here, which this segment takes over when it
+        // builds graphs: each held until its last reader here has run. Integer ones stay counted
+        // as stored to the end of its backward: no copy replaces them, and a reader's graph may
+        // hold them until its own backward.
+        let handed: Vec<(usize, u64)> = stored_here
+            .iter()
+            .filter(|&&v| (a..b).contains(&first_reader(v)) && float(v))
+            .map(|&v| (self.wiring.readers(v).iter().copied().take_while(|&r| r < b).last().expect("read here"), self.bytes(v)))
+            .collect();
+        let handed_by = |i: usize| handed.iter().filter(|&&(last, _)| last <= i).map(|&(_, bytes)| bytes).sum::<u64>();
+        let copies = |i: usize| self.copies(a, i);
+        // Rule 8: walking backward, the gradients of later stages' parameters are in (while
+        // accumulating, `held_grads` stays as it is: the partial sums are not replayed).
+        let grads_after: u64 = self.held_grads + if self.held_grads > 0 { 0 } else { stages[b..].iter().map(|s| s.param_grad_bytes).sum() };
+
+        // Rule 1: forward holds every value stored so far; Rule 2: a segment's stages stay until it ends.
+        let stored = past + stored_here.iter().map(|&v| self.bytes(v)).sum::<u64>();
+        let mut live = 0;
+        for (i, st) in stages.iter().enumerate().take(b).skip(a) {
+            // Rule 3: the last segment's forward builds graphs, on copies (Rule 4).
+            let (keep, transient) = if last { (copies(i) + st.graph_bytes, st.graph_transient) } else { (st.chain_bytes, st.chain_transient) };
+            let stored = if last { stored - handed_by(i) } else { stored };
+            live += keep;
+            see(Point::after(Phase::Forward, i, Breakdown { stored, param_grads: self.held_grads, value_grads: 0, live, transient: 0 }, transient));
+        }
+
+        // Rule 5: stored values whose earliest reader's segment is this one or an earlier one are
+        // held (not what this segment stores: its recompute makes those anew).
+        let stored = past + stored_here.iter().filter(|&&v| first_reader(v) < b).map(|&v| self.bytes(v)).sum::<u64>();
+        // Rule 7: gradients of the values later segments read, waiting for their producers.
+        let mut pending: BTreeSet<ValueId> = self.wiring.stored_at(b).filter(|&v| float(v)).collect();
+        let value_grads = pending.iter().map(|&v| self.bytes(v)).sum();
+        let mut held = Breakdown { stored, param_grads: grads_after, value_grads, live: 0, transient: 0 };
+        if !last {
+            // Rule 3: recomputed with graphs, right before its backward.
+            for (i, st) in stages.iter().enumerate().take(b).skip(a) {
+                held.live += copies(i) + st.graph_bytes;
+                let now = Breakdown { stored: stored - handed_by(i), ..held };
+                see(Point::after(Phase::Recompute, i, now, st.graph_transient));
+            }
+        } else {
+            held.live = live;
+        }
+        // Rule 5: by its backward, what this segment took over is held by copies only.
+        held.stored = stored - handed_by(b);
+        for i in (a..b).rev() {
+            let during = Breakdown { transient: stages[i].backward_transient, ..held };
+            // Rule 6: the stage's run goes once its backward has run.
+            held.live -= copies(i) + stages[i].graph_bytes;
+            // Rule 7: its outputs' gradients are taken up, its float inputs' appear.
+            for v in &stages[i].outputs {
+                if pending.remove(v) {
+                    held.value_grads -= self.bytes(*v);
+                }
+            }
+            for &v in stages[i].inputs.iter().filter(|&&v| v >= self.p.n_inputs && float(v)) {
+                if pending.insert(v) {
+                    held.value_grads += self.bytes(v);
+                }
+            }
+            // Rule 8
+            if self.held_grads == 0 {
+                held.param_grads += stages[i].param_grad_bytes;
+            }
+            see(Point { phase: Phase::Backward, stage: i, held, peak: during });
+        }
+    }
+
+    /// Bytes of the `Var` copies stage `i` of the segment starting at `a` makes (Rule 4): each
+    /// float value once per segment, at its first reader there.
+    fn copies(&self, a: usize, i: usize) -> u64 {
+        let n_inputs = self.p.n_inputs;
+        let first_here = |v: ValueId| self.wiring.readers(v).iter().find(|&&r| r >= a) == Some(&i);
+        self.p.stages[i].inputs.iter().filter(|&&v| v >= n_inputs && self.p.values[v].float && first_here(v)).map(|&v| self.bytes(v)).sum()
+    }
+}
+/// The values a cut of the stages into `segments` stores (graph inputs excluded), in order.
+pub fn stored_values(profile: &Profile, segments: &[Range<usize>]) -> Vec<ValueId> {
+    let walk = Walk::new(profile, 0);
+    let mut out: Vec<ValueId> = segments.iter().skip(1).flat_map(|s| walk.wiring.stored_at(s.start).collect::<Vec<_>>()).collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
