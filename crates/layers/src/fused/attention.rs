@@ -2,6 +2,7 @@
 //! (scores and probabilities are rebuilt in backward).
 
 use super::dropout::DropoutOp;
+use super::generic::{generic, wide, GenericOp};
 use super::softmax::SoftmaxOp;
 use super::{exactly, fused, is_half, slice, softmax_last_dim, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor};
@@ -20,6 +21,9 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, p
         if m.dims() != [b, s] {
             candle_core::bail!("attention: the padding mask must be (batch {b}, keys {s}), got {:?}", m.dims())
         }
+    }
+    if generic(q) {
+        return attention_generic(q, k, v, scale, causal, padding, dropout);
     }
     if !fused(q) {
         let scores = q.matmul(&k.t()?)?;
@@ -44,6 +48,68 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, p
     };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.to_dtype(q.dtype())?.contiguous()?);
     q.apply_op3(&k, &v, AttentionOp { scale, causal, padding, dropout })
+}
+
+/// The probabilities `softmax(scale q k^T)` (padded keys and, with `causal`, future keys at 0)
+/// and the dropout mask (scaled by 1 / (1 - rate)) applied to them, from candle's ops.
+fn probabilities(
+    q: &Tensor,
+    k: &Tensor,
+    scale: f64,
+    causal: bool,
+    padding: Option<&Tensor>,
+    dropout: Option<(RngKey, f32)>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let scores = q.matmul(&k.t()?)?;
+    let scores = match padding {
+        Some(m) => {
+            let (b, s) = m.dims2()?;
+            let keep = m.ne(0.0)?.reshape((b, 1, 1, s))?.broadcast_as(scores.shape())?;
+            let neg_inf = Tensor::new(f32::NEG_INFINITY, q.device())?.to_dtype(scores.dtype())?.broadcast_as(scores.shape())?;
+            keep.where_cond(&scores, &neg_inf)?
+        }
+        None => scores,
+    };
+    let p = super::softmax::composed(&scores, scale, causal)?;
+    let mask = match dropout {
+        Some((key, rate)) => Some(Tensor::from_vec(key.dropout_mask(p.elem_count(), rate), p.shape(), p.device())?.to_dtype(p.dtype())?),
+        None => None,
+    };
+    Ok((p, mask))
+}
+
+/// The generic route ([`super::generic`]): attention composed on detached q, k, v; backward
+/// rebuilds the probabilities and the dropout mask, so the op keeps only q, k and v.
+fn attention_generic(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, padding: Option<&Tensor>, dropout: Option<(RngKey, f32)>) -> Result<Tensor> {
+    let padding = padding.map(|m| m.detach());
+    let (p, mask) = probabilities(&q.detach(), &k.detach(), scale, causal, padding.as_ref(), dropout)?;
+    let pd = match &mask {
+        Some(m) => (p * m)?,
+        None => p,
+    };
+    let y = pd.matmul(&v.detach().to_dtype(q.dtype())?)?;
+    // dv = pd^T g; dp = (g v^T) mask; ds = p (dp - sum(dp p)); dq = scale ds k; dk = scale ds^T q.
+    let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let (q, k, v) = (wide(&inputs[0])?, wide(&inputs[1])?, wide(&inputs[2])?);
+        let g = wide(g)?;
+        let (p, mask) = probabilities(&q, &k, scale, causal, padding.as_ref(), dropout)?;
+        let pd = match &mask {
+            Some(m) => (&p * m)?,
+            None => p.clone(),
+        };
+        let dv = pd.t()?.matmul(&g)?;
+        let dpd = g.matmul(&v.t()?)?;
+        let dp = match &mask {
+            Some(m) => (dpd * m)?,
+            None => dpd,
+        };
+        let ds = (&p * dp.broadcast_sub(&(&dp * &p)?.sum_keepdim(candle_core::D::Minus1)?)?)?;
+        let dq = (ds.matmul(&k)? * scale)?;
+        let dk = (ds.t()?.matmul(&q)? * scale)?;
+        let back = |t: Tensor, like: &Tensor| t.to_dtype(like.dtype());
+        Ok(vec![Some(back(dq, &inputs[0])?), Some(back(dk, &inputs[1])?), Some(back(dv, &inputs[2])?)])
+    };
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, GenericOp::new("generic-attention", y, Box::new(backward)))
 }
 
 struct AttentionOp {

@@ -1,6 +1,7 @@
 //! Cross-entropy: the mean (optionally weighted) negative log-likelihood of logits; keeps nothing
 //! but its inputs.
 
+use super::generic::{generic, wide, GenericOp};
 use super::{elem, exactly, fused, nan_max, shaped, slice, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 use rayon::prelude::*;
@@ -15,16 +16,38 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: Option<&Tensor>
         Some(w) => w.to_dtype(logits.dtype())?,
         None => Tensor::ones(n, logits.dtype(), logits.device())?,
     };
+    if generic(logits) {
+        let targets = targets.to_dtype(DType::U32)?.contiguous()?;
+        let loss = composed(&wide(&logits.detach())?, &targets, &wide(&weights)?)?;
+        // d loss / d logits = (softmax(logits) - onehot(target)) w / sum(w), times the loss's gradient.
+        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+            let (logits, targets, weights) = (wide(&inputs[0])?, &inputs[1], wide(&inputs[2])?);
+            let v = logits.dim(1)?;
+            let classes = Tensor::arange(0u32, v as u32, logits.device())?.unsqueeze(0)?;
+            let onehot = targets.unsqueeze(1)?.broadcast_eq(&classes)?.to_dtype(logits.dtype())?;
+            let total = weights.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let scale = weights.unsqueeze(1)?.broadcast_mul(&wide(g)?.to_dtype(logits.dtype())?)?;
+            let d = (candle_nn::ops::softmax(&logits, D::Minus1)? - onehot)?.broadcast_mul(&scale)?;
+            Ok(vec![Some((d / total)?.to_dtype(inputs[0].dtype())?), None, None])
+        };
+        let loss = loss.to_dtype(if logits.dtype() == DType::F64 { DType::F64 } else { DType::F32 })?;
+        return logits.contiguous()?.apply_op3(&targets, &weights.contiguous()?, GenericOp::new("generic-cross-entropy", loss, Box::new(backward)));
+    }
     if !fused(logits) {
-        let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
-        let picked = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
-        let total = weights.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        if total == 0.0 {
-            candle_core::bail!("{NO_WEIGHT}")
-        }
-        return ((picked * &weights)?.sum_all()? / total)?.neg();
+        return composed(logits, targets, &weights);
     }
     logits.contiguous()?.apply_op3(&targets.to_dtype(DType::U32)?.contiguous()?, &weights.contiguous()?, CrossEntropyOp)
+}
+
+/// The weighted mean negative log-likelihood from candle's ops.
+fn composed(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> Result<Tensor> {
+    let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let picked = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
+    let total = weights.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    if total == 0.0 {
+        candle_core::bail!("{NO_WEIGHT}")
+    }
+    ((picked * weights)?.sum_all()? / total)?.neg()
 }
 
 struct CrossEntropyOp;

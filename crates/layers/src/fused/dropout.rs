@@ -1,6 +1,7 @@
 //! Inverted dropout: keeps nothing, its backward draws the mask again from its key instead of
 //! holding it; its bits equal `x * mask` composed.
 
+use super::generic::{generic, GenericOp};
 use super::{elem, exactly, fused, shaped, slice, with_slice, Elem, FusedOp, Operand, ELEMENT_CHUNK};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -9,9 +10,15 @@ use remat::rng::RngKey;
 /// Inverted dropout: `x * mask` with `mask = 1 / (1 - p)` where `key`'s uniform draw is below
 /// `1 - p`, else 0 (`RngKey::dropout_mask`). Backward draws the mask again from the key.
 pub fn dropout(x: &Tensor, key: RngKey, p: f32) -> Result<Tensor> {
+    let mask = move |like: &Tensor| Tensor::from_vec(key.dropout_mask(like.elem_count(), p), like.shape(), like.device())?.to_dtype(like.dtype());
+    if generic(x) {
+        // Nothing kept: backward draws the mask again from the key.
+        let y = (x.detach() * mask(x)?)?;
+        let backward = move |_: &[Tensor], _: &Tensor, g: &Tensor| Ok(vec![Some((g * mask(g)?)?)]);
+        return x.contiguous()?.apply_op1(GenericOp::new("generic-dropout", y, Box::new(backward)));
+    }
     if !fused(x) {
-        let mask = Tensor::from_vec(key.dropout_mask(x.elem_count(), p), x.shape(), x.device())?.to_dtype(x.dtype())?;
-        return x * mask;
+        return x * mask(x)?;
     }
     x.contiguous()?.apply_op1(DropoutOp { key, p })
 }

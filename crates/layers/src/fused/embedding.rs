@@ -1,6 +1,7 @@
 //! Embedding: a row lookup that keeps only its ids; its backward builds the table's gradient in
 //! one allocation.
 
+use super::generic::{generic, GenericOp};
 use super::{exactly, fused, shaped, slice, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -11,6 +12,16 @@ use rayon::prelude::*;
 pub fn embedding(w: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let mut shape = ids.dims().to_vec();
     shape.push(w.dim(1)?);
+    if generic(w) && ids.dtype() == DType::U32 {
+        let ids = ids.flatten_all()?.contiguous()?;
+        let y = w.detach().index_select(&ids, 0)?;
+        // The table's gradient: each token's row added at its id.
+        let backward = |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+            let (w, ids) = (&inputs[0], &inputs[1]);
+            Ok(vec![Some(w.zeros_like()?.index_add(ids, &g.to_dtype(w.dtype())?, 0)?), None])
+        };
+        return w.contiguous()?.apply_op2(&ids, GenericOp::new("generic-embedding", y, Box::new(backward)))?.reshape(shape);
+    }
     if !fused(w) || ids.dtype() != DType::U32 {
         return w.index_select(&ids.flatten_all()?, 0)?.reshape(shape);
     }

@@ -1,6 +1,7 @@
 //! GELU, tanh or erf: keeps its input, as candle's does, with a one-pass, multi-threaded
 //! backward.
 
+use super::generic::{generic, wide as wide32, GenericOp};
 use super::{elem, exactly, fused, shaped, slice, wide, with_slice, Elem, FusedOp, Operand, ELEMENT_CHUNK};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -9,6 +10,27 @@ use rayon::prelude::*;
 /// computed in f64 per element, in parallel. Keeps its input, as candle's does, but its backward
 /// is one pass where candle's composes about ten tensors of the input's size.
 pub fn gelu(x: &Tensor, exact: bool) -> Result<Tensor> {
+    if generic(x) {
+        let x_d = x.detach();
+        let y = if exact { x_d.gelu_erf()? } else { x_d.gelu()? };
+        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+            let x = wide32(&inputs[0])?;
+            let derivative = if exact {
+                // cdf(x) + x pdf(x)
+                let cdf = (((&x / std::f64::consts::SQRT_2)?.erf()? + 1.0)? * 0.5)?;
+                let pdf = ((x.sqr()? * -0.5)?.exp()? / (2.0 * std::f64::consts::PI).sqrt())?;
+                (cdf + (&x * pdf)?)?
+            } else {
+                // 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2), t = tanh(c (x + k x^3))
+                let t = ((&x + (x.powf(3.0)? * 0.044_715)?)? * SQRT_2_OVER_PI)?.tanh()?;
+                let left = ((&t + 1.0)? * 0.5)?;
+                let right = ((&x * (t.sqr()?.affine(-1.0, 1.0)?))? * ((x.sqr()? * (3.0 * 0.044_715))? + 1.0)?)?;
+                (left + (right * (0.5 * SQRT_2_OVER_PI))?)?
+            };
+            Ok(vec![Some((wide32(g)? * derivative)?.to_dtype(g.dtype())?)])
+        };
+        return x.contiguous()?.apply_op1(GenericOp::new("generic-gelu", y, Box::new(backward)));
+    }
     if !fused(x) {
         return if exact { x.gelu_erf() } else { x.gelu() };
     }

@@ -1,5 +1,6 @@
 //! LayerNorm: keeps nothing but its input (the statistics are recomputed in backward).
 
+use super::generic::{generic, wide, GenericOp};
 use super::{elem, exactly, fused, operand, shaped, slice, sum_rows, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor, D};
 use rayon::prelude::*;
@@ -7,6 +8,9 @@ use rayon::prelude::*;
 /// Layer normalisation over the last dimension: `(x - mean) / sqrt(var + eps) * weight + bias`,
 /// with the biased variance, as PyTorch's `layer_norm`.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if generic(x) {
+        return layer_norm_generic(x, weight, bias, eps);
+    }
     if !fused(x) {
         return candle_nn::ops::layer_norm_slow(x, weight, bias, eps as f32);
     }
@@ -15,6 +19,30 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
         candle_core::bail!("layer_norm: weight {:?} and bias {:?} must be [{d}]", weight.dims(), bias.dims())
     }
     x.contiguous()?.apply_op3(&operand(weight, x)?, &operand(bias, x)?, LayerNormOp { eps })
+}
+
+/// The generic route ([`super::generic`]): candle's composed LayerNorm on detached operands, and
+/// the kernel's backward formula composed, the statistics recomputed from the input.
+fn layer_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let like_x = |t: &Tensor| t.detach().to_dtype(x.dtype());
+    let y = candle_nn::ops::layer_norm_slow(&x.detach(), &like_x(weight)?, &like_x(bias)?, eps as f32)?;
+    let backward = move |inputs: &[Tensor], _y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let [x, w, b] = exactly(&inputs.iter().collect::<Vec<_>>())?;
+        let (x32, g32) = (wide(x)?, wide(g)?);
+        let w32 = wide(w)?.to_dtype(x32.dtype())?;
+        let d = x.dim(D::Minus1)?;
+        let xc = x32.broadcast_sub(&x32.mean_keepdim(D::Minus1)?)?;
+        let rstd = (xc.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+        let xhat = xc.broadcast_mul(&rstd)?;
+        let gw = g32.broadcast_mul(&w32)?;
+        let (m1, m2) = (gw.mean_keepdim(D::Minus1)?, (&gw * &xhat)?.mean_keepdim(D::Minus1)?);
+        let dx = gw.broadcast_sub(&m1)?.sub(&xhat.broadcast_mul(&m2)?)?.broadcast_mul(&rstd)?;
+        let rows = x.elem_count() / d;
+        let dw = (&g32 * &xhat)?.reshape((rows, d))?.sum(0)?;
+        let db = g32.reshape((rows, d))?.sum(0)?;
+        Ok(vec![Some(dx.to_dtype(x.dtype())?), Some(dw.to_dtype(w.dtype())?), Some(db.to_dtype(b.dtype())?)])
+    };
+    x.contiguous()?.apply_op3(weight, bias, GenericOp::new("generic-layer-norm", y, Box::new(backward)))
 }
 
 struct LayerNormOp {

@@ -1,5 +1,6 @@
 //! Linear: `x @ w + b` as one op, so the product before the bias is not kept; keeps its inputs.
 
+use super::generic::{generic, wide, GenericOp};
 use super::{fused, is_half, mat, matmul, matmul_new, operand, shaped, slice, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 
@@ -10,22 +11,53 @@ use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> Result<Tensor> {
     let k = x.dim(D::Minus1)?;
     let w_in = if w_is_out_in { w.t()? } else { w.clone() }; // (in, out)
-    if !fused(x) {
-        let rows = x.elem_count() / k;
-        let y = x.reshape((rows, k))?.matmul(&w_in)?;
-        let y = match b {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
+    if generic(x) {
+        let y = composed(&x.detach(), &w_in.detach(), b.map(Tensor::detach).as_ref())?;
+        // dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) w), db = the rows' sum of g.
+        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+            let (x, w) = (&inputs[0], &inputs[1]);
+            let rows = x.elem_count() / k;
+            let g32 = wide(g)?;
+            let g2 = g32.reshape((rows, g32.elem_count() / rows))?;
+            let w_in = wide(&if w_is_out_in { w.t()? } else { w.clone() })?.to_dtype(g2.dtype())?;
+            let dx = g2.matmul(&w_in.t()?)?.reshape(x.shape())?.to_dtype(x.dtype())?;
+            let dw_in = wide(x)?.to_dtype(g2.dtype())?.reshape((rows, k))?.t()?.matmul(&g2)?;
+            let dw = if w_is_out_in { dw_in.t()?.contiguous()? } else { dw_in }.to_dtype(w.dtype())?;
+            let mut grads = vec![Some(dx), Some(dw)];
+            if let Some(b) = inputs.get(2) {
+                grads.push(Some(g2.sum(0)?.to_dtype(b.dtype())?));
+            }
+            Ok(grads)
         };
-        let mut dims = x.dims().to_vec();
-        *dims.last_mut().expect("rank >= 1") = y.dim(1)?;
-        return y.reshape(dims);
+        let op = GenericOp::new(if b.is_some() { "generic-linear-bias" } else { "generic-linear" }, y, Box::new(backward));
+        let x = x.contiguous()?;
+        return match b {
+            Some(b) => x.apply_op3(w, b, op),
+            None => x.apply_op2(w, op),
+        };
+    }
+    if !fused(x) {
+        return composed(x, &w_in, b);
     }
     let (x, w) = (x.contiguous()?, operand(w, x)?);
     match b {
         Some(b) => x.apply_op3(&w, &operand(b, &x)?, LinearOp { w_is_out_in }),
         None => x.apply_op2(&w, LinearOp { w_is_out_in }),
     }
+}
+
+/// `x @ w_in + b` from candle's ops, over the last dimension of x.
+fn composed(x: &Tensor, w_in: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let k = x.dim(D::Minus1)?;
+    let rows = x.elem_count() / k;
+    let y = x.reshape((rows, k))?.matmul(w_in)?;
+    let y = match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("rank >= 1") = y.dim(1)?;
+    y.reshape(dims)
 }
 
 struct LinearOp {

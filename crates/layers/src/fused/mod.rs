@@ -156,6 +156,7 @@ mod cross_entropy;
 mod dropout;
 mod embedding;
 mod gelu;
+mod generic;
 mod layer_norm;
 mod linear;
 mod max_pool2d;
@@ -171,6 +172,7 @@ pub use cross_entropy::cross_entropy;
 pub use dropout::dropout;
 pub use embedding::embedding;
 pub use gelu::gelu;
+pub use generic::{path, set_path, Path};
 pub use layer_norm::layer_norm;
 pub use linear::linear;
 pub(crate) use max_pool2d::max_pool2d;
@@ -206,9 +208,9 @@ const CHUNK_ROWS: usize = 64;
 /// task starts inside a stream word.
 const ELEMENT_CHUNK: usize = 1 << 14;
 
-/// The fused path applies: a float tensor on the CPU.
+/// The fused path applies: a float tensor on the CPU, the kernels not set aside ([`set_path`]).
 pub(crate) fn fused(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+    path() == Path::Kernel && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
 }
 
 /// `t` in f32 if it is in half precision, else as it is: for the composed ops that have no

@@ -1,6 +1,7 @@
 //! Softmax over the last dimension, with an optional scale and causal mask folded in: keeps only
 //! its output.
 
+use super::generic::{generic, wide, GenericOp};
 use super::{elem, exactly, fused, nan_max, shaped, slice, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor, D};
 use rayon::prelude::*;
@@ -8,20 +9,37 @@ use rayon::prelude::*;
 /// `softmax(scale * x)` over the last dimension; with `causal`, element (.., i, j) of the last two
 /// dimensions is masked out (probability 0) where j > i, as in a decoder's self-attention.
 pub fn softmax_last_dim(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
-    if !fused(x) {
-        let x = (x * scale)?;
-        let x = if causal {
-            let (t, s) = (x.dim(D::Minus2)?, x.dim(D::Minus1)?);
-            let future = Tensor::from_vec((0..t * s).map(|i| u8::from(i % s > i / s)).collect(), (t, s), x.device())?;
-            let neg_inf = Tensor::new(f32::NEG_INFINITY, x.device())?.to_dtype(x.dtype())?.broadcast_as(x.shape())?;
-            future.broadcast_as(x.shape())?.where_cond(&neg_inf, &x)?
-        } else {
-            x
+    if generic(x) {
+        // The composed softmax on the detached input; backward from the output alone:
+        // dx = scale y (g - sum(g y)) (masked entries have y = 0, so no gradient).
+        let y = composed(&x.detach(), scale, causal)?;
+        let backward = move |_: &[Tensor], y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+            let (y32, g32) = (wide(y)?, wide(g)?);
+            let gy = (&g32 * &y32)?;
+            let dx = ((gy - y32.broadcast_mul(&g32.mul(&y32)?.sum_keepdim(D::Minus1)?)?)? * scale)?;
+            Ok(vec![Some(dx.to_dtype(y.dtype())?)])
         };
-        return candle_nn::ops::softmax(&x, D::Minus1); // candle's fused softmax_last_dim has no backward
+        return x.contiguous()?.apply_op1(GenericOp::new("generic-softmax", y, Box::new(backward)));
+    }
+    if !fused(x) {
+        return composed(x, scale, causal);
     }
     let rows_per_block = if causal { x.dim(D::Minus2)? } else { 1 };
     x.contiguous()?.apply_op1(SoftmaxOp { scale, causal, rows_per_block, padding: None })
+}
+
+/// `softmax(scale * x)` from candle's ops (candle's fused softmax_last_dim has no backward).
+pub(super) fn composed(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+    let x = (x * scale)?;
+    let x = if causal {
+        let (t, s) = (x.dim(D::Minus2)?, x.dim(D::Minus1)?);
+        let future = Tensor::from_vec((0..t * s).map(|i| u8::from(i % s > i / s)).collect(), (t, s), x.device())?;
+        let neg_inf = Tensor::new(f32::NEG_INFINITY, x.device())?.to_dtype(x.dtype())?.broadcast_as(x.shape())?;
+        future.broadcast_as(x.shape())?.where_cond(&neg_inf, &x)?
+    } else {
+        x
+    };
+    candle_nn::ops::softmax(&x, D::Minus1)
 }
 
 pub(super) struct SoftmaxOp {

@@ -1,0 +1,156 @@
+//! The device-generic route of the fused ops (`layers::fused::Path::Generic`), forced on the CPU:
+//! it gives the kernels' values and gradients, and keeps for backward what the kernels keep; the
+//! same op composed in candle's graph keeps several tensors more (the control, which the kept-bytes
+//! check must refuse). The path and the heap counter are process-wide: the tests take turns.
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use layers::fused::{set_path, Path};
+use remat::memory::heap_current;
+
+#[global_allocator]
+static ALLOC: remat::memory::CountingAlloc = remat::memory::CountingAlloc;
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+type Op = dyn Fn(&[Tensor]) -> Result<Tensor>;
+
+/// The output and every operand's gradient of `op` on `path`, under the loss `sum(y * r)`.
+fn values_and_grads(op: &Op, inputs: &[Var], r: &Tensor, path: Path) -> Result<Vec<Vec<f32>>> {
+    set_path(path);
+    let tensors: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = op(&tensors);
+    set_path(Path::Kernel);
+    let y = y?;
+    let grads = (&y * r)?.sum_all()?.backward()?;
+    let mut out = vec![y.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?];
+    for v in inputs {
+        out.push(grads.get(v.as_tensor()).expect("every operand has a gradient").flatten_all()?.to_dtype(DType::F32)?.to_vec1()?);
+    }
+    Ok(out)
+}
+
+/// Heap bytes the output of `op` holds alive between forward and backward, beyond its operands.
+fn kept_bytes(op: &Op, inputs: &[Var], path: Option<Path>) -> Result<u64> {
+    let tensors: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
+    if let Some(path) = path {
+        set_path(path);
+    }
+    let before = heap_current();
+    let y = op(&tensors);
+    let kept = heap_current().saturating_sub(before);
+    set_path(Path::Kernel);
+    drop(y?);
+    Ok(kept)
+}
+
+/// Both paths on `inputs`: values and gradients within `tol` of the scale of each, and the same
+/// bytes kept (up to the op's own bookkeeping, a few hundred bytes).
+fn check(name: &str, op: &Op, inputs: &[Var], tol: f32) -> Result<u64> {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let shape = op(&inputs.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())?.shape().clone();
+    let r = Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(inputs[0].dtype())?;
+    let kernel = values_and_grads(op, inputs, &r, Path::Kernel)?;
+    let generic = values_and_grads(op, inputs, &r, Path::Generic)?;
+    for (i, (k, g)) in kernel.iter().zip(&generic).enumerate() {
+        let scale = k.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        let err = k.iter().zip(g).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        let what = if i == 0 { "output".to_string() } else { format!("gradient {}", i - 1) };
+        eprintln!("{name}: {what}: scaled error {err:.2e}");
+        assert!(err <= tol, "{name}: {what} differs between the paths by {err:.2e} of its scale");
+    }
+    let (kernel, generic) = (kept_bytes(op, inputs, Some(Path::Kernel))?, kept_bytes(op, inputs, Some(Path::Generic))?);
+    eprintln!("{name}: kept {kernel} B by the kernel, {generic} B by the generic route");
+    assert!(generic.abs_diff(kernel) <= 1024, "{name}: the generic route keeps {generic} B, the kernel {kernel} B");
+    Ok(kernel)
+}
+
+fn var(shape: &[usize], dtype: DType) -> Result<Var> {
+    Var::from_tensor(&Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+#[test]
+fn layer_norm_on_the_generic_route() -> Result<()> {
+    let op = |t: &[Tensor]| layers::fused::layer_norm(&t[0], &t[1], &t[2], 1e-5);
+    let inputs = [var(&[4, 16, 64], DType::F32)?, var(&[64], DType::F32)?, var(&[64], DType::F32)?];
+    let kernel = check("layer_norm f32", &op, &inputs, 1e-5)?;
+    // The control: the composition left in the graph keeps its intermediates until backward.
+    let composed = |t: &[Tensor]| candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5);
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let in_graph = kept_bytes(&composed, &inputs, None)?;
+    let x_bytes = 4 * 16 * 64 * 4;
+    eprintln!("layer_norm composed in the graph: kept {in_graph} B");
+    assert!(
+        in_graph > kernel + 2 * x_bytes,
+        "the control keeps {in_graph} B, no more than the kernel's {kernel} B: the kept-bytes check would not see a composition left in the graph"
+    );
+    drop(_turn);
+    // Half precision: bf16 activations beside f32 weights, as a bf16 run has them.
+    let inputs = [var(&[4, 16, 64], DType::BF16)?, var(&[64], DType::F32)?, var(&[64], DType::F32)?];
+    check("layer_norm bf16", &op, &inputs, 2e-2)?;
+    Ok(())
+}
+
+#[test]
+fn softmax_on_the_generic_route() -> Result<()> {
+    for causal in [false, true] {
+        let op = move |t: &[Tensor]| layers::fused::softmax_last_dim(&t[0], 0.125, causal);
+        let inputs = [var(&[2, 4, 16, 16], DType::F32)?];
+        check(&format!("softmax causal={causal}"), &op, &inputs, 1e-5)?;
+    }
+    // The control: softmax composed in the graph keeps more than its output.
+    let composed = |t: &[Tensor]| candle_nn::ops::softmax(&(&t[0] * 0.125)?, D::Minus1);
+    let inputs = [var(&[2, 4, 16, 16], DType::F32)?];
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let kernel_op = |t: &[Tensor]| layers::fused::softmax_last_dim(&t[0], 0.125, false);
+    let (in_graph, kernel) = (kept_bytes(&composed, &inputs, None)?, kept_bytes(&kernel_op, &inputs, Some(Path::Kernel))?);
+    eprintln!("softmax composed in the graph: kept {in_graph} B; the kernel {kernel} B");
+    assert!(in_graph > kernel + 2 * 4 * 16 * 16 * 4, "the control keeps {in_graph} B, no more than the kernel's {kernel} B");
+    Ok(())
+}
+
+#[test]
+fn dropout_gelu_and_linear_on_the_generic_route() -> Result<()> {
+    let key = remat::rng::RngKey::named(7, "dropout");
+    let dropout = move |t: &[Tensor]| layers::fused::dropout(&t[0], key, 0.1);
+    check("dropout", &dropout, &[var(&[8, 64, 32], DType::F32)?], 0.0)?;
+    for exact in [false, true] {
+        let gelu = move |t: &[Tensor]| layers::fused::gelu(&t[0], exact);
+        check(&format!("gelu exact={exact}"), &gelu, &[var(&[8, 64, 32], DType::F32)?], 1e-5)?;
+    }
+    for (w_is_out_in, w_shape) in [(false, [32, 48]), (true, [48, 32])] {
+        let with_bias = move |t: &[Tensor]| layers::fused::linear(&t[0], &t[1], Some(&t[2]), w_is_out_in);
+        check("linear with bias", &with_bias, &[var(&[4, 16, 32], DType::F32)?, var(&w_shape, DType::F32)?, var(&[48], DType::F32)?], 1e-5)?;
+        let no_bias = move |t: &[Tensor]| layers::fused::linear(&t[0], &t[1], None, w_is_out_in);
+        check("linear", &no_bias, &[var(&[4, 16, 32], DType::F32)?, var(&w_shape, DType::F32)?], 1e-5)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn cross_entropy_on_the_generic_route() -> Result<()> {
+    let targets = Tensor::new(&[3u32, 0, 7, 7, 1, 5, 2, 6], &Device::Cpu)?;
+    let weights = Tensor::new(&[1f32, 0., 1., 1., 0., 1., 1., 1.], &Device::Cpu)?;
+    let t2 = targets.clone();
+    let weighted = move |t: &[Tensor]| layers::fused::cross_entropy(&t[0], &t2, Some(&weights));
+    check("cross_entropy weighted", &weighted, &[var(&[8, 10], DType::F32)?], 1e-5)?;
+    let plain = move |t: &[Tensor]| layers::fused::cross_entropy(&t[0], &targets, None);
+    check("cross_entropy", &plain, &[var(&[8, 10], DType::F32)?], 1e-5)?;
+    Ok(())
+}
+
+#[test]
+fn embedding_and_attention_on_the_generic_route() -> Result<()> {
+    let ids = Tensor::new(&[[3u32, 0, 7, 7], [1, 5, 2, 7]], &Device::Cpu)?;
+    let embedding = move |t: &[Tensor]| layers::fused::embedding(&t[0], &ids);
+    check("embedding", &embedding, &[var(&[10, 16], DType::F32)?], 1e-6)?;
+    // Batch 2, 3 heads, 8 positions, 16 wide; the second sequence's last two keys padded.
+    let padding = Tensor::new(&[[1f32, 1., 1., 1., 1., 1., 1., 1.], [1., 1., 1., 1., 1., 1., 0., 0.]], &Device::Cpu)?;
+    let key = remat::rng::RngKey::named(5, "attention");
+    for (causal, dropout) in [(false, None), (true, None), (true, Some((key, 0.1f32)))] {
+        let padding = padding.clone();
+        let attention = move |t: &[Tensor]| layers::fused::attention(&t[0], &t[1], &t[2], 0.25, causal, Some(&padding), dropout);
+        let qkv = [var(&[2, 3, 8, 16], DType::F32)?, var(&[2, 3, 8, 16], DType::F32)?, var(&[2, 3, 8, 16], DType::F32)?];
+        check(&format!("attention causal={causal} dropout={}", dropout.is_some()), &attention, &qkv, 1e-5)?;
+    }
+    Ok(())
+}
