@@ -50,6 +50,9 @@ pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, profile:
     if common.no_rng_replay {
         cmd.arg("--no-rng-replay");
     }
+    if common.fused_path == crate::cli::FusedPath::Generic {
+        cmd.args(["--fused-path", "generic"]);
+    }
     if common.shard_optimizer {
         cmd.arg("--shard-optimizer");
     }

@@ -85,6 +85,27 @@ pub struct Common {
     /// Exists only to prove the check can fail (tests); never use it for results.
     #[arg(long, hide = true)]
     pub no_rng_replay: bool,
+    /// The fused ops on the CPU: `kernel` (ours), or `generic`, the device-generic route a GPU
+    /// takes, forced here to measure it without one (ops without a generic form yet take candle's
+    /// composed ops, as on a GPU). Results go to results/<profile>-<device>-generic.
+    #[arg(long, value_enum, default_value_t = FusedPath::Kernel)]
+    pub fused_path: FusedPath,
+}
+
+/// `--fused-path`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FusedPath {
+    Kernel,
+    Generic,
+}
+
+impl From<FusedPath> for layers::fused::Path {
+    fn from(p: FusedPath) -> Self {
+        match p {
+            FusedPath::Kernel => layers::fused::Path::Kernel,
+            FusedPath::Generic => layers::fused::Path::Generic,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -148,7 +169,8 @@ impl Common {
     pub fn results_dir(&self, profile: Profile) -> PathBuf {
         let sharded = if self.shard_optimizer { "-sharded" } else { "" };
         let ranks = if self.ranks > 1 { format!("-ranks{}{sharded}", self.ranks) } else { String::new() };
-        PathBuf::from(format!("results/{profile}-{}{ranks}", self.device.to_string().replace(':', "")))
+        let generic = if self.fused_path == FusedPath::Generic { "-generic" } else { "" };
+        PathBuf::from(format!("results/{profile}-{}{ranks}{generic}", self.device.to_string().replace(':', "")))
     }
 
     /// The profile that fits the device unless one was named.

@@ -282,6 +282,10 @@ fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common
         if r.device != common.device.to_string() {
             diff.push(format!("device {} vs {}", r.device, common.device));
         }
+        let path = if common.fused_path == crate::cli::FusedPath::Generic { "generic" } else { "" };
+        if r.status == Status::Ok && r.fused_path != path {
+            diff.push(format!("fused path {:?} vs {path:?}", r.fused_path));
+        }
         if r.threads != threads {
             diff.push(format!("threads {} vs {threads}", r.threads));
         }

@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 
 /// `run-one`: one configuration measured in this process, on the ranks `mpirun` started.
 pub fn run_one(model: &str, policy: &PolicyRequest, mode: One, common: &Common) -> Result<()> {
+    layers::fused::set_path(common.fused_path.into());
     let dev = common.device.open()?;
     let group = trainkit::Group::from_launcher(&dev)?;
     trainkit::or_abort(&group, measure_one(model, policy, mode, common, &group, &dev))
@@ -35,6 +36,9 @@ fn measure_one(model: &str, policy: &PolicyRequest, mode: One, common: &Common, 
         .overridden(common.overrides());
     let steps = if mode == One::DryRun { 0 } else { common.steps };
     let mut rec = run(&w, policy, steps, common.seed, dev, &common.device.to_string(), common.memory_cap, mode != One::TimeOnly, group)?;
+    if layers::fused::path() == layers::fused::Path::Generic {
+        rec.fused_path = "generic".into();
+    }
     // The cap is for the measured configuration only: the check builds two more models.
     drop(held);
     remat::memory::set_heap_cap(u64::MAX);

@@ -29,6 +29,9 @@ pub struct Record {
     pub input: String,
     pub dtype: String,
     pub device: String,
+    /// `generic` where the fused ops took the device-generic route on the CPU (`--fused-path`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub fused_path: String,
     pub threads: usize,
     /// Held before a step: parameters, optimizer state, the step's inputs.
     pub model_state_bytes: u64,
