@@ -276,16 +276,17 @@ impl Optimizer for AdamW {
                 && update_in_place(v, g, g, "adamw-v", |v, g, _| beta2 * v + (1.0 - beta2) * g * g)?
                 && update_in_place(p, m, v, "adamw-p", |p, m, v| p * (1.0 - lr * weight_decay) - step_size * m / (v.sqrt() / bias2_sqrt + eps))?;
             if !lean {
-                // In the state dtype: a bf16 parameter is updated in f32 and rounded once.
+                // In the state dtype: a bf16 parameter is updated in f32 and rounded once. Each
+                // moment replaces the old one as soon as it is made, and each temporary goes as
+                // soon as it is used, so no more than three of the parameter's size are alive.
                 let g = g.detach().to_dtype(m.dtype())?;
-                let next_m = ((&*m * beta1)? + (&g * (1.0 - beta1))?)?;
-                let next_v = ((&*v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-                let denom = ((next_v.sqrt()? / bias2_sqrt)? + eps)?;
-                let decayed = (p.detach().to_dtype(m.dtype())? * (1.0 - lr * weight_decay))?;
-                let next_p = (decayed - ((&next_m / denom)? * step_size)?)?;
+                *m = ((&*m * beta1)? + (&g * (1.0 - beta1))?)?;
+                *v = ((&*v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+                drop(g);
+                let denom = ((v.sqrt()? / bias2_sqrt)? + eps)?;
+                let update = ((&*m / denom)? * step_size)?;
+                let next_p = ((p.detach().to_dtype(m.dtype())? * (1.0 - lr * weight_decay))? - update)?;
                 var.set(&next_p.to_dtype(p.dtype())?)?;
-                *m = next_m;
-                *v = next_v;
             }
         }
         Ok(())
