@@ -13,7 +13,8 @@
 //! On the CPU a step reads the gradient three times and rewrites the parameter and its statistics
 //! in place: nothing parameter-sized is allocated (PyTorch's builds `v` and `u`, two
 //! parameter-sized temporaries). The statistics of a half-precision parameter are f32. Elsewhere
-//! it runs composed candle ops (correct, not lean).
+//! (a GPU, or the CPU on the generic route) it runs composed candle ops that hold at most three
+//! temporaries of a parameter's size at once, then copy the new value into the parameter.
 
 use crate::fused::{fused, slice};
 use crate::optim::{restored, state_dtype, state_zeros, step_count, ParamElem, TrainOptimizer};
@@ -128,10 +129,13 @@ impl Optimizer for Adafactor {
                 let (p32, g) = (p.detach().to_dtype(stats.dtype())?, g.detach().to_dtype(stats.dtype())?);
                 let alpha = eps2.max(p32.sqr()?.mean_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.sqrt()) * rho;
                 let (next_stats, u) = composed(&g, stats, *shape, w, eps1)?;
+                drop(g);
+                *stats = next_stats;
                 let u_rms = u.sqr()?.mean_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.sqrt();
                 let step_size = alpha / (u_rms / d).max(1.0);
-                var.set(&((p32 * (1.0 - lr * weight_decay))? - (u * step_size)?)?.to_dtype(p.dtype())?)?;
-                *stats = next_stats;
+                let decayed = (p32 * (1.0 - lr * weight_decay))?;
+                let next_p = (decayed - (u * step_size)?)?;
+                var.set(&next_p.to_dtype(p.dtype())?)?;
             }
         }
         Ok(())
@@ -347,23 +351,41 @@ impl InplaceOp3 for Apply {
 }
 
 /// The step in candle ops, for any device and dtype: the next statistics and the update `u`.
+/// Each temporary goes as soon as it is used (a chained expression would keep every intermediate
+/// to the end of its statement), so at most two of the gradient's size are alive beside it.
 fn composed(g: &Tensor, stats: &Tensor, shape: Shape2, w: f64, eps1: f64) -> Result<(Tensor, Tensor)> {
-    let lerp = |s: &Tensor, x: &Tensor| -> Result<Tensor> { s + ((x - s)? * w)? };
     match shape {
         Shape2::Whole => {
-            let v = lerp(stats, &g.sqr()?)?;
-            let u = (g / v.clamp(eps1 * eps1, f64::INFINITY)?.sqrt()?)?;
+            let v = lerp(stats, g.sqr()?, w)?;
+            let u = (g / rms(v.clone(), eps1)?)?;
             Ok((v, u))
         }
         Shape2::Factored { lead, r, c } => {
             let g3 = g.reshape((lead, r, c))?;
             let sq = g3.sqr()?;
-            let rows = lerp(&stats.narrow(1, 0, r)?, &sq.mean(D::Minus1)?)?; // (lead, R)
-            let cols = lerp(&stats.narrow(1, r, c)?, &sq.mean(1)?)?; // (lead, C)
+            let rows = lerp(&stats.narrow(1, 0, r)?, sq.mean(D::Minus1)?, w)?; // (lead, R)
+            let cols = lerp(&stats.narrow(1, r, c)?, sq.mean(1)?, w)?; // (lead, C)
+            drop(sq);
             let row_mean = rows.mean_keepdim(1)?.clamp(eps1, f64::INFINITY)?.unsqueeze(2)?; // (lead, 1, 1)
-            let v = rows.unsqueeze(2)?.broadcast_mul(&cols.unsqueeze(1)?)?.broadcast_div(&row_mean)?;
-            let u = (g3 / v.clamp(eps1 * eps1, f64::INFINITY)?.sqrt()?)?.reshape(g.shape())?;
+            let outer = rows.unsqueeze(2)?.broadcast_mul(&cols.unsqueeze(1)?)?; // (lead, R, C)
+            let v = outer.broadcast_div(&row_mean)?;
+            drop(outer);
+            let u = (g3 / rms(v, eps1)?)?.reshape(g.shape())?;
             Ok((Tensor::cat(&[rows, cols], 1)?, u))
         }
     }
+}
+
+/// `s + (x - s) w`, dropping `x` and each intermediate once used.
+fn lerp(s: &Tensor, x: Tensor, w: f64) -> Result<Tensor> {
+    let diff = (&x - s)?;
+    drop(x);
+    s + (diff * w)?
+}
+
+/// `sqrt(max(v, eps1^2))`, dropping `v` once used.
+fn rms(v: Tensor, eps1: f64) -> Result<Tensor> {
+    let clamped = v.clamp(eps1 * eps1, f64::INFINITY)?;
+    drop(v);
+    clamped.sqrt()
 }

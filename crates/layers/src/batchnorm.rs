@@ -48,11 +48,10 @@ impl BatchNorm {
     fn apply(&self, x: &Tensor, residual: Option<&Tensor>, ctx: &StageCtx, relu: bool) -> Result<Tensor> {
         let c = x.dim(1)?;
         let n = (x.elem_count() / c) as f64;
-        if ctx.is_training() && crate::fused::fused(x) {
+        if ctx.is_training() && crate::fused::lean(x) {
             let (y, mean, var) = crate::fused::batch_norm_train(x, &self.weight, &self.bias, residual, self.eps, relu)?;
             if !ctx.is_recompute() {
-                let per_channel = |v: Vec<f64>| Tensor::from_vec(v, c, x.device());
-                self.update_running(&per_channel(mean)?, &per_channel(var)?, n)?;
+                self.update_running(&mean, &var, n)?;
             }
             return Ok(y);
         }

@@ -23,29 +23,32 @@ impl Conv3dGeometry {
 
 /// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw): on the CPU in f32/f64 the fused
 /// vol2col kernel (`crate::fused`); elsewhere the sum over kernel depth of 2D convolutions, with
-/// the output depth folded into the batch.
+/// the output depth folded into the batch, as one op on the generic route (it keeps x and w).
 pub fn conv3d(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
+    if crate::fused::generic(x) {
+        return crate::fused::conv3d_generic(x, w, g);
+    }
     if crate::fused::fused(x) {
         return crate::fused::conv3d(x, w, g);
     }
     conv3d_composed(x, w, g)
 }
 
-/// 2D convolution of x (N, C, H, W) with w (O, C, kh, kw), one stride and padding for both sides.
-/// On the CPU in f32/f64 it is the fused 3D kernel at depth 1: the input gradient is a matrix
-/// product and col2im (candle's `conv2d` backward runs `conv_transpose2d`'s direct loops), and the
-/// weight gradient comes out detached (candle builds it with graph ops that keep each layer's output
+/// 2D convolution of x (N, C, H, W) with w (O, C, kh, kw), one stride and padding for both sides:
+/// [`conv3d`] at depth 1. On the CPU kernels the input gradient is a matrix product and col2im
+/// (candle's `conv2d` backward runs `conv_transpose2d`'s direct loops); on either route the weight
+/// gradient comes out detached (candle builds it with graph ops that keep each layer's output
 /// gradient alive until the whole backward returns). Elsewhere candle's `conv2d`.
 pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
-    if !crate::fused::fused(x) {
+    if !crate::fused::lean(x) {
         return x.conv2d(w, padding, stride, 1, 1);
     }
     let g = Conv3dGeometry { stride_d: 1, stride_hw: stride, pad_d: 0, pad_hw: padding };
-    crate::fused::conv3d(&x.unsqueeze(2)?, &w.unsqueeze(2)?, g)?.squeeze(2) // (N, O, H', W')
+    conv3d(&x.unsqueeze(2)?, &w.unsqueeze(2)?, g)?.squeeze(2) // (N, O, H', W')
 }
 
 /// The composed 3D convolution: every op has a candle backward, so it runs on any device.
-fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
+pub(crate) fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
     let (n, c, d, h, wd) = x.dims5()?;
     let (o, c_w, kd, _, _) = w.dims5()?;
     if c != c_w {
@@ -63,10 +66,7 @@ fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> 
     let d_out = (dp - kd) / g.stride_d + 1;
     let mut sum: Option<Tensor> = None;
     for a in 0..kd {
-        // The input slices kernel depth `a` sees, (N, C, D_out, H, W) -> (N * D_out, C, H, W).
-        let idx: Vec<u32> = (0..d_out).map(|i| (a + i * g.stride_d) as u32).collect();
-        let idx = Tensor::from_vec(idx, d_out, x.device())?;
-        let slices = x.index_select(&idx, 2)?.permute((0, 2, 1, 3, 4))?.reshape((n * d_out, c, h, wd))?;
+        let slices = depth_slices(&x, a, d_out, g.stride_d)?; // (N * D_out, C, H, W)
         let y = slices.conv2d(&w.narrow(2, a, 1)?.squeeze(2)?, g.pad_hw, g.stride_hw, 1, 1)?; // (N * D_out, O, H', W')
         sum = Some(match sum {
             Some(s) => (s + y)?,
@@ -78,17 +78,74 @@ fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> 
     y.reshape((n, d_out, o, ho, wo))?.permute((0, 2, 1, 3, 4))?.contiguous() // (N, O, D_out, H', W')
 }
 
+/// The depths of x (padded in depth) that kernel depth `a` sees, one per output depth.
+fn depth_index(a: usize, d_out: usize, stride_d: usize, device: &candle_core::Device) -> Result<Tensor> {
+    Tensor::from_vec((0..d_out).map(|i| (a + i * stride_d) as u32).collect::<Vec<_>>(), d_out, device)
+}
+
+/// The input slices kernel depth `a` sees, (N, C, D_out, H, W) folded to (N * D_out, C, H, W): a
+/// view where x has one depth (a 2D convolution), else a copy.
+fn depth_slices(x: &Tensor, a: usize, d_out: usize, stride_d: usize) -> Result<Tensor> {
+    let (n, c, d, h, wd) = x.dims5()?;
+    if d == 1 {
+        return x.reshape((n, c, h, wd));
+    }
+    x.index_select(&depth_index(a, d_out, stride_d, x.device())?, 2)?.permute((0, 2, 1, 3, 4))?.reshape((n * d_out, c, h, wd))
+}
+
+/// The gradients of [`conv3d_composed`]'s input and weight from its output gradient `grad`
+/// (N, O, D_out, H', W'), composed the same way: per kernel depth, candle's own conv2d backward (a
+/// transposed convolution gives the input slices' gradient, a convolution of the slices with the
+/// output gradient the weight's), the slices' gradients added back at the depths they came from.
+pub(crate) fn conv3d_composed_backward(x: &Tensor, w: &Tensor, grad: &Tensor, g: Conv3dGeometry) -> Result<(Tensor, Tensor)> {
+    let (n, c, d, h, wd) = x.dims5()?;
+    let (o, _, kd, kh, kw) = w.dims5()?;
+    let (_, _, d_out, ho, wo) = grad.dims5()?;
+    let xp = x.pad_with_zeros(2, g.pad_d, g.pad_d)?;
+    let dp = d + 2 * g.pad_d;
+    let gf = grad.permute((0, 2, 1, 3, 4))?.reshape((n * d_out, o, ho, wo))?; // (N * D_out, O, H', W')
+    let gf_t = gf.transpose(0, 1)?; // (O, N * D_out, H', W')
+                                    // conv_transpose2d's output falls short of the input by the rows a strided window never
+                                    // reached: the output padding adds them back.
+    let out_padding = h + 2 * g.pad_hw - ((ho - 1) * g.stride_hw + kh);
+    let mut dxp: Option<Tensor> = None;
+    let mut dws = Vec::with_capacity(kd);
+    for a in 0..kd {
+        let wa = w.narrow(2, a, 1)?.squeeze(2)?.contiguous()?; // (O, C, kh, kw)
+        let ds = gf.conv_transpose2d(&wa, g.pad_hw, out_padding, g.stride_hw, 1)?; // (N * D_out, C, H, W)
+        let ds = ds.reshape((n, d_out, c, h, wd))?.permute((0, 2, 1, 3, 4))?.contiguous()?; // (N, C, D_out, H, W)
+        dxp = Some(match (dxp, dp) {
+            (None, 1) => ds,
+            (acc, _) => {
+                let acc = match acc {
+                    Some(acc) => acc,
+                    None => Tensor::zeros((n, c, dp, h, wd), x.dtype(), x.device())?,
+                };
+                acc.index_add(&depth_index(a, d_out, g.stride_d, x.device())?, &ds, 2)?
+            }
+        });
+        let slices = depth_slices(&xp, a, d_out, g.stride_d)?;
+        let dwa = slices.transpose(0, 1)?.conv2d(&gf_t, g.pad_hw, 1, g.stride_hw, 1)?.transpose(0, 1)?; // (O, C, >= kh, >= kw)
+        dws.push(dwa.narrow(2, 0, kh)?.narrow(3, 0, kw)?);
+    }
+    let dx = dxp.expect("kd >= 1").narrow(2, g.pad_d, d)?;
+    Ok((dx, Tensor::stack(&dws, 2)?))
+}
+
 /// Transposed 3D convolution with kernel = stride = 2 plus a bias (the U-Net up-convolution):
 /// x (N, C, D, H, W), w (C, O, 2, 2, 2) as PyTorch stores it, b (O). Fused on the CPU in f32/f64;
 /// elsewhere one matmul and a reshape, as each input voxel writes its own 2x2x2 output block.
 pub fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if crate::fused::generic(x) {
+        return crate::fused::conv_transpose3d_k2s2_generic(x, w, b);
+    }
     if crate::fused::fused(x) {
         return crate::fused::conv_transpose3d_k2s2(x, w, b);
     }
     conv_transpose3d_k2s2_composed(x, w, b)
 }
 
-fn conv_transpose3d_k2s2_composed(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub(crate) fn conv_transpose3d_k2s2_composed(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (n, c, d, h, wd) = x.dims5()?;
     let (c_w, o, k1, k2, k3) = w.dims5()?;
     if c != c_w || (k1, k2, k3) != (2, 2, 2) {

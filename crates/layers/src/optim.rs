@@ -7,8 +7,9 @@
 //! (`--dtype bf16-weights`: bf16 weights and gradients, f32 moments) and in the parameter's dtype
 //! otherwise. On the CPU the updates are single passes over the elements, computed in f64 and
 //! split over threads (each element's update is independent, so the bits do not depend on the
-//! thread count). Elsewhere they fall back to candle ops with temporaries (correct on every
-//! device, not lean).
+//! thread count). Elsewhere (a GPU, or the CPU on the generic route) they are composed from candle
+//! ops that drop each temporary once used, at most three of a parameter's size alive at once, and
+//! the new value is copied into the parameter's storage (`Var::set`).
 
 use crate::fused::slice;
 use candle_core::backend::BackendStorage;

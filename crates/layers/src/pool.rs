@@ -2,8 +2,12 @@ use candle_core::{Result, Tensor};
 
 /// Max-pooling with kernel 3, stride 2, padding 1 over the last two dims (the ResNet stem pool):
 /// the fused kernel on the CPU in f32/f64 (keeps only its input), elsewhere composed from ops that
-/// have a backward (candle's `max_pool2d` backward is only right when kernel == stride).
+/// have a backward (candle's `max_pool2d` backward is only right when kernel == stride), as one op
+/// on the generic route (it keeps only its input).
 pub fn max_pool2d_k3s2p1(x: &Tensor) -> Result<Tensor> {
+    if crate::fused::generic(x) {
+        return crate::fused::max_pool2d_generic(x, composed);
+    }
     if crate::fused::fused(x) {
         return crate::fused::max_pool2d(x, 3, 2, 1);
     }
@@ -11,7 +15,7 @@ pub fn max_pool2d_k3s2p1(x: &Tensor) -> Result<Tensor> {
 }
 
 /// Max is separable: pools the rows, then the columns.
-fn composed(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn composed(x: &Tensor) -> Result<Tensor> {
     let r = x.rank();
     pool_axis_k3s2p1(&pool_axis_k3s2p1(x, r - 2)?, r - 1)
 }

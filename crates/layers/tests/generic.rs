@@ -168,3 +168,77 @@ fn embedding_and_attention_on_the_generic_route() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn batch_norm_on_the_generic_route() -> Result<()> {
+    let _turn = turn();
+    for (relu, residual) in [(false, false), (true, false), (true, true)] {
+        let op = move |t: &[Tensor]| Ok(layers::fused::batch_norm_train(&t[0], &t[1], &t[2], residual.then(|| &t[3]), 1e-5, relu)?.0);
+        let mut inputs = vec![var(&[4, 8, 16, 16], DType::F32)?, var(&[8], DType::F32)?, var(&[8], DType::F32)?];
+        if residual {
+            inputs.push(var(&[4, 8, 16, 16], DType::F32)?);
+        }
+        check(&format!("batch_norm relu={relu} residual={residual}"), &op, &inputs, 1e-5)?;
+    }
+    // 3D, as the U-Net has it.
+    let op = |t: &[Tensor]| Ok(layers::fused::batch_norm_train(&t[0], &t[1], &t[2], None, 1e-5, true)?.0);
+    let inputs = [var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[4], DType::F32)?, var(&[4], DType::F32)?];
+    let kernel = check("batch_norm 3d relu", &op, &inputs, 1e-5)?;
+    // The control: BatchNorm + ReLU composed in the graph keeps the centred input, the normalised
+    // one and the output before the ReLU.
+    let composed = |t: &[Tensor]| {
+        let (x, shape) = (&t[0], (1, 4, 1, 1, 1));
+        let mean = x.mean_keepdim((0, 2, 3, 4))?;
+        let centred = x.broadcast_sub(&mean)?;
+        let var = centred.sqr()?.mean_keepdim((0, 2, 3, 4))?;
+        let normal = centred.broadcast_div(&(var + 1e-5)?.sqrt()?)?;
+        normal.broadcast_mul(&t[1].reshape(shape)?)?.broadcast_add(&t[2].reshape(shape)?)?.relu()
+    };
+    let in_graph = kept_bytes(&composed, &inputs, None)?;
+    eprintln!("batch_norm composed in the graph: kept {in_graph} B");
+    assert!(in_graph > kernel + 2 * 2 * 4 * 512 * 4, "the control keeps {in_graph} B, no more than the kernel's {kernel} B");
+    let inputs = [var(&[2, 4, 8, 8, 8], DType::BF16)?, var(&[4], DType::F32)?, var(&[4], DType::F32)?];
+    check("batch_norm bf16", &op, &inputs, 2e-2)?;
+    Ok(())
+}
+
+#[test]
+fn convolutions_and_pooling_on_the_generic_route() -> Result<()> {
+    let _turn = turn();
+    let same = layers::Conv3dGeometry::same(3);
+    let strided = layers::Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 1, pad_hw: 1 };
+    for (name, g) in [("conv3d same", same), ("conv3d strided", strided)] {
+        let op = move |t: &[Tensor]| layers::conv3d(&t[0], &t[1], g);
+        check(name, &op, &[var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[6, 4, 3, 3, 3], DType::F32)?], 1e-5)?;
+    }
+    for (k, padding, stride) in [(3, 1, 1), (3, 1, 2), (1, 0, 2), (7, 3, 2)] {
+        let op = move |t: &[Tensor]| layers::conv2d(&t[0], &t[1], padding, stride);
+        check(&format!("conv2d k{k} s{stride}"), &op, &[var(&[2, 8, 16, 16], DType::F32)?, var(&[16, 8, k, k], DType::F32)?], 1e-5)?;
+    }
+    let up = |t: &[Tensor]| layers::conv_transpose3d_k2s2(&t[0], &t[1], &t[2]);
+    check("conv_transpose3d", &up, &[var(&[2, 8, 4, 4, 4], DType::F32)?, var(&[8, 4, 2, 2, 2], DType::F32)?, var(&[4], DType::F32)?], 1e-5)?;
+    let pool = |t: &[Tensor]| layers::max_pool2d_k3s2p1(&t[0]);
+    let kernel = check("max_pool2d", &pool, &[var(&[2, 8, 17, 16], DType::F32)?], 1e-6)?;
+    // The controls: the composed up-convolution keeps its product and the permuted copy; a 3x3
+    // maximum filter composed in the graph keeps its padded copies and the row maxima.
+    let up_inputs = [var(&[2, 8, 4, 4, 4], DType::F32)?, var(&[8, 4, 2, 2, 2], DType::F32)?, var(&[4], DType::F32)?];
+    let up_composed = |t: &[Tensor]| {
+        let (x, w, b) = (&t[0], &t[1], &t[2]);
+        let cols = x.permute((0, 2, 3, 4, 1))?.reshape((128, 8))?.matmul(&w.reshape((8, 32))?)?;
+        cols.reshape(vec![2, 4, 4, 4, 4, 2, 2, 2])?.permute([0, 4, 1, 5, 2, 6, 3, 7])?.reshape((2, 4, 8, 8, 8))?.broadcast_add(&b.reshape((1, 4, 1, 1, 1))?)
+    };
+    let up_kernel = kept_bytes(&up, &up_inputs, Some(Path::Kernel))?;
+    let up_in_graph = kept_bytes(&up_composed, &up_inputs, None)?;
+    eprintln!("conv_transpose3d composed in the graph: kept {up_in_graph} B, the kernel {up_kernel} B");
+    assert!(up_in_graph > up_kernel + 2 * 2 * 4 * 512 * 4, "the control keeps {up_in_graph} B, no more than the kernel's {up_kernel} B");
+    let pool_inputs = [var(&[2, 8, 17, 16], DType::F32)?];
+    let pool_composed = |t: &[Tensor]| {
+        let x = t[0].pad_with_same(2, 1, 1)?.pad_with_same(3, 1, 1)?;
+        let rows = x.narrow(2, 0, 17)?.maximum(&x.narrow(2, 1, 17)?)?.maximum(&x.narrow(2, 2, 17)?)?;
+        rows.narrow(3, 0, 16)?.maximum(&rows.narrow(3, 1, 16)?)?.maximum(&rows.narrow(3, 2, 16)?)
+    };
+    let pool_in_graph = kept_bytes(&pool_composed, &pool_inputs, None)?;
+    eprintln!("max_pool2d composed in the graph: kept {pool_in_graph} B, the kernel {kernel} B");
+    assert!(pool_in_graph > kernel + 2 * 2 * 8 * 17 * 16 * 4, "the control keeps {pool_in_graph} B, no more than the kernel's {kernel} B");
+    Ok(())
+}

@@ -4,44 +4,8 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use remat::{Executor, Policy, Stage, StageCtx, StageGraph, StageKind};
 
-/// tanh(x W) with dropout; several inputs are summed first (a merge point).
-struct Dense {
-    w: Tensor,
-    kind: StageKind,
-}
-
-impl Stage for Dense {
-    fn name(&self) -> String {
-        "dense".into()
-    }
-    fn kind(&self) -> StageKind {
-        self.kind
-    }
-    fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
-        let mut x = inputs[0].clone();
-        for skip in &inputs[1..] {
-            x = (x + skip)?;
-        }
-        let y = x.matmul(&self.w)?.tanh()?;
-        let mask = ctx.next_key().dropout_mask(y.elem_count(), 0.2);
-        let mask = Tensor::from_vec(mask, y.shape(), y.device())?;
-        Ok(vec![(y * mask)?])
-    }
-}
-
-struct SquaredSum;
-
-impl Stage for SquaredSum {
-    fn name(&self) -> String {
-        "loss".into()
-    }
-    fn kind(&self) -> StageKind {
-        StageKind::Other
-    }
-    fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
-        Ok(vec![inputs[0].sqr()?.mean_all()?])
-    }
-}
+mod common;
+use common::{Dense, SquaredSum};
 
 fn weight(seed: u64, n: usize) -> Var {
     let v = remat::rng::RngKey::named(seed, "w").normal(n * n, 0.0, 0.5);

@@ -15,7 +15,10 @@
 use candle_core::{Device, Result, Tensor, Var};
 use remat::memory::{heap_current, tensor_overhead, CountingAlloc, Event};
 use remat::plan::{Point, Profile};
-use remat::{Executor, Policy, Stage, StageCtx, StageGraph, StageKind};
+use remat::{Executor, Policy, StageGraph, StageKind};
+
+mod common;
+use common::{Dense, SquaredSum};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -33,45 +36,6 @@ const GRAD_BYTES: u64 = (WIDTH * WIDTH * 4) as u64;
 /// a whole value or parameter gradient.
 const NOISE: u64 = 8 << 10;
 const _: () = assert!(2 * NOISE <= GRAD_BYTES && GRAD_BYTES <= VALUE_BYTES);
-
-/// tanh(x W) with dropout; several inputs are summed first (a skip joining).
-struct Dense {
-    w: Tensor,
-    kind: StageKind,
-}
-
-impl Stage for Dense {
-    fn name(&self) -> String {
-        "dense".into()
-    }
-    fn kind(&self) -> StageKind {
-        self.kind
-    }
-    fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
-        let mut x = inputs[0].clone();
-        for skip in &inputs[1..] {
-            x = (x + skip)?;
-        }
-        let y = x.matmul(&self.w)?.tanh()?;
-        let mask = ctx.next_key().dropout_mask(y.elem_count(), 0.2);
-        let mask = Tensor::from_vec(mask, y.shape(), y.device())?;
-        Ok(vec![(y * mask)?])
-    }
-}
-
-struct SquaredSum;
-
-impl Stage for SquaredSum {
-    fn name(&self) -> String {
-        "loss".into()
-    }
-    fn kind(&self) -> StageKind {
-        StageKind::Other
-    }
-    fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
-        Ok(vec![inputs[0].sqr()?.mean_all()?])
-    }
-}
 
 fn weight(seed: u64) -> Var {
     let v = remat::rng::RngKey::named(seed, "w").normal(WIDTH * WIDTH, 0.0, 0.3);

@@ -2,9 +2,9 @@
 //! (scores and probabilities are rebuilt in backward).
 
 use super::dropout::DropoutOp;
-use super::generic::{generic, wide, GenericOp};
+use super::generic::{generic, GenericOp};
 use super::softmax::SoftmaxOp;
-use super::{exactly, fused, is_half, slice, softmax_last_dim, Elem, FusedOp, Operand};
+use super::{exactly, fused, is_half, slice, softmax_last_dim, widened, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor};
 use remat::rng::RngKey;
 
@@ -90,8 +90,8 @@ fn attention_generic(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: boo
     let y = pd.matmul(&v.detach().to_dtype(q.dtype())?)?;
     // dv = pd^T g; dp = (g v^T) mask; ds = p (dp - sum(dp p)); dq = scale ds k; dk = scale ds^T q.
     let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
-        let (q, k, v) = (wide(&inputs[0])?, wide(&inputs[1])?, wide(&inputs[2])?);
-        let g = wide(g)?;
+        let (q, k, v) = (widened(&inputs[0])?, widened(&inputs[1])?, widened(&inputs[2])?);
+        let g = widened(g)?;
         let (p, mask) = probabilities(&q, &k, scale, causal, padding.as_ref(), dropout)?;
         let pd = match &mask {
             Some(m) => (&p * m)?,

@@ -1,7 +1,8 @@
 //! BatchNorm in training mode, optionally with the residual and ReLU that follow it: keeps its
 //! input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size).
 
-use super::{elem, operand, shaped, slice, wide, with_slice, Elem, FusedOp, Operand};
+use super::generic::{generic, GenericOp};
+use super::{elem, operand, shaped, slice, wide, widened, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use num_traits::Float;
 use rayon::prelude::*;
@@ -11,9 +12,15 @@ use rayon::prelude::*;
 /// `+ residual` if given (same shape as x), then a ReLU if `relu` (a ResNet block's end:
 /// `relu(bn(conv(h)) + identity)` as one op, which keeps only x and the output where the composed
 /// version keeps the normalised tensor and the sum as well). Returns the output and the batch's
-/// per-channel mean and biased variance (for the running statistics). CPU f32/f64 only: check
-/// [`fused`](super::fused) first.
-pub fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Vec<f64>, Vec<f64>)> {
+/// per-channel mean and biased variance, each (C) (for the running statistics). For float tensors
+/// that take the kernel or the generic route: check [`lean`](super::lean) first.
+pub fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Tensor, Tensor)> {
+    if let Some(r) = residual.filter(|r| r.shape() != x.shape()) {
+        candle_core::bail!("batch_norm: residual {:?} does not match the input {:?}", r.dims(), x.dims())
+    }
+    if generic(x) {
+        return batch_norm_generic(x, weight, bias, residual, eps, relu);
+    }
     let x = x.contiguous()?;
     let (n, c) = (x.dim(0)?, x.dim(1)?);
     let spatial = x.elem_count() / (n * c).max(1);
@@ -23,15 +30,87 @@ pub fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Op
     // Weight and bias travel as one (2, C) operand so that the residual fits a three-input op.
     let wb = operand(&Tensor::stack(&[weight, bias], 0)?, &x)?;
     let y = match residual {
-        Some(r) => {
-            if r.shape() != x.shape() {
-                candle_core::bail!("batch_norm: residual {:?} does not match the input {:?}", r.dims(), x.dims())
-            }
-            x.apply_op3(&wb, &r.to_dtype(x.dtype())?.contiguous()?, op)?
-        }
+        Some(r) => x.apply_op3(&wb, &r.to_dtype(x.dtype())?.contiguous()?, op)?,
         None => x.apply_op2(&wb, op)?,
     };
-    Ok((y, mean, var))
+    let per_channel = |v: Vec<f64>| Tensor::from_vec(v, c, x.device());
+    Ok((y, per_channel(mean)?, per_channel(var)?))
+}
+
+/// The generic route ([`super::generic`]): the statistics and the output composed on detached
+/// operands in f32 (f64 for f64), and the kernel's backward formula composed, the statistics
+/// recomputed from the input. Keeps what the kernel keeps: x, (weight; bias), the residual.
+fn batch_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Tensor, Tensor)> {
+    let dtype = x.dtype();
+    let xw = widened(&x.detach())?;
+    let (mean, var) = statistics(&xw)?;
+    let rstd = (&var + eps)?.sqrt()?.recip()?;
+    let wb = Tensor::stack(&[weight, bias], 0)?.to_dtype(xw.dtype())?.detach(); // (2, C)
+    let (w, b) = (channel_shaped(&wb.get(0)?, x.rank())?, channel_shaped(&wb.get(1)?, x.rank())?);
+    let mut y = xw.broadcast_sub(&mean)?.broadcast_mul(&(rstd.broadcast_mul(&w))?)?.broadcast_add(&b)?;
+    if let Some(r) = residual {
+        y = (y + widened(&r.detach())?.to_dtype(xw.dtype())?)?;
+    }
+    if relu {
+        y = nan_relu(&y)?;
+    }
+    let (mean_c, var_c) = (mean.flatten_all()?, var.flatten_all()?);
+    let y = y.to_dtype(dtype)?;
+    let backward = move |inputs: &[Tensor], y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let (x, wb) = (&inputs[0], &inputs[1]);
+        let xw = widened(x)?;
+        let mut g = widened(g)?.to_dtype(xw.dtype())?;
+        if relu {
+            g = y.le(0.0)?.where_cond(&g.zeros_like()?, &g)?; // a NaN output passes its gradient, as in the kernel
+        }
+        let (mean, var) = statistics(&xw)?;
+        let rstd = (var + eps)?.sqrt()?.recip()?;
+        let x_hat = xw.broadcast_sub(&mean)?.broadcast_mul(&rstd)?;
+        let db = channel_sum(&g)?;
+        let dw = channel_sum(&(&g * &x_hat)?)?;
+        let m = (x.elem_count() / x.dim(1)?) as f64;
+        let w = channel_shaped(&wb.get(0)?.to_dtype(xw.dtype())?, x.rank())?;
+        let (db_m, dw_m) = (channel_shaped(&(&db / m)?, x.rank())?, channel_shaped(&(&dw / m)?, x.rank())?);
+        let dx = g.broadcast_sub(&db_m)?.sub(&x_hat.broadcast_mul(&dw_m)?)?.broadcast_mul(&(rstd.broadcast_mul(&w))?)?;
+        let dwb = Tensor::stack(&[dw, db], 0)?.to_dtype(wb.dtype())?;
+        let dr = if inputs.len() == 3 { Some(g.to_dtype(inputs[2].dtype())?) } else { None };
+        Ok([Some(dx.to_dtype(x.dtype())?), Some(dwb), dr].into_iter().take(inputs.len()).collect())
+    };
+    let op = GenericOp::new(if residual.is_some() { "generic-batch-norm-add" } else { "generic-batch-norm" }, y, Box::new(backward));
+    let wb = Tensor::stack(&[weight, bias], 0)?;
+    let y = match residual {
+        Some(r) => x.contiguous()?.apply_op3(&wb, &r.contiguous()?, op)?,
+        None => x.contiguous()?.apply_op2(&wb, op)?,
+    };
+    Ok((y, mean_c, var_c))
+}
+
+/// Per-channel mean and biased variance of x (N, C, *spatial), each shaped (1, C, 1, ...), two
+/// passes as the kernel (the mean, then the centred squares).
+fn statistics(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let reduce: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
+    let mean = x.mean_keepdim(reduce.as_slice())?;
+    let var = x.broadcast_sub(&mean)?.sqr()?.mean_keepdim(reduce.as_slice())?;
+    Ok((mean, var))
+}
+
+/// A (C) tensor as (1, C, 1, ...) of rank `rank`, to broadcast over batch and space.
+fn channel_shaped(t: &Tensor, rank: usize) -> Result<Tensor> {
+    let mut shape = vec![1; rank];
+    shape[1] = t.elem_count();
+    t.reshape(shape)
+}
+
+/// The sum over batch and space of x (N, C, *spatial): (C).
+fn channel_sum(x: &Tensor) -> Result<Tensor> {
+    let reduce: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
+    x.sum(reduce.as_slice())
+}
+
+/// ReLU that lets a NaN through, as the kernel and PyTorch (candle's `relu` makes it 0).
+fn nan_relu(y: &Tensor) -> Result<Tensor> {
+    let keep = y.gt(0.0)?.add(&y.ne(y)?)?; // 1 where y > 0 or y is NaN
+    keep.where_cond(y, &y.zeros_like()?)
 }
 
 /// Per-channel mean and biased variance of (N, C, S) data, in f64, two passes; one channel per

@@ -1,7 +1,8 @@
 //! 3D convolution by vol2col in blocks and a matrix product per block, the column matrix built
 //! again in backward: keeps its input and output only.
 
-use super::{exactly, mat, matmul, matmul_new, operand, shaped, slice, with_slice, Elem, FusedOp, Operand};
+use super::generic::GenericOp;
+use super::{exactly, mat, matmul, matmul_new, operand, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -18,6 +19,20 @@ pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result
 pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, block_entries: usize) -> Result<Tensor> {
     let shape = Conv3dShape::new(x.dims5()?, w.dims5()?, g, block_entries)?;
     x.contiguous()?.apply_op2(&operand(w, x)?, Conv3dOp { shape })
+}
+
+/// The generic route ([`super::generic`]): candle's 2D convolutions summed over kernel depth on
+/// detached operands, and their backward composed the same way (`crate::conv3d`'s composed forms),
+/// half precision computed in f32. Keeps what the kernel keeps: x and w.
+pub(crate) fn conv3d_generic(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
+    let wide = |t: &Tensor, like: &Tensor| widened(t)?.to_dtype(widened(like)?.dtype());
+    let y = crate::conv3d::conv3d_composed(&widened(&x.detach())?, &wide(&w.detach(), x)?, g)?.to_dtype(x.dtype())?;
+    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let [x, w] = exactly(&inputs.iter().collect::<Vec<_>>())?;
+        let (dx, dw) = crate::conv3d::conv3d_composed_backward(&widened(x)?, &wide(w, x)?, &wide(grad, x)?, g)?;
+        Ok(vec![Some(dx.to_dtype(x.dtype())?), Some(dw.to_dtype(w.dtype())?)])
+    };
+    x.contiguous()?.apply_op2(&w.contiguous()?, GenericOp::new("generic-conv3d", y, Box::new(backward)))
 }
 
 /// The sizes of one 3D convolution.

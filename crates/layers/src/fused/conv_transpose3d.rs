@@ -1,7 +1,8 @@
 //! The U-Net up-convolution (transposed 3D convolution, kernel = stride = 2) with its bias, one
 //! matrix product per sample: keeps only its input.
 
-use super::{exactly, mat, matmul, matmul_new, operand, shaped, slice, with_slice, Elem, FusedOp, Operand};
+use super::generic::GenericOp;
+use super::{exactly, mat, matmul, matmul_new, operand, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -17,6 +18,31 @@ pub(crate) fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor) -> Resul
     }
     let op = ConvTranspose3dOp { n, c, o, input: [d, h, wd] };
     x.contiguous()?.apply_op3(&operand(w, x)?, &operand(b, x)?, op)
+}
+
+/// The generic route ([`super::generic`]): the composed form (one matrix product, a reshape, the
+/// bias) on detached operands, and its backward composed: the output gradient gathered back into
+/// (voxels, O 8) columns gives the input's gradient by one product with the weight and the
+/// weight's by one product with the input. Keeps what the kernel keeps: x (w and b).
+pub(crate) fn conv_transpose3d_k2s2_generic(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let wide = |t: &Tensor, like: &Tensor| widened(t)?.to_dtype(widened(like)?.dtype());
+    let (xd, wd, bd) = (widened(&x.detach())?, wide(&w.detach(), x)?, wide(&b.detach(), x)?);
+    let y = crate::conv3d::conv_transpose3d_k2s2_composed(&xd, &wd, &bd)?.to_dtype(x.dtype())?;
+    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let [x, w, b] = exactly(&inputs.iter().collect::<Vec<_>>())?;
+        let (n, c, d, h, wd) = x.dims5()?;
+        let o = w.dim(1)?;
+        let voxels = n * d * h * wd;
+        let g = wide(grad, x)?.reshape(vec![n, o, d, 2, h, 2, wd, 2])?;
+        let g_cols = g.permute([0, 2, 4, 6, 1, 3, 5, 7])?.reshape((voxels, o * 8))?; // (N D H W, O 8)
+        let w_mat = wide(w, x)?.reshape((c, o * 8))?; // (C, O 8)
+        let dx = g_cols.matmul(&w_mat.t()?)?.reshape((n, d, h, wd, c))?.permute((0, 4, 1, 2, 3))?; // (N, C, D, H, W)
+        let cols = widened(x)?.permute((0, 2, 3, 4, 1))?.reshape((voxels, c))?; // (N D H W, C)
+        let dw = cols.t()?.matmul(&g_cols)?.reshape(w.shape())?;
+        let db = g_cols.reshape((voxels, o, 8))?.sum((0, 2))?;
+        Ok(vec![Some(dx.to_dtype(x.dtype())?), Some(dw.to_dtype(w.dtype())?), Some(db.to_dtype(b.dtype())?)])
+    };
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, GenericOp::new("generic-conv-transpose3d", y, Box::new(backward)))
 }
 
 struct ConvTranspose3dOp {

@@ -1,8 +1,8 @@
 //! Cross-entropy: the mean (optionally weighted) negative log-likelihood of logits; keeps nothing
 //! but its inputs.
 
-use super::generic::{generic, wide, GenericOp};
-use super::{elem, exactly, fused, nan_max, shaped, slice, with_slice, Elem, FusedOp, Operand};
+use super::generic::{generic, GenericOp};
+use super::{elem, exactly, fused, nan_max, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -18,15 +18,15 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: Option<&Tensor>
     };
     if generic(logits) {
         let targets = targets.to_dtype(DType::U32)?.contiguous()?;
-        let loss = composed(&wide(&logits.detach())?, &targets, &wide(&weights)?)?;
+        let loss = composed(&widened(&logits.detach())?, &targets, &widened(&weights)?)?;
         // d loss / d logits = (softmax(logits) - onehot(target)) w / sum(w), times the loss's gradient.
         let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
-            let (logits, targets, weights) = (wide(&inputs[0])?, &inputs[1], wide(&inputs[2])?);
+            let (logits, targets, weights) = (widened(&inputs[0])?, &inputs[1], widened(&inputs[2])?);
             let v = logits.dim(1)?;
             let classes = Tensor::arange(0u32, v as u32, logits.device())?.unsqueeze(0)?;
             let onehot = targets.unsqueeze(1)?.broadcast_eq(&classes)?.to_dtype(logits.dtype())?;
             let total = weights.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            let scale = weights.unsqueeze(1)?.broadcast_mul(&wide(g)?.to_dtype(logits.dtype())?)?;
+            let scale = weights.unsqueeze(1)?.broadcast_mul(&widened(g)?.to_dtype(logits.dtype())?)?;
             let d = (candle_nn::ops::softmax(&logits, D::Minus1)? - onehot)?.broadcast_mul(&scale)?;
             Ok(vec![Some((d / total)?.to_dtype(inputs[0].dtype())?), None, None])
         };

@@ -1,8 +1,8 @@
 //! GELU, tanh or erf: keeps its input, as candle's does, with a one-pass, multi-threaded
 //! backward.
 
-use super::generic::{generic, wide as wide32, GenericOp};
-use super::{elem, exactly, fused, shaped, slice, wide, with_slice, Elem, FusedOp, Operand, ELEMENT_CHUNK};
+use super::generic::{generic, GenericOp};
+use super::{elem, exactly, fused, shaped, slice, wide, widened, with_slice, Elem, FusedOp, Operand, ELEMENT_CHUNK};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -14,7 +14,7 @@ pub fn gelu(x: &Tensor, exact: bool) -> Result<Tensor> {
         let x_d = x.detach();
         let y = if exact { x_d.gelu_erf()? } else { x_d.gelu()? };
         let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
-            let x = wide32(&inputs[0])?;
+            let x = widened(&inputs[0])?;
             let derivative = if exact {
                 // cdf(x) + x pdf(x)
                 let cdf = (((&x / std::f64::consts::SQRT_2)?.erf()? + 1.0)? * 0.5)?;
@@ -27,7 +27,7 @@ pub fn gelu(x: &Tensor, exact: bool) -> Result<Tensor> {
                 let right = ((&x * (t.sqr()?.affine(-1.0, 1.0)?))? * ((x.sqr()? * (3.0 * 0.044_715))? + 1.0)?)?;
                 (left + (right * (0.5 * SQRT_2_OVER_PI))?)?
             };
-            Ok(vec![Some((wide32(g)? * derivative)?.to_dtype(g.dtype())?)])
+            Ok(vec![Some((widened(g)? * derivative)?.to_dtype(g.dtype())?)])
         };
         return x.contiguous()?.apply_op1(GenericOp::new("generic-gelu", y, Box::new(backward)));
     }

@@ -2,12 +2,11 @@
 //! own tensor ops on detached operands, recorded as one custom op over the operands, so nothing of
 //! the composition enters candle's graph and the op keeps for backward what its CPU kernel keeps
 //! (its operands and its output). The price is one copy of the output: candle makes a custom op's
-//! output from the storage its forward returns. [`set_path`] forces the route on the CPU, so that
-//! what it keeps can be measured without a GPU; ops without a generic form yet take the composed
-//! ops there, as every device but the CPU still does.
+//! output from the storage its forward returns. CUDA tensors take this route; [`set_path`] forces
+//! it on the CPU, so that what it keeps can be measured without a GPU.
 
-use super::is_half;
-use candle_core::{CpuStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{CpuStorage, Layout, Result, Shape, Storage, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
@@ -35,19 +34,10 @@ pub fn path() -> Path {
     }
 }
 
-/// Whether an op with a generic form takes it for `t`: a float tensor on the CPU with the path
-/// forced. (On a GPU it will once the ops have their device forward; until then the composed ops.)
+/// Whether an op with a generic form takes it for `t`: a float tensor on a CUDA device, or on the
+/// CPU with the path forced.
 pub(crate) fn generic(t: &Tensor) -> bool {
-    path() == Path::Generic && t.device().is_cpu() && t.dtype().is_float()
-}
-
-/// `t` in f32 where it is in half precision: the composed backward computes in f32.
-pub(super) fn wide(t: &Tensor) -> Result<Tensor> {
-    if is_half(t.dtype()) {
-        t.to_dtype(DType::F32)
-    } else {
-        Ok(t.clone())
-    }
+    t.dtype().is_float() && (t.device().is_cuda() || (t.device().is_cpu() && path() == Path::Generic))
 }
 
 /// The gradients of an op's operands from its detached operands, output and output gradient.
@@ -66,15 +56,22 @@ impl GenericOp {
         GenericOp { name, out: Mutex::new(Some(out)), backward }
     }
 
-    fn forward(&self) -> Result<(CpuStorage, Shape)> {
-        let out = self.out.lock().map_err(|_| candle_core::Error::Msg(format!("{}: poisoned", self.name)))?.take();
-        let out = out.ok_or_else(|| candle_core::Error::Msg(format!("{}: forward ran twice", self.name)))?.contiguous()?;
+    /// The composed output as a fresh storage of the device `pick` selects: candle makes a custom
+    /// op's output from the storage its forward returns, so the output is copied once.
+    fn forward<S>(&self, pick: impl Fn(&Storage) -> Option<&S>) -> Result<(S, Shape)>
+    where
+        S: BackendStorage,
+        S::Device: BackendDevice<Storage = S>,
+    {
+        let poisoned = |_| candle_core::Error::Msg(format!("{}: poisoned", self.name));
+        let out = self.out.lock().map_err(poisoned)?.take();
+        let out = out.ok_or_else(|| candle_core::Error::Msg(format!("{}: forward ran twice", self.name)))?;
         let (storage, layout) = out.storage_and_layout();
-        let whole = layout.start_offset() == 0 && storage_len(&storage) == Some(out.elem_count());
-        match &*storage {
-            Storage::Cpu(s) if whole => Ok((s.clone(), out.shape().clone())),
-            _ => candle_core::bail!("{}: the composed output is not a whole CPU tensor", self.name),
-        }
+        let Some(s) = pick(&storage) else { candle_core::bail!("{}: the composed output is on another device", self.name) };
+        // SAFETY: every element of the new storage is written by the copy below.
+        let mut copy = unsafe { s.device().alloc_uninit(out.shape(), out.dtype())? };
+        s.copy_strided_src(&mut copy, 0, layout)?;
+        Ok((copy, out.shape().clone()))
     }
 
     fn grads(&self, inputs: &[&Tensor], out: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
@@ -83,16 +80,17 @@ impl GenericOp {
     }
 }
 
-/// The elements a CPU storage holds.
-fn storage_len(s: &Storage) -> Option<usize> {
+fn cpu(s: &Storage) -> Option<&CpuStorage> {
     match s {
-        Storage::Cpu(c) => Some(match c {
-            CpuStorage::F32(v) => v.len(),
-            CpuStorage::F64(v) => v.len(),
-            CpuStorage::BF16(v) => v.len(),
-            CpuStorage::F16(v) => v.len(),
-            _ => return None,
-        }),
+        Storage::Cpu(s) => Some(s),
+        _ => None,
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(s: &Storage) -> Option<&candle_core::CudaStorage> {
+    match s {
+        Storage::Cuda(s) => Some(s),
         _ => None,
     }
 }
@@ -103,7 +101,12 @@ impl candle_core::CustomOp1 for GenericOp {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        self.forward()
+        self.forward(cpu)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.forward(cuda)
     }
 
     fn bwd(&self, x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
@@ -117,7 +120,12 @@ impl candle_core::CustomOp2 for GenericOp {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        self.forward()
+        self.forward(cpu)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.forward(cuda)
     }
 
     fn bwd(&self, x1: &Tensor, x2: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -132,7 +140,21 @@ impl candle_core::CustomOp3 for GenericOp {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        self.forward()
+        self.forward(cpu)
+    }
+
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments)]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.forward(cuda)
     }
 
     fn bwd(&self, x1: &Tensor, x2: &Tensor, x3: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {

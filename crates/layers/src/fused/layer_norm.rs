@@ -1,7 +1,7 @@
 //! LayerNorm: keeps nothing but its input (the statistics are recomputed in backward).
 
-use super::generic::{generic, wide, GenericOp};
-use super::{elem, exactly, fused, operand, shaped, slice, sum_rows, with_slice, Elem, FusedOp, Operand};
+use super::generic::{generic, GenericOp};
+use super::{elem, exactly, fused, operand, shaped, slice, sum_rows, widened, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -28,8 +28,8 @@ fn layer_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> R
     let y = candle_nn::ops::layer_norm_slow(&x.detach(), &like_x(weight)?, &like_x(bias)?, eps as f32)?;
     let backward = move |inputs: &[Tensor], _y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
         let [x, w, b] = exactly(&inputs.iter().collect::<Vec<_>>())?;
-        let (x32, g32) = (wide(x)?, wide(g)?);
-        let w32 = wide(w)?.to_dtype(x32.dtype())?;
+        let (x32, g32) = (widened(x)?, widened(g)?);
+        let w32 = widened(w)?.to_dtype(x32.dtype())?;
         let d = x.dim(D::Minus1)?;
         let xc = x32.broadcast_sub(&x32.mean_keepdim(D::Minus1)?)?;
         let rstd = (xc.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;

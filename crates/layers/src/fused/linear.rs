@@ -1,7 +1,7 @@
 //! Linear: `x @ w + b` as one op, so the product before the bias is not kept; keeps its inputs.
 
-use super::generic::{generic, wide, GenericOp};
-use super::{fused, is_half, mat, matmul, matmul_new, operand, shaped, slice, with_slice, Elem, FusedOp, Operand};
+use super::generic::{generic, GenericOp};
+use super::{fused, is_half, mat, matmul, matmul_new, operand, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 
 /// `x @ w + b` over the last dimension of x (.., in): `w` is (in, out), or (out, in) with
@@ -17,11 +17,11 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> 
         let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
             let (x, w) = (&inputs[0], &inputs[1]);
             let rows = x.elem_count() / k;
-            let g32 = wide(g)?;
+            let g32 = widened(g)?;
             let g2 = g32.reshape((rows, g32.elem_count() / rows))?;
-            let w_in = wide(&if w_is_out_in { w.t()? } else { w.clone() })?.to_dtype(g2.dtype())?;
+            let w_in = widened(&if w_is_out_in { w.t()? } else { w.clone() })?.to_dtype(g2.dtype())?;
             let dx = g2.matmul(&w_in.t()?)?.reshape(x.shape())?.to_dtype(x.dtype())?;
-            let dw_in = wide(x)?.to_dtype(g2.dtype())?.reshape((rows, k))?.t()?.matmul(&g2)?;
+            let dw_in = widened(x)?.to_dtype(g2.dtype())?.reshape((rows, k))?.t()?.matmul(&g2)?;
             let dw = if w_is_out_in { dw_in.t()?.contiguous()? } else { dw_in }.to_dtype(w.dtype())?;
             let mut grads = vec![Some(dx), Some(dw)];
             if let Some(b) = inputs.get(2) {

@@ -1,8 +1,9 @@
 //! Max pooling over the last two dimensions: keeps only its input; backward finds each window's
 //! maximum again.
 
+use super::generic::GenericOp;
 use super::{exactly, shaped, slice, with_slice, Elem, FusedOp, Operand};
-use candle_core::{CpuStorage, Result, Shape, Tensor};
+use candle_core::{CpuStorage, Result, Shape, Tensor, Var};
 use rayon::prelude::*;
 
 /// Max-pooling over the last two dims of x (.., H, W): a k x k window, stride s, padding p (which
@@ -19,6 +20,24 @@ pub(crate) fn max_pool2d(x: &Tensor, k: usize, s: usize, p: usize) -> Result<Ten
         candle_core::bail!("max_pool2d: input {h}x{w} padded by {p} is smaller than the window {k}")
     }
     x.contiguous()?.apply_op1(MaxPool2dOp { k, s, p, h, w })
+}
+
+/// The generic route ([`super::generic`]) of a pooling `pool` composed from candle ops: the
+/// composition on the detached input, and in backward candle's own backward of it, run again on a
+/// copy of the input (candle differentiates only with respect to variables). Keeps what the kernel
+/// keeps: its input. A window whose maximum is tied passes its gradient to every tied element
+/// (shared where the pairwise `maximum` meets a tie), where the kernel passes it to the first; in
+/// a network the ties are the zeros of a ReLU, whose gradient the ReLU then drops.
+pub(crate) fn max_pool2d_generic(x: &Tensor, pool: fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let y = pool(&x.detach())?;
+    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let [x] = exactly(&inputs.iter().collect::<Vec<_>>())?;
+        let x = Var::from_tensor(x)?;
+        // d/dy of sum(y * grad) is grad, bit for bit.
+        let grads = (pool(x.as_tensor())? * grad)?.sum_all()?.backward()?;
+        Ok(vec![grads.get(x.as_tensor()).cloned()])
+    };
+    x.contiguous()?.apply_op1(GenericOp::new("generic-max-pool2d", y, Box::new(backward)))
 }
 
 struct MaxPool2dOp {

@@ -1,5 +1,4 @@
-//! Fused training ops for the CPU: each one candle custom op whose backward keeps only what it
-//! needs, where the same op composed from elementwise candle ops keeps every intermediate alive
+//! Fused training ops: each one candle custom op whose backward keeps only what it needs, where the same op composed from elementwise candle ops keeps every intermediate alive
 //! until backward ends (a composed LayerNorm holds 5 tensors of its input's size, a composed
 //! softmax 3, a composed cross-entropy 3 of the logits' size).
 //!
@@ -35,8 +34,12 @@
 //! store results in the operands' dtype, so what an op keeps for backward stays in half precision
 //! (candle's CPU backend has no bf16 matrix product at all). A half-precision activation may meet
 //! f32 weights: each operand is read in its own dtype, and each gradient is made in its operand's
-//! dtype, so f32 weights get f32 gradients. Cross-entropy returns an f32 loss. Anything else (a
-//! GPU) falls back to the composed candle ops, which are correct everywhere.
+//! dtype, so f32 weights get f32 gradients. Cross-entropy returns an f32 loss.
+//!
+//! On a CUDA device every op takes its device-generic route (the `generic` module): the same op, keeping
+//! the same tensors for backward, its forward and backward composed from candle's device kernels
+//! inside the custom op. [`set_path`] forces that route on the CPU, where the tests prove it.
+//! Anything else (Metal, integer tensors) falls back to the composed candle ops.
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Storage, Tensor, WithDType};
 use num_traits::Float;
@@ -164,18 +167,19 @@ mod softmax;
 
 pub use attention::attention;
 pub use batch_norm::batch_norm_train;
-pub(crate) use conv3d::conv3d;
 #[cfg(test)] // src/conv3d.rs's tests force small blocks through it
 pub(crate) use conv3d::conv3d_blocked;
-pub(crate) use conv_transpose3d::conv_transpose3d_k2s2;
+pub(crate) use conv3d::{conv3d, conv3d_generic};
+pub(crate) use conv_transpose3d::{conv_transpose3d_k2s2, conv_transpose3d_k2s2_generic};
 pub use cross_entropy::cross_entropy;
 pub use dropout::dropout;
 pub use embedding::embedding;
 pub use gelu::gelu;
+pub(crate) use generic::generic;
 pub use generic::{path, set_path, Path};
 pub use layer_norm::layer_norm;
 pub use linear::linear;
-pub(crate) use max_pool2d::max_pool2d;
+pub(crate) use max_pool2d::{max_pool2d, max_pool2d_generic};
 pub use softmax::softmax_last_dim;
 
 /// One operand of a custom op's CPU forward: its storage and layout.
@@ -211,6 +215,12 @@ const ELEMENT_CHUNK: usize = 1 << 14;
 /// The fused path applies: a float tensor on the CPU, the kernels not set aside ([`set_path`]).
 pub(crate) fn fused(t: &Tensor) -> bool {
     path() == Path::Kernel && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+}
+
+/// The op's own implementation applies, the CPU kernel or the generic route, rather than candle's
+/// composed ops.
+pub(crate) fn lean(t: &Tensor) -> bool {
+    fused(t) || generic(t)
 }
 
 /// `t` in f32 if it is in half precision, else as it is: for the composed ops that have no

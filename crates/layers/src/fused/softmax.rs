@@ -1,8 +1,8 @@
 //! Softmax over the last dimension, with an optional scale and causal mask folded in: keeps only
 //! its output.
 
-use super::generic::{generic, wide, GenericOp};
-use super::{elem, exactly, fused, nan_max, shaped, slice, with_slice, Elem, FusedOp, Operand};
+use super::generic::{generic, GenericOp};
+use super::{elem, exactly, fused, nan_max, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -14,7 +14,7 @@ pub fn softmax_last_dim(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> 
         // dx = scale y (g - sum(g y)) (masked entries have y = 0, so no gradient).
         let y = composed(&x.detach(), scale, causal)?;
         let backward = move |_: &[Tensor], y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
-            let (y32, g32) = (wide(y)?, wide(g)?);
+            let (y32, g32) = (widened(y)?, widened(g)?);
             let gy = (&g32 * &y32)?;
             let dx = ((gy - y32.broadcast_mul(&g32.mul(&y32)?.sum_keepdim(D::Minus1)?)?)? * scale)?;
             Ok(vec![Some(dx.to_dtype(y.dtype())?)])
