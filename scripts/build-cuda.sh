@@ -7,6 +7,8 @@
 #
 # usage: scripts/build-cuda.sh [cargo build arguments]      (from the repository root)
 #   e.g. scripts/build-cuda.sh --release -p bench-harness --features cuda
+#        scripts/build-cuda.sh --check    (type-checks every crate and target with the cuda and
+#                                          nccl features, in target/cuda-check; nothing is linked)
 #
 # environment:
 #   CUDA_COMPUTE_CAP   the GPU's compute capability without the dot (default 90: H100/H200)
@@ -86,4 +88,9 @@ export PATH=$CUDA_HOME/bin:$PATH
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export LIBRARY_PATH=$CUDA_HOME/lib/stubs:$CUDA_HOME/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
 export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2} CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-2}
+if [ "${1:-}" = "--check" ]; then
+  features="bench-harness/cuda"
+  for crate in trainkit gpt2 bert resnet unet3d; do features="$features $crate/nccl"; done
+  CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda-check} exec cargo check --workspace --all-targets --features "$features"
+fi
 cargo build "$@"

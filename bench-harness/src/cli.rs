@@ -86,8 +86,8 @@ pub struct Common {
     #[arg(long, hide = true)]
     pub no_rng_replay: bool,
     /// The fused ops on the CPU: `kernel` (ours), or `generic`, the device-generic route a GPU
-    /// takes, forced here to measure it without one (ops without a generic form yet take candle's
-    /// composed ops, as on a GPU). Results go to results/<profile>-<device>-generic.
+    /// takes, forced here to measure it without one. Results go to
+    /// results/<profile>-<device>-generic.
     #[arg(long, value_enum, default_value_t = FusedPath::Kernel)]
     pub fused_path: FusedPath,
 }

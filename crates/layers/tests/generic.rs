@@ -50,6 +50,19 @@ fn kept_bytes(op: &Op, inputs: &[Var], path: Option<Path>) -> Result<u64> {
     Ok(with.saturating_sub(heap_current()))
 }
 
+/// The heap's peak above its level before, over `op`'s forward and backward on `path`: the output,
+/// the gradients and every temporary inside the op (informational: the route's transient cost).
+fn step_peak(op: &Op, inputs: &[Var], r: &Tensor, path: Path) -> Result<u64> {
+    let tensors: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
+    set_path(path);
+    let (result, peak) = remat::memory::peak_during(|| -> Result<()> {
+        let y = op(&tensors)?;
+        (&y * r)?.sum_all()?.backward().map(drop)
+    });
+    set_path(Path::Kernel);
+    result.map(|()| peak)
+}
+
 /// What the kept bytes of the two routes may differ by: the op's bookkeeping (tens of bytes) and
 /// the pool threads' own allocations, which can still be alive when the heap is read (a few KiB).
 /// The operands are sized so that what a composition would keep (a LayerNorm's centred input, a
@@ -72,6 +85,8 @@ fn check(name: &str, op: &Op, inputs: &[Var], tol: f32) -> Result<u64> {
     }
     let (kernel, generic) = (kept_bytes(op, inputs, Some(Path::Kernel))?, kept_bytes(op, inputs, Some(Path::Generic))?);
     eprintln!("{name}: kept {kernel} B by the kernel, {generic} B by the generic route");
+    let (kernel_peak, generic_peak) = (step_peak(op, inputs, &r, Path::Kernel)?, step_peak(op, inputs, &r, Path::Generic)?);
+    eprintln!("{name}: forward and backward peak {kernel_peak} B on the kernel, {generic_peak} B on the generic route");
     assert!(generic.abs_diff(kernel) <= SLACK, "{name}: the generic route keeps {generic} B, the kernel {kernel} B");
     Ok(kernel)
 }

@@ -1,7 +1,7 @@
 //! The executor on a DAG with skip edges and a parameter shared across segments: every policy's
 //! gradients equal plain candle's bit for bit, with dropout on; and the check can fail.
 
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use remat::{Executor, Policy, Stage, StageCtx, StageGraph, StageKind};
 
 mod common;

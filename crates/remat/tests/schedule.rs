@@ -12,7 +12,7 @@
 //! The only test in its binary: the counting allocator is process-wide, and tests of one binary
 //! run concurrently.
 
-use candle_core::{Device, Result, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use remat::memory::{heap_current, tensor_overhead, CountingAlloc, Event};
 use remat::plan::{Point, Profile};
 use remat::{Executor, Policy, StageGraph, StageKind};

@@ -25,6 +25,20 @@ pub const LOSS_TOL: f64 = 1e-5;
 pub const GRAD_TOL: f64 = 1e-4;
 pub const STATS_TOL: f64 = 1e-5;
 
+/// Runs `check` on the fused ops' CPU kernels, then on the device-generic route a GPU takes
+/// (`layers::fused::Path::Generic`). The route is process-wide: the test that calls this must be
+/// the only one in its binary.
+pub fn on_both_routes(check: impl Fn() -> Result<()>) -> Result<()> {
+    use layers::fused::{set_path, Path};
+    for path in [Path::Kernel, Path::Generic] {
+        set_path(path);
+        let checked = check();
+        set_path(Path::Kernel);
+        checked.with_context(|| format!("on the {path:?} route"))?;
+    }
+    Ok(())
+}
+
 /// A fixture file: the weights under their published names, and `fixture.*` entries.
 pub struct Fixture {
     path: PathBuf,

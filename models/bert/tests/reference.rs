@@ -7,10 +7,16 @@ use anyhow::Result;
 use bert::{Bert, MaskedBatch};
 use candle_core::Device;
 use layers::Model;
-use testkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
+use testkit::reference::{check_close, check_training_step, on_both_routes, Fixture, LOGITS_TOL};
 
+/// On the CPU kernels and on the device-generic route a GPU takes (`Path::Generic`); the only test
+/// in its binary, as the route is process-wide.
 #[test]
 fn logits_loss_and_gradients_match_pytorch() -> Result<()> {
+    on_both_routes(against_pytorch)
+}
+
+fn against_pytorch() -> Result<()> {
     let fx = Fixture::load(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/bert.safetensors").as_ref())?;
     let model = Bert::new(fx.config()?, &Device::Cpu, 0)?;
     model.load_snapshot(fx.path())?;

@@ -6,10 +6,16 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
 use layers::Model;
-use testkit::reference::{check_close, check_evaluation, check_training_step, Fixture, LOGITS_TOL};
+use testkit::reference::{check_close, check_evaluation, check_training_step, on_both_routes, Fixture, LOGITS_TOL};
 
+/// On the CPU kernels and on the device-generic route a GPU takes (`Path::Generic`); the only test
+/// in its binary, as the route is process-wide.
 #[test]
 fn logits_loss_and_gradients_match_pytorch() -> Result<()> {
+    on_both_routes(against_pytorch)
+}
+
+fn against_pytorch() -> Result<()> {
     let fx = Fixture::load(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gpt2.safetensors").as_ref())?;
     let model = Gpt2::new(fx.config()?, &Device::Cpu, 0)?;
     model.load_snapshot(fx.path())?;

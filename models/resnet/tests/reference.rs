@@ -8,7 +8,7 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use layers::Model;
 use resnet::{Config, ResNet};
-use testkit::reference::{check_close, check_evaluation, check_training_step, Fixture, LOGITS_TOL};
+use testkit::reference::{check_close, check_evaluation, check_training_step, on_both_routes, Fixture, LOGITS_TOL};
 
 #[derive(serde::Deserialize)]
 struct FixtureConfig {
@@ -17,8 +17,14 @@ struct FixtureConfig {
     image_size: usize,
 }
 
+/// On the CPU kernels and on the device-generic route a GPU takes (`Path::Generic`); the only test
+/// in its binary, as the route is process-wide.
 #[test]
 fn logits_loss_gradients_and_statistics_match_pytorch() -> Result<()> {
+    on_both_routes(against_pytorch)
+}
+
+fn against_pytorch() -> Result<()> {
     let fx = Fixture::load(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/resnet.safetensors").as_ref())?;
     let cfg: FixtureConfig = fx.config()?;
     let config = Config { classes: cfg.classes, ..cfg.preset.parse::<resnet::Preset>()?.config() };

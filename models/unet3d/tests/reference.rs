@@ -8,7 +8,7 @@
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use layers::Model;
-use testkit::reference::{check_close, check_training_step, Fixture, LOGITS_TOL};
+use testkit::reference::{check_close, check_training_step, on_both_routes, Fixture, LOGITS_TOL};
 use unet3d::{Config, Loss, Norm, UNet3d};
 
 #[derive(serde::Deserialize)]
@@ -43,12 +43,9 @@ fn check(file: &str) -> Result<()> {
     Ok(())
 }
 
+/// Both models, on the CPU kernels and on the device-generic route a GPU takes (`Path::Generic`);
+/// one test, as the route is process-wide.
 #[test]
-fn batchnorm_model_with_dice_matches_pytorch() -> Result<()> {
-    check("unet3d-batch.safetensors")
-}
-
-#[test]
-fn groupnorm_model_matches_pytorch() -> Result<()> {
-    check("unet3d-group.safetensors")
+fn batchnorm_with_dice_and_groupnorm_models_match_pytorch() -> Result<()> {
+    on_both_routes(|| check("unet3d-batch.safetensors").and_then(|()| check("unet3d-group.safetensors")))
 }

@@ -50,8 +50,9 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, p
     q.apply_op3(&k, &v, AttentionOp { scale, causal, padding, dropout })
 }
 
-/// The probabilities `softmax(scale q k^T)` (padded keys and, with `causal`, future keys at 0)
-/// and the dropout mask (scaled by 1 / (1 - rate)) applied to them, from candle's ops.
+/// The probabilities `softmax(scale q k^T)` of detached q and k (padded keys and, with `causal`,
+/// future keys at 0) and the dropout mask (scaled by 1 / (1 - rate)) applied to them, from
+/// candle's ops.
 fn probabilities(
     q: &Tensor,
     k: &Tensor,
@@ -60,17 +61,15 @@ fn probabilities(
     padding: Option<&Tensor>,
     dropout: Option<(RngKey, f32)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let scores = q.matmul(&k.t()?)?;
-    let scores = match padding {
-        Some(m) => {
-            let (b, s) = m.dims2()?;
-            let keep = m.ne(0.0)?.reshape((b, 1, 1, s))?.broadcast_as(scores.shape())?;
-            let neg_inf = Tensor::new(f32::NEG_INFINITY, q.device())?.to_dtype(scores.dtype())?.broadcast_as(scores.shape())?;
-            keep.where_cond(&scores, &neg_inf)?
-        }
-        None => scores,
-    };
-    let p = super::softmax::composed(&scores, scale, causal)?;
+    let mut scores = q.matmul(&k.t()?)?;
+    if let Some(m) = padding {
+        let (b, s) = m.dims2()?;
+        let keep = m.ne(0.0)?.reshape((b, 1, 1, s))?.broadcast_as(scores.shape())?;
+        let neg_inf = Tensor::new(f32::NEG_INFINITY, q.device())?.to_dtype(scores.dtype())?.broadcast_as(scores.shape())?;
+        scores = keep.where_cond(&scores, &neg_inf)?;
+    }
+    let p = super::softmax::detached(&scores, scale, causal)?;
+    drop(scores);
     let mask = match dropout {
         Some((key, rate)) => Some(Tensor::from_vec(key.dropout_mask(p.elem_count(), rate), p.shape(), p.device())?.to_dtype(p.dtype())?),
         None => None,
@@ -82,28 +81,31 @@ fn probabilities(
 /// rebuilds the probabilities and the dropout mask, so the op keeps only q, k and v.
 fn attention_generic(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, padding: Option<&Tensor>, dropout: Option<(RngKey, f32)>) -> Result<Tensor> {
     let padding = padding.map(|m| m.detach());
-    let (p, mask) = probabilities(&q.detach(), &k.detach(), scale, causal, padding.as_ref(), dropout)?;
+    // In f32 for half precision, stored in q's dtype, as the kernel.
+    let (p, mask) = probabilities(&widened(&q.detach())?, &widened(&k.detach())?, scale, causal, padding.as_ref(), dropout)?;
     let pd = match &mask {
         Some(m) => (p * m)?,
         None => p,
     };
-    let y = pd.matmul(&v.detach().to_dtype(q.dtype())?)?;
+    let y = pd.matmul(&widened(&v.detach())?.to_dtype(pd.dtype())?)?.to_dtype(q.dtype())?;
     // dv = pd^T g; dp = (g v^T) mask; ds = p (dp - sum(dp p)); dq = scale ds k; dk = scale ds^T q.
     let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
         let (q, k, v) = (widened(&inputs[0])?, widened(&inputs[1])?, widened(&inputs[2])?);
         let g = widened(g)?;
+        // Each (B, heads, T, T) temporary goes once used: at most three are alive at once.
         let (p, mask) = probabilities(&q, &k, scale, causal, padding.as_ref(), dropout)?;
-        let pd = match &mask {
-            Some(m) => (&p * m)?,
-            None => p.clone(),
+        let dv = match &mask {
+            Some(m) => (&p * m)?.t()?.matmul(&g)?,
+            None => p.t()?.matmul(&g)?,
         };
-        let dv = pd.t()?.matmul(&g)?;
-        let dpd = g.matmul(&v.t()?)?;
-        let dp = match &mask {
-            Some(m) => (dpd * m)?,
-            None => dpd,
-        };
-        let ds = (&p * dp.broadcast_sub(&(&dp * &p)?.sum_keepdim(candle_core::D::Minus1)?)?)?;
+        let mut dp = g.matmul(&v.t()?)?;
+        if let Some(m) = mask {
+            dp = (dp * m)?;
+        }
+        let row = (&dp * &p)?.sum_keepdim(candle_core::D::Minus1)?;
+        let centred = dp.broadcast_sub(&row)?;
+        drop(dp);
+        let ds = (p * centred)?;
         let dq = (ds.matmul(&k)? * scale)?;
         let dk = (ds.t()?.matmul(&q)? * scale)?;
         let back = |t: Tensor, like: &Tensor| t.to_dtype(like.dtype());

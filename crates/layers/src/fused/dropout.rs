@@ -2,7 +2,7 @@
 //! holding it; its bits equal `x * mask` composed.
 
 use super::generic::{generic, GenericOp};
-use super::{elem, exactly, fused, shaped, slice, with_slice, Elem, FusedOp, Operand, ELEMENT_CHUNK};
+use super::{elem, exactly, fused, shaped, slice, widened, with_slice, Elem, FusedOp, Operand, ELEMENT_CHUNK};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 use remat::rng::RngKey;
@@ -12,9 +12,14 @@ use remat::rng::RngKey;
 pub fn dropout(x: &Tensor, key: RngKey, p: f32) -> Result<Tensor> {
     let mask = move |like: &Tensor| Tensor::from_vec(key.dropout_mask(like.elem_count(), p), like.shape(), like.device())?.to_dtype(like.dtype());
     if generic(x) {
-        // Nothing kept: backward draws the mask again from the key.
-        let y = (x.detach() * mask(x)?)?;
-        let backward = move |_: &[Tensor], _: &Tensor, g: &Tensor| Ok(vec![Some((g * mask(g)?)?)]);
+        // Nothing kept: backward draws the mask again from the key. In f32 for half precision (the
+        // scale 1 / (1 - p) is not a bf16 number), stored in x's dtype, as the kernel.
+        let masked = move |t: &Tensor| -> Result<Tensor> {
+            let wide = widened(t)?;
+            (&wide * mask(&wide)?)?.to_dtype(t.dtype())
+        };
+        let y = masked(&x.detach())?;
+        let backward = move |_: &[Tensor], _: &Tensor, g: &Tensor| Ok(vec![Some(masked(g)?)]);
         return x.contiguous()?.apply_op1(GenericOp::new("generic-dropout", y, Box::new(backward)));
     }
     if !fused(x) {

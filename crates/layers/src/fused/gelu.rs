@@ -11,21 +11,28 @@ use rayon::prelude::*;
 /// is one pass where candle's composes about ten tensors of the input's size.
 pub fn gelu(x: &Tensor, exact: bool) -> Result<Tensor> {
     if generic(x) {
-        let x_d = x.detach();
-        let y = if exact { x_d.gelu_erf()? } else { x_d.gelu()? };
+        // In f32 for half precision, stored in x's dtype, as the kernel.
+        let x32 = widened(&x.detach())?;
+        let y = if exact { x32.gelu_erf()? } else { x32.gelu()? }.to_dtype(x.dtype())?;
+        drop(x32);
         let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
             let x = widened(&inputs[0])?;
+            // Operators on owned tensors drop their operands as they go; a chain of methods would
+            // keep every intermediate to the end of its statement.
             let derivative = if exact {
                 // cdf(x) + x pdf(x)
-                let cdf = (((&x / std::f64::consts::SQRT_2)?.erf()? + 1.0)? * 0.5)?;
-                let pdf = ((x.sqr()? * -0.5)?.exp()? / (2.0 * std::f64::consts::PI).sqrt())?;
-                (cdf + (&x * pdf)?)?
+                let cdf = (&x / std::f64::consts::SQRT_2)?.erf()?.affine(0.5, 0.5)?;
+                let pdf = ((x.sqr()? * -0.5)?.exp()? * (2.0 * std::f64::consts::PI).sqrt().recip())?;
+                (cdf + (pdf * &x)?)?
             } else {
-                // 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2), t = tanh(c (x + k x^3))
-                let t = ((&x + (x.powf(3.0)? * 0.044_715)?)? * SQRT_2_OVER_PI)?.tanh()?;
-                let left = ((&t + 1.0)? * 0.5)?;
-                let right = ((&x * (t.sqr()?.affine(-1.0, 1.0)?))? * ((x.sqr()? * (3.0 * 0.044_715))? + 1.0)?)?;
-                (left + (right * (0.5 * SQRT_2_OVER_PI))?)?
+                // 0.5 (1 + t) + 0.5 c x (1 - t^2) (1 + 3 k x^2), t = tanh(c x (1 + k x^2))
+                let x2 = x.sqr()?;
+                let poly = x2.affine(3.0 * 0.044_715, 1.0)?;
+                let u = (x2.affine(0.044_715, 1.0)? * &x)?;
+                drop(x2);
+                let t = (u * SQRT_2_OVER_PI)?.tanh()?;
+                let slope = ((t.sqr()?.affine(-0.5 * SQRT_2_OVER_PI, 0.5 * SQRT_2_OVER_PI)? * &x)? * poly)?;
+                (t.affine(0.5, 0.5)? + slope)?
             };
             Ok(vec![Some((widened(g)? * derivative)?.to_dtype(g.dtype())?)])
         };

@@ -24,22 +24,31 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 /// The generic route ([`super::generic`]): candle's composed LayerNorm on detached operands, and
 /// the kernel's backward formula composed, the statistics recomputed from the input.
 fn layer_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    let like_x = |t: &Tensor| t.detach().to_dtype(x.dtype());
-    let y = candle_nn::ops::layer_norm_slow(&x.detach(), &like_x(weight)?, &like_x(bias)?, eps as f32)?;
+    // In f32 for half precision, stored in x's dtype, as the kernel.
+    let x32 = widened(&x.detach())?;
+    let like_x32 = |t: &Tensor| t.detach().to_dtype(x32.dtype());
+    let y = candle_nn::ops::layer_norm_slow(&x32, &like_x32(weight)?, &like_x32(bias)?, eps as f32)?.to_dtype(x.dtype())?;
+    drop(x32);
     let backward = move |inputs: &[Tensor], _y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
         let [x, w, b] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let (x32, g32) = (widened(x)?, widened(g)?);
         let w32 = widened(w)?.to_dtype(x32.dtype())?;
         let d = x.dim(D::Minus1)?;
+        let rows = x.elem_count() / d;
+        // Each temporary of the input's size goes once used: at most three are alive at once.
         let xc = x32.broadcast_sub(&x32.mean_keepdim(D::Minus1)?)?;
         let rstd = (xc.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
         let xhat = xc.broadcast_mul(&rstd)?;
-        let gw = g32.broadcast_mul(&w32)?;
-        let (m1, m2) = (gw.mean_keepdim(D::Minus1)?, (&gw * &xhat)?.mean_keepdim(D::Minus1)?);
-        let dx = gw.broadcast_sub(&m1)?.sub(&xhat.broadcast_mul(&m2)?)?.broadcast_mul(&rstd)?;
-        let rows = x.elem_count() / d;
+        drop(xc);
         let dw = (&g32 * &xhat)?.reshape((rows, d))?.sum(0)?;
         let db = g32.reshape((rows, d))?.sum(0)?;
+        let gw = g32.broadcast_mul(&w32)?;
+        let (m1, m2) = (gw.mean_keepdim(D::Minus1)?, (&gw * &xhat)?.mean_keepdim(D::Minus1)?);
+        let centred = gw.broadcast_sub(&m1)?;
+        drop(gw);
+        let dx = (centred - xhat.broadcast_mul(&m2)?)?;
+        drop(xhat);
+        let dx = dx.broadcast_mul(&rstd)?;
         Ok(vec![Some(dx.to_dtype(x.dtype())?), Some(dw.to_dtype(w.dtype())?), Some(db.to_dtype(b.dtype())?)])
     };
     x.contiguous()?.apply_op3(weight, bias, GenericOp::new("generic-layer-norm", y, Box::new(backward)))

@@ -12,7 +12,11 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> 
     let k = x.dim(D::Minus1)?;
     let w_in = if w_is_out_in { w.t()? } else { w.clone() }; // (in, out)
     if generic(x) {
-        let y = composed(&x.detach(), &w_in.detach(), b.map(Tensor::detach).as_ref())?;
+        // In f32 for half precision (an f32 weight may meet a bf16 input), stored in x's dtype.
+        let x32 = widened(&x.detach())?;
+        let like_x32 = |t: &Tensor| t.detach().to_dtype(x32.dtype());
+        let y = composed(&x32, &like_x32(&w_in)?, b.map(like_x32).transpose()?.as_ref())?.to_dtype(x.dtype())?;
+        drop(x32);
         // dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) w), db = the rows' sum of g.
         let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
             let (x, w) = (&inputs[0], &inputs[1]);

@@ -2,7 +2,7 @@
 //! maximum again.
 
 use super::generic::GenericOp;
-use super::{exactly, shaped, slice, with_slice, Elem, FusedOp, Operand};
+use super::{exactly, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor, Var};
 use rayon::prelude::*;
 
@@ -29,13 +29,18 @@ pub(crate) fn max_pool2d(x: &Tensor, k: usize, s: usize, p: usize) -> Result<Ten
 /// (shared where the pairwise `maximum` meets a tie), where the kernel passes it to the first; in
 /// a network the ties are the zeros of a ReLU, whose gradient the ReLU then drops.
 pub(crate) fn max_pool2d_generic(x: &Tensor, pool: fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
-    let y = pool(&x.detach())?;
+    let x_d = x.detach();
+    // candle's maxima let a NaN lose; the kernel, as PyTorch, lets it win its windows.
+    let nan_in_window = pool(&x_d.ne(&x_d)?.to_dtype(x.dtype())?)?.gt(0.0)?;
+    let nan = Tensor::new(f32::NAN, x.device())?.to_dtype(x.dtype())?.broadcast_as(nan_in_window.shape())?;
+    let y = nan_in_window.where_cond(&nan, &pool(&x_d)?)?;
     let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor| -> Result<Vec<Option<Tensor>>> {
         let [x] = exactly(&inputs.iter().collect::<Vec<_>>())?;
-        let x = Var::from_tensor(x)?;
+        // In f32 for half precision: a gradient where windows overlap is a sum.
+        let wide = Var::from_tensor(&widened(x)?)?;
         // d/dy of sum(y * grad) is grad, bit for bit.
-        let grads = (pool(x.as_tensor())? * grad)?.sum_all()?.backward()?;
-        Ok(vec![grads.get(x.as_tensor()).cloned()])
+        let grads = (pool(wide.as_tensor())? * widened(grad)?)?.sum_all()?.backward()?;
+        Ok(vec![grads.get(wide.as_tensor()).map(|g| g.to_dtype(x.dtype())).transpose()?])
     };
     x.contiguous()?.apply_op1(GenericOp::new("generic-max-pool2d", y, Box::new(backward)))
 }

@@ -12,12 +12,13 @@ pub fn softmax_last_dim(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> 
     if generic(x) {
         // The composed softmax on the detached input; backward from the output alone:
         // dx = scale y (g - sum(g y)) (masked entries have y = 0, so no gradient).
-        let y = composed(&x.detach(), scale, causal)?;
+        let y = detached(&x.detach(), scale, causal)?;
         let backward = move |_: &[Tensor], y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
             let (y32, g32) = (widened(y)?, widened(g)?);
             let gy = (&g32 * &y32)?;
-            let dx = ((gy - y32.broadcast_mul(&g32.mul(&y32)?.sum_keepdim(D::Minus1)?)?)? * scale)?;
-            Ok(vec![Some(dx.to_dtype(y.dtype())?)])
+            let row = gy.sum_keepdim(D::Minus1)?;
+            let dx = (gy - y32.broadcast_mul(&row)?)?;
+            Ok(vec![Some((dx * scale)?.to_dtype(y.dtype())?)])
         };
         return x.contiguous()?.apply_op1(GenericOp::new("generic-softmax", y, Box::new(backward)));
     }
@@ -31,15 +32,27 @@ pub fn softmax_last_dim(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> 
 /// `softmax(scale * x)` from candle's ops (candle's fused softmax_last_dim has no backward).
 pub(super) fn composed(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
     let x = (x * scale)?;
-    let x = if causal {
-        let (t, s) = (x.dim(D::Minus2)?, x.dim(D::Minus1)?);
-        let future = Tensor::from_vec((0..t * s).map(|i| u8::from(i % s > i / s)).collect(), (t, s), x.device())?;
-        let neg_inf = Tensor::new(f32::NEG_INFINITY, x.device())?.to_dtype(x.dtype())?.broadcast_as(x.shape())?;
-        future.broadcast_as(x.shape())?.where_cond(&neg_inf, &x)?
-    } else {
-        x
-    };
+    let x = if causal { mask_future(&x)? } else { x };
     candle_nn::ops::softmax(&x, D::Minus1)
+}
+
+/// `softmax(scale * x)` of a detached `x` through candle's fused softmax kernel (on every device;
+/// it has no backward, which a detached input does not need), computed in f32 for half precision
+/// and returned in `x`'s dtype: the generic route's forward. Each temporary goes once used.
+pub(super) fn detached(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+    let mut scaled = (widened(x)? * scale)?;
+    if causal {
+        scaled = mask_future(&scaled)?;
+    }
+    candle_nn::ops::softmax_last_dim(&scaled)?.to_dtype(x.dtype())
+}
+
+/// `x` (.., T, S) with element (.., i, j) set to -inf where j > i: the future keys of a decoder.
+fn mask_future(x: &Tensor) -> Result<Tensor> {
+    let (t, s) = (x.dim(D::Minus2)?, x.dim(D::Minus1)?);
+    let future = Tensor::from_vec((0..t * s).map(|i| u8::from(i % s > i / s)).collect(), (t, s), x.device())?;
+    let neg_inf = Tensor::new(f32::NEG_INFINITY, x.device())?.to_dtype(x.dtype())?.broadcast_as(x.shape())?;
+    future.broadcast_as(x.shape())?.where_cond(&neg_inf, x)
 }
 
 pub(super) struct SoftmaxOp {
