@@ -64,71 +64,116 @@ pub(crate) fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Resu
         candle_core::bail!("conv3d: depth {d} (padded {dp}) is smaller than the kernel depth {kd}")
     }
     let d_out = (dp - kd) / g.stride_d + 1;
-    let mut sum: Option<Tensor> = None;
-    for a in 0..kd {
-        let slices = depth_slices(&x, a, d_out, g.stride_d)?; // (N * D_out, C, H, W)
-        let y = slices.conv2d(&w.narrow(2, a, 1)?.squeeze(2)?, g.pad_hw, g.stride_hw, 1, 1)?; // (N * D_out, O, H', W')
-        sum = Some(match sum {
-            Some(s) => (s + y)?,
-            None => y,
-        });
+    let (kh, kw) = (w.dim(3)?, w.dim(4)?);
+    let (ho, wo) = ((h + 2 * g.pad_hw - kh) / g.stride_hw + 1, (wd + 2 * g.pad_hw - kw) / g.stride_hw + 1);
+    let mut rows = Vec::new();
+    for chunk in chunks(n, d_out, dp, c * kh * kw * ho * wo) {
+        let mut sum: Option<Tensor> = None;
+        for a in 0..kd {
+            let y = chunk.slices(&x, a, g.stride_d)?.conv2d(&w.narrow(2, a, 1)?.squeeze(2)?, g.pad_hw, g.stride_hw, 1, 1)?; // (rows, O, H', W')
+            sum = Some(match sum {
+                Some(s) => (s + y)?,
+                None => y,
+            });
+        }
+        rows.push(sum.expect("kd >= 1"));
     }
-    let y = sum.expect("kd >= 1");
-    let (_, _, ho, wo) = y.dims4()?;
+    let y = Tensor::cat(&rows, 0)?; // (N * D_out, O, H', W')
+    drop(rows);
     y.reshape((n, d_out, o, ho, wo))?.permute((0, 2, 1, 3, 4))?.contiguous() // (N, O, D_out, H', W')
 }
 
-/// The depths of x (padded in depth) that kernel depth `a` sees, one per output depth.
-fn depth_index(a: usize, d_out: usize, stride_d: usize, device: &candle_core::Device) -> Result<Tensor> {
-    Tensor::from_vec((0..d_out).map(|i| (a + i * stride_d) as u32).collect::<Vec<_>>(), d_out, device)
+/// Entries of the column matrix candle's `conv2d` builds for one chunk of input slices, at most
+/// (the kernel's blocks are as large): the composed convolution runs in chunks of slices, so that
+/// matrix stays bounded instead of growing with batch and depth (9x the input for 3x3 kernels).
+const COLUMN_ENTRIES: usize = 1 << 21;
+
+/// The input slices one `conv2d` call takes: output depths `start..start + rows` of batch
+/// elements `b..b + batches` (several elements only for a 2D convolution, one depth each).
+#[derive(Clone, Copy)]
+struct Chunk {
+    b: usize,
+    batches: usize,
+    start: usize,
+    rows: usize,
 }
 
-/// The input slices kernel depth `a` sees, (N, C, D_out, H, W) folded to (N * D_out, C, H, W): a
-/// view where x has one depth (a 2D convolution), else a copy.
-fn depth_slices(x: &Tensor, a: usize, d_out: usize, stride_d: usize) -> Result<Tensor> {
-    let (n, c, d, h, wd) = x.dims5()?;
-    if d == 1 {
-        return x.reshape((n, c, h, wd));
+/// Chunks that cover every batch element's `d_out` output depths of x padded to depth `dp`, each
+/// with at most [`COLUMN_ENTRIES`] column entries at `per_slice` entries per slice (at least one
+/// slice): consecutive samples for a 2D convolution, consecutive depths of one sample for 3D.
+fn chunks(n: usize, d_out: usize, dp: usize, per_slice: usize) -> Vec<Chunk> {
+    let fit = (COLUMN_ENTRIES / per_slice.max(1)).max(1);
+    if dp == 1 {
+        return (0..n).step_by(fit).map(|b| Chunk { b, batches: fit.min(n - b), start: 0, rows: 1 }).collect();
     }
-    x.index_select(&depth_index(a, d_out, stride_d, x.device())?, 2)?.permute((0, 2, 1, 3, 4))?.reshape((n * d_out, c, h, wd))
+    let rows = fit.min(d_out);
+    (0..n).flat_map(|b| (0..d_out).step_by(rows).map(move |start| Chunk { b, batches: 1, start, rows: rows.min(d_out - start) })).collect()
+}
+
+impl Chunk {
+    /// The padded depths kernel depth `a` reads for this chunk's output depths.
+    fn depths(&self, a: usize, stride_d: usize, device: &candle_core::Device) -> Result<Tensor> {
+        Tensor::from_vec((self.start..self.start + self.rows).map(|i| (a + i * stride_d) as u32).collect::<Vec<_>>(), self.rows, device)
+    }
+
+    /// The input slices kernel depth `a` sees, of x (N, C, D, H, W) padded in depth:
+    /// (batches rows, C, H, W); a view where x has one depth (a 2D convolution), else a copy.
+    fn slices(&self, x: &Tensor, a: usize, stride_d: usize) -> Result<Tensor> {
+        let (_, c, d, h, wd) = x.dims5()?;
+        let x = x.narrow(0, self.b, self.batches)?;
+        if d == 1 {
+            return x.reshape((self.batches, c, h, wd));
+        }
+        x.index_select(&self.depths(a, stride_d, x.device())?, 2)?.permute((0, 2, 1, 3, 4))?.reshape((self.batches * self.rows, c, h, wd))
+    }
 }
 
 /// The gradients of [`conv3d_composed`]'s input and weight from its output gradient `grad`
-/// (N, O, D_out, H', W'), composed the same way: per kernel depth, candle's own conv2d backward (a
-/// transposed convolution gives the input slices' gradient, a convolution of the slices with the
-/// output gradient the weight's), the slices' gradients added back at the depths they came from.
+/// (N, O, D_out, H', W'), composed the same way, chunk by chunk: per kernel depth, candle's own
+/// conv2d backward (a transposed convolution gives the input slices' gradient, a convolution of the
+/// slices with the output gradient the weight's), the slices' gradients added back at the depths
+/// they came from.
 pub(crate) fn conv3d_composed_backward(x: &Tensor, w: &Tensor, grad: &Tensor, g: Conv3dGeometry) -> Result<(Tensor, Tensor)> {
     let (n, c, d, h, wd) = x.dims5()?;
     let (o, _, kd, kh, kw) = w.dims5()?;
     let (_, _, d_out, ho, wo) = grad.dims5()?;
     let xp = x.pad_with_zeros(2, g.pad_d, g.pad_d)?;
     let dp = d + 2 * g.pad_d;
-    let gf = grad.permute((0, 2, 1, 3, 4))?.reshape((n * d_out, o, ho, wo))?; // (N * D_out, O, H', W')
-    let gf_t = gf.transpose(0, 1)?; // (O, N * D_out, H', W')
-                                    // conv_transpose2d's output falls short of the input by the rows a strided window never
-                                    // reached: the output padding adds them back.
+    // conv_transpose2d's output falls short of the input by the rows a strided window never
+    // reached: the output padding adds them back.
     let out_padding = h + 2 * g.pad_hw - ((ho - 1) * g.stride_hw + kh);
-    let mut dxp: Option<Tensor> = None;
-    let mut dws = Vec::with_capacity(kd);
-    for a in 0..kd {
-        let wa = w.narrow(2, a, 1)?.squeeze(2)?.contiguous()?; // (O, C, kh, kw)
-        let ds = gf.conv_transpose2d(&wa, g.pad_hw, out_padding, g.stride_hw, 1)?; // (N * D_out, C, H, W)
-        let ds = ds.reshape((n, d_out, c, h, wd))?.permute((0, 2, 1, 3, 4))?.contiguous()?; // (N, C, D_out, H, W)
-        dxp = Some(match (dxp, dp) {
-            (None, 1) => ds,
-            (acc, _) => {
-                let acc = match acc {
-                    Some(acc) => acc,
-                    None => Tensor::zeros((n, c, dp, h, wd), x.dtype(), x.device())?,
-                };
-                acc.index_add(&depth_index(a, d_out, g.stride_d, x.device())?, &ds, 2)?
+    // Per chunk of samples, their input gradient (batches, C, D padded, H, W), in batch order.
+    let mut dxs: Vec<Tensor> = Vec::new();
+    let mut dws: Vec<Option<Tensor>> = vec![None; kd];
+    for chunk in chunks(n, d_out, dp, c * kh * kw * ho * wo) {
+        let slices_of = chunk.batches * chunk.rows;
+        let gf = grad.narrow(0, chunk.b, chunk.batches)?.narrow(2, chunk.start, chunk.rows)?;
+        let gf = gf.permute((0, 2, 1, 3, 4))?.reshape((slices_of, o, ho, wo))?; // (slices, O, H', W')
+        let gf_t = gf.transpose(0, 1)?; // (O, slices, H', W')
+        if chunk.start == 0 && dp > 1 {
+            dxs.push(Tensor::zeros((chunk.batches, c, dp, h, wd), x.dtype(), x.device())?);
+        }
+        for a in 0..kd {
+            let wa = w.narrow(2, a, 1)?.squeeze(2)?.contiguous()?; // (O, C, kh, kw)
+            let ds = gf.conv_transpose2d(&wa, g.pad_hw, out_padding, g.stride_hw, 1)?; // (slices, C, H, W)
+            let ds = ds.reshape((chunk.batches, chunk.rows, c, h, wd))?.permute((0, 2, 1, 3, 4))?.contiguous()?; // (batches, C, rows, H, W)
+            if dp == 1 {
+                dxs.push(ds); // a 2D convolution: one kernel depth, one slice per sample
+            } else {
+                let dx = dxs.last_mut().expect("pushed at the sample's first chunk");
+                *dx = dx.index_add(&chunk.depths(a, g.stride_d, x.device())?, &ds, 2)?;
             }
-        });
-        let slices = depth_slices(&xp, a, d_out, g.stride_d)?;
-        let dwa = slices.transpose(0, 1)?.conv2d(&gf_t, g.pad_hw, 1, g.stride_hw, 1)?.transpose(0, 1)?; // (O, C, >= kh, >= kw)
-        dws.push(dwa.narrow(2, 0, kh)?.narrow(3, 0, kw)?);
+            let slices = chunk.slices(&xp, a, g.stride_d)?;
+            let dwa = slices.transpose(0, 1)?.conv2d(&gf_t, g.pad_hw, 1, g.stride_hw, 1)?.transpose(0, 1)?; // (O, C, >= kh, >= kw)
+            let dwa = dwa.narrow(2, 0, kh)?.narrow(3, 0, kw)?;
+            dws[a] = Some(match dws[a].take() {
+                Some(sum) => (sum + dwa)?,
+                None => dwa,
+            });
+        }
     }
-    let dx = dxp.expect("kd >= 1").narrow(2, g.pad_d, d)?;
+    let dx = Tensor::cat(&dxs, 0)?.narrow(2, g.pad_d, d)?;
+    let dws: Vec<Tensor> = dws.into_iter().map(|dw| dw.expect("kd >= 1")).collect();
     Ok((dx, Tensor::stack(&dws, 2)?))
 }
 

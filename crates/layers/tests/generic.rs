@@ -226,6 +226,13 @@ fn convolutions_and_pooling_on_the_generic_route() -> Result<()> {
         let op = move |t: &[Tensor]| layers::conv3d(&t[0], &t[1], g);
         check(name, &op, &[var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[6, 4, 3, 3, 3], DType::F32)?], 1e-5)?;
     }
+    // Large enough that the composed convolution runs in several chunks of slices per sample
+    // (8 x 27 x 32 x 32 column entries per slice: 9 slices per chunk, 16 output depths).
+    let op = move |t: &[Tensor]| layers::conv3d(&t[0], &t[1], same);
+    check("conv3d chunked", &op, &[var(&[2, 8, 16, 32, 32], DType::F32)?, var(&[4, 8, 3, 3, 3], DType::F32)?], 1e-5)?;
+    // And a 2D one in chunks of samples (16 x 9 x 64 x 64 entries per sample: 3 per chunk).
+    let op = |t: &[Tensor]| layers::conv2d(&t[0], &t[1], 1, 1);
+    check("conv2d chunked", &op, &[var(&[4, 16, 64, 64], DType::F32)?, var(&[8, 16, 3, 3], DType::F32)?], 1e-5)?;
     for (k, padding, stride) in [(3, 1, 1), (3, 1, 2), (1, 0, 2), (7, 3, 2)] {
         let op = move |t: &[Tensor]| layers::conv2d(&t[0], &t[1], padding, stride);
         check(&format!("conv2d k{k} s{stride}"), &op, &[var(&[2, 8, 16, 16], DType::F32)?, var(&[16, 8, k, k], DType::F32)?], 1e-5)?;
