@@ -153,7 +153,7 @@ pub(crate) fn conv3d_composed_backward(x: &Tensor, w: &Tensor, grad: &Tensor, g:
         if chunk.start == 0 && dp > 1 {
             dxs.push(Tensor::zeros((chunk.batches, c, dp, h, wd), x.dtype(), x.device())?);
         }
-        for a in 0..kd {
+        for (a, dw) in dws.iter_mut().enumerate() {
             let wa = w.narrow(2, a, 1)?.squeeze(2)?.contiguous()?; // (O, C, kh, kw)
             let ds = gf.conv_transpose2d(&wa, g.pad_hw, out_padding, g.stride_hw, 1)?; // (slices, C, H, W)
             let ds = ds.reshape((chunk.batches, chunk.rows, c, h, wd))?.permute((0, 2, 1, 3, 4))?.contiguous()?; // (batches, C, rows, H, W)
@@ -166,7 +166,7 @@ pub(crate) fn conv3d_composed_backward(x: &Tensor, w: &Tensor, grad: &Tensor, g:
             let slices = chunk.slices(&xp, a, g.stride_d)?;
             let dwa = slices.transpose(0, 1)?.conv2d(&gf_t, g.pad_hw, 1, g.stride_hw, 1)?.transpose(0, 1)?; // (O, C, >= kh, >= kw)
             let dwa = dwa.narrow(2, 0, kh)?.narrow(3, 0, kw)?;
-            dws[a] = Some(match dws[a].take() {
+            *dw = Some(match dw.take() {
                 Some(sum) => (sum + dwa)?,
                 None => dwa,
             });
