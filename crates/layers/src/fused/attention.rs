@@ -4,7 +4,7 @@
 use super::dropout::DropoutOp;
 use super::generic::{generic, GenericOp};
 use super::softmax::SoftmaxOp;
-use super::{exactly, fused, is_half, slice, softmax_last_dim, widened, Elem, FusedOp, Operand};
+use super::{exactly, fused, is_half, slice, softmax_last_dim, widened, widened_as, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor};
 use remat::rng::RngKey;
 
@@ -87,7 +87,7 @@ fn attention_generic(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: boo
         Some(m) => (p * m)?,
         None => p,
     };
-    let y = pd.matmul(&widened(&v.detach())?.to_dtype(pd.dtype())?)?.to_dtype(q.dtype())?;
+    let y = pd.matmul(&widened_as(&v.detach(), q)?)?.to_dtype(q.dtype())?;
     // dv = pd^T g; dp = (g v^T) mask; ds = p (dp - sum(dp p)); dq = scale ds k; dk = scale ds^T q.
     let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
         let (q, k, v) = (widened(&inputs[0])?, widened(&inputs[1])?, widened(&inputs[2])?);

@@ -2,7 +2,7 @@
 //! input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size).
 
 use super::generic::{generic, GenericOp};
-use super::{elem, operand, shaped, slice, wide, widened, with_slice, Elem, FusedOp, Operand};
+use super::{elem, operand, shaped, slice, wide, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use num_traits::Float;
 use rayon::prelude::*;
@@ -45,11 +45,12 @@ fn batch_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Opti
     let xw = widened(&x.detach())?;
     let (mean, var) = statistics(&xw)?;
     let rstd = (&var + eps)?.sqrt()?.recip()?;
-    let wb = Tensor::stack(&[weight, bias], 0)?.to_dtype(xw.dtype())?.detach(); // (2, C)
-    let (w, b) = (channel_shaped(&wb.get(0)?, x.rank())?, channel_shaped(&wb.get(1)?, x.rank())?);
+    let wb = Tensor::stack(&[weight, bias], 0)?; // (2, C): the op's operand, as on the kernel
+    let wb_w = widened_as(&wb.detach(), x)?;
+    let (w, b) = (channel_shaped(&wb_w.get(0)?, x.rank())?, channel_shaped(&wb_w.get(1)?, x.rank())?);
     let mut y = xw.broadcast_sub(&mean)?.broadcast_mul(&(rstd.broadcast_mul(&w))?)?.broadcast_add(&b)?;
     if let Some(r) = residual {
-        y = (y + widened(&r.detach())?.to_dtype(xw.dtype())?)?;
+        y = (y + widened_as(&r.detach(), x)?)?;
     }
     if relu {
         y = nan_relu(&y)?;
@@ -59,7 +60,7 @@ fn batch_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Opti
     let backward = move |inputs: &[Tensor], y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
         let (x, wb) = (&inputs[0], &inputs[1]);
         let xw = widened(x)?;
-        let mut g = widened(g)?.to_dtype(xw.dtype())?;
+        let mut g = widened_as(g, x)?;
         if relu {
             g = y.le(0.0)?.where_cond(&g.zeros_like()?, &g)?; // a NaN output passes its gradient, as in the kernel
         }
@@ -69,7 +70,7 @@ fn batch_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Opti
         let db = channel_sum(&g)?;
         let dw = channel_sum(&(&g * &x_hat)?)?;
         let m = (x.elem_count() / x.dim(1)?) as f64;
-        let w = channel_shaped(&wb.get(0)?.to_dtype(xw.dtype())?, x.rank())?;
+        let w = channel_shaped(&widened_as(&wb.get(0)?, x)?, x.rank())?;
         let (db_m, dw_m) = (channel_shaped(&(&db / m)?, x.rank())?, channel_shaped(&(&dw / m)?, x.rank())?);
         let dx = g.broadcast_sub(&db_m)?.sub(&x_hat.broadcast_mul(&dw_m)?)?.broadcast_mul(&(rstd.broadcast_mul(&w))?)?;
         let dwb = Tensor::stack(&[dw, db], 0)?.to_dtype(wb.dtype())?;
@@ -77,7 +78,6 @@ fn batch_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Opti
         Ok([Some(dx.to_dtype(x.dtype())?), Some(dwb), dr].into_iter().take(inputs.len()).collect())
     };
     let op = GenericOp::new(if residual.is_some() { "generic-batch-norm-add" } else { "generic-batch-norm" }, y, Box::new(backward));
-    let wb = Tensor::stack(&[weight, bias], 0)?;
     let y = match residual {
         Some(r) => x.contiguous()?.apply_op3(&wb, &r.contiguous()?, op)?,
         None => x.contiguous()?.apply_op2(&wb, op)?,
@@ -88,10 +88,15 @@ fn batch_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Opti
 /// Per-channel mean and biased variance of x (N, C, *spatial), each shaped (1, C, 1, ...), two
 /// passes as the kernel (the mean, then the centred squares).
 fn statistics(x: &Tensor) -> Result<(Tensor, Tensor)> {
-    let reduce: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
+    let reduce = batch_and_space(x.rank());
     let mean = x.mean_keepdim(reduce.as_slice())?;
     let var = x.broadcast_sub(&mean)?.sqr()?.mean_keepdim(reduce.as_slice())?;
     Ok((mean, var))
+}
+
+/// Every dimension of a (N, C, *spatial) tensor of rank `rank` but the channels.
+fn batch_and_space(rank: usize) -> Vec<usize> {
+    (0..rank).filter(|&d| d != 1).collect()
 }
 
 /// A (C) tensor as (1, C, 1, ...) of rank `rank`, to broadcast over batch and space.
@@ -103,8 +108,7 @@ fn channel_shaped(t: &Tensor, rank: usize) -> Result<Tensor> {
 
 /// The sum over batch and space of x (N, C, *spatial): (C).
 fn channel_sum(x: &Tensor) -> Result<Tensor> {
-    let reduce: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
-    x.sum(reduce.as_slice())
+    x.sum(batch_and_space(x.rank()).as_slice())
 }
 
 /// ReLU that lets a NaN through, as the kernel and PyTorch (candle's `relu` makes it 0).

@@ -2,7 +2,7 @@
 //! again in backward: keeps its input and output only.
 
 use super::generic::GenericOp;
-use super::{exactly, mat, matmul, matmul_new, operand, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
+use super::{exactly, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -25,11 +25,10 @@ pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, b
 /// detached operands, and their backward composed the same way (`crate::conv3d`'s composed forms),
 /// half precision computed in f32. Keeps what the kernel keeps: x and w.
 pub(crate) fn conv3d_generic(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
-    let wide = |t: &Tensor, like: &Tensor| widened(t)?.to_dtype(widened(like)?.dtype());
-    let y = crate::conv3d::conv3d_composed(&widened(&x.detach())?, &wide(&w.detach(), x)?, g)?.to_dtype(x.dtype())?;
+    let y = crate::conv3d::conv3d_composed(&widened(&x.detach())?, &widened_as(&w.detach(), x)?, g)?.to_dtype(x.dtype())?;
     let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor| -> Result<Vec<Option<Tensor>>> {
         let [x, w] = exactly(&inputs.iter().collect::<Vec<_>>())?;
-        let (dx, dw) = crate::conv3d::conv3d_composed_backward(&widened(x)?, &wide(w, x)?, &wide(grad, x)?, g)?;
+        let (dx, dw) = crate::conv3d::conv3d_composed_backward(&widened(x)?, &widened_as(w, x)?, &widened_as(grad, x)?, g)?;
         Ok(vec![Some(dx.to_dtype(x.dtype())?), Some(dw.to_dtype(w.dtype())?)])
     };
     x.contiguous()?.apply_op2(&w.contiguous()?, GenericOp::new("generic-conv3d", y, Box::new(backward)))

@@ -2,7 +2,7 @@
 //! matrix product per sample: keeps only its input.
 
 use super::generic::GenericOp;
-use super::{exactly, mat, matmul, matmul_new, operand, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
+use super::{exactly, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -25,17 +25,16 @@ pub(crate) fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor) -> Resul
 /// (voxels, O 8) columns gives the input's gradient by one product with the weight and the
 /// weight's by one product with the input. Keeps what the kernel keeps: x (w and b).
 pub(crate) fn conv_transpose3d_k2s2_generic(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let wide = |t: &Tensor, like: &Tensor| widened(t)?.to_dtype(widened(like)?.dtype());
-    let (xd, wd, bd) = (widened(&x.detach())?, wide(&w.detach(), x)?, wide(&b.detach(), x)?);
+    let (xd, wd, bd) = (widened(&x.detach())?, widened_as(&w.detach(), x)?, widened_as(&b.detach(), x)?);
     let y = crate::conv3d::conv_transpose3d_k2s2_composed(&xd, &wd, &bd)?.to_dtype(x.dtype())?;
     let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor| -> Result<Vec<Option<Tensor>>> {
         let [x, w, b] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let (n, c, d, h, wd) = x.dims5()?;
         let o = w.dim(1)?;
         let voxels = n * d * h * wd;
-        let g = wide(grad, x)?.reshape(vec![n, o, d, 2, h, 2, wd, 2])?;
+        let g = widened_as(grad, x)?.reshape(vec![n, o, d, 2, h, 2, wd, 2])?;
         let g_cols = g.permute([0, 2, 4, 6, 1, 3, 5, 7])?.reshape((voxels, o * 8))?; // (N D H W, O 8)
-        let w_mat = wide(w, x)?.reshape((c, o * 8))?; // (C, O 8)
+        let w_mat = widened_as(w, x)?.reshape((c, o * 8))?; // (C, O 8)
         let dx = g_cols.matmul(&w_mat.t()?)?.reshape((n, d, h, wd, c))?.permute((0, 4, 1, 2, 3))?; // (N, C, D, H, W)
         let cols = widened(x)?.permute((0, 2, 3, 4, 1))?.reshape((voxels, c))?; // (N D H W, C)
         let dw = cols.t()?.matmul(&g_cols)?.reshape(w.shape())?;

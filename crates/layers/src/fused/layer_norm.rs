@@ -1,7 +1,7 @@
 //! LayerNorm: keeps nothing but its input (the statistics are recomputed in backward).
 
 use super::generic::{generic, GenericOp};
-use super::{elem, exactly, fused, operand, shaped, slice, sum_rows, widened, with_slice, Elem, FusedOp, Operand};
+use super::{elem, exactly, fused, operand, shaped, slice, sum_rows, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -26,13 +26,12 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 fn layer_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     // In f32 for half precision, stored in x's dtype, as the kernel.
     let x32 = widened(&x.detach())?;
-    let like_x32 = |t: &Tensor| t.detach().to_dtype(x32.dtype());
-    let y = candle_nn::ops::layer_norm_slow(&x32, &like_x32(weight)?, &like_x32(bias)?, eps as f32)?.to_dtype(x.dtype())?;
+    let y = candle_nn::ops::layer_norm_slow(&x32, &widened_as(&weight.detach(), x)?, &widened_as(&bias.detach(), x)?, eps as f32)?.to_dtype(x.dtype())?;
     drop(x32);
     let backward = move |inputs: &[Tensor], _y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
         let [x, w, b] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let (x32, g32) = (widened(x)?, widened(g)?);
-        let w32 = widened(w)?.to_dtype(x32.dtype())?;
+        let w32 = widened_as(w, x)?;
         let d = x.dim(D::Minus1)?;
         let rows = x.elem_count() / d;
         // Each temporary of the input's size goes once used: at most three are alive at once.

@@ -1,7 +1,7 @@
 //! Linear: `x @ w + b` as one op, so the product before the bias is not kept; keeps its inputs.
 
 use super::generic::{generic, GenericOp};
-use super::{fused, is_half, mat, matmul, matmul_new, operand, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
+use super::{fused, is_half, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 
 /// `x @ w + b` over the last dimension of x (.., in): `w` is (in, out), or (out, in) with
@@ -14,7 +14,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> 
     if generic(x) {
         // In f32 for half precision (an f32 weight may meet a bf16 input), stored in x's dtype.
         let x32 = widened(&x.detach())?;
-        let like_x32 = |t: &Tensor| t.detach().to_dtype(x32.dtype());
+        let like_x32 = |t: &Tensor| widened_as(&t.detach(), x);
         let y = composed(&x32, &like_x32(&w_in)?, b.map(like_x32).transpose()?.as_ref())?.to_dtype(x.dtype())?;
         drop(x32);
         // dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) w), db = the rows' sum of g.
@@ -23,9 +23,9 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> 
             let rows = x.elem_count() / k;
             let g32 = widened(g)?;
             let g2 = g32.reshape((rows, g32.elem_count() / rows))?;
-            let w_in = widened(&if w_is_out_in { w.t()? } else { w.clone() })?.to_dtype(g2.dtype())?;
+            let w_in = widened_as(&if w_is_out_in { w.t()? } else { w.clone() }, g)?;
             let dx = g2.matmul(&w_in.t()?)?.reshape(x.shape())?.to_dtype(x.dtype())?;
-            let dw_in = widened(x)?.to_dtype(g2.dtype())?.reshape((rows, k))?.t()?.matmul(&g2)?;
+            let dw_in = widened_as(x, g)?.reshape((rows, k))?.t()?.matmul(&g2)?;
             let dw = if w_is_out_in { dw_in.t()?.contiguous()? } else { dw_in }.to_dtype(w.dtype())?;
             let mut grads = vec![Some(dx), Some(dw)];
             if let Some(b) = inputs.get(2) {

@@ -1,6 +1,7 @@
-//! Fused training ops: each one candle custom op whose backward keeps only what it needs, where the same op composed from elementwise candle ops keeps every intermediate alive
-//! until backward ends (a composed LayerNorm holds 5 tensors of its input's size, a composed
-//! softmax 3, a composed cross-entropy 3 of the logits' size).
+//! Fused training ops: each one candle custom op whose backward keeps only what it needs, where
+//! the same op composed from elementwise candle ops keeps every intermediate alive until backward
+//! ends (a composed LayerNorm holds 5 tensors of its input's size, a composed softmax 3, a
+//! composed cross-entropy 3 of the logits' size).
 //!
 //! - [`layer_norm()`]: keeps nothing but its input (the statistics are recomputed in backward).
 //! - [`softmax_last_dim()`]: with an optional scale and causal mask folded in, keeps only its output.
@@ -36,9 +37,9 @@
 //! f32 weights: each operand is read in its own dtype, and each gradient is made in its operand's
 //! dtype, so f32 weights get f32 gradients. Cross-entropy returns an f32 loss.
 //!
-//! On a CUDA device every op takes its device-generic route (the `generic` module): the same op, keeping
-//! the same tensors for backward, its forward and backward composed from candle's device kernels
-//! inside the custom op. [`set_path`] forces that route on the CPU, where the tests prove it.
+//! On a CUDA device every op takes its device-generic route (the `generic` module): the same op,
+//! keeping the same tensors for backward, its forward and backward composed from candle's device
+//! kernels inside the custom op. [`set_path`] forces that route on the CPU, where the tests prove it.
 //! Anything else (Metal, integer tensors) falls back to the composed candle ops.
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Storage, Tensor, WithDType};
@@ -226,11 +227,13 @@ pub(crate) fn lean(t: &Tensor) -> bool {
 /// `t` in f32 if it is in half precision, else as it is: for the composed ops that have no
 /// half-precision path on the CPU (they then keep the f32 copy for backward).
 pub fn widened(t: &Tensor) -> Result<Tensor> {
-    if is_half(t.dtype()) {
-        t.to_dtype(DType::F32)
-    } else {
-        Ok(t.clone())
-    }
+    widened_as(t, t)
+}
+
+/// `t` in the dtype an op on `x` computes in: f32 beside a half-precision `x`, else `x`'s dtype.
+/// What the generic route reads an operand or a gradient as next to its input.
+pub(crate) fn widened_as(t: &Tensor, x: &Tensor) -> Result<Tensor> {
+    t.to_dtype(if is_half(x.dtype()) { DType::F32 } else { x.dtype() })
 }
 
 /// bf16 or f16: the kernels widen it to f32.
