@@ -133,12 +133,13 @@ pub fn run(
     let inputs = |n: u64| -> Result<Vec<candle_core::Tensor>> { Ok(group.shard(inst.inputs_at(n, inst.batch() * group.world())?)?) };
     let (mut comm_ms, mut wait_ms) = (Vec::new(), Vec::new());
     rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
-    let mut times = Vec::new();
+    let (mut times, mut faults) = (Vec::new(), Vec::new());
     // f16 trains under dynamic loss scaling, as the trainers do.
     let mut scaler = (w.dtype == layers::Precision::F16).then(trainkit::LossScaler::default);
     let stepper = trainkit::Stepper { group, exec: &exec, accumulate: w.accumulate, batch_names: None };
     for step in 0..=steps as u64 {
         let comm_before = group.comm_time();
+        let faults_before = remat::memory::minor_faults();
         let out = stepper.step(step, scaler.as_mut(), inputs, |grads| Ok(optimizer.update(grads)?))?;
         let comm = group.comm_time();
         if step == 0 {
@@ -149,6 +150,7 @@ pub fn run(
         }
         let usage = out.usage;
         times.push(usage.elapsed_ms);
+        faults.extend(faults_before.zip(remat::memory::minor_faults()).map(|(before, after)| after - before));
         comm_ms.push((comm.all_reduce - comm_before.all_reduce).as_secs_f64() * 1e3);
         wait_ms.push((comm.waited - comm_before.waited).as_secs_f64() * 1e3);
         rec.model_state_bytes = usage.heap_base.saturating_sub(base);
@@ -172,6 +174,8 @@ pub fn run(
     rec.step_ms_median = times[times.len() / 2];
     rec.step_ms_min = times[0];
     rec.step_ms_max = times[times.len() - 1];
+    faults.sort_unstable();
+    rec.minor_faults_per_step = faults.get(faults.len() / 2).copied();
     rec.status = Status::Ok;
     Ok(rec)
 }

@@ -45,6 +45,10 @@ pub struct Record {
     pub activation_peak_bytes: u64,
     /// Peak RSS during a step minus RSS at its start.
     pub rss_peak_delta_bytes: u64,
+    /// Minor page faults per timed step, the median (pages first touched in the step: a steady
+    /// state takes none); absent where the OS does not count them.
+    #[serde(default)]
+    pub minor_faults_per_step: Option<u64>,
     /// GPU only: bytes the device memory pool holds reserved after the timed steps.
     #[serde(default)]
     pub reserved_bytes: Option<u64>,

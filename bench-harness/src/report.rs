@@ -209,7 +209,7 @@ fn spread(r: &Record, pick: fn(&crate::record::Spread) -> f64) -> String {
     r.time_vs_off.as_ref().map_or(String::new(), |t| ms(pick(t)))
 }
 
-const COLUMNS: [Column; 43] = [
+const COLUMNS: [Column; 44] = [
     Column { name: "framework", ours: |_| "candle".into(), theirs: |b, _| format!("pytorch {}", b.framework_version) },
     Column { name: "model", ours: |r| r.model.clone(), theirs: |b, _| b.model.clone() },
     Column { name: "policy", ours: |r| quoted(&r.policy), theirs: |b, _| quoted(&b.policy) },
@@ -228,6 +228,7 @@ const COLUMNS: [Column; 43] = [
     Column { name: "fwd_bwd_peak_bytes", ours: |r| r.fwd_bwd_peak_bytes.to_string(), theirs: |b, _| b.fwd_bwd_peak_bytes.to_string() },
     Column { name: "activation_peak_bytes", ours: |r| r.activation_peak_bytes.to_string(), theirs: none },
     Column { name: "rss_peak_delta_bytes", ours: |r| r.rss_peak_delta_bytes.to_string(), theirs: none },
+    Column { name: "minor_faults_per_step", ours: |r| r.minor_faults_per_step.map_or(String::new(), |f| f.to_string()), theirs: none },
     Column { name: "reserved_bytes", ours: |r| r.reserved_bytes.map_or(String::new(), |b| b.to_string()), theirs: none },
     Column { name: "model_state_bytes_max_rank", ours: |r| r.model_state_bytes_max_rank.map_or(String::new(), |b| b.to_string()), theirs: none },
     Column { name: "step_peak_bytes_max_rank", ours: |r| r.step_peak_bytes_max_rank.map_or(String::new(), |b| b.to_string()), theirs: none },

@@ -23,6 +23,11 @@ pub struct Meta {
 pub fn meta(profile: Profile) -> Meta {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string());
+    // The vector extensions the matrix products can use: the same model name can come with or
+    // without AVX-512, and the kernels gemm picks follow them.
+    let flags: Vec<&str> = cpuinfo.lines().find_map(|l| l.strip_prefix("flags")).map_or(Vec::new(), |l| l.split_whitespace().collect());
+    let vector: Vec<&str> = ["avx2", "fma", "avx512f", "avx512vl", "avx512_bf16", "amx_tile"].into_iter().filter(|f| flags.contains(f)).collect();
+    let vector = if vector.is_empty() { String::new() } else { format!("; {}", vector.join(" ")) };
     // The project's own repository, wherever the harness runs from.
     let project = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
     let git = |args: &[&str]| {
@@ -39,7 +44,7 @@ pub fn meta(profile: Profile) -> Meta {
     let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
     Meta {
         machine: format!(
-            "{} ({} CPUs visible, candle threads {})",
+            "{} ({} CPUs visible, candle threads {}{vector})",
             cpu.unwrap_or_else(|| std::env::consts::ARCH.into()),
             std::thread::available_parallelism().map_or(0, |n| n.get()),
             candle_core::utils::get_num_threads()

@@ -1,8 +1,8 @@
 //! `--fused-path generic`: the fused ops take the device-generic route a GPU takes, forced on the
 //! CPU. Every model has every op on that route: each step peak stays within 10 % of the kernels'
-//! (measured under `off` / `sqrt`: GPT-2 1.057x / 1.073x, BERT 1.003x / 1.003x, ResNet 1.064x /
-//! 0.865x, the U-Net 0.372x / 0.346x, where the kernel's column blocks of up to 2^21 entries
-//! outweigh candle's per-slice columns at this size) while every policy's gradients still equal
+//! (measured under `off` / `sqrt`: GPT-2 1.057x / 1.073x, BERT 1.003x / 1.003x, ResNet 0.873x /
+//! 0.710x, the U-Net 0.373x / 0.347x, where the kernel's operand blocks of up to 2^21 entries and
+//! its channels-last copy of a block's input outweigh candle's per-slice columns at this size) while every policy's gradients still equal
 //! plain candle's bit for bit; the records say which route made them.
 
 mod common;

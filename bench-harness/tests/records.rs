@@ -97,7 +97,7 @@ enum Type {
 
 /// matrix.csv's columns in order, written out here rather than taken from the harness, so that a
 /// column dropped, renamed or moved in the writer fails the test.
-const COLUMNS: [(&str, Type); 43] = {
+const COLUMNS: [(&str, Type); 44] = {
     use Type::*;
     [
         ("framework", Candle),
@@ -118,6 +118,7 @@ const COLUMNS: [(&str, Type); 43] = {
         ("fwd_bwd_peak_bytes", Int),
         ("activation_peak_bytes", Int),
         ("rss_peak_delta_bytes", Int),
+        ("minor_faults_per_step", OptInt),
         ("reserved_bytes", OptInt),
         ("model_state_bytes_max_rank", OptInt),
         ("step_peak_bytes_max_rank", OptInt),

@@ -287,23 +287,28 @@ mod tests {
         Ok(())
     }
 
-    /// The fused kernel and the composed fallback (what runs on a GPU) agree, forward and backward.
+    /// The fused kernel and the composed fallback (what runs on a GPU) agree, forward and backward,
+    /// strided (the input gradient scattered back from the column matrix's) and not (a
+    /// convolution of the output gradient).
     #[test]
     fn fused_and_composed_conv3d_agree() -> Result<()> {
-        let g = Conv3dGeometry { stride_d: 2, stride_hw: 1, pad_d: 1, pad_hw: 1 };
-        let x = candle_core::Var::from_vec(rand("x", &[2, 3, 5, 6, 6]), (2, 3, 5, 6, 6), &Device::Cpu)?;
-        let w = candle_core::Var::from_vec(rand("w", &[4, 3, 3, 3, 3]), (4, 3, 3, 3, 3), &Device::Cpu)?;
-        let r = Tensor::from_vec(rand("r", &[2, 4, 3, 6, 6]), (2, 4, 3, 6, 6), &Device::Cpu)?;
-        let run = |f: fn(&Tensor, &Tensor, Conv3dGeometry) -> Result<Tensor>| -> Result<Vec<Vec<f32>>> {
-            let y = f(x.as_tensor(), w.as_tensor(), g)?;
-            let grads = (&y * &r)?.sum_all()?.backward()?;
-            [y, grads.get(&x).unwrap().clone(), grads.get(&w).unwrap().clone()].iter().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect()
-        };
-        let composed = run(conv3d_composed)?;
-        for fused in [run(conv3d)?, run(|x, w, g| crate::fused::conv3d_blocked(x, w, g, 1))?] {
-            // The second builds its column matrix one output depth slice at a time.
-            for (fused, composed) in fused.iter().zip(&composed) {
-                close(fused, composed, 1e-5);
+        for g in [Conv3dGeometry { stride_d: 2, stride_hw: 1, pad_d: 1, pad_hw: 1 }, Conv3dGeometry::same(3)] {
+            let x = candle_core::Var::from_vec(rand("x", &[2, 3, 5, 6, 6]), (2, 3, 5, 6, 6), &Device::Cpu)?;
+            let w = candle_core::Var::from_vec(rand("w", &[4, 3, 3, 3, 3]), (4, 3, 3, 3, 3), &Device::Cpu)?;
+            let d_out = if g.stride_d == 2 { 3 } else { 5 };
+            let r = Tensor::from_vec(rand("r", &[2, 4, d_out, 6, 6]), (2, 4, d_out, 6, 6), &Device::Cpu)?;
+            let run = |f: &dyn Fn(&Tensor, &Tensor, Conv3dGeometry) -> Result<Tensor>| -> Result<Vec<Vec<f32>>> {
+                let y = f(x.as_tensor(), w.as_tensor(), g)?;
+                let grads = (&y * &r)?.sum_all()?.backward()?;
+                [y, grads.get(&x).unwrap().clone(), grads.get(&w).unwrap().clone()].iter().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect()
+            };
+            let composed = run(&conv3d_composed)?;
+            // Blocks of both samples side by side, of one output row, of one whole sample.
+            for entries in [1 << 21, 1, 81 * 5 * 36] {
+                let fused = run(&|x, w, g| crate::fused::conv3d_blocked(x, w, g, entries))?;
+                for (fused, composed) in fused.iter().zip(&composed) {
+                    close(fused, composed, 1e-5);
+                }
             }
         }
         Ok(())

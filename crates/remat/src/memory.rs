@@ -321,6 +321,15 @@ pub mod rss {
     }
 }
 
+/// Minor page faults this process has taken so far (`getrusage`): each one is a page the kernel
+/// mapped in (and zeroed, for fresh memory) on first touch. A step that reuses the pages of the
+/// last one takes none.
+pub fn minor_faults() -> Option<u64> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::uninit();
+    // SAFETY: getrusage writes the whole struct when it returns 0.
+    (unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } == 0).then(|| unsafe { usage.assume_init() }.ru_minflt as u64)
+}
+
 /// Where a step's memory is counted: the host heap (CPU, through [`CountingAlloc`]) or the
 /// default memory pool of a CUDA device, from which candle allocates (`cuMemAllocAsync`).
 #[derive(Clone, Debug)]

@@ -1,15 +1,17 @@
-//! 3D convolution by vol2col in blocks and a matrix product per block, the column matrix built
-//! again in backward: keeps its input and output only.
+//! 3D convolution by vol2col in blocks and a matrix product per block (none for a pointwise
+//! kernel), its input gradient a convolution too where the stride is one: keeps its input and
+//! output only.
 
 use super::generic::GenericOp;
-use super::{exactly, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::uninit;
+use super::{exactly, mat, matmul, matmul_strided, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 /// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw) by vol2col and a matrix product
-/// per block of the column matrix (8 MB in f32 at most). It keeps nothing but its input and
-/// output: the column matrix is built again in backward (the composed version in `src/conv3d.rs`
-/// keeps 7 copies of its input).
+/// per block of the column matrix (8 MB in f32 at most, one workspace for all blocks). It keeps
+/// nothing but its input and output: the column matrix is built again in backward (the composed
+/// version in `src/conv3d.rs` keeps 7 copies of its input).
 pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
     conv3d_blocked(x, w, g, 1 << 21)
 }
@@ -111,27 +113,34 @@ impl Conv3dShape {
         (0..n).step_by(samples).map(|s| ConvBlock { samples: s..(s + samples).min(n), zs: 0..depth, rows: 0..oh }).collect()
     }
 
-    /// Calls `f(column, input index, n)` for every run of row `r` of the column matrix of block
-    /// `b` (one sample's part) that reads the input: columns `column..column + n` read the input
-    /// at `index`, `index + s`, ... with `s` the width stride. Columns count from the block's start.
-    fn for_row(&self, r: usize, b: &ConvBlock, mut f: impl FnMut(usize, usize, usize)) {
+    /// The output columns j whose input column `j s + q - pad` lies inside the input's width, for
+    /// kernel column `q`.
+    fn row_span(&self, q: usize) -> std::ops::Range<usize> {
+        let (s, pad, w, ow) = (self.stride[2], self.pad[2], self.input[2], self.output[2]);
+        let lo = pad.saturating_sub(q).div_ceil(s).min(ow);
+        lo..((w + pad).saturating_sub(q)).div_ceil(s).clamp(lo, ow)
+    }
+
+    /// Calls `f(column, input)` for every output line (one depth slice, one output row: `ow`
+    /// columns) of block `b` (one sample's part) in row `r` of the column matrix: `column` is where
+    /// the line starts, counted from the block's start; `input` is the input index that column
+    /// `span.start` of the line reads (the next `span.len()` columns read every `s`-th element on
+    /// from it, `span` as [`Self::row_span`] gives it), or `None` where the line reads only padding.
+    fn for_row(&self, r: usize, b: &ConvBlock, mut f: impl FnMut(usize, Option<usize>)) {
         let [kd, kh, kw] = self.kernel;
         let [d, h, w] = self.input;
-        let [_, _, ow] = self.output;
+        let ow = self.output[2];
         let (c, a, p, q) = (r / (kd * kh * kw), (r / (kh * kw)) % kd, (r / kw) % kh, r % kw);
-        // The output columns j whose input column j s + q - pad lies inside the row.
-        let (s, pad) = (self.stride[2], self.pad[2]);
-        let j_lo = pad.saturating_sub(q).div_ceil(s);
-        let j_hi = ((w + pad).saturating_sub(q)).div_ceil(s).min(ow);
-        if j_lo >= j_hi {
-            return;
-        }
+        let span = self.row_span(q);
         for z in b.zs.clone() {
-            let Some(zz) = self.source(0, z, a) else { continue };
+            let zz = self.source(0, z, a);
             for i in b.rows.clone() {
-                let Some(ii) = self.source(1, i, p) else { continue };
-                let column = ((z - b.zs.start) * b.rows.len() + i - b.rows.start) * ow + j_lo;
-                f(column, ((c * d + zz) * h + ii) * w + j_lo * s + q - pad, j_hi - j_lo);
+                let column = ((z - b.zs.start) * b.rows.len() + i - b.rows.start) * ow;
+                let input = match (zz, self.source(1, i, p)) {
+                    (Some(zz), Some(ii)) if !span.is_empty() => Some(((c * d + zz) * h + ii) * w + span.start * self.stride[2] + q - self.pad[2]),
+                    _ => None,
+                };
+                f(column, input);
             }
         }
     }
@@ -146,45 +155,284 @@ impl Conv3dShape {
         (b.zs.start * self.output[1] + b.rows.start) * self.output[2]
     }
 
-    /// The column matrix (rows, samples x block_len) of block `b` of the batch x (N, C, D, H, W),
-    /// one row per task.
-    fn vol2col<T: Elem>(&self, x: &[T], b: &ConvBlock) -> Vec<T> {
-        let (len, sample) = (self.block_len(b), self.c * self.volume());
+    /// Columns of the widest block: the workspaces' width.
+    fn widest(&self, blocks: &[ConvBlock]) -> usize {
+        blocks.iter().map(|b| b.samples.len() * self.block_len(b)).max().unwrap_or(0)
+    }
+
+    /// The samples `samples` of x (N, C, D, H, W) channels-last, (samples, D, H, W, C): each
+    /// voxel's channels side by side, so a patch row copies runs of C elements (kw C at unit
+    /// stride). One run of 64 voxels per task, its channels read in order.
+    fn channels_last<T: Elem>(&self, x: &[T], samples: std::ops::Range<usize>) -> Vec<T> {
+        const RUN: usize = 64;
+        let (c, volume) = (self.c, self.volume());
+        // SAFETY: each task writes all C entries of each of its voxels.
+        let mut out = unsafe { uninit(samples.len() * volume * c) };
+        out.par_chunks_mut(volume * c).zip(samples).for_each(|(sample, n)| {
+            let xs = &x[n * c * volume..][..c * volume];
+            sample.par_chunks_mut(RUN * c).enumerate().for_each(|(task, dst)| {
+                let (v0, len) = (task * RUN, dst.len() / c);
+                for ch in 0..c {
+                    for (v, &value) in xs[ch * volume + v0..][..len].iter().enumerate() {
+                        dst[v * c + ch] = value;
+                    }
+                }
+            });
+        });
+        out
+    }
+
+    /// The operand matrix this convolution's products take: the column matrix for a few input
+    /// channels (a patch row would copy runs too short to pay), else the patch matrix.
+    fn layout(&self) -> Layout {
+        if self.c >= 8 {
+            Layout::Patches
+        } else {
+            Layout::Columns
+        }
+    }
+
+    /// The kernel as this convolution's layout takes it, (O, C kd kh kw) for columns and
+    /// (O, kd kh kw C) for patches, from w (O, C, kd, kh, kw); with `flip`, from the kernel of the
+    /// convolution whose input gradient this one is, w (C, O, kd, kh, kw), turned end over end
+    /// along all three axes ([`Self::transposed`]). One output channel per task.
+    fn kernel<T: Elem>(&self, w: &[T], flip: bool) -> Vec<T> {
+        let (c, k) = (self.c, self.rows() / self.c);
+        let patches = self.layout() == Layout::Patches;
+        // SAFETY: each task writes every entry of its output channel.
+        let mut out = unsafe { uninit(w.len()) };
+        out.par_chunks_mut(c * k).enumerate().for_each(|(o, dst)| {
+            for ch in 0..c {
+                for i in 0..k {
+                    let src = if flip { w[(ch * self.o + o) * k + k - 1 - i] } else { w[(o * c + ch) * k + i] };
+                    dst[if patches { i * c + ch } else { ch * k + i }] = src;
+                }
+            }
+        });
+        out
+    }
+
+    /// A weight gradient made in this convolution's layout as w (O, C, kd, kh, kw) stores it.
+    fn natural<T: Elem>(&self, dw: Vec<T>) -> Vec<T> {
+        if self.layout() == Layout::Columns {
+            return dw;
+        }
+        let (c, k) = (self.c, self.rows() / self.c);
+        // SAFETY: each task writes every entry of its output channel.
+        let mut out = unsafe { uninit(dw.len()) };
+        out.par_chunks_mut(c * k).zip(dw.par_chunks(c * k)).for_each(|(dst, src)| {
+            for ch in 0..c {
+                for i in 0..k {
+                    dst[ch * k + i] = src[i * c + ch];
+                }
+            }
+        });
+        out
+    }
+
+    /// Writes block `b`'s operand matrix in this convolution's layout into the front of `buf`:
+    /// the patch matrix from the block's samples channels-last (`xc`), or the column matrix
+    /// from x.
+    fn operand<T: Elem>(&self, x: &[T], xc: &mut ChannelsLast<T>, b: &ConvBlock, buf: &mut [T]) {
+        match self.layout() {
+            Layout::Patches => self.patches(xc.of(self, x, b), b, buf),
+            Layout::Columns => self.vol2col(x, b, buf),
+        }
+    }
+
+    /// Writes the column matrix (rows, samples x block_len) of block `b` of the batch x (N, C, D,
+    /// H, W) into the front of `col`, every entry of it (zeros where the kernel reads padding, so
+    /// the workspace is never cleared), one row per task.
+    fn vol2col<T: Elem>(&self, x: &[T], b: &ConvBlock, col: &mut [T]) {
+        let (len, sample, s, ow) = (self.block_len(b), self.c * self.volume(), self.stride[2], self.output[2]);
         let width = b.samples.len() * len;
-        let mut col = vec![T::zero(); self.rows() * width];
-        col.par_chunks_mut(width).enumerate().for_each(|(r, row)| {
+        col[..self.rows() * width].par_chunks_mut(width).enumerate().for_each(|(r, row)| {
+            let span = self.row_span(r % self.kernel[2]);
             for (k, n) in b.samples.clone().enumerate() {
                 let (xs, seg) = (&x[n * sample..(n + 1) * sample], &mut row[k * len..(k + 1) * len]);
-                let s = self.stride[2];
-                self.for_row(r, b, |j, i, n| {
+                self.for_row(r, b, |j, input| {
+                    let line = &mut seg[j..j + ow];
+                    let Some(i) = input else { return line.fill(T::zero()) };
+                    line[..span.start].fill(T::zero());
+                    line[span.end..].fill(T::zero());
+                    let inside = &mut line[span.clone()];
                     if s == 1 {
-                        seg[j..j + n].copy_from_slice(&xs[i..i + n]);
+                        inside.copy_from_slice(&xs[i..i + inside.len()]);
                     } else {
-                        seg[j..j + n].iter_mut().zip(xs[i..].iter().step_by(s)).for_each(|(c, &v)| *c = v);
+                        inside.iter_mut().zip(xs[i..].iter().step_by(s)).for_each(|(c, &v)| *c = v);
                     }
                 });
             }
         });
-        col
+    }
+
+    /// Writes the patch matrix (samples x block_len, rows) of block `b` into the front of
+    /// `patches`, from `xc`, the block's samples [`Self::channels_last`]: row j holds what output
+    /// voxel j's kernel reads, in (kd, kh, kw, C) order, every entry (zeros where it reads
+    /// padding, so the workspace is never cleared). One output line (`ow` voxels) per task. The
+    /// column matrix transposed: stored this way it is a row-major left operand with the voxels
+    /// as its long side, which gemm packs and runs at 2-3x the speed of the column matrix beside a
+    /// few output channels (`benches/gemm.rs`).
+    fn patches<T: Elem>(&self, xc: &[T], b: &ConvBlock, patches: &mut [T]) {
+        let (rows, len, c, volume) = (self.rows(), self.block_len(b), self.c, self.volume());
+        let ([_, kh, kw], [_, h, w], ow) = (self.kernel, self.input, self.output[2]);
+        let (s, pad) = (self.stride[2], self.pad[2]);
+        let lines = b.zs.len() * b.rows.len();
+        // An element loop rather than `copy_from_slice`, whose call costs more than a run of a
+        // few channels.
+        let copy = |dst: &mut [T], src: &[T]| dst.iter_mut().zip(src).for_each(|(d, &v)| *d = v);
+        patches[..b.samples.len() * len * rows].par_chunks_mut(ow * rows).enumerate().for_each(|(task, line)| {
+            let (k, l) = (task / lines, task % lines);
+            let (z, i) = (b.zs.start + l / b.rows.len(), b.rows.start + l % b.rows.len());
+            let xs = &xc[k * volume * c..][..volume * c];
+            for (j, patch) in line.chunks_mut(rows).enumerate() {
+                // The kernel's row at output column j lies inside the input's width.
+                let inside = j * s >= pad && j * s + kw <= w + pad;
+                for (ap, seg) in patch.chunks_exact_mut(kw * c).enumerate() {
+                    let (Some(zz), Some(ii)) = (self.source(0, z, ap / kh), self.source(1, i, ap % kh)) else {
+                        seg.fill(T::zero());
+                        continue;
+                    };
+                    let row = (zz * h + ii) * w; // the input row's first voxel
+                    if inside && s == 1 {
+                        copy(seg, &xs[(row + j - pad) * c..][..kw * c]);
+                        continue;
+                    }
+                    for (q, part) in seg.chunks_exact_mut(c).enumerate() {
+                        match self.source(2, j, q) {
+                            Some(jj) => copy(part, &xs[(row + jj) * c..][..c]),
+                            None => part.fill(T::zero()),
+                        }
+                    }
+                }
+            }
+        });
     }
 
     /// Adds block `b`'s column-matrix entries back into the batch's gradient dx (N, C, D, H, W),
     /// one (sample, channel) per task and its rows in order.
     fn col2vol<T: Elem>(&self, col: &[T], b: &ConvBlock, dx: &mut [T]) {
-        let (k, volume, len) = (self.rows() / self.c, self.volume(), self.block_len(b));
+        let (k, volume, len, s) = (self.rows() / self.c, self.volume(), self.block_len(b), self.stride[2]);
         let width = b.samples.len() * len;
         let batch = &mut dx[b.samples.start * self.c * volume..b.samples.end * self.c * volume];
         batch.par_chunks_mut(volume).enumerate().for_each(|(task, xc)| {
             let (sample, c) = (task / self.c, task % self.c);
             for r in c * k..(c + 1) * k {
                 let row = &col[r * width + sample * len..r * width + (sample + 1) * len];
-                let s = self.stride[2];
-                self.for_row(r, b, |j, i, n| {
-                    let i = i - c * volume;
-                    xc[i..].iter_mut().step_by(s).zip(&row[j..j + n]).for_each(|(x, &g)| *x += g);
+                let span = self.row_span(r % self.kernel[2]);
+                self.for_row(r, b, |j, input| {
+                    if let Some(i) = input {
+                        let i = i - c * volume;
+                        xc[i..].iter_mut().step_by(s).zip(&row[j + span.start..j + span.end]).for_each(|(x, &g)| *x += g);
+                    }
                 });
             }
         });
+    }
+
+    /// A kernel of one voxel, unit stride, no padding: the column matrix of a sample is the
+    /// sample itself, so the convolution is one matrix product per sample and builds nothing.
+    fn pointwise(&self) -> bool {
+        self.kernel == [1; 3] && self.stride == [1; 3] && self.pad == [0; 3]
+    }
+
+    /// Unit stride, each padding smaller than its kernel side: the input gradient is then itself
+    /// a convolution ([`Self::transposed`]).
+    fn unit_stride(&self) -> bool {
+        self.stride == [1; 3] && (0..3).all(|a| self.pad[a] < self.kernel[a])
+    }
+
+    /// The convolution that gives this one's input gradient, where [`Self::unit_stride`]: of the
+    /// output gradient (N, O, output) with the kernel [`Self::flipped`], padded by
+    /// `kernel - 1 - pad` on each side, its output the input's size. One matrix product of depth
+    /// O kd kh kw instead of one of depth O (the column matrix's gradient) and a scatter back.
+    fn transposed(&self) -> Conv3dShape {
+        let pad = [0, 1, 2].map(|a| self.kernel[a] - 1 - self.pad[a]);
+        Conv3dShape { c: self.o, o: self.c, input: self.output, output: self.input, stride: [1; 3], pad, ..*self }
+    }
+
+    /// The convolution of x (N, C, input) with `wk`, the kernel as [`Self::kernel`] gives it:
+    /// (N, O, output). Pointwise, a product per sample straight into the output; else per block,
+    /// its operand matrix built in one workspace and multiplied by the kernel: a block of one
+    /// sample's voxels straight into the output, a block of several samples into a second
+    /// workspace, copied out sample by sample.
+    fn convolve<T: Elem>(&self, x: &[T], wk: &[T]) -> Vec<T> {
+        let (cols, rows) = (self.cols(), self.rows());
+        // SAFETY: every output element is written by exactly one product or copy below.
+        let mut y = unsafe { uninit(self.n * self.o * cols) };
+        if self.pointwise() {
+            for (y_n, x_n) in y.chunks_mut(self.o * cols).zip(x.chunks(self.c * cols)) {
+                matmul(y_n, mat(wk, false), mat(x_n, false), (self.o, self.c, cols), false);
+                // (O, DHW)
+            }
+            return y;
+        }
+        let blocks = self.blocks();
+        let widest = self.widest(&blocks);
+        // SAFETY: `operand` writes the part of `buf` a block reads; a product writes the part of
+        // `out` that is copied out.
+        let (mut buf, mut out) = unsafe { (uninit(widest * rows), uninit(if blocks.iter().any(|b| b.samples.len() > 1) { widest * self.o } else { 0 })) };
+        let mut xc = ChannelsLast::new();
+        for b in &blocks {
+            let (start, len) = (self.block_start(b), self.block_len(b));
+            let width = b.samples.len() * len;
+            self.operand(x, &mut xc, b, &mut buf);
+            let m = self.matrix(&buf[..width * rows]);
+            // (O, width) = wk (O, rows) @ m^T: the product written transposed, as (width, O) =
+            // m (width, rows) @ wk^T, where the patch matrix is the long row-major operand.
+            let product = |dst: &mut [T], strides: (usize, usize), width: usize| match self.layout() {
+                Layout::Patches => matmul_strided(dst, (strides.1, strides.0), m, mat(wk, true), (width, rows, self.o), false),
+                Layout::Columns => matmul_strided(dst, strides, mat(wk, false), m.transposed(), (self.o, rows, width), false),
+            };
+            if b.samples.len() == 1 {
+                product(&mut y[b.samples.start * self.o * cols + start..], (cols, 1), len); // (O, len) of (O, DHW)
+                continue;
+            }
+            product(&mut out, (width, 1), width); // (O, samples x len)
+            for (k, n) in b.samples.clone().enumerate() {
+                let y_n = &mut y[n * self.o * cols..(n + 1) * self.o * cols];
+                for (y, row) in y_n.chunks_mut(cols).zip(out.chunks(width)) {
+                    y[start..start + len].copy_from_slice(&row[k * len..(k + 1) * len]);
+                }
+            }
+        }
+        y
+    }
+
+    /// A block's operand matrix as the (samples x len, rows) matrix of [`Self::patches`]: the
+    /// column matrix is its transpose.
+    fn matrix<'a, T>(&self, buf: &'a [T]) -> super::Mat<'a, T> {
+        mat(buf, self.layout() == Layout::Columns)
+    }
+}
+
+/// How a block's operand matrix is stored: the column matrix (rows, voxels) or the patch matrix
+/// (voxels, rows).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Layout {
+    Columns,
+    Patches,
+}
+
+/// The samples of the current block channels-last ([`Conv3dShape::channels_last`]), made again
+/// only when a block starts on other samples (a sample's slices and rows come in a run).
+struct ChannelsLast<T> {
+    samples: std::ops::Range<usize>,
+    data: Vec<T>,
+}
+
+impl<T: Elem> ChannelsLast<T> {
+    fn new() -> Self {
+        ChannelsLast { samples: 0..0, data: Vec::new() }
+    }
+
+    fn of(&mut self, s: &Conv3dShape, x: &[T], b: &ConvBlock) -> &[T] {
+        if self.samples != b.samples || self.data.is_empty() {
+            self.data = Vec::new(); // freed before the next is made
+            self.data = s.channels_last(x, b.samples.clone());
+            self.samples = b.samples.clone();
+        }
+        &self.data
     }
 }
 
@@ -201,40 +449,58 @@ struct Conv3dOp {
 }
 
 impl Conv3dOp {
-    fn forward<T: Elem>(&self, x: &[T], w: &[T]) -> Result<Vec<T>> {
-        let s = &self.shape;
-        let cols = s.cols();
-        let mut y = vec![T::zero(); s.n * s.o * cols];
-        for b in s.blocks() {
-            let (start, len) = (s.block_start(&b), s.block_len(&b));
-            let width = b.samples.len() * len;
-            let out = matmul_new(mat(w, false), mat(&s.vol2col(x, &b), false), (s.o, s.rows(), width)); // (O, samples x len)
-            for (k, n) in b.samples.clone().enumerate() {
-                let y_n = &mut y[n * s.o * cols..(n + 1) * s.o * cols];
-                for (y, row) in y_n.chunks_mut(cols).zip(out.chunks(width)) {
-                    y[start..start + len].copy_from_slice(&row[k * len..(k + 1) * len]);
-                }
-            }
-        }
-        Ok(y)
-    }
-
-    /// Per block: dW += gy @ col^T, dx += col2vol(W^T @ gy); in order.
+    /// dW = sum over blocks of gy @ the block's operand matrix (pointwise: gy_n @ x_n^T summed over samples, in
+    /// place); dx = the [`Conv3dShape::transposed`] convolution of gy where the stride is one,
+    /// else per block col2vol(W^T @ gy). Blocks in order, so the sums are too.
     fn backward<T: Elem>(&self, x: &[T], w: &[T], gy: &[T]) -> Result<(Vec<T>, Vec<T>)> {
         let s = &self.shape;
-        let cols = s.cols();
+        let (cols, rows) = (s.cols(), s.rows());
         let mut dw = vec![T::zero(); w.len()];
-        let mut dx = vec![T::zero(); x.len()];
-        for b in s.blocks() {
-            let (start, len) = (s.block_start(&b), s.block_len(&b));
+        if s.pointwise() {
+            for (g_n, x_n) in gy.chunks(s.o * cols).zip(x.chunks(s.c * cols)) {
+                matmul(&mut dw, mat(g_n, false), mat(x_n, true), (s.o, cols, s.c), true);
+                // += (O, C)
+            }
+            let t = s.transposed();
+            return Ok((t.convolve(gy, &t.kernel(w, true)), dw));
+        }
+        let strided = !s.unit_stride();
+        let mut dx = if strided { vec![T::zero(); x.len()] } else { Vec::new() };
+        let blocks = s.blocks();
+        let widest = s.widest(&blocks);
+        let several = blocks.iter().any(|b| b.samples.len() > 1);
+        // SAFETY: each block writes the part of each workspace it reads: `patches` the patch
+        // matrix, the gather `g`, the product `dcol`.
+        let (mut buf, mut g, mut dcol) =
+            unsafe { (uninit(widest * rows), uninit(if several { s.o * widest } else { 0 }), uninit(if strided { rows * widest } else { 0 })) };
+        let mut xc = ChannelsLast::new();
+        for b in &blocks {
+            let (start, len) = (s.block_start(b), s.block_len(b));
             let width = b.samples.len() * len;
-            // The output gradient's columns of this block, (O, samples x len).
-            let g: Vec<T> = (0..s.o)
-                .flat_map(|o| b.samples.clone().flat_map(move |n| gy[(n * s.o + o) * cols + start..(n * s.o + o) * cols + start + len].iter().copied()))
-                .collect();
-            matmul(&mut dw, mat(&g, false), mat(&s.vol2col(x, &b), true), (s.o, width, s.rows()), true); // += (O, rows)
-            let dcol = matmul_new(mat(w, true), mat(&g, false), (s.rows(), s.o, width)); // (rows, samples x len)
-            s.col2vol(&dcol, &b, &mut dx);
+            s.operand(x, &mut xc, b, &mut buf);
+            // The output gradient's columns of this block, (O, samples x len): in place where the
+            // block is one sample's, else gathered.
+            let gb = if b.samples.len() == 1 {
+                mat(&gy[b.samples.start * s.o * cols + start..], false).ld(cols)
+            } else {
+                for (o, row) in g[..s.o * width].chunks_mut(width).enumerate() {
+                    for (k, n) in b.samples.clone().enumerate() {
+                        row[k * len..(k + 1) * len].copy_from_slice(&gy[(n * s.o + o) * cols + start..][..len]);
+                    }
+                }
+                mat(&g[..s.o * width], false)
+            };
+            matmul(&mut dw, gb, s.matrix(&buf[..width * rows]), (s.o, width, rows), true); // += (O, rows) in the layout's order
+            if strided {
+                matmul(&mut dcol[..rows * width], mat(w, true), gb, (rows, s.o, width), false); // (rows, samples x len)
+                s.col2vol(&dcol, b, &mut dx);
+            }
+        }
+        drop((buf, g, dcol, xc)); // before the input gradient's convolution makes its own
+        let dw = s.natural(dw);
+        if !strided {
+            let t = s.transposed();
+            dx = t.convolve(gy, &t.kernel(w, true));
         }
         Ok((dx, dw))
     }
@@ -243,7 +509,10 @@ impl Conv3dOp {
 impl FusedOp for Conv3dOp {
     fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
         let [(x, xl), (w, wl)] = exactly(inputs)?;
-        let y = per_float!(x, "conv3d", self.forward(&slice(x, xl)?, &slice(w, wl)?)?);
+        let y = per_float!(x, "conv3d", {
+            let w = slice(w, wl)?;
+            self.shape.convolve(&slice(x, xl)?, &self.shape.kernel(&w, false))
+        });
         let s = &self.shape;
         Ok((y, Shape::from(vec![s.n, s.o, s.output[0], s.output[1], s.output[2]])))
     }

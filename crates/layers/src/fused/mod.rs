@@ -328,28 +328,65 @@ fn sum_rows<T: Elem>(n_rows: usize, width: usize, row: impl Fn(usize, &mut [T]) 
     total
 }
 
-/// A matrix operand of [`matmul`]: row-major elements, stored transposed or not.
+/// A matrix operand of [`matmul`]: row-major elements, stored transposed or not, its stored rows
+/// `ld` elements apart (packed unless [`Mat::ld`] says otherwise: a block of a wider matrix).
 #[derive(Clone, Copy)]
 struct Mat<'a, T> {
     data: &'a [T],
     /// The stored matrix is the operand's transpose: (cols, rows) row-major.
     t: bool,
+    ld: Option<usize>,
 }
 
 fn mat<T>(data: &[T], t: bool) -> Mat<'_, T> {
-    Mat { data, t }
+    Mat { data, t, ld: None }
+}
+
+impl<T> Mat<'_, T> {
+    /// The operand's transpose (the same elements).
+    fn transposed(self) -> Self {
+        Mat { t: !self.t, ..self }
+    }
+
+    /// The stored rows are `ld` elements apart, not packed.
+    fn ld(self, ld: usize) -> Self {
+        Mat { ld: Some(ld), ..self }
+    }
+
+    /// (row stride, column stride) of this (rows, cols) operand, checked against its elements.
+    fn strides(&self, rows: usize, cols: usize) -> (isize, isize) {
+        let (stored_rows, stored_cols) = if self.t { (cols, rows) } else { (rows, cols) };
+        let ld = self.ld.unwrap_or(stored_cols);
+        assert!(
+            stored_rows == 0 || stored_cols == 0 || (ld >= stored_cols && self.data.len() >= (stored_rows - 1) * ld + stored_cols),
+            "matmul: {} elements {ld} apart do not hold a ({rows}, {cols}) operand",
+            self.data.len()
+        );
+        if self.t {
+            (1, ld as isize)
+        } else {
+            (ld as isize, 1)
+        }
+    }
+}
+
+/// `dst (m, n) (+)= a (m, k) @ b (k, n)`: [`matmul_strided`] into a packed row-major `dst`.
+fn matmul<T: Elem>(dst: &mut [T], a: Mat<T>, b: Mat<T>, mkn: (usize, usize, usize), accumulate: bool) {
+    matmul_strided(dst, (mkn.2, 1), a, b, mkn, accumulate)
 }
 
 /// `dst (m, n) (+)= a (m, k) @ b (k, n)` with gemm, the matrix product candle's CPU backend runs,
-/// called directly: operands are read in place (a transposed operand is a stride, not a copy) and
-/// the product is written into `dst` (added to it with `accumulate`). Split over candle's threads;
-/// the bits do not depend on their number (threads split the output, each element's sum over k
-/// runs in one fixed order).
-fn matmul<T: Elem>(dst: &mut [T], a: Mat<T>, b: Mat<T>, (m, k, n): (usize, usize, usize), accumulate: bool) {
-    assert!(dst.len() == m * n && a.data.len() == m * k && b.data.len() == k * n, "matmul: operands do not match ({m}, {k}) @ ({k}, {n})");
-    // (row stride, column stride) of a row-major (rows, cols) operand, or of its stored transpose.
-    let strides = |t: bool, rows: usize, cols: usize| if t { (1, rows as isize) } else { (cols as isize, 1) };
-    let ((a_rs, a_cs), (b_rs, b_cs)) = (strides(a.t, m, k), strides(b.t, k, n));
+/// called directly: operands are read in place (a transposed operand or a block of a wider matrix
+/// is a stride, not a copy) and the product is written into `dst` at (row, column) strides
+/// `dst_strides` (added to it with `accumulate`; without, `dst` is only written, so it may be
+/// uninitialised).
+/// Split over candle's threads; the bits do not depend on their number (threads split the output,
+/// each element's sum over k runs in one fixed order).
+fn matmul_strided<T: Elem>(dst: &mut [T], (dst_rs, dst_cs): (usize, usize), a: Mat<T>, b: Mat<T>, (m, k, n): (usize, usize, usize), accumulate: bool) {
+    // The strides must not map two elements to one place: one of them spans the other's whole run.
+    let apart = (dst_cs == 1 && dst_rs >= n) || (dst_rs == 1 && dst_cs >= m);
+    assert!(m == 0 || n == 0 || (apart && dst.len() > (m - 1) * dst_rs + (n - 1) * dst_cs), "matmul: destination does not hold ({m}, {n})");
+    let ((a_rs, a_cs), (b_rs, b_cs)) = (a.strides(m, k), b.strides(k, n));
     let threads = candle_core::utils::get_num_threads();
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // SAFETY: every access stays within the slices, whose lengths are checked above against the
@@ -360,8 +397,8 @@ fn matmul<T: Elem>(dst: &mut [T], a: Mat<T>, b: Mat<T>, (m, k, n): (usize, usize
             n,
             k,
             dst.as_mut_ptr(),
-            1,
-            n as isize,
+            dst_cs as isize,
+            dst_rs as isize,
             accumulate,
             a.data.as_ptr(),
             a_cs,
@@ -381,9 +418,25 @@ fn matmul<T: Elem>(dst: &mut [T], a: Mat<T>, b: Mat<T>, (m, k, n): (usize, usize
 
 /// `a @ b` into a new (m, n) matrix.
 fn matmul_new<T: Elem>(a: Mat<T>, b: Mat<T>, mkn: (usize, usize, usize)) -> Vec<T> {
-    let mut dst = vec![T::zero(); mkn.0 * mkn.2];
+    // SAFETY: the product writes every element.
+    let mut dst = unsafe { uninit(mkn.0 * mkn.2) };
     matmul(&mut dst, a, b, mkn, false);
     dst
+}
+
+/// A vector of `len` elements whose values are not set: for a buffer that a kernel writes in full
+/// before anything reads it, where zero-filling would be one more pass over memory (and for a
+/// fresh allocation, the pass that faults its pages in).
+///
+/// # Safety
+/// Every element must be written before it is read.
+#[allow(clippy::uninit_vec)]
+unsafe fn uninit<T: Elem>(len: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(len);
+    // SAFETY: the capacity is `len`; `T` is f32 or f64, which have no invalid bit patterns, and
+    // the caller writes every element before reading it.
+    unsafe { v.set_len(len) };
+    v
 }
 
 /// Allocates the matrix product's per-thread packing buffer (gemm's `L2_SLAB`, the size of the L2

@@ -85,6 +85,8 @@ fn conv3d_input_and_weight() -> Result<()> {
         ([1, 2, 5, 5, 5], [3, 2, 3, 3, 3], Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 1, pad_hw: 1 }),
         ([2, 2, 3, 4, 4], [2, 2, 3, 3, 3], Conv3dGeometry::same(3)),
         ([1, 3, 4, 3, 5], [2, 3, 2, 1, 3], Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: 0, pad_hw: 0 }),
+        // Pointwise: a matrix product per sample, nothing built.
+        ([2, 3, 2, 3, 4], [4, 3, 1, 1, 1], Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: 0, pad_hw: 0 }),
     ];
     for (xs, ws, g) in cases {
         let (x, w) = (normal("x", &xs, 0.0, 1.0)?, normal("w", &ws, 0.0, 1.0)?);
@@ -93,12 +95,13 @@ fn conv3d_input_and_weight() -> Result<()> {
     Ok(())
 }
 
-/// conv2d (the fused 3D kernel at depth 1), the ResNet geometries: the 7x7/2 stem, 3x3 and a
-/// strided 1x1, on odd and even sides; and against candle's own conv2d.
+/// conv2d (the fused 3D kernel at depth 1), the ResNet geometries: the 7x7/2 stem, 3x3, a 1x1
+/// and a strided 1x1, on odd and even sides; and against candle's own conv2d.
 #[test]
 fn conv2d_input_and_weight() -> Result<()> {
     super::route();
-    let cases = [([1, 3, 9, 9], [2, 3, 7, 7], 3, 2), ([2, 2, 5, 6], [3, 2, 3, 3], 1, 1), ([1, 4, 6, 6], [2, 4, 1, 1], 0, 2)];
+    let cases =
+        [([1, 3, 9, 9], [2, 3, 7, 7], 3, 2), ([2, 2, 5, 6], [3, 2, 3, 3], 1, 1), ([2, 4, 3, 5], [3, 4, 1, 1], 0, 1), ([1, 4, 6, 6], [2, 4, 1, 1], 0, 2)];
     for (xs, ws, pad, stride) in cases {
         let (x, w) = (normal("x", &xs, 0.0, 1.0)?, normal("w", &ws, 0.0, 1.0)?);
         check_gradients(&format!("conv2d {xs:?} {ws:?}"), &[("x", &x), ("w", &w)], || layers::conv2d(x.as_tensor(), w.as_tensor(), pad, stride))?;

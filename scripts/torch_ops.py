@@ -1,0 +1,75 @@
+"""PyTorch's side of the kernel benchmarks, at the shapes and thread count ours run them:
+
+- `torch.mm` at the shapes of `crates/layers/benches/gemm.rs` (GFLOP/s, each operand row-major),
+- the convolutions of `crates/layers/benches/fused.rs` (one forward and backward of the sum of the
+  output, the same step the Rust bench times), as medians in ms.
+
+    python scripts/torch_ops.py [--threads 2]
+
+Run it right after `cargo bench -p layers --bench gemm` / `--bench fused -- conv`, on the same
+machine: timings move between machines and, on a shared host, between minutes.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+# (what, m, k, n), as in benches/gemm.rs.
+SHAPES = [
+    ("resnet50 3x3 stage 1, 3 images", 64, 576, 3072),
+    ("resnet50 3x3 stage 1, 3 images, pixels first", 3072, 576, 64),
+    ("resnet50 1x1 256->64, 1 image", 64, 256, 1024),
+    ("resnet50 3x3 stage 4, 8 images", 512, 4608, 128),
+    ("unet3d 3x3x3 32->32, 2 slices", 32, 864, 2048),
+    ("unet3d 3x3x3 32->32, 2 slices, voxels first", 2048, 864, 32),
+    ("unet3d 3x3x3 32->32 weight gradient", 32, 2048, 864),
+    ("gpt2 qkv, 2 x 256 tokens", 512, 768, 2304),
+    ("bert-large intermediate, 2 x 128 tokens", 256, 1024, 4096),
+]
+
+# (what, input shape, weight shape, padding, stride), as in benches/fused.rs.
+CONVS = [
+    ("conv2d 7x7/2 (8, 3, 128, 128) -> 64", (8, 3, 128, 128), (64, 3, 7, 7), 3, 2),
+    ("conv2d 3x3 (8, 64, 32, 32) -> 64", (8, 64, 32, 32), (64, 64, 3, 3), 1, 1),
+    ("conv2d 3x3 (8, 512, 4, 4) -> 512", (8, 512, 4, 4), (512, 512, 3, 3), 1, 1),
+    ("conv2d 1x1 (8, 256, 32, 32) -> 64", (8, 256, 32, 32), (64, 256, 1, 1), 0, 1),
+    ("conv3d 3x3x3 (2, 32, 32, 32, 32) -> 32", (2, 32, 32, 32, 32), (32, 32, 3, 3, 3), 1, 1),
+]
+
+
+def median_seconds(f, reps):
+    for _ in range(2):
+        f()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    for what, m, k, n in SHAPES:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        seconds = median_seconds(lambda: torch.mm(a, b), 20)
+        print(f"torch.mm {what} ({m}, {k}) @ ({k}, {n}): {2 * m * k * n / seconds / 1e9:.1f} GFLOP/s")
+    for what, xs, ws, pad, stride in CONVS:
+        x = torch.randn(*xs, requires_grad=True)
+        w = torch.randn(*ws, requires_grad=True)
+        conv = torch.nn.functional.conv3d if len(xs) == 5 else torch.nn.functional.conv2d
+
+        def step():
+            conv(x, w, padding=pad, stride=stride).sum().backward()
+
+        print(f"{what}: {median_seconds(step, 10) * 1e3:.1f} ms forward + backward")
+
+
+if __name__ == "__main__":
+    main()
