@@ -30,8 +30,9 @@ pub fn available(python: &str) -> Result<(), String> {
     }
 }
 
-/// Runs the PyTorch version of `ours` (same model, batch, input size, segments, steps, threads).
-pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u64) -> Baseline {
+/// Runs the PyTorch version of `ours` (same model, batch, input size, segments, steps, threads);
+/// `time_only`: its steps timed, no memory measured (the timing rounds).
+pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u64, time_only: bool) -> Baseline {
     let failed = |error: String| Baseline {
         framework: "pytorch".into(),
         model: ours.model.clone(),
@@ -52,6 +53,7 @@ pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u
         .args(["--model", &ours.model, "--policy", &ours.policy, "--segments", &segments.join(",")])
         .args(["--batch", &ours.batch.to_string(), "--input-size", &input_size.to_string()])
         .args(["--steps", &steps.to_string(), "--threads", &ours.threads.to_string(), "--seed", &seed.to_string()])
+        .args(time_only.then_some("--time-only"))
         .output();
     let out = match out {
         Ok(out) => out,
@@ -80,7 +82,8 @@ pub fn side_by_side(m: &Matrix) -> String {
 (`--baseline pytorch`: `scripts/torch_baseline.py`, torchvision/transformers models, `torch.utils.checkpoint(use_reentrant=False)` \
 on the same segments, the same optimizer, fp32, the same thread count). *Step peak*: the highest live bytes during a step \
 above the model state (parameters + optimizer state), ours from the counting allocator, PyTorch's from its profiler's allocation \
-events. Times are medians of the timed steps after a warm-up. PyTorch's side: {}.\n\n\
+events. Times are medians of the timed steps after a warm-up; the time ratios are medians (range) over the measuring pair \
+and the interleaved timing rounds, where PyTorch runs each policy right after ours. PyTorch's side: {}.\n\n\
 | model | policy | step peak: ours | step peak: PyTorch | ours / PyTorch | step time: ours | step time: PyTorch | ours / PyTorch | time / off: ours | time / off: PyTorch |\n\
 |---|---|---|---|---|---|---|---|---|---|\n",
         crate::results::made_by(m.baselines.iter().map(|b| b.command.as_str()), &m.meta.command)
@@ -100,14 +103,19 @@ events. Times are medians of the timed steps after a warm-up. PyTorch's side: {}
             );
             continue;
         }
-        let ours_vs_off = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max));
-        let torch_vs_off = m
-            .find_baseline(&b.model, "off")
-            .filter(|o| o.status == Status::Ok && b.policy != "off")
-            .map_or("-".into(), |o| format!("{:.2}x", b.step_ms_median / o.step_ms_median));
+        let spread = |t: &crate::record::Spread| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max);
+        let ours_vs_off = r.time_vs_off.as_ref().map_or("-".into(), spread);
+        let torch_vs_off = match &b.time_vs_off {
+            Some(t) => spread(t),
+            None => m
+                .find_baseline(&b.model, "off")
+                .filter(|o| o.status == Status::Ok && b.policy != "off")
+                .map_or("-".into(), |o| format!("{:.2}x", b.step_ms_median / o.step_ms_median)),
+        };
+        let time_ratio = b.ours_over_torch.as_ref().map_or_else(|| format!("{:.2}x", r.step_ms_median / b.step_ms_median), spread);
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.2}x | {:.0} ms | {:.0} ms | {:.2}x | {ours_vs_off} | {torch_vs_off} |",
+            "| {} | {} | {} | {} | {:.2}x | {:.0} ms | {:.0} ms | {time_ratio} | {ours_vs_off} | {torch_vs_off} |",
             b.model,
             b.policy,
             mib(r.step_peak_bytes),
@@ -115,7 +123,6 @@ events. Times are medians of the timed steps after a warm-up. PyTorch's side: {}
             r.step_peak_bytes as f64 / b.step_peak_bytes.max(1) as f64,
             r.step_ms_median,
             b.step_ms_median,
-            r.step_ms_median / b.step_ms_median
         );
     }
     out

@@ -197,7 +197,7 @@ impl Run<'_> {
             if model_done && args.rounds > 0 && ran_models.contains(&w.model.as_str()) {
                 bar.set_message(format!("{}: {} interleaved timing rounds", w.model, args.rounds));
                 let policies: Vec<PolicyRequest> = configs.iter().filter(|(c, _)| c.model == w.model).map(|(_, p)| p.clone()).collect();
-                time_rounds(&mut self.matrix, w, &policies, args.rounds, common, profile);
+                time_rounds(&mut self.matrix, w, &policies, args.rounds, common, profile, python);
                 self.matrix.save_json(&self.dir)?;
             }
         }
@@ -239,7 +239,7 @@ impl Run<'_> {
         if let (Some(python), Some(ours)) = (python, self.matrix.find(&w.model, &policy.to_string()).filter(|r| r.status == Status::Ok)) {
             if baseline::MODELS.contains(&w.model.as_str()) {
                 bar.set_message(format!("{} {policy} in PyTorch", w.model));
-                let b = Baseline { command: this_command(), ..baseline::run(python, ours, w.input_size, common.steps, common.seed) };
+                let b = Baseline { command: this_command(), ..baseline::run(python, ours, w.input_size, common.steps, common.seed, false) };
                 bar.suspend(|| trainkit::say!("{}", baseline_summary(&b, ours)));
                 self.matrix.put_baseline(b);
             }
@@ -301,36 +301,43 @@ fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common
 
 /// Times every policy of `w` again, `rounds` times interleaved (off, p1, p2, ..., off, p1, ...),
 /// each in a fresh process, and records each policy's time / off per round beside the ratio of
-/// the measuring run: run-to-run drift then shows as a spread instead of a wrong ratio.
-fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], rounds: usize, common: &Common, profile: Profile) {
+/// the measuring run: run-to-run drift then shows as a spread instead of a wrong ratio. With
+/// `python`, PyTorch runs each policy right after ours (off, PyTorch off, p1, PyTorch p1, ...), and
+/// its baseline gets our time over its time per pair, and its own time / off, the same way.
+fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], rounds: usize, common: &Common, profile: Profile, python: Option<&str>) {
     let off = PolicyRequest::Fixed(Policy::Off);
     let ok = |m: &Matrix, p: &PolicyRequest| m.find(&w.model, &p.to_string()).is_some_and(|r| r.status == Status::Ok);
     if !ok(matrix, &off) {
         return;
     }
     let timed: Vec<&PolicyRequest> = policies.iter().filter(|p| ok(matrix, p)).collect();
-    let mut ratios: Vec<Vec<f64>> = timed
-        .iter()
-        .map(|p| {
-            let (r, off) = (matrix.find(&w.model, &p.to_string()).unwrap(), matrix.find(&w.model, "off").unwrap());
-            vec![r.step_ms_median / off.step_ms_median]
-        })
-        .collect();
+    let torch = python.filter(|_| baseline::MODELS.contains(&w.model.as_str()));
+    // Per policy: ours, and PyTorch's where it ran, step times per round, the measuring runs first.
+    let theirs = |m: &Matrix, p: &PolicyRequest| m.find_baseline(&w.model, &p.to_string()).filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median);
+    let mut ours: Vec<Vec<Option<f64>>> = timed.iter().map(|p| vec![matrix.find(&w.model, &p.to_string()).map(|r| r.step_ms_median)]).collect();
+    let mut torch_ms: Vec<Vec<Option<f64>>> = timed.iter().map(|p| vec![theirs(matrix, p)]).collect();
     for _ in 0..rounds {
-        let times: Vec<Option<f64>> =
-            timed.iter().map(|p| Some(spawn_one(w, p, common, profile, One::TimeOnly)).filter(|r| r.status == Status::Ok).map(|r| r.step_ms_median)).collect();
-        let off = timed.iter().position(|p| **p == off).and_then(|i| times[i]);
-        for (ratio, t) in ratios.iter_mut().zip(&times) {
-            if let (Some(t), Some(off)) = (t, off) {
-                ratio.push(t / off);
-            }
+        for (i, p) in timed.iter().enumerate() {
+            let rec = spawn_one(w, p, common, profile, One::TimeOnly);
+            ours[i].push(Some(rec.step_ms_median).filter(|_| rec.status == Status::Ok));
+            let measured = matrix.find(&w.model, &p.to_string()).unwrap();
+            let b = torch.filter(|_| torch_ms[i][0].is_some()).map(|py| baseline::run(py, measured, w.input_size, common.steps, common.seed, true));
+            torch_ms[i].push(b.filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median));
         }
     }
-    for (p, ratio) in timed.iter().zip(ratios) {
+    let off_at = timed.iter().position(|p| **p == off).expect("off is timed");
+    // a[k] / b[k] for every round where both ran.
+    let ratios = |a: &[Option<f64>], b: &[Option<f64>]| a.iter().zip(b).filter_map(|(a, b)| Some((*a)? / (*b)?)).collect::<Vec<f64>>();
+    for (i, p) in timed.iter().enumerate() {
         if **p != off {
             let mut rec = matrix.find(&w.model, &p.to_string()).unwrap().clone();
-            rec.time_vs_off = Spread::of(ratio);
+            rec.time_vs_off = Spread::of(ratios(&ours[i], &ours[off_at]));
             matrix.put(rec);
+        }
+        if let Some(mut b) = matrix.find_baseline(&w.model, &p.to_string()).filter(|b| b.status == Status::Ok).cloned() {
+            b.ours_over_torch = Spread::of(ratios(&ours[i], &torch_ms[i]));
+            b.time_vs_off = if **p == off { None } else { Spread::of(ratios(&torch_ms[i], &torch_ms[off_at])) };
+            matrix.put_baseline(b);
         }
     }
 }

@@ -279,6 +279,13 @@ pub struct Baseline {
     pub step_ms_max: f64,
     pub timed_steps: usize,
     pub loss: f64,
+    /// Our step time over PyTorch's, per interleaved pair (the measuring runs, then each timing
+    /// round: ours, then PyTorch's, policy by policy): a host's drift shows as a spread.
+    #[serde(default)]
+    pub ours_over_torch: Option<Spread>,
+    /// PyTorch's step time over its `off`, per round, as our records' `time_vs_off`.
+    #[serde(default)]
+    pub time_vs_off: Option<Spread>,
     #[serde(default = "ok")]
     pub status: Status,
     #[serde(default)]

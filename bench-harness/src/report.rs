@@ -204,9 +204,9 @@ fn none(_: &Baseline, _: Option<&Record>) -> String {
     String::new()
 }
 
-/// The spread of `time_vs_off`: median, min or max, empty where there is none.
-fn spread(r: &Record, pick: fn(&crate::record::Spread) -> f64) -> String {
-    r.time_vs_off.as_ref().map_or(String::new(), |t| ms(pick(t)))
+/// A spread's median, min or max, empty where there is none.
+fn spread(s: &Option<crate::record::Spread>, pick: fn(&crate::record::Spread) -> f64) -> String {
+    s.as_ref().map_or(String::new(), |t| ms(pick(t)))
 }
 
 const COLUMNS: [Column; 44] = [
@@ -251,7 +251,7 @@ const COLUMNS: [Column; 44] = [
     Column { name: "params_without_grad", ours: |r| r.params_without_grad.to_string(), theirs: none },
     Column { name: "status", ours: |r| r.status.to_string(), theirs: |b, _| b.status.to_string() },
     Column { name: "error", ours: |r| quoted(&r.error), theirs: |b, _| quoted(&b.error) },
-    Column { name: "time_vs_off_median", ours: |r| spread(r, |t| t.median), theirs: none },
-    Column { name: "time_vs_off_min", ours: |r| spread(r, |t| t.min), theirs: none },
-    Column { name: "time_vs_off_max", ours: |r| spread(r, |t| t.max), theirs: none },
+    Column { name: "time_vs_off_median", ours: |r| spread(&r.time_vs_off, |t| t.median), theirs: |b, _| spread(&b.time_vs_off, |t| t.median) },
+    Column { name: "time_vs_off_min", ours: |r| spread(&r.time_vs_off, |t| t.min), theirs: |b, _| spread(&b.time_vs_off, |t| t.min) },
+    Column { name: "time_vs_off_max", ours: |r| spread(&r.time_vs_off, |t| t.max), theirs: |b, _| spread(&b.time_vs_off, |t| t.max) },
 ];
