@@ -325,18 +325,23 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], ro
             torch_ms[i].push(b.filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median));
         }
     }
-    let off_at = timed.iter().position(|p| **p == off).expect("off is timed");
+    // `off`'s times per round; only its measuring run's where this run's policies leave it out
+    // (a resumed folder holds it), so the ratios are that pair's alone.
+    let (ours_off, torch_off) = match timed.iter().position(|p| **p == off) {
+        Some(i) => (ours[i].clone(), torch_ms[i].clone()),
+        None => (vec![matrix.find(&w.model, "off").map(|r| r.step_ms_median)], vec![theirs(matrix, &off)]),
+    };
     // a[k] / b[k] for every round where both ran.
     let ratios = |a: &[Option<f64>], b: &[Option<f64>]| a.iter().zip(b).filter_map(|(a, b)| Some((*a)? / (*b)?)).collect::<Vec<f64>>();
     for (i, p) in timed.iter().enumerate() {
         if **p != off {
             let mut rec = matrix.find(&w.model, &p.to_string()).unwrap().clone();
-            rec.time_vs_off = Spread::of(ratios(&ours[i], &ours[off_at]));
+            rec.time_vs_off = Spread::of(ratios(&ours[i], &ours_off));
             matrix.put(rec);
         }
         if let Some(mut b) = matrix.find_baseline(&w.model, &p.to_string()).filter(|b| b.status == Status::Ok).cloned() {
             b.ours_over_torch = Spread::of(ratios(&ours[i], &torch_ms[i]));
-            b.time_vs_off = if **p == off { None } else { Spread::of(ratios(&torch_ms[i], &torch_ms[off_at])) };
+            b.time_vs_off = if **p == off { None } else { Spread::of(ratios(&torch_ms[i], &torch_off)) };
             matrix.put_baseline(b);
         }
     }

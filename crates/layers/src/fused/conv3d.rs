@@ -1,17 +1,16 @@
-//! 3D convolution by vol2col in blocks and a matrix product per block (none for a pointwise
-//! kernel), its input gradient a convolution too where the stride is one: keeps its input and
-//! output only.
+//! 3D convolution by an operand matrix built in blocks (the column matrix, or for 8 or more input
+//! channels the patch matrix) and a matrix product per block, none built for a pointwise kernel;
+//! its input gradient a convolution too where the stride is one: keeps its input and output only.
 
 use super::generic::GenericOp;
-use super::uninit;
-use super::{exactly, mat, matmul, matmul_strided, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::{exactly, mat, matmul, matmul_strided, operand, shaped, slice, uninit, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-/// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw) by vol2col and a matrix product
-/// per block of the column matrix (8 MB in f32 at most, one workspace for all blocks). It keeps
-/// nothing but its input and output: the column matrix is built again in backward (the composed
-/// version in `src/conv3d.rs` keeps 7 copies of its input).
+/// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw) by a matrix product per block
+/// of its operand matrix (8 MB in f32 at most, one workspace for all blocks). It keeps nothing but
+/// its input and output: the operand matrix is built again in backward (the composed version in
+/// `src/conv3d.rs` keeps 7 copies of its input).
 pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
     conv3d_blocked(x, w, g, 1 << 21)
 }
@@ -362,8 +361,8 @@ impl Conv3dShape {
         let mut y = unsafe { uninit(self.n * self.o * cols) };
         if self.pointwise() {
             for (y_n, x_n) in y.chunks_mut(self.o * cols).zip(x.chunks(self.c * cols)) {
+                // (O, DHW) = wk (O, C) @ x_n (C, DHW)
                 matmul(y_n, mat(wk, false), mat(x_n, false), (self.o, self.c, cols), false);
-                // (O, DHW)
             }
             return y;
         }
@@ -415,7 +414,8 @@ enum Layout {
 }
 
 /// The samples of the current block channels-last ([`Conv3dShape::channels_last`]), made again
-/// only when a block starts on other samples (a sample's slices and rows come in a run).
+/// only when a block starts on other samples (a sample's slices and rows come in a run; blocks
+/// never hold no samples, so the empty start is never taken for one).
 struct ChannelsLast<T> {
     samples: std::ops::Range<usize>,
     data: Vec<T>,
@@ -427,7 +427,7 @@ impl<T: Elem> ChannelsLast<T> {
     }
 
     fn of(&mut self, s: &Conv3dShape, x: &[T], b: &ConvBlock) -> &[T] {
-        if self.samples != b.samples || self.data.is_empty() {
+        if self.samples != b.samples {
             self.data = Vec::new(); // freed before the next is made
             self.data = s.channels_last(x, b.samples.clone());
             self.samples = b.samples.clone();
@@ -449,17 +449,17 @@ struct Conv3dOp {
 }
 
 impl Conv3dOp {
-    /// dW = sum over blocks of gy @ the block's operand matrix (pointwise: gy_n @ x_n^T summed over samples, in
-    /// place); dx = the [`Conv3dShape::transposed`] convolution of gy where the stride is one,
-    /// else per block col2vol(W^T @ gy). Blocks in order, so the sums are too.
+    /// dW = sum over blocks of gy @ the block's operand matrix (pointwise: gy_n @ x_n^T summed
+    /// over samples, in place); dx = the [`Conv3dShape::transposed`] convolution of gy where the
+    /// stride is one, else per block col2vol(W^T @ gy). Blocks in order, so the sums are too.
     fn backward<T: Elem>(&self, x: &[T], w: &[T], gy: &[T]) -> Result<(Vec<T>, Vec<T>)> {
         let s = &self.shape;
         let (cols, rows) = (s.cols(), s.rows());
         let mut dw = vec![T::zero(); w.len()];
         if s.pointwise() {
             for (g_n, x_n) in gy.chunks(s.o * cols).zip(x.chunks(s.c * cols)) {
+                // (O, C) += g_n (O, DHW) @ x_n^T
                 matmul(&mut dw, mat(g_n, false), mat(x_n, true), (s.o, cols, s.c), true);
-                // += (O, C)
             }
             let t = s.transposed();
             return Ok((t.convolve(gy, &t.kernel(w, true)), dw));
@@ -469,8 +469,8 @@ impl Conv3dOp {
         let blocks = s.blocks();
         let widest = s.widest(&blocks);
         let several = blocks.iter().any(|b| b.samples.len() > 1);
-        // SAFETY: each block writes the part of each workspace it reads: `patches` the patch
-        // matrix, the gather `g`, the product `dcol`.
+        // SAFETY: each block writes the part of each workspace it reads: `operand` writes `buf`,
+        // the gather `g`, the product `dcol`.
         let (mut buf, mut g, mut dcol) =
             unsafe { (uninit(widest * rows), uninit(if several { s.o * widest } else { 0 }), uninit(if strided { rows * widest } else { 0 })) };
         let mut xc = ChannelsLast::new();

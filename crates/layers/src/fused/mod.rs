@@ -357,11 +357,12 @@ impl<T> Mat<'_, T> {
     fn strides(&self, rows: usize, cols: usize) -> (isize, isize) {
         let (stored_rows, stored_cols) = if self.t { (cols, rows) } else { (rows, cols) };
         let ld = self.ld.unwrap_or(stored_cols);
-        assert!(
-            stored_rows == 0 || stored_cols == 0 || (ld >= stored_cols && self.data.len() >= (stored_rows - 1) * ld + stored_cols),
-            "matmul: {} elements {ld} apart do not hold a ({rows}, {cols}) operand",
-            self.data.len()
-        );
+        // A packed operand is exactly its elements; a block of a wider matrix holds them.
+        let holds = match self.ld {
+            None => self.data.len() == rows * cols,
+            Some(_) => stored_rows == 0 || stored_cols == 0 || (ld >= stored_cols && self.data.len() >= (stored_rows - 1) * ld + stored_cols),
+        };
+        assert!(holds, "matmul: {} elements {ld} apart do not hold a ({rows}, {cols}) operand", self.data.len());
         if self.t {
             (1, ld as isize)
         } else {
@@ -372,6 +373,7 @@ impl<T> Mat<'_, T> {
 
 /// `dst (m, n) (+)= a (m, k) @ b (k, n)`: [`matmul_strided`] into a packed row-major `dst`.
 fn matmul<T: Elem>(dst: &mut [T], a: Mat<T>, b: Mat<T>, mkn: (usize, usize, usize), accumulate: bool) {
+    assert!(dst.len() == mkn.0 * mkn.2, "matmul: {} elements do not pack a ({}, {}) product", dst.len(), mkn.0, mkn.2);
     matmul_strided(dst, (mkn.2, 1), a, b, mkn, accumulate)
 }
 
@@ -379,9 +381,8 @@ fn matmul<T: Elem>(dst: &mut [T], a: Mat<T>, b: Mat<T>, mkn: (usize, usize, usiz
 /// called directly: operands are read in place (a transposed operand or a block of a wider matrix
 /// is a stride, not a copy) and the product is written into `dst` at (row, column) strides
 /// `dst_strides` (added to it with `accumulate`; without, `dst` is only written, so it may be
-/// uninitialised).
-/// Split over candle's threads; the bits do not depend on their number (threads split the output,
-/// each element's sum over k runs in one fixed order).
+/// uninitialised). Split over candle's threads; the bits do not depend on their number (threads
+/// split the output, each element's sum over k runs in one fixed order).
 fn matmul_strided<T: Elem>(dst: &mut [T], (dst_rs, dst_cs): (usize, usize), a: Mat<T>, b: Mat<T>, (m, k, n): (usize, usize, usize), accumulate: bool) {
     // The strides must not map two elements to one place: one of them spans the other's whole run.
     let apart = (dst_cs == 1 && dst_rs >= n) || (dst_rs == 1 && dst_cs >= m);
