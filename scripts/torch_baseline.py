@@ -16,7 +16,9 @@ Measured like our columns:
 - step peak: the highest live tensor bytes during one more step (forward, backward, optimizer),
   above what was live when it started (parameters and optimizer state: gradients are set to None
   between steps), from the profiler's allocation events (`profile_memory=True`);
-- forward/backward peak: the same, up to the optimizer's update.
+- forward/backward peak: the same, up to the optimizer's update;
+- step FLOPs: one forward and backward without recompute under `FlopCounterMode` (the shapes of
+  its products and convolutions), for both sides' achieved GFLOP/s, and torch.mm's best rate.
 
 Usage (the harness runs it; by hand):
     python3 scripts/torch_baseline.py --model resnet50 --batch 8 --input-size 128 --segments 0:19
@@ -33,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 
 class Stage:
@@ -241,6 +244,27 @@ def step(model, stages, n_inputs, segments, batch_values, opt):
     return loss.item()
 
 
+def step_flops(stages, n_inputs, batch_values, opt):
+    """One step's forward and backward FLOPs without recompute (one segment), as
+    FlopCounterMode counts them from the shapes of the products and convolutions; no update."""
+    with FlopCounterMode(display=False) as counter:
+        forward(stages, n_inputs, [(0, len(stages))], batch_values).backward()
+    opt.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def mm_peak_gflops():
+    """torch.mm's best rate here: a (2048, 2048) @ (2048, 2048) f32 product, the fastest of five
+    after a warm-up (the harness measures its own matrix product the same way)."""
+    a = torch.rand(2048, 2048)
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        times.append(time.perf_counter() - t0)
+    return 2 * 2048**3 / min(times[1:]) / 1e9
+
+
 def state_bytes(model, opt):
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -295,6 +319,8 @@ def main():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             step(model, stages, n_inputs, segments, batch_values, opt)
         peak, fwd_bwd = measured_peaks(prof)
+    flops = None if a.time_only else step_flops(stages, n_inputs, make_inputs(gen), opt)
+    mm_peak = None if a.time_only else mm_peak_gflops()
     print(json.dumps({
         "framework": "pytorch",
         "framework_version": torch.__version__,
@@ -311,6 +337,8 @@ def main():
         "step_ms_max": max(times),
         "timed_steps": len(times),
         "loss": loss,
+        "step_flops": flops,
+        "mm_peak_gflops": mm_peak,
     }))
 
 

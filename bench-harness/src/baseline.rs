@@ -125,5 +125,40 @@ and the interleaved timing rounds, where PyTorch runs each policy right after ou
             b.step_ms_median,
         );
     }
+    out + &rates(m)
+}
+
+/// Achieved GFLOP/s per configuration, ours and PyTorch's, against the machine's best (empty
+/// where no baseline counted its FLOPs).
+fn rates(m: &Matrix) -> String {
+    let rows: Vec<(&Baseline, &Record, u64)> = m
+        .baselines
+        .iter()
+        .filter(|b| b.status == Status::Ok)
+        .filter_map(|b| Some((b, m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok)?, b.step_flops?)))
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let torch_peak = m.baselines.iter().filter_map(|b| b.mm_peak_gflops).reduce(f64::max);
+    let peak = [m.meta.matmul_peak_gflops, torch_peak].into_iter().flatten().reduce(f64::max);
+    let rate = |p: Option<f64>| p.map_or("not measured".into(), |p| format!("{p:.0}"));
+    let mut out = format!(
+        "\n## Achieved GFLOP/s\n\nA step's FLOPs (forward and backward without recompute, as PyTorch's `FlopCounterMode` counts them from the \
+shapes of the products and convolutions of the same model) over the median step time: under a checkpointing policy the recompute is \
+work on top, so this is the useful rate. {}\n\n\
+| model | policy | step GFLOP | ours GFLOP/s | PyTorch GFLOP/s | ours, of the best | PyTorch, of the best |\n|---|---|---|---|---|---|---|\n",
+        peak.map_or("The machine's best was not measured in this run.".into(), |p| format!(
+            "*The best*: {p:.0} GFLOP/s, the faster of the two frameworks' (2048, 2048) @ (2048, 2048) f32 products on the same threads \
+(ours, gemm: {}; PyTorch's torch.mm: {}), each the fastest of five, measured in this run.",
+            rate(m.meta.matmul_peak_gflops),
+            rate(torch_peak)
+        ))
+    );
+    for (b, r, flops) in rows {
+        let (ours, torch) = (flops as f64 / r.step_ms_median / 1e6, flops as f64 / b.step_ms_median / 1e6);
+        let share = |rate: f64| peak.map_or("-".into(), |p| format!("{:.0}%", 100.0 * rate / p));
+        let _ = writeln!(out, "| {} | {} | {:.1} | {ours:.1} | {torch:.1} | {} | {} |", b.model, b.policy, flops as f64 / 1e9, share(ours), share(torch));
+    }
     out
 }

@@ -218,7 +218,7 @@ impl Run<'_> {
         if !self.ran_any {
             // The files describe the run that produced their records: a resume that runs
             // nothing keeps the earlier command and commit.
-            self.matrix.meta = meta(profile);
+            self.matrix.meta = meta(profile, &common.device);
             self.ran_any = true;
         }
         let mut ran = false;

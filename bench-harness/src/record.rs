@@ -279,6 +279,15 @@ pub struct Baseline {
     pub step_ms_max: f64,
     pub timed_steps: usize,
     pub loss: f64,
+    /// The FLOPs of one step's forward and backward without recompute, as PyTorch's
+    /// `FlopCounterMode` counts them from the shapes of its products and convolutions (the same
+    /// model and sizes as ours, so the same count serves both sides' GFLOP/s).
+    #[serde(default)]
+    pub step_flops: Option<u64>,
+    /// torch.mm's best rate on this machine in GFLOP/s (a 2048^3 f32 product, as
+    /// [`crate::results::Meta::matmul_peak_gflops`] measures ours).
+    #[serde(default)]
+    pub mm_peak_gflops: Option<f64>,
     /// Our step time over PyTorch's, per interleaved pair (the measuring runs, then each timing
     /// round: ours, then PyTorch's, policy by policy): a host's drift shows as a spread.
     #[serde(default)]

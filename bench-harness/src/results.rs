@@ -17,10 +17,15 @@ pub struct Meta {
     pub git_commit: String,
     pub command: String,
     pub profile: String,
+    /// CPU runs: the machine's matrix-product rate at its best, in GFLOP/s
+    /// ([`layers::matmul_peak_gflops`]), measured when the run started.
+    #[serde(default)]
+    pub matmul_peak_gflops: Option<f64>,
 }
 
-/// What made results from now: the machine, candle, the commit, this command, the profile.
-pub fn meta(profile: Profile) -> Meta {
+/// What made results from now: the machine, candle, the commit, this command, the profile, and on
+/// the CPU the matrix product's best rate (about a second to measure).
+pub fn meta(profile: Profile, device: &trainkit::DeviceName) -> Meta {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string());
     // The vector extensions the matrix products can use: the same model name can come with or
@@ -53,6 +58,7 @@ pub fn meta(profile: Profile) -> Meta {
         git_commit: if dirty { format!("{commit}-dirty") } else { commit },
         command: crate::child::this_command(),
         profile: profile.name().into(),
+        matmul_peak_gflops: (*device == trainkit::DeviceName::Cpu).then(layers::matmul_peak_gflops),
     }
 }
 

@@ -8,10 +8,11 @@
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
 /// (what, m, k, n): `(m, k) @ (k, n)`.
-const SHAPES: [(&str, usize, usize, usize); 12] = [
+const SHAPES: [(&str, usize, usize, usize); 13] = [
     ("resnet50 3x3 stage 1, 3 images", 64, 576, 3072),
     ("resnet50 3x3 stage 1, 3 images, pixels first", 3072, 576, 64),
     ("resnet50 1x1 256->64, 1 image", 64, 256, 1024),
+    ("resnet50 1x1 256->64, 1 image, pixels first", 1024, 256, 64),
     ("resnet50 1x1 256->64 weight gradient, 1 image", 64, 1024, 256),
     ("resnet50 1x1 256->64 weight gradient transposed, 1 image", 256, 1024, 64),
     ("resnet50 1x1 256->64 input gradient, 1 image", 256, 64, 1024),

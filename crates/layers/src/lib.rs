@@ -67,7 +67,7 @@ pub use adafactor::{Adafactor, ParamsAdafactor};
 pub use batchnorm::BatchNorm;
 pub use config::{read_config, ConfigError, UnknownPreset};
 pub use conv3d::{conv2d, conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
-pub use fused::allocate_matmul_workspaces;
+pub use fused::{allocate_matmul_workspaces, matmul_peak_gflops};
 pub use model::{Benchable, Model};
 pub use norm::{GroupNorm, LayerNorm};
 pub use optim::{scale_grads, AdamW, OptimizerKind, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};

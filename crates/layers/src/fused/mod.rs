@@ -440,6 +440,25 @@ unsafe fn uninit<T: Elem>(len: usize) -> Vec<T> {
     v
 }
 
+/// The rate of the matrix product on this machine at its best, in GFLOP/s: a (2048, 2048) @
+/// (2048, 2048) f32 product on candle's threads, the fastest of five after a warm-up. The yardstick
+/// a model's achieved rate is read against (a step is mostly products, most of them smaller).
+pub fn matmul_peak_gflops() -> f64 {
+    const N: usize = 2048;
+    let a: Vec<f32> = (0..N * N).map(|i| (i % 7) as f32 * 0.1).collect();
+    // SAFETY: the product writes every element.
+    let mut dst = unsafe { uninit::<f32>(N * N) };
+    let best = (0..6)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            matmul(&mut dst, mat(&a, false), mat(&a, true), (N, N, N), false);
+            t.elapsed().as_secs_f64()
+        })
+        .skip(1)
+        .fold(f64::INFINITY, f64::min);
+    2.0 * (N * N * N) as f64 / best / 1e9
+}
+
 /// Allocates the matrix product's per-thread packing buffer (gemm's `L2_SLAB`, the size of the L2
 /// cache: 2 MiB on a recent Xeon) on every thread of the pool and on this one. Each is made the
 /// first time its thread packs an operand and lives as long as the thread, like the model's
