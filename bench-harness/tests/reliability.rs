@@ -39,7 +39,7 @@ fn a_cap_that_sqrt_fits_records_sqrt_ok_and_names_where_off_ran_out() {
     assert!(run(&[]).status.success());
     let (off, sqrt) = (record(&dir, "gpt2-tiny", "off"), record(&dir, "gpt2-tiny", "sqrt"));
     let peak = |r: &serde_json::Value| r["step_peak_bytes"].as_u64().unwrap();
-    assert!(peak(&off) > peak(&sqrt) * 3 / 2, "off {} B, sqrt {} B: too close for the test", peak(&off), peak(&sqrt));
+    assert!(peak(&off) > peak(&sqrt) * 5 / 4, "off {} B, sqrt {} B: too close for the test", peak(&off), peak(&sqrt));
     // The heap when a step starts (runtime, model, optimizer state), plus most of the way from
     // sqrt's peak to off's.
     let base = sqrt["timeline_base_bytes"].as_u64().unwrap();

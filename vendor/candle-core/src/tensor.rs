@@ -2504,6 +2504,13 @@ impl Tensor {
         }
     }
 
+    /// Whether this handle is the only one to the tensor and nothing else shares its storage (no
+    /// clone, no view): then it may be kept and later changed in place without anyone seeing it.
+    /// (Patched into this vendored copy: see vendor/README.md.)
+    pub(crate) fn is_sole_owner(&self) -> bool {
+        Arc::strong_count(&self.0) == 1 && Arc::strong_count(&self.storage) == 1
+    }
+
     /// Returns a tensor that is in row major order. This always makes a copy.
     pub fn force_contiguous(&self) -> Result<Tensor> {
         let shape = self.shape();

@@ -2,7 +2,7 @@
 //! input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size).
 
 use super::generic::{generic, GenericOp};
-use super::{elem, operand, shaped, slice, wide, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::{elem, operand, shaped, slice, uninit, wide, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use num_traits::Float;
 use rayon::prelude::*;
@@ -144,7 +144,8 @@ impl BatchNormOp {
     /// `wb` is (2, C): weight then bias.
     fn forward<T: Elem>(&self, x: &[T], wb: &[T], residual: Option<&[T]>) -> Vec<T> {
         let (w, b) = wb.split_at(self.channels);
-        let mut y = vec![T::zero(); x.len()];
+        // SAFETY: every element is written below.
+        let mut y = unsafe { uninit(x.len()) };
         y.par_chunks_mut(self.spatial).zip(x.par_chunks(self.spatial)).enumerate().for_each(|(i, (y, x))| {
             let ch = i % self.channels;
             let (mean, scale) = (elem::<T>(self.mean[ch]), elem::<T>(self.rstd[ch]) * w[ch]);
@@ -168,38 +169,50 @@ impl BatchNormOp {
     fn backward<T: Elem>(&self, x: &[T], y: &[T], wb: &[T], g: &[T], residual: bool) -> (Vec<T>, Vec<T>, Option<Vec<T>>) {
         let (c, s) = (self.channels, self.spatial);
         let n = x.len() / (c * s);
-        let grad = |i: usize| if self.relu && y[i] <= T::zero() { 0.0 } else { wide(g[i]) };
+        let masked = |y: T, g: T| if self.relu && y <= T::zero() { 0.0 } else { wide(g) };
+        // Per channel, in LANES interleaved partial sums (independent chains the compiler can
+        // vectorise) added up in a fixed order: the same bits at any thread count.
+        const LANES: usize = 8;
         let (db, dw): (Vec<f64>, Vec<f64>) = (0..c)
             .into_par_iter()
             .map(|ch| {
-                let (mut db, mut dw) = (0f64, 0f64);
+                let (mut db, mut dw, mean) = ([0f64; LANES], [0f64; LANES], self.mean[ch]);
                 for bi in 0..n {
                     let at = (bi * c + ch) * s;
-                    for (i, &xi) in x[at..at + s].iter().enumerate() {
-                        let gi = grad(at + i);
-                        db += gi;
-                        dw += gi * (wide(xi) - self.mean[ch]) * self.rstd[ch];
+                    let (xs, ys, gs) = (&x[at..at + s], &y[at..at + s], &g[at..at + s]);
+                    for ((x, y), g) in xs.chunks(LANES).zip(ys.chunks(LANES)).zip(gs.chunks(LANES)) {
+                        for l in 0..x.len() {
+                            let gi = masked(y[l], g[l]);
+                            db[l] += gi;
+                            dw[l] += gi * (wide(x[l]) - mean);
+                        }
                     }
                 }
-                (db, dw)
+                (db.iter().sum::<f64>(), dw.iter().sum::<f64>() * self.rstd[ch])
             })
             .unzip();
         let m = (n * s) as f64;
-        let mut dx = vec![T::zero(); x.len()];
-        dx.par_chunks_mut(s).enumerate().for_each(|(block, dx)| {
-            let ch = block % c;
-            let k = wide(wb[ch]) * self.rstd[ch] / m;
-            for (j, d) in dx.iter_mut().enumerate() {
-                let i = block * s + j;
-                let x_hat = (wide(x[i]) - self.mean[ch]) * self.rstd[ch];
-                *d = elem(k * (m * grad(i) - db[ch] - x_hat * dw[ch]));
+        // dx, and the residual's gradient g' beside it, one block (sample, channel) per task.
+        let fill = |block: usize, dx: &mut [T], dr: Option<&mut [T]>| {
+            let (ch, at) = (block % c, block * s);
+            let (mean, rstd) = (self.mean[ch], self.rstd[ch]);
+            let k = wide(wb[ch]) * rstd / m;
+            let (xs, ys, gs) = (&x[at..at + s], &y[at..at + s], &g[at..at + s]);
+            for (((d, &x), &y), &g) in dx.iter_mut().zip(xs).zip(ys).zip(gs) {
+                *d = elem(k * (m * masked(y, g) - db[ch] - (wide(x) - mean) * rstd * dw[ch]));
             }
-        });
-        let dr = residual.then(|| {
-            let mut dr = vec![T::zero(); x.len()];
-            dr.par_chunks_mut(s).enumerate().for_each(|(block, dr)| dr.iter_mut().enumerate().for_each(|(j, d)| *d = elem(grad(block * s + j))));
-            dr
-        });
+            if let Some(dr) = dr {
+                for ((d, &y), &g) in dr.iter_mut().zip(ys).zip(gs) {
+                    *d = elem(masked(y, g));
+                }
+            }
+        };
+        // SAFETY: `fill` writes every element of both.
+        let (mut dx, mut dr) = unsafe { (uninit(x.len()), residual.then(|| uninit(x.len()))) };
+        match dr.as_mut() {
+            Some(dr) => dx.par_chunks_mut(s).zip(dr.par_chunks_mut(s)).enumerate().for_each(|(block, (dx, dr))| fill(block, dx, Some(dr))),
+            None => dx.par_chunks_mut(s).enumerate().for_each(|(block, dx)| fill(block, dx, None)),
+        }
         let dwb = dw.into_iter().chain(db).map(elem::<T>).collect();
         (dx, dwb, dr)
     }
