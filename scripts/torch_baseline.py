@@ -17,8 +17,9 @@ Measured like our columns:
   above what was live when it started (parameters and optimizer state: gradients are set to None
   between steps), from the profiler's allocation events (`profile_memory=True`);
 - forward/backward peak: the same, up to the optimizer's update;
-- step FLOPs: one forward and backward without recompute under `FlopCounterMode` (the shapes of
-  its products and convolutions), for both sides' achieved GFLOP/s, and torch.mm's best rate.
+- step FLOPs (in the run without checkpoints only): one forward and backward under
+  `FlopCounterMode` (the shapes of its products and convolutions), for both sides' achieved
+  GFLOP/s under every policy, and torch.mm's best rate.
 
 Usage (the harness runs it; by hand):
     python3 scripts/torch_baseline.py --model resnet50 --batch 8 --input-size 128 --segments 0:19
@@ -319,8 +320,11 @@ def main():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             step(model, stages, n_inputs, segments, batch_values, opt)
         peak, fwd_bwd = measured_peaks(prof)
-    flops = None if a.time_only else step_flops(stages, n_inputs, make_inputs(gen), opt)
-    mm_peak = None if a.time_only else mm_peak_gflops()
+    # Counted once per model, in the run without checkpoints (`off`): the count is the same for
+    # every policy, and that run's memory is known to fit.
+    counts = not a.time_only and len(segments) == 1
+    flops = step_flops(stages, n_inputs, make_inputs(gen), opt) if counts else None
+    mm_peak = mm_peak_gflops() if counts else None
     print(json.dumps({
         "framework": "pytorch",
         "framework_version": torch.__version__,

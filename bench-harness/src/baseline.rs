@@ -129,13 +129,14 @@ and the interleaved timing rounds, where PyTorch runs each policy right after ou
 }
 
 /// Achieved GFLOP/s per configuration, ours and PyTorch's, against the machine's best (empty
-/// where no baseline counted its FLOPs).
+/// where no baseline counted its FLOPs). A model's step FLOPs are its `off` baseline's count.
 fn rates(m: &Matrix) -> String {
+    let flops = |model: &str| m.find_baseline(model, "off").and_then(|o| o.step_flops);
     let rows: Vec<(&Baseline, &Record, u64)> = m
         .baselines
         .iter()
         .filter(|b| b.status == Status::Ok)
-        .filter_map(|b| Some((b, m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok)?, b.step_flops?)))
+        .filter_map(|b| Some((b, m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok)?, flops(&b.model)?)))
         .collect();
     if rows.is_empty() {
         return String::new();

@@ -281,11 +281,12 @@ pub struct Baseline {
     pub loss: f64,
     /// The FLOPs of one step's forward and backward without recompute, as PyTorch's
     /// `FlopCounterMode` counts them from the shapes of its products and convolutions (the same
-    /// model and sizes as ours, so the same count serves both sides' GFLOP/s).
+    /// model and sizes as ours, so the same count serves both sides' GFLOP/s, under every policy).
+    /// Counted in the `off` run only (older folders have it in every row).
     #[serde(default)]
     pub step_flops: Option<u64>,
     /// torch.mm's best rate on this machine in GFLOP/s (a 2048^3 f32 product, as
-    /// [`crate::results::Meta::matmul_peak_gflops`] measures ours).
+    /// [`crate::results::Meta::matmul_peak_gflops`] measures ours); the `off` run only.
     #[serde(default)]
     pub mm_peak_gflops: Option<f64>,
     /// Our step time over PyTorch's, per interleaved pair (the measuring runs, then each timing
