@@ -205,8 +205,21 @@ pub(crate) fn conv_transpose3d_k2s2_composed(x: &Tensor, w: &Tensor, b: &Tensor)
 }
 
 /// Max-pooling with kernel = stride = 2 over the last three dims (odd sizes are floored, as in
-/// PyTorch): a reshape and three maxima.
+/// PyTorch): the fused kernel on the CPU in f32/f64 and on the generic route (each keeps only its
+/// input), elsewhere a reshape and three maxima (which keep the partial maxima: 7/8 of the input's
+/// size).
 pub fn max_pool3d_k2s2(x: &Tensor) -> Result<Tensor> {
+    x.dims5()?;
+    if crate::fused::generic(x) {
+        return crate::fused::max_pool_generic(x, max_pool3d_k2s2_composed);
+    }
+    if crate::fused::fused(x) {
+        return crate::fused::max_pool3d(x, 2, 2, 0);
+    }
+    max_pool3d_k2s2_composed(x)
+}
+
+pub(crate) fn max_pool3d_k2s2_composed(x: &Tensor) -> Result<Tensor> {
     let (n, c, d, h, w) = x.dims5()?;
     let (d2, h2, w2) = (d / 2, h / 2, w / 2);
     if d2 == 0 || h2 == 0 || w2 == 0 {
@@ -344,14 +357,32 @@ mod tests {
     fn max_pool_matches_the_definition() -> Result<()> {
         let xs = [1, 2, 5, 4, 6]; // odd depth: the last slice is dropped
         let x = rand("x", &xs);
-        let got = max_pool3d_k2s2(&Tensor::from_vec(x.clone(), &xs, &Device::Cpu)?)?;
-        assert_eq!(got.dims(), [1, 2, 2, 2, 3]);
-        let got = got.flatten_all()?.to_vec1::<f32>()?;
-        for (_, c, z, i, j) in itertools(1, 2, 2, 2, 3) {
-            let want =
-                itertools(1, 1, 2, 2, 2).map(|(_, _, a, p, q)| x[((c * 5 + 2 * z + a) * 4 + 2 * i + p) * 6 + 2 * j + q]).fold(f32::NEG_INFINITY, f32::max);
-            assert_eq!(got[((c * 2 + z) * 2 + i) * 3 + j], want);
+        for pool in [max_pool3d_k2s2, max_pool3d_k2s2_composed] {
+            let got = pool(&Tensor::from_vec(x.clone(), &xs, &Device::Cpu)?)?;
+            assert_eq!(got.dims(), [1, 2, 2, 2, 3]);
+            let got = got.flatten_all()?.to_vec1::<f32>()?;
+            for (_, c, z, i, j) in itertools(1, 2, 2, 2, 3) {
+                let want =
+                    itertools(1, 1, 2, 2, 2).map(|(_, _, a, p, q)| x[((c * 5 + 2 * z + a) * 4 + 2 * i + p) * 6 + 2 * j + q]).fold(f32::NEG_INFINITY, f32::max);
+                assert_eq!(got[((c * 2 + z) * 2 + i) * 3 + j], want);
+            }
         }
+        Ok(())
+    }
+
+    /// The fused kernel and the composed fallback give the same bits, forward and backward (the
+    /// random input has no ties: each window's gradient goes to one element).
+    #[test]
+    fn fused_and_composed_max_pool3d_agree() -> Result<()> {
+        let xs = [2, 3, 5, 6, 7];
+        let x = candle_core::Var::from_vec(rand("x", &xs), &xs, &Device::Cpu)?;
+        let r = Tensor::from_vec(rand("r", &[2, 3, 2, 3, 3]), (2, 3, 2, 3, 3), &Device::Cpu)?;
+        let run = |pool: fn(&Tensor) -> Result<Tensor>| -> Result<(Vec<f32>, Vec<f32>)> {
+            let y = pool(x.as_tensor())?;
+            let g = (&y * &r)?.sum_all()?.backward()?.get(&x).expect("a gradient").flatten_all()?.to_vec1::<f32>()?;
+            Ok((y.flatten_all()?.to_vec1::<f32>()?, g))
+        };
+        assert_eq!(run(max_pool3d_k2s2)?, run(max_pool3d_k2s2_composed)?);
         Ok(())
     }
 }

@@ -6,7 +6,7 @@ use candle_core::{Result, Tensor};
 /// on the generic route (it keeps only its input).
 pub fn max_pool2d_k3s2p1(x: &Tensor) -> Result<Tensor> {
     if crate::fused::generic(x) {
-        return crate::fused::max_pool2d_generic(x, composed);
+        return crate::fused::max_pool_generic(x, composed);
     }
     if crate::fused::fused(x) {
         return crate::fused::max_pool2d(x, 3, 2, 1);

@@ -241,6 +241,8 @@ fn convolutions_and_pooling_on_the_generic_route() -> Result<()> {
     check("conv_transpose3d", &up, &[var(&[2, 8, 4, 4, 4], DType::F32)?, var(&[8, 4, 2, 2, 2], DType::F32)?, var(&[4], DType::F32)?], 1e-5)?;
     let pool = |t: &[Tensor]| layers::max_pool2d_k3s2p1(&t[0]);
     let kernel = check("max_pool2d", &pool, &[var(&[2, 8, 17, 16], DType::F32)?], 1e-6)?;
+    let pool3d = |t: &[Tensor]| layers::max_pool3d_k2s2(&t[0]);
+    check("max_pool3d", &pool3d, &[var(&[2, 8, 9, 8, 8], DType::F32)?], 1e-6)?;
     // The controls: the composed up-convolution keeps its product and the permuted copy; a 3x3
     // maximum filter composed in the graph keeps its padded copies and the row maxima.
     let up_inputs = [var(&[2, 8, 4, 4, 4], DType::F32)?, var(&[8, 4, 2, 2, 2], DType::F32)?, var(&[4], DType::F32)?];

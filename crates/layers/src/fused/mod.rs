@@ -16,8 +16,8 @@
 //! - [`gelu()`]: tanh or erf GELU with a one-pass, multi-threaded backward.
 //! - [`attention()`]: scaled dot-product attention with causal mask and dropout; keeps only q, k, v
 //!   (scores and probabilities are rebuilt in backward).
-//! - `max_pool2d` (through [`crate::max_pool2d_k3s2p1`]): keeps only its input; backward finds
-//!   each window's maximum again.
+//! - `max_pool2d`, `max_pool3d` (through [`crate::max_pool2d_k3s2p1`], [`crate::max_pool3d_k2s2`]):
+//!   keep only their input; backward finds each window's maximum again.
 //! - `conv_transpose3d_k2s2` (through [`crate::conv_transpose3d_k2s2`]): the U-Net up-convolution
 //!   with its bias, one matrix product per sample; keeps only its input.
 //! - `conv3d` (through [`crate::conv3d`]): vol2col in blocks and a matrix product per block, the
@@ -163,7 +163,7 @@ mod gelu;
 mod generic;
 mod layer_norm;
 mod linear;
-mod max_pool2d;
+mod max_pool;
 mod softmax;
 
 pub use attention::attention;
@@ -180,7 +180,7 @@ pub(crate) use generic::generic;
 pub use generic::{path, set_path, Path};
 pub use layer_norm::layer_norm;
 pub use linear::linear;
-pub(crate) use max_pool2d::{max_pool2d, max_pool2d_generic};
+pub(crate) use max_pool::{max_pool2d, max_pool3d, max_pool_generic};
 pub use softmax::softmax_last_dim;
 
 /// One operand of a custom op's CPU forward: its storage and layout.

@@ -5,7 +5,7 @@
 //! out as zeros.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use layers::{conv3d, conv_transpose3d_k2s2, fused, max_pool2d_k3s2p1, Conv3dGeometry};
+use layers::{conv3d, conv_transpose3d_k2s2, fused, max_pool2d_k3s2p1, max_pool3d_k2s2, Conv3dGeometry};
 use remat::rng::RngKey;
 
 fn normal(name: &str, shape: &[usize]) -> Result<Var> {
@@ -114,6 +114,7 @@ fn cases(dev: &Device) -> Result<Vec<Case>> {
             op: Box::new(|v| conv_transpose3d_k2s2(&v[0], &v[1], &v[2])),
         },
         Case { name: "max_pool2d", inputs: vec![Input("x", normal("mp-x", &[1, 2, 5, 5])?, 12, false)], op: Box::new(|v| max_pool2d_k3s2p1(&v[0])) },
+        Case { name: "max_pool3d", inputs: vec![Input("x", normal("mp3-x", &[1, 2, 4, 4, 4])?, 77, false)], op: Box::new(|v| max_pool3d_k2s2(&v[0])) },
         Case {
             name: "embedding",
             // Row 2, which the ids look up.
