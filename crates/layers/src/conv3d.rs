@@ -34,6 +34,20 @@ pub fn conv3d(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
     conv3d_composed(x, w, g)
 }
 
+/// [`conv3d`] of the channel concatenation of a (N, Ca, D, H, W) and b (N, Cb, D, H, W), the
+/// U-Net decoder's skip and up-sampled tensors, with w (O, Ca + Cb, kd, kh, kw), as
+/// `conv3d(cat([a, b], 1), w)` but never making the concatenation: on the CPU kernels and the
+/// generic route it keeps a, b and w only (composed, the concatenation too: the size of both).
+pub fn conv3d_concat(a: &Tensor, b: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
+    if crate::fused::generic(a) {
+        return crate::fused::conv3d_concat_generic(a, b, w, g);
+    }
+    if crate::fused::fused(a) {
+        return crate::fused::conv3d_concat(a, b, w, g);
+    }
+    conv3d_composed(&Tensor::cat(&[a, b], 1)?, w, g)
+}
+
 /// 2D convolution of x (N, C, H, W) with w (O, C, kh, kw), one stride and padding for both sides:
 /// [`conv3d`] at depth 1. On the CPU kernels the input gradient is a matrix product and col2im
 /// (candle's `conv2d` backward runs `conv_transpose2d`'s direct loops); on either route the weight
@@ -323,6 +337,32 @@ mod tests {
                     close(fused, composed, 1e-5);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The convolution of two tensors' channels side by side gives the bits of the convolution of
+    /// their concatenation, forward and backward, in both layouts (few channels: the column
+    /// matrix; eight or more: the patch matrix), strided or not, pointwise.
+    #[test]
+    fn conv3d_concat_is_conv3d_of_the_concatenation() -> Result<()> {
+        let strided = Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 1, pad_hw: 1 };
+        let pointwise = Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: 0, pad_hw: 0 };
+        for ((ca, cb), k, g) in [((3, 6), 3, Conv3dGeometry::same(3)), ((1, 2), 3, Conv3dGeometry::same(3)), ((4, 5), 3, strided), ((3, 6), 1, pointwise)] {
+            let var = |name: &str, shape: &[usize]| candle_core::Var::from_vec(rand(name, shape), shape, &Device::Cpu);
+            let (a, b, w) = (var("a", &[2, ca, 5, 6, 6])?, var("b", &[2, cb, 5, 6, 6])?, var("w", &[4, ca + cb, k, k, k])?);
+            let y = conv3d(&Tensor::cat(&[a.as_tensor(), b.as_tensor()], 1)?, w.as_tensor(), g)?;
+            let r = Tensor::from_vec(rand("r", y.dims()), y.shape(), &Device::Cpu)?;
+            let run = |y: Tensor| -> Result<Vec<Vec<f32>>> {
+                let grads = (&y * &r)?.sum_all()?.backward()?;
+                let mut out = vec![y.flatten_all()?.to_vec1::<f32>()?];
+                for v in [&a, &b, &w] {
+                    out.push(grads.get(v).expect("a gradient").flatten_all()?.to_vec1::<f32>()?);
+                }
+                Ok(out)
+            };
+            let concat = run(conv3d_concat(a.as_tensor(), b.as_tensor(), w.as_tensor(), g)?)?;
+            assert_eq!(concat, run(y)?, "{ca} + {cb} channels, {g:?}");
         }
         Ok(())
     }

@@ -15,7 +15,8 @@
 //!   nothing parameter-sized; [`Adafactor`] keeps a factored second moment (R + C numbers for an
 //!   R x C weight) and no first moment.
 //! - [`conv3d`], [`conv_transpose3d_k2s2`], [`max_pool3d_k2s2`]: 3D layers candle lacks, composed
-//!   from 2D convolutions, matmuls and reshapes that have a backward; [`conv2d`] runs the fused
+//!   from 2D convolutions, matmuls and reshapes that have a backward; [`conv3d_concat`] convolves
+//!   two tensors' channels side by side without concatenating them; [`conv2d`] runs the fused
 //!   convolution kernel where it can (a lean backward), candle's elsewhere.
 //! - [`Model`]: the interface every model implements (graph, parameters, snapshots, evaluation);
 //!   [`Benchable`]: what the bench harness needs to run one on synthetic data.
@@ -66,7 +67,7 @@ mod precision;
 pub use adafactor::{Adafactor, ParamsAdafactor};
 pub use batchnorm::BatchNorm;
 pub use config::{read_config, ConfigError, UnknownPreset};
-pub use conv3d::{conv2d, conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
+pub use conv3d::{conv2d, conv3d, conv3d_concat, conv_transpose3d_k2s2, max_pool3d_k2s2, Conv3dGeometry};
 pub use fused::{allocate_matmul_workspaces, matmul_peak_gflops};
 pub use model::{Benchable, Model};
 pub use norm::{GroupNorm, LayerNorm};

@@ -226,6 +226,14 @@ fn convolutions_and_pooling_on_the_generic_route() -> Result<()> {
         let op = move |t: &[Tensor]| layers::conv3d(&t[0], &t[1], g);
         check(name, &op, &[var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[6, 4, 3, 3, 3], DType::F32)?], 1e-5)?;
     }
+    let concat = move |t: &[Tensor]| layers::conv3d_concat(&t[0], &t[1], &t[2], same);
+    let concat_inputs = [var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[2, 6, 8, 8, 8], DType::F32)?, var(&[4, 10, 3, 3, 3], DType::F32)?];
+    let concat_kernel = check("conv3d concat", &concat, &concat_inputs, 1e-5)?;
+    // The control: the concatenation made in the graph, which the convolution keeps as its input.
+    let concat_composed = move |t: &[Tensor]| layers::conv3d(&Tensor::cat(&[&t[0], &t[1]], 1)?, &t[2], same);
+    let concat_in_graph = kept_bytes(&concat_composed, &concat_inputs, Some(Path::Kernel))?;
+    eprintln!("conv3d of a concatenation made in the graph: kept {concat_in_graph} B, conv3d_concat {concat_kernel} B");
+    assert!(concat_in_graph + SLACK > concat_kernel + 2 * 10 * 512 * 4, "the control keeps {concat_in_graph} B, conv3d_concat {concat_kernel} B");
     // Large enough that the composed convolution runs in several chunks of slices per sample
     // (8 x 27 x 32 x 32 column entries per slice: 9 slices per chunk, 16 output depths).
     let op = move |t: &[Tensor]| layers::conv3d(&t[0], &t[1], same);

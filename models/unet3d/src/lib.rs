@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use layers::fused::widened;
-use layers::{conv3d, conv_transpose3d_k2s2, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, Init, ParamStore};
+use layers::{conv3d, conv3d_concat, conv_transpose3d_k2s2, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use std::str::FromStr;
 
@@ -107,8 +107,13 @@ impl ConvNormRelu {
         Ok(ConvNormRelu { weight, norm })
     }
 
-    fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
-        let y = conv3d(x, &self.weight, Conv3dGeometry::same(3))?;
+    /// On x, or with a skip tensor on the concatenation (skip, x): PyTorch's `cat([skip, x], 1)`,
+    /// never made.
+    fn forward(&self, x: &Tensor, skip: Option<&Tensor>, ctx: &StageCtx) -> Result<Tensor> {
+        let y = match skip {
+            Some(skip) => conv3d_concat(skip, x, &self.weight, Conv3dGeometry::same(3))?,
+            None => conv3d(x, &self.weight, Conv3dGeometry::same(3))?,
+        };
         match &self.norm {
             NormLayer::Batch(bn) => bn.forward_relu(&y, ctx),
             NormLayer::Group(gn) => gn.forward(&y)?.relu(),
@@ -116,7 +121,8 @@ impl ConvNormRelu {
     }
 }
 
-/// Two conv-norm-ReLU; in the synthesis path first an up-convolution and the skip concatenation.
+/// Two conv-norm-ReLU; in the synthesis path first an up-convolution, the first convolution then
+/// taking the skip tensor's channels and the up-sampled ones side by side.
 pub struct Level {
     name: String,
     kind: StageKind,
@@ -152,15 +158,12 @@ impl Stage for Level {
         self.kind
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
-        let x = match &self.up {
-            Some((w, b)) => {
-                // (N, C, D, H, W) -> (N, C, 2D, 2H, 2W), then concatenated with the skip (N, C_s, 2D, 2H, 2W).
-                let up = conv_transpose3d_k2s2(&inputs[0], w, b)?;
-                Tensor::cat(&[&inputs[1], &up], 1)?
-            }
-            None => inputs[0].clone(),
+        let h = match &self.up {
+            // (N, C, D, H, W) -> (N, C, 2D, 2H, 2W), convolved beside the skip (N, C_s, 2D, 2H, 2W).
+            Some((w, b)) => self.convs[0].forward(&conv_transpose3d_k2s2(&inputs[0], w, b)?, Some(&inputs[1]), ctx)?,
+            None => self.convs[0].forward(&inputs[0], None, ctx)?,
         };
-        Ok(vec![self.convs[1].forward(&self.convs[0].forward(&x, ctx)?, ctx)?])
+        Ok(vec![self.convs[1].forward(&h, None, ctx)?])
     }
 }
 
@@ -188,18 +191,18 @@ pub struct Head {
 }
 
 impl Head {
-    /// Per-voxel scores (N*D*H*W, K), in f32 whatever the compute dtype (as is the loss).
-    fn scores(&self, x: &Tensor) -> Result<Tensor> {
-        let c = x.dim(1)?;
-        let voxels = x.permute((0, 2, 3, 4, 1))?.reshape(((), c))?.to_dtype(DType::F32)?; // (N*D*H*W, C)
+    /// Per-voxel scores as a volume (N, K, D, H, W), in f32 whatever the compute dtype (as is the
+    /// loss): a pointwise convolution, which keeps only its input (a product of the voxels as
+    /// (N*D*H*W, C) rows would keep their permuted copy, the size of x).
+    pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let (weight, bias) = (widened(&self.weight)?, widened(&self.bias)?);
-        voxels.matmul(&weight.reshape((self.classes, c))?.t()?)?.broadcast_add(&bias)
+        let scores = conv3d(&x.to_dtype(DType::F32)?, &weight, Conv3dGeometry::same(1))?;
+        scores.broadcast_add(&bias.reshape((1, self.classes, 1, 1, 1))?)
     }
 
-    /// Per-voxel scores as a volume (N, K, D, H, W).
-    pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
-        let (n, _, d, h, w) = x.dims5()?;
-        self.scores(x)?.reshape((n, d, h, w, self.classes))?.permute((0, 4, 1, 2, 3))
+    /// Per-voxel scores (N*D*H*W, K).
+    fn scores(&self, x: &Tensor) -> Result<Tensor> {
+        self.logits(x)?.permute((0, 2, 3, 4, 1))?.reshape(((), self.classes))
     }
 }
 

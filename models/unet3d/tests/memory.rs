@@ -46,13 +46,16 @@ fn checkpointing_lowers_the_step_peak() {
 // 24^3, from the shapes. The fused conv3d keeps nothing but its input and output (its column
 // matrix is built again in backward), the fused BatchNorm + ReLU likewise: a conv + norm + ReLU
 // holds 2 tensors of its output size. With v = 2 x 4 x 24^3 f32 = 432 KiB: enc.0 (1 -> 4 -> 8
-// channels) holds 2 v + 2 x 2 v = 6 v = 2.65 MB (2.66 MB measured); the pool 0.78 MB; enc.1 and
-// bottom at an eighth and a sixty-fourth of the voxels; dec.1 and dec.0 add the concatenated skip
-// (the fused up-convolution keeps only its input), and each stage holds a copy of its inputs for
-// its own backward pass. The step's peak is in backward: dec.0's, a column block (at most 8 MB)
-// and its gradient on top of what is still held (measured, not derived): `off` 28 MB. `sqrt` cuts
-// after `bottom` (segments enc.0..bottom, dec.1..head): the last segment, kept from forward, holds
-// dec.1 + dec.0 + head, and its backward reaches 24 MB. The full-resolution decoder, never
-// recomputed, sets both peaks, which is why checkpointing saves little on this model.
-const OFF_ACTIVATION: u64 = 27_952_036;
-const SQRT_ACTIVATION: u64 = 24_451_216;
+// channels) holds 2 v + 2 x 2 v = 6 v = 2.65 MB (2.66 MB measured); the fused pool keeps only its
+// output beyond its input; enc.1 and bottom at an eighth and a sixty-fourth of the voxels; dec.1
+// and dec.0 keep their up-sampled tensor, which their first convolution reads beside the skip
+// (the concatenation is never made; the fused up-convolution keeps only its input), and each
+// stage holds a copy of its inputs for its own backward pass. The step's peak is in backward:
+// dec.0's, a patch block and the input gradients on top of what is still held (measured, not
+// derived): `off` 24 MB (28 MB when the concatenation, the pool's partial maxima and the head's
+// permuted voxels were kept). `sqrt` cuts after `bottom` (segments enc.0..bottom, dec.1..head):
+// the last segment, kept from forward, holds dec.1 + dec.0 + head, and its backward reaches 21 MB.
+// The full-resolution decoder, never recomputed, sets both peaks, which is why checkpointing
+// saves little on this model.
+const OFF_ACTIVATION: u64 = 23_780_424;
+const SQRT_ACTIVATION: u64 = 21_112_500;

@@ -1,11 +1,14 @@
 //! 3D convolution by an operand matrix built in blocks (the column matrix, or for 8 or more input
 //! channels the patch matrix) and a matrix product per block, none built for a pointwise kernel;
 //! its input gradient a convolution too where the stride is one: keeps its input and output only.
+//! Its input may come in two tensors whose channels side by side are the input (a U-Net decoder's
+//! skip and up-sampled tensors): the concatenation is never made, nor kept.
 
 use super::generic::GenericOp;
 use super::{exactly, mat, matmul, matmul_strided, operand, shaped, slice, uninit, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw) by a matrix product per block
 /// of its operand matrix (8 MB in f32 at most, one workspace for all blocks). It keeps nothing but
@@ -19,7 +22,80 @@ pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result
 /// least one output row; see `Conv3dShape::blocks`).
 pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, block_entries: usize) -> Result<Tensor> {
     let shape = Conv3dShape::new(x.dims5()?, w.dims5()?, g, block_entries)?;
-    x.contiguous()?.apply_op2(&operand(w, x)?, Conv3dOp { shape })
+    x.contiguous()?.apply_op2(&operand(w, x)?, Conv3dOp { shape, split: None })
+}
+
+/// [`conv3d`] of the channel concatenation of a (N, Ca, D, H, W) and b (N, Cb, D, H, W) with w
+/// (O, Ca + Cb, kd, kh, kw), without making it: the patch matrix reads each channel from where it
+/// is, and the input gradient comes out as the two tensors' gradients. Keeps a, b and the output
+/// (the concatenation and its two inputs, composed).
+pub(crate) fn conv3d_concat(a: &Tensor, b: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
+    let (x, split) = concat_dims(a, b)?;
+    let shape = Conv3dShape::new(x, w.dims5()?, g, 1 << 21)?;
+    a.contiguous()?.apply_op3(&b.contiguous()?, &operand(w, a)?, Conv3dOp { shape, split: Some(split) })
+}
+
+/// The generic route of [`conv3d_concat`]: as [`conv3d_generic`], the concatenation made inside
+/// the op (forward and backward) and dropped there. Keeps what the kernel keeps: a, b and w.
+pub(crate) fn conv3d_concat_generic(a: &Tensor, b: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
+    let split = concat_dims(a, b)?.1;
+    let x = Tensor::cat(&[&widened(&a.detach())?, &widened(&b.detach())?], 1)?;
+    let y = crate::conv3d::conv3d_composed(&x, &widened_as(&w.detach(), a)?, g)?.to_dtype(a.dtype())?;
+    drop(x);
+    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let [a, b, w] = exactly(&inputs.iter().collect::<Vec<_>>())?;
+        let x = Tensor::cat(&[&widened(a)?, &widened(b)?], 1)?;
+        let (dx, dw) = crate::conv3d::conv3d_composed_backward(&x, &widened_as(w, a)?, &widened_as(grad, a)?, g)?;
+        let (da, db) = (dx.narrow(1, 0, split)?, dx.narrow(1, split, dx.dim(1)? - split)?);
+        Ok(vec![Some(da.to_dtype(a.dtype())?.contiguous()?), Some(db.to_dtype(b.dtype())?.contiguous()?), Some(dw.to_dtype(w.dtype())?)])
+    };
+    a.contiguous()?.apply_op3(&b.contiguous()?, &w.contiguous()?, GenericOp::new("generic-conv3d-concat", y, Box::new(backward)))
+}
+
+/// (N, C, D, H, W) of a 3D convolution's input.
+type Dims5 = (usize, usize, usize, usize, usize);
+
+/// The dims of the channel concatenation of a and b, and a's channels; both must agree elsewhere.
+fn concat_dims(a: &Tensor, b: &Tensor) -> Result<(Dims5, usize)> {
+    let ((n, ca, d, h, w), (nb, cb, db, hb, wb)) = (a.dims5()?, b.dims5()?);
+    if (n, d, h, w) != (nb, db, hb, wb) || a.dtype() != b.dtype() {
+        candle_core::bail!("conv3d_concat: {:?} {:?} and {:?} {:?} differ beyond their channels", a.dims(), a.dtype(), b.dims(), b.dtype())
+    }
+    Ok(((n, ca + cb, d, h, w), ca))
+}
+
+/// A convolution's input (N, C, D, H, W): one tensor's elements, or two tensors' whose channels
+/// side by side are the input (`first` holds channels `..split`).
+#[derive(Clone, Copy)]
+struct Input<'a, T> {
+    first: &'a [T],
+    second: &'a [T],
+    split: usize,
+}
+
+impl<'a, T: Elem> Input<'a, T> {
+    fn whole(x: &'a [T], c: usize) -> Self {
+        Input { first: x, second: &[], split: c }
+    }
+
+    /// Channel `ch` of sample `n`, `volume` elements.
+    fn channel(&self, n: usize, ch: usize, c: usize, volume: usize) -> &'a [T] {
+        match ch.checked_sub(self.split) {
+            None => &self.first[(n * self.split + ch) * volume..][..volume],
+            Some(ch) => &self.second[(n * (c - self.split) + ch) * volume..][..volume],
+        }
+    }
+
+    /// The input as one tensor's elements: `first` itself, or the concatenation (made for the
+    /// layouts that read the input in place, the column matrix and the pointwise product; the
+    /// decoders' convolutions take patches).
+    fn joined(&self, c: usize, volume: usize) -> Cow<'a, [T]> {
+        if self.second.is_empty() {
+            return Cow::Borrowed(self.first);
+        }
+        let n = (self.first.len() + self.second.len()) / (c * volume);
+        Cow::Owned((0..n).flat_map(|n| (0..c).flat_map(move |ch| self.channel(n, ch, c, volume).iter().copied())).collect())
+    }
 }
 
 /// The generic route ([`super::generic`]): candle's 2D convolutions summed over kernel depth on
@@ -162,17 +238,16 @@ impl Conv3dShape {
     /// The samples `samples` of x (N, C, D, H, W) channels-last, (samples, D, H, W, C): each
     /// voxel's channels side by side, so a patch row copies runs of C elements (kw C at unit
     /// stride). One run of 64 voxels per task, its channels read in order.
-    fn channels_last<T: Elem>(&self, x: &[T], samples: std::ops::Range<usize>) -> Vec<T> {
+    fn channels_last<T: Elem>(&self, x: Input<T>, samples: std::ops::Range<usize>) -> Vec<T> {
         const RUN: usize = 64;
         let (c, volume) = (self.c, self.volume());
         // SAFETY: each task writes all C entries of each of its voxels.
         let mut out = unsafe { uninit(samples.len() * volume * c) };
         out.par_chunks_mut(volume * c).zip(samples).for_each(|(sample, n)| {
-            let xs = &x[n * c * volume..][..c * volume];
             sample.par_chunks_mut(RUN * c).enumerate().for_each(|(task, dst)| {
                 let (v0, len) = (task * RUN, dst.len() / c);
                 for ch in 0..c {
-                    for (v, &value) in xs[ch * volume + v0..][..len].iter().enumerate() {
+                    for (v, &value) in x.channel(n, ch, c, volume)[v0..][..len].iter().enumerate() {
                         dst[v * c + ch] = value;
                     }
                 }
@@ -232,11 +307,17 @@ impl Conv3dShape {
     /// Writes block `b`'s operand matrix in this convolution's layout into the front of `buf`:
     /// the patch matrix from the block's samples channels-last (`xc`), or the column matrix
     /// from x.
-    fn operand<T: Elem>(&self, x: &[T], xc: &mut ChannelsLast<T>, b: &ConvBlock, buf: &mut [T]) {
+    fn operand<T: Elem>(&self, x: Input<T>, xc: &mut ChannelsLast<T>, b: &ConvBlock, buf: &mut [T]) {
         match self.layout() {
             Layout::Patches => self.patches(xc.of(self, x, b), b, buf),
-            Layout::Columns => self.vol2col(x, b, buf),
+            Layout::Columns => self.vol2col(x.first, b, buf),
         }
+    }
+
+    /// The layout reads x's elements in place (the column matrix, the pointwise product): a
+    /// two-tensor input is then concatenated for the call.
+    fn reads_in_place(&self) -> bool {
+        self.pointwise() || self.layout() == Layout::Columns
     }
 
     /// Writes the column matrix (rows, samples x block_len) of block `b` of the batch x (N, C, D,
@@ -351,20 +432,46 @@ impl Conv3dShape {
     }
 
     /// The convolution of x (N, C, input) with `wk`, the kernel as [`Self::kernel`] gives it:
-    /// (N, O, output). Pointwise, a product per sample straight into the output; else per block,
-    /// its operand matrix built in one workspace and multiplied by the kernel: a block of one
-    /// sample's voxels straight into the output, a block of several samples into a second
+    /// (N, O, output), as one tensor per part of the output channels, `parts` of them (O in all).
+    /// Pointwise, a product per sample straight into the output; else per block, its operand
+    /// matrix built in one workspace and multiplied by each part's rows of the kernel: a block of
+    /// one sample's voxels straight into the output, a block of several samples into a second
     /// workspace, copied out sample by sample.
-    fn convolve<T: Elem>(&self, x: &[T], wk: &[T]) -> Vec<T> {
+    fn convolve<T: Elem>(&self, x: Input<T>, wk: &[T], parts: &[usize]) -> Vec<Vec<T>> {
         let (cols, rows) = (self.cols(), self.rows());
+        let mut at = 0;
+        let ranges: Vec<std::ops::Range<usize>> = parts
+            .iter()
+            .map(|&p| {
+                at += p;
+                at - p..at
+            })
+            .collect();
+        assert_eq!(ranges.last().map(|r| r.end), Some(self.o), "conv3d: output parts {parts:?} do not make {} channels", self.o);
         // SAFETY: every output element is written by exactly one product or copy below.
-        let mut y = unsafe { uninit(self.n * self.o * cols) };
+        let mut ys: Vec<Vec<T>> = ranges.iter().map(|r| unsafe { uninit(self.n * r.len() * cols) }).collect();
+        let joined;
+        let x = if self.reads_in_place() {
+            joined = x.joined(self.c, self.volume());
+            Input::whole(&joined, self.c)
+        } else {
+            x
+        };
         if self.pointwise() {
-            for (y_n, x_n) in y.chunks_mut(self.o * cols).zip(x.chunks(self.c * cols)) {
-                // (O, DHW) = wk (O, C) @ x_n (C, DHW)
-                matmul(y_n, mat(wk, false), mat(x_n, false), (self.o, self.c, cols), false);
+            for (n, x_n) in x.first.chunks(self.c * cols).enumerate() {
+                for (y, r) in ys.iter_mut().zip(&ranges) {
+                    // (o, DHW) = wk's rows (o, C) @ x_n (C, DHW)
+                    let o = r.len();
+                    matmul(
+                        &mut y[n * o * cols..(n + 1) * o * cols],
+                        mat(&wk[r.start * self.c..r.end * self.c], false),
+                        mat(x_n, false),
+                        (o, self.c, cols),
+                        false,
+                    );
+                }
             }
-            return y;
+            return ys;
         }
         let blocks = self.blocks();
         let widest = self.widest(&blocks);
@@ -377,25 +484,28 @@ impl Conv3dShape {
             let width = b.samples.len() * len;
             self.operand(x, &mut xc, b, &mut buf);
             let m = self.matrix(&buf[..width * rows]);
-            // (O, width) = wk (O, rows) @ m^T: the product written transposed, as (width, O) =
-            // m (width, rows) @ wk^T, where the patch matrix is the long row-major operand.
-            let product = |dst: &mut [T], strides: (usize, usize), width: usize| match self.layout() {
-                Layout::Patches => matmul_strided(dst, (strides.1, strides.0), m, mat(wk, true), (width, rows, self.o), false),
-                Layout::Columns => matmul_strided(dst, strides, mat(wk, false), m.transposed(), (self.o, rows, width), false),
-            };
-            if b.samples.len() == 1 {
-                product(&mut y[b.samples.start * self.o * cols + start..], (cols, 1), len); // (O, len) of (O, DHW)
-                continue;
-            }
-            product(&mut out, (width, 1), width); // (O, samples x len)
-            for (k, n) in b.samples.clone().enumerate() {
-                let y_n = &mut y[n * self.o * cols..(n + 1) * self.o * cols];
-                for (y, row) in y_n.chunks_mut(cols).zip(out.chunks(width)) {
-                    y[start..start + len].copy_from_slice(&row[k * len..(k + 1) * len]);
+            for (y, r) in ys.iter_mut().zip(&ranges) {
+                let (o, wk) = (r.len(), &wk[r.start * rows..r.end * rows]);
+                // (o, width) = wk (o, rows) @ m^T: the product written transposed, as (width, o)
+                // = m (width, rows) @ wk^T, where the patch matrix is the long row-major operand.
+                let product = |dst: &mut [T], strides: (usize, usize), width: usize| match self.layout() {
+                    Layout::Patches => matmul_strided(dst, (strides.1, strides.0), m, mat(wk, true), (width, rows, o), false),
+                    Layout::Columns => matmul_strided(dst, strides, mat(wk, false), m.transposed(), (o, rows, width), false),
+                };
+                if b.samples.len() == 1 {
+                    product(&mut y[b.samples.start * o * cols + start..], (cols, 1), len); // (o, len) of (o, DHW)
+                    continue;
+                }
+                product(&mut out, (width, 1), width); // (o, samples x len)
+                for (k, n) in b.samples.clone().enumerate() {
+                    let y_n = &mut y[n * o * cols..(n + 1) * o * cols];
+                    for (y, row) in y_n.chunks_mut(cols).zip(out.chunks(width)) {
+                        y[start..start + len].copy_from_slice(&row[k * len..(k + 1) * len]);
+                    }
                 }
             }
         }
-        y
+        ys
     }
 
     /// A block's operand matrix as the (samples x len, rows) matrix of [`Self::patches`]: the
@@ -426,7 +536,7 @@ impl<T: Elem> ChannelsLast<T> {
         ChannelsLast { samples: 0..0, data: Vec::new() }
     }
 
-    fn of(&mut self, s: &Conv3dShape, x: &[T], b: &ConvBlock) -> &[T] {
+    fn of(&mut self, s: &Conv3dShape, x: Input<T>, b: &ConvBlock) -> &[T] {
         if self.samples != b.samples {
             self.data = Vec::new(); // freed before the next is made
             self.data = s.channels_last(x, b.samples.clone());
@@ -446,26 +556,44 @@ struct ConvBlock {
 
 struct Conv3dOp {
     shape: Conv3dShape,
+    /// The input comes as two tensors, the first with this many channels ([`conv3d_concat`]).
+    split: Option<usize>,
 }
 
 impl Conv3dOp {
+    /// The input's channels as its tensors hold them: one part, or two.
+    fn parts(&self) -> Vec<usize> {
+        match self.split {
+            Some(split) => vec![split, self.shape.c - split],
+            None => vec![self.shape.c],
+        }
+    }
+
     /// dW = sum over blocks of gy @ the block's operand matrix (pointwise: gy_n @ x_n^T summed
     /// over samples, in place); dx = the [`Conv3dShape::transposed`] convolution of gy where the
-    /// stride is one, else per block col2vol(W^T @ gy). Blocks in order, so the sums are too.
-    fn backward<T: Elem>(&self, x: &[T], w: &[T], gy: &[T]) -> Result<(Vec<T>, Vec<T>)> {
+    /// stride is one, else per block col2vol(W^T @ gy). Blocks in order, so the sums are too. dx
+    /// comes as one tensor per part of the input.
+    fn backward<T: Elem>(&self, x: Input<T>, w: &[T], gy: &[T]) -> Result<(Vec<Vec<T>>, Vec<T>)> {
         let s = &self.shape;
         let (cols, rows) = (s.cols(), s.rows());
         let mut dw = vec![T::zero(); w.len()];
+        let joined;
+        let x = if s.reads_in_place() {
+            joined = x.joined(s.c, s.volume());
+            Input::whole(&joined, s.c)
+        } else {
+            x
+        };
         if s.pointwise() {
-            for (g_n, x_n) in gy.chunks(s.o * cols).zip(x.chunks(s.c * cols)) {
+            for (g_n, x_n) in gy.chunks(s.o * cols).zip(x.first.chunks(s.c * cols)) {
                 // (O, C) += g_n (O, DHW) @ x_n^T
                 matmul(&mut dw, mat(g_n, false), mat(x_n, true), (s.o, cols, s.c), true);
             }
             let t = s.transposed();
-            return Ok((t.convolve(gy, &t.kernel(w, true)), dw));
+            return Ok((t.convolve(Input::whole(gy, s.o), &t.kernel(w, true), &self.parts()), dw));
         }
         let strided = !s.unit_stride();
-        let mut dx = if strided { vec![T::zero(); x.len()] } else { Vec::new() };
+        let mut dx = if strided { vec![T::zero(); s.n * s.c * s.volume()] } else { Vec::new() };
         let blocks = s.blocks();
         let widest = s.widest(&blocks);
         let several = blocks.iter().any(|b| b.samples.len() > 1);
@@ -500,32 +628,52 @@ impl Conv3dOp {
         let dw = s.natural(dw);
         if !strided {
             let t = s.transposed();
-            dx = t.convolve(gy, &t.kernel(w, true));
+            return Ok((t.convolve(Input::whole(gy, s.o), &t.kernel(w, true), &self.parts()), dw));
         }
-        Ok((dx, dw))
+        // Strided and in two parts (no model here has one): dx split by channels.
+        let volume = s.volume();
+        let dxs = match self.split {
+            None => vec![dx],
+            Some(split) => {
+                [0..split, split..s.c].map(|r| dx.chunks(s.c * volume).flat_map(|x_n| &x_n[r.start * volume..r.end * volume]).copied().collect()).into()
+            }
+        };
+        Ok((dxs, dw))
     }
 }
 
 impl FusedOp for Conv3dOp {
     fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
-        let [(x, xl), (w, wl)] = exactly(inputs)?;
+        let s = &self.shape;
+        let ((x, xl), (w, wl)) = (inputs[0], inputs[inputs.len() - 1]);
         let y = per_float!(x, "conv3d", {
             let w = slice(w, wl)?;
-            self.shape.convolve(&slice(x, xl)?, &self.shape.kernel(&w, false))
+            let first = slice(x, xl)?;
+            let second = inputs.get(1).filter(|_| inputs.len() == 3).map(|&(b, bl)| slice(b, bl)).transpose()?;
+            let input = Input { first: &first, second: second.as_deref().unwrap_or(&[]), split: self.split.unwrap_or(s.c) };
+            s.convolve(input, &s.kernel(&w, false), &[s.o]).remove(0)
         });
-        let s = &self.shape;
         Ok((y, Shape::from(vec![s.n, s.o, s.output[0], s.output[1], s.output[2]])))
     }
 
     fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
-        let [x, w] = exactly(inputs)?;
+        let (x, w) = (inputs[0], inputs[inputs.len() - 1]);
+        let second = (inputs.len() == 3).then(|| inputs[1]);
         let g = g.contiguous()?;
-        let (dx, dw) = per_dtype!(x.dtype(), T => {
-            let (dx, dw) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| self.backward(xs, ws, gs))))?;
-            (shaped(dx, x)?, shaped(dw, w)?)
+        let (dxs, dw) = per_dtype!(x.dtype(), T => {
+            let split = self.split.unwrap_or(self.shape.c);
+            let (dxs, dw) = with_slice::<T, _>(x, |xs| {
+                let run = |bs: &[T]| with_slice(w, |ws| with_slice(&g, |gs| self.backward(Input { first: xs, second: bs, split }, ws, gs)));
+                match second {
+                    Some(b) => with_slice(b, run),
+                    None => run(&[]),
+                }
+            })?;
+            let dxs = dxs.into_iter().zip(&inputs[..inputs.len() - 1]).map(|(dx, x)| shaped(dx, x)).collect::<Result<Vec<_>>>()?;
+            (dxs, shaped(dw, w)?)
         });
-        Ok(vec![Some(dx), Some(dw)])
+        Ok(dxs.into_iter().map(Some).chain([Some(dw)]).collect())
     }
 }
 
-custom_op!(Conv3dOp: 2 "fused-conv3d");
+custom_op!(Conv3dOp: 2 "fused-conv3d", 3 "fused-conv3d-concat");

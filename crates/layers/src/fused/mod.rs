@@ -21,7 +21,8 @@
 //! - `conv_transpose3d_k2s2` (through [`crate::conv_transpose3d_k2s2`]): the U-Net up-convolution
 //!   with its bias, one matrix product per sample; keeps only its input.
 //! - `conv3d` (through [`crate::conv3d`]): vol2col in blocks and a matrix product per block, the
-//!   column matrix built again in backward; keeps its input and output only.
+//!   column matrix built again in backward; keeps its input and output only. Through
+//!   [`crate::conv3d_concat`], of two tensors' channels side by side, never concatenated.
 //!
 //! Every kernel of ours works row by row (or channel by channel), each sequentially on one
 //! thread, and every reduction across rows sums fixed chunks in a fixed order: the same inputs
@@ -170,7 +171,7 @@ pub use attention::attention;
 pub use batch_norm::batch_norm_train;
 #[cfg(test)] // src/conv3d.rs's tests force small blocks through it
 pub(crate) use conv3d::conv3d_blocked;
-pub(crate) use conv3d::{conv3d, conv3d_generic};
+pub(crate) use conv3d::{conv3d, conv3d_concat, conv3d_concat_generic, conv3d_generic};
 pub(crate) use conv_transpose3d::{conv_transpose3d_k2s2, conv_transpose3d_k2s2_generic};
 pub use cross_entropy::cross_entropy;
 pub use dropout::dropout;

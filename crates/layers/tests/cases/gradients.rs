@@ -8,7 +8,10 @@
 //! leaves four orders of magnitude of slack and still catches a gradient off by 1e-5 relative.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use layers::{conv3d, conv_transpose3d_k2s2, dropout, fused, max_pool2d_k3s2p1, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, LayerNorm, ParamStore};
+use layers::{
+    conv3d, conv3d_concat, conv_transpose3d_k2s2, dropout, fused, max_pool2d_k3s2p1, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, LayerNorm,
+    ParamStore,
+};
 use remat::rng::RngKey;
 use remat::StageCtx;
 
@@ -91,6 +94,20 @@ fn conv3d_input_and_weight() -> Result<()> {
     for (xs, ws, g) in cases {
         let (x, w) = (normal("x", &xs, 0.0, 1.0)?, normal("w", &ws, 0.0, 1.0)?);
         check_gradients(&format!("conv3d {xs:?} {ws:?}"), &[("x", &x), ("w", &w)], || conv3d(x.as_tensor(), w.as_tensor(), g))?;
+    }
+    Ok(())
+}
+
+/// The convolution of two tensors' channels side by side (the U-Net decoder's skip and up-sampled
+/// tensors): 3 + 6 channels take the patch matrix, 1 + 2 the column matrix.
+#[test]
+fn conv3d_concat_inputs_and_weight() -> Result<()> {
+    super::route();
+    for (ca, cb) in [(3, 6), (1, 2)] {
+        let (a, b) = (normal("a", &[2, ca, 3, 4, 4], 0.0, 1.0)?, normal("b", &[2, cb, 3, 4, 4], 0.0, 1.0)?);
+        let w = normal("w", &[2, ca + cb, 3, 3, 3], 0.0, 1.0)?;
+        let vars = [("a", &a), ("b", &b), ("w", &w)];
+        check_gradients(&format!("conv3d_concat {ca} + {cb}"), &vars, || conv3d_concat(a.as_tensor(), b.as_tensor(), w.as_tensor(), Conv3dGeometry::same(3)))?;
     }
     Ok(())
 }
