@@ -45,9 +45,29 @@ impl BatchNorm {
         self.apply(x, Some(residual), ctx, true)
     }
 
+    /// `relu(bn(x) + other(x_other))`, a downsampling residual block's end (its last BatchNorm and
+    /// the projection's), one op where the fused kernel runs: it keeps x, x_other and the output;
+    /// the projection's normalised tensor is never a graph node.
+    pub fn forward_pair_relu(&self, x: &Tensor, other: &BatchNorm, x_other: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        if !(ctx.is_training() && crate::fused::lean(x)) {
+            return self.forward_add_relu(x, &other.forward(x_other, ctx)?, ctx);
+        }
+        let (y, [(mean, var), (mean_o, var_o)]) =
+            crate::fused::batch_norm_pair_train((x, &self.weight, &self.bias), (x_other, &other.weight, &other.bias), self.eps)?;
+        if !ctx.is_recompute() {
+            self.update_running(&mean, &var, Self::per_channel(x)?)?;
+            other.update_running(&mean_o, &var_o, Self::per_channel(x_other)?)?;
+        }
+        Ok(y)
+    }
+
+    /// Values per channel of x (N, C, *spatial): what a batch statistic averages over.
+    fn per_channel(x: &Tensor) -> Result<f64> {
+        Ok((x.elem_count() / x.dim(1)?) as f64)
+    }
+
     fn apply(&self, x: &Tensor, residual: Option<&Tensor>, ctx: &StageCtx, relu: bool) -> Result<Tensor> {
-        let c = x.dim(1)?;
-        let n = (x.elem_count() / c) as f64;
+        let (c, n) = (x.dim(1)?, Self::per_channel(x)?);
         if ctx.is_training() && crate::fused::lean(x) {
             let (y, mean, var) = crate::fused::batch_norm_train(x, &self.weight, &self.bias, residual, self.eps, relu)?;
             if !ctx.is_recompute() {

@@ -195,6 +195,19 @@ fn batch_norm_on_the_generic_route() -> Result<()> {
         }
         check(&format!("batch_norm relu={relu} residual={residual}"), &op, &inputs, 1e-5)?;
     }
+    // A downsampling block's end: two BatchNorms added, a ReLU. The control: the projection's
+    // BatchNorm as an op of its own, its output kept as the other's residual operand.
+    let pair = |t: &[Tensor]| Ok(layers::fused::batch_norm_pair_train((&t[0], &t[1], &t[2]), (&t[3], &t[4], &t[5]), 1e-5)?.0);
+    let (x, c) = ([4, 8, 16, 16], [8]);
+    let inputs = [var(&x, DType::F32)?, var(&c, DType::F32)?, var(&c, DType::F32)?, var(&x, DType::F32)?, var(&c, DType::F32)?, var(&c, DType::F32)?];
+    let pair_kernel = check("batch_norm pair", &pair, &inputs, 1e-5)?;
+    let as_residual = |t: &[Tensor]| {
+        let r = layers::fused::batch_norm_train(&t[3], &t[4], &t[5], None, 1e-5, false)?.0;
+        Ok(layers::fused::batch_norm_train(&t[0], &t[1], &t[2], Some(&r), 1e-5, true)?.0)
+    };
+    let as_residual_kept = kept_bytes(&as_residual, &inputs, Some(Path::Kernel))?;
+    eprintln!("batch_norm pair as two ops: kept {as_residual_kept} B, as one {pair_kernel} B");
+    assert!(as_residual_kept + SLACK > pair_kernel + 4 * 8 * 256 * 4, "the control keeps {as_residual_kept} B, the pair op {pair_kernel} B");
     // 3D, as the U-Net has it.
     let op = |t: &[Tensor]| Ok(layers::fused::batch_norm_train(&t[0], &t[1], &t[2], None, 1e-5, true)?.0);
     let inputs = [var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[4], DType::F32)?, var(&[4], DType::F32)?];

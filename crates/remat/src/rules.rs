@@ -16,19 +16,22 @@
 //!   segment is recomputed, with graphs, right before its backward. A step runs every stage's
 //!   forward, then segment by segment, last first, its recompute (stages in order) and its
 //!   backward (stages last first).
-//! - Rule 4: a stage graph reads `Var` copies of the float values it consumes (graph inputs and
-//!   integer values as they are): one copy of a value per segment, made by its first reader there
-//!   and shared with its later readers there, so that it lives until that first reader's backward.
+//! - Rule 4: a stage graph reads the float values it consumes as `Var`s over their memory (graph
+//!   inputs and integer values as they are): one `Var` of a value per segment, made by its first
+//!   reader there and shared with its later readers there, so that the value lives until that
+//!   first reader's backward. A `Var` shares its value's storage (`Var::sharing`): it costs no
+//!   bytes while the value is held anyway, as a value produced in the same segment is (its
+//!   producer's run holds it until the producer's backward, after its readers') and a stored
+//!   value an earlier segment takes over is (stored until then).
 //! - Rule 5: a stored value is released when the earliest segment that reads it
 //!   (`Wiring::first_reader`) builds its graphs. If that is its producer's segment, it goes
 //!   before the recompute, which makes it anew. Otherwise that segment takes the stored tensor
-//!   over and holds it until its last reader there has run (its first reader's copy, Rule 4,
-//!   holding the value too from then on).
+//!   over, and from its first reader there on its `Var` (Rule 4) is what holds it.
 //! - Rule 6: in backward, a stage's run (its graph, its outputs, the copies it alone still holds)
 //!   is dropped as soon as its backward has run.
 //! - Rule 7: a value's gradient is held from the backward of its last reader until its
 //!   producer's backward takes it up, its readers' contributions summed as they come. Float
-//!   values only, graph inputs excepted: only Rule 4 copies get gradients.
+//!   values only, graph inputs excepted: only Rule 4 `Var`s get gradients.
 //! - Rule 8: a parameter's gradient appears at the backward of the last stage that uses it and is
 //!   held to the end of the step; earlier users add to it in place. When micro-batches
 //!   accumulate, the earlier ones' sum is held throughout, and a parameter several stages use

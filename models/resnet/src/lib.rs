@@ -227,17 +227,18 @@ impl Stage for Block {
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let x = &inputs[0]; // (B, C_in, H, W)
-        let identity = match &self.downsample {
-            Some((conv, bn)) => bn.forward(&conv.forward(x)?, ctx)?,
-            None => x.clone(),
-        };
         let (last, inner) = self.convs.split_last().expect("a block has convolutions");
         let mut h = x.clone();
         for (conv, bn) in inner {
             h = bn.forward_relu(&conv.forward(&h)?, ctx)?;
         }
-        // The last BatchNorm takes the identity and the ReLU after the add.
-        Ok(vec![last.1.forward_add_relu(&last.0.forward(&h)?, &identity, ctx)?])
+        // The last BatchNorm takes the identity (or the projection, normalised in the same op)
+        // and the ReLU after the add.
+        let h = last.0.forward(&h)?;
+        Ok(vec![match &self.downsample {
+            Some((conv, bn)) => last.1.forward_pair_relu(&h, bn, &conv.forward(x)?, ctx)?,
+            None => last.1.forward_add_relu(&h, x, ctx)?,
+        }])
         // (B, C_out, H / stride, W / stride)
     }
 }

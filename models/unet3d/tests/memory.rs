@@ -49,8 +49,8 @@ fn checkpointing_lowers_the_step_peak() {
 // channels) holds 2 v + 2 x 2 v = 6 v = 2.65 MB (2.66 MB measured); the fused pool keeps only its
 // output beyond its input; enc.1 and bottom at an eighth and a sixty-fourth of the voxels; dec.1
 // and dec.0 keep their up-sampled tensor, which their first convolution reads beside the skip
-// (the concatenation is never made; the fused up-convolution keeps only its input), and each
-// stage holds a copy of its inputs for its own backward pass. The step's peak is in backward:
+// (the concatenation is never made; the fused up-convolution keeps only its input); each stage
+// reads its inputs through `Var`s over their memory. The step's peak is in backward:
 // dec.0's, a patch block and the input gradients on top of what is still held (measured, not
 // derived): `off` 24 MB (28 MB when the concatenation, the pool's partial maxima and the head's
 // permuted voxels were kept). `sqrt` cuts after `bottom` (segments enc.0..bottom, dec.1..head):

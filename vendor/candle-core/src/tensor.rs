@@ -2511,6 +2511,21 @@ impl Tensor {
         Arc::strong_count(&self.0) == 1 && Arc::strong_count(&self.storage) == 1
     }
 
+    /// A variable over this tensor's storage, not a copy: a leaf for backward, as `make_var` makes,
+    /// sharing memory with `self`. (Patched into this vendored copy: see vendor/README.md.)
+    pub(crate) fn share_as_var(&self) -> Tensor {
+        let tensor_ = Tensor_ {
+            id: TensorId::new(),
+            storage: self.storage.clone(),
+            layout: self.layout.clone(),
+            op: BackpropOp::none(),
+            is_variable: true,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        };
+        Tensor(Arc::new(tensor_))
+    }
+
     /// Returns a tensor that is in row major order. This always makes a copy.
     pub fn force_contiguous(&self) -> Result<Tensor> {
         let shape = self.shape();

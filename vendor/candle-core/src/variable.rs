@@ -34,6 +34,13 @@ impl Var {
         Ok(Self(inner))
     }
 
+    /// A variable over `t`'s memory, not a copy of it (`from_tensor` copies a tensor that is not a
+    /// variable): a leaf for backward sharing storage with `t`, so that a write to either (`set`,
+    /// an in-place op) shows in both. (Patched into this vendored copy: see vendor/README.md.)
+    pub fn sharing(t: &Tensor) -> Self {
+        Self(t.share_as_var())
+    }
+
     // Convert a tensor to a variable, if the tensor is already a variable then it is returned as is.
     pub fn from_tensor(t: &Tensor) -> Result<Self> {
         if t.is_variable() {

@@ -1,8 +1,10 @@
 //! BatchNorm in training mode, optionally with the residual and ReLU that follow it: keeps its
-//! input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size).
+//! input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size). A downsampling
+//! residual block's end, two BatchNorms added and a ReLU, is one op too: it keeps both inputs and
+//! the output, never the projection's normalised tensor.
 
 use super::generic::{generic, GenericOp};
-use super::{elem, operand, shaped, slice, uninit, wide, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::{elem, exactly, operand, shaped, slice, uninit, wide, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use num_traits::Float;
 use rayon::prelude::*;
@@ -22,67 +24,115 @@ pub fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Op
         return batch_norm_generic(x, weight, bias, residual, eps, relu);
     }
     let x = x.contiguous()?;
-    let (n, c) = (x.dim(0)?, x.dim(1)?);
-    let spatial = x.elem_count() / (n * c).max(1);
-    let (mean, var) = per_dtype!(x.dtype(), T => with_slice::<T, _>(&x, |xs| Ok(channel_stats(xs, c, spatial)))?);
-    let rstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
-    let op = BatchNormOp { mean: mean.clone(), rstd, relu, channels: c, spatial };
+    let (op, stats) = BatchNormOp::of(&x, eps, relu)?;
     // Weight and bias travel as one (2, C) operand so that the residual fits a three-input op.
     let wb = operand(&Tensor::stack(&[weight, bias], 0)?, &x)?;
     let y = match residual {
         Some(r) => x.apply_op3(&wb, &r.to_dtype(x.dtype())?.contiguous()?, op)?,
         None => x.apply_op2(&wb, op)?,
     };
-    let per_channel = |v: Vec<f64>| Tensor::from_vec(v, c, x.device());
-    Ok((y, per_channel(mean)?, per_channel(var)?))
+    Ok((y, stats.0, stats.1))
+}
+
+/// A BatchNorm's input, weight and bias.
+pub type Normalised<'a> = (&'a Tensor, &'a Tensor, &'a Tensor);
+
+/// `relu(bn(x) + bn'(x'))` in training mode, for `a` = (x, weight, bias) and `b` = (x', weight',
+/// bias') of one shape (a downsampling residual block's end: its last BatchNorm and the
+/// projection's). One op, keeping x, x' and the output: composed of [`batch_norm_train`] with a
+/// residual, the projection's normalised tensor would be kept as the residual operand (PyTorch
+/// keeps none either). The same bits as that composition. Returns the output and each one's
+/// per-channel batch mean and biased variance.
+pub fn batch_norm_pair_train(a: Normalised, b: Normalised, eps: f64) -> Result<(Tensor, [(Tensor, Tensor); 2])> {
+    if a.0.shape() != b.0.shape() {
+        candle_core::bail!("batch_norm_pair: inputs {:?} and {:?} differ", a.0.dims(), b.0.dims())
+    }
+    if generic(a.0) {
+        return batch_norm_pair_generic(a, b, eps);
+    }
+    let (xa, xb) = (a.0.contiguous()?, b.0.to_dtype(a.0.dtype())?.contiguous()?);
+    let ((first, stats_a), (second, stats_b)) = (BatchNormOp::of(&xa, eps, true)?, BatchNormOp::of(&xb, eps, false)?);
+    let wb = operand(&Tensor::stack(&[a.1, a.2, b.1, b.2], 0)?, &xa)?; // (4, C)
+    let y = xa.apply_op3(&xb, &wb, BatchNormPairOp { first, second })?;
+    Ok((y, [stats_a, stats_b]))
 }
 
 /// The generic route ([`super::generic`]): the statistics and the output composed on detached
 /// operands in f32 (f64 for f64), and the kernel's backward formula composed, the statistics
 /// recomputed from the input. Keeps what the kernel keeps: x, (weight; bias), the residual.
 fn batch_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Tensor, Tensor)> {
-    let dtype = x.dtype();
-    let xw = widened(&x.detach())?;
-    let (mean, var) = statistics(&xw)?;
-    let rstd = (&var + eps)?.sqrt()?.recip()?;
     let wb = Tensor::stack(&[weight, bias], 0)?; // (2, C): the op's operand, as on the kernel
-    let wb_w = widened_as(&wb.detach(), x)?;
-    let (w, b) = (channel_shaped(&wb_w.get(0)?, x.rank())?, channel_shaped(&wb_w.get(1)?, x.rank())?);
-    let mut y = xw.broadcast_sub(&mean)?.broadcast_mul(&(rstd.broadcast_mul(&w))?)?.broadcast_add(&b)?;
-    if let Some(r) = residual {
-        y = (y + widened_as(&r.detach(), x)?)?;
-    }
-    if relu {
-        y = nan_relu(&y)?;
-    }
-    let (mean_c, var_c) = (mean.flatten_all()?, var.flatten_all()?);
-    let y = y.to_dtype(dtype)?;
+    let residual_w = residual.map(|r| widened_as(&r.detach(), x)).transpose()?;
+    let (y, mean, var) = normalise(x, &widened_as(&wb.detach(), x)?, residual_w.as_ref(), eps, relu)?;
     let backward = move |inputs: &[Tensor], y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
         let (x, wb) = (&inputs[0], &inputs[1]);
-        let xw = widened(x)?;
-        let mut g = widened_as(g, x)?;
-        if relu {
-            g = y.le(0.0)?.where_cond(&g.zeros_like()?, &g)?; // a NaN output passes its gradient, as in the kernel
-        }
-        let (mean, var) = statistics(&xw)?;
-        let rstd = (var + eps)?.sqrt()?.recip()?;
-        let x_hat = xw.broadcast_sub(&mean)?.broadcast_mul(&rstd)?;
-        let db = channel_sum(&g)?;
-        let dw = channel_sum(&(&g * &x_hat)?)?;
-        let m = (x.elem_count() / x.dim(1)?) as f64;
-        let w = channel_shaped(&widened_as(&wb.get(0)?, x)?, x.rank())?;
-        let (db_m, dw_m) = (channel_shaped(&(&db / m)?, x.rank())?, channel_shaped(&(&dw / m)?, x.rank())?);
-        let dx = g.broadcast_sub(&db_m)?.sub(&x_hat.broadcast_mul(&dw_m)?)?.broadcast_mul(&(rstd.broadcast_mul(&w))?)?;
-        let dwb = Tensor::stack(&[dw, db], 0)?.to_dtype(wb.dtype())?;
-        let dr = if inputs.len() == 3 { Some(g.to_dtype(inputs[2].dtype())?) } else { None };
-        Ok([Some(dx.to_dtype(x.dtype())?), Some(dwb), dr].into_iter().take(inputs.len()).collect())
+        let (dx, dwb, masked) = normalise_backward(x, &widened_as(wb, x)?, y, &widened_as(g, x)?, eps, relu)?;
+        let dr = if inputs.len() == 3 { Some(masked.to_dtype(inputs[2].dtype())?) } else { None };
+        Ok([Some(dx.to_dtype(x.dtype())?), Some(dwb.to_dtype(wb.dtype())?), dr].into_iter().take(inputs.len()).collect())
     };
     let op = GenericOp::new(if residual.is_some() { "generic-batch-norm-add" } else { "generic-batch-norm" }, y, Box::new(backward));
     let y = match residual {
         Some(r) => x.contiguous()?.apply_op3(&wb, &r.contiguous()?, op)?,
         None => x.contiguous()?.apply_op2(&wb, op)?,
     };
-    Ok((y, mean_c, var_c))
+    Ok((y, mean, var))
+}
+
+/// [`batch_norm_pair_train`]'s generic route: [`batch_norm_generic`]'s composition twice in one
+/// op, keeping what the kernel keeps: x, x' and (weight; bias; weight'; bias').
+fn batch_norm_pair_generic(a: Normalised, b: Normalised, eps: f64) -> Result<(Tensor, [(Tensor, Tensor); 2])> {
+    let wb = Tensor::stack(&[a.1, a.2, b.1, b.2], 0)?; // (4, C), as on the kernel
+    let wb_w = widened_as(&wb.detach(), a.0)?;
+    let (r, mean_b, var_b) = normalise(b.0, &wb_w.narrow(0, 2, 2)?, None, eps, false)?;
+    let (y, mean_a, var_a) = normalise(a.0, &wb_w.narrow(0, 0, 2)?, Some(&widened_as(&r, a.0)?), eps, true)?;
+    let backward = move |inputs: &[Tensor], y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let (xa, xb, wb) = (&inputs[0], &inputs[1], &inputs[2]);
+        let wb_w = widened_as(wb, xa)?;
+        let (dxa, dwb_a, masked) = normalise_backward(xa, &wb_w.narrow(0, 0, 2)?, y, &widened_as(g, xa)?, eps, true)?;
+        let (dxb, dwb_b, _) = normalise_backward(xb, &wb_w.narrow(0, 2, 2)?, y, &masked, eps, false)?;
+        let dwb = Tensor::cat(&[dwb_a, dwb_b], 0)?.to_dtype(wb.dtype())?;
+        Ok(vec![Some(dxa.to_dtype(xa.dtype())?), Some(dxb.to_dtype(xb.dtype())?), Some(dwb)])
+    };
+    let op = GenericOp::new("generic-batch-norm-pair", y, Box::new(backward));
+    let y = a.0.contiguous()?.apply_op3(&b.0.contiguous()?, &wb, op)?;
+    Ok((y, [(mean_a, var_a), (mean_b, var_b)]))
+}
+
+/// The generic route's forward on the detached x: `bn(x) (+ residual)`, then a ReLU if `relu`,
+/// with `wb_w` (weight; bias) and the residual already in the compute dtype; the output in x's
+/// dtype, and the per-channel mean and biased variance (C).
+fn normalise(x: &Tensor, wb_w: &Tensor, residual_w: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Tensor, Tensor)> {
+    let xw = widened(&x.detach())?;
+    let (mean, var) = statistics(&xw)?;
+    let rstd = (&var + eps)?.sqrt()?.recip()?;
+    let (w, b) = (channel_shaped(&wb_w.get(0)?, x.rank())?, channel_shaped(&wb_w.get(1)?, x.rank())?);
+    let mut y = xw.broadcast_sub(&mean)?.broadcast_mul(&(rstd.broadcast_mul(&w))?)?.broadcast_add(&b)?;
+    if let Some(r) = residual_w {
+        y = (y + r)?;
+    }
+    if relu {
+        y = nan_relu(&y)?;
+    }
+    Ok((y.to_dtype(x.dtype())?, mean.flatten_all()?, var.flatten_all()?))
+}
+
+/// The kernel's backward formula composed, for the output y and its gradient g (in the compute
+/// dtype): dx (compute dtype), d(weight; bias) (2, C), and g masked by the ReLU (the residual's
+/// gradient).
+fn normalise_backward(x: &Tensor, wb_w: &Tensor, y: &Tensor, g: &Tensor, eps: f64, relu: bool) -> Result<(Tensor, Tensor, Tensor)> {
+    let xw = widened(x)?;
+    // A NaN output passes its gradient, as in the kernel.
+    let g = if relu { y.le(0.0)?.where_cond(&g.zeros_like()?, g)? } else { g.clone() };
+    let (mean, var) = statistics(&xw)?;
+    let rstd = (var + eps)?.sqrt()?.recip()?;
+    let x_hat = xw.broadcast_sub(&mean)?.broadcast_mul(&rstd)?;
+    let db = channel_sum(&g)?;
+    let dw = channel_sum(&(&g * &x_hat)?)?;
+    let m = (x.elem_count() / x.dim(1)?) as f64;
+    let w = channel_shaped(&wb_w.get(0)?, x.rank())?;
+    let (db_m, dw_m) = (channel_shaped(&(&db / m)?, x.rank())?, channel_shaped(&(&dw / m)?, x.rank())?);
+    let dx = g.broadcast_sub(&db_m)?.sub(&x_hat.broadcast_mul(&dw_m)?)?.broadcast_mul(&(rstd.broadcast_mul(&w))?)?;
+    Ok((dx, Tensor::stack(&[dw, db], 0)?, g))
 }
 
 /// Per-channel mean and biased variance of x (N, C, *spatial), each shaped (1, C, 1, ...), two
@@ -132,6 +182,7 @@ fn channel_stats<T: Elem>(x: &[T], c: usize, s: usize) -> (Vec<f64>, Vec<f64>) {
         .unzip()
 }
 
+#[derive(Clone)]
 struct BatchNormOp {
     mean: Vec<f64>,
     rstd: Vec<f64>,
@@ -141,6 +192,18 @@ struct BatchNormOp {
 }
 
 impl BatchNormOp {
+    /// The op for the contiguous x (N, C, *spatial) with its batch statistics, and those as the
+    /// per-channel mean and biased variance tensors (C) (for the running statistics).
+    fn of(x: &Tensor, eps: f64, relu: bool) -> Result<(Self, (Tensor, Tensor))> {
+        let (n, c) = (x.dim(0)?, x.dim(1)?);
+        let spatial = x.elem_count() / (n * c).max(1);
+        let (mean, var) = per_dtype!(x.dtype(), T => with_slice::<T, _>(x, |xs| Ok(channel_stats(xs, c, spatial)))?);
+        let rstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+        let per_channel = |v: Vec<f64>| Tensor::from_vec(v, c, x.device());
+        let stats = (per_channel(mean.clone())?, per_channel(var)?);
+        Ok((BatchNormOp { mean, rstd, relu, channels: c, spatial }, stats))
+    }
+
     /// `wb` is (2, C): weight then bias.
     fn forward<T: Elem>(&self, x: &[T], wb: &[T], residual: Option<&[T]>) -> Vec<T> {
         let (w, b) = wb.split_at(self.channels);
@@ -238,3 +301,43 @@ impl FusedOp for BatchNormOp {
 }
 
 custom_op!(BatchNormOp: 2 "fused-batch-norm", 3 "fused-batch-norm-add");
+
+/// `relu(first(x) + second(x'))`: the first BatchNorm with the ReLU, the second without.
+struct BatchNormPairOp {
+    first: BatchNormOp,
+    second: BatchNormOp,
+}
+
+/// Operands x, x' and (weight; bias; weight'; bias') (4, C). Forward and backward are the two
+/// BatchNorms' own, as when the second's output is the first's residual: the same bits.
+impl FusedOp for BatchNormPairOp {
+    fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
+        let [(x, xl), (x2, x2l), (wb, wbl)] = exactly(inputs)?;
+        let c = self.first.channels;
+        let y = per_float!(x, "batch_norm_pair", {
+            let wb = slice(wb, wbl)?;
+            let residual = self.second.forward(&slice(x2, x2l)?, &wb[2 * c..], None); // transient
+            self.first.forward(&slice(x, xl)?, &wb[..2 * c], Some(&residual))
+        });
+        Ok((y, xl.shape().clone()))
+    }
+
+    fn bwd(&self, inputs: &[&Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let [x, x2, wb] = exactly(inputs)?;
+        let (g, c) = (g.contiguous()?, self.first.channels);
+        let (dx, dx2, dwb) = per_dtype!(x.dtype(), T => {
+            let (dx, dx2, dwb) = with_slice::<T, _>(x, |xs| with_slice(x2, |x2s| with_slice(y, |ys| with_slice(wb, |ws| with_slice(&g, |gs| {
+                let (dx, dwb, _) = self.first.backward(xs, ys, &ws[..2 * c], gs, false);
+                // The second's gradient is g masked by the output's ReLU: its backward masks g
+                // itself, as the first's does, rather than reading a masked copy.
+                let second = BatchNormOp { relu: true, ..self.second.clone() };
+                let (dx2, dwb2, _) = second.backward(x2s, ys, &ws[2 * c..], gs, false);
+                Ok((dx, dx2, dwb.into_iter().chain(dwb2).collect::<Vec<T>>()))
+            })))))?;
+            (shaped(dx, x)?, shaped(dx2, x2)?, shaped(dwb, wb)?)
+        });
+        Ok(vec![Some(dx), Some(dx2), Some(dwb)])
+    }
+}
+
+custom_op!(BatchNormPairOp: 3 "fused-batch-norm-pair");

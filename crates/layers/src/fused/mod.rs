@@ -8,6 +8,7 @@
 //! - [`cross_entropy()`]: the mean (optionally weighted) negative log-likelihood of logits; keeps
 //!   nothing but its inputs.
 //! - [`batch_norm_train()`]: BatchNorm in training mode, optionally with the ReLU that follows it;
+//!   [`batch_norm_pair_train()`]: two BatchNorms added and a ReLU (a downsampling block's end);
 //!   keeps its input and output (a composed BatchNorm + ReLU keeps 7 tensors of that size).
 //! - [`dropout()`]: inverted dropout whose backward draws the mask again from its key instead of
 //!   holding it; its bits equal `x * mask` composed.
@@ -168,7 +169,7 @@ mod max_pool;
 mod softmax;
 
 pub use attention::attention;
-pub use batch_norm::batch_norm_train;
+pub use batch_norm::{batch_norm_pair_train, batch_norm_train, Normalised};
 #[cfg(test)] // src/conv3d.rs's tests force small blocks through it
 pub(crate) use conv3d::conv3d_blocked;
 pub(crate) use conv3d::{conv3d, conv3d_concat, conv3d_concat_generic, conv3d_generic};

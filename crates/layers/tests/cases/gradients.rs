@@ -157,6 +157,37 @@ fn batch_norm_add_relu() -> Result<()> {
     check_gradients("fused BatchNorm + add + ReLU", &vars, || bn.forward_add_relu(x.as_tensor(), r.as_tensor(), &ctx))
 }
 
+/// Two BatchNorms added and a ReLU (a downsampling block's end) as one op: both inputs and all
+/// four parameters; and the same bits, forward and backward, as the second BatchNorm's output
+/// passed as the first's residual.
+#[test]
+fn batch_norm_pair_relu() -> Result<()> {
+    super::route();
+    let mut params = ParamStore::new(&Device::Cpu, DType::F64, 0);
+    let (bn, other) = (BatchNorm::new(&mut params, "bn", 3)?, BatchNorm::new(&mut params, "other", 3)?);
+    let named = randomised(&params)?;
+    let (x, x2) = (normal("x", &[2, 3, 4, 5], -1.0, 3.0)?, normal("x2", &[2, 3, 4, 5], 0.5, 2.0)?);
+    let mut vars = refs(&named);
+    vars.extend([("x", &x), ("x2", &x2)]);
+    let ctx = StageCtx::new(0, 0, 0, 0, true, true);
+    let composed = || bn.forward_add_relu(x.as_tensor(), &other.forward(x2.as_tensor(), &ctx)?, &ctx);
+    let pre = (bn.forward(x.as_tensor(), &ctx)? + other.forward(x2.as_tensor(), &ctx)?)?.flatten_all()?.to_vec1::<f64>()?;
+    assert!(pre.iter().all(|v| v.abs() > 1e-4), "an input sits on the ReLU's kink");
+    let pair = || bn.forward_pair_relu(x.as_tensor(), &other, x2.as_tensor(), &ctx);
+    check_gradients("fused BatchNorm pair + ReLU", &vars, pair)?;
+    let bits = |f: &dyn Fn() -> Result<Tensor>| -> Result<Vec<Vec<f64>>> {
+        let y = f()?;
+        let grads = weighted_sum(&|| Ok(y.clone()))?.backward()?;
+        let mut out = vec![y.flatten_all()?.to_vec1::<f64>()?];
+        for (_, v) in &vars {
+            out.push(grads.get(v.as_tensor()).expect("a gradient").flatten_all()?.to_vec1::<f64>()?);
+        }
+        Ok(out)
+    };
+    assert_eq!(bits(&pair)?, bits(&composed)?, "the pair op and its composition differ");
+    Ok(())
+}
+
 #[test]
 fn transposed_conv3d_input_and_weight() -> Result<()> {
     super::route();

@@ -94,7 +94,7 @@ impl SegmentBackward {
         Ok(root)
     }
 
-    /// Rule 7: the gradients of the stage's inputs (their `Var` copies), each added to what the
+    /// Rule 7: the gradients of the stage's inputs (their `Var`s), each added to what the
     /// value's later readers gave.
     fn pass_on(live: &Live, grads: &mut GradStore, step: &mut StepRun) -> Result<()> {
         for (v, var) in &live.input_vars {

@@ -80,7 +80,7 @@ impl<'e, 'g> StepRun<'e, 'g> {
                 values.insert(v, t.clone());
             }
             // A value no later stage here reads is left to whatever else holds it: the runs of its
-            // producer and readers (Rule 4: its copy), the op graph of the segment's outputs (Rule
+            // producer and readers (Rule 4: its `Var`), the op graph of the segment's outputs (Rule
             // 2), nothing once a stored value this segment took over has had its last reader
             // here (Rule 5).
             let last_here = |v: &ValueId| seg.last_reader.get(v).is_none_or(|&j| j <= i);
@@ -107,8 +107,8 @@ impl<'e, 'g> StepRun<'e, 'g> {
         for &v in &exec.segments[s].inputs {
             let t = self.stored[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not stored")))?;
             if graphs && exec.first_consumer[v] == Some(s) && v >= exec.graph.n_inputs() {
-                // Rule 5: taken over by this segment, which holds it until its last reader here
-                // (its `Var` copy from the first on); kept stored as well, it would live on.
+                // Rule 5: taken over by this segment, which holds it through its first reader's
+                // `Var` (Rule 4); kept stored as well, it would live on.
                 self.stored[v] = None;
             }
             values.insert(v, t);
@@ -117,8 +117,8 @@ impl<'e, 'g> StepRun<'e, 'g> {
     }
 
     /// The tensors stage `i` runs on. With `graphs`, a float value (not a graph input) is read
-    /// through its `Var` copy, made by its first reader in the segment (Rule 4) and recorded in
-    /// `live`.
+    /// through its `Var`, made over its memory by its first reader in the segment (Rule 4) and
+    /// recorded in `live`.
     fn stage_inputs(
         &self,
         i: usize,
@@ -134,7 +134,7 @@ impl<'e, 'g> StepRun<'e, 'g> {
             if graphs && v >= self.exec.graph.n_inputs() && t.dtype().is_float() {
                 let var = match vars.get(&v) {
                     Some(var) => var.clone(),
-                    None => vars.entry(v).or_insert(Var::from_tensor(&t.detach())?).clone(),
+                    None => vars.entry(v).or_insert(Var::sharing(t)).clone(),
                 };
                 inputs.push(var.as_tensor().clone());
                 live.input_vars.push((v, var));

@@ -6,13 +6,13 @@
 //! each (the last one keeps its forward graphs: recomputing it would buy nothing).
 //!
 //! Where a segment's graphs are built (its recompute, and the last segment's forward), every
-//! stage runs on `Var` copies of the float values it consumes, so each stage is a graph of its
-//! own. Backward then walks the stages in reverse: it seeds each stage's outputs with their
+//! stage runs on `Var`s over the float values it consumes (sharing their memory, not copies), so
+//! each stage is a graph of its own. Backward then walks the stages in reverse: it seeds each stage's outputs with their
 //! incoming gradients, calls `backward()` on that stage alone, moves the parameter gradients
 //! (detached) into the step's store, passes the input gradients on and drops the stage, so its
 //! activations are freed as soon as its gradients are propagated (candle's own `backward()`
 //! holds every activation of the graph until it returns: a PyTorch-like peak during backward
-//! needs this). The price is one copy of each value that crosses a stage inside such a segment.
+//! needs this).
 //!
 //! Bit-exactness with `off` holds by construction: every policy runs the same per-stage backward
 //! passes in the same order, and a recompute draws the same random keys, so only the stored

@@ -3,7 +3,7 @@
 //! - [`Profile::measure`] runs every stage once, alone, under the memory meter, as the executor
 //!   runs it in each of its modes: without stage graphs (the forward of an earlier segment, whose
 //!   stage outputs keep their candle op graph until the segment's boundaries are detached), with a
-//!   graph on `Var` copies of its inputs (the last segment and every recompute), and its backward
+//!   graph on `Var`s over its inputs (the last segment and every recompute), and its backward
 //!   from seeded output gradients. It records the bytes each mode leaves live and its transient
 //!   peak, the bytes of every value, the parameter gradients each stage adds and the times.
 //!   Every quantity is linear in the batch, so two profiles at small batches give any batch
@@ -42,7 +42,7 @@ pub struct StageCost {
     pub inputs: Vec<ValueId>,
     pub outputs: Vec<ValueId>,
     /// Bytes its forward leaves live when it runs with a graph on `Var` inputs (the last segment,
-    /// a recompute): its outputs and what its graph saves for backward, not the input copies.
+    /// a recompute): its outputs and what its graph saves for backward, not its inputs' `Var`s.
     pub graph_bytes: u64,
     /// Bytes its forward leaves live without a graph of its own (an earlier segment's forward):
     /// its outputs and what their op graph references through the parameters.
@@ -63,7 +63,7 @@ pub struct StageCost {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ValueCost {
     pub bytes: u64,
-    /// Float values get `Var` copies and gradients; integer ones (targets, indices) do not.
+    /// Float values get `Var`s and gradients; integer ones (targets, indices) do not.
     pub float: bool,
 }
 
@@ -108,7 +108,7 @@ pub struct Breakdown {
     pub param_grads: u64,
     /// Gradients of values waiting for their producer's backward.
     pub value_grads: u64,
-    /// The live stages of the current segment, their input copies included.
+    /// The live stages of the current segment, the stored values their `Var`s hold included.
     pub live: u64,
     /// The running stage's temporaries.
     pub transient: u64,

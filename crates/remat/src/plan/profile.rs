@@ -176,12 +176,12 @@ fn measure_stage(
     let (outs, chain_bytes, chain_transient, _) = metered(counter, || node.stage.forward(ins, &ctx()).map_err(stage_err))?;
     let detached: Vec<Tensor> = outs.iter().map(Tensor::detach).collect();
     drop(outs);
-    // With a graph on `Var` copies, as the executor's last segment and recomputes run it.
+    // With a graph on `Var`s over its inputs, as the executor's last segment and recomputes run it.
     let graph_ins = node
         .inputs
         .iter()
         .zip(ins)
-        .map(|(&v, t)| Ok(if v >= n_inputs && t.dtype().is_float() { Some(Var::from_tensor(&t.detach())?) } else { None }))
+        .map(|(&v, t)| Ok(if v >= n_inputs && t.dtype().is_float() { Some(Var::sharing(t)) } else { None }))
         .collect::<Result<Vec<Option<Var>>>>()?;
     let run_ins: Vec<Tensor> = graph_ins.iter().zip(ins).map(|(var, t)| var.as_ref().map_or(t.clone(), |v| v.as_tensor().clone())).collect();
     let (outs, graph_bytes, graph_transient, forward_ms) = metered(counter, || node.stage.forward(&run_ins, &ctx()).map_err(stage_err))?;

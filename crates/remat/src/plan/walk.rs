@@ -119,16 +119,14 @@ impl<'p> Walk<'p> {
         let first_reader = |v: ValueId| self.wiring.first_reader(v).expect("a stored value has a reader");
         let float = |v: ValueId| self.p.values[v].float;
         // Rule 5: the stored float values first read here, which this segment takes over when it
-        // builds graphs: each held until its last reader here has run. Integer ones stay counted
-        // as stored to the end of its backward: no copy replaces them, and a reader's graph may
-        // hold them until its own backward.
-        let handed: Vec<(usize, u64)> = stored_here
-            .iter()
-            .filter(|&&v| (a..b).contains(&first_reader(v)) && float(v))
-            .map(|&v| (self.wiring.readers(v).iter().copied().take_while(|&r| r < b).last().expect("read here"), self.bytes(v)))
-            .collect();
-        let handed_by = |i: usize| handed.iter().filter(|&&(last, _)| last <= i).map(|&(_, bytes)| bytes).sum::<u64>();
-        let copies = |i: usize| self.copies(a, i);
+        // builds graphs: each counted as stored until its first reader here, then as that
+        // reader's `Var` ([`Self::vars`]). Integer ones stay counted as stored to the end of its
+        // backward: no `Var` takes them over, and a reader's graph may hold them until its own
+        // backward.
+        let handed: Vec<(usize, u64)> =
+            stored_here.iter().filter(|&&v| (a..b).contains(&first_reader(v)) && float(v)).map(|&v| (first_reader(v), self.bytes(v))).collect();
+        let handed_by = |i: usize| handed.iter().filter(|&&(first, _)| first <= i).map(|&(_, bytes)| bytes).sum::<u64>();
+        let vars = |i: usize| self.vars(a, i);
         // Rule 8: walking backward, the gradients of later stages' parameters are in (while
         // accumulating, `held_grads` stays as it is: the partial sums are not replayed).
         let grads_after: u64 = self.held_grads + if self.held_grads > 0 { 0 } else { stages[b..].iter().map(|s| s.param_grad_bytes).sum() };
@@ -137,8 +135,8 @@ impl<'p> Walk<'p> {
         let stored = past + stored_here.iter().map(|&v| self.bytes(v)).sum::<u64>();
         let mut live = 0;
         for (i, st) in stages.iter().enumerate().take(b).skip(a) {
-            // Rule 3: the last segment's forward builds graphs, on copies (Rule 4).
-            let (keep, transient) = if last { (copies(i) + st.graph_bytes, st.graph_transient) } else { (st.chain_bytes, st.chain_transient) };
+            // Rule 3: the last segment's forward builds graphs, on `Var`s (Rule 4).
+            let (keep, transient) = if last { (vars(i) + st.graph_bytes, st.graph_transient) } else { (st.chain_bytes, st.chain_transient) };
             let stored = if last { stored - handed_by(i) } else { stored };
             live += keep;
             see(Point::after(Phase::Forward, i, Breakdown { stored, param_grads: self.held_grads, value_grads: 0, live, transient: 0 }, transient));
@@ -154,19 +152,19 @@ impl<'p> Walk<'p> {
         if !last {
             // Rule 3: recomputed with graphs, right before its backward.
             for (i, st) in stages.iter().enumerate().take(b).skip(a) {
-                held.live += copies(i) + st.graph_bytes;
+                held.live += vars(i) + st.graph_bytes;
                 let now = Breakdown { stored: stored - handed_by(i), ..held };
                 see(Point::after(Phase::Recompute, i, now, st.graph_transient));
             }
         } else {
             held.live = live;
         }
-        // Rule 5: by its backward, what this segment took over is held by copies only.
+        // Rule 5: by its backward, what this segment took over is held by `Var`s only.
         held.stored = stored - handed_by(b);
         for i in (a..b).rev() {
             let during = Breakdown { transient: stages[i].backward_transient, ..held };
             // Rule 6: the stage's run goes once its backward has run.
-            held.live -= copies(i) + stages[i].graph_bytes;
+            held.live -= vars(i) + stages[i].graph_bytes;
             // Rule 7: its outputs' gradients are taken up, its float inputs' appear.
             for v in &stages[i].outputs {
                 if pending.remove(v) {
@@ -186,12 +184,14 @@ impl<'p> Walk<'p> {
         }
     }
 
-    /// Bytes of the `Var` copies stage `i` of the segment starting at `a` makes (Rule 4): each
-    /// float value once per segment, at its first reader there.
-    fn copies(&self, a: usize, i: usize) -> u64 {
+    /// Bytes stage `i` of the segment starting at `a` holds through the `Var`s it makes (Rule 4):
+    /// only what no one else holds, the stored values this segment takes over (Rule 5) at their
+    /// first reader. A value produced in the segment is held by its producer's run the whole time,
+    /// and a stored value an earlier segment takes over stays stored until then.
+    fn vars(&self, a: usize, i: usize) -> u64 {
         let n_inputs = self.p.n_inputs;
-        let first_here = |v: ValueId| self.wiring.readers(v).iter().find(|&&r| r >= a) == Some(&i);
-        self.p.stages[i].inputs.iter().filter(|&&v| v >= n_inputs && self.p.values[v].float && first_here(v)).map(|&v| self.bytes(v)).sum()
+        let taken_over_here = |v: ValueId| self.wiring.producer(v).is_some_and(|p| p < a) && self.wiring.first_reader(v) == Some(i);
+        self.p.stages[i].inputs.iter().filter(|&&v| v >= n_inputs && self.p.values[v].float && taken_over_here(v)).map(|&v| self.bytes(v)).sum()
     }
 }
 /// The values a cut of the stages into `segments` stores (graph inputs excluded), in order.
