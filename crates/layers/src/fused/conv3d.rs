@@ -8,15 +8,17 @@ use super::generic::GenericOp;
 use super::{exactly, mat, matmul, matmul_strided, operand, shaped, slice, uninit, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
-use std::borrow::Cow;
 
 /// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw) by a matrix product per block
 /// of its operand matrix (8 MB in f32 at most, one workspace for all blocks). It keeps nothing but
 /// its input and output: the operand matrix is built again in backward (the composed version in
 /// `src/conv3d.rs` keeps 7 copies of its input).
 pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
-    conv3d_blocked(x, w, g, 1 << 21)
+    conv3d_blocked(x, w, g, BLOCK_ENTRIES)
 }
+
+/// Entries of an operand-matrix block at most (8 MB in f32): the one workspace's size.
+const BLOCK_ENTRIES: usize = 1 << 21;
 
 /// [`conv3d`] building the column matrix in blocks of at most about `block_entries` entries (at
 /// least one output row; see `Conv3dShape::blocks`).
@@ -31,7 +33,7 @@ pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, b
 /// (the concatenation and its two inputs, composed).
 pub(crate) fn conv3d_concat(a: &Tensor, b: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
     let (x, split) = concat_dims(a, b)?;
-    let shape = Conv3dShape::new(x, w.dims5()?, g, 1 << 21)?;
+    let shape = Conv3dShape::new(x, w.dims5()?, g, BLOCK_ENTRIES)?;
     a.contiguous()?.apply_op3(&b.contiguous()?, &operand(w, a)?, Conv3dOp { shape, split: Some(split) })
 }
 
@@ -84,17 +86,6 @@ impl<'a, T: Elem> Input<'a, T> {
             None => &self.first[(n * self.split + ch) * volume..][..volume],
             Some(ch) => &self.second[(n * (c - self.split) + ch) * volume..][..volume],
         }
-    }
-
-    /// The input as one tensor's elements: `first` itself, or the concatenation (made for the
-    /// layouts that read the input in place, the column matrix and the pointwise product; the
-    /// decoders' convolutions take patches).
-    fn joined(&self, c: usize, volume: usize) -> Cow<'a, [T]> {
-        if self.second.is_empty() {
-            return Cow::Borrowed(self.first);
-        }
-        let n = (self.first.len() + self.second.len()) / (c * volume);
-        Cow::Owned((0..n).flat_map(|n| (0..c).flat_map(move |ch| self.channel(n, ch, c, volume).iter().copied())).collect())
     }
 }
 
@@ -314,10 +305,13 @@ impl Conv3dShape {
         }
     }
 
-    /// The layout reads x's elements in place (the column matrix, the pointwise product): a
-    /// two-tensor input is then concatenated for the call.
-    fn reads_in_place(&self) -> bool {
-        self.pointwise() || self.layout() == Layout::Columns
+    /// The concatenation of a two-tensor input x where this convolution reads x's elements in
+    /// place (the column matrix, the pointwise product); `None` where x serves as it is (one
+    /// tensor, or the patch matrix, which reads each channel where it is: the decoders' case).
+    fn joined<T: Elem>(&self, x: Input<T>) -> Option<Vec<T>> {
+        let in_place = self.pointwise() || self.layout() == Layout::Columns;
+        (in_place && !x.second.is_empty())
+            .then(|| (0..self.n).flat_map(|n| (0..self.c).flat_map(move |ch| x.channel(n, ch, self.c, self.volume()).iter().copied())).collect())
     }
 
     /// Writes the column matrix (rows, samples x block_len) of block `b` of the batch x (N, C, D,
@@ -450,13 +444,8 @@ impl Conv3dShape {
         assert_eq!(ranges.last().map(|r| r.end), Some(self.o), "conv3d: output parts {parts:?} do not make {} channels", self.o);
         // SAFETY: every output element is written by exactly one product or copy below.
         let mut ys: Vec<Vec<T>> = ranges.iter().map(|r| unsafe { uninit(self.n * r.len() * cols) }).collect();
-        let joined;
-        let x = if self.reads_in_place() {
-            joined = x.joined(self.c, self.volume());
-            Input::whole(&joined, self.c)
-        } else {
-            x
-        };
+        let joined = self.joined(x);
+        let x = joined.as_deref().map_or(x, |x| Input::whole(x, self.c));
         if self.pointwise() {
             for (n, x_n) in x.first.chunks(self.c * cols).enumerate() {
                 for (y, r) in ys.iter_mut().zip(&ranges) {
@@ -577,13 +566,8 @@ impl Conv3dOp {
         let s = &self.shape;
         let (cols, rows) = (s.cols(), s.rows());
         let mut dw = vec![T::zero(); w.len()];
-        let joined;
-        let x = if s.reads_in_place() {
-            joined = x.joined(s.c, s.volume());
-            Input::whole(&joined, s.c)
-        } else {
-            x
-        };
+        let joined = s.joined(x);
+        let x = joined.as_deref().map_or(x, |x| Input::whole(x, s.c));
         if s.pointwise() {
             for (g_n, x_n) in gy.chunks(s.o * cols).zip(x.first.chunks(s.c * cols)) {
                 // (O, C) += g_n (O, DHW) @ x_n^T

@@ -120,13 +120,16 @@ impl<'p> Walk<'p> {
         let float = |v: ValueId| self.p.values[v].float;
         // Rule 5: the stored float values first read here, which this segment takes over when it
         // builds graphs: each counted as stored until its first reader here, then as that
-        // reader's `Var` ([`Self::vars`]). Integer ones stay counted as stored to the end of its
+        // reader's `Var` (Rule 4: `vars`). Integer ones stay counted as stored to the end of its
         // backward: no `Var` takes them over, and a reader's graph may hold them until its own
         // backward.
         let handed: Vec<(usize, u64)> =
             stored_here.iter().filter(|&&v| (a..b).contains(&first_reader(v)) && float(v)).map(|&v| (first_reader(v), self.bytes(v))).collect();
         let handed_by = |i: usize| handed.iter().filter(|&&(first, _)| first <= i).map(|&(_, bytes)| bytes).sum::<u64>();
-        let vars = |i: usize| self.vars(a, i);
+        // Rule 4: what a stage holds through the `Var`s it makes is what no one else holds: the
+        // values handed over at it. A value produced in the segment is held by its producer's run
+        // the whole time, and a stored value an earlier segment takes over stays stored until then.
+        let vars = |i: usize| handed.iter().filter(|&&(first, _)| first == i).map(|&(_, bytes)| bytes).sum::<u64>();
         // Rule 8: walking backward, the gradients of later stages' parameters are in (while
         // accumulating, `held_grads` stays as it is: the partial sums are not replayed).
         let grads_after: u64 = self.held_grads + if self.held_grads > 0 { 0 } else { stages[b..].iter().map(|s| s.param_grad_bytes).sum() };
@@ -182,16 +185,6 @@ impl<'p> Walk<'p> {
             }
             see(Point { phase: Phase::Backward, stage: i, held, peak: during });
         }
-    }
-
-    /// Bytes stage `i` of the segment starting at `a` holds through the `Var`s it makes (Rule 4):
-    /// only what no one else holds, the stored values this segment takes over (Rule 5) at their
-    /// first reader. A value produced in the segment is held by its producer's run the whole time,
-    /// and a stored value an earlier segment takes over stays stored until then.
-    fn vars(&self, a: usize, i: usize) -> u64 {
-        let n_inputs = self.p.n_inputs;
-        let taken_over_here = |v: ValueId| self.wiring.producer(v).is_some_and(|p| p < a) && self.wiring.first_reader(v) == Some(i);
-        self.p.stages[i].inputs.iter().filter(|&&v| v >= n_inputs && self.p.values[v].float && taken_over_here(v)).map(|&v| self.bytes(v)).sum()
     }
 }
 /// The values a cut of the stages into `segments` stores (graph inputs excluded), in order.
