@@ -5,21 +5,24 @@
 //!
 //! The state (moments, factored statistics) is kept in f32 for half-precision parameters
 //! (`--dtype bf16-weights`: bf16 weights and gradients, f32 moments) and in the parameter's dtype
-//! otherwise. On the CPU the updates are single passes over the elements, computed in f64 and
-//! split over threads (each element's update is independent, so the bits do not depend on the
-//! thread count). Elsewhere (a GPU, or the CPU on the generic route) they are composed from candle
+//! otherwise. On the CPU an update is one pass over a parameter, its state and its gradient,
+//! reading and writing each once (AdamW's three passes of old moved twice the bytes), computed in
+//! the state dtype as PyTorch computes it and split over threads (each element's update is
+//! independent, so the bits do not depend on the thread count). Elsewhere (a GPU, or the CPU on the generic route) they are composed from candle
 //! ops that drop each temporary once used, at most three of a parameter's size alive at once, and
 //! the new value is copied into the parameter's storage (`Var::set`).
 
 use crate::fused::slice;
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp3, Layout, Result, Tensor, Var, WithDType};
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Result, Storage, Tensor, Var, WithDType};
 use candle_nn::Optimizer;
 pub use candle_nn::ParamsAdamW;
 use half::{bf16, f16};
+use num_traits::Float;
 use rayon::prelude::*;
 use remat::memory::tensor_bytes;
+use std::cell::Cell;
 use std::collections::HashMap;
 
 /// Elements per task of an in-place update.
@@ -42,82 +45,135 @@ pub(crate) fn state_zeros(var: &Var) -> Result<Tensor> {
 
 /// A float element type of parameters on the CPU and the element type of their state.
 pub(crate) trait ParamElem: WithDType {
-    type State: WithDType;
+    type State: ParamElem<State = Self::State> + Float;
+    fn to_state(self) -> Self::State;
+    fn from_state(s: Self::State) -> Self;
+    /// The elements of `s` if it holds this type.
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
 }
 
-impl ParamElem for f32 {
-    type State = f32;
-}
-
-impl ParamElem for f64 {
-    type State = f64;
-}
-
-impl ParamElem for bf16 {
-    type State = f32;
-}
-
-impl ParamElem for f16 {
-    type State = f32;
-}
-
-/// `dst[i] = f(dst[i], a[i], b[i])`, computed in f64, for contiguous CPU tensors of one shape:
-/// `a` and `b` of one dtype, `dst` of that dtype or the state dtype beside it (a moment updated
-/// from a bf16 gradient, a bf16 parameter from f32 moments).
-struct Elementwise<F> {
-    name: &'static str,
-    f: F,
-}
-
-impl<F: Fn(f64, f64, f64) -> f64 + Sync> Elementwise<F> {
-    fn run<D: WithDType, A: WithDType>(&self, dst: &mut [D], a: &[A], b: &[A]) {
-        dst.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK))).for_each(|(d, (a, b))| {
-            for ((d, a), b) in d.iter_mut().zip(a).zip(b) {
-                *d = D::from_f64((self.f)(d.to_f64(), a.to_f64(), b.to_f64()));
+macro_rules! param_elem {
+    ($t:ty, $variant:ident, $state:ty, $to:expr, $from:expr) => {
+        impl ParamElem for $t {
+            type State = $state;
+            fn to_state(self) -> $state {
+                $to(self)
             }
-        });
-    }
-
-    fn operands<D: WithDType, A: WithDType>(&self, dst: &mut [D], s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
-        self.run(dst, &slice::<A>(s2, l2)?, &slice::<A>(s3, l3)?);
-        Ok(())
-    }
+            fn from_state(s: $state) -> Self {
+                $from(s)
+            }
+            fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
 }
 
-impl<F: Fn(f64, f64, f64) -> f64 + Sync> InplaceOp3 for Elementwise<F> {
-    fn name(&self) -> &'static str {
-        self.name
-    }
+param_elem!(f32, F32, f32, std::convert::identity, std::convert::identity);
+param_elem!(f64, F64, f64, std::convert::identity, std::convert::identity);
+param_elem!(bf16, BF16, f32, bf16::to_f32, bf16::from_f32);
+param_elem!(f16, F16, f32, f16::to_f32, f16::from_f32);
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
-        let (start, end) = l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{}: target is not contiguous", self.name)))?;
-        // `update_in_place` admits only these pairs, so `slice` borrows and never converts.
-        match (s1, s2.dtype()) {
-            (CpuStorage::F32(d), DType::F32) => self.operands::<_, f32>(&mut d[start..end], s2, l2, s3, l3),
-            (CpuStorage::F32(d), DType::BF16) => self.operands::<_, bf16>(&mut d[start..end], s2, l2, s3, l3),
-            (CpuStorage::F32(d), DType::F16) => self.operands::<_, f16>(&mut d[start..end], s2, l2, s3, l3),
-            (CpuStorage::F64(d), DType::F64) => self.operands::<_, f64>(&mut d[start..end], s2, l2, s3, l3),
-            (CpuStorage::BF16(d), DType::F32) => self.operands::<_, f32>(&mut d[start..end], s2, l2, s3, l3),
-            (CpuStorage::F16(d), DType::F32) => self.operands::<_, f32>(&mut d[start..end], s2, l2, s3, l3),
-            (s1, a) => candle_core::bail!("{}: no in-place update of {:?} from {a:?}", self.name, s1.dtype()),
+/// An optimizer's update of one element, computed in the state dtype `S` (f32 for f32 and
+/// half-precision parameters, as PyTorch computes it): from the parameter `p`, its `N` state
+/// values (updated in place) and its gradient `g`, the new parameter.
+trait Rule<const N: usize>: Sync {
+    fn at<S: Float + Send + Sync>(&self) -> impl Fn(S, [&mut S; N], S) -> S + Sync;
+}
+
+/// Runs `f` with write access to the CPU storage of `t` (candle's in-place op, for its lock: a
+/// closure where candle wants an op type), so that one pass can write several tensors.
+fn with_storage_mut(t: &Tensor, f: impl FnOnce(&mut CpuStorage) -> Result<()>) -> Result<()> {
+    struct Locked<F>(Cell<Option<F>>);
+    impl<F: FnOnce(&mut CpuStorage) -> Result<()>> InplaceOp1 for Locked<F> {
+        fn name(&self) -> &'static str {
+            "optimizer-update"
+        }
+        fn cpu_fwd(&self, s: &mut CpuStorage, _: &Layout) -> Result<()> {
+            self.0.take().expect("an in-place op runs once")(s)
         }
     }
+    t.inplace_op1(&Locked(Cell::new(Some(f))))
 }
 
-/// Applies `f` to `dst` in place where that path exists (CPU, equal shapes, `a` and `b` of one
-/// dtype, `dst` of that dtype or its state dtype beside it); returns false where the caller must
-/// use its composed fallback.
-fn update_in_place(dst: &Tensor, a: &Tensor, b: &Tensor, name: &'static str, f: impl Fn(f64, f64, f64) -> f64 + Sync) -> Result<bool> {
-    let pair = |d: DType, a: DType| d == a || d == state_dtype(a) || a == state_dtype(d);
-    let lean = crate::fused::fused(dst)
-        && dst.is_contiguous()
-        && a.dtype() == b.dtype()
-        && pair(dst.dtype(), a.dtype())
-        && [a, b].iter().all(|t| t.device().is_cpu() && t.shape() == dst.shape());
-    if lean {
-        dst.inplace_op3(&a.contiguous()?, &b.contiguous()?, &Elementwise { name, f })?;
+/// Runs `f` on the storages of `ts`, each locked for writing, in order.
+fn with_storages_mut(ts: &[&Tensor], held: Vec<&mut CpuStorage>, f: &mut dyn FnMut(Vec<&mut CpuStorage>) -> Result<()>) -> Result<()> {
+    let Some((t, rest)) = ts.split_first() else { return f(held) };
+    with_storage_mut(t, move |s| {
+        let mut held: Vec<&mut CpuStorage> = held;
+        held.push(s);
+        with_storages_mut(rest, held, f)
+    })
+}
+
+/// `rule` over every element of a contiguous `p`, its state and `g`, split over threads (each
+/// element's update is independent, so the bits do not depend on the thread count).
+fn run<P: ParamElem, const N: usize>(
+    rule: &(impl Fn(P::State, [&mut P::State; N], P::State) -> P::State + Sync),
+    p: &mut [P],
+    state: [&mut [P::State]; N],
+    g: &[P],
+) {
+    let n = p.len();
+    if n > CHUNK {
+        let mid = n / 2;
+        let (p0, p1) = p.split_at_mut(mid);
+        let (g0, g1) = g.split_at(mid);
+        let mut halves = state.map(|s| {
+            let (lo, hi) = s.split_at_mut(mid);
+            (Some(lo), Some(hi))
+        });
+        let lo = std::array::from_fn(|k| halves[k].0.take().expect("split above"));
+        let hi = std::array::from_fn(|k| halves[k].1.take().expect("split above"));
+        rayon::join(|| run(rule, p0, lo, g0), || run(rule, p1, hi, g1));
+        return;
     }
-    Ok(lean)
+    let (g, mut state) = (&g[..n], state.map(|s| &mut s[..n]));
+    for i in 0..n {
+        p[i] = P::from_state(rule(p[i].to_state(), state.each_mut().map(|s| &mut s[i]), g[i].to_state()));
+    }
+}
+
+/// Applies `rule` to parameter `p`, its state tensors and its gradient `g` in one pass, in place,
+/// where that path exists (the CPU, contiguous tensors of one shape, the state in `p`'s state
+/// dtype, `g` in `p`'s); returns false where the caller must use its composed fallback.
+fn update_in_place<const N: usize>(p: &Tensor, state: [&Tensor; N], g: &Tensor, rule: &impl Rule<N>) -> Result<bool> {
+    let like = |t: &Tensor, dtype: DType| t.device().is_cpu() && t.is_contiguous() && t.dtype() == dtype && t.shape() == p.shape();
+    let lean = crate::fused::fused(p) && p.is_contiguous() && like(g, p.dtype()) && state.iter().all(|s| like(s, state_dtype(p.dtype())));
+    if !lean {
+        return Ok(false);
+    }
+    let range = |t: &Tensor| t.layout().contiguous_offsets().expect("contiguous, checked above");
+    let ranges: Vec<(usize, usize)> = std::iter::once(p).chain(state).map(range).collect();
+    let (g_storage, g_layout) = g.storage_and_layout();
+    let Storage::Cpu(g_storage) = &*g_storage else { candle_core::bail!("optimizer: gradient is not on the CPU") };
+    fn typed<P: ParamElem, const N: usize>(
+        held: Vec<&mut CpuStorage>,
+        ranges: &[(usize, usize)],
+        g: &CpuStorage,
+        gl: &Layout,
+        rule: &impl Rule<N>,
+    ) -> Result<()> {
+        let mut held = held.into_iter().zip(ranges).map(|(s, &(start, end))| (s, start, end));
+        let (p, start, end) = held.next().expect("the parameter comes first");
+        let p = &mut P::slice_mut(p).expect("dtype checked")[start..end];
+        let state: Vec<&mut [P::State]> = held.map(|(s, start, end)| &mut P::State::slice_mut(s).expect("dtype checked")[start..end]).collect();
+        let state: [&mut [P::State]; N] = state.try_into().unwrap_or_else(|_| unreachable!("one storage per state tensor"));
+        run::<P, N>(&rule.at::<P::State>(), p, state, &slice::<P>(g, gl)?);
+        Ok(())
+    }
+    let mut update = |held: Vec<&mut CpuStorage>| match p.dtype() {
+        DType::F32 => typed::<f32, N>(held, &ranges, g_storage, g_layout, rule),
+        DType::F64 => typed::<f64, N>(held, &ranges, g_storage, g_layout, rule),
+        DType::BF16 => typed::<bf16, N>(held, &ranges, g_storage, g_layout, rule),
+        DType::F16 => typed::<f16, N>(held, &ranges, g_storage, g_layout, rule),
+        other => candle_core::bail!("optimizer: no in-place update of {other:?} parameters"),
+    };
+    with_storages_mut(&[&[p][..], &state[..]].concat(), Vec::new(), &mut update)?;
+    Ok(true)
 }
 
 /// The optimizers a run can train with, by name (`sgd`, `adamw`, `adafactor`: the trainers' and
@@ -251,6 +307,27 @@ struct Moments {
     v: Tensor,
 }
 
+/// [`AdamW`]'s update of one element at step `step` (from 1).
+struct AdamWRule {
+    params: ParamsAdamW,
+    step: i32,
+}
+
+impl Rule<2> for AdamWRule {
+    fn at<S: Float + Send + Sync>(&self) -> impl Fn(S, [&mut S; 2], S) -> S + Sync {
+        let ParamsAdamW { lr, beta1, beta2, eps, weight_decay } = self.params;
+        let s = |x: f64| S::from(x).expect("a float constant");
+        let (decay, step_size) = (s(1.0 - lr * weight_decay), s(lr / (1.0 - beta1.powi(self.step))));
+        let (bias2_sqrt, eps) = (s((1.0 - beta2.powi(self.step)).sqrt()), s(eps));
+        let (beta1, one_minus_beta1, beta2, one_minus_beta2) = (s(beta1), s(1.0 - beta1), s(beta2), s(1.0 - beta2));
+        move |p, [m, v], g| {
+            *m = beta1 * *m + one_minus_beta1 * g;
+            *v = beta2 * *v + one_minus_beta2 * g * g;
+            p * decay - step_size * *m / (v.sqrt() / bias2_sqrt + eps)
+        }
+    }
+}
+
 impl Optimizer for AdamW {
     type Config = ParamsAdamW;
 
@@ -266,16 +343,13 @@ impl Optimizer for AdamW {
     fn step(&mut self, grads: &GradStore) -> Result<()> {
         self.step += 1;
         let ParamsAdamW { lr, beta1, beta2, eps, weight_decay } = self.params;
-        let bias1 = 1.0 - beta1.powi(self.step);
+        let rule = AdamWRule { params: self.params.clone(), step: self.step };
         let bias2_sqrt = (1.0 - beta2.powi(self.step)).sqrt();
-        let step_size = lr / bias1;
+        let step_size = lr / (1.0 - beta1.powi(self.step));
         for Moments { var, m, v } in &mut self.vars {
             let Some(g) = grads.get(var) else { continue };
             let p = var.as_tensor();
-            let lean = !self.composed
-                && update_in_place(m, g, g, "adamw-m", |m, g, _| beta1 * m + (1.0 - beta1) * g)?
-                && update_in_place(v, g, g, "adamw-v", |v, g, _| beta2 * v + (1.0 - beta2) * g * g)?
-                && update_in_place(p, m, v, "adamw-p", |p, m, v| p * (1.0 - lr * weight_decay) - step_size * m / (v.sqrt() / bias2_sqrt + eps))?;
+            let lean = !self.composed && update_in_place(p, [&*m, &*v], g, &rule)?;
             if !lean {
                 // In the state dtype: a bf16 parameter is updated in f32 and rounded once. Each
                 // moment replaces the old one as soon as it is made, and each temporary goes as
@@ -357,6 +431,25 @@ impl Default for ParamsSgd {
     }
 }
 
+/// [`SgdMomentum`]'s update of one element; `first`: the buffer starts at this gradient.
+struct SgdRule {
+    params: ParamsSgd,
+    first: bool,
+}
+
+impl Rule<1> for SgdRule {
+    fn at<S: Float + Send + Sync>(&self) -> impl Fn(S, [&mut S; 1], S) -> S + Sync {
+        let ParamsSgd { lr, momentum, weight_decay } = self.params;
+        let s = |x: f64| S::from(x).expect("a float constant");
+        let (lr, momentum, weight_decay, first) = (s(lr), s(momentum), s(weight_decay), self.first);
+        move |p, [v], g| {
+            let d = g + weight_decay * p;
+            *v = if first { d } else { momentum * *v + d };
+            p - lr * *v
+        }
+    }
+}
+
 impl Optimizer for SgdMomentum {
     type Config = ParamsSgd;
 
@@ -375,9 +468,7 @@ impl Optimizer for SgdMomentum {
                 *velocity = Some(state_zeros(var)?);
             }
             let v = velocity.clone().expect("set above");
-            let lean = !self.composed
-                && update_in_place(&v, g, p, "sgd-v", |v, g, p| if first { g + weight_decay * p } else { momentum * v + (g + weight_decay * p) })?
-                && update_in_place(p, &v, &v, "sgd-p", |p, v, _| p - lr * v)?;
+            let lean = !self.composed && update_in_place(p, [&v], g, &SgdRule { params: self.params, first })?;
             if !lean {
                 let (g, p) = (g.detach().to_dtype(v.dtype())?, p.detach().to_dtype(v.dtype())?);
                 let d = (g + (&p * weight_decay)?)?;
