@@ -52,10 +52,11 @@ fn checkpointing_lowers_the_step_peak() {
 // (the concatenation is never made; the fused up-convolution keeps only its input); each stage
 // reads its inputs through `Var`s over their memory. The step's peak is in backward:
 // dec.0's, a patch block and the input gradients on top of what is still held (measured, not
-// derived): `off` 24 MB (28 MB when the concatenation, the pool's partial maxima and the head's
-// permuted voxels were kept). `sqrt` cuts after `bottom` (segments enc.0..bottom, dec.1..head):
-// the last segment, kept from forward, holds dec.1 + dec.0 + head, and its backward reaches 21 MB.
+// derived): `off` 18 MB (24 MB with an 8 MiB patch workspace and whole samples copied
+// channels-last, 28 MB when the concatenation, the pool's partial maxima and the head's permuted
+// voxels were kept). `sqrt` cuts after `bottom` (segments enc.0..bottom, dec.1..head): the last
+// segment, kept from forward, holds dec.1 + dec.0 + head, and its backward reaches 16 MB (21).
 // The full-resolution decoder, never recomputed, sets both peaks, which is why checkpointing
 // saves little on this model.
-const OFF_ACTIVATION: u64 = 23_780_424;
-const SQRT_ACTIVATION: u64 = 21_112_500;
+const OFF_ACTIVATION: u64 = 18_278_856;
+const SQRT_ACTIVATION: u64 = 15_804_684;

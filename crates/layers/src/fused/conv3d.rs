@@ -8,17 +8,22 @@ use super::generic::GenericOp;
 use super::{exactly, mat, matmul, matmul_strided, operand, shaped, slice, uninit, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::borrow::Cow;
+use std::ops::Range;
 
 /// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw) by a matrix product per block
-/// of its operand matrix (8 MB in f32 at most, one workspace for all blocks). It keeps nothing but
+/// of its operand matrix (4 MiB in f32 at most, one workspace for all blocks). It keeps nothing but
 /// its input and output: the operand matrix is built again in backward (the composed version in
 /// `src/conv3d.rs` keeps 7 copies of its input).
 pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
     conv3d_blocked(x, w, g, BLOCK_ENTRIES)
 }
 
-/// Entries of an operand-matrix block at most (8 MB in f32): the one workspace's size.
-const BLOCK_ENTRIES: usize = 1 << 21;
+/// Entries of an operand-matrix block at most (4 MiB in f32): the one workspace's size. Half of
+/// the 8 MiB of old took 4 MiB off the U-Net's step peaks (a decoder level's backward holds the
+/// workspace beside both input gradients) at no measured cost in time: the products stay wide
+/// enough for gemm's blocking (`bench-harness run-one`, U-Net small and ResNet-50/152).
+const BLOCK_ENTRIES: usize = 1 << 20;
 
 /// [`conv3d`] building the column matrix in blocks of at most about `block_entries` entries (at
 /// least one output row; see `Conv3dShape::blocks`).
@@ -181,7 +186,7 @@ impl Conv3dShape {
 
     /// The output columns j whose input column `j s + q - pad` lies inside the input's width, for
     /// kernel column `q`.
-    fn row_span(&self, q: usize) -> std::ops::Range<usize> {
+    fn row_span(&self, q: usize) -> Range<usize> {
         let (s, pad, w, ow) = (self.stride[2], self.pad[2], self.input[2], self.output[2]);
         let lo = pad.saturating_sub(q).div_ceil(s).min(ow);
         lo..((w + pad).saturating_sub(q)).div_ceil(s).clamp(lo, ow)
@@ -226,17 +231,19 @@ impl Conv3dShape {
         blocks.iter().map(|b| b.samples.len() * self.block_len(b)).max().unwrap_or(0)
     }
 
-    /// The samples `samples` of x (N, C, D, H, W) channels-last, (samples, D, H, W, C): each
-    /// voxel's channels side by side, so a patch row copies runs of C elements (kw C at unit
-    /// stride). One run of 64 voxels per task, its channels read in order.
-    fn channels_last<T: Elem>(&self, x: Input<T>, samples: std::ops::Range<usize>) -> Vec<T> {
+    /// Input depth planes `planes` of samples `samples` of x (N, C, D, H, W) channels-last,
+    /// (samples, planes, H, W, C): each voxel's channels side by side, so a patch row copies runs
+    /// of C elements (kw C at unit stride). One run of 64 voxels per task, its channels read in
+    /// order.
+    fn channels_last<T: Elem>(&self, x: Input<T>, samples: Range<usize>, planes: Range<usize>) -> Vec<T> {
         const RUN: usize = 64;
-        let (c, volume) = (self.c, self.volume());
+        let (c, volume, plane) = (self.c, self.volume(), self.input[1] * self.input[2]);
+        let slab = planes.len() * plane;
         // SAFETY: each task writes all C entries of each of its voxels.
-        let mut out = unsafe { uninit(samples.len() * volume * c) };
-        out.par_chunks_mut(volume * c).zip(samples).for_each(|(sample, n)| {
+        let mut out = unsafe { uninit(samples.len() * slab * c) };
+        out.par_chunks_mut(slab * c).zip(samples).for_each(|(sample, n)| {
             sample.par_chunks_mut(RUN * c).enumerate().for_each(|(task, dst)| {
-                let (v0, len) = (task * RUN, dst.len() / c);
+                let (v0, len) = (planes.start * plane + task * RUN, dst.len() / c);
                 for ch in 0..c {
                     for (v, &value) in x.channel(n, ch, c, volume)[v0..][..len].iter().enumerate() {
                         dst[v * c + ch] = value;
@@ -245,6 +252,13 @@ impl Conv3dShape {
             });
         });
         out
+    }
+
+    /// The input depth planes that output slices `zs` read.
+    fn planes(&self, zs: &Range<usize>) -> Range<usize> {
+        let (depth, stride, pad) = (self.input[0], self.stride[0], self.pad[0]);
+        let start = (zs.start * stride).saturating_sub(pad).min(depth);
+        start..((zs.end.max(1) - 1) * stride + self.kernel[0]).saturating_sub(pad).clamp(start, depth)
     }
 
     /// The operand matrix this convolution's products take: the column matrix for a few input
@@ -258,23 +272,44 @@ impl Conv3dShape {
     }
 
     /// The kernel as this convolution's layout takes it, (O, C kd kh kw) for columns and
-    /// (O, kd kh kw C) for patches, from w (O, C, kd, kh, kw); with `flip`, from the kernel of the
-    /// convolution whose input gradient this one is, w (C, O, kd, kh, kw), turned end over end
-    /// along all three axes ([`Self::transposed`]). One output channel per task.
-    fn kernel<T: Elem>(&self, w: &[T], flip: bool) -> Vec<T> {
+    /// (O, kd kh kw C) for patches, from w (O, C, kd, kh, kw): `w` itself where the two orders
+    /// agree (columns, or a pointwise kernel); with `flip`, from the kernel of the convolution
+    /// whose input gradient this one is, w (C, O, kd, kh, kw), turned end over end along all three
+    /// axes ([`Self::transposed`]).
+    fn kernel<'w, T: Elem>(&self, w: &'w [T], flip: bool) -> Cow<'w, [T]> {
         let (c, k) = (self.c, self.rows() / self.c);
         let patches = self.layout() == Layout::Patches;
-        // SAFETY: each task writes every entry of its output channel.
+        if !flip && (!patches || k == 1) {
+            return Cow::Borrowed(w);
+        }
+        let at = |ch: usize, i: usize| if patches { i * c + ch } else { ch * k + i };
+        // SAFETY: each task writes every entry of its output channels.
         let mut out = unsafe { uninit(w.len()) };
-        out.par_chunks_mut(c * k).enumerate().for_each(|(o, dst)| {
-            for ch in 0..c {
-                for i in 0..k {
-                    let src = if flip { w[(ch * self.o + o) * k + k - 1 - i] } else { w[(o * c + ch) * k + i] };
-                    dst[if patches { i * c + ch } else { ch * k + i }] = src;
+        if flip {
+            // A task per block of output channels, reading each input channel's k x block run
+            // of w in order: one output channel per task read w at a stride of O k per element.
+            const BLOCK: usize = 16;
+            out.par_chunks_mut(BLOCK * c * k).enumerate().for_each(|(task, dst)| {
+                let o0 = task * BLOCK;
+                for ch in 0..c {
+                    for (j, dst) in dst.chunks_mut(c * k).enumerate() {
+                        let src = &w[(ch * self.o + o0 + j) * k..][..k];
+                        for i in 0..k {
+                            dst[at(ch, i)] = src[k - 1 - i];
+                        }
+                    }
                 }
-            }
-        });
-        out
+            });
+        } else {
+            out.par_chunks_mut(c * k).zip(w.par_chunks(c * k)).for_each(|(dst, src)| {
+                for ch in 0..c {
+                    for i in 0..k {
+                        dst[at(ch, i)] = src[ch * k + i];
+                    }
+                }
+            });
+        }
+        Cow::Owned(out)
     }
 
     /// A weight gradient made in this convolution's layout as w (O, C, kd, kh, kw) stores it.
@@ -347,8 +382,9 @@ impl Conv3dShape {
     /// column matrix transposed: stored this way it is a row-major left operand with the voxels
     /// as its long side, which gemm packs and runs at 2-3x the speed of the column matrix beside a
     /// few output channels (`benches/gemm.rs`).
-    fn patches<T: Elem>(&self, xc: &[T], b: &ConvBlock, patches: &mut [T]) {
-        let (rows, len, c, volume) = (self.rows(), self.block_len(b), self.c, self.volume());
+    fn patches<T: Elem>(&self, xc: Slab<T>, b: &ConvBlock, patches: &mut [T]) {
+        let (rows, len, c) = (self.rows(), self.block_len(b), self.c);
+        let slab = xc.planes.len() * self.input[1] * self.input[2] * c;
         let ([_, kh, kw], [_, h, w], ow) = (self.kernel, self.input, self.output[2]);
         let (s, pad) = (self.stride[2], self.pad[2]);
         let lines = b.zs.len() * b.rows.len();
@@ -358,7 +394,7 @@ impl Conv3dShape {
         patches[..b.samples.len() * len * rows].par_chunks_mut(ow * rows).enumerate().for_each(|(task, line)| {
             let (k, l) = (task / lines, task % lines);
             let (z, i) = (b.zs.start + l / b.rows.len(), b.rows.start + l % b.rows.len());
-            let xs = &xc[k * volume * c..][..volume * c];
+            let xs = &xc.data[k * slab..][..slab];
             for (j, patch) in line.chunks_mut(rows).enumerate() {
                 // The kernel's row at output column j lies inside the input's width.
                 let inside = j * s >= pad && j * s + kw <= w + pad;
@@ -367,7 +403,7 @@ impl Conv3dShape {
                         seg.fill(T::zero());
                         continue;
                     };
-                    let row = (zz * h + ii) * w; // the input row's first voxel
+                    let row = ((zz - xc.planes.start) * h + ii) * w; // the input row's first voxel
                     if inside && s == 1 {
                         copy(seg, &xs[(row + j - pad) * c..][..kw * c]);
                         continue;
@@ -434,7 +470,7 @@ impl Conv3dShape {
     fn convolve<T: Elem>(&self, x: Input<T>, wk: &[T], parts: &[usize]) -> Vec<Vec<T>> {
         let (cols, rows) = (self.cols(), self.rows());
         let mut at = 0;
-        let ranges: Vec<std::ops::Range<usize>> = parts
+        let ranges: Vec<Range<usize>> = parts
             .iter()
             .map(|&p| {
                 at += p;
@@ -516,31 +552,46 @@ enum Layout {
 /// only when a block starts on other samples (a sample's slices and rows come in a run; blocks
 /// never hold no samples, so the empty start is never taken for one).
 struct ChannelsLast<T> {
-    samples: std::ops::Range<usize>,
+    samples: Range<usize>,
+    planes: Range<usize>,
     data: Vec<T>,
+}
+
+/// Input planes channels-last, as [`Conv3dShape::patches`] reads them.
+struct Slab<'a, T> {
+    data: &'a [T],
+    planes: Range<usize>,
 }
 
 impl<T: Elem> ChannelsLast<T> {
     fn new() -> Self {
-        ChannelsLast { samples: 0..0, data: Vec::new() }
+        ChannelsLast { samples: 0..0, planes: 0..0, data: Vec::new() }
     }
 
-    fn of(&mut self, s: &Conv3dShape, x: Input<T>, b: &ConvBlock) -> &[T] {
-        if self.samples != b.samples {
+    /// Block `b`'s input channels-last, made anew where the last one made does not hold it:
+    /// whole samples for a block spanning them, else a slab of depth planes from the block's
+    /// first on, about a quarter of a block's entries or what the block reads if more (a
+    /// sample made whole at once was a convolution backward's largest temporary, the size of
+    /// its input; each plane is now made about once more per four blocks).
+    fn of(&mut self, s: &Conv3dShape, x: Input<T>, b: &ConvBlock) -> Slab<'_, T> {
+        let need = s.planes(&b.zs);
+        if self.samples != b.samples || need.start < self.planes.start || need.end > self.planes.end {
+            let plane = b.samples.len() * s.input[1] * s.input[2] * s.c;
+            let planes = need.start..(need.start + (s.block_entries / 4 / plane.max(1)).max(need.len())).min(s.input[0]);
             self.data = Vec::new(); // freed before the next is made
-            self.data = s.channels_last(x, b.samples.clone());
-            self.samples = b.samples.clone();
+            self.data = s.channels_last(x, b.samples.clone(), planes.clone());
+            (self.samples, self.planes) = (b.samples.clone(), planes);
         }
-        &self.data
+        Slab { data: &self.data, planes: self.planes.clone() }
     }
 }
 
 /// A block of the column matrix: output rows `rows` of depth slices `zs` of samples `samples`,
 /// side by side (`rows` is a part of the plane only in a block of one slice of one sample).
 struct ConvBlock {
-    samples: std::ops::Range<usize>,
-    zs: std::ops::Range<usize>,
-    rows: std::ops::Range<usize>,
+    samples: Range<usize>,
+    zs: Range<usize>,
+    rows: Range<usize>,
 }
 
 struct Conv3dOp {
