@@ -28,11 +28,13 @@ fn measure_one(model: &str, policy: &PolicyRequest, mode: One, common: &Common, 
         Some(cap) => hold_beyond(dev, cap)?,
         None => None,
     };
-    let w = workloads::profile(common.profile())
-        .into_iter()
-        .chain(workloads::depth_sweep(common.profile()))
+    let workloads: Vec<_> = workloads::profile(common.profile()).into_iter().chain(workloads::depth_sweep(common.profile())).collect();
+    let names = || workloads.iter().map(|w| w.model.clone()).collect::<Vec<_>>().join(", ");
+    let w = workloads
+        .iter()
         .find(|w| w.model == model)
-        .with_context(|| format!("model `{model}` is not in profile `{}`", common.profile()))?
+        .with_context(|| format!("model `{model}` is not in profile `{}`; it has: {}", common.profile(), names()))?
+        .clone()
         .overridden(common.overrides());
     let steps = if mode == One::DryRun { 0 } else { common.steps };
     let mut rec = run(&w, policy, steps, common.seed, dev, &common.device.to_string(), common.memory_cap, mode != One::TimeOnly, group)?;

@@ -149,6 +149,14 @@ fn caps_below_one_byte_and_empty_selections_fail() {
     assert!(!dir.join("matrix.json").exists(), "nothing ran, so nothing is written");
 }
 
+/// A model name `run-one` does not know is refused with the names it does know.
+#[test]
+fn an_unknown_model_lists_the_profiles_models() {
+    let out = harness(&["run-one", "--model", "resnet-50", "--policy", "off", "--profile", "smoke", "--dry-run"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("not in profile `smoke`") && err.contains("gpt2-tiny"), "{err}");
+}
+
 /// A truncated matrix.json does not block a fresh run: `--force` sets it aside instead of failing
 /// to read it.
 #[test]
