@@ -8,9 +8,10 @@
 //! otherwise. On the CPU an update is one pass over a parameter, its state and its gradient,
 //! reading and writing each once (AdamW's three passes of old moved twice the bytes), computed in
 //! the state dtype as PyTorch computes it and split over threads (each element's update is
-//! independent, so the bits do not depend on the thread count). Elsewhere (a GPU, or the CPU on the generic route) they are composed from candle
-//! ops that drop each temporary once used, at most three of a parameter's size alive at once, and
-//! the new value is copied into the parameter's storage (`Var::set`).
+//! independent, so the bits do not depend on the thread count). Elsewhere (a GPU, or the CPU on
+//! the generic route) they are composed from candle ops that drop each temporary once used, at
+//! most three of a parameter's size alive at once, and the new value is copied into the
+//! parameter's storage (`Var::set`).
 
 use crate::fused::slice;
 use candle_core::backend::BackendStorage;
@@ -313,12 +314,20 @@ struct AdamWRule {
     step: i32,
 }
 
+impl AdamWRule {
+    /// The step's bias corrections: `lr / (1 - b1^t)` and `sqrt(1 - b2^t)`.
+    fn step_size_and_bias2_sqrt(&self) -> (f64, f64) {
+        let ParamsAdamW { lr, beta1, beta2, .. } = self.params;
+        (lr / (1.0 - beta1.powi(self.step)), (1.0 - beta2.powi(self.step)).sqrt())
+    }
+}
+
 impl Rule<2> for AdamWRule {
     fn at<S: Float + Send + Sync>(&self) -> impl Fn(S, [&mut S; 2], S) -> S + Sync {
         let ParamsAdamW { lr, beta1, beta2, eps, weight_decay } = self.params;
         let s = |x: f64| S::from(x).expect("a float constant");
-        let (decay, step_size) = (s(1.0 - lr * weight_decay), s(lr / (1.0 - beta1.powi(self.step))));
-        let (bias2_sqrt, eps) = (s((1.0 - beta2.powi(self.step)).sqrt()), s(eps));
+        let (step_size, bias2_sqrt) = self.step_size_and_bias2_sqrt();
+        let (decay, step_size, bias2_sqrt, eps) = (s(1.0 - lr * weight_decay), s(step_size), s(bias2_sqrt), s(eps));
         let (beta1, one_minus_beta1, beta2, one_minus_beta2) = (s(beta1), s(1.0 - beta1), s(beta2), s(1.0 - beta2));
         move |p, [m, v], g| {
             *m = beta1 * *m + one_minus_beta1 * g;
@@ -344,8 +353,7 @@ impl Optimizer for AdamW {
         self.step += 1;
         let ParamsAdamW { lr, beta1, beta2, eps, weight_decay } = self.params;
         let rule = AdamWRule { params: self.params.clone(), step: self.step };
-        let bias2_sqrt = (1.0 - beta2.powi(self.step)).sqrt();
-        let step_size = lr / (1.0 - beta1.powi(self.step));
+        let (step_size, bias2_sqrt) = rule.step_size_and_bias2_sqrt();
         for Moments { var, m, v } in &mut self.vars {
             let Some(g) = grads.get(var) else { continue };
             let p = var.as_tensor();

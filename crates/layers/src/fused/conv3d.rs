@@ -548,9 +548,9 @@ enum Layout {
     Patches,
 }
 
-/// The samples of the current block channels-last ([`Conv3dShape::channels_last`]), made again
-/// only when a block starts on other samples (a sample's slices and rows come in a run; blocks
-/// never hold no samples, so the empty start is never taken for one).
+/// The current block's input channels-last ([`Conv3dShape::channels_last`]), made again only when
+/// a block reads samples or depth planes it does not hold (a sample's slices and rows come in a
+/// run; blocks never hold no samples, so the empty start is never taken for one).
 struct ChannelsLast<T> {
     samples: Range<usize>,
     planes: Range<usize>,
