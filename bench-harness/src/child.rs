@@ -33,20 +33,10 @@ pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, profile:
         "--device",
         &common.device.to_string(),
     ]);
-    let o = common.overrides();
-    let flags = [
-        ("--memory-cap", common.memory_cap.map(|b| b.to_string())),
-        ("--batch", o.batch.map(|b| b.to_string())),
-        ("--input-size", o.input_size.map(|n| n.to_string())),
-        ("--accumulate", o.accumulate.map(|n| n.to_string())),
-        ("--optimizer", o.optimizer.map(|k| k.to_string())),
-        ("--dtype", o.dtype.map(|d| d.to_string())),
-    ];
-    for (flag, value) in flags {
-        if let Some(v) = value {
-            cmd.args([flag, &v]);
-        }
+    if let Some(cap) = common.memory_cap {
+        cmd.args(["--memory-cap", &cap.to_string()]);
     }
+    pass_overrides(&mut cmd, common);
     if common.no_rng_replay {
         cmd.arg("--no-rng-replay");
     }
@@ -97,6 +87,23 @@ pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, profile:
         (Some(line), _) => failed(Status::Oom, line.trim().to_string()),
         (None, true) => failed(Status::Oom, "killed by SIGKILL (the kernel's OOM killer?)".into()),
         _ => failed(Status::Error, child_error(&stderr, out.status)),
+    }
+}
+
+/// Gives `cmd` (a `run-one` or `project-one`) the command line's changes to a workload.
+pub fn pass_overrides(cmd: &mut Command, common: &Common) {
+    let o = common.overrides();
+    let flags = [
+        ("--batch", o.batch.map(|b| b.to_string())),
+        ("--input-size", o.input_size.map(|n| n.to_string())),
+        ("--accumulate", o.accumulate.map(|n| n.to_string())),
+        ("--optimizer", o.optimizer.map(|k| k.to_string())),
+        ("--dtype", o.dtype.map(|d| d.to_string())),
+    ];
+    for (flag, value) in flags {
+        if let Some(v) = value {
+            cmd.args([flag, &v]);
+        }
     }
 }
 

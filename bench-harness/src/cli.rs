@@ -143,8 +143,7 @@ pub struct MatrixArgs {
     pub python: String,
     /// Predict every configuration and run none: the planner's step peak (forward and backward,
     /// and what it is made of) and time, printed, nothing saved. gpt2-24gb: every configuration
-    /// that has its calibration (gpt2-small's record of the same variant and policy, from an
-    /// earlier run into the same folder), recorded as not run.
+    /// predicted at its size and recorded as not run.
     #[arg(long)]
     pub dry_run: bool,
     #[command(flatten)]

@@ -2,24 +2,15 @@
 //! gradient accumulation (the article: GPT-2 1.5B in 21 GB)? Its defaults, its prediction before
 //! a configuration runs, its table and its figure.
 //!
-//! The prediction ([`predict`]) is layered on measurement, not on the planner: the planner
-//! profiles a model at its size, which for GPT-2 XL is the very step that may not fit; this one
-//! scales gpt2-small's measured activation peak (the calibration, run first) to the larger
-//! sizes, so a configuration that cannot fit is never started.
-//!
-//! The prediction:
-//! - The model state is exact arithmetic on the parameter shapes: the parameters and their
-//!   gradients in f32 whatever the activation dtype (they are the master weights), bf16 under
-//!   `bf16-weights`; and the optimizer's state, f32 in every variant: AdamW two moments per
-//!   parameter, Adafactor R + C numbers per R x C weight (a vector whole), SGD one buffer.
-//! - The activations are scaled from gpt2-small's measured activation peak under the same state
-//!   variant and policy (the calibration, run first). The head's part is taken out and computed
-//!   for the model: the logits and their gradient (B T V values each, in the activation dtype),
-//!   and the tied embedding's gradient in flight, V C values (in the weights' dtype) four times (candle's backward
-//!   briefly holds three tensors of a gradient's size, and the executor keeps the head's share
-//!   until the embedding's arrives). The rest (the blocks) is scaled by the width times the blocks
-//!   a policy keeps: L for `off` and `every-two-blocks` (every block's output, or every other
-//!   one, is stored), sqrt(L) for `sqrt`.
+//! The prediction ([`predict`]) is the planner's at the configuration's own size: the model is
+//! built in a fresh process and its stages profiled one at a time at batch 1 and the full
+//! sequence ([`crate::projection::project`]; GPT-2's blocks are alike, so one block is measured
+//! and its figures reused for the others), so a configuration that cannot fit is never started.
+//! The model state is exact arithmetic on the parameter shapes: the parameters and their
+//! gradients in f32 whatever the activation dtype (they are the master weights), bf16 under
+//! `bf16-weights`; and the optimizer's state, f32 in every variant: AdamW two moments per
+//! parameter, Adafactor R + C numbers per R x C weight (a vector whole), SGD one buffer. The rest
+//! of the predicted peak (activations, temporaries, the inputs) is the planner's.
 //!
 //! The table, `TABLE.md`: for GPT-2 at every published size, batch 1 with 8
 //! micro-batches accumulated, each way of holding its state and each policy: the predicted bytes
@@ -29,63 +20,52 @@
 use crate::child::{spawn_one, One};
 use crate::cli::Common;
 use crate::plot::{self, color, plot_err, Chart};
-use crate::record::{Prediction, Record, Status};
+use crate::record::{Prediction, Projection, Record, Status};
 use crate::results::Matrix;
 use crate::units;
-use crate::workloads::{self, Profile, Workload};
+use crate::workloads::{state, Profile, Workload};
 use anyhow::{bail, Context, Result};
-use layers::{OptimizerKind, Precision};
 use plotters::coord::Shift;
 use plotters::prelude::*;
-use remat::{Policy, PolicyRequest};
+use remat::PolicyRequest;
 use std::fmt::Write as _;
 use std::path::Path;
 
-/// `--matrix gpt2-24gb`: the profile, sequence 256 on the CPU (a step of GPT-2 XL at 1024 takes
-/// minutes on two cores) and 1024 elsewhere, and a memory cap of 24 GiB, or on the CPU what this
-/// machine can give if that is less.
+/// `--matrix gpt2-24gb`: the profile, GPT-2's sequence (1024) unless `--input-size` says
+/// otherwise, and a memory cap of 24 GiB, or on the CPU what this machine can give if that is
+/// less.
 pub fn defaults(common: &mut Common) -> Result<()> {
     if common.profile.is_some_and(|p| p != Profile::Gpt2_24gb) {
         bail!("--matrix gpt2-24gb runs its own profile; drop --profile");
     }
     common.profile = Some(Profile::Gpt2_24gb);
-    let cpu = common.device == trainkit::DeviceName::Cpu;
-    common.input_size = common.input_size.or(Some(if cpu { 256 } else { 1024 }));
-    const GIB_24: u64 = 24 << 30;
     // The harness, the OS and the page cache need some of what is available.
     let machine = trainkit::available_memory().map(|b| b.saturating_sub(3 << 30));
+    let cpu = common.device == trainkit::DeviceName::Cpu;
     common.memory_cap = common.memory_cap.or(Some(if cpu { machine.map_or(GIB_24, |m| m.min(GIB_24)) } else { GIB_24 }));
     Ok(())
 }
 
-/// A `gpt2-24gb` configuration: predicted first ([`predict`], calibrated on gpt2-small's record
-/// of the same variant and policy), skipped where the prediction exceeds the memory cap, run
-/// otherwise. The gradient check needs two models and a copy of every gradient beside them, so
-/// it runs only where that fits the cap (four times the parameters' f32 bytes, with room for the
-/// activations). `dry_run`: nothing runs, and a configuration that cannot be predicted (no
-/// calibration) gets no record.
-pub fn run_predicted(matrix: &Matrix, w: &Workload, policy: &PolicyRequest, common: &Common, profile: Profile, dry_run: bool) -> Result<Option<Record>> {
-    let variant = w.model.split('/').nth(1).unwrap_or_default();
-    let small = format!("gpt2-small/{variant}");
-    // From the whole profile: --models may have left gpt2-small out of this run.
-    let small_workload = workloads::profile(profile).into_iter().find(|c| c.model == small).map(|c| c.overridden(common.overrides()));
-    let calibration = if w.model == small {
-        None
-    } else {
-        let rec = matrix.find(&small, &policy.to_string()).filter(|r| r.status == Status::Ok);
-        small_workload.as_ref().zip(rec)
-    };
-    let prediction = predict(w, policy, calibration)?;
+/// A `gpt2-24gb` configuration: predicted first ([`predict`], from the model's projection, made
+/// once per model and kept in the matrix), skipped where the prediction exceeds the memory cap,
+/// run otherwise. The gradient check needs two models and a copy of every gradient beside them,
+/// so it runs only where that fits the cap (four times the parameters' f32 bytes, with room for
+/// the activations). `dry_run`: predicted, nothing runs.
+pub fn run_predicted(matrix: &mut Matrix, w: &Workload, policy: &PolicyRequest, common: &Common, profile: Profile, dry_run: bool) -> Result<Option<Record>> {
+    if !matrix.projections.iter().any(|p| p.model == w.model) {
+        let p = crate::projection::spawn_projection(&w.model, profile, common).with_context(|| format!("predicting {}", w.model))?;
+        matrix.put_projection(p);
+    }
+    let projection = matrix.projections.iter().find(|p| p.model == w.model).expect("put above");
+    let prediction = predict(w, policy, projection)?;
     let cap = common.memory_cap.expect("set by defaults");
-    let state = prediction.params + prediction.grads + prediction.optimizer;
     let total = prediction.total();
     let skipped = |error: String| Record { status: Status::Skipped, error, ..Record::new(w, policy, &common.device.to_string()) };
     let mut rec = match total {
-        None if dry_run => return Ok(None),
         Some(t) if dry_run => skipped(format!("dry run (predicted {:.1} GiB)", units::gib(t))),
         Some(t) if t > cap => skipped(format!("does not fit (predicted {:.1} GiB > cap {:.1} GiB)", units::gib(t), units::gib(cap))),
-        None if state > cap => skipped(format!("does not fit (its state alone is {:.1} GiB > cap {:.1} GiB)", units::gib(state), units::gib(cap))),
-        _ => {
+        None => skipped(format!("not predicted: the planner found no plan for {policy}")),
+        Some(_) => {
             let check_fits = prediction.params * 4 + prediction.activations.unwrap_or(0) < cap;
             let mut rec = spawn_one(w, policy, common, profile, if check_fits { One::Full } else { One::Unchecked });
             rec.grads_checked = check_fits && rec.status == Status::Ok;
@@ -97,61 +77,13 @@ pub fn run_predicted(matrix: &Matrix, w: &Workload, policy: &PolicyRequest, comm
     Ok(Some(rec))
 }
 
-/// The bytes of the parameters and of their gradients (in `precision`'s weight dtype) and of
-/// `optimizer`'s state (f32).
-pub fn state(shapes: &[Vec<usize>], optimizer: OptimizerKind, precision: Precision) -> (u64, u64, u64) {
-    let count = |s: &Vec<usize>| s.iter().product::<usize>() as u64;
-    let params: u64 = shapes.iter().map(count).sum();
-    let state = match optimizer {
-        OptimizerKind::Sgd => params,
-        OptimizerKind::Adamw => 2 * params,
-        OptimizerKind::Adafactor => shapes
-            .iter()
-            .map(|s| match s.as_slice() {
-                [lead @ .., r, c] => lead.iter().product::<usize>() as u64 * (r + c) as u64,
-                _ => count(s),
-            })
-            .sum(),
-    };
-    let weight = precision.weights().size_in_bytes() as u64;
-    (weight * params, weight * params, 4 * state)
-}
-
-/// GPT-2's configuration from a `gpt2-24gb` model name, `gpt2-<size>/<variant>`.
-pub fn gpt2_config(model: &str) -> Result<gpt2::Config> {
-    let size = model.strip_prefix("gpt2-").and_then(|m| m.split('/').next()).with_context(|| format!("`{model}` is not a gpt2-24gb model"))?;
-    Ok(size.parse::<gpt2::Preset>()?.config())
-}
-
-/// The blocks whose activations a policy keeps alive, as the scale of the block part.
-fn kept_blocks(policy: &PolicyRequest, layers: usize) -> f64 {
-    match policy {
-        PolicyRequest::Fixed(Policy::Sqrt) => (layers as f64).sqrt(),
-        _ => layers as f64,
-    }
-}
-
-/// The head's part of the activation peak: the logits and their gradient, and the tied
-/// embedding's gradient in flight.
-fn head_bytes(w: &Workload, config: &gpt2::Config) -> u64 {
-    let logits = 2 * w.batch * w.input_size * config.vocab_size * w.dtype.dtype().size_in_bytes();
-    (logits + 4 * config.vocab_size * config.n_embd * w.dtype.weights().size_in_bytes()) as u64
-}
-
-/// The prediction for `w` under `policy`; `calibration` is gpt2-small's workload and measured
-/// record under the same variant and policy (`None` for gpt2-small itself).
-pub fn predict(w: &Workload, policy: &PolicyRequest, calibration: Option<(&Workload, &Record)>) -> Result<Prediction> {
+/// The prediction for `w` under `policy` from its `projection`: the state by arithmetic
+/// ([`state`]), the rest of the projected total as activations (`None` where the
+/// projection has no row for the policy: a budget no plan fits).
+pub fn predict(w: &Workload, policy: &PolicyRequest, projection: &Projection) -> Result<Prediction> {
     let (params, grads, optimizer) = state(&w.parameter_shapes()?, w.optimizer(), w.dtype);
-    let activations = match calibration {
-        Some((cw, rec)) => {
-            let (me, small) = (gpt2_config(&w.model)?, gpt2_config(&cw.model)?);
-            let blocks = rec.activation_peak_bytes.saturating_sub(head_bytes(cw, &small)) as f64;
-            let scale = (me.n_embd as f64 * kept_blocks(policy, me.n_layer)) / (small.n_embd as f64 * kept_blocks(policy, small.n_layer));
-            let tokens = (w.batch * w.input_size) as f64 / (cw.batch * cw.input_size) as f64;
-            Some(head_bytes(w, &me) + (blocks * scale * tokens) as u64)
-        }
-        None => None,
-    };
+    let label = policy.to_string();
+    let activations = projection.rows.iter().find(|r| r.label == label).map(|r| r.total_bytes.saturating_sub(params + grads + optimizer));
     Ok(Prediction { params, grads, optimizer, activations })
 }
 
@@ -248,19 +180,18 @@ pub fn table(m: &Matrix) -> String {
         }
     }
     out += "\n## Predicted against measured\n\n\
-            Predicted total: the state above plus the activations scaled from gpt2-small's measured activation peak under the same \
-            variant and policy (its logits recomputed for each model, its blocks scaled by width times the blocks the policy keeps: \
-            L, or sqrt(L) under `sqrt`); gpt2-small is the calibration and has no prediction of its own. Measured total: the heap \
-            before the step (parameters, optimizer state) plus the step's peak above it (gradients, activations), the highest \
-            over the timed steps. Configurations predicted above the memory cap are not run; with `--dry-run`, none is, and every \
-            row but the calibration's is a prediction. The meter counts live bytes; the allocator keeps freed pages for reuse \
+            Predicted total: the planner's, from the model built at its size and its stages profiled one at a time at batch 1 \
+            and the full sequence (one block measured, its figures reused for the others, which are alike), the optimizer state \
+            by arithmetic. Measured total: the heap before the step (parameters, optimizer state) plus the step's peak above it \
+            (gradients, activations), the highest over the timed steps. Configurations predicted above the memory cap are not \
+            run; with `--dry-run`, none is, and every row is a prediction. The meter counts live bytes; the allocator keeps freed pages for reuse \
             (a step faults in no new memory), so a process's resident memory runs above its live heap (by 3-4 GiB for GPT-2 XL): \
             near a machine's limit the kernel may kill a run whose live heap fits, which the table says.\n\n\
             | model | variant | policy | predicted GiB | measured GiB | error | fits 24 GiB | tokens/s | step time | gradients |\n\
             |---|---|---|---|---|---|---|---|---|---|\n";
     for r in &records {
         let (model, variant) = r.model.split_once('/').unwrap_or((&r.model, ""));
-        let predicted = r.predicted_total_bytes.map_or("calibration".into(), cell);
+        let predicted = r.predicted_total_bytes.map_or("-".into(), cell);
         let seq = r.input.trim_start_matches("seq ").parse::<usize>().unwrap_or(0);
         let (measured, error, tokens, time) = if r.status == Status::Ok {
             let total = measured_total(r);
@@ -306,22 +237,28 @@ impl Chart for MemoryChart<'_> {
     }
 }
 
-/// Peak memory of every configuration as a bar (measured where it ran, predicted and pale where
-/// it did not), smallest model at the top, against a line at 24 GiB.
+/// Peak memory of every configuration as a bar split into the model state (weights, gradients,
+/// optimizer state, by arithmetic) and the rest (activations and temporaries): measured where it
+/// ran, predicted and pale where it did not; smallest model at the top, against a line at 24 GiB.
 fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
-    // Bottom up: the largest model's last configuration first.
-    let bars: Vec<(String, f64, bool)> = in_size_order(m)
+    // Bottom up: the largest model's last configuration first. (label, state GiB, total GiB, measured)
+    let bars: Vec<(String, f64, f64, bool)> = in_size_order(m)
         .into_iter()
         .rev()
-        .filter_map(|r| match r.status {
-            Status::Ok => Some((format!("{} {}", r.model, r.policy), units::gib(measured_total(r)), true)),
-            _ => Some((format!("{} {} ({})", r.model, r.policy, r.status), units::gib(r.predicted_total_bytes?), false)),
+        .filter_map(|r| {
+            let state = r.predicted.map_or(r.model_state_bytes, |p| p.params + p.grads + p.optimizer);
+            match r.status {
+                Status::Ok => Some((format!("{} {}", r.model, r.policy), units::gib(state), units::gib(measured_total(r)), true)),
+                _ => Some((format!("{} {} ({})", r.model, r.policy, r.status), units::gib(state), units::gib(r.predicted_total_bytes?), false)),
+            }
         })
         .collect();
-    let max = bars.iter().map(|b| b.1).fold(26.0, f64::max) * 1.05;
+    let max = bars.iter().map(|b| b.2).fold(26.0, f64::max) * 1.05;
     let n = bars.len().max(1) as i32;
+    let first = m.records.first();
+    let (input, accumulate) = first.map_or(("?".into(), 0), |r| (r.input.clone(), r.accumulate));
     let mut chart = ChartBuilder::on(root)
-        .caption("GPT-2, batch 1 (8 micro-batches): peak memory by configuration", ("sans-serif", 20))
+        .caption(format!("GPT-2, batch 1, {input}, {accumulate} micro-batches: peak memory by configuration"), ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(360)
@@ -339,10 +276,21 @@ fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -
         .x_desc("GiB at the step's peak (measured; pale: predicted, not run)")
         .draw()
         .map_err(plot_err)?;
-    for (i, (_, v, measured)) in bars.iter().enumerate() {
-        let c = if *measured { color(0).filled() } else { color(0).mix(0.3).filled() };
-        let (lo, hi) = (SegmentValue::Exact(i as i32), SegmentValue::Exact(i as i32 + 1));
-        chart.draw_series([Rectangle::new([(0.0, lo), (*v, hi)], c)]).map_err(plot_err)?;
+    let fill = |k: usize, measured: bool| if measured { color(k).filled() } else { color(k).mix(0.3).filled() };
+    for (i, (_, state, total, measured)) in bars.iter().enumerate() {
+        let (lo, hi) = (|| SegmentValue::Exact(i as i32), || SegmentValue::Exact(i as i32 + 1));
+        let state = state.min(*total);
+        chart.draw_series([Rectangle::new([(0.0, lo()), (state, hi())], fill(0, *measured))]).map_err(plot_err)?;
+        chart.draw_series([Rectangle::new([(state, lo()), (*total, hi())], fill(1, *measured))]).map_err(plot_err)?;
+    }
+    // Legend entries for the two parts of a bar (empty rectangles: the bars are drawn above).
+    for (k, part) in [(0, "weights, gradients, optimizer state"), (1, "activations and temporaries")] {
+        let none = || SegmentValue::Exact(0);
+        chart
+            .draw_series([Rectangle::new([(0.0, none()), (0.0, none())], color(k).filled())])
+            .map_err(plot_err)?
+            .label(part)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 16, y + 5)], color(k).filled()));
     }
     chart
         .draw_series(LineSeries::new([(24.0, SegmentValue::Exact(0)), (24.0, SegmentValue::Exact(n))], color(3).stroke_width(2)))
@@ -351,26 +299,4 @@ fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], color(3).stroke_width(2)));
     chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::LowerRight).draw().map_err(plot_err)?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// GPT-2 XL's published parameter count and the bytes per parameter of each way of holding
-    /// its state: f32 weights, gradients and AdamW moments 16; bf16 weights and gradients with f32
-    /// moments 12; Adafactor's factored statistics a few MB beside f32 weights and gradients.
-    #[test]
-    fn the_state_of_gpt2_xl_by_arithmetic() {
-        let shapes = <gpt2::Gpt2 as layers::Benchable>::parameter_shapes(&gpt2::Preset::Xl.config()).unwrap();
-        let n: u64 = shapes.iter().map(|s| s.iter().product::<usize>() as u64).sum();
-        assert_eq!(n, 1_557_611_200);
-        let total = |(p, g, o): (u64, u64, u64)| p + g + o;
-        assert_eq!(total(state(&shapes, OptimizerKind::Adamw, Precision::F32)), 16 * n);
-        assert_eq!(total(state(&shapes, OptimizerKind::Adamw, Precision::Bf16)), 16 * n);
-        assert_eq!(total(state(&shapes, OptimizerKind::Adamw, Precision::Bf16Weights)), 12 * n);
-        let (p, g, o) = state(&shapes, OptimizerKind::Adafactor, Precision::Bf16);
-        assert_eq!((p, g), (4 * n, 4 * n));
-        assert!(o < 20 << 20, "Adafactor's state of GPT-2 XL: {o} bytes");
-    }
 }

@@ -7,10 +7,12 @@
 //! (what can run), `cli`, `results` (the folder's file), `child` (a configuration in a fresh
 //! process), `measure` (one configuration in this process), `baseline` (PyTorch beside it),
 //! `projection` (the article's table at full size), `gpt2_24gb` (its own matrix), `table` and
-//! `plot` (the models and depth reports), `report` (every file of a folder), `matrix` (the run).
+//! `plot` (the models and depth reports), `report` (every file of a folder), `matrix` (the run),
+//! `claims` (the ledger of the article's claims, rendered from the results).
 
 mod baseline;
 mod child;
+mod claims;
 mod cli;
 mod gpt2_24gb;
 mod matrix;
@@ -51,6 +53,16 @@ enum Cmd {
     Selftest {
         #[arg(long, default_value = "cpu")]
         device: trainkit::DeviceName,
+    },
+    /// Render `results/CLAIMS.md`, the ledger of the article's claims, from its template
+    /// `CLAIMS.template.md`: every figure in it is a query of a results folder.
+    Claims {
+        /// The results folder that holds the template and the folders it queries.
+        #[arg(long, default_value = "results")]
+        dir: std::path::PathBuf,
+        /// Change nothing: fail unless the ledger is what its template and the results give.
+        #[arg(long)]
+        check: bool,
     },
     /// Predict one model of the `full` profile at its size and print the projection as JSON
     /// (the matrix runs this for the article's table).
@@ -96,6 +108,7 @@ fn main() -> Result<()> {
         }
         Some(Cmd::ProjectOne { model, common }) => projection::project_one(&model, &common),
         Some(Cmd::Selftest { device }) => selftest::selftest(device),
+        Some(Cmd::Claims { dir, check }) => claims::run(&dir, check),
         None => matrix::run(cli.matrix),
     }
 }

@@ -105,7 +105,12 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
         .iter()
         .flat_map(|w| {
             let chosen: Vec<PolicyRequest> = if args.policies.is_empty() {
-                w.policies().into_iter().map(PolicyRequest::from).collect()
+                let mut chosen: Vec<PolicyRequest> = w.policies().into_iter().map(PolicyRequest::from).collect();
+                // At full size, what fits a 24 GiB card: the planner's plan for one too.
+                if matches!(profile, Profile::Gpt2_24gb | Profile::Full) && !w.model.starts_with(workloads::DEPTH_PREFIX) {
+                    chosen.push(PolicyRequest::Budget(projection::CARD_BUDGET));
+                }
+                chosen
             } else {
                 args.policies.iter().filter(|p| p.fixed().is_none_or(|p| w.applies(p))).cloned().collect()
             };
@@ -225,7 +230,7 @@ impl Run<'_> {
         if args.force || !have {
             bar.set_message(format!("{} {policy}", w.model));
             let rec = if profile == Profile::Gpt2_24gb {
-                gpt2_24gb::run_predicted(&self.matrix, w, policy, common, profile, args.dry_run)?
+                gpt2_24gb::run_predicted(&mut self.matrix, w, policy, common, profile, args.dry_run)?
             } else {
                 Some(spawn_one(w, policy, common, profile, One::Full))
             };
@@ -233,13 +238,18 @@ impl Run<'_> {
             bar.suspend(|| trainkit::say!("{}", summary(&rec, self.matrix.find(&w.model, "off"))));
             self.statuses.push((format!("{} {policy}", w.model), rec.status));
             rec.command = this_command();
+            rec.commit = self.matrix.meta.git_commit.clone();
             self.matrix.put(rec);
             ran = true;
         }
         if let (Some(python), Some(ours)) = (python, self.matrix.find(&w.model, &policy.to_string()).filter(|r| r.status == Status::Ok)) {
             if baseline::MODELS.contains(&w.model.as_str()) {
                 bar.set_message(format!("{} {policy} in PyTorch", w.model));
-                let b = Baseline { command: this_command(), ..baseline::run(python, ours, w.input_size, common.steps, common.seed, false) };
+                let b = Baseline {
+                    command: this_command(),
+                    commit: self.matrix.meta.git_commit.clone(),
+                    ..baseline::run(python, ours, w.input_size, common.steps, common.seed, false)
+                };
                 bar.suspend(|| trainkit::say!("{}", baseline_summary(&b, ours)));
                 self.matrix.put_baseline(b);
             }
@@ -384,9 +394,10 @@ fn summary(r: &Record, off: Option<&Record>) -> String {
         .map(|o| format!(" ({:.2}x off peak, {:.2}x off time)", r.step_peak_bytes as f64 / o.step_peak_bytes as f64, r.step_ms_median / o.step_ms_median))
         .unwrap_or_default();
     let grads = match (r.grads_checked, r.grads_bit_identical) {
-        (false, _) => "grads not checked",
-        (true, true) => "grads = plain candle bit for bit",
-        (true, false) => "GRADS DIFFER FROM PLAIN CANDLE",
+        (false, _) if !r.check_skipped.is_empty() => format!("grads not checked: {}", r.check_skipped),
+        (false, _) => "grads not checked".into(),
+        (true, true) => "grads = plain candle bit for bit".into(),
+        (true, false) => "GRADS DIFFER FROM PLAIN CANDLE".into(),
     };
     let predicted = r
         .predicted_peak_bytes

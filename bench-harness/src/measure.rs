@@ -5,6 +5,7 @@
 use crate::child::One;
 use crate::cli::Common;
 use crate::record::{FrontierPoint, Record, Status};
+use crate::units::gib_text;
 use crate::workloads::{self, Instance, Workload};
 use anyhow::{anyhow, Context, Result};
 use candle_core::Device;
@@ -47,7 +48,7 @@ fn measure_one(model: &str, policy: &PolicyRequest, mode: One, common: &Common, 
     if !group.is_root() {
         return Ok(());
     }
-    if mode == One::Full {
+    if mode == One::Full && rec.status == Status::Ok && rec.check_skipped.is_empty() {
         // A budget is checked as the plan it resolved to (one process's step: the ranks'
         // agreement is the parameter check in `measure::run`).
         let checked: Policy = match policy.fixed() {
@@ -114,19 +115,53 @@ pub fn run(
     let counter = Counter::for_device(device);
     counter.synchronize();
     let base = counter.current();
+    // What this process may hold: the heap now and what the machine can still give, less a
+    // tenth (the allocator's slack, the page cache, the harness). Under a memory cap, which
+    // emulates a smaller device, a step that does not fit runs and ends out of memory, as it
+    // would there.
+    let room = if cap.is_some() { None } else { trainkit::free_memory(device).map(|free| base + free - free / 10) };
+    if let (Some(room), true) = (room, predict_step) {
+        // A state that alone does not fit is not built (GPT-2 XL's f32 weights, gradients and
+        // AdamW moments are 25 GB): the record says so, with the arithmetic.
+        let (params, grads, optimizer) = workloads::state(&w.parameter_shapes()?, w.optimizer(), w.dtype);
+        if params + grads + optimizer > room {
+            rec.status = Status::Skipped;
+            rec.error = format!(
+                "predicted only: its weights, gradients and optimizer state alone are {} (by arithmetic on the parameter shapes), and this machine can give {}",
+                gib_text(params + grads + optimizer),
+                gib_text(room)
+            );
+            return Ok(rec);
+        }
+    }
     // Held from here on, as the model is: part of the state before a step, never of a step.
     layers::allocate_matmul_workspaces();
     set_activity(Activity::Build, None);
     let inst = w.build(device, seed)?;
     let mut optimizer = inst.optimizer(w.shard_optimizer, group)?;
-    let policy = match (policy.fixed(), predict_step) {
-        (Some(p), false) => p.clone(),
+    let (policy, off_total) = match (policy.fixed(), predict_step) {
+        (Some(p), false) => (p.clone(), None),
         _ => plan(&mut rec, (w, &*inst, device), &*optimizer, policy, seed, cap, predict_step, group)?,
     };
     if steps == 0 {
         rec.status = Status::Skipped;
         rec.error = "dry run".into();
         return Ok(rec);
+    }
+    if let (Some(room), Some(total)) = (room, rec.predicted_total_bytes) {
+        if total > room {
+            rec.status = Status::Skipped;
+            rec.error =
+                format!("predicted only: a step needs {} in all by the planner's prediction, and this machine can give {}", gib_text(total), gib_text(room));
+            return Ok(rec);
+        }
+        // The check runs plain candle's step and then ours, each on a fresh model, holding a
+        // copy of the first's gradients meanwhile: where two steps of `off`'s size do not fit,
+        // it is skipped and the record says why.
+        if let Some(off) = off_total.filter(|&off| 2 * off > room) {
+            rec.check_skipped =
+                format!("two steps of `off` ({} each by the planner's prediction) do not fit the {} this machine can give", gib_text(off), gib_text(room));
+        }
     }
     let exec = Executor::new(inst.graph(), &policy, inst.store().vars(), trainkit::rank_seed(seed, group.rank()))?;
     rec.segments = exec.segments().len();
@@ -198,7 +233,8 @@ fn ranks_summary(rec: &mut Record, group: &trainkit::Group, comm_ms: Vec<f64>, w
 
 /// Profiles `inst` for the planner: a `budget=`/`auto` policy resolved (the ranks agreeing on
 /// one plan, kept in `rec.plan`), and with `predict_step` the step predicted into `rec` (for
-/// `off`, with the planner's memory/time frontier). Returns the policy to run.
+/// `off`, with the planner's memory/time frontier). Returns the policy to run and, with
+/// `predict_step`, `off`'s predicted total (the state and its step's peak).
 #[allow(clippy::too_many_arguments)]
 fn plan(
     rec: &mut Record,
@@ -209,7 +245,7 @@ fn plan(
     cap: Option<u64>,
     predict_step: bool,
     group: &trainkit::Group,
-) -> Result<Policy> {
+) -> Result<(Policy, Option<u64>)> {
     let profile = profile(inst, seed)?;
     // After the profile: the workspaces kernels keep from their first calls are part of it.
     let inputs_bytes: u64 = inst.inputs(0)?.iter().map(remat::memory::tensor_bytes).sum();
@@ -230,10 +266,13 @@ fn plan(
                 .collect();
         }
         rec.predicted_peak_bytes = Some(estimate.peak);
+        rec.predicted_total_bytes = Some(fixed + estimate.peak);
         rec.predicted_time_ratio = Some(estimate.time_ratio());
         rec.estimate = Some(estimate);
+        let off = predict(&profile, &Policy::Off, w.accumulate)?;
+        return Ok((policy, Some(fixed + off.peak)));
     }
-    Ok(policy)
+    Ok((policy, None))
 }
 
 /// Checks `policy` on `w` against plain candle and fills the record's gradient fields (run it

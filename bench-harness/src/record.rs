@@ -71,6 +71,10 @@ pub struct Record {
     /// the machine has: two models and a copy of every gradient).
     #[serde(default = "yes")]
     pub grads_checked: bool,
+    /// Why the gradient check was skipped where the harness decided it does not fit (two steps
+    /// of `off`'s predicted size beyond what the machine can give), else empty.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub check_skipped: String,
     /// `gpt2-24gb`: what the configuration was predicted to need ([`crate::gpt2_24gb::predict`]), and its
     /// total (the state, the gradients and the activations at the step's peak).
     #[serde(default)]
@@ -122,6 +126,9 @@ pub struct Record {
     /// ones, as a folder's records can come from several runs).
     #[serde(default)]
     pub command: String,
+    /// The commit of the harness that measured it (empty in records from before rows named it).
+    #[serde(default)]
+    pub commit: String,
     /// Memory timeline of the first timed step (JSON only), and the heap when that step began.
     #[serde(default)]
     pub timeline: Vec<Event>,
@@ -216,7 +223,9 @@ pub struct Prediction {
     pub params: u64,
     pub grads: u64,
     pub optimizer: u64,
-    /// `None` for the calibration configuration itself (gpt2-small).
+    /// The planner's peak less the state: activations, temporaries and the inputs; `None` where
+    /// no plan was found for the policy (a budget below what any plan needs), or in records from
+    /// before predictions came from the planner, for the calibrating gpt2-small.
     pub activations: Option<u64>,
 }
 
@@ -263,6 +272,9 @@ pub struct Baseline {
     /// The harness command that ran it (with `--baseline pytorch`).
     #[serde(default)]
     pub command: String,
+    /// The commit of the harness (and so of the script) that ran it.
+    #[serde(default)]
+    pub commit: String,
     pub framework: String,
     #[serde(default)]
     pub framework_version: String,

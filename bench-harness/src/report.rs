@@ -79,12 +79,7 @@ the measured step peak, and its predicted time / off.\n",
 }
 
 fn planner_summary(out: &mut String, m: &Matrix) {
-    let errors: Vec<(f64, &Record)> = m
-        .records
-        .iter()
-        .filter(|r| r.status == Status::Ok && r.step_peak_bytes > 0)
-        .filter_map(|r| Some((r.predicted_peak_bytes? as f64 / r.step_peak_bytes as f64 - 1.0, r)))
-        .collect();
+    let errors = m.planner_errors();
     if let Some((worst, r)) = errors.iter().max_by(|a, b| a.0.abs().total_cmp(&b.0.abs())) {
         let within = errors.iter().filter(|(e, _)| e.abs() <= 0.05).count();
         let _ = writeln!(
@@ -106,8 +101,8 @@ fn model_table(out: &mut String, m: &Matrix, rows: &[&Record]) {
     let _ = write!(
         out,
         "\n## {} (batch {}, {}, {}, {} threads): model state {}\n\n\
-| policy | segments | step peak | predicted (error) | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | predicted time / off | time / off, rounds | grads = plain candle (bits) | status |\n\
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+| policy | segments | step peak | predicted (error) | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | predicted time / off | time / off, rounds | grads = plain candle (bits) | status | commit |\n\
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         first.model,
         first.batch,
         first.input,
@@ -119,7 +114,7 @@ fn model_table(out: &mut String, m: &Matrix, rows: &[&Record]) {
         if r.status == Status::Ok {
             record_row(out, r, off);
         } else {
-            let _ = writeln!(out, "| {} | | | | | | | | | | | | | | {}: {} |", r.policy, r.status, r.error.replace('|', "/"));
+            let _ = writeln!(out, "| {} | | | | | | | | | | | | | | {}: {} | {} |", r.policy, r.status, r.error.replace('|', "/"), commit(r));
         }
     }
 }
@@ -135,6 +130,7 @@ fn record_row(out: &mut String, r: &Record, off: Option<&Record>) {
         None => ("-".into(), "-".into(), "-".into()),
     };
     let grads = match (r.grads_checked, r.grads_bit_identical) {
+        (false, _) if !r.check_skipped.is_empty() => format!("not checked: {}", r.check_skipped),
         (false, _) => "not checked".to_string(),
         (true, true) => "yes".to_string(),
         (true, false) => format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff),
@@ -145,7 +141,7 @@ fn record_row(out: &mut String, r: &Record, off: Option<&Record>) {
     let policy = if r.plan.is_empty() { r.policy.clone() } else { format!("{} → `{}`", r.policy, r.plan) };
     let _ = writeln!(
         out,
-        "| {policy} | {} | {} | {predicted} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {predicted_time} | {rounds} | {grads} | ok |",
+        "| {policy} | {} | {} | {predicted} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {predicted_time} | {rounds} | {grads} | ok | {} |",
         r.segments,
         mib(r.step_peak_bytes),
         if r.step_peak_bytes > r.fwd_bwd_peak_bytes { "optimizer" } else { "fwd/bwd" },
@@ -153,8 +149,19 @@ fn record_row(out: &mut String, r: &Record, off: Option<&Record>) {
         mib(r.rss_peak_delta_bytes),
         r.step_ms_median,
         r.step_ms_min,
-        r.step_ms_max
+        r.step_ms_max,
+        commit(r)
     );
+}
+
+/// The commit that measured `r`, or "-" for records from before rows named it (the folder's
+/// header names its last run's).
+fn commit(r: &Record) -> &str {
+    if r.commit.is_empty() {
+        "-"
+    } else {
+        &r.commit
+    }
 }
 
 fn ranks_table(out: &mut String, rows: &[&Record]) {
@@ -209,7 +216,7 @@ fn spread(s: &Option<crate::record::Spread>, pick: fn(&crate::record::Spread) ->
     s.as_ref().map_or(String::new(), |t| ms(pick(t)))
 }
 
-const COLUMNS: [Column; 44] = [
+const COLUMNS: [Column; 46] = [
     Column { name: "framework", ours: |_| "candle".into(), theirs: |b, _| format!("pytorch {}", b.framework_version) },
     Column { name: "model", ours: |r| r.model.clone(), theirs: |b, _| b.model.clone() },
     Column { name: "policy", ours: |r| quoted(&r.policy), theirs: |b, _| quoted(&b.policy) },
@@ -249,7 +256,9 @@ const COLUMNS: [Column; 44] = [
     Column { name: "grads_differing", ours: |r| r.grads_differing.to_string(), theirs: none },
     Column { name: "max_abs_diff", ours: |r| format!("{:e}", r.max_abs_diff), theirs: none },
     Column { name: "params_without_grad", ours: |r| r.params_without_grad.to_string(), theirs: none },
+    Column { name: "check_skipped", ours: |r| quoted(&r.check_skipped), theirs: none },
     Column { name: "status", ours: |r| r.status.to_string(), theirs: |b, _| b.status.to_string() },
+    Column { name: "commit", ours: |r| r.commit.clone(), theirs: |b, _| b.commit.clone() },
     Column { name: "error", ours: |r| quoted(&r.error), theirs: |b, _| quoted(&b.error) },
     Column { name: "time_vs_off_median", ours: |r| spread(&r.time_vs_off, |t| t.median), theirs: |b, _| spread(&b.time_vs_off, |t| t.median) },
     Column { name: "time_vs_off_min", ours: |r| spread(&r.time_vs_off, |t| t.min), theirs: |b, _| spread(&b.time_vs_off, |t| t.min) },

@@ -160,6 +160,16 @@ impl Matrix {
             .collect()
     }
 
+    /// The planner's error on every measured record that carries a prediction: predicted step
+    /// peak over measured, less one.
+    pub fn planner_errors(&self) -> Vec<(f64, &Record)> {
+        self.records
+            .iter()
+            .filter(|r| r.status == Status::Ok && r.step_peak_bytes > 0)
+            .filter_map(|r| Some((r.predicted_peak_bytes? as f64 / r.step_peak_bytes as f64 - 1.0, r)))
+            .collect()
+    }
+
     /// Writes only the JSON (after each configuration; plots are drawn once at the end).
     pub fn save_json(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

@@ -4,7 +4,7 @@
 use crate::baseline::side_by_side;
 use crate::record::{Record, Status};
 use crate::results::{depth_of, Matrix};
-use crate::units::{self, mib};
+use crate::units::{mib, size};
 use std::fmt::Write as _;
 
 /// One row of the article's table (section 4; ResNet-152 from section 1, GPT-2 from section 7).
@@ -33,16 +33,14 @@ const ARTICLE: [ArticleRow; 5] = [
     },
 ];
 
+/// `r`'s step time over `off`'s: the median over the measuring run and the interleaved timing
+/// rounds where they ran, else the measuring run's pair.
+pub fn time_vs_off(r: &Record, off: &Record) -> f64 {
+    r.time_vs_off.as_ref().map_or(r.step_ms_median / off.step_ms_median, |s| s.median)
+}
+
 /// The policy that fills the "with checkpointing" column.
 pub const TABLE_POLICY: &str = "sqrt";
-
-fn gib(bytes: u64) -> String {
-    if bytes >= 1 << 30 {
-        format!("{:.2} GiB", units::gib(bytes))
-    } else {
-        mib(bytes)
-    }
-}
 
 pub fn render(m: &Matrix, fits: &[(String, f64)]) -> String {
     let meta = &m.meta;
@@ -50,7 +48,7 @@ pub fn render(m: &Matrix, fits: &[(String, f64)]) -> String {
         "# The article's table, measured\n\n{}  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\n\
 *Memory* is what a step holds at its peak: model state (parameters, optimizer state) plus the step's peak above it, \
 from the counting allocator (on a GPU: the memory pool). *With checkpointing* is policy `{TABLE_POLICY}`; every policy is in \
-`matrix.csv`. *Time increase* is the ratio of median step times in the same run. The article's figures (A100, PyTorch) \
+`matrix.csv`. *Time increase* is the step time over `off`'s, the median over the measuring run and the interleaved timing rounds (`matrix.md` has their range). The article's figures (A100, PyTorch) \
 are quoted for comparison, not measured here.\n\n\
 | model | batch | input | memory off | memory {TABLE_POLICY} | {TABLE_POLICY} / off | activations {TABLE_POLICY} / off | {TABLE_POLICY} step peak set by | time increase | article: batch | article: off | article: checkpointing | article: ratio | article: time |\n\
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
@@ -80,16 +78,33 @@ are quoted for comparison, not measured here.\n\n\
                     off.model,
                     off.batch,
                     off.input,
-                    gib(total(off)),
-                    gib(total(ck)),
+                    size(total(off)),
+                    size(total(ck)),
                     total(ck) as f64 / total(off) as f64,
                     ck.activation_peak_bytes as f64 / off.activation_peak_bytes.max(1) as f64,
                     if ck.step_peak_bytes > ck.fwd_bwd_peak_bytes { "optimizer update" } else { "activations" },
-                    (ck.step_ms_median / off.step_ms_median - 1.0) * 100.0
+                    (time_vs_off(ck, off) - 1.0) * 100.0
                 );
             }
             Some((off, ck)) => {
-                let _ = writeln!(out, "| {} ({}) | {} | {} | {} | {} | | | | | {article} |", row.label, off.model, off.batch, off.input, off.status, ck.status);
+                // Not run where the planner predicted it would not fit: its prediction, marked.
+                let total = |r: &Record| match (r.status, r.predicted_total_bytes) {
+                    (Status::Ok, _) => Some((r.model_state_bytes + r.step_peak_bytes, "")),
+                    (Status::Skipped, Some(p)) => Some((p, " (predicted, not run)")),
+                    _ => None,
+                };
+                let cell = |r: &Record| total(r).map_or(format!("{}: {}", r.status, r.error.replace('|', "/")), |(b, mark)| format!("{}{mark}", size(b)));
+                let ratio = total(off).zip(total(ck)).map_or(String::new(), |((o, _), (c, _))| format!("{:.2}", c as f64 / o as f64));
+                let _ = writeln!(
+                    out,
+                    "| {} ({}) | {} | {} | {} | {} | {ratio} | | | | {article} |",
+                    row.label,
+                    off.model,
+                    off.batch,
+                    off.input,
+                    cell(off),
+                    cell(ck)
+                );
             }
             None => {
                 let _ = writeln!(out, "| {} | | | not in this matrix | | | | | | {article} |", row.label);
@@ -118,9 +133,7 @@ least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|--
             let _ = writeln!(out, "| {} | {} | {} | {ratio} |", depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
         }
     }
-    out.push_str(&crate::projection::render(&m.projections, &meta.command, |model| {
-        ARTICLE.iter().find(|r| r.models.contains(&model)).and_then(|r| Some((r.off_gb?, r.ckpt_gb, r.time?)))
-    }));
+    out.push_str(&crate::projection::render(m, |model| ARTICLE.iter().find(|r| r.models.contains(&model)).and_then(|r| Some((r.off_gb?, r.ckpt_gb, r.time?)))));
     out.push_str(&side_by_side(m));
     out
 }

@@ -212,6 +212,26 @@ pub fn depth_sweep(profile: Profile) -> Vec<Workload> {
     depths.iter().map(|&l| workload::<Gpt2>(&format!("{DEPTH_PREFIX}{l}"), gpt2::Config::tiny(l, width), batch, seq)).collect()
 }
 
+/// The bytes of the parameters and of their gradients (in `precision`'s weight dtype) and of
+/// `optimizer`'s state (f32).
+pub fn state(shapes: &[Vec<usize>], optimizer: OptimizerKind, precision: Precision) -> (u64, u64, u64) {
+    let count = |s: &Vec<usize>| s.iter().product::<usize>() as u64;
+    let params: u64 = shapes.iter().map(count).sum();
+    let state = match optimizer {
+        OptimizerKind::Sgd => params,
+        OptimizerKind::Adamw => 2 * params,
+        OptimizerKind::Adafactor => shapes
+            .iter()
+            .map(|s| match s.as_slice() {
+                [lead @ .., r, c] => lead.iter().product::<usize>() as u64 * (r + c) as u64,
+                _ => count(s),
+            })
+            .sum(),
+    };
+    let weight = precision.weights().size_in_bytes() as u64;
+    (weight * params, weight * params, 4 * state)
+}
+
 /// Changes to a workload from the command line: `None` keeps the profile's.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Overrides {
@@ -294,5 +314,27 @@ impl<M: Benchable> Instance for Built<M> {
     }
     fn optimizer<'g>(&self, shard: bool, group: &'g trainkit::Group) -> Result<Box<dyn TrainOptimizer + 'g>> {
         trainkit::optimizer(shard, group, self.optimizer, self.model.params().vars(), self.optimizer.bench_lr())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GPT-2 XL's published parameter count and the bytes per parameter of each way of holding
+    /// its state: f32 weights, gradients and AdamW moments 16; bf16 weights and gradients with f32
+    /// moments 12; Adafactor's factored statistics a few MB beside f32 weights and gradients.
+    #[test]
+    fn the_state_of_gpt2_xl_by_arithmetic() {
+        let shapes = <gpt2::Gpt2 as layers::Benchable>::parameter_shapes(&gpt2::Preset::Xl.config()).unwrap();
+        let n: u64 = shapes.iter().map(|s| s.iter().product::<usize>() as u64).sum();
+        assert_eq!(n, 1_557_611_200);
+        let total = |(p, g, o): (u64, u64, u64)| p + g + o;
+        assert_eq!(total(state(&shapes, OptimizerKind::Adamw, Precision::F32)), 16 * n);
+        assert_eq!(total(state(&shapes, OptimizerKind::Adamw, Precision::Bf16)), 16 * n);
+        assert_eq!(total(state(&shapes, OptimizerKind::Adamw, Precision::Bf16Weights)), 12 * n);
+        let (p, g, o) = state(&shapes, OptimizerKind::Adafactor, Precision::Bf16);
+        assert_eq!((p, g), (4 * n, 4 * n));
+        assert!(o < 20 << 20, "Adafactor's state of GPT-2 XL: {o} bytes");
     }
 }

@@ -1,6 +1,9 @@
 //! `results/CLAIMS.md` stays honest: every claim has a status; a confirmed or refuted one names the
-//! command that tests it and files that exist; an open one says what is missing.
+//! command that tests it and files that exist; an open one says what is missing; and every figure
+//! in it is what its results folder gives (the ledger is rendered from its template, each figure a
+//! query of a results folder): a rerun that changes a figure, or a hand edit, fails here.
 
+mod common;
 use std::path::Path;
 
 #[test]
@@ -26,4 +29,29 @@ fn every_claim_has_a_status_a_command_and_evidence_that_exists() {
             other => panic!("{id}: status `{other}` is not confirmed, refuted or open"),
         }
     }
+}
+
+#[test]
+fn every_figure_of_the_ledger_is_what_its_results_folder_gives() {
+    let results = Path::new(env!("CARGO_MANIFEST_DIR")).join("../results");
+    let out = common::harness(&["claims", "--check", "--dir", results.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn a_figure_the_results_do_not_give_is_refused_with_the_measures_there_are() {
+    let dir = common::out_dir("claims-refused");
+    std::fs::create_dir_all(&dir).unwrap();
+    let results = Path::new(env!("CARGO_MANIFEST_DIR")).join("../results");
+    std::os::unix::fs::symlink(results.join("cpu-cpu"), dir.join("cpu-cpu")).unwrap();
+    std::fs::write(dir.join("CLAIMS.template.md"), "ResNet-50 saves {{cpu-cpu resnet50 sqrt memory-saved}}.\n").unwrap();
+    let out = common::harness(&["claims", "--dir", dir.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("unknown measure `memory-saved`") && stderr.contains("activation/off"), "{stderr}");
+    std::fs::write(dir.join("CLAIMS.template.md"), "ResNet-50 keeps {{cpu-cpu resnet50 sqrt activation/off}}x.\n").unwrap();
+    let out = common::harness(&["claims", "--dir", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let ledger = std::fs::read_to_string(dir.join("CLAIMS.md")).unwrap();
+    assert!(ledger.lines().nth(1).is_some_and(|l| l.starts_with("ResNet-50 keeps 0.") && l.ends_with("x.")), "{ledger}");
 }

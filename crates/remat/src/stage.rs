@@ -38,6 +38,14 @@ pub trait Stage {
         StageKind::Block
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> candle_core::Result<Vec<Tensor>>;
+    /// What makes two stages alike to the planner: stages with equal signatures, given inputs of
+    /// equal shapes and dtypes, allocate the same bytes, take the same time and have parameters
+    /// of the same shapes that no other stage reads (the blocks of a transformer). The planner
+    /// measures the first of them and reuses its costs for the others
+    /// ([`crate::plan::Profile::measure`]). `None`, the default: measured on its own.
+    fn signature(&self) -> Option<String> {
+        None
+    }
 }
 
 /// What a stage may know about the run it is part of.
@@ -93,6 +101,9 @@ macro_rules! forward_stage {
             }
             fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> candle_core::Result<Vec<Tensor>> {
                 (**self).forward(inputs, ctx)
+            }
+            fn signature(&self) -> Option<String> {
+                (**self).signature()
             }
         }
     };

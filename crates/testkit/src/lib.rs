@@ -91,6 +91,44 @@ pub fn assert_deep_model_memory(peaks: impl Fn(&str) -> Peaks, off_forward_end: 
     assert_near_figure("sqrt activation peak", sqrt.activation, sqrt_activation);
 }
 
+/// The planner's profile with alike stages measured once ([`remat::plan::Profile::measure`])
+/// against every stage measured ([`remat::plan::Profile::measure_each`]), for a model of `config`
+/// at `batch` and input `size`: at least `min_alike` stages are alike to an earlier one (a model
+/// that lost its signatures fails here), the values and parameter gradients are the same bytes,
+/// and every policy's predicted step peak agrees within 1 %. Needs the counting allocator.
+pub fn assert_alike_stages_predict_as_measured<M: layers::Benchable>(config: &M::Config, size: usize, batch: usize, min_alike: usize) {
+    use remat::plan::Profile;
+    use std::time::Instant;
+    assert!(remat::memory::heap_meter_installed());
+    let model = M::build(config, &Device::Cpu, 0).unwrap();
+    let inputs = model.synthetic_inputs(&model.synthetic_data(size, 0).unwrap(), 0, batch, &Device::Cpu).unwrap();
+    let vars = model.params().vars();
+    let mut seen = std::collections::HashSet::new();
+    let alike = model.graph().nodes().iter().filter_map(|n| n.stage.signature()).filter(|s| !seen.insert(s.clone())).count();
+    assert!(alike >= min_alike, "{alike} stages alike to an earlier one, expected at least {min_alike}");
+    let timed = |f: &dyn Fn() -> remat::Result<Profile>| {
+        f().unwrap(); // the first pass pays the workspaces a process keeps
+        let start = Instant::now();
+        (f().unwrap(), start.elapsed())
+    };
+    let (reused, reused_time) = timed(&|| Profile::measure(model.graph(), &inputs, &vars, batch, 0));
+    let (each, each_time) = timed(&|| Profile::measure_each(model.graph(), &inputs, &vars, batch, 0));
+    eprintln!("{alike} stages alike: profiled in {reused_time:?}, every stage measured in {each_time:?}");
+    assert_eq!(reused.values, each.values, "the values' bytes");
+    assert_eq!(reused.param_grad_bytes(), each.param_grad_bytes(), "the parameter gradients' bytes");
+    let mut policies = vec!["off", "sqrt", "every-two-blocks"];
+    if M::DOWNSAMPLES {
+        policies.push("before-downsample");
+    }
+    for policy in policies {
+        let policy: remat::Policy = policy.parse().unwrap();
+        let (r, e) = (reused.predict_policy(&policy, 0).unwrap().peak, each.predict_policy(&policy, 0).unwrap().peak);
+        let error = r as f64 / e as f64 - 1.0;
+        eprintln!("{policy}: {r} B with alike stages reused, {e} B with every stage measured ({:+.2}%)", error * 100.0);
+        assert!(error.abs() <= 0.01, "{policy}: {r} B predicted reusing alike stages, {e} B measuring each");
+    }
+}
+
 /// A snapshot of `saved` loaded into `fresh`, a model built from another seed: their evaluation
 /// outputs (`eval`) and buffers (BatchNorm statistics: `saved`'s must have moved, e.g. by a
 /// training step) differ before loading and are bit-identical after.

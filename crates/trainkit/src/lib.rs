@@ -26,7 +26,7 @@ pub mod trainer;
 pub use args::{check_lr, DeviceName, RunArgs};
 pub use log::{read_eval_losses, read_losses};
 pub use parallel::{launch, optimizer, or_abort, Group};
-pub use plan::{auto_budget, available_memory, build_model, check_footprint, memory_before_step, rank_seed};
+pub use plan::{auto_budget, available_memory, build_model, check_footprint, free_memory, memory_before_step, rank_seed};
 pub use scaler::{finish_gradients, LossScaler};
 pub use step::{micro_batches, StepOutcome, Stepper};
 pub use trainer::Trainer;

@@ -189,6 +189,8 @@ pub struct Layer {
     n_head: usize,
     attn_pdrop: f32,
     hidden_pdrop: f32,
+    /// What every layer of this configuration shares (the planner measures one of them).
+    signature: String,
 }
 
 impl Layer {
@@ -208,6 +210,10 @@ impl Layer {
             n_head: cfg.num_attention_heads,
             attn_pdrop: cfg.attention_probs_dropout_prob,
             hidden_pdrop: cfg.hidden_dropout_prob,
+            signature: format!(
+                "bert layer: C {c}, FFN {}, {} heads, eps {eps}, dropout {}/{}, {:?}",
+                cfg.intermediate_size, cfg.num_attention_heads, cfg.attention_probs_dropout_prob, cfg.hidden_dropout_prob, cfg.dtype
+            ),
         })
     }
 
@@ -225,6 +231,9 @@ impl Layer {
 impl Stage for Layer {
     fn name(&self) -> String {
         format!("encoder.layer.{}", self.index)
+    }
+    fn signature(&self) -> Option<String> {
+        Some(self.signature.clone())
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let (x, mask) = (&inputs[0], &inputs[1]); // (B, T, C), (B, T)

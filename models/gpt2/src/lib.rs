@@ -185,6 +185,8 @@ pub struct Block {
     n_head: usize,
     attn_pdrop: f32,
     resid_pdrop: f32,
+    /// What every block of this configuration shares (the planner measures one of them).
+    signature: String,
 }
 
 impl Block {
@@ -204,6 +206,10 @@ impl Block {
             n_head: cfg.n_head,
             attn_pdrop: cfg.attn_pdrop,
             resid_pdrop: cfg.resid_pdrop,
+            signature: format!(
+                "gpt2 block: C {c}, {} heads, eps {}, dropout {}/{}, {:?}",
+                cfg.n_head, cfg.layer_norm_epsilon, cfg.attn_pdrop, cfg.resid_pdrop, cfg.dtype
+            ),
         })
     }
 
@@ -226,6 +232,9 @@ impl Block {
 impl Stage for Block {
     fn name(&self) -> String {
         format!("h.{}", self.index)
+    }
+    fn signature(&self) -> Option<String> {
+        Some(self.signature.clone())
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let x = &inputs[0]; // (B, T, C)

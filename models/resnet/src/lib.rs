@@ -190,13 +190,16 @@ pub struct Block {
     convs: Vec<(Conv, BatchNorm)>,
     downsample: Option<(Conv, BatchNorm)>,
     stride: usize,
+    /// What every block of these shapes shares (the planner measures one of them).
+    signature: String,
 }
 
 impl Block {
     fn new(params: &mut ParamStore, cfg: &Config, name: String, c_in: usize, planes: usize, stride: usize) -> Result<Self> {
         let (shapes, down) = cfg.block_convs(c_in, planes, stride);
         let convs = shapes
-            .into_iter()
+            .iter()
+            .copied()
             .enumerate()
             .map(|(i, (ci, co, k, s))| {
                 let conv = Conv::new(params, &format!("{name}.conv{}", i + 1), ci, co, k, s)?;
@@ -210,13 +213,18 @@ impl Block {
             }
             None => None,
         };
-        Ok(Block { name, convs, downsample, stride })
+        // The shapes decide a block's work; the first block of a layer projects its input.
+        let signature = format!("resnet block: convs {shapes:?}, projection {down:?}, {:?}", cfg.dtype);
+        Ok(Block { name, convs, downsample, stride, signature })
     }
 }
 
 impl Stage for Block {
     fn name(&self) -> String {
         self.name.clone()
+    }
+    fn signature(&self) -> Option<String> {
+        Some(self.signature.clone())
     }
     fn kind(&self) -> StageKind {
         if self.stride > 1 {

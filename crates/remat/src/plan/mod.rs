@@ -6,6 +6,8 @@
 //!   graph on `Var`s over its inputs (the last segment and every recompute), and its backward
 //!   from seeded output gradients. It records the bytes each mode leaves live and its transient
 //!   peak, the bytes of every value, the parameter gradients each stage adds and the times.
+//!   Stages alike ([`crate::Stage::signature`]) are measured once: a transformer's blocks cost
+//!   one block's measurement and a forward each.
 //!   Every quantity is linear in the batch, so two profiles at small batches give any batch
 //!   ([`Profile::extrapolate`]): full sizes that do not fit this machine are predictable.
 //! - [`Profile::predict`] replays the executor's bookkeeping ([`crate::rules`]) for a cut of the

@@ -6,7 +6,8 @@ use crate::graph::{StageGraph, ValueId};
 use crate::memory::{set_activity, tensor_bytes, Activity, Counter};
 use crate::stage::{StageCtx, StageKind};
 use crate::{Error, Result};
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
+use std::collections::HashMap;
 use std::time::Instant;
 
 /// Runs `f` and returns what it gave, the bytes it left live, its peak above that and its time.
@@ -27,57 +28,19 @@ impl Profile {
     /// Measures every stage of `graph` on `inputs` (a batch of `batch`); `params` are the
     /// trainable variables. Stages run in training mode with the recompute flag set, so nothing
     /// is updated (BatchNorm statistics) and dropout draws as in a step.
+    ///
+    /// A stage with the [signature](crate::Stage::signature) of one measured before, on inputs of
+    /// the same shapes and dtypes, is not run: it takes that stage's figures, and its outputs
+    /// are that stage's (of the same shapes and dtypes, by the signature's promise), which later
+    /// stages read in their place. GPT-2 XL's 48 blocks then cost one block's measurement.
+    /// [`Profile::measure_each`] measures every stage.
     pub fn measure(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: usize, seed: u64) -> Result<Profile> {
-        if inputs.len() != graph.n_inputs() {
-            return Err(Error::Inputs { expected: graph.n_inputs(), got: inputs.len() });
-        }
-        let counter = Counter::for_device(inputs.first().map_or(&candle_core::Device::Cpu, |t| t.device()));
-        let n_inputs = graph.n_inputs();
-        let output = graph.output()?;
-        let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(graph.n_values()).collect();
-        let mut costs: Vec<ValueCost> = vec![ValueCost { bytes: 0, float: false }; graph.n_values()];
-        for (c, t) in costs.iter_mut().zip(inputs) {
-            *c = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
-        }
-        let mut last_user = vec![None; params.len()];
-        let mut param_bytes = vec![0u64; params.len()];
-        let mut stages = Vec::with_capacity(graph.nodes().len());
-        let last_reader = graph.last_readers();
-        for (i, node) in graph.nodes().iter().enumerate() {
-            let ins = node
-                .inputs
-                .iter()
-                .map(|&v| values[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not produced"))))
-                .collect::<Result<Vec<_>>>()?;
-            // Each stage runs twice and every figure is the smaller of the two: a kernel's first
-            // call may grow a workspace it keeps (per thread, by the size it meets), which is
-            // not the stage's to keep.
-            let once = || measure_stage(&counter, node, i, &ins, n_inputs, output, params, seed);
-            let (outs, first, grads) = once()?;
-            let (_, second, _) = once()?;
-            let cost = first.least(&second);
-            for (&v, t) in node.outputs.iter().zip(&outs) {
-                costs[v] = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
-                values[v] = Some(t.clone());
-            }
-            for (k, bytes) in grads {
-                last_user[k] = Some(i);
-                param_bytes[k] = bytes;
-            }
-            for &v in &node.inputs {
-                if last_reader[v] == Some(i) && v >= n_inputs {
-                    values[v] = None;
-                }
-            }
-            stages.push(cost);
-        }
-        for (k, user) in last_user.iter().enumerate() {
-            if let Some(i) = user {
-                stages[*i].param_grad_bytes += param_bytes[k];
-            }
-        }
-        set_activity(Activity::Setup, None);
-        Ok(Profile { batch, n_inputs, values: costs, stages })
+        measure_graph(graph, inputs, params, batch, seed, true)
+    }
+
+    /// [`Profile::measure`] without reusing any stage's figures: what the reuse is checked against.
+    pub fn measure_each(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: usize, seed: u64) -> Result<Profile> {
+        measure_graph(graph, inputs, params, batch, seed, false)
     }
 
     /// The profile at `batch` (`inputs_at(n)`: the graph inputs of a batch of `n`), measured at
@@ -151,6 +114,95 @@ impl Profile {
     pub fn param_grad_bytes(&self) -> u64 {
         self.stages.iter().map(|s| s.param_grad_bytes).sum()
     }
+}
+
+/// A stage measured in full, for stages alike to reuse: its costs, its outputs and its parameter
+/// gradients' bytes (all its own, by the signature's promise).
+struct Measured {
+    cost: StageCost,
+    outputs: Vec<Tensor>,
+    param_grad_bytes: u64,
+}
+
+/// What makes stages alike: a signature and the shapes and dtypes of the inputs.
+type AlikeKey = (String, Vec<(Vec<usize>, DType)>);
+
+/// [`Profile::measure`], reusing alike stages' figures where `reuse`.
+fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: usize, seed: u64, reuse: bool) -> Result<Profile> {
+    if inputs.len() != graph.n_inputs() {
+        return Err(Error::Inputs { expected: graph.n_inputs(), got: inputs.len() });
+    }
+    let counter = Counter::for_device(inputs.first().map_or(&candle_core::Device::Cpu, |t| t.device()));
+    let n_inputs = graph.n_inputs();
+    let output = graph.output()?;
+    let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(graph.n_values()).collect();
+    let mut costs: Vec<ValueCost> = vec![ValueCost { bytes: 0, float: false }; graph.n_values()];
+    for (c, t) in costs.iter_mut().zip(inputs) {
+        *c = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
+    }
+    let mut last_user = vec![None; params.len()];
+    let mut param_bytes = vec![0u64; params.len()];
+    let mut stages = Vec::with_capacity(graph.nodes().len());
+    // Each stage measured in full that others may be alike to, and what it measured.
+    let mut alike: HashMap<AlikeKey, Measured> = HashMap::new();
+    let mut reused_grad_bytes = vec![0u64; graph.nodes().len()];
+    let last_reader = graph.last_readers();
+    for (i, node) in graph.nodes().iter().enumerate() {
+        let ins =
+            node.inputs.iter().map(|&v| values[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not produced")))).collect::<Result<Vec<_>>>()?;
+        let key = node.stage.signature().filter(|_| reuse).map(|s| (s, ins.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect::<Vec<_>>()));
+        let earlier = key.as_ref().and_then(|k| alike.get(k));
+        let (outs, cost) = match earlier {
+            Some(m) => {
+                reused_grad_bytes[i] = m.param_grad_bytes;
+                let cost = StageCost {
+                    name: node.stage.name(),
+                    kind: node.stage.kind(),
+                    inputs: node.inputs.clone(),
+                    outputs: node.outputs.clone(),
+                    ..m.cost.clone()
+                };
+                (m.outputs.clone(), cost)
+            }
+            None => {
+                // Each stage runs twice and every figure is the smaller of the two: a kernel's
+                // first call may grow a workspace it keeps (per thread, by the size it meets),
+                // which is not the stage's to keep.
+                let once = || measure_stage(&counter, node, i, &ins, n_inputs, output, params, seed);
+                let (outs, first, grads) = once()?;
+                let (_, second, _) = once()?;
+                let cost = first.least(&second);
+                if let Some(key) = key {
+                    alike.insert(key, Measured { cost: cost.clone(), outputs: outs.clone(), param_grad_bytes: grads.iter().map(|(_, b)| b).sum() });
+                }
+                for (k, bytes) in grads {
+                    last_user[k] = Some(i);
+                    param_bytes[k] = bytes;
+                }
+                (outs, cost)
+            }
+        };
+        for (&v, t) in node.outputs.iter().zip(&outs) {
+            costs[v] = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
+            values[v] = Some(t.clone());
+        }
+        for &v in &node.inputs {
+            if last_reader[v] == Some(i) && v >= n_inputs {
+                values[v] = None;
+            }
+        }
+        stages.push(cost);
+    }
+    for (k, user) in last_user.iter().enumerate() {
+        if let Some(i) = user {
+            stages[*i].param_grad_bytes += param_bytes[k];
+        }
+    }
+    for (stage, bytes) in stages.iter_mut().zip(reused_grad_bytes) {
+        stage.param_grad_bytes += bytes;
+    }
+    set_activity(Activity::Setup, None);
+    Ok(Profile { batch, n_inputs, values: costs, stages })
 }
 
 /// Bytes of each parameter gradient a stage's backward gives, by index in the parameter list.

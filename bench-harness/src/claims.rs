@@ -1,0 +1,231 @@
+//! `claims`: the documents that quote results, rendered from templates whose every figure is a
+//! query of a results folder in double braces, answered from that folder's `matrix.json`:
+//!
+//! - `results/CLAIMS.md`, the ledger of the article's claims, from `results/CLAIMS.template.md`;
+//! - the results table of `README.md` (between its [`README_BEGIN`] and [`README_END`] lines),
+//!   from `results/README-results.template.md`.
+//!
+//! A query is `{{FOLDER MODEL POLICY MEASURE}}` for one record's figure, e.g.
+//! `{{cpu-cpu resnet152 sqrt activation/off}}` (the measures are [`MEASURES`]);
+//! `{{FOLDER depth POLICY exponent}}` for the depth sweep's fitted exponent; or
+//! `{{FOLDER planner MEASURE}}` for the planner's accuracy over the folder ([`PLANNER`]).
+//!
+//! No figure of these documents is typed by hand, so none can go stale silently: `--check` fails
+//! where a document is not what its template and the results give (a rerun changed a figure, or a
+//! hand edited the document).
+
+use crate::record::{Record, Status};
+use crate::results::Matrix;
+use crate::table::time_vs_off;
+use crate::units::size;
+use anyhow::{bail, Context, Result};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The record measures a query may ask for, with what each gives.
+pub const MEASURES: [(&str, &str); 21] = [
+    ("activation/off", "activation peak over `off`'s, e.g. 0.41"),
+    ("peak/off", "step peak over `off`'s"),
+    ("total/off", "state plus step peak over `off`'s"),
+    ("time/off", "step time over `off`'s, median of the rounds, as a change: +25%"),
+    ("time/off-range", "the same, lowest to highest round: -14% to +37%"),
+    ("rounds", "how many rounds time/off is the median of"),
+    ("total", "state plus step peak: 459.1 MiB, 18.11 GiB"),
+    ("total-gb", "the same in GB (10^9 bytes): 19.4 GB"),
+    ("saving", "`off`'s total less this one"),
+    ("state", "weights, gradients and optimizer state: the prediction's arithmetic where the record has one, else the measured state"),
+    ("state-max-rank", "the largest rank's state (data parallelism)"),
+    ("predicted-total", "the predicted total"),
+    ("step-peak", "the step's peak above the state"),
+    ("step-ms", "median step time, ms"),
+    ("all-reduce-ms", "all-reduce time per step, ms"),
+    ("all-reduce-wait-ms", "time waited for the all-reduce per step, ms"),
+    ("torch-step-peak", "PyTorch's step peak above its state"),
+    ("torch-step-ms", "PyTorch's median step time, ms"),
+    ("peak/torch", "our step peak over PyTorch's"),
+    ("time/torch", "our step time over PyTorch's, median of the interleaved pairs"),
+    ("time/torch-rounds", "how many pairs time/torch is the median of"),
+];
+
+/// The folder measures of `{{FOLDER planner MEASURE}}`.
+pub const PLANNER: [(&str, &str); 4] = [
+    ("configs", "how many measured records carry a prediction"),
+    ("within-5%", "how many of them are predicted within 5% of the measured step peak"),
+    ("largest-error", "the largest error of a predicted step peak, signed: -0.3%"),
+    ("worst", "the configuration with the largest error: depth-1024 sqrt"),
+];
+
+/// The README's results table lies between these lines.
+pub const README_BEGIN: &str = "<!-- results table: rendered by `bench-harness claims` from results/README-results.template.md -->";
+pub const README_END: &str = "<!-- end of results table -->";
+
+/// One rendered document: its template, and where the rendering goes (a whole file, or the part
+/// of one between two lines).
+struct Document {
+    template: PathBuf,
+    target: PathBuf,
+    between: Option<(&'static str, &'static str)>,
+}
+
+/// The documents of the results folder `dir` (the README is in the folder above it).
+fn documents(dir: &Path) -> [Document; 2] {
+    [
+        Document { template: dir.join("CLAIMS.template.md"), target: dir.join("CLAIMS.md"), between: None },
+        Document {
+            template: dir.join("README-results.template.md"),
+            target: dir.parent().unwrap_or(Path::new(".")).join("README.md"),
+            between: Some((README_BEGIN, README_END)),
+        },
+    ]
+}
+
+/// `claims`: renders every document from its template and the results under `dir`; with
+/// `check`, changes nothing and fails unless each document is that rendering.
+pub fn run(dir: &Path, check: bool) -> Result<()> {
+    let mut folders = HashMap::new();
+    for doc in documents(dir) {
+        if !doc.template.exists() {
+            continue;
+        }
+        let template = read(&doc.template)?;
+        let rendered = render(&template, dir, &mut folders).with_context(|| format!("rendering {}", doc.template.display()))?;
+        let on_disk = if doc.target.exists() { read(&doc.target)? } else { String::new() };
+        let wanted = match doc.between {
+            None => format!("<!-- Rendered by `cargo run --release -p bench-harness -- claims` from {}: edit that. -->\n{rendered}", file_name(&doc.template)),
+            Some((begin, end)) => splice(&on_disk, begin, end, &rendered).with_context(|| format!("{}", doc.target.display()))?,
+        };
+        if on_disk == wanted {
+            trainkit::say!("{} is what {} and the results give", doc.target.display(), file_name(&doc.template));
+        } else if check {
+            let line = on_disk.lines().zip(wanted.lines()).position(|(a, b)| a != b).unwrap_or(on_disk.lines().count().min(wanted.lines().count())) + 1;
+            bail!(
+                "{} is not what {} and the results give (first difference at line {line}): run `cargo run --release -p bench-harness -- claims` and commit it",
+                doc.target.display(),
+                file_name(&doc.template)
+            );
+        } else {
+            std::fs::write(&doc.target, wanted).with_context(|| format!("writing {}", doc.target.display()))?;
+            trainkit::say!("wrote {}", doc.target.display());
+        }
+    }
+    Ok(())
+}
+
+fn read(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned())
+}
+
+/// `text` with what lies between its lines `begin` and `end` replaced by `part`.
+fn splice(text: &str, begin: &str, end: &str, part: &str) -> Result<String> {
+    let start = text.find(begin).with_context(|| format!("no line `{begin}`"))? + begin.len();
+    let stop = start + text[start..].find(end).with_context(|| format!("no line `{end}` after `{begin}`"))?;
+    Ok(format!("{}\n{}{}", &text[..start], part, &text[stop..]))
+}
+
+/// The template with every `{{query}}` replaced by its figure, the folders read as needed.
+fn render(template: &str, dir: &Path, folders: &mut HashMap<String, Matrix>) -> Result<String> {
+    let mut out = String::new();
+    let mut rest = template;
+    while let Some(start) = rest.find("{{") {
+        out.push_str(&rest[..start]);
+        let len = rest[start..].find("}}").context("a `{{` without `}}`")?;
+        let query = &rest[start + 2..start + len];
+        out.push_str(&figure(query, dir, folders).with_context(|| format!("`{{{{{query}}}}}`"))?);
+        rest = &rest[start + len + 2..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// One query's figure.
+fn figure(query: &str, dir: &Path, folders: &mut HashMap<String, Matrix>) -> Result<String> {
+    let words: Vec<&str> = query.split_whitespace().collect();
+    let folder = *words.first().context("an empty query")?;
+    if !folders.contains_key(folder) {
+        let m = Matrix::load(&dir.join(folder))?.with_context(|| format!("results folder `{folder}` has no matrix.json"))?;
+        folders.insert(folder.to_string(), m);
+    }
+    let m = &folders[folder];
+    match words[1..] {
+        ["depth", policy, "exponent"] => {
+            let fits = m.depth_fits();
+            let k = fits.iter().find(|(p, _)| p == policy).with_context(|| format!("no depth sweep under `{policy}` in `{folder}`"))?.1;
+            Ok(format!("{k:.2}"))
+        }
+        ["planner", what] => planner(m, what),
+        [model, policy, measure] => {
+            let r = m.find(model, policy).with_context(|| format!("`{folder}` has no record of {model} under {policy}"))?;
+            record_figure(m, r, measure)
+        }
+        _ => bail!("a query is FOLDER MODEL POLICY MEASURE, FOLDER depth POLICY exponent or FOLDER planner MEASURE"),
+    }
+}
+
+/// Lists `(name, what)` pairs for an error message.
+fn listed(pairs: &[(&str, &str)]) -> String {
+    pairs.iter().map(|(name, what)| format!("{name} ({what})")).collect::<Vec<_>>().join("; ")
+}
+
+/// A figure of record `r` of `m`.
+fn record_figure(m: &Matrix, r: &Record, measure: &str) -> Result<String> {
+    let total = |r: &Record| r.model_state_bytes + r.step_peak_bytes;
+    // Figures of a prediction hold for a record that was not run; measured ones need a run.
+    match measure {
+        "state" => return Ok(size(r.predicted.map_or(r.model_state_bytes, |p| p.params + p.grads + p.optimizer))),
+        "predicted-total" => return Ok(size(r.predicted_total_bytes.context("the record has no predicted total")?)),
+        _ if !MEASURES.iter().any(|(name, _)| *name == measure) => bail!("unknown measure `{measure}`; the measures are: {}", listed(&MEASURES)),
+        _ => {}
+    }
+    if r.status != Status::Ok {
+        bail!("{} {} was not measured ({}: {})", r.model, r.policy, r.status, r.error);
+    }
+    let off = || m.find(&r.model, "off").filter(|o| o.status == Status::Ok).with_context(|| format!("{} has no measured `off`", r.model));
+    let torch =
+        || m.find_baseline(&r.model, &r.policy).filter(|b| b.status == Status::Ok).with_context(|| format!("{} {} has no PyTorch baseline", r.model, r.policy));
+    let ratio = |a: f64, b: f64| format!("{:.2}", a / b.max(f64::MIN_POSITIVE));
+    let change = |x: f64| format!("{:+.0}%", (x - 1.0) * 100.0);
+    let rounds = || r.time_vs_off.as_ref().with_context(|| format!("{} {} has no timing rounds", r.model, r.policy));
+    let data_parallel = || anyhow::anyhow!("{} {} is not a data-parallel record", r.model, r.policy);
+    Ok(match measure {
+        "activation/off" => ratio(r.activation_peak_bytes as f64, off()?.activation_peak_bytes as f64),
+        "peak/off" => ratio(r.step_peak_bytes as f64, off()?.step_peak_bytes as f64),
+        "total/off" => ratio(total(r) as f64, total(off()?) as f64),
+        "time/off" => change(time_vs_off(r, off()?)),
+        "time/off-range" => format!("{} to {}", change(rounds()?.min), change(rounds()?.max)),
+        "rounds" => rounds()?.rounds.len().to_string(),
+        "total" => size(total(r)),
+        "total-gb" => format!("{:.1} GB", total(r) as f64 / 1e9),
+        "saving" => size(total(off()?).saturating_sub(total(r))),
+        "state-max-rank" => size(r.model_state_bytes_max_rank.ok_or_else(data_parallel)?),
+        "step-peak" => size(r.step_peak_bytes),
+        "step-ms" => format!("{:.0}", r.step_ms_median),
+        "all-reduce-ms" => format!("{:.0}", r.all_reduce_ms.ok_or_else(data_parallel)?),
+        "all-reduce-wait-ms" => format!("{:.0}", r.all_reduce_wait_ms.ok_or_else(data_parallel)?),
+        "torch-step-peak" => size(torch()?.step_peak_bytes),
+        "torch-step-ms" => format!("{:.0}", torch()?.step_ms_median),
+        "peak/torch" => ratio(r.step_peak_bytes as f64, torch()?.step_peak_bytes as f64),
+        "time/torch" => {
+            let b = torch()?;
+            format!("{:.2}", b.ours_over_torch.as_ref().map_or(r.step_ms_median / b.step_ms_median, |s| s.median))
+        }
+        "time/torch-rounds" => torch()?.ours_over_torch.as_ref().map_or(1, |s| s.rounds.len()).to_string(),
+        _ => unreachable!("every measure of MEASURES is answered above"),
+    })
+}
+
+/// A planner figure of a folder ([`PLANNER`]).
+fn planner(m: &Matrix, what: &str) -> Result<String> {
+    let errors = m.planner_errors();
+    let (worst, worst_record) = *errors.iter().max_by(|a, b| a.0.abs().total_cmp(&b.0.abs())).context("no measured record carries a prediction")?;
+    Ok(match what {
+        "configs" => errors.len().to_string(),
+        "within-5%" => errors.iter().filter(|(e, _)| e.abs() <= 0.05).count().to_string(),
+        "largest-error" => format!("{:+.1}%", worst * 100.0),
+        "worst" => format!("{} {}", worst_record.model, worst_record.policy),
+        other => bail!("unknown planner measure `{other}`; they are: {}", listed(&PLANNER)),
+    })
+}
