@@ -73,7 +73,7 @@ pub struct Record {
     pub grads_checked: bool,
     /// Why the gradient check was skipped where the harness decided it does not fit (two steps
     /// of `off`'s predicted size beyond what the machine can give), else empty.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[serde(default)]
     pub check_skipped: String,
     /// `gpt2-24gb`: what the configuration was predicted to need ([`crate::gpt2_24gb::predict`]), and its
     /// total (the state, the gradients and the activations at the step's peak).

@@ -97,7 +97,7 @@ enum Type {
 
 /// matrix.csv's columns in order, written out here rather than taken from the harness, so that a
 /// column dropped, renamed or moved in the writer fails the test.
-const COLUMNS: [(&str, Type); 44] = {
+const COLUMNS: [(&str, Type); 46] = {
     use Type::*;
     [
         ("framework", Candle),
@@ -139,7 +139,9 @@ const COLUMNS: [(&str, Type); 44] = {
         ("grads_differing", Int),
         ("max_abs_diff", F32),
         ("params_without_grad", Int),
+        ("check_skipped", Str),
         ("status", Str),
+        ("commit", Str),
         ("error", Str),
         ("time_vs_off_median", TimeVsOff("median")),
         ("time_vs_off_min", TimeVsOff("min")),

@@ -1,6 +1,7 @@
 //! The planner measures one of each kind of alike stage and reuses its figures for the others
-//! (eight blocks of one width: seven reuse the first): its predictions equal those of a profile that measures every stage. The only test in
-//! its binary: the counting allocator is process-wide.
+//! (eight blocks of one width: seven reuse the first): its predictions equal those of a profile
+//! that measures every stage. The only test in its binary:
+//! the counting allocator is process-wide.
 
 use remat::memory::CountingAlloc;
 
