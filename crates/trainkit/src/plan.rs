@@ -92,7 +92,10 @@ pub fn build_model<M>(flags: &str, build: impl FnOnce() -> Result<M>) -> Result<
 /// profiles at batches 1 and 2 extrapolated to `batch` ([`remat::plan::Profile::extrapolate`],
 /// which over-predicts a little where temporaries are not linear in the batch), plus the state
 /// still to come (optimizer state, the inputs), against what the device can give. `sizes` names
-/// the flags that set the step's size. The profiles themselves run [`within_memory`].
+/// the flags that set the step's size. The profiles themselves run [`within_memory`]. Returns
+/// whether it measured at `batch` itself: the kernels' workspaces have then met the step's sizes,
+/// which is what [`Profile::at_batch`](remat::plan::Profile::at_batch)'s thrown-away first pass
+/// is for, so the plan can do without it.
 fn check_step_fits(
     run: &RunArgs,
     policy: &remat::PolicyRequest,
@@ -101,10 +104,10 @@ fn check_step_fits(
     batch: usize,
     sizes: &str,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
-) -> Result<()> {
+) -> Result<bool> {
     use remat::plan::Profile;
     let (vars, device) = vars_and_device(model);
-    let Some(free) = free_memory(&device) else { return Ok(()) };
+    let Some(free) = free_memory(&device) else { return Ok(false) };
     let hint = format!("a training step does not fit in this machine's available memory: make it smaller ({sizes})");
     // Each batch measured once (a plan measures twice, for the least of two): this runs at the
     // start of every run, and a first call's workspaces only make it over-predict.
@@ -136,7 +139,7 @@ fn check_step_fits(
             gib(free)
         );
     }
-    Ok(())
+    Ok(matches!(batch, 1 | 2))
 }
 
 /// A model's parameters and the device they are on.
@@ -180,8 +183,8 @@ pub fn executor<'m>(
     sizes: &str,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<Option<(Executor<'m>, remat::Policy)>> {
-    check_step_fits(run, policy, model, optimizer, batch, sizes, inputs_at)?;
-    let Some(resolved) = plan_policy(run, policy, model, optimizer, batch, inputs_at)? else { return Ok(None) };
+    let warm = check_step_fits(run, policy, model, optimizer, batch, sizes, inputs_at)?;
+    let Some(resolved) = plan_policy(run, policy, model, optimizer, batch, inputs_at, warm)? else { return Ok(None) };
     let policy = parallel::agreed_policy(group, policy, resolved)?;
     Ok(Some((Executor::new(model.graph(), &policy, model.params().vars(), rank_seed(run.seed, group.rank()))?, policy)))
 }
@@ -199,13 +202,21 @@ fn plan_policy(
     optimizer: &dyn layers::TrainOptimizer,
     batch: usize,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
+    warm: bool,
 ) -> Result<Option<remat::Policy>> {
     use remat::plan::{resolve, summary, Profile};
     if let (Some(policy), false, None) = (policy.fixed(), run.dry_run, run.memory_cap) {
         return Ok(Some(policy.clone()));
     }
     let (vars, device) = vars_and_device(model);
-    let (profile, dry_peak) = remat::memory::peak_during(|| Profile::at_batch(model.graph(), inputs_at, &vars, batch, run.seed));
+    // `warm`: the fit check measured at this batch, so the kernels' workspaces are grown already
+    // and one measurement is the plan's (GPT-2 XL's dry run: two measurements instead of three).
+    let (profile, dry_peak) = remat::memory::peak_during(|| -> Result<Profile> {
+        Ok(match warm {
+            true => Profile::measure(model.graph(), &inputs_at(batch)?, &vars, batch, run.seed)?,
+            false => Profile::at_batch(model.graph(), inputs_at, &vars, batch, run.seed)?,
+        })
+    });
     let profile = profile?;
     let (fixed, held) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
     let (resolved, plan) = resolve(policy, &profile, fixed, held, auto_budget(&device, run.memory_cap))?;
