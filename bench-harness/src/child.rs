@@ -4,7 +4,7 @@
 
 use crate::cli::Common;
 use crate::record::{Record, Status};
-use crate::workloads::{Profile, Workload};
+use crate::workloads::{Overrides, Profile, Workload};
 use remat::PolicyRequest;
 use std::process::Command;
 
@@ -36,7 +36,7 @@ pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, profile:
     if let Some(cap) = common.memory_cap {
         cmd.args(["--memory-cap", &cap.to_string()]);
     }
-    pass_overrides(&mut cmd, common);
+    pass_overrides(&mut cmd, common.overrides());
     if common.no_rng_replay {
         cmd.arg("--no-rng-replay");
     }
@@ -90,9 +90,8 @@ pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, profile:
     }
 }
 
-/// Gives `cmd` (a `run-one` or `project-one`) the command line's changes to a workload.
-pub fn pass_overrides(cmd: &mut Command, common: &Common) {
-    let o = common.overrides();
+/// Gives `cmd` (a `run-one` or `project-one`) the changes `o` makes to a workload.
+pub fn pass_overrides(cmd: &mut Command, o: Overrides) {
     let flags = [
         ("--batch", o.batch.map(|b| b.to_string())),
         ("--input-size", o.input_size.map(|n| n.to_string())),

@@ -53,7 +53,7 @@ pub fn defaults(common: &mut Common) -> Result<()> {
 /// the activations). `dry_run`: predicted, nothing runs.
 pub fn run_predicted(matrix: &mut Matrix, w: &Workload, policy: &PolicyRequest, common: &Common, profile: Profile, dry_run: bool) -> Result<Option<Record>> {
     if !matrix.projections.iter().any(|p| p.model == w.model) {
-        let p = crate::projection::spawn_projection(&w.model, profile, common).with_context(|| format!("predicting {}", w.model))?;
+        let p = crate::projection::spawn_projection(&w.model, profile, common, common.overrides()).with_context(|| format!("predicting {}", w.model))?;
         matrix.put_projection(p);
     }
     let projection = matrix.projections.iter().find(|p| p.model == w.model).expect("put above");

@@ -120,10 +120,15 @@ pub fn run(
     // emulates a smaller device, a step that does not fit runs and ends out of memory, as it
     // would there.
     let room = if cap.is_some() { None } else { trainkit::free_memory(device).map(|free| base + free - free / 10) };
+    // Held from here on, as the model is: part of the state before a step, never of a step.
+    layers::allocate_matmul_workspaces();
+    set_activity(Activity::Build, None);
+    let inst = w.build(device, seed)?;
     if let (Some(room), true) = (room, predict_step) {
-        // A state that alone does not fit is not built (GPT-2 XL's f32 weights, gradients and
-        // AdamW moments are 25 GB): the record says so, with the arithmetic.
-        let (params, grads, optimizer) = workloads::state(&w.parameter_shapes()?, w.optimizer(), w.dtype);
+        // A state that alone does not fit gets no optimizer (GPT-2 XL's f32 weights, gradients
+        // and AdamW moments are 25 GB): the record says so, with the arithmetic.
+        let shapes: Vec<Vec<usize>> = inst.store().vars().iter().map(|v| v.dims().to_vec()).collect();
+        let (params, grads, optimizer) = workloads::state(&shapes, w.optimizer(), w.dtype);
         if params + grads + optimizer > room {
             rec.status = Status::Skipped;
             rec.error = format!(
@@ -134,10 +139,6 @@ pub fn run(
             return Ok(rec);
         }
     }
-    // Held from here on, as the model is: part of the state before a step, never of a step.
-    layers::allocate_matmul_workspaces();
-    set_activity(Activity::Build, None);
-    let inst = w.build(device, seed)?;
     let mut optimizer = inst.optimizer(w.shard_optimizer, group)?;
     let (policy, off_total) = match (policy.fixed(), predict_step) {
         (Some(p), false) => (p.clone(), None),

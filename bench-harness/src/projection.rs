@@ -12,7 +12,7 @@ use crate::cli::Common;
 use crate::measure::predict;
 use crate::record::{ProjectedPolicy, Projection};
 use crate::results::{made_by, Matrix};
-use crate::workloads::{self, Workload};
+use crate::workloads::{self, Overrides, Workload};
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use remat::memory::tensor_bytes;
@@ -48,7 +48,8 @@ pub fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, forc
         if !force && matrix.projections.iter().any(|p| p.model == *model) {
             continue;
         }
-        match spawn_projection(model, workloads::Profile::Full, common) {
+        // At the article's sizes: the command line's sizes are this run's, not the article's.
+        match spawn_projection(model, workloads::Profile::Full, common, Overrides::default()) {
             Ok(p) => {
                 let off = p.rows.first().map_or(0, |r| r.total_bytes);
                 trainkit::say!("projected {model} at batch {} ({}): off {:.1} GB", p.batch, p.input, off as f64 / 1e9);
@@ -60,12 +61,12 @@ pub fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, forc
 }
 
 /// `project-one` of `model` of `profile` in a fresh process (a projection builds the model at its
-/// size: its memory must not stay in this one), with the command line's overrides.
-pub fn spawn_projection(model: &str, profile: workloads::Profile, common: &Common) -> Result<Projection> {
+/// size: its memory must not stay in this one), with the changes `overrides` makes to it.
+pub fn spawn_projection(model: &str, profile: workloads::Profile, common: &Common, overrides: Overrides) -> Result<Projection> {
     let exe = std::env::current_exe().expect("own executable");
     let mut cmd = Command::new(exe);
     cmd.args(["project-one", "--model", model, "--profile", profile.name(), "--seed", &common.seed.to_string(), "--device", &common.device.to_string()]);
-    pass_overrides(&mut cmd, common);
+    pass_overrides(&mut cmd, overrides);
     die_with_parent(&mut cmd);
     let out = cmd.output()?;
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -88,7 +89,8 @@ pub fn project(w: &Workload, device: &Device, seed: u64) -> Result<Projection> {
     let store = inst.store();
     let weights: u64 =
         store.vars().iter().map(|v| tensor_bytes(v.as_tensor())).sum::<u64>() + store.buffers().map(|(_, b)| tensor_bytes(b.as_tensor())).sum::<u64>();
-    let (_, _, optimizer) = workloads::state(&w.parameter_shapes()?, w.optimizer(), w.dtype);
+    let shapes: Vec<Vec<usize>> = store.vars().iter().map(|v| v.dims().to_vec()).collect();
+    let (_, _, optimizer) = workloads::state(&shapes, w.optimizer(), w.dtype);
     let inputs = inst.inputs_at(0, 1)?.iter().map(tensor_bytes).sum::<u64>() * w.batch as u64;
     let state_bytes = weights + optimizer + inputs;
     let inputs_at = |n| inst.inputs_at(0, n);
