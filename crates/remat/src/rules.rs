@@ -35,8 +35,8 @@
 //! - Rule 8: a parameter's gradient appears at the backward of the last stage that uses it and is
 //!   held to the end of the step; earlier users add to it in place. When micro-batches
 //!   accumulate, the earlier ones' sum is held throughout, and a parameter several stages use
-//!   keeps this micro-batch's partial sum aside until its first user's backward (which the planner
-//!   does not replay: a profile does not say which parameters are shared).
+//!   keeps this micro-batch's partial sum aside from its last user's backward to its first
+//!   user's (a profile lists those parameters: `Profile::shared_grads`).
 //! - Rule 9: the timeline records one event as each stage's forward, recompute or backward ends
 //!   (after Rule 6's drop): the heap, and the bytes of the parameter gradients held. The
 //!   planner's [`crate::plan::Point`]s predict them.

@@ -55,7 +55,7 @@ fn chain(seed: u64, blocks: usize) -> Profile {
         };
         stages.push(stage(&mut rng, format!("s{i}"), kind, inputs, 2 + i));
     }
-    Profile { batch: 1, n_inputs: 2, values: values(&mut rng, n), stages }
+    Profile { batch: 1, n_inputs: 2, values: values(&mut rng, n), stages, shared_grads: Vec::new() }
 }
 
 /// A U-Net: stem, `levels` encoder blocks (each output also a skip), a bottom block, `levels`
@@ -77,7 +77,7 @@ fn unet(seed: u64, levels: usize) -> Profile {
     let i = stages.len();
     stages.push(stage(&mut rng, "loss".into(), StageKind::Other, vec![2 + i - 1, 1], 2 + i));
     let n = stages.len();
-    Profile { batch: 1, n_inputs: 2, values: values(&mut rng, n), stages }
+    Profile { batch: 1, n_inputs: 2, values: values(&mut rng, n), stages, shared_grads: Vec::new() }
 }
 
 fn segments(starts: &[usize], n: usize) -> Vec<Range<usize>> {

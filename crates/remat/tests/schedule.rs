@@ -3,8 +3,9 @@
 //! kind of policy. Both follow the bookkeeping rules of `remat::rules`; a rule changed on one
 //! side only fails here. Compared:
 //! - the stored values (Rule 1) and the events, phase and stage in order (Rule 3): equal;
-//! - the parameter gradients held at every event (Rule 8): equal, but for the record of each
-//!   tensor, which the planner counts and the event's figure leaves out;
+//! - the parameter gradients held at every event (Rule 8), alone and accumulating on an earlier
+//!   micro-batch's (the shared weight's partial sum): equal, but for the record of each tensor,
+//!   which the planner counts and the event's figure leaves out;
 //! - the bytes held at every event (Rules 2, 4 to 7): equal within [`NOISE`];
 //! - the step's peak: within the bench harness's tolerance for its predictions (3 %,
 //!   `bench-harness/tests/planner.rs`).
@@ -70,28 +71,41 @@ fn the_planner_replays_the_executors_bookkeeping_event_by_event() {
     let profile = Profile::at_batch(&g, |_| Ok::<_, String>(inputs.to_vec()), &ws, BATCH, SEED).unwrap();
     let (activations, _loss) = profile.values.split_at(profile.values.len() - 1);
     assert!(activations.iter().all(|v| v.bytes == VALUE_BYTES));
+    assert_eq!(profile.shared_grads.iter().map(|s| (s.first, s.last)).collect::<Vec<_>>(), [(0, 6)], "the weight e1 and d1 share");
     for policy in ["off", "sqrt", "every-n=2", "explicit=1,5", "before-downsample", "plan=1", "plan=2,5"] {
         let exec = Executor::new(&g, &policy.parse::<Policy>().unwrap(), ws.clone(), SEED).unwrap();
         let segments = exec.segments();
         assert_eq!(exec.stored_values(), remat::plan::stored_values(&profile, &segments), "{policy}: stored values (Rule 1)");
-        let predicted = profile.timeline(&segments, 0);
-        let estimate = profile.predict(&segments, 0);
-        assert_eq!(predicted.iter().map(|p| p.peak.total()).max(), Some(estimate.peak), "{policy}: the estimate is the timeline's highest point");
 
         exec.step(&inputs, 0).unwrap(); // thread pools and kernel workspaces are not the step's
         let base = heap_current();
         let events = exec.step(&inputs, 1).unwrap().timeline.events;
-        let order = |e: &[(remat::memory::Phase, usize)]| e.iter().map(|(p, s)| format!("{p:?} {s}")).collect::<Vec<_>>();
-        let (ran, replayed): (Vec<_>, Vec<_>) = (events.iter().map(|e| (e.phase, e.stage)).collect(), predicted.iter().map(|p| (p.phase, p.stage)).collect());
-        assert_eq!(order(&ran), order(&replayed), "{policy}: events (Rule 3)");
-        for (event, point) in events.iter().zip(&predicted) {
-            agree(&format!("{policy}, {:?} of stage {}", event.phase, event.stage), event, point, base);
-        }
-        let measured = events.iter().map(|e| e.window_peak).max().unwrap() - base;
-        let error = estimate.peak as f64 / measured as f64 - 1.0;
-        eprintln!("{policy}: step peak predicted {}, measured {measured} ({:+.2}%)", estimate.peak, error * 100.0);
-        assert!(error.abs() <= 0.03, "{policy}: step peak predicted {}, measured {measured} ({:+.1}%)", estimate.peak, error * 100.0);
+        replays(policy, &profile, &segments, 0, &events, base);
+
+        // Accumulating: the second micro-batch, on the first's gradients (Rule 8's partial sums).
+        let base = heap_current();
+        let first = exec.step(&inputs, 2).unwrap().grads;
+        let events = exec.accumulate(&inputs, 3, first).unwrap().timeline.events;
+        replays(&format!("{policy}, accumulating"), &profile, &segments, profile.param_grad_bytes(), &events, base);
     }
+}
+
+/// The executor's `events` of a step cut into `segments` against the planner's replay, with
+/// `held_grads` held from earlier micro-batches; `base`: the heap before those.
+fn replays(at: &str, profile: &Profile, segments: &[std::ops::Range<usize>], held_grads: u64, events: &[Event], base: u64) {
+    let predicted = profile.timeline(segments, held_grads);
+    let estimate = profile.predict(segments, held_grads);
+    assert_eq!(predicted.iter().map(|p| p.peak.total()).max(), Some(estimate.peak), "{at}: the estimate is the timeline's highest point");
+    let order = |e: &[(remat::memory::Phase, usize)]| e.iter().map(|(p, s)| format!("{p:?} {s}")).collect::<Vec<_>>();
+    let (ran, replayed): (Vec<_>, Vec<_>) = (events.iter().map(|e| (e.phase, e.stage)).collect(), predicted.iter().map(|p| (p.phase, p.stage)).collect());
+    assert_eq!(order(&ran), order(&replayed), "{at}: events (Rule 3)");
+    for (event, point) in events.iter().zip(&predicted) {
+        agree(&format!("{at}, {:?} of stage {}", event.phase, event.stage), event, point, base);
+    }
+    let measured = events.iter().map(|e| e.window_peak).max().unwrap() - base;
+    let error = estimate.peak as f64 / measured as f64 - 1.0;
+    eprintln!("{at}: step peak predicted {}, measured {measured} ({:+.2}%)", estimate.peak, error * 100.0);
+    assert!(error.abs() <= 0.03, "{at}: step peak predicted {}, measured {measured} ({:+.1}%)", estimate.peak, error * 100.0);
 }
 
 /// One event against its predicted point; `base`: the heap before the step.

@@ -76,6 +76,20 @@ pub struct Profile {
     pub n_inputs: usize,
     pub values: Vec<ValueCost>,
     pub stages: Vec<StageCost>,
+    /// The parameters several stages give gradients to (a tied embedding).
+    #[serde(default)]
+    pub shared_grads: Vec<SharedGrad>,
+}
+
+/// A parameter several stages give gradients to. While micro-batches accumulate, the executor
+/// keeps this micro-batch's partial sum of its gradient aside from the backward of the `last`
+/// stage that uses it to that of the `first`, so that the sum over micro-batches adds complete
+/// gradients (Rule 8): `bytes` more held in between.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SharedGrad {
+    pub first: usize,
+    pub last: usize,
+    pub bytes: u64,
 }
 
 /// What a cut of the stages into segments is predicted to cost.

@@ -1,7 +1,7 @@
 //! Measuring a profile: every stage run alone under the memory meter, in each of the executor's
 //! modes ([`Profile::measure`]), and profiles at other batch sizes ([`Profile::extrapolate`]).
 
-use super::{PlanError, Profile, StageCost, ValueCost};
+use super::{PlanError, Profile, SharedGrad, StageCost, ValueCost};
 use crate::graph::{StageGraph, ValueId};
 use crate::memory::{set_activity, tensor_bytes, Activity, Counter};
 use crate::stage::{StageCtx, StageKind};
@@ -103,7 +103,7 @@ impl Profile {
                 ..x.clone()
             })
             .collect();
-        Ok(Profile { batch, n_inputs: a.n_inputs, values, stages })
+        Ok(Profile { batch, n_inputs: a.n_inputs, values, stages, shared_grads: a.shared_grads.clone() })
     }
 
     pub fn kinds(&self) -> Vec<StageKind> {
@@ -140,6 +140,7 @@ fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: u
     for (c, t) in costs.iter_mut().zip(inputs) {
         *c = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
     }
+    let mut first_user = vec![None; params.len()];
     let mut last_user = vec![None; params.len()];
     let mut param_bytes = vec![0u64; params.len()];
     let mut stages = Vec::with_capacity(graph.nodes().len());
@@ -176,6 +177,7 @@ fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: u
                     alike.insert(key, Measured { cost: cost.clone(), outputs: outs.clone(), param_grad_bytes: grads.iter().map(|(_, b)| b).sum() });
                 }
                 for (k, bytes) in grads {
+                    first_user[k].get_or_insert(i);
                     last_user[k] = Some(i);
                     param_bytes[k] = bytes;
                 }
@@ -201,8 +203,14 @@ fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: u
     for (stage, bytes) in stages.iter_mut().zip(reused_grad_bytes) {
         stage.param_grad_bytes += bytes;
     }
+    let shared_grads = (0..params.len())
+        .filter_map(|k| match (first_user[k], last_user[k]) {
+            (Some(first), Some(last)) if first < last => Some(SharedGrad { first, last, bytes: param_bytes[k] }),
+            _ => None,
+        })
+        .collect();
     set_activity(Activity::Setup, None);
-    Ok(Profile { batch, n_inputs, values: costs, stages })
+    Ok(Profile { batch, n_inputs, values: costs, stages, shared_grads })
 }
 
 /// Bytes of each parameter gradient a stage's backward gives, by index in the parameter list.

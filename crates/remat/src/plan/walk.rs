@@ -130,9 +130,15 @@ impl<'p> Walk<'p> {
         // values handed over at it. A value produced in the segment is held by its producer's run
         // the whole time, and a stored value an earlier segment takes over stays stored until then.
         let vars = |i: usize| handed.iter().filter(|&&(first, _)| first == i).map(|&(_, bytes)| bytes).sum::<u64>();
-        // Rule 8: walking backward, the gradients of later stages' parameters are in (while
-        // accumulating, `held_grads` stays as it is: the partial sums are not replayed).
-        let grads_after: u64 = self.held_grads + if self.held_grads > 0 { 0 } else { stages[b..].iter().map(|s| s.param_grad_bytes).sum() };
+        // Rule 8: walking backward, the gradients of later stages' parameters are in; while
+        // accumulating, `held_grads` and the partial sums of shared parameters whose last user
+        // lies after the segment and whose first does not.
+        let grads_after: u64 = self.held_grads
+            + if self.held_grads > 0 {
+                self.p.shared_grads.iter().filter(|s| s.last >= b && s.first < b).map(|s| s.bytes).sum::<u64>()
+            } else {
+                stages[b..].iter().map(|s| s.param_grad_bytes).sum::<u64>()
+            };
 
         // Rule 1: forward holds every value stored so far; Rule 2: a segment's stages stay until it ends.
         let stored = past + stored_here.iter().map(|&v| self.bytes(v)).sum::<u64>();
@@ -182,6 +188,15 @@ impl<'p> Walk<'p> {
             // Rule 8
             if self.held_grads == 0 {
                 held.param_grads += stages[i].param_grad_bytes;
+            } else {
+                for shared in &self.p.shared_grads {
+                    if shared.last == i {
+                        held.param_grads += shared.bytes;
+                    }
+                    if shared.first == i {
+                        held.param_grads -= shared.bytes;
+                    }
+                }
             }
             see(Point { phase: Phase::Backward, stage: i, held, peak: during });
         }
