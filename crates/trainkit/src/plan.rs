@@ -6,6 +6,7 @@ use crate::parallel::{self, Group};
 use crate::{mib, say, segments, show};
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
+use remat::plan::Profile;
 use remat::Executor;
 
 /// This machine's available memory in bytes (MemAvailable + SwapFree), where /proc/meminfo says.
@@ -93,9 +94,8 @@ pub fn build_model<M>(flags: &str, build: impl FnOnce() -> Result<M>) -> Result<
 /// which over-predicts a little where temporaries are not linear in the batch), plus the state
 /// still to come (optimizer state, the inputs), against what the device can give. `sizes` names
 /// the flags that set the step's size. The profiles themselves run [`within_memory`]. Returns
-/// whether it measured at `batch` itself: the kernels' workspaces have then met the step's sizes,
-/// which is what [`Profile::at_batch`](remat::plan::Profile::at_batch)'s thrown-away first pass
-/// is for, so the plan can do without it.
+/// the profile where it measured at `batch` itself (1 or 2), with the heap the measuring took
+/// beyond the model: that is the plan's profile too, measured once.
 fn check_step_fits(
     run: &RunArgs,
     policy: &remat::PolicyRequest,
@@ -104,20 +104,22 @@ fn check_step_fits(
     batch: usize,
     sizes: &str,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
-) -> Result<bool> {
-    use remat::plan::Profile;
+) -> Result<Option<(Profile, u64)>> {
     let (vars, device) = vars_and_device(model);
-    let Some(free) = free_memory(&device) else { return Ok(false) };
+    let Some(free) = free_memory(&device) else { return Ok(None) };
     let hint = format!("a training step does not fit in this machine's available memory: make it smaller ({sizes})");
-    // Each batch measured once (a plan measures twice, for the least of two): this runs at the
-    // start of every run, and a first call's workspaces only make it over-predict.
+    // At batch 1 or 2, this is the plan's profile too; at larger batches, extrapolated (its
+    // temporaries over-predict a little), and a plan measures at the batch itself.
     let measure = |n: usize| -> Result<Profile> { Ok(Profile::measure(model.graph(), &inputs_at(n)?, &vars, n, run.seed)?) };
-    let profile = within_memory(hint, || {
-        Ok(match batch {
-            1 | 2 => measure(batch)?,
-            _ => Profile::extrapolate(&measure(1)?, &measure(2)?, batch)?,
+    let (profile, measuring_peak) = remat::memory::peak_during(|| {
+        within_memory(hint, || {
+            Ok(match batch {
+                1 | 2 => measure(batch)?,
+                _ => Profile::extrapolate(&measure(1)?, &measure(2)?, batch)?,
+            })
         })
-    })?;
+    });
+    let profile = profile?;
     let (fixed, held) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
     let least = profile.least_peak(held);
     let peak = match policy.fixed() {
@@ -139,7 +141,7 @@ fn check_step_fits(
             gib(free)
         );
     }
-    Ok(matches!(batch, 1 | 2))
+    Ok(matches!(batch, 1 | 2).then_some((profile, measuring_peak)))
 }
 
 /// A model's parameters and the device they are on.
@@ -183,8 +185,8 @@ pub fn executor<'m>(
     sizes: &str,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<Option<(Executor<'m>, remat::Policy)>> {
-    let warm = check_step_fits(run, policy, model, optimizer, batch, sizes, inputs_at)?;
-    let Some(resolved) = plan_policy(run, policy, model, optimizer, batch, inputs_at, warm)? else { return Ok(None) };
+    let measured = check_step_fits(run, policy, model, optimizer, batch, sizes, inputs_at)?;
+    let Some(resolved) = plan_policy(run, policy, model, optimizer, batch, inputs_at, measured)? else { return Ok(None) };
     let policy = parallel::agreed_policy(group, policy, resolved)?;
     Ok(Some((Executor::new(model.graph(), &policy, model.params().vars(), rank_seed(run.seed, group.rank()))?, policy)))
 }
@@ -202,22 +204,22 @@ fn plan_policy(
     optimizer: &dyn layers::TrainOptimizer,
     batch: usize,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
-    warm: bool,
+    measured: Option<(Profile, u64)>,
 ) -> Result<Option<remat::Policy>> {
-    use remat::plan::{resolve, summary, Profile};
+    use remat::plan::{resolve, summary};
     if let (Some(policy), false, None) = (policy.fixed(), run.dry_run, run.memory_cap) {
         return Ok(Some(policy.clone()));
     }
     let (vars, device) = vars_and_device(model);
-    // `warm`: the fit check measured at this batch, so the kernels' workspaces are grown already
-    // and one measurement is the plan's (GPT-2 XL's dry run: two measurements instead of three).
-    let (profile, dry_peak) = remat::memory::peak_during(|| -> Result<Profile> {
-        Ok(match warm {
-            true => Profile::measure(model.graph(), &inputs_at(batch)?, &vars, batch, run.seed)?,
-            false => Profile::at_batch(model.graph(), inputs_at, &vars, batch, run.seed)?,
-        })
-    });
-    let profile = profile?;
+    // The fit check's profile where it measured at this batch (GPT-2 XL's dry run: one
+    // measurement instead of three).
+    let (profile, dry_peak) = match measured {
+        Some(measured) => measured,
+        None => {
+            let (profile, peak) = remat::memory::peak_during(|| Profile::at_batch(model.graph(), inputs_at, &vars, batch, run.seed));
+            (profile?, peak)
+        }
+    };
     let (fixed, held) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
     let (resolved, plan) = resolve(policy, &profile, fixed, held, auto_budget(&device, run.memory_cap))?;
     if let (Some(cap), None, false) = (run.memory_cap, &plan, run.dry_run) {
