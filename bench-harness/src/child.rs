@@ -6,6 +6,7 @@ use crate::cli::Common;
 use crate::record::{Record, Status};
 use crate::workloads::{Overrides, Profile, Workload};
 use remat::PolicyRequest;
+use std::path::Path;
 use std::process::Command;
 
 /// What a `run-one` process does.
@@ -22,7 +23,8 @@ pub enum One {
 }
 
 /// Runs one configuration in a fresh process, so one run's peak never leaks into another.
-pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, profile: Profile, mode: One) -> Record {
+/// `profiles`: the folder where the model's policies share one planner profile.
+pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, (profile, profiles): (Profile, Option<&Path>), mode: One) -> Record {
     let exe = std::env::current_exe().expect("own executable");
     let mut cmd = if common.ranks > 1 { trainkit::parallel::mpirun(common.ranks, &exe) } else { Command::new(exe) };
     cmd.args(["run-one", "--model", &w.model, "--policy", &policy.to_string(), "--profile", profile.name()]).args([
@@ -35,6 +37,9 @@ pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, profile:
     ]);
     if let Some(cap) = common.memory_cap {
         cmd.args(["--memory-cap", &cap.to_string()]);
+    }
+    if let Some(dir) = profiles {
+        cmd.arg("--profiles").arg(dir);
     }
     pass_overrides(&mut cmd, common.overrides());
     if common.no_rng_replay {

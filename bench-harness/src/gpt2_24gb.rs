@@ -67,7 +67,7 @@ pub fn run_predicted(matrix: &mut Matrix, w: &Workload, policy: &PolicyRequest, 
         None => skipped(format!("not predicted: the planner found no plan for {policy}")),
         Some(_) => {
             let check_fits = prediction.params * 4 + prediction.activations.unwrap_or(0) < cap;
-            let mut rec = spawn_one(w, policy, common, profile, if check_fits { One::Full } else { One::Unchecked });
+            let mut rec = spawn_one(w, policy, common, (profile, None), if check_fits { One::Full } else { One::Unchecked });
             rec.grads_checked = check_fits && rec.status == Status::Ok;
             rec
         }

@@ -89,6 +89,11 @@ enum Cmd {
         /// Predict only: profile the stages and print the record with the prediction, run no step.
         #[arg(long)]
         dry_run: bool,
+        /// A folder where the policies of a model share one profile (the matrix's
+        /// `<out>/profiles`): read where one measured for this configuration and commit is there,
+        /// else measured and written.
+        #[arg(long)]
+        profiles: Option<std::path::PathBuf>,
         #[command(flatten)]
         common: Common,
     },
@@ -97,14 +102,14 @@ enum Cmd {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::RunOne { model, policy, time_only, no_check, dry_run, common }) => {
+        Some(Cmd::RunOne { model, policy, time_only, no_check, dry_run, profiles, common }) => {
             let mode = match (dry_run, time_only, no_check) {
                 (true, _, _) => One::DryRun,
                 (_, true, _) => One::TimeOnly,
                 (_, _, true) => One::Unchecked,
                 _ => One::Full,
             };
-            measure::run_one(&model, &policy, mode, &common)
+            measure::run_one(&model, &policy, mode, profiles.as_deref(), &common)
         }
         Some(Cmd::ProjectOne { model, common }) => projection::project_one(&model, &common),
         Some(Cmd::Selftest { device }) => selftest::selftest(device),

@@ -189,7 +189,7 @@ impl Run<'_> {
         let mut ran_models: Vec<&str> = Vec::new();
         for (i, (w, policy)) in configs.iter().enumerate() {
             if dry_run {
-                let rec = spawn_one(w, policy, common, profile, One::DryRun);
+                let rec = spawn_one(w, policy, common, (profile, None), One::DryRun);
                 bar.suspend(|| trainkit::say!("{}", dry_summary(&rec)));
                 bar.inc(1);
                 continue;
@@ -232,7 +232,7 @@ impl Run<'_> {
             let rec = if profile == Profile::Gpt2_24gb {
                 gpt2_24gb::run_predicted(&mut self.matrix, w, policy, common, profile, args.dry_run)?
             } else {
-                Some(spawn_one(w, policy, common, profile, One::Full))
+                Some(spawn_one(w, policy, common, (profile, Some(&self.dir.join("profiles"))), One::Full))
             };
             let Some(mut rec) = rec else { return Ok(false) };
             bar.suspend(|| trainkit::say!("{}", summary(&rec, self.matrix.find(&w.model, "off"))));
@@ -328,7 +328,7 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], ro
     let mut torch_ms: Vec<Vec<Option<f64>>> = timed.iter().map(|p| vec![theirs(matrix, p)]).collect();
     for _ in 0..rounds {
         for (i, p) in timed.iter().enumerate() {
-            let rec = spawn_one(w, p, common, profile, One::TimeOnly);
+            let rec = spawn_one(w, p, common, (profile, None), One::TimeOnly);
             ours[i].push(Some(rec.step_ms_median).filter(|_| rec.status == Status::Ok));
             let measured = matrix.find(&w.model, &p.to_string()).unwrap();
             let b = torch.filter(|_| torch_ms[i][0].is_some()).map(|py| baseline::run(py, measured, w.input_size, common.steps, common.seed, true));

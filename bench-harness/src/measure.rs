@@ -13,17 +13,25 @@ use remat::memory::{set_activity, Activity, Counter};
 use remat::plan::{Estimate, Profile};
 use remat::{Executor, Policy, PolicyRequest};
 use std::collections::BTreeMap;
+use std::path::Path;
 
 /// `run-one`: one configuration measured in this process, on the ranks `mpirun` started.
-pub fn run_one(model: &str, policy: &PolicyRequest, mode: One, common: &Common) -> Result<()> {
+pub fn run_one(model: &str, policy: &PolicyRequest, mode: One, profiles: Option<&Path>, common: &Common) -> Result<()> {
     layers::fused::set_path(common.fused_path.into());
     let dev = common.device.open()?;
     let group = trainkit::Group::from_launcher(&dev)?;
-    trainkit::or_abort(&group, measure_one(model, policy, mode, common, &group, &dev))
+    trainkit::or_abort(&group, measure_one(model, policy, (mode, profiles), common, &group, &dev))
 }
 
 /// `run-one` on one rank of `group`, on `dev`: the first rank prints the record.
-fn measure_one(model: &str, policy: &PolicyRequest, mode: One, common: &Common, group: &trainkit::Group, dev: &candle_core::Device) -> Result<()> {
+fn measure_one(
+    model: &str,
+    policy: &PolicyRequest,
+    (mode, profiles): (One, Option<&Path>),
+    common: &Common,
+    group: &trainkit::Group,
+    dev: &candle_core::Device,
+) -> Result<()> {
     // Held while the configuration is measured: the device memory beyond the cap.
     let held = match common.memory_cap {
         Some(cap) => hold_beyond(dev, cap)?,
@@ -38,7 +46,7 @@ fn measure_one(model: &str, policy: &PolicyRequest, mode: One, common: &Common, 
         .clone()
         .overridden(common.overrides());
     let steps = if mode == One::DryRun { 0 } else { common.steps };
-    let mut rec = run(&w, policy, steps, common.seed, dev, &common.device.to_string(), common.memory_cap, mode != One::TimeOnly, group)?;
+    let mut rec = run(&w, policy, steps, common.seed, (dev, &common.device.to_string()), common.memory_cap, mode != One::TimeOnly, profiles, group)?;
     if layers::fused::path() == layers::fused::Path::Generic {
         rec.fused_path = "generic".into();
     }
@@ -83,6 +91,53 @@ pub fn profile(inst: &dyn Instance, seed: u64) -> Result<Profile> {
     Ok(Profile::at_batch(inst.graph(), |n| inst.inputs_at(0, n), &inst.store().vars(), inst.batch(), seed)?)
 }
 
+/// A profile kept in a results folder (`profiles/<model>.json`) for the other policies of the
+/// same model, with what it was measured for.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SharedProfile {
+    measured_for: String,
+    profile: Profile,
+}
+
+/// [`profile`], shared by the policies of a model through the folder `dir`: the one there is
+/// read where it was measured for the same configuration (model, batch, input, dtype, device,
+/// threads, ranks, fused path) by the same harness executable, else it is measured and written
+/// there (by the first rank). At full size this saves a profile per policy: ResNet-50 at batch
+/// 256 profiles for minutes.
+fn shared_profile(dir: Option<&Path>, w: &Workload, inst: &dyn Instance, device_name: &str, seed: u64, group: &trainkit::Group) -> Result<Profile> {
+    let Some(dir) = dir else { return profile(inst, seed) };
+    // The executable, by its size and time of writing: a rebuilt harness measures anew.
+    let exe = std::env::current_exe().and_then(std::fs::metadata)?;
+    let built = exe.modified()?.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let measured_for = format!(
+        "{} batch {} {} {} on {device_name}, {} threads, {} ranks, {:?} fused path, seed {seed}; by the harness of {} bytes built at {built} s (commit {})",
+        w.model,
+        inst.batch(),
+        w.input(),
+        w.dtype,
+        candle_core::utils::get_num_threads(),
+        group.world(),
+        layers::fused::path(),
+        exe.len(),
+        crate::results::commit()
+    );
+    let path = dir.join(format!("{}.json", w.model.replace('/', "+")));
+    let kept = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<SharedProfile>(&b).ok()).filter(|k| k.measured_for == measured_for);
+    if let Some(kept) = kept {
+        return Ok(kept.profile);
+    }
+    let profile = profile(inst, seed)?;
+    if group.is_root() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let shared = SharedProfile { measured_for, profile };
+        let partial = path.with_extension("json.partial");
+        std::fs::write(&partial, serde_json::to_vec_pretty(&shared)?).with_context(|| format!("writing {}", partial.display()))?;
+        std::fs::rename(&partial, &path).with_context(|| format!("writing {}", path.display()))?;
+        return Ok(shared.profile);
+    }
+    Ok(profile)
+}
+
 /// The predicted step of `policy` with `accumulate` micro-batches: the first micro-batch
 /// gathers the parameter gradients, later ones hold them all from the start.
 pub fn predict(profile: &Profile, policy: &Policy, accumulate: usize) -> Result<Estimate> {
@@ -99,16 +154,17 @@ pub fn predict(profile: &Profile, policy: &Policy, accumulate: usize) -> Result<
 /// status `skipped`). With `predict_step` the planner profiles the model first and predicts the
 /// step; a `budget=`/`auto` policy is resolved from a profile either way (`auto` takes `cap`, the
 /// memory the run may use). The timing rounds, which keep only the step time, predict nothing.
+/// `profiles`: a folder where the model's policies share one profile ([`shared_profile`]).
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     w: &Workload,
     policy: &PolicyRequest,
     steps: usize,
     seed: u64,
-    device: &Device,
-    device_name: &str,
+    (device, device_name): (&Device, &str),
     cap: Option<u64>,
     predict_step: bool,
+    profiles: Option<&Path>,
     group: &trainkit::Group,
 ) -> Result<Record> {
     let mut rec = Record::new(w, policy, device_name);
@@ -142,7 +198,7 @@ pub fn run(
     let mut optimizer = inst.optimizer(w.shard_optimizer, group)?;
     let (policy, off_total) = match (policy.fixed(), predict_step) {
         (Some(p), false) => (p.clone(), None),
-        _ => plan(&mut rec, (w, &*inst, device), &*optimizer, policy, seed, cap, predict_step, group)?,
+        _ => plan(&mut rec, (w, &*inst, device, device_name), &*optimizer, policy, (seed, cap, predict_step), profiles, group)?,
     };
     if steps == 0 {
         rec.status = Status::Skipped;
@@ -236,18 +292,16 @@ fn ranks_summary(rec: &mut Record, group: &trainkit::Group, comm_ms: Vec<f64>, w
 /// one plan, kept in `rec.plan`), and with `predict_step` the step predicted into `rec` (for
 /// `off`, with the planner's memory/time frontier). Returns the policy to run and, with
 /// `predict_step`, `off`'s predicted total (the state and its step's peak).
-#[allow(clippy::too_many_arguments)]
 fn plan(
     rec: &mut Record,
-    (w, inst, device): (&Workload, &dyn Instance, &Device),
+    (w, inst, device, device_name): (&Workload, &dyn Instance, &Device, &str),
     optimizer: &dyn layers::TrainOptimizer,
     policy: &PolicyRequest,
-    seed: u64,
-    cap: Option<u64>,
-    predict_step: bool,
+    (seed, cap, predict_step): (u64, Option<u64>, bool),
+    profiles: Option<&Path>,
     group: &trainkit::Group,
 ) -> Result<(Policy, Option<u64>)> {
-    let profile = profile(inst, seed)?;
+    let profile = shared_profile(profiles, w, inst, device_name, seed, group)?;
     // After the profile: the workspaces kernels keep from their first calls are part of it.
     let inputs_bytes: u64 = inst.inputs(0)?.iter().map(remat::memory::tensor_bytes).sum();
     let fixed = trainkit::memory_before_step(device, optimizer, inputs_bytes)?;

@@ -33,6 +33,23 @@ pub fn meta(profile: Profile, device: &trainkit::DeviceName) -> Meta {
     let flags: Vec<&str> = cpuinfo.lines().find_map(|l| l.strip_prefix("flags")).map_or(Vec::new(), |l| l.split_whitespace().collect());
     let vector: Vec<&str> = ["avx2", "fma", "avx512f", "avx512vl", "avx512_bf16", "amx_tile"].into_iter().filter(|f| flags.contains(f)).collect();
     let vector = if vector.is_empty() { String::new() } else { format!("; {}", vector.join(" ")) };
+    Meta {
+        machine: format!(
+            "{} ({} CPUs visible, candle threads {}{vector})",
+            cpu.unwrap_or_else(|| std::env::consts::ARCH.into()),
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+            candle_core::utils::get_num_threads()
+        ),
+        candle_version: env!("CANDLE_VERSION").into(),
+        git_commit: commit(),
+        command: crate::child::this_command(),
+        profile: profile.name().into(),
+        matmul_peak_gflops: (*device == trainkit::DeviceName::Cpu).then(layers::matmul_peak_gflops),
+    }
+}
+
+/// The project's commit, `-dirty` appended where tracked files have changed since.
+pub fn commit() -> String {
     // The project's own repository, wherever the harness runs from.
     let project = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
     let git = |args: &[&str]| {
@@ -47,18 +64,10 @@ pub fn meta(profile: Profile, device: &trainkit::DeviceName) -> Meta {
     };
     let commit = git(&["rev-parse", "--short", "HEAD"]).filter(|c| !c.is_empty()).unwrap_or_else(|| "unknown".into());
     let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
-    Meta {
-        machine: format!(
-            "{} ({} CPUs visible, candle threads {}{vector})",
-            cpu.unwrap_or_else(|| std::env::consts::ARCH.into()),
-            std::thread::available_parallelism().map_or(0, |n| n.get()),
-            candle_core::utils::get_num_threads()
-        ),
-        candle_version: env!("CANDLE_VERSION").into(),
-        git_commit: if dirty { format!("{commit}-dirty") } else { commit },
-        command: crate::child::this_command(),
-        profile: profile.name().into(),
-        matmul_peak_gflops: (*device == trainkit::DeviceName::Cpu).then(layers::matmul_peak_gflops),
+    if dirty {
+        format!("{commit}-dirty")
+    } else {
+        commit
     }
 }
 

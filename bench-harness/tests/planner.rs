@@ -93,3 +93,28 @@ fn deep_sqrt_predictions_count_the_gradients_records() {
         assert!(error.abs() <= 0.05, "{what}: predicted {predicted}, measured {measured} ({:+.1}%)", error * 100.0);
     }
 }
+
+/// The policies of a model share one profile, kept in the folder's `profiles/`: a later policy
+/// predicts from the kept one (here doctored to ten times its stages' bytes, which the prediction
+/// must follow), and one kept for another configuration is measured anew.
+#[test]
+fn the_policies_of_a_model_share_one_profile() {
+    let dir = out_dir("planner-shared");
+    let run = |batch: &str| smoke(&dir, &["--matrix", "models", "--models", "gpt2", "--batch", batch, "--policies", "off,sqrt", "--rounds", "0", "--force"]);
+    let predicted = |policy: &str| common::record(&dir, "gpt2-tiny", policy)["predicted_peak_bytes"].as_f64().unwrap();
+    run("8");
+    let kept = dir.join("profiles").join("gpt2-tiny.json");
+    let mut shared: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&kept).unwrap()).unwrap();
+    assert!(shared["measured_for"].as_str().unwrap().starts_with("gpt2-tiny batch 8 "), "{}", shared["measured_for"]);
+    let honest = predicted("sqrt");
+    for stage in shared["profile"]["stages"].as_array_mut().unwrap() {
+        stage["graph_bytes"] = (stage["graph_bytes"].as_u64().unwrap() * 10).into();
+    }
+    std::fs::write(&kept, serde_json::to_string(&shared).unwrap()).unwrap();
+    run("8");
+    assert!(predicted("sqrt") > 3.0 * honest, "sqrt predicted {} from the doctored profile, {honest} before", predicted("sqrt"));
+    run("4");
+    let fresh: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&kept).unwrap()).unwrap();
+    assert!(fresh["measured_for"].as_str().unwrap().starts_with("gpt2-tiny batch 4 "), "{}", fresh["measured_for"]);
+    assert!(predicted("sqrt") < honest, "batch 4 measured anew: {} against batch 8's {honest}", predicted("sqrt"));
+}
