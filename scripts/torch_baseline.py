@@ -27,6 +27,7 @@ Needs torch (and torchvision, transformers); `pip install torch torchvision tran
 """
 
 import argparse
+import resource
 import json
 import statistics
 import sys
@@ -162,8 +163,9 @@ class Level(nn.Module):
         return self.convs(x)
 
 
-def unet3d(batch, side, base=16, levels=3, classes=3):
-    """`unet3d::Config`'s `small` preset, stage for stage as `UNet3d::new` builds its graph."""
+def unet3d(batch, side, base, levels=3, classes=3):
+    """`unet3d::Config`'s `small` (base 16) or `cicek` (base 32) preset, stage for stage as
+    `UNet3d::new` builds its graph."""
     mods, stages = nn.ModuleList(), []
 
     def add(fn, inputs):
@@ -203,9 +205,9 @@ def build(model, batch, size):
         return gpt2(batch, size)
     if model == "bert-large":
         return bert(batch, size)
-    if model == "unet3d-small":
-        return unet3d(batch, size)
-    sys.exit(f"torch_baseline: no PyTorch version of `{model}`; valid models: resnet50, resnet152, bert-large, unet3d-small, gpt2-small")
+    if model in ("unet3d-small", "unet3d-cicek"):
+        return unet3d(batch, size, base=16 if model == "unet3d-small" else 32)
+    sys.exit(f"torch_baseline: no PyTorch version of `{model}`; valid models: resnet50, resnet152, bert-large, unet3d-small, unet3d-cicek, gpt2-small")
 
 
 def forward(stages, n_inputs, segments, batch_values):
@@ -297,7 +299,19 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-only", action="store_true", help="time the steps only, no profiled step for memory (peaks 0): the harness's interleaved timing rounds")
+    ap.add_argument("--memory-limit", type=int, help="bytes this process may allocate (RLIMIT_DATA): beyond them an allocation fails, and the run exits saying 'out of memory: ...'")
     a = ap.parse_args()
+    if a.memory_limit:
+        resource.setrlimit(resource.RLIMIT_DATA, (a.memory_limit, a.memory_limit))
+    try:
+        run(a)
+    except (RuntimeError, MemoryError) as e:
+        if a.memory_limit and ("can't allocate memory" in str(e) or isinstance(e, MemoryError)):
+            sys.exit(f"out of memory: the step does not fit in --memory-limit {a.memory_limit} bytes ({str(e).splitlines()[0][:200]})")
+        raise
+
+
+def run(a):
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
     model, stages, n_inputs, make_inputs, opt = build(a.model, a.batch, a.input_size)

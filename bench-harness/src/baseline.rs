@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The models `scripts/torch_baseline.py` has a PyTorch version of.
-pub const MODELS: [&str; 5] = ["resnet50", "resnet152", "bert-large", "unet3d-small", "gpt2-small"];
+pub const MODELS: [&str; 6] = ["resnet50", "resnet152", "bert-large", "unet3d-small", "unet3d-cicek", "gpt2-small"];
 
 fn script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_baseline.py")
@@ -31,8 +31,9 @@ pub fn available(python: &str) -> Result<(), String> {
 }
 
 /// Runs the PyTorch version of `ours` (same model, batch, input size, segments, steps, threads);
-/// `time_only`: its steps timed, no memory measured (the timing rounds).
-pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u64, time_only: bool) -> Baseline {
+/// `time_only`: its steps timed, no memory measured (the timing rounds). `memory_limit`: the
+/// bytes it may allocate, beyond which it ends as `oom` (where ours was predicted not to fit).
+pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u64, time_only: bool, memory_limit: Option<u64>) -> Baseline {
     let failed = |error: String| Baseline {
         framework: "pytorch".into(),
         model: ours.model.clone(),
@@ -54,6 +55,7 @@ pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u
         .args(["--batch", &ours.batch.to_string(), "--input-size", &input_size.to_string()])
         .args(["--steps", &steps.to_string(), "--threads", &ours.threads.to_string(), "--seed", &seed.to_string()])
         .args(time_only.then_some("--time-only"))
+        .args(memory_limit.map(|b| format!("--memory-limit={b}")))
         .output();
     let out = match out {
         Ok(out) => out,
@@ -65,7 +67,8 @@ pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u
         _ => {
             let stderr = String::from_utf8_lossy(&out.stderr);
             let last = stderr.lines().rev().find(|l| !l.trim().is_empty() && !l.contains("USDT") && !l.starts_with("ERROR:")).unwrap_or("");
-            failed(format!("{} ({})", last.trim(), out.status))
+            let status = if last.starts_with("out of memory") { Status::Oom } else { Status::Error };
+            Baseline { status, ..failed(format!("{} ({})", last.trim(), out.status)) }
         }
     }
 }

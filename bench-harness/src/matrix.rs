@@ -11,7 +11,7 @@ use crate::record::{Record, Spread, Status};
 use crate::results::{meta, Matrix};
 use crate::units::mib;
 use crate::workloads::{self, Profile, Workload};
-use crate::{gpt2_24gb, projection, report};
+use crate::{gpt2_24gb, measure, projection, report};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use remat::{Policy, PolicyRequest};
@@ -242,13 +242,23 @@ impl Run<'_> {
             self.matrix.put(rec);
             ran = true;
         }
-        if let (Some(python), Some(ours)) = (python, self.matrix.find(&w.model, &policy.to_string()).filter(|r| r.status == Status::Ok)) {
+        // PyTorch runs where ours ran, and where ours was predicted not to fit this machine: there
+        // within what the machine can give (the same room ours was refused), to see whether it fits.
+        let ours = self.matrix.find(&w.model, &policy.to_string());
+        let limit = match ours {
+            Some(r) if r.status == Status::Ok => Some(None),
+            Some(r) if r.status == Status::Skipped && r.error.starts_with(measure::STEP_DOES_NOT_FIT) && !r.segment_ranges.is_empty() => {
+                Some(trainkit::free_memory(&candle_core::Device::Cpu).map(|free| free - free / 10))
+            }
+            _ => None,
+        };
+        if let (Some(python), Some(ours), Some(limit)) = (python, ours, limit) {
             if baseline::MODELS.contains(&w.model.as_str()) {
                 bar.set_message(format!("{} {policy} in PyTorch", w.model));
                 let b = Baseline {
                     command: this_command(),
                     commit: self.matrix.meta.git_commit.clone(),
-                    ..baseline::run(python, ours, w.input_size, common.steps, common.seed, false)
+                    ..baseline::run(python, ours, w.input_size, common.steps, common.seed, false, limit)
                 };
                 bar.suspend(|| trainkit::say!("{}", baseline_summary(&b, ours)));
                 self.matrix.put_baseline(b);
@@ -331,7 +341,7 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], ro
             let rec = spawn_one(w, p, common, (profile, None), One::TimeOnly);
             ours[i].push(Some(rec.step_ms_median).filter(|_| rec.status == Status::Ok));
             let measured = matrix.find(&w.model, &p.to_string()).unwrap();
-            let b = torch.filter(|_| torch_ms[i][0].is_some()).map(|py| baseline::run(py, measured, w.input_size, common.steps, common.seed, true));
+            let b = torch.filter(|_| torch_ms[i][0].is_some()).map(|py| baseline::run(py, measured, w.input_size, common.steps, common.seed, true, None));
             torch_ms[i].push(b.filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median));
         }
     }

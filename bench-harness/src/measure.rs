@@ -86,6 +86,10 @@ fn hold_beyond(device: &candle_core::Device, cap: u64) -> Result<Option<candle_c
     }
 }
 
+/// How the record of a configuration whose step the planner predicts beyond this machine's
+/// memory begins its reason.
+pub const STEP_DOES_NOT_FIT: &str = "predicted only: a step needs";
+
 /// The planner's profile of `inst` at its batch, measured at that batch ([`Profile::at_batch`]).
 pub fn profile(inst: &dyn Instance, seed: u64) -> Result<Profile> {
     Ok(Profile::at_batch(inst.graph(), |n| inst.inputs_at(0, n), &inst.store().vars(), inst.batch(), seed)?)
@@ -208,8 +212,7 @@ pub fn run(
     if let (Some(room), Some(total)) = (room, rec.predicted_total_bytes) {
         if total > room {
             rec.status = Status::Skipped;
-            rec.error =
-                format!("predicted only: a step needs {} in all by the planner's prediction, and this machine can give {}", gib_text(total), gib_text(room));
+            rec.error = format!("{STEP_DOES_NOT_FIT} {} in all by the planner's prediction, and this machine can give {}", gib_text(total), gib_text(room));
             return Ok(rec);
         }
         // The check runs plain candle's step and then ours, each on a fresh model, holding a
@@ -311,6 +314,8 @@ fn plan(
     if plan.is_some() {
         rec.plan = policy.to_string();
     }
+    // Known before the step runs, for a baseline of a configuration that is not run.
+    rec.segment_ranges = policy.segments_of(&profile.kinds())?.iter().map(|r| [r.start, r.end]).collect();
     if predict_step {
         let estimate = predict(&profile, &policy, w.accumulate)?;
         if policy == Policy::Off {
