@@ -146,8 +146,16 @@ impl Chunk {
 /// (N, O, D_out, H', W'), composed the same way, chunk by chunk: per kernel depth, candle's own
 /// conv2d backward (a transposed convolution gives the input slices' gradient, a convolution of the
 /// slices with the output gradient the weight's), the slices' gradients added back at the depths
-/// they came from.
-pub(crate) fn conv3d_composed_backward(x: &Tensor, w: &Tensor, grad: &Tensor, g: Conv3dGeometry) -> Result<(Tensor, Tensor)> {
+/// they came from. `want`: whether the input's and the weight's gradients are wanted; one not
+/// wanted (an image, a frozen weight) is not computed, and comes back `None`.
+pub(crate) fn conv3d_composed_backward(
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    g: Conv3dGeometry,
+    want: (bool, bool),
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let (want_dx, want_dw) = want;
     let (n, c, d, h, wd) = x.dims5()?;
     let (o, _, kd, kh, kw) = w.dims5()?;
     let (_, _, d_out, ho, wo) = grad.dims5()?;
@@ -164,10 +172,10 @@ pub(crate) fn conv3d_composed_backward(x: &Tensor, w: &Tensor, grad: &Tensor, g:
         let gf = grad.narrow(0, chunk.b, chunk.batches)?.narrow(2, chunk.start, chunk.rows)?;
         let gf = gf.permute((0, 2, 1, 3, 4))?.reshape((slices_of, o, ho, wo))?; // (slices, O, H', W')
         let gf_t = gf.transpose(0, 1)?; // (O, slices, H', W')
-        if chunk.start == 0 && dp > 1 {
+        if chunk.start == 0 && dp > 1 && want_dx {
             dxs.push(Tensor::zeros((chunk.batches, c, dp, h, wd), x.dtype(), x.device())?);
         }
-        for (a, dw) in dws.iter_mut().enumerate() {
+        for a in (0..kd).filter(|_| want_dx) {
             let wa = w.narrow(2, a, 1)?.squeeze(2)?.contiguous()?; // (O, C, kh, kw)
             let ds = gf.conv_transpose2d(&wa, g.pad_hw, out_padding, g.stride_hw, 1)?; // (slices, C, H, W)
             let ds = ds.reshape((chunk.batches, chunk.rows, c, h, wd))?.permute((0, 2, 1, 3, 4))?.contiguous()?; // (batches, C, rows, H, W)
@@ -177,6 +185,8 @@ pub(crate) fn conv3d_composed_backward(x: &Tensor, w: &Tensor, grad: &Tensor, g:
                 let dx = dxs.last_mut().expect("pushed at the sample's first chunk");
                 *dx = dx.index_add(&chunk.depths(a, g.stride_d, x.device())?, &ds, 2)?;
             }
+        }
+        for (a, dw) in dws.iter_mut().enumerate().filter(|_| want_dw) {
             let slices = chunk.slices(&xp, a, g.stride_d)?;
             let dwa = slices.transpose(0, 1)?.conv2d(&gf_t, g.pad_hw, 1, g.stride_hw, 1)?.transpose(0, 1)?; // (O, C, >= kh, >= kw)
             let dwa = dwa.narrow(2, 0, kh)?.narrow(3, 0, kw)?;
@@ -186,9 +196,9 @@ pub(crate) fn conv3d_composed_backward(x: &Tensor, w: &Tensor, grad: &Tensor, g:
             });
         }
     }
-    let dx = Tensor::cat(&dxs, 0)?.narrow(2, g.pad_d, d)?;
-    let dws: Vec<Tensor> = dws.into_iter().map(|dw| dw.expect("kd >= 1")).collect();
-    Ok((dx, Tensor::stack(&dws, 2)?))
+    let dx = want_dx.then(|| Tensor::cat(&dxs, 0)?.narrow(2, g.pad_d, d)).transpose()?;
+    let dw = want_dw.then(|| Tensor::stack(&dws.into_iter().map(|dw| dw.expect("kd >= 1")).collect::<Vec<_>>(), 2)).transpose()?;
+    Ok((dx, dw))
 }
 
 /// Transposed 3D convolution with kernel = stride = 2 plus a bias (the U-Net up-convolution):

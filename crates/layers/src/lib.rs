@@ -72,7 +72,7 @@ pub use fused::{allocate_matmul_workspaces, matmul_peak_gflops};
 pub use model::{Benchable, Model};
 pub use norm::{GroupNorm, LayerNorm};
 pub use optim::{scale_grads, AdamW, OptimizerKind, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
-pub use params::{f32_bits, read_snapshot, write_atomically, write_snapshot, Init, Initialised, ParamStore, SnapshotError};
+pub use params::{f32_bits, read_snapshot, write_atomically, write_snapshot, Freeze, Init, Initialised, ParamStore, SnapshotError};
 pub use pool::max_pool2d_k3s2p1;
 pub use precision::Precision;
 

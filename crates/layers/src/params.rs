@@ -42,10 +42,55 @@ impl std::fmt::Display for Initialised {
     }
 }
 
-/// The named trainable parameters of a model, in name order, and its buffers (state that is
-/// saved and loaded but not trained: BatchNorm running statistics).
+/// Which parameters do not train: patterns over parameter names, `*` standing for any run of
+/// characters (`h.*.attn.*`, `wte.weight`). Parsed from a comma-separated list.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Freeze(Vec<String>);
+
+impl Freeze {
+    /// Whether `name` matches one of the patterns.
+    pub fn matches(&self, name: &str) -> bool {
+        self.0.iter().any(|p| glob(p, name))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn patterns(&self) -> &[String] {
+        &self.0
+    }
+}
+
+impl std::str::FromStr for Freeze {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let patterns: Vec<String> = s.split(',').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect();
+        if patterns.is_empty() {
+            return Err(format!("`{s}` names no parameter pattern (e.g. `h.*.attn.*,wte.weight`)"));
+        }
+        Ok(Freeze(patterns))
+    }
+}
+
+/// `pattern` (`*`: any run of characters) matches the whole of `name`.
+fn glob(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == name,
+        Some((head, rest)) => {
+            name.strip_prefix(head).is_some_and(|tail| (0..=tail.len()).filter(|&i| tail.is_char_boundary(i)).any(|i| glob(rest, &tail[i..])))
+        }
+    }
+}
+
+/// The named parameters of a model, in name order: those that train and those [`Freeze`] keeps
+/// fixed; and its buffers (state that is saved and loaded but not trained: BatchNorm running
+/// statistics).
 pub struct ParamStore {
     vars: BTreeMap<String, Var>,
+    frozen: BTreeMap<String, Var>,
+    freeze: Freeze,
     buffers: BTreeMap<String, Var>,
     device: Device,
     dtype: DType,
@@ -56,13 +101,35 @@ impl ParamStore {
     /// Parameters are initialised from keys derived from `seed` and their names, so two stores
     /// with the same seed hold bit-identical weights.
     pub fn new(device: &Device, dtype: DType, seed: u64) -> Self {
-        ParamStore { vars: BTreeMap::new(), buffers: BTreeMap::new(), device: device.clone(), dtype, seed }
+        ParamStore { vars: BTreeMap::new(), frozen: BTreeMap::new(), freeze: Freeze::default(), buffers: BTreeMap::new(), device: device.clone(), dtype, seed }
+    }
+
+    /// The store whose parameters matching `freeze` do not train: the model reads them through
+    /// tensors no variable leads to, so a backward computes and stores no gradient for them, and
+    /// [`ParamStore::vars`] (what optimizers and the executor see) leaves them out.
+    pub fn freezing(self, freeze: &Freeze) -> Self {
+        ParamStore { freeze: freeze.clone(), ..self }
     }
 
     /// The parameter `name`, created with `init` on first use (a second use shares it: tied weights).
     pub fn get(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
         let (seed, device, dtype) = (self.seed, self.device.clone(), self.dtype);
-        Ok(get_or_create(&mut self.vars, name, shape, || create(seed, &device, dtype, name, shape, init))?.as_tensor().clone())
+        let create = || create(seed, &device, dtype, name, shape, init);
+        if self.freeze.matches(name) {
+            // The same storage, not a variable: loading a snapshot into the `Var` still reaches it.
+            return Ok(get_or_create(&mut self.frozen, name, shape, create)?.as_tensor().detach());
+        }
+        Ok(get_or_create(&mut self.vars, name, shape, create)?.as_tensor().clone())
+    }
+
+    /// The frozen parameters, in name order.
+    pub fn frozen(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.frozen.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// The [`Freeze`] patterns that matched no parameter (a typo freezes nothing).
+    pub fn unmatched_freeze_patterns(&self) -> Vec<&str> {
+        self.freeze.patterns().iter().filter(|p| !self.frozen.keys().any(|n| glob(p, n))).map(String::as_str).collect()
     }
 
     /// The buffer `name` (f32, not trained), created with `init` on first use.
@@ -75,7 +142,7 @@ impl ParamStore {
         self.buffers.iter().map(|(k, v)| (k.as_str(), v))
     }
 
-    /// All parameters, in name order.
+    /// The parameters that train, in name order.
     pub fn vars(&self) -> Vec<Var> {
         self.vars.values().cloned().collect()
     }
@@ -84,7 +151,7 @@ impl ParamStore {
         self.vars.iter().map(|(k, v)| (k.as_str(), v))
     }
 
-    /// Number of scalar parameters.
+    /// Number of scalar parameters that train.
     pub fn count(&self) -> usize {
         self.vars.values().map(|v| v.elem_count()).sum()
     }
@@ -259,7 +326,7 @@ impl ParamStore {
     }
 
     fn all(&self) -> impl Iterator<Item = (&String, &Var)> {
-        self.vars.iter().chain(self.buffers.iter())
+        self.vars.iter().chain(&self.frozen).chain(self.buffers.iter())
     }
 }
 

@@ -129,6 +129,40 @@ pub fn assert_alike_stages_predict_as_measured<M: layers::Benchable>(config: &M:
     }
 }
 
+/// Freezing costs the trained parameters nothing and the frozen ones everything: `frozen` is
+/// `config` with some parameters frozen (`--freeze`). Under every policy, a step of the frozen
+/// model stores gradients of its trained parameters only, every one non-zero and bit-identical
+/// to `off`'s and to the same parameter's gradient in the model with nothing frozen (freezing
+/// changes no value, only what is computed).
+pub fn assert_frozen_parameters_get_no_gradient<M: layers::Benchable>(config: &M::Config, frozen: &M::Config, size: usize, batch: usize) {
+    let (all, part) = (M::build(config, &Device::Cpu, 0).unwrap(), M::build(frozen, &Device::Cpu, 0).unwrap());
+    let inputs = all.synthetic_inputs(&all.synthetic_data(size, 0).unwrap(), 0, batch, &Device::Cpu).unwrap();
+    let step = |model: &M, policy: &str| {
+        let exec = Executor::new(model.graph(), &policy.parse::<remat::Policy>().unwrap(), model.params().vars(), 7).unwrap();
+        exec.step(&inputs, 0).unwrap().grads
+    };
+    let frozen_names: Vec<&str> = part.params().frozen().map(|(name, _)| name).collect();
+    assert!(!frozen_names.is_empty(), "nothing frozen");
+    let trained = part.params().vars();
+    assert_eq!(trained.len() + frozen_names.len(), all.params().vars().len(), "every parameter trains or is frozen");
+    let reference = all.params().grad_bits(&step(&all, "off")).unwrap();
+    let mut policies = vec!["off", "sqrt", "every-two-blocks"];
+    if M::DOWNSAMPLES {
+        policies.push("before-downsample");
+    }
+    for policy in policies {
+        let grads = step(&part, policy);
+        assert_eq!(grads.get_ids().count(), trained.len(), "{policy}: gradients stored beyond the trained parameters'");
+        let bits = part.params().grad_bits(&grads).unwrap();
+        assert_eq!(bits.len(), trained.len(), "{policy}: a trained parameter got no gradient");
+        for (name, bits) in bits {
+            assert!(bits.iter().any(|&b| b << 1 != 0), "{policy}: {name} got a zero gradient");
+            assert!(bits == reference[&name], "{policy}: {name}'s gradient differs from the unfrozen model's under off");
+        }
+    }
+    eprintln!("{} of {} parameters frozen; the rest's gradients equal the unfrozen model's under every policy", frozen_names.len(), all.params().vars().len());
+}
+
 /// A snapshot of `saved` loaded into `fresh`, a model built from another seed: their evaluation
 /// outputs (`eval`) and buffers (BatchNorm statistics: `saved`'s must have moved, e.g. by a
 /// training step) differ before loading and are bit-identical after.

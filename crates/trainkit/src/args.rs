@@ -51,6 +51,12 @@ pub struct RunArgs {
     /// bf16 too, optimizer moments f32).
     #[arg(long, default_value = "f32")]
     pub dtype: layers::Precision,
+    /// Parameters that do not train, by name (`*`: any run of characters), comma-separated:
+    /// `h.*.attn.*,wte.weight` (GPT-2), `bert.embeddings.*` (BERT), `conv1.*,bn1.*,layer1.*`
+    /// (ResNet), `enc.0.*` (U-Net). They get no gradient, neither computed nor stored, and no
+    /// optimizer state; snapshots still hold them.
+    #[arg(long)]
+    pub freeze: Option<layers::Freeze>,
     /// f16 only: the initial loss scale (default 65536). A step whose gradients are not finite is
     /// skipped and the scale halved; after 2000 good steps in a row it doubles (PyTorch's
     /// GradScaler).

@@ -41,7 +41,9 @@ impl RunConfig {
     pub fn new(run: &RunArgs, batch: usize, ranks: usize, fields: &[(&str, String)]) -> Self {
         let shared =
             [("--batch", batch.to_string()), ("--dtype", run.dtype.to_string()), ("--accumulate", run.accumulate.to_string()), ("--ranks", ranks.to_string())];
-        RunConfig(shared.into_iter().chain(fields.iter().cloned()).map(|(k, v)| (k.to_string(), v)).collect())
+        // Only where given: snapshots from before the flag existed froze nothing.
+        let freeze = run.freeze.as_ref().map(|f| ("--freeze", f.patterns().join(",")));
+        RunConfig(shared.into_iter().chain(freeze).chain(fields.iter().cloned()).map(|(k, v)| (k.to_string(), v)).collect())
     }
 
     /// Fails naming the first flag whose value differs from `saved`'s (the snapshot's), with both.

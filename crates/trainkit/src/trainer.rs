@@ -50,6 +50,7 @@ impl<M: Model> Trainer<'_, M> {
     pub fn run(mut self, inputs: &Inputs, describe: impl FnOnce(&Policy, &str) -> String) -> Result<()> {
         let (run, group, model) = (self.run, self.group, self.model);
         let batch_names = self.batch_names.take();
+        check_freeze(model.params())?;
         let mut opt = parallel::optimizer(run.shard_optimizer, group, self.optimizer, model.params().vars(), self.lr)?;
         let first = |n: usize| inputs(0, n);
         let planned: &dyn Fn(usize) -> Result<Vec<Tensor>> = self.planned_inputs.unwrap_or(&first);
@@ -141,4 +142,18 @@ impl<M: Model> Trainer<'_, M> {
         self.model.save_snapshot(path)?;
         save_training(&training_snapshot_path(path), self.model.params(), state, step + 1, self.run.seed, scaler, config)
     }
+}
+
+/// `--freeze`: every pattern must name a parameter (a typo would freeze nothing), and some
+/// parameter must still train.
+fn check_freeze(params: &layers::ParamStore) -> Result<()> {
+    let unmatched = params.unmatched_freeze_patterns();
+    if !unmatched.is_empty() {
+        let names: Vec<&str> = params.named().chain(params.frozen()).map(|(name, _)| name).take(6).collect();
+        bail!("--freeze {}: matches no parameter of this model, whose parameters are named like {}, ...", unmatched.join(","), names.join(", "));
+    }
+    if params.vars().is_empty() {
+        bail!("--freeze leaves no parameter to train");
+    }
+    Ok(())
 }

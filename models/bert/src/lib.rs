@@ -37,6 +37,10 @@ pub struct Config {
     /// The dtype activations are stored in (not in `config.json`: a training choice).
     #[serde(skip)]
     pub dtype: layers::Precision,
+    /// The parameters that do not train (`--freeze`): read through tensors no variable leads
+    /// to, so they get no gradient.
+    #[serde(skip)]
+    pub freeze: layers::Freeze,
 }
 
 fn default_max_pos() -> usize {
@@ -106,6 +110,7 @@ impl Config {
             attention_probs_dropout_prob: default_pdrop(),
             layer_norm_eps: default_eps(),
             dtype: layers::Precision::F32,
+            freeze: layers::Freeze::default(),
         }
     }
 
@@ -292,7 +297,7 @@ impl Bert {
     pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
         config.validate().map_err(candle_core::Error::Msg)?;
         let (c, eps) = (config.hidden_size, config.layer_norm_eps);
-        let mut params = ParamStore::new(device, config.dtype.weights(), seed);
+        let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&config.freeze);
         let word = params.get("bert.embeddings.word_embeddings.weight", &[config.vocab_size, c], Init::Normal { std: 0.02 })?;
         let embeddings = Arc::new(Embeddings {
             word: word.clone(),

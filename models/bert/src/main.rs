@@ -76,7 +76,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         (None, Some(files)) => Config::from_json(&files.config)?,
         (None, None) => args.preset.config(),
     };
-    let config = Config { dtype: args.run.dtype, ..config };
+    let config = Config { dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), ..config };
     if args.seq > config.max_position_embeddings {
         bail!("--seq {} exceeds the model's max_position_embeddings ({})", args.seq, config.max_position_embeddings);
     }

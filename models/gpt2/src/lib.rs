@@ -36,6 +36,10 @@ pub struct Config {
     /// The dtype activations are stored in (not in `config.json`: a training choice).
     #[serde(skip)]
     pub dtype: layers::Precision,
+    /// The parameters that do not train (`--freeze`): read through tensors no variable leads
+    /// to, so they get no gradient.
+    #[serde(skip)]
+    pub freeze: layers::Freeze,
 }
 
 fn default_eps() -> f64 {
@@ -100,6 +104,7 @@ impl Config {
             attn_pdrop: 0.1,
             resid_pdrop: 0.1,
             dtype: layers::Precision::F32,
+            freeze: layers::Freeze::default(),
         }
     }
 
@@ -286,7 +291,7 @@ impl Gpt2 {
     pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
         config.validate().map_err(candle_core::Error::Msg)?;
         let (c, v) = (config.n_embd, config.vocab_size);
-        let mut params = ParamStore::new(device, config.dtype.weights(), seed);
+        let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&config.freeze);
         let wte = params.get("wte.weight", &[v, c], Init::Normal { std: 0.02 })?;
         let wpe = params.get("wpe.weight", &[config.n_positions, c], Init::Normal { std: 0.02 })?;
         let embed = Arc::new(Embed { wte: wte.clone(), wpe, pdrop: config.embd_pdrop, dtype: config.dtype.dtype() });

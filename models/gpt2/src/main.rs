@@ -71,7 +71,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         (None, Some(files)) => Config::from_json(&files.config)?,
         (None, None) => args.preset.config(),
     };
-    let config = Config { dtype: args.run.dtype, ..config };
+    let config = Config { dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), ..config };
     if args.seq == 0 || args.seq > config.n_positions {
         bail!("--seq {} is out of range: the model's context is 1..={} positions", args.seq, config.n_positions);
     }

@@ -23,6 +23,9 @@ pub struct Config {
     pub classes: usize,
     /// The dtype activations are stored in.
     pub dtype: layers::Precision,
+    /// The parameters that do not train (`--freeze`): read through tensors no variable leads
+    /// to, so they get no gradient.
+    pub freeze: layers::Freeze,
 }
 
 const PRESETS: &str = "tiny, resnet18, resnet34, resnet50, resnet101, resnet152";
@@ -65,7 +68,7 @@ impl Preset {
             Preset::Resnet101 => (true, [3, 4, 23, 3], 64),
             Preset::Resnet152 => (true, [3, 8, 36, 3], 64),
         };
-        Config { bottleneck, layers, width, classes: 1000, dtype: layers::Precision::F32 }
+        Config { bottleneck, layers, width, classes: 1000, dtype: layers::Precision::F32, freeze: layers::Freeze::default() }
     }
 }
 
@@ -290,7 +293,7 @@ pub struct ResNet {
 
 impl ResNet {
     pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
-        let mut params = ParamStore::new(device, config.dtype.weights(), seed);
+        let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&config.freeze);
         let w = config.width;
         let stem = Stem { conv1: Conv::new(&mut params, "conv1", 3, w, 7, 2)?, bn1: BatchNorm::new(&mut params, "bn1", w)?, dtype: config.dtype.dtype() };
         let mut stages: Vec<std::sync::Arc<dyn Stage>> = vec![std::sync::Arc::new(stem), std::sync::Arc::new(Pool)];

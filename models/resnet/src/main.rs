@@ -89,7 +89,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         }
         None => (Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.run.seed)), args.classes),
     };
-    let config = Config { classes, dtype: args.run.dtype, ..args.preset.config() };
+    let config = Config { classes, dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), ..args.preset.config() };
     let model = trainkit::build_model("--preset, --classes", || Ok(ResNet::new(config, device, args.run.seed)?))?;
     args.init.load(&model, None)?;
     let inputs = |step: u64, n: usize| {

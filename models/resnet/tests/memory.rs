@@ -21,7 +21,7 @@ const SIZE: usize = 64;
 /// convolution's column matrix (3 x 49 values per output pixel, whatever the width), which set
 /// the peak of the `tiny` preset under every policy.
 fn config() -> Config {
-    Config { bottleneck: true, layers: [2, 2, 2, 2], width: 32, classes: 4, dtype: layers::Precision::F32 }
+    Config { bottleneck: true, layers: [2, 2, 2, 2], width: 32, classes: 4, dtype: layers::Precision::F32, freeze: layers::Freeze::default() }
 }
 
 fn model() -> ResNet {

@@ -41,6 +41,9 @@ pub struct Config {
     pub loss: Loss,
     /// The dtype activations are stored in (the volume is cast to it on input).
     pub dtype: layers::Precision,
+    /// The parameters that do not train (`--freeze`): read through tensors no variable leads
+    /// to, so they get no gradient.
+    pub freeze: layers::Freeze,
 }
 
 const PRESETS: &str = "tiny, small (16-32-64-128), cicek (32-64-128-256, 512 at the bottom)";
@@ -74,7 +77,16 @@ impl Preset {
             Preset::Small => (16, 3),
             Preset::Cicek => (32, 3),
         };
-        Config { base, levels, in_channels: 1, classes: 3, norm: Norm::Batch, loss: Loss::CrossEntropy, dtype: layers::Precision::F32 }
+        Config {
+            base,
+            levels,
+            in_channels: 1,
+            classes: 3,
+            norm: Norm::Batch,
+            loss: Loss::CrossEntropy,
+            dtype: layers::Precision::F32,
+            freeze: layers::Freeze::default(),
+        }
     }
 }
 
@@ -250,7 +262,7 @@ impl UNet3d {
         if b == 0 || levels == 0 {
             candle_core::bail!("a 3D U-Net needs base >= 1 and levels >= 1")
         }
-        let mut params = ParamStore::new(device, config.dtype.weights(), seed);
+        let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&config.freeze);
         let mut graph = StageGraph::new(2); // values 0: volume, 1: labels
         let mut stages: Vec<(std::sync::Arc<dyn Stage>, Vec<usize>, usize)> = Vec::new();
         let mut add = |graph: &mut StageGraph, stage: std::sync::Arc<dyn Stage>, inputs: Vec<usize>| -> Result<usize> {

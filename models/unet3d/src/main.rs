@@ -97,6 +97,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
             LossArg::CeDice => Loss::CrossEntropyDice,
         },
         dtype: args.run.dtype,
+        freeze: args.run.freeze.clone().unwrap_or_default(),
         ..args.preset.config()
     };
     let model = trainkit::build_model("--preset, --classes", || Ok(UNet3d::new(config, device, args.run.seed)?))?;

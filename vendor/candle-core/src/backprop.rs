@@ -188,21 +188,31 @@ impl Tensor {
                     }
                     Op::Binary(lhs, rhs, BinaryOp::Sub) => {
                         grads.accumulate(lhs, grad.clone())?;
-                        let rhs_sum_grad = grads.or_insert(rhs)?;
-                        *rhs_sum_grad = rhs_sum_grad.sub(&grad)?;
+                        if rhs.track_op() {
+                            let rhs_sum_grad = grads.or_insert(rhs)?;
+                            *rhs_sum_grad = rhs_sum_grad.sub(&grad)?;
+                        }
                     }
                     Op::Binary(lhs, rhs, BinaryOp::Mul) => {
-                        let lhs_grad = grad.mul(rhs)?;
-                        grads.accumulate(lhs, lhs_grad)?;
-                        let rhs_grad = grad.mul(lhs)?;
-                        grads.accumulate(rhs, rhs_grad)?;
+                        if lhs.track_op() {
+                            let lhs_grad = grad.mul(rhs)?;
+                            grads.accumulate(lhs, lhs_grad)?;
+                        }
+                        if rhs.track_op() {
+                            let rhs_grad = grad.mul(lhs)?;
+                            grads.accumulate(rhs, rhs_grad)?;
+                        }
                     }
                     Op::Binary(lhs, rhs, BinaryOp::Div) => {
-                        let lhs_grad = grad.div(rhs)?;
-                        grads.accumulate(lhs, lhs_grad)?;
-                        let rhs_grad = grad.mul(lhs)?.div(&rhs.sqr()?)?;
-                        let rhs_sum_grad = grads.or_insert(rhs)?;
-                        *rhs_sum_grad = rhs_sum_grad.sub(&rhs_grad)?;
+                        if lhs.track_op() {
+                            let lhs_grad = grad.div(rhs)?;
+                            grads.accumulate(lhs, lhs_grad)?;
+                        }
+                        if rhs.track_op() {
+                            let rhs_grad = grad.mul(lhs)?.div(&rhs.sqr()?)?;
+                            let rhs_sum_grad = grads.or_insert(rhs)?;
+                            *rhs_sum_grad = rhs_sum_grad.sub(&rhs_grad)?;
+                        }
                     }
                     Op::Binary(lhs, rhs, BinaryOp::Minimum)
                     | Op::Binary(lhs, rhs, BinaryOp::Maximum) => {
@@ -219,12 +229,16 @@ impl Tensor {
                     }
                     Op::WhereCond(pred, t, f) => {
                         let zeros = grad.zeros_like()?;
-                        let t_sum_grad = grads.or_insert(t)?;
-                        let t_grad = pred.where_cond(&grad, &zeros)?;
-                        *t_sum_grad = t_sum_grad.add(&t_grad)?;
-                        let f_sum_grad = grads.or_insert(f)?;
-                        let f_grad = pred.where_cond(&zeros, &grad)?;
-                        *f_sum_grad = f_sum_grad.add(&f_grad)?;
+                        if t.track_op() {
+                            let t_sum_grad = grads.or_insert(t)?;
+                            let t_grad = pred.where_cond(&grad, &zeros)?;
+                            *t_sum_grad = t_sum_grad.add(&t_grad)?;
+                        }
+                        if f.track_op() {
+                            let f_sum_grad = grads.or_insert(f)?;
+                            let f_grad = pred.where_cond(&zeros, &grad)?;
+                            *f_sum_grad = f_sum_grad.add(&f_grad)?;
+                        }
                     }
                     Op::Conv1D {
                         arg,
@@ -240,16 +254,20 @@ impl Tensor {
                         let out_size =
                             (grad_l_in - 1) * stride + dilation * (k_size - 1) + 1 - 2 * padding;
                         let out_padding = arg.dim(2)? - out_size;
-                        let grad_arg = grad.conv_transpose1d(
-                            kernel,
-                            *padding,
-                            out_padding,
-                            *stride,
-                            *dilation,
-                            /* groups */ 1,
-                        )?;
-                        grads.accumulate(arg, grad_arg)?;
-
+                        if arg.track_op() {
+                            let grad_arg = grad.conv_transpose1d(
+                                kernel,
+                                *padding,
+                                out_padding,
+                                *stride,
+                                *dilation,
+                                /* groups */ 1,
+                            )?;
+                            grads.accumulate(arg, grad_arg)?;
+                        }
+                        if !kernel.track_op() {
+                            continue;
+                        }
                         let grad_kernel = arg
                             .transpose(0, 1)?
                             .conv1d(&grad.transpose(0, 1)?, *padding, *dilation, *stride, 1)?
@@ -278,15 +296,19 @@ impl Tensor {
                         let out_size =
                             (grad_h - 1) * stride + dilation * (k_h - 1) + 1 - 2 * padding;
                         let out_padding = arg.dim(2)? - out_size;
-                        let grad_arg = grad.conv_transpose2d(
-                            kernel,
-                            *padding,
-                            out_padding,
-                            *stride,
-                            *dilation,
-                        )?;
-                        grads.accumulate(arg, grad_arg)?;
-
+                        if arg.track_op() {
+                            let grad_arg = grad.conv_transpose2d(
+                                kernel,
+                                *padding,
+                                out_padding,
+                                *stride,
+                                *dilation,
+                            )?;
+                            grads.accumulate(arg, grad_arg)?;
+                        }
+                        if !kernel.track_op() {
+                            continue;
+                        }
                         let grad_kernel = arg
                             .transpose(0, 1)?
                             .conv2d(&grad.transpose(0, 1)?, *padding, *dilation, *stride, 1)?
@@ -312,9 +334,13 @@ impl Tensor {
                         dilation,
                         output_padding: _output_padding,
                     } => {
-                        let grad_arg = grad.conv2d(kernel, *padding, *stride, *dilation, 1)?;
-                        grads.accumulate(arg, grad_arg)?;
-
+                        if arg.track_op() {
+                            let grad_arg = grad.conv2d(kernel, *padding, *stride, *dilation, 1)?;
+                            grads.accumulate(arg, grad_arg)?;
+                        }
+                        if !kernel.track_op() {
+                            continue;
+                        }
                         let grad_kernel = grad
                             .transpose(0, 1)?
                             .conv2d(&arg.transpose(0, 1)?, *padding, *dilation, *stride, 1)?
@@ -399,13 +425,16 @@ impl Tensor {
                         crate::bail!("backward not supported for upsample_bilinear2d")
                     }
                     Op::SliceScatter0(lhs, rhs, start_rhs) => {
-                        let rhs_sum_grad = grads.or_insert(rhs)?;
-                        let rhs_grad = grad.narrow(0, *start_rhs, rhs.dim(0)?)?;
-                        *rhs_sum_grad = rhs_sum_grad.add(&rhs_grad)?;
-
-                        let lhs_sum_grad = grads.or_insert(lhs)?;
-                        let lhs_grad = grad.slice_scatter0(&rhs.zeros_like()?, *start_rhs)?;
-                        *lhs_sum_grad = lhs_sum_grad.add(&lhs_grad)?
+                        if rhs.track_op() {
+                            let rhs_sum_grad = grads.or_insert(rhs)?;
+                            let rhs_grad = grad.narrow(0, *start_rhs, rhs.dim(0)?)?;
+                            *rhs_sum_grad = rhs_sum_grad.add(&rhs_grad)?;
+                        }
+                        if lhs.track_op() {
+                            let lhs_sum_grad = grads.or_insert(lhs)?;
+                            let lhs_grad = grad.slice_scatter0(&rhs.zeros_like()?, *start_rhs)?;
+                            *lhs_sum_grad = lhs_sum_grad.add(&lhs_grad)?
+                        }
                     }
                     Op::Gather(arg, indexes, dim) => {
                         let sum_grad = grads.or_insert(arg)?;
@@ -442,11 +471,14 @@ impl Tensor {
                         // Skipping checks, the op went ok, we can skip
                         // the matmul size checks for now.
 
-                        let lhs_grad = grad.matmul(&rhs.t()?)?;
-                        grads.accumulate(lhs, lhs_grad)?;
-
-                        let rhs_grad = lhs.t()?.matmul(&grad)?;
-                        grads.accumulate(rhs, rhs_grad)?;
+                        if lhs.track_op() {
+                            let lhs_grad = grad.matmul(&rhs.t()?)?;
+                            grads.accumulate(lhs, lhs_grad)?;
+                        }
+                        if rhs.track_op() {
+                            let rhs_grad = lhs.t()?.matmul(&grad)?;
+                            grads.accumulate(rhs, rhs_grad)?;
+                        }
                     }
                     Op::Cat(args, dim) => {
                         let mut start_idx = 0;
@@ -458,6 +490,9 @@ impl Tensor {
                         }
                     }
                     Op::Broadcast(arg) => {
+                        if !arg.track_op() {
+                            continue;
+                        }
                         let arg_dims = arg.dims();
                         let node_dims = node.dims();
                         // The number of dims that have been inserted on the left.
@@ -727,7 +762,13 @@ impl GradStore {
     /// else holds it (else as a contiguous copy): `or_insert` followed by `add` would fill a zero
     /// tensor and add to it, two passes over memory and two more gradient-sized buffers alive at
     /// once. (Patched into this vendored copy: see vendor/README.md.)
+    ///
+    /// A tensor that no variable leads to (a frozen weight, a constant) gets no gradient: none
+    /// would be read, and candle kept each to the end of the backward. (Also patched in.)
     fn accumulate(&mut self, tensor: &Tensor, grad: Tensor) -> Result<()> {
+        if !tensor.track_op() {
+            return Ok(());
+        }
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
                 let sum = entry.get().add(&grad)?;

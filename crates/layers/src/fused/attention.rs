@@ -89,7 +89,7 @@ fn attention_generic(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: boo
     };
     let y = pd.matmul(&widened_as(&v.detach(), q)?)?.to_dtype(q.dtype())?;
     // dv = pd^T g; dp = (g v^T) mask; ds = p (dp - sum(dp p)); dq = scale ds k; dk = scale ds^T q.
-    let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let (q, k, v) = (widened(&inputs[0])?, widened(&inputs[1])?, widened(&inputs[2])?);
         let g = widened(g)?;
         // Each (B, heads, T, T) temporary goes once used: at most three are alive at once.

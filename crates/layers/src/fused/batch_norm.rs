@@ -64,7 +64,7 @@ fn batch_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Opti
     let wb = Tensor::stack(&[weight, bias], 0)?; // (2, C): the op's operand, as on the kernel
     let residual_w = residual.map(|r| widened_as(&r.detach(), x)).transpose()?;
     let (y, mean, var) = normalise(x, &widened_as(&wb.detach(), x)?, residual_w.as_ref(), eps, relu)?;
-    let backward = move |inputs: &[Tensor], y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor], y: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let (x, wb) = (&inputs[0], &inputs[1]);
         let (dx, dwb, masked) = normalise_backward(x, &widened_as(wb, x)?, y, &widened_as(g, x)?, eps, relu)?;
         let dr = if inputs.len() == 3 { Some(masked.to_dtype(inputs[2].dtype())?) } else { None };
@@ -85,7 +85,7 @@ fn batch_norm_pair_generic(a: Normalised, b: Normalised, eps: f64) -> Result<(Te
     let wb_w = widened_as(&wb.detach(), a.0)?;
     let (r, mean_b, var_b) = normalise(b.0, &wb_w.narrow(0, 2, 2)?, None, eps, false)?;
     let (y, mean_a, var_a) = normalise(a.0, &wb_w.narrow(0, 0, 2)?, Some(&widened_as(&r, a.0)?), eps, true)?;
-    let backward = move |inputs: &[Tensor], y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor], y: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let (xa, xb, wb) = (&inputs[0], &inputs[1], &inputs[2]);
         let wb_w = widened_as(wb, xa)?;
         let (dxa, dwb_a, masked) = normalise_backward(xa, &wb_w.narrow(0, 0, 2)?, y, &widened_as(g, xa)?, eps, true)?;

@@ -49,12 +49,17 @@ pub(crate) fn conv3d_concat_generic(a: &Tensor, b: &Tensor, w: &Tensor, g: crate
     let x = Tensor::cat(&[&widened(&a.detach())?, &widened(&b.detach())?], 1)?;
     let y = crate::conv3d::conv3d_composed(&x, &widened_as(&w.detach(), a)?, g)?.to_dtype(a.dtype())?;
     drop(x);
-    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let [a, b, w] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let x = Tensor::cat(&[&widened(a)?, &widened(b)?], 1)?;
-        let (dx, dw) = crate::conv3d::conv3d_composed_backward(&x, &widened_as(w, a)?, &widened_as(grad, a)?, g)?;
-        let (da, db) = (dx.narrow(1, 0, split)?, dx.narrow(1, split, dx.dim(1)? - split)?);
-        Ok(vec![Some(da.to_dtype(a.dtype())?.contiguous()?), Some(db.to_dtype(b.dtype())?.contiguous()?), Some(dw.to_dtype(w.dtype())?)])
+        let (dx, dw) = crate::conv3d::conv3d_composed_backward(&x, &widened_as(w, a)?, &widened_as(grad, a)?, g, (want[0] || want[1], want[2]))?;
+        let part =
+            |t: &Tensor, (start, len), like: &Tensor, wanted: bool| wanted.then(|| t.narrow(1, start, len)?.to_dtype(like.dtype())?.contiguous()).transpose();
+        let (da, db) = match &dx {
+            Some(dx) => (part(dx, (0, split), a, want[0])?, part(dx, (split, dx.dim(1)? - split), b, want[1])?),
+            None => (None, None),
+        };
+        Ok(vec![da, db, dw.map(|dw| dw.to_dtype(w.dtype())).transpose()?])
     };
     a.contiguous()?.apply_op3(&b.contiguous()?, &w.contiguous()?, GenericOp::new("generic-conv3d-concat", y, Box::new(backward)))
 }
@@ -99,10 +104,10 @@ impl<'a, T: Elem> Input<'a, T> {
 /// half precision computed in f32. Keeps what the kernel keeps: x and w.
 pub(crate) fn conv3d_generic(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
     let y = crate::conv3d::conv3d_composed(&widened(&x.detach())?, &widened_as(&w.detach(), x)?, g)?.to_dtype(x.dtype())?;
-    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let [x, w] = exactly(&inputs.iter().collect::<Vec<_>>())?;
-        let (dx, dw) = crate::conv3d::conv3d_composed_backward(&widened(x)?, &widened_as(w, x)?, &widened_as(grad, x)?, g)?;
-        Ok(vec![Some(dx.to_dtype(x.dtype())?), Some(dw.to_dtype(w.dtype())?)])
+        let (dx, dw) = crate::conv3d::conv3d_composed_backward(&widened(x)?, &widened_as(w, x)?, &widened_as(grad, x)?, g, (want[0], want[1]))?;
+        Ok(vec![dx.map(|dx| dx.to_dtype(x.dtype())).transpose()?, dw.map(|dw| dw.to_dtype(w.dtype())).transpose()?])
     };
     x.contiguous()?.apply_op2(&w.contiguous()?, GenericOp::new("generic-conv3d", y, Box::new(backward)))
 }
@@ -612,30 +617,44 @@ impl Conv3dOp {
     /// dW = sum over blocks of gy @ the block's operand matrix (pointwise: gy_n @ x_n^T summed
     /// over samples, in place); dx = the [`Conv3dShape::transposed`] convolution of gy where the
     /// stride is one, else per block col2vol(W^T @ gy). Blocks in order, so the sums are too. dx
-    /// comes as one tensor per part of the input.
-    fn backward<T: Elem>(&self, x: Input<T>, w: &[T], gy: &[T]) -> Result<(Vec<Vec<T>>, Vec<T>)> {
+    /// comes as one tensor per part of the input. `want`: whether dx and dW are wanted (an
+    /// image with no variable upstream, a frozen weight): those not wanted are not computed,
+    /// and come back empty.
+    fn backward<T: Elem>(&self, x: Input<T>, w: &[T], gy: &[T], want: Want) -> Result<(Vec<Vec<T>>, Vec<T>)> {
         let s = &self.shape;
         let (cols, rows) = (s.cols(), s.rows());
-        let mut dw = vec![T::zero(); w.len()];
+        let mut dw = if want.dw { vec![T::zero(); w.len()] } else { Vec::new() };
         let joined = s.joined(x);
         let x = joined.as_deref().map_or(x, |x| Input::whole(x, s.c));
+        let transposed_dx = || {
+            let t = s.transposed();
+            if want.dx {
+                t.convolve(Input::whole(gy, s.o), &t.kernel(w, true), &self.parts())
+            } else {
+                Vec::new()
+            }
+        };
         if s.pointwise() {
-            for (g_n, x_n) in gy.chunks(s.o * cols).zip(x.first.chunks(s.c * cols)) {
+            for (g_n, x_n) in gy.chunks(s.o * cols).zip(x.first.chunks(s.c * cols)).filter(|_| want.dw) {
                 // (O, C) += g_n (O, DHW) @ x_n^T
                 matmul(&mut dw, mat(g_n, false), mat(x_n, true), (s.o, cols, s.c), true);
             }
-            let t = s.transposed();
-            return Ok((t.convolve(Input::whole(gy, s.o), &t.kernel(w, true), &self.parts()), dw));
+            return Ok((transposed_dx(), dw));
         }
         let strided = !s.unit_stride();
-        let mut dx = if strided { vec![T::zero(); s.n * s.c * s.volume()] } else { Vec::new() };
+        // The blocks' loop makes dW, and dx where the stride is not one.
+        let col2vol = strided && want.dx;
+        if !(want.dw || col2vol) {
+            return Ok((transposed_dx(), dw));
+        }
+        let mut dx = if col2vol { vec![T::zero(); s.n * s.c * s.volume()] } else { Vec::new() };
         let blocks = s.blocks();
         let widest = s.widest(&blocks);
         let several = blocks.iter().any(|b| b.samples.len() > 1);
         // SAFETY: each block writes the part of each workspace it reads: `operand` writes `buf`,
         // the gather `g`, the product `dcol`.
         let (mut buf, mut g, mut dcol) =
-            unsafe { (uninit(widest * rows), uninit(if several { s.o * widest } else { 0 }), uninit(if strided { rows * widest } else { 0 })) };
+            unsafe { (uninit(widest * rows), uninit(if several { s.o * widest } else { 0 }), uninit(if col2vol { rows * widest } else { 0 })) };
         let mut xc = ChannelsLast::new();
         for b in &blocks {
             let (start, len) = (s.block_start(b), s.block_len(b));
@@ -653,17 +672,22 @@ impl Conv3dOp {
                 }
                 mat(&g[..s.o * width], false)
             };
-            matmul(&mut dw, gb, s.matrix(&buf[..width * rows]), (s.o, width, rows), true); // += (O, rows) in the layout's order
-            if strided {
+            if want.dw {
+                matmul(&mut dw, gb, s.matrix(&buf[..width * rows]), (s.o, width, rows), true);
+                // += (O, rows) in the layout's order
+            }
+            if col2vol {
                 matmul(&mut dcol[..rows * width], mat(w, true), gb, (rows, s.o, width), false); // (rows, samples x len)
                 s.col2vol(&dcol, b, &mut dx);
             }
         }
         drop((buf, g, dcol, xc)); // before the input gradient's convolution makes its own
-        let dw = s.natural(dw);
+        let dw = if want.dw { s.natural(dw) } else { dw };
         if !strided {
-            let t = s.transposed();
-            return Ok((t.convolve(Input::whole(gy, s.o), &t.kernel(w, true), &self.parts()), dw));
+            return Ok((transposed_dx(), dw));
+        }
+        if !want.dx {
+            return Ok((Vec::new(), dw));
         }
         // Strided and in two parts (no model here has one): dx split by channels.
         let volume = s.volume();
@@ -675,6 +699,13 @@ impl Conv3dOp {
         };
         Ok((dxs, dw))
     }
+}
+
+/// The gradients a backward is asked for: those of operands some variable leads to.
+#[derive(Clone, Copy)]
+struct Want {
+    dx: bool,
+    dw: bool,
 }
 
 impl FusedOp for Conv3dOp {
@@ -695,19 +726,25 @@ impl FusedOp for Conv3dOp {
         let (x, w) = (inputs[0], inputs[inputs.len() - 1]);
         let second = (inputs.len() == 3).then(|| inputs[1]);
         let g = g.contiguous()?;
+        let parts = &inputs[..inputs.len() - 1];
+        let want = Want { dx: parts.iter().any(|x| x.track_op()), dw: w.track_op() };
         let (dxs, dw) = per_dtype!(x.dtype(), T => {
             let split = self.split.unwrap_or(self.shape.c);
             let (dxs, dw) = with_slice::<T, _>(x, |xs| {
-                let run = |bs: &[T]| with_slice(w, |ws| with_slice(&g, |gs| self.backward(Input { first: xs, second: bs, split }, ws, gs)));
+                let run = |bs: &[T]| with_slice(w, |ws| with_slice(&g, |gs| self.backward(Input { first: xs, second: bs, split }, ws, gs, want)));
                 match second {
                     Some(b) => with_slice(b, run),
                     None => run(&[]),
                 }
             })?;
-            let dxs = dxs.into_iter().zip(&inputs[..inputs.len() - 1]).map(|(dx, x)| shaped(dx, x)).collect::<Result<Vec<_>>>()?;
-            (dxs, shaped(dw, w)?)
+            // Not wanted, dx was not computed: no gradient for any part.
+            let dxs = match want.dx {
+                true => dxs.into_iter().zip(parts).map(|(dx, x)| x.track_op().then(|| shaped(dx, x)).transpose()).collect::<Result<Vec<_>>>()?,
+                false => vec![None; parts.len()],
+            };
+            (dxs, want.dw.then(|| shaped(dw, w)).transpose()?)
         });
-        Ok(dxs.into_iter().map(Some).chain([Some(dw)]).collect())
+        Ok(dxs.into_iter().chain([dw]).collect())
     }
 }
 

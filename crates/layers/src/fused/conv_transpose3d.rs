@@ -27,7 +27,7 @@ pub(crate) fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor) -> Resul
 pub(crate) fn conv_transpose3d_k2s2_generic(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (xd, wd, bd) = (widened(&x.detach())?, widened_as(&w.detach(), x)?, widened_as(&b.detach(), x)?);
     let y = crate::conv3d::conv_transpose3d_k2s2_composed(&xd, &wd, &bd)?.to_dtype(x.dtype())?;
-    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let [x, w, b] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let (n, c, d, h, wd) = x.dims5()?;
         let o = w.dim(1)?;

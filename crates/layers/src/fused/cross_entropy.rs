@@ -20,7 +20,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: Option<&Tensor>
         let targets = targets.to_dtype(DType::U32)?.contiguous()?;
         let loss = composed(&widened(&logits.detach())?, &targets, &widened(&weights)?)?;
         // d loss / d logits = (softmax(logits) - onehot(target)) w / sum(w), times the loss's gradient.
-        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
             let (logits, targets, weights) = (widened(&inputs[0])?, &inputs[1], widened(&inputs[2])?);
             let v = logits.dim(1)?;
             let classes = Tensor::arange(0u32, v as u32, logits.device())?.unsqueeze(0)?;

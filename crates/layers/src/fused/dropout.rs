@@ -19,7 +19,7 @@ pub fn dropout(x: &Tensor, key: RngKey, p: f32) -> Result<Tensor> {
             (&wide * mask(&wide)?)?.to_dtype(t.dtype())
         };
         let y = masked(&x.detach())?;
-        let backward = move |_: &[Tensor], _: &Tensor, g: &Tensor| Ok(vec![Some(masked(g)?)]);
+        let backward = move |_: &[Tensor], _: &Tensor, g: &Tensor, _: &[bool]| Ok(vec![Some(masked(g)?)]);
         return x.contiguous()?.apply_op1(GenericOp::new("generic-dropout", y, Box::new(backward)));
     }
     if !fused(x) {

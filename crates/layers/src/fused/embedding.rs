@@ -16,7 +16,7 @@ pub fn embedding(w: &Tensor, ids: &Tensor) -> Result<Tensor> {
         let ids = ids.flatten_all()?.contiguous()?;
         let y = w.detach().index_select(&ids, 0)?;
         // The table's gradient: each token's row added at its id.
-        let backward = |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let backward = |inputs: &[Tensor], _: &Tensor, g: &Tensor, _: &[bool]| -> Result<Vec<Option<Tensor>>> {
             let (w, ids) = (&inputs[0], &inputs[1]);
             Ok(vec![Some(w.zeros_like()?.index_add(ids, &g.to_dtype(w.dtype())?, 0)?), None])
         };

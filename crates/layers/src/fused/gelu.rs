@@ -15,7 +15,7 @@ pub fn gelu(x: &Tensor, exact: bool) -> Result<Tensor> {
         let x32 = widened(&x.detach())?;
         let y = if exact { x32.gelu_erf()? } else { x32.gelu()? }.to_dtype(x.dtype())?;
         drop(x32);
-        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
             let x = widened(&inputs[0])?;
             // Operators on owned tensors drop their operands as they go; a chain of methods would
             // keep every intermediate to the end of its statement.

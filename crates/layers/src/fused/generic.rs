@@ -40,8 +40,9 @@ pub(crate) fn generic(t: &Tensor) -> bool {
     t.dtype().is_float() && (t.device().is_cuda() || (t.device().is_cpu() && path() == Path::Generic))
 }
 
-/// The gradients of an op's operands from its detached operands, output and output gradient.
-type Backward = dyn Fn(&[Tensor], &Tensor, &Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync;
+/// The gradients of an op's operands from its detached operands, output and output gradient,
+/// and which operands want one (some variable leads to them: not a frozen weight, not an image).
+type Backward = dyn Fn(&[Tensor], &Tensor, &Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync;
 
 /// A composed forward's result recorded as one op over its operands, with its composed backward.
 pub(super) struct GenericOp {
@@ -75,8 +76,9 @@ impl GenericOp {
     }
 
     fn grads(&self, inputs: &[&Tensor], out: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let want: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
-        (self.backward)(&inputs, &out.detach(), &grad.detach())
+        (self.backward)(&inputs, &out.detach(), &grad.detach(), &want)
     }
 }
 

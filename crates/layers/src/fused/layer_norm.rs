@@ -28,7 +28,7 @@ fn layer_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> R
     let x32 = widened(&x.detach())?;
     let y = candle_nn::ops::layer_norm_slow(&x32, &widened_as(&weight.detach(), x)?, &widened_as(&bias.detach(), x)?, eps as f32)?.to_dtype(x.dtype())?;
     drop(x32);
-    let backward = move |inputs: &[Tensor], _y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor], _y: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let [x, w, b] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let (x32, g32) = (widened(x)?, widened(g)?);
         let w32 = widened_as(w, x)?;

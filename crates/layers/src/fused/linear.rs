@@ -18,18 +18,23 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> 
         let y = composed(&x32, &like_x32(&w_in)?, b.map(like_x32).transpose()?.as_ref())?.to_dtype(x.dtype())?;
         drop(x32);
         // dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) w), db = the rows' sum of g.
-        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        // Only the gradients wanted: a frozen weight's is not computed.
+        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
             let (x, w) = (&inputs[0], &inputs[1]);
             let rows = x.elem_count() / k;
             let g32 = widened(g)?;
             let g2 = g32.reshape((rows, g32.elem_count() / rows))?;
-            let w_in = widened_as(&if w_is_out_in { w.t()? } else { w.clone() }, g)?;
-            let dx = g2.matmul(&w_in.t()?)?.reshape(x.shape())?.to_dtype(x.dtype())?;
-            let dw_in = widened_as(x, g)?.reshape((rows, k))?.t()?.matmul(&g2)?;
-            let dw = if w_is_out_in { dw_in.t()?.contiguous()? } else { dw_in }.to_dtype(w.dtype())?;
-            let mut grads = vec![Some(dx), Some(dw)];
+            let dx = || -> Result<Tensor> {
+                let w_in = widened_as(&if w_is_out_in { w.t()? } else { w.clone() }, g)?;
+                g2.matmul(&w_in.t()?)?.reshape(x.shape())?.to_dtype(x.dtype())
+            };
+            let dw = || -> Result<Tensor> {
+                let dw_in = widened_as(x, g)?.reshape((rows, k))?.t()?.matmul(&g2)?;
+                if w_is_out_in { dw_in.t()?.contiguous()? } else { dw_in }.to_dtype(w.dtype())
+            };
+            let mut grads = vec![want[0].then(dx).transpose()?, want[1].then(dw).transpose()?];
             if let Some(b) = inputs.get(2) {
-                grads.push(Some(g2.sum(0)?.to_dtype(b.dtype())?));
+                grads.push(want[2].then(|| g2.sum(0)?.to_dtype(b.dtype())).transpose()?);
             }
             Ok(grads)
         };
@@ -92,7 +97,8 @@ impl FusedOp for LinearOp {
         Ok((y, Shape::from(dims)))
     }
 
-    /// dx = g w_in^T, dw = x^T g (as g^T x for an (out, in) weight), db = column sums of g.
+    /// dx = g w_in^T, dw = x^T g (as g^T x for an (out, in) weight), db = column sums of g; each
+    /// only for an operand some variable leads to (a frozen weight gets none, not even computed).
     fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let (x, w, b) = (inputs[0], inputs[1], inputs.get(2));
         let k = x.dim(D::Minus1)?;
@@ -101,20 +107,20 @@ impl FusedOp for LinearOp {
         let (dx, dw) = per_dtype!(x.dtype(), T => {
             let (dx, dw) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| {
                 // w_in^T is the stored w read the other way round.
-                let dx = matmul_new(mat(gs, false), mat(ws, !self.w_is_out_in), (rows, n, k));
-                let dw = if self.w_is_out_in {
+                let dx = x.track_op().then(|| matmul_new(mat(gs, false), mat(ws, !self.w_is_out_in), (rows, n, k)));
+                let dw = w.track_op().then(|| if self.w_is_out_in {
                     matmul_new(mat(gs, true), mat(xs, false), (n, rows, k))
                 } else {
                     matmul_new(mat(xs, true), mat(gs, false), (k, rows, n))
-                };
+                });
                 Ok((dx, dw))
             })))?;
-            (shaped(dx, x)?, shaped(dw, w)?)
+            (dx.map(|dx| shaped(dx, x)).transpose()?, dw.map(|dw| shaped(dw, w)).transpose()?)
         });
-        let Some(b) = b else { return Ok(vec![Some(dx), Some(dw)]) };
+        let Some(b) = b.filter(|b| b.track_op()) else { return Ok([dx, dw].into_iter().chain(b.map(|_| None)).collect()) };
         // The bias gradient summed in f32 at least (candle would sum a bf16 g in bf16).
         let g = if is_half(g.dtype()) { g.to_dtype(DType::F32)? } else { g };
-        Ok(vec![Some(dx), Some(dw), Some(g.reshape((rows, n))?.sum(0)?.to_dtype(b.dtype())?)])
+        Ok(vec![dx, dw, Some(g.reshape((rows, n))?.sum(0)?.to_dtype(b.dtype())?)])
     }
 }
 

@@ -51,7 +51,7 @@ pub(crate) fn max_pool_generic(x: &Tensor, pool: fn(&Tensor) -> Result<Tensor>) 
     let nan_in_window = pool(&x_d.ne(&x_d)?.to_dtype(x.dtype())?)?.gt(0.0)?;
     let nan = Tensor::new(f32::NAN, x.device())?.to_dtype(x.dtype())?.broadcast_as(nan_in_window.shape())?;
     let y = nan_in_window.where_cond(&nan, &pool(&x_d)?)?;
-    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let [x] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         // In f32 for half precision: a gradient where windows overlap is a sum.
         let wide = Var::from_tensor(&widened(x)?)?;

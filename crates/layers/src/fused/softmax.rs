@@ -13,7 +13,7 @@ pub fn softmax_last_dim(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> 
         // The composed softmax on the detached input; backward from the output alone:
         // dx = scale y (g - sum(g y)) (masked entries have y = 0, so no gradient).
         let y = detached(&x.detach(), scale, causal)?;
-        let backward = move |_: &[Tensor], y: &Tensor, g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let backward = move |_: &[Tensor], y: &Tensor, g: &Tensor, _: &[bool]| -> Result<Vec<Option<Tensor>>> {
             let (y32, g32) = (widened(y)?, widened(g)?);
             let gy = (&g32 * &y32)?;
             let row = gy.sum_keepdim(D::Minus1)?;

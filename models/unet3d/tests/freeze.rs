@@ -1,0 +1,13 @@
+//! `--freeze`: the frozen parameters get no gradient, computed or stored, and the others' are
+//! those of the model with nothing frozen, bit for bit, under every policy.
+
+#[test]
+fn frozen_parameters_get_no_gradient_and_change_no_other() {
+    let config = unet3d::Preset::Tiny.config();
+    let frozen = {
+        let mut c = config.clone();
+        c.freeze = "enc.0.*".parse().unwrap();
+        c
+    };
+    testkit::assert_frozen_parameters_get_no_gradient::<unet3d::UNet3d>(&config, &frozen, 8, 2);
+}
