@@ -1,13 +1,15 @@
 //! `--fused-path generic`: the fused ops take the device-generic route a GPU takes, forced on the
 //! CPU. Every model has every op on that route: each step peak stays within 25 % of the kernels'
 //! while every policy's gradients still equal plain candle's bit for bit; the records say which
-//! route made them. Measured under `off` / `sqrt` (this test prints them): BERT 1.180x / 1.105x
-//! and GPT-2 1.115x / 1.074x (BERT's peak is in the last stage's backward, the head, where the
+//! route made them. Measured under `off` / `sqrt` (this test prints them): BERT 1.186x / 1.116x
+//! and GPT-2 1.119x / 1.076x (BERT's peak is in the last stage's backward, the head, where the
 //! kernels' cross-entropy keeps less than the composed one; before the vendored candle stopped
 //! summing first gradients into zeros, vendor/README.md, both routes paid for those zeros there:
-//! BERT 1.003x, GPT-2 1.057x); ResNet 0.873x / 0.710x and the U-Net 0.373x / 0.347x, the
+//! BERT 1.003x, GPT-2 1.057x); ResNet 1.024x / 0.878x and the U-Net 0.308x / 0.286x, the
 //! kernel's operand blocks of up to 2^21 entries and its channels-last copy of a block's input
-//! outweighing candle's per-slice columns at this size.
+//! outweighing candle's per-slice columns at this size. (Before neither route computed the
+//! gradient of an input no variable leads to, the image or volume at the first convolution,
+//! ResNet was 0.873x / 0.710x and the U-Net 0.373x / 0.347x.)
 
 mod common;
 use common::{out_dir, records, smoke};
@@ -29,7 +31,7 @@ fn the_generic_route_is_measured_and_as_lean_as_the_kernels() {
         let ratio = |field: &str| g[field].as_f64().unwrap() / k[field].as_f64().unwrap();
         let (step, activation) = (ratio("step_peak_bytes"), ratio("activation_peak_bytes"));
         eprintln!("{what}: step peak {step:.3}x the kernels', activation peak {activation:.3}x");
-        assert!((0.3..=1.25).contains(&step), "{what}: the generic route's step peak is {step:.3}x the kernels'");
+        assert!((0.25..=1.25).contains(&step), "{what}: the generic route's step peak is {step:.3}x the kernels'");
     }
     std::fs::remove_dir_all(&kernel).unwrap();
     std::fs::remove_dir_all(&generic).unwrap();
