@@ -7,7 +7,6 @@ use crate::workloads::Profile;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-use std::process::Command;
 
 /// Where and how the results were produced.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -48,27 +47,10 @@ pub fn meta(profile: Profile, device: &trainkit::DeviceName) -> Meta {
     }
 }
 
-/// The project's commit, `-dirty` appended where tracked files have changed since.
+/// The commit the harness was built from, `-dirty` where its code differed from it (build.rs):
+/// what measured, whatever the working tree holds when it runs.
 pub fn commit() -> String {
-    // The project's own repository, wherever the harness runs from.
-    let project = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-    let git = |args: &[&str]| {
-        Command::new("git")
-            .arg("-C")
-            .arg(project)
-            .args(args)
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-    };
-    let commit = git(&["rev-parse", "--short", "HEAD"]).filter(|c| !c.is_empty()).unwrap_or_else(|| "unknown".into());
-    let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
-    if dirty {
-        format!("{commit}-dirty")
-    } else {
-        commit
-    }
+    env!("HARNESS_COMMIT").to_string()
 }
 
 /// What made a set of results, in words: "Command: `A`", or the commands in the order of what
