@@ -301,3 +301,18 @@ fn a_log_that_cannot_be_written_names_its_file() {
     assert!(!out.status.success() && err.contains(&format!("--log-json {}", log.display())) && err.contains("File too large"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--freeze` that would freeze nothing (a typo), everything, or names no pattern is refused,
+/// the first with the model's parameter names; one that matches trains.
+#[test]
+fn a_freeze_that_matches_nothing_or_everything_is_refused() {
+    for (args, said) in [
+        (&["--freeze", "h.*.atn.*"][..], "--freeze h.*.atn.*: matches no parameter of this model, whose parameters are named like h.0.attn"),
+        (&["--freeze", "*"][..], "--freeze leaves no parameter to train"),
+        (&["--freeze", ","][..], "names no parameter pattern"),
+    ] {
+        fails_saying(args, said);
+    }
+    let out = train(&["--freeze", "h.*.attn.*,wte.weight", "--steps", "1"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
