@@ -156,6 +156,15 @@ impl ParamStore {
         self.vars.values().map(|v| v.elem_count()).sum()
     }
 
+    /// The parameter count in words, as the trainers print it: `N params`, or with frozen ones
+    /// `N trained params (M frozen)`.
+    pub fn count_text(&self) -> String {
+        match self.frozen.values().map(|v| v.elem_count()).sum::<usize>() {
+            0 => format!("{} params", self.count()),
+            frozen => format!("{} trained params ({frozen} frozen)", self.count()),
+        }
+    }
+
     /// Writes every parameter and buffer to a safetensors snapshot under its name. The file is
     /// written beside the target and renamed over it, so an interrupted write keeps the old one.
     pub fn save(&self, path: &Path) -> std::result::Result<(), SnapshotError> {

@@ -104,8 +104,8 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     };
     trainer.run(&inputs, |policy, segments| {
         format!(
-            "BERT {} params, {} layers, policy {policy} ({segments}), batch {} x seq {}, vocabulary {}",
-            model.params().count(),
+            "BERT {}, {} layers, policy {policy} ({segments}), batch {} x seq {}, vocabulary {}",
+            model.params().count_text(),
             model.config.num_hidden_layers,
             args.batch,
             args.seq,

@@ -112,13 +112,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         batch_names: None,
     };
     trainer.run(&inputs, |policy, segments| {
-        format!(
-            "GPT-2 {} params, {} layers, policy {policy} ({segments}), batch {} x seq {}",
-            model.params().count(),
-            model.config.n_layer,
-            args.batch,
-            args.seq
-        )
+        format!("GPT-2 {}, {} layers, policy {policy} ({segments}), batch {} x seq {}", model.params().count_text(), model.config.n_layer, args.batch, args.seq)
     })
 }
 

@@ -314,5 +314,6 @@ fn a_freeze_that_matches_nothing_or_everything_is_refused() {
         fails_saying(args, said);
     }
     let out = train(&["--freeze", "h.*.attn.*,wte.weight", "--steps", "1"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("trained params (") && err.contains(" frozen)"), "{err}");
 }

@@ -118,8 +118,8 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     trainer.run(&inputs, |policy, segments| {
         let size = args.image_size;
         format!(
-            "ResNet {} params, {} blocks, policy {policy} ({segments}), batch {} x {size}x{size}, {classes} classes",
-            model.params().count(),
+            "ResNet {}, {} blocks, policy {policy} ({segments}), batch {} x {size}x{size}, {classes} classes",
+            model.params().count_text(),
             model.graph().blocks().len(),
             args.batch
         )

@@ -140,6 +140,6 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         },
     };
     trainer.run(&inputs, |policy, segments| {
-        format!("3D U-Net {} params, policy {policy} ({segments}), batch {} x {}^3", model.params().count(), args.batch, args.volume)
+        format!("3D U-Net {}, policy {policy} ({segments}), batch {} x {}^3", model.params().count_text(), args.batch, args.volume)
     })
 }
