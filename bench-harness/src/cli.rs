@@ -134,6 +134,12 @@ pub struct MatrixArgs {
     /// reported as the median and range over this run's ratio and the rounds'.
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
+    /// Take the times again and nothing else: for every selected model whose `off` the folder
+    /// holds, `--rounds` interleaved timing rounds of its measured policies (PyTorch beside with
+    /// `--baseline`), whose times replace the measuring run's. For a folder measured while the
+    /// machine was busy: memory does not depend on load, times do.
+    #[arg(long, conflicts_with = "force")]
+    pub retime: bool,
     /// Also run each configuration in another framework, side by side: `pytorch` runs
     /// scripts/torch_baseline.py (PyTorch eager, torch.utils.checkpoint on the same segments).
     #[arg(long, value_enum)]

@@ -69,6 +69,9 @@ fn check(args: &MatrixArgs) -> Result<()> {
         bail!("--ranks must be at least 1");
     }
     trainkit::parallel::check_sharding(common.shard_optimizer, common.ranks)?;
+    if args.retime && (args.rounds == 0 || !(args.policies.is_empty() || args.policies.contains(&PolicyRequest::Fixed(Policy::Off)))) {
+        bail!("--retime takes the times again in --rounds rounds (at least 1), each policy against `off`: keep `off` among --policies");
+    }
     if args.baseline.is_some() && common.ranks > 1 {
         bail!("--baseline runs PyTorch in one process; it cannot be combined with --ranks");
     }
@@ -194,15 +197,16 @@ impl Run<'_> {
                 bar.inc(1);
                 continue;
             }
-            if self.one(w, policy, python, &bar)? {
+            if !args.retime && self.one(w, policy, python, &bar)? {
                 ran_models.push(&w.model);
             }
             bar.inc(1);
             let model_done = configs.get(i + 1).is_none_or(|(next, _)| next.model != w.model);
-            if model_done && args.rounds > 0 && ran_models.contains(&w.model.as_str()) {
+            if model_done && args.rounds > 0 && (args.retime || ran_models.contains(&w.model.as_str())) {
                 bar.set_message(format!("{}: {} interleaved timing rounds", w.model, args.rounds));
                 let policies: Vec<PolicyRequest> = configs.iter().filter(|(c, _)| c.model == w.model).map(|(_, p)| p.clone()).collect();
-                time_rounds(&mut self.matrix, w, &policies, args.rounds, common, profile, python);
+                let timing = Timing { rounds: args.rounds, replace: args.retime };
+                time_rounds(&mut self.matrix, w, &policies, timing, common, profile, python);
                 self.matrix.save_json(&self.dir)?;
             }
         }
@@ -319,12 +323,22 @@ fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common
     out
 }
 
+/// How many timing rounds, and whether their times replace the measuring run's (`--retime`)
+/// instead of joining them.
+#[derive(Clone, Copy)]
+struct Timing {
+    rounds: usize,
+    replace: bool,
+}
+
 /// Times every policy of `w` again, `rounds` times interleaved (off, p1, p2, ..., off, p1, ...),
 /// each in a fresh process, and records each policy's time / off per round beside the ratio of
 /// the measuring run: run-to-run drift then shows as a spread instead of a wrong ratio. With
 /// `python`, PyTorch runs each policy right after ours (off, PyTorch off, p1, PyTorch p1, ...), and
 /// its baseline gets our time over its time per pair, and its own time / off, the same way.
-fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], rounds: usize, common: &Common, profile: Profile, python: Option<&str>) {
+/// `replace`: the measuring run's times are left out, and each record's and baseline's step time
+/// becomes the rounds' (median, range), with this command named as the times' maker.
+fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], timing: Timing, common: &Common, profile: Profile, python: Option<&str>) {
     let off = PolicyRequest::Fixed(Policy::Off);
     let ok = |m: &Matrix, p: &PolicyRequest| m.find(&w.model, &p.to_string()).is_some_and(|r| r.status == Status::Ok);
     if !ok(matrix, &off) {
@@ -334,14 +348,16 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], ro
     let torch = python.filter(|_| baseline::MODELS.contains(&w.model.as_str()));
     // Per policy: ours, and PyTorch's where it ran, step times per round, the measuring runs first.
     let theirs = |m: &Matrix, p: &PolicyRequest| m.find_baseline(&w.model, &p.to_string()).filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median);
-    let mut ours: Vec<Vec<Option<f64>>> = timed.iter().map(|p| vec![matrix.find(&w.model, &p.to_string()).map(|r| r.step_ms_median)]).collect();
-    let mut torch_ms: Vec<Vec<Option<f64>>> = timed.iter().map(|p| vec![theirs(matrix, p)]).collect();
-    for _ in 0..rounds {
+    let first = |t: Option<f64>| if timing.replace { vec![] } else { vec![t] };
+    let mut ours: Vec<Vec<Option<f64>>> = timed.iter().map(|p| first(matrix.find(&w.model, &p.to_string()).map(|r| r.step_ms_median))).collect();
+    let mut torch_ms: Vec<Vec<Option<f64>>> = timed.iter().map(|p| first(theirs(matrix, p))).collect();
+    let torch_ran: Vec<bool> = timed.iter().map(|p| theirs(matrix, p).is_some()).collect();
+    for _ in 0..timing.rounds {
         for (i, p) in timed.iter().enumerate() {
             let rec = spawn_one(w, p, common, (profile, None), One::TimeOnly);
             ours[i].push(Some(rec.step_ms_median).filter(|_| rec.status == Status::Ok));
             let measured = matrix.find(&w.model, &p.to_string()).unwrap();
-            let b = torch.filter(|_| torch_ms[i][0].is_some()).map(|py| baseline::run(py, measured, w.input_size, common.steps, common.seed, true, None));
+            let b = torch.filter(|_| torch_ran[i]).map(|py| baseline::run(py, measured, w.input_size, common.steps, common.seed, true, None));
             torch_ms[i].push(b.filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median));
         }
     }
@@ -354,14 +370,26 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], ro
     // a[k] / b[k] for every round where both ran.
     let ratios = |a: &[Option<f64>], b: &[Option<f64>]| a.iter().zip(b).filter_map(|(a, b)| Some((*a)? / (*b)?)).collect::<Vec<f64>>();
     for (i, p) in timed.iter().enumerate() {
+        let mut rec = matrix.find(&w.model, &p.to_string()).unwrap().clone();
         if **p != off {
-            let mut rec = matrix.find(&w.model, &p.to_string()).unwrap().clone();
             rec.time_vs_off = Spread::of(ratios(&ours[i], &ours_off));
-            matrix.put(rec);
         }
+        if timing.replace {
+            if let Some(t) = Spread::of(ours[i].iter().flatten().copied().collect()) {
+                (rec.step_ms_median, rec.step_ms_min, rec.step_ms_max) = (t.median, t.min, t.max);
+                rec.times_command = this_command();
+            }
+        }
+        matrix.put(rec);
         if let Some(mut b) = matrix.find_baseline(&w.model, &p.to_string()).filter(|b| b.status == Status::Ok).cloned() {
             b.ours_over_torch = Spread::of(ratios(&ours[i], &torch_ms[i]));
             b.time_vs_off = if **p == off { None } else { Spread::of(ratios(&torch_ms[i], &torch_off)) };
+            if timing.replace {
+                if let Some(t) = Spread::of(torch_ms[i].iter().flatten().copied().collect()) {
+                    (b.step_ms_median, b.step_ms_min, b.step_ms_max) = (t.median, t.min, t.max);
+                    b.times_command = this_command();
+                }
+            }
             matrix.put_baseline(b);
         }
     }

@@ -129,6 +129,10 @@ pub struct Record {
     /// The commit of the harness that measured it (empty in records from before rows named it).
     #[serde(default)]
     pub commit: String,
+    /// The command that took the times again (`--retime`), replacing the measuring run's; empty
+    /// where the times are the measuring run's.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub times_command: String,
     /// Memory timeline of the first timed step (JSON only), and the heap when that step began.
     #[serde(default)]
     pub timeline: Vec<Event>,
@@ -275,6 +279,9 @@ pub struct Baseline {
     /// The commit of the harness (and so of the script) that ran it.
     #[serde(default)]
     pub commit: String,
+    /// As [`Record::times_command`].
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub times_command: String,
     pub framework: String,
     #[serde(default)]
     pub framework_version: String,

@@ -71,7 +71,7 @@ fresh process): median (min-max). \
 *predicted*: the planner's step peak (from the model's stages profiled one at a time before the run) and its error against \
 the measured step peak, and its predicted time / off.\n",
         meta.profile,
-        crate::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
+        crate::results::made_by(m.record_commands(), &meta.command),
         meta.machine,
         meta.candle_version,
         meta.git_commit

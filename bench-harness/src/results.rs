@@ -88,6 +88,13 @@ pub struct Matrix {
 }
 
 impl Matrix {
+    /// The commands that made the records: each one's measuring run, then those that took times
+    /// again (see [`made_by`]).
+    pub fn record_commands(&self) -> impl Iterator<Item = &str> {
+        let retimes = self.records.iter().map(|r| r.times_command.as_str()).filter(|c| !c.is_empty());
+        self.records.iter().map(|r| r.command.as_str()).chain(retimes)
+    }
+
     pub fn load(dir: &Path) -> Result<Option<Matrix>> {
         let path = dir.join("matrix.json");
         if !path.exists() {

@@ -52,7 +52,7 @@ from the counting allocator (on a GPU: the memory pool). *With checkpointing* is
 are quoted for comparison, not measured here.\n\n\
 | model | batch | input | memory off | memory {TABLE_POLICY} | {TABLE_POLICY} / off | activations {TABLE_POLICY} / off | {TABLE_POLICY} step peak set by | time increase | article: batch | article: off | article: checkpointing | article: ratio | article: time |\n\
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
-        crate::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
+        crate::results::made_by(m.record_commands(), &meta.command),
         meta.machine,
         meta.candle_version,
         meta.git_commit,

@@ -57,3 +57,40 @@ fn render_rewrites_every_derived_file_from_matrix_json() {
     assert!(!out.status.success() && !err.contains("panicked") && err.contains("no matrix.json to render"), "{err}");
     assert!(!empty.exists(), "render without matrix.json must write nothing");
 }
+
+#[test]
+fn retime_replaces_the_times_and_nothing_else() {
+    let dir = out_dir("retime");
+    let args = ["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off,sqrt"];
+    smoke(&dir, &[&args[..], &["--rounds", "0"]].concat());
+    // Times no measurement gives mark the measuring run's: each must be replaced by the rounds'.
+    let mut marked = matrix(&dir);
+    for r in marked["records"].as_array_mut().unwrap() {
+        r["step_ms_median"] = serde_json::json!(-1.0);
+    }
+    std::fs::write(dir.join("matrix.json"), serde_json::to_string(&marked).unwrap()).unwrap();
+
+    let out = smoke(&dir, &[&args[..], &["--retime", "--rounds", "2"]].concat());
+    assert!(!ran(&out), "--retime measured a configuration again:\n{out}");
+    let after = matrix(&dir);
+    for (before, r) in marked["records"].as_array().unwrap().iter().zip(after["records"].as_array().unwrap()) {
+        let ms = r["step_ms_median"].as_f64().unwrap();
+        assert!(ms > 0.0 && r["step_ms_min"].as_f64().unwrap() <= ms && ms <= r["step_ms_max"].as_f64().unwrap(), "{r}");
+        assert!(r["times_command"].as_str().unwrap().contains("--retime"), "the record does not name what timed it: {r}");
+        for memory in ["step_peak_bytes", "activation_peak_bytes", "predicted_peak_bytes", "command", "commit"] {
+            assert_eq!(r[memory], before[memory], "--retime changed {memory}");
+        }
+    }
+    let sqrt = &after["records"][1];
+    assert_eq!(sqrt["policy"], "sqrt");
+    // The two rounds alone: the measuring run's ratio (against a marked time) is left out.
+    let rounds = sqrt["time_vs_off"]["rounds"].as_array().unwrap();
+    assert!(rounds.len() == 2 && rounds.iter().all(|r| r.as_f64().unwrap() > 0.0), "{}", sqrt["time_vs_off"]);
+    assert!(std::fs::read_to_string(dir.join("matrix.md")).unwrap().contains("--retime"), "the report does not name the retiming command");
+
+    let refused =
+        harness(&["--profile", "smoke", "--out", dir.to_str().unwrap(), "--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--retime"]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("keep `off` among --policies"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
