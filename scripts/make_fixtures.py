@@ -18,10 +18,14 @@ stored as f32, so the reference carries no f32 rounding of its own beyond the fi
 Dropout is off: a fixture checks the arithmetic, the bit-exactness tests check dropout replay.
 The model's configuration travels in the file's metadata (`config`, JSON).
 
-Run from the repository root (needs torch, torchvision, transformers, safetensors):
+The LoRA fixtures (`gpt2-lora`, `bert-lora`) hold the tiny GPT-2 and BERT under Hugging Face
+`peft`'s LoRA: base weights, the adapter as `PeftModel.save_pretrained` writes it (a folder beside
+the file), and the adapters' gradients.
 
-    python3 -m venv .venv-fixtures && .venv-fixtures/bin/pip install torch torchvision transformers safetensors
-    .venv-fixtures/bin/python scripts/make_fixtures.py
+Run from the repository root (needs torch, torchvision, transformers, safetensors, peft):
+
+    python3 -m venv .venv-fixtures && .venv-fixtures/bin/pip install torch torchvision transformers safetensors peft
+    .venv-fixtures/bin/python scripts/make_fixtures.py            # all; --only lora for the LoRA ones
 
 CI needs no Python: the fixtures are committed (about 1 MB in all).
 """
@@ -73,10 +77,39 @@ def save(path, weights, fixture, config):
 
 
 def grads(module, rename):
-    return {f"grad.{rename(n)}": p.grad for n, p in module.named_parameters()}
+    return {f"grad.{rename(n)}": p.grad for n, p in module.named_parameters() if p.requires_grad}
 
 
-def gpt2(gen):
+LORA = dict(rank=4, alpha=8.0)
+
+
+def with_lora(model, gen, targets, fan_in_fan_out, adapter_dir):
+    """`model` under PEFT's LoRA (rank 4, alpha 8) on `targets`, base frozen, A and B drawn at
+    random (PEFT starts B at zero, which would leave A's gradient zero), the adapter saved with
+    `save_pretrained` into `adapter_dir` (the test loads PEFT's own files). Returns the model and
+    the LoRA configuration for the fixture's metadata."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=targets, fan_in_fan_out=fan_in_fan_out)
+    model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(adapter_dir)
+    print(f"{os.path.relpath(adapter_dir, ROOT)}: PEFT adapter")
+    return model, dict(LORA, targets=targets)
+
+
+def peft_name(n):
+    """PEFT's in-memory name of an adapter parameter as ours: `base_model.model.transformer.h.0.
+    attn.c_attn.lora_A.default.weight` -> `h.0.attn.c_attn.lora_A.weight`."""
+    return n.removeprefix("base_model.model.").removeprefix("transformer.").replace(".default.", ".")
+
+
+def gpt2(gen, lora=False):
+    """`lora`: the model under PEFT's LoRA on every projection; the fixture's gradients are the
+    adapters' (`gpt2-lora`)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4, layer_norm_epsilon=1e-5,
@@ -86,6 +119,11 @@ def gpt2(gen):
     # changes the logits well beyond the tolerance.
     randomise(model, gen, lambda n, p: 0.3 if p.dim() == 2 else 0.1)
     weights = {k: v.clone() for k, v in model.state_dict().items()}  # as published: tied head included
+    name, rename = "gpt2", lambda n: n.removeprefix("transformer.")
+    if lora:
+        adapter = os.path.join(os.path.dirname(out_path("gpt2", "gpt2")), "gpt2-lora-adapter")
+        model, config["lora"] = with_lora(model, gen, ["c_attn", "c_proj", "c_fc"], True, adapter)
+        name, rename = "gpt2-lora", peft_name
     b, t = 2, 16
     ids = torch.randint(0, config["vocab_size"], (b, t), generator=gen)
     targets = torch.randint(0, config["vocab_size"], (b, t), generator=gen)
@@ -93,12 +131,12 @@ def gpt2(gen):
     logits = model(ids).logits  # (B, T, V)
     loss = F.cross_entropy(logits.reshape(b * t, -1), targets.reshape(-1))
     loss.backward()
-    fixture = {"ids": ids, "targets": targets, "logits": logits, "loss": loss,
-               **grads(model, lambda n: n.removeprefix("transformer."))}
-    save(out_path("gpt2", "gpt2"), weights, fixture, config)
+    fixture = {"ids": ids, "targets": targets, "logits": logits, "loss": loss, **grads(model, rename)}
+    save(out_path("gpt2", name), weights, fixture, config)
 
 
-def bert(gen):
+def bert(gen, lora=False):
+    """`lora`: under PEFT's LoRA on the query, key, value and dense layers (`bert-lora`)."""
     from transformers import BertConfig, BertForMaskedLM
 
     config = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -107,6 +145,11 @@ def bert(gen):
     model = BertForMaskedLM(BertConfig(hidden_act="gelu", attn_implementation="eager", **config))
     randomise(model, gen, lambda n, p: 0.3 if p.dim() == 2 else 0.1)
     weights = {k: v.clone() for k, v in model.state_dict().items()}  # as published: tied decoder included
+    name, rename = "bert", lambda n: n
+    if lora:
+        adapter = os.path.join(os.path.dirname(out_path("bert", "bert")), "bert-lora-adapter")
+        model, config["lora"] = with_lora(model, gen, ["query", "key", "value", "dense"], False, adapter)
+        name, rename = "bert-lora", peft_name
     b, t = 2, 16
     ids = torch.randint(0, config["vocab_size"], (b, t), generator=gen)
     labels = torch.randint(0, config["vocab_size"], (b * t,), generator=gen)
@@ -126,8 +169,8 @@ def bert(gen):
     loss.backward()
     fixture = {"ids": ids, "token_types": token_types, "attention_mask": attention_mask, "labels": labels, "weights": scored,
                "logits": logits, "loss": loss,
-               **grads(model, lambda n: n)}
-    save(out_path("bert", "bert"), weights, fixture, config)
+               **grads(model, rename)}
+    save(out_path("bert", name), weights, fixture, config)
 
 
 def resnet(gen):
@@ -290,14 +333,25 @@ def adafactor(gen):
 
 
 def main():
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["models", "adafactor", "lora"], help="write one group of fixtures (default: all)")
+    only = parser.parse_args().only
     torch.use_deterministic_algorithms(True)
-    gen = torch.Generator().manual_seed(20261130)
-    gpt2(gen)
-    bert(gen)
-    resnet(gen)
-    unet3d(gen, "batch", "ce-dice")
-    unet3d(gen, "group", "ce")
-    adafactor(torch.Generator().manual_seed(20261201))
+    if only in (None, "models"):
+        gen = torch.Generator().manual_seed(20261130)
+        gpt2(gen)
+        bert(gen)
+        resnet(gen)
+        unet3d(gen, "batch", "ce-dice")
+        unet3d(gen, "group", "ce")
+    if only in (None, "adafactor"):
+        adafactor(torch.Generator().manual_seed(20261201))
+    if only in (None, "lora"):
+        # Needs `peft` too. Each from a generator of its own, so the fixtures above keep their draws.
+        gpt2(torch.Generator().manual_seed(20261203), lora=True)
+        bert(torch.Generator().manual_seed(20261204), lora=True)
 
 
 if __name__ == "__main__":

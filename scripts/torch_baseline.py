@@ -7,7 +7,8 @@ The models are PyTorch's own at the harness's sizes: torchvision's ResNet-50/152
 `torch.nn` to match `models/unet3d`. Each is cut into the same stages as our stage graph, and
 `--segments` (from the harness: the stage ranges our policy chose) says which run under
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: every segment but the last, as our
-executor does. Optimizers as ours: SGD with momentum 0.9 (lr 0.05, weight decay 1e-4) for ResNet,
+executor does. The `-lora` models are the same under `peft`'s LoRA (rank 8, alpha 16, B drawn), the
+base frozen. Optimizers as ours: SGD with momentum 0.9 (lr 0.05, weight decay 1e-4) for ResNet,
 AdamW (lr 1e-4, weight decay 0.01) for the others. fp32, `--threads` intra-op threads.
 
 Measured like our columns:
@@ -23,7 +24,8 @@ Measured like our columns:
 
 Usage (the harness runs it; by hand):
     python3 scripts/torch_baseline.py --model resnet50 --batch 8 --input-size 128 --segments 0:19
-Needs torch (and torchvision, transformers); `pip install torch torchvision transformers`.
+Needs torch (and torchvision, transformers; peft for the `-lora` models);
+`pip install torch torchvision transformers peft`.
 """
 
 import argparse
@@ -198,7 +200,24 @@ def unet3d(batch, side, base, levels=3, classes=3):
     return mods, stages, 2, inputs, opt
 
 
+def with_lora(built, targets, fan_in_fan_out):
+    """A built model under `peft`'s LoRA as the harness's `-lora` models are (rank 8, alpha 16, no
+    dropout, B drawn: `init_lora_weights=False`), base frozen, AdamW over the adapters. PEFT swaps
+    the targeted layers inside the same modules, so the stages call the adapted layers."""
+    from peft import LoraConfig, get_peft_model
+
+    model, stages, n_inputs, inputs, _ = built
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, fan_in_fan_out=fan_in_fan_out, init_lora_weights=False)
+    model = get_peft_model(model, config)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
+    return model, stages, n_inputs, inputs, opt
+
+
 def build(model, batch, size):
+    if model == "gpt2-small-lora":
+        return with_lora(gpt2(batch, size), ["c_attn", "c_proj", "c_fc"], True)
+    if model == "bert-large-lora":
+        return with_lora(bert(batch, size), ["query", "key", "value", "dense"], False)
     if model in ("resnet50", "resnet152"):
         return resnet(model, batch, size)
     if model == "gpt2-small":
@@ -207,7 +226,7 @@ def build(model, batch, size):
         return bert(batch, size)
     if model in ("unet3d-small", "unet3d-cicek"):
         return unet3d(batch, size, base=16 if model == "unet3d-small" else 32)
-    sys.exit(f"torch_baseline: no PyTorch version of `{model}`; valid models: resnet50, resnet152, bert-large, unet3d-small, unet3d-cicek, gpt2-small")
+    sys.exit(f"torch_baseline: no PyTorch version of `{model}`; valid models: resnet50, resnet152, bert-large, unet3d-small, unet3d-cicek, gpt2-small, bert-large-lora, gpt2-small-lora")
 
 
 def forward(stages, n_inputs, segments, batch_values):

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The models `scripts/torch_baseline.py` has a PyTorch version of.
-pub const MODELS: [&str; 6] = ["resnet50", "resnet152", "bert-large", "unet3d-small", "unet3d-cicek", "gpt2-small"];
+pub const MODELS: [&str; 8] = ["resnet50", "resnet152", "bert-large", "unet3d-small", "unet3d-cicek", "gpt2-small", "bert-large-lora", "gpt2-small-lora"];
 
 fn script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_baseline.py")
@@ -23,7 +23,7 @@ pub fn available(python: &str) -> Result<(), String> {
         Ok(out) if out.status.success() => Ok(()),
         Ok(out) => Err(format!(
             "`{python}` cannot import torch, torchvision and transformers ({}); install them with \
-             `python3 -m venv .venv && .venv/bin/pip install torch torchvision transformers` and pass `--python .venv/bin/python`",
+             `python3 -m venv .venv && .venv/bin/pip install torch torchvision transformers peft` and pass `--python .venv/bin/python`",
             String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("").trim()
         )),
         Err(e) => Err(format!("cannot run `{python}`: {e}; pass --python with a Python that has torch")),

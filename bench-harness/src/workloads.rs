@@ -136,6 +136,12 @@ fn resnet(preset: resnet::Preset) -> resnet::Config {
     resnet::Config { classes: 10, ..preset.config() }
 }
 
+/// What `--lora 8 --lora-alpha 16` trains on `targets`, with B drawn instead of zeros (PEFT's
+/// `init_lora_weights=False`), so that every adapter gets a gradient for the check.
+fn lora(targets: &[&str]) -> Option<layers::lora::Lora> {
+    Some(layers::lora::Lora { rank: 8, alpha: 16.0, dropout: 0.0, targets: targets.iter().map(|t| t.to_string()).collect(), init_lora_weights: false })
+}
+
 /// The configurations of a profile.
 pub fn profile(profile: Profile) -> Vec<Workload> {
     use {bert::Preset as B, gpt2::Preset as G, resnet::Preset as R, unet3d::Preset as U};
@@ -152,6 +158,9 @@ pub fn profile(profile: Profile) -> Vec<Workload> {
             workload::<Bert>("bert-large", B::Large.config(), 2, 128),
             workload::<UNet3d>("unet3d-small", U::Small.config(), 2, 32),
             workload::<Gpt2>("gpt2-small", G::Small.config(), 2, 256),
+            // LoRA fine-tuning beside full fine-tuning of the same model and batch.
+            workload::<Bert>("bert-large-lora", bert::Config { lora: lora(&bert::LORA_TARGETS), ..B::Large.config() }, 2, 128),
+            workload::<Gpt2>("gpt2-small-lora", gpt2::Config { lora: lora(&gpt2::LORA_TARGETS), ..G::Small.config() }, 2, 256),
         ],
         Profile::Full => vec![
             workload::<ResNet>("resnet50", resnet(R::Resnet50), 256, 224),

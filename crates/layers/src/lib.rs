@@ -23,6 +23,7 @@
 //! - [`ParamStore`] holds named parameters with deterministic initialisation (candle's CPU RNG
 //!   cannot be seeded) and saves/loads them as safetensors snapshots under their published names.
 //!
+//! - [`lora`]: LoRA adapters as PEFT builds them, saved and loaded in PEFT's layout, merged.
 //! - [`Precision`]: the dtype activations are stored in (`--dtype`); parameters stay f32.
 //!
 //! Model code lives in the trainer crates; the checkpointing engine in `remat`.
@@ -57,6 +58,7 @@ mod batchnorm;
 mod config;
 mod conv3d;
 pub mod fused;
+pub mod lora;
 mod model;
 mod norm;
 mod optim;

@@ -23,6 +23,12 @@ pub trait Model {
         Some(name.to_string())
     }
 
+    /// The published model's name for our parameter `name` (the inverse of
+    /// [`Model::snapshot_name`]): what PEFT's adapter files are keyed by. Default: the same name.
+    fn published_name(&self, name: &str) -> String {
+        name.to_string()
+    }
+
     /// Writes every parameter and buffer as a safetensors snapshot.
     fn save_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
         self.params().save(path)
@@ -51,8 +57,11 @@ pub trait Model {
     /// Starts from pre-trained weights: [`Model::load_snapshot`], except that task-head
     /// parameters ([`Model::task_head`]) the snapshot lacks or has at another shape keep their
     /// initial values (returned, for the log), unless `strict`.
+    /// LoRA adapters, which no base model's weights hold, keep theirs too (and are not returned).
     fn init_from(&self, path: &Path, strict: bool) -> std::result::Result<Vec<Initialised>, SnapshotError> {
-        self.params().load(path, |name| self.snapshot_name(name), |name| !strict && self.task_head(name))
+        let adapter = crate::lora::is_adapter;
+        let fresh = self.params().load(path, |name| self.snapshot_name(name), |name| adapter(name) || (!strict && self.task_head(name)))?;
+        Ok(fresh.into_iter().filter(|i| !adapter(&i.name)).collect())
     }
 }
 

@@ -9,7 +9,13 @@ use std::path::Path;
 pub enum Init {
     Zeros,
     Ones,
-    Normal { std: f32 },
+    Normal {
+        std: f32,
+    },
+    /// Uniform in [-bound, bound).
+    Uniform {
+        bound: f32,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -43,22 +49,31 @@ impl std::fmt::Display for Initialised {
 }
 
 /// Which parameters do not train: patterns over parameter names, `*` standing for any run of
-/// characters (`h.*.attn.*`, `wte.weight`). Parsed from a comma-separated list.
+/// characters (`h.*.attn.*`, `wte.weight`), less those an exception matches. Parsed from a
+/// comma-separated list of patterns.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Freeze(Vec<String>);
+pub struct Freeze {
+    patterns: Vec<String>,
+    except: Vec<String>,
+}
 
 impl Freeze {
-    /// Whether `name` matches one of the patterns.
+    /// Everything but what `except` matches (LoRA: all but the adapters).
+    pub fn all_but(except: &[String]) -> Self {
+        Freeze { patterns: vec!["*".into()], except: except.to_vec() }
+    }
+
+    /// Whether `name` matches one of the patterns and none of the exceptions.
     pub fn matches(&self, name: &str) -> bool {
-        self.0.iter().any(|p| glob(p, name))
+        self.patterns.iter().any(|p| glob(p, name)) && !self.except.iter().any(|p| glob(p, name))
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.patterns.is_empty()
     }
 
     pub fn patterns(&self) -> &[String] {
-        &self.0
+        &self.patterns
     }
 }
 
@@ -70,7 +85,7 @@ impl std::str::FromStr for Freeze {
         if patterns.is_empty() {
             return Err(format!("`{s}` names no parameter pattern (e.g. `h.*.attn.*,wte.weight`)"));
         }
-        Ok(Freeze(patterns))
+        Ok(Freeze { patterns, except: Vec::new() })
     }
 }
 
@@ -92,16 +107,34 @@ pub struct ParamStore {
     frozen: BTreeMap<String, Var>,
     freeze: Freeze,
     buffers: BTreeMap<String, Var>,
+    /// The LoRA adapters beside layers ([`crate::lora`]), for [`ParamStore::merged`].
+    adapters: Vec<AdapterInfo>,
     device: Device,
     dtype: DType,
     seed: u64,
+}
+
+/// What merging needs of a layer's adapter: the layer, how it stores its weight, the scale.
+struct AdapterInfo {
+    layer: String,
+    weight_is_out_in: bool,
+    scale: f64,
 }
 
 impl ParamStore {
     /// Parameters are initialised from keys derived from `seed` and their names, so two stores
     /// with the same seed hold bit-identical weights.
     pub fn new(device: &Device, dtype: DType, seed: u64) -> Self {
-        ParamStore { vars: BTreeMap::new(), frozen: BTreeMap::new(), freeze: Freeze::default(), buffers: BTreeMap::new(), device: device.clone(), dtype, seed }
+        ParamStore {
+            vars: BTreeMap::new(),
+            frozen: BTreeMap::new(),
+            freeze: Freeze::default(),
+            buffers: BTreeMap::new(),
+            adapters: Vec::new(),
+            device: device.clone(),
+            dtype,
+            seed,
+        }
     }
 
     /// The store whose parameters matching `freeze` do not train: the model reads them through
@@ -120,6 +153,35 @@ impl ParamStore {
             return Ok(get_or_create(&mut self.frozen, name, shape, create)?.as_tensor().detach());
         }
         Ok(get_or_create(&mut self.vars, name, shape, create)?.as_tensor().clone())
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Records that `layer` has a LoRA adapter (its `lora_A`/`lora_B` parameters), for merging.
+    pub(crate) fn register_adapter(&mut self, layer: &str, weight_is_out_in: bool, scale: f64) {
+        self.adapters.push(AdapterInfo { layer: layer.into(), weight_is_out_in, scale });
+    }
+
+    /// Every parameter and buffer as a snapshot holds them, with each LoRA adapter folded into
+    /// its layer's weight (`W + scale * B A`) and left out: the base model that computes what the
+    /// adapted one does, for [`write_snapshot`] or a model without adapters.
+    pub fn merged(&self) -> Result<HashMap<String, Tensor>> {
+        let mut tensors = self.tensors();
+        for a in &self.adapters {
+            let take = |t: &mut HashMap<String, Tensor>, part: &str| {
+                t.remove(&format!("{}.{part}", a.layer)).ok_or_else(|| candle_core::Error::Msg(format!("the adapter of `{}` has no {part}", a.layer)))
+            };
+            let (lora_a, lora_b) = (take(&mut tensors, crate::lora::LORA_A)?, take(&mut tensors, crate::lora::LORA_B)?);
+            let weight = format!("{}.weight", a.layer);
+            let base = tensors.get(&weight).ok_or_else(|| candle_core::Error::Msg(format!("the adapted layer `{}` has no weight", a.layer)))?;
+            let delta = lora_b.to_dtype(DType::F32)?.matmul(&lora_a.to_dtype(DType::F32)?)?.affine(a.scale, 0.0)?; // (out, in)
+            let delta = if a.weight_is_out_in { delta } else { delta.t()? };
+            let merged = (base.to_dtype(DType::F32)? + delta)?.to_dtype(base.dtype())?;
+            tensors.insert(weight, merged);
+        }
+        Ok(tensors)
     }
 
     /// The frozen parameters, in name order.
@@ -357,6 +419,7 @@ fn create(seed: u64, device: &Device, dtype: DType, name: &str, shape: &[usize],
         Init::Zeros => vec![0f32; n],
         Init::Ones => vec![1f32; n],
         Init::Normal { std } => RngKey::named(seed, name).normal(n, 0.0, std),
+        Init::Uniform { bound } => RngKey::named(seed, name).uniform(n).into_iter().map(|u| (2.0 * u - 1.0) * bound).collect(),
     };
     Var::from_tensor(&Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?)
 }

@@ -163,6 +163,90 @@ pub fn assert_frozen_parameters_get_no_gradient<M: layers::Benchable>(config: &M
     eprintln!("{} of {} parameters frozen; the rest's gradients equal the unfrozen model's under every policy", frozen_names.len(), all.params().vars().len());
 }
 
+/// LoRA trains its adapters and nothing else, exactly and cheaply: `config` has adapters, with B
+/// drawn (`init_lora_weights: false`: from B = 0, A's gradient is zero). With dropout on, a step under every policy stores gradients for the adapters alone, each
+/// non-zero and equal bit for bit to plain candle's (the whole graph, one `backward()`); and its
+/// peak stays below full fine-tuning's (`full`: the same model without adapters) by at least
+/// half the base weights' gradients, which LoRA neither computes nor stores (a
+/// weight-dominated size: where activations dominate, the peak falls before any gradient exists).
+pub fn assert_lora_trains_adapters_only<M: layers::Benchable>(config: &M::Config, full: &M::Config, size: usize, batch: usize) {
+    let lora = M::build(config, &Device::Cpu, 0).unwrap();
+    let adapters = lora.params().vars();
+    assert!(!adapters.is_empty() && lora.params().named().all(|(n, _)| layers::lora::is_adapter(n)), "LoRA must train the adapters alone");
+    let data = lora.synthetic_data(size, 0).unwrap();
+    let inputs = |step: u64| lora.synthetic_inputs(&data, step, batch, &Device::Cpu).unwrap();
+    let plain = lora.graph().plain_loss(&inputs(0), 7, 0).unwrap().backward().unwrap();
+    assert_eq!(plain.get_ids().count(), adapters.len(), "plain candle stored gradients beyond the adapters'");
+    let reference = lora.params().grad_bits(&plain).unwrap();
+    let mut policies = vec!["off", "sqrt", "every-two-blocks"];
+    if M::DOWNSAMPLES {
+        policies.push("before-downsample");
+    }
+    for policy in policies {
+        let exec = Executor::new(lora.graph(), &policy.parse::<remat::Policy>().unwrap(), adapters.clone(), 7).unwrap();
+        let grads = exec.step(&inputs(0), 0).unwrap().grads;
+        assert_eq!(grads.get_ids().count(), adapters.len(), "{policy}: gradients stored beyond the adapters'");
+        let bits = lora.params().grad_bits(&grads).unwrap();
+        for (name, want) in &reference {
+            assert!(want.iter().any(|&b| b << 1 != 0), "{name} got a zero gradient");
+            assert!(bits.get(name) == Some(want), "{policy}: {name}'s gradient differs from plain candle's");
+        }
+    }
+    let peak = |model: &M| {
+        let exec = Executor::new(model.graph(), &remat::Policy::Off, model.params().vars(), 7).unwrap();
+        second_step_peaks(&exec, inputs).unwrap().step
+    };
+    let base = M::build(full, &Device::Cpu, 0).unwrap();
+    let weight_grads: u64 = base.params().vars().iter().map(|v| (v.elem_count() * v.dtype().size_in_bytes()) as u64).sum();
+    let (lora_peak, full_peak) = (peak(&lora), peak(&base));
+    assert!(
+        lora_peak + weight_grads / 2 <= full_peak,
+        "LoRA's step peak {lora_peak} B, full fine-tuning's {full_peak} B: the base weights' gradients ({weight_grads} B) were not all saved"
+    );
+    eprintln!("{} adapters: gradients = plain candle's under every policy; step peak {lora_peak} B vs full fine-tuning {full_peak} B", adapters.len());
+}
+
+/// A model's adapters leave it in PEFT's layout and come back exactly, and merge into the base:
+/// `config` has the adapters `lora` (B drawn: `init_lora_weights: false`), `base` is the same
+/// model without them. The adapter written
+/// by [`layers::lora::save_adapter`] holds the adapters alone under PEFT's keys
+/// (`base_model.model.<published name>`) and loads into a model of another seed bit for bit;
+/// [`layers::ParamStore::merged`] loaded into the model without adapters evaluates as the adapted
+/// model does, to f32 rounding, and changes every adapted weight.
+pub fn assert_lora_files<M: layers::Benchable>(config: &M::Config, base: &M::Config, lora: &layers::lora::Lora, size: usize, batch: usize) {
+    use layers::lora::{is_adapter, load_adapter, save_adapter, PeftModel};
+    let adapted = M::build(config, &Device::Cpu, 0).unwrap();
+    let dir = std::env::temp_dir().join(format!("remat-lora-{}-{}", std::process::id(), size));
+    let published = |n: &str| adapted.published_name(n);
+    save_adapter(&dir, adapted.params(), lora, &PeftModel { base_model: "", task_type: None, fan_in_fan_out: false, published_name: &published }).unwrap();
+    let (file, _) = layers::read_snapshot(&dir.join("adapter_model.safetensors"), &Device::Cpu).unwrap();
+    let adapters: Vec<(&str, &candle_core::Var)> = adapted.params().named().collect();
+    assert_eq!(file.len(), adapters.len(), "the adapter file holds the adapters alone");
+    for (name, _) in &adapters {
+        assert!(file.contains_key(&format!("base_model.model.{}", adapted.published_name(name))), "{name} is not under PEFT's key");
+    }
+    let config_json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!((config_json["peft_type"].as_str(), config_json["r"].as_u64()), (Some("LORA"), Some(lora.rank as u64)));
+
+    let other = M::build(config, &Device::Cpu, 1).unwrap();
+    load_adapter(&dir, other.params(), |n| other.snapshot_name(n)).unwrap();
+    for ((name, a), (_, b)) in adapters.iter().zip(other.params().named()) {
+        assert!(layers::f32_bits(a).unwrap() == layers::f32_bits(b).unwrap(), "{name} did not load back bit for bit");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let merged = adapted.params().merged().unwrap();
+    assert!(merged.keys().all(|n| !is_adapter(n)), "merged weights hold an adapter");
+    let plain = M::build(base, &Device::Cpu, 5).unwrap();
+    plain.params().load_tensors(merged.clone(), "merged", |n| Some(n.to_string()), |_| false).unwrap();
+    let before = adapted.params().tensors();
+    let changed = merged.iter().filter(|(n, t)| layers::f32_bits(t).unwrap() != layers::f32_bits(&before[*n]).unwrap()).count();
+    assert_eq!(changed, adapters.len() / 2, "merging must change each adapted weight, and nothing else");
+    let inputs = adapted.synthetic_inputs(&adapted.synthetic_data(size, 0).unwrap(), 0, batch, &Device::Cpu).unwrap();
+    let (want, got) = (adapted.evaluate(&inputs).unwrap(), plain.evaluate(&inputs).unwrap());
+    assert!(((got - want) / want).abs() < 1e-5, "merged weights evaluate to {got}, the adapted model to {want}");
+}
+
 /// A snapshot of `saved` loaded into `fresh`, a model built from another seed: their evaluation
 /// outputs (`eval`) and buffers (BatchNorm statistics: `saved`'s must have moved, e.g. by a
 /// training step) differ before loading and are bit-identical after.

@@ -65,6 +65,35 @@ impl Fixture {
         serde_json::from_str(&self.config).with_context(|| format!("fixture config {}", self.config))
     }
 
+    /// A LoRA fixture's adapters (its config's `lora`: rank, alpha, targets; no dropout), else
+    /// `None`.
+    pub fn lora(&self) -> Result<Option<layers::lora::Lora>> {
+        #[derive(serde::Deserialize)]
+        struct Peft {
+            rank: usize,
+            alpha: f64,
+            targets: Vec<String>,
+        }
+        #[derive(serde::Deserialize)]
+        struct WithLora {
+            lora: Option<Peft>,
+        }
+        let l = self.config::<WithLora>()?.lora;
+        Ok(l.map(|l| layers::lora::Lora { rank: l.rank, alpha: l.alpha, dropout: 0.0, targets: l.targets, init_lora_weights: true }))
+    }
+
+    /// Loads the fixture's weights into `model` through its own snapshot loader; a LoRA fixture's
+    /// adapter from the folder PEFT wrote beside the file (`<name>-adapter/`), through
+    /// [`layers::lora::load_adapter`].
+    pub fn load_into(&self, model: &impl layers::Model) -> Result<()> {
+        if self.lora()?.is_none() {
+            return Ok(model.load_snapshot(&self.path)?);
+        }
+        model.init_from(&self.path, true)?;
+        let adapter = self.path.with_file_name(format!("{}-adapter", self.path.file_stem().context("fixture file name")?.to_string_lossy()));
+        Ok(layers::lora::load_adapter(&adapter, model.params(), |n| model.snapshot_name(n))?)
+    }
+
     /// The entry `fixture.<name>`.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
         self.tensors.get(&format!("fixture.{name}")).cloned().with_context(|| format!("fixture has no `{name}`"))

@@ -8,6 +8,7 @@
 //! - [`snapshot`]: training snapshots that `--resume` continues;
 //! - [`log`]: the progress bar, the per-step lines and `--log-json`;
 //! - [`trainer`]: the loop;
+//! - [`lora`]: `--lora` and its flags (GPT-2, BERT);
 //! - [`hub`]: pre-trained weights and the Hugging Face hub; [`parallel`]: data parallelism over
 //!   the ranks of a `collective::Group`.
 //!
@@ -16,6 +17,7 @@
 pub mod args;
 pub mod hub;
 pub mod log;
+pub mod lora;
 pub mod parallel;
 pub mod plan;
 pub mod scaler;

@@ -8,6 +8,7 @@
 //! This file is the model; BERT's masking and the data are in `data`.
 
 use candle_core::{DType, Device, Result, Tensor};
+use layers::lora::{self, Adapter, Lora};
 use layers::{dropout, fused, Init, LayerNorm, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
@@ -41,7 +42,16 @@ pub struct Config {
     /// to, so they get no gradient.
     #[serde(skip)]
     pub freeze: layers::Freeze,
+    /// LoRA adapters beside the layers it targets (`query`, `key`, `value`, `dense`), every
+    /// base parameter frozen (`--lora`).
+    #[serde(skip)]
+    pub lora: Option<Lora>,
 }
+
+/// The layers LoRA adapts unless told otherwise (`--lora-targets`): the attention's query, key,
+/// value and output projections and every other `dense` layer (the feed-forward ones and the
+/// masked-LM head's transform, as PEFT's matching gives them).
+pub const LORA_TARGETS: [&str; 4] = ["query", "key", "value", "dense"];
 
 fn default_max_pos() -> usize {
     512
@@ -111,6 +121,7 @@ impl Config {
             layer_norm_eps: default_eps(),
             dtype: layers::Precision::F32,
             freeze: layers::Freeze::default(),
+            lora: None,
         }
     }
 
@@ -128,26 +139,30 @@ impl Config {
                 return Err(format!("{name} must be in [0, 1), got {p}"));
             }
         }
-        Ok(())
+        self.lora.as_ref().map_or(Ok(()), Lora::validate)
     }
 }
 
-/// A linear layer with Hugging Face's (out, in) weight layout.
+/// A linear layer with Hugging Face's (out, in) weight layout, with a LoRA adapter beside it
+/// where the configuration targets it.
 struct Linear {
     weight: Tensor,
     bias: Tensor,
+    adapter: Option<Adapter>,
 }
 
 impl Linear {
-    fn new(params: &mut ParamStore, prefix: &str, n_in: usize, n_out: usize) -> Result<Self> {
+    fn new(params: &mut ParamStore, cfg: &Config, prefix: &str, (n_in, n_out): (usize, usize)) -> Result<Self> {
         Ok(Linear {
             weight: params.get(&format!("{prefix}.weight"), &[n_out, n_in], Init::Normal { std: 0.02 })?,
             bias: params.get(&format!("{prefix}.bias"), &[n_out], Init::Zeros)?,
+            adapter: Adapter::of(params, cfg.lora.as_ref(), prefix, (n_in, n_out), true)?,
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        fused::linear(x, &self.weight, Some(&self.bias), true) // (B, T, in) -> (B, T, out)
+    fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        lora::linear(x, (&self.weight, Some(&self.bias)), true, self.adapter.as_ref(), ctx)
+        // (B, T, in) -> (B, T, out)
     }
 }
 
@@ -204,20 +219,20 @@ impl Layer {
         let eps = cfg.layer_norm_eps;
         Ok(Layer {
             index,
-            query: Linear::new(params, &format!("{p}.attention.self.query"), c, c)?,
-            key: Linear::new(params, &format!("{p}.attention.self.key"), c, c)?,
-            value: Linear::new(params, &format!("{p}.attention.self.value"), c, c)?,
-            attn_out: Linear::new(params, &format!("{p}.attention.output.dense"), c, c)?,
+            query: Linear::new(params, cfg, &format!("{p}.attention.self.query"), (c, c))?,
+            key: Linear::new(params, cfg, &format!("{p}.attention.self.key"), (c, c))?,
+            value: Linear::new(params, cfg, &format!("{p}.attention.self.value"), (c, c))?,
+            attn_out: Linear::new(params, cfg, &format!("{p}.attention.output.dense"), (c, c))?,
             attn_ln: LayerNorm::new(params, &format!("{p}.attention.output.LayerNorm"), c, eps)?,
-            intermediate: Linear::new(params, &format!("{p}.intermediate.dense"), c, cfg.intermediate_size)?,
-            output: Linear::new(params, &format!("{p}.output.dense"), cfg.intermediate_size, c)?,
+            intermediate: Linear::new(params, cfg, &format!("{p}.intermediate.dense"), (c, cfg.intermediate_size))?,
+            output: Linear::new(params, cfg, &format!("{p}.output.dense"), (cfg.intermediate_size, c))?,
             output_ln: LayerNorm::new(params, &format!("{p}.output.LayerNorm"), c, eps)?,
             n_head: cfg.num_attention_heads,
             attn_pdrop: cfg.attention_probs_dropout_prob,
             hidden_pdrop: cfg.hidden_dropout_prob,
             signature: format!(
-                "bert layer: C {c}, FFN {}, {} heads, eps {eps}, dropout {}/{}, {:?}",
-                cfg.intermediate_size, cfg.num_attention_heads, cfg.attention_probs_dropout_prob, cfg.hidden_dropout_prob, cfg.dtype
+                "bert layer: C {c}, FFN {}, {} heads, eps {eps}, dropout {}/{}, {:?}, LoRA {:?}",
+                cfg.intermediate_size, cfg.num_attention_heads, cfg.attention_probs_dropout_prob, cfg.hidden_dropout_prob, cfg.dtype, cfg.lora
             ),
         })
     }
@@ -226,7 +241,7 @@ impl Layer {
     fn attention(&self, x: &Tensor, mask: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let (nh, hd) = (self.n_head, c / self.n_head);
-        let heads = |l: &Linear| l.forward(x)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
+        let heads = |l: &Linear| l.forward(x, ctx)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (heads(&self.query)?, heads(&self.key)?, heads(&self.value)?);
         let y = layers::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), false, Some(mask), self.attn_pdrop, ctx)?; // (B, nh, T, hd)
         y.transpose(1, 2)?.reshape((b, t, c)) // (B, T, C)
@@ -242,9 +257,9 @@ impl Stage for Layer {
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let (x, mask) = (&inputs[0], &inputs[1]); // (B, T, C), (B, T)
-        let a = dropout(&self.attn_out.forward(&self.attention(x, mask, ctx)?)?, self.hidden_pdrop, ctx)?;
+        let a = dropout(&self.attn_out.forward(&self.attention(x, mask, ctx)?, ctx)?, self.hidden_pdrop, ctx)?;
         let h = self.attn_ln.forward(&(a + x)?)?;
-        let f = self.output.forward(&fused::gelu(&self.intermediate.forward(&h)?, true)?)?; // (B, T, 4C) -> (B, T, C)
+        let f = self.output.forward(&fused::gelu(&self.intermediate.forward(&h, ctx)?, true)?, ctx)?; // (B, T, 4C) -> (B, T, C)
         let f = dropout(&f, self.hidden_pdrop, ctx)?;
         Ok(vec![self.output_ln.forward(&(f + h)?)?])
     }
@@ -262,9 +277,9 @@ pub struct MlmHead {
 
 impl MlmHead {
     /// Logits (B*T, V) of hidden states (B, T, C).
-    fn logits(&self, x: &Tensor) -> Result<Tensor> {
+    fn logits(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
-        let h = self.ln.forward(&fused::gelu(&self.transform.forward(x)?, true)?)?.reshape((b * t, c))?;
+        let h = self.ln.forward(&fused::gelu(&self.transform.forward(x, ctx)?, true)?)?.reshape((b * t, c))?;
         fused::linear(&h, &self.word, Some(&self.bias), true) // (B*T, V)
     }
 }
@@ -276,8 +291,8 @@ impl Stage for MlmHead {
     fn kind(&self) -> StageKind {
         StageKind::Other
     }
-    fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
-        Ok(vec![fused::cross_entropy(&self.logits(&inputs[0])?, &inputs[1], Some(&inputs[2]))?])
+    fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
+        Ok(vec![fused::cross_entropy(&self.logits(&inputs[0], ctx)?, &inputs[1], Some(&inputs[2]))?])
         // logits (B*T, V)
     }
 }
@@ -297,7 +312,8 @@ impl Bert {
     pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
         config.validate().map_err(candle_core::Error::Msg)?;
         let (c, eps) = (config.hidden_size, config.layer_norm_eps);
-        let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&config.freeze);
+        let freeze = if config.lora.is_some() { Lora::freeze() } else { config.freeze.clone() };
+        let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&freeze);
         let word = params.get("bert.embeddings.word_embeddings.weight", &[config.vocab_size, c], Init::Normal { std: 0.02 })?;
         let embeddings = Arc::new(Embeddings {
             word: word.clone(),
@@ -309,7 +325,7 @@ impl Bert {
         });
         let layers = (0..config.num_hidden_layers).map(|i| Layer::new(&mut params, &config, i).map(Arc::new)).collect::<Result<Vec<_>>>()?;
         let head = Arc::new(MlmHead {
-            transform: Linear::new(&mut params, "cls.predictions.transform.dense", c, c)?,
+            transform: Linear::new(&mut params, &config, "cls.predictions.transform.dense", (c, c))?,
             ln: LayerNorm::new(&mut params, "cls.predictions.transform.LayerNorm", c, eps)?,
             word,
             bias: params.get("cls.predictions.bias", &[config.vocab_size], Init::Zeros)?,
@@ -357,7 +373,7 @@ impl Bert {
 
     /// The masked-LM head's logits (B*T, V) for hidden states (B, T, C).
     pub fn logits(&self, hidden_states: &Tensor) -> Result<Tensor> {
-        self.head.logits(hidden_states)
+        self.head.logits(hidden_states, &StageCtx::eval())
     }
 }
 

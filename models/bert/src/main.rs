@@ -39,6 +39,8 @@ struct Args {
     steps: usize,
     #[command(flatten)]
     run: trainkit::RunArgs,
+    #[command(flatten)]
+    lora: trainkit::lora::LoraArgs,
     /// A UTF-8 text file to train on, one document per line (a longer one is cut into several
     /// sequences; a batch is padded to its longest); default: the built-in synthetic corpus.
     #[arg(long)]
@@ -76,7 +78,8 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         (None, Some(files)) => Config::from_json(&files.config)?,
         (None, None) => args.preset.config(),
     };
-    let config = Config { dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), ..config };
+    let lora = args.lora.config(&bert::LORA_TARGETS)?;
+    let config = Config { dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), lora: lora.clone(), ..config };
     if args.seq > config.max_position_embeddings {
         bail!("--seq {} exceeds the model's max_position_embeddings ({})", args.seq, config.max_position_embeddings);
     }
@@ -85,6 +88,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     let data = data(args, &config, hub.as_ref())?;
     let model = trainkit::build_model("--preset, --config or --model-id", || Ok(Bert::new(config, device, args.run.seed)?))?;
     args.init.load(&model, hub.as_ref())?;
+    args.lora.prepare(lora.as_ref(), &model, &bert::LORA_TARGETS)?;
     let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.batch(step, n), device)?) };
     // Planned for the longest batch the data can give (--text batches are padded to their own longest row).
     let longest = |n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.full_length_batch(0, n), device)?) };
@@ -98,7 +102,11 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         steps: args.steps,
         batch: args.batch,
         sizes: format!("--batch {} x --seq {}", args.batch, args.seq),
-        fields: vec![("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
+        fields: [
+            vec![("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
+            args.lora.fields(lora.as_ref()),
+        ]
+        .concat(),
         planned_inputs: Some(&longest),
         batch_names: None,
     };
@@ -111,7 +119,10 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
             args.seq,
             data.vocab_len
         )
-    })
+    })?;
+    // PEFT names the base model by its hub id; a model from a preset or a config.json has none.
+    let base_model = args.hub.model_id.as_deref().unwrap_or_default();
+    args.lora.save(lora.as_ref(), &model, (base_model, None, false), group)
 }
 
 /// The synthetic corpus, or `--text` through its tokenizer or in whole words.

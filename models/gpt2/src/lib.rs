@@ -10,6 +10,7 @@
 //! Not here: the training loop (`src/main.rs`), data (`datasets`), the engine (`remat`).
 
 use candle_core::{DType, Device, Result, Tensor};
+use layers::lora::{self, Adapter, Lora};
 use layers::{dropout, fused, Init, LayerNorm, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
@@ -40,7 +41,15 @@ pub struct Config {
     /// to, so they get no gradient.
     #[serde(skip)]
     pub freeze: layers::Freeze,
+    /// LoRA adapters beside the layers it targets (`c_attn`, `c_proj`, `c_fc`), every base
+    /// parameter frozen (`--lora`).
+    #[serde(skip)]
+    pub lora: Option<Lora>,
 }
+
+/// The layers LoRA adapts unless told otherwise (`--lora-targets`): every projection of the
+/// attention and the MLP.
+pub const LORA_TARGETS: [&str; 3] = ["c_attn", "c_proj", "c_fc"];
 
 fn default_eps() -> f64 {
     1e-5
@@ -105,6 +114,7 @@ impl Config {
             resid_pdrop: 0.1,
             dtype: layers::Precision::F32,
             freeze: layers::Freeze::default(),
+            lora: None,
         }
     }
 
@@ -130,26 +140,30 @@ impl Config {
                 return Err(format!("{name} must be in [0, 1), got {p}"));
             }
         }
-        Ok(())
+        self.lora.as_ref().map_or(Ok(()), Lora::validate)
     }
 }
 
-/// Hugging Face's `Conv1D`: a linear layer whose weight is stored (in, out).
+/// Hugging Face's `Conv1D`: a linear layer whose weight is stored (in, out), with a LoRA
+/// adapter beside it where the configuration targets it.
 struct Conv1D {
     weight: Tensor,
     bias: Tensor,
+    adapter: Option<Adapter>,
 }
 
 impl Conv1D {
-    fn new(params: &mut ParamStore, prefix: &str, n_in: usize, n_out: usize, std: f32) -> Result<Self> {
+    fn new(params: &mut ParamStore, cfg: &Config, prefix: &str, (n_in, n_out): (usize, usize), std: f32) -> Result<Self> {
         Ok(Conv1D {
             weight: params.get(&format!("{prefix}.weight"), &[n_in, n_out], Init::Normal { std })?,
             bias: params.get(&format!("{prefix}.bias"), &[n_out], Init::Zeros)?,
+            adapter: Adapter::of(params, cfg.lora.as_ref(), prefix, (n_in, n_out), false)?,
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        fused::linear(x, &self.weight, Some(&self.bias), false) // (B, T, in) -> (B, T, out)
+    fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        lora::linear(x, (&self.weight, Some(&self.bias)), false, self.adapter.as_ref(), ctx)
+        // (B, T, in) -> (B, T, out)
     }
 }
 
@@ -203,17 +217,17 @@ impl Block {
         Ok(Block {
             index,
             ln_1: LayerNorm::new(params, &format!("{p}.ln_1"), c, cfg.layer_norm_epsilon)?,
-            c_attn: Conv1D::new(params, &format!("{p}.attn.c_attn"), c, 3 * c, 0.02)?,
-            attn_proj: Conv1D::new(params, &format!("{p}.attn.c_proj"), c, c, proj_std)?,
+            c_attn: Conv1D::new(params, cfg, &format!("{p}.attn.c_attn"), (c, 3 * c), 0.02)?,
+            attn_proj: Conv1D::new(params, cfg, &format!("{p}.attn.c_proj"), (c, c), proj_std)?,
             ln_2: LayerNorm::new(params, &format!("{p}.ln_2"), c, cfg.layer_norm_epsilon)?,
-            c_fc: Conv1D::new(params, &format!("{p}.mlp.c_fc"), c, 4 * c, 0.02)?,
-            mlp_proj: Conv1D::new(params, &format!("{p}.mlp.c_proj"), 4 * c, c, proj_std)?,
+            c_fc: Conv1D::new(params, cfg, &format!("{p}.mlp.c_fc"), (c, 4 * c), 0.02)?,
+            mlp_proj: Conv1D::new(params, cfg, &format!("{p}.mlp.c_proj"), (4 * c, c), proj_std)?,
             n_head: cfg.n_head,
             attn_pdrop: cfg.attn_pdrop,
             resid_pdrop: cfg.resid_pdrop,
             signature: format!(
-                "gpt2 block: C {c}, {} heads, eps {}, dropout {}/{}, {:?}",
-                cfg.n_head, cfg.layer_norm_epsilon, cfg.attn_pdrop, cfg.resid_pdrop, cfg.dtype
+                "gpt2 block: C {c}, {} heads, eps {}, dropout {}/{}, {:?}, LoRA {:?}",
+                cfg.n_head, cfg.layer_norm_epsilon, cfg.attn_pdrop, cfg.resid_pdrop, cfg.dtype, cfg.lora
             ),
         })
     }
@@ -221,16 +235,17 @@ impl Block {
     fn attention(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let (nh, hd) = (self.n_head, c / self.n_head);
-        let qkv = self.c_attn.forward(x)?; // (B, T, 3C)
+        let qkv = self.c_attn.forward(x, ctx)?; // (B, T, 3C)
         let head = |i: usize| qkv.narrow(2, i * c, c)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (head(0)?, head(1)?, head(2)?);
         let y = layers::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), true, None, self.attn_pdrop, ctx)?; // (B, nh, T, hd), causal
         let y = y.transpose(1, 2)?.reshape((b, t, c))?; // (B, T, C)
-        self.attn_proj.forward(&y)
+        self.attn_proj.forward(&y, ctx)
     }
 
-    fn mlp(&self, x: &Tensor) -> Result<Tensor> {
-        self.mlp_proj.forward(&fused::gelu(&self.c_fc.forward(x)?, false)?) // (B, T, 4C) -> (B, T, C)
+    fn mlp(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        self.mlp_proj.forward(&fused::gelu(&self.c_fc.forward(x, ctx)?, false)?, ctx)
+        // (B, T, 4C) -> (B, T, C)
     }
 }
 
@@ -244,7 +259,7 @@ impl Stage for Block {
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let x = &inputs[0]; // (B, T, C)
         let x = (x + dropout(&self.attention(&self.ln_1.forward(x)?, ctx)?, self.resid_pdrop, ctx)?)?;
-        let x = (&x + dropout(&self.mlp(&self.ln_2.forward(&x)?)?, self.resid_pdrop, ctx)?)?;
+        let x = (&x + dropout(&self.mlp(&self.ln_2.forward(&x)?, ctx)?, self.resid_pdrop, ctx)?)?;
         Ok(vec![x])
     }
 }
@@ -291,7 +306,8 @@ impl Gpt2 {
     pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
         config.validate().map_err(candle_core::Error::Msg)?;
         let (c, v) = (config.n_embd, config.vocab_size);
-        let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&config.freeze);
+        let freeze = if config.lora.is_some() { Lora::freeze() } else { config.freeze.clone() };
+        let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&freeze);
         let wte = params.get("wte.weight", &[v, c], Init::Normal { std: 0.02 })?;
         let wpe = params.get("wpe.weight", &[config.n_positions, c], Init::Normal { std: 0.02 })?;
         let embed = Arc::new(Embed { wte: wte.clone(), wpe, pdrop: config.embd_pdrop, dtype: config.dtype.dtype() });
@@ -343,6 +359,11 @@ impl layers::Model for Gpt2 {
         let name = name.strip_prefix("transformer.").unwrap_or(name);
         let skip = name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias");
         (!skip).then(|| name.to_string())
+    }
+
+    /// `GPT2LMHeadModel`'s name: under `transformer.`.
+    fn published_name(&self, name: &str) -> String {
+        format!("transformer.{name}")
     }
 }
 

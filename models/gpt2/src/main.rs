@@ -40,6 +40,8 @@ struct Args {
     seq: usize,
     #[command(flatten)]
     run: trainkit::RunArgs,
+    #[command(flatten)]
+    lora: trainkit::lora::LoraArgs,
     /// Flat u16 little-endian token file; default: the built-in synthetic corpus (byte tokens).
     #[arg(long, conflicts_with = "text")]
     data: Option<PathBuf>,
@@ -71,7 +73,8 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         (None, Some(files)) => Config::from_json(&files.config)?,
         (None, None) => args.preset.config(),
     };
-    let config = Config { dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), ..config };
+    let lora = args.lora.config(&gpt2::LORA_TARGETS)?;
+    let config = Config { dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), lora: lora.clone(), ..config };
     if args.seq == 0 || args.seq > config.n_positions {
         bail!("--seq {} is out of range: the model's context is 1..={} positions", args.seq, config.n_positions);
     }
@@ -93,6 +96,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
 
     let model = trainkit::build_model("--preset, --config or --model-id", || Ok(Gpt2::new(config, device, args.run.seed)?))?;
     args.init.load(&model, hub.as_ref())?;
+    args.lora.prepare(lora.as_ref(), &model, &gpt2::LORA_TARGETS)?;
     let inputs = |step: u64, n: usize| {
         let (x, y) = batcher.batch(step, n);
         Ok(model.inputs(&x, &y, n, args.seq, device)?)
@@ -107,13 +111,20 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         steps: args.steps,
         batch: args.batch,
         sizes: format!("--batch {} x --seq {}", args.batch, args.seq),
-        fields: vec![("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
+        fields: [
+            vec![("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
+            args.lora.fields(lora.as_ref()),
+        ]
+        .concat(),
         planned_inputs: None,
         batch_names: None,
     };
     trainer.run(&inputs, |policy, segments| {
         format!("GPT-2 {}, {} layers, policy {policy} ({segments}), batch {} x seq {}", model.params().count_text(), model.config.n_layer, args.batch, args.seq)
-    })
+    })?;
+    // PEFT names the base model by its hub id; a model from a preset or a config.json has none.
+    let base_model = args.hub.model_id.as_deref().unwrap_or_default();
+    args.lora.save(lora.as_ref(), &model, (base_model, Some("CAUSAL_LM"), true), group)
 }
 
 /// `--text` through its tokenizer, as one token stream.

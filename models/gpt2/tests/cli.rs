@@ -317,3 +317,30 @@ fn a_freeze_that_matches_nothing_or_everything_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && err.contains("trained params (") && err.contains(" frozen)"), "{err}");
 }
+
+/// `--lora`: targets that adapt nothing and combinations that cannot hold are refused, naming
+/// the model's layers; a LoRA run trains the adapters alone and writes the adapter in PEFT's
+/// layout and the merged weights, which `--init` loads into the model without adapters.
+#[test]
+fn lora_trains_adapters_writes_them_and_merges() {
+    for (args, said) in [
+        (&["--lora", "4", "--lora-targets", "c_atn"][..], "--lora-targets c_atn: matches no layer this model adapts (its layers: c_attn, c_proj, c_fc)"),
+        (&["--lora", "0"][..], "the LoRA rank must be at least 1"),
+        (&["--lora", "4", "--freeze", "wte.weight"][..], "cannot be used with"),
+        (&["--lora-alpha", "8"][..], "--lora <LORA>"),
+    ] {
+        fails_saying(args, said);
+    }
+    let dir = scratch("lora");
+    let (adapter, merged) = (dir.join("adapter"), dir.join("merged.safetensors"));
+    let out = train(&["--lora", "4", "--steps", "2", "--lr", "1e-2", "--save-adapter", adapter.to_str().unwrap(), "--save-merged", merged.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("trained params (") && err.contains("saved adapter to"), "{err}");
+    assert!(adapter.join("adapter_model.safetensors").is_file() && adapter.join("adapter_config.json").is_file(), "{err}");
+    let out = train(&["--init", merged.to_str().unwrap(), "--strict", "--steps", "1"]);
+    assert!(out.status.success(), "the merged weights do not load into the model without adapters: {}", String::from_utf8_lossy(&out.stderr));
+    let out = train(&["--lora", "4", "--load-adapter", adapter.to_str().unwrap(), "--steps", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("adapter from"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

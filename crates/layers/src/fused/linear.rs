@@ -125,3 +125,59 @@ impl FusedOp for LinearOp {
 }
 
 custom_op!(LinearOp: 2 "fused-linear", 3 "fused-linear-bias");
+
+/// A frozen linear layer with a LoRA adapter beside it, as one op over `x`, `a` (r, in) and
+/// `b_lora` (out, r): `x @ w + b + scale * dropout(x) @ a^T @ b_lora^T`. The frozen weight and bias
+/// are no operands (they get no gradient), so the op keeps only `x` and the adapter's weights:
+/// composed from candle's ops, the base output, the adapter's output and their sum would all stay
+/// in candle's graph until backward, several activations of the layer's output size more than
+/// full fine-tuning keeps. `dropout`: the key and probability of the adapter's input dropout, its
+/// mask drawn again in backward. Composed from candle's ops on every device, in f32.
+#[allow(clippy::too_many_arguments)]
+pub fn lora_linear(
+    x: &Tensor,
+    (w, b): (&Tensor, Option<&Tensor>),
+    w_is_out_in: bool,
+    a: &Tensor,
+    b_lora: &Tensor,
+    scale: f64,
+    dropout: Option<(remat::rng::RngKey, f32)>,
+) -> Result<Tensor> {
+    let k = x.dim(D::Minus1)?;
+    let f32 = |t: &Tensor| t.detach().to_dtype(DType::F32);
+    let w_in = f32(&if w_is_out_in { w.t()? } else { w.clone() })?; // (in, out)
+    let bias = b.map(f32).transpose()?;
+    let dropped = move |x2: &Tensor| -> Result<Tensor> {
+        match dropout {
+            Some((key, p)) => x2 * Tensor::from_vec(key.dropout_mask(x2.elem_count(), p), x2.shape(), x2.device())?,
+            None => Ok(x2.clone()),
+        }
+    };
+    let rows = x.elem_count() / k;
+    let mut out_shape = x.dims().to_vec();
+    *out_shape.last_mut().expect("x has a last dimension") = w_in.dim(1)?;
+    let y = {
+        let x2 = f32(x)?.reshape((rows, k))?;
+        let y = x2.matmul(&w_in)?;
+        let y = match &bias {
+            Some(bias) => y.broadcast_add(bias)?,
+            None => y,
+        };
+        let h = dropped(&x2)?.matmul(&f32(a)?.t()?)?; // (rows, r)
+        (y + h.matmul(&f32(b_lora)?.t()?)?.affine(scale, 0.0)?)?.reshape(out_shape)?.to_dtype(x.dtype())?
+    };
+    // g (rows, out): dx = g w_in^T + mask * (scale g B A), dA = scale (g B)^T dropout(x),
+    // dB = scale g^T (dropout(x) A^T).
+    let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+        let (x, a, b_lora) = (&inputs[0], &inputs[1], &inputs[2]);
+        let g2 = g.to_dtype(DType::F32)?.reshape((rows, g.elem_count() / rows))?;
+        let (a32, b32) = (a.to_dtype(DType::F32)?, b_lora.to_dtype(DType::F32)?);
+        let xd = dropped(&x.to_dtype(DType::F32)?.reshape((rows, k))?)?;
+        let gb = g2.matmul(&b32)?.affine(scale, 0.0)?; // (rows, r)
+        let dx = || -> Result<Tensor> { (g2.matmul(&w_in.t()?)? + dropped(&gb.matmul(&a32)?)?)?.reshape(x.shape())?.to_dtype(x.dtype()) };
+        let da = || -> Result<Tensor> { gb.t()?.matmul(&xd)?.to_dtype(a.dtype()) };
+        let db = || -> Result<Tensor> { g2.t()?.matmul(&xd.matmul(&a32.t()?)?)?.affine(scale, 0.0)?.to_dtype(b_lora.dtype()) };
+        Ok(vec![want[0].then(dx).transpose()?, want[1].then(da).transpose()?, want[2].then(db).transpose()?])
+    };
+    x.contiguous()?.apply_op3(a, b_lora, GenericOp::new("lora-linear", y, Box::new(backward)))
+}

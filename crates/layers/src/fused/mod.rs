@@ -181,7 +181,7 @@ pub use gelu::gelu;
 pub(crate) use generic::generic;
 pub use generic::{path, set_path, Path};
 pub use layer_norm::layer_norm;
-pub use linear::linear;
+pub use linear::{linear, lora_linear};
 pub(crate) use max_pool::{max_pool2d, max_pool3d, max_pool_generic};
 pub use softmax::softmax_last_dim;
 

@@ -1,0 +1,17 @@
+//! `--lora`: the adapters train and nothing else, with gradients equal to plain candle's under
+//! every policy, and the base weights' gradients are never held. The only test in its binary:
+//! the counting allocator is process-wide.
+
+use remat::memory::CountingAlloc;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+#[test]
+fn lora_trains_the_adapters_alone_bit_exact_and_without_weight_gradients() {
+    let full = gpt2::Config::tiny(4, 64);
+    let lora =
+        layers::lora::Lora { rank: 4, alpha: 8.0, dropout: 0.1, targets: vec!["c_attn".into(), "c_proj".into(), "c_fc".into()], init_lora_weights: false };
+    let config = gpt2::Config { lora: Some(lora), ..full.clone() };
+    testkit::assert_lora_trains_adapters_only::<gpt2::Gpt2>(&config, &full, 8, 1);
+}
