@@ -11,8 +11,8 @@
 //!
 //! Not here: which layers a model offers (its crate), the command-line flags (`trainkit`).
 
+use crate::fused;
 use crate::params::{read_snapshot, write_snapshot, Freeze, Init, ParamStore, SnapshotError};
-use crate::{dropout, fused};
 use candle_core::{Result, Tensor};
 use remat::StageCtx;
 use std::collections::HashMap;
@@ -51,7 +51,7 @@ impl Lora {
 
     /// Whether the layer named `layer` gets an adapter.
     pub fn targets(&self, layer: &str) -> bool {
-        self.targets.iter().any(|t| layer == t || layer.ends_with(&format!(".{t}")))
+        self.targets.iter().any(|t| names(t, layer))
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
@@ -77,8 +77,14 @@ impl Lora {
 
     /// Of `targets`, those no layer named in `layers` matches (a typo adapts nothing).
     pub fn unmatched_targets<'a>(&'a self, layers: &[&str]) -> Vec<&'a str> {
-        self.targets.iter().filter(|t| !layers.iter().any(|l| *l == t.as_str() || l.ends_with(&format!(".{t}")))).map(String::as_str).collect()
+        self.targets.iter().filter(|t| !layers.iter().any(|l| names(t, l))).map(String::as_str).collect()
     }
+}
+
+/// Whether `target` names `layer` as PEFT's `target_modules` do: the whole name, or its last
+/// dot-separated components.
+fn names(target: &str, layer: &str) -> bool {
+    layer == target || layer.strip_suffix(target).is_some_and(|head| head.ends_with('.'))
 }
 
 /// One layer's adapter: `scale * B(A(dropout(x)))`.
@@ -102,21 +108,16 @@ impl Adapter {
         params.register_adapter(layer, weight_is_out_in, lora.scale());
         Ok(Some(Adapter { a, b, scale: lora.scale(), dropout: lora.dropout }))
     }
-
-    /// (.., in) -> (.., out). Only the (.., r) product between A and B is kept for backward.
-    pub fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
-        let h = fused::linear(&dropout(x, self.dropout, ctx)?, &self.a, None, true)?; // (.., r)
-        fused::linear(&h, &self.b, None, true)?.affine(self.scale, 0.0) // (.., out)
-    }
 }
 
 /// The linear layer `x @ w + b` (`w` (out, in) with `w_is_out_in`, else (in, out)), plus its
-/// adapter's update where it has one. Over a frozen base (LoRA's), one op that keeps only `x`
-/// ([`fused::lora_linear`]); over a base that trains, the two added.
+/// adapter's update where it has one: then one op over the frozen base that keeps only `x`
+/// ([`fused::lora_linear`]). A base that trains under an adapter is refused: that op gives its
+/// weight and bias no gradient ([`Lora::freeze`] freezes them).
 pub fn linear(x: &Tensor, (w, b): (&Tensor, Option<&Tensor>), w_is_out_in: bool, adapter: Option<&Adapter>, ctx: &StageCtx) -> Result<Tensor> {
     let Some(a) = adapter else { return fused::linear(x, w, b, w_is_out_in) };
     if w.track_op() || b.is_some_and(Tensor::track_op) {
-        return fused::linear(x, w, b, w_is_out_in)? + a.forward(x, ctx)?;
+        candle_core::bail!("a layer with a LoRA adapter must have its weight and bias frozen (Lora::freeze): they would get no gradient")
     }
     let dropout = crate::dropout_key(a.dropout, ctx)?.map(|key| (key, a.dropout));
     fused::lora_linear(x, (w, b), w_is_out_in, &a.a, &a.b, a.scale, dropout)
