@@ -341,7 +341,9 @@ struct Timing {
 fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], timing: Timing, common: &Common, profile: Profile, python: Option<&str>) {
     let off = PolicyRequest::Fixed(Policy::Off);
     let ok = |m: &Matrix, p: &PolicyRequest| m.find(&w.model, &p.to_string()).is_some_and(|r| r.status == Status::Ok);
-    if !ok(matrix, &off) {
+    // Without `off` there is no ratio to take; a retime still replaces the times (a model whose
+    // `off` does not fit this machine keeps its checkpointed policies' times and PyTorch's).
+    if !ok(matrix, &off) && !timing.replace {
         return;
     }
     let timed: Vec<&PolicyRequest> = policies.iter().filter(|p| ok(matrix, p)).collect();
@@ -365,7 +367,7 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], ti
     // (a resumed folder holds it), so the ratios are that pair's alone.
     let (ours_off, torch_off) = match timed.iter().position(|p| **p == off) {
         Some(i) => (ours[i].clone(), torch_ms[i].clone()),
-        None => (vec![matrix.find(&w.model, "off").map(|r| r.step_ms_median)], vec![theirs(matrix, &off)]),
+        None => (vec![matrix.find(&w.model, "off").filter(|r| r.status == Status::Ok).map(|r| r.step_ms_median)], vec![theirs(matrix, &off)]),
     };
     // a[k] / b[k] for every round where both ran.
     let ratios = |a: &[Option<f64>], b: &[Option<f64>]| a.iter().zip(b).filter_map(|(a, b)| Some((*a)? / (*b)?)).collect::<Vec<f64>>();

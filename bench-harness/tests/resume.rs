@@ -88,6 +88,16 @@ fn retime_replaces_the_times_and_nothing_else() {
     assert!(rounds.len() == 2 && rounds.iter().all(|r| r.as_f64().unwrap() > 0.0), "{}", sqrt["time_vs_off"]);
     assert!(std::fs::read_to_string(dir.join("matrix.md")).unwrap().contains("--retime"), "the report does not name the retiming command");
 
+    // A model whose `off` did not fit keeps no ratio, but its other policies' times are taken again.
+    let mut no_off = after.clone();
+    no_off["records"][0]["status"] = serde_json::json!("skipped");
+    no_off["records"][1]["step_ms_median"] = serde_json::json!(-1.0);
+    std::fs::write(dir.join("matrix.json"), serde_json::to_string(&no_off).unwrap()).unwrap();
+    smoke(&dir, &[&args[..], &["--retime", "--rounds", "1"]].concat());
+    let sqrt = &matrix(&dir)["records"][1];
+    assert!(sqrt["step_ms_median"].as_f64().unwrap() > 0.0, "the times of a model without `off` were not taken again: {sqrt}");
+    assert!(sqrt["time_vs_off"].is_null(), "a ratio against an `off` that did not run: {sqrt}");
+
     let refused =
         harness(&["--profile", "smoke", "--out", dir.to_str().unwrap(), "--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--retime"]);
     let err = String::from_utf8_lossy(&refused.stderr);
