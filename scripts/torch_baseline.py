@@ -7,7 +7,11 @@ The models are PyTorch's own at the harness's sizes: torchvision's ResNet-50/152
 `torch.nn` to match `models/unet3d`. Each is cut into the same stages as our stage graph, and
 `--segments` (from the harness: the stage ranges our policy chose) says which run under
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: every segment but the last, as our
-executor does. The `-lora` models are the same under `peft`'s LoRA (rank 8, alpha 16, B drawn), the
+executor does. A `--policy` with `+keep=` (our selective recompute) runs those segments under
+PyTorch's selective activation checkpointing, saving the outputs of the ops it names: `matmul` the
+linear layers' products (`aten.mm`, `aten.addmm`), `conv` the convolutions (`aten.convolution`),
+`attention` the product of the probabilities with the values (the `aten.bmm` whose output is not
+the (T, T) scores). The `-lora` models are the same under `peft`'s LoRA (rank 8, alpha 16, B drawn), the
 base frozen. Optimizers as ours: SGD with momentum 0.9 (lr 0.05, weight decay 1e-4) for ResNet,
 AdamW (lr 1e-4, weight decay 0.01) for the others. fp32, `--threads` intra-op threads.
 
@@ -38,7 +42,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
 
@@ -229,8 +233,37 @@ def build(model, batch, size):
     sys.exit(f"torch_baseline: no PyTorch version of `{model}`; valid models: resnet50, resnet152, bert-large, unet3d-small, unet3d-cicek, gpt2-small, bert-large-lora, gpt2-small-lora")
 
 
-def forward(stages, n_inputs, segments, batch_values):
-    """The loss, every segment but the last under `checkpoint`, as our executor runs it."""
+def kept(policy):
+    """`checkpoint`'s `context_fn` for a policy with `+keep=`: selective activation checkpointing
+    that saves the outputs of the ops named and recomputes the rest; None without `+keep=`."""
+    if "+keep=" not in policy:
+        return None
+    kinds = set(policy.split("+keep=", 1)[1].replace(",", "+").split("+"))
+    aten = torch.ops.aten
+    unknown = kinds - {"matmul", "conv", "attention"}
+    if unknown:
+        sys.exit(f"torch_baseline: unknown op kinds to keep {sorted(unknown)}; valid kinds: matmul, conv, attention")
+
+    def save(op, args):
+        if op in (aten.mm.default, aten.addmm.default):
+            return "matmul" in kinds
+        if op == aten.convolution.default:
+            return "conv" in kinds
+        if op == aten.bmm.default:
+            # (BH, T, T) @ (BH, T, hd) is attention's output; (BH, T, hd) @ (BH, hd, T) its scores.
+            scores = args[1].shape[-1] == args[0].shape[-2]
+            return "attention" in kinds and not scores
+        return False
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if save(op, args) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return lambda: create_selective_checkpoint_contexts(policy_fn)
+
+
+def forward(stages, n_inputs, segments, batch_values, context_fn=None):
+    """The loss, every segment but the last under `checkpoint` (selective with `context_fn`), as
+    our executor runs it."""
     values = dict(enumerate(batch_values))
     last_use = {}
     for i, s in enumerate(stages):
@@ -250,15 +283,16 @@ def forward(stages, n_inputs, segments, batch_values):
         ins = [values[v] for v in seg_in]
         if k == len(segments) - 1:
             return run(*ins)
-        outs = checkpoint(run, *ins, use_reentrant=False)
+        extra = {"context_fn": context_fn} if context_fn else {}
+        outs = checkpoint(run, *ins, use_reentrant=False, **extra)
         values.update(zip(seg_out, outs))
         for v in seg_in:  # drop what no later segment reads
             if last_use.get(v, -1) < b:
                 values.pop(v, None)
 
 
-def step(model, stages, n_inputs, segments, batch_values, opt):
-    loss = forward(stages, n_inputs, segments, batch_values)
+def step(model, stages, n_inputs, segments, batch_values, opt, context_fn=None):
+    loss = forward(stages, n_inputs, segments, batch_values, context_fn)
     loss.backward()
     with torch.profiler.record_function("optimizer"):
         opt.step()
@@ -310,7 +344,7 @@ def measured_peaks(prof):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--policy", default="off", help="recorded only: --segments says what runs")
+    ap.add_argument("--policy", default="off", help="recorded, and its +keep= applied: --segments says where the checkpoints are")
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--input-size", type=int, required=True, help="sequence length, image or volume side")
     ap.add_argument("--segments", required=True, help="stage ranges start:end, comma-separated, e.g. 0:5,5:19")
@@ -335,6 +369,7 @@ def run(a):
     torch.set_num_threads(a.threads)
     model, stages, n_inputs, make_inputs, opt = build(a.model, a.batch, a.input_size)
     segments = [tuple(int(x) for x in r.split(":")) for r in a.segments.split(",")]
+    context_fn = kept(a.policy)
     if segments[0][0] != 0 or segments[-1][1] != len(stages) or any(p[1] != q[0] for p, q in zip(segments, segments[1:])):
         sys.exit(f"torch_baseline: --segments {a.segments} does not cover the {len(stages)} stages of {a.model} in order")
     model.train()
@@ -343,7 +378,7 @@ def run(a):
     for i in range(a.steps + 1):
         batch_values = make_inputs(gen)
         t0 = time.perf_counter()
-        loss = step(model, stages, n_inputs, segments, batch_values, opt)
+        loss = step(model, stages, n_inputs, segments, batch_values, opt, context_fn)
         if i > 0:  # the first step is a warm-up, and creates the optimizer state
             times.append((time.perf_counter() - t0) * 1e3)
     model_state = state_bytes(model, opt)
@@ -351,7 +386,7 @@ def run(a):
     if not a.time_only:
         batch_values = make_inputs(gen)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            step(model, stages, n_inputs, segments, batch_values, opt)
+            step(model, stages, n_inputs, segments, batch_values, opt, context_fn)
         peak, fwd_bwd = measured_peaks(prof)
     # Counted once per model, in the run without checkpoints (`off`): the count is the same for
     # every policy, and that run's memory is known to fit.

@@ -122,7 +122,8 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
         .collect();
     if configs.is_empty() {
         bail!(
-            "--models {:?} with --policies {:?} selects no configuration of profile `{profile}` (before-downsample applies to ResNet and U-Net only)",
+            "--models {:?} with --policies {:?} selects no configuration of profile `{profile}` (before-downsample applies to ResNet and U-Net only; \
+             +keep= to models that run the ops it names: matmul and attention in GPT-2 and BERT, conv in ResNet and U-Net)",
             args.models,
             args.policies
         );

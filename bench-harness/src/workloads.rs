@@ -5,6 +5,7 @@ use bert::Bert;
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
 use layers::{Benchable, OptimizerKind, ParamStore, Precision, TrainOptimizer};
+use remat::keep::OpSet;
 use remat::{Policy, StageGraph};
 use resnet::ResNet;
 use std::sync::Arc;
@@ -52,6 +53,7 @@ pub struct Workload {
 trait Family: std::fmt::Debug {
     fn describe_input(&self, size: usize) -> String;
     fn downsamples(&self) -> bool;
+    fn keepable(&self) -> OpSet;
     fn optimizer(&self) -> OptimizerKind;
     fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>>;
     fn build(&self, batch: usize, size: usize, dtype: Precision, optimizer: OptimizerKind, device: &Device, seed: u64) -> Result<Box<dyn Instance>>;
@@ -71,6 +73,9 @@ impl<M: Benchable> Family for Config<M> {
     }
     fn downsamples(&self) -> bool {
         M::DOWNSAMPLES
+    }
+    fn keepable(&self) -> OpSet {
+        M::KEEPABLE.iter().copied().collect()
     }
     fn optimizer(&self) -> OptimizerKind {
         M::OPTIMIZER
@@ -281,9 +286,14 @@ impl Workload {
         self.optimizer.unwrap_or_else(|| self.family.optimizer())
     }
 
-    /// Whether `policy` applies to this model (`before-downsample` needs downsampling stages).
+    /// Whether `policy` applies to this model (`before-downsample` needs downsampling stages,
+    /// `+keep=` ops of the kinds it names).
     pub fn applies(&self, policy: &Policy) -> bool {
-        *policy != Policy::BeforeDownsample || self.family.downsamples()
+        match policy {
+            Policy::BeforeDownsample => self.family.downsamples(),
+            Policy::Keep(cut, keep) => self.applies(cut) && keep.kinds().all(|k| self.family.keepable().contains(k)),
+            _ => true,
+        }
     }
 
     /// The policies the matrix runs on this model by default.

@@ -3,6 +3,7 @@
 //! same fused kernel.
 
 use candle_core::{Result, Tensor};
+use remat::keep::OpKind;
 
 /// Geometry of a 3D convolution: stride and padding in depth, and in-plane (height and width share
 /// them, as candle's `conv2d` takes one stride and one padding).
@@ -25,13 +26,13 @@ impl Conv3dGeometry {
 /// vol2col kernel (`crate::fused`); elsewhere the sum over kernel depth of 2D convolutions, with
 /// the output depth folded into the batch, as one op on the generic route (it keeps x and w).
 pub fn conv3d(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
-    if crate::fused::generic(x) {
-        return crate::fused::conv3d_generic(x, w, g);
+    if !crate::fused::lean(x) {
+        return conv3d_composed(x, w, g);
     }
-    if crate::fused::fused(x) {
-        return crate::fused::conv3d(x, w, g);
-    }
-    conv3d_composed(x, w, g)
+    remat::keep::op(OpKind::Conv, |kept| match crate::fused::generic(x) {
+        true => crate::fused::conv3d_generic(x, w, g, kept),
+        false => crate::fused::conv3d(x, w, g, kept),
+    })
 }
 
 /// [`conv3d`] of the channel concatenation of a (N, Ca, D, H, W) and b (N, Cb, D, H, W), the
@@ -39,13 +40,13 @@ pub fn conv3d(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
 /// `conv3d(cat([a, b], 1), w)` but never making the concatenation: on the CPU kernels and the
 /// generic route it keeps a, b and w only (composed, the concatenation too: the size of both).
 pub fn conv3d_concat(a: &Tensor, b: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
-    if crate::fused::generic(a) {
-        return crate::fused::conv3d_concat_generic(a, b, w, g);
+    if !crate::fused::lean(a) {
+        return conv3d_composed(&Tensor::cat(&[a, b], 1)?, w, g);
     }
-    if crate::fused::fused(a) {
-        return crate::fused::conv3d_concat(a, b, w, g);
-    }
-    conv3d_composed(&Tensor::cat(&[a, b], 1)?, w, g)
+    remat::keep::op(OpKind::Conv, |kept| match crate::fused::generic(a) {
+        true => crate::fused::conv3d_concat_generic(a, b, w, g, kept),
+        false => crate::fused::conv3d_concat(a, b, w, g, kept),
+    })
 }
 
 /// 2D convolution of x (N, C, H, W) with w (O, C, kh, kw), one stride and padding for both sides:
@@ -205,13 +206,13 @@ pub(crate) fn conv3d_composed_backward(
 /// x (N, C, D, H, W), w (C, O, 2, 2, 2) as PyTorch stores it, b (O). Fused on the CPU in f32/f64;
 /// elsewhere one matmul and a reshape, as each input voxel writes its own 2x2x2 output block.
 pub fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if crate::fused::generic(x) {
-        return crate::fused::conv_transpose3d_k2s2_generic(x, w, b);
+    if !crate::fused::lean(x) {
+        return conv_transpose3d_k2s2_composed(x, w, b);
     }
-    if crate::fused::fused(x) {
-        return crate::fused::conv_transpose3d_k2s2(x, w, b);
-    }
-    conv_transpose3d_k2s2_composed(x, w, b)
+    remat::keep::op(OpKind::Conv, |kept| match crate::fused::generic(x) {
+        true => crate::fused::conv_transpose3d_k2s2_generic(x, w, b, kept),
+        false => crate::fused::conv_transpose3d_k2s2(x, w, b, kept),
+    })
 }
 
 pub(crate) fn conv_transpose3d_k2s2_composed(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -342,7 +343,7 @@ mod tests {
             let composed = run(&conv3d_composed)?;
             // Blocks of both samples side by side, of one output row, of one whole sample.
             for entries in [1 << 21, 1, 81 * 5 * 36] {
-                let fused = run(&|x, w, g| crate::fused::conv3d_blocked(x, w, g, entries))?;
+                let fused = run(&|x, w, g| crate::fused::conv3d_blocked(x, w, g, entries, None))?;
                 for (fused, composed) in fused.iter().zip(&composed) {
                     close(fused, composed, 1e-5);
                 }

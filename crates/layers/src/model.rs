@@ -76,6 +76,8 @@ pub trait Benchable: Model + Sized + 'static {
     const DOWNSAMPLES: bool;
     /// The optimizer its benchmarks train with (at [`OptimizerKind::bench_lr`]).
     const OPTIMIZER: OptimizerKind = OptimizerKind::Adamw;
+    /// The kinds of op it runs whose outputs a policy may keep (`+keep=`).
+    const KEEPABLE: &'static [remat::keep::OpKind];
 
     /// The input size in words: `seq 256`, `128x128`, `32^3`.
     fn describe_input(size: usize) -> String;

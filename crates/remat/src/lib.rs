@@ -5,13 +5,16 @@
 //! segments; the [`Executor`] runs forward keeping only the values that cross a segment boundary,
 //! and runs backward segment by segment, recomputing each from its stored inputs. Gradients are
 //! bit-identical to plain candle (`off`), including dropout, because random draws come from
-//! counter-based keys ([`rng`]) that are replayed on recompute.
+//! counter-based keys ([`rng`]) that are replayed on recompute. A policy may also keep the
+//! outputs of named ops inside recomputed segments ([`keep`]: selective recompute), so that a
+//! recompute runs only the cheap ops between them.
 //!
 //! This crate holds the engine only: no model code, no layers (see the `layers` crate), no
 //! optimizer. It also owns the memory meter ([`memory`]) that measures what checkpointing buys.
 
 pub mod exec;
 pub mod graph;
+pub mod keep;
 pub mod memory;
 pub mod plan;
 pub mod policy;

@@ -10,6 +10,7 @@
 //! once the model's stages have been profiled ([`crate::plan::resolve`]).
 
 use crate::graph::{stages_of_kind, StageGraph};
+use crate::keep::OpSet;
 use crate::stage::StageKind;
 use std::fmt;
 use std::ops::Range;
@@ -31,6 +32,10 @@ pub enum Policy {
     /// `plan=I,J,...`: a boundary before each listed stage, counted among all stages (what the
     /// planner chooses; any stage may start a segment).
     BeforeStages(Vec<usize>),
+    /// `POLICY+keep=OPS`: `POLICY`'s segments, whose recomputes replay the outputs of the ops
+    /// named (`matmul`, `conv`, `attention`, joined by `+`) kept from the forward instead of
+    /// computing them again (selective recompute, [`crate::keep`]).
+    Keep(Box<Policy>, OpSet),
 }
 
 /// What `--policy` asks for: a policy, or the planner's choice for a memory budget.
@@ -58,7 +63,8 @@ pub enum PolicyError {
 }
 
 const VALID: &str = "off, sqrt, every-two-blocks, every-n=K (K >= 1), before-downsample, explicit=I,J,... (block indices), \
-                     plan=I,J,... (stage indices), budget=SIZE (e.g. 2GiB), auto";
+                     plan=I,J,... (stage indices), budget=SIZE (e.g. 2GiB), auto; and POLICY+keep=OPS (OPS from matmul, conv, \
+                     attention, joined by +: selective recompute)";
 
 impl FromStr for PolicyRequest {
     type Err = PolicyError;
@@ -69,6 +75,14 @@ impl FromStr for PolicyRequest {
             v.split(',').map(|i| i.trim().parse::<usize>().map_err(|_| invalid("expected comma-separated block indices"))).collect()
         };
         let fixed = |p| Ok(PolicyRequest::Fixed(p));
+        if let Some((cut, ops)) = s.trim().split_once("+keep=") {
+            let keep: OpSet = ops.parse().map_err(|e: String| invalid(&e))?;
+            return match cut.parse::<PolicyRequest>()? {
+                PolicyRequest::Fixed(Policy::Off) => Err(invalid("`off` recomputes nothing, so it has nothing to keep")),
+                PolicyRequest::Fixed(p) => fixed(Policy::Keep(Box::new(p), keep)),
+                _ => Err(invalid("keep= goes with a policy that cuts, not with a request to the planner")),
+            };
+        }
         match s.trim() {
             "off" => fixed(Policy::Off),
             "sqrt" => fixed(Policy::Sqrt),
@@ -112,6 +126,7 @@ impl fmt::Display for Policy {
             Policy::BeforeDownsample => write!(f, "before-downsample"),
             Policy::BeforeBlocks(v) => write!(f, "explicit={}", joined(v)),
             Policy::BeforeStages(v) => write!(f, "plan={}", joined(v)),
+            Policy::Keep(cut, keep) => write!(f, "{cut}+keep={keep}"),
         }
     }
 }
@@ -147,6 +162,14 @@ fn joined(v: &[usize]) -> String {
 }
 
 impl Policy {
+    /// The ops whose outputs the recomputes replay (empty but for `+keep=`).
+    pub fn keeps(&self) -> OpSet {
+        match self {
+            Policy::Keep(_, keep) => *keep,
+            _ => OpSet::default(),
+        }
+    }
+
     /// Cuts the graph's stages into contiguous segments.
     pub fn segments(&self, graph: &StageGraph) -> Result<Vec<Range<usize>>, PolicyError> {
         self.segments_of(&graph.kinds())
@@ -177,6 +200,7 @@ impl Policy {
                 Some(s) => return Err(not_applicable(format!("stage {s} does not exist (the model has {n} stages)"))),
                 None => starts.clone(),
             },
+            Policy::Keep(cut, _) => return cut.segments_of(kinds),
         };
         let mut cuts: Vec<usize> = std::iter::once(0).chain(starts).chain(std::iter::once(n)).collect();
         cuts.sort_unstable();
@@ -224,9 +248,21 @@ mod tests {
 
     #[test]
     fn parse_and_display_round_trip() {
-        for s in
-            ["off", "sqrt", "every-two-blocks", "every-n=3", "before-downsample", "explicit=1,4", "plan=0,3,7", "plan=", "budget=2GiB", "budget=300MiB", "auto"]
-        {
+        for s in [
+            "off",
+            "sqrt",
+            "every-two-blocks",
+            "every-n=3",
+            "before-downsample",
+            "explicit=1,4",
+            "plan=0,3,7",
+            "plan=",
+            "budget=2GiB",
+            "budget=300MiB",
+            "auto",
+            "sqrt+keep=matmul+attention",
+            "plan=2+keep=conv",
+        ] {
             assert_eq!(s.parse::<PolicyRequest>().unwrap().to_string(), s);
         }
         assert_eq!("budget=1.5GiB".parse::<PolicyRequest>().unwrap(), PolicyRequest::Budget(1536 << 20));
@@ -236,7 +272,7 @@ mod tests {
 
     #[test]
     fn bad_names_list_the_valid_ones() {
-        for bad in ["sqrtt", "every-n=0", "every-n=x", "explicit=a", "", "budget=lots", "budget=-1GiB"] {
+        for bad in ["sqrtt", "every-n=0", "every-n=x", "explicit=a", "", "budget=lots", "budget=-1GiB", "sqrt+keep=gemm", "off+keep=matmul", "auto+keep=conv"] {
             let e = bad.parse::<PolicyRequest>().unwrap_err().to_string();
             assert!(e.contains("every-two-blocks") && e.contains("before-downsample"), "{e}");
         }
@@ -253,6 +289,7 @@ mod tests {
         assert_eq!(seg("before-downsample"), vec![0..1, 1..5, 5..8, 8..12]);
         assert_eq!(seg("explicit=0,5"), vec![0..2, 2..7, 7..12]);
         assert_eq!(seg("plan=1,6"), vec![0..1, 1..6, 6..12]);
+        assert_eq!(seg("sqrt+keep=matmul"), seg("sqrt"), "keep= leaves the cuts as they are");
         assert!(seg_err(&g, "plan=12").contains("stage 12 does not exist"));
         assert!(seg_err(&g, "explicit=9").contains("block 9 does not exist"));
     }

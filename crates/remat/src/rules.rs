@@ -40,6 +40,10 @@
 //! - Rule 9: the timeline records one event as each stage's forward, recompute or backward ends
 //!   (after Rule 6's drop): the heap, and the bytes of the parameter gradients held. The
 //!   planner's [`crate::plan::Point`]s predict them.
+//! - Rule 10: under `+keep=` (selective recompute, [`crate::keep`]), every segment but the last
+//!   keeps the outputs of the named ops from its forward (while the forward runs, their op graph
+//!   holds them anyway), held until its recompute replays each in its op's place: the copy joins
+//!   the stage's graph as the kept output goes. A replayed op is not computed again.
 
 use crate::graph::ValueId;
 

@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use remat::{Executor, Policy, Stage, StageCtx, StageGraph, StageKind};
 
 mod common;
-use common::{Dense, SquaredSum};
+use common::{Dense, SquaredSum, PRODUCTS};
 
 fn weight(seed: u64, n: usize) -> Var {
     let v = remat::rng::RngKey::named(seed, "w").normal(n * n, 0.0, 0.5);
@@ -117,8 +117,30 @@ fn a_parameter_shared_by_two_recomputed_segments() {
 fn dag_gradients_equal_off_bit_for_bit() {
     let off = grads("off");
     assert!(off.iter().all(|g| g.iter().any(|&b| f32::from_bits(b) != 0.0)));
-    for policy in ["sqrt", "every-n=1", "every-two-blocks", "before-downsample", "explicit=1,3"] {
+    for policy in ["sqrt", "every-n=1", "every-two-blocks", "before-downsample", "explicit=1,3", "sqrt+keep=matmul", "every-n=1+keep=matmul"] {
         assert_eq!(grads(policy), off, "{policy}");
+    }
+}
+
+/// Selective recompute: a recompute under `+keep=matmul` computes no product again (it replays
+/// the forward's), where the same cut without it computes one per recomputed stage.
+#[test]
+fn kept_products_are_replayed_not_computed() {
+    let products = |policy: &str| {
+        let ws: Vec<Var> = (0..4).map(|i| weight(i, 16)).collect();
+        let g = graph(&ws);
+        let exec = Executor::new(&g, &policy.parse::<Policy>().unwrap(), ws.clone(), 5).unwrap();
+        let last = exec.segments().last().unwrap().start;
+        let before = PRODUCTS.with(|n| n.get());
+        exec.step(&[input()], 0).unwrap();
+        (PRODUCTS.with(|n| n.get()) - before, last)
+    };
+    let (off, _) = products("off");
+    assert_eq!(off, 5, "one product per dense stage");
+    for policy in ["every-n=1", "before-downsample"] {
+        let (full, recomputed) = products(policy);
+        assert_eq!(full, off + recomputed, "{policy}: one product again per recomputed stage");
+        assert_eq!(products(&format!("{policy}+keep=matmul")).0, off, "{policy}+keep=matmul computed a kept product again");
     }
 }
 

@@ -32,6 +32,7 @@ fn stage(rng: &mut Lcg, name: String, kind: StageKind, inputs: Vec<usize>, outpu
         param_grad_bytes: kib(rng, 50),
         forward_ms: 1.0 + rng.next(20) as f64,
         backward_ms: 2.0 + rng.next(40) as f64,
+        keepable: Vec::new(),
     }
 }
 
@@ -91,7 +92,7 @@ fn all_plans(p: &Profile) -> Vec<(Vec<usize>, f64, u64)> {
     (0..1u64 << cand.len())
         .map(|mask| {
             let starts: Vec<usize> = std::iter::once(0).chain(cand.iter().enumerate().filter(|(k, _)| mask >> k & 1 == 1).map(|(_, &s)| s)).collect();
-            let e = p.predict(&segments(&starts, p.stages.len()), 0);
+            let e = p.predict(&segments(&starts, p.stages.len()), remat::keep::OpSet::default(), 0);
             (starts, e.recompute_ms, e.peak)
         })
         .collect()

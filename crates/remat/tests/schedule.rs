@@ -14,6 +14,7 @@
 //! run concurrently.
 
 use candle_core::{Device, Tensor, Var};
+use remat::keep::OpSet;
 use remat::memory::{heap_current, tensor_overhead, CountingAlloc, Event};
 use remat::plan::{Point, Profile};
 use remat::{Executor, Policy, StageGraph, StageKind};
@@ -71,30 +72,35 @@ fn the_planner_replays_the_executors_bookkeeping_event_by_event() {
     let profile = Profile::at_batch(&g, |_| Ok::<_, String>(inputs.to_vec()), &ws, BATCH, SEED).unwrap();
     let (activations, _loss) = profile.values.split_at(profile.values.len() - 1);
     assert!(activations.iter().all(|v| v.bytes == VALUE_BYTES));
+    let dense = &profile.stages[..7];
+    assert!(dense.iter().all(|s| s.keepable.len() == 1 && s.keepable[0].bytes == VALUE_BYTES), "each dense stage has one keepable product");
     assert_eq!(profile.shared_grads.iter().map(|s| (s.first, s.last)).collect::<Vec<_>>(), [(0, 6)], "the weight e1 and d1 share");
-    for policy in ["off", "sqrt", "every-n=2", "explicit=1,5", "before-downsample", "plan=1", "plan=2,5"] {
-        let exec = Executor::new(&g, &policy.parse::<Policy>().unwrap(), ws.clone(), SEED).unwrap();
-        let segments = exec.segments();
-        assert_eq!(exec.stored_values(), remat::plan::stored_values(&profile, &segments), "{policy}: stored values (Rule 1)");
+    for policy in ["off", "sqrt", "every-n=2", "explicit=1,5", "before-downsample", "plan=1", "plan=2,5", "sqrt+keep=matmul", "plan=2,5+keep=matmul"] {
+        let policy = policy.parse::<Policy>().unwrap();
+        let exec = Executor::new(&g, &policy, ws.clone(), SEED).unwrap();
+        let cut = (exec.segments(), policy.keeps());
+        let (segments, policy) = (&cut.0, policy.to_string());
+        assert_eq!(exec.stored_values(), remat::plan::stored_values(&profile, segments), "{policy}: stored values (Rule 1)");
 
         exec.step(&inputs, 0).unwrap(); // thread pools and kernel workspaces are not the step's
         let base = heap_current();
         let events = exec.step(&inputs, 1).unwrap().timeline.events;
-        replays(policy, &profile, &segments, 0, &events, base);
+        replays(&policy, &profile, &cut, 0, &events, base);
 
         // Accumulating: the second micro-batch, on the first's gradients (Rule 8's partial sums).
         let base = heap_current();
         let first = exec.step(&inputs, 2).unwrap().grads;
         let events = exec.accumulate(&inputs, 3, first).unwrap().timeline.events;
-        replays(&format!("{policy}, accumulating"), &profile, &segments, profile.param_grad_bytes(), &events, base);
+        replays(&format!("{policy}, accumulating"), &profile, &cut, profile.param_grad_bytes(), &events, base);
     }
 }
 
-/// The executor's `events` of a step cut into `segments` against the planner's replay, with
-/// `held_grads` held from earlier micro-batches; `base`: the heap before those.
-fn replays(at: &str, profile: &Profile, segments: &[std::ops::Range<usize>], held_grads: u64, events: &[Event], base: u64) {
-    let predicted = profile.timeline(segments, held_grads);
-    let estimate = profile.predict(segments, held_grads);
+/// The executor's `events` of a step cut into segments, keeping the ops of a set (`cut`), against
+/// the planner's replay, with `held_grads` held from earlier micro-batches; `base`: the heap
+/// before those.
+fn replays(at: &str, profile: &Profile, (segments, keep): &(Vec<std::ops::Range<usize>>, OpSet), held_grads: u64, events: &[Event], base: u64) {
+    let predicted = profile.timeline(segments, *keep, held_grads);
+    let estimate = profile.predict(segments, *keep, held_grads);
     assert_eq!(predicted.iter().map(|p| p.peak.total()).max(), Some(estimate.peak), "{at}: the estimate is the timeline's highest point");
     let order = |e: &[(remat::memory::Phase, usize)]| e.iter().map(|(p, s)| format!("{p:?} {s}")).collect::<Vec<_>>();
     let (ran, replayed): (Vec<_>, Vec<_>) = (events.iter().map(|e| (e.phase, e.stage)).collect(), predicted.iter().map(|p| (p.phase, p.stage)).collect());

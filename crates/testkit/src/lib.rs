@@ -91,6 +91,20 @@ pub fn assert_deep_model_memory(peaks: impl Fn(&str) -> Peaks, off_forward_end: 
     assert_near_figure("sqrt activation peak", sqrt.activation, sqrt_activation);
 }
 
+/// Selective recompute holds what it keeps and no more: the activation peak of `policy` with
+/// `+keep=` `keep` lies above `policy`'s by at least half of `kept` (the bytes of the outputs its
+/// recomputed segments keep, from the shapes; the two peaks may fall at different points) and by
+/// at most `kept` plus 5 % (a replayed output takes the place of a recomputed one), and below
+/// `off`'s. Without the keeping (`keep` ignored), the first bound fails. Needs the counting allocator.
+pub fn assert_keeping_holds_the_kept_outputs(peaks: impl Fn(&str) -> Peaks, policy: &str, keep: &str, kept: u64) {
+    let keeping = format!("{policy}+keep={keep}");
+    let (cut, with_kept, off) = (peaks(policy).activation, peaks(&keeping).activation, peaks("off").activation);
+    eprintln!("activation peaks: {policy} {cut} B, {keeping} {with_kept} B, off {off} B; kept from the shapes {kept} B");
+    assert!(with_kept >= cut + kept / 2, "{keeping}: activation peak {with_kept} B, not half the {kept} B kept above {policy}'s {cut} B");
+    assert!(with_kept <= cut + kept + kept / 20, "{keeping}: activation peak {with_kept} B holds more than the {kept} B kept above {policy}'s {cut} B");
+    assert!(with_kept < off, "{keeping}: activation peak {with_kept} B is not below off's {off} B");
+}
+
 /// The planner's profile with alike stages measured once ([`remat::plan::Profile::measure`])
 /// against every stage measured ([`remat::plan::Profile::measure_each`]), for a model of `config`
 /// at `batch` and input `size`: at least `min_alike` stages are alike to an earlier one (a model
@@ -178,7 +192,8 @@ pub fn assert_lora_trains_adapters_only<M: layers::Benchable>(config: &M::Config
     let plain = lora.graph().plain_loss(&inputs(0), 7, 0).unwrap().backward().unwrap();
     assert_eq!(plain.get_ids().count(), adapters.len(), "plain candle stored gradients beyond the adapters'");
     let reference = lora.params().grad_bits(&plain).unwrap();
-    let mut policies = vec!["off", "sqrt", "every-two-blocks"];
+    // `+keep=matmul`: an adapted layer's output replayed in the recompute, with the adapter's backward.
+    let mut policies = vec!["off", "sqrt", "every-two-blocks", "sqrt+keep=matmul"];
     if M::DOWNSAMPLES {
         policies.push("before-downsample");
     }

@@ -409,6 +409,7 @@ impl layers::Benchable for Bert {
     type Config = Config;
     type Data = MlmData;
     const DOWNSAMPLES: bool = false;
+    const KEEPABLE: &'static [remat::keep::OpKind] = &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
 
     fn describe_input(seq: usize) -> String {
         format!("seq {seq}")

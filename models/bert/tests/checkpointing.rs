@@ -80,7 +80,7 @@ fn half_precision_gradients_equal_off_bit_for_bit() {
 
 fn assert_policies_match_off(padded: bool, dtype: Precision) {
     let off = train_on("off", true, padded, dtype);
-    for policy in ["sqrt", "every-two-blocks", "every-n=1"] {
+    for policy in ["sqrt", "every-two-blocks", "every-n=1", "sqrt+keep=matmul+attention", "every-n=1+keep=matmul"] {
         let run = train_on(policy, true, padded, dtype);
         for (step, (a, b)) in off.iter().zip(&run).enumerate() {
             assert_eq!(a.0, b.0, "{policy} (padded: {padded}, {dtype}): loss differs at step {step}");

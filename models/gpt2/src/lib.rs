@@ -372,6 +372,7 @@ impl layers::Benchable for Gpt2 {
     type Config = Config;
     type Data = (datasets::tokens::Batcher, usize);
     const DOWNSAMPLES: bool = false;
+    const KEEPABLE: &'static [remat::keep::OpKind] = &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
 
     fn describe_input(seq: usize) -> String {
         format!("seq {seq}")

@@ -60,7 +60,7 @@ fn gradients_equal_off_bit_for_bit_in_half_precision() {
         for (name, g) in &off[0].1 {
             assert!(g.iter().any(|&x| f32::from_bits(x) != 0.0), "{dtype}: `{name}` got a zero gradient");
         }
-        for policy in ["sqrt", "every-two-blocks"] {
+        for policy in ["sqrt", "every-two-blocks", "sqrt+keep=matmul+attention"] {
             assert!(train_in(policy, true, dtype) == off, "{dtype} {policy}: losses or gradients differ from off");
         }
     }
@@ -69,7 +69,7 @@ fn gradients_equal_off_bit_for_bit_in_half_precision() {
 #[test]
 fn gradients_equal_off_bit_for_bit() {
     let off = train("off", true);
-    for policy in ["sqrt", "every-two-blocks", "every-n=1", "explicit=3"] {
+    for policy in ["sqrt", "every-two-blocks", "every-n=1", "explicit=3", "sqrt+keep=matmul+attention", "every-n=1+keep=matmul"] {
         let run = train(policy, true);
         for (step, (a, b)) in off.iter().zip(&run).enumerate() {
             assert_eq!(a.0, b.0, "{policy}: loss differs from off at step {step}");
@@ -93,7 +93,7 @@ fn without_rng_replay_the_gradients_differ() {
 #[test]
 fn every_parameter_receives_a_nonzero_gradient() {
     let n = n_params();
-    for policy in ["off", "sqrt", "every-two-blocks"] {
+    for policy in ["off", "sqrt", "every-two-blocks", "sqrt+keep=matmul"] {
         for (step, (_, grads)) in train(policy, true).iter().enumerate() {
             assert_eq!(grads.len(), n, "{policy}: some parameters got no gradient at step {step}");
             for (name, g) in grads {

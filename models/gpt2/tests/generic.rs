@@ -40,7 +40,8 @@ fn step(path: Path, policy: &str) -> (BTreeMap<String, Vec<u32>>, testkit::Peaks
 fn the_generic_route_trains_gpt2_bit_exactly_within_a_tenth_of_the_kernels_memory() {
     let (kernel_off, kernel_peaks) = step(Path::Kernel, "off");
     let (generic_off, generic_peaks) = step(Path::Generic, "off");
-    for policy in ["sqrt", "every-two-blocks"] {
+    // `+keep=`: the generic route's ops replayed from the forward's outputs.
+    for policy in ["sqrt", "every-two-blocks", "sqrt+keep=matmul+attention"] {
         let (grads, _) = step(Path::Generic, policy);
         assert!(grads == generic_off, "generic route: {policy}'s gradients differ from off's");
     }

@@ -34,6 +34,11 @@ fn peaks(policy: &str) -> Peaks {
 #[test]
 fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
     testkit::assert_deep_model_memory(peaks, off_forward_end(), OFF_ACTIVATION, SQRT_ACTIVATION);
+    // Selective recompute keeps, in each block of a recomputed segment (20 of the 24 under
+    // `sqrt`), the outputs of its four projections and of attention: c_attn 3 BTC, attention 1,
+    // its projection 1, c_fc 4, the MLP's projection 1.
+    let btc = (BATCH * SEQ * 64 * 4) as u64;
+    testkit::assert_keeping_holds_the_kept_outputs(peaks, "sqrt", "matmul+attention", 20 * 10 * btc);
 }
 
 /// The end of `off`'s forward from the shapes (derived below): 27 BTC per block, 3 for the

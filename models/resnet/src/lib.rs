@@ -368,6 +368,7 @@ impl layers::Benchable for ResNet {
     type Config = Config;
     type Data = (datasets::images::SyntheticImages, usize);
     const DOWNSAMPLES: bool = true;
+    const KEEPABLE: &'static [remat::keep::OpKind] = &[remat::keep::OpKind::Conv, remat::keep::OpKind::Matmul];
     const OPTIMIZER: layers::OptimizerKind = layers::OptimizerKind::Sgd;
 
     fn describe_input(size: usize) -> String {

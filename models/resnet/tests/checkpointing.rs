@@ -45,7 +45,7 @@ fn train_in(policy: &str, guard: bool, dtype: layers::Precision) -> (Vec<(u32, B
     (steps, model.params().buffer_bits().unwrap())
 }
 
-const POLICIES: [&str; 3] = ["sqrt", "every-two-blocks", "before-downsample"];
+const POLICIES: [&str; 4] = ["sqrt", "every-two-blocks", "before-downsample", "sqrt+keep=conv"];
 
 /// In bf16 and f16 too (parameters, gradients and running statistics f32, activations half), and
 /// in bf16-weights (parameters and gradients bf16, running statistics f32),

@@ -341,6 +341,7 @@ impl layers::Benchable for UNet3d {
     type Config = Config;
     type Data = (datasets::volumes::SyntheticVolumes, usize);
     const DOWNSAMPLES: bool = true;
+    const KEEPABLE: &'static [remat::keep::OpKind] = &[remat::keep::OpKind::Conv];
 
     fn describe_input(side: usize) -> String {
         format!("{side}^3")

@@ -49,7 +49,7 @@ fn gradients_and_batchnorm_statistics_equal_off_bit_for_bit() {
     for config in [tiny(), Config { loss: Loss::CrossEntropyDice, ..tiny() }].into_iter().chain(half) {
         let (off, off_stats) = train(&config, "off");
         assert!(!off_stats.is_empty());
-        for policy in ["sqrt", "every-two-blocks", "before-downsample", "every-n=1"] {
+        for policy in ["sqrt", "every-two-blocks", "before-downsample", "every-n=1", "before-downsample+keep=conv"] {
             let (run, stats) = train(&config, policy);
             for (step, (a, b)) in off.iter().zip(&run).enumerate() {
                 assert_eq!(a.0, b.0, "{policy}: loss differs at step {step}");

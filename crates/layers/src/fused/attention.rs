@@ -2,10 +2,11 @@
 //! (scores and probabilities are rebuilt in backward).
 
 use super::dropout::DropoutOp;
-use super::generic::{generic, GenericOp};
+use super::generic::{generic, GenericOp, Replay};
 use super::softmax::SoftmaxOp;
-use super::{exactly, fused, is_half, slice, softmax_last_dim, widened, widened_as, Elem, FusedOp, Operand};
+use super::{apply3, exactly, is_half, kept_or, lean, slice, softmax_last_dim, widened, widened_as, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor};
+use remat::keep::OpKind;
 use remat::rng::RngKey;
 
 /// Scaled dot-product attention of q, k, v (B, heads, T, d): `dropout(softmax(scale q k^T)) v`,
@@ -22,10 +23,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, p
             candle_core::bail!("attention: the padding mask must be (batch {b}, keys {s}), got {:?}", m.dims())
         }
     }
-    if generic(q) {
-        return attention_generic(q, k, v, scale, causal, padding, dropout);
-    }
-    if !fused(q) {
+    if !lean(q) {
         let scores = q.matmul(&k.t()?)?;
         let scores = match padding {
             Some(m) => {
@@ -42,13 +40,21 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, p
         };
         return p.matmul(v);
     }
-    let padding = match padding {
-        Some(m) => Some((std::sync::Arc::new(m.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(|v| v != 0.0).collect()), heads * t)),
-        None => None,
-    };
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.to_dtype(q.dtype())?.contiguous()?);
-    q.apply_op3(&k, &v, AttentionOp { scale, causal, padding, dropout })
+    remat::keep::op(OpKind::Attention, |kept| {
+        if generic(q) {
+            return attention_generic(q, k, v, (scale, causal, padding, dropout), kept);
+        }
+        let padding = match padding {
+            Some(m) => Some((std::sync::Arc::new(m.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(|v| v != 0.0).collect()), heads * t)),
+            None => None,
+        };
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.to_dtype(q.dtype())?.contiguous()?);
+        apply3(&q, &k, &v, AttentionOp { scale, causal, padding, dropout }, kept)
+    })
 }
+
+/// What [`attention`] does besides its operands: scale, causal mask, key padding, dropout.
+type Attending<'a> = (f64, bool, Option<&'a Tensor>, Option<(RngKey, f32)>);
 
 /// The probabilities `softmax(scale q k^T)` of detached q and k (padded keys and, with `causal`,
 /// future keys at 0) and the dropout mask (scaled by 1 / (1 - rate)) applied to them, from
@@ -78,16 +84,19 @@ fn probabilities(
 }
 
 /// The generic route ([`super::generic`]): attention composed on detached q, k, v; backward
-/// rebuilds the probabilities and the dropout mask, so the op keeps only q, k and v.
-fn attention_generic(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, padding: Option<&Tensor>, dropout: Option<(RngKey, f32)>) -> Result<Tensor> {
+/// rebuilds the probabilities and the dropout mask, so the op keeps only q, k and v. `kept`: its
+/// output, kept from the forward (`remat::keep`).
+fn attention_generic(q: &Tensor, k: &Tensor, v: &Tensor, (scale, causal, padding, dropout): Attending, kept: Option<Tensor>) -> Result<Tensor> {
     let padding = padding.map(|m| m.detach());
-    // In f32 for half precision, stored in q's dtype, as the kernel.
-    let (p, mask) = probabilities(&widened(&q.detach())?, &widened(&k.detach())?, scale, causal, padding.as_ref(), dropout)?;
-    let pd = match &mask {
-        Some(m) => (p * m)?,
-        None => p,
-    };
-    let y = pd.matmul(&widened_as(&v.detach(), q)?)?.to_dtype(q.dtype())?;
+    let y = kept_or(kept, || {
+        // In f32 for half precision, stored in q's dtype, as the kernel.
+        let (p, mask) = probabilities(&widened(&q.detach())?, &widened(&k.detach())?, scale, causal, padding.as_ref(), dropout)?;
+        let pd = match &mask {
+            Some(m) => (p * m)?,
+            None => p,
+        };
+        pd.matmul(&widened_as(&v.detach(), q)?)?.to_dtype(q.dtype())
+    })?;
     // dv = pd^T g; dp = (g v^T) mask; ds = p (dp - sum(dp p)); dq = scale ds k; dk = scale ds^T q.
     let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let (q, k, v) = (widened(&inputs[0])?, widened(&inputs[1])?, widened(&inputs[2])?);
@@ -193,3 +202,4 @@ impl FusedOp for AttentionOp {
 }
 
 custom_op!(AttentionOp: 3 "fused-attention");
+custom_op!(Replay<AttentionOp>: 3 "replayed-attention");

@@ -4,8 +4,10 @@
 //! Its input may come in two tensors whose channels side by side are the input (a U-Net decoder's
 //! skip and up-sampled tensors): the concatenation is never made, nor kept.
 
-use super::generic::GenericOp;
-use super::{exactly, mat, matmul, matmul_strided, operand, shaped, slice, uninit, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::generic::{GenericOp, Replay};
+use super::{
+    apply2, apply3, exactly, kept_or, mat, matmul, matmul_strided, operand, shaped, slice, uninit, widened, widened_as, with_slice, Elem, FusedOp, Operand,
+};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -15,8 +17,9 @@ use std::ops::Range;
 /// of its operand matrix (4 MiB in f32 at most, one workspace for all blocks). It keeps nothing but
 /// its input and output: the operand matrix is built again in backward (the composed version in
 /// `src/conv3d.rs` keeps 7 copies of its input).
-pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
-    conv3d_blocked(x, w, g, BLOCK_ENTRIES)
+/// `kept`: its output, kept from the forward (`remat::keep`).
+pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, kept: Option<Tensor>) -> Result<Tensor> {
+    conv3d_blocked(x, w, g, BLOCK_ENTRIES, kept)
 }
 
 /// Entries of an operand-matrix block at most (4 MiB in f32): the one workspace's size. Half of
@@ -27,28 +30,29 @@ const BLOCK_ENTRIES: usize = 1 << 20;
 
 /// [`conv3d`] building the column matrix in blocks of at most about `block_entries` entries (at
 /// least one output row; see `Conv3dShape::blocks`).
-pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, block_entries: usize) -> Result<Tensor> {
+pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, block_entries: usize, kept: Option<Tensor>) -> Result<Tensor> {
     let shape = Conv3dShape::new(x.dims5()?, w.dims5()?, g, block_entries)?;
-    x.contiguous()?.apply_op2(&operand(w, x)?, Conv3dOp { shape, split: None })
+    apply2(&x.contiguous()?, &operand(w, x)?, Conv3dOp { shape, split: None }, kept)
 }
 
 /// [`conv3d`] of the channel concatenation of a (N, Ca, D, H, W) and b (N, Cb, D, H, W) with w
 /// (O, Ca + Cb, kd, kh, kw), without making it: the patch matrix reads each channel from where it
 /// is, and the input gradient comes out as the two tensors' gradients. Keeps a, b and the output
 /// (the concatenation and its two inputs, composed).
-pub(crate) fn conv3d_concat(a: &Tensor, b: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
+pub(crate) fn conv3d_concat(a: &Tensor, b: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, kept: Option<Tensor>) -> Result<Tensor> {
     let (x, split) = concat_dims(a, b)?;
     let shape = Conv3dShape::new(x, w.dims5()?, g, BLOCK_ENTRIES)?;
-    a.contiguous()?.apply_op3(&b.contiguous()?, &operand(w, a)?, Conv3dOp { shape, split: Some(split) })
+    apply3(&a.contiguous()?, &b.contiguous()?, &operand(w, a)?, Conv3dOp { shape, split: Some(split) }, kept)
 }
 
 /// The generic route of [`conv3d_concat`]: as [`conv3d_generic`], the concatenation made inside
 /// the op (forward and backward) and dropped there. Keeps what the kernel keeps: a, b and w.
-pub(crate) fn conv3d_concat_generic(a: &Tensor, b: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
+pub(crate) fn conv3d_concat_generic(a: &Tensor, b: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, kept: Option<Tensor>) -> Result<Tensor> {
     let split = concat_dims(a, b)?.1;
-    let x = Tensor::cat(&[&widened(&a.detach())?, &widened(&b.detach())?], 1)?;
-    let y = crate::conv3d::conv3d_composed(&x, &widened_as(&w.detach(), a)?, g)?.to_dtype(a.dtype())?;
-    drop(x);
+    let y = kept_or(kept, || {
+        let x = Tensor::cat(&[&widened(&a.detach())?, &widened(&b.detach())?], 1)?;
+        crate::conv3d::conv3d_composed(&x, &widened_as(&w.detach(), a)?, g)?.to_dtype(a.dtype())
+    })?;
     let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let [a, b, w] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let x = Tensor::cat(&[&widened(a)?, &widened(b)?], 1)?;
@@ -102,8 +106,8 @@ impl<'a, T: Elem> Input<'a, T> {
 /// The generic route ([`super::generic`]): candle's 2D convolutions summed over kernel depth on
 /// detached operands, and their backward composed the same way (`crate::conv3d`'s composed forms),
 /// half precision computed in f32. Keeps what the kernel keeps: x and w.
-pub(crate) fn conv3d_generic(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry) -> Result<Tensor> {
-    let y = crate::conv3d::conv3d_composed(&widened(&x.detach())?, &widened_as(&w.detach(), x)?, g)?.to_dtype(x.dtype())?;
+pub(crate) fn conv3d_generic(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, kept: Option<Tensor>) -> Result<Tensor> {
+    let y = kept_or(kept, || crate::conv3d::conv3d_composed(&widened(&x.detach())?, &widened_as(&w.detach(), x)?, g)?.to_dtype(x.dtype()))?;
     let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let [x, w] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let (dx, dw) = crate::conv3d::conv3d_composed_backward(&widened(x)?, &widened_as(w, x)?, &widened_as(grad, x)?, g, (want[0], want[1]))?;
@@ -749,3 +753,4 @@ impl FusedOp for Conv3dOp {
 }
 
 custom_op!(Conv3dOp: 2 "fused-conv3d", 3 "fused-conv3d-concat");
+custom_op!(Replay<Conv3dOp>: 2 "replayed-conv3d", 3 "replayed-conv3d-concat");

@@ -1,8 +1,8 @@
 //! The U-Net up-convolution (transposed 3D convolution, kernel = stride = 2) with its bias, one
 //! matrix product per sample: keeps only its input.
 
-use super::generic::GenericOp;
-use super::{exactly, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::generic::{GenericOp, Replay};
+use super::{apply3, exactly, kept_or, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -10,23 +10,26 @@ use rayon::prelude::*;
 /// input voxel writes its own 2x2x2 output block, so it is one matrix product per sample and a
 /// scatter. One op: it keeps only x (the composed version keeps the product, its permuted copy
 /// and the sum before the bias). CPU f32/f64 only: check [`fused`](super::fused) first.
-pub(crate) fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+/// `kept`: its output, kept from the forward (`remat::keep`).
+pub(crate) fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor, kept: Option<Tensor>) -> Result<Tensor> {
     let (n, c, d, h, wd) = x.dims5()?;
     let (c_w, o, ..) = w.dims5()?;
     if c != c_w || w.dims()[2..] != [2, 2, 2] || b.dims() != [o] {
         candle_core::bail!("conv_transpose3d_k2s2: kernel {:?} and bias {:?} do not fit input with {c} channels", w.dims(), b.dims())
     }
     let op = ConvTranspose3dOp { n, c, o, input: [d, h, wd] };
-    x.contiguous()?.apply_op3(&operand(w, x)?, &operand(b, x)?, op)
+    apply3(&x.contiguous()?, &operand(w, x)?, &operand(b, x)?, op, kept)
 }
 
 /// The generic route ([`super::generic`]): the composed form (one matrix product, a reshape, the
 /// bias) on detached operands, and its backward composed: the output gradient gathered back into
 /// (voxels, O 8) columns gives the input's gradient by one product with the weight and the
 /// weight's by one product with the input. Keeps what the kernel keeps: x (w and b).
-pub(crate) fn conv_transpose3d_k2s2_generic(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let (xd, wd, bd) = (widened(&x.detach())?, widened_as(&w.detach(), x)?, widened_as(&b.detach(), x)?);
-    let y = crate::conv3d::conv_transpose3d_k2s2_composed(&xd, &wd, &bd)?.to_dtype(x.dtype())?;
+pub(crate) fn conv_transpose3d_k2s2_generic(x: &Tensor, w: &Tensor, b: &Tensor, kept: Option<Tensor>) -> Result<Tensor> {
+    let y = kept_or(kept, || {
+        let (xd, wd, bd) = (widened(&x.detach())?, widened_as(&w.detach(), x)?, widened_as(&b.detach(), x)?);
+        crate::conv3d::conv_transpose3d_k2s2_composed(&xd, &wd, &bd)?.to_dtype(x.dtype())
+    })?;
     let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
         let [x, w, b] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let (n, c, d, h, wd) = x.dims5()?;
@@ -122,3 +125,4 @@ impl FusedOp for ConvTranspose3dOp {
 }
 
 custom_op!(ConvTranspose3dOp: 3 "fused-conv-transpose3d-k2s2");
+custom_op!(Replay<ConvTranspose3dOp>: 3 "replayed-conv-transpose3d");

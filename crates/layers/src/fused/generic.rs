@@ -5,6 +5,7 @@
 //! output from the storage its forward returns. CUDA tensors take this route; [`set_path`] forces
 //! it on the CPU, so that what it keeps can be measured without a GPU.
 
+use super::FusedOp;
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, Layout, Result, Shape, Storage, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -57,28 +58,61 @@ impl GenericOp {
         GenericOp { name, out: Mutex::new(Some(out)), backward }
     }
 
-    /// The composed output as a fresh storage of the device `pick` selects: candle makes a custom
-    /// op's output from the storage its forward returns, so the output is copied once.
     fn forward<S>(&self, pick: impl Fn(&Storage) -> Option<&S>) -> Result<(S, Shape)>
     where
         S: BackendStorage,
         S::Device: BackendDevice<Storage = S>,
     {
-        let poisoned = |_| candle_core::Error::Msg(format!("{}: poisoned", self.name));
-        let out = self.out.lock().map_err(poisoned)?.take();
-        let out = out.ok_or_else(|| candle_core::Error::Msg(format!("{}: forward ran twice", self.name)))?;
-        let (storage, layout) = out.storage_and_layout();
-        let Some(s) = pick(&storage) else { candle_core::bail!("{}: the composed output is on another device", self.name) };
-        // SAFETY: every element of the new storage is written by the copy below.
-        let mut copy = unsafe { s.device().alloc_uninit(out.shape(), out.dtype())? };
-        s.copy_strided_src(&mut copy, 0, layout)?;
-        Ok((copy, out.shape().clone()))
+        copied(self.name, &self.out, pick)
     }
 
     fn grads(&self, inputs: &[&Tensor], out: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let want: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
         (self.backward)(&inputs, &out.detach(), &grad.detach(), &want)
+    }
+}
+
+/// The output an op was given (`slot`, taken: the op holds no second copy) as a fresh storage of
+/// the device `pick` selects: candle makes a custom op's output from the storage its forward
+/// returns, so the output is copied once.
+fn copied<S>(name: &str, slot: &Mutex<Option<Tensor>>, pick: impl Fn(&Storage) -> Option<&S>) -> Result<(S, Shape)>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    let poisoned = |_| candle_core::Error::Msg(format!("{name}: poisoned"));
+    let out = slot.lock().map_err(poisoned)?.take();
+    let out = out.ok_or_else(|| candle_core::Error::Msg(format!("{name}: forward ran twice")))?;
+    let (storage, layout) = out.storage_and_layout();
+    let Some(s) = pick(&storage) else { candle_core::bail!("{name}: the given output is on another device") };
+    // SAFETY: every element of the new storage is written by the copy below.
+    let mut copy = unsafe { s.device().alloc_uninit(out.shape(), out.dtype())? };
+    s.copy_strided_src(&mut copy, 0, layout)?;
+    Ok((copy, out.shape().clone()))
+}
+
+/// A fused op whose output is given: the output its forward kept under selective recompute
+/// (`remat::keep`), replayed in the recompute. Its forward copies that output; its backward is
+/// the op's, so the gradients are the op's own.
+pub(super) struct Replay<O> {
+    op: O,
+    out: Mutex<Option<Tensor>>,
+}
+
+impl<O: FusedOp> Replay<O> {
+    pub(super) fn new(op: O, out: Tensor) -> Self {
+        Replay { op, out: Mutex::new(Some(out)) }
+    }
+}
+
+impl<O: FusedOp> FusedOp for Replay<O> {
+    fn cpu_fwd(&self, _: &[super::Operand]) -> Result<(CpuStorage, Shape)> {
+        copied("replayed op", &self.out, cpu)
+    }
+
+    fn bwd(&self, inputs: &[&Tensor], out: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        self.op.bwd(inputs, out, grad)
     }
 }
 

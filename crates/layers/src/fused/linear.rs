@@ -1,57 +1,70 @@
 //! Linear: `x @ w + b` as one op, so the product before the bias is not kept; keeps its inputs.
 
-use super::generic::{generic, GenericOp};
-use super::{fused, is_half, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::generic::{generic, GenericOp, Replay};
+use super::{apply2, apply3, is_half, lean, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
+use remat::keep::OpKind;
 
 /// `x @ w + b` over the last dimension of x (.., in): `w` is (in, out), or (out, in) with
 /// `w_is_out_in` (Hugging Face's `Linear`; GPT-2's `Conv1D` stores (in, out)). One op: the
 /// product before the bias is no graph node, so it is not kept for backward as `matmul` followed
 /// by `broadcast_add` keeps it.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> Result<Tensor> {
+    if !lean(x) {
+        return composed(x, &if w_is_out_in { w.t()? } else { w.clone() }, b);
+    }
+    remat::keep::op(OpKind::Matmul, |kept| {
+        if generic(x) {
+            return linear_generic(x, w, b, w_is_out_in, kept);
+        }
+        let (x, w) = (x.contiguous()?, operand(w, x)?);
+        let op = LinearOp { w_is_out_in };
+        match b {
+            Some(b) => apply3(&x, &w, &operand(b, &x)?, op, kept),
+            None => apply2(&x, &w, op, kept),
+        }
+    })
+}
+
+/// [`linear`] on the generic route; `kept`: its output, kept from the forward (`remat::keep`).
+fn linear_generic(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool, kept: Option<Tensor>) -> Result<Tensor> {
     let k = x.dim(D::Minus1)?;
-    let w_in = if w_is_out_in { w.t()? } else { w.clone() }; // (in, out)
-    if generic(x) {
-        // In f32 for half precision (an f32 weight may meet a bf16 input), stored in x's dtype.
-        let x32 = widened(&x.detach())?;
-        let like_x32 = |t: &Tensor| widened_as(&t.detach(), x);
-        let y = composed(&x32, &like_x32(&w_in)?, b.map(like_x32).transpose()?.as_ref())?.to_dtype(x.dtype())?;
-        drop(x32);
-        // dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) w), db = the rows' sum of g.
-        // Only the gradients wanted: a frozen weight's is not computed.
-        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
-            let (x, w) = (&inputs[0], &inputs[1]);
-            let rows = x.elem_count() / k;
-            let g32 = widened(g)?;
-            let g2 = g32.reshape((rows, g32.elem_count() / rows))?;
-            let dx = || -> Result<Tensor> {
-                let w_in = widened_as(&if w_is_out_in { w.t()? } else { w.clone() }, g)?;
-                g2.matmul(&w_in.t()?)?.reshape(x.shape())?.to_dtype(x.dtype())
-            };
-            let dw = || -> Result<Tensor> {
-                let dw_in = widened_as(x, g)?.reshape((rows, k))?.t()?.matmul(&g2)?;
-                if w_is_out_in { dw_in.t()?.contiguous()? } else { dw_in }.to_dtype(w.dtype())
-            };
-            let mut grads = vec![want[0].then(dx).transpose()?, want[1].then(dw).transpose()?];
-            if let Some(b) = inputs.get(2) {
-                grads.push(want[2].then(|| g2.sum(0)?.to_dtype(b.dtype())).transpose()?);
-            }
-            Ok(grads)
+    let y = match kept {
+        Some(y) => y,
+        None => {
+            // In f32 for half precision (an f32 weight may meet a bf16 input), stored in x's dtype.
+            let w_in = if w_is_out_in { w.t()? } else { w.clone() }; // (in, out)
+            let x32 = widened(&x.detach())?;
+            let like_x32 = |t: &Tensor| widened_as(&t.detach(), x);
+            composed(&x32, &like_x32(&w_in)?, b.map(like_x32).transpose()?.as_ref())?.to_dtype(x.dtype())?
+        }
+    };
+    // dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) w), db = the rows' sum of g.
+    // Only the gradients wanted: a frozen weight's is not computed.
+    let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+        let (x, w) = (&inputs[0], &inputs[1]);
+        let rows = x.elem_count() / k;
+        let g32 = widened(g)?;
+        let g2 = g32.reshape((rows, g32.elem_count() / rows))?;
+        let dx = || -> Result<Tensor> {
+            let w_in = widened_as(&if w_is_out_in { w.t()? } else { w.clone() }, g)?;
+            g2.matmul(&w_in.t()?)?.reshape(x.shape())?.to_dtype(x.dtype())
         };
-        let op = GenericOp::new(if b.is_some() { "generic-linear-bias" } else { "generic-linear" }, y, Box::new(backward));
-        let x = x.contiguous()?;
-        return match b {
-            Some(b) => x.apply_op3(w, b, op),
-            None => x.apply_op2(w, op),
+        let dw = || -> Result<Tensor> {
+            let dw_in = widened_as(x, g)?.reshape((rows, k))?.t()?.matmul(&g2)?;
+            if w_is_out_in { dw_in.t()?.contiguous()? } else { dw_in }.to_dtype(w.dtype())
         };
-    }
-    if !fused(x) {
-        return composed(x, &w_in, b);
-    }
-    let (x, w) = (x.contiguous()?, operand(w, x)?);
+        let mut grads = vec![want[0].then(dx).transpose()?, want[1].then(dw).transpose()?];
+        if let Some(b) = inputs.get(2) {
+            grads.push(want[2].then(|| g2.sum(0)?.to_dtype(b.dtype())).transpose()?);
+        }
+        Ok(grads)
+    };
+    let op = GenericOp::new(if b.is_some() { "generic-linear-bias" } else { "generic-linear" }, y, Box::new(backward));
+    let x = x.contiguous()?;
     match b {
-        Some(b) => x.apply_op3(&w, &operand(b, &x)?, LinearOp { w_is_out_in }),
-        None => x.apply_op2(&w, LinearOp { w_is_out_in }),
+        Some(b) => x.apply_op3(w, b, op),
+        None => x.apply_op2(w, op),
     }
 }
 
@@ -125,6 +138,7 @@ impl FusedOp for LinearOp {
 }
 
 custom_op!(LinearOp: 2 "fused-linear", 3 "fused-linear-bias");
+custom_op!(Replay<LinearOp>: 2 "replayed-linear", 3 "replayed-linear-bias");
 
 /// A frozen linear layer with a LoRA adapter beside it, as one op over `x`, `a` (r, in) and
 /// `b_lora` (out, r): `x @ w + b + scale * dropout(x) @ a^T @ b_lora^T`. The frozen weight and bias
@@ -156,28 +170,33 @@ pub fn lora_linear(
     let rows = x.elem_count() / k;
     let mut out_shape = x.dims().to_vec();
     *out_shape.last_mut().expect("x has a last dimension") = w_in.dim(1)?;
-    let y = {
-        let x2 = f32(x)?.reshape((rows, k))?;
-        let y = x2.matmul(&w_in)?;
-        let y = match &bias {
-            Some(bias) => y.broadcast_add(bias)?,
-            None => y,
+    remat::keep::op(OpKind::Matmul, move |kept| {
+        let y = match kept {
+            Some(y) => y,
+            None => {
+                let x2 = f32(x)?.reshape((rows, k))?;
+                let y = x2.matmul(&w_in)?;
+                let y = match &bias {
+                    Some(bias) => y.broadcast_add(bias)?,
+                    None => y,
+                };
+                let h = dropped(&x2)?.matmul(&f32(a)?.t()?)?; // (rows, r)
+                (y + h.matmul(&f32(b_lora)?.t()?)?.affine(scale, 0.0)?)?.reshape(out_shape)?.to_dtype(x.dtype())?
+            }
         };
-        let h = dropped(&x2)?.matmul(&f32(a)?.t()?)?; // (rows, r)
-        (y + h.matmul(&f32(b_lora)?.t()?)?.affine(scale, 0.0)?)?.reshape(out_shape)?.to_dtype(x.dtype())?
-    };
-    // g (rows, out): dx = g w_in^T + mask * (scale g B A), dA = scale (g B)^T dropout(x),
-    // dB = scale g^T (dropout(x) A^T).
-    let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
-        let (x, a, b_lora) = (&inputs[0], &inputs[1], &inputs[2]);
-        let g2 = g.to_dtype(DType::F32)?.reshape((rows, g.elem_count() / rows))?;
-        let (a32, b32) = (a.to_dtype(DType::F32)?, b_lora.to_dtype(DType::F32)?);
-        let xd = dropped(&x.to_dtype(DType::F32)?.reshape((rows, k))?)?;
-        let gb = g2.matmul(&b32)?.affine(scale, 0.0)?; // (rows, r)
-        let dx = || -> Result<Tensor> { (g2.matmul(&w_in.t()?)? + dropped(&gb.matmul(&a32)?)?)?.reshape(x.shape())?.to_dtype(x.dtype()) };
-        let da = || -> Result<Tensor> { gb.t()?.matmul(&xd)?.to_dtype(a.dtype()) };
-        let db = || -> Result<Tensor> { g2.t()?.matmul(&xd.matmul(&a32.t()?)?)?.affine(scale, 0.0)?.to_dtype(b_lora.dtype()) };
-        Ok(vec![want[0].then(dx).transpose()?, want[1].then(da).transpose()?, want[2].then(db).transpose()?])
-    };
-    x.contiguous()?.apply_op3(a, b_lora, GenericOp::new("lora-linear", y, Box::new(backward)))
+        // g (rows, out): dx = g w_in^T + mask * (scale g B A), dA = scale (g B)^T dropout(x),
+        // dB = scale g^T (dropout(x) A^T).
+        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+            let (x, a, b_lora) = (&inputs[0], &inputs[1], &inputs[2]);
+            let g2 = g.to_dtype(DType::F32)?.reshape((rows, g.elem_count() / rows))?;
+            let (a32, b32) = (a.to_dtype(DType::F32)?, b_lora.to_dtype(DType::F32)?);
+            let xd = dropped(&x.to_dtype(DType::F32)?.reshape((rows, k))?)?;
+            let gb = g2.matmul(&b32)?.affine(scale, 0.0)?; // (rows, r)
+            let dx = || -> Result<Tensor> { (g2.matmul(&w_in.t()?)? + dropped(&gb.matmul(&a32)?)?)?.reshape(x.shape())?.to_dtype(x.dtype()) };
+            let da = || -> Result<Tensor> { gb.t()?.matmul(&xd)?.to_dtype(a.dtype()) };
+            let db = || -> Result<Tensor> { g2.t()?.matmul(&xd.matmul(&a32.t()?)?)?.affine(scale, 0.0)?.to_dtype(b_lora.dtype()) };
+            Ok(vec![want[0].then(dx).transpose()?, want[1].then(da).transpose()?, want[2].then(db).transpose()?])
+        };
+        x.contiguous()?.apply_op3(a, b_lora, GenericOp::new("lora-linear", y, Box::new(backward)))
+    })
 }

@@ -198,6 +198,39 @@ trait FusedOp {
     fn bwd(&self, inputs: &[&Tensor], out: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>>;
 }
 
+/// `a op b`, or with `kept` (its output kept from the forward under selective recompute,
+/// `remat::keep`) the op's replay: that output, with the op's backward.
+fn apply2<O>(a: &Tensor, b: &Tensor, op: O, kept: Option<Tensor>) -> Result<Tensor>
+where
+    O: FusedOp + candle_core::CustomOp2 + Send + Sync + 'static,
+    generic::Replay<O>: candle_core::CustomOp2 + Send + Sync + 'static,
+{
+    match kept {
+        Some(y) => a.apply_op2(b, generic::Replay::new(op, y)),
+        None => a.apply_op2(b, op),
+    }
+}
+
+/// [`apply2`] of an op over three operands.
+fn apply3<O>(a: &Tensor, b: &Tensor, c: &Tensor, op: O, kept: Option<Tensor>) -> Result<Tensor>
+where
+    O: FusedOp + candle_core::CustomOp3 + Send + Sync + 'static,
+    generic::Replay<O>: candle_core::CustomOp3 + Send + Sync + 'static,
+{
+    match kept {
+        Some(y) => a.apply_op3(b, c, generic::Replay::new(op, y)),
+        None => a.apply_op3(b, c, op),
+    }
+}
+
+/// The output an op computes with `compute`, or the one its forward kept (`kept`).
+fn kept_or(kept: Option<Tensor>, compute: impl FnOnce() -> Result<Tensor>) -> Result<Tensor> {
+    match kept {
+        Some(y) => Ok(y),
+        None => compute(),
+    }
+}
+
 /// The operands of an op that takes exactly `N` (what [`custom_op!`] passes at arity `N`).
 fn exactly<const N: usize, T: Copy>(inputs: &[T]) -> Result<[T; N]> {
     inputs.try_into().map_err(|_| candle_core::Error::Msg(format!("fused op: {} operands where {N} were expected", inputs.len())))

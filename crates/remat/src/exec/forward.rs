@@ -3,6 +3,7 @@
 
 use super::{Executor, Live};
 use crate::graph::ValueId;
+use crate::keep::{Mode, Scope, Stash};
 use crate::memory::{set_activity, Activity, Phase, Timeline};
 use crate::stage::StageCtx;
 use crate::{Error, Result};
@@ -15,6 +16,8 @@ pub(super) struct StepRun<'e, 'g> {
     pub(super) exec: &'e Executor<'g>,
     step: u64,
     pub(super) stored: Vec<Option<Tensor>>,
+    /// The ops' outputs kept for the recomputes (Rule 10).
+    stash: Stash,
     pub(super) value_grads: HashMap<ValueId, Tensor>,
     pub(super) timeline: Timeline,
 }
@@ -27,7 +30,7 @@ impl<'e, 'g> StepRun<'e, 'g> {
         for (slot, t) in stored.iter_mut().zip(inputs) {
             *slot = Some(t.clone());
         }
-        StepRun { exec, step, stored, value_grads: HashMap::new(), timeline }
+        StepRun { exec, step, stored, stash: Stash::default(), value_grads: HashMap::new(), timeline }
     }
 
     /// Every segment's forward, `grad_bytes` of parameter gradients held meanwhile: the loss and
@@ -63,6 +66,13 @@ impl<'e, 'g> StepRun<'e, 'g> {
         let mut runs = Vec::new();
         let mut whole = Live::default();
         let pass = u64::from(recompute && !exec.replay_rng);
+        // Rule 10: a segment to be recomputed keeps the policy's ops' outputs, its recompute replays them.
+        let keep = match (graphs, recompute) {
+            _ if exec.keep.is_empty() => None,
+            (false, _) => Some(Mode::Keep),
+            (true, true) => Some(Mode::Replay),
+            (true, false) => None,
+        };
         for i in seg.stages.clone() {
             let node = &exec.graph.nodes()[i];
             let mut live = Live::default();
@@ -70,8 +80,9 @@ impl<'e, 'g> StepRun<'e, 'g> {
             let ctx = StageCtx::new(exec.seed, self.step, i, pass, recompute && exec.tell_recompute, true);
             set_activity(if recompute { Activity::Recompute } else { Activity::Forward }, Some(i));
             let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
+            let scope = keep.map(|mode| Scope::enter(mode, exec.keep, i, &self.stash));
             let outputs = node.stage.forward(&inputs, &ctx).map_err(stage_err)?;
-            drop(inputs);
+            drop((scope, inputs));
             if outputs.len() != node.outputs.len() {
                 let msg = format!("returned {} outputs, the graph expects {}", outputs.len(), node.outputs.len());
                 return Err(stage_err(candle_core::Error::Msg(msg)));

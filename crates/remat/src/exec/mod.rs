@@ -34,6 +34,7 @@ mod ops;
 pub(crate) use ops::seed;
 
 use crate::graph::{Node, StageGraph, ValueId};
+use crate::keep::OpSet;
 use crate::memory::Timeline;
 use crate::policy::Policy;
 use crate::rules::Wiring;
@@ -114,6 +115,8 @@ pub struct Executor<'g> {
     /// The earliest segment that reads each value: the one that takes it over (Rule 5).
     first_consumer: Vec<Option<usize>>,
     params: Vec<Var>,
+    /// The ops whose outputs recomputed segments keep (selective recompute, Rule 10).
+    keep: OpSet,
     seed: u64,
     replay_rng: bool,
     tell_recompute: bool,
@@ -148,6 +151,7 @@ impl<'g> Executor<'g> {
             segments,
             first_consumer,
             params,
+            keep: policy.keeps(),
             seed,
             replay_rng: true,
             tell_recompute: true,

@@ -30,6 +30,7 @@ mod walk;
 pub use walk::stored_values;
 
 use crate::graph::ValueId;
+use crate::keep::{KeptOp, OpSet};
 use crate::memory::Phase;
 use crate::policy::{Policy, PolicyRequest};
 use crate::stage::StageKind;
@@ -59,6 +60,17 @@ pub struct StageCost {
     pub param_grad_bytes: u64,
     pub forward_ms: f64,
     pub backward_ms: f64,
+    /// The ops in it whose outputs a policy may keep (`+keep=`), in order: what keeping each
+    /// holds, and what replaying it saves of `forward_ms`.
+    #[serde(default)]
+    pub keepable: Vec<KeptOp>,
+}
+
+impl StageCost {
+    /// Bytes and milliseconds of the ops of a kind in `keep`.
+    pub fn kept(&self, keep: OpSet) -> (u64, f64) {
+        self.keepable.iter().filter(|o| keep.contains(o.kind)).fold((0, 0.0), |(b, t), o| (b + o.bytes, t + o.ms))
+    }
 }
 
 /// A value flowing between stages.
@@ -120,6 +132,9 @@ impl Estimate {
 pub struct Breakdown {
     /// Stored segment boundaries.
     pub stored: u64,
+    /// Op outputs kept for the recomputes (`+keep=`, Rule 10).
+    #[serde(default)]
+    pub kept: u64,
     /// Parameter gradients gathered so far (and those held from earlier micro-batches).
     pub param_grads: u64,
     /// Gradients of values waiting for their producer's backward.
@@ -132,13 +147,14 @@ pub struct Breakdown {
 
 impl Breakdown {
     pub fn total(&self) -> u64 {
-        self.stored + self.param_grads + self.value_grads + self.live + self.transient
+        self.stored + self.kept + self.param_grads + self.value_grads + self.live + self.transient
     }
 
     /// The largest part, in words.
     fn dominant(&self) -> (&'static str, u64) {
         [
             ("stored boundaries", self.stored),
+            ("kept op outputs", self.kept),
             ("parameter gradients", self.param_grads),
             ("gradients in flight", self.value_grads),
             ("one segment's activations", self.live),
@@ -146,7 +162,7 @@ impl Breakdown {
         ]
         .into_iter()
         .max_by_key(|(_, b)| *b)
-        .expect("five parts")
+        .expect("six parts")
     }
 }
 
@@ -263,11 +279,12 @@ pub fn describe(profile: &Profile) -> String {
 pub fn summary(e: &Estimate) -> String {
     let d = &e.at_peak;
     format!(
-        "peak {} above the state (forward {}, backward {}): stored {}, parameter gradients {}, gradients in flight {}, live stages {}, temporaries {}; recompute {:.0} ms of {:.0} ms ({:.2}x off)",
+        "peak {} above the state (forward {}, backward {}): stored {}{}, parameter gradients {}, gradients in flight {}, live stages {}, temporaries {}; recompute {:.0} ms of {:.0} ms ({:.2}x off)",
         mib(e.peak),
         mib(e.forward_peak),
         mib(e.backward_peak),
         mib(d.stored),
+        if d.kept > 0 { format!(", kept op outputs {}", mib(d.kept)) } else { String::new() },
         mib(d.param_grads),
         mib(d.value_grads),
         mib(d.live),

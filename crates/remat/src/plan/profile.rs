@@ -3,6 +3,7 @@
 
 use super::{PlanError, Profile, SharedGrad, StageCost, ValueCost};
 use crate::graph::{StageGraph, ValueId};
+use crate::keep::{KeptOp, Mode, OpSet, Scope, Stash};
 use crate::memory::{set_activity, tensor_bytes, Activity, Counter};
 use crate::stage::{StageCtx, StageKind};
 use crate::{Error, Result};
@@ -97,6 +98,7 @@ impl Profile {
                 param_grad_bytes: x.param_grad_bytes,
                 forward_ms: ms(x.forward_ms, y.forward_ms),
                 backward_ms: ms(x.backward_ms, y.backward_ms),
+                keepable: x.keepable.iter().zip(&y.keepable).map(|(a, b)| KeptOp { bytes: bytes(a.bytes, b.bytes), ms: ms(a.ms, b.ms), ..*a }).collect(),
                 ..x.clone()
             })
             .collect();
@@ -243,7 +245,13 @@ fn measure_stage(
         .map(|(&v, t)| Ok(if v >= n_inputs && t.dtype().is_float() { Some(Var::sharing(t)) } else { None }))
         .collect::<Result<Vec<Option<Var>>>>()?;
     let run_ins: Vec<Tensor> = graph_ins.iter().zip(ins).map(|(var, t)| var.as_ref().map_or(t.clone(), |v| v.as_tensor().clone())).collect();
-    let (outs, graph_bytes, graph_transient, forward_ms) = metered(counter, || node.stage.forward(&run_ins, &ctx()).map_err(stage_err))?;
+    // The ops a policy could keep (`+keep=`) are measured in passing: their outputs' bytes and times.
+    let stash = Stash::default();
+    let (outs, graph_bytes, graph_transient, forward_ms) = metered(counter, || {
+        let _scope = Scope::enter(Mode::Measure, OpSet::all(), i, &stash);
+        node.stage.forward(&run_ins, &ctx()).map_err(stage_err)
+    })?;
+    let keepable = stash.take_measured();
     // Backward from the loss, or from a gradient of ones for every float output.
     let seeds = node
         .outputs
@@ -284,6 +292,7 @@ fn measure_stage(
         param_grad_bytes: 0,
         forward_ms,
         backward_ms,
+        keepable,
     };
     Ok((detached, cost, param_grads))
 }
@@ -299,6 +308,7 @@ impl StageCost {
             backward_transient: self.backward_transient.min(other.backward_transient),
             forward_ms: self.forward_ms.min(other.forward_ms),
             backward_ms: self.backward_ms.min(other.backward_ms),
+            keepable: self.keepable.iter().zip(&other.keepable).map(|(a, b)| KeptOp { bytes: a.bytes.min(b.bytes), ms: a.ms.min(b.ms), ..*a }).collect(),
             ..self.clone()
         }
     }

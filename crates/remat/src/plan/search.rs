@@ -3,6 +3,7 @@
 
 use super::walk::Walk;
 use super::{Estimate, Plan, PlanError, Profile};
+use crate::keep::OpSet;
 use std::ops::Range;
 
 impl Profile {
@@ -50,7 +51,7 @@ impl Profile {
     /// The dynamic programme: for each candidate cut position, the Pareto set of partial plans
     /// by (bytes of stored values all of whose readers lie before the cut, recompute time).
     fn search(&self, step_budget: u64, held_grads: u64) -> Option<Plan> {
-        let walk = Walk::new(self, held_grads);
+        let walk = Walk::new(self, OpSet::default(), held_grads);
         let n = self.stages.len();
         let cuts = self.candidates();
         struct Partial {
@@ -97,6 +98,6 @@ impl Profile {
         }
         let best = best?;
         let segments: Vec<Range<usize>> = best.starts.iter().zip(best.starts.iter().skip(1).chain(std::iter::once(&n))).map(|(&a, &b)| a..b).collect();
-        Some(Plan { estimate: self.predict(&segments, held_grads), starts: best.starts })
+        Some(Plan { estimate: self.predict(&segments, OpSet::default(), held_grads), starts: best.starts })
     }
 }

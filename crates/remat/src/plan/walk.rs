@@ -3,6 +3,7 @@
 
 use super::{Breakdown, Estimate, Point, Profile};
 use crate::graph::ValueId;
+use crate::keep::OpSet;
 use crate::memory::Phase;
 use crate::policy::Policy;
 use crate::rules::Wiring;
@@ -15,12 +16,13 @@ impl Profile {
     /// `held_grads`: parameter gradient bytes held from the start (accumulating micro-batches
     /// after the first), which then do not grow.
     pub fn predict_policy(&self, policy: &Policy, held_grads: u64) -> Result<Estimate> {
-        Ok(self.predict(&policy.segments_of(&self.kinds())?, held_grads))
+        Ok(self.predict(&policy.segments_of(&self.kinds())?, policy.keeps(), held_grads))
     }
 
-    /// The estimate for a cut of the stages into `segments` (contiguous, in order).
-    pub fn predict(&self, segments: &[Range<usize>], held_grads: u64) -> Estimate {
-        let walk = Walk::new(self, held_grads);
+    /// The estimate for a cut of the stages into `segments` (contiguous, in order) whose
+    /// recomputes replay the ops of the kinds in `keep`.
+    pub fn predict(&self, segments: &[Range<usize>], keep: OpSet, held_grads: u64) -> Estimate {
+        let walk = Walk::new(self, keep, held_grads);
         let mut past = 0;
         let mut estimate = Estimate::default();
         for (k, seg) in segments.iter().enumerate() {
@@ -34,8 +36,8 @@ impl Profile {
 
     /// The predicted timeline of a step cut into `segments`: one point per event of the
     /// executor's timeline, in its order (Rule 3).
-    pub fn timeline(&self, segments: &[Range<usize>], held_grads: u64) -> Vec<Point> {
-        let walk = Walk::new(self, held_grads);
+    pub fn timeline(&self, segments: &[Range<usize>], keep: OpSet, held_grads: u64) -> Vec<Point> {
+        let walk = Walk::new(self, keep, held_grads);
         let (mut forward, mut backward) = (Vec::new(), Vec::new());
         let mut past = 0;
         for (k, seg) in segments.iter().enumerate() {
@@ -81,12 +83,19 @@ pub(super) struct Walk<'p> {
     p: &'p Profile,
     wiring: Wiring,
     held_grads: u64,
+    /// Bytes each stage keeps for its recompute (Rule 10), and the time its replay saves.
+    kept: Vec<(u64, f64)>,
 }
 
 impl<'p> Walk<'p> {
-    pub(super) fn new(p: &'p Profile, held_grads: u64) -> Self {
+    pub(super) fn new(p: &'p Profile, keep: OpSet, held_grads: u64) -> Self {
         let wiring = Wiring::new(p.values.len(), p.stages.iter().map(|s| (&s.inputs[..], &s.outputs[..])));
-        Walk { p, wiring, held_grads }
+        Walk { p, wiring, held_grads, kept: p.stages.iter().map(|s| s.kept(keep)).collect() }
+    }
+
+    /// Bytes the stages in `range` keep (Rule 10).
+    fn kept_bytes(&self, range: Range<usize>) -> u64 {
+        self.kept[range].iter().map(|k| k.0).sum()
     }
 
     fn bytes(&self, v: ValueId) -> u64 {
@@ -95,7 +104,9 @@ impl<'p> Walk<'p> {
 
     /// Bytes of the values stored at the cut `a` whose readers all lie before `b`: after the
     /// segment `a..b` they are settled (held until their earliest reader's segment takes them
-    /// over, Rule 5, whatever later cuts are chosen).
+    /// over, Rule 5, whatever later cuts are chosen). What the segment keeps for its recompute is
+    /// not among them: every stage before a segment's start keeps its outputs (Rule 10) through
+    /// that segment whatever the cuts, so [`Walk::segment`] counts those itself.
     pub(super) fn settled(&self, a: usize, b: usize) -> u64 {
         self.wiring.stored_at(a).filter(|&v| self.wiring.readers(v).last().is_some_and(|&r| r < b)).map(|v| self.bytes(v)).sum()
     }
@@ -105,7 +116,8 @@ impl<'p> Walk<'p> {
         let mut est = Estimate::default();
         self.segment(a, b, last, past, |point| est.see(&point));
         if !last {
-            est.recompute_ms = self.p.stages[a..b].iter().fold(0.0, |t, s| t + s.forward_ms);
+            // Rule 10: a replayed op is not run again.
+            est.recompute_ms = self.p.stages[a..b].iter().zip(&self.kept[a..b]).fold(0.0, |t, (s, k)| t + (s.forward_ms - k.1).max(0.0));
         }
         est
     }
@@ -115,6 +127,10 @@ impl<'p> Walk<'p> {
     /// then its recompute and backward.
     fn segment(&self, a: usize, b: usize, last: bool, past: u64, mut see: impl FnMut(Point)) {
         let stages = &self.p.stages;
+        // Rule 10: the outputs every earlier stage kept wait for its segment's recompute, after
+        // this segment's backward; this segment's own are in its live stages while its forward
+        // runs (their op graph holds them), then held alone until each stage's recompute.
+        let kept_before = self.kept_bytes(0..a);
         let stored_here: Vec<ValueId> = self.wiring.stored_at(a).collect();
         let first_reader = |v: ValueId| self.wiring.first_reader(v).expect("a stored value has a reader");
         let float = |v: ValueId| self.p.values[v].float;
@@ -148,7 +164,8 @@ impl<'p> Walk<'p> {
             let (keep, transient) = if last { (vars(i) + st.graph_bytes, st.graph_transient) } else { (st.chain_bytes, st.chain_transient) };
             let stored = if last { stored - handed_by(i) } else { stored };
             live += keep;
-            see(Point::after(Phase::Forward, i, Breakdown { stored, param_grads: self.held_grads, value_grads: 0, live, transient: 0 }, transient));
+            let held = Breakdown { stored, kept: kept_before, param_grads: self.held_grads, value_grads: 0, live, transient: 0 };
+            see(Point::after(Phase::Forward, i, held, transient));
         }
 
         // Rule 5: stored values whose earliest reader's segment is this one or an earlier one are
@@ -157,14 +174,17 @@ impl<'p> Walk<'p> {
         // Rule 7: gradients of the values later segments read, waiting for their producers.
         let mut pending: BTreeSet<ValueId> = self.wiring.stored_at(b).filter(|&v| float(v)).collect();
         let value_grads = pending.iter().map(|&v| self.bytes(v)).sum();
-        let mut held = Breakdown { stored, param_grads: grads_after, value_grads, live: 0, transient: 0 };
+        let mut held = Breakdown { stored, kept: kept_before, param_grads: grads_after, value_grads, live: 0, transient: 0 };
         if !last {
             // Rule 3: recomputed with graphs, right before its backward.
             for (i, st) in stages.iter().enumerate().take(b).skip(a) {
                 held.live += vars(i) + st.graph_bytes;
-                let now = Breakdown { stored: stored - handed_by(i), ..held };
-                see(Point::after(Phase::Recompute, i, now, st.graph_transient));
+                // Rule 10: a replayed output's copy joins the stage's graph as its kept one goes;
+                // while the stage runs, some of its kept outputs are still held beside their copies.
+                let now = Breakdown { stored: stored - handed_by(i), kept: kept_before + self.kept_bytes(i + 1..b), ..held };
+                see(Point::after(Phase::Recompute, i, now, st.graph_transient.max(self.kept[i].0)));
             }
+            held.kept = kept_before;
         } else {
             held.live = live;
         }
@@ -204,7 +224,7 @@ impl<'p> Walk<'p> {
 }
 /// The values a cut of the stages into `segments` stores (graph inputs excluded), in order.
 pub fn stored_values(profile: &Profile, segments: &[Range<usize>]) -> Vec<ValueId> {
-    let walk = Walk::new(profile, 0);
+    let walk = Walk::new(profile, OpSet::default(), 0);
     let mut out: Vec<ValueId> = segments.iter().skip(1).flat_map(|s| walk.wiring.stored_at(s.start).collect::<Vec<_>>()).collect();
     out.sort_unstable();
     out.dedup();
