@@ -1,7 +1,7 @@
 //! Linear: `x @ w + b` as one op, so the product before the bias is not kept; keeps its inputs.
 
 use super::generic::{generic, GenericOp, Replay};
-use super::{apply2, apply3, is_half, lean, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::{apply2, apply3, is_half, kept_or, lean, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 use remat::keep::OpKind;
 
@@ -29,16 +29,13 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> 
 /// [`linear`] on the generic route; `kept`: its output, kept from the forward (`remat::keep`).
 fn linear_generic(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool, kept: Option<Tensor>) -> Result<Tensor> {
     let k = x.dim(D::Minus1)?;
-    let y = match kept {
-        Some(y) => y,
-        None => {
-            // In f32 for half precision (an f32 weight may meet a bf16 input), stored in x's dtype.
-            let w_in = if w_is_out_in { w.t()? } else { w.clone() }; // (in, out)
-            let x32 = widened(&x.detach())?;
-            let like_x32 = |t: &Tensor| widened_as(&t.detach(), x);
-            composed(&x32, &like_x32(&w_in)?, b.map(like_x32).transpose()?.as_ref())?.to_dtype(x.dtype())?
-        }
-    };
+    let y = kept_or(kept, || {
+        // In f32 for half precision (an f32 weight may meet a bf16 input), stored in x's dtype.
+        let w_in = if w_is_out_in { w.t()? } else { w.clone() }; // (in, out)
+        let x32 = widened(&x.detach())?;
+        let like_x32 = |t: &Tensor| widened_as(&t.detach(), x);
+        composed(&x32, &like_x32(&w_in)?, b.map(like_x32).transpose()?.as_ref())?.to_dtype(x.dtype())
+    })?;
     // dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) w), db = the rows' sum of g.
     // Only the gradients wanted: a frozen weight's is not computed.
     let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
@@ -171,19 +168,16 @@ pub fn lora_linear(
     let mut out_shape = x.dims().to_vec();
     *out_shape.last_mut().expect("x has a last dimension") = w_in.dim(1)?;
     remat::keep::op(OpKind::Matmul, move |kept| {
-        let y = match kept {
-            Some(y) => y,
-            None => {
-                let x2 = f32(x)?.reshape((rows, k))?;
-                let y = x2.matmul(&w_in)?;
-                let y = match &bias {
-                    Some(bias) => y.broadcast_add(bias)?,
-                    None => y,
-                };
-                let h = dropped(&x2)?.matmul(&f32(a)?.t()?)?; // (rows, r)
-                (y + h.matmul(&f32(b_lora)?.t()?)?.affine(scale, 0.0)?)?.reshape(out_shape)?.to_dtype(x.dtype())?
-            }
-        };
+        let y = kept_or(kept, || {
+            let x2 = f32(x)?.reshape((rows, k))?;
+            let y = x2.matmul(&w_in)?;
+            let y = match &bias {
+                Some(bias) => y.broadcast_add(bias)?,
+                None => y,
+            };
+            let h = dropped(&x2)?.matmul(&f32(a)?.t()?)?; // (rows, r)
+            (y + h.matmul(&f32(b_lora)?.t()?)?.affine(scale, 0.0)?)?.reshape(out_shape)?.to_dtype(x.dtype())
+        })?;
         // g (rows, out): dx = g w_in^T + mask * (scale g B A), dA = scale (g B)^T dropout(x),
         // dB = scale g^T (dropout(x) A^T).
         let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
