@@ -117,7 +117,8 @@ pub struct MatrixArgs {
     /// TABLE.md and plots from matrix.json; run nothing).
     #[arg(long, value_enum, default_value_t = MatrixKind::All)]
     pub matrix: MatrixKind,
-    /// Only models whose name starts with one of these (comma-separated), e.g. gpt2,resnet50.
+    /// Only these models (comma-separated): a model's whole name selects it alone, another name
+    /// every model whose name starts with it, e.g. gpt2,resnet50.
     #[arg(long, value_delimiter = ',')]
     pub models: Vec<String>,
     /// Only these policies (comma-separated).

@@ -13,7 +13,8 @@
 //! of the predicted peak (activations, temporaries, the inputs) is the planner's.
 //!
 //! The table, `TABLE.md`: for GPT-2 at every published size, batch 1 with 8
-//! micro-batches accumulated, each way of holding its state and each policy: the predicted bytes
+//! micro-batches accumulated (one with the optimizer inside backward), each way of holding its
+//! state and each policy: the predicted bytes
 //! (with the state's arithmetic), the measured peak, whether it fits 24 GiB, and tokens per
 //! second. The article claims GPT-2 1.5B trains on a 24 GB card this way in 21 GB.
 
@@ -23,7 +24,7 @@ use crate::plot::{self, color, plot_err, Chart};
 use crate::record::{Prediction, Projection, Record, Status};
 use crate::results::Matrix;
 use crate::units;
-use crate::workloads::{state, Profile, Workload};
+use crate::workloads::{Profile, Workload};
 use anyhow::{bail, Context, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -81,13 +82,30 @@ pub fn run_predicted(matrix: &mut Matrix, w: &Workload, policy: &PolicyRequest, 
 /// ([`state`]), the rest of the projected total as activations (`None` where the
 /// projection has no row for the policy: a budget no plan fits).
 pub fn predict(w: &Workload, policy: &PolicyRequest, projection: &Projection) -> Result<Prediction> {
-    let (params, grads, optimizer) = state(&w.parameter_shapes()?, w.optimizer(), w.dtype);
+    let (params, grads, optimizer) = w.state(&w.parameter_shapes()?);
     let label = policy.to_string();
     let activations = projection.rows.iter().find(|r| r.label == label).map(|r| r.total_bytes.saturating_sub(params + grads + optimizer));
     Ok(Prediction { params, grads, optimizer, activations })
 }
 
 const GIB_24: u64 = 24 << 30;
+
+/// The variant with the optimizer inside backward.
+pub const IN_BACKWARD: &str = "f32-adamw-in-backward";
+
+/// The sequence and the micro-batches of the matrix's configurations, in words: "seq 1024, 2
+/// micro-batches accumulated per optimizer step (1 with the optimizer inside backward)".
+fn sizes(m: &Matrix) -> String {
+    let input = m.records.first().map_or("?", |r| r.input.as_str());
+    let inside = |r: &&Record| r.model.ends_with(IN_BACKWARD);
+    let accumulated = m.records.iter().find(|r| !inside(r)).map(|r| r.accumulate);
+    let in_backward = m.records.iter().any(|r| inside(&r));
+    match (accumulated, in_backward) {
+        (Some(n), true) => format!("{input}, {n} micro-batches accumulated per optimizer step (1 with the optimizer inside backward)"),
+        (Some(n), false) => format!("{input}, {n} micro-batches accumulated per optimizer step"),
+        (None, _) => format!("{input}, one micro-batch per step, the optimizer inside backward"),
+    }
+}
 
 /// Bytes as a table cell: GiB with two decimals.
 fn cell(bytes: u64) -> String {
@@ -148,17 +166,16 @@ fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
 /// `TABLE.md`.
 pub fn table(m: &Matrix) -> String {
     let meta = &m.meta;
-    let first = m.records.first();
-    let (input, accumulate) = first.map_or(("?".into(), 0), |r| (r.input.clone(), r.accumulate));
     let mut out = format!(
         "# GPT-2 on 24 GiB: state, precision, optimizer and checkpointing, measured\n\n\
          {}  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\n\
-         Every configuration trains at batch 1, {input}, with {accumulate} micro-batches accumulated per optimizer step \
-         (effective batch {accumulate}). Variants: `f32-adamw` (everything f32), `bf16-adamw` (bf16 activations, f32 parameters, \
+         Every configuration trains at batch 1, {}. Variants: `f32-adamw` (everything f32), `bf16-adamw` (bf16 activations, f32 parameters, \
          gradients and AdamW moments), `bf16-weights-adamw` (bf16 activations, parameters and gradients, f32 AdamW moments: \
          no f32 master copy), `bf16-adafactor` (bf16 activations, f32 parameters and gradients, Adafactor's factored \
-         second moment).\n\n",
+         second moment), `{IN_BACKWARD}` (`f32-adamw` with the optimizer inside backward: each gradient applied and freed as \
+         soon as it is final, one micro-batch per step).\n\n",
         crate::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
+        sizes(m),
         meta.machine,
         meta.candle_version,
         meta.git_commit,
@@ -168,7 +185,8 @@ pub fn table(m: &Matrix) -> String {
             Parameters and gradients 4 bytes each (2 under `bf16-weights-adamw`); AdamW 8 bytes per parameter; Adafactor 4 bytes per row and per column of each \
             weight matrix (per element of a vector). Computed from the parameter shapes, not measured. The last two columns are \
             one rank's state when the optimizer state is sharded over 2 or 4 data-parallel ranks (`--ranks N --shard-optimizer`, \
-            ZeRO stage 1: every rank still holds all parameters and gradients).\n\n\
+            ZeRO stage 1: every rank still holds all parameters and gradients). With the optimizer inside backward no gradient is held \
+            through the step: the ones in flight are part of the step's peak, with the activations.\n\n\
             | model | variant | parameters | params GiB | grads GiB | optimizer GiB | state GiB | per rank, sharded over 2 | over 4 |\n|---|---|---|---|---|---|---|---|---|\n";
     let records = in_size_order(m);
     let mut seen = Vec::new();
@@ -255,10 +273,8 @@ fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -
         .collect();
     let max = bars.iter().map(|b| b.2).fold(26.0, f64::max) * 1.05;
     let n = bars.len().max(1) as i32;
-    let first = m.records.first();
-    let (input, accumulate) = first.map_or(("?".into(), 0), |r| (r.input.clone(), r.accumulate));
     let mut chart = ChartBuilder::on(root)
-        .caption(format!("GPT-2, batch 1, {input}, {accumulate} micro-batches: peak memory by configuration"), ("sans-serif", 20))
+        .caption(format!("GPT-2, batch 1, {}: peak memory by configuration", sizes(m)), ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(360)

@@ -96,11 +96,7 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
     if matches!(args.matrix, MatrixKind::All | MatrixKind::Depth) {
         selected.extend(workloads::depth_sweep(profile));
     }
-    let workloads: Vec<Workload> = selected
-        .into_iter()
-        .filter(|w| args.models.is_empty() || args.models.iter().any(|m| w.model.starts_with(m.as_str())))
-        .map(|w| w.overridden(args.common.overrides()))
-        .collect();
+    let workloads: Vec<Workload> = by_name(selected, &args.models).into_iter().map(|w| w.overridden(args.common.overrides())).collect();
     if workloads.is_empty() {
         bail!("--models {:?} matches no model of profile `{profile}`", args.models);
     }
@@ -453,4 +449,33 @@ fn summary(r: &Record, off: Option<&Record>) -> String {
         mib(r.activation_peak_bytes),
         r.step_ms_median
     )
+}
+
+/// The workloads `--models` names (all of them without it): a model's whole name selects it alone
+/// (`gpt2-small`, not `gpt2-small-lora` too); another name selects the models it starts (`gpt2`,
+/// or `gpt2-xl` for its variants `gpt2-xl/...`).
+fn by_name(workloads: Vec<Workload>, models: &[String]) -> Vec<Workload> {
+    let whole = |m: &str| workloads.iter().any(|w| w.model == m);
+    let chosen: Vec<bool> =
+        workloads.iter().map(|w| models.is_empty() || models.iter().any(|m| if whole(m) { w.model == *m } else { w.model.starts_with(m.as_str()) })).collect();
+    workloads.into_iter().zip(chosen).filter_map(|(w, chosen)| chosen.then_some(w)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--models`: a whole name alone, a prefix its family.
+    #[test]
+    fn models_are_selected_by_whole_name_or_prefix() {
+        let names = |models: &[&str]| -> Vec<String> {
+            let models: Vec<String> = models.iter().map(|m| m.to_string()).collect();
+            let all = workloads::profile(Profile::Cpu).into_iter().chain(workloads::profile(Profile::Gpt2_24gb));
+            by_name(all.collect(), &models).into_iter().map(|w| w.model).collect()
+        };
+        assert_eq!(names(&["gpt2-small", "bert-large"]), ["bert-large", "gpt2-small"]);
+        assert_eq!(names(&["gpt2-small-lora"]), ["gpt2-small-lora"]);
+        assert_eq!(names(&["bert"]), ["bert-large", "bert-large-lora"]);
+        assert_eq!(names(&["gpt2-xl"]).len(), workloads::STATE_VARIANTS.len());
+    }
 }

@@ -10,7 +10,7 @@ use crate::workloads::{self, Instance, Workload};
 use anyhow::{anyhow, Context, Result};
 use candle_core::Device;
 use remat::memory::{set_activity, Activity, Counter};
-use remat::plan::{Estimate, Profile};
+use remat::plan::{Estimate, Grads, Profile};
 use remat::{Executor, Policy, PolicyRequest};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -142,14 +142,15 @@ fn shared_profile(dir: Option<&Path>, w: &Workload, inst: &dyn Instance, device_
     Ok(profile)
 }
 
-/// The predicted step of `policy` with `accumulate` micro-batches: the first micro-batch
-/// gathers the parameter gradients, later ones hold them all from the start.
-pub fn predict(profile: &Profile, policy: &Policy, accumulate: usize) -> Result<Estimate> {
-    let first = profile.predict_policy(policy, 0)?;
-    if accumulate == 1 {
+/// The predicted step of `policy` on `w`: with several micro-batches the first gathers the
+/// parameter gradients and later ones hold them all from the start, so the higher of the two.
+pub fn predict(profile: &Profile, policy: &Policy, w: &Workload) -> Result<Estimate> {
+    let grads = Grads::of(profile, w.accumulate, w.in_backward);
+    let first = profile.predict_policy(policy, if grads == Grads::UpdatedInBackward { grads } else { Grads::Gathered })?;
+    if w.accumulate == 1 {
         return Ok(first);
     }
-    let later = profile.predict_policy(policy, profile.param_grad_bytes())?;
+    let later = profile.predict_policy(policy, grads)?;
     Ok(if later.peak > first.peak { Estimate { recompute_ms: first.recompute_ms, step_ms: first.step_ms, ..later } } else { first })
 }
 
@@ -188,7 +189,7 @@ pub fn run(
         // A state that alone does not fit gets no optimizer (GPT-2 XL's f32 weights, gradients
         // and AdamW moments are 25 GB): the record says so, with the arithmetic.
         let shapes: Vec<Vec<usize>> = inst.store().vars().iter().map(|v| v.dims().to_vec()).collect();
-        let (params, grads, optimizer) = workloads::state(&shapes, w.optimizer(), w.dtype);
+        let (params, grads, optimizer) = w.state(&shapes);
         if params + grads + optimizer > room {
             rec.status = Status::Skipped;
             rec.error = format!(
@@ -233,11 +234,11 @@ pub fn run(
     let (mut times, mut faults) = (Vec::new(), Vec::new());
     // f16 trains under dynamic loss scaling, as the trainers do.
     let mut scaler = (w.dtype == layers::Precision::F16).then(trainkit::LossScaler::default);
-    let stepper = trainkit::Stepper { group, exec: &exec, accumulate: w.accumulate, batch_names: None };
+    let stepper = trainkit::Stepper { group, exec: &exec, accumulate: w.accumulate, in_backward: w.in_backward, batch_names: None };
     for step in 0..=steps as u64 {
         let comm_before = group.comm_time();
         let faults_before = remat::memory::minor_faults();
-        let out = stepper.step(step, scaler.as_mut(), inputs, |grads| Ok(optimizer.update(grads)?))?;
+        let out = stepper.step(step, scaler.as_mut(), inputs, optimizer.as_mut())?;
         let comm = group.comm_time();
         if step == 0 {
             continue; // warm-up: first-touch page faults, lazily built kernels and caches
@@ -308,8 +309,8 @@ fn plan(
     // After the profile: the workspaces kernels keep from their first calls are part of it.
     let inputs_bytes: u64 = inst.inputs(0)?.iter().map(remat::memory::tensor_bytes).sum();
     let fixed = trainkit::memory_before_step(device, optimizer, inputs_bytes)?;
-    let held = if w.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
-    let (resolved, plan) = remat::plan::resolve(policy, &profile, fixed, held, trainkit::auto_budget(device, cap))?;
+    let grads = Grads::of(&profile, w.accumulate, w.in_backward);
+    let (resolved, plan) = remat::plan::resolve(policy, &profile, fixed, grads, trainkit::auto_budget(device, cap))?;
     let policy = trainkit::parallel::agreed_policy(group, policy, resolved)?;
     if plan.is_some() {
         rec.plan = policy.to_string();
@@ -317,9 +318,9 @@ fn plan(
     // Known before the step runs, for a baseline of a configuration that is not run.
     rec.segment_ranges = policy.segments_of(&profile.kinds())?.iter().map(|r| [r.start, r.end]).collect();
     if predict_step {
-        let estimate = predict(&profile, &policy, w.accumulate)?;
+        let estimate = predict(&profile, &policy, w)?;
         if policy == Policy::Off {
-            let points = remat::plan::frontier(&profile, fixed, held, 16);
+            let points = remat::plan::frontier(&profile, fixed, grads, 16);
             rec.frontier = points
                 .iter()
                 .map(|p| FrontierPoint { plan: p.policy().to_string(), peak_bytes: p.estimate.peak, time_ratio: p.estimate.time_ratio() })
@@ -329,7 +330,7 @@ fn plan(
         rec.predicted_total_bytes = Some(fixed + estimate.peak);
         rec.predicted_time_ratio = Some(estimate.time_ratio());
         rec.estimate = Some(estimate);
-        let off = predict(&profile, &Policy::Off, w.accumulate)?;
+        let off = predict(&profile, &Policy::Off, w)?;
         return Ok((policy, Some(fixed + off.peak)));
     }
     Ok((policy, None))

@@ -16,7 +16,7 @@ use crate::workloads::{self, Overrides, Workload};
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use remat::memory::tensor_bytes;
-use remat::plan::{Estimate, Profile};
+use remat::plan::{Estimate, Grads, Profile};
 use remat::{Policy, PolicyRequest};
 use std::process::Command;
 
@@ -90,7 +90,7 @@ pub fn project(w: &Workload, device: &Device, seed: u64) -> Result<Projection> {
     let weights: u64 =
         store.vars().iter().map(|v| tensor_bytes(v.as_tensor())).sum::<u64>() + store.buffers().map(|(_, b)| tensor_bytes(b.as_tensor())).sum::<u64>();
     let shapes: Vec<Vec<usize>> = store.vars().iter().map(|v| v.dims().to_vec()).collect();
-    let (_, _, optimizer) = workloads::state(&shapes, w.optimizer(), w.dtype);
+    let (_, _, optimizer) = w.state(&shapes);
     let inputs = inst.inputs_at(0, 1)?.iter().map(tensor_bytes).sum::<u64>() * w.batch as u64;
     let state_bytes = weights + optimizer + inputs;
     let inputs_at = |n| inst.inputs_at(0, n);
@@ -101,7 +101,7 @@ pub fn project(w: &Workload, device: &Device, seed: u64) -> Result<Projection> {
         Profile::extrapolated(inst.graph(), inputs_at, &vars, PROBES, w.batch, seed)?
     };
     // Accumulating, every micro-batch after the first holds all parameter gradients.
-    let held = if w.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
+    let grads = Grads::of(&profile, w.accumulate, w.in_backward);
     let row = |label: String, plan: String, e: &Estimate| ProjectedPolicy {
         label,
         plan,
@@ -111,16 +111,16 @@ pub fn project(w: &Workload, device: &Device, seed: u64) -> Result<Projection> {
     };
     let mut rows = Vec::new();
     for policy in w.policies() {
-        rows.push(row(policy.to_string(), String::new(), &predict(&profile, &policy, w.accumulate)?));
+        rows.push(row(policy.to_string(), String::new(), &predict(&profile, &policy, w)?));
     }
-    let sqrt_total = state_bytes + predict(&profile, &Policy::Sqrt, w.accumulate)?.peak;
-    let at_sqrt = profile.plan(sqrt_total, state_bytes, held)?;
+    let sqrt_total = state_bytes + predict(&profile, &Policy::Sqrt, w)?.peak;
+    let at_sqrt = profile.plan(sqrt_total, state_bytes, grads)?;
     rows.push(row("budget = sqrt's memory".into(), at_sqrt.policy().to_string(), &at_sqrt.estimate));
     // A card the model does not fit at any plan has no row for it.
-    if let Ok(card) = profile.plan(CARD_BUDGET, state_bytes, held) {
+    if let Ok(card) = profile.plan(CARD_BUDGET, state_bytes, grads) {
         rows.push(row(PolicyRequest::Budget(CARD_BUDGET).to_string(), card.policy().to_string(), &card.estimate));
     }
-    let least = profile.least_peak(held);
+    let least = profile.least_peak(grads);
     rows.push(row("least memory".into(), least.policy().to_string(), &least.estimate));
     Ok(Projection {
         model: w.model.clone(),

@@ -45,6 +45,8 @@ pub struct Workload {
     pub dtype: Precision,
     /// Data parallelism only: the optimizer state sharded over the ranks (ZeRO stage 1).
     pub shard_optimizer: bool,
+    /// The optimizer inside backward (`--optimizer-in-backward`): one micro-batch per step.
+    pub in_backward: bool,
     family: Arc<dyn Family>,
 }
 
@@ -100,6 +102,7 @@ fn workload<M: Benchable>(model: &str, config: M::Config, batch: usize, input_si
         optimizer: None,
         dtype: Precision::F32,
         shard_optimizer: false,
+        in_backward: false,
         family: Arc::new(Config::<M>(config)),
     }
 }
@@ -183,29 +186,33 @@ pub fn profile(profile: Profile) -> Vec<Workload> {
     }
 }
 
-/// The ways `gpt2-24gb` holds a model's state: (name, activation dtype, optimizer).
-pub const STATE_VARIANTS: [(&str, Precision, OptimizerKind); 4] = [
-    ("f32-adamw", Precision::F32, OptimizerKind::Adamw),
-    ("bf16-adamw", Precision::Bf16, OptimizerKind::Adamw),
-    ("bf16-weights-adamw", Precision::Bf16Weights, OptimizerKind::Adamw),
-    ("bf16-adafactor", Precision::Bf16, OptimizerKind::Adafactor),
+/// The ways `gpt2-24gb` holds a model's state: (name, activation dtype, optimizer, the optimizer
+/// inside backward).
+pub const STATE_VARIANTS: [(&str, Precision, OptimizerKind, bool); 5] = [
+    ("f32-adamw", Precision::F32, OptimizerKind::Adamw, false),
+    ("bf16-adamw", Precision::Bf16, OptimizerKind::Adamw, false),
+    ("bf16-weights-adamw", Precision::Bf16Weights, OptimizerKind::Adamw, false),
+    ("bf16-adafactor", Precision::Bf16, OptimizerKind::Adafactor, false),
+    (crate::gpt2_24gb::IN_BACKWARD, Precision::F32, OptimizerKind::Adamw, true),
 ];
 
 /// Micro-batches per step in `gpt2-24gb`: batch 1, effective batch 8.
 pub const GPT2_24GB_ACCUMULATE: usize = 8;
 
 /// GPT-2 at every published size at batch 1 and sequence 1024, 8 micro-batches accumulated per
-/// step, in each of [`STATE_VARIANTS`]: named `gpt2-<size>/<variant>`.
+/// step (one with the optimizer inside backward), in each of [`STATE_VARIANTS`]: named
+/// `gpt2-<size>/<variant>`.
 fn gpt2_24gb() -> Vec<Workload> {
     use gpt2::Preset as G;
     let sizes = [("small", G::Small), ("medium", G::Medium), ("large", G::Large), ("xl", G::Xl)];
     sizes
         .into_iter()
         .flat_map(|(size, preset)| {
-            STATE_VARIANTS.into_iter().map(move |(variant, dtype, optimizer)| Workload {
-                accumulate: GPT2_24GB_ACCUMULATE,
+            STATE_VARIANTS.into_iter().map(move |(variant, dtype, optimizer, in_backward)| Workload {
+                accumulate: if in_backward { 1 } else { GPT2_24GB_ACCUMULATE },
                 dtype,
                 optimizer: Some(optimizer),
+                in_backward,
                 ..workload::<Gpt2>(&format!("gpt2-{size}/{variant}"), preset.config(), 1, 1024)
             })
         })
@@ -263,12 +270,13 @@ impl Workload {
         self.family.describe_input(self.input_size)
     }
 
-    /// The workload with what `o` sets changed.
+    /// The workload with what `o` sets changed; the optimizer inside backward keeps its one
+    /// micro-batch (a gradient is final only after the last one's backward).
     pub fn overridden(self, o: Overrides) -> Self {
         Workload {
             batch: o.batch.unwrap_or(self.batch),
             input_size: o.input_size.unwrap_or(self.input_size),
-            accumulate: o.accumulate.unwrap_or(self.accumulate),
+            accumulate: if self.in_backward { 1 } else { o.accumulate.unwrap_or(self.accumulate) },
             optimizer: o.optimizer.or(self.optimizer),
             dtype: o.dtype.unwrap_or(self.dtype),
             shard_optimizer: o.shard_optimizer || self.shard_optimizer,
@@ -279,6 +287,14 @@ impl Workload {
     /// The shapes of its trainable parameters.
     pub fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>> {
         self.family.parameter_shapes()
+    }
+
+    /// Its state by arithmetic on the parameter `shapes` ([`state`]): the parameters, the
+    /// gradients held at once (none with the optimizer inside backward, which frees each as it
+    /// applies it: those in flight are the step's) and the optimizer's state.
+    pub fn state(&self, shapes: &[Vec<usize>]) -> (u64, u64, u64) {
+        let (params, grads, optimizer) = state(shapes, self.optimizer(), self.dtype);
+        (params, if self.in_backward { 0 } else { grads }, optimizer)
     }
 
     /// The optimizer it trains with.

@@ -107,7 +107,30 @@ impl Optimizer for Adafactor {
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.begin_update()?;
+        self.update_some(grads)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr;
+    }
+}
+
+impl TrainOptimizer for Adafactor {
+    fn update(&mut self, grads: &GradStore) -> Result<()> {
+        self.step(grads)
+    }
+
+    fn begin_update(&mut self) -> Result<()> {
         self.step += 1;
+        Ok(())
+    }
+
+    fn update_some(&mut self, grads: &GradStore) -> Result<()> {
         let t = self.step as f64;
         let ParamsAdafactor { lr, beta2_decay, eps1, eps2, d, weight_decay } = self.params;
         let w = t.powf(beta2_decay);
@@ -139,20 +162,6 @@ impl Optimizer for Adafactor {
             }
         }
         Ok(())
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.params.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.params.lr = lr;
-    }
-}
-
-impl TrainOptimizer for Adafactor {
-    fn update(&mut self, grads: &GradStore) -> Result<()> {
-        self.step(grads)
     }
 
     fn state(&self) -> Result<HashMap<String, Tensor>> {

@@ -255,6 +255,18 @@ impl InplaceOp1 for Scale {
 /// as named tensors (moments, step count) to save and restore exactly.
 pub trait TrainOptimizer {
     fn update(&mut self, grads: &GradStore) -> Result<()>;
+    /// The update split over a step's backward (`--optimizer-in-backward`): `begin_update` once
+    /// per step, before its parts, advances what the parameters share (the step count of the
+    /// bias corrections); then [`TrainOptimizer::update_some`] for each part.
+    fn begin_update(&mut self) -> Result<()> {
+        candle_core::bail!("this optimizer does not update inside backward")
+    }
+    /// Updates the parameters whose gradients `grads` holds, each as [`TrainOptimizer::update`]
+    /// would: an update reads its own parameter's gradient and state alone, so parts that cover
+    /// every parameter once give the bits of one update of them all.
+    fn update_some(&mut self, _grads: &GradStore) -> Result<()> {
+        candle_core::bail!("this optimizer does not update inside backward")
+    }
     /// The state, by name ("step", "m.3", ...: per parameter, in the order of the vars given).
     fn state(&self) -> Result<HashMap<String, Tensor>>;
     /// Restores what [`TrainOptimizer::state`] returned; a missing or misshapen entry is an error.
@@ -350,7 +362,30 @@ impl Optimizer for AdamW {
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.begin_update()?;
+        self.update_some(grads)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr;
+    }
+}
+
+impl TrainOptimizer for AdamW {
+    fn update(&mut self, grads: &GradStore) -> Result<()> {
+        self.step(grads)
+    }
+
+    fn begin_update(&mut self) -> Result<()> {
         self.step += 1;
+        Ok(())
+    }
+
+    fn update_some(&mut self, grads: &GradStore) -> Result<()> {
         let ParamsAdamW { lr, beta1, beta2, eps, weight_decay } = self.params;
         let rule = AdamWRule { params: self.params.clone(), step: self.step };
         let (step_size, bias2_sqrt) = rule.step_size_and_bias2_sqrt();
@@ -373,20 +408,6 @@ impl Optimizer for AdamW {
             }
         }
         Ok(())
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.params.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.params.lr = lr;
-    }
-}
-
-impl TrainOptimizer for AdamW {
-    fn update(&mut self, grads: &GradStore) -> Result<()> {
-        self.step(grads)
     }
 
     fn state(&self) -> Result<HashMap<String, Tensor>> {
@@ -466,6 +487,29 @@ impl Optimizer for SgdMomentum {
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.update_some(grads)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr;
+    }
+}
+
+impl TrainOptimizer for SgdMomentum {
+    fn update(&mut self, grads: &GradStore) -> Result<()> {
+        self.step(grads)
+    }
+
+    /// SGD shares nothing between its parameters.
+    fn begin_update(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn update_some(&mut self, grads: &GradStore) -> Result<()> {
         let ParamsSgd { lr, momentum, weight_decay } = self.params;
         for (var, velocity) in self.vars.iter_mut() {
             let Some(g) = grads.get(var) else { continue };
@@ -486,20 +530,6 @@ impl Optimizer for SgdMomentum {
             }
         }
         Ok(())
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.params.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.params.lr = lr;
-    }
-}
-
-impl TrainOptimizer for SgdMomentum {
-    fn update(&mut self, grads: &GradStore) -> Result<()> {
-        self.step(grads)
     }
 
     /// A parameter's momentum buffer exists once it has had a gradient (PyTorch's rule), so the
@@ -591,6 +621,40 @@ mod tests {
         for (dtype, tol) in DTYPES {
             follows(dtype, tol, |vars| SgdMomentum::new(vars, p), sgd_by_hand(p))?;
             follows(dtype, tol, |vars| Ok(SgdMomentum::new(vars, p)?.composed()), sgd_by_hand(p))?;
+        }
+        Ok(())
+    }
+
+    /// Updating in parts (the optimizer inside backward) gives the bits of one update, for every
+    /// optimizer: three parameters over three steps, updated as {2} then {0, 1}, against all at once.
+    #[test]
+    fn an_update_in_parts_equals_one_update() -> Result<()> {
+        for kind in [OptimizerKind::Adamw, OptimizerKind::Sgd, OptimizerKind::Adafactor] {
+            let run = |parts: bool| -> Result<Vec<Vec<u32>>> {
+                let vars = (0..3)
+                    .map(|i| Var::from_tensor(&Tensor::arange(i as f32, i as f32 + 6.0, &Device::Cpu)?.reshape((2, 3))?))
+                    .collect::<Result<Vec<Var>>>()?;
+                let mut opt = kind.build(vars.clone(), 0.1)?;
+                for _ in 0..3 {
+                    let loss = vars.iter().try_fold(Tensor::new(0f32, &Device::Cpu)?, |acc, v| acc + v.as_tensor().powf(3.0)?.sum_all()?)?;
+                    let grads = loss.backward()?;
+                    if !parts {
+                        opt.update(&grads)?;
+                        continue;
+                    }
+                    opt.begin_update()?;
+                    for part in [&vars[2..], &vars[..2]] {
+                        let mut some = GradStore::default();
+                        for v in part {
+                            some.insert(v.as_tensor(), grads.get(v).expect("every parameter has a gradient").clone());
+                        }
+                        opt.update_some(&some)?;
+                    }
+                }
+                vars.iter().map(|v| Ok(v.as_tensor().flatten_all()?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect())).collect()
+            };
+            let (whole, parts) = (run(false)?, run(true)?);
+            assert!(whole != vec![vec![0u32; 6]; 3] && parts == whole, "{kind}: the update in parts differs from one update");
         }
         Ok(())
     }

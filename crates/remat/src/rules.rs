@@ -36,7 +36,10 @@
 //!   held to the end of the step; earlier users add to it in place. When micro-batches
 //!   accumulate, the earlier ones' sum is held throughout, and a parameter several stages use
 //!   keeps this micro-batch's partial sum aside from its last user's backward to its first
-//!   user's (a profile lists those parameters: `Profile::shared_grads`).
+//!   user's (a profile lists those parameters: `Profile::shared_grads`). With the optimizer
+//!   inside backward, a gradient is complete after the backward of the earliest stage whose
+//!   outputs depend on its parameter (the first step's forward finds it), reported then and
+//!   freed by the caller: only the shared parameters' partial sums stay held across stages.
 //! - Rule 9: the timeline records one event as each stage's forward, recompute or backward ends
 //!   (after Rule 6's drop): the heap, and the bytes of the parameter gradients held. The
 //!   planner's [`crate::plan::Point`]s predict them.

@@ -92,7 +92,7 @@ fn all_plans(p: &Profile) -> Vec<(Vec<usize>, f64, u64)> {
     (0..1u64 << cand.len())
         .map(|mask| {
             let starts: Vec<usize> = std::iter::once(0).chain(cand.iter().enumerate().filter(|(k, _)| mask >> k & 1 == 1).map(|(_, &s)| s)).collect();
-            let e = p.predict(&segments(&starts, p.stages.len()), remat::keep::OpSet::default(), 0);
+            let e = p.predict(&segments(&starts, p.stages.len()), remat::keep::OpSet::default(), remat::plan::Grads::Gathered);
             (starts, e.recompute_ms, e.peak)
         })
         .collect()
@@ -102,16 +102,16 @@ fn agrees_with_brute_force(p: &Profile) {
     let plans = all_plans(p);
     let least = plans.iter().map(|x| x.2).min().unwrap();
     let most = plans.iter().map(|x| x.2).max().unwrap();
-    assert_eq!(p.least_peak(0).estimate.peak, least, "least peak");
+    assert_eq!(p.least_peak(remat::plan::Grads::Gathered).estimate.peak, least, "least peak");
     let fixed = 1 << 20;
     for k in 0..=40 {
         let budget = least + (most - least) * k / 40;
         let best = plans.iter().filter(|x| x.2 <= budget).map(|x| (x.1, x.2)).min_by(|a, b| a.partial_cmp(b).unwrap()).unwrap();
-        let plan = p.plan(fixed + budget, fixed, 0).unwrap();
+        let plan = p.plan(fixed + budget, fixed, remat::plan::Grads::Gathered).unwrap();
         assert_eq!((plan.estimate.recompute_ms, plan.estimate.peak), best, "budget {budget}: plan {:?}", plan.starts);
         assert!(plan.estimate.peak <= budget);
     }
-    let err = p.plan(fixed + least - 1, fixed, 0).unwrap_err().to_string();
+    let err = p.plan(fixed + least - 1, fixed, remat::plan::Grads::Gathered).unwrap_err().to_string();
     assert!(err.contains("below the smallest peak") && err.contains("the state before the step"), "{err}");
 }
 

@@ -3,9 +3,10 @@
 //! kind of policy. Both follow the bookkeeping rules of `remat::rules`; a rule changed on one
 //! side only fails here. Compared:
 //! - the stored values (Rule 1) and the events, phase and stage in order (Rule 3): equal;
-//! - the parameter gradients held at every event (Rule 8), alone and accumulating on an earlier
-//!   micro-batch's (the shared weight's partial sum): equal, but for the record of each tensor,
-//!   which the planner counts and the event's figure leaves out;
+//! - the parameter gradients held at every event (Rule 8), alone, accumulating on an earlier
+//!   micro-batch's (the shared weight's partial sum) and freed as each is complete (the optimizer
+//!   inside backward): equal, but for the record of each tensor, which the planner counts and the
+//!   event's figure leaves out;
 //! - the bytes held at every event (Rules 2, 4 to 7): equal within [`NOISE`];
 //! - the step's peak: within the bench harness's tolerance for its predictions (3 %,
 //!   `bench-harness/tests/planner.rs`).
@@ -13,10 +14,11 @@
 //! The only test in its binary: the counting allocator is process-wide, and tests of one binary
 //! run concurrently.
 
+use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use remat::keep::OpSet;
 use remat::memory::{heap_current, tensor_overhead, CountingAlloc, Event};
-use remat::plan::{Point, Profile};
+use remat::plan::{Grads, Point, Profile};
 use remat::{Executor, Policy, StageGraph, StageKind};
 
 mod common;
@@ -85,22 +87,31 @@ fn the_planner_replays_the_executors_bookkeeping_event_by_event() {
         exec.step(&inputs, 0).unwrap(); // thread pools and kernel workspaces are not the step's
         let base = heap_current();
         let events = exec.step(&inputs, 1).unwrap().timeline.events;
-        replays(&policy, &profile, &cut, 0, &events, base);
+        replays(&policy, &profile, &cut, Grads::Gathered, &events, base);
 
         // Accumulating: the second micro-batch, on the first's gradients (Rule 8's partial sums).
         let base = heap_current();
         let first = exec.step(&inputs, 2).unwrap().grads;
         let events = exec.accumulate(&inputs, 3, first).unwrap().timeline.events;
-        replays(&format!("{policy}, accumulating"), &profile, &cut, profile.param_grad_bytes(), &events, base);
+        replays(&format!("{policy}, accumulating"), &profile, &cut, Grads::Accumulating(profile.param_grad_bytes()), &events, base);
+
+        // The optimizer inside backward: every gradient dropped as soon as it is reported complete.
+        let base = heap_current();
+        let mut free = |ready: &[usize], store: &mut GradStore| {
+            ready.iter().for_each(|&k| drop(store.remove(exec.params()[k].as_tensor())));
+            Ok(())
+        };
+        let events = exec.accumulate_reporting(&inputs, 4, GradStore::default(), &mut free).unwrap().timeline.events;
+        replays(&format!("{policy}, optimizer inside backward"), &profile, &cut, Grads::UpdatedInBackward, &events, base);
     }
 }
 
 /// The executor's `events` of a step cut into segments, keeping the ops of a set (`cut`), against
-/// the planner's replay, with `held_grads` held from earlier micro-batches; `base`: the heap
+/// the planner's replay, with what the step does with parameter `grads`; `base`: the heap
 /// before those.
-fn replays(at: &str, profile: &Profile, (segments, keep): &(Vec<std::ops::Range<usize>>, OpSet), held_grads: u64, events: &[Event], base: u64) {
-    let predicted = profile.timeline(segments, *keep, held_grads);
-    let estimate = profile.predict(segments, *keep, held_grads);
+fn replays(at: &str, profile: &Profile, (segments, keep): &(Vec<std::ops::Range<usize>>, OpSet), grads: Grads, events: &[Event], base: u64) {
+    let predicted = profile.timeline(segments, *keep, grads);
+    let estimate = profile.predict(segments, *keep, grads);
     assert_eq!(predicted.iter().map(|p| p.peak.total()).max(), Some(estimate.peak), "{at}: the estimate is the timeline's highest point");
     let order = |e: &[(remat::memory::Phase, usize)]| e.iter().map(|(p, s)| format!("{p:?} {s}")).collect::<Vec<_>>();
     let (ran, replayed): (Vec<_>, Vec<_>) = (events.iter().map(|e| (e.phase, e.stage)).collect(), predicted.iter().map(|p| (p.phase, p.stage)).collect());

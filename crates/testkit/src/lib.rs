@@ -8,6 +8,7 @@ pub mod reference;
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use remat::memory::Meter;
+use remat::plan::Grads;
 use remat::Executor;
 use std::path::Path;
 use trainkit::read_losses;
@@ -136,7 +137,7 @@ pub fn assert_alike_stages_predict_as_measured<M: layers::Benchable>(config: &M:
     }
     for policy in policies {
         let policy: remat::Policy = policy.parse().unwrap();
-        let (r, e) = (reused.predict_policy(&policy, 0).unwrap().peak, each.predict_policy(&policy, 0).unwrap().peak);
+        let (r, e) = (reused.predict_policy(&policy, Grads::Gathered).unwrap().peak, each.predict_policy(&policy, Grads::Gathered).unwrap().peak);
         let error = r as f64 / e as f64 - 1.0;
         eprintln!("{policy}: {r} B with alike stages reused, {e} B with every stage measured ({:+.2}%)", error * 100.0);
         assert!(error.abs() <= 0.01, "{policy}: {r} B predicted reusing alike stages, {e} B measuring each");
@@ -219,6 +220,40 @@ pub fn assert_lora_trains_adapters_only<M: layers::Benchable>(config: &M::Config
         "LoRA's step peak {lora_peak} B, full fine-tuning's {full_peak} B: the base weights' gradients ({weight_grads} B) were not all saved"
     );
     eprintln!("{} adapters: gradients = plain candle's under every policy; step peak {lora_peak} B vs full fine-tuning {full_peak} B", adapters.len());
+}
+
+/// The optimizer inside backward (`--optimizer-in-backward`) on a model of `config` at `batch`
+/// and input `size`, dropout on: after three steps under `off` and `sqrt` the weights equal the
+/// ordinary step's bit for bit, for SGD, AdamW and Adafactor; and at no event of the three steps
+/// (the first included) are more than half the gradients the ordinary step ends with held. With the
+/// update after backward, as the ordinary step runs it, every gradient is held at the end: the
+/// check fails.
+pub fn assert_optimizer_in_backward<M: layers::Benchable>(config: &M::Config, size: usize, batch: usize) {
+    let group = trainkit::Group::single();
+    for kind in [layers::OptimizerKind::Sgd, layers::OptimizerKind::Adamw, layers::OptimizerKind::Adafactor] {
+        for policy in ["off", "sqrt"] {
+            let run = |in_backward: bool| {
+                let model = M::build(config, &Device::Cpu, 0).unwrap();
+                let vars = model.params().vars();
+                let exec = Executor::new(model.graph(), &policy.parse::<remat::Policy>().unwrap(), vars.clone(), 7).unwrap();
+                let mut opt = kind.build(vars.clone(), kind.bench_lr()).unwrap();
+                let data = model.synthetic_data(size, 0).unwrap();
+                let stepper = trainkit::Stepper { group: &group, exec: &exec, accumulate: 1, in_backward, batch_names: None };
+                let inputs = |n: u64| Ok(model.synthetic_inputs(&data, n, batch, &Device::Cpu)?);
+                let mut held = 0;
+                for step in 0..3 {
+                    let out = stepper.step(step, None, inputs, opt.as_mut()).unwrap();
+                    held = out.timeline.events.iter().map(|e| e.grad_bytes).fold(held, u64::max);
+                }
+                let weights: Vec<Vec<u32>> = vars.iter().map(|v| layers::f32_bits(v.as_tensor()).unwrap()).collect();
+                (weights, held)
+            };
+            let ((ordinary, all), (inside, held)) = (run(false), run(true));
+            assert!(inside == ordinary, "{kind} {policy}: the weights after the optimizer inside backward differ from the ordinary step's");
+            eprintln!("{kind} {policy}: at most {held} B of gradients held inside backward, {all} B after it");
+            assert!(held * 2 <= all, "{kind} {policy}: {held} B of gradients held at once with the optimizer inside backward, of {all} B");
+        }
+    }
 }
 
 /// A model's adapters leave it in PEFT's layout and come back exactly, and merge into the base:

@@ -83,6 +83,13 @@ pub struct RunArgs {
     /// snapshots gather the whole state on rank 0.
     #[arg(long)]
     pub shard_optimizer: bool,
+    /// The optimizer inside backward: each segment's parameters are updated as soon as backward
+    /// has made their gradients final, and those gradients freed, so a step never holds every
+    /// gradient at once. The weights equal the ordinary step's bit for bit (each parameter's
+    /// update reads its own gradient and state only). One micro-batch per step on one rank
+    /// without f16 loss scaling: each of those needs every gradient before any update.
+    #[arg(long)]
+    pub optimizer_in_backward: bool,
 }
 
 /// The most held-out batches an evaluation runs (`--eval-batches`): each is a forward pass, and
@@ -108,6 +115,16 @@ impl RunArgs {
         }
         if self.eval_batches > MAX_EVAL_BATCHES {
             bail!("--eval-batches {} is more than {MAX_EVAL_BATCHES} (each is a forward pass)", self.eval_batches);
+        }
+        if self.optimizer_in_backward {
+            let conflict = [
+                (self.accumulate > 1, "--accumulate above 1 (a gradient is final only after the last micro-batch's backward)"),
+                (self.ranks > 1, "--ranks above 1 (the gradients are averaged over the ranks before the update)"),
+                (self.dtype == layers::Precision::F16, "--dtype f16 (its loss scaler skips a step unless every gradient is finite)"),
+            ];
+            if let Some((_, why)) = conflict.iter().find(|(c, _)| *c) {
+                bail!("--optimizer-in-backward updates each parameter as its gradient is final: not with {why}");
+            }
         }
         if let Some(scale) = self.loss_scale {
             if self.dtype != layers::Precision::F16 {

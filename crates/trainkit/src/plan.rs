@@ -6,7 +6,7 @@ use crate::parallel::{self, Group};
 use crate::{mib, say, segments, show};
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
-use remat::plan::Profile;
+use remat::plan::{Grads, Profile};
 use remat::Executor;
 
 /// This machine's available memory in bytes (MemAvailable + SwapFree), where /proc/meminfo says.
@@ -120,10 +120,10 @@ fn check_step_fits(
         })
     });
     let profile = profile?;
-    let (fixed, held) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
-    let least = profile.least_peak(held);
+    let (fixed, grads) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
+    let least = profile.least_peak(grads);
     let peak = match policy.fixed() {
-        Some(policy) => profile.predict_policy(policy, held)?.peak,
+        Some(policy) => profile.predict_policy(policy, grads)?.peak,
         None => least.estimate.peak,
     };
     // What is already allocated (the model) is not asked of the free memory again.
@@ -153,8 +153,9 @@ fn vars_and_device(model: &impl layers::Model) -> (Vec<candle_core::Var>, Device
 
 /// What a step of `batch` starts from, as the planner counts it: the memory before the step
 /// ([`memory_before_step`] with a batch of inputs; called after profiling, so the workspaces
-/// kernels keep from their first calls are part of it), and the parameter gradients held across
-/// micro-batches (`profile`'s, under `--accumulate`).
+/// kernels keep from their first calls are part of it), and what the step does with parameter
+/// gradients (held across micro-batches under `--accumulate`, applied as they finish under
+/// `--optimizer-in-backward`).
 fn step_start(
     run: &RunArgs,
     device: &Device,
@@ -162,10 +163,9 @@ fn step_start(
     profile: &remat::plan::Profile,
     batch: usize,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
-) -> Result<(u64, u64)> {
+) -> Result<(u64, Grads)> {
     let inputs: u64 = inputs_at(1)?.iter().map(remat::memory::tensor_bytes).sum::<u64>().saturating_mul(batch as u64);
-    let held = if run.accumulate > 1 { profile.param_grad_bytes() } else { 0 };
-    Ok((memory_before_step(device, optimizer, inputs)?, held))
+    Ok((memory_before_step(device, optimizer, inputs)?, Grads::of(profile, run.accumulate, run.optimizer_in_backward)))
 }
 
 /// `--policy budget=SIZE`/`auto` and `--dry-run`: profiles the model's stages one at a time at
@@ -220,14 +220,14 @@ fn plan_policy(
             (profile?, peak)
         }
     };
-    let (fixed, held) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
-    let (resolved, plan) = resolve(policy, &profile, fixed, held, auto_budget(&device, run.memory_cap))?;
+    let (fixed, grads) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
+    let (resolved, plan) = resolve(policy, &profile, fixed, grads, auto_budget(&device, run.memory_cap))?;
     if let (Some(cap), None, false) = (run.memory_cap, &plan, run.dry_run) {
         // A fixed policy under a cap: refused now if the planner says it cannot fit, where the
         // run would otherwise end at the allocation that crosses the cap.
-        let need = fixed + profile.predict_policy(&resolved, held)?.peak;
+        let need = fixed + profile.predict_policy(&resolved, grads)?.peak;
         if need > cap {
-            let least = profile.least_peak(held);
+            let least = profile.least_peak(grads);
             bail!(
                 "--policy {resolved} needs {:.1} MiB by the planner's prediction (state before the step {:.1} MiB), above --memory-cap {:.1} MiB; the least any checkpoint plan needs is {:.1} MiB ({}), and --policy auto picks the fastest plan that fits",
                 mib(need),
@@ -249,10 +249,10 @@ fn plan_policy(
     let mut policies = vec![resolved.clone()];
     policies.extend([remat::Policy::Off, remat::Policy::Sqrt, remat::Policy::EveryN(2)].into_iter().filter(|q| *q != resolved));
     for q in policies {
-        let e = profile.predict_policy(&q, held)?;
+        let e = profile.predict_policy(&q, grads)?;
         show!("{q}: total {:.1} MiB; {}", mib(fixed + e.peak), summary(&e));
     }
-    let least = profile.least_peak(held);
+    let least = profile.least_peak(grads);
     show!("least memory: {} total {:.1} MiB; {}", least.policy(), mib(fixed + least.estimate.peak), summary(&least.estimate));
     show!("dry run: trained nothing; profiling used {:.1} MiB of heap beyond the model", mib(dry_peak));
     Ok(None)

@@ -8,6 +8,7 @@ use crate::scaler::{all_finite, finish_gradients, LossScaler};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
+use layers::TrainOptimizer;
 use remat::memory::{set_activity, Activity, Meter, Timeline, Usage};
 use remat::Executor;
 
@@ -41,6 +42,10 @@ pub struct Stepper<'a> {
     pub group: &'a Group,
     pub exec: &'a Executor<'a>,
     pub accumulate: usize,
+    /// The optimizer inside backward (`--optimizer-in-backward`): each parameter updated as soon
+    /// as its gradient is final, and the gradient freed. One micro-batch, one rank, no loss
+    /// scaler ([`crate::RunArgs::check`] refuses the others).
+    pub in_backward: bool,
     /// What a data batch is, by number, where the data comes from files: named in the error of a
     /// step whose gradients are not finite.
     pub batch_names: Option<Box<dyn Fn(u64) -> String + 'a>>,
@@ -48,7 +53,7 @@ pub struct Stepper<'a> {
 
 impl Stepper<'_> {
     /// Optimizer step `step`: `inputs(n)` gives the graph inputs of data batch `n` (this rank's
-    /// share), for the batches of [`micro_batches`]; `update` applies the finished gradients.
+    /// share), for the batches of [`micro_batches`]; `opt` applies the finished gradients.
     /// Without a loss scaler (whose rule is to skip such a step), gradients that are not finite
     /// end the run before they reach the weights, naming the batches whose loss was not finite
     /// (or every batch of the step): a NaN in the data otherwise trains on silently.
@@ -57,8 +62,11 @@ impl Stepper<'_> {
         step: u64,
         scaler: Option<&mut LossScaler>,
         inputs: impl Fn(u64) -> Result<Vec<Tensor>>,
-        update: impl FnOnce(&GradStore) -> Result<()>,
+        opt: &mut dyn TrainOptimizer,
     ) -> Result<StepOutcome> {
+        if self.in_backward {
+            return self.step_in_backward(step, scaler, inputs, opt);
+        }
         let batches = micro_batches(step, self.accumulate);
         let last = batches.end - 1;
         self.exec.set_loss_scale(scaler.as_ref().map_or(1.0, |s| s.scale));
@@ -99,11 +107,54 @@ impl Stepper<'_> {
         let fwd_bwd_peak = meter.peak_so_far();
         set_activity(Activity::Optimizer, None);
         if updated {
-            update(&grads)?;
+            opt.update(&grads)?;
         }
         drop(grads);
         let usage = meter.finish();
         let timeline = timeline.expect("at least one micro-batch");
         Ok(StepOutcome { loss: total / self.accumulate as f64, updated, usage, fwd_bwd_peak, activation_peak, timeline })
+    }
+
+    /// [`Stepper::step`] with the optimizer inside backward: the executor reports the gradients
+    /// each stage's backward finished ([`Executor::accumulate_reporting`]); they are taken out of
+    /// the step's store, checked, applied and dropped there.
+    fn step_in_backward(
+        &self,
+        step: u64,
+        scaler: Option<&mut LossScaler>,
+        inputs: impl Fn(u64) -> Result<Vec<Tensor>>,
+        opt: &mut dyn TrainOptimizer,
+    ) -> Result<StepOutcome> {
+        if self.accumulate != 1 || self.group.world() != 1 || scaler.is_some() {
+            bail!("the optimizer inside backward runs one micro-batch on one rank without a loss scaler");
+        }
+        let inputs = inputs(step)?;
+        let meter = Meter::start(inputs[0].device());
+        let params = self.exec.params();
+        let mut begun = false;
+        let out = self.exec.accumulate_reporting(&inputs, step, GradStore::default(), &mut |ready, store| {
+            let mut part = GradStore::default();
+            for &k in ready {
+                if let Some(g) = store.remove(params[k].as_tensor()) {
+                    part.insert(params[k].as_tensor(), g);
+                }
+            }
+            if !all_finite(&part, params).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))? {
+                candle_core::bail!(
+                    "step {step}: gradients are not finite; the parameters whose gradients were final before them are updated \
+                     already (--optimizer-in-backward): a NaN or an infinity in data batch {step}, or a diverging run (a lower --lr may help)"
+                );
+            }
+            if !begun {
+                opt.begin_update()?;
+                begun = true;
+            }
+            set_activity(Activity::Optimizer, None);
+            opt.update_some(&part)
+        })?;
+        let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+        let (fwd_bwd_peak, activation_peak) = (meter.peak_so_far(), out.timeline.activation_peak(meter.heap_base()));
+        drop(out.grads);
+        Ok(StepOutcome { loss, updated: true, usage: meter.finish(), fwd_bwd_peak, activation_peak, timeline: out.timeline })
     }
 }

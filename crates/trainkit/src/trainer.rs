@@ -86,11 +86,11 @@ impl<M: Model> Trainer<'_, M> {
             None => 0,
         };
 
-        let stepper = Stepper { group, exec: &exec, accumulate: run.accumulate, batch_names };
+        let stepper = Stepper { group, exec: &exec, accumulate: run.accumulate, in_backward: run.optimizer_in_backward, batch_names };
         let batch = |n: u64| Ok(group.shard(inputs(n, self.batch * group.world())?)?);
         for step in start..self.steps {
             let scale = scaler.map_or(1.0, |s| s.scale);
-            let out = stepper.step(step as u64, scaler.as_mut(), batch, |g| Ok(opt.update(g)?))?;
+            let out = stepper.step(step as u64, scaler.as_mut(), batch, opt.as_mut())?;
             if !out.updated {
                 let now = scaler.map_or(1.0, |s| s.scale);
                 log.say(format_args!("step {step}: gradients not finite at loss scale {scale}; update skipped, loss scale now {now}"));

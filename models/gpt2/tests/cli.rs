@@ -123,6 +123,26 @@ fn a_sharded_optimizer_needs_several_ranks() {
     fails_saying(&["--steps", "1", "--shard-optimizer"], "--shard-optimizer shares the optimizer state among data-parallel ranks");
 }
 
+/// `--optimizer-in-backward` trains (its log the ordinary step's), and is refused with what needs
+/// every gradient before any update: accumulation, f16 loss scaling. Unchecked, an update inside
+/// the first micro-batch's backward would apply part of the step's gradient.
+#[test]
+fn the_optimizer_inside_backward_trains_and_refuses_what_needs_all_gradients() {
+    let losses = |extra: &[&str]| {
+        let out = train(&[&["--steps", "3", "--policy", "sqrt"], extra].concat());
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{extra:?}: {err}");
+        err.lines()
+            .filter(|l| l.trim_start().starts_with("step"))
+            .filter_map(|l| l.split_whitespace().skip_while(|w| *w != "loss").nth(1).map(str::to_string))
+            .collect::<Vec<_>>()
+    };
+    let (ordinary, inside) = (losses(&[]), losses(&["--optimizer-in-backward"]));
+    assert!(!ordinary.is_empty() && ordinary == inside, "{ordinary:?} vs {inside:?}");
+    fails_saying(&["--optimizer-in-backward", "--accumulate", "2"], "not with --accumulate above 1");
+    fails_saying(&["--optimizer-in-backward", "--dtype", "f16"], "not with --dtype f16");
+}
+
 /// `--ranks` in a build without MPI says which feature it needs, instead of starting mpirun on
 /// processes that cannot join.
 #[cfg(not(feature = "mpi"))]

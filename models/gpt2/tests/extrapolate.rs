@@ -7,7 +7,7 @@ use candle_core::Device;
 use gpt2::{Config, Gpt2};
 use layers::Model;
 use remat::memory::CountingAlloc;
-use remat::plan::Profile;
+use remat::plan::{Grads, Profile};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -25,7 +25,7 @@ fn a_profile_extrapolated_from_batches_2_and_4_predicts_batch_16() {
     let measured = Profile::at_batch(model.graph(), inputs, &vars, 16, 0).unwrap();
     for policy in ["off", "sqrt", "every-two-blocks"] {
         let policy = policy.parse().unwrap();
-        let (e, m) = (extrapolated.predict_policy(&policy, 0).unwrap().peak, measured.predict_policy(&policy, 0).unwrap().peak);
+        let (e, m) = (extrapolated.predict_policy(&policy, Grads::Gathered).unwrap().peak, measured.predict_policy(&policy, Grads::Gathered).unwrap().peak);
         let error = e as f64 / m as f64 - 1.0;
         eprintln!("{policy}: extrapolated {e} B, measured {m} B ({:+.1}%)", error * 100.0);
         assert!(error.abs() <= 0.05, "{policy}: extrapolated {e} B against {m} B measured at batch 16");

@@ -6,13 +6,14 @@ use super::grads::{ParamGrads, Reporter};
 use super::ops::seed;
 use super::Live;
 use crate::memory::{set_activity, Activity, Phase};
-use crate::Result;
+use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 
 impl<'e, 'g> StepRun<'e, 'g> {
     /// Every segment's backward, last first, recomputing all but the last (Rule 3), the finished
-    /// parameter gradients reported as they complete.
+    /// parameter gradients reported as they complete (after the backward of the earliest stage
+    /// that uses each).
     pub(super) fn backward(&mut self, kept: Vec<Live>, sums: &mut ParamGrads, reporter: &mut Reporter) -> Result<()> {
         let exec = self.exec;
         let mut kept = Some(kept);
@@ -28,8 +29,7 @@ impl<'e, 'g> StepRun<'e, 'g> {
                     self.run_segment(s, true, sums.bytes(&exec.params))?
                 }
             };
-            SegmentBackward { s, runs }.run(self, sums)?;
-            reporter.after_segment(s, &mut sums.sum)?;
+            SegmentBackward { s, runs }.run(self, sums, reporter)?;
         }
         sums.flush(&exec.params)?;
         reporter.rest(&mut sums.sum)
@@ -43,12 +43,13 @@ struct SegmentBackward {
 }
 
 impl SegmentBackward {
-    fn run(mut self, step: &mut StepRun, sums: &mut ParamGrads) -> Result<()> {
+    fn run(mut self, step: &mut StepRun, sums: &mut ParamGrads, reporter: &mut Reporter) -> Result<()> {
         let exec = step.exec;
         for i in exec.segments[self.s].stages.clone().rev() {
             let live = self.runs.pop().expect("one live run per stage");
-            self.stage(i, live, step, sums)?;
-            // Rule 9: after Rule 6's drop.
+            self.stage(i, live, step, sums, reporter)?;
+            reporter.after_stage(i, &mut sums.sum)?;
+            // Rule 9: after Rule 6's drop, and after the caller took what was reported.
             step.timeline.record(Phase::Backward, i, sums.bytes(&exec.params));
         }
         Ok(())
@@ -56,13 +57,18 @@ impl SegmentBackward {
 
     /// Stage `i`'s backward: its parameter gradients into `sums`, its input gradients passed on.
     /// Rule 6: its run is dropped on return.
-    fn stage(&self, i: usize, live: Live, step: &mut StepRun, sums: &mut ParamGrads) -> Result<()> {
+    fn stage(&self, i: usize, live: Live, step: &mut StepRun, sums: &mut ParamGrads, reporter: &Reporter) -> Result<()> {
         let Some(root) = self.root(i, &live, step)? else { return Ok(()) };
         set_activity(Activity::Backward, Some(i));
         let mut grads = root.backward()?;
         for (k, p) in step.exec.params.iter().enumerate() {
             if let Some(g) = grads.remove(p.as_tensor()) {
-                sums.add(k, p, g.detach(), self.s)?;
+                if reporter.reported(k) {
+                    // Its update may have run already: stop rather than train on part of it.
+                    let msg = format!("stage {i} gave parameter {k} a gradient after it was reported complete: its forward did not show the use");
+                    return Err(Error::Graph(msg));
+                }
+                sums.add(k, p, g.detach())?;
             }
         }
         Self::pass_on(&live, &mut grads, step)

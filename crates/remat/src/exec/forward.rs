@@ -20,17 +20,38 @@ pub(super) struct StepRun<'e, 'g> {
     stash: Stash,
     pub(super) value_grads: HashMap<ValueId, Tensor>,
     pub(super) timeline: Timeline,
+    /// On the first step, for each parameter the earliest stage whose outputs depend on it, as
+    /// the forward finds them: its gradient is complete after that stage's backward.
+    pub(super) first_users: Option<Vec<Option<usize>>>,
 }
 
 impl<'e, 'g> StepRun<'e, 'g> {
-    pub(super) fn start(exec: &'e Executor<'g>, inputs: &[Tensor], step: u64) -> Self {
+    /// `find_users`: record [`StepRun::first_users`] (the first step).
+    pub(super) fn start(exec: &'e Executor<'g>, inputs: &[Tensor], step: u64, find_users: bool) -> Self {
         let device = inputs.first().map_or(candle_core::Device::Cpu, |t| t.device().clone());
         let timeline = Timeline::start(&device);
         let mut stored: Vec<Option<Tensor>> = vec![None; exec.graph.n_values()];
         for (slot, t) in stored.iter_mut().zip(inputs) {
             *slot = Some(t.clone());
         }
-        StepRun { exec, step, stored, stash: Stash::default(), value_grads: HashMap::new(), timeline }
+        let first_users = find_users.then(|| vec![None; exec.params.len()]);
+        StepRun { exec, step, stored, stash: Stash::default(), value_grads: HashMap::new(), timeline, first_users }
+    }
+
+    /// Stage `i`'s forward made `outputs`: every parameter their op graph reaches that no earlier
+    /// stage's did is first used here. An earlier segment's stage outputs reach back through the
+    /// segment's earlier stages too, whose parameters are claimed already.
+    fn find_users(&mut self, i: usize, outputs: &[Tensor]) {
+        let Some(first_users) = &mut self.first_users else { return };
+        let unclaimed: HashMap<_, usize> =
+            self.exec.params.iter().enumerate().filter(|(k, _)| first_users[*k].is_none()).map(|(k, p)| (p.as_tensor().id(), k)).collect();
+        for t in outputs {
+            for node in t.sorted_nodes() {
+                if let Some(&k) = unclaimed.get(&node.id()) {
+                    first_users[k] = Some(i);
+                }
+            }
+        }
     }
 
     /// Every segment's forward, `grad_bytes` of parameter gradients held meanwhile: the loss and
@@ -86,6 +107,9 @@ impl<'e, 'g> StepRun<'e, 'g> {
             if outputs.len() != node.outputs.len() {
                 let msg = format!("returned {} outputs, the graph expects {}", outputs.len(), node.outputs.len());
                 return Err(stage_err(candle_core::Error::Msg(msg)));
+            }
+            if !recompute {
+                self.find_users(i, &outputs);
             }
             for (&v, t) in node.outputs.iter().zip(&outputs) {
                 values.insert(v, t.clone());

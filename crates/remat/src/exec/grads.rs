@@ -2,7 +2,6 @@
 //! and the reports of those that are complete ([`Reporter`]).
 
 use super::ops::add_into;
-use super::Schedule;
 use crate::memory::tensor_bytes;
 use crate::Result;
 use candle_core::backprop::GradStore;
@@ -12,26 +11,26 @@ use candle_core::{Tensor, Var};
 /// [`Executor::accumulate_reporting`](super::Executor::accumulate_reporting), each once.
 pub(super) struct Reporter<'f, 's> {
     finished: &'f mut dyn FnMut(&[usize], &mut GradStore) -> candle_core::Result<()>,
-    /// `None` on the first step, which reports everything at the end.
-    schedule: Option<&'s Schedule>,
+    /// For each parameter, the stage after whose backward its gradient is complete (`None`: at
+    /// the end of the step).
+    complete_after: &'s [Option<usize>],
     reported: Vec<bool>,
 }
 
 impl<'f, 's> Reporter<'f, 's> {
-    pub(super) fn new(
-        finished: &'f mut dyn FnMut(&[usize], &mut GradStore) -> candle_core::Result<()>,
-        schedule: Option<&'s Schedule>,
-        n_params: usize,
-    ) -> Self {
-        Reporter { finished, schedule, reported: vec![false; n_params] }
+    pub(super) fn new(finished: &'f mut dyn FnMut(&[usize], &mut GradStore) -> candle_core::Result<()>, complete_after: &'s [Option<usize>]) -> Self {
+        Reporter { finished, complete_after, reported: vec![false; complete_after.len()] }
     }
 
-    /// After segment `s`'s backward: the gradients no earlier segment adds to.
-    pub(super) fn after_segment(&mut self, s: usize, store: &mut GradStore) -> Result<()> {
-        match self.schedule {
-            Some(schedule) => self.report(&schedule.complete_after(s), store),
-            None => Ok(()),
-        }
+    /// After stage `i`'s backward: the gradients no earlier stage adds to.
+    pub(super) fn after_stage(&mut self, i: usize, store: &mut GradStore) -> Result<()> {
+        let ready: Vec<usize> = (0..self.complete_after.len()).filter(|&k| self.complete_after[k] == Some(i)).collect();
+        self.report(&ready, store)
+    }
+
+    /// Whether parameter `k`'s gradient was reported complete already.
+    pub(super) fn reported(&self, k: usize) -> bool {
+        self.reported[k]
     }
 
     /// At the end of the step: every parameter not reported yet.
@@ -57,8 +56,6 @@ pub(super) struct ParamGrads<'s> {
     partial: GradStore,
     /// Contributions seen this micro-batch, per parameter.
     seen: Vec<usize>,
-    /// The earliest segment that gave each parameter a gradient so far.
-    lowest: Vec<Option<usize>>,
     /// Contributions a micro-batch gives each parameter (`None`: the first micro-batch, which
     /// sums straight into `sum`).
     expected: Option<&'s [usize]>,
@@ -66,13 +63,12 @@ pub(super) struct ParamGrads<'s> {
 
 impl<'s> ParamGrads<'s> {
     pub(super) fn new(sum: GradStore, expected: Option<&'s [usize]>, n_params: usize) -> Self {
-        ParamGrads { sum, partial: GradStore::default(), seen: vec![0; n_params], lowest: vec![None; n_params], expected }
+        ParamGrads { sum, partial: GradStore::default(), seen: vec![0; n_params], expected }
     }
 
-    /// Adds one stage's gradient `g` of parameter `k`, from segment `s`.
-    pub(super) fn add(&mut self, k: usize, p: &Var, g: Tensor, s: usize) -> Result<()> {
+    /// Adds one stage's gradient `g` of parameter `k`.
+    pub(super) fn add(&mut self, k: usize, p: &Var, g: Tensor) -> Result<()> {
         self.seen[k] += 1;
-        self.lowest[k] = Some(s);
         let Some(expected) = self.expected else { return add_into(&mut self.sum, p, g) };
         if expected[k] == 1 {
             return add_into(&mut self.sum, p, g);
@@ -99,9 +95,9 @@ impl<'s> ParamGrads<'s> {
         grad_bytes(params, &self.sum) + grad_bytes(params, &self.partial)
     }
 
-    /// The sum, and where this step's gradients came from.
-    pub(super) fn finish(self) -> (GradStore, Schedule) {
-        (self.sum, Schedule { contributions: self.seen, complete_after: self.lowest })
+    /// The sum, and how many stages gave each parameter a gradient.
+    pub(super) fn finish(self) -> (GradStore, Vec<usize>) {
+        (self.sum, self.seen)
     }
 }
 

@@ -96,16 +96,10 @@ struct Schedule {
     /// How many stages give each parameter a gradient: a micro-batch after the first adds a
     /// parameter's gradient to the running sum once all of them are in ([`ParamGrads::add`]).
     contributions: Vec<usize>,
-    /// For each parameter, the segment after whose backward its gradient is complete (`None`: it
-    /// gets none): [`Executor::accumulate_reporting`] reports it then.
+    /// For each parameter, the stage after whose backward its gradient is complete: the earliest
+    /// whose outputs depend on it, as the first step's forward found ([`StepRun::first_users`];
+    /// `None`: none does). [`Executor::accumulate_reporting`] reports it then.
     complete_after: Vec<Option<usize>>,
-}
-
-impl Schedule {
-    /// The parameters whose gradients are complete once segment `s`'s backward has run.
-    fn complete_after(&self, s: usize) -> Vec<usize> {
-        (0..self.complete_after.len()).filter(|&k| self.complete_after[k] == Some(s)).collect()
-    }
 }
 
 /// Runs training steps of a [`StageGraph`] under a [`Policy`].
@@ -222,11 +216,14 @@ impl<'g> Executor<'g> {
 
     /// [`Executor::accumulate`], calling `finished` during backward with the parameters (indices
     /// into [`Executor::params`]) whose gradients are complete, and the gradients so far: after
-    /// each segment's backward, those no earlier segment contributes to, so that data parallelism
-    /// can average them across ranks while the earlier segments recompute; at the end, the rest.
-    /// Every parameter is reported once, in the same order on every step after the first (which
-    /// learns where gradients complete, and reports them all at the end). `finished` may take the
-    /// reported gradients out of the store (no later stage adds to them) and put them back later.
+    /// each stage's backward, those no earlier stage contributes to, so that data parallelism
+    /// can average them across ranks while the earlier stages run backward and recompute, and the
+    /// optimizer can update them and free their gradients; at the end, the rest.
+    /// Every parameter is reported once, in the same order on every step: the first step's
+    /// forward finds, for each parameter, the earliest stage whose outputs depend on it (a
+    /// gradient that arrives after its report is an error, never a silent partial update).
+    /// `finished` may take the reported gradients out of the store (no later stage adds to them)
+    /// and put them back later.
     pub fn accumulate_reporting(
         &self,
         inputs: &[Tensor],
@@ -246,15 +243,17 @@ impl<'g> Executor<'g> {
             (false, Some(schedule)) => Some(&schedule.contributions[..]),
             (false, None) => return Err(Error::FirstMicroBatch),
         };
-        let mut run = StepRun::start(self, inputs, step);
+        let mut run = StepRun::start(self, inputs, step, schedule.is_none());
         // Rule 8: the earlier micro-batches' gradients are held throughout.
         let held = grad_bytes(&self.params, &grads);
         let (loss, kept) = run.forward(held)?;
+        let first_users = run.first_users.take();
+        let complete_after = schedule.map(|s| &s.complete_after[..]).or(first_users.as_deref()).expect("the first step finds the users");
         let mut sums = ParamGrads::new(grads, expected, self.params.len());
-        run.backward(kept, &mut sums, &mut Reporter::new(finished, schedule, self.params.len()))?;
-        let (grads, learned) = sums.finish();
-        if schedule.is_none() {
-            let _ = self.schedule.set(learned);
+        run.backward(kept, &mut sums, &mut Reporter::new(finished, complete_after))?;
+        let (grads, contributions) = sums.finish();
+        if let Some(complete_after) = first_users {
+            let _ = self.schedule.set(Schedule { contributions, complete_after });
         }
         Ok(StepOutput { loss, grads, timeline: run.timeline })
     }

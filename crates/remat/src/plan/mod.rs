@@ -104,6 +104,39 @@ pub struct SharedGrad {
     pub bytes: u64,
 }
 
+/// The parameter gradients a step holds besides the ones its backward is making (Rule 8).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Grads {
+    /// One micro-batch, the optimizer after backward: each stage's gradients stay to the end.
+    Gathered,
+    /// A micro-batch after the first: the earlier ones' sums, these bytes, held throughout; this
+    /// one's join them as they finish.
+    Accumulating(u64),
+    /// The optimizer inside backward: each gradient is applied and freed as soon as it is final,
+    /// after the backward of the earliest stage that uses its parameter.
+    UpdatedInBackward,
+}
+
+impl Grads {
+    /// What a step of `profile` holds: with `accumulate` micro-batches, the heaviest one (any
+    /// after the first); `in_backward`: the optimizer inside backward (one micro-batch).
+    pub fn of(profile: &Profile, accumulate: usize, in_backward: bool) -> Grads {
+        match (in_backward, accumulate > 1) {
+            (true, _) => Grads::UpdatedInBackward,
+            (false, true) => Grads::Accumulating(profile.param_grad_bytes()),
+            (false, false) => Grads::Gathered,
+        }
+    }
+
+    /// Bytes held from the start of the step.
+    pub fn held(self) -> u64 {
+        match self {
+            Grads::Accumulating(bytes) => bytes,
+            Grads::Gathered | Grads::UpdatedInBackward => 0,
+        }
+    }
+}
+
 /// What a cut of the stages into segments is predicted to cost.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Estimate {
@@ -227,13 +260,13 @@ pub const FRONTIER_CUTS: usize = 64;
 /// as it is. `fixed`: the heap before a step
 /// (parameters, optimizer state, inputs); `available`: what `auto` may use (the device's free
 /// memory less a margin, or the memory cap).
-pub fn resolve(request: &PolicyRequest, profile: &Profile, fixed: u64, held_grads: u64, available: Option<u64>) -> Result<(Policy, Option<Plan>)> {
+pub fn resolve(request: &PolicyRequest, profile: &Profile, fixed: u64, grads: Grads, available: Option<u64>) -> Result<(Policy, Option<Plan>)> {
     let budget = match request {
         PolicyRequest::Budget(b) => *b,
         PolicyRequest::Auto => available.ok_or(Error::NoMemoryLimit)?,
         PolicyRequest::Fixed(policy) => return Ok((policy.clone(), None)),
     };
-    let plan = profile.plan(budget, fixed, held_grads).map_err(|reason| Error::Plan { policy: request.to_string(), reason: Box::new(reason) })?;
+    let plan = profile.plan(budget, fixed, grads).map_err(|reason| Error::Plan { policy: request.to_string(), reason: Box::new(reason) })?;
     Ok((plan.policy(), Some(plan)))
 }
 
@@ -241,16 +274,16 @@ pub fn resolve(request: &PolicyRequest, profile: &Profile, fixed: u64, held_grad
 /// frontier (deduplicated: budgets that give the same plan appear once). Empty for graphs with
 /// more than [`FRONTIER_CUTS`] cut positions: the search is quadratic in them and the frontier
 /// runs it some fifty times (a single `budget=` plan is one search).
-pub fn frontier(profile: &Profile, fixed: u64, held_grads: u64, points: usize) -> Vec<Plan> {
+pub fn frontier(profile: &Profile, fixed: u64, grads: Grads, points: usize) -> Vec<Plan> {
     if profile.candidates().len() > FRONTIER_CUTS {
         return Vec::new();
     }
-    let low = profile.least_peak(held_grads).estimate.peak;
-    let high = profile.predict_policy(&Policy::Off, held_grads).map_or(low, |e| e.peak);
+    let low = profile.least_peak(grads).estimate.peak;
+    let high = profile.predict_policy(&Policy::Off, grads).map_or(low, |e| e.peak);
     let mut plans: Vec<Plan> = Vec::new();
     for k in 0..points.max(2) {
         let budget = fixed + low + (high.saturating_sub(low)) * k as u64 / (points.max(2) - 1) as u64;
-        if let Ok(p) = profile.plan(budget, fixed, held_grads) {
+        if let Ok(p) = profile.plan(budget, fixed, grads) {
             if plans.last().is_none_or(|q| q.starts != p.starts) {
                 plans.push(p);
             }

@@ -2,7 +2,7 @@
 //! a budget ([`Profile::plan`]), by dynamic programming over the cut positions.
 
 use super::walk::Walk;
-use super::{Estimate, Plan, PlanError, Profile};
+use super::{Estimate, Grads, Plan, PlanError, Profile};
 use crate::keep::OpSet;
 use std::ops::Range;
 
@@ -15,12 +15,12 @@ impl Profile {
 
     /// The plan with the least recompute time whose peak, plus `fixed` (the heap before the step:
     /// parameters, optimizer state, inputs), fits `budget`; equal times go to the lower peak.
-    pub fn plan(&self, budget: u64, fixed: u64, held_grads: u64) -> std::result::Result<Plan, PlanError> {
-        let found = if budget >= fixed { self.search(budget - fixed, held_grads) } else { None };
+    pub fn plan(&self, budget: u64, fixed: u64, grads: Grads) -> std::result::Result<Plan, PlanError> {
+        let found = if budget >= fixed { self.search(budget - fixed, grads) } else { None };
         match found {
             Some(plan) => Ok(plan),
             None => {
-                let min = self.least_peak(held_grads);
+                let min = self.least_peak(grads);
                 let (dominant, dominant_bytes) = min.estimate.at_peak.dominant();
                 Err(PlanError::BelowMinimum { budget, fixed, step: min.estimate.peak, plan: min.policy().to_string(), dominant, dominant_bytes })
             }
@@ -28,16 +28,16 @@ impl Profile {
     }
 
     /// The plan with the smallest predicted peak (a bisection over budgets of [`Profile::search`]).
-    pub fn least_peak(&self, held_grads: u64) -> Plan {
+    pub fn least_peak(&self, grads: Grads) -> Plan {
         let all = self.stages.iter().map(|s| s.graph_bytes + s.chain_bytes + s.graph_transient + s.backward_transient).sum::<u64>()
             + self.values.iter().map(|v| 2 * v.bytes).sum::<u64>()
             + self.param_grad_bytes()
-            + held_grads;
-        let mut best = self.search(all, held_grads).expect("every plan fits a budget of everything at once");
+            + grads.held();
+        let mut best = self.search(all, grads).expect("every plan fits a budget of everything at once");
         let (mut lo, mut hi) = (0u64, best.estimate.peak);
         while lo + 1 < hi {
             let mid = lo + (hi - lo) / 2;
-            match self.search(mid, held_grads) {
+            match self.search(mid, grads) {
                 Some(p) => {
                     hi = p.estimate.peak.min(mid);
                     best = p;
@@ -50,8 +50,8 @@ impl Profile {
 
     /// The dynamic programme: for each candidate cut position, the Pareto set of partial plans
     /// by (bytes of stored values all of whose readers lie before the cut, recompute time).
-    fn search(&self, step_budget: u64, held_grads: u64) -> Option<Plan> {
-        let walk = Walk::new(self, OpSet::default(), held_grads);
+    fn search(&self, step_budget: u64, grads: Grads) -> Option<Plan> {
+        let walk = Walk::new(self, OpSet::default(), grads);
         let n = self.stages.len();
         let cuts = self.candidates();
         struct Partial {
@@ -98,6 +98,6 @@ impl Profile {
         }
         let best = best?;
         let segments: Vec<Range<usize>> = best.starts.iter().zip(best.starts.iter().skip(1).chain(std::iter::once(&n))).map(|(&a, &b)| a..b).collect();
-        Some(Plan { estimate: self.predict(&segments, OpSet::default(), held_grads), starts: best.starts })
+        Some(Plan { estimate: self.predict(&segments, OpSet::default(), grads), starts: best.starts })
     }
 }

@@ -1,7 +1,7 @@
 //! The replay: the executor's bookkeeping ([`crate::rules`]) walked over a profile, predicting a
 //! step's memory event by event ([`Profile::predict`], [`Profile::timeline`]).
 
-use super::{Breakdown, Estimate, Point, Profile};
+use super::{Breakdown, Estimate, Grads, Point, Profile};
 use crate::graph::ValueId;
 use crate::keep::OpSet;
 use crate::memory::Phase;
@@ -13,16 +13,15 @@ use std::ops::Range;
 
 impl Profile {
     /// The estimate for `policy` (a fixed policy or a plan; resolve `budget=`/`auto` first).
-    /// `held_grads`: parameter gradient bytes held from the start (accumulating micro-batches
-    /// after the first), which then do not grow.
-    pub fn predict_policy(&self, policy: &Policy, held_grads: u64) -> Result<Estimate> {
-        Ok(self.predict(&policy.segments_of(&self.kinds())?, policy.keeps(), held_grads))
+    /// `grads`: what the step does with parameter gradients (Rule 8).
+    pub fn predict_policy(&self, policy: &Policy, grads: Grads) -> Result<Estimate> {
+        Ok(self.predict(&policy.segments_of(&self.kinds())?, policy.keeps(), grads))
     }
 
     /// The estimate for a cut of the stages into `segments` (contiguous, in order) whose
     /// recomputes replay the ops of the kinds in `keep`.
-    pub fn predict(&self, segments: &[Range<usize>], keep: OpSet, held_grads: u64) -> Estimate {
-        let walk = Walk::new(self, keep, held_grads);
+    pub fn predict(&self, segments: &[Range<usize>], keep: OpSet, grads: Grads) -> Estimate {
+        let walk = Walk::new(self, keep, grads);
         let mut past = 0;
         let mut estimate = Estimate::default();
         for (k, seg) in segments.iter().enumerate() {
@@ -36,8 +35,8 @@ impl Profile {
 
     /// The predicted timeline of a step cut into `segments`: one point per event of the
     /// executor's timeline, in its order (Rule 3).
-    pub fn timeline(&self, segments: &[Range<usize>], keep: OpSet, held_grads: u64) -> Vec<Point> {
-        let walk = Walk::new(self, keep, held_grads);
+    pub fn timeline(&self, segments: &[Range<usize>], keep: OpSet, grads: Grads) -> Vec<Point> {
+        let walk = Walk::new(self, keep, grads);
         let (mut forward, mut backward) = (Vec::new(), Vec::new());
         let mut past = 0;
         for (k, seg) in segments.iter().enumerate() {
@@ -82,15 +81,15 @@ impl Estimate {
 pub(super) struct Walk<'p> {
     p: &'p Profile,
     wiring: Wiring,
-    held_grads: u64,
+    grads: Grads,
     /// Bytes each stage keeps for its recompute (Rule 10), and the time its replay saves.
     kept: Vec<(u64, f64)>,
 }
 
 impl<'p> Walk<'p> {
-    pub(super) fn new(p: &'p Profile, keep: OpSet, held_grads: u64) -> Self {
+    pub(super) fn new(p: &'p Profile, keep: OpSet, grads: Grads) -> Self {
         let wiring = Wiring::new(p.values.len(), p.stages.iter().map(|s| (&s.inputs[..], &s.outputs[..])));
-        Walk { p, wiring, held_grads, kept: p.stages.iter().map(|s| s.kept(keep)).collect() }
+        Walk { p, wiring, grads, kept: p.stages.iter().map(|s| s.kept(keep)).collect() }
     }
 
     /// Bytes the stages in `range` keep (Rule 10).
@@ -147,13 +146,15 @@ impl<'p> Walk<'p> {
         // the whole time, and a stored value an earlier segment takes over stays stored until then.
         let vars = |i: usize| handed.iter().filter(|&&(first, _)| first == i).map(|&(_, bytes)| bytes).sum::<u64>();
         // Rule 8: walking backward, the gradients of later stages' parameters are in; while
-        // accumulating, `held_grads` and the partial sums of shared parameters whose last user
-        // lies after the segment and whose first does not.
-        let grads_after: u64 = self.held_grads
-            + if self.held_grads > 0 {
-                self.p.shared_grads.iter().filter(|s| s.last >= b && s.first < b).map(|s| s.bytes).sum::<u64>()
-            } else {
+        // accumulating, the sums held throughout and the partial sums of shared parameters whose
+        // last user lies after the segment and whose first does not; with the optimizer inside
+        // backward, those partial sums alone (every other gradient was applied and freed).
+        let gathered = self.grads == Grads::Gathered;
+        let grads_after: u64 = self.grads.held()
+            + if gathered {
                 stages[b..].iter().map(|s| s.param_grad_bytes).sum::<u64>()
+            } else {
+                self.p.shared_grads.iter().filter(|s| s.last >= b && s.first < b).map(|s| s.bytes).sum::<u64>()
             };
 
         // Rule 1: forward holds every value stored so far; Rule 2: a segment's stages stay until it ends.
@@ -164,7 +165,7 @@ impl<'p> Walk<'p> {
             let (keep, transient) = if last { (vars(i) + st.graph_bytes, st.graph_transient) } else { (st.chain_bytes, st.chain_transient) };
             let stored = if last { stored - handed_by(i) } else { stored };
             live += keep;
-            let held = Breakdown { stored, kept: kept_before, param_grads: self.held_grads, value_grads: 0, live, transient: 0 };
+            let held = Breakdown { stored, kept: kept_before, param_grads: self.grads.held(), value_grads: 0, live, transient: 0 };
             see(Point::after(Phase::Forward, i, held, transient));
         }
 
@@ -206,7 +207,7 @@ impl<'p> Walk<'p> {
                 }
             }
             // Rule 8
-            if self.held_grads == 0 {
+            if gathered {
                 held.param_grads += stages[i].param_grad_bytes;
             } else {
                 for shared in &self.p.shared_grads {
@@ -224,7 +225,7 @@ impl<'p> Walk<'p> {
 }
 /// The values a cut of the stages into `segments` stores (graph inputs excluded), in order.
 pub fn stored_values(profile: &Profile, segments: &[Range<usize>]) -> Vec<ValueId> {
-    let walk = Walk::new(profile, OpSet::default(), 0);
+    let walk = Walk::new(profile, OpSet::default(), Grads::Gathered);
     let mut out: Vec<ValueId> = segments.iter().skip(1).flat_map(|s| walk.wiring.stored_at(s.start).collect::<Vec<_>>()).collect();
     out.sort_unstable();
     out.dedup();
