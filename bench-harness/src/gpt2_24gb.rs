@@ -101,6 +101,7 @@ fn sizes(m: &Matrix) -> String {
     let accumulated = m.records.iter().find(|r| !inside(r)).map(|r| r.accumulate);
     let in_backward = m.records.iter().any(|r| inside(&r));
     match (accumulated, in_backward) {
+        (Some(1), _) => format!("{input}, one micro-batch per optimizer step"),
         (Some(n), true) => format!("{input}, {n} micro-batches accumulated per optimizer step (1 with the optimizer inside backward)"),
         (Some(n), false) => format!("{input}, {n} micro-batches accumulated per optimizer step"),
         (None, _) => format!("{input}, one micro-batch per step, the optimizer inside backward"),
@@ -175,11 +176,11 @@ pub fn table(m: &Matrix) -> String {
          second moment), `{IN_BACKWARD}` (`f32-adamw` with the optimizer inside backward: each gradient applied and freed as \
          soon as it is final, one micro-batch per step).\n\n",
         crate::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
-        sizes(m),
         meta.machine,
         meta.candle_version,
         meta.git_commit,
-        meta.profile
+        meta.profile,
+        sizes(m)
     );
     out += "## The model state, by arithmetic\n\n\
             Parameters and gradients 4 bytes each (2 under `bf16-weights-adamw`); AdamW 8 bytes per parameter; Adafactor 4 bytes per row and per column of each \
