@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# On the GPU machine: a self-test, then the `full` matrix, results into OUTDIR.
+# On the GPU machine: a self-test, then the article's configurations in priority order, PyTorch
+# beside ours on the same GPU, results into OUTDIR and bundled into OUTDIR/results.tar.gz.
 #
 #   scripts/gpu-matrix.sh OUTDIR [BINARY.gz]      (default binary: gpu-ship/bench-harness.gz)
 #
 # Prepare on a CPU machine (the binary is ignored by git, shipped with the device tool's `carry`):
 #   scripts/build-cuda.sh --release -p bench-harness --features cuda
 #   mkdir -p gpu-ship && strip -o gpu-ship/bench-harness target/release/bench-harness && gzip -f gpu-ship/bench-harness
-# Budget: the self-test takes seconds; the matrix is cut off after MATRIX_SECONDS (default 420)
-# and whatever finished is kept (the harness saves after every configuration and resumes).
+# Budget: the self-test takes seconds; each stage below is cut off after its own seconds (the
+# environment variables, defaults summing to 9 minutes) and whatever finished is kept (the harness
+# saves after every configuration, and a later stage resumes the same folder):
+#   FIRST_SECONDS   ResNet-50 batch 256 and BERT-Large 32 x 128 under off, sqrt and budget=24GiB
+#   GPT2_SECONDS    GPT-2 XL at sequence 1024 under a 24 GiB cap, in the ways found to fit
+#   SECOND_SECONDS  the 3D U-Net and ResNet-152
+#   REST_SECONDS    every other policy and the depth sweep
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu-matrix.sh OUTDIR [BINARY.gz]}
 BIN_GZ=${2:-gpu-ship/bench-harness.gz}
@@ -28,8 +34,21 @@ if ! timeout 120 "$BIN" selftest --device cuda > "$OUT/selftest.json" 2> "$OUT/s
 fi
 cat "$OUT/selftest.json"
 
-echo "== full matrix"
-timeout "${MATRIX_SECONDS:-420}" "$BIN" --matrix all --profile full --device cuda --steps 3 --out "$OUT/full-h200" 2> "$OUT/matrix.stderr"
-echo "matrix exit: $? (124: cut off by the time budget; finished configurations are in $OUT/full-h200)"
-"$BIN" --matrix render --profile full --device cuda --out "$OUT/full-h200" 2>> "$OUT/matrix.stderr"
-tail -40 "$OUT/matrix.stderr"
+# One harness call on the GPU, cut off after $2 seconds; its log in $OUT/$1.stderr.
+stage() {
+  local name=$1 seconds=$2; shift 2
+  echo "== $name"
+  timeout "$seconds" "$BIN" --device cuda "$@" 2>> "$OUT/$name.stderr"
+  echo "$name exit: $? (124: cut off by its time budget; what finished is kept)"
+  tail -5 "$OUT/$name.stderr"
+}
+FULL=(--profile full --matrix models --steps 3 --baseline pytorch --python python3 --out "$OUT/full-h200")
+stage first "${FIRST_SECONDS:-180}" "${FULL[@]}" --models resnet50,bert-large --policies off,sqrt,budget=24GiB
+stage gpt2-xl "${GPT2_SECONDS:-150}" --matrix gpt2-24gb --memory-cap 24GiB --steps 1 --rounds 0 --out "$OUT/gpt2-xl-h200" \
+  --models gpt2-xl/bf16-weights-adamw,gpt2-xl/f32-adamw-in-backward,gpt2-xl/bf16-adafactor --policies sqrt,every-two-blocks
+stage second "${SECOND_SECONDS:-90}" "${FULL[@]}" --models unet3d-cicek,resnet152
+stage rest "${REST_SECONDS:-120}" --profile full --matrix all --steps 3 --baseline pytorch --python python3 --out "$OUT/full-h200"
+"$BIN" --matrix render --out "$OUT/full-h200" 2>> "$OUT/rest.stderr"
+"$BIN" --matrix render --out "$OUT/gpt2-xl-h200" 2>> "$OUT/rest.stderr"
+tar czf "$OUT/results.tar.gz" -C "$OUT" --exclude results.tar.gz .
+echo "bundled: $OUT/results.tar.gz"

@@ -13,14 +13,17 @@ linear layers' products (`aten.mm`, `aten.addmm`), `conv` the convolutions (`ate
 `attention` the product of the probabilities with the values (the `aten.bmm` whose output is not
 the (T, T) scores). The `-lora` models are the same under `peft`'s LoRA (rank 8, alpha 16, B drawn), the
 base frozen. Optimizers as ours: SGD with momentum 0.9 (lr 0.05, weight decay 1e-4) for ResNet,
-AdamW (lr 1e-4, weight decay 0.01) for the others. fp32, `--threads` intra-op threads.
+AdamW (lr 1e-4, weight decay 0.01) for the others. fp32, `--threads` intra-op threads, on
+`--device` (`cpu` or `cuda`: every tensor made on it, the inputs drawn by a generator there).
 
 Measured like our columns:
-- step time: median (min, max) of `--steps` steps after one warm-up step, without the profiler;
+- step time: median (min, max) of `--steps` steps after one warm-up step, without the profiler
+  (on CUDA, between synchronisations);
 - model state: parameters plus optimizer state, in bytes of tensor storage;
 - step peak: the highest live tensor bytes during one more step (forward, backward, optimizer),
   above what was live when it started (parameters and optimizer state: gradients are set to None
-  between steps), from the profiler's allocation events (`profile_memory=True`);
+  between steps), from the profiler's allocation events (`profile_memory=True`; on CUDA,
+  `torch.cuda.max_memory_allocated` over the step);
 - forward/backward peak: the same, up to the optimizer's update;
 - step FLOPs (in the run without checkpoints only): one forward and backward under
   `FlopCounterMode` (the shapes of its products and convolutions), for both sides' achieved
@@ -291,9 +294,11 @@ def forward(stages, n_inputs, segments, batch_values, context_fn=None):
                 values.pop(v, None)
 
 
-def step(model, stages, n_inputs, segments, batch_values, opt, context_fn=None):
+def step(model, stages, n_inputs, segments, batch_values, opt, context_fn=None, before_update=None):
     loss = forward(stages, n_inputs, segments, batch_values, context_fn)
     loss.backward()
+    if before_update:
+        before_update()
     with torch.profiler.record_function("optimizer"):
         opt.step()
     opt.zero_grad(set_to_none=True)
@@ -315,8 +320,10 @@ def mm_peak_gflops():
     a = torch.rand(2048, 2048)
     times = []
     for _ in range(6):
+        sync()
         t0 = time.perf_counter()
         torch.mm(a, a)
+        sync()
         times.append(time.perf_counter() - t0)
     return 2 * 2048**3 / min(times[1:]) / 1e9
 
@@ -326,6 +333,24 @@ def state_bytes(model, opt):
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     moments = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
     return params + buffers + moments
+
+
+def sync():
+    """Waits for the device's queued work (CUDA runs asynchronously)."""
+    if torch.cuda.is_available() and torch.get_default_device().type == "cuda":
+        torch.cuda.synchronize()
+
+
+def cuda_peaks(run_step):
+    """Peak allocated bytes above the start of `run_step(before_update)`, over the whole step and
+    before the optimizer, from CUDA's allocator statistics."""
+    sync()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd = []
+    run_step(lambda: (sync(), fwd_bwd.append(torch.cuda.max_memory_allocated() - base)))
+    sync()
+    return torch.cuda.max_memory_allocated() - base, fwd_bwd[0]
 
 
 def measured_peaks(prof):
@@ -351,6 +376,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--time-only", action="store_true", help="time the steps only, no profiled step for memory (peaks 0): the harness's interleaved timing rounds")
     ap.add_argument("--memory-limit", type=int, help="bytes this process may allocate (RLIMIT_DATA): beyond them an allocation fails, and the run exits saying 'out of memory: ...'")
     a = ap.parse_args()
@@ -361,29 +387,39 @@ def main():
     except (RuntimeError, MemoryError) as e:
         if a.memory_limit and ("can't allocate memory" in str(e) or isinstance(e, MemoryError)):
             sys.exit(f"out of memory: the step does not fit in --memory-limit {a.memory_limit} bytes ({str(e).splitlines()[0][:200]})")
+        if isinstance(e, torch.OutOfMemoryError):
+            sys.exit(f"out of memory: the step does not fit on {a.device} ({str(e).splitlines()[0][:200]})")
         raise
 
 
 def run(a):
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
+    # Every tensor the models and stages make (weights, positions, masks) on the device.
+    torch.set_default_device(a.device)
+    cuda = torch.device(a.device).type == "cuda"
     model, stages, n_inputs, make_inputs, opt = build(a.model, a.batch, a.input_size)
     segments = [tuple(int(x) for x in r.split(":")) for r in a.segments.split(",")]
     context_fn = kept(a.policy)
     if segments[0][0] != 0 or segments[-1][1] != len(stages) or any(p[1] != q[0] for p, q in zip(segments, segments[1:])):
         sys.exit(f"torch_baseline: --segments {a.segments} does not cover the {len(stages)} stages of {a.model} in order")
     model.train()
-    gen = torch.Generator().manual_seed(a.seed)
+    gen = torch.Generator(device=a.device).manual_seed(a.seed)
     times = []
     for i in range(a.steps + 1):
         batch_values = make_inputs(gen)
+        sync()
         t0 = time.perf_counter()
         loss = step(model, stages, n_inputs, segments, batch_values, opt, context_fn)
+        sync()
         if i > 0:  # the first step is a warm-up, and creates the optimizer state
             times.append((time.perf_counter() - t0) * 1e3)
     model_state = state_bytes(model, opt)
     peak, fwd_bwd = 0, 0
-    if not a.time_only:
+    if not a.time_only and cuda:
+        batch_values = make_inputs(gen)
+        peak, fwd_bwd = cuda_peaks(lambda before_update: step(model, stages, n_inputs, segments, batch_values, opt, context_fn, before_update))
+    elif not a.time_only:
         batch_values = make_inputs(gen)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             step(model, stages, n_inputs, segments, batch_values, opt, context_fn)

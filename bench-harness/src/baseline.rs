@@ -11,7 +11,13 @@ use std::process::Command;
 /// The models `scripts/torch_baseline.py` has a PyTorch version of.
 pub const MODELS: [&str; 8] = ["resnet50", "resnet152", "bert-large", "unet3d-small", "unet3d-cicek", "gpt2-small", "bert-large-lora", "gpt2-small-lora"];
 
+/// The script in the repository the harness runs in (a binary built elsewhere and shipped to a
+/// GPU machine runs there from the repository's root), else where the harness was built.
 fn script() -> PathBuf {
+    let here = PathBuf::from("scripts/torch_baseline.py");
+    if here.exists() {
+        return here;
+    }
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_baseline.py")
 }
 
@@ -30,7 +36,8 @@ pub fn available(python: &str) -> Result<(), String> {
     }
 }
 
-/// Runs the PyTorch version of `ours` (same model, batch, input size, segments, steps, threads);
+/// Runs the PyTorch version of `ours` (same model, batch, input size, segments, steps, threads,
+/// device);
 /// `time_only`: its steps timed, no memory measured (the timing rounds). `memory_limit`: the
 /// bytes it may allocate, beyond which it ends as `oom` (where ours was predicted not to fit).
 pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u64, time_only: bool, memory_limit: Option<u64>) -> Baseline {
@@ -53,7 +60,7 @@ pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u
         .arg(script())
         .args(["--model", &ours.model, "--policy", &ours.policy, "--segments", &segments.join(",")])
         .args(["--batch", &ours.batch.to_string(), "--input-size", &input_size.to_string()])
-        .args(["--steps", &steps.to_string(), "--threads", &ours.threads.to_string(), "--seed", &seed.to_string()])
+        .args(["--steps", &steps.to_string(), "--threads", &ours.threads.to_string(), "--seed", &seed.to_string(), "--device", &ours.device])
         .args(time_only.then_some("--time-only"))
         .args(memory_limit.map(|b| format!("--memory-limit={b}")))
         .output();
