@@ -131,7 +131,9 @@ impl Stepper<'_> {
         let inputs = inputs(step)?;
         let meter = Meter::start(inputs[0].device());
         let params = self.exec.params();
-        let mut begun = false;
+        // What the parameters share (the step count of the bias corrections) advances once, as
+        // in an ordinary update; an error later in the step ends the run.
+        opt.begin_update()?;
         let out = self.exec.accumulate_reporting(&inputs, step, GradStore::default(), &mut |ready, store| {
             let mut part = GradStore::default();
             for &k in ready {
@@ -144,10 +146,6 @@ impl Stepper<'_> {
                     "step {step}: gradients are not finite; the parameters whose gradients were final before them are updated \
                      already (--optimizer-in-backward): a NaN or an infinity in data batch {step}, or a diverging run (a lower --lr may help)"
                 );
-            }
-            if !begun {
-                opt.begin_update()?;
-                begun = true;
             }
             set_activity(Activity::Optimizer, None);
             opt.update_some(&part)
