@@ -455,10 +455,9 @@ fn summary(r: &Record, off: Option<&Record>) -> String {
 /// (`gpt2-small`, not `gpt2-small-lora` too); another name selects the models it starts (`gpt2`,
 /// or `gpt2-xl` for its variants `gpt2-xl/...`).
 fn by_name(workloads: Vec<Workload>, models: &[String]) -> Vec<Workload> {
-    let whole = |m: &str| workloads.iter().any(|w| w.model == m);
-    let chosen: Vec<bool> =
-        workloads.iter().map(|w| models.is_empty() || models.iter().any(|m| if whole(m) { w.model == *m } else { w.model.starts_with(m.as_str()) })).collect();
-    workloads.into_iter().zip(chosen).filter_map(|(w, chosen)| chosen.then_some(w)).collect()
+    let whole: Vec<bool> = models.iter().map(|m| workloads.iter().any(|w| w.model == *m)).collect();
+    let named = |w: &Workload| models.iter().zip(&whole).any(|(m, &whole)| if whole { w.model == *m } else { w.model.starts_with(m.as_str()) });
+    workloads.into_iter().filter(|w| models.is_empty() || named(w)).collect()
 }
 
 #[cfg(test)]

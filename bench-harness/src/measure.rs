@@ -146,10 +146,10 @@ fn shared_profile(dir: Option<&Path>, w: &Workload, inst: &dyn Instance, device_
 /// parameter gradients and later ones hold them all from the start, so the higher of the two.
 pub fn predict(profile: &Profile, policy: &Policy, w: &Workload) -> Result<Estimate> {
     let grads = Grads::of(profile, w.accumulate, w.in_backward);
-    let first = profile.predict_policy(policy, if grads == Grads::UpdatedInBackward { grads } else { Grads::Gathered })?;
     if w.accumulate == 1 {
-        return Ok(first);
+        return Ok(profile.predict_policy(policy, grads)?);
     }
+    let first = profile.predict_policy(policy, Grads::Gathered)?;
     let later = profile.predict_policy(policy, grads)?;
     Ok(if later.peak > first.peak { Estimate { recompute_ms: first.recompute_ms, step_ms: first.step_ms, ..later } } else { first })
 }
