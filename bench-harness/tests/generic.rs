@@ -1,18 +1,17 @@
 //! `--fused-path generic`: the fused ops take the device-generic route a GPU takes, forced on the
-//! CPU. Every model has every op on that route: each step peak stays within 25 % of the kernels'
-//! while every policy's gradients still equal plain candle's bit for bit; the records say which
-//! route made them. Measured under `off` / `sqrt` (this test prints them): BERT 1.186x / 1.116x
-//! and GPT-2 1.119x / 1.076x (BERT's peak is in the last stage's backward, the head, where the
-//! kernels' cross-entropy keeps less than the composed one; before the vendored candle stopped
-//! summing first gradients into zeros, vendor/README.md, both routes paid for those zeros there:
-//! BERT 1.003x, GPT-2 1.057x); ResNet 1.024x / 0.878x and the U-Net 0.308x / 0.286x, the
-//! kernel's operand blocks of up to 2^21 entries and its channels-last copy of a block's input
-//! outweighing candle's per-slice columns at this size. (Before neither route computed the
-//! gradient of an input no variable leads to, the image or volume at the first convolution,
-//! ResNet was 0.873x / 0.710x and the U-Net 0.373x / 0.347x.)
+//! CPU. Every model has every op on that route: every policy's gradients still equal plain
+//! candle's bit for bit, the records say which route made them, and the route is as lean as the
+//! kernels in what it keeps and within a stated margin in what it holds at its peak.
 
 mod common;
 use common::{out_dir, records, smoke};
+
+/// Bytes held above the step's base when forward ends: what the model keeps for backward.
+fn kept_at_forward_end(r: &serde_json::Value) -> f64 {
+    let events = r["timeline"].as_array().unwrap();
+    let end = events.iter().rfind(|e| e["phase"] == "forward").expect("a forward event")["bytes"].as_u64().unwrap();
+    (end - r["timeline_base_bytes"].as_u64().unwrap()) as f64
+}
 
 #[test]
 fn the_generic_route_is_measured_and_as_lean_as_the_kernels() {
@@ -28,10 +27,26 @@ fn the_generic_route_is_measured_and_as_lean_as_the_kernels() {
         assert!(k.get("fused_path").is_none(), "{what}: the kernel route's record names no route");
         assert_eq!(g["grads_bit_identical"], true, "{what}");
         assert_eq!(g["params_without_grad"], 0, "{what}");
-        let ratio = |field: &str| g[field].as_f64().unwrap() / k[field].as_f64().unwrap();
-        let (step, activation) = (ratio("step_peak_bytes"), ratio("activation_peak_bytes"));
-        eprintln!("{what}: step peak {step:.3}x the kernels', activation peak {activation:.3}x");
-        assert!((0.25..=1.25).contains(&step), "{what}: the generic route's step peak is {step:.3}x the kernels'");
+        let step = g["step_peak_bytes"].as_f64().unwrap() / k["step_peak_bytes"].as_f64().unwrap();
+        let kept = kept_at_forward_end(g) / kept_at_forward_end(k);
+        eprintln!("{what}: step peak {step:.3}x the kernels', kept at the end of forward {kept:.3}x");
+        // Each generic op records its composition as one op over its operands, so it keeps what
+        // its kernel keeps (its operands and output); a composition that entered candle's graph
+        // would keep its intermediates, several times as much. 5 %: the tensors are the same, the
+        // allocator's rounding of them not quite.
+        assert!(kept <= 1.05, "{what}: the generic route keeps {kept:.3}x what the kernels keep");
+        // At its peak the generic route also holds its compositions' temporaries. Ours (norms,
+        // attention, cross-entropy) stay within 25 % of the kernels'. A convolution composed of
+        // candle's conv2d builds the column matrix of at least one whole image or depth slice
+        // (9 or 27 times its input; in backward for its input's gradient and its weight's), which
+        // no chunking of ours divides, while the kernels' blocks go down to one output row: at a
+        // few images of a few pixels, as here, those temporaries are of the activations' size,
+        // so a model with convolutions may hold up to twice the kernels' peak. (The bounds are
+        // upper ones only: the kernels' workspaces scale with their problem, `Conv3dShape::sized`,
+        // so neither route has a floor below the other.)
+        let convolutional = ["resnet", "unet3d"].iter().any(|m| g["model"].as_str().unwrap().starts_with(m));
+        let margin = if convolutional { 2.0 } else { 1.25 };
+        assert!(step <= margin, "{what}: the generic route's step peak is {step:.3}x the kernels' (at most {margin}x)");
     }
     std::fs::remove_dir_all(&kernel).unwrap();
     std::fs::remove_dir_all(&generic).unwrap();

@@ -82,7 +82,8 @@ pub(crate) fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Resu
     let (kh, kw) = (w.dim(3)?, w.dim(4)?);
     let (ho, wo) = ((h + 2 * g.pad_hw - kh) / g.stride_hw + 1, (wd + 2 * g.pad_hw - kw) / g.stride_hw + 1);
     let mut rows = Vec::new();
-    for chunk in chunks(n, d_out, dp, c * kh * kw * ho * wo) {
+    let entries = column_entries(x.elem_count().max(w.elem_count()).max(n * o * d_out * ho * wo));
+    for chunk in chunks(n, d_out, dp, c * kh * kw * ho * wo, entries) {
         let mut sum: Option<Tensor> = None;
         for a in 0..kd {
             let y = chunk.slices(&x, a, g.stride_d)?.conv2d(&w.narrow(2, a, 1)?.squeeze(2)?, g.pad_hw, g.stride_hw, 1, 1)?; // (rows, O, H', W')
@@ -98,10 +99,17 @@ pub(crate) fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Resu
     y.reshape((n, d_out, o, ho, wo))?.permute((0, 2, 1, 3, 4))?.contiguous() // (N, O, D_out, H', W')
 }
 
-/// Entries of the column matrix candle's `conv2d` builds for one chunk of input slices, at most
-/// (the kernel's blocks are as large): the composed convolution runs in chunks of slices, so that
-/// matrix stays bounded instead of growing with batch and depth (9x the input for 3x3 kernels).
+/// Entries of the column matrix candle's `conv2d` builds for one chunk of input slices, at most:
+/// the composed convolution runs in chunks of slices, so that matrix stays bounded instead of
+/// growing with batch and depth (9x the input for 3x3 kernels).
 const COLUMN_ENTRIES: usize = 1 << 21;
+
+/// The column entries of a chunk for a convolution whose largest tensor (input, output, kernel)
+/// has `largest` entries: [`COLUMN_ENTRIES`], or fewer for a small problem, whose columns are then
+/// of the order of its own tensors (as the fused kernel's workspaces are).
+fn column_entries(largest: usize) -> usize {
+    COLUMN_ENTRIES.min(largest)
+}
 
 /// The input slices one `conv2d` call takes: output depths `start..start + rows` of batch
 /// elements `b..b + batches` (several elements only for a 2D convolution, one depth each).
@@ -114,10 +122,11 @@ struct Chunk {
 }
 
 /// Chunks that cover every batch element's `d_out` output depths of x padded to depth `dp`, each
-/// with at most [`COLUMN_ENTRIES`] column entries at `per_slice` entries per slice (at least one
-/// slice): consecutive samples for a 2D convolution, consecutive depths of one sample for 3D.
-fn chunks(n: usize, d_out: usize, dp: usize, per_slice: usize) -> Vec<Chunk> {
-    let fit = (COLUMN_ENTRIES / per_slice.max(1)).max(1);
+/// with at most `entries` column entries ([`column_entries`]) at `per_slice` entries per slice (at
+/// least one slice): consecutive samples for a 2D convolution, consecutive depths of one sample
+/// for 3D.
+fn chunks(n: usize, d_out: usize, dp: usize, per_slice: usize, entries: usize) -> Vec<Chunk> {
+    let fit = (entries / per_slice.max(1)).max(1);
     if dp == 1 {
         return (0..n).step_by(fit).map(|b| Chunk { b, batches: fit.min(n - b), start: 0, rows: 1 }).collect();
     }
@@ -168,7 +177,8 @@ pub(crate) fn conv3d_composed_backward(
     // Per chunk of samples, their input gradient (batches, C, D padded, H, W), in batch order.
     let mut dxs: Vec<Tensor> = Vec::new();
     let mut dws: Vec<Option<Tensor>> = vec![None; kd];
-    for chunk in chunks(n, d_out, dp, c * kh * kw * ho * wo) {
+    let entries = column_entries(x.elem_count().max(w.elem_count()).max(grad.elem_count()));
+    for chunk in chunks(n, d_out, dp, c * kh * kw * ho * wo, entries) {
         let slices_of = chunk.batches * chunk.rows;
         let gf = grad.narrow(0, chunk.b, chunk.batches)?.narrow(2, chunk.start, chunk.rows)?;
         let gf = gf.permute((0, 2, 1, 3, 4))?.reshape((slices_of, o, ho, wo))?; // (slices, O, H', W')
@@ -343,7 +353,7 @@ mod tests {
             let composed = run(&conv3d_composed)?;
             // Blocks of both samples side by side, of one output row, of one whole sample.
             for entries in [1 << 21, 1, 81 * 5 * 36] {
-                let fused = run(&|x, w, g| crate::fused::conv3d_blocked(x, w, g, entries, None))?;
+                let fused = run(&|x, w, g| crate::fused::conv3d_blocked(x, w, g, entries))?;
                 for (fused, composed) in fused.iter().zip(&composed) {
                     close(fused, composed, 1e-5);
                 }

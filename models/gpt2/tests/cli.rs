@@ -189,7 +189,8 @@ fn a_resume_with_other_flags_is_refused() {
 
 /// An output path that exists and is not a regular file is refused before training, and left as
 /// it was; so is one path given for two outputs. Otherwise, as root, `--save /dev/full` would turn
-/// the device into a regular file, and a symlink would be replaced by a file.
+/// the device into a regular file, a FIFO would be replaced or fed, and a symlink would be
+/// replaced by a file.
 #[test]
 fn outputs_must_be_regular_files_of_their_own() {
     let dir = scratch("outputs");
@@ -201,11 +202,22 @@ fn outputs_must_be_regular_files_of_their_own() {
     assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
     fails_saying(&["--steps", "1", "--log-json", link.to_str().unwrap()], "is a symbolic link");
     assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
+    // A FIFO of the test's own, not a device of the machine's: the suite runs as root, and a
+    // regression would replace /dev/null with a regular file for every later `> /dev/null`. The
+    // test holds the FIFO's reading end open (non-blocking), so a regressed writer neither blocks
+    // nor goes unseen: what it wrote is read back.
+    let fifo = dir.join("fifo");
+    let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo {}", fifo.display());
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let mut reader = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo).unwrap();
     for flag in ["--save", "--log-json"] {
-        fails_saying(&["--steps", "1", flag, "/dev/null"], "is not a regular file");
+        fails_saying(&["--steps", "1", flag, fifo.to_str().unwrap()], "is not a regular file");
+        assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "{flag} replaced the FIFO");
+        let mut written = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut reader, &mut written); // WouldBlock: nothing written
+        assert!(written.is_empty(), "{flag} wrote {} bytes into the FIFO", written.len());
     }
-    use std::os::unix::fs::FileTypeExt;
-    assert!(std::fs::metadata("/dev/null").unwrap().file_type().is_char_device());
     let same = dir.join("same");
     let same = same.to_str().unwrap();
     fails_saying(&["--steps", "1", "--save", same, "--log-json", same], "are both");

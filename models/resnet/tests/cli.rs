@@ -9,20 +9,19 @@ fn run(args: &[&str]) -> std::process::Output {
 #[test]
 fn loss_falls_on_synthetic_images() {
     // In f32, with bf16 and f16 activations (f16 under loss scaling) and with bf16 weights.
+    // At batch 32 and learning rate 0.02 the loss falls smoothly in every dtype and with every
+    // seed tried. At batch 16 and the default 0.05 single batches spiked (losses of 4 and 7
+    // among losses of 0.01, f32 too), so where the spikes fell moved with the last rounding bit
+    // of a machine's kernels, and with them any statistic of the last steps.
     for dtype in ["f32", "bf16", "f16", "bf16-weights"] {
-        let args = ["--preset", "tiny", "--steps", "30", "--batch", "16", "--image-size", "32", "--classes", "4", "--dtype", dtype];
+        let args = ["--preset", "tiny", "--steps", "30", "--batch", "32", "--lr", "0.02", "--image-size", "32", "--classes", "4", "--dtype", dtype];
         let (losses, _) = testkit::run_logged(env!("CARGO_BIN_EXE_train-resnet"), &args);
-        let median = |v: &[f32]| {
-            let mut v = v.to_vec();
-            v.sort_by(f32::total_cmp);
-            v[v.len() / 2]
-        };
-        // Medians, not means: at this learning rate single batches spike (a loss of 4 between
-        // losses of 0.01), and a mean of five follows the spike, which the last rounding bit can
-        // move.
-        let (first, last) = (median(&losses[..5]), median(&losses[20..]));
-        // Chance level for 4 classes is ln 4 = 1.39.
-        assert!(last < 0.6 * first, "{dtype}: loss went {first:.3} -> {last:.3}");
+        let mut start = losses[..5].to_vec();
+        start.sort_by(f32::total_cmp);
+        // The model learns (the first steps are near chance, ln 4 = 1.39) and stays learnt: each
+        // of the last ten losses is below 0.6x the median of the first five. A spiking run fails.
+        let (first, worst) = (start[2], losses[20..].iter().copied().fold(f32::MIN, f32::max));
+        assert!(worst < 0.6 * first, "{dtype}: loss went {first:.3} -> at worst {worst:.3} in the last ten steps: {losses:?}");
     }
 }
 

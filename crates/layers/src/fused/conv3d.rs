@@ -14,12 +14,13 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 /// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw) by a matrix product per block
-/// of its operand matrix (4 MiB in f32 at most, one workspace for all blocks). It keeps nothing but
-/// its input and output: the operand matrix is built again in backward (the composed version in
-/// `src/conv3d.rs` keeps 7 copies of its input).
+/// of its operand matrix (one workspace for all blocks, [`Conv3dShape::sized`]). It keeps nothing
+/// but its input and output: the operand matrix is built again in backward (the composed version
+/// in `src/conv3d.rs` keeps 7 copies of its input).
 /// `kept`: its output, kept from the forward (`remat::keep`).
 pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, kept: Option<Tensor>) -> Result<Tensor> {
-    conv3d_blocked(x, w, g, BLOCK_ENTRIES, kept)
+    let shape = Conv3dShape::new(x.dims5()?, w.dims5()?, g, BLOCK_ENTRIES)?.sized();
+    apply2(&x.contiguous()?, &operand(w, x)?, Conv3dOp { shape, split: None }, kept)
 }
 
 /// Entries of an operand-matrix block at most (4 MiB in f32): the one workspace's size. Half of
@@ -28,11 +29,13 @@ pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, kept: Opt
 /// enough for gemm's blocking (`bench-harness run-one`, U-Net small and ResNet-50/152).
 const BLOCK_ENTRIES: usize = 1 << 20;
 
-/// [`conv3d`] building the column matrix in blocks of at most about `block_entries` entries (at
-/// least one output row; see `Conv3dShape::blocks`).
-pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, block_entries: usize, kept: Option<Tensor>) -> Result<Tensor> {
+/// [`conv3d`] building the column matrix in blocks of at most about `block_entries` entries
+/// whatever the problem's size (at least one output row; see `Conv3dShape::blocks`): the tests'
+/// way to take each kind of block.
+#[cfg(test)]
+pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, block_entries: usize) -> Result<Tensor> {
     let shape = Conv3dShape::new(x.dims5()?, w.dims5()?, g, block_entries)?;
-    apply2(&x.contiguous()?, &operand(w, x)?, Conv3dOp { shape, split: None }, kept)
+    apply2(&x.contiguous()?, &operand(w, x)?, Conv3dOp { shape, split: None }, None)
 }
 
 /// [`conv3d`] of the channel concatenation of a (N, Ca, D, H, W) and b (N, Cb, D, H, W) with w
@@ -41,7 +44,7 @@ pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, b
 /// (the concatenation and its two inputs, composed).
 pub(crate) fn conv3d_concat(a: &Tensor, b: &Tensor, w: &Tensor, g: crate::Conv3dGeometry, kept: Option<Tensor>) -> Result<Tensor> {
     let (x, split) = concat_dims(a, b)?;
-    let shape = Conv3dShape::new(x, w.dims5()?, g, BLOCK_ENTRIES)?;
+    let shape = Conv3dShape::new(x, w.dims5()?, g, BLOCK_ENTRIES)?.sized();
     apply3(&a.contiguous()?, &b.contiguous()?, &operand(w, a)?, Conv3dOp { shape, split: Some(split) }, kept)
 }
 
@@ -150,6 +153,21 @@ impl Conv3dShape {
             output[a] = (input[a] + 2 * pad[a] - kernel[a]) / stride[a] + 1;
         }
         Ok(Conv3dShape { n, c, o, input, kernel, stride, pad, output, block_entries })
+    }
+
+    /// This convolution with blocks of at most twice the entries of the largest tensor it reads
+    /// or writes (input, output, kernel), where that is fewer than its `block_entries`: each of
+    /// its workspaces (operand block, gathered gradient, channels-last slab) is then of the order
+    /// of its own tensors, so a small problem pays for its own size, not for the 4 MiB a large one
+    /// needs (at the tiny U-Net, blocks of 2^20 entries made the kernels' step peak four times
+    /// the composed route's; now it is 0.98x). The products stay at least 2 O columns wide (the
+    /// kernel has O x rows entries), wide enough for gemm's blocking; twice, not once, so that
+    /// a batch of 5 or more images of a 3x3 convolution still takes whole images per block (9
+    /// times an image's input: at once, the kernel bench's `conv2d 3x3 (8, 64, 32, 32)` split
+    /// each image into blocks 896 and 128 columns wide).
+    fn sized(self) -> Self {
+        let largest = (self.n * self.c * self.volume()).max(self.n * self.o * self.cols()).max(self.o * self.rows());
+        Conv3dShape { block_entries: self.block_entries.min(2 * largest), ..self }
     }
 
     /// Rows of the column matrix (C kd kh kw) and its columns (output voxels).
