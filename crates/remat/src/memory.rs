@@ -19,9 +19,7 @@
 //! mimalloc's own `MIMALLOC_PURGE_DELAY` (e.g. 0: give freed pages back at once), which is then
 //! left as set.
 
-use mimalloc::MiMalloc;
 use serde::{Deserialize, Serialize};
-use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -32,17 +30,123 @@ static CAP: AtomicU64 = AtomicU64::new(u64::MAX);
 /// Peak since the last timeline event: what happened between two events.
 static WINDOW_PEAK: AtomicU64 = AtomicU64::new(0);
 
-/// A global allocator (mimalloc underneath) that counts live and peak heap bytes.
-pub struct CountingAlloc;
+#[cfg(feature = "meter")]
+pub use counting::CountingAlloc;
 
-fn grow(n: u64) {
-    let now = CURRENT.fetch_add(n, Ordering::Relaxed) + n;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-    WINDOW_PEAK.fetch_max(now, Ordering::Relaxed);
-}
+/// The counting allocator (feature `meter`): without it nothing counts, and every heap figure
+/// reads zero ([`heap_meter_installed`] says which).
+#[cfg(feature = "meter")]
+mod counting {
+    use super::{ACTIVITY, ACTIVITY_NAMES, ACTIVITY_STAGE, CAP, CAP_REFUSAL, CURRENT, HINT, PEAK, WINDOW_PEAK};
+    use mimalloc::MiMalloc;
+    use std::alloc::{GlobalAlloc, Layout};
+    use std::sync::atomic::Ordering;
 
-fn shrink(n: u64) {
-    CURRENT.fetch_sub(n, Ordering::Relaxed);
+    /// A global allocator (mimalloc underneath) that counts live and peak heap bytes.
+    pub struct CountingAlloc;
+
+    fn grow(n: u64) {
+        let now = CURRENT.fetch_add(n, Ordering::Relaxed) + n;
+        PEAK.fetch_max(now, Ordering::Relaxed);
+        WINDOW_PEAK.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn shrink(n: u64) {
+        CURRENT.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// Ends the process (exit 1, after [`tell_refusal`]) if allocating `n` more bytes would take the
+    /// live heap above the cap.
+    fn check_cap(n: usize) {
+        let (live, cap) = (CURRENT.load(Ordering::Relaxed), CAP.load(Ordering::Relaxed));
+        if live.saturating_add(n as u64) > cap {
+            tell_refusal(n, live, cap);
+            // SAFETY: ends the process at once, allocating nothing, running no destructor (which
+            // could allocate and re-enter the refusing allocator).
+            unsafe { libc::_exit(1) }
+        }
+    }
+
+    /// Writes to stderr, without allocating (the allocator is the caller), which allocation the cap
+    /// refused and during what: "heap cap: refused 32768 bytes during backward (stage 3); 6291456 of
+    /// 6291456 bytes live".
+    fn tell_refusal(n: usize, live: u64, cap: u64) {
+        use std::io::Write;
+        let mut buf = [0u8; 200];
+        let mut cur = std::io::Cursor::new(&mut buf[..]);
+        let activity = ACTIVITY_NAMES.get(ACTIVITY.load(Ordering::Relaxed) as usize).unwrap_or(&"?");
+        let _ = write!(cur, "{CAP_REFUSAL} {n} bytes during {activity}");
+        let stage = ACTIVITY_STAGE.load(Ordering::Relaxed);
+        if stage != u64::MAX {
+            let _ = write!(cur, " (stage {stage})");
+        }
+        let _ = writeln!(cur, "; {live} of {cap} bytes live");
+        let len = cur.position() as usize;
+        let mut err = std::io::stderr().lock();
+        let _ = err.write_all(&buf[..len]);
+        // `try_lock`: the refused allocation may come from a thread that holds it (it never does,
+        // setting a hint allocates before locking); a hint is not worth a deadlock.
+        if let Ok(hint) = HINT.try_lock() {
+            if !hint.is_empty() {
+                let _ = err.write_all(hint.as_bytes());
+                let _ = err.write_all(b"\n");
+            }
+        }
+    }
+
+    /// mimalloc's `mi_option_purge_delay` (15 in mimalloc 2 and 3): -1 never purges.
+    const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+    static CONFIGURED: std::sync::Once = std::sync::Once::new();
+
+    /// Keeps freed pages mapped and committed (see the module's documentation) unless
+    /// `MIMALLOC_PURGE_DELAY` says otherwise; before the first allocation, as mimalloc reads its
+    /// options once.
+    fn configure() {
+        // SAFETY: reads the environment and sets a process-wide option; neither allocates (this runs
+        // inside the allocator, where `std::env` would allocate and re-enter it).
+        CONFIGURED.call_once(|| unsafe {
+            if libc::getenv(c"MIMALLOC_PURGE_DELAY".as_ptr()).is_null() {
+                libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1)
+            }
+        });
+    }
+
+    unsafe impl GlobalAlloc for CountingAlloc {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            check_cap(layout.size());
+            configure();
+            let p = MiMalloc.alloc(layout);
+            if !p.is_null() {
+                grow(layout.size() as u64);
+            }
+            p
+        }
+
+        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+            check_cap(layout.size());
+            configure();
+            let p = MiMalloc.alloc_zeroed(layout);
+            if !p.is_null() {
+                grow(layout.size() as u64);
+            }
+            p
+        }
+
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            MiMalloc.dealloc(ptr, layout);
+            shrink(layout.size() as u64);
+        }
+
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            check_cap(new_size.saturating_sub(layout.size()));
+            let p = MiMalloc.realloc(ptr, layout, new_size);
+            if !p.is_null() {
+                shrink(layout.size() as u64);
+                grow(new_size as u64);
+            }
+            p
+        }
+    }
 }
 
 /// Makes allocations fail once the live heap would exceed `bytes`, so a CPU run can emulate a
@@ -105,99 +209,6 @@ pub fn set_refusal_hint(hint: String) {
 /// The heap cap now.
 pub fn heap_cap() -> u64 {
     CAP.load(Ordering::Relaxed)
-}
-
-/// Ends the process (exit 1, after [`tell_refusal`]) if allocating `n` more bytes would take the
-/// live heap above the cap.
-fn check_cap(n: usize) {
-    let (live, cap) = (CURRENT.load(Ordering::Relaxed), CAP.load(Ordering::Relaxed));
-    if live.saturating_add(n as u64) > cap {
-        tell_refusal(n, live, cap);
-        // SAFETY: ends the process at once, allocating nothing, running no destructor (which
-        // could allocate and re-enter the refusing allocator).
-        unsafe { libc::_exit(1) }
-    }
-}
-
-/// Writes to stderr, without allocating (the allocator is the caller), which allocation the cap
-/// refused and during what: "heap cap: refused 32768 bytes during backward (stage 3); 6291456 of
-/// 6291456 bytes live".
-fn tell_refusal(n: usize, live: u64, cap: u64) {
-    use std::io::Write;
-    let mut buf = [0u8; 200];
-    let mut cur = std::io::Cursor::new(&mut buf[..]);
-    let activity = ACTIVITY_NAMES.get(ACTIVITY.load(Ordering::Relaxed) as usize).unwrap_or(&"?");
-    let _ = write!(cur, "{CAP_REFUSAL} {n} bytes during {activity}");
-    let stage = ACTIVITY_STAGE.load(Ordering::Relaxed);
-    if stage != u64::MAX {
-        let _ = write!(cur, " (stage {stage})");
-    }
-    let _ = writeln!(cur, "; {live} of {cap} bytes live");
-    let len = cur.position() as usize;
-    let mut err = std::io::stderr().lock();
-    let _ = err.write_all(&buf[..len]);
-    // `try_lock`: the refused allocation may come from a thread that holds it (it never does,
-    // setting a hint allocates before locking); a hint is not worth a deadlock.
-    if let Ok(hint) = HINT.try_lock() {
-        if !hint.is_empty() {
-            let _ = err.write_all(hint.as_bytes());
-            let _ = err.write_all(b"\n");
-        }
-    }
-}
-
-/// mimalloc's `mi_option_purge_delay` (15 in mimalloc 2 and 3): -1 never purges.
-const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-static CONFIGURED: std::sync::Once = std::sync::Once::new();
-
-/// Keeps freed pages mapped and committed (see the module's documentation) unless
-/// `MIMALLOC_PURGE_DELAY` says otherwise; before the first allocation, as mimalloc reads its
-/// options once.
-fn configure() {
-    // SAFETY: reads the environment and sets a process-wide option; neither allocates (this runs
-    // inside the allocator, where `std::env` would allocate and re-enter it).
-    CONFIGURED.call_once(|| unsafe {
-        if libc::getenv(c"MIMALLOC_PURGE_DELAY".as_ptr()).is_null() {
-            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1)
-        }
-    });
-}
-
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        check_cap(layout.size());
-        configure();
-        let p = MiMalloc.alloc(layout);
-        if !p.is_null() {
-            grow(layout.size() as u64);
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        check_cap(layout.size());
-        configure();
-        let p = MiMalloc.alloc_zeroed(layout);
-        if !p.is_null() {
-            grow(layout.size() as u64);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        MiMalloc.dealloc(ptr, layout);
-        shrink(layout.size() as u64);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        check_cap(new_size.saturating_sub(layout.size()));
-        let p = MiMalloc.realloc(ptr, layout, new_size);
-        if !p.is_null() {
-            shrink(layout.size() as u64);
-            grow(new_size as u64);
-        }
-        p
-    }
 }
 
 /// Bytes a tensor's elements take (its storage, if contiguous and not a view of a larger one).

@@ -19,10 +19,13 @@
 //! - Rule 4: a stage graph reads the float values it consumes as `Var`s over their memory (graph
 //!   inputs and integer values as they are): one `Var` of a value per segment, made by its first
 //!   reader there and shared with its later readers there, so that the value lives until that
-//!   first reader's backward. A `Var` shares its value's storage (`Var::sharing`): it costs no
-//!   bytes while the value is held anyway, as a value produced in the same segment is (its
-//!   producer's run holds it until the producer's backward, after its readers') and a stored
-//!   value an earlier segment takes over is (stored until then).
+//!   first reader's backward. With `patched-candle`, a `Var` shares its value's storage
+//!   (`Var::sharing`): it costs no bytes while the value is held anyway, as a value produced in
+//!   the same segment is (its producer's run holds it until the producer's backward, after its
+//!   readers') and a stored value an earlier segment takes over is (stored until then). On
+//!   candle as published ([`VARS_COPY`]), a stored value is a variable from its cut on (Rule 1's
+//!   store copies it once, while its segment's run still holds the original), which its readers
+//!   read as it is; a value produced in the same segment is copied by its first reader's `Var`.
 //! - Rule 5: a stored value is released when the earliest segment that reads it
 //!   (`Wiring::first_reader`) builds its graphs. If that is its producer's segment, it goes
 //!   before the recompute, which makes it anew. Otherwise that segment takes the stored tensor
@@ -49,6 +52,10 @@
 //!   the stage's graph as the kept output goes. A replayed op is not computed again.
 
 use crate::graph::ValueId;
+
+/// Whether a stage graph's `Var` over a value produced in its own segment is a copy (Rule 4):
+/// on candle as published, which has no variable over another tensor's memory.
+pub(crate) const VARS_COPY: bool = cfg!(not(feature = "patched-candle"));
 
 /// Who produces and who reads each value: what the rules are stated over. Built from every
 /// stage's inputs and outputs in stage order, from a graph's nodes (the executor) or a profile's

@@ -63,7 +63,7 @@ impl<'e, 'g> StepRun<'e, 'g> {
             let live = self.run_segment(s, false, grad_bytes)?.remove(0);
             // Rule 1, Rule 2: only the stored values outlive the segment's forward, detached.
             for &v in &seg.outputs {
-                self.stored[v] = Some(live.values[&v].detach());
+                self.stored[v] = Some(super::ops::stored_value(&live.values[&v])?);
             }
         }
         // Rule 3: the last segment's graphs are kept for its backward.
@@ -169,7 +169,7 @@ impl<'e, 'g> StepRun<'e, 'g> {
             if graphs && v >= self.exec.graph.n_inputs() && t.dtype().is_float() {
                 let var = match vars.get(&v) {
                     Some(var) => var.clone(),
-                    None => vars.entry(v).or_insert(Var::sharing(t)).clone(),
+                    None => vars.entry(v).or_insert(super::var_over(t)?).clone(),
                 };
                 inputs.push(var.as_tensor().clone());
                 live.input_vars.push((v, var));

@@ -31,7 +31,7 @@ mod forward;
 mod grads;
 mod ops;
 
-pub(crate) use ops::seed;
+pub(crate) use ops::{seed, var_over};
 
 use crate::graph::{Node, StageGraph, ValueId};
 use crate::keep::OpSet;

@@ -1,9 +1,32 @@
-//! The candle ops the executor adds: gradient sums in place, and the seed that starts a stage's
-//! backward from a given gradient.
+//! The candle ops the executor adds: gradient sums in place, the seed that starts a stage's
+//! backward from a given gradient, and the variables a stage graph reads its inputs through.
 
 use crate::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp2, Layout, Shape, Tensor, Var};
+
+/// A variable over `t`'s value for a stage graph to read it through (Rule 4). With
+/// `patched-candle`, over its memory (`Var::sharing`): it costs no bytes. On candle as published,
+/// `Var::from_tensor`: `t` itself where it is a variable already (a value stored at a cut, see
+/// [`stored_value`]), else a copy of it, held while the value is (the price of stock candle: a
+/// value read in the segment that produced it is held twice).
+pub(crate) fn var_over(t: &Tensor) -> Result<Var> {
+    #[cfg(feature = "patched-candle")]
+    return Ok(Var::sharing(t));
+    #[cfg(not(feature = "patched-candle"))]
+    return Ok(Var::from_tensor(t)?);
+}
+
+/// A value stored at a cut (Rule 1), detached from its producer's graph. On candle as published
+/// it is made a variable here, once (a copy, while its segment's run still holds the original;
+/// dropped with it), so that every segment that reads it reads it through that variable
+/// ([`var_over`]) instead of copying it again: a stage boundary is not held twice.
+pub(super) fn stored_value(t: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "patched-candle")]
+    return Ok(t.detach());
+    #[cfg(not(feature = "patched-candle"))]
+    return Ok(Var::from_tensor(&t.detach())?.into_inner());
+}
 
 /// `store[p] += g`: in place where it can be (the same bits as candle's `acc + g`).
 pub(super) fn add_into(store: &mut GradStore, p: &Var, g: Tensor) -> Result<()> {

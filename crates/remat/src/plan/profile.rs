@@ -242,7 +242,7 @@ fn measure_stage(
         .inputs
         .iter()
         .zip(ins)
-        .map(|(&v, t)| Ok(if v >= n_inputs && t.dtype().is_float() { Some(Var::sharing(t)) } else { None }))
+        .map(|(&v, t)| Ok(if v >= n_inputs && t.dtype().is_float() { Some(crate::exec::var_over(t)?) } else { None }))
         .collect::<Result<Vec<Option<Var>>>>()?;
     let run_ins: Vec<Tensor> = graph_ins.iter().zip(ins).map(|(var, t)| var.as_ref().map_or(t.clone(), |v| v.as_tensor().clone())).collect();
     // The ops a policy could keep (`+keep=`) are measured in passing: their outputs' bytes and times.

@@ -143,8 +143,18 @@ impl<'p> Walk<'p> {
         let handed_by = |i: usize| handed.iter().filter(|&&(first, _)| first <= i).map(|&(_, bytes)| bytes).sum::<u64>();
         // Rule 4: what a stage holds through the `Var`s it makes is what no one else holds: the
         // values handed over at it. A value produced in the segment is held by its producer's run
-        // the whole time, and a stored value an earlier segment takes over stays stored until then.
-        let vars = |i: usize| handed.iter().filter(|&&(first, _)| first == i).map(|&(_, bytes)| bytes).sum::<u64>();
+        // the whole time, and a stored value an earlier segment takes over stays stored until then;
+        // on candle as published, its first reader's `Var` is a copy of a value produced in the
+        // segment, held until that reader's backward.
+        let copied = |i: usize| -> u64 {
+            let here = |v: &&ValueId| float(**v) && self.wiring.producer(**v).is_some_and(|p| p >= a) && first_reader(**v) == i;
+            if crate::rules::VARS_COPY {
+                stages[i].inputs.iter().filter(here).map(|&v| self.bytes(v)).sum()
+            } else {
+                0
+            }
+        };
+        let vars = |i: usize| handed.iter().filter(|&&(first, _)| first == i).map(|&(_, bytes)| bytes).sum::<u64>() + copied(i);
         // Rule 8: walking backward, the gradients of later stages' parameters are in; while
         // accumulating, the sums held throughout and the partial sums of shared parameters whose
         // last user lies after the segment and whose first does not; with the optimizer inside
