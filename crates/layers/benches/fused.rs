@@ -40,7 +40,7 @@ fn bench(c: &mut Criterion) {
     let (fw, fb) = (var("fw", &[64]), var("fb", &[64]));
     let mut params = layers::ParamStore::new(&Device::Cpu, DType::F32, 0);
     let bn = layers::BatchNorm::new(&mut params, "bn", 64).unwrap();
-    let recompute = remat::StageCtx::new(0, 0, 0, 0, true, true); // training; statistics stay put
+    let recompute = remat::StageCtx::new(remat::RunPoint { recompute: true, train: true, ..Default::default() }); // training; statistics stay put
     let key = RngKey::named(2, "dropout");
     let causal = Tensor::from_vec((0..256 * 256).map(|i| u8::from(i % 256 > i / 256)).collect(), (256, 256), &Device::Cpu).unwrap();
     let neg_inf = Tensor::new(f32::NEG_INFINITY, &Device::Cpu).unwrap().broadcast_as(scores.shape()).unwrap();

@@ -116,7 +116,7 @@ mod tests {
     fn dropout_masks_replay_on_recompute_and_differ_elsewhere() -> Result<()> {
         let x = Tensor::ones((64, 64), candle_core::DType::F32, &Device::Cpu)?;
         let run = |step, stage, recompute| {
-            let ctx = StageCtx::new(1, step, stage, 0, recompute, true);
+            let ctx = StageCtx::new(remat::RunPoint { seed: 1, step, stage, recompute, train: true, ..Default::default() });
             let a = dropout(&x, 0.25, &ctx)?.flatten_all()?.to_vec1::<f32>()?;
             let b = dropout(&x, 0.25, &ctx)?.flatten_all()?.to_vec1::<f32>()?;
             Ok::<_, candle_core::Error>((a, b))

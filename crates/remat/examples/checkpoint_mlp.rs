@@ -22,7 +22,8 @@ fn graph(vb: &VarBuilder) -> Result<StageGraph> {
     let mut blocks: Vec<Box<dyn Stage>> = Vec::new();
     for i in 0..DEPTH {
         let block = candle_nn::seq().add(candle_nn::linear(WIDTH, WIDTH, vb.pp(format!("block{i}")))?).add(candle_nn::Activation::Relu);
-        blocks.push(Box::new(remat::module(&format!("block{i}"), block))); // the one line
+        blocks.push(Box::new(remat::module(&format!("block{i}"), StageKind::Block, block)));
+        // the one line
     }
     let head = candle_nn::linear(WIDTH, 10, vb.pp("head"))?;
     let loss = remat::from_fn("head", StageKind::Other, move |x, _| candle_nn::loss::cross_entropy(&head.forward(&x[0])?, &x[1]));

@@ -92,7 +92,7 @@ impl StageGraph {
     /// random keys the executor's forward draws, so this is the reference every policy, `off`
     /// included, must equal bit for bit; it shares no code with the executor.
     pub fn plain_loss(&self, inputs: &[Tensor], seed: u64, step: u64) -> Result<Tensor> {
-        self.forward_all(inputs, |i| StageCtx::new(seed, step, i, 0, false, true), false)
+        self.forward_all(inputs, |i| StageCtx::train(seed, step, i), false)
     }
 
     /// The loss in evaluation mode (no dropout, BatchNorm on its running statistics, no

@@ -25,7 +25,7 @@ pub mod stage;
 pub use exec::{Executor, StepOutput};
 pub use graph::{StageGraph, ValueId};
 pub use policy::{Policy, PolicyError, PolicyRequest};
-pub use stage::{from_fn, module, Stage, StageCtx, StageKind};
+pub use stage::{from_fn, module, RunPoint, Stage, StageCtx, StageKind};
 
 /// Errors of the checkpointing engine.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +49,13 @@ pub enum Error {
     FirstMicroBatch,
     #[error("`auto` needs a memory limit: a --memory-cap on the CPU, or a GPU's free memory")]
     NoMemoryLimit,
+    /// Planning (`budget=`, `auto`, a profile) on the CPU measures the heap through the
+    /// counting allocator; without it every figure would read 0.
+    #[error(
+        "planning on the CPU needs the heap meter: enable remat's `meter` feature and install it with \
+         `#[global_allocator] static ALLOC: remat::memory::CountingAlloc = remat::memory::CountingAlloc;`"
+    )]
+    NoMeter,
     /// Profiles the planner cannot use (two that are not of one graph at two batch sizes).
     #[error(transparent)]
     Profile(#[from] plan::PlanError),

@@ -57,15 +57,40 @@ pub struct StageCtx {
     train: bool,
 }
 
+/// The parts a [`StageCtx`] is made of: where in training a stage runs, and how.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunPoint {
+    /// The run's seed: every random draw of a step derives from it.
+    pub seed: u64,
+    /// The training step.
+    pub step: u64,
+    /// The stage's index in its graph.
+    pub stage: usize,
+    /// 0 for every pass when RNG replay is on; a recompute with replay switched off uses 1.
+    pub pass: u64,
+    /// Whether this run is the executor's recompute of the stage for backward.
+    pub recompute: bool,
+    /// Training mode: dropout active, BatchNorm uses batch statistics.
+    pub train: bool,
+}
+
 impl StageCtx {
-    pub fn new(seed: u64, step: u64, stage: usize, pass: u64, recompute: bool, train: bool) -> Self {
-        let key = RngKey { seed, step, stage: stage as u64, call: 0, pass };
-        StageCtx { key, calls: Cell::new(0), recompute, train }
+    /// The context of a stage run at `at`; `StageCtx::new(RunPoint { seed, step, stage, train:
+    /// true, ..Default::default() })` for a training forward outside the executor.
+    pub fn new(at: RunPoint) -> Self {
+        let key = RngKey { seed: at.seed, step: at.step, stage: at.stage as u64, call: 0, pass: at.pass };
+        StageCtx { key, calls: Cell::new(0), recompute: at.recompute, train: at.train }
+    }
+
+    /// The context of a training forward of stage `stage` at `step`, outside the executor: the
+    /// dropout masks the executor's step `step` draws there.
+    pub fn train(seed: u64, step: u64, stage: usize) -> Self {
+        Self::new(RunPoint { seed, step, stage, train: true, ..RunPoint::default() })
     }
 
     /// A context for evaluation outside the executor: no dropout, no recompute.
     pub fn eval() -> Self {
-        Self::new(0, 0, 0, 0, false, false)
+        Self::new(RunPoint::default())
     }
 
     /// The key for this stage's next random draw. Call sites draw in program order, so the n-th
@@ -85,6 +110,23 @@ impl StageCtx {
     /// Training mode: dropout active, BatchNorm uses batch statistics.
     pub fn is_training(&self) -> bool {
         self.train
+    }
+
+    /// Inverted dropout of `x` with drop probability `p` in training mode (`x` unchanged in
+    /// evaluation), its mask drawn from this context's next key: a recompute draws the same
+    /// mask, so gradients stay bit-identical to plain candle's. The stage's own dropout, composed
+    /// of candle ops (candle keeps the mask for backward); `candle_nn::ops::dropout` draws from
+    /// candle's generator, which a recompute cannot replay.
+    pub fn dropout(&self, x: &Tensor, p: f32) -> candle_core::Result<Tensor> {
+        if !(0.0..1.0).contains(&p) {
+            candle_core::bail!("dropout probability {p} is not in [0, 1)")
+        }
+        let key = self.next_key(); // drawn in training and evaluation alike: the same call sites
+        if !self.train || p == 0.0 {
+            return Ok(x.clone());
+        }
+        let mask = Tensor::from_vec(key.dropout_mask(x.elem_count(), p), x.shape(), x.device())?.to_dtype(x.dtype())?;
+        x * mask
     }
 }
 
@@ -112,21 +154,27 @@ use std::sync::Arc;
 forward_stage!(Arc);
 forward_stage!(Box);
 
-/// A candle [`Module`](candle_core::Module) as a block stage, in one line: `remat::module("fc1",
-/// layer)`. The module must be deterministic (no dropout of its own: use [`from_fn`] with the
-/// keys of `ctx` for that).
-pub fn module<M: candle_core::Module + 'static>(name: &str, m: M) -> impl Stage {
-    Module { name: name.to_string(), m }
+/// A candle [`Module`](candle_core::Module) as a stage of `kind`, in one line:
+/// `remat::module("h.0", StageKind::Block, layer)` (a `DownsampleBlock` for a block that halves
+/// the resolution, which `before-downsample` cuts before). The module must be deterministic:
+/// dropout through [`StageCtx::dropout`] in a [`from_fn`] stage, not `candle_nn::ops::dropout`
+/// (a recompute could not draw its mask again), and no state updated in forward.
+pub fn module<M: candle_core::Module + 'static>(name: &str, kind: StageKind, m: M) -> impl Stage {
+    Module { name: name.to_string(), kind, m }
 }
 
 struct Module<M> {
     name: String,
+    kind: StageKind,
     m: M,
 }
 
 impl<M: candle_core::Module> Stage for Module<M> {
     fn name(&self) -> String {
         self.name.clone()
+    }
+    fn kind(&self) -> StageKind {
+        self.kind
     }
     fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> candle_core::Result<Vec<Tensor>> {
         Ok(vec![self.m.forward(&inputs[0])?])

@@ -59,7 +59,7 @@ fn grads(policy: &str) -> Vec<Vec<u32>> {
 fn plain_candle_grads() -> Vec<Vec<u32>> {
     let ws: Vec<Var> = (0..4).map(|i| weight(i, 16)).collect();
     let dense = |i: usize, w: usize, inputs: &[Tensor]| {
-        let ctx = StageCtx::new(5, 0, i, 0, false, true);
+        let ctx = StageCtx::train(5, 0, i);
         Dense { w: ws[w].as_tensor().clone(), kind: StageKind::Block }.forward(inputs, &ctx).unwrap().remove(0)
     };
     let e1 = dense(0, 0, &[input()]);

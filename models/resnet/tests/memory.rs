@@ -43,7 +43,7 @@ fn peaks(policy: &str) -> Peaks {
 /// the least (each output is kept for the next stage's backward), and the largest single one.
 fn stage_outputs() -> (u64, u64) {
     let model = model();
-    let ctx = |i| remat::StageCtx::new(1, 0, i, 0, false, false);
+    let ctx = |i| remat::StageCtx::new(remat::RunPoint { seed: 1, stage: i, ..Default::default() });
     let mut values = inputs(&model, 0);
     let (mut all, mut largest) = (0, 0);
     let graph = model.graph();

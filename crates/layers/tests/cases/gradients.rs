@@ -151,7 +151,7 @@ fn batch_norm_add_relu() -> Result<()> {
     let (x, r) = (normal("x", &[2, 3, 4, 5], -1.0, 3.0)?, normal("r", &[2, 3, 4, 5], 0.0, 1.0)?);
     let mut vars = refs(&named);
     vars.extend([("x", &x), ("r", &r)]);
-    let ctx = StageCtx::new(0, 0, 0, 0, true, true);
+    let ctx = StageCtx::new(remat::RunPoint { recompute: true, train: true, ..Default::default() });
     let pre = (bn.forward(x.as_tensor(), &ctx)? + r.as_tensor())?.flatten_all()?.to_vec1::<f64>()?;
     assert!(pre.iter().all(|v| v.abs() > 1e-4), "an input sits on the ReLU's kink");
     check_gradients("fused BatchNorm + add + ReLU", &vars, || bn.forward_add_relu(x.as_tensor(), r.as_tensor(), &ctx))
@@ -169,7 +169,7 @@ fn batch_norm_pair_relu() -> Result<()> {
     let (x, x2) = (normal("x", &[2, 3, 4, 5], -1.0, 3.0)?, normal("x2", &[2, 3, 4, 5], 0.5, 2.0)?);
     let mut vars = refs(&named);
     vars.extend([("x", &x), ("x2", &x2)]);
-    let ctx = StageCtx::new(0, 0, 0, 0, true, true);
+    let ctx = StageCtx::new(remat::RunPoint { recompute: true, train: true, ..Default::default() });
     let composed = || bn.forward_add_relu(x.as_tensor(), &other.forward(x2.as_tensor(), &ctx)?, &ctx);
     let pre = (bn.forward(x.as_tensor(), &ctx)? + other.forward(x2.as_tensor(), &ctx)?)?.flatten_all()?.to_vec1::<f64>()?;
     assert!(pre.iter().all(|v| v.abs() > 1e-4), "an input sits on the ReLU's kink");
@@ -258,8 +258,8 @@ fn batch_norm_running_statistics_follow_pytorch() -> Result<()> {
     let mut want_mean = [0f64; 2];
     let mut want_var = [1f64; 2];
     for step in 0..2 {
-        bn.forward(&x, &StageCtx::new(0, step, 0, 0, false, true))?;
-        bn.forward(&x, &StageCtx::new(0, step, 0, 0, true, true))?; // a recompute: no update
+        bn.forward(&x, &StageCtx::new(remat::RunPoint { step, train: true, ..Default::default() }))?;
+        bn.forward(&x, &StageCtx::new(remat::RunPoint { step, recompute: true, train: true, ..Default::default() }))?; // a recompute: no update
         for ch in 0..c {
             let v = per_channel(ch);
             let m = v.iter().sum::<f64>() / v.len() as f64;
@@ -287,7 +287,7 @@ fn batch_norm_running_statistics_follow_pytorch() -> Result<()> {
 fn dropout_gradient_is_the_replayed_mask() -> Result<()> {
     super::route();
     let x = normal("x", &[3, 7], 0.0, 1.0)?;
-    let ctx = |recompute| StageCtx::new(1, 2, 3, 0, recompute, true);
+    let ctx = |recompute| StageCtx::new(remat::RunPoint { seed: 1, step: 2, stage: 3, recompute, train: true, ..Default::default() });
     // A fresh context per evaluation: the same key, as a recompute gets.
     check_gradients("dropout", &[("x", &x)], || dropout(x.as_tensor(), 0.3, &ctx(false)))?;
     let grad = |recompute| -> Result<Vec<u64>> {
@@ -409,7 +409,7 @@ fn fused_ops_are_deterministic_across_thread_counts() -> Result<()> {
             let y = layers::conv2d(img.as_tensor(), k.as_tensor(), 1, 2)?; // (2, 8, 9, 9)
             let mut params = ParamStore::new(&Device::Cpu, DType::F32, 0);
             let bn = BatchNorm::new(&mut params, "bn", 8)?;
-            let y = bn.forward_add_relu(&y, &(&y * 0.5)?, &StageCtx::new(0, 0, 0, 0, true, true))?;
+            let y = bn.forward_add_relu(&y, &(&y * 0.5)?, &StageCtx::new(remat::RunPoint { recompute: true, train: true, ..Default::default() }))?;
             let y = max_pool2d_k3s2p1(&y)?.flatten_all()?.reshape((2, 200))?.narrow(1, 0, 99)?.reshape((22, 9))?;
             let ids = Tensor::from_vec((0..22u32).map(|i| (i * 7) % 11).collect(), 22, &Device::Cpu)?;
             let e = fused::embedding(table.as_tensor(), &ids)?;
@@ -441,7 +441,7 @@ fn batch_norm_in_training_mode_with_and_without_relu() -> Result<()> {
         let x = normal("x", shape, -1.0, 3.0)?;
         let mut vars = refs(&named);
         vars.push(("x", &x));
-        let ctx = StageCtx::new(0, 0, 0, 0, true, true); // training; a recompute, so the statistics stay put
+        let ctx = StageCtx::new(remat::RunPoint { recompute: true, train: true, ..Default::default() }); // training; a recompute, so the statistics stay put
         let f = || if relu { bn.forward_relu(x.as_tensor(), &ctx) } else { bn.forward(x.as_tensor(), &ctx) };
         // No pre-activation within H of zero, where the ReLU's kink would break the difference.
         let pre = bn.forward(x.as_tensor(), &ctx)?.flatten_all()?.to_vec1::<f64>()?;

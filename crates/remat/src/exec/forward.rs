@@ -98,7 +98,8 @@ impl<'e, 'g> StepRun<'e, 'g> {
             let node = &exec.graph.nodes()[i];
             let mut live = Live::default();
             let inputs = self.stage_inputs(i, &values, &mut vars, graphs, &mut live)?;
-            let ctx = StageCtx::new(exec.seed, self.step, i, pass, recompute && exec.tell_recompute, true);
+            let ctx =
+                StageCtx::new(crate::RunPoint { seed: exec.seed, step: self.step, stage: i, pass, recompute: recompute && exec.tell_recompute, train: true });
             set_activity(if recompute { Activity::Recompute } else { Activity::Forward }, Some(i));
             let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
             let scope = keep.map(|mode| Scope::enter(mode, exec.keep, i, &self.stash));

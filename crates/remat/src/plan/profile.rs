@@ -131,7 +131,13 @@ fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: u
     if inputs.len() != graph.n_inputs() {
         return Err(Error::Inputs { expected: graph.n_inputs(), got: inputs.len() });
     }
-    let counter = Counter::for_device(inputs.first().map_or(&candle_core::Device::Cpu, |t| t.device()));
+    let device = inputs.first().map_or(&candle_core::Device::Cpu, |t| t.device());
+    // Without the counting allocator every byte measured on the CPU is 0, and a plan made on
+    // zeros would fit any budget.
+    if device.is_cpu() && !crate::memory::heap_meter_installed() {
+        return Err(Error::NoMeter);
+    }
+    let counter = Counter::for_device(device);
     let n_inputs = graph.n_inputs();
     let output = graph.output()?;
     let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(graph.n_values()).collect();
@@ -231,7 +237,7 @@ fn measure_stage(
     seed: u64,
 ) -> Result<(Vec<Tensor>, StageCost, ParamGradBytes)> {
     let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
-    let ctx = || StageCtx::new(seed, 0, i, 0, true, true);
+    let ctx = || StageCtx::new(crate::RunPoint { seed, stage: i, recompute: true, train: true, ..Default::default() });
     set_activity(Activity::Forward, Some(i));
     // Without a graph of its own: the outputs keep their op graph until detached.
     let (outs, chain_bytes, chain_transient, _) = metered(counter, || node.stage.forward(ins, &ctx()).map_err(stage_err))?;
