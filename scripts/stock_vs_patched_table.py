@@ -33,6 +33,6 @@ for (model, policy), builds in sorted(runs.items(), key=lambda kv: (list(runs).i
     t = lambda b: statistics.median(r["step_ms_median"] for r in b.values())
     pk = lambda b: b[1]["step_peak_bytes"]
     pred = s[1].get("predicted_peak_bytes")
-    err = f"{mib(pred)}, {100 * (pred / pk(s) - 1):+.1f}%" if pred else "-"
+    err = f"{mib(pred)}, {100 * (pred / pk(s) - 1):+.2f}%" if pred else "-"
     same = lambda b: "yes" if b[1].get("grads_bit_identical") else "no"
     print(f"| {model} | {policy} | {mib(pk(p))} | {mib(pk(s))} | {pk(s) / pk(p):.2f} | {t(p):.0f} ms | {t(s):.0f} ms | {t(s) / t(p):.2f} | {same(p)} / {same(s)} | {err} |")

@@ -122,12 +122,24 @@ pub(crate) struct Stash(Rc<RefCell<Held>>);
 struct Held {
     kept: HashMap<(usize, usize), Tensor>,
     measured: Vec<KeptOp>,
+    /// The kinds of keepable op the forwards of recomputed segments ran, kept or not.
+    seen: OpSet,
 }
 
 impl Stash {
     /// The ops measured so far ([`Mode::Measure`]), taken.
     pub(crate) fn take_measured(&self) -> Vec<KeptOp> {
         std::mem::take(&mut self.0.borrow_mut().measured)
+    }
+
+    /// Whether some output is kept now (after the forward: whether the policy keeps anything).
+    pub(crate) fn keeps_any(&self) -> bool {
+        !self.0.borrow().kept.is_empty()
+    }
+
+    /// The kinds of keepable op that the forwards of recomputed segments ran ([`Mode::Keep`]).
+    pub(crate) fn seen(&self) -> OpSet {
+        self.0.borrow().seen
     }
 }
 
@@ -182,6 +194,10 @@ pub fn op(kind: OpKind, compute: impl FnOnce(Option<Tensor>) -> candle_core::Res
         let a = a.as_mut().filter(|a| !a.busy)?;
         let key = (a.stage, a.calls);
         a.calls += 1;
+        if a.mode == Mode::Keep {
+            let mut held = a.stash.0.borrow_mut();
+            held.seen = OpSet(held.seen.0 | kind.bit());
+        }
         if !a.kinds.contains(kind) {
             return None;
         }

@@ -23,6 +23,8 @@ pub(super) struct StepRun<'e, 'g> {
     /// On the first step, for each parameter the earliest stage whose outputs depend on it, as
     /// the forward finds them: its gradient is complete after that stage's backward.
     pub(super) first_users: Option<Vec<Option<usize>>>,
+    /// The forward's digests of the outputs of the stages to be recomputed, by stage.
+    digests: HashMap<usize, Vec<Option<u64>>>,
 }
 
 impl<'e, 'g> StepRun<'e, 'g> {
@@ -35,7 +37,7 @@ impl<'e, 'g> StepRun<'e, 'g> {
             *slot = Some(t.clone());
         }
         let first_users = find_users.then(|| vec![None; exec.params.len()]);
-        StepRun { exec, step, stored, stash: Stash::default(), value_grads: HashMap::new(), timeline, first_users }
+        StepRun { exec, step, stored, stash: Stash::default(), value_grads: HashMap::new(), timeline, first_users, digests: HashMap::new() }
     }
 
     /// Stage `i`'s forward made `outputs`: every parameter their op graph reaches that no earlier
@@ -65,6 +67,11 @@ impl<'e, 'g> StepRun<'e, 'g> {
             for &v in &seg.outputs {
                 self.stored[v] = Some(super::ops::stored_value(&live.values[&v])?);
             }
+        }
+        // A `+keep=` that kept nothing would silently recompute everything: the graph runs none
+        // of those ops through `keep::op` (a candle-nn `Linear` is not one).
+        if !self.exec.keep.is_empty() && last > 0 && !self.stash.keeps_any() {
+            return Err(Error::KeepsNothing { keep: self.exec.keep.to_string(), seen: self.stash.seen().to_string() });
         }
         // Rule 3: the last segment's graphs are kept for its backward.
         let kept = self.run_segment(last, false, grad_bytes)?;
@@ -112,6 +119,11 @@ impl<'e, 'g> StepRun<'e, 'g> {
             if !recompute {
                 self.find_users(i, &outputs);
             }
+            if exec.check_recompute && !graphs {
+                self.digests.insert(i, outputs.iter().map(super::ops::digest).collect::<Result<_>>()?);
+            } else if exec.check_recompute && recompute {
+                self.check_recompute(i, &outputs)?;
+            }
             for (&v, t) in node.outputs.iter().zip(&outputs) {
                 values.insert(v, t.clone());
             }
@@ -134,6 +146,17 @@ impl<'e, 'g> StepRun<'e, 'g> {
             runs.push(whole);
         }
         Ok(runs)
+    }
+
+    /// Fails naming stage `i` if a recomputed output's digest differs from its forward's.
+    fn check_recompute(&mut self, i: usize, outputs: &[Tensor]) -> Result<()> {
+        let forward = self.digests.remove(&i).unwrap_or_default();
+        for (k, (t, before)) in outputs.iter().zip(forward).enumerate() {
+            if before.is_some() && super::ops::digest(t)? != before {
+                return Err(Error::Recompute { stage: i, name: self.exec.graph.nodes()[i].stage.name(), output: k });
+            }
+        }
+        Ok(())
     }
 
     /// The stored values and graph inputs segment `s` reads.

@@ -85,10 +85,22 @@ struct Live {
 
 /// What one training step produced.
 pub struct StepOutput {
+    /// The step's loss (unscaled), detached.
     pub loss: Tensor,
     /// Gradients of the parameters (detached), keyed as candle keys them.
     pub grads: GradStore,
+    /// The heap after each stage's forward, recompute and backward.
     pub timeline: Timeline,
+}
+
+impl StepOutput {
+    /// The indices of `params` (the executor's, [`Executor::params`]) that received no gradient
+    /// in this step: a parameter no stage reads, or one behind an op that records no backward
+    /// (`candle_nn::LayerNorm::forward`, `candle_nn::ops::softmax_last_dim`), which candle drops
+    /// without a word.
+    pub fn params_without_grad(&self, params: &[Var]) -> Vec<usize> {
+        params.iter().enumerate().filter(|(_, p)| self.grads.get(p.as_tensor()).is_none()).map(|(i, _)| i).collect()
+    }
 }
 
 /// What the first step learns about the parameters' gradients; later steps only read it.
@@ -114,6 +126,8 @@ pub struct Executor<'g> {
     seed: u64,
     replay_rng: bool,
     tell_recompute: bool,
+    /// Compare each recomputed stage's outputs with its forward's ([`ops::digest`]).
+    check_recompute: bool,
     /// Learned by the first step, which starts from empty gradients.
     schedule: OnceCell<Schedule>,
     /// Backward starts from the loss times this (f16 loss scaling); the returned loss is unscaled.
@@ -149,16 +163,29 @@ impl<'g> Executor<'g> {
             seed,
             replay_rng: true,
             tell_recompute: true,
+            check_recompute: true,
             schedule: OnceCell::new(),
             loss_scale: Cell::new(1.0),
         })
     }
 
     /// Switches RNG replay off: recomputes draw fresh random keys, as a checkpoint built on global
-    /// RNG state would. Exists only to show that the bit-exactness tests can fail.
+    /// RNG state would, and the recompute check with it. Exists only to show that the
+    /// bit-exactness tests can fail.
     #[doc(hidden)]
     pub fn without_rng_replay(mut self) -> Self {
         self.replay_rng = false;
+        self.check_recompute = false;
+        self
+    }
+
+    /// Switches the recompute check off. By default the forward takes a digest of every output
+    /// of every stage it will recompute (a sample of up to 1024 of its elements, spread over the
+    /// tensor, and its shape), and the recompute compares: a stage that draws randomness not
+    /// from its context or changes state in forward then fails the step with
+    /// [`Error::Recompute`], naming it, instead of returning wrong gradients.
+    pub fn without_recompute_check(mut self) -> Self {
+        self.check_recompute = false;
         self
     }
 

@@ -28,6 +28,32 @@ pub(super) fn stored_value(t: &Tensor) -> Result<Tensor> {
     return Ok(Var::from_tensor(&t.detach())?.into_inner());
 }
 
+/// Elements of an output that [`digest`] reads at most.
+const DIGEST_SAMPLES: usize = 1024;
+
+/// A digest of `t` for the recompute check: its shape, dtype and the bits of up to
+/// [`DIGEST_SAMPLES`] of its elements, evenly spread (a dropout mask drawn anew changes about
+/// p of them). Reads a few KiB whatever the tensor's size (gathered on its device, then copied).
+/// `None` for a tensor that is not contiguous (sampling it would copy it whole).
+pub(super) fn digest(t: &Tensor) -> Result<Option<u64>> {
+    use std::hash::{Hash, Hasher};
+    if !t.is_contiguous() {
+        return Ok(None);
+    }
+    let n = t.elem_count();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (t.dims(), t.dtype().as_str()).hash(&mut h);
+    if n > 0 {
+        let picks = n.min(DIGEST_SAMPLES);
+        let at: Vec<u32> = (0..picks).map(|k| (k * n / picks) as u32).collect();
+        let at = Tensor::from_vec(at, picks, t.device())?;
+        // f64 holds every float and small integer dtype's values exactly: equal bits, equal values.
+        let values = t.flatten_all()?.index_select(&at, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+        values.iter().for_each(|v| v.to_bits().hash(&mut h));
+    }
+    Ok(Some(h.finish()))
+}
+
 /// `store[p] += g`: in place where it can be (the same bits as candle's `acc + g`).
 pub(super) fn add_into(store: &mut GradStore, p: &Var, g: Tensor) -> Result<()> {
     let sum = match store.get(p.as_tensor()) {
