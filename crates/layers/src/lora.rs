@@ -44,7 +44,20 @@ pub struct Lora {
     pub init_lora_weights: bool,
 }
 
+impl Default for Lora {
+    /// PEFT's `LoraConfig` defaults: rank 8, alpha 8, no dropout, B started at zero; no targets.
+    fn default() -> Self {
+        Lora { rank: 8, alpha: 8.0, dropout: 0.0, targets: Vec::new(), init_lora_weights: true }
+    }
+}
+
 impl Lora {
+    /// Adapters of rank `rank` beside the layers `targets` names (`gpt2::LORA_TARGETS`, say),
+    /// the rest PEFT's defaults ([`Lora::default`]).
+    pub fn new(rank: usize, targets: &[&str]) -> Self {
+        Lora { rank, targets: targets.iter().map(|t| t.to_string()).collect(), ..Lora::default() }
+    }
+
     pub fn scale(&self) -> f64 {
         self.alpha / self.rank as f64
     }

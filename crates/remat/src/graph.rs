@@ -11,12 +11,17 @@ use candle_core::Tensor;
 /// Index of a tensor value flowing through a [`StageGraph`].
 pub type ValueId = usize;
 
+/// One stage of a graph and the values it reads and writes.
 pub struct Node {
+    /// The stage.
     pub stage: Box<dyn Stage>,
+    /// The values it reads, in the order its `forward` takes them.
     pub inputs: Vec<ValueId>,
+    /// The values it produces, in the order its `forward` returns them.
     pub outputs: Vec<ValueId>,
 }
 
+/// Stages in execution order, connected by values (see the module documentation).
 pub struct StageGraph {
     n_inputs: usize,
     n_values: usize,
@@ -66,18 +71,22 @@ impl StageGraph {
         self.output = Some(v);
     }
 
+    /// The loss value, set by [`StageGraph::set_output`].
     pub fn output(&self) -> Result<ValueId> {
         self.output.ok_or_else(|| Error::Graph("no output (loss) value set".into()))
     }
 
+    /// How many graph inputs there are: values `0..n_inputs`.
     pub fn n_inputs(&self) -> usize {
         self.n_inputs
     }
 
+    /// How many values there are: the inputs and every stage output.
     pub fn n_values(&self) -> usize {
         self.n_values
     }
 
+    /// The stages, in execution order.
     pub fn nodes(&self) -> &[Node] {
         &self.nodes
     }

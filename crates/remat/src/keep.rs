@@ -35,8 +35,10 @@ pub enum OpKind {
 }
 
 impl OpKind {
+    /// Every kind, in order.
     pub const ALL: [OpKind; 3] = [OpKind::Matmul, OpKind::Conv, OpKind::Attention];
 
+    /// The kind as policies write it (`matmul`, `conv`, `attention`).
     pub fn name(self) -> &'static str {
         match self {
             OpKind::Matmul => "matmul",
@@ -56,18 +58,22 @@ impl OpKind {
 pub struct OpSet(u8);
 
 impl OpSet {
+    /// Every kind.
     pub fn all() -> OpSet {
         OpKind::ALL.into_iter().collect()
     }
 
+    /// Whether `kind` is in the set.
     pub fn contains(self, kind: OpKind) -> bool {
         self.0 & kind.bit() != 0
     }
 
+    /// Whether the set is empty (a policy without `+keep=`).
     pub fn is_empty(self) -> bool {
         self.0 == 0
     }
 
+    /// The set's kinds, in [`OpKind::ALL`]'s order.
     pub fn kinds(self) -> impl Iterator<Item = OpKind> {
         OpKind::ALL.into_iter().filter(move |k| self.contains(*k))
     }
@@ -108,8 +114,11 @@ impl FromStr for OpSet {
 /// keeping it holds) and its time (what replaying it saves).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct KeptOp {
+    /// Its kind.
     pub kind: OpKind,
+    /// Bytes of its output: what keeping it holds.
     pub bytes: u64,
+    /// Its forward's time in milliseconds: what replaying it saves.
     pub ms: f64,
 }
 

@@ -11,6 +11,12 @@
 //!
 //! This crate holds the engine only: no model code, no layers (see the `layers` crate), no
 //! optimizer. It also owns the memory meter ([`memory`]) that measures what checkpointing buys.
+//!
+//! It builds against candle-core 0.11 as published. The feature `meter` adds the counting
+//! allocator ([`memory`]); `patched-candle` builds over this repository's vendored candle-core,
+//! whose variables share a stage input's memory instead of copying it.
+
+#![warn(missing_docs)]
 
 pub mod exec;
 pub mod graph;
@@ -30,23 +36,31 @@ pub use stage::{from_fn, module, RunPoint, Stage, StageCtx, StageKind};
 /// Errors of the checkpointing engine.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// An error of candle itself.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// A policy that cannot be parsed or does not apply to the graph.
     #[error(transparent)]
     Policy(#[from] PolicyError),
-    /// Not a `source`: the message already includes it, and a chain would print it twice.
+    /// `budget=`/`auto` found no plan for the graph. `reason` is not a `source`: the message
+    /// already includes it, and a chain would print it twice.
+    #[allow(missing_docs)] // its fields are what its message names
     #[error("{policy}: {reason}")]
     Plan { policy: String, reason: Box<plan::PlanError> },
     /// A graph that cannot run: a stage reads a value nothing produced, no loss, no stages.
     #[error("stage graph: {0}")]
     Graph(String),
+    /// A step or profile given another number of inputs than the graph takes.
+    #[allow(missing_docs)] // its fields are what its message names
     #[error("the graph takes {expected} inputs; {got} were given")]
     Inputs { expected: usize, got: usize },
     /// The caller's data (a profile's `inputs_at`) failed.
     #[error("the inputs: {0}")]
     Data(String),
+    /// A micro-batch after the first came before the first (its gradients are not empty).
     #[error("accumulate: the first micro-batch must start from empty gradients")]
     FirstMicroBatch,
+    /// `auto` with no limit to plan for.
     #[error("`auto` needs a memory limit: a --memory-cap on the CPU, or a GPU's free memory")]
     NoMemoryLimit,
     /// Planning (`budget=`, `auto`, a profile) on the CPU measures the heap through the
@@ -59,6 +73,8 @@ pub enum Error {
     /// Profiles the planner cannot use (two that are not of one graph at two batch sizes).
     #[error(transparent)]
     Profile(#[from] plan::PlanError),
+    /// A stage's `forward` failed (or returned another number of outputs than the graph wires).
+    #[allow(missing_docs)] // its fields are what its message names
     #[error("stage {stage} (`{name}`): {source}")]
     Stage { stage: usize, name: String, source: candle_core::Error },
     /// A `+keep=` policy whose recomputed segments run no op of the kinds it keeps.
@@ -68,6 +84,7 @@ pub enum Error {
          `layers` crate's linear, attention and convolutions are), or leave +keep= out",
         if seen.is_empty() { "none" } else { seen.as_str() }
     )]
+    #[allow(missing_docs)] // its fields are what its message names
     KeepsNothing { keep: String, seen: String },
     /// A recomputed stage gave other outputs than its forward: its gradients would be wrong.
     #[error(
@@ -76,9 +93,11 @@ pub enum Error {
          `ctx.dropout`, `ctx.next_key()`) or changes state in forward (skip it when `ctx.is_recompute()`). \
          `Executor::without_recompute_check` turns this check off"
     )]
+    #[allow(missing_docs)] // its fields are what its message names
     Recompute { stage: usize, name: String, output: usize },
 }
 
+/// The engine's result type.
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Model code that builds its graph inside a candle `Result` can use `?` on the engine's errors.

@@ -163,16 +163,24 @@ pub fn set_heap_cap(bytes: u64) {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Activity {
+    /// Before anything else.
     Setup,
+    /// Building the model.
     Build,
+    /// A stage's forward.
     Forward,
+    /// A stage's recompute.
     Recompute,
+    /// A stage's backward.
     Backward,
+    /// The optimizer's update.
     Optimizer,
+    /// A gradient check against plain candle.
     GradCheck,
 }
 
 impl Activity {
+    /// The activity as a refusal names it (`forward`, `optimizer`, ...).
     pub fn name(self) -> &'static str {
         ACTIVITY_NAMES[self as usize]
     }
@@ -290,6 +298,7 @@ pub fn heap_peak() -> u64 {
     PEAK.load(Ordering::Relaxed)
 }
 
+/// Starts a new peak at the live heap now (and a new timeline window).
 pub fn reset_heap_peak() {
     PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
     WINDOW_PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
@@ -317,6 +326,7 @@ pub mod rss {
         line[field.len()..].trim().trim_end_matches("kB").trim().parse().ok()
     }
 
+    /// Bytes of the device's memory pool in use, where the build can read it.
     pub fn current() -> Option<u64> {
         status_kib("VmRSS:").map(|k| k * 1024)
     }
@@ -345,12 +355,14 @@ pub fn minor_faults() -> Option<u64> {
 /// default memory pool of a CUDA device, from which candle allocates (`cuMemAllocAsync`).
 #[derive(Clone, Debug)]
 pub enum Counter {
+    /// The host heap, through [`CountingAlloc`] (feature `meter`).
     Heap,
     #[cfg(feature = "cuda")]
     Cuda(cuda::Pool),
 }
 
 impl Counter {
+    /// The counter for tensors on `device`: the heap for the CPU, the device's pool otherwise.
     pub fn for_device(device: &candle_core::Device) -> Self {
         match device {
             #[cfg(feature = "cuda")]
@@ -387,6 +399,7 @@ impl Counter {
         }
     }
 
+    /// Starts a new peak at the bytes in use now.
     pub fn reset_peak(&self) {
         match self {
             Counter::Heap => reset_heap_peak(),
@@ -508,6 +521,7 @@ pub struct Usage {
     pub heap_peak_delta: u64,
     /// Highest RSS during the region minus RSS at its start; `None` where `/proc` is missing.
     pub rss_peak_delta: Option<u64>,
+    /// Wall-clock time from the start, in milliseconds.
     pub elapsed_ms: f64,
 }
 
@@ -520,6 +534,7 @@ pub struct Meter {
 }
 
 impl Meter {
+    /// Starts measuring the memory of tensors on `device` (the peak is reset).
     pub fn start(device: &candle_core::Device) -> Self {
         let counter = Counter::for_device(device);
         counter.synchronize();
@@ -539,6 +554,7 @@ impl Meter {
         self.counter.peak().saturating_sub(self.heap_base)
     }
 
+    /// Stops measuring: what was in use at the start, at the peak and now.
     pub fn finish(self) -> Usage {
         self.counter.synchronize();
         let elapsed_ms = self.start.elapsed().as_secs_f64() * 1e3;
@@ -548,20 +564,26 @@ impl Meter {
     }
 }
 
+/// Which pass of a step an event ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Phase {
+    /// A stage's forward.
     Forward,
+    /// A stage's recompute before its backward.
     Recompute,
+    /// A stage's backward.
     Backward,
 }
 
 /// One point of a step's memory timeline, taken when a stage (or a segment's backward) ends.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Event {
+    /// The pass that ended.
     pub phase: Phase,
     /// The stage whose forward, recompute or backward just ended.
     pub stage: usize,
+    /// Milliseconds from the timeline's start.
     pub at_ms: f64,
     /// Live heap bytes at this point.
     pub bytes: u64,
@@ -578,16 +600,19 @@ pub struct Timeline {
     counter: Counter,
     #[serde(skip)]
     start: Instant,
+    /// The events, in the order they happened.
     pub events: Vec<Event>,
 }
 
 impl Timeline {
+    /// A timeline of tensors on `device`, starting now.
     pub fn start(device: &candle_core::Device) -> Self {
         let counter = Counter::for_device(device);
         counter.take_window_peak();
         Timeline { counter, start: Instant::now(), events: Vec::new() }
     }
 
+    /// Records that stage `stage`'s `phase` ended, with `grad_bytes` of parameter gradients held (Rule 9).
     pub fn record(&mut self, phase: Phase, stage: usize, grad_bytes: u64) {
         // On a GPU the readings mean something only once the queued work has run.
         self.counter.synchronize();

@@ -16,6 +16,7 @@ use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
+/// Which stage boundaries a step stores (see the module documentation and `PolicyRequest`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Policy {
     /// Plain candle: one segment, every activation kept.
@@ -41,6 +42,7 @@ pub enum Policy {
 /// What `--policy` asks for: a policy, or the planner's choice for a memory budget.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PolicyRequest {
+    /// A policy, as it is.
     Fixed(Policy),
     /// The plan with the least recompute whose predicted peak, model state included, fits this
     /// many bytes.
@@ -50,14 +52,19 @@ pub enum PolicyRequest {
     Auto,
 }
 
+/// Why a policy was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
+    /// A name that is no policy.
     #[error("unknown policy `{0}`; valid policies: {VALID}")]
     Unknown(String),
+    #[allow(missing_docs)] // its fields are what its message names
     #[error("policy `{policy}`: {why}; valid policies: {VALID}")]
     Invalid { policy: String, why: String },
+    #[allow(missing_docs)] // its fields are what its message names
     #[error("policy `{policy}` does not apply to this model: {why}")]
     NotApplicable { policy: String, why: String },
+    /// `budget=` or `auto` where a fixed policy is needed.
     #[error("`{0}` is a request to the planner, not a policy: resolve it from the model's profile first (remat::plan::resolve)")]
     NeedsPlan(String),
 }

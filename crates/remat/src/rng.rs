@@ -8,8 +8,11 @@
 /// Identifies one random draw within a training run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RngKey {
+    /// The run's seed.
     pub seed: u64,
+    /// The training step (`u64::MAX` for a [`RngKey::named`] key).
     pub step: u64,
+    /// The stage (for a named key, a hash of its name).
     pub stage: u64,
     /// The how-many-th draw within the stage's forward (dropout site).
     pub call: u64,

@@ -23,7 +23,7 @@
 //!   (`Var::sharing`): it costs no bytes while the value is held anyway, as a value produced in
 //!   the same segment is (its producer's run holds it until the producer's backward, after its
 //!   readers') and a stored value an earlier segment takes over is (stored until then). On
-//!   candle as published ([`VARS_COPY`]), a stored value is a variable from its cut on (Rule 1's
+//!   candle as published (`VARS_COPY`), a stored value is a variable from its cut on (Rule 1's
 //!   store copies it once, while its segment's run still holds the original), which its readers
 //!   read as it is; a value produced in the same segment is copied by its first reader's `Var`.
 //! - Rule 5: a stored value is released when the earliest segment that reads it

@@ -9,19 +9,23 @@ use std::cell::Cell;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum StageKind {
+    /// A block: counted by `sqrt` and `every-n`.
     Block,
     /// A block that reduces the spatial size (a residual block with a stride-2 conv).
     DownsampleBlock,
     /// A stage that only reduces the spatial size (pooling): not counted as a block.
     Downsample,
+    /// Anything else (a stem, a head): not counted.
     Other,
 }
 
 impl StageKind {
+    /// Whether `sqrt` and `every-n` count it.
     pub fn is_block(self) -> bool {
         matches!(self, StageKind::Block | StageKind::DownsampleBlock)
     }
 
+    /// Whether `before-downsample` stores its input.
     pub fn is_downsample(self) -> bool {
         matches!(self, StageKind::DownsampleBlock | StageKind::Downsample)
     }
@@ -33,10 +37,13 @@ impl StageKind {
 /// from `ctx`: the executor may run it twice (forward, then recompute) and relies on both runs
 /// giving bit-identical results.
 pub trait Stage {
+    /// A name for errors and reports (`h.3`, `layer2.1`).
     fn name(&self) -> String;
+    /// What the stage is to the policies; a block unless it says otherwise.
     fn kind(&self) -> StageKind {
         StageKind::Block
     }
+    /// The stage's outputs from its inputs; random draws from `ctx` only.
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> candle_core::Result<Vec<Tensor>>;
     /// What makes two stages alike to the planner: stages with equal signatures, given inputs of
     /// equal shapes and dtypes, allocate the same bytes, take the same time and have parameters

@@ -40,9 +40,13 @@ use serde::{Deserialize, Serialize};
 /// What one stage costs, measured alone.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct StageCost {
+    /// The stage's name.
     pub name: String,
+    /// The stage's kind, for the policies.
     pub kind: StageKind,
+    /// The values it reads.
     pub inputs: Vec<ValueId>,
+    /// The values it produces.
     pub outputs: Vec<ValueId>,
     /// Bytes its forward leaves live when it runs with a graph on `Var` inputs (the last segment,
     /// a recompute): its outputs and what its graph saves for backward, not its inputs' `Var`s.
@@ -52,13 +56,16 @@ pub struct StageCost {
     pub chain_bytes: u64,
     /// Highest bytes above what each forward leaves, while it runs (temporaries).
     pub graph_transient: u64,
+    /// The highest bytes above `chain_bytes` while it runs without a graph.
     pub chain_transient: u64,
     /// Highest bytes above the heap at its start while its backward runs.
     pub backward_transient: u64,
     /// Bytes of the parameter gradients that appear in its backward (walking backward, a
     /// parameter several stages use counts at the last of them).
     pub param_grad_bytes: u64,
+    /// Its forward's time, in milliseconds.
     pub forward_ms: f64,
+    /// Its backward's time, in milliseconds.
     pub backward_ms: f64,
     /// The ops in it whose outputs a policy may keep (`+keep=`), in order: what keeping each
     /// holds, and what replaying it saves of `forward_ms`.
@@ -76,6 +83,7 @@ impl StageCost {
 /// A value flowing between stages.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ValueCost {
+    /// The value's bytes.
     pub bytes: u64,
     /// Float values get `Var`s and gradients; integer ones (targets, indices) do not.
     pub float: bool,
@@ -84,9 +92,13 @@ pub struct ValueCost {
 /// The measured costs of every stage of a graph at one batch size.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Profile {
+    /// The batch size it was measured at.
     pub batch: usize,
+    /// The graph's inputs: values `0..n_inputs`.
     pub n_inputs: usize,
+    /// Every value's cost, by value id.
     pub values: Vec<ValueCost>,
+    /// Every stage's cost, in order.
     pub stages: Vec<StageCost>,
     /// The parameters several stages give gradients to (a tied embedding).
     #[serde(default)]
@@ -99,8 +111,11 @@ pub struct Profile {
 /// gradients (Rule 8): `bytes` more held in between.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SharedGrad {
+    /// The first stage that uses it.
     pub first: usize,
+    /// The last stage that uses it.
     pub last: usize,
+    /// Its gradient's bytes.
     pub bytes: u64,
 }
 
@@ -143,13 +158,16 @@ pub struct Estimate {
     /// Highest bytes above the heap before the step (parameters, optimizer state and inputs are
     /// the caller's), forward and backward.
     pub peak: u64,
+    /// The highest bytes during forward.
     pub forward_peak: u64,
+    /// The highest bytes during recomputes and backward.
     pub backward_peak: u64,
     /// What the peak is made of.
     pub at_peak: Breakdown,
     /// Forward time spent again in recomputes, and the whole step's (forward, recompute,
     /// backward), in milliseconds.
     pub recompute_ms: f64,
+    /// The whole step's time, in milliseconds.
     pub step_ms: f64,
 }
 
@@ -179,6 +197,7 @@ pub struct Breakdown {
 }
 
 impl Breakdown {
+    /// The sum of the parts.
     pub fn total(&self) -> u64 {
         self.stored + self.kept + self.param_grads + self.value_grads + self.live + self.transient
     }
@@ -203,7 +222,9 @@ impl Breakdown {
 /// timeline records it ([`crate::memory::Event`], Rule 9).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Point {
+    /// The pass the event ends.
     pub phase: Phase,
+    /// The stage it ends.
     pub stage: usize,
     /// What the step holds once the stage has run, above the heap before the step: the event's
     /// `bytes` less that heap. No transient.
@@ -224,15 +245,18 @@ impl Point {
 pub struct Plan {
     /// Stage indices that start a segment (0 first).
     pub starts: Vec<usize>,
+    /// What the plan's step is predicted to cost.
     pub estimate: Estimate,
 }
 
 impl Plan {
+    /// The plan as a policy: cuts before its stages (`plan=...`).
     pub fn policy(&self) -> Policy {
         Policy::BeforeStages(self.starts[1..].to_vec())
     }
 }
 
+/// Why the planner found no plan.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
     #[error(
@@ -240,7 +264,9 @@ pub enum PlanError {
          (parameters, optimizer state, data, inputs) is {}, and of the step's own {}, {dominant} take {}",
         mib(*.budget), mib(.fixed + .step), mib(*.fixed), mib(*.step), mib(*.dominant_bytes)
     )]
+    #[allow(missing_docs)] // its fields are what its message names
     BelowMinimum { budget: u64, fixed: u64, step: u64, plan: String, dominant: &'static str, dominant_bytes: u64 },
+    /// Two profiles that cannot be extrapolated from.
     #[error("profiles at batch {0} and {1} cannot be extrapolated: they must be of the same graph at two different batch sizes")]
     Extrapolate(usize, usize),
 }

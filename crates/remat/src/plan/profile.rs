@@ -105,6 +105,7 @@ impl Profile {
         Ok(Profile { batch, n_inputs: a.n_inputs, values, stages, shared_grads: a.shared_grads.clone() })
     }
 
+    /// Every stage's kind, in order.
     pub fn kinds(&self) -> Vec<StageKind> {
         self.stages.iter().map(|s| s.kind).collect()
     }

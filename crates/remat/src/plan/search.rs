@@ -27,7 +27,7 @@ impl Profile {
         }
     }
 
-    /// The plan with the smallest predicted peak (a bisection over budgets of [`Profile::search`]).
+    /// The plan with the smallest predicted peak (a bisection over budgets of the search `Profile::plan` makes).
     pub fn least_peak(&self, grads: Grads) -> Plan {
         let all = self.stages.iter().map(|s| s.graph_bytes + s.chain_bytes + s.graph_transient + s.backward_transient).sum::<u64>()
             + self.values.iter().map(|v| 2 * v.bytes).sum::<u64>()
