@@ -31,7 +31,7 @@ pub mod stage;
 pub use exec::{Executor, StepOutput};
 pub use graph::{StageGraph, ValueId};
 pub use policy::{Policy, PolicyError, PolicyRequest};
-pub use stage::{from_fn, module, RunPoint, Stage, StageCtx, StageKind};
+pub use stage::{from_fn, module, RunMode, RunPoint, Stage, StageCtx, StageKind};
 
 /// Errors of the checkpointing engine.
 #[derive(Debug, thiserror::Error)]

@@ -137,6 +137,32 @@ impl StageCtx {
     }
 }
 
+/// How a forward outside the executor runs (a model's `logits`, say): for evaluation, or as the
+/// executor's training step `step` of a run seeded `seed` runs it, the same dropout masks drawn.
+/// A training forward updates BatchNorm's running statistics, as the step's forward does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunMode {
+    /// No dropout, BatchNorm on its running statistics.
+    Eval,
+    /// Training mode, each stage's random draws those of the step.
+    Train {
+        /// The run's seed (the executor's).
+        seed: u64,
+        /// The step.
+        step: u64,
+    },
+}
+
+impl RunMode {
+    /// The context of stage `stage` (its index in the model's graph).
+    pub fn ctx(self, stage: usize) -> StageCtx {
+        match self {
+            RunMode::Eval => StageCtx::eval(),
+            RunMode::Train { seed, step } => StageCtx::train(seed, step, stage),
+        }
+    }
+}
+
 /// A stage behind a pointer is a stage: `Arc` lets a model keep typed handles to its stages while
 /// the graph owns them too; `Box<dyn Stage>` lets a list of different stages become a chain.
 macro_rules! forward_stage {

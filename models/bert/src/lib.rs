@@ -356,24 +356,25 @@ impl Bert {
         ])
     }
 
-    /// The encoder's output, hidden states (B, T, C), for ids (B, T) in evaluation mode (no
-    /// dropout). `token_types` (B, T) default to 0 (every token in segment A); `attention_mask`
-    /// (B, T) is 1 for tokens and 0 for padding, which no token attends to (default: all 1).
-    pub fn hidden_states(&self, ids: &Tensor, token_types: Option<&Tensor>, attention_mask: Option<&Tensor>) -> Result<Tensor> {
-        let ctx = StageCtx::eval();
+    /// The encoder's output, hidden states (B, T, C), for ids (B, T): in evaluation mode (no
+    /// dropout), or in training mode with the dropout masks step `step` of the executor draws
+    /// (`RunMode::Train`). `token_types` (B, T) default to 0 (every token in segment A);
+    /// `attention_mask` (B, T) is 1 for tokens and 0 for padding, which no token attends to
+    /// (default: all 1).
+    pub fn hidden_states(&self, ids: &Tensor, token_types: Option<&Tensor>, attention_mask: Option<&Tensor>, mode: remat::RunMode) -> Result<Tensor> {
         let zeros = ids.zeros_like()?;
         let ones = Tensor::ones(ids.dims(), DType::F32, ids.device())?;
         let mask = attention_mask.unwrap_or(&ones);
-        let mut x = self.embeddings.forward(&[ids.clone(), token_types.unwrap_or(&zeros).clone()], &ctx)?.remove(0);
-        for l in &self.layers {
-            x = l.forward(&[x, mask.clone()], &ctx)?.remove(0);
+        let mut x = self.embeddings.forward(&[ids.clone(), token_types.unwrap_or(&zeros).clone()], &mode.ctx(0))?.remove(0);
+        for (i, l) in self.layers.iter().enumerate() {
+            x = l.forward(&[x, mask.clone()], &mode.ctx(i + 1))?.remove(0);
         }
         Ok(x)
     }
 
-    /// The masked-LM head's logits (B*T, V) for hidden states (B, T, C).
-    pub fn logits(&self, hidden_states: &Tensor) -> Result<Tensor> {
-        self.head.logits(hidden_states, &StageCtx::eval())
+    /// The masked-LM head's logits (B*T, V) for hidden states (B, T, C), in `mode`.
+    pub fn logits(&self, hidden_states: &Tensor, mode: remat::RunMode) -> Result<Tensor> {
+        self.head.logits(hidden_states, &mode.ctx(self.layers.len() + 1))
     }
 }
 

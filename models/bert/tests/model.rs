@@ -35,7 +35,13 @@ fn write_hf_files(model: &Bert, dir: &Path) {
 
 fn logits(model: &Bert) -> Vec<f32> {
     let ids = Tensor::new(&[[2u32, 7, 9, 4, 3], [2, 30, 31, 32, 3]], &Device::Cpu).unwrap();
-    model.logits(&model.hidden_states(&ids, None, None).unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    model
+        .logits(&model.hidden_states(&ids, None, None, remat::RunMode::Eval).unwrap(), remat::RunMode::Eval)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
 }
 
 #[test]

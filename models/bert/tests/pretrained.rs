@@ -35,7 +35,7 @@ fn write_headless(model: &Bert, dir: &Path) -> PathBuf {
 
 fn hidden(model: &Bert) -> Vec<f32> {
     let ids = Tensor::new(&[[2u32, 7, 9, 4, 3]], &Device::Cpu).unwrap();
-    model.hidden_states(&ids, None, None).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    model.hidden_states(&ids, None, None, remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
 fn head(model: &Bert) -> Vec<Vec<f32>> {

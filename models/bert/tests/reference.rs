@@ -42,8 +42,8 @@ fn against_fixture(name: &str) -> Result<()> {
         weights: fx.f32s("weights")?,
     };
     let inputs = model.inputs(&batch, &Device::Cpu)?;
-    let hidden = model.hidden_states(&inputs[0], Some(&inputs[1]), Some(&inputs[2]))?;
-    check_close("logits", &model.logits(&hidden)?, &fx.tensor("logits")?, LOGITS_TOL)?;
+    let hidden = model.hidden_states(&inputs[0], Some(&inputs[1]), Some(&inputs[2]), remat::RunMode::Eval)?;
+    check_close("logits", &model.logits(&hidden, remat::RunMode::Eval)?, &fx.tensor("logits")?, LOGITS_TOL)?;
     for policy in ["off", "sqrt"] {
         let worst = check_training_step(&fx, model.graph(), model.params(), &inputs, policy)?;
         eprintln!("{policy}: largest gradient error {worst:.2e}");

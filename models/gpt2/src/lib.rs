@@ -333,12 +333,12 @@ impl Gpt2 {
         Ok(vec![Tensor::from_slice(ids, (batch, seq), device)?, Tensor::from_slice(targets, (batch, seq), device)?])
     }
 
-    /// Logits (B, T, V) for ids (B, T), in evaluation mode (no dropout).
-    pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
-        let ctx = StageCtx::eval();
-        let mut x = self.embed.forward(std::slice::from_ref(ids), &ctx)?.remove(0);
-        for b in &self.blocks {
-            x = b.forward(&[x], &ctx)?.remove(0);
+    /// Logits (B, T, V) for ids (B, T): in evaluation mode (no dropout), or in training mode with
+    /// the dropout masks step `step` of the executor draws (`RunMode::Train`).
+    pub fn logits(&self, ids: &Tensor, mode: remat::RunMode) -> Result<Tensor> {
+        let mut x = self.embed.forward(std::slice::from_ref(ids), &mode.ctx(0))?.remove(0);
+        for (i, b) in self.blocks.iter().enumerate() {
+            x = b.forward(&[x], &mode.ctx(i + 1))?.remove(0);
         }
         self.head.logits(&x)
     }

@@ -53,11 +53,11 @@ fn hugging_face_snapshot_reproduces_the_logits() {
 
     let loaded = Gpt2::new(Config::from_json(&config_path).unwrap(), &Device::Cpu, 2).unwrap();
     let ids = Tensor::new(&[[1u32, 5, 9, 200], [3, 3, 7, 0]], &Device::Cpu).unwrap();
-    let before = loaded.logits(&ids).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let want = saved.logits(&ids).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let before = loaded.logits(&ids, remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let want = saved.logits(&ids, remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert_ne!(before, want, "different seeds must give different models");
     loaded.load_snapshot(&path).unwrap();
-    assert_eq!(loaded.logits(&ids).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+    assert_eq!(loaded.logits(&ids, remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
 
     // Our own snapshots round-trip too, and a wrong-sized file names the tensor.
     let own = dir.join("own.safetensors");
@@ -94,4 +94,29 @@ fn parameter_shapes_from_the_configuration_match_the_model() {
     assert_eq!(derived, built);
     let xl: usize = Gpt2::parameter_shapes(&Preset::Xl.config()).unwrap().iter().map(|s| s.iter().product::<usize>()).sum();
     assert_eq!(xl, 1_557_611_200);
+}
+
+/// A training-mode forward outside the executor draws the dropout masks the step draws: the
+/// cross-entropy of its logits is the step's loss (dropout on everywhere); evaluation and another
+/// step draw other masks.
+#[test]
+fn training_mode_logits_give_the_steps_loss() {
+    let model = Gpt2::new(Config::tiny(2, 32), &Device::Cpu, 1).unwrap();
+    let ids: Vec<u32> = (0..32).map(|i| (i * 37 % 256) as u32).collect();
+    let targets: Vec<u32> = (0..32).map(|i| (i * 11 % 256) as u32).collect();
+    let inputs = model.inputs(&ids, &targets, 2, 16, &Device::Cpu).unwrap();
+    let (seed, step) = (5, 3);
+    let loss = model.graph().plain_loss(&inputs, seed, step).unwrap().to_scalar::<f32>().unwrap();
+    let ce = |mode| {
+        let logits = model.logits(&inputs[0], mode).unwrap().flatten_to(1).unwrap(); // (B*T, V)
+        candle_nn::loss::cross_entropy(&logits, &inputs[1].flatten_all().unwrap()).unwrap().to_scalar::<f32>().unwrap()
+    };
+    let train = ce(remat::RunMode::Train { seed, step });
+    // The step's loss comes from the fused cross-entropy, this one from candle-nn's: the same
+    // logits, summed in another order.
+    assert!((train - loss).abs() < 1e-5 * loss, "training-mode logits give {train}, the step's loss is {loss}");
+    // At initialisation the logits are near uniform, so the losses are close: the logits tell.
+    let logits = |mode| model.logits(&inputs[0], mode).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_ne!(logits(remat::RunMode::Train { seed, step }), logits(remat::RunMode::Eval), "training mode drew no dropout");
+    assert_ne!(logits(remat::RunMode::Train { seed, step }), logits(remat::RunMode::Train { seed, step: step + 1 }), "another step, other masks");
 }

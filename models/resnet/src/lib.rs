@@ -326,18 +326,19 @@ impl ResNet {
         Ok(vec![Tensor::from_slice(images, (b, 3, size, size), device)?, Tensor::from_slice(labels, b, device)?])
     }
 
-    /// Logits (B, classes) in evaluation mode (running statistics, no updates).
-    pub fn logits(&self, images: &Tensor) -> Result<Tensor> {
+    /// Logits (B, classes): in evaluation mode (running statistics, no updates), or in training
+    /// mode as step `step` of the executor runs it (`RunMode::Train`: batch statistics, which
+    /// update the running ones).
+    pub fn logits(&self, images: &Tensor, mode: remat::RunMode) -> Result<Tensor> {
         let (_, _, h, w) = images.dims4()?;
         if h != w {
             // candle 0.11's conv2d backward mis-shapes inputs whose sides differ in parity under
             // stride 2; training only sees square images, so evaluation does too.
             candle_core::bail!("images must be square, got {h}x{w}")
         }
-        let ctx = StageCtx::eval();
         let mut x = images.clone();
-        for s in &self.stages {
-            x = s.forward(&[x], &ctx)?.remove(0);
+        for (i, s) in self.stages.iter().enumerate() {
+            x = s.forward(&[x], &mode.ctx(i))?.remove(0);
         }
         self.head.logits(&x)
     }

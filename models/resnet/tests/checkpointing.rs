@@ -135,10 +135,10 @@ fn torchvision_snapshot_reproduces_the_logits() {
     let loaded = ResNet::new(tiny(), &Device::Cpu, 2).unwrap();
     loaded.load_snapshot(&path).unwrap();
     let images = saved.inputs(&x, &y, 32, &Device::Cpu).unwrap().remove(0);
-    let want = saved.logits(&images).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    assert_eq!(loaded.logits(&images).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+    let want = saved.logits(&images, remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(loaded.logits(&images, remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
     let wide = Tensor::zeros((4, 3, 32, 48), candle_core::DType::F32, &Device::Cpu).unwrap();
-    assert!(loaded.logits(&wide).unwrap_err().to_string().contains("square"));
+    assert!(loaded.logits(&wide, remat::RunMode::Eval).unwrap_err().to_string().contains("square"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -150,7 +150,7 @@ fn own_snapshot_round_trips_into_a_freshly_seeded_model() {
     let (x, y) = SyntheticImages::new(4, 32, 3).batch(0, 4);
     let inputs = saved.inputs(&x, &y, 32, &Device::Cpu).unwrap();
     exec.step(&inputs, 0).unwrap();
-    let logits = |m: &ResNet| m.logits(&inputs[0]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let logits = |m: &ResNet| m.logits(&inputs[0], remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let fresh = ResNet::new(tiny(), &Device::Cpu, 2).unwrap();
     testkit::assert_snapshot_round_trip(&saved, &fresh, ResNet::params, logits, ResNet::load_snapshot);
 }

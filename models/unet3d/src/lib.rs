@@ -312,14 +312,14 @@ impl UNet3d {
         Ok(vec![volume, Tensor::from_slice(labels, n * side * side * side, device)?])
     }
 
-    /// Class scores (N, K, D, H, W) in evaluation mode.
-    pub fn logits(&self, volume: &Tensor) -> Result<Tensor> {
-        let ctx = StageCtx::eval();
+    /// Class scores (N, K, D, H, W): in evaluation mode, or in training mode as step `step` of
+    /// the executor runs it (`RunMode::Train`: batch statistics, which update the running ones).
+    pub fn logits(&self, volume: &Tensor, mode: remat::RunMode) -> Result<Tensor> {
         let mut values = std::collections::HashMap::from([(0, volume.clone())]);
         let mut last = 0;
-        for (stage, inputs, output) in &self.stages {
+        for (i, (stage, inputs, output)) in self.stages.iter().enumerate() {
             let ins: Vec<Tensor> = inputs.iter().map(|v| values[v].clone()).collect();
-            values.insert(*output, stage.forward(&ins, &ctx)?.remove(0));
+            values.insert(*output, stage.forward(&ins, &mode.ctx(i))?.remove(0));
             last = *output;
         }
         self.head.logits(&values[&last])

@@ -116,7 +116,7 @@ fn own_snapshot_round_trips_into_a_freshly_seeded_model() {
     let (x, y) = SyntheticVolumes::new(side, 4).batch(0, 2);
     let inputs = saved.inputs(&x, &y, side, &Device::Cpu).unwrap();
     exec.step(&inputs, 0).unwrap();
-    let logits = |m: &UNet3d| m.logits(&inputs[0]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let logits = |m: &UNet3d| m.logits(&inputs[0], remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let fresh = UNet3d::new(tiny(), &Device::Cpu, 2).unwrap();
     testkit::assert_snapshot_round_trip(&saved, &fresh, UNet3d::params, logits, UNet3d::load_snapshot);
 }

@@ -33,7 +33,7 @@ fn check(file: &str) -> Result<()> {
     let (volume, labels, side) = (fx.f32s("volume")?, fx.ids("labels")?, cfg.side);
     model.load_snapshot(fx.path())?;
     let batch = Tensor::from_slice(&volume, (cfg.batch, 1, side, side, side), &Device::Cpu)?;
-    check_close(&format!("{file}: logits"), &model.logits(&batch)?, &fx.tensor("logits")?, LOGITS_TOL)?;
+    check_close(&format!("{file}: logits"), &model.logits(&batch, remat::RunMode::Eval)?, &fx.tensor("logits")?, LOGITS_TOL)?;
     for policy in ["off", "sqrt", "before-downsample"] {
         model.load_snapshot(fx.path())?; // the running statistics as the reference started
         let inputs = model.inputs(&volume, &labels, side, &Device::Cpu)?;
