@@ -29,6 +29,12 @@ pub trait Model {
         name.to_string()
     }
 
+    /// Loads a LoRA adapter folder (PEFT's layout: `lora::save_adapter`'s or PEFT's own) into
+    /// the model's adapters, PEFT's names mapped to ours by [`Model::snapshot_name`].
+    fn load_adapter(&self, dir: &Path) -> std::result::Result<(), SnapshotError> {
+        crate::lora::load_adapter(dir, self.params(), |n| self.snapshot_name(n))
+    }
+
     /// Writes every parameter and buffer as a safetensors snapshot.
     fn save_snapshot(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
         self.params().save(path)

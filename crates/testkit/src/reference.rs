@@ -91,7 +91,7 @@ impl Fixture {
         }
         model.init_from(&self.path, true)?;
         let adapter = self.path.with_file_name(format!("{}-adapter", self.path.file_stem().context("fixture file name")?.to_string_lossy()));
-        Ok(layers::lora::load_adapter(&adapter, model.params(), |n| model.snapshot_name(n))?)
+        Ok(model.load_adapter(&adapter)?)
     }
 
     /// The entry `fixture.<name>`.

@@ -68,7 +68,7 @@ impl LoraArgs {
             bail!("--lora-targets {}: matches no layer this model adapts (its layers: {})", unmatched.join(","), adaptable.join(", "));
         }
         if let Some(dir) = &self.load_adapter {
-            lora::load_adapter(dir, model.params(), |n| model.snapshot_name(n)).context("--load-adapter")?;
+            model.load_adapter(dir).context("--load-adapter")?;
             crate::say!("adapter from {}", dir.display());
         }
         Ok(())
