@@ -16,3 +16,4 @@ cargo test --manifest-path crates/remat/Cargo.toml --features meter
 RUSTDOCFLAGS="-D warnings" cargo doc --manifest-path crates/remat/Cargo.toml --no-deps --features meter
 cargo package --manifest-path crates/remat/Cargo.toml --allow-dirty # what crates.io would take, built alone
 cargo test --manifest-path examples/small-transformer/Cargo.toml
+vendor/check.sh --test # vendor/candle-core = the release + vendor/patches, whose tests pass
