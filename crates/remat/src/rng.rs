@@ -84,6 +84,11 @@ impl RngKey {
         let scale = 1.0 / keep;
         self.uniform(n).into_iter().map(|u| if u < keep { scale } else { 0.0 }).collect()
     }
+
+    /// [`RngKey::dropout_mask`] as a tensor of `like`'s shape, dtype and device.
+    pub fn dropout_mask_like(&self, like: &candle_core::Tensor, p: f32) -> candle_core::Result<candle_core::Tensor> {
+        candle_core::Tensor::from_vec(self.dropout_mask(like.elem_count(), p), like.shape(), like.device())?.to_dtype(like.dtype())
+    }
 }
 
 #[cfg(test)]

@@ -132,8 +132,7 @@ impl StageCtx {
         if !self.train || p == 0.0 {
             return Ok(x.clone());
         }
-        let mask = Tensor::from_vec(key.dropout_mask(x.elem_count(), p), x.shape(), x.device())?.to_dtype(x.dtype())?;
-        x * mask
+        x * key.dropout_mask_like(x, p)?
     }
 }
 

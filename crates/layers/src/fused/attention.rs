@@ -77,7 +77,7 @@ fn probabilities(
     let p = super::softmax::detached(&scores, scale, causal)?;
     drop(scores);
     let mask = match dropout {
-        Some((key, rate)) => Some(Tensor::from_vec(key.dropout_mask(p.elem_count(), rate), p.shape(), p.device())?.to_dtype(p.dtype())?),
+        Some((key, rate)) => Some(key.dropout_mask_like(&p, rate)?),
         None => None,
     };
     Ok((p, mask))

@@ -10,7 +10,7 @@ use remat::rng::RngKey;
 /// Inverted dropout: `x * mask` with `mask = 1 / (1 - p)` where `key`'s uniform draw is below
 /// `1 - p`, else 0 (`RngKey::dropout_mask`). Backward draws the mask again from the key.
 pub fn dropout(x: &Tensor, key: RngKey, p: f32) -> Result<Tensor> {
-    let mask = move |like: &Tensor| Tensor::from_vec(key.dropout_mask(like.elem_count(), p), like.shape(), like.device())?.to_dtype(like.dtype());
+    let mask = move |like: &Tensor| key.dropout_mask_like(like, p);
     if generic(x) {
         // Nothing kept: backward draws the mask again from the key. In f32 for half precision (the
         // scale 1 / (1 - p) is not a bf16 number), stored in x's dtype, as the kernel.

@@ -160,7 +160,7 @@ pub fn lora_linear(
     let bias = b.map(f32).transpose()?;
     let dropped = move |x2: &Tensor| -> Result<Tensor> {
         match dropout {
-            Some((key, p)) => x2 * Tensor::from_vec(key.dropout_mask(x2.elem_count(), p), x2.shape(), x2.device())?,
+            Some((key, p)) => x2 * key.dropout_mask_like(x2, p)?,
             None => Ok(x2.clone()),
         }
     };
