@@ -14,7 +14,7 @@ fn main() {
     println!("cargo:rerun-if-changed=../Cargo.lock");
     println!("cargo:rustc-env=HARNESS_COMMIT={}", commit());
     // A commit, a checkout or an edit to the code rebuilds the harness and its commit with it.
-    for path in ["../.git/HEAD", "../.git/index", "../.git/refs", "../crates", "../models", "../datasets", "../vendor", "../scripts", "src"] {
+    for path in ["../.git/HEAD", "../.git/index", "../.git/refs", "../crates", "../trainers", "../datasets", "../vendor", "../scripts", "src"] {
         println!("cargo:rerun-if-changed={path}");
     }
 }

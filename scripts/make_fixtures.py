@@ -3,8 +3,8 @@
 
 For a tiny GPT-2 (Hugging Face `transformers`), a tiny BERT masked LM (`transformers`), a tiny
 ResNet built from torchvision's own `Bottleneck` blocks, and a tiny 3D U-Net written here with
-`torch.nn.functional` to match `models/unet3d` (one with BatchNorm and CE + soft Dice, one with
-GroupNorm and CE), it writes one safetensors file per model into `models/<model>/tests/fixtures/` (and one of
+`torch.nn.functional` to match `trainers/unet3d` (one with BatchNorm and CE + soft Dice, one with
+GroupNorm and CE), it writes one safetensors file per model into `trainers/<model>/tests/fixtures/` (and one of
 torch.optim.Adafactor's steps into `crates/layers/tests/fixtures/`):
 
 - the weights, the whole state dict as the published checkpoints hold it (tied copies, BatchNorm

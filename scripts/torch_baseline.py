@@ -4,7 +4,7 @@ measured the way the harness measures ours, printed as one JSON line.
 
 The models are PyTorch's own at the harness's sizes: torchvision's ResNet-50/152, Hugging Face
 `transformers`' BertForMaskedLM and GPT2LMHeadModel (eager attention), and a 3D U-Net written with
-`torch.nn` to match `models/unet3d`. Each is cut into the same stages as our stage graph, and
+`torch.nn` to match `trainers/unet3d`. Each is cut into the same stages as our stage graph, and
 `--segments` (from the harness: the stage ranges our policy chose) says which run under
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: every segment but the last, as our
 executor does. A `--policy` with `+keep=` (our selective recompute) runs those segments under
