@@ -21,7 +21,7 @@ FN = re.compile(r"^(\s*)(?:pub(?:\([^)]*\))?\s+)?(?:const\s+)?(?:async\s+)?(?:un
 def crates():
     """Every workspace member: (name, directory)."""
     for toml in sorted(ROOT.glob("**/Cargo.toml")):
-        if "target" in toml.parts or toml.parent == ROOT:
+        if "target" in toml.parts or "vendor" in toml.parts or toml.parent == ROOT:
             continue
         name = re.search(r'^name\s*=\s*"([^"]+)"', toml.read_text(), re.M)
         if name:

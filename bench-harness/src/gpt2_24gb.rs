@@ -150,7 +150,7 @@ fn returned_freed_memory(r: &Record) -> bool {
 }
 
 fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
-    let bytes = r.dtype.parse::<layers::Precision>().map_or(4, |d| d.weights().size_in_bytes() as u64);
+    let bytes = r.dtype.parse::<model::Precision>().map_or(4, |d| d.weights().size_in_bytes() as u64);
     let params = p.params / bytes;
     let per_rank = |ranks: u64| cell(p.params + p.grads + p.optimizer.div_ceil(ranks));
     format!(

@@ -76,7 +76,7 @@ fn check(args: &MatrixArgs) -> Result<()> {
         bail!("--baseline runs PyTorch in one process; it cannot be combined with --ranks");
     }
     if args.baseline.is_some()
-        && (common.accumulate.is_some_and(|n| n > 1) || common.optimizer.is_some() || common.dtype.is_some_and(|d| d != layers::Precision::F32))
+        && (common.accumulate.is_some_and(|n| n > 1) || common.optimizer.is_some() || common.dtype.is_some_and(|d| d != model::Precision::F32))
     {
         bail!(
             "--baseline runs one f32 micro-batch per step with each model's default optimizer; it cannot be combined with --accumulate, --optimizer or --dtype"

@@ -17,7 +17,7 @@ use std::path::Path;
 
 /// `run-one`: one configuration measured in this process, on the ranks `mpirun` started.
 pub fn run_one(model: &str, policy: &PolicyRequest, mode: One, profiles: Option<&Path>, common: &Common) -> Result<()> {
-    layers::fused::set_path(common.fused_path.into());
+    ops::fused::set_path(common.fused_path.into());
     let dev = common.device.open()?;
     let group = trainkit::Group::from_launcher(&dev)?;
     trainkit::or_abort(&group, measure_one(model, policy, (mode, profiles), common, &group, &dev))
@@ -47,7 +47,7 @@ fn measure_one(
         .overridden(common.overrides());
     let steps = if mode == One::DryRun { 0 } else { common.steps };
     let mut rec = run(&w, policy, steps, common.seed, (dev, &common.device.to_string()), common.memory_cap, mode != One::TimeOnly, profiles, group)?;
-    if layers::fused::path() == layers::fused::Path::Generic {
+    if ops::fused::path() == ops::fused::Path::Generic {
         rec.fused_path = "generic".into();
     }
     // The cap is for the measured configuration only: the check builds two more models.
@@ -121,7 +121,7 @@ fn shared_profile(dir: Option<&Path>, w: &Workload, inst: &dyn Instance, device_
         w.dtype,
         candle_core::utils::get_num_threads(),
         group.world(),
-        layers::fused::path(),
+        ops::fused::path(),
         exe.len(),
         crate::results::commit()
     );
@@ -182,7 +182,7 @@ pub fn run(
     // would there.
     let room = if cap.is_some() { None } else { trainkit::free_memory(device).map(|free| base + free - free / 10) };
     // Held from here on, as the model is: part of the state before a step, never of a step.
-    layers::allocate_matmul_workspaces();
+    ops::allocate_matmul_workspaces();
     set_activity(Activity::Build, None);
     let inst = w.build(device, seed)?;
     if let (Some(room), true) = (room, predict_step) {
@@ -233,7 +233,7 @@ pub fn run(
     rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
     let (mut times, mut faults) = (Vec::new(), Vec::new());
     // f16 trains under dynamic loss scaling, as the trainers do.
-    let mut scaler = (w.dtype == layers::Precision::F16).then(trainkit::LossScaler::default);
+    let mut scaler = (w.dtype == model::Precision::F16).then(trainkit::LossScaler::default);
     let stepper = trainkit::Stepper { group, exec: &exec, accumulate: w.accumulate, in_backward: w.in_backward, batch_names: None };
     for step in 0..=steps as u64 {
         let comm_before = group.comm_time();
@@ -299,7 +299,7 @@ fn ranks_summary(rec: &mut Record, group: &trainkit::Group, comm_ms: Vec<f64>, w
 fn plan(
     rec: &mut Record,
     (w, inst, device, device_name): (&Workload, &dyn Instance, &Device, &str),
-    optimizer: &dyn layers::TrainOptimizer,
+    optimizer: &dyn optim::TrainOptimizer,
     policy: &PolicyRequest,
     (seed, cap, predict_step): (u64, Option<u64>, bool),
     profiles: Option<&Path>,

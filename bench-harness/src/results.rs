@@ -17,7 +17,7 @@ pub struct Meta {
     pub command: String,
     pub profile: String,
     /// CPU runs: the machine's matrix-product rate at its best, in GFLOP/s
-    /// ([`layers::matmul_peak_gflops`]), measured when the run started.
+    /// ([`ops::matmul_peak_gflops`]), measured when the run started.
     #[serde(default)]
     pub matmul_peak_gflops: Option<f64>,
 }
@@ -43,7 +43,7 @@ pub fn meta(profile: Profile, device: &trainkit::DeviceName) -> Meta {
         git_commit: commit(),
         command: crate::child::this_command(),
         profile: profile.name().into(),
-        matmul_peak_gflops: (*device == trainkit::DeviceName::Cpu).then(layers::matmul_peak_gflops),
+        matmul_peak_gflops: (*device == trainkit::DeviceName::Cpu).then(ops::matmul_peak_gflops),
     }
 }
 

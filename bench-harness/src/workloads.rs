@@ -4,7 +4,9 @@ use anyhow::Result;
 use bert::Bert;
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
-use layers::{Benchable, OptimizerKind, ParamStore, Precision, TrainOptimizer};
+use model::{Benchable, OptimizerKind, Precision};
+use optim::TrainOptimizer;
+use params::ParamStore;
 use remat::keep::OpSet;
 use remat::{Policy, StageGraph};
 use resnet::ResNet;
@@ -146,8 +148,8 @@ fn resnet(preset: resnet::Preset) -> resnet::Config {
 
 /// What `--lora 8 --lora-alpha 16` trains on `targets`, with B drawn instead of zeros (PEFT's
 /// `init_lora_weights=False`), so that every adapter gets a gradient for the check.
-fn lora(targets: &[&str]) -> Option<layers::lora::Lora> {
-    Some(layers::lora::Lora { rank: 8, alpha: 16.0, dropout: 0.0, targets: targets.iter().map(|t| t.to_string()).collect(), init_lora_weights: false })
+fn lora(targets: &[&str]) -> Option<params::lora::Lora> {
+    Some(params::lora::Lora { rank: 8, alpha: 16.0, dropout: 0.0, targets: targets.iter().map(|t| t.to_string()).collect(), init_lora_weights: false })
 }
 
 /// The configurations of a profile.
@@ -361,7 +363,7 @@ mod tests {
     /// moments 12; Adafactor's factored statistics a few MB beside f32 weights and gradients.
     #[test]
     fn the_state_of_gpt2_xl_by_arithmetic() {
-        let shapes = <gpt2::Gpt2 as layers::Benchable>::parameter_shapes(&gpt2::Preset::Xl.config()).unwrap();
+        let shapes = <gpt2::Gpt2 as model::Benchable>::parameter_shapes(&gpt2::Preset::Xl.config()).unwrap();
         let n: u64 = shapes.iter().map(|s| s.iter().product::<usize>() as u64).sum();
         assert_eq!(n, 1_557_611_200);
         let total = |(p, g, o): (u64, u64, u64)| p + g + o;

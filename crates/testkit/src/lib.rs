@@ -32,7 +32,7 @@ pub struct Peaks {
 /// The peaks of the second of two steps under `exec` (the first pays one-off allocations such
 /// as per-thread buffers). Needs [`remat::memory::CountingAlloc`] as the global allocator.
 pub fn second_step_peaks(exec: &Executor, inputs: impl Fn(u64) -> Vec<Tensor>) -> Result<Peaks> {
-    layers::allocate_matmul_workspaces();
+    ops::allocate_matmul_workspaces();
     let mut peaks = Peaks { step: 0, activation: 0, forward_end: 0, backward: 0, grads: 0 };
     for step in 0..2 {
         let inputs = inputs(step);
@@ -111,7 +111,7 @@ pub fn assert_keeping_holds_the_kept_outputs(peaks: impl Fn(&str) -> Peaks, poli
 /// at `batch` and input `size`: at least `min_alike` stages are alike to an earlier one (a model
 /// that lost its signatures fails here), the values and parameter gradients are the same bytes,
 /// and every policy's predicted step peak agrees within 1 %. Needs the counting allocator.
-pub fn assert_alike_stages_predict_as_measured<M: layers::Benchable>(config: &M::Config, size: usize, batch: usize, min_alike: usize) {
+pub fn assert_alike_stages_predict_as_measured<M: model::Benchable>(config: &M::Config, size: usize, batch: usize, min_alike: usize) {
     use remat::plan::Profile;
     use std::time::Instant;
     assert!(remat::memory::heap_meter_installed());
@@ -149,7 +149,7 @@ pub fn assert_alike_stages_predict_as_measured<M: layers::Benchable>(config: &M:
 /// model stores gradients of its trained parameters only, every one non-zero and bit-identical
 /// to `off`'s and to the same parameter's gradient in the model with nothing frozen (freezing
 /// changes no value, only what is computed).
-pub fn assert_frozen_parameters_get_no_gradient<M: layers::Benchable>(config: &M::Config, frozen: &M::Config, size: usize, batch: usize) {
+pub fn assert_frozen_parameters_get_no_gradient<M: model::Benchable>(config: &M::Config, frozen: &M::Config, size: usize, batch: usize) {
     let (all, part) = (M::build(config, &Device::Cpu, 0).unwrap(), M::build(frozen, &Device::Cpu, 0).unwrap());
     let inputs = all.synthetic_inputs(&all.synthetic_data(size, 0).unwrap(), 0, batch, &Device::Cpu).unwrap();
     let step = |model: &M, policy: &str| {
@@ -184,10 +184,10 @@ pub fn assert_frozen_parameters_get_no_gradient<M: layers::Benchable>(config: &M
 /// peak stays below full fine-tuning's (`full`: the same model without adapters) by at least
 /// half the base weights' gradients, which LoRA neither computes nor stores (a
 /// weight-dominated size: where activations dominate, the peak falls before any gradient exists).
-pub fn assert_lora_trains_adapters_only<M: layers::Benchable>(config: &M::Config, full: &M::Config, size: usize, batch: usize) {
+pub fn assert_lora_trains_adapters_only<M: model::Benchable>(config: &M::Config, full: &M::Config, size: usize, batch: usize) {
     let lora = M::build(config, &Device::Cpu, 0).unwrap();
     let adapters = lora.params().vars();
-    assert!(!adapters.is_empty() && lora.params().named().all(|(n, _)| layers::lora::is_adapter(n)), "LoRA must train the adapters alone");
+    assert!(!adapters.is_empty() && lora.params().named().all(|(n, _)| params::lora::is_adapter(n)), "LoRA must train the adapters alone");
     let data = lora.synthetic_data(size, 0).unwrap();
     let inputs = |step: u64| lora.synthetic_inputs(&data, step, batch, &Device::Cpu).unwrap();
     let plain = lora.graph().plain_loss(&inputs(0), 7, 0).unwrap().backward().unwrap();
@@ -228,9 +228,9 @@ pub fn assert_lora_trains_adapters_only<M: layers::Benchable>(config: &M::Config
 /// (the first included) are more than half the gradients the ordinary step ends with held. With the
 /// update after backward, as the ordinary step runs it, every gradient is held at the end: the
 /// check fails.
-pub fn assert_optimizer_in_backward<M: layers::Benchable>(config: &M::Config, size: usize, batch: usize) {
+pub fn assert_optimizer_in_backward<M: model::Benchable>(config: &M::Config, size: usize, batch: usize) {
     let group = trainkit::Group::single();
-    for kind in [layers::OptimizerKind::Sgd, layers::OptimizerKind::Adamw, layers::OptimizerKind::Adafactor] {
+    for kind in [model::OptimizerKind::Sgd, model::OptimizerKind::Adamw, model::OptimizerKind::Adafactor] {
         for policy in ["off", "sqrt"] {
             let run = |in_backward: bool| {
                 let model = M::build(config, &Device::Cpu, 0).unwrap();
@@ -245,7 +245,7 @@ pub fn assert_optimizer_in_backward<M: layers::Benchable>(config: &M::Config, si
                     let out = stepper.step(step, None, inputs, opt.as_mut()).unwrap();
                     held = out.timeline.events.iter().map(|e| e.grad_bytes).fold(held, u64::max);
                 }
-                let weights: Vec<Vec<u32>> = vars.iter().map(|v| layers::f32_bits(v.as_tensor()).unwrap()).collect();
+                let weights: Vec<Vec<u32>> = vars.iter().map(|v| params::f32_bits(v.as_tensor()).unwrap()).collect();
                 (weights, held)
             };
             let ((ordinary, all), (inside, held)) = (run(false), run(true));
@@ -259,17 +259,17 @@ pub fn assert_optimizer_in_backward<M: layers::Benchable>(config: &M::Config, si
 /// A model's adapters leave it in PEFT's layout and come back exactly, and merge into the base:
 /// `config` has the adapters `lora` (B drawn: `init_lora_weights: false`), `base` is the same
 /// model without them. The adapter written
-/// by [`layers::lora::save_adapter`] holds the adapters alone under PEFT's keys
+/// by [`params::lora::save_adapter`] holds the adapters alone under PEFT's keys
 /// (`base_model.model.<published name>`) and loads into a model of another seed bit for bit;
-/// [`layers::ParamStore::merged`] loaded into the model without adapters evaluates as the adapted
+/// [`params::ParamStore::merged`] loaded into the model without adapters evaluates as the adapted
 /// model does, to f32 rounding, and changes every adapted weight.
-pub fn assert_lora_files<M: layers::Benchable>(config: &M::Config, base: &M::Config, lora: &layers::lora::Lora, size: usize, batch: usize) {
-    use layers::lora::{is_adapter, save_adapter, PeftModel};
+pub fn assert_lora_files<M: model::Benchable>(config: &M::Config, base: &M::Config, lora: &params::lora::Lora, size: usize, batch: usize) {
+    use params::lora::{is_adapter, save_adapter, PeftModel};
     let adapted = M::build(config, &Device::Cpu, 0).unwrap();
     let dir = std::env::temp_dir().join(format!("remat-lora-{}-{}", std::process::id(), size));
     let published = |n: &str| adapted.published_name(n);
     save_adapter(&dir, adapted.params(), lora, &PeftModel { base_model: "", task_type: None, fan_in_fan_out: false, published_name: &published }).unwrap();
-    let (file, _) = layers::read_snapshot(&dir.join("adapter_model.safetensors"), &Device::Cpu).unwrap();
+    let (file, _) = params::read_snapshot(&dir.join("adapter_model.safetensors"), &Device::Cpu).unwrap();
     let adapters: Vec<(&str, &candle_core::Var)> = adapted.params().named().collect();
     assert_eq!(file.len(), adapters.len(), "the adapter file holds the adapters alone");
     for (name, _) in &adapters {
@@ -281,7 +281,7 @@ pub fn assert_lora_files<M: layers::Benchable>(config: &M::Config, base: &M::Con
     let other = M::build(config, &Device::Cpu, 1).unwrap();
     other.load_adapter(&dir).unwrap();
     for ((name, a), (_, b)) in adapters.iter().zip(other.params().named()) {
-        assert!(layers::f32_bits(a).unwrap() == layers::f32_bits(b).unwrap(), "{name} did not load back bit for bit");
+        assert!(params::f32_bits(a).unwrap() == params::f32_bits(b).unwrap(), "{name} did not load back bit for bit");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 
@@ -290,7 +290,7 @@ pub fn assert_lora_files<M: layers::Benchable>(config: &M::Config, base: &M::Con
     let plain = M::build(base, &Device::Cpu, 5).unwrap();
     plain.params().load_tensors(merged.clone(), "merged", |n| Some(n.to_string()), |_| false).unwrap();
     let before = adapted.params().tensors();
-    let changed = merged.iter().filter(|(n, t)| layers::f32_bits(t).unwrap() != layers::f32_bits(&before[*n]).unwrap()).count();
+    let changed = merged.iter().filter(|(n, t)| params::f32_bits(t).unwrap() != params::f32_bits(&before[*n]).unwrap()).count();
     assert_eq!(changed, adapters.len() / 2, "merging must change each adapted weight, and nothing else");
     let inputs = adapted.synthetic_inputs(&adapted.synthetic_data(size, 0).unwrap(), 0, batch, &Device::Cpu).unwrap();
     let (want, got) = (adapted.evaluate(&inputs).unwrap(), plain.evaluate(&inputs).unwrap());
@@ -303,9 +303,9 @@ pub fn assert_lora_files<M: layers::Benchable>(config: &M::Config, base: &M::Con
 pub fn assert_snapshot_round_trip<M>(
     saved: &M,
     fresh: &M,
-    store: impl Fn(&M) -> &layers::ParamStore,
+    store: impl Fn(&M) -> &params::ParamStore,
     eval: impl Fn(&M) -> Vec<f32>,
-    load: impl Fn(&M, &Path) -> std::result::Result<(), layers::SnapshotError>,
+    load: impl Fn(&M, &Path) -> std::result::Result<(), params::SnapshotError>,
 ) {
     let dir = std::env::temp_dir().join(format!("snapshot-round-trip-{}-{:?}", std::process::id(), std::thread::current().id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -371,7 +371,7 @@ pub fn assert_resume_is_bit_identical(bin: &str, args: &[&str]) {
     assert_eq!(losses("straight.json").len(), 4);
     assert_eq!(losses("cut.json"), losses("straight.json"), "losses of the resumed run");
     let weights = |name: &str| -> std::collections::BTreeMap<String, Vec<u32>> {
-        candle_core::safetensors::load(dir.join(name), &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, layers::f32_bits(&t).unwrap())).collect()
+        candle_core::safetensors::load(dir.join(name), &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, params::f32_bits(&t).unwrap())).collect()
     };
     assert_eq!(weights("cut.safetensors"), weights("straight.safetensors"), "final weights of the resumed run");
     // Snapshots are readable by all (0644, not 0600), as other tools write files.

@@ -11,7 +11,7 @@
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use layers::ParamStore;
+use params::ParamStore;
 use remat::{Executor, StageGraph};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -26,10 +26,10 @@ pub const GRAD_TOL: f64 = 1e-4;
 pub const STATS_TOL: f64 = 1e-5;
 
 /// Runs `check` on the fused ops' CPU kernels, then on the device-generic route a GPU takes
-/// (`layers::fused::Path::Generic`). The route is process-wide: the test that calls this must be
+/// (`ops::fused::Path::Generic`). The route is process-wide: the test that calls this must be
 /// the only one in its binary.
 pub fn on_both_routes(check: impl Fn() -> Result<()>) -> Result<()> {
-    use layers::fused::{set_path, Path};
+    use ops::fused::{set_path, Path};
     for path in [Path::Kernel, Path::Generic] {
         set_path(path);
         let checked = check();
@@ -67,7 +67,7 @@ impl Fixture {
 
     /// A LoRA fixture's adapters (its config's `lora`: rank, alpha, targets; no dropout), else
     /// `None`.
-    pub fn lora(&self) -> Result<Option<layers::lora::Lora>> {
+    pub fn lora(&self) -> Result<Option<params::lora::Lora>> {
         #[derive(serde::Deserialize)]
         struct Peft {
             rank: usize,
@@ -79,13 +79,13 @@ impl Fixture {
             lora: Option<Peft>,
         }
         let l = self.config::<WithLora>()?.lora;
-        Ok(l.map(|l| layers::lora::Lora { rank: l.rank, alpha: l.alpha, dropout: 0.0, targets: l.targets, init_lora_weights: true }))
+        Ok(l.map(|l| params::lora::Lora { rank: l.rank, alpha: l.alpha, dropout: 0.0, targets: l.targets, init_lora_weights: true }))
     }
 
     /// Loads the fixture's weights into `model` through its own snapshot loader; a LoRA fixture's
     /// adapter from the folder PEFT wrote beside the file (`<name>-adapter/`), through
-    /// [`layers::lora::load_adapter`].
-    pub fn load_into(&self, model: &impl layers::Model) -> Result<()> {
+    /// [`params::lora::load_adapter`].
+    pub fn load_into(&self, model: &impl model::Model) -> Result<()> {
         if self.lora()?.is_none() {
             return Ok(model.load_snapshot(&self.path)?);
         }
@@ -140,10 +140,10 @@ fn check_close_floor(what: &str, got: &Tensor, want: &Tensor, tol: f64, floor: f
     Ok(err)
 }
 
-/// The model's evaluation loss ([`layers::Model::evaluate`]) on `inputs` against the
+/// The model's evaluation loss ([`model::Model::evaluate`]) on `inputs` against the
 /// cross-entropy of the reference's evaluation logits (classes on the last axis) for `targets`,
 /// computed here in f64; evaluating twice gives the same loss and leaves every buffer as it was.
-pub fn check_evaluation(model: &impl layers::Model, inputs: &[Tensor], reference_logits: &Tensor, targets: &[u32]) -> Result<()> {
+pub fn check_evaluation(model: &impl model::Model, inputs: &[Tensor], reference_logits: &Tensor, targets: &[u32]) -> Result<()> {
     let classes = *reference_logits.dims().last().context("scalar logits")?;
     let rows = reference_logits.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
     ensure!(rows.len() == targets.len() * classes, "{} logits for {} targets of {classes} classes", rows.len(), targets.len());

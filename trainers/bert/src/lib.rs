@@ -4,12 +4,13 @@
 //! encoder layers, GELU (erf), dropout 0.1 on the embeddings, the attention probabilities and every
 //! residual branch; the MLM head (dense, GELU, LayerNorm, decoder tied to the word embeddings)
 //! scores only the masked positions. LayerNorm, attention, GELU, the embedding and the
-//! cross-entropy are `layers::fused` ops. Parameter names are Hugging Face's `BertForMaskedLM`.
+//! cross-entropy are `ops::fused` ops. Parameter names are Hugging Face's `BertForMaskedLM`.
 //! This file is the model; BERT's masking and the data are in `data`.
 
 use candle_core::{DType, Device, Result, Tensor};
-use layers::lora::{self, Adapter, Lora};
-use layers::{dropout, fused, Init, LayerNorm, ParamStore};
+use ops::{dropout, fused, LayerNorm, Linear, WeightLayout};
+use params::lora::Lora;
+use params::{Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -37,11 +38,11 @@ pub struct Config {
     pub layer_norm_eps: f64,
     /// The dtype activations are stored in (not in `config.json`: a training choice).
     #[serde(skip)]
-    pub dtype: layers::Precision,
+    pub dtype: model::Precision,
     /// The parameters that do not train (`--freeze`): read through tensors no variable leads
     /// to, so they get no gradient.
     #[serde(skip)]
-    pub freeze: layers::Freeze,
+    pub freeze: params::Freeze,
     /// LoRA adapters beside the layers it targets (`query`, `key`, `value`, `dense`), every
     /// base parameter frozen (`--lora`).
     #[serde(skip)]
@@ -77,14 +78,14 @@ pub enum Preset {
 }
 
 impl std::str::FromStr for Preset {
-    type Err = layers::UnknownPreset;
+    type Err = model::UnknownPreset;
 
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         Ok(match s {
             "tiny" => Preset::Tiny,
             "base" => Preset::Base,
             "large" => Preset::Large,
-            _ => return Err(layers::UnknownPreset { model: "BERT", given: s.into(), valid: PRESETS }),
+            _ => return Err(model::UnknownPreset { model: "BERT", given: s.into(), valid: PRESETS }),
         })
     }
 }
@@ -119,15 +120,15 @@ impl Config {
             hidden_dropout_prob: default_pdrop(),
             attention_probs_dropout_prob: default_pdrop(),
             layer_norm_eps: default_eps(),
-            dtype: layers::Precision::F32,
-            freeze: layers::Freeze::default(),
+            dtype: model::Precision::F32,
+            freeze: params::Freeze::default(),
             lora: None,
         }
     }
 
     /// Reads a Hugging Face `config.json`; errors name the file and the field.
-    pub fn from_json(path: &std::path::Path) -> std::result::Result<Self, layers::ConfigError> {
-        layers::read_config(path, Config::validate)
+    pub fn from_json(path: &std::path::Path) -> std::result::Result<Self, model::ConfigError> {
+        model::read_config(path, Config::validate)
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
@@ -140,29 +141,6 @@ impl Config {
             }
         }
         self.lora.as_ref().map_or(Ok(()), Lora::validate)
-    }
-}
-
-/// A linear layer with Hugging Face's (out, in) weight layout, with a LoRA adapter beside it
-/// where the configuration targets it.
-struct Linear {
-    weight: Tensor,
-    bias: Tensor,
-    adapter: Option<Adapter>,
-}
-
-impl Linear {
-    fn new(params: &mut ParamStore, cfg: &Config, prefix: &str, (n_in, n_out): (usize, usize)) -> Result<Self> {
-        Ok(Linear {
-            weight: params.get(&format!("{prefix}.weight"), &[n_out, n_in], Init::Normal { std: 0.02 })?,
-            bias: params.get(&format!("{prefix}.bias"), &[n_out], Init::Zeros)?,
-            adapter: Adapter::of(params, cfg.lora.as_ref(), prefix, (n_in, n_out), true)?,
-        })
-    }
-
-    fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
-        lora::linear(x, (&self.weight, Some(&self.bias)), true, self.adapter.as_ref(), ctx)
-        // (B, T, in) -> (B, T, out)
     }
 }
 
@@ -219,13 +197,13 @@ impl Layer {
         let eps = cfg.layer_norm_eps;
         Ok(Layer {
             index,
-            query: Linear::new(params, cfg, &format!("{p}.attention.self.query"), (c, c))?,
-            key: Linear::new(params, cfg, &format!("{p}.attention.self.key"), (c, c))?,
-            value: Linear::new(params, cfg, &format!("{p}.attention.self.value"), (c, c))?,
-            attn_out: Linear::new(params, cfg, &format!("{p}.attention.output.dense"), (c, c))?,
+            query: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attention.self.query"), (c, c), WeightLayout::OutIn, 0.02)?,
+            key: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attention.self.key"), (c, c), WeightLayout::OutIn, 0.02)?,
+            value: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attention.self.value"), (c, c), WeightLayout::OutIn, 0.02)?,
+            attn_out: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attention.output.dense"), (c, c), WeightLayout::OutIn, 0.02)?,
             attn_ln: LayerNorm::new(params, &format!("{p}.attention.output.LayerNorm"), c, eps)?,
-            intermediate: Linear::new(params, cfg, &format!("{p}.intermediate.dense"), (c, cfg.intermediate_size))?,
-            output: Linear::new(params, cfg, &format!("{p}.output.dense"), (cfg.intermediate_size, c))?,
+            intermediate: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.intermediate.dense"), (c, cfg.intermediate_size), WeightLayout::OutIn, 0.02)?,
+            output: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.output.dense"), (cfg.intermediate_size, c), WeightLayout::OutIn, 0.02)?,
             output_ln: LayerNorm::new(params, &format!("{p}.output.LayerNorm"), c, eps)?,
             n_head: cfg.num_attention_heads,
             attn_pdrop: cfg.attention_probs_dropout_prob,
@@ -243,7 +221,7 @@ impl Layer {
         let (nh, hd) = (self.n_head, c / self.n_head);
         let heads = |l: &Linear| l.forward(x, ctx)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (heads(&self.query)?, heads(&self.key)?, heads(&self.value)?);
-        let y = layers::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), false, Some(mask), self.attn_pdrop, ctx)?; // (B, nh, T, hd)
+        let y = ops::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), false, Some(mask), self.attn_pdrop, ctx)?; // (B, nh, T, hd)
         y.transpose(1, 2)?.reshape((b, t, c)) // (B, T, C)
     }
 }
@@ -325,7 +303,7 @@ impl Bert {
         });
         let layers = (0..config.num_hidden_layers).map(|i| Layer::new(&mut params, &config, i).map(Arc::new)).collect::<Result<Vec<_>>>()?;
         let head = Arc::new(MlmHead {
-            transform: Linear::new(&mut params, &config, "cls.predictions.transform.dense", (c, c))?,
+            transform: Linear::new(&mut params, config.lora.as_ref(), "cls.predictions.transform.dense", (c, c), WeightLayout::OutIn, 0.02)?,
             ln: LayerNorm::new(&mut params, "cls.predictions.transform.LayerNorm", c, eps)?,
             word,
             bias: params.get("cls.predictions.bias", &[config.vocab_size], Init::Zeros)?,
@@ -378,7 +356,7 @@ impl Bert {
     }
 }
 
-impl layers::Model for Bert {
+impl model::Model for Bert {
     fn graph(&self) -> &StageGraph {
         &self.graph
     }
@@ -406,7 +384,7 @@ impl layers::Model for Bert {
 }
 
 /// Synthetic masked-LM batches over the whole vocabulary.
-impl layers::Benchable for Bert {
+impl model::Benchable for Bert {
     type Config = Config;
     type Data = MlmData;
     const DOWNSAMPLES: bool = false;
@@ -420,7 +398,7 @@ impl layers::Benchable for Bert {
         Bert::new(config.clone(), device, seed)
     }
 
-    fn with_dtype(config: &Config, dtype: layers::Precision) -> Config {
+    fn with_dtype(config: &Config, dtype: model::Precision) -> Config {
         Config { dtype, ..config.clone() }
     }
 

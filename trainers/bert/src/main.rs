@@ -5,7 +5,7 @@ use bert::{Bert, Config, MlmData, Preset};
 use clap::Parser;
 use datasets::text::WordVocab;
 use datasets::tokenizer::Tokenizer;
-use layers::Model;
+use model::Model;
 use remat::memory::CountingAlloc;
 use remat::PolicyRequest;
 use std::path::PathBuf;
@@ -55,7 +55,7 @@ struct Args {
     vocab: Option<PathBuf>,
     /// sgd, adamw or adafactor.
     #[arg(long, default_value = "adamw")]
-    optimizer: layers::OptimizerKind,
+    optimizer: model::OptimizerKind,
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
 }

@@ -5,9 +5,9 @@
 use bert::{Bert, Config, MlmData};
 use candle_core::Device;
 use candle_nn::Optimizer;
-use layers::Model;
-use layers::Precision;
-use layers::{AdamW, ParamsAdamW};
+use model::Model;
+use model::Precision;
+use optim::{AdamW, ParamsAdamW};
 use remat::{Executor, Policy};
 use std::collections::BTreeMap;
 

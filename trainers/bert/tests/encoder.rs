@@ -4,7 +4,7 @@
 
 use bert::{Bert, Config};
 use candle_core::{DType, Device, Tensor};
-use layers::Model;
+use model::Model;
 use std::collections::HashMap;
 
 fn model() -> Bert {

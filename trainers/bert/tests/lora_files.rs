@@ -4,7 +4,7 @@
 #[test]
 fn adapters_round_trip_in_peft_layout_and_merge_into_the_base() {
     let base = bert::Config::tiny(2, 32);
-    let lora = layers::lora::Lora {
+    let lora = params::lora::Lora {
         rank: 4,
         alpha: 16.0,
         dropout: 0.0,

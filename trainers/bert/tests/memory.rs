@@ -5,7 +5,7 @@
 
 use bert::{Bert, Config, MlmData};
 use candle_core::Device;
-use layers::Model;
+use model::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use testkit::Peaks;
@@ -41,7 +41,7 @@ fn off_forward_end() -> u64 {
 
 // The end of forward, from the shapes (checked within 5 %); the activation peaks, measured and
 // committed (within 10 %: they include candle's gradients in flight, which are not derived). Unit: BTC = 2 x 128 x 64 f32 = 64 KiB. Forward,
-// per layer, candle's graph holds every intermediate that feeds another op; the `layers::fused`
+// per layer, candle's graph holds every intermediate that feeds another op; the `ops::fused`
 // ops keep only their output: q, k, v 6 BTC (fused linear, whose product before the bias is no
 // node, then a contiguous copy of the head transpose); the fused attention's output 1 (scores and
 // probabilities are rebuilt in backward: no (T, T) map is kept) and the merge-heads copy 1;

@@ -3,7 +3,7 @@
 
 use bert::{Bert, Config};
 use candle_core::{Device, Tensor};
-use layers::Model;
+use model::Model;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;

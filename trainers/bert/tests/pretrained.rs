@@ -5,7 +5,7 @@
 use bert::{Bert, Config, MlmData};
 use candle_core::{Device, Tensor};
 use datasets::tokenizer::{Kind, Tokenizer};
-use layers::Model;
+use model::Model;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -179,7 +179,7 @@ fn a_cross_entropy_with_no_weight_is_refused() {
     let logits = Tensor::zeros((3, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
     let targets = Tensor::new(&[0u32, 1, 2], &Device::Cpu).unwrap();
     let weights = Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu).unwrap();
-    let err = layers::fused::cross_entropy(&logits, &targets, Some(&weights)).unwrap_err().to_string();
+    let err = ops::fused::cross_entropy(&logits, &targets, Some(&weights)).unwrap_err().to_string();
     assert!(err.contains("every weight is zero"), "{err}");
 }
 

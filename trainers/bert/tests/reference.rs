@@ -7,7 +7,7 @@
 use anyhow::{Context, Result};
 use bert::{Bert, MaskedBatch};
 use candle_core::Device;
-use layers::Model;
+use model::Model;
 use std::path::Path;
 use testkit::reference::{check_close, check_training_step, on_both_routes, Fixture, LOGITS_TOL};
 

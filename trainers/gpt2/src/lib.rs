@@ -2,7 +2,7 @@
 //!
 //! The stage graph is `embed -> h.0 -> ... -> h.{L-1} -> head(loss)`; the blocks are what the
 //! checkpointing policies count. Pre-LN blocks, causal self-attention (scores, mask, softmax,
-//! dropout and the product with v in one fused op: `layers::fused`), GELU (tanh), dropout on the
+//! dropout and the product with v in one fused op: `ops::fused`), GELU (tanh), dropout on the
 //! embeddings, the attention probabilities and both residual branches, LM head tied to the token
 //! embedding.
 //! Parameter names are Hugging Face's (`h.0.attn.c_attn.weight`, ...), so real weights load.
@@ -10,8 +10,9 @@
 //! Not here: the training loop (`src/main.rs`), data (`datasets`), the engine (`remat`).
 
 use candle_core::{DType, Device, Result, Tensor};
-use layers::lora::{self, Adapter, Lora};
-use layers::{dropout, fused, Init, LayerNorm, ParamStore};
+use ops::{dropout, fused, LayerNorm, Linear, WeightLayout};
+use params::lora::Lora;
+use params::{Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -36,11 +37,11 @@ pub struct Config {
     pub resid_pdrop: f32,
     /// The dtype activations are stored in (not in `config.json`: a training choice).
     #[serde(skip)]
-    pub dtype: layers::Precision,
+    pub dtype: model::Precision,
     /// The parameters that do not train (`--freeze`): read through tensors no variable leads
     /// to, so they get no gradient.
     #[serde(skip)]
-    pub freeze: layers::Freeze,
+    pub freeze: params::Freeze,
     /// LoRA adapters beside the layers it targets (`c_attn`, `c_proj`, `c_fc`), every base
     /// parameter frozen (`--lora`).
     #[serde(skip)]
@@ -72,7 +73,7 @@ pub enum Preset {
 const PRESETS: &str = "tiny, small (124M), medium (350M), large (774M), xl (1.56B)";
 
 impl FromStr for Preset {
-    type Err = layers::UnknownPreset;
+    type Err = model::UnknownPreset;
 
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         match s {
@@ -81,7 +82,7 @@ impl FromStr for Preset {
             "medium" => Ok(Preset::Medium),
             "large" => Ok(Preset::Large),
             "xl" => Ok(Preset::Xl),
-            _ => Err(layers::UnknownPreset { model: "GPT-2", given: s.into(), valid: PRESETS }),
+            _ => Err(model::UnknownPreset { model: "GPT-2", given: s.into(), valid: PRESETS }),
         }
     }
 }
@@ -112,15 +113,15 @@ impl Config {
             embd_pdrop: 0.1,
             attn_pdrop: 0.1,
             resid_pdrop: 0.1,
-            dtype: layers::Precision::F32,
-            freeze: layers::Freeze::default(),
+            dtype: model::Precision::F32,
+            freeze: params::Freeze::default(),
             lora: None,
         }
     }
 
     /// Reads a Hugging Face `config.json`; errors name the file and the field.
-    pub fn from_json(path: &Path) -> std::result::Result<Self, layers::ConfigError> {
-        layers::read_config(path, Config::validate)
+    pub fn from_json(path: &Path) -> std::result::Result<Self, model::ConfigError> {
+        model::read_config(path, Config::validate)
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
@@ -144,29 +145,6 @@ impl Config {
     }
 }
 
-/// Hugging Face's `Conv1D`: a linear layer whose weight is stored (in, out), with a LoRA
-/// adapter beside it where the configuration targets it.
-struct Conv1D {
-    weight: Tensor,
-    bias: Tensor,
-    adapter: Option<Adapter>,
-}
-
-impl Conv1D {
-    fn new(params: &mut ParamStore, cfg: &Config, prefix: &str, (n_in, n_out): (usize, usize), std: f32) -> Result<Self> {
-        Ok(Conv1D {
-            weight: params.get(&format!("{prefix}.weight"), &[n_in, n_out], Init::Normal { std })?,
-            bias: params.get(&format!("{prefix}.bias"), &[n_out], Init::Zeros)?,
-            adapter: Adapter::of(params, cfg.lora.as_ref(), prefix, (n_in, n_out), false)?,
-        })
-    }
-
-    fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
-        lora::linear(x, (&self.weight, Some(&self.bias)), false, self.adapter.as_ref(), ctx)
-        // (B, T, in) -> (B, T, out)
-    }
-}
-
 /// Token + position embedding, then dropout. Inputs: ids (B, T) u32. Output: (B, T, C).
 pub struct Embed {
     wte: Tensor,
@@ -185,7 +163,7 @@ impl Stage for Embed {
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let ids = &inputs[0];
         let t = ids.dim(1)?;
-        let tok = layers::fused::embedding(&self.wte, ids)?; // (B, T, C)
+        let tok = ops::fused::embedding(&self.wte, ids)?; // (B, T, C)
         let pos = self.wpe.narrow(0, 0, t)?; // (T, C)
                                              // Activations from here on are in the compute dtype.
         Ok(vec![dropout(&tok.broadcast_add(&pos)?.to_dtype(self.dtype)?, self.pdrop, ctx)?])
@@ -196,11 +174,11 @@ impl Stage for Embed {
 pub struct Block {
     index: usize,
     ln_1: LayerNorm,
-    c_attn: Conv1D,
-    attn_proj: Conv1D,
+    c_attn: Linear,
+    attn_proj: Linear,
     ln_2: LayerNorm,
-    c_fc: Conv1D,
-    mlp_proj: Conv1D,
+    c_fc: Linear,
+    mlp_proj: Linear,
     n_head: usize,
     attn_pdrop: f32,
     resid_pdrop: f32,
@@ -217,11 +195,11 @@ impl Block {
         Ok(Block {
             index,
             ln_1: LayerNorm::new(params, &format!("{p}.ln_1"), c, cfg.layer_norm_epsilon)?,
-            c_attn: Conv1D::new(params, cfg, &format!("{p}.attn.c_attn"), (c, 3 * c), 0.02)?,
-            attn_proj: Conv1D::new(params, cfg, &format!("{p}.attn.c_proj"), (c, c), proj_std)?,
+            c_attn: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attn.c_attn"), (c, 3 * c), WeightLayout::InOut, 0.02)?,
+            attn_proj: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attn.c_proj"), (c, c), WeightLayout::InOut, proj_std)?,
             ln_2: LayerNorm::new(params, &format!("{p}.ln_2"), c, cfg.layer_norm_epsilon)?,
-            c_fc: Conv1D::new(params, cfg, &format!("{p}.mlp.c_fc"), (c, 4 * c), 0.02)?,
-            mlp_proj: Conv1D::new(params, cfg, &format!("{p}.mlp.c_proj"), (4 * c, c), proj_std)?,
+            c_fc: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.mlp.c_fc"), (c, 4 * c), WeightLayout::InOut, 0.02)?,
+            mlp_proj: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.mlp.c_proj"), (4 * c, c), WeightLayout::InOut, proj_std)?,
             n_head: cfg.n_head,
             attn_pdrop: cfg.attn_pdrop,
             resid_pdrop: cfg.resid_pdrop,
@@ -238,7 +216,7 @@ impl Block {
         let qkv = self.c_attn.forward(x, ctx)?; // (B, T, 3C)
         let head = |i: usize| qkv.narrow(2, i * c, c)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (head(0)?, head(1)?, head(2)?);
-        let y = layers::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), true, None, self.attn_pdrop, ctx)?; // (B, nh, T, hd), causal
+        let y = ops::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), true, None, self.attn_pdrop, ctx)?; // (B, nh, T, hd), causal
         let y = y.transpose(1, 2)?.reshape((b, t, c))?; // (B, T, C)
         self.attn_proj.forward(&y, ctx)
     }
@@ -344,7 +322,7 @@ impl Gpt2 {
     }
 }
 
-impl layers::Model for Gpt2 {
+impl model::Model for Gpt2 {
     fn graph(&self) -> &StageGraph {
         &self.graph
     }
@@ -368,7 +346,7 @@ impl layers::Model for Gpt2 {
 }
 
 /// Synthetic text: the byte tokens of a generated corpus, in sequences of the given length.
-impl layers::Benchable for Gpt2 {
+impl model::Benchable for Gpt2 {
     type Config = Config;
     type Data = (datasets::tokens::Batcher, usize);
     const DOWNSAMPLES: bool = false;
@@ -382,7 +360,7 @@ impl layers::Benchable for Gpt2 {
         Gpt2::new(config.clone(), device, seed)
     }
 
-    fn with_dtype(config: &Config, dtype: layers::Precision) -> Config {
+    fn with_dtype(config: &Config, dtype: model::Precision) -> Config {
         Config { dtype, ..config.clone() }
     }
 

@@ -6,7 +6,7 @@ use clap::Parser;
 use datasets::tokenizer::Tokenizer;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
-use layers::Model;
+use model::Model;
 use remat::memory::CountingAlloc;
 use remat::PolicyRequest;
 use std::path::PathBuf;
@@ -53,7 +53,7 @@ struct Args {
     tokenizer: Option<PathBuf>,
     /// sgd, adamw or adafactor.
     #[arg(long, default_value = "adamw")]
-    optimizer: layers::OptimizerKind,
+    optimizer: model::OptimizerKind,
     #[arg(long, default_value_t = 6e-4)]
     lr: f64,
 }
@@ -85,7 +85,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     trainkit::check_footprint("--batch x --seq", "the logits", logits)?;
     // The parameters and their gradients, from the configuration: a config.json of 100000 layers
     // is refused now, not after building a model the machine cannot hold.
-    let params = <Gpt2 as layers::Benchable>::parameter_shapes(&config)?.iter().map(|s| s.iter().map(|&d| d as u128).product::<u128>()).sum::<u128>();
+    let params = <Gpt2 as model::Benchable>::parameter_shapes(&config)?.iter().map(|s| s.iter().map(|&d| d as u128).product::<u128>()).sum::<u128>();
     trainkit::check_footprint("--preset, --config or --model-id", "the memory of the parameters and their gradients", params.checked_mul(2))?;
     let tokens = match (&args.data, &args.text) {
         (Some(path), _) => datasets::tokens::load_u16(path)?,

@@ -8,7 +8,7 @@ use candle_core::backprop::GradStore;
 use candle_core::Device;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
-use layers::Model;
+use model::Model;
 use remat::memory::{CountingAlloc, Meter};
 use remat::Executor;
 
@@ -101,7 +101,7 @@ fn accumulated_gradients_are_the_sum_of_the_micro_batches() {
         xs.extend(x);
         ys.extend(y);
     }
-    layers::scale_grads(&mut grads, &vars, 1.0 / MICRO as f64).unwrap();
+    optim::scale_grads(&mut grads, &vars, 1.0 / MICRO as f64).unwrap();
     let whole = exec.step(&model.inputs(&xs, &ys, BATCH * MICRO, SEQ, &Device::Cpu).unwrap(), 0).unwrap().grads;
     for (name, v) in model.params().named() {
         let (a, b) = (grads.get(v).unwrap(), whole.get(v).unwrap());

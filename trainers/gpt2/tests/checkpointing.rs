@@ -5,8 +5,8 @@ use candle_core::Device;
 use candle_nn::Optimizer;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
-use layers::Model;
-use layers::{AdamW, ParamsAdamW};
+use model::Model;
+use optim::{AdamW, ParamsAdamW};
 use remat::{Executor, Policy};
 use std::collections::BTreeMap;
 
@@ -20,11 +20,11 @@ fn batcher(cfg: &Config, seq: usize) -> Batcher {
 
 /// Two training steps of a tiny GPT-2 with dropout 0.1 under `policy`.
 fn train(policy: &str, replay_rng: bool) -> Trace {
-    train_in(policy, replay_rng, layers::Precision::F32)
+    train_in(policy, replay_rng, model::Precision::F32)
 }
 
 /// [`train`] with activations in `dtype`.
-fn train_in(policy: &str, replay_rng: bool, dtype: layers::Precision) -> Trace {
+fn train_in(policy: &str, replay_rng: bool, dtype: model::Precision) -> Trace {
     let cfg = Config { dtype, ..Config::tiny(8, 32) };
     let (batch, seq) = (2, 32);
     let model = Gpt2::new(cfg.clone(), &Device::Cpu, 42).unwrap();
@@ -54,7 +54,7 @@ fn n_params() -> usize {
 /// policy equals `off` bit for bit, and every parameter gets a non-zero gradient.
 #[test]
 fn gradients_equal_off_bit_for_bit_in_half_precision() {
-    for dtype in [layers::Precision::Bf16, layers::Precision::F16, layers::Precision::Bf16Weights] {
+    for dtype in [model::Precision::Bf16, model::Precision::F16, model::Precision::Bf16Weights] {
         let off = train_in("off", true, dtype);
         assert_eq!(off[0].1.len(), n_params(), "{dtype}: a parameter got no gradient");
         for (name, g) in &off[0].1 {
@@ -107,7 +107,7 @@ fn every_parameter_receives_a_nonzero_gradient() {
 /// and AdamW's moments f32.
 #[test]
 fn bf16_weights_keep_bf16_parameters_and_gradients_and_f32_moments() {
-    let cfg = Config { dtype: layers::Precision::Bf16Weights, ..Config::tiny(8, 32) };
+    let cfg = Config { dtype: model::Precision::Bf16Weights, ..Config::tiny(8, 32) };
     let model = Gpt2::new(cfg.clone(), &Device::Cpu, 42).unwrap();
     let vars = model.params().vars();
     let exec = Executor::new(model.graph(), &"sqrt".parse::<Policy>().unwrap(), vars.clone(), 7).unwrap();
@@ -119,6 +119,6 @@ fn bf16_weights_keep_bf16_parameters_and_gradients_and_f32_moments() {
         assert_eq!(var.dtype(), candle_core::DType::BF16, "parameter `{name}`");
         assert_eq!(out.grads.get(var).map(|g| g.dtype()), Some(candle_core::DType::BF16), "gradient of `{name}`");
     }
-    let state = layers::TrainOptimizer::state(&opt).unwrap();
+    let state = optim::TrainOptimizer::state(&opt).unwrap();
     assert!(state.iter().filter(|(k, _)| *k != "step").all(|(_, t)| t.dtype() == candle_core::DType::F32));
 }

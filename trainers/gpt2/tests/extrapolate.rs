@@ -5,7 +5,7 @@
 
 use candle_core::Device;
 use gpt2::{Config, Gpt2};
-use layers::Model;
+use model::Model;
 use remat::memory::CountingAlloc;
 use remat::plan::{Grads, Profile};
 

@@ -1,4 +1,4 @@
-//! GPT-2 with its fused ops on the device-generic route (`layers::fused::Path::Generic`, forced on
+//! GPT-2 with its fused ops on the device-generic route (`ops::fused::Path::Generic`, forced on
 //! the CPU, as a GPU would take it): every policy's gradients equal `off`'s on that route bit for
 //! bit, they match the kernels' to rounding, and a step's peaks stay within 10 % of the kernel
 //! route's. The only test in its binary: the path and the allocator's counter are process-wide.
@@ -6,8 +6,8 @@
 use candle_core::Device;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
-use layers::fused::{set_path, Path};
-use layers::Model;
+use model::Model;
+use ops::fused::{set_path, Path};
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use std::collections::BTreeMap;

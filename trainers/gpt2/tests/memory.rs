@@ -6,7 +6,7 @@
 use candle_core::Device;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
-use layers::Model;
+use model::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use testkit::Peaks;
@@ -52,7 +52,7 @@ fn off_forward_end() -> u64 {
 // The end of forward, from the shapes (checked within 5 %); the activation peaks, measured and
 // committed (within 10 %: they include candle's gradients in flight, which are not derived). Unit: one (B, T, C) tensor, BTC = 2 x 128 x 64
 // f32 = 64 KiB. Forward, per block, candle's graph holds every intermediate that feeds another op;
-// the `layers::fused` ops keep only their output: the two LayerNorms 1 BTC each; c_attn 3 (one
+// the `ops::fused` ops keep only their output: the two LayerNorms 1 BTC each; c_attn 3 (one
 // fused linear: the product before the bias is no node); q, k, v 6 (each a copy out of the packed
 // projection, then a contiguous copy of its transpose); the fused attention's output 1 (scores and
 // probabilities are rebuilt in backward: no (T, T) map is kept) and the merge-heads copy 1; the

@@ -2,7 +2,7 @@
 
 use candle_core::{Device, Tensor};
 use gpt2::{Config, Gpt2, Preset};
-use layers::Model;
+use model::Model;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -85,7 +85,7 @@ fn bad_configs_name_the_field() {
 /// 1,557,611,200 parameters.
 #[test]
 fn parameter_shapes_from_the_configuration_match_the_model() {
-    use layers::Benchable;
+    use model::Benchable;
     let cfg = gpt2::Config::tiny(3, 32);
     let mut built: Vec<Vec<usize>> = Gpt2::new(cfg.clone(), &Device::Cpu, 0).unwrap().params().vars().iter().map(|v| v.dims().to_vec()).collect();
     let mut derived = Gpt2::parameter_shapes(&cfg).unwrap();

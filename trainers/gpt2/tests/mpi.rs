@@ -6,7 +6,7 @@
 #![cfg(feature = "mpi")]
 
 use candle_core::Device;
-use layers::Model;
+use model::Model;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -91,7 +91,7 @@ fn checkpointing_keeps_two_rank_gradients_bit_identical() {
         let path = dir.join(format!("{policy}.safetensors"));
         // Dropout on (the preset's 0.1): each rank draws its own masks, replayed on recompute.
         train(&["--preset", "tiny", "--ranks", "2", "--batch", "2", "--steps", "2", "--policy", policy, "--save", path.to_str().unwrap()]);
-        candle_core::safetensors::load(&path, &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, layers::f32_bits(&t).unwrap())).collect::<BTreeMap<_, _>>()
+        candle_core::safetensors::load(&path, &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, params::f32_bits(&t).unwrap())).collect::<BTreeMap<_, _>>()
     };
     let off = snapshot("off");
     for policy in ["sqrt", "every-two-blocks"] {
@@ -102,7 +102,7 @@ fn checkpointing_keeps_two_rank_gradients_bit_identical() {
 
 /// Every tensor of a safetensors file, as bits.
 fn bits(path: &Path) -> BTreeMap<String, Vec<u32>> {
-    candle_core::safetensors::load(path, &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, layers::f32_bits(&t).unwrap())).collect()
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, params::f32_bits(&t).unwrap())).collect()
 }
 
 #[test]

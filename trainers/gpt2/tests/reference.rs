@@ -6,7 +6,7 @@
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
-use layers::Model;
+use model::Model;
 use std::path::Path;
 use testkit::reference::{check_close, check_evaluation, check_training_step, on_both_routes, Fixture, LOGITS_TOL};
 

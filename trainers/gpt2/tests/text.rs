@@ -5,7 +5,7 @@
 use candle_core::{Device, Tensor};
 use datasets::tokenizer::{Kind, Tokenizer};
 use gpt2::{Config, Gpt2};
-use layers::Model;
+use model::Model;
 use std::collections::HashMap;
 
 #[test]

@@ -8,8 +8,9 @@
 //! Parameter names are torchvision's (`layer1.0.conv1.weight`, `bn1.running_mean`, ...).
 
 use candle_core::{DType, Device, Result, Tensor};
-use layers::fused::widened;
-use layers::{max_pool2d_k3s2p1, BatchNorm, Init, ParamStore};
+use ops::fused::widened;
+use ops::{max_pool2d_k3s2p1, BatchNorm};
+use params::{Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use std::str::FromStr;
 
@@ -22,10 +23,10 @@ pub struct Config {
     pub width: usize,
     pub classes: usize,
     /// The dtype activations are stored in.
-    pub dtype: layers::Precision,
+    pub dtype: model::Precision,
     /// The parameters that do not train (`--freeze`): read through tensors no variable leads
     /// to, so they get no gradient.
-    pub freeze: layers::Freeze,
+    pub freeze: params::Freeze,
 }
 
 const PRESETS: &str = "tiny, resnet18, resnet34, resnet50, resnet101, resnet152";
@@ -42,7 +43,7 @@ pub enum Preset {
 }
 
 impl FromStr for Preset {
-    type Err = layers::UnknownPreset;
+    type Err = model::UnknownPreset;
 
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         Ok(match s {
@@ -52,7 +53,7 @@ impl FromStr for Preset {
             "resnet50" => Preset::Resnet50,
             "resnet101" => Preset::Resnet101,
             "resnet152" => Preset::Resnet152,
-            _ => return Err(layers::UnknownPreset { model: "ResNet", given: s.into(), valid: PRESETS }),
+            _ => return Err(model::UnknownPreset { model: "ResNet", given: s.into(), valid: PRESETS }),
         })
     }
 }
@@ -68,7 +69,7 @@ impl Preset {
             Preset::Resnet101 => (true, [3, 4, 23, 3], 64),
             Preset::Resnet152 => (true, [3, 8, 36, 3], 64),
         };
-        Config { bottleneck, layers, width, classes: 1000, dtype: layers::Precision::F32, freeze: layers::Freeze::default() }
+        Config { bottleneck, layers, width, classes: 1000, dtype: model::Precision::F32, freeze: params::Freeze::default() }
     }
 }
 
@@ -148,7 +149,7 @@ impl Conv {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        layers::conv2d(x, &self.weight, self.padding, self.stride)
+        ops::conv2d(x, &self.weight, self.padding, self.stride)
     }
 }
 
@@ -278,7 +279,7 @@ impl Stage for Head {
         StageKind::Other
     }
     fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
-        Ok(vec![layers::fused::cross_entropy(&self.logits(&inputs[0])?, &inputs[1], None)?])
+        Ok(vec![ops::fused::cross_entropy(&self.logits(&inputs[0])?, &inputs[1], None)?])
     }
 }
 
@@ -344,7 +345,7 @@ impl ResNet {
     }
 }
 
-impl layers::Model for ResNet {
+impl model::Model for ResNet {
     fn graph(&self) -> &StageGraph {
         &self.graph
     }
@@ -365,12 +366,12 @@ impl layers::Model for ResNet {
 }
 
 /// Synthetic square images of the model's classes; trained with SGD and momentum, as ResNets are.
-impl layers::Benchable for ResNet {
+impl model::Benchable for ResNet {
     type Config = Config;
     type Data = (datasets::images::SyntheticImages, usize);
     const DOWNSAMPLES: bool = true;
     const KEEPABLE: &'static [remat::keep::OpKind] = &[remat::keep::OpKind::Conv, remat::keep::OpKind::Matmul];
-    const OPTIMIZER: layers::OptimizerKind = layers::OptimizerKind::Sgd;
+    const OPTIMIZER: model::OptimizerKind = model::OptimizerKind::Sgd;
 
     fn describe_input(size: usize) -> String {
         format!("{size}x{size}")
@@ -380,7 +381,7 @@ impl layers::Benchable for ResNet {
         ResNet::new(config.clone(), device, seed)
     }
 
-    fn with_dtype(config: &Config, dtype: layers::Precision) -> Config {
+    fn with_dtype(config: &Config, dtype: model::Precision) -> Config {
         Config { dtype, ..config.clone() }
     }
 

@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use clap::Parser;
 use datasets::images::{ImageFolder, SyntheticImages};
-use layers::Model;
+use model::Model;
 use remat::memory::CountingAlloc;
 use remat::PolicyRequest;
 use resnet::{Config, Preset, ResNet};
@@ -39,7 +39,7 @@ struct Args {
     classes: usize,
     /// sgd, adamw or adafactor.
     #[arg(long, default_value = "sgd")]
-    optimizer: layers::OptimizerKind,
+    optimizer: model::OptimizerKind,
     #[arg(long, default_value_t = 0.05)]
     lr: f64,
     #[command(flatten)]

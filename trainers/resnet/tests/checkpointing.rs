@@ -5,9 +5,9 @@
 use candle_core::{Device, Tensor};
 use candle_nn::Optimizer;
 use datasets::images::SyntheticImages;
-use layers::{ParamsSgd, SgdMomentum};
+use optim::{ParamsSgd, SgdMomentum};
 
-use layers::Model;
+use model::Model;
 use remat::{Executor, Policy};
 use resnet::{Config, ResNet};
 use std::collections::BTreeMap;
@@ -21,11 +21,11 @@ fn tiny() -> Config {
 /// Two SGD steps of a tiny bottleneck ResNet: per step (loss bits, gradient bits), then the
 /// BatchNorm running statistics at the end.
 fn train(policy: &str, guard: bool) -> (Vec<(u32, Bits)>, Bits) {
-    train_in(policy, guard, layers::Precision::F32)
+    train_in(policy, guard, model::Precision::F32)
 }
 
 /// [`train`] with activations in `dtype`.
-fn train_in(policy: &str, guard: bool, dtype: layers::Precision) -> (Vec<(u32, Bits)>, Bits) {
+fn train_in(policy: &str, guard: bool, dtype: model::Precision) -> (Vec<(u32, Bits)>, Bits) {
     let (batch, size) = (4, 32);
     let model = ResNet::new(Config { dtype, ..tiny() }, &Device::Cpu, 11).unwrap();
     let mut exec = Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 5).unwrap();
@@ -52,7 +52,7 @@ const POLICIES: [&str; 4] = ["sqrt", "every-two-blocks", "before-downsample", "s
 /// every policy equals `off` bit for bit, and every parameter gets a non-zero gradient.
 #[test]
 fn gradients_and_statistics_equal_off_bit_for_bit_in_half_precision() {
-    for dtype in [layers::Precision::Bf16, layers::Precision::F16, layers::Precision::Bf16Weights] {
+    for dtype in [model::Precision::Bf16, model::Precision::F16, model::Precision::Bf16Weights] {
         let off = train_in("off", true, dtype);
         for (name, g) in &off.0[0].1 {
             assert!(g.iter().any(|&x| f32::from_bits(x) != 0.0), "{dtype}: `{name}` got a zero gradient");

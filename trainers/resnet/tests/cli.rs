@@ -45,7 +45,7 @@ fn bad_input_gives_clear_errors() {
 /// the rest and initialises `fc`, saying so; `--strict` refuses the mismatch.
 #[test]
 fn init_with_another_class_count_initialises_the_classifier() {
-    use layers::Model;
+    use model::Model;
     let dir = std::env::temp_dir().join(format!("resnet-init-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("imagenet.safetensors");

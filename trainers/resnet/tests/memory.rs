@@ -5,7 +5,7 @@
 
 use candle_core::Device;
 use datasets::images::SyntheticImages;
-use layers::Model;
+use model::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use resnet::{Config, ResNet};
@@ -21,7 +21,7 @@ const SIZE: usize = 64;
 /// convolution's column matrix (3 x 49 values per output pixel, whatever the width), which set
 /// the peak of the `tiny` preset under every policy.
 fn config() -> Config {
-    Config { bottleneck: true, layers: [2, 2, 2, 2], width: 32, classes: 4, dtype: layers::Precision::F32, freeze: layers::Freeze::default() }
+    Config { bottleneck: true, layers: [2, 2, 2, 2], width: 32, classes: 4, dtype: model::Precision::F32, freeze: params::Freeze::default() }
 }
 
 fn model() -> ResNet {
@@ -96,7 +96,7 @@ fn training_does_not_grow_the_heap() {
     use candle_nn::Optimizer;
     let model = ResNet::new(Config { classes: 4, ..resnet::Preset::Tiny.config() }, &Device::Cpu, 1).unwrap();
     let exec = Executor::new(model.graph(), &"sqrt".parse().unwrap(), model.params().vars(), 1).unwrap();
-    let mut opt = layers::SgdMomentum::new(model.params().vars(), Default::default()).unwrap();
+    let mut opt = optim::SgdMomentum::new(model.params().vars(), Default::default()).unwrap();
     let data = SyntheticImages::new(4, 32, 1);
     let mut after = Vec::new();
     for step in 0..4 {

@@ -21,7 +21,7 @@ fn two_resnet_ranks_checkpoint_bit_identically() {
             .unwrap();
         let log = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success() && log.contains("ranks in sync: parameters bit-identical on all 2 ranks"), "{policy}: {log}");
-        candle_core::safetensors::load(&path, &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, layers::f32_bits(&t).unwrap())).collect::<BTreeMap<_, _>>()
+        candle_core::safetensors::load(&path, &Device::Cpu).unwrap().into_iter().map(|(n, t)| (n, params::f32_bits(&t).unwrap())).collect::<BTreeMap<_, _>>()
     };
     let off = snapshot("off");
     assert!(off.keys().any(|n| n.ends_with("running_mean")), "the snapshot holds the BatchNorm statistics");

@@ -6,7 +6,7 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use layers::Model;
+use model::Model;
 use resnet::{Config, ResNet};
 use testkit::reference::{check_close, check_evaluation, check_training_step, on_both_routes, Fixture, LOGITS_TOL};
 

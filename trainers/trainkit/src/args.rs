@@ -50,13 +50,13 @@ pub struct RunArgs {
     /// gradients and the optimizer state stay f32), or bf16-weights (parameters and gradients
     /// bf16 too, optimizer moments f32).
     #[arg(long, default_value = "f32")]
-    pub dtype: layers::Precision,
+    pub dtype: model::Precision,
     /// Parameters that do not train, by name (`*`: any run of characters), comma-separated:
     /// `h.*.attn.*,wte.weight` (GPT-2), `bert.embeddings.*` (BERT), `conv1.*,bn1.*,layer1.*`
     /// (ResNet), `enc.0.*` (U-Net). They get no gradient, neither computed nor stored, and no
     /// optimizer state; snapshots still hold them.
     #[arg(long)]
-    pub freeze: Option<layers::Freeze>,
+    pub freeze: Option<params::Freeze>,
     /// f16 only: the initial loss scale (default 65536). A step whose gradients are not finite is
     /// skipped and the scale halved; after 2000 good steps in a row it doubles (PyTorch's
     /// GradScaler).
@@ -120,14 +120,14 @@ impl RunArgs {
             let conflict = [
                 (self.accumulate > 1, "--accumulate above 1 (a gradient is final only after the last micro-batch's backward)"),
                 (self.ranks > 1, "--ranks above 1 (the gradients are averaged over the ranks before the update)"),
-                (self.dtype == layers::Precision::F16, "--dtype f16 (its loss scaler skips a step unless every gradient is finite)"),
+                (self.dtype == model::Precision::F16, "--dtype f16 (its loss scaler skips a step unless every gradient is finite)"),
             ];
             if let Some((_, why)) = conflict.iter().find(|(c, _)| *c) {
                 bail!("--optimizer-in-backward updates each parameter as its gradient is final: not with {why}");
             }
         }
         if let Some(scale) = self.loss_scale {
-            if self.dtype != layers::Precision::F16 {
+            if self.dtype != model::Precision::F16 {
                 bail!("--loss-scale applies to --dtype f16 only (this run: {})", self.dtype);
             }
             if !(scale.is_finite() && scale > 0.0 && scale <= f32::MAX as f64) {

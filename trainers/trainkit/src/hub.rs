@@ -3,7 +3,7 @@
 //! snapshot lacks it; and the `tokenizer.json` that goes with them.
 
 use anyhow::{bail, Context, Result};
-use layers::Model;
+use model::Model;
 use std::path::{Path, PathBuf};
 
 /// Why a model's files could not be found or fetched.

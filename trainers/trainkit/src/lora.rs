@@ -3,8 +3,8 @@
 //! training (the adapter in PEFT's layout, the merged weights).
 
 use anyhow::{bail, Context, Result};
-use layers::lora::{self, Lora, PeftModel};
-use layers::Model;
+use model::Model;
+use params::lora::{self, Lora, PeftModel};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -85,7 +85,7 @@ impl LoraArgs {
         }
         if let Some(path) = &self.save_merged {
             let merged = model.params().merged().context("--save-merged")?;
-            layers::write_snapshot(path, &merged, Default::default()).with_context(|| format!("--save-merged {}", path.display()))?;
+            params::write_snapshot(path, &merged, Default::default()).with_context(|| format!("--save-merged {}", path.display()))?;
             crate::say!("saved merged weights to {}", path.display());
         }
         Ok(())

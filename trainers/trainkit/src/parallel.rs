@@ -7,7 +7,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 pub use collective::Group;
-use layers::{OptimizerKind, TrainOptimizer};
+use model::OptimizerKind;
+use optim::TrainOptimizer;
 use remat::Executor;
 use std::collections::HashMap;
 
@@ -20,7 +21,7 @@ use std::collections::HashMap;
 pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
     run.check()?;
     let device = run.device.open()?;
-    layers::allocate_matmul_workspaces();
+    ops::allocate_matmul_workspaces();
     let group = Group::from_launcher(&device)?;
     if run.ranks > 1 && group.world() == 1 {
         let (feature, built) = if run.device.is_cuda() { ("nccl", cfg!(feature = "nccl")) } else { ("mpi", cfg!(feature = "mpi")) };
@@ -178,7 +179,7 @@ pub fn agreed_policy(group: &Group, requested: &remat::PolicyRequest, resolved: 
 }
 
 /// Fails unless every rank holds the same parameter bits (a hash of them, compared by all-reduce).
-pub fn check_in_sync(group: &Group, store: &layers::ParamStore) -> Result<()> {
+pub fn check_in_sync(group: &Group, store: &params::ParamStore) -> Result<()> {
     if group.world() == 1 {
         return Ok(());
     }
@@ -186,7 +187,7 @@ pub fn check_in_sync(group: &Group, store: &layers::ParamStore) -> Result<()> {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     for (name, var) in store.named() {
         name.hash(&mut h);
-        layers::f32_bits(var.as_tensor())?.hash(&mut h);
+        params::f32_bits(var.as_tensor())?.hash(&mut h);
     }
     if !group.same_everywhere(h.finish())? {
         bail!("the ranks' parameters differ: data-parallel training went out of sync");

@@ -19,7 +19,7 @@ pub fn available_memory() -> Option<u64> {
 /// The memory a training step starts from, as a budget or a memory cap counts it: everything the
 /// device holds now (weights, buffers, data, the optimizer state allocated so far), the optimizer
 /// state still to come (SGD's buffers appear at the first update), and one batch of inputs.
-pub fn memory_before_step(device: &Device, optimizer: &dyn layers::TrainOptimizer, inputs_bytes: u64) -> Result<u64> {
+pub fn memory_before_step(device: &Device, optimizer: &dyn optim::TrainOptimizer, inputs_bytes: u64) -> Result<u64> {
     let counter = remat::memory::Counter::for_device(device);
     counter.synchronize();
     let allocated: u64 = optimizer.state()?.values().map(remat::memory::tensor_bytes).sum();
@@ -99,8 +99,8 @@ pub fn build_model<M>(flags: &str, build: impl FnOnce() -> Result<M>) -> Result<
 fn check_step_fits(
     run: &RunArgs,
     policy: &remat::PolicyRequest,
-    model: &impl layers::Model,
-    optimizer: &dyn layers::TrainOptimizer,
+    model: &impl model::Model,
+    optimizer: &dyn optim::TrainOptimizer,
     batch: usize,
     sizes: &str,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
@@ -145,7 +145,7 @@ fn check_step_fits(
 }
 
 /// A model's parameters and the device they are on.
-fn vars_and_device(model: &impl layers::Model) -> (Vec<candle_core::Var>, Device) {
+fn vars_and_device(model: &impl model::Model) -> (Vec<candle_core::Var>, Device) {
     let vars = model.params().vars();
     let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
     (vars, device)
@@ -159,7 +159,7 @@ fn vars_and_device(model: &impl layers::Model) -> (Vec<candle_core::Var>, Device
 fn step_start(
     run: &RunArgs,
     device: &Device,
-    optimizer: &dyn layers::TrainOptimizer,
+    optimizer: &dyn optim::TrainOptimizer,
     profile: &remat::plan::Profile,
     batch: usize,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
@@ -179,8 +179,8 @@ pub fn executor<'m>(
     run: &RunArgs,
     group: &Group,
     policy: &remat::PolicyRequest,
-    model: &'m impl layers::Model,
-    optimizer: &dyn layers::TrainOptimizer,
+    model: &'m impl model::Model,
+    optimizer: &dyn optim::TrainOptimizer,
     batch: usize,
     sizes: &str,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
@@ -200,8 +200,8 @@ pub fn rank_seed(seed: u64, rank: usize) -> u64 {
 fn plan_policy(
     run: &RunArgs,
     policy: &remat::PolicyRequest,
-    model: &impl layers::Model,
-    optimizer: &dyn layers::TrainOptimizer,
+    model: &impl model::Model,
+    optimizer: &dyn optim::TrainOptimizer,
     batch: usize,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
     measured: Option<(Profile, u64)>,

@@ -44,7 +44,7 @@ pub fn finish_gradients(grads: &mut GradStore, vars: &[candle_core::Var], micro_
     }
     let factor = 1.0 / (micro_batches as f64 * scale);
     if factor != 1.0 {
-        layers::scale_grads(grads, vars, factor)?;
+        optim::scale_grads(grads, vars, factor)?;
     }
     Ok(true)
 }

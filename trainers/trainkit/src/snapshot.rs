@@ -68,11 +68,11 @@ impl RunConfig {
 /// Writes a training snapshot: every parameter and buffer, the optimizer's `state`, the next step,
 /// the seed (the data and every random draw follow from the seed and the step), the f16 loss
 /// scaler's state, and the run's `config` with a checksum in the metadata
-/// ([`layers::write_snapshot`]). Written beside the target and renamed over it, so an interrupted
+/// ([`params::write_snapshot`]). Written beside the target and renamed over it, so an interrupted
 /// write keeps the previous one.
 pub fn save_training(
     path: &Path,
-    store: &layers::ParamStore,
+    store: &params::ParamStore,
     state: HashMap<String, Tensor>,
     next_step: usize,
     seed: u64,
@@ -88,7 +88,7 @@ pub fn save_training(
         map.insert(GOOD_STEPS.into(), Tensor::new(s.good_steps as i64, &Device::Cpu)?);
     }
     let metadata = HashMap::from([(CONFIG.to_string(), serde_json::to_string(config)?)]);
-    layers::write_snapshot(path, &map, metadata).with_context(|| format!("writing {}", path.display()))
+    params::write_snapshot(path, &map, metadata).with_context(|| format!("writing {}", path.display()))
 }
 
 /// Loads a training snapshot into the model, the optimizer and the loss scaler (where the run
@@ -96,14 +96,14 @@ pub fn save_training(
 /// step to continue from.
 pub fn load_training(
     path: &Path,
-    store: &layers::ParamStore,
-    opt: &mut dyn layers::TrainOptimizer,
+    store: &params::ParamStore,
+    opt: &mut dyn optim::TrainOptimizer,
     seed: u64,
     scaler: Option<&mut LossScaler>,
     config: &RunConfig,
 ) -> Result<usize> {
     let ctx = || format!("--resume {}", path.display());
-    let (tensors, metadata) = layers::read_snapshot(path, &Device::Cpu).with_context(ctx)?;
+    let (tensors, metadata) = params::read_snapshot(path, &Device::Cpu).with_context(ctx)?;
     let scalar = |name: &str| -> Result<i64> {
         let t = tensors.get(name).with_context(|| format!("{} is not a training snapshot (no `{name}`)", path.display()))?;
         Ok(t.to_scalar::<i64>()?)

@@ -8,7 +8,7 @@ use crate::scaler::{all_finite, finish_gradients, LossScaler};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
-use layers::TrainOptimizer;
+use optim::TrainOptimizer;
 use remat::memory::{set_activity, Activity, Meter, Timeline, Usage};
 use remat::Executor;
 

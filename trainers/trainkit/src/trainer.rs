@@ -13,7 +13,8 @@ use crate::snapshot::{check_outputs, load_training, save_training, training_snap
 use crate::step::{micro_batches, Stepper};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
-use layers::{Model, OptimizerKind, TrainOptimizer};
+use model::{Model, OptimizerKind};
+use optim::TrainOptimizer;
 use remat::{Policy, PolicyRequest};
 
 /// The graph inputs of data batch `n` of `size` samples.
@@ -71,7 +72,7 @@ impl<M: Model> Trainer<'_, M> {
         }
         let mut log = Log::new(group, self.steps, run.accumulate, run.log_json.as_deref(), run.resume.is_some())?;
         let mut scaler =
-            (run.dtype == layers::Precision::F16).then(|| LossScaler { scale: run.loss_scale.unwrap_or(LossScaler::default().scale), good_steps: 0 });
+            (run.dtype == model::Precision::F16).then(|| LossScaler { scale: run.loss_scale.unwrap_or(LossScaler::default().scale), good_steps: 0 });
         let config = RunConfig::new(run, self.batch, group.world(), &self.fields);
         let start = match &run.resume {
             Some(path) => {
@@ -122,7 +123,7 @@ impl<M: Model> Trainer<'_, M> {
         done == self.steps || every.is_some_and(|n| n > 0 && done.is_multiple_of(n))
     }
 
-    /// The mean evaluation-mode loss ([`layers::Model::evaluate`]) over `--eval-batches` held-out
+    /// The mean evaluation-mode loss ([`model::Model::evaluate`]) over `--eval-batches` held-out
     /// batches: those the data stream gives after the last training micro-batch, never trained on.
     fn evaluate(&self, inputs: &dyn Fn(u64) -> Result<Vec<Tensor>>) -> Result<f32> {
         let held_out = micro_batches(self.steps as u64, self.run.accumulate).start;
@@ -146,7 +147,7 @@ impl<M: Model> Trainer<'_, M> {
 
 /// `--freeze`: every pattern must name a parameter (a typo would freeze nothing), and some
 /// parameter must still train.
-fn check_freeze(params: &layers::ParamStore) -> Result<()> {
+fn check_freeze(params: &params::ParamStore) -> Result<()> {
     let unmatched = params.unmatched_freeze_patterns();
     if !unmatched.is_empty() {
         let names: Vec<&str> = params.named().chain(params.frozen()).map(|(name, _)| name).take(6).collect();

@@ -11,8 +11,9 @@
 //! pool, so `before-downsample` stores exactly the skip tensors.
 
 use candle_core::{DType, Device, Result, Tensor};
-use layers::fused::widened;
-use layers::{conv3d, conv3d_concat, conv_transpose3d_k2s2, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm, Init, ParamStore};
+use ops::fused::widened;
+use ops::{conv3d, conv3d_concat, conv_transpose3d_k2s2, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm};
+use params::{Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use std::str::FromStr;
 
@@ -40,10 +41,10 @@ pub struct Config {
     pub norm: Norm,
     pub loss: Loss,
     /// The dtype activations are stored in (the volume is cast to it on input).
-    pub dtype: layers::Precision,
+    pub dtype: model::Precision,
     /// The parameters that do not train (`--freeze`): read through tensors no variable leads
     /// to, so they get no gradient.
-    pub freeze: layers::Freeze,
+    pub freeze: params::Freeze,
 }
 
 const PRESETS: &str = "tiny, small (16-32-64-128), cicek (32-64-128-256, 512 at the bottom)";
@@ -57,14 +58,14 @@ pub enum Preset {
 }
 
 impl FromStr for Preset {
-    type Err = layers::UnknownPreset;
+    type Err = model::UnknownPreset;
 
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         Ok(match s {
             "tiny" => Preset::Tiny,
             "small" => Preset::Small,
             "cicek" => Preset::Cicek,
-            _ => return Err(layers::UnknownPreset { model: "3D U-Net", given: s.into(), valid: PRESETS }),
+            _ => return Err(model::UnknownPreset { model: "3D U-Net", given: s.into(), valid: PRESETS }),
         })
     }
 }
@@ -84,8 +85,8 @@ impl Preset {
             classes: 3,
             norm: Norm::Batch,
             loss: Loss::CrossEntropy,
-            dtype: layers::Precision::F32,
-            freeze: layers::Freeze::default(),
+            dtype: model::Precision::F32,
+            freeze: params::Freeze::default(),
         }
     }
 }
@@ -227,7 +228,7 @@ impl Stage for Head {
     }
     fn forward(&self, inputs: &[Tensor], _: &StageCtx) -> Result<Vec<Tensor>> {
         let (scores, labels) = (self.scores(&inputs[0])?, &inputs[1]);
-        let ce = layers::fused::cross_entropy(&scores, labels, None)?;
+        let ce = ops::fused::cross_entropy(&scores, labels, None)?;
         Ok(vec![match self.loss {
             Loss::CrossEntropy => ce,
             Loss::CrossEntropyDice => (ce + soft_dice_loss(&scores, labels, self.classes)?)?,
@@ -237,7 +238,7 @@ impl Stage for Head {
 
 /// 1 - mean over classes of 2|P∩Y| / (|P| + |Y|), with P the softmax probabilities (N, K).
 fn soft_dice_loss(scores: &Tensor, labels: &Tensor, classes: usize) -> Result<Tensor> {
-    let p = layers::fused::softmax_last_dim(scores, 1.0, false)?;
+    let p = ops::fused::softmax_last_dim(scores, 1.0, false)?;
     let ids = Tensor::arange(0u32, classes as u32, scores.device())?.unsqueeze(0)?; // (1, K)
     let y = labels.unsqueeze(1)?.broadcast_eq(&ids)?.to_dtype(p.dtype())?; // one-hot (N, K)
     let inter = (&p * &y)?.sum(0)?;
@@ -326,7 +327,7 @@ impl UNet3d {
     }
 }
 
-impl layers::Model for UNet3d {
+impl model::Model for UNet3d {
     fn graph(&self) -> &StageGraph {
         &self.graph
     }
@@ -337,7 +338,7 @@ impl layers::Model for UNet3d {
 }
 
 /// Synthetic cubic volumes with a voxel-wise segmentation.
-impl layers::Benchable for UNet3d {
+impl model::Benchable for UNet3d {
     type Config = Config;
     type Data = (datasets::volumes::SyntheticVolumes, usize);
     const DOWNSAMPLES: bool = true;
@@ -351,7 +352,7 @@ impl layers::Benchable for UNet3d {
         UNet3d::new(config.clone(), device, seed)
     }
 
-    fn with_dtype(config: &Config, dtype: layers::Precision) -> Config {
+    fn with_dtype(config: &Config, dtype: model::Precision) -> Config {
         Config { dtype, ..config.clone() }
     }
 

@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
-use layers::Model;
+use model::Model;
 use remat::memory::CountingAlloc;
 use remat::PolicyRequest;
 use std::path::PathBuf;
@@ -50,7 +50,7 @@ struct Args {
     loss: LossArg,
     /// sgd, adamw or adafactor.
     #[arg(long, default_value = "adamw")]
-    optimizer: layers::OptimizerKind,
+    optimizer: model::OptimizerKind,
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
 }

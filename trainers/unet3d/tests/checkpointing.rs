@@ -4,8 +4,8 @@
 use candle_core::Device;
 use candle_nn::Optimizer;
 use datasets::volumes::SyntheticVolumes;
-use layers::Model;
-use layers::{AdamW, ParamsAdamW};
+use model::Model;
+use optim::{AdamW, ParamsAdamW};
 use remat::{Executor, Policy};
 use std::collections::BTreeMap;
 use unet3d::{Config, Loss, UNet3d};
@@ -45,7 +45,7 @@ fn train_guarded(config: &Config, policy: &str, guard: bool) -> (Vec<(u32, Bits)
 #[test]
 fn gradients_and_batchnorm_statistics_equal_off_bit_for_bit() {
     // Mixed precision too, so bf16 and f16 are checked on a model with BatchNorm, not only GPT-2.
-    let half = [layers::Precision::Bf16, layers::Precision::F16, layers::Precision::Bf16Weights].map(|dtype| Config { dtype, ..tiny() });
+    let half = [model::Precision::Bf16, model::Precision::F16, model::Precision::Bf16Weights].map(|dtype| Config { dtype, ..tiny() });
     for config in [tiny(), Config { loss: Loss::CrossEntropyDice, ..tiny() }].into_iter().chain(half) {
         let (off, off_stats) = train(&config, "off");
         assert!(!off_stats.is_empty());

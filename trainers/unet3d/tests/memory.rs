@@ -4,7 +4,7 @@
 
 use candle_core::Device;
 use datasets::volumes::SyntheticVolumes;
-use layers::Model;
+use model::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use testkit::{assert_near_figure, Peaks};

@@ -7,7 +7,7 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use layers::Model;
+use model::Model;
 use testkit::reference::{check_close, check_training_step, on_both_routes, Fixture, LOGITS_TOL};
 use unet3d::{Config, Loss, Norm, UNet3d};
 

@@ -1,9 +1,0 @@
-//! Every layer of this crate against central finite differences in f64, and the rules they cannot
-//! see (tests/cases/gradients.rs), with the fused ops on the device-generic route a GPU takes (`Path::Generic`).
-
-fn route() {
-    layers::fused::set_path(layers::fused::Path::Generic);
-}
-
-#[path = "cases/gradients.rs"]
-mod cases;

@@ -1,8 +1,0 @@
-//! Half precision through the fused ops (tests/cases/half.rs), on the device-generic route a GPU takes (`Path::Generic`).
-
-fn route() {
-    layers::fused::set_path(layers::fused::Path::Generic);
-}
-
-#[path = "cases/half.rs"]
-mod cases;

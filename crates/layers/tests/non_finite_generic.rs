@@ -1,8 +1,0 @@
-//! NaN and infinities through the fused ops (tests/cases/non_finite.rs), on the device-generic route a GPU takes (`Path::Generic`).
-
-fn route() {
-    layers::fused::set_path(layers::fused::Path::Generic);
-}
-
-#[path = "cases/non_finite.rs"]
-mod cases;

@@ -1,0 +1,220 @@
+//! LoRA (Hu et al., 2021) as Hugging Face PEFT builds it: beside a frozen linear layer `W`, a
+//! trained low-rank update `B A` scaled by `alpha / r`, with `A` (r, in) Kaiming-uniform and `B`
+//! (out, r) zeros, so training starts from the base model's function. Every base parameter is
+//! frozen ([`Lora::freeze`]): it gets no gradient, neither computed nor stored.
+//!
+//! The adapter of layer `h.0.attn.c_attn` is the parameters `h.0.attn.c_attn.lora_A.weight` and
+//! `.lora_B.weight`; [`save_adapter`] writes them in PEFT's layout (`adapter_model.safetensors`
+//! under `base_model.model.<published layer name>`, and `adapter_config.json`), which
+//! `PeftModel.from_pretrained` loads, and [`load_adapter`] reads such a folder back.
+//! [`ParamStore::merged`] folds the adapters into the base weights.
+//!
+//! Not here: which layers a model offers (its crate), the command-line flags (`trainkit`).
+
+use crate::store::{read_snapshot, write_atomically, write_snapshot, AdapterInfo, Freeze, Init, ParamStore, SnapshotError};
+use candle_core::{DType, Result, Tensor};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The suffixes of an adapter's two parameters, after the layer's name.
+pub const LORA_A: &str = "lora_A.weight";
+pub const LORA_B: &str = "lora_B.weight";
+
+/// PEFT's prefix before a model's own parameter names in an adapter file.
+const PEFT_PREFIX: &str = "base_model.model.";
+
+/// The adapters' configuration: rank, scale numerator, dropout on the adapter's input, and the
+/// layers they go beside.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Lora {
+    pub rank: usize,
+    /// The update is scaled by `alpha / rank`.
+    pub alpha: f64,
+    /// Dropout on the adapter's input (PEFT's `lora_dropout`), keyed like every dropout.
+    pub dropout: f32,
+    /// Layer names, matched as PEFT matches `target_modules`: the layer's name, or its last
+    /// dot-separated components (`c_attn` targets `h.0.attn.c_attn`; `attn.c_proj` only the
+    /// attention's projection).
+    pub targets: Vec<String>,
+    /// PEFT's flag of the same name: `true` starts B at zero (the adapted model computes what
+    /// the base does); `false` draws B as A is drawn, so that every adapter gets a gradient from
+    /// the first step (for benchmarks and gradient checks; PEFT's `init_lora_weights=False`).
+    pub init_lora_weights: bool,
+}
+
+impl Default for Lora {
+    /// PEFT's `LoraConfig` defaults: rank 8, alpha 8, no dropout, B started at zero; no targets.
+    fn default() -> Self {
+        Lora { rank: 8, alpha: 8.0, dropout: 0.0, targets: Vec::new(), init_lora_weights: true }
+    }
+}
+
+impl Lora {
+    /// Adapters of rank `rank` beside the layers `targets` names (`gpt2::LORA_TARGETS`, say),
+    /// the rest PEFT's defaults ([`Lora::default`]).
+    pub fn new(rank: usize, targets: &[&str]) -> Self {
+        Lora { rank, targets: targets.iter().map(|t| t.to_string()).collect(), ..Lora::default() }
+    }
+
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+
+    /// Whether the layer named `layer` gets an adapter.
+    pub fn targets(&self, layer: &str) -> bool {
+        self.targets.iter().any(|t| names(t, layer))
+    }
+
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.rank == 0 {
+            return Err("the LoRA rank must be at least 1".into());
+        }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            return Err(format!("the LoRA alpha must be a positive number, got {}", self.alpha));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(format!("the LoRA dropout must be in [0, 1), got {}", self.dropout));
+        }
+        if self.targets.iter().all(|t| t.trim().is_empty()) {
+            return Err("LoRA needs at least one target layer".into());
+        }
+        Ok(())
+    }
+
+    /// What does not train under LoRA: every parameter but the adapters'.
+    pub fn freeze() -> Freeze {
+        Freeze::all_but(&[format!("*.{LORA_A}"), format!("*.{LORA_B}")])
+    }
+
+    /// Of `targets`, those no layer named in `layers` matches (a typo adapts nothing).
+    pub fn unmatched_targets<'a>(&'a self, layers: &[&str]) -> Vec<&'a str> {
+        self.targets.iter().filter(|t| !layers.iter().any(|l| names(t, l))).map(String::as_str).collect()
+    }
+}
+
+/// Whether `target` names `layer` as PEFT's `target_modules` do: the whole name, or its last
+/// dot-separated components.
+fn names(target: &str, layer: &str) -> bool {
+    layer == target || layer.strip_suffix(target).is_some_and(|head| head.ends_with('.'))
+}
+
+/// One layer's adapter: `scale * B(A(dropout(x)))` (the ops crate's `lora_linear` computes it
+/// beside the layer).
+pub struct Adapter {
+    /// (r, in)
+    pub a: Tensor,
+    /// (out, r)
+    pub b: Tensor,
+    pub scale: f64,
+    /// The dropout probability on the adapter's input.
+    pub dropout: f32,
+}
+
+impl Adapter {
+    /// The adapter of `layer` (`n_in` -> `n_out`) where `lora` targets it, registered with
+    /// `params` for merging; `weight_is_out_in`: how the layer stores its weight (torch's
+    /// `Linear` (out, in), GPT-2's `Conv1D` (in, out)).
+    pub fn of(params: &mut ParamStore, lora: Option<&Lora>, layer: &str, (n_in, n_out): (usize, usize), weight_is_out_in: bool) -> Result<Option<Adapter>> {
+        let Some(lora) = lora.filter(|l| l.targets(layer)) else { return Ok(None) };
+        // PEFT: kaiming_uniform_(a = sqrt(5)) on (r, in): bound = sqrt(6 / (1 + 5)) / sqrt(in).
+        let a = params.get(&format!("{layer}.{LORA_A}"), &[lora.rank, n_in], Init::Uniform { bound: 1.0 / (n_in as f32).sqrt() })?;
+        let b_init = if lora.init_lora_weights { Init::Zeros } else { Init::Uniform { bound: 1.0 / (lora.rank as f32).sqrt() } };
+        let b = params.get(&format!("{layer}.{LORA_B}"), &[n_out, lora.rank], b_init)?;
+        params.register_adapter(layer, weight_is_out_in, lora.scale());
+        Ok(Some(Adapter { a, b, scale: lora.scale(), dropout: lora.dropout }))
+    }
+}
+
+impl ParamStore {
+    /// Records that `layer` has a LoRA adapter (its `lora_A`/`lora_B` parameters), for merging.
+    pub(crate) fn register_adapter(&mut self, layer: &str, weight_is_out_in: bool, scale: f64) {
+        self.adapters.push(AdapterInfo { layer: layer.into(), weight_is_out_in, scale });
+    }
+
+    /// Every parameter and buffer as a snapshot holds them, with each LoRA adapter folded into
+    /// its layer's weight (`W + scale * B A`) and left out: the base model that computes what the
+    /// adapted one does, for [`write_snapshot`] or a model without adapters.
+    pub fn merged(&self) -> Result<HashMap<String, Tensor>> {
+        let mut tensors = self.tensors();
+        for a in &self.adapters {
+            let take = |t: &mut HashMap<String, Tensor>, part: &str| {
+                t.remove(&format!("{}.{part}", a.layer)).ok_or_else(|| candle_core::Error::Msg(format!("the adapter of `{}` has no {part}", a.layer)))
+            };
+            let (lora_a, lora_b) = (take(&mut tensors, LORA_A)?, take(&mut tensors, LORA_B)?);
+            let weight = format!("{}.weight", a.layer);
+            let base = tensors.get(&weight).ok_or_else(|| candle_core::Error::Msg(format!("the adapted layer `{}` has no weight", a.layer)))?;
+            let delta = lora_b.to_dtype(DType::F32)?.matmul(&lora_a.to_dtype(DType::F32)?)?.affine(a.scale, 0.0)?; // (out, in)
+            let delta = if a.weight_is_out_in { delta } else { delta.t()? };
+            let merged = (base.to_dtype(DType::F32)? + delta)?.to_dtype(base.dtype())?;
+            tensors.insert(weight, merged);
+        }
+        Ok(tensors)
+    }
+}
+
+/// What PEFT's `adapter_config.json` says about the model the adapter belongs to.
+pub struct PeftModel<'a> {
+    /// `base_model_name_or_path`: the Hugging Face model id (`gpt2`, `bert-large-uncased`).
+    pub base_model: &'a str,
+    /// `task_type`: `CAUSAL_LM` (GPT-2); none for a masked LM, which PEFT has no task for.
+    pub task_type: Option<&'a str>,
+    /// Whether the adapted layers store their weight (in, out) (GPT-2's `Conv1D`).
+    pub fan_in_fan_out: bool,
+    /// A parameter's name in the published model (what PEFT prefixes with `base_model.model.`).
+    pub published_name: &'a dyn Fn(&str) -> String,
+}
+
+/// Writes the adapters of `params` into the folder `dir` as PEFT does: `adapter_model.safetensors`
+/// and `adapter_config.json`.
+pub fn save_adapter(dir: &Path, params: &ParamStore, lora: &Lora, model: &PeftModel) -> std::result::Result<(), SnapshotError> {
+    let io = |source| SnapshotError::Io { path: dir.display().to_string(), source };
+    std::fs::create_dir_all(dir).map_err(|e| io(e.into()))?;
+    let tensors: HashMap<String, Tensor> =
+        params.named().filter(|(n, _)| is_adapter(n)).map(|(n, v)| (format!("{PEFT_PREFIX}{}", (model.published_name)(n)), v.as_tensor().clone())).collect();
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    write_snapshot(&dir.join("adapter_model.safetensors"), &tensors, metadata).map_err(io)?;
+    let mut targets = lora.targets.clone();
+    targets.sort();
+    let config = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": model.task_type,
+        "base_model_name_or_path": model.base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": targets,
+        "fan_in_fan_out": model.fan_in_fan_out,
+        "bias": "none",
+        "use_rslora": false,
+        "init_lora_weights": lora.init_lora_weights,
+        "inference_mode": true,
+        "modules_to_save": null,
+    });
+    let text = serde_json::to_string_pretty(&config).map_err(|e| io(candle_core::Error::wrap(e)))?;
+    write_atomically(&dir.join("adapter_config.json"), |tmp| Ok(std::fs::write(tmp, text)?)).map_err(io)
+}
+
+/// Loads the adapter folder `dir` (PEFT's layout: [`save_adapter`]'s or PEFT's own) into the
+/// adapters of `params`; `ours` maps a published parameter name to ours. Every adapter must be
+/// found at its shape, and the file may hold no other adapter (another rank or targets).
+pub fn load_adapter(dir: &Path, params: &ParamStore, ours: impl Fn(&str) -> Option<String>) -> std::result::Result<(), SnapshotError> {
+    let path = dir.join("adapter_model.safetensors");
+    let (tensors, _) = read_snapshot(&path, params.device())?;
+    let p = path.display().to_string();
+    let mut found = HashMap::new();
+    for (name, t) in tensors {
+        let published = name.strip_prefix(PEFT_PREFIX).unwrap_or(&name);
+        // PEFT's in-memory names carry the adapter's name (`lora_A.default.weight`); files do not.
+        let published = published.replace(".default.weight", ".weight");
+        match ours(&published).filter(|n| params.named().any(|(p, _)| p == n)) {
+            Some(n) => found.insert(n, t),
+            None => return Err(SnapshotError::Missing { path: p, name: format!("{name} (in the file; this model has no such adapter)") }),
+        };
+    }
+    params.load_tensors(found, &p, |n| Some(n.to_string()), |n| !is_adapter(n)).map(drop)
+}
+
+/// Whether `name` is an adapter's parameter.
+pub fn is_adapter(name: &str) -> bool {
+    name.ends_with(LORA_A) || name.ends_with(LORA_B)
+}
