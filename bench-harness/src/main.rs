@@ -3,34 +3,22 @@
 //! memory and step time; writes `results/<profile>-<device>/matrix.{json,csv,md}`.
 //!
 //! It measures; it does not train to convergence (that is what the trainers are for). The
-//! modules, from the leaves up: `units` and `record` (what a results folder holds), `workloads`
-//! (what can run), `cli`, `results` (the folder's file), `child` (a configuration in a fresh
-//! process), `measure` (one configuration in this process), `baseline` (PyTorch beside it),
-//! `projection` (the article's table at full size), `gpt2_24gb` (its own matrix), `table` and
-//! `plot` (the models and depth reports), `report` (every file of a folder), `matrix` (the run),
-//! `claims` (the ledger of the article's claims, rendered from the results).
+//! modules, from the leaves up: `workloads` (what can be measured: the models and profiles) and
+//! `cli` (the flags); `report` (what a results folder holds and how it is shown: tables, plots,
+//! the claims ledger); `measure` (one configuration measured in this process); `run` (how the
+//! matrix runs: each configuration in a fresh process, PyTorch beside it, timing rounds). Each
+//! imports only from those before it.
 
-mod baseline;
-mod child;
-mod claims;
 mod cli;
-mod gpt2_24gb;
-mod matrix;
 mod measure;
-mod plot;
-mod projection;
-mod record;
 mod report;
-mod results;
-mod selftest;
-mod table;
-mod units;
+mod run;
 mod workloads;
 
 use anyhow::Result;
-use child::One;
 use clap::{Parser, Subcommand};
 use cli::{Common, MatrixArgs};
+use measure::One;
 use remat::memory::CountingAlloc;
 use remat::PolicyRequest;
 
@@ -111,9 +99,9 @@ fn main() -> Result<()> {
             };
             measure::run_one(&model, &policy, mode, profiles.as_deref(), &common)
         }
-        Some(Cmd::ProjectOne { model, common }) => projection::project_one(&model, &common),
-        Some(Cmd::Selftest { device }) => selftest::selftest(device),
-        Some(Cmd::Claims { dir, check }) => claims::run(&dir, check),
-        None => matrix::run(cli.matrix),
+        Some(Cmd::ProjectOne { model, common }) => measure::projection::project_one(&model, &common),
+        Some(Cmd::Selftest { device }) => measure::selftest::selftest(device),
+        Some(Cmd::Claims { dir, check }) => report::claims::run(&dir, check),
+        None => run::matrix::run(cli.matrix),
     }
 }

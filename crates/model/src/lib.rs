@@ -8,7 +8,7 @@
 //! Not here: the layers models are built from (`ops`), their parameters (`params`), the
 //! optimizers themselves (`optim`), the models (the trainer crates).
 
-/// `FromStr` and `Display` for a choice named on the command line (`--dtype`, `--optimizer`), from
+/// `FromStr`, `Display` and `Serialize` (as its name) for a choice named on the command line (`--dtype`, `--optimizer`), from
 /// one table of names: an unknown name is refused with "unknown <what> `x`; valid <what>s: ...".
 macro_rules! named_choice {
     ($ty:ty, $what:literal, [$($variant:path => $name:literal),+ $(,)?]) => {
@@ -28,6 +28,13 @@ macro_rules! named_choice {
                 f.write_str(match self {
                     $($variant => $name,)+
                 })
+            }
+        }
+
+        /// As its name: a run's configuration names it as its flag does.
+        impl serde::Serialize for $ty {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+                serializer.collect_str(self)
             }
         }
     };

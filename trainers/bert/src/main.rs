@@ -2,18 +2,18 @@
 
 use anyhow::{bail, Context, Result};
 use bert::{Bert, Config, MlmData, Preset};
-use clap::Parser;
 use datasets::text::WordVocab;
 use datasets::tokenizer::Tokenizer;
 use model::Model;
 use remat::memory::CountingAlloc;
-use remat::PolicyRequest;
+use serde::Serialize;
 use std::path::PathBuf;
+use trainkit::lora::LoraSetup;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
-#[derive(Parser, Debug)]
+#[derive(clap::Parser, Debug)]
 #[command(about = "Masked-LM training of BERT with activation checkpointing (candle + remat)")]
 struct Args {
     /// tiny, base (110M), large (340M).
@@ -26,19 +26,10 @@ struct Args {
     hub: trainkit::hub::HubArgs,
     #[command(flatten)]
     init: trainkit::hub::InitArgs,
-    /// off, sqrt, every-two-blocks, every-n=K, explicit=I,J,..., budget=SIZE (the plan with the
-    /// least recompute that fits SIZE, model state included), auto
-    #[arg(long, default_value = "every-two-blocks")]
-    policy: PolicyRequest,
-    #[arg(long, default_value_t = 2)]
-    batch: usize,
-    /// The sequence length: of every sequence on the synthetic corpus, the longest with --text.
-    #[arg(long, default_value_t = 128)]
-    seq: usize,
-    #[arg(long, default_value_t = 20)]
-    steps: usize,
     #[command(flatten)]
     run: trainkit::RunArgs,
+    #[command(flatten)]
+    setup: Setup,
     #[command(flatten)]
     lora: trainkit::lora::LoraArgs,
     /// A UTF-8 text file to train on, one document per line (a longer one is cut into several
@@ -53,25 +44,24 @@ struct Args {
     /// words; default: the words of the text.
     #[arg(long, requires = "text", conflicts_with = "tokenizer")]
     vocab: Option<PathBuf>,
-    /// sgd, adamw or adafactor.
-    #[arg(long, default_value = "adamw")]
-    optimizer: model::OptimizerKind,
-    #[arg(long, default_value_t = 1e-4)]
-    lr: f64,
+}
+
+/// This trainer's flags that decide what a run computes: its training snapshots keep them.
+#[derive(clap::Args, Debug, Serialize)]
+struct Setup {
+    /// The sequence length: of every sequence on the synthetic corpus, the longest with --text.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
+    let args: Args = trainkit::parse(trainkit::Defaults { policy: "every-two-blocks", steps: "20", batch: "2", optimizer: "adamw", lr: "1e-4" });
     let Some((group, device)) = trainkit::launch(&args.run)? else { return Ok(()) };
     trainkit::or_abort(&group, train(&args, &group, &device))
 }
 
 /// One rank's training (the only one, without data parallelism).
 fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
-    trainkit::check_lr(args.lr)?;
-    if args.batch == 0 || args.steps == 0 {
-        bail!("--batch and --steps must be at least 1");
-    }
     let hub = args.hub.files()?;
     let config = match (&args.config, &hub) {
         (Some(path), _) => Config::from_json(path)?,
@@ -80,10 +70,10 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     };
     let lora = args.lora.config(&bert::LORA_TARGETS)?;
     let config = Config { dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), lora: lora.clone(), ..config };
-    if args.seq > config.max_position_embeddings {
-        bail!("--seq {} exceeds the model's max_position_embeddings ({})", args.seq, config.max_position_embeddings);
+    if args.setup.seq > config.max_position_embeddings {
+        bail!("--seq {} exceeds the model's max_position_embeddings ({})", args.setup.seq, config.max_position_embeddings);
     }
-    let hidden = (args.batch as u128).checked_mul(args.seq as u128).and_then(|n| n.checked_mul(config.hidden_size as u128));
+    let hidden = (args.run.batch as u128).checked_mul(args.setup.seq as u128).and_then(|n| n.checked_mul(config.hidden_size as u128));
     trainkit::check_footprint("--batch x --seq", "one layer's hidden states", hidden)?;
     let data = data(args, &config, hub.as_ref())?;
     let model = trainkit::build_model("--preset, --config or --model-id", || Ok(Bert::new(config, device, args.run.seed)?))?;
@@ -96,17 +86,8 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         run: &args.run,
         group,
         model: &model,
-        policy: &args.policy,
-        optimizer: args.optimizer,
-        lr: args.lr,
-        steps: args.steps,
-        batch: args.batch,
-        sizes: format!("--batch {} x --seq {}", args.batch, args.seq),
-        fields: [
-            vec![("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
-            args.lora.fields(lora.as_ref()),
-        ]
-        .concat(),
+        sizes: format!("--batch {} x --seq {}", args.run.batch, args.setup.seq),
+        setup: (&args.setup, lora.as_ref().map(LoraSetup::from)),
         planned_inputs: Some(&longest),
         batch_names: None,
     };
@@ -115,8 +96,8 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
             "BERT {}, {} layers, policy {policy} ({segments}), batch {} x seq {}, vocabulary {}",
             model.params().count_text(),
             model.config.num_hidden_layers,
-            args.batch,
-            args.seq,
+            args.run.batch,
+            args.setup.seq,
             data.vocab_len
         )
     })?;
@@ -128,14 +109,14 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
 /// The synthetic corpus, or `--text` through its tokenizer or in whole words.
 fn data(args: &Args, config: &Config, hub: Option<&trainkit::hub::HubFiles>) -> Result<MlmData> {
     let Some(path) = &args.text else {
-        return Ok(MlmData::synthetic(config.vocab_size, args.seq, args.run.seed)?);
+        return Ok(MlmData::synthetic(config.vocab_size, args.setup.seq, args.run.seed)?);
     };
     let text = std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?;
     let tokenizer = match &args.vocab {
         Some(_) => None,
         None => trainkit::hub::tokenizer_file(args.tokenizer.as_deref(), hub, &[args.config.as_deref(), args.init.init.as_deref()]),
     };
-    let (seq, seed) = (args.seq, args.run.seed);
+    let (seq, seed) = (args.setup.seq, args.run.seed);
     if let Some(file) = tokenizer {
         let tokenizer = Tokenizer::from_file(&file)?;
         trainkit::say!("--text {}: tokenized by {}", path.display(), file.display());

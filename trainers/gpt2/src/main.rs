@@ -2,19 +2,19 @@
 //! token file.
 
 use anyhow::{bail, Context, Result};
-use clap::Parser;
 use datasets::tokenizer::Tokenizer;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
 use model::Model;
 use remat::memory::CountingAlloc;
-use remat::PolicyRequest;
+use serde::Serialize;
 use std::path::PathBuf;
+use trainkit::lora::LoraSetup;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
-#[derive(Parser, Debug)]
+#[derive(clap::Parser, Debug)]
 #[command(about = "Train GPT-2 with activation checkpointing (candle + remat)")]
 struct Args {
     /// Model size: tiny, small (124M), medium (350M), large (774M), xl (1.56B).
@@ -27,19 +27,10 @@ struct Args {
     hub: trainkit::hub::HubArgs,
     #[command(flatten)]
     init: trainkit::hub::InitArgs,
-    /// Checkpointing policy: off, sqrt, every-two-blocks, every-n=K, explicit=I,J,...,
-    /// budget=SIZE (the plan with the least recompute that fits SIZE, model state included), auto
-    #[arg(long, default_value = "sqrt")]
-    policy: PolicyRequest,
-    #[arg(long, default_value_t = 50)]
-    steps: usize,
-    #[arg(long, default_value_t = 2)]
-    batch: usize,
-    /// Sequence length (at most the model's context).
-    #[arg(long, default_value_t = 256)]
-    seq: usize,
     #[command(flatten)]
     run: trainkit::RunArgs,
+    #[command(flatten)]
+    setup: Setup,
     #[command(flatten)]
     lora: trainkit::lora::LoraArgs,
     /// Flat u16 little-endian token file; default: the built-in synthetic corpus (byte tokens).
@@ -51,22 +42,24 @@ struct Args {
     /// The tokenizer.json for --text; default: the --model-id's, or one beside --config or --init.
     #[arg(long, requires = "text")]
     tokenizer: Option<PathBuf>,
-    /// sgd, adamw or adafactor.
-    #[arg(long, default_value = "adamw")]
-    optimizer: model::OptimizerKind,
-    #[arg(long, default_value_t = 6e-4)]
-    lr: f64,
+}
+
+/// This trainer's flags that decide what a run computes: its training snapshots keep them.
+#[derive(clap::Args, Debug, Serialize)]
+struct Setup {
+    /// Sequence length (at most the model's context).
+    #[arg(long, default_value_t = 256)]
+    seq: usize,
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
+    let args: Args = trainkit::parse(trainkit::Defaults { policy: "sqrt", steps: "50", batch: "2", optimizer: "adamw", lr: "6e-4" });
     let Some((group, device)) = trainkit::launch(&args.run)? else { return Ok(()) };
     trainkit::or_abort(&group, train(&args, &group, &device))
 }
 
 /// One rank's training (the only one, without data parallelism).
 fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
-    trainkit::check_lr(args.lr)?;
     let hub = args.hub.files()?;
     let config = match (&args.config, &hub) {
         (Some(path), _) => Config::from_json(path)?,
@@ -75,13 +68,10 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     };
     let lora = args.lora.config(&gpt2::LORA_TARGETS)?;
     let config = Config { dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), lora: lora.clone(), ..config };
-    if args.seq == 0 || args.seq > config.n_positions {
-        bail!("--seq {} is out of range: the model's context is 1..={} positions", args.seq, config.n_positions);
+    if args.setup.seq == 0 || args.setup.seq > config.n_positions {
+        bail!("--seq {} is out of range: the model's context is 1..={} positions", args.setup.seq, config.n_positions);
     }
-    if args.batch == 0 || args.steps == 0 {
-        bail!("--batch and --steps must be at least 1");
-    }
-    let logits = (args.batch as u128).checked_mul(args.seq as u128).and_then(|n| n.checked_mul(config.vocab_size as u128));
+    let logits = (args.run.batch as u128).checked_mul(args.setup.seq as u128).and_then(|n| n.checked_mul(config.vocab_size as u128));
     trainkit::check_footprint("--batch x --seq", "the logits", logits)?;
     // The parameters and their gradients, from the configuration: a config.json of 100000 layers
     // is refused now, not after building a model the machine cannot hold.
@@ -92,35 +82,32 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         (None, Some(path)) => text_tokens(args, path, hub.as_ref())?,
         (None, None) => datasets::text::byte_tokens(&datasets::text::synthetic_corpus(args.run.seed, 1 << 20)),
     };
-    let batcher = Batcher::new(tokens, args.seq, config.vocab_size, args.run.seed).context(if args.text.is_some() { "--text" } else { "--data" })?;
+    let batcher = Batcher::new(tokens, args.setup.seq, config.vocab_size, args.run.seed).context(if args.text.is_some() { "--text" } else { "--data" })?;
 
     let model = trainkit::build_model("--preset, --config or --model-id", || Ok(Gpt2::new(config, device, args.run.seed)?))?;
     args.init.load(&model, hub.as_ref())?;
     args.lora.prepare(lora.as_ref(), &model, &gpt2::LORA_TARGETS)?;
     let inputs = |step: u64, n: usize| {
         let (x, y) = batcher.batch(step, n);
-        Ok(model.inputs(&x, &y, n, args.seq, device)?)
+        Ok(model.inputs(&x, &y, n, args.setup.seq, device)?)
     };
     let trainer = trainkit::Trainer {
         run: &args.run,
         group,
         model: &model,
-        policy: &args.policy,
-        optimizer: args.optimizer,
-        lr: args.lr,
-        steps: args.steps,
-        batch: args.batch,
-        sizes: format!("--batch {} x --seq {}", args.batch, args.seq),
-        fields: [
-            vec![("--seq", args.seq.to_string()), ("--optimizer", args.optimizer.to_string()), ("--lr", args.lr.to_string())],
-            args.lora.fields(lora.as_ref()),
-        ]
-        .concat(),
+        sizes: format!("--batch {} x --seq {}", args.run.batch, args.setup.seq),
+        setup: (&args.setup, lora.as_ref().map(LoraSetup::from)),
         planned_inputs: None,
         batch_names: None,
     };
     trainer.run(&inputs, |policy, segments| {
-        format!("GPT-2 {}, {} layers, policy {policy} ({segments}), batch {} x seq {}", model.params().count_text(), model.config.n_layer, args.batch, args.seq)
+        format!(
+            "GPT-2 {}, {} layers, policy {policy} ({segments}), batch {} x seq {}",
+            model.params().count_text(),
+            model.config.n_layer,
+            args.run.batch,
+            args.setup.seq
+        )
     })?;
     // PEFT names the base model by its hub id; a model from a preset or a config.json has none.
     let base_model = args.hub.model_id.as_deref().unwrap_or_default();

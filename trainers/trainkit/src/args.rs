@@ -1,21 +1,52 @@
-//! The flags every trainer shares ([`RunArgs`]) and the checks that refuse bad values before
-//! anything starts: counts, the learning rate, the loss scale, the device.
+//! The flags every trainer shares ([`RunArgs`]), each trainer's defaults for them ([`parse`]),
+//! and the checks that refuse bad values before anything starts: counts, the learning rate, the
+//! loss scale, the device.
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
+use model::OptimizerKind;
+use remat::PolicyRequest;
 
-/// A learning rate must be a positive finite number: NaN or infinity would train to garbage
-/// without a word.
-pub fn check_lr(lr: f64) -> Result<()> {
-    if !(lr.is_finite() && lr > 0.0) {
-        bail!("--lr {lr} is not a positive finite number");
-    }
-    Ok(())
+/// A trainer's defaults for the shared flags that have no one default for every model: the policy
+/// that suits its architecture, and the steps, batch, optimizer and learning rate it trains well
+/// with.
+pub struct Defaults {
+    pub policy: &'static str,
+    pub steps: &'static str,
+    pub batch: &'static str,
+    pub optimizer: &'static str,
+    pub lr: &'static str,
+}
+
+/// Parses the command line into a trainer's arguments `A` (which flatten [`RunArgs`]), with the
+/// trainer's `defaults`; on a bad or missing flag prints clap's error and exits, as
+/// `Parser::parse` does.
+pub fn parse<A: clap::Parser>(defaults: Defaults) -> A {
+    let values = [("policy", defaults.policy), ("steps", defaults.steps), ("batch", defaults.batch), ("optimizer", defaults.optimizer), ("lr", defaults.lr)];
+    let command = values.into_iter().fold(A::command(), |c, (id, value)| c.mut_arg(id, |a| a.default_value(value).required(false)));
+    A::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit())
 }
 
 /// The command-line options every trainer shares.
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
+    /// Checkpointing policy: off, sqrt, every-two-blocks, before-downsample (ResNet, U-Net),
+    /// every-n=K, explicit=I,J,..., budget=SIZE (the plan with the least recompute that fits
+    /// SIZE, model state included), auto; `+keep=OPS` keeps those ops' outputs inside the
+    /// recomputed segments.
+    #[arg(long)]
+    pub policy: PolicyRequest,
+    /// Optimizer steps to train.
+    #[arg(long)]
+    pub steps: usize,
+    /// Samples per batch (on each rank; per micro-batch with --accumulate).
+    #[arg(long)]
+    pub batch: usize,
+    /// sgd, adamw or adafactor.
+    #[arg(long)]
+    pub optimizer: OptimizerKind,
+    #[arg(long)]
+    pub lr: f64,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// cpu, cuda or cuda:N (CUDA needs a build with --features cuda).
@@ -92,16 +123,23 @@ pub struct RunArgs {
     pub optimizer_in_backward: bool,
 }
 
-/// The most held-out batches an evaluation runs (`--eval-batches`): each is a forward pass, and
-/// 10^11 of them ran for days without a word.
+/// The most held-out batches an evaluation runs (`--eval-batches`): each is a forward pass, so
+/// more would run for days without a word.
 const MAX_EVAL_BATCHES: usize = 10_000;
 
 impl RunArgs {
-    /// Refuses values the run could only ignore or misuse, before anything starts: counts of 0
-    /// (`--save-every 0` never saved, `--eval-every 0` and `--eval-batches 0` never evaluated),
+    /// Refuses values the run could only ignore or misuse, before anything starts: a learning rate
+    /// that is not a positive finite number (NaN or infinity would train to garbage without a
+    /// word), counts of 0 (`--save-every 0` never saved, `--eval-every 0` and `--eval-batches 0`
+    /// never evaluated),
     /// `--eval-batches` beyond [`MAX_EVAL_BATCHES`], a loss scale f32 cannot hold.
     pub fn check(&self) -> Result<()> {
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            bail!("--lr {} is not a positive finite number", self.lr);
+        }
         let positive = [
+            ("--steps", Some(self.steps)),
+            ("--batch", Some(self.batch)),
             ("--save-every", self.save_every),
             ("--eval-every", self.eval_every),
             ("--eval-batches", Some(self.eval_batches)),

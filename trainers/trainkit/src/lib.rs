@@ -25,7 +25,7 @@ pub mod snapshot;
 pub mod step;
 pub mod trainer;
 
-pub use args::{check_lr, DeviceName, RunArgs};
+pub use args::{parse, Defaults, DeviceName, RunArgs};
 pub use log::{read_eval_losses, read_losses};
 pub use parallel::{launch, optimizer, or_abort, Group};
 pub use plan::{auto_budget, available_memory, build_model, check_footprint, free_memory, memory_before_step, rank_seed};

@@ -5,7 +5,24 @@
 use anyhow::{bail, Context, Result};
 use model::Model;
 use params::lora::{self, Lora, PeftModel};
+use serde::Serialize;
 use std::path::PathBuf;
+
+/// The flags that decide what a LoRA run computes, as its training snapshots keep them (a resume
+/// must match them): the adapters' configuration, defaults resolved.
+#[derive(Serialize)]
+pub struct LoraSetup {
+    lora: usize,
+    lora_alpha: f64,
+    lora_dropout: f32,
+    lora_targets: String,
+}
+
+impl From<&Lora> for LoraSetup {
+    fn from(l: &Lora) -> Self {
+        LoraSetup { lora: l.rank, lora_alpha: l.alpha, lora_dropout: l.dropout, lora_targets: l.targets.join(",") }
+    }
+}
 
 #[derive(clap::Args, Debug)]
 pub struct LoraArgs {
@@ -44,18 +61,6 @@ impl LoraArgs {
         let lora = Lora { rank, alpha: self.lora_alpha.unwrap_or(rank as f64), dropout: self.lora_dropout, targets, init_lora_weights: true };
         lora.validate().map_err(anyhow::Error::msg).context("--lora")?;
         Ok(Some(lora))
-    }
-
-    /// The flags that decide what a LoRA run computes, for its training snapshots (a resume
-    /// must match them).
-    pub fn fields(&self, lora: Option<&Lora>) -> Vec<(&'static str, String)> {
-        let Some(l) = lora else { return Vec::new() };
-        vec![
-            ("--lora", l.rank.to_string()),
-            ("--lora-alpha", l.alpha.to_string()),
-            ("--lora-dropout", l.dropout.to_string()),
-            ("--lora-targets", l.targets.join(",")),
-        ]
     }
 
     /// Before training: every target names a layer that got an adapter (a typo would adapt

@@ -98,13 +98,12 @@ pub fn build_model<M>(flags: &str, build: impl FnOnce() -> Result<M>) -> Result<
 /// beyond the model: that is the plan's profile too, measured once.
 fn check_step_fits(
     run: &RunArgs,
-    policy: &remat::PolicyRequest,
     model: &impl model::Model,
     optimizer: &dyn optim::TrainOptimizer,
-    batch: usize,
     sizes: &str,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<Option<(Profile, u64)>> {
+    let (policy, batch) = (&run.policy, run.batch);
     let (vars, device) = vars_and_device(model);
     let Some(free) = free_memory(&device) else { return Ok(None) };
     let hint = format!("a training step does not fit in this machine's available memory: make it smaller ({sizes})");
@@ -120,7 +119,7 @@ fn check_step_fits(
         })
     });
     let profile = profile?;
-    let (fixed, grads) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
+    let (fixed, grads) = step_start(run, &device, optimizer, &profile, inputs_at)?;
     let least = profile.least_peak(grads);
     let peak = match policy.fixed() {
         Some(policy) => profile.predict_policy(policy, grads)?.peak,
@@ -151,7 +150,7 @@ fn vars_and_device(model: &impl model::Model) -> (Vec<candle_core::Var>, Device)
     (vars, device)
 }
 
-/// What a step of `batch` starts from, as the planner counts it: the memory before the step
+/// What a step of `--batch` starts from, as the planner counts it: the memory before the step
 /// ([`memory_before_step`] with a batch of inputs; called after profiling, so the workspaces
 /// kernels keep from their first calls are part of it), and what the step does with parameter
 /// gradients (held across micro-batches under `--accumulate`, applied as they finish under
@@ -161,10 +160,9 @@ fn step_start(
     device: &Device,
     optimizer: &dyn optim::TrainOptimizer,
     profile: &remat::plan::Profile,
-    batch: usize,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<(u64, Grads)> {
-    let inputs: u64 = inputs_at(1)?.iter().map(remat::memory::tensor_bytes).sum::<u64>().saturating_mul(batch as u64);
+    let inputs: u64 = inputs_at(1)?.iter().map(remat::memory::tensor_bytes).sum::<u64>().saturating_mul(run.batch as u64);
     Ok((memory_before_step(device, optimizer, inputs)?, Grads::of(profile, run.accumulate, run.optimizer_in_backward)))
 }
 
@@ -174,20 +172,17 @@ fn step_start(
 /// after a dry run, which prints the prediction per phase for the policy and the fixed policies
 /// and trains nothing. `inputs_at(n)`: the graph inputs of a batch of `n`. First, a step the
 /// device cannot hold is refused ([`check_step_fits`]; `sizes` names the flags that set its size).
-#[allow(clippy::too_many_arguments)]
 pub fn executor<'m>(
     run: &RunArgs,
     group: &Group,
-    policy: &remat::PolicyRequest,
     model: &'m impl model::Model,
     optimizer: &dyn optim::TrainOptimizer,
-    batch: usize,
     sizes: &str,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<Option<(Executor<'m>, remat::Policy)>> {
-    let measured = check_step_fits(run, policy, model, optimizer, batch, sizes, inputs_at)?;
-    let Some(resolved) = plan_policy(run, policy, model, optimizer, batch, inputs_at, measured)? else { return Ok(None) };
-    let policy = parallel::agreed_policy(group, policy, resolved)?;
+    let measured = check_step_fits(run, model, optimizer, sizes, inputs_at)?;
+    let Some(resolved) = plan_policy(run, model, optimizer, inputs_at, measured)? else { return Ok(None) };
+    let policy = parallel::agreed_policy(group, &run.policy, resolved)?;
     Ok(Some((Executor::new(model.graph(), &policy, model.params().vars(), rank_seed(run.seed, group.rank()))?, policy)))
 }
 
@@ -199,14 +194,13 @@ pub fn rank_seed(seed: u64, rank: usize) -> u64 {
 
 fn plan_policy(
     run: &RunArgs,
-    policy: &remat::PolicyRequest,
     model: &impl model::Model,
     optimizer: &dyn optim::TrainOptimizer,
-    batch: usize,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
     measured: Option<(Profile, u64)>,
 ) -> Result<Option<remat::Policy>> {
     use remat::plan::{resolve, summary};
+    let (policy, batch) = (&run.policy, run.batch);
     if let (Some(policy), false, None) = (policy.fixed(), run.dry_run, run.memory_cap) {
         return Ok(Some(policy.clone()));
     }
@@ -220,7 +214,7 @@ fn plan_policy(
             (profile?, peak)
         }
     };
-    let (fixed, grads) = step_start(run, &device, optimizer, &profile, batch, inputs_at)?;
+    let (fixed, grads) = step_start(run, &device, optimizer, &profile, inputs_at)?;
     let (resolved, plan) = resolve(policy, &profile, fixed, grads, auto_budget(&device, run.memory_cap))?;
     if let (Some(cap), None, false) = (run.memory_cap, &plan, run.dry_run) {
         // A fixed policy under a cap: refused now if the planner says it cannot fit, where the

@@ -8,7 +8,7 @@ use crate::scaler::LossScaler;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 /// Where the training snapshot that goes with the weights snapshot `save` is written.
@@ -33,17 +33,17 @@ const CONFIG: &str = "training.config";
 /// (`--policy`: gradients are bit-identical under every policy; `--steps`, `--device`, the
 /// output files, evaluation). The seed is checked on its own ([`load_training`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
-pub struct RunConfig(std::collections::BTreeMap<String, String>);
+pub struct RunConfig(BTreeMap<String, String>);
 
 impl RunConfig {
-    /// The shared flags of `run` at (per-rank) batch `batch` on `ranks` ranks, and the trainer's
-    /// own (`fields`: the flag and its value, e.g. `("--seq", "128")`).
-    pub fn new(run: &RunArgs, batch: usize, ranks: usize, fields: &[(&str, String)]) -> Self {
-        let shared =
-            [("--batch", batch.to_string()), ("--dtype", run.dtype.to_string()), ("--accumulate", run.accumulate.to_string()), ("--ranks", ranks.to_string())];
+    /// The shared flags of `run` on `ranks` ranks, and the trainer's own: `setup`, a struct whose
+    /// fields are its flags (field `lora_alpha` is `--lora-alpha`; `None` is not given), or a
+    /// tuple of such structs.
+    pub fn new(run: &RunArgs, ranks: usize, setup: &impl Serialize) -> Result<Self> {
         // Only where given: snapshots from before the flag existed froze nothing.
-        let freeze = run.freeze.as_ref().map(|f| ("--freeze", f.patterns().join(",")));
-        RunConfig(shared.into_iter().chain(freeze).chain(fields.iter().cloned()).map(|(k, v)| (k.to_string(), v)).collect())
+        let freeze = run.freeze.as_ref().map(|f| f.patterns().join(","));
+        let shared = SharedConfig { batch: run.batch, dtype: run.dtype, accumulate: run.accumulate, ranks, freeze, optimizer: run.optimizer, lr: run.lr };
+        Ok(RunConfig(flags(&(shared, setup))?))
     }
 
     /// Fails naming the first flag whose value differs from `saved`'s (the snapshot's), with both.
@@ -51,7 +51,7 @@ impl RunConfig {
         let flags: std::collections::BTreeSet<&String> = self.0.keys().chain(saved.0.keys()).collect();
         for flag in flags {
             let (now, then) = (self.0.get(flag), saved.0.get(flag));
-            if now != then {
+            if !same_value(now, then) {
                 let show = |v: Option<&String>| v.map_or("not given".to_string(), |v| v.clone());
                 bail!(
                     "--resume {}: {flag} is {} in this run but was {} in the run that wrote the snapshot; resume with the same flags (only --policy, --steps, --device and the output files may change)",
@@ -62,6 +62,55 @@ impl RunConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// The shared flags that decide what a run computes ([`RunConfig`]).
+#[derive(Serialize)]
+struct SharedConfig {
+    batch: usize,
+    dtype: model::Precision,
+    accumulate: usize,
+    ranks: usize,
+    freeze: Option<String>,
+    optimizer: model::OptimizerKind,
+    lr: f64,
+}
+
+/// The fields of `value` as flags and their values (field `lora_alpha` is `--lora-alpha`), the
+/// fields of each struct where `value` is a tuple of them; a field that is `None` is left out.
+fn flags(value: &impl Serialize) -> Result<BTreeMap<String, String>> {
+    fn add(value: serde_json::Value, into: &mut BTreeMap<String, String>) -> Result<()> {
+        match value {
+            serde_json::Value::Array(parts) => parts.into_iter().try_for_each(|part| add(part, into)),
+            serde_json::Value::Object(fields) => {
+                for (field, value) in fields.into_iter().filter(|(_, v)| !v.is_null()) {
+                    let value = match value {
+                        serde_json::Value::String(s) => s,
+                        other => other.to_string(),
+                    };
+                    into.insert(format!("--{}", field.replace('_', "-")), value);
+                }
+                Ok(())
+            }
+            serde_json::Value::Null => Ok(()),
+            other => bail!("a run's configuration is a struct of flags, not {other}"),
+        }
+    }
+    let mut flags = BTreeMap::new();
+    add(serde_json::to_value(value)?, &mut flags)?;
+    Ok(flags)
+}
+
+/// Whether a flag's value in this run and in the snapshot's agree: the same text, the same number
+/// written two ways (`4` and `4.0`), or not given in both (older snapshots wrote `not given`).
+fn same_value(now: Option<&String>, then: Option<&String>) -> bool {
+    fn given(v: Option<&String>) -> Option<&String> {
+        v.filter(|v| v.as_str() != "not given")
+    }
+    match (given(now), given(then)) {
+        (Some(a), Some(b)) => a == b || a.parse::<f64>().is_ok_and(|x| b.parse::<f64>() == Ok(x)),
+        (a, b) => a == b,
     }
 }
 

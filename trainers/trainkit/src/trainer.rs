@@ -13,29 +13,25 @@ use crate::snapshot::{check_outputs, load_training, save_training, training_snap
 use crate::step::{micro_batches, Stepper};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
-use model::{Model, OptimizerKind};
+use model::Model;
 use optim::TrainOptimizer;
-use remat::{Policy, PolicyRequest};
+use remat::Policy;
+use serde::Serialize;
 
 /// The graph inputs of data batch `n` of `size` samples.
 pub type Inputs<'a> = dyn Fn(u64, usize) -> Result<Vec<Tensor>> + 'a;
 
 /// One training run of `model`, as its command line asked.
-pub struct Trainer<'a, M> {
+pub struct Trainer<'a, M, S> {
     pub run: &'a RunArgs,
     pub group: &'a Group,
     pub model: &'a M,
-    pub policy: &'a PolicyRequest,
-    pub optimizer: OptimizerKind,
-    pub lr: f64,
-    pub steps: usize,
-    /// Samples per (micro-)batch on each rank.
-    pub batch: usize,
     /// The flags that set a step's size, as errors name them: `--batch 2 x --seq 256`.
     pub sizes: String,
-    /// The trainer's own flags that decide what the run computes ([`RunConfig`]), with their
-    /// values: its training snapshots keep them and a resume must match them.
-    pub fields: Vec<(&'static str, String)>,
+    /// The trainer's own flags that decide what the run computes: a struct whose fields are the
+    /// flags (`seq` is `--seq`), or a tuple of such structs ([`RunConfig`]). Its training
+    /// snapshots keep them and a resume must match them.
+    pub setup: S,
     /// The inputs the planner measures a batch of `n` with, where they are not data batch 0's
     /// (masked-LM batches of text are padded to their own longest row: planned at full length).
     pub planned_inputs: Option<&'a dyn Fn(usize) -> Result<Vec<Tensor>>>,
@@ -44,7 +40,7 @@ pub struct Trainer<'a, M> {
     pub batch_names: Option<Box<dyn Fn(u64) -> String + 'a>>,
 }
 
-impl<M: Model> Trainer<'_, M> {
+impl<M: Model, S: Serialize> Trainer<'_, M, S> {
     /// Trains `steps` optimizer steps on `inputs` (a rank takes its share of each batch) and
     /// prints `describe(policy, segments)` once the policy is settled; returns after a dry run's
     /// prediction without training.
@@ -52,10 +48,10 @@ impl<M: Model> Trainer<'_, M> {
         let (run, group, model) = (self.run, self.group, self.model);
         let batch_names = self.batch_names.take();
         check_freeze(model.params())?;
-        let mut opt = parallel::optimizer(run.shard_optimizer, group, self.optimizer, model.params().vars(), self.lr)?;
+        let mut opt = parallel::optimizer(run.shard_optimizer, group, run.optimizer, model.params().vars(), run.lr)?;
         let first = |n: usize| inputs(0, n);
         let planned: &dyn Fn(usize) -> Result<Vec<Tensor>> = self.planned_inputs.unwrap_or(&first);
-        let Some((exec, policy)) = executor(run, group, self.policy, model, opt.as_ref(), self.batch, &self.sizes, planned)? else {
+        let Some((exec, policy)) = executor(run, group, model, opt.as_ref(), &self.sizes, planned)? else {
             return Ok(());
         };
         say!("{}", describe(&policy, &crate::segments(exec.segments().len())));
@@ -65,20 +61,20 @@ impl<M: Model> Trainer<'_, M> {
             remat::memory::set_heap_cap(cap);
         }
         if run.accumulate > 1 {
-            say!("accumulating {} micro-batches of {} per optimizer step: effective batch {}", run.accumulate, self.batch, run.accumulate * self.batch);
+            say!("accumulating {} micro-batches of {} per optimizer step: effective batch {}", run.accumulate, run.batch, run.accumulate * run.batch);
         }
         if group.is_root() {
             check_outputs(run)?;
         }
-        let mut log = Log::new(group, self.steps, run.accumulate, run.log_json.as_deref(), run.resume.is_some())?;
+        let mut log = Log::new(group, run.steps, run.accumulate, run.log_json.as_deref(), run.resume.is_some())?;
         let mut scaler =
             (run.dtype == model::Precision::F16).then(|| LossScaler { scale: run.loss_scale.unwrap_or(LossScaler::default().scale), good_steps: 0 });
-        let config = RunConfig::new(run, self.batch, group.world(), &self.fields);
+        let config = RunConfig::new(run, group.world(), &self.setup)?;
         let start = match &run.resume {
             Some(path) => {
                 let next = load_training(path, model.params(), opt.as_mut(), run.seed, scaler.as_mut(), &config)?;
-                if next > self.steps {
-                    bail!("{} is at step {next}, beyond --steps {}", path.display(), self.steps);
+                if next > run.steps {
+                    bail!("{} is at step {next}, beyond --steps {}", path.display(), run.steps);
                 }
                 log.start_at(next);
                 say!("resumed from {} at step {next}", path.display());
@@ -88,8 +84,8 @@ impl<M: Model> Trainer<'_, M> {
         };
 
         let stepper = Stepper { group, exec: &exec, accumulate: run.accumulate, in_backward: run.optimizer_in_backward, batch_names };
-        let batch = |n: u64| Ok(group.shard(inputs(n, self.batch * group.world())?)?);
-        for step in start..self.steps {
+        let batch = |n: u64| Ok(group.shard(inputs(n, run.batch * group.world())?)?);
+        for step in start..run.steps {
             let scale = scaler.map_or(1.0, |s| s.scale);
             let out = stepper.step(step as u64, scaler.as_mut(), batch, opt.as_mut())?;
             if !out.updated {
@@ -120,13 +116,13 @@ impl<M: Model> Trainer<'_, M> {
     /// Whether something done every `every` steps (if given) and after the last is due after `step`.
     fn due(&self, step: usize, every: Option<usize>) -> bool {
         let done = step + 1;
-        done == self.steps || every.is_some_and(|n| n > 0 && done.is_multiple_of(n))
+        done == self.run.steps || every.is_some_and(|n| n > 0 && done.is_multiple_of(n))
     }
 
     /// The mean evaluation-mode loss ([`model::Model::evaluate`]) over `--eval-batches` held-out
     /// batches: those the data stream gives after the last training micro-batch, never trained on.
     fn evaluate(&self, inputs: &dyn Fn(u64) -> Result<Vec<Tensor>>) -> Result<f32> {
-        let held_out = micro_batches(self.steps as u64, self.run.accumulate).start;
+        let held_out = micro_batches(self.run.steps as u64, self.run.accumulate).start;
         let mut total = 0.0;
         for n in 0..self.run.eval_batches as u64 {
             total += self.model.evaluate(&inputs(held_out + n)?)? as f64;

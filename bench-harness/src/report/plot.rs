@@ -2,15 +2,15 @@
 //! models and depth matrices: the memory-time trade-off per model, each model's step timelines,
 //! and peak activation memory against depth.
 
-use crate::record::{Record, Status};
-use crate::results::{depth_of, Matrix};
+use super::record::{Record, Status};
+use super::results::{depth_of, Matrix};
 use anyhow::{anyhow, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use remat::memory::Phase;
 use std::path::Path;
 
-static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+static FONT: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
 
 const MIB: f64 = 1024.0 * 1024.0;
 const COLORS: [RGBColor; 6] =

@@ -2,10 +2,9 @@
 //! bit-for-bit gradient check against plain candle (the graph's stages run in order, one
 //! `backward()`), which every policy, `off` included, must equal.
 
-use crate::child::One;
 use crate::cli::Common;
-use crate::record::{FrontierPoint, Record, Status};
-use crate::units::gib_text;
+use crate::report::record::{FrontierPoint, Record, Status};
+use crate::report::units::gib_text;
 use crate::workloads::{self, Instance, Workload};
 use anyhow::{anyhow, Context, Result};
 use candle_core::Device;
@@ -14,6 +13,19 @@ use remat::plan::{Estimate, Grads, Profile};
 use remat::{Executor, Policy, PolicyRequest};
 use std::collections::BTreeMap;
 use std::path::Path;
+
+/// What a `run-one` process does.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum One {
+    /// Timed steps and the gradient check.
+    Full,
+    /// Timed steps and the prediction, no gradient check.
+    Unchecked,
+    /// Timed steps only (a timing round).
+    TimeOnly,
+    /// The prediction only.
+    DryRun,
+}
 
 /// `run-one`: one configuration measured in this process, on the ranks `mpirun` started.
 pub fn run_one(model: &str, policy: &PolicyRequest, mode: One, profiles: Option<&Path>, common: &Common) -> Result<()> {
@@ -123,7 +135,7 @@ fn shared_profile(dir: Option<&Path>, w: &Workload, inst: &dyn Instance, device_
         group.world(),
         ops::fused::path(),
         exe.len(),
-        crate::results::commit()
+        crate::report::results::commit()
     );
     let path = dir.join(format!("{}.json", w.model.replace('/', "+")));
     let kept = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<SharedProfile>(&b).ok()).filter(|k| k.measured_for == measured_for);

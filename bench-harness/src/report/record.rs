@@ -305,7 +305,7 @@ pub struct Baseline {
     #[serde(default)]
     pub step_flops: Option<u64>,
     /// torch.mm's best rate on this machine in GFLOP/s (a 2048^3 f32 product, as
-    /// [`crate::results::Meta::matmul_peak_gflops`] measures ours); the `off` run only.
+    /// [`super::results::Meta::matmul_peak_gflops`] measures ours); the `off` run only.
     #[serde(default)]
     pub mm_peak_gflops: Option<f64>,
     /// Our step time over PyTorch's, per interleaved pair (the measuring runs, then each timing

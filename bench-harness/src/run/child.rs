@@ -3,24 +3,12 @@
 //! out-of-memory end from an error.
 
 use crate::cli::Common;
-use crate::record::{Record, Status};
+use crate::measure::One;
+use crate::report::record::{Record, Status};
 use crate::workloads::{Overrides, Profile, Workload};
 use remat::PolicyRequest;
 use std::path::Path;
 use std::process::Command;
-
-/// What a `run-one` process does.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum One {
-    /// Timed steps and the gradient check.
-    Full,
-    /// Timed steps and the prediction, no gradient check.
-    Unchecked,
-    /// Timed steps only (a timing round).
-    TimeOnly,
-    /// The prediction only.
-    DryRun,
-}
 
 /// Runs one configuration in a fresh process, so one run's peak never leaks into another.
 /// `profiles`: the folder where the model's policies share one planner profile.
@@ -145,9 +133,4 @@ pub fn die_with_parent(cmd: &mut Command) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = cmd;
-}
-
-/// This harness command line, as results name what made them.
-pub fn this_command() -> String {
-    std::env::args().collect::<Vec<_>>().join(" ")
 }

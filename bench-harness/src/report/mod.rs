@@ -1,15 +1,28 @@
-//! Writing the results: `matrix.csv` (one row per configuration and framework), `matrix.md` (per
-//! model, each policy against `off` from the same run; PyTorch side by side where it ran), and
-//! [`save`], which writes every file of a results folder.
+//! How results are reported. What a results folder holds: [`record`] (one configuration's
+//! figures), [`results`] (the folder's `matrix.json`), [`units`]. How it is shown: `matrix.csv`
+//! (one row per configuration and framework) and `matrix.md` (per model, each policy against `off`
+//! from the same run; PyTorch side by side where it ran, [`baseline`]), written here with
+//! [`save`], which writes every file of a folder; [`table`] (`TABLE.md`, the article's table,
+//! [`projection`]), [`plot`], [`gpt2_24gb`]'s table and figure, and [`claims`] (the ledger of the
+//! article's claims, rendered from the results).
 
-use crate::gpt2_24gb;
-use crate::record::{Baseline, Record, Status};
-use crate::results::Matrix;
-use crate::units::mib;
+pub mod baseline;
+pub mod claims;
+pub mod gpt2_24gb;
+pub mod plot;
+pub mod projection;
+pub mod record;
+pub mod results;
+pub mod table;
+pub mod units;
+
 use crate::workloads::Profile;
 use anyhow::{Context, Result};
+use record::{Baseline, Record, Status};
+use results::Matrix;
 use std::fmt::Write as _;
 use std::path::Path;
+use units::mib;
 
 /// Writes every file of a results folder: `matrix.json` (through a temporary file, so an
 /// interrupted write never loses finished configurations), the CSV, the Markdown, TABLE.md and
@@ -23,8 +36,8 @@ pub fn save(m: &Matrix, dir: &Path) -> Result<()> {
         return gpt2_24gb::plot(dir, m);
     }
     let fits = m.depth_fits();
-    std::fs::write(dir.join("TABLE.md"), crate::table::render(m, &fits))?;
-    crate::plot::all(dir, m, &fits)
+    std::fs::write(dir.join("TABLE.md"), self::table::render(m, &fits))?;
+    self::plot::all(dir, m, &fits)
 }
 
 /// One row per record and per PyTorch baseline, the columns of [`COLUMNS`].
@@ -52,7 +65,7 @@ pub fn markdown(m: &Matrix) -> String {
             ranks_table(&mut out, &rows);
         }
     }
-    out.push_str(&crate::baseline::side_by_side(m));
+    out.push_str(&self::baseline::side_by_side(m));
     out
 }
 
@@ -71,7 +84,7 @@ fresh process): median (min-max). \
 *predicted*: the planner's step peak (from the model's stages profiled one at a time before the run) and its error against \
 the measured step peak, and its predicted time / off.\n",
         meta.profile,
-        crate::results::made_by(m.record_commands(), &meta.command),
+        self::results::made_by(m.record_commands(), &meta.command),
         meta.machine,
         meta.candle_version,
         meta.git_commit
@@ -212,7 +225,7 @@ fn none(_: &Baseline, _: Option<&Record>) -> String {
 }
 
 /// A spread's median, min or max, empty where there is none.
-fn spread(s: &Option<crate::record::Spread>, pick: fn(&crate::record::Spread) -> f64) -> String {
+fn spread(s: &Option<self::record::Spread>, pick: fn(&self::record::Spread) -> f64) -> String {
     s.as_ref().map_or(String::new(), |t| ms(pick(t)))
 }
 

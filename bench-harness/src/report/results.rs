@@ -2,7 +2,7 @@
 //! depth sweep's exponent); `matrix.json` is their file. Rendering them (CSV, Markdown, table,
 //! plots) is the job of `report`, which reads this module; it renders nothing.
 
-use crate::record::{Baseline, Projection, Record, Status};
+use super::record::{Baseline, Projection, Record, Status};
 use crate::workloads::Profile;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -41,7 +41,7 @@ pub fn meta(profile: Profile, device: &trainkit::DeviceName) -> Meta {
         ),
         candle_version: env!("CANDLE_VERSION").into(),
         git_commit: commit(),
-        command: crate::child::this_command(),
+        command: super::results::this_command(),
         profile: profile.name().into(),
         matmul_peak_gflops: (*device == trainkit::DeviceName::Cpu).then(ops::matmul_peak_gflops),
     }
@@ -202,6 +202,11 @@ pub fn fit_exponent(points: &[(f64, f64)]) -> Option<f64> {
     let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
     let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
     (sxx > 0.0).then(|| sxy / sxx)
+}
+
+/// This harness command line, as results name what made them.
+pub fn this_command() -> String {
+    std::env::args().collect::<Vec<_>>().join(" ")
 }
 
 #[cfg(test)]

@@ -1,10 +1,10 @@
 //! `TABLE.md`: the article's A100 table next to the same columns measured by this matrix, and the
 //! depth sweep's fitted exponents.
 
-use crate::baseline::side_by_side;
-use crate::record::{Record, Status};
-use crate::results::{depth_of, Matrix};
-use crate::units::{mib, size};
+use super::baseline::side_by_side;
+use super::record::{Record, Status};
+use super::results::{depth_of, Matrix};
+use super::units::{mib, size};
 use std::fmt::Write as _;
 
 /// One row of the article's table (section 4; ResNet-152 from section 1, GPT-2 from section 7).
@@ -52,7 +52,7 @@ from the counting allocator (on a GPU: the memory pool). *With checkpointing* is
 are quoted for comparison, not measured here.\n\n\
 | model | batch | input | memory off | memory {TABLE_POLICY} | {TABLE_POLICY} / off | activations {TABLE_POLICY} / off | {TABLE_POLICY} step peak set by | time increase | article: batch | article: off | article: checkpointing | article: ratio | article: time |\n\
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
-        crate::results::made_by(m.record_commands(), &meta.command),
+        super::results::made_by(m.record_commands(), &meta.command),
         meta.machine,
         meta.candle_version,
         meta.git_commit,
@@ -133,7 +133,7 @@ least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|--
             let _ = writeln!(out, "| {} | {} | {} | {ratio} |", depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
         }
     }
-    out.push_str(&crate::projection::render(m, |model| ARTICLE.iter().find(|r| r.models.contains(&model)).and_then(|r| Some((r.off_gb?, r.ckpt_gb, r.time?)))));
+    out.push_str(&super::projection::render(m, |model| ARTICLE.iter().find(|r| r.models.contains(&model)).and_then(|r| Some((r.off_gb?, r.ckpt_gb, r.time?)))));
     out.push_str(&side_by_side(m));
     out
 }

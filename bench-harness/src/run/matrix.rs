@@ -1,17 +1,19 @@
 //! `--matrix models`, `depth`, `all` and `gpt2-24gb`: the configurations selected, each run in a
-//! fresh process ([`crate::child`]) into the results folder, resumable (what is there is kept
+//! fresh process ([`super::child`]) into the results folder, resumable (what is there is kept
 //! unless `--force`), with PyTorch beside them (`--baseline`), interleaved timing rounds, and the
 //! reports written at the end.
 
-use crate::baseline;
-use crate::child::{spawn_one, this_command, One};
+use super::baseline;
+use super::child::spawn_one;
+use super::{gpt2_24gb, projection};
 use crate::cli::{Common, MatrixArgs, MatrixKind};
-use crate::record::Baseline;
-use crate::record::{Record, Spread, Status};
-use crate::results::{meta, Matrix};
-use crate::units::mib;
+use crate::measure::{self, One};
+use crate::report;
+use crate::report::record::Baseline;
+use crate::report::record::{Record, Spread, Status};
+use crate::report::results::{meta, this_command, Matrix};
+use crate::report::units::mib;
 use crate::workloads::{self, Profile, Workload};
-use crate::{gpt2_24gb, measure, projection, report};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use remat::{Policy, PolicyRequest};
@@ -107,7 +109,7 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
                 let mut chosen: Vec<PolicyRequest> = w.policies().into_iter().map(PolicyRequest::from).collect();
                 // At full size, what fits a 24 GiB card: the planner's plan for one too.
                 if matches!(profile, Profile::Gpt2_24gb | Profile::Full) && !w.model.starts_with(workloads::DEPTH_PREFIX) {
-                    chosen.push(PolicyRequest::Budget(projection::CARD_BUDGET));
+                    chosen.push(PolicyRequest::Budget(workloads::CARD_BYTES));
                 }
                 chosen
             } else {
@@ -248,7 +250,7 @@ impl Run<'_> {
         let ours = self.matrix.find(&w.model, &policy.to_string());
         let limit = match ours {
             Some(r) if r.status == Status::Ok => Some(None),
-            Some(r) if r.status == Status::Skipped && r.error.starts_with(measure::STEP_DOES_NOT_FIT) && !r.segment_ranges.is_empty() => {
+            Some(r) if r.status == Status::Skipped && r.error.starts_with(measure::one::STEP_DOES_NOT_FIT) && !r.segment_ranges.is_empty() => {
                 Some(trainkit::free_memory(&candle_core::Device::Cpu).map(|free| free - free / 10))
             }
             _ => None,

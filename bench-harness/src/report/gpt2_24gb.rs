@@ -1,97 +1,18 @@
-//! `--matrix gpt2-24gb`: does GPT-2 at every published size train in 24 GiB with checkpointing and
-//! gradient accumulation (the article: GPT-2 1.5B in 21 GB)? Its defaults, its prediction before
-//! a configuration runs, its table and its figure.
-//!
-//! The prediction ([`predict`]) is the planner's at the configuration's own size: the model is
-//! built in a fresh process and its stages profiled one at a time at batch 1 and the full
-//! sequence ([`crate::projection::project`]; GPT-2's blocks are alike, so one block is measured
-//! and its figures reused for the others), so a configuration that cannot fit is never started.
-//! The model state is exact arithmetic on the parameter shapes: the parameters and their
-//! gradients in f32 whatever the activation dtype (they are the master weights), bf16 under
-//! `bf16-weights`; and the optimizer's state, f32 in every variant: AdamW two moments per
-//! parameter, Adafactor R + C numbers per R x C weight (a vector whole), SGD one buffer. The rest
-//! of the predicted peak (activations, temporaries, the inputs) is the planner's.
-//!
-//! The table, `TABLE.md`: for GPT-2 at every published size, batch 1 with 8
-//! micro-batches accumulated (one with the optimizer inside backward), each way of holding its
-//! state and each policy: the predicted bytes
-//! (with the state's arithmetic), the measured peak, whether it fits 24 GiB, and tokens per
-//! second. The article claims GPT-2 1.5B trains on a 24 GB card this way in 21 GB.
+//! The `gpt2-24gb` matrix's table (`TABLE.md`) and figure: for GPT-2 at every published size,
+//! batch 1 with 8 micro-batches accumulated (one with the optimizer inside backward), each way of
+//! holding its state and each policy: the predicted bytes (with the state's arithmetic), the
+//! measured peak, whether it fits 24 GiB, and tokens per second.
 
-use crate::child::{spawn_one, One};
-use crate::cli::Common;
-use crate::plot::{self, color, plot_err, Chart};
-use crate::record::{Prediction, Projection, Record, Status};
-use crate::results::Matrix;
-use crate::units;
-use crate::workloads::{Profile, Workload};
-use anyhow::{bail, Context, Result};
+use super::plot::{self, color, plot_err, Chart};
+use super::record::{Prediction, Record, Status};
+use super::results::Matrix;
+use super::units;
+use crate::workloads::{CARD_BYTES, IN_BACKWARD};
+use anyhow::Result;
 use plotters::coord::Shift;
 use plotters::prelude::*;
-use remat::PolicyRequest;
 use std::fmt::Write as _;
 use std::path::Path;
-
-/// `--matrix gpt2-24gb`: the profile, GPT-2's sequence (1024) unless `--input-size` says
-/// otherwise, and a memory cap of 24 GiB, or on the CPU what this machine can give if that is
-/// less.
-pub fn defaults(common: &mut Common) -> Result<()> {
-    if common.profile.is_some_and(|p| p != Profile::Gpt2_24gb) {
-        bail!("--matrix gpt2-24gb runs its own profile; drop --profile");
-    }
-    common.profile = Some(Profile::Gpt2_24gb);
-    // The harness, the OS and the page cache need some of what is available.
-    let machine = trainkit::available_memory().map(|b| b.saturating_sub(3 << 30));
-    let cpu = common.device == trainkit::DeviceName::Cpu;
-    common.memory_cap = common.memory_cap.or(Some(if cpu { machine.map_or(GIB_24, |m| m.min(GIB_24)) } else { GIB_24 }));
-    Ok(())
-}
-
-/// A `gpt2-24gb` configuration: predicted first ([`predict`], from the model's projection, made
-/// once per model and kept in the matrix), skipped where the prediction exceeds the memory cap,
-/// run otherwise. The gradient check needs two models and a copy of every gradient beside them,
-/// so it runs only where that fits the cap (four times the parameters' f32 bytes, with room for
-/// the activations). `dry_run`: predicted, nothing runs.
-pub fn run_predicted(matrix: &mut Matrix, w: &Workload, policy: &PolicyRequest, common: &Common, profile: Profile, dry_run: bool) -> Result<Option<Record>> {
-    if !matrix.projections.iter().any(|p| p.model == w.model) {
-        let p = crate::projection::spawn_projection(&w.model, profile, common, common.overrides()).with_context(|| format!("predicting {}", w.model))?;
-        matrix.put_projection(p);
-    }
-    let projection = matrix.projections.iter().find(|p| p.model == w.model).expect("put above");
-    let prediction = predict(w, policy, projection)?;
-    let cap = common.memory_cap.expect("set by defaults");
-    let total = prediction.total();
-    let skipped = |error: String| Record { status: Status::Skipped, error, ..Record::new(w, policy, &common.device.to_string()) };
-    let mut rec = match total {
-        Some(t) if dry_run => skipped(format!("dry run (predicted {:.1} GiB)", units::gib(t))),
-        Some(t) if t > cap => skipped(format!("does not fit (predicted {:.1} GiB > cap {:.1} GiB)", units::gib(t), units::gib(cap))),
-        None => skipped(format!("not predicted: the planner found no plan for {policy}")),
-        Some(_) => {
-            let check_fits = prediction.params * 4 + prediction.activations.unwrap_or(0) < cap;
-            let mut rec = spawn_one(w, policy, common, (profile, None), if check_fits { One::Full } else { One::Unchecked });
-            rec.grads_checked = check_fits && rec.status == Status::Ok;
-            rec
-        }
-    };
-    rec.predicted = Some(prediction);
-    rec.predicted_total_bytes = total;
-    Ok(Some(rec))
-}
-
-/// The prediction for `w` under `policy` from its `projection`: the state by arithmetic
-/// ([`state`]), the rest of the projected total as activations (`None` where the
-/// projection has no row for the policy: a budget no plan fits).
-pub fn predict(w: &Workload, policy: &PolicyRequest, projection: &Projection) -> Result<Prediction> {
-    let (params, grads, optimizer) = w.state(&w.parameter_shapes()?);
-    let label = policy.to_string();
-    let activations = projection.rows.iter().find(|r| r.label == label).map(|r| r.total_bytes.saturating_sub(params + grads + optimizer));
-    Ok(Prediction { params, grads, optimizer, activations })
-}
-
-const GIB_24: u64 = 24 << 30;
-
-/// The variant with the optimizer inside backward.
-pub const IN_BACKWARD: &str = "f32-adamw-in-backward";
 
 /// The sequence and the micro-batches of the matrix's configurations, in words: "seq 1024, 2
 /// micro-batches accumulated per optimizer step (1 with the optimizer inside backward)".
@@ -131,13 +52,13 @@ pub fn in_size_order(m: &Matrix) -> Vec<&Record> {
 /// Whether a configuration fits 24 GiB, in words.
 fn fits(r: &Record) -> String {
     match (r.status, r.predicted_total_bytes) {
-        (Status::Ok, _) => if measured_total(r) <= GIB_24 { "**yes**" } else { "no" }.into(),
+        (Status::Ok, _) => if measured_total(r) <= CARD_BYTES { "**yes**" } else { "no" }.into(),
         // The kernel, not the cap: the process's resident memory outgrew the machine.
         (Status::Oom, p) if r.error.contains("SIGKILL") => {
             format!("not measured: killed by the kernel (this machine's memory){}", p.map_or(String::new(), |p| format!("; predicted {} GiB", cell(p))))
         }
         (Status::Oom, _) => "no (out of memory under the cap)".into(),
-        (Status::Skipped, Some(p)) if p <= GIB_24 => "predicted yes".into(),
+        (Status::Skipped, Some(p)) if p <= CARD_BYTES => "predicted yes".into(),
         (Status::Skipped, _) => "no (predicted)".into(),
         (Status::Error, _) => format!("error: {}", r.error),
     }
@@ -175,7 +96,7 @@ pub fn table(m: &Matrix) -> String {
          no f32 master copy), `bf16-adafactor` (bf16 activations, f32 parameters and gradients, Adafactor's factored \
          second moment), `{IN_BACKWARD}` (`f32-adamw` with the optimizer inside backward: each gradient applied and freed as \
          soon as it is final, one micro-batch per step).\n\n",
-        crate::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
+        super::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
         meta.machine,
         meta.candle_version,
         meta.git_commit,
@@ -231,7 +152,7 @@ pub fn table(m: &Matrix) -> String {
     }
     let fit: Vec<String> = records
         .iter()
-        .filter(|r| r.status == Status::Ok && measured_total(r) <= GIB_24)
+        .filter(|r| r.status == Status::Ok && measured_total(r) <= CARD_BYTES)
         .map(|r| format!("{} `{}` ({} GiB)", r.model, r.policy, cell(measured_total(r))))
         .collect();
     if records.iter().any(|r| r.status == Status::Ok && returned_freed_memory(r)) {

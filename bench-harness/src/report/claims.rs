@@ -14,10 +14,10 @@
 //! where a document is not what its template and the results give (a rerun changed a figure, or a
 //! hand edited the document).
 
-use crate::record::{Record, Status};
-use crate::results::Matrix;
-use crate::table::time_vs_off;
-use crate::units::size;
+use super::record::{Record, Status};
+use super::results::Matrix;
+use super::table::time_vs_off;
+use super::units::size;
 use anyhow::{bail, Context, Result};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

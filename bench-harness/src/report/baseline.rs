@@ -1,84 +1,10 @@
-//! `--baseline pytorch`: the same configurations in PyTorch eager (`scripts/torch_baseline.py`),
-//! one fresh Python process per configuration, cut into the same checkpoint segments as ours.
+//! PyTorch beside ours in `matrix.md`: step peaks and times side by side, and the rates the
+//! convolutions and products achieve.
 
-use crate::record::{Baseline, Record, Status};
-use crate::results::Matrix;
-use crate::units::mib;
+use super::record::{Baseline, Record, Status};
+use super::results::Matrix;
+use super::units::mib;
 use std::fmt::Write as _;
-use std::path::PathBuf;
-use std::process::Command;
-
-/// The models `scripts/torch_baseline.py` has a PyTorch version of.
-pub const MODELS: [&str; 8] = ["resnet50", "resnet152", "bert-large", "unet3d-small", "unet3d-cicek", "gpt2-small", "bert-large-lora", "gpt2-small-lora"];
-
-/// The script in the repository the harness runs in (a binary built elsewhere and shipped to a
-/// GPU machine runs there from the repository's root), else where the harness was built.
-fn script() -> PathBuf {
-    let here = PathBuf::from("scripts/torch_baseline.py");
-    if here.exists() {
-        return here;
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_baseline.py")
-}
-
-/// Whether `python` can import torch, torchvision and transformers; if not, why, with how to
-/// install them.
-pub fn available(python: &str) -> Result<(), String> {
-    let probe = Command::new(python).args(["-c", "import torch, torchvision, transformers"]).output();
-    match probe {
-        Ok(out) if out.status.success() => Ok(()),
-        Ok(out) => Err(format!(
-            "`{python}` cannot import torch, torchvision and transformers ({}); install them with \
-             `python3 -m venv .venv && .venv/bin/pip install torch torchvision transformers peft` and pass `--python .venv/bin/python`",
-            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("").trim()
-        )),
-        Err(e) => Err(format!("cannot run `{python}`: {e}; pass --python with a Python that has torch")),
-    }
-}
-
-/// Runs the PyTorch version of `ours` (same model, batch, input size, segments, steps, threads,
-/// device);
-/// `time_only`: its steps timed, no memory measured (the timing rounds). `memory_limit`: the
-/// bytes it may allocate, beyond which it ends as `oom` (where ours was predicted not to fit).
-pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u64, time_only: bool, memory_limit: Option<u64>) -> Baseline {
-    let failed = |error: String| Baseline {
-        framework: "pytorch".into(),
-        model: ours.model.clone(),
-        policy: ours.policy.clone(),
-        batch: ours.batch,
-        status: Status::Error,
-        error,
-        ..Default::default()
-    };
-    let segments: Vec<String> = ours.segment_ranges.iter().map(|[a, b]| format!("{a}:{b}")).collect();
-    if segments.is_empty() {
-        return failed("our run recorded no segments".into());
-    }
-    let mut cmd = Command::new(python);
-    crate::child::die_with_parent(&mut cmd);
-    let out = cmd
-        .arg(script())
-        .args(["--model", &ours.model, "--policy", &ours.policy, "--segments", &segments.join(",")])
-        .args(["--batch", &ours.batch.to_string(), "--input-size", &input_size.to_string()])
-        .args(["--steps", &steps.to_string(), "--threads", &ours.threads.to_string(), "--seed", &seed.to_string(), "--device", &ours.device])
-        .args(time_only.then_some("--time-only"))
-        .args(memory_limit.map(|b| format!("--memory-limit={b}")))
-        .output();
-    let out = match out {
-        Ok(out) => out,
-        Err(e) => return failed(format!("could not start {python}: {e}")),
-    };
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    match stdout.lines().last().map(serde_json::from_str::<Baseline>) {
-        Some(Ok(b)) if out.status.success() => b,
-        _ => {
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            let last = stderr.lines().rev().find(|l| !l.trim().is_empty() && !l.contains("USDT") && !l.starts_with("ERROR:")).unwrap_or("");
-            let status = if last.starts_with("out of memory") { Status::Oom } else { Status::Error };
-            Baseline { status, ..failed(format!("{} ({})", last.trim(), out.status)) }
-        }
-    }
-}
 
 /// Ours against PyTorch, configuration by configuration, as Markdown (empty without
 /// baselines): step peak above model state and step time, and each side's time / off.
@@ -96,7 +22,7 @@ events. Times are medians of the timed steps after a warm-up; the time ratios ar
 and the interleaved timing rounds, where PyTorch runs each policy right after ours. PyTorch's side: {}.\n\n\
 | model | policy | step peak: ours | step peak: PyTorch | ours / PyTorch | step time: ours | step time: PyTorch | ours / PyTorch | time / off: ours | time / off: PyTorch |\n\
 |---|---|---|---|---|---|---|---|---|---|\n",
-        crate::results::made_by(m.baselines.iter().map(|b| b.command.as_str()), &m.meta.command)
+        super::results::made_by(m.baselines.iter().map(|b| b.command.as_str()), &m.meta.command)
     );
     for b in &m.baselines {
         let Some(r) = m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok) else { continue };
@@ -113,7 +39,7 @@ and the interleaved timing rounds, where PyTorch runs each policy right after ou
             );
             continue;
         }
-        let spread = |t: &crate::record::Spread| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max);
+        let spread = |t: &super::record::Spread| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max);
         let ours_vs_off = r.time_vs_off.as_ref().map_or("-".into(), spread);
         let torch_vs_off = match &b.time_vs_off {
             Some(t) => spread(t),

@@ -1,6 +1,6 @@
 //! `bench-harness selftest`: a quick check of a device before a long run.
 
-use crate::measure;
+use super::one;
 use crate::workloads::{self, Profile};
 use anyhow::{Context, Result};
 use remat::Policy;
@@ -28,8 +28,8 @@ pub fn selftest(device: trainkit::DeviceName) -> Result<()> {
     let peak = counter.peak().saturating_sub(base);
     anyhow::ensure!(peak > 0, "the memory meter saw no allocation");
     let w = workloads::profile(Profile::Smoke).into_iter().find(|w| w.model == "gpt2-tiny").context("gpt2-tiny in smoke")?;
-    let mut rec = measure::run(&w, &Policy::Sqrt.into(), 1, 0, (&dev, &device_name), None, true, None, &trainkit::Group::single())?;
-    measure::check(&mut rec, &w, &Policy::Sqrt, 0, &dev, true)?;
+    let mut rec = one::run(&w, &Policy::Sqrt.into(), 1, 0, (&dev, &device_name), None, true, None, &trainkit::Group::single())?;
+    one::check(&mut rec, &w, &Policy::Sqrt, 0, &dev, true)?;
     anyhow::ensure!(rec.grads_bit_identical, "gpt2-tiny sqrt: {} gradient elements differ from plain candle", rec.grads_differing);
     let report = serde_json::json!({
         "device": device_name, "matmul": matmul, "conv2d_input_grad_sum": g, "meter_peak_bytes": peak,
