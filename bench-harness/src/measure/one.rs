@@ -57,8 +57,18 @@ fn measure_one(
         .with_context(|| format!("model `{model}` is not in profile `{}`; it has: {}", common.profile(), names()))?
         .clone()
         .overridden(common.overrides());
-    let steps = if mode == One::DryRun { 0 } else { common.steps };
-    let mut rec = run(&w, policy, steps, common.seed, (dev, &common.device.to_string()), common.memory_cap, mode != One::TimeOnly, profiles, group)?;
+    let device_name = common.device.to_string();
+    let at = Setting {
+        device: dev,
+        device_name: &device_name,
+        seed: common.seed,
+        steps: if mode == One::DryRun { 0 } else { common.steps },
+        cap: common.memory_cap,
+        predict_step: mode != One::TimeOnly,
+        profiles,
+        group,
+    };
+    let mut rec = run(&w, policy, &at)?;
     if ops::fused::path() == ops::fused::Path::Generic {
         rec.fused_path = "generic".into();
     }
@@ -166,67 +176,58 @@ pub fn predict(profile: &Profile, policy: &Policy, w: &Workload) -> Result<Estim
     Ok(if later.peak > first.peak { Estimate { recompute_ms: first.recompute_ms, step_ms: first.step_ms, ..later } } else { first })
 }
 
-/// Measures `policy` on `w`: a warm-up step, then `steps` timed steps (the record's status is
-/// `ok`, its gradient fields still empty: see [`check`]); `steps == 0` predicts only (a dry run:
-/// status `skipped`). With `predict_step` the planner profiles the model first and predicts the
-/// step; a `budget=`/`auto` policy is resolved from a profile either way (`auto` takes `cap`, the
-/// memory the run may use). The timing rounds, which keep only the step time, predict nothing.
-/// `profiles`: a folder where the model's policies share one profile ([`shared_profile`]).
-#[allow(clippy::too_many_arguments)]
-pub fn run(
-    w: &Workload,
-    policy: &PolicyRequest,
-    steps: usize,
-    seed: u64,
-    (device, device_name): (&Device, &str),
-    cap: Option<u64>,
-    predict_step: bool,
-    profiles: Option<&Path>,
-    group: &trainkit::Group,
-) -> Result<Record> {
-    let mut rec = Record::new(w, policy, device_name);
-    let counter = Counter::for_device(device);
+/// Where and how [`run`] measures a configuration.
+pub struct Setting<'a> {
+    pub device: &'a Device,
+    /// The device as the record names it (`cpu`, `cuda:0`).
+    pub device_name: &'a str,
+    pub seed: u64,
+    /// Timed steps after the warm-up step; 0 predicts only (a dry run).
+    pub steps: usize,
+    /// The memory the run may use (`--memory-cap`), which `auto` plans for.
+    pub cap: Option<u64>,
+    /// Whether the planner profiles the model first and predicts the step (the timing rounds,
+    /// which keep only the step time, predict nothing).
+    pub predict_step: bool,
+    /// A folder where the model's policies share one profile ([`shared_profile`]).
+    pub profiles: Option<&'a Path>,
+    pub group: &'a trainkit::Group,
+}
+
+/// Measures `policy` on `w`: a warm-up step, then the timed steps (the record's status is `ok`,
+/// its gradient fields still empty: see [`check`]); with no timed steps it predicts only (status
+/// `skipped`). A `budget=`/`auto` policy is resolved from a profile either way. A configuration
+/// whose state or step the planner puts beyond this machine's memory is recorded as skipped,
+/// with the arithmetic.
+pub fn run(w: &Workload, policy: &PolicyRequest, at: &Setting) -> Result<Record> {
+    let mut rec = Record::new(w, policy, at.device_name);
+    let counter = Counter::for_device(at.device);
     counter.synchronize();
     let base = counter.current();
     // What this process may hold: the heap now and what the machine can still give, less a
     // tenth (the allocator's slack, the page cache, the harness). Under a memory cap, which
     // emulates a smaller device, a step that does not fit runs and ends out of memory, as it
     // would there.
-    let room = if cap.is_some() { None } else { trainkit::free_memory(device).map(|free| base + free - free / 10) };
+    let room = if at.cap.is_some() { None } else { trainkit::free_memory(at.device).map(|free| base + free - free / 10) };
     // Held from here on, as the model is: part of the state before a step, never of a step.
     ops::allocate_matmul_workspaces();
     set_activity(Activity::Build, None);
-    let inst = w.build(device, seed)?;
-    if let (Some(room), true) = (room, predict_step) {
-        // A state that alone does not fit gets no optimizer (GPT-2 XL's f32 weights, gradients
-        // and AdamW moments are 25 GB): the record says so, with the arithmetic.
-        let shapes: Vec<Vec<usize>> = inst.store().vars().iter().map(|v| v.dims().to_vec()).collect();
-        let (params, grads, optimizer) = w.state(&shapes);
-        if params + grads + optimizer > room {
-            rec.status = Status::Skipped;
-            rec.error = format!(
-                "predicted only: its weights, gradients and optimizer state alone are {} (by arithmetic on the parameter shapes), and this machine can give {}",
-                gib_text(params + grads + optimizer),
-                gib_text(room)
-            );
-            return Ok(rec);
-        }
+    let inst = w.build(at.device, at.seed)?;
+    if let Some(reason) = room.filter(|_| at.predict_step).and_then(|room| state_beyond(w, &*inst, room)) {
+        return Ok(rec.skipped(reason));
     }
-    let mut optimizer = inst.optimizer(w.shard_optimizer, group)?;
-    let (policy, off_total) = match (policy.fixed(), predict_step) {
+    let mut optimizer = inst.optimizer(w.shard_optimizer, at.group)?;
+    let (policy, off_total) = match (policy.fixed(), at.predict_step) {
         (Some(p), false) => (p.clone(), None),
-        _ => plan(&mut rec, (w, &*inst, device, device_name), &*optimizer, policy, (seed, cap, predict_step), profiles, group)?,
+        _ => plan(&mut rec, w, &*inst, &*optimizer, policy, at)?,
     };
-    if steps == 0 {
-        rec.status = Status::Skipped;
-        rec.error = "dry run".into();
-        return Ok(rec);
+    if at.steps == 0 {
+        return Ok(rec.skipped("dry run".into()));
     }
     if let (Some(room), Some(total)) = (room, rec.predicted_total_bytes) {
         if total > room {
-            rec.status = Status::Skipped;
-            rec.error = format!("{STEP_DOES_NOT_FIT} {} in all by the planner's prediction, and this machine can give {}", gib_text(total), gib_text(room));
-            return Ok(rec);
+            let reason = format!("{STEP_DOES_NOT_FIT} {} in all by the planner's prediction, and this machine can give {}", gib_text(total), gib_text(room));
+            return Ok(rec.skipped(reason));
         }
         // The check runs plain candle's step and then ours, each on a fresh model, holding a
         // copy of the first's gradients meanwhile: where two steps of `off`'s size do not fit,
@@ -236,21 +237,59 @@ pub fn run(
                 format!("two steps of `off` ({} each by the planner's prediction) do not fit the {} this machine can give", gib_text(off), gib_text(room));
         }
     }
-    let exec = Executor::new(inst.graph(), &policy, inst.store().vars(), trainkit::rank_seed(seed, group.rank()))?;
+    let exec = Executor::new(inst.graph(), &policy, inst.store().vars(), trainkit::rank_seed(at.seed, at.group.rank()))?;
     rec.segments = exec.segments().len();
-    rec.ranks = group.world();
+    rec.ranks = at.group.world();
+    rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
+    timed_steps(&mut rec, w, &*inst, &exec, optimizer.as_mut(), at, base)?;
+    rec.reserved_bytes = counter.reserved();
+    if at.group.world() > 1 {
+        trainkit::parallel::check_in_sync(at.group, inst.store())?;
+    }
+    rec.status = Status::Ok;
+    Ok(rec)
+}
+
+/// Why a model's state alone does not fit in `room` (GPT-2 XL's f32 weights, gradients and AdamW
+/// moments are 25 GB), by arithmetic on its parameter shapes; `None` where it fits. Such a
+/// configuration gets no optimizer.
+fn state_beyond(w: &Workload, inst: &dyn Instance, room: u64) -> Option<String> {
+    let shapes: Vec<Vec<usize>> = inst.store().vars().iter().map(|v| v.dims().to_vec()).collect();
+    let (params, grads, optimizer) = w.state(&shapes);
+    let state = params + grads + optimizer;
+    (state > room).then(|| {
+        format!(
+            "predicted only: its weights, gradients and optimizer state alone are {} (by arithmetic on the parameter shapes), and this machine can give {}",
+            gib_text(state),
+            gib_text(room)
+        )
+    })
+}
+
+/// A warm-up step and `at.steps` timed steps of `exec` on `inst`, into `rec`: the step time
+/// (median and range), the peaks, the loss, the first timed step's memory timeline; with several
+/// ranks, the time in all-reduces. `base`: the heap before the model was built.
+fn timed_steps(
+    rec: &mut Record,
+    w: &Workload,
+    inst: &dyn Instance,
+    exec: &Executor,
+    optimizer: &mut dyn optim::TrainOptimizer,
+    at: &Setting,
+    base: u64,
+) -> Result<()> {
+    let group = at.group;
     // Every rank draws the global batch and keeps its rows (the ranks see it whole between them).
     let inputs = |n: u64| -> Result<Vec<candle_core::Tensor>> { Ok(group.shard(inst.inputs_at(n, inst.batch() * group.world())?)?) };
     let (mut comm_ms, mut wait_ms) = (Vec::new(), Vec::new());
-    rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
     let (mut times, mut faults) = (Vec::new(), Vec::new());
     // f16 trains under dynamic loss scaling, as the trainers do.
     let mut scaler = (w.dtype == model::Precision::F16).then(trainkit::LossScaler::default);
-    let stepper = trainkit::Stepper { group, exec: &exec, accumulate: w.accumulate, in_backward: w.in_backward, batch_names: None };
-    for step in 0..=steps as u64 {
+    let stepper = trainkit::Stepper { group, exec, accumulate: w.accumulate, in_backward: w.in_backward, batch_names: None };
+    for step in 0..=at.steps as u64 {
         let comm_before = group.comm_time();
         let faults_before = remat::memory::minor_faults();
-        let out = stepper.step(step, scaler.as_mut(), inputs, optimizer.as_mut())?;
+        let out = stepper.step(step, scaler.as_mut(), inputs, optimizer)?;
         let comm = group.comm_time();
         if step == 0 {
             continue; // warm-up: first-touch page faults, lazily built kernels and caches
@@ -274,10 +313,8 @@ pub fn run(
             rec.timeline_base_bytes = usage.heap_base;
         }
     }
-    rec.reserved_bytes = counter.reserved();
     if group.world() > 1 {
-        ranks_summary(&mut rec, group, comm_ms, wait_ms)?;
-        trainkit::parallel::check_in_sync(group, inst.store())?;
+        ranks_summary(rec, group, comm_ms, wait_ms)?;
     }
     times.sort_by(f64::total_cmp);
     rec.timed_steps = times.len();
@@ -286,8 +323,7 @@ pub fn run(
     rec.step_ms_max = times[times.len() - 1];
     faults.sort_unstable();
     rec.minor_faults_per_step = faults.get(faults.len() / 2).copied();
-    rec.status = Status::Ok;
-    Ok(rec)
+    Ok(())
 }
 
 /// With several ranks: the median time in all-reduces and waiting for them per step, and the
@@ -305,31 +341,31 @@ fn ranks_summary(rec: &mut Record, group: &trainkit::Group, comm_ms: Vec<f64>, w
 }
 
 /// Profiles `inst` for the planner: a `budget=`/`auto` policy resolved (the ranks agreeing on
-/// one plan, kept in `rec.plan`), and with `predict_step` the step predicted into `rec` (for
+/// one plan, kept in `rec.plan`), and with `at.predict_step` the step predicted into `rec` (for
 /// `off`, with the planner's memory/time frontier). Returns the policy to run and, with
-/// `predict_step`, `off`'s predicted total (the state and its step's peak).
+/// `at.predict_step`, `off`'s predicted total (the state and its step's peak).
 fn plan(
     rec: &mut Record,
-    (w, inst, device, device_name): (&Workload, &dyn Instance, &Device, &str),
+    w: &Workload,
+    inst: &dyn Instance,
     optimizer: &dyn optim::TrainOptimizer,
     policy: &PolicyRequest,
-    (seed, cap, predict_step): (u64, Option<u64>, bool),
-    profiles: Option<&Path>,
-    group: &trainkit::Group,
+    at: &Setting,
 ) -> Result<(Policy, Option<u64>)> {
-    let profile = shared_profile(profiles, w, inst, device_name, seed, group)?;
+    let (device, group) = (at.device, at.group);
+    let profile = shared_profile(at.profiles, w, inst, at.device_name, at.seed, group)?;
     // After the profile: the workspaces kernels keep from their first calls are part of it.
     let inputs_bytes: u64 = inst.inputs(0)?.iter().map(remat::memory::tensor_bytes).sum();
     let fixed = trainkit::memory_before_step(device, optimizer, inputs_bytes)?;
     let grads = Grads::of(&profile, w.accumulate, w.in_backward);
-    let (resolved, plan) = remat::plan::resolve(policy, &profile, fixed, grads, trainkit::auto_budget(device, cap))?;
+    let (resolved, plan) = remat::plan::resolve(policy, &profile, fixed, grads, trainkit::auto_budget(device, at.cap))?;
     let policy = trainkit::parallel::agreed_policy(group, policy, resolved)?;
     if plan.is_some() {
         rec.plan = policy.to_string();
     }
     // Known before the step runs, for a baseline of a configuration that is not run.
     rec.segment_ranges = policy.segments_of(&profile.kinds())?.iter().map(|r| [r.start, r.end]).collect();
-    if predict_step {
+    if at.predict_step {
         let estimate = predict(&profile, &policy, w)?;
         if policy == Policy::Off {
             let points = remat::plan::frontier(&profile, fixed, grads, 16);

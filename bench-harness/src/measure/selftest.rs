@@ -28,7 +28,9 @@ pub fn selftest(device: trainkit::DeviceName) -> Result<()> {
     let peak = counter.peak().saturating_sub(base);
     anyhow::ensure!(peak > 0, "the memory meter saw no allocation");
     let w = workloads::profile(Profile::Smoke).into_iter().find(|w| w.model == "gpt2-tiny").context("gpt2-tiny in smoke")?;
-    let mut rec = one::run(&w, &Policy::Sqrt.into(), 1, 0, (&dev, &device_name), None, true, None, &trainkit::Group::single())?;
+    let group = trainkit::Group::single();
+    let at = one::Setting { device: &dev, device_name: &device_name, seed: 0, steps: 1, cap: None, predict_step: true, profiles: None, group: &group };
+    let mut rec = one::run(&w, &Policy::Sqrt.into(), &at)?;
     one::check(&mut rec, &w, &Policy::Sqrt, 0, &dev, true)?;
     anyhow::ensure!(rec.grads_bit_identical, "gpt2-tiny sqrt: {} gradient elements differ from plain candle", rec.grads_differing);
     let report = serde_json::json!({

@@ -219,6 +219,13 @@ impl Record {
             ..Default::default()
         }
     }
+
+    /// The record of a configuration that was not run, with why: status `skipped`.
+    pub fn skipped(mut self, reason: String) -> Self {
+        self.status = Status::Skipped;
+        self.error = reason;
+        self
+    }
 }
 
 /// Predicted bytes of one configuration.

@@ -42,6 +42,8 @@ pub fn time_vs_off(r: &Record, off: &Record) -> f64 {
 /// The policy that fills the "with checkpointing" column.
 pub const TABLE_POLICY: &str = "sqrt";
 
+/// `TABLE.md`: the article's rows against ours, the depth sweep (`fits`: each policy's fitted
+/// exponent), the article's table projected at its sizes, and PyTorch beside ours.
 pub fn render(m: &Matrix, fits: &[(String, f64)]) -> String {
     let meta = &m.meta;
     let mut out = format!(
@@ -59,81 +61,88 @@ are quoted for comparison, not measured here.\n\n\
         meta.profile
     );
     for row in &ARTICLE {
-        let article = format!(
-            "{} | {} | {} GB | {} | {}",
-            row.batch,
-            row.off_gb.map_or("-".into(), |g| format!("{g} GB")),
-            row.ckpt_gb,
-            row.off_gb.map_or("-".into(), |g| format!("{:.2}", row.ckpt_gb / g)),
-            row.time.unwrap_or("-")
-        );
-        let found = row.models.iter().find_map(|name| Some((m.find(name, "off")?, m.find(name, TABLE_POLICY)?)));
-        match found {
-            Some((off, ck)) if off.status == Status::Ok && ck.status == Status::Ok => {
-                let total = |r: &Record| r.model_state_bytes + r.step_peak_bytes;
-                let _ = writeln!(
-                    out,
-                    "| {} ({}) | {} | {} | {} | {} | {:.2} | {:.2} | {} | {:+.0}% | {article} |",
-                    row.label,
-                    off.model,
-                    off.batch,
-                    off.input,
-                    size(total(off)),
-                    size(total(ck)),
-                    total(ck) as f64 / total(off) as f64,
-                    ck.activation_peak_bytes as f64 / off.activation_peak_bytes.max(1) as f64,
-                    if ck.step_peak_bytes > ck.fwd_bwd_peak_bytes { "optimizer update" } else { "activations" },
-                    (time_vs_off(ck, off) - 1.0) * 100.0
-                );
-            }
-            Some((off, ck)) => {
-                // Not run where the planner predicted it would not fit: its prediction, marked.
-                let total = |r: &Record| match (r.status, r.predicted_total_bytes) {
-                    (Status::Ok, _) => Some((r.model_state_bytes + r.step_peak_bytes, "")),
-                    (Status::Skipped, Some(p)) => Some((p, " (predicted, not run)")),
-                    _ => None,
-                };
-                let cell = |r: &Record| total(r).map_or(format!("{}: {}", r.status, r.error.replace('|', "/")), |(b, mark)| format!("{}{mark}", size(b)));
-                let ratio = total(off).zip(total(ck)).map_or(String::new(), |((o, _), (c, _))| format!("{:.2}", c as f64 / o as f64));
-                let _ = writeln!(
-                    out,
-                    "| {} ({}) | {} | {} | {} | {} | {ratio} | | | | {article} |",
-                    row.label,
-                    off.model,
-                    off.batch,
-                    off.input,
-                    cell(off),
-                    cell(ck)
-                );
-            }
-            None => {
-                let _ = writeln!(out, "| {} | | | not in this matrix | | | | | | {article} |", row.label);
-            }
-        }
+        out.push_str(&article_row(m, row));
     }
     out.push_str(
         "\nWhere the step peak is set by the optimizer update (parameter-sized temporaries), checkpointing cannot lower \
 it further: the activations column shows what it did to the memory it acts on. Every policy is in `matrix.md`.\n",
     );
     if !fits.is_empty() {
-        let _ = write!(
-            out,
-            "\n## Depth sweep (claim C2: O(sqrt L) memory)\n\nGPT-2 blocks of fixed width, activation peak against the number of blocks L, \
-least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|---|---|---|\n"
-        );
-        let depths: Vec<String> = m.models(true).iter().map(|d| depth_of(d).to_string()).collect();
-        for (policy, k) in fits {
-            let _ = writeln!(out, "| {policy} | {} | {k:.2} |", depths.join(", "));
-        }
-        out.push_str("\n| L | activation peak off | activation peak sqrt | sqrt / off |\n|---|---|---|---|\n");
-        for model in m.models(true) {
-            let peak = |p: &str| m.find(&model, p).filter(|r| r.status == Status::Ok).map(|r| r.activation_peak_bytes);
-            let cell = |b: Option<u64>| b.map_or("-".into(), mib);
-            let ratio = peak("off").zip(peak("sqrt")).map_or("-".into(), |(o, s)| format!("{:.2}", s as f64 / o.max(1) as f64));
-            let _ = writeln!(out, "| {} | {} | {} | {ratio} |", depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
-        }
+        out.push_str(&depth_sweep(m, fits));
     }
     out.push_str(&super::projection::render(m, |model| ARTICLE.iter().find(|r| r.models.contains(&model)).and_then(|r| Some((r.off_gb?, r.ckpt_gb, r.time?)))));
     out.push_str(&side_by_side(m));
+    out
+}
+
+/// The line of `TABLE.md` for one row of the article's table: ours measured (or predicted where
+/// the planner said it would not fit) beside the article's figures.
+fn article_row(m: &Matrix, row: &ArticleRow) -> String {
+    let mut out = String::new();
+    let article = format!(
+        "{} | {} | {} GB | {} | {}",
+        row.batch,
+        row.off_gb.map_or("-".into(), |g| format!("{g} GB")),
+        row.ckpt_gb,
+        row.off_gb.map_or("-".into(), |g| format!("{:.2}", row.ckpt_gb / g)),
+        row.time.unwrap_or("-")
+    );
+    let found = row.models.iter().find_map(|name| Some((m.find(name, "off")?, m.find(name, TABLE_POLICY)?)));
+    match found {
+        Some((off, ck)) if off.status == Status::Ok && ck.status == Status::Ok => {
+            let total = |r: &Record| r.model_state_bytes + r.step_peak_bytes;
+            let _ = writeln!(
+                out,
+                "| {} ({}) | {} | {} | {} | {} | {:.2} | {:.2} | {} | {:+.0}% | {article} |",
+                row.label,
+                off.model,
+                off.batch,
+                off.input,
+                size(total(off)),
+                size(total(ck)),
+                total(ck) as f64 / total(off) as f64,
+                ck.activation_peak_bytes as f64 / off.activation_peak_bytes.max(1) as f64,
+                if ck.step_peak_bytes > ck.fwd_bwd_peak_bytes { "optimizer update" } else { "activations" },
+                (time_vs_off(ck, off) - 1.0) * 100.0
+            );
+        }
+        Some((off, ck)) => {
+            // Not run where the planner predicted it would not fit: its prediction, marked.
+            let total = |r: &Record| match (r.status, r.predicted_total_bytes) {
+                (Status::Ok, _) => Some((r.model_state_bytes + r.step_peak_bytes, "")),
+                (Status::Skipped, Some(p)) => Some((p, " (predicted, not run)")),
+                _ => None,
+            };
+            let cell = |r: &Record| total(r).map_or(format!("{}: {}", r.status, r.error.replace('|', "/")), |(b, mark)| format!("{}{mark}", size(b)));
+            let ratio = total(off).zip(total(ck)).map_or(String::new(), |((o, _), (c, _))| format!("{:.2}", c as f64 / o as f64));
+            let _ =
+                writeln!(out, "| {} ({}) | {} | {} | {} | {} | {ratio} | | | | {article} |", row.label, off.model, off.batch, off.input, cell(off), cell(ck));
+        }
+        None => {
+            let _ = writeln!(out, "| {} | | | not in this matrix | | | | | | {article} |", row.label);
+        }
+    }
+    out
+}
+
+/// The depth sweep's section (claim C2): the fitted exponents and each depth's activation peaks.
+fn depth_sweep(m: &Matrix, fits: &[(String, f64)]) -> String {
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "\n## Depth sweep (claim C2: O(sqrt L) memory)\n\nGPT-2 blocks of fixed width, activation peak against the number of blocks L, \
+least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|---|---|---|\n"
+    );
+    let depths: Vec<String> = m.models(true).iter().map(|d| depth_of(d).to_string()).collect();
+    for (policy, k) in fits {
+        let _ = writeln!(out, "| {policy} | {} | {k:.2} |", depths.join(", "));
+    }
+    out.push_str("\n| L | activation peak off | activation peak sqrt | sqrt / off |\n|---|---|---|---|\n");
+    for model in m.models(true) {
+        let peak = |p: &str| m.find(&model, p).filter(|r| r.status == Status::Ok).map(|r| r.activation_peak_bytes);
+        let cell = |b: Option<u64>| b.map_or("-".into(), mib);
+        let ratio = peak("off").zip(peak("sqrt")).map_or("-".into(), |(o, s)| format!("{:.2}", s as f64 / o.max(1) as f64));
+        let _ = writeln!(out, "| {} | {} | {} | {ratio} |", depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
+    }
     out
 }

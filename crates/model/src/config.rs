@@ -24,9 +24,29 @@ pub fn read_config<T: serde::de::DeserializeOwned>(path: &Path, validate: impl F
 
 /// A preset name a model does not have; the message lists the valid ones.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown {model} preset `{given}`; valid presets: {valid}")]
+#[error("unknown {model} preset `{given}`; valid presets: {}", valid.join(", "))]
 pub struct UnknownPreset {
     pub model: &'static str,
     pub given: String,
-    pub valid: &'static str,
+    /// Each preset's name, with its size where it has one: `small (124M)`.
+    pub valid: &'static [&'static str],
+}
+
+/// `FromStr` for a model's presets, from one table of names (each with its size, where it has
+/// one): an unknown name is refused with an [`UnknownPreset`] that lists them all.
+/// `model::presets!(Preset, "GPT-2", [Preset::Tiny => "tiny", Preset::Small => "small" ("124M")]);`
+#[macro_export]
+macro_rules! presets {
+    ($ty:ty, $model:literal, [$($variant:path => $name:literal $(($size:literal))?),+ $(,)?]) => {
+        impl std::str::FromStr for $ty {
+            type Err = $crate::UnknownPreset;
+
+            fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+                match s {
+                    $($name => Ok($variant),)+
+                    _ => Err($crate::UnknownPreset { model: $model, given: s.into(), valid: &[$(concat!($name $(, " (", $size, ")")?)),+] }),
+                }
+            }
+        }
+    };
 }

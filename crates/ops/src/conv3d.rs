@@ -95,7 +95,6 @@ mod tests {
     }
 
     /// The definition, loop by loop.
-    #[allow(clippy::too_many_arguments)]
     fn conv3d_naive(x: &[f32], xs: [usize; 5], w: &[f32], ws: [usize; 5], g: Conv3dGeometry) -> (Vec<f32>, [usize; 5]) {
         let [n, c, d, h, wd] = xs;
         let [o, _, kd, kh, kw] = ws;

@@ -59,8 +59,7 @@ pub(crate) fn dropout_key(p: f32, ctx: &StageCtx) -> Result<Option<remat::rng::R
 /// Scaled dot-product attention of q, k, v (B, heads, T, d) with dropout `p` on the attention
 /// probabilities, its mask keyed like [`dropout`]'s, and an optional key padding mask (B, T)
 /// ([`fused::attention`]).
-#[allow(clippy::too_many_arguments)]
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, padding: Option<&Tensor>, p: f32, ctx: &StageCtx) -> Result<Tensor> {
+pub fn attention((q, k, v): (&Tensor, &Tensor, &Tensor), scale: f64, causal: bool, padding: Option<&Tensor>, p: f32, ctx: &StageCtx) -> Result<Tensor> {
     fused::attention(q, k, v, scale, causal, padding, dropout_key(p, ctx)?.map(|key| (key, p)))
 }
 

@@ -48,6 +48,6 @@ impl Linear {
             candle_core::bail!("a layer with a LoRA adapter must have its weight and bias frozen (Lora::freeze): they would get no gradient")
         }
         let dropout = crate::dropout_key(a.dropout, ctx)?.map(|key| (key, a.dropout));
-        fused::lora_linear(x, (&self.weight, Some(&self.bias)), out_in, &a.a, &a.b, a.scale, dropout)
+        fused::lora_linear(x, (&self.weight, Some(&self.bias)), out_in, (&a.a, &a.b, a.scale), dropout)
     }
 }

@@ -20,7 +20,6 @@ use crate::{restored, state_dtype, state_zeros, step_count, ParamElem, TrainOpti
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Storage, Tensor, Var, WithDType, D};
-use candle_nn::Optimizer;
 use half::{bf16, f16};
 use ops::fused::{fused, slice};
 use rayon::prelude::*;
@@ -87,44 +86,23 @@ impl Shape2 {
     }
 }
 
-impl Optimizer for Adafactor {
-    type Config = ParamsAdafactor;
-
-    fn new(vars: Vec<Var>, params: ParamsAdafactor) -> Result<Self> {
-        let vars = vars
-            .into_iter()
-            .filter(|v| v.dtype().is_float())
-            .map(|var| {
-                let shape = Shape2::of(var.as_tensor());
-                let stats = match shape {
-                    Shape2::Factored { lead, r, c } => Tensor::zeros((lead, r + c), state_dtype(var.dtype()), var.device())?,
-                    Shape2::Whole => state_zeros(&var)?,
-                };
-                Ok(Factored { var, shape, stats })
-            })
-            .collect::<Result<_>>()?;
-        Ok(Adafactor { vars, params, step: 0, composed: false })
-    }
-
-    fn step(&mut self, grads: &GradStore) -> Result<()> {
-        self.begin_update()?;
-        self.update_some(grads)
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.params.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.params.lr = lr;
-    }
-}
+candle_optimizer!(Adafactor, ParamsAdafactor, |vars, params| {
+    let vars = vars
+        .into_iter()
+        .filter(|v| v.dtype().is_float())
+        .map(|var| {
+            let shape = Shape2::of(var.as_tensor());
+            let stats = match shape {
+                Shape2::Factored { lead, r, c } => Tensor::zeros((lead, r + c), state_dtype(var.dtype()), var.device())?,
+                Shape2::Whole => state_zeros(&var)?,
+            };
+            Ok(Factored { var, shape, stats })
+        })
+        .collect::<Result<_>>()?;
+    Ok(Adafactor { vars, params, step: 0, composed: false })
+});
 
 impl TrainOptimizer for Adafactor {
-    fn update(&mut self, grads: &GradStore) -> Result<()> {
-        self.step(grads)
-    }
-
     fn begin_update(&mut self) -> Result<()> {
         self.step += 1;
         Ok(())

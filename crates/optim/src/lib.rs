@@ -16,6 +16,31 @@
 //! Not here: which optimizer a run picks by name (the `model` crate's `OptimizerKind`), the
 //! parameters themselves (`params`).
 
+/// candle-nn's `Optimizer` for one of ours, each written once: `new` builds it from its variables
+/// and parameters (`$new`), a step is [`TrainOptimizer::update`], and the learning rate is its
+/// parameters' `lr`.
+macro_rules! candle_optimizer {
+    ($ty:ty, $params:ty, |$vars:ident, $p:ident| $new:block) => {
+        impl candle_nn::Optimizer for $ty {
+            type Config = $params;
+
+            fn new($vars: Vec<candle_core::Var>, $p: $params) -> candle_core::Result<Self> $new
+
+            fn step(&mut self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
+                $crate::TrainOptimizer::update(self, grads)
+            }
+
+            fn learning_rate(&self) -> f64 {
+                self.params.lr
+            }
+
+            fn set_learning_rate(&mut self, lr: f64) {
+                self.params.lr = lr;
+            }
+        }
+    };
+}
+
 mod adafactor;
 
 pub use adafactor::{Adafactor, ParamsAdafactor};
@@ -23,7 +48,6 @@ pub use adafactor::{Adafactor, ParamsAdafactor};
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Result, Storage, Tensor, Var, WithDType};
-use candle_nn::Optimizer;
 pub use candle_nn::ParamsAdamW;
 use half::{bf16, f16};
 use num_traits::Float;
@@ -226,12 +250,16 @@ impl InplaceOp1 for Scale {
 /// An optimizer a training run can stop and resume bit for bit: an update, and its whole state
 /// as named tensors (moments, step count) to save and restore exactly.
 pub trait TrainOptimizer {
-    fn update(&mut self, grads: &GradStore) -> Result<()>;
+    /// One update of every parameter `grads` holds a gradient for.
+    fn update(&mut self, grads: &GradStore) -> Result<()> {
+        self.begin_update()?;
+        self.update_some(grads)
+    }
     /// The update split over a step's backward (`--optimizer-in-backward`): `begin_update` once
     /// per step, before its parts, advances what the parameters share (the step count of the
-    /// bias corrections); then [`TrainOptimizer::update_some`] for each part.
+    /// bias corrections; by default nothing); then [`TrainOptimizer::update_some`] for each part.
     fn begin_update(&mut self) -> Result<()> {
-        candle_core::bail!("this optimizer does not update inside backward")
+        Ok(())
     }
     /// Updates the parameters whose gradients `grads` holds, each as [`TrainOptimizer::update`]
     /// would: an update reads its own parameter's gradient and state alone, so parts that cover
@@ -321,37 +349,16 @@ impl Rule<2> for AdamWRule {
     }
 }
 
-impl Optimizer for AdamW {
-    type Config = ParamsAdamW;
-
-    fn new(vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
-        let vars = vars
-            .into_iter()
-            .filter(|v| v.dtype().is_float())
-            .map(|var| Ok(Moments { m: state_zeros(&var)?, v: state_zeros(&var)?, var }))
-            .collect::<Result<_>>()?;
-        Ok(AdamW { vars, params, step: 0, composed: false })
-    }
-
-    fn step(&mut self, grads: &GradStore) -> Result<()> {
-        self.begin_update()?;
-        self.update_some(grads)
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.params.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.params.lr = lr;
-    }
-}
+candle_optimizer!(AdamW, ParamsAdamW, |vars, params| {
+    let vars = vars
+        .into_iter()
+        .filter(|v| v.dtype().is_float())
+        .map(|var| Ok(Moments { m: state_zeros(&var)?, v: state_zeros(&var)?, var }))
+        .collect::<Result<_>>()?;
+    Ok(AdamW { vars, params, step: 0, composed: false })
+});
 
 impl TrainOptimizer for AdamW {
-    fn update(&mut self, grads: &GradStore) -> Result<()> {
-        self.step(grads)
-    }
-
     fn begin_update(&mut self) -> Result<()> {
         self.step += 1;
         Ok(())
@@ -451,36 +458,9 @@ impl Rule<1> for SgdRule {
     }
 }
 
-impl Optimizer for SgdMomentum {
-    type Config = ParamsSgd;
-
-    fn new(vars: Vec<Var>, params: ParamsSgd) -> Result<Self> {
-        Ok(SgdMomentum { vars: vars.into_iter().map(|v| (v, None)).collect(), params, composed: false })
-    }
-
-    fn step(&mut self, grads: &GradStore) -> Result<()> {
-        self.update_some(grads)
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.params.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.params.lr = lr;
-    }
-}
+candle_optimizer!(SgdMomentum, ParamsSgd, |vars, params| { Ok(SgdMomentum { vars: vars.into_iter().map(|v| (v, None)).collect(), params, composed: false }) });
 
 impl TrainOptimizer for SgdMomentum {
-    fn update(&mut self, grads: &GradStore) -> Result<()> {
-        self.step(grads)
-    }
-
-    /// SGD shares nothing between its parameters.
-    fn begin_update(&mut self) -> Result<()> {
-        Ok(())
-    }
-
     fn update_some(&mut self, grads: &GradStore) -> Result<()> {
         let ParamsSgd { lr, momentum, weight_decay } = self.params;
         for (var, velocity) in self.vars.iter_mut() {
@@ -527,6 +507,7 @@ impl TrainOptimizer for SgdMomentum {
 mod tests {
     use super::*;
     use candle_core::{DType, Device};
+    use candle_nn::Optimizer;
 
     const C: [f64; 3] = [0.5, -1.5, 3.0];
 

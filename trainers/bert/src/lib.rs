@@ -67,8 +67,6 @@ fn default_eps() -> f64 {
     1e-12
 }
 
-const PRESETS: &str = "tiny, base (110M), large (340M)";
-
 /// The published sizes, plus `tiny` for tests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Preset {
@@ -77,18 +75,7 @@ pub enum Preset {
     Large,
 }
 
-impl std::str::FromStr for Preset {
-    type Err = model::UnknownPreset;
-
-    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        Ok(match s {
-            "tiny" => Preset::Tiny,
-            "base" => Preset::Base,
-            "large" => Preset::Large,
-            _ => return Err(model::UnknownPreset { model: "BERT", given: s.into(), valid: PRESETS }),
-        })
-    }
-}
+model::presets!(Preset, "BERT", [Preset::Tiny => "tiny", Preset::Base => "base" ("110M"), Preset::Large => "large" ("340M")]);
 
 impl Preset {
     /// `tiny` (tests), `base` (12 x 768), `large` (24 x 1024).
@@ -221,7 +208,7 @@ impl Layer {
         let (nh, hd) = (self.n_head, c / self.n_head);
         let heads = |l: &Linear| l.forward(x, ctx)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (heads(&self.query)?, heads(&self.key)?, heads(&self.value)?);
-        let y = ops::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), false, Some(mask), self.attn_pdrop, ctx)?; // (B, nh, T, hd)
+        let y = ops::attention((&q, &k, &v), 1.0 / (hd as f64).sqrt(), false, Some(mask), self.attn_pdrop, ctx)?; // (B, nh, T, hd)
         y.transpose(1, 2)?.reshape((b, t, c)) // (B, T, C)
     }
 }

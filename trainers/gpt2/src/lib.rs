@@ -16,7 +16,6 @@ use params::{Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-use std::str::FromStr;
 use std::sync::Arc;
 
 /// Hyper-parameters, with Hugging Face's `config.json` field names.
@@ -70,22 +69,7 @@ pub enum Preset {
     Xl,
 }
 
-const PRESETS: &str = "tiny, small (124M), medium (350M), large (774M), xl (1.56B)";
-
-impl FromStr for Preset {
-    type Err = model::UnknownPreset;
-
-    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        match s {
-            "tiny" => Ok(Preset::Tiny),
-            "small" => Ok(Preset::Small),
-            "medium" => Ok(Preset::Medium),
-            "large" => Ok(Preset::Large),
-            "xl" => Ok(Preset::Xl),
-            _ => Err(model::UnknownPreset { model: "GPT-2", given: s.into(), valid: PRESETS }),
-        }
-    }
-}
+model::presets!(Preset, "GPT-2", [Preset::Tiny => "tiny", Preset::Small => "small" ("124M"), Preset::Medium => "medium" ("350M"), Preset::Large => "large" ("774M"), Preset::Xl => "xl" ("1.56B")]);
 
 impl Preset {
     pub fn config(self) -> Config {
@@ -216,7 +200,7 @@ impl Block {
         let qkv = self.c_attn.forward(x, ctx)?; // (B, T, 3C)
         let head = |i: usize| qkv.narrow(2, i * c, c)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (head(0)?, head(1)?, head(2)?);
-        let y = ops::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), true, None, self.attn_pdrop, ctx)?; // (B, nh, T, hd), causal
+        let y = ops::attention((&q, &k, &v), 1.0 / (hd as f64).sqrt(), true, None, self.attn_pdrop, ctx)?; // (B, nh, T, hd), causal
         let y = y.transpose(1, 2)?.reshape((b, t, c))?; // (B, T, C)
         self.attn_proj.forward(&y, ctx)
     }

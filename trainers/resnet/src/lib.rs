@@ -12,7 +12,6 @@ use ops::fused::widened;
 use ops::{max_pool2d_k3s2p1, BatchNorm};
 use params::{Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
-use std::str::FromStr;
 
 /// Architecture: block type, blocks per layer, stem width.
 #[derive(Clone, Debug, PartialEq)]
@@ -29,8 +28,6 @@ pub struct Config {
     pub freeze: params::Freeze,
 }
 
-const PRESETS: &str = "tiny, resnet18, resnet34, resnet50, resnet101, resnet152";
-
 /// The published depths, plus `tiny` for tests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Preset {
@@ -42,21 +39,7 @@ pub enum Preset {
     Resnet152,
 }
 
-impl FromStr for Preset {
-    type Err = model::UnknownPreset;
-
-    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        Ok(match s {
-            "tiny" => Preset::Tiny,
-            "resnet18" => Preset::Resnet18,
-            "resnet34" => Preset::Resnet34,
-            "resnet50" => Preset::Resnet50,
-            "resnet101" => Preset::Resnet101,
-            "resnet152" => Preset::Resnet152,
-            _ => return Err(model::UnknownPreset { model: "ResNet", given: s.into(), valid: PRESETS }),
-        })
-    }
-}
+model::presets!(Preset, "ResNet", [Preset::Tiny => "tiny", Preset::Resnet18 => "resnet18", Preset::Resnet34 => "resnet34", Preset::Resnet50 => "resnet50", Preset::Resnet101 => "resnet101", Preset::Resnet152 => "resnet152"]);
 
 impl Preset {
     /// The preset's configuration, with 1000 classes (set `classes` after).

@@ -15,7 +15,6 @@ use ops::fused::widened;
 use ops::{conv3d, conv3d_concat, conv_transpose3d_k2s2, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm};
 use params::{Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
-use std::str::FromStr;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Norm {
@@ -47,8 +46,6 @@ pub struct Config {
     pub freeze: params::Freeze,
 }
 
-const PRESETS: &str = "tiny, small (16-32-64-128), cicek (32-64-128-256, 512 at the bottom)";
-
 /// The sizes this crate trains: `tiny` for tests, `small`, and Çiçek et al.'s widths.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Preset {
@@ -57,18 +54,7 @@ pub enum Preset {
     Cicek,
 }
 
-impl FromStr for Preset {
-    type Err = model::UnknownPreset;
-
-    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        Ok(match s {
-            "tiny" => Preset::Tiny,
-            "small" => Preset::Small,
-            "cicek" => Preset::Cicek,
-            _ => return Err(model::UnknownPreset { model: "3D U-Net", given: s.into(), valid: PRESETS }),
-        })
-    }
-}
+model::presets!(Preset, "3D U-Net", [Preset::Tiny => "tiny", Preset::Small => "small" ("16-32-64-128"), Preset::Cicek => "cicek" ("32-64-128-256, 512 at the bottom")]);
 
 impl Preset {
     /// The preset with one input channel, three classes (background, sphere, cube), BatchNorm.

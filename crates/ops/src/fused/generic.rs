@@ -180,6 +180,7 @@ impl candle_core::CustomOp3 for GenericOp {
     }
 
     #[cfg(feature = "cuda")]
+    // candle's `CustomOp3::cuda_fwd`: three storages, each with its layout.
     #[allow(clippy::too_many_arguments)]
     fn cuda_fwd(
         &self,

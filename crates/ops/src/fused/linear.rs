@@ -144,14 +144,11 @@ custom_op!(Replay<LinearOp>: 2 "replayed-linear", 3 "replayed-linear-bias");
 /// in candle's graph until backward, several activations of the layer's output size more than
 /// full fine-tuning keeps. `dropout`: the key and probability of the adapter's input dropout, its
 /// mask drawn again in backward. Composed from candle's ops on every device, in f32.
-#[allow(clippy::too_many_arguments)]
 pub fn lora_linear(
     x: &Tensor,
     (w, b): (&Tensor, Option<&Tensor>),
     w_is_out_in: bool,
-    a: &Tensor,
-    b_lora: &Tensor,
-    scale: f64,
+    (a, b_lora, scale): (&Tensor, &Tensor, f64),
     dropout: Option<(remat::rng::RngKey, f32)>,
 ) -> Result<Tensor> {
     let k = x.dim(D::Minus1)?;

@@ -127,6 +127,59 @@ struct Measured {
 /// What makes stages alike: a signature and the shapes and dtypes of the inputs.
 type AlikeKey = (String, Vec<(Vec<usize>, DType)>);
 
+/// What measuring a graph's stages needs throughout: the meter, where the graph's own values
+/// start and which is its loss, the parameters whose gradients are counted, the seed.
+struct Meter<'a> {
+    counter: Counter,
+    n_inputs: usize,
+    output: ValueId,
+    params: &'a [Var],
+    seed: u64,
+}
+
+/// Which stages use each parameter, found as stages are measured: its first and last user and
+/// its gradient's bytes, by index in the parameter list.
+struct Users {
+    first: Vec<Option<usize>>,
+    last: Vec<Option<usize>>,
+    bytes: Vec<u64>,
+}
+
+impl Users {
+    fn new(n: usize) -> Self {
+        Users { first: vec![None; n], last: vec![None; n], bytes: vec![0; n] }
+    }
+
+    /// Stage `i`'s backward gave these parameter gradients.
+    fn record(&mut self, i: usize, grads: &ParamGradBytes) {
+        for &(k, bytes) in grads {
+            self.first[k].get_or_insert(i);
+            self.last[k] = Some(i);
+            self.bytes[k] = bytes;
+        }
+    }
+
+    /// Each parameter's gradient counted at its last user in forward order: the first stage
+    /// whose backward makes it.
+    fn add_grads_to(&self, stages: &mut [StageCost]) {
+        for (k, user) in self.last.iter().enumerate() {
+            if let Some(i) = user {
+                stages[*i].param_grad_bytes += self.bytes[k];
+            }
+        }
+    }
+
+    /// The parameters used by more than one stage (Rule 8: their partial sums).
+    fn shared(&self) -> Vec<SharedGrad> {
+        (0..self.bytes.len())
+            .filter_map(|k| match (self.first[k], self.last[k]) {
+                (Some(first), Some(last)) if first < last => Some(SharedGrad { first, last, bytes: self.bytes[k] }),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
 /// [`Profile::measure`], reusing alike stages' figures where `reuse`.
 fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: usize, seed: u64, reuse: bool) -> Result<Profile> {
     if inputs.len() != graph.n_inputs() {
@@ -138,17 +191,13 @@ fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: u
     if device.is_cpu() && !crate::memory::heap_meter_installed() {
         return Err(Error::NoMeter);
     }
-    let counter = Counter::for_device(device);
-    let n_inputs = graph.n_inputs();
-    let output = graph.output()?;
+    let meter = Meter { counter: Counter::for_device(device), n_inputs: graph.n_inputs(), output: graph.output()?, params, seed };
     let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(graph.n_values()).collect();
     let mut costs: Vec<ValueCost> = vec![ValueCost { bytes: 0, float: false }; graph.n_values()];
     for (c, t) in costs.iter_mut().zip(inputs) {
         *c = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
     }
-    let mut first_user = vec![None; params.len()];
-    let mut last_user = vec![None; params.len()];
-    let mut param_bytes = vec![0u64; params.len()];
+    let mut users = Users::new(params.len());
     let mut stages = Vec::with_capacity(graph.nodes().len());
     // Each stage measured in full that others may be alike to, and what it measured.
     let mut alike: HashMap<AlikeKey, Measured> = HashMap::new();
@@ -158,37 +207,17 @@ fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: u
         let ins =
             node.inputs.iter().map(|&v| values[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not produced")))).collect::<Result<Vec<_>>>()?;
         let key = node.stage.signature().filter(|_| reuse).map(|s| (s, ins.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect::<Vec<_>>()));
-        let earlier = key.as_ref().and_then(|k| alike.get(k));
-        let (outs, cost) = match earlier {
+        let (outs, cost) = match key.as_ref().and_then(|k| alike.get(k)) {
             Some(m) => {
                 reused_grad_bytes[i] = m.param_grad_bytes;
-                let cost = StageCost {
-                    name: node.stage.name(),
-                    kind: node.stage.kind(),
-                    inputs: node.inputs.clone(),
-                    outputs: node.outputs.clone(),
-                    ..m.cost.clone()
-                };
-                (m.outputs.clone(), cost)
+                (m.outputs.clone(), StageCost { name: node.stage.name(), kind: node.stage.kind(), inputs: node.inputs.clone(), outputs: node.outputs.clone(), ..m.cost.clone() })
             }
             None => {
-                // Each stage runs twice and every figure is the smaller of the two: a kernel's
-                // first call may grow a workspace it keeps (per thread, by the size it meets),
-                // and the process's first parallel call starts its thread pool, neither the
-                // stage's to keep. So no pass needs to run before a measurement: a pass thrown
-                // away first left every prediction of remat's schedule test unchanged to the byte.
-                let once = || measure_stage(&counter, node, i, &ins, n_inputs, output, params, seed);
-                let (outs, first, grads) = once()?;
-                let (_, second, _) = once()?;
-                let cost = first.least(&second);
+                let (outs, cost, grads) = measure_twice(&meter, node, i, &ins)?;
                 if let Some(key) = key {
                     alike.insert(key, Measured { cost: cost.clone(), outputs: outs.clone(), param_grad_bytes: grads.iter().map(|(_, b)| b).sum() });
                 }
-                for (k, bytes) in grads {
-                    first_user[k].get_or_insert(i);
-                    last_user[k] = Some(i);
-                    param_bytes[k] = bytes;
-                }
+                users.record(i, &grads);
                 (outs, cost)
             }
         };
@@ -197,28 +226,29 @@ fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: u
             values[v] = Some(t.clone());
         }
         for &v in &node.inputs {
-            if last_reader[v] == Some(i) && v >= n_inputs {
+            if last_reader[v] == Some(i) && v >= meter.n_inputs {
                 values[v] = None;
             }
         }
         stages.push(cost);
     }
-    for (k, user) in last_user.iter().enumerate() {
-        if let Some(i) = user {
-            stages[*i].param_grad_bytes += param_bytes[k];
-        }
-    }
+    users.add_grads_to(&mut stages);
     for (stage, bytes) in stages.iter_mut().zip(reused_grad_bytes) {
         stage.param_grad_bytes += bytes;
     }
-    let shared_grads = (0..params.len())
-        .filter_map(|k| match (first_user[k], last_user[k]) {
-            (Some(first), Some(last)) if first < last => Some(SharedGrad { first, last, bytes: param_bytes[k] }),
-            _ => None,
-        })
-        .collect();
     set_activity(Activity::Setup, None);
-    Ok(Profile { batch, n_inputs, values: costs, stages, shared_grads })
+    Ok(Profile { batch, n_inputs: meter.n_inputs, values: costs, stages, shared_grads: users.shared() })
+}
+
+/// Stage `i` measured twice, every figure the smaller of the two: a kernel's first call may grow
+/// a workspace it keeps (per thread, by the size it meets), and the process's first parallel call
+/// starts its thread pool, neither the stage's to keep. So no pass needs to run before a
+/// measurement: a pass thrown away first left every prediction of remat's schedule test
+/// unchanged to the byte.
+fn measure_twice(meter: &Meter, node: &crate::graph::Node, i: usize, ins: &[Tensor]) -> Result<(Vec<Tensor>, StageCost, ParamGradBytes)> {
+    let (outs, first, grads) = measure_stage(meter, node, i, ins)?;
+    let (_, second, _) = measure_stage(meter, node, i, ins)?;
+    Ok((outs, first.least(&second), grads))
 }
 
 /// Bytes of each parameter gradient a stage's backward gives, by index in the parameter list.
@@ -226,17 +256,8 @@ type ParamGradBytes = Vec<(usize, u64)>;
 
 /// One measurement of stage `i` of a graph on its inputs `ins`: its outputs (detached), its
 /// costs, and the bytes of each parameter gradient (by index in `params`) its backward gives.
-#[allow(clippy::too_many_arguments)]
-fn measure_stage(
-    counter: &Counter,
-    node: &crate::graph::Node,
-    i: usize,
-    ins: &[Tensor],
-    n_inputs: usize,
-    output: ValueId,
-    params: &[Var],
-    seed: u64,
-) -> Result<(Vec<Tensor>, StageCost, ParamGradBytes)> {
+fn measure_stage(meter: &Meter, node: &crate::graph::Node, i: usize, ins: &[Tensor]) -> Result<(Vec<Tensor>, StageCost, ParamGradBytes)> {
+    let (counter, n_inputs, output, params, seed) = (&meter.counter, meter.n_inputs, meter.output, meter.params, meter.seed);
     let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
     let ctx = || StageCtx::new(crate::RunPoint { seed, stage: i, recompute: true, train: true, ..Default::default() });
     set_activity(Activity::Forward, Some(i));

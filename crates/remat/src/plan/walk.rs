@@ -125,102 +125,153 @@ impl<'p> Walk<'p> {
     /// of settled stored values from earlier segments: `see` gets its points, its forward first,
     /// then its recompute and backward.
     fn segment(&self, a: usize, b: usize, last: bool, past: u64, mut see: impl FnMut(Point)) {
-        let stages = &self.p.stages;
-        // Rule 10: the outputs every earlier stage kept wait for its segment's recompute, after
-        // this segment's backward; this segment's own are in its live stages while its forward
-        // runs (their op graph holds them), then held alone until each stage's recompute.
-        let kept_before = self.kept_bytes(0..a);
-        let stored_here: Vec<ValueId> = self.wiring.stored_at(a).collect();
-        let first_reader = |v: ValueId| self.wiring.first_reader(v).expect("a stored value has a reader");
-        let float = |v: ValueId| self.p.values[v].float;
-        // Rule 5: the stored float values first read here, which this segment takes over when it
-        // builds graphs: each counted as stored until its first reader here, then as that
-        // reader's `Var` (Rule 4: `vars`). Integer ones stay counted as stored to the end of its
-        // backward: no `Var` takes them over, and a reader's graph may hold them until its own
-        // backward.
-        let handed: Vec<(usize, u64)> =
-            stored_here.iter().filter(|&&v| (a..b).contains(&first_reader(v)) && float(v)).map(|&v| (first_reader(v), self.bytes(v))).collect();
-        let handed_by = |i: usize| handed.iter().filter(|&&(first, _)| first <= i).map(|&(_, bytes)| bytes).sum::<u64>();
-        // Rule 4: what a stage holds through the `Var`s it makes is what no one else holds: the
-        // values handed over at it. A value produced in the segment is held by its producer's run
-        // the whole time, and a stored value an earlier segment takes over stays stored until then;
-        // on candle as published, its first reader's `Var` is a copy of a value produced in the
-        // segment, held until that reader's backward.
-        let copied = |i: usize| -> u64 {
-            let here = |v: &&ValueId| float(**v) && self.wiring.producer(**v).is_some_and(|p| p >= a) && first_reader(**v) == i;
-            if crate::rules::VARS_COPY {
-                stages[i].inputs.iter().filter(here).map(|&v| self.bytes(v)).sum()
-            } else {
-                0
-            }
-        };
-        let vars = |i: usize| handed.iter().filter(|&&(first, _)| first == i).map(|&(_, bytes)| bytes).sum::<u64>() + copied(i);
-        // Rule 8: walking backward, the gradients of later stages' parameters are in; while
-        // accumulating, the sums held throughout and the partial sums of shared parameters whose
-        // last user lies after the segment and whose first does not; with the optimizer inside
-        // backward, those partial sums alone (every other gradient was applied and freed).
-        let gathered = self.grads == Grads::Gathered;
-        let grads_after: u64 = self.grads.held()
-            + if gathered {
-                stages[b..].iter().map(|s| s.param_grad_bytes).sum::<u64>()
-            } else {
-                self.p.shared_grads.iter().filter(|s| s.last >= b && s.first < b).map(|s| s.bytes).sum::<u64>()
-            };
+        let seg = SegmentWalk::new(self, a..b, last, past);
+        let live = seg.forward(&mut see);
+        seg.backward(live, &mut see);
+    }
+}
 
+/// One segment's replay: what it stores, hands over to its stages' `Var`s and keeps, worked out
+/// once for its forward, recompute and backward.
+struct SegmentWalk<'w, 'p> {
+    walk: &'w Walk<'p>,
+    a: usize,
+    b: usize,
+    /// The segment whose graphs forward keeps.
+    last: bool,
+    /// Bytes of the settled stored values of earlier segments.
+    past: u64,
+    /// Rule 10: the outputs every earlier stage kept wait for its segment's recompute, after
+    /// this segment's backward; this segment's own are in its live stages while its forward runs
+    /// (their op graph holds them), then held alone until each stage's recompute.
+    kept_before: u64,
+    /// The values stored at the segment's start.
+    stored_here: Vec<ValueId>,
+    /// Rule 5: the stored float values first read here, which this segment takes over when it
+    /// builds graphs: each counted as stored until its first reader here, then as that reader's
+    /// `Var` (Rule 4: [`SegmentWalk::vars`]), as (first reader, bytes). Integer ones stay
+    /// counted as stored to the end of its backward: no `Var` takes them over, and a reader's
+    /// graph may hold them until its own backward.
+    handed: Vec<(usize, u64)>,
+}
+
+impl<'w, 'p> SegmentWalk<'w, 'p> {
+    fn new(walk: &'w Walk<'p>, range: Range<usize>, last: bool, past: u64) -> Self {
+        let (a, b) = (range.start, range.end);
+        let stored_here: Vec<ValueId> = walk.wiring.stored_at(a).collect();
+        let mut seg = SegmentWalk { walk, a, b, last, past, kept_before: walk.kept_bytes(0..a), stored_here, handed: Vec::new() };
+        seg.handed = seg
+            .stored_here
+            .iter()
+            .filter(|&&v| range.contains(&seg.first_reader(v)) && seg.float(v))
+            .map(|&v| (seg.first_reader(v), walk.bytes(v)))
+            .collect();
+        seg
+    }
+
+    fn first_reader(&self, v: ValueId) -> usize {
+        self.walk.wiring.first_reader(v).expect("a stored value has a reader")
+    }
+
+    fn float(&self, v: ValueId) -> bool {
+        self.walk.p.values[v].float
+    }
+
+    /// Bytes handed over to `Var`s by stage `i` (Rule 5).
+    fn handed_by(&self, i: usize) -> u64 {
+        self.handed.iter().filter(|&&(first, _)| first <= i).map(|&(_, bytes)| bytes).sum()
+    }
+
+    /// Rule 4: what stage `i` holds through the `Var`s it makes is what no one else holds: the
+    /// values handed over at it. A value produced in the segment is held by its producer's run
+    /// the whole time, and a stored value an earlier segment takes over stays stored until then;
+    /// on candle as published, its first reader's `Var` is a copy of a value produced in the
+    /// segment, held until that reader's backward.
+    fn vars(&self, i: usize) -> u64 {
+        let handed: u64 = self.handed.iter().filter(|&&(first, _)| first == i).map(|&(_, bytes)| bytes).sum();
+        let copied = |v: &&ValueId| {
+            self.float(**v) && self.walk.wiring.producer(**v).is_some_and(|p| p >= self.a) && self.first_reader(**v) == i
+        };
+        let copies = if crate::rules::VARS_COPY { self.walk.p.stages[i].inputs.iter().filter(copied).map(|&v| self.walk.bytes(v)).sum() } else { 0 };
+        handed + copies
+    }
+
+    /// Rule 8: walking backward, the gradients of later stages' parameters are in; while
+    /// accumulating, the sums held throughout and the partial sums of shared parameters whose
+    /// last user lies after the segment and whose first does not; with the optimizer inside
+    /// backward, those partial sums alone (every other gradient was applied and freed).
+    fn grads_after(&self) -> u64 {
+        let (p, b) = (self.walk.p, self.b);
+        self.walk.grads.held()
+            + if self.walk.grads == Grads::Gathered {
+                p.stages[b..].iter().map(|s| s.param_grad_bytes).sum::<u64>()
+            } else {
+                p.shared_grads.iter().filter(|s| s.last >= b && s.first < b).map(|s| s.bytes).sum::<u64>()
+            }
+    }
+
+    /// The segment's forward, stage by stage; returns what its stages hold at its end.
+    fn forward(&self, see: &mut impl FnMut(Point)) -> u64 {
         // Rule 1: forward holds every value stored so far; Rule 2: a segment's stages stay until it ends.
-        let stored = past + stored_here.iter().map(|&v| self.bytes(v)).sum::<u64>();
+        let stored = self.past + self.stored_here.iter().map(|&v| self.walk.bytes(v)).sum::<u64>();
         let mut live = 0;
-        for (i, st) in stages.iter().enumerate().take(b).skip(a) {
+        for (i, st) in self.walk.p.stages.iter().enumerate().take(self.b).skip(self.a) {
             // Rule 3: the last segment's forward builds graphs, on `Var`s (Rule 4).
-            let (keep, transient) = if last { (vars(i) + st.graph_bytes, st.graph_transient) } else { (st.chain_bytes, st.chain_transient) };
-            let stored = if last { stored - handed_by(i) } else { stored };
+            let (keep, transient) = if self.last { (self.vars(i) + st.graph_bytes, st.graph_transient) } else { (st.chain_bytes, st.chain_transient) };
+            let stored = if self.last { stored - self.handed_by(i) } else { stored };
             live += keep;
-            let held = Breakdown { stored, kept: kept_before, param_grads: self.grads.held(), value_grads: 0, live, transient: 0 };
+            let held = Breakdown { stored, kept: self.kept_before, param_grads: self.walk.grads.held(), value_grads: 0, live, transient: 0 };
             see(Point::after(Phase::Forward, i, held, transient));
         }
+        live
+    }
 
+    /// The segment's recompute (but for the last segment, whose forward kept its graphs, `live`
+    /// bytes) and its backward, stage by stage.
+    fn backward(&self, live: u64, see: &mut impl FnMut(Point)) {
+        let (walk, stages, a, b) = (self.walk, &self.walk.p.stages, self.a, self.b);
         // Rule 5: stored values whose earliest reader's segment is this one or an earlier one are
         // held (not what this segment stores: its recompute makes those anew).
-        let stored = past + stored_here.iter().filter(|&&v| first_reader(v) < b).map(|&v| self.bytes(v)).sum::<u64>();
+        let stored = self.past + self.stored_here.iter().filter(|&&v| self.first_reader(v) < b).map(|&v| walk.bytes(v)).sum::<u64>();
         // Rule 7: gradients of the values later segments read, waiting for their producers.
-        let mut pending: BTreeSet<ValueId> = self.wiring.stored_at(b).filter(|&v| float(v)).collect();
-        let value_grads = pending.iter().map(|&v| self.bytes(v)).sum();
-        let mut held = Breakdown { stored, kept: kept_before, param_grads: grads_after, value_grads, live: 0, transient: 0 };
-        if !last {
+        let mut pending: BTreeSet<ValueId> = walk.wiring.stored_at(b).filter(|&v| self.float(v)).collect();
+        let value_grads = pending.iter().map(|&v| walk.bytes(v)).sum();
+        let mut held = Breakdown { stored, kept: self.kept_before, param_grads: self.grads_after(), value_grads, live: 0, transient: 0 };
+        if !self.last {
             // Rule 3: recomputed with graphs, right before its backward.
             for (i, st) in stages.iter().enumerate().take(b).skip(a) {
-                held.live += vars(i) + st.graph_bytes;
+                held.live += self.vars(i) + st.graph_bytes;
                 // Rule 10: a replayed output's copy joins the stage's graph as its kept one goes;
                 // while the stage runs, some of its kept outputs are still held beside their copies.
-                let now = Breakdown { stored: stored - handed_by(i), kept: kept_before + self.kept_bytes(i + 1..b), ..held };
-                see(Point::after(Phase::Recompute, i, now, st.graph_transient.max(self.kept[i].0)));
+                let now = Breakdown { stored: stored - self.handed_by(i), kept: self.kept_before + walk.kept_bytes(i + 1..b), ..held };
+                see(Point::after(Phase::Recompute, i, now, st.graph_transient.max(walk.kept[i].0)));
             }
-            held.kept = kept_before;
+            held.kept = self.kept_before;
         } else {
             held.live = live;
         }
         // Rule 5: by its backward, what this segment took over is held by `Var`s only.
-        held.stored = stored - handed_by(b);
+        held.stored = stored - self.handed_by(b);
         for i in (a..b).rev() {
             let during = Breakdown { transient: stages[i].backward_transient, ..held };
             // Rule 6: the stage's run goes once its backward has run.
-            held.live -= vars(i) + stages[i].graph_bytes;
+            held.live -= self.vars(i) + stages[i].graph_bytes;
             // Rule 7: its outputs' gradients are taken up, its float inputs' appear.
             for v in &stages[i].outputs {
                 if pending.remove(v) {
-                    held.value_grads -= self.bytes(*v);
+                    held.value_grads -= walk.bytes(*v);
                 }
             }
-            for &v in stages[i].inputs.iter().filter(|&&v| v >= self.p.n_inputs && float(v)) {
+            for &v in stages[i].inputs.iter().filter(|&&v| v >= walk.p.n_inputs && self.float(v)) {
                 if pending.insert(v) {
-                    held.value_grads += self.bytes(v);
+                    held.value_grads += walk.bytes(v);
                 }
             }
             // Rule 8
-            if gathered {
+            if walk.grads == Grads::Gathered {
                 held.param_grads += stages[i].param_grad_bytes;
             } else {
-                for shared in &self.p.shared_grads {
+                for shared in &walk.p.shared_grads {
                     if shared.last == i {
                         held.param_grads += shared.bytes;
                     }
@@ -233,6 +284,7 @@ impl<'p> Walk<'p> {
         }
     }
 }
+
 /// The values a cut of the stages into `segments` stores (graph inputs excluded), in order.
 pub fn stored_values(profile: &Profile, segments: &[Range<usize>]) -> Vec<ValueId> {
     let walk = Walk::new(profile, OpSet::default(), Grads::Gathered);
