@@ -14,7 +14,17 @@ fn main() {
     println!("cargo:rerun-if-changed=../Cargo.lock");
     println!("cargo:rustc-env=HARNESS_COMMIT={}", commit());
     // A commit, a checkout or an edit to the code rebuilds the harness and its commit with it.
-    for path in ["../.git/HEAD", "../.git/index", "../.git/refs", "../crates", "../trainers", "../datasets", "../vendor", "../scripts", "src"] {
+    for path in [
+        "../.git/HEAD",
+        "../.git/index",
+        "../.git/refs",
+        "../crates",
+        "../trainers",
+        "../datasets",
+        "../vendor",
+        "../scripts",
+        "src",
+    ] {
         println!("cargo:rerun-if-changed={path}");
     }
 }
@@ -32,8 +42,19 @@ fn commit() -> String {
             .filter(|o| o.status.success())
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
-    let Some(commit) = git(&["rev-parse", "--short", "HEAD"]).filter(|c| !c.is_empty()) else { return "unknown".into() };
-    let changed = git(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results", ":(exclude)docs", ":(exclude)*.md"]);
+    let Some(commit) = git(&["rev-parse", "--short", "HEAD"]).filter(|c| !c.is_empty()) else {
+        return "unknown".into();
+    };
+    let changed = git(&[
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+        "--",
+        ".",
+        ":(exclude)results",
+        ":(exclude)docs",
+        ":(exclude)*.md",
+    ]);
     if changed.is_some_and(|s| !s.is_empty()) {
         format!("{commit}-dirty")
     } else {

@@ -5,7 +5,7 @@ For a tiny GPT-2 (Hugging Face `transformers`), a tiny BERT masked LM (`transfor
 ResNet built from torchvision's own `Bottleneck` blocks, and a tiny 3D U-Net written here with
 `torch.nn.functional` to match `trainers/unet3d` (one with BatchNorm and CE + soft Dice, one with
 GroupNorm and CE), it writes one safetensors file per model into `trainers/<model>/tests/fixtures/` (and one of
-torch.optim.Adafactor's steps into `crates/layers/tests/fixtures/`):
+torch.optim.Adafactor's steps into `crates/optim/tests/fixtures/`):
 
 - the weights, the whole state dict as the published checkpoints hold it (tied copies, BatchNorm
   counters), so the test loads them through the model's own snapshot loader, as f32;
@@ -42,7 +42,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def out_path(crate, name):
-    d = os.path.join(ROOT, "crates" if crate == "layers" else "models", crate, "tests", "fixtures")
+    d = os.path.join(ROOT, "crates" if crate == "optim" else "trainers", crate, "tests", "fixtures")
     os.makedirs(d, exist_ok=True)
     return os.path.join(d, f"{name}.safetensors")
 
@@ -311,7 +311,7 @@ def adafactor(gen):
     """torch.optim.Adafactor over five steps of given gradients, in f64 from f32 starting values,
     for a matrix, a stack of matrices (factored over its last two axes), a vector and a scalar;
     eps1 pinned to f32's epsilon (PyTorch takes the parameter dtype's) and lr high enough that
-    rho = 1/sqrt(t) takes over from step 3 on. Written to crates/layers/tests/fixtures/."""
+    rho = 1/sqrt(t) takes over from step 3 on. Written to crates/optim/tests/fixtures/."""
     shapes = {"matrix": (6, 5), "stack": (2, 3, 4), "vector": (4,), "scalar": ()}
     config = {"lr": 0.6, "beta2_decay": -0.8, "eps1": float(torch.finfo(torch.float32).eps), "eps2": 1e-3, "d": 1.0,
               "weight_decay": 0.01, "steps": 5}
@@ -329,7 +329,7 @@ def adafactor(gen):
         opt.step()
         for k, p in params.items():
             fixture[f"after.{step}.{k}"] = p.detach().clone()
-    save(out_path("layers", "adafactor"), {}, fixture, config)
+    save(out_path("optim", "adafactor"), {}, fixture, config)
 
 
 def main():

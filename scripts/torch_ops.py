@@ -1,12 +1,12 @@
 """PyTorch's side of the kernel benchmarks, at the shapes and thread count ours run them:
 
-- `torch.mm` at the shapes of `crates/layers/benches/gemm.rs` (GFLOP/s, each operand row-major),
-- the convolutions of `crates/layers/benches/fused.rs` (one forward and backward of the sum of the
+- `torch.mm` at the shapes of `crates/ops/benches/gemm.rs` (GFLOP/s, each operand row-major),
+- the convolutions of `crates/ops/benches/fused.rs` (one forward and backward of the sum of the
   output, the same step the Rust bench times), as medians in ms.
 
     python scripts/torch_ops.py [--threads 2]
 
-Run it right after `cargo bench -p layers --bench gemm` / `--bench fused -- conv`, on the same
+Run it right after `cargo bench -p ops --bench gemm` / `--bench fused -- conv`, on the same
 machine: timings move between machines and, on a shared host, between minutes.
 """
 

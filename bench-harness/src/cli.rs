@@ -32,7 +32,8 @@ pub enum BaselineKind {
 
 #[derive(Args, Clone)]
 pub struct Common {
-    /// Configuration set: smoke (tiny, seconds), cpu (minutes per model), full (the article's sizes).
+    /// Configuration set: smoke (tiny, seconds), cpu (minutes per model), full (the article's
+    /// sizes).
     #[arg(long)]
     pub profile: Option<Profile>,
     /// Timed steps per configuration (after one warm-up step).
@@ -174,13 +175,21 @@ impl Common {
     /// (`-ranksN-sharded` with the optimizer state sharded).
     pub fn results_dir(&self, profile: Profile) -> PathBuf {
         let sharded = if self.shard_optimizer { "-sharded" } else { "" };
-        let ranks = if self.ranks > 1 { format!("-ranks{}{sharded}", self.ranks) } else { String::new() };
+        let ranks =
+            if self.ranks > 1 { format!("-ranks{}{sharded}", self.ranks) } else { String::new() };
         let generic = if self.fused_path == FusedPath::Generic { "-generic" } else { "" };
-        PathBuf::from(format!("results/{profile}-{}{ranks}{generic}", self.device.to_string().replace(':', "")))
+        PathBuf::from(format!(
+            "results/{profile}-{}{ranks}{generic}",
+            self.device.to_string().replace(':', "")
+        ))
     }
 
     /// The profile that fits the device unless one was named.
     pub fn profile(&self) -> Profile {
-        self.profile.unwrap_or(if self.device == DeviceName::Cpu { Profile::Cpu } else { Profile::Full })
+        self.profile.unwrap_or(if self.device == DeviceName::Cpu {
+            Profile::Cpu
+        } else {
+            Profile::Full
+        })
     }
 }

@@ -26,7 +26,9 @@ use remat::PolicyRequest;
 static ALLOC: CountingAlloc = CountingAlloc;
 
 #[derive(Parser)]
-#[command(about = "Checkpointing benchmark: models x policies, bit-exact gradient checks, memory and time")]
+#[command(
+    about = "Checkpointing benchmark: models x policies, bit-exact gradient checks, memory and time"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Option<Cmd>,
@@ -99,7 +101,9 @@ fn main() -> Result<()> {
             };
             measure::run_one(&model, &policy, mode, profiles.as_deref(), &common)
         }
-        Some(Cmd::ProjectOne { model, common }) => measure::projection::project_one(&model, &common),
+        Some(Cmd::ProjectOne { model, common }) => {
+            measure::projection::project_one(&model, &common)
+        }
         Some(Cmd::Selftest { device }) => measure::selftest::selftest(device),
         Some(Cmd::Claims { dir, check }) => report::claims::run(&dir, check),
         None => run::matrix::run(cli.matrix),

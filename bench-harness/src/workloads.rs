@@ -35,7 +35,11 @@ pub trait Instance {
     /// A fresh optimizer over the parameters (separate from the instance, whose graph the
     /// executor borrows while the optimizer updates the weights); with `shard`, its state
     /// sharded over the ranks of `group` (ZeRO stage 1).
-    fn optimizer<'g>(&self, shard: bool, group: &'g trainkit::Group) -> Result<Box<dyn TrainOptimizer + 'g>>;
+    fn optimizer<'g>(
+        &self,
+        shard: bool,
+        group: &'g trainkit::Group,
+    ) -> Result<Box<dyn TrainOptimizer + 'g>>;
 }
 
 /// One model configuration of a profile.
@@ -67,7 +71,15 @@ trait Family: std::fmt::Debug {
     fn keepable(&self) -> OpSet;
     fn optimizer(&self) -> OptimizerKind;
     fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>>;
-    fn build(&self, batch: usize, size: usize, dtype: Precision, optimizer: OptimizerKind, device: &Device, seed: u64) -> Result<Box<dyn Instance>>;
+    fn build(
+        &self,
+        batch: usize,
+        size: usize,
+        dtype: Precision,
+        optimizer: OptimizerKind,
+        device: &Device,
+        seed: u64,
+    ) -> Result<Box<dyn Instance>>;
 }
 
 struct Config<M: Benchable>(M::Config);
@@ -94,7 +106,15 @@ impl<M: Benchable> Family for Config<M> {
     fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>> {
         Ok(M::parameter_shapes(&self.0)?)
     }
-    fn build(&self, batch: usize, size: usize, dtype: Precision, optimizer: OptimizerKind, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
+    fn build(
+        &self,
+        batch: usize,
+        size: usize,
+        dtype: Precision,
+        optimizer: OptimizerKind,
+        device: &Device,
+        seed: u64,
+    ) -> Result<Box<dyn Instance>> {
         let model = M::build(&M::with_dtype(&self.0, dtype), device, seed)?;
         let data = model.synthetic_data(size, seed)?;
         Ok(Box::new(Built { model, data, batch, optimizer, device: device.clone() }))
@@ -102,7 +122,12 @@ impl<M: Benchable> Family for Config<M> {
 }
 
 /// The workload `model` of the model type `M` with `config`, at `batch` and `input_size`.
-fn workload<M: Benchable>(model: &str, config: M::Config, batch: usize, input_size: usize) -> Workload {
+fn workload<M: Benchable>(
+    model: &str,
+    config: M::Config,
+    batch: usize,
+    input_size: usize,
+) -> Workload {
     Workload {
         model: model.into(),
         batch,
@@ -156,7 +181,13 @@ fn resnet(preset: resnet::Preset) -> resnet::Config {
 /// What `--lora 8 --lora-alpha 16` trains on `targets`, with B drawn instead of zeros (PEFT's
 /// `init_lora_weights=False`), so that every adapter gets a gradient for the check.
 fn lora(targets: &[&str]) -> Option<params::lora::Lora> {
-    Some(params::lora::Lora { rank: 8, alpha: 16.0, dropout: 0.0, targets: targets.iter().map(|t| t.to_string()).collect(), init_lora_weights: false })
+    Some(params::lora::Lora {
+        rank: 8,
+        alpha: 16.0,
+        dropout: 0.0,
+        targets: targets.iter().map(|t| t.to_string()).collect(),
+        init_lora_weights: false,
+    })
 }
 
 /// The configurations of a profile.
@@ -176,8 +207,18 @@ pub fn profile(profile: Profile) -> Vec<Workload> {
             workload::<UNet3d>("unet3d-small", U::Small.config(), 2, 32),
             workload::<Gpt2>("gpt2-small", G::Small.config(), 2, 256),
             // LoRA fine-tuning beside full fine-tuning of the same model and batch.
-            workload::<Bert>("bert-large-lora", bert::Config { lora: lora(&bert::LORA_TARGETS), ..B::Large.config() }, 2, 128),
-            workload::<Gpt2>("gpt2-small-lora", gpt2::Config { lora: lora(&gpt2::LORA_TARGETS), ..G::Small.config() }, 2, 256),
+            workload::<Bert>(
+                "bert-large-lora",
+                bert::Config { lora: lora(&bert::LORA_TARGETS), ..B::Large.config() },
+                2,
+                128,
+            ),
+            workload::<Gpt2>(
+                "gpt2-small-lora",
+                gpt2::Config { lora: lora(&gpt2::LORA_TARGETS), ..G::Small.config() },
+                2,
+                256,
+            ),
         ],
         Profile::Full => vec![
             workload::<ResNet>("resnet50", resnet(R::Resnet50), 256, 224),
@@ -217,12 +258,14 @@ fn gpt2_24gb() -> Vec<Workload> {
     sizes
         .into_iter()
         .flat_map(|(size, preset)| {
-            STATE_VARIANTS.into_iter().map(move |(variant, dtype, optimizer, in_backward)| Workload {
-                accumulate: if in_backward { 1 } else { GPT2_24GB_ACCUMULATE },
-                dtype,
-                optimizer: Some(optimizer),
-                in_backward,
-                ..workload::<Gpt2>(&format!("gpt2-{size}/{variant}"), preset.config(), 1, 1024)
+            STATE_VARIANTS.into_iter().map(move |(variant, dtype, optimizer, in_backward)| {
+                Workload {
+                    accumulate: if in_backward { 1 } else { GPT2_24GB_ACCUMULATE },
+                    dtype,
+                    optimizer: Some(optimizer),
+                    in_backward,
+                    ..workload::<Gpt2>(&format!("gpt2-{size}/{variant}"), preset.config(), 1, 1024)
+                }
             })
         })
         .collect()
@@ -239,12 +282,26 @@ pub fn depth_sweep(profile: Profile) -> Vec<Workload> {
         Profile::Full => (&[16, 64, 256, 1024], 256, 4, 256),
         Profile::Gpt2_24gb => return Vec::new(),
     };
-    depths.iter().map(|&l| workload::<Gpt2>(&format!("{DEPTH_PREFIX}{l}"), gpt2::Config::tiny(l, width), batch, seq)).collect()
+    depths
+        .iter()
+        .map(|&l| {
+            workload::<Gpt2>(
+                &format!("{DEPTH_PREFIX}{l}"),
+                gpt2::Config::tiny(l, width),
+                batch,
+                seq,
+            )
+        })
+        .collect()
 }
 
 /// The bytes of the parameters and of their gradients (in `precision`'s weight dtype) and of
 /// `optimizer`'s state (f32).
-pub fn state(shapes: &[Vec<usize>], optimizer: OptimizerKind, precision: Precision) -> (u64, u64, u64) {
+pub fn state(
+    shapes: &[Vec<usize>],
+    optimizer: OptimizerKind,
+    precision: Precision,
+) -> (u64, u64, u64) {
     let count = |s: &Vec<usize>| s.iter().product::<usize>() as u64;
     let params: u64 = shapes.iter().map(count).sum();
     let state = match optimizer {
@@ -316,7 +373,9 @@ impl Workload {
     pub fn applies(&self, policy: &Policy) -> bool {
         match policy {
             Policy::BeforeDownsample => self.family.downsamples(),
-            Policy::Keep(cut, keep) => self.applies(cut) && keep.kinds().all(|k| self.family.keepable().contains(k)),
+            Policy::Keep(cut, keep) => {
+                self.applies(cut) && keep.kinds().all(|k| self.family.keepable().contains(k))
+            }
             _ => true,
         }
     }
@@ -326,7 +385,10 @@ impl Workload {
         if self.model.starts_with(DEPTH_PREFIX) {
             return vec![Policy::Off, Policy::Sqrt];
         }
-        [Policy::Off, Policy::Sqrt, Policy::EveryN(2), Policy::BeforeDownsample].into_iter().filter(|p| self.applies(p)).collect()
+        [Policy::Off, Policy::Sqrt, Policy::EveryN(2), Policy::BeforeDownsample]
+            .into_iter()
+            .filter(|p| self.applies(p))
+            .collect()
     }
 
     pub fn build(&self, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
@@ -356,8 +418,18 @@ impl<M: Benchable> Instance for Built<M> {
     fn batch(&self) -> usize {
         self.batch
     }
-    fn optimizer<'g>(&self, shard: bool, group: &'g trainkit::Group) -> Result<Box<dyn TrainOptimizer + 'g>> {
-        trainkit::optimizer(shard, group, self.optimizer, self.model.params().vars(), self.optimizer.bench_lr())
+    fn optimizer<'g>(
+        &self,
+        shard: bool,
+        group: &'g trainkit::Group,
+    ) -> Result<Box<dyn TrainOptimizer + 'g>> {
+        trainkit::optimizer(
+            shard,
+            group,
+            self.optimizer,
+            self.model.params().vars(),
+            self.optimizer.bench_lr(),
+        )
     }
 }
 
@@ -370,7 +442,8 @@ mod tests {
     /// moments 12; Adafactor's factored statistics a few MB beside f32 weights and gradients.
     #[test]
     fn the_state_of_gpt2_xl_by_arithmetic() {
-        let shapes = <gpt2::Gpt2 as model::Benchable>::parameter_shapes(&gpt2::Preset::Xl.config()).unwrap();
+        let shapes =
+            <gpt2::Gpt2 as model::Benchable>::parameter_shapes(&gpt2::Preset::Xl.config()).unwrap();
         let n: u64 = shapes.iter().map(|s| s.iter().product::<usize>() as u64).sum();
         assert_eq!(n, 1_557_611_200);
         let total = |(p, g, o): (u64, u64, u64)| p + g + o;

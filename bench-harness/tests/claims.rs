@@ -10,16 +10,33 @@ use std::path::Path;
 fn every_claim_has_a_status_a_command_and_evidence_that_exists() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let text = std::fs::read_to_string(root.join("results/CLAIMS.md")).unwrap();
-    let rows: Vec<Vec<&str>> = text.lines().filter(|l| l.starts_with("| C")).map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect()).collect();
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| l.starts_with("| C"))
+        .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
+        .collect();
     assert_eq!(rows.len(), 15, "the article makes 15 claims");
     for row in rows {
-        let [id, claim, status, command, evidence] = row[..] else { panic!("a claim row needs 5 cells: {row:?}") };
-        assert!(!claim.is_empty() && !evidence.is_empty(), "{id}: claim and evidence must be written out");
+        let [id, claim, status, command, evidence] = row[..] else {
+            panic!("a claim row needs 5 cells: {row:?}")
+        };
+        assert!(
+            !claim.is_empty() && !evidence.is_empty(),
+            "{id}: claim and evidence must be written out"
+        );
         // Paths in backticks that name a file of the repository.
-        let files: Vec<&str> = evidence.split('`').skip(1).step_by(2).filter(|s| s.contains('/') && s.rsplit('/').next().unwrap().contains('.')).collect();
+        let files: Vec<&str> = evidence
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|s| s.contains('/') && s.rsplit('/').next().unwrap().contains('.'))
+            .collect();
         match status {
             "confirmed" | "refuted" => {
-                assert!(command.starts_with("`cargo ") && command.ends_with('`'), "{id}: `{command}` is not a command");
+                assert!(
+                    command.starts_with("`cargo ") && command.ends_with('`'),
+                    "{id}: `{command}` is not a command"
+                );
                 assert!(!files.is_empty(), "{id}: no evidence file");
                 for f in files {
                     assert!(root.join(f).exists(), "{id}: evidence {f} does not exist");
@@ -44,14 +61,31 @@ fn a_figure_the_results_do_not_give_is_refused_with_the_measures_there_are() {
     std::fs::create_dir_all(&dir).unwrap();
     let results = Path::new(env!("CARGO_MANIFEST_DIR")).join("../results");
     std::os::unix::fs::symlink(results.join("cpu-cpu"), dir.join("cpu-cpu")).unwrap();
-    std::fs::write(dir.join("CLAIMS.template.md"), "ResNet-50 saves {{cpu-cpu resnet50 sqrt memory-saved}}.\n").unwrap();
+    std::fs::write(
+        dir.join("CLAIMS.template.md"),
+        "ResNet-50 saves {{cpu-cpu resnet50 sqrt memory-saved}}.\n",
+    )
+    .unwrap();
     let out = common::harness(&["claims", "--dir", dir.to_str().unwrap()]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains("unknown measure `memory-saved`") && stderr.contains("activation/off"), "{stderr}");
-    std::fs::write(dir.join("CLAIMS.template.md"), "ResNet-50 keeps {{cpu-cpu resnet50 sqrt activation/off}}x.\n").unwrap();
+    assert!(
+        stderr.contains("unknown measure `memory-saved`") && stderr.contains("activation/off"),
+        "{stderr}"
+    );
+    std::fs::write(
+        dir.join("CLAIMS.template.md"),
+        "ResNet-50 keeps {{cpu-cpu resnet50 sqrt activation/off}}x.\n",
+    )
+    .unwrap();
     let out = common::harness(&["claims", "--dir", dir.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let ledger = std::fs::read_to_string(dir.join("CLAIMS.md")).unwrap();
-    assert!(ledger.lines().nth(1).is_some_and(|l| l.starts_with("ResNet-50 keeps 0.") && l.ends_with("x.")), "{ledger}");
+    assert!(
+        ledger
+            .lines()
+            .nth(1)
+            .is_some_and(|l| l.starts_with("ResNet-50 keeps 0.") && l.ends_with("x.")),
+        "{ledger}"
+    );
 }

@@ -10,13 +10,23 @@ use common::{harness, out_dir, record, smoke};
 fn the_gradient_check_fails_when_recompute_draws_fresh_dropout_keys() {
     let dir = out_dir("controls");
     let run = |extra: &[&str]| {
-        smoke(&dir, &[&["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--force"], extra].concat());
+        smoke(
+            &dir,
+            &[
+                &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--force"],
+                extra,
+            ]
+            .concat(),
+        );
         record(&dir, "gpt2-tiny", "sqrt")
     };
 
     let broken = run(&["--no-rng-replay"]);
     assert_eq!(broken["status"], "ok", "{}", broken["error"]);
-    assert_eq!(broken["grads_bit_identical"], false, "fresh dropout keys on recompute went unnoticed: {broken}");
+    assert_eq!(
+        broken["grads_bit_identical"], false,
+        "fresh dropout keys on recompute went unnoticed: {broken}"
+    );
     assert!(broken["grads_differing"].as_u64().unwrap() > 0, "{broken}");
     assert!(broken["max_abs_diff"].as_f64().unwrap() > 0.0, "{broken}");
 

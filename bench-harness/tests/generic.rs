@@ -9,13 +9,24 @@ use common::{out_dir, records, smoke};
 /// Bytes held above the step's base when forward ends: what the model keeps for backward.
 fn kept_at_forward_end(r: &serde_json::Value) -> f64 {
     let events = r["timeline"].as_array().unwrap();
-    let end = events.iter().rfind(|e| e["phase"] == "forward").expect("a forward event")["bytes"].as_u64().unwrap();
+    let end = events.iter().rfind(|e| e["phase"] == "forward").expect("a forward event")["bytes"]
+        .as_u64()
+        .unwrap();
     (end - r["timeline_base_bytes"].as_u64().unwrap()) as f64
 }
 
 #[test]
 fn the_generic_route_is_measured_and_as_lean_as_the_kernels() {
-    let args = ["--matrix", "models", "--models", "gpt2,bert,resnet,unet3d", "--policies", "off,sqrt", "--rounds", "0"];
+    let args = [
+        "--matrix",
+        "models",
+        "--models",
+        "gpt2,bert,resnet,unet3d",
+        "--policies",
+        "off,sqrt",
+        "--rounds",
+        "0",
+    ];
     let (kernel, generic) = (out_dir("generic-kernel"), out_dir("generic-route"));
     smoke(&kernel, &args);
     smoke(&generic, &[&args[..], &["--fused-path", "generic"]].concat());
@@ -29,7 +40,9 @@ fn the_generic_route_is_measured_and_as_lean_as_the_kernels() {
         assert_eq!(g["params_without_grad"], 0, "{what}");
         let step = g["step_peak_bytes"].as_f64().unwrap() / k["step_peak_bytes"].as_f64().unwrap();
         let kept = kept_at_forward_end(g) / kept_at_forward_end(k);
-        eprintln!("{what}: step peak {step:.3}x the kernels', kept at the end of forward {kept:.3}x");
+        eprintln!(
+            "{what}: step peak {step:.3}x the kernels', kept at the end of forward {kept:.3}x"
+        );
         // Each generic op records its composition as one op over its operands, so it keeps what
         // its kernel keeps (its operands and output); a composition that entered candle's graph
         // would keep its intermediates, several times as much. 5 %: the tensors are the same, the
@@ -44,9 +57,13 @@ fn the_generic_route_is_measured_and_as_lean_as_the_kernels() {
         // so a model with convolutions may hold up to twice the kernels' peak. (The bounds are
         // upper ones only: the kernels' workspaces scale with their problem, `Conv3dShape::sized`,
         // so neither route has a floor below the other.)
-        let convolutional = ["resnet", "unet3d"].iter().any(|m| g["model"].as_str().unwrap().starts_with(m));
+        let convolutional =
+            ["resnet", "unet3d"].iter().any(|m| g["model"].as_str().unwrap().starts_with(m));
         let margin = if convolutional { 2.0 } else { 1.25 };
-        assert!(step <= margin, "{what}: the generic route's step peak is {step:.3}x the kernels' (at most {margin}x)");
+        assert!(
+            step <= margin,
+            "{what}: the generic route's step peak is {step:.3}x the kernels' (at most {margin}x)"
+        );
     }
     std::fs::remove_dir_all(&kernel).unwrap();
     std::fs::remove_dir_all(&generic).unwrap();

@@ -7,8 +7,25 @@ use common::{harness, out_dir, records, smoke};
 
 /// `--matrix gpt2-24gb` of `models` under `sqrt` at sequence 16, one timed step, with `extra`
 /// flags, into `dir`: its records (the run must succeed) and its log.
-fn gpt2_24gb(dir: &std::path::Path, models: &str, extra: &[&str]) -> (Vec<serde_json::Value>, String) {
-    let args = ["--matrix", "gpt2-24gb", "--models", models, "--policies", "sqrt", "--input-size", "16", "--steps", "1", "--rounds", "0"];
+fn gpt2_24gb(
+    dir: &std::path::Path,
+    models: &str,
+    extra: &[&str],
+) -> (Vec<serde_json::Value>, String) {
+    let args = [
+        "--matrix",
+        "gpt2-24gb",
+        "--models",
+        models,
+        "--policies",
+        "sqrt",
+        "--input-size",
+        "16",
+        "--steps",
+        "1",
+        "--rounds",
+        "0",
+    ];
     let out = harness(&[&args[..], extra, &["--out", dir.to_str().unwrap()]].concat());
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "{err}");
@@ -22,18 +39,40 @@ fn gpt2_24gb(dir: &std::path::Path, models: &str, extra: &[&str]) -> (Vec<serde_
 #[test]
 fn gpt2_24gb_predicts_and_skips_what_cannot_fit() {
     let dir = out_dir("gpt2-24gb");
-    let (recs, err) = gpt2_24gb(&dir, "gpt2-small/bf16-adafactor,gpt2-medium/bf16-adafactor", &["--memory-cap", "2GiB"]);
-    let find = |model: &str| recs.iter().find(|r| r["model"] == model).unwrap_or_else(|| panic!("no record of {model}: {err}"));
+    let (recs, err) = gpt2_24gb(
+        &dir,
+        "gpt2-small/bf16-adafactor,gpt2-medium/bf16-adafactor",
+        &["--memory-cap", "2GiB"],
+    );
+    let find = |model: &str| {
+        recs.iter()
+            .find(|r| r["model"] == model)
+            .unwrap_or_else(|| panic!("no record of {model}: {err}"))
+    };
     let small = find("gpt2-small/bf16-adafactor");
     assert_eq!(small["status"], "ok", "{}", small["error"]);
-    let (predicted, measured) = (small["predicted_peak_bytes"].as_f64().unwrap(), small["fwd_bwd_peak_bytes"].as_f64().unwrap());
+    let (predicted, measured) = (
+        small["predicted_peak_bytes"].as_f64().unwrap(),
+        small["fwd_bwd_peak_bytes"].as_f64().unwrap(),
+    );
     let error = predicted / measured - 1.0;
-    assert!(error.abs() < 0.03, "gpt2-small's step peak predicted {:+.1}% off its measured one", error * 100.0);
+    assert!(
+        error.abs() < 0.03,
+        "gpt2-small's step peak predicted {:+.1}% off its measured one",
+        error * 100.0
+    );
     let medium = find("gpt2-medium/bf16-adafactor");
     assert_eq!(medium["status"], "skipped", "{medium}");
-    assert!(medium["error"].as_str().unwrap().starts_with("does not fit (predicted"), "{}", medium["error"]);
+    assert!(
+        medium["error"].as_str().unwrap().starts_with("does not fit (predicted"),
+        "{}",
+        medium["error"]
+    );
     let predicted = medium["predicted_total_bytes"].as_u64().unwrap();
-    assert!(predicted > 2 << 30, "medium predicted at {predicted} bytes, under the cap it was skipped for");
+    assert!(
+        predicted > 2 << 30,
+        "medium predicted at {predicted} bytes, under the cap it was skipped for"
+    );
     assert!(std::fs::read_to_string(dir.join("TABLE.md")).unwrap().contains("gpt2-medium"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -44,14 +83,30 @@ fn gpt2_24gb_predicts_and_skips_what_cannot_fit() {
 #[test]
 fn gpt2_24gb_measures_the_optimizer_inside_backward() {
     let dir = out_dir("gpt2-24gb-in-backward");
-    let (recs, err) = gpt2_24gb(&dir, "gpt2-small/f32-adamw,gpt2-small/f32-adamw-in-backward", &["--accumulate", "1", "--memory-cap", "4GiB"]);
-    let find = |model: &str| recs.iter().find(|r| r["model"] == model).unwrap_or_else(|| panic!("no record of {model}: {err}"));
-    let (ordinary, inside) = (find("gpt2-small/f32-adamw"), find("gpt2-small/f32-adamw-in-backward"));
+    let (recs, err) = gpt2_24gb(
+        &dir,
+        "gpt2-small/f32-adamw,gpt2-small/f32-adamw-in-backward",
+        &["--accumulate", "1", "--memory-cap", "4GiB"],
+    );
+    let find = |model: &str| {
+        recs.iter()
+            .find(|r| r["model"] == model)
+            .unwrap_or_else(|| panic!("no record of {model}: {err}"))
+    };
+    let (ordinary, inside) =
+        (find("gpt2-small/f32-adamw"), find("gpt2-small/f32-adamw-in-backward"));
     for r in [ordinary, inside] {
         assert_eq!(r["status"], "ok", "{}", r["error"]);
         assert_eq!(r["grads_bit_identical"], true, "{r}");
-        let (predicted, measured) = (r["predicted_peak_bytes"].as_f64().unwrap(), r["fwd_bwd_peak_bytes"].as_f64().unwrap());
-        assert!((predicted / measured - 1.0).abs() < 0.03, "{}: step peak predicted {predicted}, measured {measured}", r["model"]);
+        let (predicted, measured) = (
+            r["predicted_peak_bytes"].as_f64().unwrap(),
+            r["fwd_bwd_peak_bytes"].as_f64().unwrap(),
+        );
+        assert!(
+            (predicted / measured - 1.0).abs() < 0.03,
+            "{}: step peak predicted {predicted}, measured {measured}",
+            r["model"]
+        );
     }
     let grads = ordinary["predicted"]["grads"].as_u64().unwrap();
     let peak = |r: &serde_json::Value| r["step_peak_bytes"].as_u64().unwrap();
@@ -70,7 +125,20 @@ fn a_pytorch_baseline_without_torch_goes_on_without_it() {
     let dir = out_dir("no-torch");
     let err = smoke(
         &dir,
-        &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off", "--rounds", "0", "--baseline", "pytorch", "--python", "/nonexistent/python3"],
+        &[
+            "--matrix",
+            "models",
+            "--models",
+            "gpt2-tiny",
+            "--policies",
+            "off",
+            "--rounds",
+            "0",
+            "--baseline",
+            "pytorch",
+            "--python",
+            "/nonexistent/python3",
+        ],
     );
     assert!(err.contains("no PyTorch baseline:") && err.contains("going on without it"), "{err}");
     assert_eq!(records(&dir).len(), 1);
@@ -81,7 +149,20 @@ fn a_pytorch_baseline_without_torch_goes_on_without_it() {
 #[test]
 fn return_freed_memory_reaches_the_children() {
     let dir = out_dir("return-freed");
-    smoke(&dir, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off", "--rounds", "0", "--return-freed-memory"]);
+    smoke(
+        &dir,
+        &[
+            "--matrix",
+            "models",
+            "--models",
+            "gpt2-tiny",
+            "--policies",
+            "off",
+            "--rounds",
+            "0",
+            "--return-freed-memory",
+        ],
+    );
     let r = &records(&dir)[0];
     assert_eq!(r["status"], "ok", "{}", r["error"]);
     assert!(r["command"].as_str().unwrap().contains("--return-freed-memory"), "{}", r["command"]);

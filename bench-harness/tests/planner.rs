@@ -18,17 +18,30 @@ fn predictions_match_the_meter_for_tiny_models_of_every_kind() {
     assert_eq!(recs.len(), 14, "every model and policy of the smoke profile");
     for r in &recs {
         let what = format!("{} {}", r["model"], r["policy"]);
-        let (measured, predicted) = (r["step_peak_bytes"].as_f64().unwrap(), r["predicted_peak_bytes"].as_f64().unwrap_or(0.0));
+        let (measured, predicted) = (
+            r["step_peak_bytes"].as_f64().unwrap(),
+            r["predicted_peak_bytes"].as_f64().unwrap_or(0.0),
+        );
         let error = predicted / measured - 1.0;
-        assert!(error.abs() <= TOLERANCE, "{what}: predicted {predicted}, measured {measured} ({:+.1}%)", error * 100.0);
+        assert!(
+            error.abs() <= TOLERANCE,
+            "{what}: predicted {predicted}, measured {measured} ({:+.1}%)",
+            error * 100.0
+        );
         let ratio = r["predicted_time_ratio"].as_f64().unwrap();
-        assert!(if r["policy"] == "off" { ratio == 1.0 } else { ratio > 1.0 }, "{what}: predicted time ratio {ratio}");
+        assert!(
+            if r["policy"] == "off" { ratio == 1.0 } else { ratio > 1.0 },
+            "{what}: predicted time ratio {ratio}"
+        );
     }
     let off = recs.iter().find(|r| r["model"] == "gpt2-tiny" && r["policy"] == "off").unwrap();
     let frontier = off["frontier"].as_array().expect("off carries the frontier");
     assert!(frontier.len() >= 2, "{frontier:?}");
     let peaks: Vec<u64> = frontier.iter().map(|p| p["peak_bytes"].as_u64().unwrap()).collect();
-    assert!(peaks.windows(2).all(|w| w[0] <= w[1]), "the frontier runs from the least peak up: {peaks:?}");
+    assert!(
+        peaks.windows(2).all(|w| w[0] <= w[1]),
+        "the frontier runs from the least peak up: {peaks:?}"
+    );
 }
 
 /// Selective recompute (`+keep=`): predicted as measured, gradients = plain candle's, the kept
@@ -39,38 +52,100 @@ fn predictions_match_the_meter_for_tiny_models_of_every_kind() {
 fn predictions_match_the_meter_under_selective_recompute() {
     let dir = out_dir("planner-keep");
     let policies = "sqrt,sqrt+keep=matmul+attention,sqrt+keep=conv";
-    smoke(&dir, &["--matrix", "models", "--models", "gpt2,resnet", "--batch", "8", "--policies", policies, "--rounds", "0"]);
+    smoke(
+        &dir,
+        &[
+            "--matrix",
+            "models",
+            "--models",
+            "gpt2,resnet",
+            "--batch",
+            "8",
+            "--policies",
+            policies,
+            "--rounds",
+            "0",
+        ],
+    );
     let recs = records(&dir);
     assert_eq!(recs.len(), 4, "sqrt and its keep= variant for each model (conv alone applies to ResNet, matmul+attention to GPT-2)");
     for keeping in recs.iter().filter(|r| r["policy"].as_str().unwrap().contains("+keep=")) {
         let what = format!("{} {}", keeping["model"], keeping["policy"]);
-        let sqrt = recs.iter().find(|r| r["model"] == keeping["model"] && r["policy"] == "sqrt").unwrap();
+        let sqrt =
+            recs.iter().find(|r| r["model"] == keeping["model"] && r["policy"] == "sqrt").unwrap();
         assert_eq!(keeping["grads_bit_identical"], true, "{what}");
-        let (measured, predicted) = (keeping["step_peak_bytes"].as_f64().unwrap(), keeping["predicted_peak_bytes"].as_f64().unwrap());
+        let (measured, predicted) = (
+            keeping["step_peak_bytes"].as_f64().unwrap(),
+            keeping["predicted_peak_bytes"].as_f64().unwrap(),
+        );
         let error = predicted / measured - 1.0;
-        assert!(error.abs() <= TOLERANCE, "{what}: predicted {predicted}, measured {measured} ({:+.1}%)", error * 100.0);
-        assert!(keeping["activation_peak_bytes"].as_u64() >= sqrt["activation_peak_bytes"].as_u64(), "{what}: holds less than sqrt");
-        let (ratio, plain) = (keeping["predicted_time_ratio"].as_f64().unwrap(), sqrt["predicted_time_ratio"].as_f64().unwrap());
-        assert!(1.0 < ratio && ratio < plain, "{what}: predicted time ratio {ratio}, sqrt's {plain}");
+        assert!(
+            error.abs() <= TOLERANCE,
+            "{what}: predicted {predicted}, measured {measured} ({:+.1}%)",
+            error * 100.0
+        );
+        assert!(
+            keeping["activation_peak_bytes"].as_u64() >= sqrt["activation_peak_bytes"].as_u64(),
+            "{what}: holds less than sqrt"
+        );
+        let (ratio, plain) = (
+            keeping["predicted_time_ratio"].as_f64().unwrap(),
+            sqrt["predicted_time_ratio"].as_f64().unwrap(),
+        );
+        assert!(
+            1.0 < ratio && ratio < plain,
+            "{what}: predicted time ratio {ratio}, sqrt's {plain}"
+        );
     }
 }
 
 #[test]
 fn a_budget_plan_fits_its_budget_and_one_below_the_minimum_is_refused() {
     let dir = out_dir("planner-budget");
-    smoke(&dir, &["--matrix", "models", "--models", "gpt2", "--batch", "8", "--policies", "off", "--rounds", "0"]);
+    smoke(
+        &dir,
+        &[
+            "--matrix",
+            "models",
+            "--models",
+            "gpt2",
+            "--batch",
+            "8",
+            "--policies",
+            "off",
+            "--rounds",
+            "0",
+        ],
+    );
     let off = &records(&dir)[0];
-    let off_total = off["model_state_bytes"].as_u64().unwrap() + off["step_peak_bytes"].as_u64().unwrap();
+    let off_total =
+        off["model_state_bytes"].as_u64().unwrap() + off["step_peak_bytes"].as_u64().unwrap();
     // Between the least peak and off's: the planner must cut, and the cut must fit. A whole
     // number of KiB, so that the record's spelling differs from the one asked for every time.
     let budget = off_total * 9 / 10 / 1024 * 1024;
     let policy = format!("budget={budget}");
-    smoke(&dir, &["--matrix", "models", "--models", "gpt2", "--batch", "8", "--policies", &policy, "--rounds", "0"]);
+    smoke(
+        &dir,
+        &[
+            "--matrix",
+            "models",
+            "--models",
+            "gpt2",
+            "--batch",
+            "8",
+            "--policies",
+            &policy,
+            "--rounds",
+            "0",
+        ],
+    );
     // By what the policy means, not its spelling: the record writes a byte count that is a
     // multiple of 1024 in KiB (`budget=11088KiB` for 11354112), so a string match failed on
     // some machines' figures and not others'.
     let meant = remat::PolicyRequest::Budget(budget);
-    let r = records(&dir).into_iter().find(|r| r["policy"].as_str().and_then(|p| p.parse().ok()) == Some(meant.clone()));
+    let r = records(&dir)
+        .into_iter()
+        .find(|r| r["policy"].as_str().and_then(|p| p.parse().ok()) == Some(meant.clone()));
     let r = r.unwrap_or_else(|| panic!("no record of {meant} (asked as {policy})"));
     assert_eq!(r["status"], "ok", "{}", r["error"]);
     assert!(r["plan"].as_str().unwrap().starts_with("plan="), "{}", r["plan"]);
@@ -94,7 +169,11 @@ fn a_budget_plan_fits_its_budget_and_one_below_the_minimum_is_refused() {
     ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("below the smallest peak any checkpoint plan reaches") && err.contains("the state before the step"), "{err}");
+    assert!(
+        err.contains("below the smallest peak any checkpoint plan reaches")
+            && err.contains("the state before the step"),
+        "{err}"
+    );
     // Said once (an error that is also its own cause would print twice), in a unit that shows
     // the budget (in MiB it would read "budget 0.0 MiB").
     assert_eq!(err.matches("below the smallest peak").count(), 1, "{err}");
@@ -111,10 +190,15 @@ fn deep_sqrt_predictions_count_the_gradients_records() {
     smoke(&dir, &["--matrix", "depth", "--models", "depth-8,depth-16", "--rounds", "0"]);
     for r in records(&dir) {
         let what = format!("{} {}", r["model"], r["policy"]);
-        let (measured, predicted) = (r["step_peak_bytes"].as_f64().unwrap(), r["predicted_peak_bytes"].as_f64().unwrap());
+        let (measured, predicted) =
+            (r["step_peak_bytes"].as_f64().unwrap(), r["predicted_peak_bytes"].as_f64().unwrap());
         let error = predicted / measured - 1.0;
         eprintln!("{what}: predicted {predicted}, measured {measured} ({:+.1}%)", error * 100.0);
-        assert!(error.abs() <= 0.05, "{what}: predicted {predicted}, measured {measured} ({:+.1}%)", error * 100.0);
+        assert!(
+            error.abs() <= 0.05,
+            "{what}: predicted {predicted}, measured {measured} ({:+.1}%)",
+            error * 100.0
+        );
     }
 }
 
@@ -124,21 +208,58 @@ fn deep_sqrt_predictions_count_the_gradients_records() {
 #[test]
 fn the_policies_of_a_model_share_one_profile() {
     let dir = out_dir("planner-shared");
-    let run = |batch: &str| smoke(&dir, &["--matrix", "models", "--models", "gpt2", "--batch", batch, "--policies", "off,sqrt", "--rounds", "0", "--force"]);
-    let predicted = |policy: &str| common::record(&dir, "gpt2-tiny", policy)["predicted_peak_bytes"].as_f64().unwrap();
+    let run = |batch: &str| {
+        smoke(
+            &dir,
+            &[
+                "--matrix",
+                "models",
+                "--models",
+                "gpt2",
+                "--batch",
+                batch,
+                "--policies",
+                "off,sqrt",
+                "--rounds",
+                "0",
+                "--force",
+            ],
+        )
+    };
+    let predicted = |policy: &str| {
+        common::record(&dir, "gpt2-tiny", policy)["predicted_peak_bytes"].as_f64().unwrap()
+    };
     run("8");
     let kept = dir.join("profiles").join("gpt2-tiny.json");
-    let mut shared: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&kept).unwrap()).unwrap();
-    assert!(shared["measured_for"].as_str().unwrap().starts_with("gpt2-tiny batch 8 "), "{}", shared["measured_for"]);
+    let mut shared: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&kept).unwrap()).unwrap();
+    assert!(
+        shared["measured_for"].as_str().unwrap().starts_with("gpt2-tiny batch 8 "),
+        "{}",
+        shared["measured_for"]
+    );
     let honest = predicted("sqrt");
     for stage in shared["profile"]["stages"].as_array_mut().unwrap() {
         stage["graph_bytes"] = (stage["graph_bytes"].as_u64().unwrap() * 10).into();
     }
     std::fs::write(&kept, serde_json::to_string(&shared).unwrap()).unwrap();
     run("8");
-    assert!(predicted("sqrt") > 3.0 * honest, "sqrt predicted {} from the doctored profile, {honest} before", predicted("sqrt"));
+    assert!(
+        predicted("sqrt") > 3.0 * honest,
+        "sqrt predicted {} from the doctored profile, {honest} before",
+        predicted("sqrt")
+    );
     run("4");
-    let fresh: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&kept).unwrap()).unwrap();
-    assert!(fresh["measured_for"].as_str().unwrap().starts_with("gpt2-tiny batch 4 "), "{}", fresh["measured_for"]);
-    assert!(predicted("sqrt") < honest, "batch 4 measured anew: {} against batch 8's {honest}", predicted("sqrt"));
+    let fresh: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&kept).unwrap()).unwrap();
+    assert!(
+        fresh["measured_for"].as_str().unwrap().starts_with("gpt2-tiny batch 4 "),
+        "{}",
+        fresh["measured_for"]
+    );
+    assert!(
+        predicted("sqrt") < honest,
+        "batch 4 measured anew: {} against batch 8's {honest}",
+        predicted("sqrt")
+    );
 }

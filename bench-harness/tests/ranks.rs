@@ -9,7 +9,21 @@ use common::{out_dir, records, smoke};
 #[test]
 fn the_smoke_matrix_runs_on_two_ranks() {
     let dir = out_dir("ranks");
-    smoke(&dir, &["--matrix", "models", "--models", "resnet-tiny,gpt2-tiny", "--policies", "off,sqrt", "--ranks", "2", "--rounds", "0"]);
+    smoke(
+        &dir,
+        &[
+            "--matrix",
+            "models",
+            "--models",
+            "resnet-tiny,gpt2-tiny",
+            "--policies",
+            "off,sqrt",
+            "--ranks",
+            "2",
+            "--rounds",
+            "0",
+        ],
+    );
     let recs = records(&dir);
     assert_eq!(recs.len(), 4, "two models x two policies");
     for r in &recs {
@@ -17,7 +31,11 @@ fn the_smoke_matrix_runs_on_two_ranks() {
         assert_eq!(r["status"], "ok", "{what}: {}", r["error"]);
         assert_eq!(r["ranks"], 2, "{what}");
         assert_eq!(r["grads_bit_identical"], true, "{what}");
-        assert!(r["step_peak_bytes_max_rank"].as_u64().unwrap() >= r["step_peak_bytes"].as_u64().unwrap(), "{what}");
+        assert!(
+            r["step_peak_bytes_max_rank"].as_u64().unwrap()
+                >= r["step_peak_bytes"].as_u64().unwrap(),
+            "{what}"
+        );
         assert!(r["all_reduce_ms"].as_f64().unwrap() > 0.0, "{what}");
     }
     std::fs::remove_dir_all(&dir).unwrap();

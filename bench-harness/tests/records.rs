@@ -11,7 +11,21 @@ fn batch_and_input_size_reach_the_record() {
     // The smoke profile's gpt2-tiny and resnet-tiny run at batch 2, seq 32 and 32x32.
     for (model, size, input) in [("gpt2-tiny", "8", "seq 8"), ("resnet-tiny", "48", "48x48")] {
         let dir = out_dir(&format!("resize-{model}"));
-        smoke(&dir, &["--matrix", "models", "--models", model, "--policies", "off", "--batch", "3", "--input-size", size]);
+        smoke(
+            &dir,
+            &[
+                "--matrix",
+                "models",
+                "--models",
+                model,
+                "--policies",
+                "off",
+                "--batch",
+                "3",
+                "--input-size",
+                size,
+            ],
+        );
         let r = record(&dir, model, "off");
         assert_eq!(r["status"], "ok", "{model}: {}", r["error"]);
         assert_eq!((r["batch"].as_u64(), r["input"].as_str()), (Some(3), Some(input)), "{model}");
@@ -24,12 +38,27 @@ fn batch_and_input_size_reach_the_record() {
 #[test]
 fn every_record_names_the_command_that_measured_it() {
     let dir = out_dir("commands");
-    smoke(&dir, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off", "--rounds", "0"]);
-    smoke(&dir, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--rounds", "0"]);
-    let command = |policy: &str| record(&dir, "gpt2-tiny", policy)["command"].as_str().unwrap().to_string();
-    assert!(command("off").ends_with("--policies off --rounds 0") && command("sqrt").ends_with("--policies sqrt --rounds 0"), "{}", command("off"));
+    smoke(
+        &dir,
+        &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off", "--rounds", "0"],
+    );
+    smoke(
+        &dir,
+        &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--rounds", "0"],
+    );
+    let command =
+        |policy: &str| record(&dir, "gpt2-tiny", policy)["command"].as_str().unwrap().to_string();
+    assert!(
+        command("off").ends_with("--policies off --rounds 0")
+            && command("sqrt").ends_with("--policies sqrt --rounds 0"),
+        "{}",
+        command("off")
+    );
     let md = std::fs::read_to_string(dir.join("matrix.md")).unwrap();
-    let header = md.lines().find(|l| l.starts_with("Commands (in the order of the results they made")).expect(&md);
+    let header = md
+        .lines()
+        .find(|l| l.starts_with("Commands (in the order of the results they made"))
+        .expect(&md);
     let at = |policy: &str| header.find(&command(policy)).unwrap_or_else(|| panic!("{header}"));
     assert!(at("off") < at("sqrt"), "{header}");
     std::fs::remove_dir_all(&dir).unwrap();
@@ -41,17 +70,40 @@ fn every_record_names_the_command_that_measured_it() {
 fn accumulation_reaches_the_record() {
     let one = out_dir("accumulate-1");
     let three = out_dir("accumulate-3");
-    smoke(&one, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off,sqrt", "--rounds", "0"]);
-    smoke(&three, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off,sqrt", "--rounds", "0", "--accumulate", "3"]);
+    smoke(
+        &one,
+        &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off,sqrt", "--rounds", "0"],
+    );
+    smoke(
+        &three,
+        &[
+            "--matrix",
+            "models",
+            "--models",
+            "gpt2-tiny",
+            "--policies",
+            "off,sqrt",
+            "--rounds",
+            "0",
+            "--accumulate",
+            "3",
+        ],
+    );
     for policy in ["off", "sqrt"] {
         let (a, b) = (record(&one, "gpt2-tiny", policy), record(&three, "gpt2-tiny", policy));
         assert_eq!(b["status"], "ok", "{}", b["error"]);
         assert_eq!((a["accumulate"].as_u64(), b["accumulate"].as_u64()), (Some(1), Some(3)));
         assert_eq!(b["grads_bit_identical"], true);
-        assert_ne!(a["loss"], b["loss"], "{policy}: the loss of three micro-batches equals the first's");
+        assert_ne!(
+            a["loss"], b["loss"],
+            "{policy}: the loss of three micro-batches equals the first's"
+        );
     }
     // Both runs' losses agree across policies: the same micro-batches, the same keys.
-    assert_eq!(record(&three, "gpt2-tiny", "off")["loss"], record(&three, "gpt2-tiny", "sqrt")["loss"]);
+    assert_eq!(
+        record(&three, "gpt2-tiny", "off")["loss"],
+        record(&three, "gpt2-tiny", "sqrt")["loss"]
+    );
     for dir in [one, three] {
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -62,14 +114,29 @@ fn accumulation_reaches_the_record() {
 #[test]
 fn the_optimizer_reaches_the_record() {
     let (adamw, adafactor) = (out_dir("optimizer-default"), out_dir("optimizer-adafactor"));
-    let args = ["--matrix", "models", "--models", "gpt2-tiny,resnet-tiny", "--policies", "off", "--rounds", "0"];
+    let args = [
+        "--matrix",
+        "models",
+        "--models",
+        "gpt2-tiny,resnet-tiny",
+        "--policies",
+        "off",
+        "--rounds",
+        "0",
+    ];
     smoke(&adamw, &args);
     smoke(&adafactor, &[&args[..], &["--optimizer", "adafactor"]].concat());
     assert_eq!(record(&adamw, "resnet-tiny", "off")["optimizer"], "sgd");
     let (a, b) = (record(&adamw, "gpt2-tiny", "off"), record(&adafactor, "gpt2-tiny", "off"));
-    assert_eq!((a["optimizer"].as_str(), b["optimizer"].as_str()), (Some("adamw"), Some("adafactor")));
+    assert_eq!(
+        (a["optimizer"].as_str(), b["optimizer"].as_str()),
+        (Some("adamw"), Some("adafactor"))
+    );
     assert_eq!(b["grads_bit_identical"], true);
-    assert!(b["model_state_bytes"].as_u64() < a["model_state_bytes"].as_u64(), "adafactor {b} vs adamw {a}");
+    assert!(
+        b["model_state_bytes"].as_u64() < a["model_state_bytes"].as_u64(),
+        "adafactor {b} vs adamw {a}"
+    );
     for dir in [adamw, adafactor] {
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -151,7 +218,16 @@ const COLUMNS: [(&str, Type); 46] = {
 
 /// Record fields that are JSON only: the timeline, the segments' stage ranges, the time / off
 /// rounds (the CSV has their median and range) and the command (the Markdown lists them).
-const JSON_ONLY: [&str; 8] = ["timeline", "timeline_base_bytes", "segment_ranges", "time_vs_off", "predicted", "frontier", "estimate", "command"];
+const JSON_ONLY: [&str; 8] = [
+    "timeline",
+    "timeline_base_bytes",
+    "segment_ranges",
+    "time_vs_off",
+    "predicted",
+    "frontier",
+    "estimate",
+    "command",
+];
 
 /// The cells of one CSV line: fields in double quotes may hold commas, and `""` for a quote.
 fn cells(line: &str) -> Vec<String> {
@@ -191,9 +267,13 @@ fn matches(cell: &str, ty: Type, want: &Value) -> bool {
             }
         }
         Type::Bool => cell.parse::<bool>().ok() == want.as_bool(),
-        Type::Ms => cell.parse::<f64>().is_ok_and(|x| want.as_f64().is_some_and(|w| (x - w).abs() <= 5e-4)),
+        Type::Ms => {
+            cell.parse::<f64>().is_ok_and(|x| want.as_f64().is_some_and(|w| (x - w).abs() <= 5e-4))
+        }
         Type::OptMs if want.is_null() => cell.is_empty(),
-        Type::OptMs => cell.parse::<f64>().is_ok_and(|x| want.as_f64().is_some_and(|w| (x - w).abs() <= 5e-4)),
+        Type::OptMs => {
+            cell.parse::<f64>().is_ok_and(|x| want.as_f64().is_some_and(|w| (x - w).abs() <= 5e-4))
+        }
         Type::F32 => cell.parse::<f32>().ok() == want.as_f64().map(|w| w as f32),
     }
 }
@@ -203,7 +283,10 @@ fn every_csv_column_is_written_and_parses_to_the_json_value() {
     let dir = out_dir("csv");
     // A recorded gradient mismatch (non-zero differing, max_abs_diff) and a failed configuration
     // (status, error text) beside ordinary figures.
-    smoke(&dir, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--no-rng-replay"]);
+    smoke(
+        &dir,
+        &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--no-rng-replay"],
+    );
     // Every configuration of this run out of memory: recorded, and the harness exits non-zero.
     let out = harness(&[
         "--profile",
@@ -221,7 +304,11 @@ fn every_csv_column_is_written_and_parses_to_the_json_value() {
         "--memory-cap",
         "2MiB",
     ]);
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("every configuration ran out of memory"));
+    assert!(
+        !out.status.success()
+            && String::from_utf8_lossy(&out.stderr)
+                .contains("every configuration ran out of memory")
+    );
     let recs = records(&dir);
     assert_eq!(recs.len(), 2);
     assert_eq!(recs[1]["status"], "oom", "{}", recs[1]);
@@ -230,10 +317,24 @@ fn every_csv_column_is_written_and_parses_to_the_json_value() {
     let mut lines = csv.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();
     assert_eq!(header, COLUMNS.map(|(c, _)| c), "matrix.csv header");
-    let mut fields: Vec<&str> = recs[0].as_object().unwrap().keys().map(String::as_str).filter(|k| !JSON_ONLY.contains(k)).collect();
+    let mut fields: Vec<&str> = recs[0]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !JSON_ONLY.contains(k))
+        .collect();
     fields.sort_unstable();
-    let mut sorted: Vec<&str> =
-        header.iter().copied().filter(|c| !matches!(COLUMNS.iter().find(|(n, _)| n == c), Some((_, Type::Candle | Type::TimeVsOff(_))))).collect();
+    let mut sorted: Vec<&str> = header
+        .iter()
+        .copied()
+        .filter(|c| {
+            !matches!(
+                COLUMNS.iter().find(|(n, _)| n == c),
+                Some((_, Type::Candle | Type::TimeVsOff(_)))
+            )
+        })
+        .collect();
     sorted.sort_unstable();
     assert_eq!(sorted, fields, "a record field is missing from matrix.csv");
 
@@ -243,8 +344,15 @@ fn every_csv_column_is_written_and_parses_to_the_json_value() {
         let cells = cells(row);
         assert_eq!(cells.len(), COLUMNS.len(), "{row}");
         for ((name, ty), cell) in COLUMNS.iter().zip(&cells) {
-            let want = if matches!(ty, Type::Candle | Type::TimeVsOff(_)) { rec } else { &rec[name] };
-            assert!(matches(cell, *ty, want), "{} {}: column {name} is `{cell}`, matrix.json has {}", rec["model"], rec["policy"], rec[name]);
+            let want =
+                if matches!(ty, Type::Candle | Type::TimeVsOff(_)) { rec } else { &rec[name] };
+            assert!(
+                matches(cell, *ty, want),
+                "{} {}: column {name} is `{cell}`, matrix.json has {}",
+                rec["model"],
+                rec["policy"],
+                rec[name]
+            );
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();

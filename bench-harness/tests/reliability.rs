@@ -39,19 +39,32 @@ fn a_cap_that_sqrt_fits_records_sqrt_ok_and_names_where_off_ran_out() {
     assert!(run(&[]).status.success());
     let (off, sqrt) = (record(&dir, "gpt2-tiny", "off"), record(&dir, "gpt2-tiny", "sqrt"));
     let peak = |r: &serde_json::Value| r["step_peak_bytes"].as_u64().unwrap();
-    assert!(peak(&off) > peak(&sqrt) * 5 / 4, "off {} B, sqrt {} B: too close for the test", peak(&off), peak(&sqrt));
+    assert!(
+        peak(&off) > peak(&sqrt) * 5 / 4,
+        "off {} B, sqrt {} B: too close for the test",
+        peak(&off),
+        peak(&sqrt)
+    );
     // The heap when a step starts (runtime, model, optimizer state), plus most of the way from
     // sqrt's peak to off's.
     let base = sqrt["timeline_base_bytes"].as_u64().unwrap();
     let cap = base + peak(&sqrt) + (peak(&off) - peak(&sqrt)) * 3 / 5;
     let out = run(&["--memory-cap", &cap.to_string()]);
-    assert!(out.status.success(), "one configuration fits, so the run succeeds: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "one configuration fits, so the run succeeds: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let (off, sqrt) = (record(&dir, "gpt2-tiny", "off"), record(&dir, "gpt2-tiny", "sqrt"));
     assert_eq!(sqrt["status"], "ok", "{sqrt}");
     assert_eq!(sqrt["grads_bit_identical"], true, "the check runs uncapped, after the measurement");
     assert_eq!(off["status"], "oom", "{off}");
     let e = off["error"].as_str().unwrap();
-    assert!(e.starts_with("heap cap: refused") && (e.contains("during forward (stage") || e.contains("during backward (stage")), "{e}");
+    assert!(
+        e.starts_with("heap cap: refused")
+            && (e.contains("during forward (stage") || e.contains("during backward (stage")),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -63,7 +76,9 @@ fn children(parent: u32) -> Vec<u32> {
         .filter(|pid| {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
             // Field 4 (after the parenthesised name) is the parent pid.
-            stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok()) == Some(parent)
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+                == Some(parent)
         })
         .collect()
 }
@@ -71,7 +86,8 @@ fn children(parent: u32) -> Vec<u32> {
 fn alive(pid: u32) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // A zombie (state Z) has exited; its parent, gone, can no longer reap it.
-    !stat.is_empty() && stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) != Some("Z")
+    !stat.is_empty()
+        && stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) != Some("Z")
 }
 
 /// `kill -9` of the harness takes its running child with it. Otherwise the `run-one` child would
@@ -82,7 +98,20 @@ fn a_killed_harness_leaves_no_child() {
     let dir = out_dir("kill");
     // A configuration that runs for seconds: the smoke GPT-2 at a long sequence, many steps.
     let mut h = Command::new(env!("CARGO_BIN_EXE_bench-harness"))
-        .args(["--matrix", "models", "--profile", "smoke", "--models", "gpt2-tiny", "--policies", "off", "--steps", "500", "--input-size", "256"])
+        .args([
+            "--matrix",
+            "models",
+            "--profile",
+            "smoke",
+            "--models",
+            "gpt2-tiny",
+            "--policies",
+            "off",
+            "--steps",
+            "500",
+            "--input-size",
+            "256",
+        ])
         .args(["--out", dir.to_str().unwrap()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -100,7 +129,10 @@ fn a_killed_harness_leaves_no_child() {
     h.wait().unwrap();
     let start = Instant::now();
     while alive(child) {
-        assert!(start.elapsed() < Duration::from_secs(10), "child {child} outlived the killed harness");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "child {child} outlived the killed harness"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -111,7 +143,12 @@ fn a_killed_harness_leaves_no_child() {
 #[test]
 fn the_recorded_commit_is_the_projects_from_any_directory() {
     let project = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let head = Command::new("git").arg("-C").arg(&project).args(["rev-parse", "--short", "HEAD"]).output().unwrap();
+    let head = Command::new("git")
+        .arg("-C")
+        .arg(&project)
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .unwrap();
     if !head.status.success() {
         return; // not a git checkout (a source tarball): nothing to compare against
     }
@@ -120,7 +157,20 @@ fn the_recorded_commit_is_the_projects_from_any_directory() {
     let elsewhere = std::env::temp_dir();
     let out = Command::new(env!("CARGO_BIN_EXE_bench-harness"))
         .current_dir(&elsewhere)
-        .args(["--matrix", "models", "--profile", "smoke", "--models", "gpt2-tiny", "--policies", "off", "--steps", "1", "--out", dir.to_str().unwrap()])
+        .args([
+            "--matrix",
+            "models",
+            "--profile",
+            "smoke",
+            "--models",
+            "gpt2-tiny",
+            "--policies",
+            "off",
+            "--steps",
+            "1",
+            "--out",
+            dir.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -138,13 +188,19 @@ fn caps_below_one_byte_and_empty_selections_fail() {
     for (args, needle) in [
         (vec!["--memory-cap", "0"], "not a positive size"),
         (vec!["--memory-cap=-1GiB"], "not a positive size"),
-        (vec!["--profile", "smoke", "--models", "gpt2", "--policies", "before-downsample"], "selects no configuration"),
+        (
+            vec!["--profile", "smoke", "--models", "gpt2", "--policies", "before-downsample"],
+            "selects no configuration",
+        ),
     ] {
         let mut args = args.clone();
         args.extend(["--out", dir.to_str().unwrap()]);
         let out = harness(&args);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
+        assert!(
+            !out.status.success() && !err.contains("panicked") && err.contains(needle),
+            "{args:?}: {err}"
+        );
     }
     assert!(!dir.join("matrix.json").exists(), "nothing ran, so nothing is written");
 }
@@ -152,9 +208,23 @@ fn caps_below_one_byte_and_empty_selections_fail() {
 /// A model name `run-one` does not know is refused with the names it does know.
 #[test]
 fn an_unknown_model_lists_the_profiles_models() {
-    let out = harness(&["run-one", "--model", "resnet-50", "--policy", "off", "--profile", "smoke", "--dry-run"]);
+    let out = harness(&[
+        "run-one",
+        "--model",
+        "resnet-50",
+        "--policy",
+        "off",
+        "--profile",
+        "smoke",
+        "--dry-run",
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("not in profile `smoke`") && err.contains("gpt2-tiny"), "{err}");
+    assert!(
+        !out.status.success()
+            && err.contains("not in profile `smoke`")
+            && err.contains("gpt2-tiny"),
+        "{err}"
+    );
 }
 
 /// A truncated matrix.json does not block a fresh run: `--force` sets it aside instead of failing
@@ -164,9 +234,25 @@ fn force_sets_an_unreadable_matrix_aside() {
     let dir = out_dir("truncated");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("matrix.json"), "{\"meta\": {\"machine\": \"x").unwrap();
-    let args = ["--matrix", "models", "--profile", "smoke", "--models", "gpt2-tiny", "--policies", "off", "--steps", "1", "--out", dir.to_str().unwrap()];
+    let args = [
+        "--matrix",
+        "models",
+        "--profile",
+        "smoke",
+        "--models",
+        "gpt2-tiny",
+        "--policies",
+        "off",
+        "--steps",
+        "1",
+        "--out",
+        dir.to_str().unwrap(),
+    ];
     let out = harness(&args);
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--force"), "without --force it says what to do");
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--force"),
+        "without --force it says what to do"
+    );
     let out = harness(&[&args[..], &["--force"]].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(dir.join("matrix.json.unreadable").exists());

@@ -28,7 +28,10 @@ fn a_second_run_reruns_nothing_and_force_reruns() {
     std::fs::write(dir.join("matrix.json"), serde_json::to_string(&marked).unwrap()).unwrap();
     let forced = smoke(&dir, &[&args[..], &["--force"]].concat());
     assert!(ran(&forced), "--force reran nothing:\n{forced}");
-    assert!(matrix(&dir)["records"][0]["step_ms_median"].as_f64().unwrap() > 0.0, "--force kept the old record");
+    assert!(
+        matrix(&dir)["records"][0]["step_ms_median"].as_f64().unwrap() > 0.0,
+        "--force kept the old record"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -37,13 +40,27 @@ fn render_rewrites_every_derived_file_from_matrix_json() {
     let dir = out_dir("render");
     // A depth-sweep model too, so that the depth plot is drawn.
     smoke(&dir, &["--matrix", "all", "--models", "gpt2-tiny,depth-2", "--policies", "off"]);
-    let files = ["matrix.csv", "matrix.md", "TABLE.md", "tradeoff.png", "tradeoff.svg", "timelines.png", "timelines.svg", "depth.png", "depth.svg"];
-    let written: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(dir.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"))).collect();
+    let files = [
+        "matrix.csv",
+        "matrix.md",
+        "TABLE.md",
+        "tradeoff.png",
+        "tradeoff.svg",
+        "timelines.png",
+        "timelines.svg",
+        "depth.png",
+        "depth.svg",
+    ];
+    let written: Vec<Vec<u8>> = files
+        .iter()
+        .map(|f| std::fs::read(dir.join(f)).unwrap_or_else(|e| panic!("{f}: {e}")))
+        .collect();
     for f in files {
         std::fs::remove_file(dir.join(f)).unwrap();
     }
 
-    let out = harness(&["--matrix", "render", "--profile", "smoke", "--out", dir.to_str().unwrap()]);
+    let out =
+        harness(&["--matrix", "render", "--profile", "smoke", "--out", dir.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     for (f, before) in files.iter().zip(&written) {
         let after = std::fs::read(dir.join(f)).unwrap_or_else(|e| panic!("{f} not rendered: {e}"));
@@ -52,9 +69,15 @@ fn render_rewrites_every_derived_file_from_matrix_json() {
     std::fs::remove_dir_all(&dir).unwrap();
 
     let empty = out_dir("render-empty");
-    let out = harness(&["--matrix", "render", "--profile", "smoke", "--out", empty.to_str().unwrap()]);
+    let out =
+        harness(&["--matrix", "render", "--profile", "smoke", "--out", empty.to_str().unwrap()]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && !err.contains("panicked") && err.contains("no matrix.json to render"), "{err}");
+    assert!(
+        !out.status.success()
+            && !err.contains("panicked")
+            && err.contains("no matrix.json to render"),
+        "{err}"
+    );
     assert!(!empty.exists(), "render without matrix.json must write nothing");
 }
 
@@ -73,11 +96,27 @@ fn retime_replaces_the_times_and_nothing_else() {
     let out = smoke(&dir, &[&args[..], &["--retime", "--rounds", "2"]].concat());
     assert!(!ran(&out), "--retime measured a configuration again:\n{out}");
     let after = matrix(&dir);
-    for (before, r) in marked["records"].as_array().unwrap().iter().zip(after["records"].as_array().unwrap()) {
+    for (before, r) in
+        marked["records"].as_array().unwrap().iter().zip(after["records"].as_array().unwrap())
+    {
         let ms = r["step_ms_median"].as_f64().unwrap();
-        assert!(ms > 0.0 && r["step_ms_min"].as_f64().unwrap() <= ms && ms <= r["step_ms_max"].as_f64().unwrap(), "{r}");
-        assert!(r["times_command"].as_str().unwrap().contains("--retime"), "the record does not name what timed it: {r}");
-        for memory in ["step_peak_bytes", "activation_peak_bytes", "predicted_peak_bytes", "command", "commit"] {
+        assert!(
+            ms > 0.0
+                && r["step_ms_min"].as_f64().unwrap() <= ms
+                && ms <= r["step_ms_max"].as_f64().unwrap(),
+            "{r}"
+        );
+        assert!(
+            r["times_command"].as_str().unwrap().contains("--retime"),
+            "the record does not name what timed it: {r}"
+        );
+        for memory in [
+            "step_peak_bytes",
+            "activation_peak_bytes",
+            "predicted_peak_bytes",
+            "command",
+            "commit",
+        ] {
             assert_eq!(r[memory], before[memory], "--retime changed {memory}");
         }
     }
@@ -85,21 +124,43 @@ fn retime_replaces_the_times_and_nothing_else() {
     assert_eq!(sqrt["policy"], "sqrt");
     // The two rounds alone: the measuring run's ratio (against a marked time) is left out.
     let rounds = sqrt["time_vs_off"]["rounds"].as_array().unwrap();
-    assert!(rounds.len() == 2 && rounds.iter().all(|r| r.as_f64().unwrap() > 0.0), "{}", sqrt["time_vs_off"]);
-    assert!(std::fs::read_to_string(dir.join("matrix.md")).unwrap().contains("--retime"), "the report does not name the retiming command");
+    assert!(
+        rounds.len() == 2 && rounds.iter().all(|r| r.as_f64().unwrap() > 0.0),
+        "{}",
+        sqrt["time_vs_off"]
+    );
+    assert!(
+        std::fs::read_to_string(dir.join("matrix.md")).unwrap().contains("--retime"),
+        "the report does not name the retiming command"
+    );
 
-    // A model whose `off` did not fit keeps no ratio, but its other policies' times are taken again.
+    // A model whose `off` did not fit keeps no ratio, but its other policies' times are taken
+    // again.
     let mut no_off = after.clone();
     no_off["records"][0]["status"] = serde_json::json!("skipped");
     no_off["records"][1]["step_ms_median"] = serde_json::json!(-1.0);
     std::fs::write(dir.join("matrix.json"), serde_json::to_string(&no_off).unwrap()).unwrap();
     smoke(&dir, &[&args[..], &["--retime", "--rounds", "1"]].concat());
     let sqrt = &matrix(&dir)["records"][1];
-    assert!(sqrt["step_ms_median"].as_f64().unwrap() > 0.0, "the times of a model without `off` were not taken again: {sqrt}");
+    assert!(
+        sqrt["step_ms_median"].as_f64().unwrap() > 0.0,
+        "the times of a model without `off` were not taken again: {sqrt}"
+    );
     assert!(sqrt["time_vs_off"].is_null(), "a ratio against an `off` that did not run: {sqrt}");
 
-    let refused =
-        harness(&["--profile", "smoke", "--out", dir.to_str().unwrap(), "--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--retime"]);
+    let refused = harness(&[
+        "--profile",
+        "smoke",
+        "--out",
+        dir.to_str().unwrap(),
+        "--matrix",
+        "models",
+        "--models",
+        "gpt2-tiny",
+        "--policies",
+        "sqrt",
+        "--retime",
+    ]);
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && err.contains("keep `off` among --policies"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();

@@ -8,11 +8,22 @@ use common::{harness, out_dir, records};
 #[test]
 fn smoke_matrix_checks_every_model_and_policy() {
     let dir = out_dir("smoke");
-    let out = harness(&["--matrix", "all", "--profile", "smoke", "--steps", "2", "--out", dir.to_str().unwrap()]);
+    let out = harness(&[
+        "--matrix",
+        "all",
+        "--profile",
+        "smoke",
+        "--steps",
+        "2",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
     let recs = records(&dir);
-    let has = |model: &str, policy: &str| recs.iter().any(|r| r["model"] == model && r["policy"] == policy);
+    let has = |model: &str, policy: &str| {
+        recs.iter().any(|r| r["model"] == model && r["policy"] == policy)
+    };
     for model in ["resnet-tiny", "bert-tiny", "unet3d-tiny", "gpt2-tiny"] {
         for policy in ["off", "sqrt", "every-two-blocks"] {
             assert!(has(model, policy), "{model} {policy} missing");
@@ -28,13 +39,22 @@ fn smoke_matrix_checks_every_model_and_policy() {
         assert_eq!(r["status"], "ok", "{what}: {}", r["error"]);
         assert_eq!(r["grads_bit_identical"], true, "{what}: gradients differ from plain candle");
         assert_eq!(r["params_without_grad"], 0, "{what}");
-        assert!(r["step_peak_bytes"].as_u64().unwrap() > 0 && r["step_ms_median"].as_f64().unwrap() > 0.0, "{what}");
+        assert!(
+            r["step_peak_bytes"].as_u64().unwrap() > 0
+                && r["step_ms_median"].as_f64().unwrap() > 0.0,
+            "{what}"
+        );
         assert!(r["timeline"].as_array().is_some_and(|t| !t.is_empty()), "{what}: no timeline");
         // This run's time / off and the two interleaved rounds', each a positive ratio.
         if r["policy"] != "off" {
-            let rounds = r["time_vs_off"]["rounds"].as_array().unwrap_or_else(|| panic!("{what}: no time / off rounds"));
+            let rounds = r["time_vs_off"]["rounds"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{what}: no time / off rounds"));
             assert_eq!(rounds.len(), 3, "{what}");
-            assert!(rounds.iter().all(|x| x.as_f64().is_some_and(|x| x > 0.0)), "{what}: {rounds:?}");
+            assert!(
+                rounds.iter().all(|x| x.as_f64().is_some_and(|x| x > 0.0)),
+                "{what}: {rounds:?}"
+            );
         }
     }
 
@@ -70,24 +90,51 @@ fn smoke_matrix_checks_every_model_and_policy() {
     }
     for plot in ["tradeoff", "timelines", "depth"] {
         for ext in ["png", "svg"] {
-            let len = std::fs::metadata(dir.join(format!("{plot}.{ext}"))).map(|m| m.len()).unwrap_or(0);
+            let len =
+                std::fs::metadata(dir.join(format!("{plot}.{ext}"))).map(|m| m.len()).unwrap_or(0);
             assert!(len > 1000, "{plot}.{ext} missing or empty");
         }
     }
 
     // A second run resumes: nothing is rerun.
-    let again = harness(&["--matrix", "all", "--profile", "smoke", "--steps", "2", "--out", dir.to_str().unwrap()]);
+    let again = harness(&[
+        "--matrix",
+        "all",
+        "--profile",
+        "smoke",
+        "--steps",
+        "2",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
     assert!(again.status.success());
-    assert!(!String::from_utf8_lossy(&again.stderr).contains("grads = plain candle"), "a finished configuration was rerun");
+    assert!(
+        !String::from_utf8_lossy(&again.stderr).contains("grads = plain candle"),
+        "a finished configuration was rerun"
+    );
     // A resume under another configuration is refused, naming what differs, rather than keeping
     // the old records as if they matched.
-    for (flag, value, says) in [("--batch", "3", "batch 2 vs 3"), ("--steps", "1", "timed steps 2 vs 1")] {
-        let mut args = vec!["--matrix", "all", "--profile", "smoke", "--steps", "2", "--out", dir.to_str().unwrap()];
+    for (flag, value, says) in
+        [("--batch", "3", "batch 2 vs 3"), ("--steps", "1", "timed steps 2 vs 1")]
+    {
+        let mut args = vec![
+            "--matrix",
+            "all",
+            "--profile",
+            "smoke",
+            "--steps",
+            "2",
+            "--out",
+            dir.to_str().unwrap(),
+        ];
         args.retain(|a| !(flag == "--steps" && (*a == "--steps" || *a == "2")));
         args.extend([flag, value]);
         let other = harness(&args);
         let err = String::from_utf8_lossy(&other.stderr);
-        assert!(!other.status.success() && err.contains("another configuration") && err.contains(says), "{flag} {value}: {err}");
+        assert!(
+            !other.status.success() && err.contains("another configuration") && err.contains(says),
+            "{flag} {value}: {err}"
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -111,7 +158,10 @@ fn a_failing_configuration_is_recorded_and_the_matrix_goes_on() {
     ]);
     // An `oom` is a result, but a run where every configuration ran out exits non-zero.
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("every configuration ran out of memory"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("every configuration ran out of memory"),
+        "{err}"
+    );
     let recs = records(&dir);
     assert_eq!(recs.len(), 2, "both configurations are recorded");
     for r in recs {
@@ -132,10 +182,16 @@ fn bad_arguments_name_the_valid_choices() {
         (vec!["--device", "tpu"], "valid devices: cpu, cuda"),
         (vec!["--profile", "smoke", "--models", "vgg"], "matches no model"),
         (vec!["--memory-cap", "12 parsecs"], "unknown unit"),
-        (vec!["--profile", "smoke", "--shard-optimizer"], "--shard-optimizer shares the optimizer state among data-parallel ranks"),
+        (
+            vec!["--profile", "smoke", "--shard-optimizer"],
+            "--shard-optimizer shares the optimizer state among data-parallel ranks",
+        ),
     ] {
         let out = harness(&args);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
+        assert!(
+            !out.status.success() && !err.contains("panicked") && err.contains(needle),
+            "{args:?}: {err}"
+        );
     }
 }

@@ -88,7 +88,12 @@ const STD: [f32; 3] = [0.229, 0.224, 0.225];
 impl ImageFolder {
     pub fn open(root: &std::path::Path, size: usize, seed: u64) -> Result<Self, FolderError> {
         let io = |source| FolderError::Io { path: root.display().to_string(), source };
-        let mut dirs: Vec<std::path::PathBuf> = std::fs::read_dir(root).map_err(io)?.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect();
+        let mut dirs: Vec<std::path::PathBuf> = std::fs::read_dir(root)
+            .map_err(io)?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| p.is_dir())
+            .collect();
         dirs.sort();
         let (mut classes, mut files) = (Vec::new(), Vec::new());
         for dir in dirs {
@@ -96,14 +101,20 @@ impl ImageFolder {
                 .map_err(io)?
                 .filter_map(|e| e.ok())
                 .map(|e| e.path())
-                .filter(|p| p.extension().and_then(|e| e.to_str()).is_some_and(|e| ["png", "jpg", "jpeg"].contains(&e.to_ascii_lowercase().as_str())))
+                .filter(|p| {
+                    p.extension().and_then(|e| e.to_str()).is_some_and(|e| {
+                        ["png", "jpg", "jpeg"].contains(&e.to_ascii_lowercase().as_str())
+                    })
+                })
                 .collect();
             if images.is_empty() {
                 continue;
             }
             images.sort();
             let label = classes.len() as u32;
-            classes.push(dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+            classes.push(
+                dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+            );
             files.extend(images.into_iter().map(|p| (p, label)));
         }
         if files.is_empty() {
@@ -124,8 +135,16 @@ impl ImageFolder {
         let mut labels = Vec::with_capacity(n);
         for _ in 0..n {
             let (path, label) = &self.files[rng.below(self.files.len())];
-            let img = image::open(path).map_err(|source| FolderError::Decode { path: path.display().to_string(), source })?;
-            let rgb = image::imageops::resize(&img.to_rgb8(), s, s, image::imageops::FilterType::Triangle);
+            let img = image::open(path).map_err(|source| FolderError::Decode {
+                path: path.display().to_string(),
+                source,
+            })?;
+            let rgb = image::imageops::resize(
+                &img.to_rgb8(),
+                s,
+                s,
+                image::imageops::FilterType::Triangle,
+            );
             for ch in 0..3 {
                 pixels.extend(rgb.pixels().map(|p| (p[ch] as f32 / 255.0 - MEAN[ch]) / STD[ch]));
             }
@@ -145,7 +164,9 @@ mod folder_tests {
         for (class, colour) in [("cats", [255u8, 0, 0]), ("dogs", [0, 0, 255])] {
             std::fs::create_dir_all(root.join(class)).unwrap();
             for i in 0..2 {
-                image::RgbImage::from_pixel(10, 7, image::Rgb(colour)).save(root.join(class).join(format!("{i}.png"))).unwrap();
+                image::RgbImage::from_pixel(10, 7, image::Rgb(colour))
+                    .save(root.join(class).join(format!("{i}.png")))
+                    .unwrap();
             }
         }
         std::fs::create_dir_all(root.join("empty")).unwrap();
@@ -158,7 +179,10 @@ mod folder_tests {
             let want = if label == 0 { (1.0 - MEAN[0]) / STD[0] } else { -MEAN[0] / STD[0] };
             assert!((red - want).abs() < 1e-5);
         }
-        assert!(ImageFolder::open(&root.join("empty"), 4, 0).unwrap_err().to_string().contains("no class sub-folders"));
+        assert!(ImageFolder::open(&root.join("empty"), 4, 0)
+            .unwrap_err()
+            .to_string()
+            .contains("no class sub-folders"));
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -4,7 +4,8 @@
 //! - [`text::synthetic_corpus`]: English-like text from a small grammar (subjects, verbs, objects,
 //!   and arithmetic facts whose answers are right), so a language model has real structure to
 //!   learn; byte-level tokens ([`text::byte_tokens`]) make it usable with any GPT-2 vocabulary.
-//! - [`volumes::SyntheticVolumes`]: spheres and cubes to segment; [`volumes::NpyVolumes`]: `.npy` volumes.
+//! - [`volumes::SyntheticVolumes`]: spheres and cubes to segment; [`volumes::NpyVolumes`]: `.npy`
+//!   volumes.
 //! - [`tokens::load_u16`]: flat token files (u16 little-endian, the usual GPT-2 preprocessing).
 //! - [`tokens::Batcher`]: deterministic (input, target) windows for a step; [`tokens::Examples`]:
 //!   documents of different lengths, each once per epoch.

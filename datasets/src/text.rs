@@ -10,12 +10,23 @@ const PLACES: &[&str] = &["garden", "river", "market", "tower", "forest", "harbo
 
 fn sentence(rng: &mut SplitMix) -> String {
     match rng.below(4) {
-        0 => format!("{} {} the {} {}.", rng.pick(NAMES), rng.pick(VERBS), rng.pick(ADJECTIVES), rng.pick(NOUNS)),
+        0 => format!(
+            "{} {} the {} {}.",
+            rng.pick(NAMES),
+            rng.pick(VERBS),
+            rng.pick(ADJECTIVES),
+            rng.pick(NOUNS)
+        ),
         1 => {
             let (a, b) = (rng.below(50), rng.below(50));
             format!("{a} plus {b} is {}.", a + b)
         }
-        2 => format!("the {} {} is in the {}.", rng.pick(ADJECTIVES), rng.pick(NOUNS), rng.pick(PLACES)),
+        2 => format!(
+            "the {} {} is in the {}.",
+            rng.pick(ADJECTIVES),
+            rng.pick(NOUNS),
+            rng.pick(PLACES)
+        ),
         _ => {
             let n = 2 + rng.below(7);
             format!("{} gives {} {n} {}s.", rng.pick(NAMES), rng.pick(NAMES), rng.pick(NOUNS))
@@ -53,7 +64,8 @@ mod tests {
         assert!(a.len() >= 10_000);
         for s in a.split('.').map(str::trim).filter(|s| s.contains(" plus ")) {
             let w: Vec<&str> = s.split(' ').collect();
-            let (x, y, z): (u32, u32, u32) = (w[0].parse().unwrap(), w[2].parse().unwrap(), w[4].parse().unwrap());
+            let (x, y, z): (u32, u32, u32) =
+                (w[0].parse().unwrap(), w[2].parse().unwrap(), w[4].parse().unwrap());
             assert_eq!(x + y, z, "{s}");
         }
     }
@@ -91,8 +103,10 @@ impl WordVocab {
     }
 
     pub fn from_file(path: &std::path::Path) -> std::io::Result<Self> {
-        let tokens: Vec<String> = std::fs::read_to_string(path)?.lines().map(|l| l.trim().to_string()).collect();
-        let missing: Vec<&str> = SPECIAL_TOKENS.iter().copied().filter(|s| !tokens.iter().any(|t| t == s)).collect();
+        let tokens: Vec<String> =
+            std::fs::read_to_string(path)?.lines().map(|l| l.trim().to_string()).collect();
+        let missing: Vec<&str> =
+            SPECIAL_TOKENS.iter().copied().filter(|s| !tokens.iter().any(|t| t == s)).collect();
         if !missing.is_empty() {
             let msg = format!("vocabulary {} lacks the special tokens {missing:?}", path.display());
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, msg));

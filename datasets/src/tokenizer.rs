@@ -38,7 +38,11 @@ impl Tokenizer {
         let text = std::fs::read_to_string(path).map_err(|e| read(e.to_string()))?;
         let mut inner: tokenizers::Tokenizer = text.parse().map_err(|e| {
             let is_json = serde_json::from_str::<serde_json::Value>(&text).is_ok();
-            let what = if is_json { "JSON, but not a Hugging Face tokenizer.json" } else { "not a Hugging Face tokenizer.json (not even JSON)" };
+            let what = if is_json {
+                "JSON, but not a Hugging Face tokenizer.json"
+            } else {
+                "not a Hugging Face tokenizer.json (not even JSON)"
+            };
             read(format!("{what}: {e}"))
         })?;
         inner.with_padding(None);
@@ -49,15 +53,24 @@ impl Tokenizer {
     /// Learns a tokenizer of `kind` with at most `vocab_size` tokens from the lines of `text`,
     /// and writes it to `path` as a `tokenizer.json`: for a corpus without a published tokenizer,
     /// and for tests, which must not download one.
-    pub fn train(kind: Kind, text: &str, vocab_size: usize, path: &Path) -> Result<Self, TokenizerError> {
+    pub fn train(
+        kind: Kind,
+        text: &str,
+        vocab_size: usize,
+        path: &Path,
+    ) -> Result<Self, TokenizerError> {
         use tokenizers::models::{bpe::BpeTrainer, wordpiece::WordPieceTrainer, TrainerWrapper};
         use tokenizers::pre_tokenizers::byte_level::ByteLevel;
         use tokenizers::AddedToken;
-        let special = |names: &[&str]| names.iter().map(|t| AddedToken::from(t.to_string(), true)).collect::<Vec<_>>();
+        let special = |names: &[&str]| {
+            names.iter().map(|t| AddedToken::from(t.to_string(), true)).collect::<Vec<_>>()
+        };
         let (mut tokenizer, mut trainer): (tokenizers::Tokenizer, TrainerWrapper) = match kind {
             Kind::WordPiece => {
-                let mut t = tokenizers::Tokenizer::new(tokenizers::models::wordpiece::WordPiece::default());
-                t.with_normalizer(Some(tokenizers::normalizers::BertNormalizer::default())).expect("a normalizer is always accepted");
+                let mut t =
+                    tokenizers::Tokenizer::new(tokenizers::models::wordpiece::WordPiece::default());
+                t.with_normalizer(Some(tokenizers::normalizers::BertNormalizer::default()))
+                    .expect("a normalizer is always accepted");
                 t.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::bert::BertPreTokenizer));
                 t.with_decoder(Some(tokenizers::decoders::wordpiece::WordPiece::default()));
                 let trainer = WordPieceTrainer::builder()
@@ -81,7 +94,10 @@ impl Tokenizer {
             }
         };
         let p = path.display().to_string();
-        let failed = |e: tokenizers::Error| TokenizerError::Read { path: p.clone(), message: format!("training: {e}") };
+        let failed = |e: tokenizers::Error| TokenizerError::Read {
+            path: p.clone(),
+            message: format!("training: {e}"),
+        };
         tokenizer.train(&mut trainer, text.lines()).map_err(failed)?;
         tokenizer.save(path, false).map_err(failed)?;
         Self::from_file(path)
@@ -128,9 +144,10 @@ mod tests {
     fn a_file_that_is_no_tokenizer_says_so() {
         let dir = std::env::temp_dir().join(format!("tokenizer-not-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        for (name, text, said) in
-            [("config.json", r#"{"vocab_size": 3}"#, "JSON, but not a Hugging Face tokenizer.json"), ("vocab.txt", "[PAD]\n[UNK]\n", "not even JSON")]
-        {
+        for (name, text, said) in [
+            ("config.json", r#"{"vocab_size": 3}"#, "JSON, but not a Hugging Face tokenizer.json"),
+            ("vocab.txt", "[PAD]\n[UNK]\n", "not even JSON"),
+        ] {
             let path = dir.join(name);
             std::fs::write(&path, text).unwrap();
             let err = Tokenizer::from_file(&path).err().expect("refused").to_string();

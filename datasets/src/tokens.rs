@@ -15,7 +15,9 @@ pub enum DataError {
     TooShort { have: usize, need: usize },
     #[error("token {token} at position {pos} is outside the vocabulary of {vocab}")]
     OutOfVocab { token: u16, pos: usize, vocab: usize },
-    #[error("token id {token} does not fit a u16 token stream (a vocabulary of more than 65536 tokens)")]
+    #[error(
+        "token id {token} does not fit a u16 token stream (a vocabulary of more than 65536 tokens)"
+    )]
     WideToken { token: u32 },
     #[error("the text has no tokens")]
     NoDocuments,
@@ -66,7 +68,8 @@ impl Batcher {
     /// The batch of `step`: `batch` windows, each flattened row-major, as (inputs, targets).
     pub fn batch(&self, step: u64, batch: usize) -> (Vec<u32>, Vec<u32>) {
         let mut rng = SplitMix::new(self.seed ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03));
-        let (mut x, mut y) = (Vec::with_capacity(batch * self.seq), Vec::with_capacity(batch * self.seq));
+        let (mut x, mut y) =
+            (Vec::with_capacity(batch * self.seq), Vec::with_capacity(batch * self.seq));
         for _ in 0..batch {
             let start = rng.below(self.tokens.len() - self.seq);
             let w = &self.tokens[start..start + self.seq + 1];
@@ -88,7 +91,8 @@ pub struct Examples {
 impl Examples {
     /// Documents longer than `max_len` are cut into consecutive pieces; empty ones are dropped.
     pub fn new(documents: Vec<Vec<u32>>, max_len: usize, seed: u64) -> Result<Self, DataError> {
-        let examples: Vec<Vec<u32>> = documents.iter().flat_map(|d| d.chunks(max_len.max(1)).map(<[u32]>::to_vec)).collect();
+        let examples: Vec<Vec<u32>> =
+            documents.iter().flat_map(|d| d.chunks(max_len.max(1)).map(<[u32]>::to_vec)).collect();
         if examples.is_empty() {
             return Err(DataError::NoDocuments);
         }
@@ -164,7 +168,10 @@ mod tests {
         assert_eq!(b.batch(5, 3), (x.clone(), y));
         assert_ne!(b.batch(6, 3).0, x);
         assert!(Batcher::new(vec![1; 10], 16, 256, 1).is_err());
-        assert!(Batcher::new(vec![300; 100], 16, 256, 1).unwrap_err().to_string().contains("vocabulary"));
+        assert!(Batcher::new(vec![300; 100], 16, 256, 1)
+            .unwrap_err()
+            .to_string()
+            .contains("vocabulary"));
     }
 
     #[test]
@@ -172,11 +179,16 @@ mod tests {
         let docs = vec![vec![1, 2, 3, 4, 5], vec![], vec![6], vec![7, 8]];
         let ex = Examples::new(docs, 2, 3).unwrap();
         assert_eq!(ex.len(), 5, "[1 2] [3 4] [5] [6] [7 8]");
-        let epoch: Vec<Vec<u32>> = (0..5).flat_map(|s| ex.batch(s, 1)).map(<[u32]>::to_vec).collect();
+        let epoch: Vec<Vec<u32>> =
+            (0..5).flat_map(|s| ex.batch(s, 1)).map(<[u32]>::to_vec).collect();
         let mut sorted = epoch.clone();
         sorted.sort();
         assert_eq!(sorted, vec![vec![1, 2], vec![3, 4], vec![5], vec![6], vec![7, 8]]);
-        assert_eq!(ex.batch(1, 2), epoch[2..4].iter().map(Vec::as_slice).collect::<Vec<_>>(), "a batch of 2 at step 1 is epoch positions 2 and 3");
+        assert_eq!(
+            ex.batch(1, 2),
+            epoch[2..4].iter().map(Vec::as_slice).collect::<Vec<_>>(),
+            "a batch of 2 at step 1 is epoch positions 2 and 3"
+        );
         assert_eq!(ex.batch(2, 3).len(), 3, "a batch runs across the end of an epoch");
         assert!(Examples::new(vec![vec![]], 4, 0).is_err());
         assert!(narrow_u16(&[70_000]).unwrap_err().to_string().contains("65536"));

@@ -33,9 +33,15 @@ impl SyntheticVolumes {
             for _ in 0..1 + rng.below(3) {
                 let kind = if rng.below(2) == 0 { SPHERE } else { CUBE };
                 let r = (s as f32 / 8.0).max(1.0) + rng.below((s / 8).max(1)) as f32;
-                let c: Vec<f32> = (0..3).map(|_| r + rng.below((s as f32 - 2.0 * r).max(1.0) as usize) as f32).collect();
+                let c: Vec<f32> = (0..3)
+                    .map(|_| r + rng.below((s as f32 - 2.0 * r).max(1.0) as usize) as f32)
+                    .collect();
                 for (i, l) in label.iter_mut().enumerate() {
-                    let p = [(i / (s * s)) as f32 - c[0], ((i / s) % s) as f32 - c[1], (i % s) as f32 - c[2]];
+                    let p = [
+                        (i / (s * s)) as f32 - c[0],
+                        ((i / s) % s) as f32 - c[1],
+                        (i % s) as f32 - c[2],
+                    ];
                     let inside = match kind {
                         SPHERE => p.iter().map(|v| v * v).sum::<f32>() <= r * r,
                         _ => p.iter().all(|v| v.abs() <= r * 0.8),
@@ -82,14 +88,19 @@ pub struct Volume {
 impl NpyVolumes {
     pub fn open(root: &Path, seed: u64) -> Result<Self, VolumeError> {
         let folder = |why: String| VolumeError::Folder { path: root.display().to_string(), why };
-        let images = std::fs::read_dir(root.join("images")).map_err(|e| folder(format!("images/: {e}")))?;
+        let images =
+            std::fs::read_dir(root.join("images")).map_err(|e| folder(format!("images/: {e}")))?;
         let mut pairs = Vec::new();
         for entry in images.filter_map(|e| e.ok()) {
             let path = entry.path();
             if path.extension().is_some_and(|e| e == "npy") {
                 let label = root.join("labels").join(entry.file_name());
                 if !label.exists() {
-                    return Err(folder(format!("{} has no labels/{}", path.display(), entry.file_name().to_string_lossy())));
+                    return Err(folder(format!(
+                        "{} has no labels/{}",
+                        path.display(),
+                        entry.file_name().to_string_lossy()
+                    )));
                 }
                 pairs.push((path, label));
             }
@@ -180,7 +191,10 @@ impl Numbers {
     }
 }
 
-fn read_npy<T>(path: &Path, convert: impl Fn(Numbers) -> Option<Vec<T>>) -> Result<(Vec<usize>, Vec<T>), VolumeError> {
+fn read_npy<T>(
+    path: &Path,
+    convert: impl Fn(Numbers) -> Option<Vec<T>>,
+) -> Result<(Vec<usize>, Vec<T>), VolumeError> {
     let err = |why: String| VolumeError::File { path: path.display().to_string(), why };
     let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
     let npy = npyz::NpyFile::new(&bytes[..]).map_err(|e| err(e.to_string()))?;
@@ -197,7 +211,11 @@ fn read_npy<T>(path: &Path, convert: impl Fn(Numbers) -> Option<Vec<T>>) -> Resu
         "u1" => Numbers::U8(npy.into_vec().map_err(|e| err(e.to_string()))?),
         other => return Err(err(format!("unsupported dtype `{other}`"))),
     };
-    let values = convert(numbers).ok_or_else(|| err(format!("dtype `{descr}` is not valid here (images: f4/f8; labels: non-negative i8/i4/u1)")))?;
+    let values = convert(numbers).ok_or_else(|| {
+        err(format!(
+            "dtype `{descr}` is not valid here (images: f4/f8; labels: non-negative i8/i4/u1)"
+        ))
+    })?;
     Ok((shape, values))
 }
 
@@ -230,14 +248,24 @@ mod tests {
         std::fs::create_dir_all(root.join("labels")).unwrap();
         let write = |path: PathBuf, shape: &[u64], data: Vec<f32>| {
             let mut out = Vec::new();
-            let mut w = npyz::WriteOptions::new().default_dtype().shape(shape).writer(&mut out).begin_nd().unwrap();
+            let mut w = npyz::WriteOptions::new()
+                .default_dtype()
+                .shape(shape)
+                .writer(&mut out)
+                .begin_nd()
+                .unwrap();
             w.extend(data).unwrap();
             w.finish().unwrap();
             std::fs::write(path, out).unwrap();
         };
         write(root.join("images/a.npy"), &[1, 2, 2, 2], (0..8).map(|i| i as f32).collect());
         let mut out = Vec::new();
-        let mut w = npyz::WriteOptions::new().default_dtype().shape(&[2, 2, 2]).writer(&mut out).begin_nd().unwrap();
+        let mut w = npyz::WriteOptions::new()
+            .default_dtype()
+            .shape(&[2, 2, 2])
+            .writer(&mut out)
+            .begin_nd()
+            .unwrap();
         w.extend((0..8i64).map(|i| i % 3)).unwrap();
         w.finish().unwrap();
         std::fs::write(root.join("labels/a.npy"), out).unwrap();
@@ -247,7 +275,10 @@ mod tests {
         assert_eq!(vol.voxels[7], 7.0);
         assert_eq!(vol.labels, [0, 1, 2, 0, 1, 2, 0, 1]);
         write(root.join("images/b.npy"), &[1, 2, 2, 2], vec![0.0; 8]);
-        assert!(NpyVolumes::open(&root, 0).unwrap_err().to_string().contains("has no labels/b.npy"));
+        assert!(NpyVolumes::open(&root, 0)
+            .unwrap_err()
+            .to_string()
+            .contains("has no labels/b.npy"));
         write(root.join("labels/b.npy"), &[2, 2, 2], vec![0.5; 8]);
         let err = NpyVolumes::open(&root, 0).unwrap().read(1).unwrap_err().to_string();
         assert!(err.contains("not valid here"), "{err}");

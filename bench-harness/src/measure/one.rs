@@ -28,7 +28,13 @@ pub enum One {
 }
 
 /// `run-one`: one configuration measured in this process, on the ranks `mpirun` started.
-pub fn run_one(model: &str, policy: &PolicyRequest, mode: One, profiles: Option<&Path>, common: &Common) -> Result<()> {
+pub fn run_one(
+    model: &str,
+    policy: &PolicyRequest,
+    mode: One,
+    profiles: Option<&Path>,
+    common: &Common,
+) -> Result<()> {
     ops::fused::set_path(common.fused_path.into());
     let dev = common.device.open()?;
     let group = trainkit::Group::from_launcher(&dev)?;
@@ -49,12 +55,17 @@ fn measure_one(
         Some(cap) => hold_beyond(dev, cap)?,
         None => None,
     };
-    let workloads: Vec<_> = workloads::profile(common.profile()).into_iter().chain(workloads::depth_sweep(common.profile())).collect();
+    let workloads: Vec<_> = workloads::profile(common.profile())
+        .into_iter()
+        .chain(workloads::depth_sweep(common.profile()))
+        .collect();
     let names = || workloads.iter().map(|w| w.model.clone()).collect::<Vec<_>>().join(", ");
     let w = workloads
         .iter()
         .find(|w| w.model == model)
-        .with_context(|| format!("model `{model}` is not in profile `{}`; it has: {}", common.profile(), names()))?
+        .with_context(|| {
+            format!("model `{model}` is not in profile `{}`; it has: {}", common.profile(), names())
+        })?
         .clone()
         .overridden(common.overrides());
     let device_name = common.device.to_string();
@@ -114,7 +125,13 @@ pub const STEP_DOES_NOT_FIT: &str = "predicted only: a step needs";
 
 /// The planner's profile of `inst` at its batch, measured at that batch ([`Profile::at_batch`]).
 pub fn profile(inst: &dyn Instance, seed: u64) -> Result<Profile> {
-    Ok(Profile::at_batch(inst.graph(), |n| inst.inputs_at(0, n), &inst.store().vars(), inst.batch(), seed)?)
+    Ok(Profile::at_batch(
+        inst.graph(),
+        |n| inst.inputs_at(0, n),
+        &inst.store().vars(),
+        inst.batch(),
+        seed,
+    )?)
 }
 
 /// A profile kept in a results folder (`profiles/<model>.json`) for the other policies of the
@@ -130,7 +147,14 @@ struct SharedProfile {
 /// threads, ranks, fused path) by the same harness executable, else it is measured and written
 /// there (by the first rank). At full size this saves a profile per policy: ResNet-50 at batch
 /// 256 profiles for minutes.
-fn shared_profile(dir: Option<&Path>, w: &Workload, inst: &dyn Instance, device_name: &str, seed: u64, group: &trainkit::Group) -> Result<Profile> {
+fn shared_profile(
+    dir: Option<&Path>,
+    w: &Workload,
+    inst: &dyn Instance,
+    device_name: &str,
+    seed: u64,
+    group: &trainkit::Group,
+) -> Result<Profile> {
     let Some(dir) = dir else { return profile(inst, seed) };
     // The executable, by its size and time of writing: a rebuilt harness measures anew.
     let exe = std::env::current_exe().and_then(std::fs::metadata)?;
@@ -148,7 +172,10 @@ fn shared_profile(dir: Option<&Path>, w: &Workload, inst: &dyn Instance, device_
         crate::report::results::commit()
     );
     let path = dir.join(format!("{}.json", w.model.replace('/', "+")));
-    let kept = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<SharedProfile>(&b).ok()).filter(|k| k.measured_for == measured_for);
+    let kept = std::fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<SharedProfile>(&b).ok())
+        .filter(|k| k.measured_for == measured_for);
     if let Some(kept) = kept {
         return Ok(kept.profile);
     }
@@ -157,7 +184,8 @@ fn shared_profile(dir: Option<&Path>, w: &Workload, inst: &dyn Instance, device_
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let shared = SharedProfile { measured_for, profile };
         let partial = path.with_extension("json.partial");
-        std::fs::write(&partial, serde_json::to_vec_pretty(&shared)?).with_context(|| format!("writing {}", partial.display()))?;
+        std::fs::write(&partial, serde_json::to_vec_pretty(&shared)?)
+            .with_context(|| format!("writing {}", partial.display()))?;
         std::fs::rename(&partial, &path).with_context(|| format!("writing {}", path.display()))?;
         return Ok(shared.profile);
     }
@@ -173,7 +201,11 @@ pub fn predict(profile: &Profile, policy: &Policy, w: &Workload) -> Result<Estim
     }
     let first = profile.predict_policy(policy, Grads::Gathered)?;
     let later = profile.predict_policy(policy, grads)?;
-    Ok(if later.peak > first.peak { Estimate { recompute_ms: first.recompute_ms, step_ms: first.step_ms, ..later } } else { first })
+    Ok(if later.peak > first.peak {
+        Estimate { recompute_ms: first.recompute_ms, step_ms: first.step_ms, ..later }
+    } else {
+        first
+    })
 }
 
 /// Where and how [`run`] measures a configuration.
@@ -208,12 +240,18 @@ pub fn run(w: &Workload, policy: &PolicyRequest, at: &Setting) -> Result<Record>
     // tenth (the allocator's slack, the page cache, the harness). Under a memory cap, which
     // emulates a smaller device, a step that does not fit runs and ends out of memory, as it
     // would there.
-    let room = if at.cap.is_some() { None } else { trainkit::free_memory(at.device).map(|free| base + free - free / 10) };
+    let room = if at.cap.is_some() {
+        None
+    } else {
+        trainkit::free_memory(at.device).map(|free| base + free - free / 10)
+    };
     // Held from here on, as the model is: part of the state before a step, never of a step.
     ops::allocate_matmul_workspaces();
     set_activity(Activity::Build, None);
     let inst = w.build(at.device, at.seed)?;
-    if let Some(reason) = room.filter(|_| at.predict_step).and_then(|room| state_beyond(w, &*inst, room)) {
+    if let Some(reason) =
+        room.filter(|_| at.predict_step).and_then(|room| state_beyond(w, &*inst, room))
+    {
         return Ok(rec.skipped(reason));
     }
     let mut optimizer = inst.optimizer(w.shard_optimizer, at.group)?;
@@ -237,7 +275,12 @@ pub fn run(w: &Workload, policy: &PolicyRequest, at: &Setting) -> Result<Record>
                 format!("two steps of `off` ({} each by the planner's prediction) do not fit the {} this machine can give", gib_text(off), gib_text(room));
         }
     }
-    let exec = Executor::new(inst.graph(), &policy, inst.store().vars(), trainkit::rank_seed(at.seed, at.group.rank()))?;
+    let exec = Executor::new(
+        inst.graph(),
+        &policy,
+        inst.store().vars(),
+        trainkit::rank_seed(at.seed, at.group.rank()),
+    )?;
     rec.segments = exec.segments().len();
     rec.ranks = at.group.world();
     rec.segment_ranges = exec.segments().iter().map(|r| [r.start, r.end]).collect();
@@ -280,12 +323,20 @@ fn timed_steps(
 ) -> Result<()> {
     let group = at.group;
     // Every rank draws the global batch and keeps its rows (the ranks see it whole between them).
-    let inputs = |n: u64| -> Result<Vec<candle_core::Tensor>> { Ok(group.shard(inst.inputs_at(n, inst.batch() * group.world())?)?) };
+    let inputs = |n: u64| -> Result<Vec<candle_core::Tensor>> {
+        Ok(group.shard(inst.inputs_at(n, inst.batch() * group.world())?)?)
+    };
     let (mut comm_ms, mut wait_ms) = (Vec::new(), Vec::new());
     let (mut times, mut faults) = (Vec::new(), Vec::new());
     // f16 trains under dynamic loss scaling, as the trainers do.
     let mut scaler = (w.dtype == model::Precision::F16).then(trainkit::LossScaler::default);
-    let stepper = trainkit::Stepper { group, exec, accumulate: w.accumulate, in_backward: w.in_backward, batch_names: None };
+    let stepper = trainkit::Stepper {
+        group,
+        exec,
+        accumulate: w.accumulate,
+        in_backward: w.in_backward,
+        batch_names: None,
+    };
     for step in 0..=at.steps as u64 {
         let comm_before = group.comm_time();
         let faults_before = remat::memory::minor_faults();
@@ -299,7 +350,9 @@ fn timed_steps(
         }
         let usage = out.usage;
         times.push(usage.elapsed_ms);
-        faults.extend(faults_before.zip(remat::memory::minor_faults()).map(|(before, after)| after - before));
+        faults.extend(
+            faults_before.zip(remat::memory::minor_faults()).map(|(before, after)| after - before),
+        );
         comm_ms.push((comm.all_reduce - comm_before.all_reduce).as_secs_f64() * 1e3);
         wait_ms.push((comm.waited - comm_before.waited).as_secs_f64() * 1e3);
         rec.model_state_bytes = usage.heap_base.saturating_sub(base);
@@ -328,7 +381,12 @@ fn timed_steps(
 
 /// With several ranks: the median time in all-reduces and waiting for them per step, and the
 /// largest rank's state and step peak.
-fn ranks_summary(rec: &mut Record, group: &trainkit::Group, comm_ms: Vec<f64>, wait_ms: Vec<f64>) -> Result<()> {
+fn ranks_summary(
+    rec: &mut Record,
+    group: &trainkit::Group,
+    comm_ms: Vec<f64>,
+    wait_ms: Vec<f64>,
+) -> Result<()> {
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -358,20 +416,31 @@ fn plan(
     let inputs_bytes: u64 = inst.inputs(0)?.iter().map(remat::memory::tensor_bytes).sum();
     let fixed = trainkit::memory_before_step(device, optimizer, inputs_bytes)?;
     let grads = Grads::of(&profile, w.accumulate, w.in_backward);
-    let (resolved, plan) = remat::plan::resolve(policy, &profile, fixed, grads, trainkit::auto_budget(device, at.cap))?;
+    let (resolved, plan) = remat::plan::resolve(
+        policy,
+        &profile,
+        fixed,
+        grads,
+        trainkit::auto_budget(device, at.cap),
+    )?;
     let policy = trainkit::parallel::agreed_policy(group, policy, resolved)?;
     if plan.is_some() {
         rec.plan = policy.to_string();
     }
     // Known before the step runs, for a baseline of a configuration that is not run.
-    rec.segment_ranges = policy.segments_of(&profile.kinds())?.iter().map(|r| [r.start, r.end]).collect();
+    rec.segment_ranges =
+        policy.segments_of(&profile.kinds())?.iter().map(|r| [r.start, r.end]).collect();
     if at.predict_step {
         let estimate = predict(&profile, &policy, w)?;
         if policy == Policy::Off {
             let points = remat::plan::frontier(&profile, fixed, grads, 16);
             rec.frontier = points
                 .iter()
-                .map(|p| FrontierPoint { plan: p.policy().to_string(), peak_bytes: p.estimate.peak, time_ratio: p.estimate.time_ratio() })
+                .map(|p| FrontierPoint {
+                    plan: p.policy().to_string(),
+                    peak_bytes: p.estimate.peak,
+                    time_ratio: p.estimate.time_ratio(),
+                })
                 .collect();
         }
         rec.predicted_peak_bytes = Some(estimate.peak);
@@ -388,7 +457,14 @@ fn plan(
 /// after [`run`], once the model is freed and any memory cap lifted: the check builds two more
 /// models). `replay_rng: false` makes the check's recomputes draw fresh dropout keys (see
 /// `--no-rng-replay`): it exists only to show the check can fail.
-pub fn check(rec: &mut Record, w: &Workload, policy: &Policy, seed: u64, device: &Device, replay_rng: bool) -> Result<()> {
+pub fn check(
+    rec: &mut Record,
+    w: &Workload,
+    policy: &Policy,
+    seed: u64,
+    device: &Device,
+    replay_rng: bool,
+) -> Result<()> {
     set_activity(Activity::GradCheck, None);
     let check = gradcheck(w, policy, seed, device, replay_rng)?;
     rec.grads_checked = true;
@@ -418,36 +494,59 @@ fn plain_step(w: &Workload, seed: u64, device: &Device) -> Result<Fingerprint> {
 
 /// Step 0 through the executor under `policy`, on a freshly built model; and how many parameters
 /// the model has.
-fn executor_step(w: &Workload, policy: &Policy, seed: u64, device: &Device, replay_rng: bool) -> Result<(Fingerprint, usize)> {
+fn executor_step(
+    w: &Workload,
+    policy: &Policy,
+    seed: u64,
+    device: &Device,
+    replay_rng: bool,
+) -> Result<(Fingerprint, usize)> {
     let inst = w.build(device, seed)?;
     let mut exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
     if !replay_rng {
         exec = exec.without_rng_replay();
     }
     let out = exec.step(&inst.inputs(0)?, 0)?;
-    Ok(((inst.store().grad_bits(&out.grads)?, inst.store().buffer_bits()?), inst.store().vars().len()))
+    Ok((
+        (inst.store().grad_bits(&out.grads)?, inst.store().buffer_bits()?),
+        inst.store().vars().len(),
+    ))
 }
 
 /// One step in plain candle and one through the executor under `policy` (`off` included), on
 /// identical weights, batch and seed: every gradient element and every buffer element compared
 /// bit for bit; and every parameter must receive a non-zero gradient.
-fn gradcheck(w: &Workload, policy: &Policy, seed: u64, device: &Device, replay_rng: bool) -> Result<GradCheck> {
+fn gradcheck(
+    w: &Workload,
+    policy: &Policy,
+    seed: u64,
+    device: &Device,
+    replay_rng: bool,
+) -> Result<GradCheck> {
     let (ref_grads, ref_bufs) = plain_step(w, seed, device)?;
     let ((grads, bufs), n_params) = executor_step(w, policy, seed, device, replay_rng)?;
     let zero = grads.values().filter(|g| g.iter().all(|&x| f32::from_bits(x) == 0.0)).count();
-    let mut check = GradCheck { differing: 0, max_abs_diff: 0.0, without_grad: n_params - grads.len() + zero };
-    let pairs = ref_grads.iter().map(|(n, a)| (a, grads.get(n))).chain(ref_bufs.iter().map(|(n, a)| (a, bufs.get(n))));
+    let mut check =
+        GradCheck { differing: 0, max_abs_diff: 0.0, without_grad: n_params - grads.len() + zero };
+    let pairs = ref_grads
+        .iter()
+        .map(|(n, a)| (a, grads.get(n)))
+        .chain(ref_bufs.iter().map(|(n, a)| (a, bufs.get(n))));
     for (a, b) in pairs {
         match b {
             Some(b) if a.len() == b.len() => {
                 for (&x, &y) in a.iter().zip(b) {
                     if x != y {
                         check.differing += 1;
-                        check.max_abs_diff = check.max_abs_diff.max((f32::from_bits(x) - f32::from_bits(y)).abs() as f64);
+                        check.max_abs_diff = check
+                            .max_abs_diff
+                            .max((f32::from_bits(x) - f32::from_bits(y)).abs() as f64);
                     }
                 }
             }
-            Some(_) => return Err(anyhow!("tensor shapes differ between plain candle and {policy}")),
+            Some(_) => {
+                return Err(anyhow!("tensor shapes differ between plain candle and {policy}"))
+            }
             None => check.differing += a.len() as u64,
         }
     }

@@ -39,8 +39,8 @@ pub fn project_one(model: &str, common: &Common) -> Result<()> {
 pub fn project(w: &Workload, device: &Device, seed: u64) -> Result<Projection> {
     let inst = w.build(device, seed)?;
     let store = inst.store();
-    let weights: u64 =
-        store.vars().iter().map(|v| tensor_bytes(v.as_tensor())).sum::<u64>() + store.buffers().map(|(_, b)| tensor_bytes(b.as_tensor())).sum::<u64>();
+    let weights: u64 = store.vars().iter().map(|v| tensor_bytes(v.as_tensor())).sum::<u64>()
+        + store.buffers().map(|(_, b)| tensor_bytes(b.as_tensor())).sum::<u64>();
     let shapes: Vec<Vec<usize>> = store.vars().iter().map(|v| v.dims().to_vec()).collect();
     let (_, _, optimizer) = w.state(&shapes);
     let inputs = inst.inputs_at(0, 1)?.iter().map(tensor_bytes).sum::<u64>() * w.batch as u64;
@@ -67,10 +67,18 @@ pub fn project(w: &Workload, device: &Device, seed: u64) -> Result<Projection> {
     }
     let sqrt_total = state_bytes + predict(&profile, &Policy::Sqrt, w)?.peak;
     let at_sqrt = profile.plan(sqrt_total, state_bytes, grads)?;
-    rows.push(row("budget = sqrt's memory".into(), at_sqrt.policy().to_string(), &at_sqrt.estimate));
+    rows.push(row(
+        "budget = sqrt's memory".into(),
+        at_sqrt.policy().to_string(),
+        &at_sqrt.estimate,
+    ));
     // A card the model does not fit at any plan has no row for it.
     if let Ok(card) = profile.plan(CARD_BYTES, state_bytes, grads) {
-        rows.push(row(PolicyRequest::Budget(CARD_BYTES).to_string(), card.policy().to_string(), &card.estimate));
+        rows.push(row(
+            PolicyRequest::Budget(CARD_BYTES).to_string(),
+            card.policy().to_string(),
+            &card.estimate,
+        ));
     }
     let least = profile.least_peak(grads);
     rows.push(row("least memory".into(), least.policy().to_string(), &least.estimate));

@@ -12,7 +12,11 @@ pub fn side_by_side(m: &Matrix) -> String {
     if m.baselines.is_empty() {
         return String::new();
     }
-    let version = m.baselines.iter().find(|b| !b.framework_version.is_empty()).map_or("", |b| b.framework_version.as_str());
+    let version = m
+        .baselines
+        .iter()
+        .find(|b| !b.framework_version.is_empty())
+        .map_or("", |b| b.framework_version.as_str());
     let mut out = format!(
         "\n## Side by side with PyTorch {version}\n\nThe same configurations in PyTorch eager on the same machine, run right after ours \
 (`--baseline pytorch`: `scripts/torch_baseline.py`, torchvision/transformers models, `torch.utils.checkpoint(use_reentrant=False)` \
@@ -25,7 +29,9 @@ and the interleaved timing rounds, where PyTorch runs each policy right after ou
         super::results::made_by(m.baselines.iter().map(|b| b.command.as_str()), &m.meta.command)
     );
     for b in &m.baselines {
-        let Some(r) = m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok) else { continue };
+        let Some(r) = m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok) else {
+            continue;
+        };
         if b.status != Status::Ok {
             let _ = writeln!(
                 out,
@@ -39,7 +45,8 @@ and the interleaved timing rounds, where PyTorch runs each policy right after ou
             );
             continue;
         }
-        let spread = |t: &super::record::Spread| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max);
+        let spread =
+            |t: &super::record::Spread| format!("{:.2}x ({:.2}-{:.2})", t.median, t.min, t.max);
         let ours_vs_off = r.time_vs_off.as_ref().map_or("-".into(), spread);
         let torch_vs_off = match &b.time_vs_off {
             Some(t) => spread(t),
@@ -48,7 +55,10 @@ and the interleaved timing rounds, where PyTorch runs each policy right after ou
                 .filter(|o| o.status == Status::Ok && b.policy != "off")
                 .map_or("-".into(), |o| format!("{:.2}x", b.step_ms_median / o.step_ms_median)),
         };
-        let time_ratio = b.ours_over_torch.as_ref().map_or_else(|| format!("{:.2}x", r.step_ms_median / b.step_ms_median), spread);
+        let time_ratio = b
+            .ours_over_torch
+            .as_ref()
+            .map_or_else(|| format!("{:.2}x", r.step_ms_median / b.step_ms_median), spread);
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {:.2}x | {:.0} ms | {:.0} ms | {time_ratio} | {ours_vs_off} | {torch_vs_off} |",
@@ -72,7 +82,13 @@ fn rates(m: &Matrix) -> String {
         .baselines
         .iter()
         .filter(|b| b.status == Status::Ok)
-        .filter_map(|b| Some((b, m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok)?, flops(&b.model)?)))
+        .filter_map(|b| {
+            Some((
+                b,
+                m.find(&b.model, &b.policy).filter(|r| r.status == Status::Ok)?,
+                flops(&b.model)?,
+            ))
+        })
         .collect();
     if rows.is_empty() {
         return String::new();
@@ -93,9 +109,18 @@ work on top, so this is the useful rate. {}\n\n\
         ))
     );
     for (b, r, flops) in rows {
-        let (ours, torch) = (flops as f64 / r.step_ms_median / 1e6, flops as f64 / b.step_ms_median / 1e6);
+        let (ours, torch) =
+            (flops as f64 / r.step_ms_median / 1e6, flops as f64 / b.step_ms_median / 1e6);
         let share = |rate: f64| peak.map_or("-".into(), |p| format!("{:.0}%", 100.0 * rate / p));
-        let _ = writeln!(out, "| {} | {} | {:.1} | {ours:.1} | {torch:.1} | {} | {} |", b.model, b.policy, flops as f64 / 1e9, share(ours), share(torch));
+        let _ = writeln!(
+            out,
+            "| {} | {} | {:.1} | {ours:.1} | {torch:.1} | {} | {} |",
+            b.model,
+            b.policy,
+            flops as f64 / 1e9,
+            share(ours),
+            share(torch)
+        );
     }
     out
 }

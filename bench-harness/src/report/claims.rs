@@ -70,7 +70,11 @@ struct Document {
 /// The documents of the results folder `dir` (the README is in the folder above it).
 fn documents(dir: &Path) -> [Document; 2] {
     [
-        Document { template: dir.join("CLAIMS.template.md"), target: dir.join("CLAIMS.md"), between: None },
+        Document {
+            template: dir.join("CLAIMS.template.md"),
+            target: dir.join("CLAIMS.md"),
+            between: None,
+        },
         Document {
             template: dir.join("README-results.template.md"),
             target: dir.parent().unwrap_or(Path::new(".")).join("README.md"),
@@ -88,23 +92,34 @@ pub fn run(dir: &Path, check: bool) -> Result<()> {
             continue;
         }
         let template = read(&doc.template)?;
-        let rendered = render(&template, dir, &mut folders).with_context(|| format!("rendering {}", doc.template.display()))?;
+        let rendered = render(&template, dir, &mut folders)
+            .with_context(|| format!("rendering {}", doc.template.display()))?;
         let on_disk = if doc.target.exists() { read(&doc.target)? } else { String::new() };
         let wanted = match doc.between {
             None => format!("<!-- Rendered by `cargo run --release -p bench-harness -- claims` from {}: edit that. -->\n{rendered}", file_name(&doc.template)),
             Some((begin, end)) => splice(&on_disk, begin, end, &rendered).with_context(|| format!("{}", doc.target.display()))?,
         };
         if on_disk == wanted {
-            trainkit::say!("{} is what {} and the results give", doc.target.display(), file_name(&doc.template));
+            trainkit::say!(
+                "{} is what {} and the results give",
+                doc.target.display(),
+                file_name(&doc.template)
+            );
         } else if check {
-            let line = on_disk.lines().zip(wanted.lines()).position(|(a, b)| a != b).unwrap_or(on_disk.lines().count().min(wanted.lines().count())) + 1;
+            let line = on_disk
+                .lines()
+                .zip(wanted.lines())
+                .position(|(a, b)| a != b)
+                .unwrap_or(on_disk.lines().count().min(wanted.lines().count()))
+                + 1;
             bail!(
                 "{} is not what {} and the results give (first difference at line {line}): run `cargo run --release -p bench-harness -- claims` and commit it",
                 doc.target.display(),
                 file_name(&doc.template)
             );
         } else {
-            std::fs::write(&doc.target, wanted).with_context(|| format!("writing {}", doc.target.display()))?;
+            std::fs::write(&doc.target, wanted)
+                .with_context(|| format!("writing {}", doc.target.display()))?;
             trainkit::say!("wrote {}", doc.target.display());
         }
     }
@@ -122,7 +137,8 @@ fn file_name(path: &Path) -> String {
 /// `text` with what lies between its lines `begin` and `end` replaced by `part`.
 fn splice(text: &str, begin: &str, end: &str, part: &str) -> Result<String> {
     let start = text.find(begin).with_context(|| format!("no line `{begin}`"))? + begin.len();
-    let stop = start + text[start..].find(end).with_context(|| format!("no line `{end}` after `{begin}`"))?;
+    let stop = start
+        + text[start..].find(end).with_context(|| format!("no line `{end}` after `{begin}`"))?;
     Ok(format!("{}\n{}{}", &text[..start], part, &text[stop..]))
 }
 
@@ -146,7 +162,8 @@ fn figure(query: &str, dir: &Path, folders: &mut HashMap<String, Matrix>) -> Res
     let words: Vec<&str> = query.split_whitespace().collect();
     let folder = *words.first().context("an empty query")?;
     if !folders.contains_key(folder) {
-        let m = Matrix::load(&dir.join(folder))?.with_context(|| format!("results folder `{folder}` has no matrix.json"))?;
+        let m = Matrix::load(&dir.join(folder))?
+            .with_context(|| format!("results folder `{folder}` has no matrix.json"))?;
         folders.insert(folder.to_string(), m);
     }
     let m = &folders[folder];
@@ -175,23 +192,45 @@ fn record_figure(m: &Matrix, r: &Record, measure: &str) -> Result<String> {
     let total = |r: &Record| r.model_state_bytes + r.step_peak_bytes;
     // Figures of a prediction hold for a record that was not run; measured ones need a run.
     match measure {
-        "state" => return Ok(size(r.predicted.map_or(r.model_state_bytes, |p| p.params + p.grads + p.optimizer))),
-        "predicted-total" => return Ok(size(r.predicted_total_bytes.context("the record has no predicted total")?)),
-        _ if !MEASURES.iter().any(|(name, _)| *name == measure) => bail!("unknown measure `{measure}`; the measures are: {}", listed(&MEASURES)),
+        "state" => {
+            return Ok(size(
+                r.predicted.map_or(r.model_state_bytes, |p| p.params + p.grads + p.optimizer),
+            ))
+        }
+        "predicted-total" => {
+            return Ok(size(r.predicted_total_bytes.context("the record has no predicted total")?))
+        }
+        _ if !MEASURES.iter().any(|(name, _)| *name == measure) => {
+            bail!("unknown measure `{measure}`; the measures are: {}", listed(&MEASURES))
+        }
         _ => {}
     }
     if r.status != Status::Ok {
         bail!("{} {} was not measured ({}: {})", r.model, r.policy, r.status, r.error);
     }
-    let off = || m.find(&r.model, "off").filter(|o| o.status == Status::Ok).with_context(|| format!("{} has no measured `off`", r.model));
-    let torch =
-        || m.find_baseline(&r.model, &r.policy).filter(|b| b.status == Status::Ok).with_context(|| format!("{} {} has no PyTorch baseline", r.model, r.policy));
+    let off = || {
+        m.find(&r.model, "off")
+            .filter(|o| o.status == Status::Ok)
+            .with_context(|| format!("{} has no measured `off`", r.model))
+    };
+    let torch = || {
+        m.find_baseline(&r.model, &r.policy)
+            .filter(|b| b.status == Status::Ok)
+            .with_context(|| format!("{} {} has no PyTorch baseline", r.model, r.policy))
+    };
     let ratio = |a: f64, b: f64| format!("{:.2}", a / b.max(f64::MIN_POSITIVE));
     let change = |x: f64| format!("{:+.0}%", (x - 1.0) * 100.0);
-    let rounds = || r.time_vs_off.as_ref().with_context(|| format!("{} {} has no timing rounds", r.model, r.policy));
-    let data_parallel = || anyhow::anyhow!("{} {} is not a data-parallel record", r.model, r.policy);
+    let rounds = || {
+        r.time_vs_off
+            .as_ref()
+            .with_context(|| format!("{} {} has no timing rounds", r.model, r.policy))
+    };
+    let data_parallel =
+        || anyhow::anyhow!("{} {} is not a data-parallel record", r.model, r.policy);
     Ok(match measure {
-        "activation/off" => ratio(r.activation_peak_bytes as f64, off()?.activation_peak_bytes as f64),
+        "activation/off" => {
+            ratio(r.activation_peak_bytes as f64, off()?.activation_peak_bytes as f64)
+        }
         "peak/off" => ratio(r.step_peak_bytes as f64, off()?.step_peak_bytes as f64),
         "total/off" => ratio(total(r) as f64, total(off()?) as f64),
         "time/off" => change(time_vs_off(r, off()?)),
@@ -210,9 +249,16 @@ fn record_figure(m: &Matrix, r: &Record, measure: &str) -> Result<String> {
         "peak/torch" => ratio(r.step_peak_bytes as f64, torch()?.step_peak_bytes as f64),
         "time/torch" => {
             let b = torch()?;
-            format!("{:.2}", b.ours_over_torch.as_ref().map_or(r.step_ms_median / b.step_ms_median, |s| s.median))
+            format!(
+                "{:.2}",
+                b.ours_over_torch
+                    .as_ref()
+                    .map_or(r.step_ms_median / b.step_ms_median, |s| s.median)
+            )
         }
-        "time/torch-rounds" => torch()?.ours_over_torch.as_ref().map_or(1, |s| s.rounds.len()).to_string(),
+        "time/torch-rounds" => {
+            torch()?.ours_over_torch.as_ref().map_or(1, |s| s.rounds.len()).to_string()
+        }
         _ => unreachable!("every measure of MEASURES is answered above"),
     })
 }
@@ -220,7 +266,10 @@ fn record_figure(m: &Matrix, r: &Record, measure: &str) -> Result<String> {
 /// A planner figure of a folder ([`PLANNER`]).
 fn planner(m: &Matrix, what: &str) -> Result<String> {
     let errors = m.planner_errors();
-    let (worst, worst_record) = *errors.iter().max_by(|a, b| a.0.abs().total_cmp(&b.0.abs())).context("no measured record carries a prediction")?;
+    let (worst, worst_record) = *errors
+        .iter()
+        .max_by(|a, b| a.0.abs().total_cmp(&b.0.abs()))
+        .context("no measured record carries a prediction")?;
     Ok(match what {
         "configs" => errors.len().to_string(),
         "within-5%" => errors.iter().filter(|(e, _)| e.abs() <= 0.05).count().to_string(),

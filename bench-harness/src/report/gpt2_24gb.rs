@@ -55,7 +55,10 @@ fn fits(r: &Record) -> String {
         (Status::Ok, _) => if measured_total(r) <= CARD_BYTES { "**yes**" } else { "no" }.into(),
         // The kernel, not the cap: the process's resident memory outgrew the machine.
         (Status::Oom, p) if r.error.contains("SIGKILL") => {
-            format!("not measured: killed by the kernel (this machine's memory){}", p.map_or(String::new(), |p| format!("; predicted {} GiB", cell(p))))
+            format!(
+                "not measured: killed by the kernel (this machine's memory){}",
+                p.map_or(String::new(), |p| format!("; predicted {} GiB", cell(p)))
+            )
         }
         (Status::Oom, _) => "no (out of memory under the cap)".into(),
         (Status::Skipped, Some(p)) if p <= CARD_BYTES => "predicted yes".into(),
@@ -71,7 +74,8 @@ fn returned_freed_memory(r: &Record) -> bool {
 }
 
 fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
-    let bytes = r.dtype.parse::<model::Precision>().map_or(4, |d| d.weights().size_in_bytes() as u64);
+    let bytes =
+        r.dtype.parse::<model::Precision>().map_or(4, |d| d.weights().size_in_bytes() as u64);
     let params = p.params / bytes;
     let per_rank = |ranks: u64| cell(p.params + p.grads + p.optimizer.div_ceil(ranks));
     format!(
@@ -113,7 +117,9 @@ pub fn table(m: &Matrix) -> String {
     let records = in_size_order(m);
     let mut seen = Vec::new();
     for r in &records {
-        let (Some(p), Some((model, variant))) = (r.predicted, r.model.split_once('/')) else { continue };
+        let (Some(p), Some((model, variant))) = (r.predicted, r.model.split_once('/')) else {
+            continue;
+        };
         if !seen.contains(&r.model) {
             seen.push(r.model.clone());
             let _ = writeln!(out, "{}", state_row(r, model, variant, &p));
@@ -135,10 +141,17 @@ pub fn table(m: &Matrix) -> String {
         let seq = r.input.trim_start_matches("seq ").parse::<usize>().unwrap_or(0);
         let (measured, error, tokens, time) = if r.status == Status::Ok {
             let total = measured_total(r);
-            let error = r.predicted_total_bytes.map_or("-".into(), |p| format!("{:+.1}%", (p as f64 / total as f64 - 1.0) * 100.0));
+            let error = r.predicted_total_bytes.map_or("-".into(), |p| {
+                format!("{:+.1}%", (p as f64 / total as f64 - 1.0) * 100.0)
+            });
             let tokens = (r.batch * r.accumulate * seq) as f64;
             let mark = if returned_freed_memory(r) { " †" } else { "" };
-            (cell(total), error, format!("{:.1}{mark}", tokens / (r.step_ms_median / 1000.0)), format!("{:.1} s{mark}", r.step_ms_median / 1000.0))
+            (
+                cell(total),
+                error,
+                format!("{:.1}{mark}", tokens / (r.step_ms_median / 1000.0)),
+                format!("{:.1} s{mark}", r.step_ms_median / 1000.0),
+            )
         } else {
             (format!("not run: {}", r.error), "-".into(), "-".into(), "-".into())
         };
@@ -160,7 +173,11 @@ pub fn table(m: &Matrix) -> String {
                 stays near the live heap on this machine): every step faults its pages in again, so its time is not comparable \
                 with the other rows'.\n";
     }
-    let _ = write!(out, "\n## Fits 24 GiB at batch 1 (measured)\n\n{}\n", if fit.is_empty() { "None.".into() } else { fit.join(", ") });
+    let _ = write!(
+        out,
+        "\n## Fits 24 GiB at batch 1 (measured)\n\n{}\n",
+        if fit.is_empty() { "None.".into() } else { fit.join(", ") }
+    );
     out
 }
 
@@ -181,22 +198,37 @@ impl Chart for MemoryChart<'_> {
 /// optimizer state, by arithmetic) and the rest (activations and temporaries): measured where it
 /// ran, predicted and pale where it did not; smallest model at the top, against a line at 24 GiB.
 fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
-    // Bottom up: the largest model's last configuration first. (label, state GiB, total GiB, measured)
+    // Bottom up: the largest model's last configuration first. (label, state GiB, total GiB,
+    // measured)
     let bars: Vec<(String, f64, f64, bool)> = in_size_order(m)
         .into_iter()
         .rev()
         .filter_map(|r| {
-            let state = r.predicted.map_or(r.model_state_bytes, |p| p.params + p.grads + p.optimizer);
+            let state =
+                r.predicted.map_or(r.model_state_bytes, |p| p.params + p.grads + p.optimizer);
             match r.status {
-                Status::Ok => Some((format!("{} {}", r.model, r.policy), units::gib(state), units::gib(measured_total(r)), true)),
-                _ => Some((format!("{} {} ({})", r.model, r.policy, r.status), units::gib(state), units::gib(r.predicted_total_bytes?), false)),
+                Status::Ok => Some((
+                    format!("{} {}", r.model, r.policy),
+                    units::gib(state),
+                    units::gib(measured_total(r)),
+                    true,
+                )),
+                _ => Some((
+                    format!("{} {} ({})", r.model, r.policy, r.status),
+                    units::gib(state),
+                    units::gib(r.predicted_total_bytes?),
+                    false,
+                )),
             }
         })
         .collect();
     let max = bars.iter().map(|b| b.2).fold(26.0, f64::max) * 1.05;
     let n = bars.len().max(1) as i32;
     let mut chart = ChartBuilder::on(root)
-        .caption(format!("GPT-2, batch 1, {}: peak memory by configuration", sizes(m)), ("sans-serif", 20))
+        .caption(
+            format!("GPT-2, batch 1, {}: peak memory by configuration", sizes(m)),
+            ("sans-serif", 20),
+        )
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(360)
@@ -214,15 +246,27 @@ fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -
         .x_desc("GiB at the step's peak (measured; pale: predicted, not run)")
         .draw()
         .map_err(plot_err)?;
-    let fill = |k: usize, measured: bool| if measured { color(k).filled() } else { color(k).mix(0.3).filled() };
+    let fill = |k: usize, measured: bool| {
+        if measured {
+            color(k).filled()
+        } else {
+            color(k).mix(0.3).filled()
+        }
+    };
     for (i, (_, state, total, measured)) in bars.iter().enumerate() {
         let (lo, hi) = (|| SegmentValue::Exact(i as i32), || SegmentValue::Exact(i as i32 + 1));
         let state = state.min(*total);
-        chart.draw_series([Rectangle::new([(0.0, lo()), (state, hi())], fill(0, *measured))]).map_err(plot_err)?;
-        chart.draw_series([Rectangle::new([(state, lo()), (*total, hi())], fill(1, *measured))]).map_err(plot_err)?;
+        chart
+            .draw_series([Rectangle::new([(0.0, lo()), (state, hi())], fill(0, *measured))])
+            .map_err(plot_err)?;
+        chart
+            .draw_series([Rectangle::new([(state, lo()), (*total, hi())], fill(1, *measured))])
+            .map_err(plot_err)?;
     }
     // Legend entries for the two parts of a bar (empty rectangles: the bars are drawn above).
-    for (k, part) in [(0, "weights, gradients, optimizer state"), (1, "activations and temporaries")] {
+    for (k, part) in
+        [(0, "weights, gradients, optimizer state"), (1, "activations and temporaries")]
+    {
         let none = || SegmentValue::Exact(0);
         chart
             .draw_series([Rectangle::new([(0.0, none()), (0.0, none())], color(k).filled())])
@@ -231,10 +275,19 @@ fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 16, y + 5)], color(k).filled()));
     }
     chart
-        .draw_series(LineSeries::new([(24.0, SegmentValue::Exact(0)), (24.0, SegmentValue::Exact(n))], color(3).stroke_width(2)))
+        .draw_series(LineSeries::new(
+            [(24.0, SegmentValue::Exact(0)), (24.0, SegmentValue::Exact(n))],
+            color(3).stroke_width(2),
+        ))
         .map_err(plot_err)?
         .label("24 GiB")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], color(3).stroke_width(2)));
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::LowerRight).draw().map_err(plot_err)?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(plot_err)?;
     Ok(())
 }

@@ -29,7 +29,8 @@ use units::mib;
 /// the plots.
 pub fn save(m: &Matrix, dir: &Path) -> Result<()> {
     m.save_json(dir)?;
-    std::fs::write(dir.join("matrix.csv"), csv(m)).with_context(|| format!("writing {}", dir.display()))?;
+    std::fs::write(dir.join("matrix.csv"), csv(m))
+        .with_context(|| format!("writing {}", dir.display()))?;
     std::fs::write(dir.join("matrix.md"), markdown(m))?;
     if m.meta.profile == Profile::Gpt2_24gb.name() {
         std::fs::write(dir.join("TABLE.md"), gpt2_24gb::table(m))?;
@@ -127,7 +128,14 @@ fn model_table(out: &mut String, m: &Matrix, rows: &[&Record]) {
         if r.status == Status::Ok {
             record_row(out, r, off);
         } else {
-            let _ = writeln!(out, "| {} | | | | | | | | | | | | | | {}: {} | {} |", r.policy, r.status, r.error.replace('|', "/"), commit(r));
+            let _ = writeln!(
+                out,
+                "| {} | | | | | | | | | | | | | | {}: {} | {} |",
+                r.policy,
+                r.status,
+                r.error.replace('|', "/"),
+                commit(r)
+            );
         }
     }
 }
@@ -148,10 +156,15 @@ fn record_row(out: &mut String, r: &Record, off: Option<&Record>) {
         (true, true) => "yes".to_string(),
         (true, false) => format!("no ({} differ, max {:e})", r.grads_differing, r.max_abs_diff),
     };
-    let rounds = r.time_vs_off.as_ref().map_or("-".into(), |t| format!("{:.2}x ({:.2}-{:.2}, {} rounds)", t.median, t.min, t.max, t.rounds.len()));
-    let predicted = r.predicted_peak_bytes.map_or("-".into(), |p| format!("{} ({:+.1}%)", mib(p), (p as f64 / r.step_peak_bytes.max(1) as f64 - 1.0) * 100.0));
+    let rounds = r.time_vs_off.as_ref().map_or("-".into(), |t| {
+        format!("{:.2}x ({:.2}-{:.2}, {} rounds)", t.median, t.min, t.max, t.rounds.len())
+    });
+    let predicted = r.predicted_peak_bytes.map_or("-".into(), |p| {
+        format!("{} ({:+.1}%)", mib(p), (p as f64 / r.step_peak_bytes.max(1) as f64 - 1.0) * 100.0)
+    });
     let predicted_time = r.predicted_time_ratio.map_or("-".into(), |t| format!("{t:.2}x"));
-    let policy = if r.plan.is_empty() { r.policy.clone() } else { format!("{} → `{}`", r.policy, r.plan) };
+    let policy =
+        if r.plan.is_empty() { r.policy.clone() } else { format!("{} → `{}`", r.policy, r.plan) };
     let _ = writeln!(
         out,
         "| {policy} | {} | {} | {predicted} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {predicted_time} | {rounds} | {grads} | ok | {} |",
@@ -230,50 +243,162 @@ fn spread(s: &Option<self::record::Spread>, pick: fn(&self::record::Spread) -> f
 }
 
 const COLUMNS: [Column; 46] = [
-    Column { name: "framework", ours: |_| "candle".into(), theirs: |b, _| format!("pytorch {}", b.framework_version) },
+    Column {
+        name: "framework",
+        ours: |_| "candle".into(),
+        theirs: |b, _| format!("pytorch {}", b.framework_version),
+    },
     Column { name: "model", ours: |r| r.model.clone(), theirs: |b, _| b.model.clone() },
     Column { name: "policy", ours: |r| quoted(&r.policy), theirs: |b, _| quoted(&b.policy) },
     Column { name: "batch", ours: |r| r.batch.to_string(), theirs: |b, _| b.batch.to_string() },
     Column { name: "accumulate", ours: |r| r.accumulate.to_string(), theirs: |_, _| "1".into() },
-    Column { name: "optimizer", ours: |r| r.optimizer.clone(), theirs: |_, r| r.map_or(String::new(), |r| r.optimizer.clone()) },
-    Column { name: "skipped_updates", ours: |r| r.skipped_updates.to_string(), theirs: |_, _| "0".into() },
-    Column { name: "input", ours: |r| r.input.clone(), theirs: |_, r| r.map_or(String::new(), |r| r.input.clone()) },
+    Column {
+        name: "optimizer",
+        ours: |r| r.optimizer.clone(),
+        theirs: |_, r| r.map_or(String::new(), |r| r.optimizer.clone()),
+    },
+    Column {
+        name: "skipped_updates",
+        ours: |r| r.skipped_updates.to_string(),
+        theirs: |_, _| "0".into(),
+    },
+    Column {
+        name: "input",
+        ours: |r| r.input.clone(),
+        theirs: |_, r| r.map_or(String::new(), |r| r.input.clone()),
+    },
     Column { name: "dtype", ours: |r| r.dtype.clone(), theirs: |_, _| "f32".into() },
     Column { name: "device", ours: |r| r.device.clone(), theirs: |_, _| "cpu".into() },
-    Column { name: "threads", ours: |r| r.threads.to_string(), theirs: |b, _| b.threads.to_string() },
+    Column {
+        name: "threads",
+        ours: |r| r.threads.to_string(),
+        theirs: |b, _| b.threads.to_string(),
+    },
     Column { name: "ranks", ours: |r| r.ranks.to_string(), theirs: |_, _| "1".into() },
-    Column { name: "shard_optimizer", ours: |r| r.shard_optimizer.to_string(), theirs: |_, _| "false".into() },
-    Column { name: "model_state_bytes", ours: |r| r.model_state_bytes.to_string(), theirs: |b, _| b.model_state_bytes.to_string() },
-    Column { name: "step_peak_bytes", ours: |r| r.step_peak_bytes.to_string(), theirs: |b, _| b.step_peak_bytes.to_string() },
-    Column { name: "fwd_bwd_peak_bytes", ours: |r| r.fwd_bwd_peak_bytes.to_string(), theirs: |b, _| b.fwd_bwd_peak_bytes.to_string() },
-    Column { name: "activation_peak_bytes", ours: |r| r.activation_peak_bytes.to_string(), theirs: none },
-    Column { name: "rss_peak_delta_bytes", ours: |r| r.rss_peak_delta_bytes.to_string(), theirs: none },
-    Column { name: "minor_faults_per_step", ours: |r| r.minor_faults_per_step.map_or(String::new(), |f| f.to_string()), theirs: none },
-    Column { name: "reserved_bytes", ours: |r| r.reserved_bytes.map_or(String::new(), |b| b.to_string()), theirs: none },
-    Column { name: "model_state_bytes_max_rank", ours: |r| r.model_state_bytes_max_rank.map_or(String::new(), |b| b.to_string()), theirs: none },
-    Column { name: "step_peak_bytes_max_rank", ours: |r| r.step_peak_bytes_max_rank.map_or(String::new(), |b| b.to_string()), theirs: none },
-    Column { name: "step_ms_median", ours: |r| ms(r.step_ms_median), theirs: |b, _| ms(b.step_ms_median) },
+    Column {
+        name: "shard_optimizer",
+        ours: |r| r.shard_optimizer.to_string(),
+        theirs: |_, _| "false".into(),
+    },
+    Column {
+        name: "model_state_bytes",
+        ours: |r| r.model_state_bytes.to_string(),
+        theirs: |b, _| b.model_state_bytes.to_string(),
+    },
+    Column {
+        name: "step_peak_bytes",
+        ours: |r| r.step_peak_bytes.to_string(),
+        theirs: |b, _| b.step_peak_bytes.to_string(),
+    },
+    Column {
+        name: "fwd_bwd_peak_bytes",
+        ours: |r| r.fwd_bwd_peak_bytes.to_string(),
+        theirs: |b, _| b.fwd_bwd_peak_bytes.to_string(),
+    },
+    Column {
+        name: "activation_peak_bytes",
+        ours: |r| r.activation_peak_bytes.to_string(),
+        theirs: none,
+    },
+    Column {
+        name: "rss_peak_delta_bytes",
+        ours: |r| r.rss_peak_delta_bytes.to_string(),
+        theirs: none,
+    },
+    Column {
+        name: "minor_faults_per_step",
+        ours: |r| r.minor_faults_per_step.map_or(String::new(), |f| f.to_string()),
+        theirs: none,
+    },
+    Column {
+        name: "reserved_bytes",
+        ours: |r| r.reserved_bytes.map_or(String::new(), |b| b.to_string()),
+        theirs: none,
+    },
+    Column {
+        name: "model_state_bytes_max_rank",
+        ours: |r| r.model_state_bytes_max_rank.map_or(String::new(), |b| b.to_string()),
+        theirs: none,
+    },
+    Column {
+        name: "step_peak_bytes_max_rank",
+        ours: |r| r.step_peak_bytes_max_rank.map_or(String::new(), |b| b.to_string()),
+        theirs: none,
+    },
+    Column {
+        name: "step_ms_median",
+        ours: |r| ms(r.step_ms_median),
+        theirs: |b, _| ms(b.step_ms_median),
+    },
     Column { name: "step_ms_min", ours: |r| ms(r.step_ms_min), theirs: |b, _| ms(b.step_ms_min) },
     Column { name: "step_ms_max", ours: |r| ms(r.step_ms_max), theirs: |b, _| ms(b.step_ms_max) },
-    Column { name: "all_reduce_ms", ours: |r| r.all_reduce_ms.map_or(String::new(), ms), theirs: none },
-    Column { name: "all_reduce_wait_ms", ours: |r| r.all_reduce_wait_ms.map_or(String::new(), ms), theirs: none },
-    Column { name: "timed_steps", ours: |r| r.timed_steps.to_string(), theirs: |b, _| b.timed_steps.to_string() },
-    Column { name: "segments", ours: |r| r.segments.to_string(), theirs: |b, _| b.segments.to_string() },
+    Column {
+        name: "all_reduce_ms",
+        ours: |r| r.all_reduce_ms.map_or(String::new(), ms),
+        theirs: none,
+    },
+    Column {
+        name: "all_reduce_wait_ms",
+        ours: |r| r.all_reduce_wait_ms.map_or(String::new(), ms),
+        theirs: none,
+    },
+    Column {
+        name: "timed_steps",
+        ours: |r| r.timed_steps.to_string(),
+        theirs: |b, _| b.timed_steps.to_string(),
+    },
+    Column {
+        name: "segments",
+        ours: |r| r.segments.to_string(),
+        theirs: |b, _| b.segments.to_string(),
+    },
     Column { name: "loss", ours: |r| r.loss.to_string(), theirs: |b, _| b.loss.to_string() },
-    Column { name: "grads_bit_identical", ours: |r| r.grads_bit_identical.to_string(), theirs: none },
+    Column {
+        name: "grads_bit_identical",
+        ours: |r| r.grads_bit_identical.to_string(),
+        theirs: none,
+    },
     Column { name: "grads_checked", ours: |r| r.grads_checked.to_string(), theirs: none },
-    Column { name: "predicted_total_bytes", ours: |r| r.predicted_total_bytes.map_or(String::new(), |b| b.to_string()), theirs: none },
-    Column { name: "predicted_peak_bytes", ours: |r| r.predicted_peak_bytes.map_or(String::new(), |b| b.to_string()), theirs: none },
-    Column { name: "predicted_time_ratio", ours: |r| r.predicted_time_ratio.map_or(String::new(), |t| format!("{t:.3}")), theirs: none },
+    Column {
+        name: "predicted_total_bytes",
+        ours: |r| r.predicted_total_bytes.map_or(String::new(), |b| b.to_string()),
+        theirs: none,
+    },
+    Column {
+        name: "predicted_peak_bytes",
+        ours: |r| r.predicted_peak_bytes.map_or(String::new(), |b| b.to_string()),
+        theirs: none,
+    },
+    Column {
+        name: "predicted_time_ratio",
+        ours: |r| r.predicted_time_ratio.map_or(String::new(), |t| format!("{t:.3}")),
+        theirs: none,
+    },
     Column { name: "plan", ours: |r| quoted(&r.plan), theirs: none },
     Column { name: "grads_differing", ours: |r| r.grads_differing.to_string(), theirs: none },
     Column { name: "max_abs_diff", ours: |r| format!("{:e}", r.max_abs_diff), theirs: none },
-    Column { name: "params_without_grad", ours: |r| r.params_without_grad.to_string(), theirs: none },
+    Column {
+        name: "params_without_grad",
+        ours: |r| r.params_without_grad.to_string(),
+        theirs: none,
+    },
     Column { name: "check_skipped", ours: |r| quoted(&r.check_skipped), theirs: none },
     Column { name: "status", ours: |r| r.status.to_string(), theirs: |b, _| b.status.to_string() },
     Column { name: "commit", ours: |r| r.commit.clone(), theirs: |b, _| b.commit.clone() },
     Column { name: "error", ours: |r| quoted(&r.error), theirs: |b, _| quoted(&b.error) },
-    Column { name: "time_vs_off_median", ours: |r| spread(&r.time_vs_off, |t| t.median), theirs: |b, _| spread(&b.time_vs_off, |t| t.median) },
-    Column { name: "time_vs_off_min", ours: |r| spread(&r.time_vs_off, |t| t.min), theirs: |b, _| spread(&b.time_vs_off, |t| t.min) },
-    Column { name: "time_vs_off_max", ours: |r| spread(&r.time_vs_off, |t| t.max), theirs: |b, _| spread(&b.time_vs_off, |t| t.max) },
+    Column {
+        name: "time_vs_off_median",
+        ours: |r| spread(&r.time_vs_off, |t| t.median),
+        theirs: |b, _| spread(&b.time_vs_off, |t| t.median),
+    },
+    Column {
+        name: "time_vs_off_min",
+        ours: |r| spread(&r.time_vs_off, |t| t.min),
+        theirs: |b, _| spread(&b.time_vs_off, |t| t.min),
+    },
+    Column {
+        name: "time_vs_off_max",
+        ours: |r| spread(&r.time_vs_off, |t| t.max),
+        theirs: |b, _| spread(&b.time_vs_off, |t| t.max),
+    },
 ];

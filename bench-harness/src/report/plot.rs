@@ -13,8 +13,14 @@ use std::path::Path;
 static FONT: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
 
 const MIB: f64 = 1024.0 * 1024.0;
-const COLORS: [RGBColor; 6] =
-    [RGBColor(31, 119, 180), RGBColor(255, 127, 14), RGBColor(44, 160, 44), RGBColor(214, 39, 40), RGBColor(148, 103, 189), RGBColor(140, 86, 75)];
+const COLORS: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+];
 
 pub fn color(i: usize) -> RGBColor {
     COLORS[i % COLORS.len()]
@@ -72,7 +78,10 @@ pub fn all(dir: &Path, m: &Matrix, fits: &[(String, f64)]) -> Result<()> {
     Ok(())
 }
 
-fn panels<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, n: usize) -> Vec<DrawingArea<DB, Shift>> {
+fn panels<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    n: usize,
+) -> Vec<DrawingArea<DB, Shift>> {
     root.split_evenly((n.div_ceil(2).max(1), 2))
 }
 
@@ -88,12 +97,22 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
         let frontier: Vec<(f64, f64)> = rows
             .iter()
             .find(|r| r.policy == "off")
-            .map(|off| off.frontier.iter().map(|p| (off.step_ms_median * p.time_ratio, p.peak_bytes as f64 / MIB)).collect())
+            .map(|off| {
+                off.frontier
+                    .iter()
+                    .map(|p| (off.step_ms_median * p.time_ratio, p.peak_bytes as f64 / MIB))
+                    .collect()
+            })
             .unwrap_or_default();
         let times = rows.iter().map(|r| r.step_ms_median).chain(frontier.iter().map(|p| p.0));
         let max_t = times.clone().fold(0.0, f64::max) * 1.1;
         let min_t = times.fold(f64::MAX, f64::min) * 0.9;
-        let max_m = rows.iter().map(|r| r.step_peak_bytes as f64 / MIB).chain(frontier.iter().map(|p| p.1)).fold(0.0, f64::max) * 1.15;
+        let max_m = rows
+            .iter()
+            .map(|r| r.step_peak_bytes as f64 / MIB)
+            .chain(frontier.iter().map(|p| p.1))
+            .fold(0.0, f64::max)
+            * 1.15;
         let mut chart = ChartBuilder::on(area)
             .caption(format!("{model}: peak memory vs step time"), ("sans-serif", 18))
             .margin(12)
@@ -101,19 +120,33 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
             .y_label_area_size(60)
             .build_cartesian_2d(min_t..max_t, 0.0..max_m)
             .map_err(plot_err)?;
-        chart.configure_mesh().x_desc("step time (ms, median)").y_desc("peak above model state (MiB)").draw().map_err(plot_err)?;
+        chart
+            .configure_mesh()
+            .x_desc("step time (ms, median)")
+            .y_desc("peak above model state (MiB)")
+            .draw()
+            .map_err(plot_err)?;
         if !frontier.is_empty() {
             chart
-                .draw_series(LineSeries::new(frontier.iter().copied(), BLACK.stroke_width(1)).point_size(3))
+                .draw_series(
+                    LineSeries::new(frontier.iter().copied(), BLACK.stroke_width(1)).point_size(3),
+                )
                 .map_err(plot_err)?
                 .label("budget= plans (predicted)")
                 .legend(|(x, y)| PathElement::new([(x - 8, y), (x + 8, y)], BLACK));
         }
         for (i, r) in rows.iter().enumerate() {
-            let (t, step, act) = (r.step_ms_median, r.step_peak_bytes as f64 / MIB, r.activation_peak_bytes as f64 / MIB);
+            let (t, step, act) = (
+                r.step_ms_median,
+                r.step_peak_bytes as f64 / MIB,
+                r.activation_peak_bytes as f64 / MIB,
+            );
             let c = color(i);
             chart
-                .draw_series([Circle::new((t, step), 6, c.filled()), Circle::new((t, act), 6, c.stroke_width(2))])
+                .draw_series([
+                    Circle::new((t, step), 6, c.filled()),
+                    Circle::new((t, act), 6, c.stroke_width(2)),
+                ])
                 .map_err(plot_err)?
                 .label(r.policy.clone())
                 .legend(move |(x, y)| Circle::new((x, y), 5, c.filled()));
@@ -129,17 +162,26 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
     Ok(())
 }
 
-/// Heap above the step's start at every stage boundary; forward solid, recompute and backward dashed.
+/// Heap above the step's start at every stage boundary; forward solid, recompute and backward
+/// dashed.
 fn timelines<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
     let models = m.models(false);
     for (area, model) in panels(root, models.len()).iter().zip(&models) {
-        let rows: Vec<&Record> = m.ok_rows(model).into_iter().filter(|r| !r.timeline.is_empty()).collect();
+        let rows: Vec<&Record> =
+            m.ok_rows(model).into_iter().filter(|r| !r.timeline.is_empty()).collect();
         if rows.is_empty() {
             continue;
         }
-        let above = |r: &Record, e: &remat::memory::Event| e.window_peak.saturating_sub(r.timeline_base_bytes) as f64 / MIB;
-        let max_t = rows.iter().flat_map(|r| r.timeline.iter().map(|e| e.at_ms)).fold(0.0, f64::max) * 1.05;
-        let max_m = rows.iter().flat_map(|r| r.timeline.iter().map(move |e| above(r, e))).fold(0.0, f64::max) * 1.15;
+        let above = |r: &Record, e: &remat::memory::Event| {
+            e.window_peak.saturating_sub(r.timeline_base_bytes) as f64 / MIB
+        };
+        let max_t =
+            rows.iter().flat_map(|r| r.timeline.iter().map(|e| e.at_ms)).fold(0.0, f64::max) * 1.05;
+        let max_m = rows
+            .iter()
+            .flat_map(|r| r.timeline.iter().map(move |e| above(r, e)))
+            .fold(0.0, f64::max)
+            * 1.15;
         let mut chart = ChartBuilder::on(area)
             .caption(format!("{model}: memory during one step"), ("sans-serif", 18))
             .margin(12)
@@ -160,7 +202,10 @@ fn timelines<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> R
             let mut backward = Vec::new();
             let mut t0 = 0.0;
             for e in &r.timeline {
-                let (y, seg) = (above(r, e), if e.phase == Phase::Forward { &mut forward } else { &mut backward });
+                let (y, seg) = (
+                    above(r, e),
+                    if e.phase == Phase::Forward { &mut forward } else { &mut backward },
+                );
                 seg.push((t0, y));
                 seg.push((e.at_ms, y));
                 t0 = e.at_ms;
@@ -172,8 +217,12 @@ fn timelines<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> R
                 .draw_series(LineSeries::new(forward, c.stroke_width(2)))
                 .map_err(plot_err)?
                 .label(r.policy.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-            chart.draw_series(DashedLineSeries::new(backward, 6, 4, c.stroke_width(2))).map_err(plot_err)?;
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                });
+            chart
+                .draw_series(DashedLineSeries::new(backward, 6, 4, c.stroke_width(2)))
+                .map_err(plot_err)?;
         }
         chart
             .configure_series_labels()
@@ -187,12 +236,18 @@ fn timelines<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> R
 }
 
 /// Peak activation memory against depth, log-log, with the fitted exponents.
-fn depth<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix, fits: &[(String, f64)]) -> Result<()> {
+fn depth<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    m: &Matrix,
+    fits: &[(String, f64)],
+) -> Result<()> {
     let points = |policy: &str| -> Vec<(f64, f64)> {
         m.models(true)
             .iter()
             .filter_map(|model| {
-                m.find(model, policy).filter(|r| r.status == Status::Ok).map(|r| (depth_of(model) as f64, r.activation_peak_bytes as f64 / MIB))
+                m.find(model, policy)
+                    .filter(|r| r.status == Status::Ok)
+                    .map(|r| (depth_of(model) as f64, r.activation_peak_bytes as f64 / MIB))
             })
             .collect()
     };
@@ -200,8 +255,14 @@ fn depth<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix, fits: &[
     if all.is_empty() {
         return Ok(());
     }
-    let (x0, x1) = (all.iter().map(|p| p.0).fold(f64::MAX, f64::min) / 1.5, all.iter().map(|p| p.0).fold(0.0, f64::max) * 1.5);
-    let (y0, y1) = (all.iter().map(|p| p.1).fold(f64::MAX, f64::min) / 2.0, all.iter().map(|p| p.1).fold(0.0, f64::max) * 2.0);
+    let (x0, x1) = (
+        all.iter().map(|p| p.0).fold(f64::MAX, f64::min) / 1.5,
+        all.iter().map(|p| p.0).fold(0.0, f64::max) * 1.5,
+    );
+    let (y0, y1) = (
+        all.iter().map(|p| p.1).fold(f64::MAX, f64::min) / 2.0,
+        all.iter().map(|p| p.1).fold(0.0, f64::max) * 2.0,
+    );
     let mut chart = ChartBuilder::on(root)
         .caption("Activation peak against depth (GPT-2 blocks, fixed width)", ("sans-serif", 20))
         .margin(15)
@@ -209,7 +270,13 @@ fn depth<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix, fits: &[
         .y_label_area_size(70)
         .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
         .map_err(plot_err)?;
-    chart.configure_mesh().x_desc("blocks L").y_desc("activation peak (MiB)").x_label_formatter(&|x| format!("{x:.0}")).draw().map_err(plot_err)?;
+    chart
+        .configure_mesh()
+        .x_desc("blocks L")
+        .y_desc("activation peak (MiB)")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .draw()
+        .map_err(plot_err)?;
     for (i, (policy, exponent)) in fits.iter().enumerate() {
         let c = color(i);
         let pts = points(policy);
@@ -218,8 +285,16 @@ fn depth<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix, fits: &[
             .map_err(plot_err)?
             .label(format!("{policy}: ~ L^{exponent:.2}"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 5, c.filled()))).map_err(plot_err)?;
+        chart
+            .draw_series(pts.into_iter().map(|p| Circle::new(p, 5, c.filled())))
+            .map_err(plot_err)?;
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperLeft).draw().map_err(plot_err)?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(plot_err)?;
     Ok(())
 }

@@ -35,20 +35,39 @@ pub fn render(m: &Matrix, article: impl Fn(&str) -> Option<(f64, f64, &'static s
     );
     for p in projections {
         let off = p.rows.iter().find(|r| r.label == "off").map_or(1, |r| r.total_bytes);
-        let art = article(&p.model).map_or("-".to_string(), |(o, c, _)| format!("{o} GB → {c} GB ({:.2})", c / o));
+        let art = article(&p.model)
+            .map_or("-".to_string(), |(o, c, _)| format!("{o} GB → {c} GB ({:.2})", c / o));
         let art_time = article(&p.model).map_or("-", |(_, _, t)| t);
         for (k, r) in p.rows.iter().enumerate() {
-            let policy = if r.plan.is_empty() { format!("`{}`", r.label) } else { format!("{} (`{}`)", r.label, r.plan) };
+            let policy = if r.plan.is_empty() {
+                format!("`{}`", r.label)
+            } else {
+                format!("{} (`{}`)", r.label, r.plan)
+            };
             let (model, batch, input, optimizer, state, a, at) = if k == 0 {
-                (p.model.as_str(), p.batch.to_string(), p.input.as_str(), p.optimizer.as_str(), gb(p.state_bytes), art.as_str(), art_time)
+                (
+                    p.model.as_str(),
+                    p.batch.to_string(),
+                    p.input.as_str(),
+                    p.optimizer.as_str(),
+                    gb(p.state_bytes),
+                    art.as_str(),
+                    art_time,
+                )
             } else {
                 ("", String::new(), "", "", String::new(), "", "")
             };
             let measured = m
                 .find(&p.model, &r.label)
-                .filter(|rec| rec.status == super::record::Status::Ok && rec.batch == p.batch && rec.input == p.input)
+                .filter(|rec| {
+                    rec.status == super::record::Status::Ok
+                        && rec.batch == p.batch
+                        && rec.input == p.input
+                })
                 .map(|rec| rec.model_state_bytes + rec.step_peak_bytes);
-            let (measured, error) = measured.map_or(("-".into(), "-".into()), |b| (gb(b), format!("{:+.1}%", (r.total_bytes as f64 / b as f64 - 1.0) * 100.0)));
+            let (measured, error) = measured.map_or(("-".into(), "-".into()), |b| {
+                (gb(b), format!("{:+.1}%", (r.total_bytes as f64 / b as f64 - 1.0) * 100.0))
+            });
             out += &format!(
                 "| {model} | {batch} | {input} | {optimizer} | {state} | {policy} | {} | {:.2} | {:+.0}% | {measured} | {error} | {a} | {at} |\n",
                 gb(r.total_bytes),

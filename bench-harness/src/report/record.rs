@@ -1,7 +1,7 @@
-//! What a results folder holds, as data: one record per measured configuration ([`Record`]),
-//! the gpt2-24gb prediction beside it ([`Prediction`]) and the article's configurations
-//! projected at full size ([`Projection`]), and PyTorch's row beside ours ([`Baseline`]). Measuring, predicting and rendering them are other
-//! modules' jobs; this one depends on none of them.
+//! What a results folder holds, as data: one record per measured configuration ([`Record`]), the
+//! gpt2-24gb prediction beside it ([`Prediction`]) and the article's configurations projected at
+//! full size ([`Projection`]), and PyTorch's row beside ours ([`Baseline`]). Measuring, predicting
+//! and rendering them are other modules' jobs; this one depends on none of them.
 
 use crate::workloads::Workload;
 use remat::memory::Event;
@@ -75,8 +75,8 @@ pub struct Record {
     /// of `off`'s predicted size beyond what the machine can give), else empty.
     #[serde(default)]
     pub check_skipped: String,
-    /// `gpt2-24gb`: what the configuration was predicted to need ([`crate::gpt2_24gb::predict`]), and its
-    /// total (the state, the gradients and the activations at the step's peak).
+    /// `gpt2-24gb`: what the configuration was predicted to need ([`crate::gpt2_24gb::predict`]),
+    /// and its total (the state, the gradients and the activations at the step's peak).
     #[serde(default)]
     pub predicted: Option<Prediction>,
     #[serde(default)]
@@ -188,7 +188,12 @@ impl Spread {
         }
         let mut sorted = rounds.clone();
         sorted.sort_by(f64::total_cmp);
-        Some(Spread { median: sorted[sorted.len() / 2], min: sorted[0], max: sorted[sorted.len() - 1], rounds })
+        Some(Spread {
+            median: sorted[sorted.len() / 2],
+            min: sorted[0],
+            max: sorted[sorted.len() - 1],
+            rounds,
+        })
     }
 }
 

@@ -26,11 +26,20 @@ pub struct Meta {
 /// the CPU the matrix product's best rate (about a second to measure).
 pub fn meta(profile: Profile, device: &trainkit::DeviceName) -> Meta {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let cpu = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string());
+    let cpu = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|l| l.trim_start_matches([' ', '\t', ':']).to_string());
     // The vector extensions the matrix products can use: the same model name can come with or
     // without AVX-512, and the kernels gemm picks follow them.
-    let flags: Vec<&str> = cpuinfo.lines().find_map(|l| l.strip_prefix("flags")).map_or(Vec::new(), |l| l.split_whitespace().collect());
-    let vector: Vec<&str> = ["avx2", "fma", "avx512f", "avx512vl", "avx512_bf16", "amx_tile"].into_iter().filter(|f| flags.contains(f)).collect();
+    let flags: Vec<&str> = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("flags"))
+        .map_or(Vec::new(), |l| l.split_whitespace().collect());
+    let vector: Vec<&str> = ["avx2", "fma", "avx512f", "avx512vl", "avx512_bf16", "amx_tile"]
+        .into_iter()
+        .filter(|f| flags.contains(f))
+        .collect();
     let vector = if vector.is_empty() { String::new() } else { format!("; {}", vector.join(" ")) };
     Meta {
         machine: format!(
@@ -91,7 +100,8 @@ impl Matrix {
     /// The commands that made the records: each one's measuring run, then those that took times
     /// again (see [`made_by`]).
     pub fn record_commands(&self) -> impl Iterator<Item = &str> {
-        let retimes = self.records.iter().map(|r| r.times_command.as_str()).filter(|c| !c.is_empty());
+        let retimes =
+            self.records.iter().map(|r| r.times_command.as_str()).filter(|c| !c.is_empty());
         self.records.iter().map(|r| r.command.as_str()).chain(retimes)
     }
 
@@ -101,14 +111,19 @@ impl Matrix {
             return Ok(None);
         }
         let text = std::fs::read_to_string(&path)?;
-        Ok(Some(serde_json::from_str(&text).with_context(|| format!("{} is not a matrix file", path.display()))?))
+        Ok(Some(
+            serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a matrix file", path.display()))?,
+        ))
     }
 
     /// Model names in run order: the depth sweep's (`depth == true`) or the others.
     pub fn models(&self, depth: bool) -> Vec<String> {
         let mut names: Vec<String> = Vec::new();
         for r in &self.records {
-            if r.model.starts_with(crate::workloads::DEPTH_PREFIX) == depth && !names.contains(&r.model) {
+            if r.model.starts_with(crate::workloads::DEPTH_PREFIX) == depth
+                && !names.contains(&r.model)
+            {
                 names.push(r.model.clone());
             }
         }
@@ -151,7 +166,11 @@ impl Matrix {
                 let pts: Vec<(f64, f64)> = self
                     .models(true)
                     .iter()
-                    .filter_map(|m| self.find(m, p).filter(|r| r.status == Status::Ok).map(|r| (depth_of(m) as f64, r.activation_peak_bytes as f64)))
+                    .filter_map(|m| {
+                        self.find(m, p)
+                            .filter(|r| r.status == Status::Ok)
+                            .map(|r| (depth_of(m) as f64, r.activation_peak_bytes as f64))
+                    })
                     .collect();
                 fit_exponent(&pts).map(|k| (p.to_string(), k))
             })
@@ -164,7 +183,9 @@ impl Matrix {
         self.records
             .iter()
             .filter(|r| r.status == Status::Ok && r.step_peak_bytes > 0)
-            .filter_map(|r| Some((r.predicted_peak_bytes? as f64 / r.step_peak_bytes as f64 - 1.0, r)))
+            .filter_map(|r| {
+                Some((r.predicted_peak_bytes? as f64 / r.step_peak_bytes as f64 - 1.0, r))
+            })
             .collect()
     }
 
@@ -193,12 +214,14 @@ pub fn depth_of(model: &str) -> usize {
 
 /// Least-squares slope of log(y) against log(x): the exponent k of y ~ x^k.
 pub fn fit_exponent(points: &[(f64, f64)]) -> Option<f64> {
-    let pts: Vec<(f64, f64)> = points.iter().filter(|p| p.0 > 0.0 && p.1 > 0.0).map(|p| (p.0.ln(), p.1.ln())).collect();
+    let pts: Vec<(f64, f64)> =
+        points.iter().filter(|p| p.0 > 0.0 && p.1 > 0.0).map(|p| (p.0.ln(), p.1.ln())).collect();
     if pts.len() < 2 {
         return None;
     }
     let n = pts.len() as f64;
-    let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
+    let (mx, my) =
+        (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
     let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
     let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
     (sxx > 0.0).then(|| sxy / sxx)
@@ -213,7 +236,8 @@ pub fn this_command() -> String {
 mod tests {
     #[test]
     fn fits_a_power_law() {
-        let pts: Vec<(f64, f64)> = [16.0, 64.0, 256.0].iter().map(|&l: &f64| (l, 3.0 * l.powf(0.5))).collect();
+        let pts: Vec<(f64, f64)> =
+            [16.0, 64.0, 256.0].iter().map(|&l: &f64| (l, 3.0 * l.powf(0.5))).collect();
         assert!((super::fit_exponent(&pts).unwrap() - 0.5).abs() < 1e-9);
         assert_eq!(super::fit_exponent(&pts[..1]), None);
     }

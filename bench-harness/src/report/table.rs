@@ -19,10 +19,38 @@ struct ArticleRow {
 }
 
 const ARTICLE: [ArticleRow; 5] = [
-    ArticleRow { label: "ResNet-50", models: &["resnet50", "resnet-tiny"], batch: "256", off_gb: Some(9.8), ckpt_gb: 5.2, time: Some("+18%") },
-    ArticleRow { label: "BERT-Large", models: &["bert-large", "bert-tiny"], batch: "32", off_gb: Some(22.0), ckpt_gb: 14.0, time: Some("+27%") },
-    ArticleRow { label: "UNet3D", models: &["unet3d-cicek", "unet3d-small", "unet3d-tiny"], batch: "8", off_gb: Some(48.0), ckpt_gb: 31.0, time: Some("+35%") },
-    ArticleRow { label: "ResNet-152", models: &["resnet152"], batch: "?", off_gb: Some(12.0), ckpt_gb: 7.0, time: Some("+25%") },
+    ArticleRow {
+        label: "ResNet-50",
+        models: &["resnet50", "resnet-tiny"],
+        batch: "256",
+        off_gb: Some(9.8),
+        ckpt_gb: 5.2,
+        time: Some("+18%"),
+    },
+    ArticleRow {
+        label: "BERT-Large",
+        models: &["bert-large", "bert-tiny"],
+        batch: "32",
+        off_gb: Some(22.0),
+        ckpt_gb: 14.0,
+        time: Some("+27%"),
+    },
+    ArticleRow {
+        label: "UNet3D",
+        models: &["unet3d-cicek", "unet3d-small", "unet3d-tiny"],
+        batch: "8",
+        off_gb: Some(48.0),
+        ckpt_gb: 31.0,
+        time: Some("+35%"),
+    },
+    ArticleRow {
+        label: "ResNet-152",
+        models: &["resnet152"],
+        batch: "?",
+        off_gb: Some(12.0),
+        ckpt_gb: 7.0,
+        time: Some("+25%"),
+    },
     ArticleRow {
         label: "GPT-2 1.5B (+ accumulation)",
         models: &["gpt2-xl", "gpt2-large", "gpt2-medium", "gpt2-small", "gpt2-tiny"],
@@ -70,7 +98,12 @@ it further: the activations column shows what it did to the memory it acts on. E
     if !fits.is_empty() {
         out.push_str(&depth_sweep(m, fits));
     }
-    out.push_str(&super::projection::render(m, |model| ARTICLE.iter().find(|r| r.models.contains(&model)).and_then(|r| Some((r.off_gb?, r.ckpt_gb, r.time?)))));
+    out.push_str(&super::projection::render(m, |model| {
+        ARTICLE
+            .iter()
+            .find(|r| r.models.contains(&model))
+            .and_then(|r| Some((r.off_gb?, r.ckpt_gb, r.time?)))
+    }));
     out.push_str(&side_by_side(m));
     out
 }
@@ -87,7 +120,10 @@ fn article_row(m: &Matrix, row: &ArticleRow) -> String {
         row.off_gb.map_or("-".into(), |g| format!("{:.2}", row.ckpt_gb / g)),
         row.time.unwrap_or("-")
     );
-    let found = row.models.iter().find_map(|name| Some((m.find(name, "off")?, m.find(name, TABLE_POLICY)?)));
+    let found = row
+        .models
+        .iter()
+        .find_map(|name| Some((m.find(name, "off")?, m.find(name, TABLE_POLICY)?)));
     match found {
         Some((off, ck)) if off.status == Status::Ok && ck.status == Status::Ok => {
             let total = |r: &Record| r.model_state_bytes + r.step_peak_bytes;
@@ -102,7 +138,11 @@ fn article_row(m: &Matrix, row: &ArticleRow) -> String {
                 size(total(ck)),
                 total(ck) as f64 / total(off) as f64,
                 ck.activation_peak_bytes as f64 / off.activation_peak_bytes.max(1) as f64,
-                if ck.step_peak_bytes > ck.fwd_bwd_peak_bytes { "optimizer update" } else { "activations" },
+                if ck.step_peak_bytes > ck.fwd_bwd_peak_bytes {
+                    "optimizer update"
+                } else {
+                    "activations"
+                },
                 (time_vs_off(ck, off) - 1.0) * 100.0
             );
         }
@@ -113,13 +153,29 @@ fn article_row(m: &Matrix, row: &ArticleRow) -> String {
                 (Status::Skipped, Some(p)) => Some((p, " (predicted, not run)")),
                 _ => None,
             };
-            let cell = |r: &Record| total(r).map_or(format!("{}: {}", r.status, r.error.replace('|', "/")), |(b, mark)| format!("{}{mark}", size(b)));
-            let ratio = total(off).zip(total(ck)).map_or(String::new(), |((o, _), (c, _))| format!("{:.2}", c as f64 / o as f64));
-            let _ =
-                writeln!(out, "| {} ({}) | {} | {} | {} | {} | {ratio} | | | | {article} |", row.label, off.model, off.batch, off.input, cell(off), cell(ck));
+            let cell = |r: &Record| {
+                total(r)
+                    .map_or(format!("{}: {}", r.status, r.error.replace('|', "/")), |(b, mark)| {
+                        format!("{}{mark}", size(b))
+                    })
+            };
+            let ratio = total(off)
+                .zip(total(ck))
+                .map_or(String::new(), |((o, _), (c, _))| format!("{:.2}", c as f64 / o as f64));
+            let _ = writeln!(
+                out,
+                "| {} ({}) | {} | {} | {} | {} | {ratio} | | | | {article} |",
+                row.label,
+                off.model,
+                off.batch,
+                off.input,
+                cell(off),
+                cell(ck)
+            );
         }
         None => {
-            let _ = writeln!(out, "| {} | | | not in this matrix | | | | | | {article} |", row.label);
+            let _ =
+                writeln!(out, "| {} | | | not in this matrix | | | | | | {article} |", row.label);
         }
     }
     out
@@ -137,12 +193,24 @@ least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|--
     for (policy, k) in fits {
         let _ = writeln!(out, "| {policy} | {} | {k:.2} |", depths.join(", "));
     }
-    out.push_str("\n| L | activation peak off | activation peak sqrt | sqrt / off |\n|---|---|---|---|\n");
+    out.push_str(
+        "\n| L | activation peak off | activation peak sqrt | sqrt / off |\n|---|---|---|---|\n",
+    );
     for model in m.models(true) {
-        let peak = |p: &str| m.find(&model, p).filter(|r| r.status == Status::Ok).map(|r| r.activation_peak_bytes);
+        let peak = |p: &str| {
+            m.find(&model, p).filter(|r| r.status == Status::Ok).map(|r| r.activation_peak_bytes)
+        };
         let cell = |b: Option<u64>| b.map_or("-".into(), mib);
-        let ratio = peak("off").zip(peak("sqrt")).map_or("-".into(), |(o, s)| format!("{:.2}", s as f64 / o.max(1) as f64));
-        let _ = writeln!(out, "| {} | {} | {} | {ratio} |", depth_of(&model), cell(peak("off")), cell(peak("sqrt")));
+        let ratio = peak("off")
+            .zip(peak("sqrt"))
+            .map_or("-".into(), |(o, s)| format!("{:.2}", s as f64 / o.max(1) as f64));
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {ratio} |",
+            depth_of(&model),
+            cell(peak("off")),
+            cell(peak("sqrt"))
+        );
     }
     out
 }

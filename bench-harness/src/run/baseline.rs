@@ -6,7 +6,16 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The models `scripts/torch_baseline.py` has a PyTorch version of.
-pub const MODELS: [&str; 8] = ["resnet50", "resnet152", "bert-large", "unet3d-small", "unet3d-cicek", "gpt2-small", "bert-large-lora", "gpt2-small-lora"];
+pub const MODELS: [&str; 8] = [
+    "resnet50",
+    "resnet152",
+    "bert-large",
+    "unet3d-small",
+    "unet3d-cicek",
+    "gpt2-small",
+    "bert-large-lora",
+    "gpt2-small-lora",
+];
 
 /// The script in the repository the harness runs in (a binary built elsewhere and shipped to a
 /// GPU machine runs there from the repository's root), else where the harness was built.
@@ -21,7 +30,8 @@ fn script() -> PathBuf {
 /// Whether `python` can import torch, torchvision and transformers; if not, why, with how to
 /// install them.
 pub fn available(python: &str) -> Result<(), String> {
-    let probe = Command::new(python).args(["-c", "import torch, torchvision, transformers"]).output();
+    let probe =
+        Command::new(python).args(["-c", "import torch, torchvision, transformers"]).output();
     match probe {
         Ok(out) if out.status.success() => Ok(()),
         Ok(out) => Err(format!(
@@ -37,7 +47,15 @@ pub fn available(python: &str) -> Result<(), String> {
 /// device);
 /// `time_only`: its steps timed, no memory measured (the timing rounds). `memory_limit`: the
 /// bytes it may allocate, beyond which it ends as `oom` (where ours was predicted not to fit).
-pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u64, time_only: bool, memory_limit: Option<u64>) -> Baseline {
+pub fn run(
+    python: &str,
+    ours: &Record,
+    input_size: usize,
+    steps: usize,
+    seed: u64,
+    time_only: bool,
+    memory_limit: Option<u64>,
+) -> Baseline {
     let failed = |error: String| Baseline {
         framework: "pytorch".into(),
         model: ours.model.clone(),
@@ -47,7 +65,8 @@ pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u
         error,
         ..Default::default()
     };
-    let segments: Vec<String> = ours.segment_ranges.iter().map(|[a, b]| format!("{a}:{b}")).collect();
+    let segments: Vec<String> =
+        ours.segment_ranges.iter().map(|[a, b]| format!("{a}:{b}")).collect();
     if segments.is_empty() {
         return failed("our run recorded no segments".into());
     }
@@ -57,7 +76,16 @@ pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u
         .arg(script())
         .args(["--model", &ours.model, "--policy", &ours.policy, "--segments", &segments.join(",")])
         .args(["--batch", &ours.batch.to_string(), "--input-size", &input_size.to_string()])
-        .args(["--steps", &steps.to_string(), "--threads", &ours.threads.to_string(), "--seed", &seed.to_string(), "--device", &ours.device])
+        .args([
+            "--steps",
+            &steps.to_string(),
+            "--threads",
+            &ours.threads.to_string(),
+            "--seed",
+            &seed.to_string(),
+            "--device",
+            &ours.device,
+        ])
         .args(time_only.then_some("--time-only"))
         .args(memory_limit.map(|b| format!("--memory-limit={b}")))
         .output();
@@ -70,8 +98,13 @@ pub fn run(python: &str, ours: &Record, input_size: usize, steps: usize, seed: u
         Some(Ok(b)) if out.status.success() => b,
         _ => {
             let stderr = String::from_utf8_lossy(&out.stderr);
-            let last = stderr.lines().rev().find(|l| !l.trim().is_empty() && !l.contains("USDT") && !l.starts_with("ERROR:")).unwrap_or("");
-            let status = if last.starts_with("out of memory") { Status::Oom } else { Status::Error };
+            let last = stderr
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty() && !l.contains("USDT") && !l.starts_with("ERROR:"))
+                .unwrap_or("");
+            let status =
+                if last.starts_with("out of memory") { Status::Oom } else { Status::Error };
             Baseline { status, ..failed(format!("{} ({})", last.trim(), out.status)) }
         }
     }

@@ -12,10 +12,29 @@ use std::process::Command;
 
 /// Runs one configuration in a fresh process, so one run's peak never leaks into another.
 /// `profiles`: the folder where the model's policies share one planner profile.
-pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, (profile, profiles): (Profile, Option<&Path>), mode: One) -> Record {
+pub fn spawn_one(
+    w: &Workload,
+    policy: &PolicyRequest,
+    common: &Common,
+    (profile, profiles): (Profile, Option<&Path>),
+    mode: One,
+) -> Record {
     let exe = std::env::current_exe().expect("own executable");
-    let mut cmd = if common.ranks > 1 { trainkit::parallel::mpirun(common.ranks, &exe) } else { Command::new(exe) };
-    cmd.args(["run-one", "--model", &w.model, "--policy", &policy.to_string(), "--profile", profile.name()]).args([
+    let mut cmd = if common.ranks > 1 {
+        trainkit::parallel::mpirun(common.ranks, &exe)
+    } else {
+        Command::new(exe)
+    };
+    cmd.args([
+        "run-one",
+        "--model",
+        &w.model,
+        "--policy",
+        &policy.to_string(),
+        "--profile",
+        profile.name(),
+    ])
+    .args([
         "--steps",
         &common.steps.to_string(),
         "--seed",
@@ -55,23 +74,33 @@ pub fn spawn_one(w: &Workload, policy: &PolicyRequest, common: &Common, (profile
         }
     }
     die_with_parent(&mut cmd);
-    let failed = |status: Status, error: String| Record { status, error, ..Record::new(w, policy, &common.device.to_string()) };
+    let failed = |status: Status, error: String| Record {
+        status,
+        error,
+        ..Record::new(w, policy, &common.device.to_string())
+    };
     let out = match cmd.output() {
         Ok(out) => out,
         Err(e) => return failed(Status::Error, format!("could not start: {e}")),
     };
     let stdout = String::from_utf8_lossy(&out.stdout);
     if out.status.success() {
-        if let Some(rec) = stdout.lines().last().and_then(|l| serde_json::from_str::<Record>(l).ok()) {
+        if let Some(rec) =
+            stdout.lines().last().and_then(|l| serde_json::from_str::<Record>(l).ok())
+        {
             return rec;
         }
     }
     let stderr = String::from_utf8_lossy(&out.stderr);
     // Our allocator names the phase of a refused allocation; otherwise the runtime's line.
-    let oom_line = stderr
-        .lines()
-        .find(|l| l.starts_with(remat::memory::CAP_REFUSAL))
-        .or_else(|| stderr.lines().find(|l| ["memory allocation of", "out of memory", "OUT_OF_MEMORY"].iter().any(|s| l.contains(s))));
+    let oom_line =
+        stderr.lines().find(|l| l.starts_with(remat::memory::CAP_REFUSAL)).or_else(|| {
+            stderr.lines().find(|l| {
+                ["memory allocation of", "out of memory", "OUT_OF_MEMORY"]
+                    .iter()
+                    .any(|s| l.contains(s))
+            })
+        });
     #[cfg(unix)]
     let killed = std::os::unix::process::ExitStatusExt::signal(&out.status) == Some(9);
     #[cfg(not(unix))]
@@ -102,7 +131,12 @@ pub fn pass_overrides(cmd: &mut Command, o: Overrides) {
 /// What a failed child process said: anyhow's "Error: ..." line, not the backtrace
 /// RUST_BACKTRACE appends; else its last line; else its exit status.
 pub fn child_error(stderr: &str, status: std::process::ExitStatus) -> String {
-    let line = stderr.lines().find_map(|l| l.strip_prefix("Error: ")).or_else(|| stderr.lines().rev().find(|l| !l.trim().is_empty())).unwrap_or("").trim();
+    let line = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("Error: "))
+        .or_else(|| stderr.lines().rev().find(|l| !l.trim().is_empty()))
+        .unwrap_or("")
+        .trim();
     if line.is_empty() {
         format!("exited with {status}")
     } else {

@@ -35,7 +35,11 @@ pub fn defaults(common: &mut Common) -> Result<()> {
     // The harness, the OS and the page cache need some of what is available.
     let machine = trainkit::available_memory().map(|b| b.saturating_sub(3 << 30));
     let cpu = common.device == trainkit::DeviceName::Cpu;
-    common.memory_cap = common.memory_cap.or(Some(if cpu { machine.map_or(CARD_BYTES, |m| m.min(CARD_BYTES)) } else { CARD_BYTES }));
+    common.memory_cap = common.memory_cap.or(Some(if cpu {
+        machine.map_or(CARD_BYTES, |m| m.min(CARD_BYTES))
+    } else {
+        CARD_BYTES
+    }));
     Ok(())
 }
 
@@ -44,23 +48,45 @@ pub fn defaults(common: &mut Common) -> Result<()> {
 /// run otherwise. The gradient check needs two models and a copy of every gradient beside them,
 /// so it runs only where that fits the cap (four times the parameters' f32 bytes, with room for
 /// the activations). `dry_run`: predicted, nothing runs.
-pub fn run_predicted(matrix: &mut Matrix, w: &Workload, policy: &PolicyRequest, common: &Common, profile: Profile, dry_run: bool) -> Result<Option<Record>> {
+pub fn run_predicted(
+    matrix: &mut Matrix,
+    w: &Workload,
+    policy: &PolicyRequest,
+    common: &Common,
+    profile: Profile,
+    dry_run: bool,
+) -> Result<Option<Record>> {
     if !matrix.projections.iter().any(|p| p.model == w.model) {
-        let p = super::projection::spawn_projection(&w.model, profile, common, common.overrides()).with_context(|| format!("predicting {}", w.model))?;
+        let p = super::projection::spawn_projection(&w.model, profile, common, common.overrides())
+            .with_context(|| format!("predicting {}", w.model))?;
         matrix.put_projection(p);
     }
     let projection = matrix.projections.iter().find(|p| p.model == w.model).expect("put above");
     let prediction = predict(w, policy, projection)?;
     let cap = common.memory_cap.expect("set by defaults");
     let total = prediction.total();
-    let skipped = |error: String| Record { status: Status::Skipped, error, ..Record::new(w, policy, &common.device.to_string()) };
+    let skipped = |error: String| Record {
+        status: Status::Skipped,
+        error,
+        ..Record::new(w, policy, &common.device.to_string())
+    };
     let mut rec = match total {
         Some(t) if dry_run => skipped(format!("dry run (predicted {:.1} GiB)", units::gib(t))),
-        Some(t) if t > cap => skipped(format!("does not fit (predicted {:.1} GiB > cap {:.1} GiB)", units::gib(t), units::gib(cap))),
+        Some(t) if t > cap => skipped(format!(
+            "does not fit (predicted {:.1} GiB > cap {:.1} GiB)",
+            units::gib(t),
+            units::gib(cap)
+        )),
         None => skipped(format!("not predicted: the planner found no plan for {policy}")),
         Some(_) => {
             let check_fits = prediction.params * 4 + prediction.activations.unwrap_or(0) < cap;
-            let mut rec = spawn_one(w, policy, common, (profile, None), if check_fits { One::Full } else { One::Unchecked });
+            let mut rec = spawn_one(
+                w,
+                policy,
+                common,
+                (profile, None),
+                if check_fits { One::Full } else { One::Unchecked },
+            );
             rec.grads_checked = check_fits && rec.status == Status::Ok;
             rec
         }
@@ -73,9 +99,17 @@ pub fn run_predicted(matrix: &mut Matrix, w: &Workload, policy: &PolicyRequest, 
 /// The prediction for `w` under `policy` from its `projection`: the state by arithmetic
 /// ([`state`]), the rest of the projected total as activations (`None` where the
 /// projection has no row for the policy: a budget no plan fits).
-pub fn predict(w: &Workload, policy: &PolicyRequest, projection: &Projection) -> Result<Prediction> {
+pub fn predict(
+    w: &Workload,
+    policy: &PolicyRequest,
+    projection: &Projection,
+) -> Result<Prediction> {
     let (params, grads, optimizer) = w.state(&w.parameter_shapes()?);
     let label = policy.to_string();
-    let activations = projection.rows.iter().find(|r| r.label == label).map(|r| r.total_bytes.saturating_sub(params + grads + optimizer));
+    let activations = projection
+        .rows
+        .iter()
+        .find(|r| r.label == label)
+        .map(|r| r.total_bytes.saturating_sub(params + grads + optimizer));
     Ok(Prediction { params, grads, optimizer, activations })
 }

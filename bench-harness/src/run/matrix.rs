@@ -31,13 +31,21 @@ pub fn run(mut args: MatrixArgs) -> Result<()> {
     let profile = args.common.profile();
     let dir = args.out.clone().unwrap_or_else(|| args.common.results_dir(profile));
     if args.matrix == MatrixKind::Render {
-        let matrix = Matrix::load(&dir)?.with_context(|| format!("{} has no matrix.json to render", dir.display()))?;
+        let matrix = Matrix::load(&dir)?
+            .with_context(|| format!("{} has no matrix.json to render", dir.display()))?;
         report::save(&matrix, &dir)?;
         trainkit::say!("rendered {}", dir.display());
         return Ok(());
     }
     let (workloads, configs) = select(&args, profile)?;
-    let mut run = Run { matrix: open(&dir, &args, &workloads, profile)?, args: &args, profile, dir, statuses: Vec::new(), ran_any: false };
+    let mut run = Run {
+        matrix: open(&dir, &args, &workloads, profile)?,
+        args: &args,
+        profile,
+        dir,
+        statuses: Vec::new(),
+        ran_any: false,
+    };
     let dry_run = args.dry_run && profile != Profile::Gpt2_24gb;
     run.all(&configs, dry_run)?;
     if dry_run {
@@ -49,10 +57,17 @@ pub fn run(mut args: MatrixArgs) -> Result<()> {
     }
     report::save(&matrix, &dir)?;
     trainkit::say!("results in {}", dir.display());
-    // An `oom` is a result; an error is not, and neither is a run where every configuration ran out.
-    let failed: Vec<&str> = statuses.iter().filter(|(_, s)| *s == Status::Error).map(|(c, _)| c.as_str()).collect();
+    // An `oom` is a result; an error is not, and neither is a run where every configuration ran
+    // out.
+    let failed: Vec<&str> =
+        statuses.iter().filter(|(_, s)| *s == Status::Error).map(|(c, _)| c.as_str()).collect();
     if !failed.is_empty() {
-        bail!("{} of {} configurations failed: {}", failed.len(), statuses.len(), failed.join(", "));
+        bail!(
+            "{} of {} configurations failed: {}",
+            failed.len(),
+            statuses.len(),
+            failed.join(", ")
+        );
     }
     if !statuses.is_empty() && statuses.iter().all(|(_, s)| *s == Status::Oom) {
         bail!("every configuration ran out of memory");
@@ -64,21 +79,31 @@ pub fn run(mut args: MatrixArgs) -> Result<()> {
 fn check(args: &MatrixArgs) -> Result<()> {
     let common = &args.common;
     common.device.open()?;
-    if common.steps == 0 || common.batch == Some(0) || common.input_size == Some(0) || common.accumulate == Some(0) {
+    if common.steps == 0
+        || common.batch == Some(0)
+        || common.input_size == Some(0)
+        || common.accumulate == Some(0)
+    {
         bail!("--steps, --batch, --input-size and --accumulate must be at least 1");
     }
     if common.ranks == 0 {
         bail!("--ranks must be at least 1");
     }
     trainkit::parallel::check_sharding(common.shard_optimizer, common.ranks)?;
-    if args.retime && (args.rounds == 0 || !(args.policies.is_empty() || args.policies.contains(&PolicyRequest::Fixed(Policy::Off)))) {
+    if args.retime
+        && (args.rounds == 0
+            || !(args.policies.is_empty()
+                || args.policies.contains(&PolicyRequest::Fixed(Policy::Off))))
+    {
         bail!("--retime takes the times again in --rounds rounds (at least 1), each policy against `off`: keep `off` among --policies");
     }
     if args.baseline.is_some() && common.ranks > 1 {
         bail!("--baseline runs PyTorch in one process; it cannot be combined with --ranks");
     }
     if args.baseline.is_some()
-        && (common.accumulate.is_some_and(|n| n > 1) || common.optimizer.is_some() || common.dtype.is_some_and(|d| d != model::Precision::F32))
+        && (common.accumulate.is_some_and(|n| n > 1)
+            || common.optimizer.is_some()
+            || common.dtype.is_some_and(|d| d != model::Precision::F32))
     {
         bail!(
             "--baseline runs one f32 micro-batch per step with each model's default optimizer; it cannot be combined with --accumulate, --optimizer or --dtype"
@@ -98,7 +123,10 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
     if matches!(args.matrix, MatrixKind::All | MatrixKind::Depth) {
         selected.extend(workloads::depth_sweep(profile));
     }
-    let workloads: Vec<Workload> = by_name(selected, &args.models).into_iter().map(|w| w.overridden(args.common.overrides())).collect();
+    let workloads: Vec<Workload> = by_name(selected, &args.models)
+        .into_iter()
+        .map(|w| w.overridden(args.common.overrides()))
+        .collect();
     if workloads.is_empty() {
         bail!("--models {:?} matches no model of profile `{profile}`", args.models);
     }
@@ -106,14 +134,21 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
         .iter()
         .flat_map(|w| {
             let chosen: Vec<PolicyRequest> = if args.policies.is_empty() {
-                let mut chosen: Vec<PolicyRequest> = w.policies().into_iter().map(PolicyRequest::from).collect();
+                let mut chosen: Vec<PolicyRequest> =
+                    w.policies().into_iter().map(PolicyRequest::from).collect();
                 // At full size, what fits a 24 GiB card: the planner's plan for one too.
-                if matches!(profile, Profile::Gpt2_24gb | Profile::Full) && !w.model.starts_with(workloads::DEPTH_PREFIX) {
+                if matches!(profile, Profile::Gpt2_24gb | Profile::Full)
+                    && !w.model.starts_with(workloads::DEPTH_PREFIX)
+                {
                     chosen.push(PolicyRequest::Budget(workloads::CARD_BYTES));
                 }
                 chosen
             } else {
-                args.policies.iter().filter(|p| p.fixed().is_none_or(|p| w.applies(p))).cloned().collect()
+                args.policies
+                    .iter()
+                    .filter(|p| p.fixed().is_none_or(|p| w.applies(p)))
+                    .cloned()
+                    .collect()
             };
             chosen.into_iter().map(move |p| (w.clone(), p))
         })
@@ -154,7 +189,9 @@ fn open(dir: &Path, args: &MatrixArgs, workloads: &[Workload], profile: Profile)
                 mismatched.join("; ")
             );
         }
-        let keep = |model: &str| workloads.iter().all(|w| w.model != model) && matrix.meta.profile == profile.name();
+        let keep = |model: &str| {
+            workloads.iter().all(|w| w.model != model) && matrix.meta.profile == profile.name()
+        };
         matrix.records.retain(|r| keep(&r.model));
         matrix.baselines.retain(|b| keep(&b.model));
     }
@@ -187,7 +224,9 @@ impl Run<'_> {
             },
             None => None,
         };
-        let bar = ProgressBar::new(configs.len() as u64).with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} configs [{elapsed} < {eta}] {msg}")?);
+        let bar = ProgressBar::new(configs.len() as u64).with_style(ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} configs [{elapsed} < {eta}] {msg}",
+        )?);
         let mut ran_models: Vec<&str> = Vec::new();
         for (i, (w, policy)) in configs.iter().enumerate() {
             if dry_run {
@@ -201,9 +240,16 @@ impl Run<'_> {
             }
             bar.inc(1);
             let model_done = configs.get(i + 1).is_none_or(|(next, _)| next.model != w.model);
-            if model_done && args.rounds > 0 && (args.retime || ran_models.contains(&w.model.as_str())) {
+            if model_done
+                && args.rounds > 0
+                && (args.retime || ran_models.contains(&w.model.as_str()))
+            {
                 bar.set_message(format!("{}: {} interleaved timing rounds", w.model, args.rounds));
-                let policies: Vec<PolicyRequest> = configs.iter().filter(|(c, _)| c.model == w.model).map(|(_, p)| p.clone()).collect();
+                let policies: Vec<PolicyRequest> = configs
+                    .iter()
+                    .filter(|(c, _)| c.model == w.model)
+                    .map(|(_, p)| p.clone())
+                    .collect();
                 let timing = Timing { rounds: args.rounds, replace: args.retime };
                 time_rounds(&mut self.matrix, w, &policies, timing, common, profile, python);
                 self.matrix.save_json(&self.dir)?;
@@ -215,11 +261,18 @@ impl Run<'_> {
 
     /// One configuration, unless the folder has it (and its baseline) already; then its PyTorch
     /// baseline where asked; saved. Returns whether the configuration ran.
-    fn one(&mut self, w: &Workload, policy: &PolicyRequest, python: Option<&str>, bar: &ProgressBar) -> Result<bool> {
+    fn one(
+        &mut self,
+        w: &Workload,
+        policy: &PolicyRequest,
+        python: Option<&str>,
+        bar: &ProgressBar,
+    ) -> Result<bool> {
         let (args, common, profile) = (self.args, &self.args.common, self.profile);
         let have = self.matrix.find(&w.model, &policy.to_string()).is_some();
-        let have_baseline =
-            python.is_none() || !baseline::MODELS.contains(&w.model.as_str()) || self.matrix.find_baseline(&w.model, &policy.to_string()).is_some();
+        let have_baseline = python.is_none()
+            || !baseline::MODELS.contains(&w.model.as_str())
+            || self.matrix.find_baseline(&w.model, &policy.to_string()).is_some();
         if !args.force && have && have_baseline {
             return Ok(false);
         }
@@ -233,9 +286,22 @@ impl Run<'_> {
         if args.force || !have {
             bar.set_message(format!("{} {policy}", w.model));
             let rec = if profile == Profile::Gpt2_24gb {
-                gpt2_24gb::run_predicted(&mut self.matrix, w, policy, common, profile, args.dry_run)?
+                gpt2_24gb::run_predicted(
+                    &mut self.matrix,
+                    w,
+                    policy,
+                    common,
+                    profile,
+                    args.dry_run,
+                )?
             } else {
-                Some(spawn_one(w, policy, common, (profile, Some(&self.dir.join("profiles"))), One::Full))
+                Some(spawn_one(
+                    w,
+                    policy,
+                    common,
+                    (profile, Some(&self.dir.join("profiles"))),
+                    One::Full,
+                ))
             };
             let Some(mut rec) = rec else { return Ok(false) };
             bar.suspend(|| trainkit::say!("{}", summary(&rec, self.matrix.find(&w.model, "off"))));
@@ -246,11 +312,16 @@ impl Run<'_> {
             ran = true;
         }
         // PyTorch runs where ours ran, and where ours was predicted not to fit this machine: there
-        // within what the machine can give (the same room ours was refused), to see whether it fits.
+        // within what the machine can give (the same room ours was refused), to see whether it
+        // fits.
         let ours = self.matrix.find(&w.model, &policy.to_string());
         let limit = match ours {
             Some(r) if r.status == Status::Ok => Some(None),
-            Some(r) if r.status == Status::Skipped && r.error.starts_with(measure::one::STEP_DOES_NOT_FIT) && !r.segment_ranges.is_empty() => {
+            Some(r)
+                if r.status == Status::Skipped
+                    && r.error.starts_with(measure::one::STEP_DOES_NOT_FIT)
+                    && !r.segment_ranges.is_empty() =>
+            {
                 Some(trainkit::free_memory(&candle_core::Device::Cpu).map(|free| free - free / 10))
             }
             _ => None,
@@ -261,7 +332,15 @@ impl Run<'_> {
                 let b = Baseline {
                     command: this_command(),
                     commit: self.matrix.meta.git_commit.clone(),
-                    ..baseline::run(python, ours, w.input_size, common.steps, common.seed, false, limit)
+                    ..baseline::run(
+                        python,
+                        ours,
+                        w.input_size,
+                        common.steps,
+                        common.seed,
+                        false,
+                        limit,
+                    )
                 };
                 bar.suspend(|| trainkit::say!("{}", baseline_summary(&b, ours)));
                 self.matrix.put_baseline(b);
@@ -275,7 +354,12 @@ impl Run<'_> {
 /// What in the results folder was measured under another configuration than this run's (profile,
 /// or a model's batch, input, device, threads or timed steps): a description of each, empty if all
 /// match. Records are matched by model and policy, so mixing them would compare unlike runs.
-fn other_configurations(matrix: &Matrix, workloads: &[Workload], common: &Common, profile: Profile) -> Vec<String> {
+fn other_configurations(
+    matrix: &Matrix,
+    workloads: &[Workload],
+    common: &Common,
+    profile: Profile,
+) -> Vec<String> {
     let mut out = Vec::new();
     if !matrix.records.is_empty() && matrix.meta.profile != profile.name() {
         out.push(format!("profile `{}`, this run `{profile}`", matrix.meta.profile));
@@ -337,9 +421,19 @@ struct Timing {
 /// its baseline gets our time over its time per pair, and its own time / off, the same way.
 /// `replace`: the measuring run's times are left out, and each record's and baseline's step time
 /// becomes the rounds' (median, range), with this command named as the times' maker.
-fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], timing: Timing, common: &Common, profile: Profile, python: Option<&str>) {
+fn time_rounds(
+    matrix: &mut Matrix,
+    w: &Workload,
+    policies: &[PolicyRequest],
+    timing: Timing,
+    common: &Common,
+    profile: Profile,
+    python: Option<&str>,
+) {
     let off = PolicyRequest::Fixed(Policy::Off);
-    let ok = |m: &Matrix, p: &PolicyRequest| m.find(&w.model, &p.to_string()).is_some_and(|r| r.status == Status::Ok);
+    let ok = |m: &Matrix, p: &PolicyRequest| {
+        m.find(&w.model, &p.to_string()).is_some_and(|r| r.status == Status::Ok)
+    };
     // Without `off` there is no ratio to take; a retime still replaces the times (a model whose
     // `off` does not fit this machine keeps its checkpointed policies' times and PyTorch's).
     if !ok(matrix, &off) && !timing.replace {
@@ -348,17 +442,27 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], ti
     let timed: Vec<&PolicyRequest> = policies.iter().filter(|p| ok(matrix, p)).collect();
     let torch = python.filter(|_| baseline::MODELS.contains(&w.model.as_str()));
     // Per policy: ours, and PyTorch's where it ran, step times per round, the measuring runs first.
-    let theirs = |m: &Matrix, p: &PolicyRequest| m.find_baseline(&w.model, &p.to_string()).filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median);
+    let theirs = |m: &Matrix, p: &PolicyRequest| {
+        m.find_baseline(&w.model, &p.to_string())
+            .filter(|b| b.status == Status::Ok)
+            .map(|b| b.step_ms_median)
+    };
     let first = |t: Option<f64>| if timing.replace { vec![] } else { vec![t] };
-    let mut ours: Vec<Vec<Option<f64>>> = timed.iter().map(|p| first(matrix.find(&w.model, &p.to_string()).map(|r| r.step_ms_median))).collect();
-    let mut torch_ms: Vec<Vec<Option<f64>>> = timed.iter().map(|p| first(theirs(matrix, p))).collect();
+    let mut ours: Vec<Vec<Option<f64>>> = timed
+        .iter()
+        .map(|p| first(matrix.find(&w.model, &p.to_string()).map(|r| r.step_ms_median)))
+        .collect();
+    let mut torch_ms: Vec<Vec<Option<f64>>> =
+        timed.iter().map(|p| first(theirs(matrix, p))).collect();
     let torch_ran: Vec<bool> = timed.iter().map(|p| theirs(matrix, p).is_some()).collect();
     for _ in 0..timing.rounds {
         for (i, p) in timed.iter().enumerate() {
             let rec = spawn_one(w, p, common, (profile, None), One::TimeOnly);
             ours[i].push(Some(rec.step_ms_median).filter(|_| rec.status == Status::Ok));
             let measured = matrix.find(&w.model, &p.to_string()).unwrap();
-            let b = torch.filter(|_| torch_ran[i]).map(|py| baseline::run(py, measured, w.input_size, common.steps, common.seed, true, None));
+            let b = torch.filter(|_| torch_ran[i]).map(|py| {
+                baseline::run(py, measured, w.input_size, common.steps, common.seed, true, None)
+            });
             torch_ms[i].push(b.filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median));
         }
     }
@@ -366,10 +470,18 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], ti
     // (a resumed folder holds it), so the ratios are that pair's alone.
     let (ours_off, torch_off) = match timed.iter().position(|p| **p == off) {
         Some(i) => (ours[i].clone(), torch_ms[i].clone()),
-        None => (vec![matrix.find(&w.model, "off").filter(|r| r.status == Status::Ok).map(|r| r.step_ms_median)], vec![theirs(matrix, &off)]),
+        None => (
+            vec![matrix
+                .find(&w.model, "off")
+                .filter(|r| r.status == Status::Ok)
+                .map(|r| r.step_ms_median)],
+            vec![theirs(matrix, &off)],
+        ),
     };
     // a[k] / b[k] for every round where both ran.
-    let ratios = |a: &[Option<f64>], b: &[Option<f64>]| a.iter().zip(b).filter_map(|(a, b)| Some((*a)? / (*b)?)).collect::<Vec<f64>>();
+    let ratios = |a: &[Option<f64>], b: &[Option<f64>]| {
+        a.iter().zip(b).filter_map(|(a, b)| Some((*a)? / (*b)?)).collect::<Vec<f64>>()
+    };
     for (i, p) in timed.iter().enumerate() {
         let mut rec = matrix.find(&w.model, &p.to_string()).unwrap().clone();
         if **p != off {
@@ -382,9 +494,14 @@ fn time_rounds(matrix: &mut Matrix, w: &Workload, policies: &[PolicyRequest], ti
             }
         }
         matrix.put(rec);
-        if let Some(mut b) = matrix.find_baseline(&w.model, &p.to_string()).filter(|b| b.status == Status::Ok).cloned() {
+        if let Some(mut b) = matrix
+            .find_baseline(&w.model, &p.to_string())
+            .filter(|b| b.status == Status::Ok)
+            .cloned()
+        {
             b.ours_over_torch = Spread::of(ratios(&ours[i], &torch_ms[i]));
-            b.time_vs_off = if **p == off { None } else { Spread::of(ratios(&torch_ms[i], &torch_off)) };
+            b.time_vs_off =
+                if **p == off { None } else { Spread::of(ratios(&torch_ms[i], &torch_off)) };
             if timing.replace {
                 if let Some(t) = Spread::of(torch_ms[i].iter().flatten().copied().collect()) {
                     (b.step_ms_median, b.step_ms_min, b.step_ms_max) = (t.median, t.min, t.max);
@@ -423,24 +540,39 @@ fn dry_summary(r: &Record) -> String {
     }
 }
 
-/// A configuration's line: its peak (and the prediction), activations, time, against `off`, and the gradient check.
+/// A configuration's line: its peak (and the prediction), activations, time, against `off`, and the
+/// gradient check.
 fn summary(r: &Record, off: Option<&Record>) -> String {
     if r.status != Status::Ok {
         return format!("{:<14} {:<18} {}: {}", r.model, r.policy, r.status, r.error);
     }
     let vs_off = off
         .filter(|o| r.policy != "off" && o.status == Status::Ok && o.step_peak_bytes > 0)
-        .map(|o| format!(" ({:.2}x off peak, {:.2}x off time)", r.step_peak_bytes as f64 / o.step_peak_bytes as f64, r.step_ms_median / o.step_ms_median))
+        .map(|o| {
+            format!(
+                " ({:.2}x off peak, {:.2}x off time)",
+                r.step_peak_bytes as f64 / o.step_peak_bytes as f64,
+                r.step_ms_median / o.step_ms_median
+            )
+        })
         .unwrap_or_default();
     let grads = match (r.grads_checked, r.grads_bit_identical) {
-        (false, _) if !r.check_skipped.is_empty() => format!("grads not checked: {}", r.check_skipped),
+        (false, _) if !r.check_skipped.is_empty() => {
+            format!("grads not checked: {}", r.check_skipped)
+        }
         (false, _) => "grads not checked".into(),
         (true, true) => "grads = plain candle bit for bit".into(),
         (true, false) => "GRADS DIFFER FROM PLAIN CANDLE".into(),
     };
     let predicted = r
         .predicted_peak_bytes
-        .map(|p| format!(" (predicted {}, {:+.1}%)", mib(p), (p as f64 / r.step_peak_bytes.max(1) as f64 - 1.0) * 100.0))
+        .map(|p| {
+            format!(
+                " (predicted {}, {:+.1}%)",
+                mib(p),
+                (p as f64 / r.step_peak_bytes.max(1) as f64 - 1.0) * 100.0
+            )
+        })
         .unwrap_or_default();
     let plan = if r.plan.is_empty() { String::new() } else { format!(" [{}]", r.plan) };
     format!(
@@ -458,7 +590,15 @@ fn summary(r: &Record, off: Option<&Record>) -> String {
 /// or `gpt2-xl` for its variants `gpt2-xl/...`).
 fn by_name(workloads: Vec<Workload>, models: &[String]) -> Vec<Workload> {
     let whole: Vec<bool> = models.iter().map(|m| workloads.iter().any(|w| w.model == *m)).collect();
-    let named = |w: &Workload| models.iter().zip(&whole).any(|(m, &whole)| if whole { w.model == *m } else { w.model.starts_with(m.as_str()) });
+    let named = |w: &Workload| {
+        models.iter().zip(&whole).any(|(m, &whole)| {
+            if whole {
+                w.model == *m
+            } else {
+                w.model.starts_with(m.as_str())
+            }
+        })
+    };
     workloads.into_iter().filter(|w| models.is_empty() || named(w)).collect()
 }
 
@@ -471,7 +611,9 @@ mod tests {
     fn models_are_selected_by_whole_name_or_prefix() {
         let names = |models: &[&str]| -> Vec<String> {
             let models: Vec<String> = models.iter().map(|m| m.to_string()).collect();
-            let all = workloads::profile(Profile::Cpu).into_iter().chain(workloads::profile(Profile::Gpt2_24gb));
+            let all = workloads::profile(Profile::Cpu)
+                .into_iter()
+                .chain(workloads::profile(Profile::Gpt2_24gb));
             by_name(all.collect(), &models).into_iter().map(|w| w.model).collect()
         };
         assert_eq!(names(&["gpt2-small", "bert-large"]), ["bert-large", "gpt2-small"]);

@@ -20,7 +20,10 @@ pub const MODELS: [&str; 4] = ["resnet50", "resnet152", "bert-large", "unet3d-ci
 /// it is empty), in fresh processes, into the matrix; a projection already there is kept unless
 /// `force`.
 pub fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, force: bool) {
-    for model in MODELS.iter().filter(|m| models.is_empty() || models.iter().any(|s| m.starts_with(s.as_str()))) {
+    for model in MODELS
+        .iter()
+        .filter(|m| models.is_empty() || models.iter().any(|s| m.starts_with(s.as_str())))
+    {
         if !force && matrix.projections.iter().any(|p| p.model == *model) {
             continue;
         }
@@ -28,7 +31,12 @@ pub fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, forc
         match spawn_projection(model, workloads::Profile::Full, common, Overrides::default()) {
             Ok(p) => {
                 let off = p.rows.first().map_or(0, |r| r.total_bytes);
-                trainkit::say!("projected {model} at batch {} ({}): off {:.1} GB", p.batch, p.input, off as f64 / 1e9);
+                trainkit::say!(
+                    "projected {model} at batch {} ({}): off {:.1} GB",
+                    p.batch,
+                    p.input,
+                    off as f64 / 1e9
+                );
                 matrix.put_projection(p);
             }
             Err(e) => trainkit::say!("projection of {model} failed: {e:#}"),
@@ -38,10 +46,25 @@ pub fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, forc
 
 /// `project-one` of `model` of `profile` in a fresh process (a projection builds the model at its
 /// size: its memory must not stay in this one), with the changes `overrides` makes to it.
-pub fn spawn_projection(model: &str, profile: workloads::Profile, common: &Common, overrides: Overrides) -> Result<Projection> {
+pub fn spawn_projection(
+    model: &str,
+    profile: workloads::Profile,
+    common: &Common,
+    overrides: Overrides,
+) -> Result<Projection> {
     let exe = std::env::current_exe().expect("own executable");
     let mut cmd = Command::new(exe);
-    cmd.args(["project-one", "--model", model, "--profile", profile.name(), "--seed", &common.seed.to_string(), "--device", &common.device.to_string()]);
+    cmd.args([
+        "project-one",
+        "--model",
+        model,
+        "--profile",
+        profile.name(),
+        "--seed",
+        &common.seed.to_string(),
+        "--device",
+        &common.device.to_string(),
+    ]);
     pass_overrides(&mut cmd, overrides);
     die_with_parent(&mut cmd);
     let out = cmd.output()?;

@@ -36,7 +36,10 @@ pub fn records(dir: &Path) -> Vec<serde_json::Value> {
 
 /// The record of (model, policy), which must exist, without its timeline (short enough to print).
 pub fn record(dir: &Path, model: &str, policy: &str) -> serde_json::Value {
-    let mut r = records(dir).into_iter().find(|r| r["model"] == model && r["policy"] == policy).unwrap_or_else(|| panic!("no record of {model} {policy}"));
+    let mut r = records(dir)
+        .into_iter()
+        .find(|r| r["model"] == model && r["policy"] == policy)
+        .unwrap_or_else(|| panic!("no record of {model} {policy}"));
     r.as_object_mut().unwrap().remove("timeline");
     r
 }

@@ -97,15 +97,24 @@ enum Launcher {
 /// The launcher of this process, its world size and its rank, from the variables launchers set.
 fn launched() -> Option<(Launcher, usize, usize)> {
     let var = |name: &str| std::env::var(name).ok()?.parse::<usize>().ok();
-    let vars =
-        [(Launcher::Mpi, "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), (Launcher::Mpi, "PMI_SIZE", "PMI_RANK"), (Launcher::PerGpu, "WORLD_SIZE", "RANK")];
+    let vars = [
+        (Launcher::Mpi, "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+        (Launcher::Mpi, "PMI_SIZE", "PMI_RANK"),
+        (Launcher::PerGpu, "WORLD_SIZE", "RANK"),
+    ];
     vars.into_iter().find_map(|(launcher, size, rank)| Some((launcher, var(size)?, var(rank)?)))
 }
 
 impl Group {
     /// One rank: nothing to communicate.
     pub fn single() -> Self {
-        Group { rank: 0, world: 1, backend: Backend::Single, pending: RefCell::new(VecDeque::new()), time: Cell::new(CommTime::default()) }
+        Group {
+            rank: 0,
+            world: 1,
+            backend: Backend::Single,
+            pending: RefCell::new(VecDeque::new()),
+            time: Cell::new(CommTime::default()),
+        }
     }
 
     #[cfg(any(feature = "mpi", feature = "nccl"))]
@@ -118,7 +127,9 @@ impl Group {
     /// the file `NCCL_ID_FILE`; else one rank. A launch this binary cannot serve (built without
     /// the feature) is an error, not N independent runs.
     pub fn from_launcher(device: &Device) -> Result<Self> {
-        let Some((launcher, world, rank)) = launched().filter(|l| l.1 > 1) else { return Ok(Self::single()) };
+        let Some((launcher, world, rank)) = launched().filter(|l| l.1 > 1) else {
+            return Ok(Self::single());
+        };
         match launcher {
             #[cfg(feature = "mpi")]
             Launcher::Mpi => {
@@ -128,18 +139,32 @@ impl Group {
             }
             #[cfg(feature = "nccl")]
             Launcher::PerGpu => {
-                let id_file =
-                    std::env::var_os("NCCL_ID_FILE").ok_or_else(|| CollectiveError::Nccl("set NCCL_ID_FILE to a file path every rank can read".into()))?;
-                let w = nccl_world::NcclWorld::start(device, rank, world, std::path::Path::new(&id_file))?;
+                let id_file = std::env::var_os("NCCL_ID_FILE").ok_or_else(|| {
+                    CollectiveError::Nccl(
+                        "set NCCL_ID_FILE to a file path every rank can read".into(),
+                    )
+                })?;
+                let w = nccl_world::NcclWorld::start(
+                    device,
+                    rank,
+                    world,
+                    std::path::Path::new(&id_file),
+                )?;
                 let (rank, size) = (w.rank, w.size);
                 Ok(Self::of(Backend::Nccl(w, device.clone()), rank, size))
             }
             #[cfg(not(feature = "mpi"))]
-            Launcher::Mpi => Err(CollectiveError::NotBuiltFor { launcher: "mpirun", world, feature: "mpi" }),
+            Launcher::Mpi => {
+                Err(CollectiveError::NotBuiltFor { launcher: "mpirun", world, feature: "mpi" })
+            }
             #[cfg(not(feature = "nccl"))]
             Launcher::PerGpu => {
                 let _ = (device, rank); // an NCCL build's
-                Err(CollectiveError::NotBuiltFor { launcher: "RANK/WORLD_SIZE", world, feature: "nccl" })
+                Err(CollectiveError::NotBuiltFor {
+                    launcher: "RANK/WORLD_SIZE",
+                    world,
+                    feature: "nccl",
+                })
             }
         }
     }
@@ -173,7 +198,10 @@ impl Group {
             .map(|t| {
                 let n = t.dim(0)?;
                 if n % self.world != 0 {
-                    candle_core::bail!("a batch input of {n} rows does not split into {} ranks", self.world)
+                    candle_core::bail!(
+                        "a batch input of {n} rows does not split into {} ranks",
+                        self.world
+                    )
                 }
                 let part = n / self.world;
                 t.narrow(0, self.rank * part, part)?.contiguous()
@@ -191,10 +219,16 @@ impl Group {
         time.floats += tensors.iter().map(|t| t.elem_count() as u64).sum::<u64>();
         self.time.set(time);
         let pending = match &self.backend {
-            Backend::Single => Pending::Local(tensors.iter().map(|t| t.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?),
+            Backend::Single => Pending::Local(
+                tensors
+                    .iter()
+                    .map(|t| t.to_dtype(DType::F32))
+                    .collect::<candle_core::Result<_>>()?,
+            ),
             #[cfg(feature = "mpi")]
             Backend::Mpi(world) => {
-                let shapes = tensors.iter().map(|t| (t.shape().clone(), t.device().clone())).collect();
+                let shapes =
+                    tensors.iter().map(|t| (t.shape().clone(), t.device().clone())).collect();
                 let mut flat = Vec::with_capacity(tensors.iter().map(Tensor::elem_count).sum());
                 for t in tensors {
                     flat.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
@@ -203,7 +237,9 @@ impl Group {
                 Pending::Host(shapes)
             }
             #[cfg(feature = "nccl")]
-            Backend::Nccl(world, _) => Pending::Device(tensors.iter().map(|t| world.sum(t)).collect::<Result<_>>()?),
+            Backend::Nccl(world, _) => {
+                Pending::Device(tensors.iter().map(|t| world.sum(t)).collect::<Result<_>>()?)
+            }
         };
         self.pending.borrow_mut().push_back(pending);
         Ok(())
@@ -213,18 +249,26 @@ impl Group {
     /// f32), in their shapes and devices. MPI's are views into one buffer, which the sum
     /// overwrote in place.
     pub fn wait_mean(&self) -> Result<Vec<Tensor>> {
-        let pending = self.pending.borrow_mut().pop_front().ok_or(CollectiveError::NothingStarted)?;
+        let pending =
+            self.pending.borrow_mut().pop_front().ok_or(CollectiveError::NothingStarted)?;
         let clock = std::time::Instant::now();
         let (means, busy) = match (pending, &self.backend) {
             (Pending::Local(sums), _) => (sums, Duration::ZERO),
             #[cfg(feature = "nccl")]
-            (Pending::Device(sums), _) => (sums.iter().map(|s| s / self.world as f64).collect::<candle_core::Result<_>>()?, Duration::ZERO),
+            (Pending::Device(sums), _) => (
+                sums.iter().map(|s| s / self.world as f64).collect::<candle_core::Result<_>>()?,
+                Duration::ZERO,
+            ),
             #[cfg(feature = "mpi")]
             (Pending::Host(shapes), Backend::Mpi(world)) => {
                 let (mut flat, busy) = world.receive_sum()?;
                 let n = self.world as f32;
                 flat.iter_mut().for_each(|x| *x /= n);
-                let flat = Tensor::from_vec(flat, shapes.iter().map(|(s, _)| s.elem_count()).sum::<usize>(), &Device::Cpu)?;
+                let flat = Tensor::from_vec(
+                    flat,
+                    shapes.iter().map(|(s, _)| s.elem_count()).sum::<usize>(),
+                    &Device::Cpu,
+                )?;
                 let mut at = 0;
                 let means = shapes
                     .into_iter()
@@ -317,7 +361,9 @@ impl Group {
             return Ok(bytes);
         }
         let device = self.device();
-        let len = self.broadcast(&Tensor::new(&[bytes.len() as i64], &device)?, root)?.to_vec1::<i64>()?[0] as usize;
+        let len = self
+            .broadcast(&Tensor::new(&[bytes.len() as i64], &device)?, root)?
+            .to_vec1::<i64>()?[0] as usize;
         let bytes = if self.rank == root { bytes } else { vec![0; len] };
         Ok(self.broadcast(&Tensor::from_vec(bytes, len, &device)?, root)?.to_vec1::<u8>()?)
     }

@@ -45,7 +45,8 @@ impl MpiWorld {
         let thread = std::thread::Builder::new()
             .name("mpi".into())
             .spawn(move || {
-                let Some((universe, _)) = mpi::initialize_with_threading(mpi::Threading::Funneled) else {
+                let Some((universe, _)) = mpi::initialize_with_threading(mpi::Threading::Funneled)
+                else {
                     let _ = ready.send(Err("MPI was already initialised".into()));
                     return;
                 };
@@ -60,7 +61,11 @@ impl MpiWorld {
                             let mut sum = vec![0f32; CHUNK.min(values.len())];
                             for chunk in values.chunks_mut(CHUNK) {
                                 let sum = &mut sum[..chunk.len()];
-                                world.all_reduce_into(&chunk[..], &mut sum[..], SystemOperation::sum());
+                                world.all_reduce_into(
+                                    &chunk[..],
+                                    &mut sum[..],
+                                    SystemOperation::sum(),
+                                );
                                 chunk.copy_from_slice(sum);
                             }
                             Reply::Sum(values, clock.elapsed())
@@ -73,7 +78,9 @@ impl MpiWorld {
                         }
                         Request::Broadcast(mut bytes, root) => {
                             let root = world.process_at_rank(root as i32);
-                            bytes.chunks_mut(BYTE_CHUNK).for_each(|chunk| root.broadcast_into(chunk));
+                            bytes
+                                .chunks_mut(BYTE_CHUNK)
+                                .for_each(|chunk| root.broadcast_into(chunk));
                             Reply::Bytes(bytes)
                         }
                         Request::Gather(bytes) => Reply::Gathered(gather(&world, bytes)),
@@ -86,12 +93,17 @@ impl MpiWorld {
                 // `universe` drops here: MPI_Finalize, on the thread that initialised MPI.
             })
             .map_err(|e| CollectiveError::Mpi(format!("cannot start the MPI thread: {e}")))?;
-        let (rank, size) = started.recv().map_err(|_| CollectiveError::Gone)?.map_err(CollectiveError::Mpi)?;
+        let (rank, size) =
+            started.recv().map_err(|_| CollectiveError::Gone)?.map_err(CollectiveError::Mpi)?;
         Ok(MpiWorld { rank, size, requests: Some(requests), replies, thread: Some(thread) })
     }
 
     fn send(&self, request: Request) -> Result<()> {
-        self.requests.as_ref().expect("open until drop").send(request).map_err(|_| CollectiveError::Gone)
+        self.requests
+            .as_ref()
+            .expect("open until drop")
+            .send(request)
+            .map_err(|_| CollectiveError::Gone)
     }
 
     pub(crate) fn send_sum(&self, local: Vec<f32>) -> Result<()> {

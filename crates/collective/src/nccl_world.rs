@@ -38,7 +38,9 @@ impl NcclWorld {
             let id = Id::new().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
             let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
             let partial = id_file.with_extension("partial");
-            std::fs::write(&partial, bytes).and_then(|()| std::fs::rename(&partial, id_file)).map_err(|e| nccl_error("writing the id file", e))?;
+            std::fs::write(&partial, bytes)
+                .and_then(|()| std::fs::rename(&partial, id_file))
+                .map_err(|e| nccl_error("writing the id file", e))?;
             id
         } else {
             let clock = Instant::now();
@@ -46,7 +48,10 @@ impl NcclWorld {
                 match std::fs::read(id_file) {
                     Ok(b) if b.len() == 128 => break b,
                     _ if clock.elapsed() > Duration::from_secs(120) => {
-                        return Err(CollectiveError::Nccl(format!("rank 0 wrote no id to {} in 120 s", id_file.display())))
+                        return Err(CollectiveError::Nccl(format!(
+                            "rank 0 wrote no id to {} in 120 s",
+                            id_file.display()
+                        )))
                     }
                     _ => std::thread::sleep(Duration::from_millis(50)),
                 }
@@ -56,7 +61,8 @@ impl NcclWorld {
             Id::uninit(internal)
         };
         let stream = device.as_cuda_device()?.cuda_stream();
-        let comm = Comm::from_rank(stream, rank, size, id).map_err(|e| nccl_error("ncclCommInitRank", e.0))?;
+        let comm = Comm::from_rank(stream, rank, size, id)
+            .map_err(|e| nccl_error("ncclCommInitRank", e.0))?;
         Ok(NcclWorld { comm: Arc::new(Handle(comm)), rank, size })
     }
 
@@ -69,25 +75,42 @@ impl NcclWorld {
     pub(crate) fn min_max(&self, value: u64, device: &Device) -> Result<(u64, u64)> {
         // Two's complement keeps equality, and per-rank peaks are far below 2^63.
         let t = Tensor::new(&[value as i64], device)?;
-        let reduce = |op| -> Result<u64> { Ok(t.apply_op1_no_bwd(&AllReduce { comm: self.comm.clone(), op })?.to_vec1::<i64>()?[0] as u64) };
+        let reduce = |op| -> Result<u64> {
+            Ok(t.apply_op1_no_bwd(&AllReduce { comm: self.comm.clone(), op })?.to_vec1::<i64>()?[0]
+                as u64)
+        };
         Ok((reduce(Op::Min)?, reduce(Op::Max)?))
     }
 
     /// `t` as rank `root` holds it, on every rank (in `t`'s dtype: NCCL moves the bits).
     pub(crate) fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        Ok(t.contiguous()?.apply_op1_no_bwd(&Broadcast { comm: self.comm.clone(), root, rank: self.rank })?)
+        Ok(t.contiguous()?.apply_op1_no_bwd(&Broadcast {
+            comm: self.comm.clone(),
+            root,
+            rank: self.rank,
+        })?)
     }
 
     /// Every rank's `bytes` on rank 0 (through the GPU: NCCL's send and receive), its own first.
     pub(crate) fn gather(&self, bytes: Vec<u8>, device: &Device) -> Result<Option<Vec<Vec<u8>>>> {
         let send = |bytes: Vec<u8>| -> Result<()> {
             let n = bytes.len();
-            Tensor::from_vec(bytes, n, device)?.apply_op1_no_bwd(&PointToPoint { comm: self.comm.clone(), peer: 0, receive: None })?;
+            Tensor::from_vec(bytes, n, device)?.apply_op1_no_bwd(&PointToPoint {
+                comm: self.comm.clone(),
+                peer: 0,
+                receive: None,
+            })?;
             Ok(())
         };
         let receive = |len: usize, peer: usize| -> Result<Vec<u8>> {
             let any = Tensor::zeros(1, DType::U8, device)?;
-            Ok(any.apply_op1_no_bwd(&PointToPoint { comm: self.comm.clone(), peer, receive: Some(len) })?.to_vec1::<u8>()?)
+            Ok(any
+                .apply_op1_no_bwd(&PointToPoint {
+                    comm: self.comm.clone(),
+                    peer,
+                    receive: Some(len),
+                })?
+                .to_vec1::<u8>()?)
         };
         if self.rank != 0 {
             send((bytes.len() as u64).to_le_bytes().to_vec())?;
@@ -111,13 +134,22 @@ struct Broadcast {
 }
 
 impl Broadcast {
-    fn run<T: CudaDType + NcclType + DeviceRepr + ValidAsZeroBits>(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<CudaStorage> {
-        let Some((start, end)) = l.contiguous_offsets() else { candle_core::bail!("nccl-broadcast: the tensor must be contiguous") };
+    fn run<T: CudaDType + NcclType + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<CudaStorage> {
+        let Some((start, end)) = l.contiguous_offsets() else {
+            candle_core::bail!("nccl-broadcast: the tensor must be contiguous")
+        };
         let dev = s.device().clone();
         let src = s.as_cuda_slice::<T>()?.slice(start..end);
         let mut dst = dev.alloc_zeros::<T>(end - start)?;
         let send = (self.rank == self.root).then_some(&src);
-        self.comm.0.broadcast(send, &mut dst, self.root as i32).map_err(|e| candle_core::Error::Msg(format!("ncclBroadcast: {e:?}")))?;
+        self.comm
+            .0
+            .broadcast(send, &mut dst, self.root as i32)
+            .map_err(|e| candle_core::Error::Msg(format!("ncclBroadcast: {e:?}")))?;
         Ok(CudaStorage::wrap_cuda_slice(dst, dev))
     }
 }
@@ -164,14 +196,21 @@ impl CustomOp1 for PointToPoint {
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let dev = s.device().clone();
-        let failed = |e: candle_core::cuda::cudarc::nccl::result::NcclError| candle_core::Error::Msg(format!("ncclSend/ncclRecv: {e:?}"));
+        let failed = |e: candle_core::cuda::cudarc::nccl::result::NcclError| {
+            candle_core::Error::Msg(format!("ncclSend/ncclRecv: {e:?}"))
+        };
         if let Some(len) = self.receive {
             let mut dst = dev.alloc_zeros::<u8>(len)?;
             self.comm.0.recv(&mut dst, self.peer as i32).map_err(failed)?;
             return Ok((CudaStorage::wrap_cuda_slice(dst, dev), Shape::from(len)));
         }
-        let Some((start, end)) = l.contiguous_offsets() else { candle_core::bail!("nccl-send: the tensor must be contiguous") };
-        self.comm.0.send(&s.as_cuda_slice::<u8>()?.slice(start..end), self.peer as i32).map_err(failed)?;
+        let Some((start, end)) = l.contiguous_offsets() else {
+            candle_core::bail!("nccl-send: the tensor must be contiguous")
+        };
+        self.comm
+            .0
+            .send(&s.as_cuda_slice::<u8>()?.slice(start..end), self.peer as i32)
+            .map_err(failed)?;
         Ok((CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<u8>(1)?, dev), Shape::from(1)))
     }
 }
@@ -198,14 +237,18 @@ impl CustomOp1 for AllReduce {
     }
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let Some((start, end)) = l.contiguous_offsets() else { candle_core::bail!("nccl-all-reduce: the tensor must be contiguous") };
+        let Some((start, end)) = l.contiguous_offsets() else {
+            candle_core::bail!("nccl-all-reduce: the tensor must be contiguous")
+        };
         let op = match self.op {
             Op::Sum => ReduceOp::Sum,
             Op::Min => ReduceOp::Min,
             Op::Max => ReduceOp::Max,
         };
         let dev = s.device().clone();
-        let failed = |e: candle_core::cuda::cudarc::nccl::result::NcclError| candle_core::Error::Msg(format!("ncclAllReduce: {e:?}"));
+        let failed = |e: candle_core::cuda::cudarc::nccl::result::NcclError| {
+            candle_core::Error::Msg(format!("ncclAllReduce: {e:?}"))
+        };
         let out = match s.dtype() {
             DType::F32 => {
                 let src = s.as_cuda_slice::<f32>()?.slice(start..end);

@@ -14,7 +14,10 @@ pub struct ConfigError {
 }
 
 /// Reads the JSON file at `path` into `T` and checks it with `validate` (which names the field).
-pub fn read_config<T: serde::de::DeserializeOwned>(path: &Path, validate: impl FnOnce(&T) -> Result<(), String>) -> Result<T, ConfigError> {
+pub fn read_config<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    validate: impl FnOnce(&T) -> Result<(), String>,
+) -> Result<T, ConfigError> {
     let fail = |reason: String| ConfigError { path: path.display().to_string(), reason };
     let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
     let config: T = serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;

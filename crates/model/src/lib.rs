@@ -8,8 +8,9 @@
 //! Not here: the layers models are built from (`ops`), their parameters (`params`), the
 //! optimizers themselves (`optim`), the models (the trainer crates).
 
-/// `FromStr`, `Display` and `Serialize` (as its name) for a choice named on the command line (`--dtype`, `--optimizer`), from
-/// one table of names: an unknown name is refused with "unknown <what> `x`; valid <what>s: ...".
+/// `FromStr`, `Display` and `Serialize` (as its name) for a choice named on the command line
+/// (`--dtype`, `--optimizer`), from one table of names: an unknown name is refused with "unknown
+/// <what> `x`; valid <what>s: ...".
 macro_rules! named_choice {
     ($ty:ty, $what:literal, [$($variant:path => $name:literal),+ $(,)?]) => {
         impl std::str::FromStr for $ty {
@@ -48,7 +49,9 @@ pub use precision::Precision;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_nn::Optimizer;
-use optim::{Adafactor, AdamW, ParamsAdafactor, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer};
+use optim::{
+    Adafactor, AdamW, ParamsAdafactor, ParamsAdamW, ParamsSgd, SgdMomentum, TrainOptimizer,
+};
 use params::{Initialised, ParamStore, SnapshotError};
 use remat::StageGraph;
 use std::path::Path;
@@ -108,9 +111,17 @@ pub trait Model {
     /// parameters ([`Model::task_head`]) the snapshot lacks or has at another shape keep their
     /// initial values (returned, for the log), unless `strict`.
     /// LoRA adapters, which no base model's weights hold, keep theirs too (and are not returned).
-    fn init_from(&self, path: &Path, strict: bool) -> std::result::Result<Vec<Initialised>, SnapshotError> {
+    fn init_from(
+        &self,
+        path: &Path,
+        strict: bool,
+    ) -> std::result::Result<Vec<Initialised>, SnapshotError> {
         let adapter = params::lora::is_adapter;
-        let fresh = self.params().load(path, |name| self.snapshot_name(name), |name| adapter(name) || (!strict && self.task_head(name)))?;
+        let fresh = self.params().load(
+            path,
+            |name| self.snapshot_name(name),
+            |name| adapter(name) || (!strict && self.task_head(name)),
+        )?;
         Ok(fresh.into_iter().filter(|i| !adapter(&i.name)).collect())
     }
 }
@@ -149,7 +160,13 @@ pub trait Benchable: Model + Sized + 'static {
     fn synthetic_data(&self, size: usize, seed: u64) -> Result<Self::Data>;
 
     /// The graph inputs of batch `step`: `batch` samples of `data`, the same for every policy.
-    fn synthetic_inputs(&self, data: &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>>;
+    fn synthetic_inputs(
+        &self,
+        data: &Self::Data,
+        step: u64,
+        batch: usize,
+        device: &Device,
+    ) -> Result<Vec<Tensor>>;
 }
 
 /// The optimizers a run can train with, by name (`sgd`, `adamw`, `adafactor`: the trainers' and
@@ -171,9 +188,15 @@ impl OptimizerKind {
     /// momentum 0.9, weight decay 1e-4).
     pub fn build(self, vars: Vec<Var>, lr: f64) -> Result<Box<dyn TrainOptimizer>> {
         Ok(match self {
-            OptimizerKind::Sgd => Box::new(SgdMomentum::new(vars, ParamsSgd { lr, ..Default::default() })?),
-            OptimizerKind::Adamw => Box::new(AdamW::new(vars, ParamsAdamW { lr, ..Default::default() })?),
-            OptimizerKind::Adafactor => Box::new(Adafactor::new(vars, ParamsAdafactor { lr, ..Default::default() })?),
+            OptimizerKind::Sgd => {
+                Box::new(SgdMomentum::new(vars, ParamsSgd { lr, ..Default::default() })?)
+            }
+            OptimizerKind::Adamw => {
+                Box::new(AdamW::new(vars, ParamsAdamW { lr, ..Default::default() })?)
+            }
+            OptimizerKind::Adafactor => {
+                Box::new(Adafactor::new(vars, ParamsAdafactor { lr, ..Default::default() })?)
+            }
         })
     }
 

@@ -34,12 +34,40 @@ fn strides(column_major: bool, rows: usize, cols: usize) -> (isize, isize) {
 }
 
 /// `dst (m, n) = a (m, k) @ b (k, n)`, `dst` row-major, `a` and `b` as `layout` says.
-fn product(dst: &mut [f32], a: &[f32], b: &[f32], (m, k, n): (usize, usize, usize), layout: (bool, bool), threads: usize) {
-    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+fn product(
+    dst: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    (m, k, n): (usize, usize, usize),
+    layout: (bool, bool),
+    threads: usize,
+) {
+    let parallelism =
+        if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     let ((a_rs, a_cs), (b_rs, b_cs)) = (strides(layout.0, m, k), strides(layout.1, k, n));
     // SAFETY: the slices hold (m, k), (k, n) and (m, n) matrices with these strides.
     unsafe {
-        gemm::gemm(m, n, k, dst.as_mut_ptr(), 1, n as isize, false, a.as_ptr(), a_cs, a_rs, b.as_ptr(), b_cs, b_rs, 1.0, 1.0, false, false, false, parallelism)
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        )
     }
 }
 
@@ -50,11 +78,14 @@ fn bench(c: &mut Criterion) {
         let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
         let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.1).collect();
         let mut dst = vec![0f32; m * n];
-        let mut g = c.benchmark_group(format!("gemm {what} ({m}, {k}) @ ({k}, {n}), {threads} threads"));
+        let mut g =
+            c.benchmark_group(format!("gemm {what} ({m}, {k}) @ ({k}, {n}), {threads} threads"));
         g.throughput(Throughput::Elements((2 * m * k * n) as u64));
         g.sample_size(10);
         for layout in [(false, false), (true, false), (false, true), (true, true)] {
-            g.bench_function(format!("a {}, b {}", name(layout.0), name(layout.1)), |bch| bch.iter(|| product(&mut dst, &a, &b, (m, k, n), layout, threads)));
+            g.bench_function(format!("a {}, b {}", name(layout.0), name(layout.1)), |bch| {
+                bch.iter(|| product(&mut dst, &a, &b, (m, k, n), layout, threads))
+            });
         }
         g.finish();
     }

@@ -22,8 +22,16 @@ impl BatchNorm {
         Ok(BatchNorm {
             weight: params.get(&format!("{prefix}.weight"), &[channels], Init::Ones)?,
             bias: params.get(&format!("{prefix}.bias"), &[channels], Init::Zeros)?,
-            running_mean: params.buffer(&format!("{prefix}.running_mean"), &[channels], Init::Zeros)?,
-            running_var: params.buffer(&format!("{prefix}.running_var"), &[channels], Init::Ones)?,
+            running_mean: params.buffer(
+                &format!("{prefix}.running_mean"),
+                &[channels],
+                Init::Zeros,
+            )?,
+            running_var: params.buffer(
+                &format!("{prefix}.running_var"),
+                &[channels],
+                Init::Ones,
+            )?,
             eps: 1e-5,
             momentum: 0.1,
         })
@@ -41,19 +49,33 @@ impl BatchNorm {
 
     /// `relu(bn(x) + residual)`, a residual block's end, fused where the fused kernel runs (it
     /// keeps x and the output; the normalised tensor and the sum are never graph nodes).
-    pub fn forward_add_relu(&self, x: &Tensor, residual: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+    pub fn forward_add_relu(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        ctx: &StageCtx,
+    ) -> Result<Tensor> {
         self.apply(x, Some(residual), ctx, true)
     }
 
     /// `relu(bn(x) + other(x_other))`, a downsampling residual block's end (its last BatchNorm and
     /// the projection's), one op where the fused kernel runs: it keeps x, x_other and the output;
     /// the projection's normalised tensor is never a graph node.
-    pub fn forward_pair_relu(&self, x: &Tensor, other: &BatchNorm, x_other: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+    pub fn forward_pair_relu(
+        &self,
+        x: &Tensor,
+        other: &BatchNorm,
+        x_other: &Tensor,
+        ctx: &StageCtx,
+    ) -> Result<Tensor> {
         if !(ctx.is_training() && crate::fused::lean(x)) {
             return self.forward_add_relu(x, &other.forward(x_other, ctx)?, ctx);
         }
-        let (y, [(mean, var), (mean_o, var_o)]) =
-            crate::fused::batch_norm_pair_train((x, &self.weight, &self.bias), (x_other, &other.weight, &other.bias), self.eps)?;
+        let (y, [(mean, var), (mean_o, var_o)]) = crate::fused::batch_norm_pair_train(
+            (x, &self.weight, &self.bias),
+            (x_other, &other.weight, &other.bias),
+            self.eps,
+        )?;
         if !ctx.is_recompute() {
             self.update_running(&mean, &var, Self::per_channel(x)?)?;
             other.update_running(&mean_o, &var_o, Self::per_channel(x_other)?)?;
@@ -66,10 +88,23 @@ impl BatchNorm {
         Ok((x.elem_count() / x.dim(1)?) as f64)
     }
 
-    fn apply(&self, x: &Tensor, residual: Option<&Tensor>, ctx: &StageCtx, relu: bool) -> Result<Tensor> {
+    fn apply(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        ctx: &StageCtx,
+        relu: bool,
+    ) -> Result<Tensor> {
         let (c, n) = (x.dim(1)?, Self::per_channel(x)?);
         if ctx.is_training() && crate::fused::lean(x) {
-            let (y, mean, var) = crate::fused::batch_norm_train(x, &self.weight, &self.bias, residual, self.eps, relu)?;
+            let (y, mean, var) = crate::fused::batch_norm_train(
+                x,
+                &self.weight,
+                &self.bias,
+                residual,
+                self.eps,
+                relu,
+            )?;
             if !ctx.is_recompute() {
                 self.update_running(&mean, &var, n)?;
             }
@@ -78,7 +113,8 @@ impl BatchNorm {
         // Composed in f32 at least: candle's CPU ops would reduce a half-precision x in its own
         // precision.
         let dtype = x.dtype();
-        let (x, residual) = (&crate::fused::widened(x)?, residual.map(crate::fused::widened).transpose()?);
+        let (x, residual) =
+            (&crate::fused::widened(x)?, residual.map(crate::fused::widened).transpose()?);
         let mut shape = vec![1; x.rank()];
         shape[1] = c; // (1, C, 1, ...): broadcasts over batch and space
         let reduce: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
@@ -91,11 +127,17 @@ impl BatchNorm {
             }
             (mean, var)
         } else {
-            (self.running_mean.as_tensor().reshape(shape.as_slice())?, self.running_var.as_tensor().reshape(shape.as_slice())?)
+            (
+                self.running_mean.as_tensor().reshape(shape.as_slice())?,
+                self.running_var.as_tensor().reshape(shape.as_slice())?,
+            )
         };
         let x_hat = x.broadcast_sub(&mean)?.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        let (weight, bias) = (crate::fused::widened(&self.weight)?, crate::fused::widened(&self.bias)?);
-        let y = x_hat.broadcast_mul(&weight.reshape(shape.as_slice())?)?.broadcast_add(&bias.reshape(shape.as_slice())?)?;
+        let (weight, bias) =
+            (crate::fused::widened(&self.weight)?, crate::fused::widened(&self.bias)?);
+        let y = x_hat
+            .broadcast_mul(&weight.reshape(shape.as_slice())?)?
+            .broadcast_add(&bias.reshape(shape.as_slice())?)?;
         let y = match residual {
             Some(r) => (y + r)?,
             None => y,
@@ -112,7 +154,8 @@ impl BatchNorm {
     }
 
     fn update(&self, stat: &Var, batch: &Tensor) -> Result<()> {
-        let new = ((stat.as_tensor() * (1.0 - self.momentum))? + (batch.to_dtype(DType::F32)? * self.momentum)?)?;
+        let new = ((stat.as_tensor() * (1.0 - self.momentum))?
+            + (batch.to_dtype(DType::F32)? * self.momentum)?)?;
         stat.set(&new)
     }
 

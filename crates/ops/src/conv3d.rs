@@ -95,11 +95,21 @@ mod tests {
     }
 
     /// The definition, loop by loop.
-    fn conv3d_naive(x: &[f32], xs: [usize; 5], w: &[f32], ws: [usize; 5], g: Conv3dGeometry) -> (Vec<f32>, [usize; 5]) {
+    fn conv3d_naive(
+        x: &[f32],
+        xs: [usize; 5],
+        w: &[f32],
+        ws: [usize; 5],
+        g: Conv3dGeometry,
+    ) -> (Vec<f32>, [usize; 5]) {
         let [n, c, d, h, wd] = xs;
         let [o, _, kd, kh, kw] = ws;
         let out = |len: usize, k: usize, s: usize, p: usize| (len + 2 * p - k) / s + 1;
-        let (od, oh, ow) = (out(d, kd, g.stride_d, g.pad_d), out(h, kh, g.stride_hw, g.pad_hw), out(wd, kw, g.stride_hw, g.pad_hw));
+        let (od, oh, ow) = (
+            out(d, kd, g.stride_d, g.pad_d),
+            out(h, kh, g.stride_hw, g.pad_hw),
+            out(wd, kw, g.stride_hw, g.pad_hw),
+        );
         let mut y = vec![0f32; n * o * od * oh * ow];
         for (b, oc, z, i, j) in itertools(n, o, od, oh, ow) {
             let mut acc = 0f32;
@@ -112,10 +122,17 @@ mod tests {
                                 (i * g.stride_hw + p) as isize - g.pad_hw as isize,
                                 (j * g.stride_hw + q) as isize - g.pad_hw as isize,
                             );
-                            if zz < 0 || ii < 0 || jj < 0 || zz as usize >= d || ii as usize >= h || jj as usize >= wd {
+                            if zz < 0
+                                || ii < 0
+                                || jj < 0
+                                || zz as usize >= d
+                                || ii as usize >= h
+                                || jj as usize >= wd
+                            {
                                 continue;
                             }
-                            let xv = x[(((b * c + ic) * d + zz as usize) * h + ii as usize) * wd + jj as usize];
+                            let xv = x[(((b * c + ic) * d + zz as usize) * h + ii as usize) * wd
+                                + jj as usize];
                             acc += xv * w[(((oc * c + ic) * kd + a) * kh + p) * kw + q];
                         }
                     }
@@ -126,8 +143,20 @@ mod tests {
         (y, [n, o, od, oh, ow])
     }
 
-    fn itertools(a: usize, b: usize, c: usize, d: usize, e: usize) -> impl Iterator<Item = (usize, usize, usize, usize, usize)> {
-        (0..a).flat_map(move |i| (0..b).flat_map(move |j| (0..c).flat_map(move |k| (0..d).flat_map(move |l| (0..e).map(move |m| (i, j, k, l, m))))))
+    fn itertools(
+        a: usize,
+        b: usize,
+        c: usize,
+        d: usize,
+        e: usize,
+    ) -> impl Iterator<Item = (usize, usize, usize, usize, usize)> {
+        (0..a).flat_map(move |i| {
+            (0..b).flat_map(move |j| {
+                (0..c).flat_map(move |k| {
+                    (0..d).flat_map(move |l| (0..e).map(move |m| (i, j, k, l, m)))
+                })
+            })
+        })
     }
 
     fn close(a: &[f32], b: &[f32], tol: f32) {
@@ -141,13 +170,25 @@ mod tests {
     fn conv3d_matches_the_definition() -> Result<()> {
         let cases = [
             ([2, 3, 5, 6, 6], [4, 3, 3, 3, 3], Conv3dGeometry::same(3)),
-            ([1, 2, 7, 5, 5], [3, 2, 3, 3, 3], Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 1, pad_hw: 1 }),
-            ([1, 2, 4, 5, 7], [2, 2, 2, 1, 3], Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: 0, pad_hw: 0 }),
+            (
+                [1, 2, 7, 5, 5],
+                [3, 2, 3, 3, 3],
+                Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 1, pad_hw: 1 },
+            ),
+            (
+                [1, 2, 4, 5, 7],
+                [2, 2, 2, 1, 3],
+                Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: 0, pad_hw: 0 },
+            ),
         ];
         for (xs, ws, g) in cases {
             let (x, w) = (rand("x", &xs), rand("w", &ws));
             let (want, ys) = conv3d_naive(&x, xs, &w, ws, g);
-            let got = conv3d(&Tensor::from_vec(x, &xs, &Device::Cpu)?, &Tensor::from_vec(w, &ws, &Device::Cpu)?, g)?;
+            let got = conv3d(
+                &Tensor::from_vec(x, &xs, &Device::Cpu)?,
+                &Tensor::from_vec(w, &ws, &Device::Cpu)?,
+                g,
+            )?;
             assert_eq!(got.dims(), ys, "{xs:?} {ws:?} {g:?}");
             close(&got.flatten_all()?.to_vec1::<f32>()?, &want, 1e-5);
         }
@@ -159,11 +200,26 @@ mod tests {
     /// convolution of the output gradient).
     #[test]
     fn fused_and_composed_conv3d_agree() -> Result<()> {
-        for g in [Conv3dGeometry { stride_d: 2, stride_hw: 1, pad_d: 1, pad_hw: 1 }, Conv3dGeometry::same(3)] {
-            let x = candle_core::Var::from_vec(rand("x", &[2, 3, 5, 6, 6]), (2, 3, 5, 6, 6), &Device::Cpu)?;
-            let w = candle_core::Var::from_vec(rand("w", &[4, 3, 3, 3, 3]), (4, 3, 3, 3, 3), &Device::Cpu)?;
+        for g in [
+            Conv3dGeometry { stride_d: 2, stride_hw: 1, pad_d: 1, pad_hw: 1 },
+            Conv3dGeometry::same(3),
+        ] {
+            let x = candle_core::Var::from_vec(
+                rand("x", &[2, 3, 5, 6, 6]),
+                (2, 3, 5, 6, 6),
+                &Device::Cpu,
+            )?;
+            let w = candle_core::Var::from_vec(
+                rand("w", &[4, 3, 3, 3, 3]),
+                (4, 3, 3, 3, 3),
+                &Device::Cpu,
+            )?;
             let d_out = if g.stride_d == 2 { 3 } else { 5 };
-            let r = Tensor::from_vec(rand("r", &[2, 4, d_out, 6, 6]), (2, 4, d_out, 6, 6), &Device::Cpu)?;
+            let r = Tensor::from_vec(
+                rand("r", &[2, 4, d_out, 6, 6]),
+                (2, 4, d_out, 6, 6),
+                &Device::Cpu,
+            )?;
             let run = |f: &dyn Fn(&Tensor, &Tensor, Conv3dGeometry) -> Result<Tensor>| -> Result<Vec<Vec<f32>>> {
                 let y = f(x.as_tensor(), w.as_tensor(), g)?;
                 let grads = (&y * &r)?.sum_all()?.backward()?;
@@ -188,9 +244,20 @@ mod tests {
     fn conv3d_concat_is_conv3d_of_the_concatenation() -> Result<()> {
         let strided = Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 1, pad_hw: 1 };
         let pointwise = Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: 0, pad_hw: 0 };
-        for ((ca, cb), k, g) in [((3, 6), 3, Conv3dGeometry::same(3)), ((1, 2), 3, Conv3dGeometry::same(3)), ((4, 5), 3, strided), ((3, 6), 1, pointwise)] {
-            let var = |name: &str, shape: &[usize]| candle_core::Var::from_vec(rand(name, shape), shape, &Device::Cpu);
-            let (a, b, w) = (var("a", &[2, ca, 5, 6, 6])?, var("b", &[2, cb, 5, 6, 6])?, var("w", &[4, ca + cb, k, k, k])?);
+        for ((ca, cb), k, g) in [
+            ((3, 6), 3, Conv3dGeometry::same(3)),
+            ((1, 2), 3, Conv3dGeometry::same(3)),
+            ((4, 5), 3, strided),
+            ((3, 6), 1, pointwise),
+        ] {
+            let var = |name: &str, shape: &[usize]| {
+                candle_core::Var::from_vec(rand(name, shape), shape, &Device::Cpu)
+            };
+            let (a, b, w) = (
+                var("a", &[2, ca, 5, 6, 6])?,
+                var("b", &[2, cb, 5, 6, 6])?,
+                var("w", &[4, ca + cb, k, k, k])?,
+            );
             let y = conv3d(&Tensor::cat(&[a.as_tensor(), b.as_tensor()], 1)?, w.as_tensor(), g)?;
             let r = Tensor::from_vec(rand("r", y.dims()), y.shape(), &Device::Cpu)?;
             let run = |y: Tensor| -> Result<Vec<Vec<f32>>> {
@@ -224,7 +291,10 @@ mod tests {
             for (b, oc, z, i, j) in itertools(2, 4, 4, 6, 4) {
                 let want: f32 = bias[oc]
                     + (0..3)
-                        .map(|c| x[(((b * 3 + c) * 2 + z / 2) * 3 + i / 2) * 2 + j / 2] * w[(((c * 4 + oc) * 2 + z % 2) * 2 + i % 2) * 2 + j % 2])
+                        .map(|c| {
+                            x[(((b * 3 + c) * 2 + z / 2) * 3 + i / 2) * 2 + j / 2]
+                                * w[(((c * 4 + oc) * 2 + z % 2) * 2 + i % 2) * 2 + j % 2]
+                        })
                         .sum::<f32>();
                 let at = (((b * 4 + oc) * 4 + z) * 6 + i) * 4 + j;
                 assert!((got[at] - want).abs() < 1e-5, "{:?}", (b, oc, z, i, j));
@@ -242,8 +312,9 @@ mod tests {
             assert_eq!(got.dims(), [1, 2, 2, 2, 3]);
             let got = got.flatten_all()?.to_vec1::<f32>()?;
             for (_, c, z, i, j) in itertools(1, 2, 2, 2, 3) {
-                let want =
-                    itertools(1, 1, 2, 2, 2).map(|(_, _, a, p, q)| x[((c * 5 + 2 * z + a) * 4 + 2 * i + p) * 6 + 2 * j + q]).fold(f32::NEG_INFINITY, f32::max);
+                let want = itertools(1, 1, 2, 2, 2)
+                    .map(|(_, _, a, p, q)| x[((c * 5 + 2 * z + a) * 4 + 2 * i + p) * 6 + 2 * j + q])
+                    .fold(f32::NEG_INFINITY, f32::max);
                 assert_eq!(got[((c * 2 + z) * 2 + i) * 3 + j], want);
             }
         }
@@ -259,7 +330,13 @@ mod tests {
         let r = Tensor::from_vec(rand("r", &[2, 3, 2, 3, 3]), (2, 3, 2, 3, 3), &Device::Cpu)?;
         let run = |pool: fn(&Tensor) -> Result<Tensor>| -> Result<(Vec<f32>, Vec<f32>)> {
             let y = pool(x.as_tensor())?;
-            let g = (&y * &r)?.sum_all()?.backward()?.get(&x).expect("a gradient").flatten_all()?.to_vec1::<f32>()?;
+            let g = (&y * &r)?
+                .sum_all()?
+                .backward()?
+                .get(&x)
+                .expect("a gradient")
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             Ok((y.flatten_all()?.to_vec1::<f32>()?, g))
         };
         assert_eq!(run(max_pool3d_k2s2)?, run(max_pool3d_k2s2_composed)?);

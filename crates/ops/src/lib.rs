@@ -59,7 +59,14 @@ pub(crate) fn dropout_key(p: f32, ctx: &StageCtx) -> Result<Option<remat::rng::R
 /// Scaled dot-product attention of q, k, v (B, heads, T, d) with dropout `p` on the attention
 /// probabilities, its mask keyed like [`dropout`]'s, and an optional key padding mask (B, T)
 /// ([`fused::attention`]).
-pub fn attention((q, k, v): (&Tensor, &Tensor, &Tensor), scale: f64, causal: bool, padding: Option<&Tensor>, p: f32, ctx: &StageCtx) -> Result<Tensor> {
+pub fn attention(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    scale: f64,
+    causal: bool,
+    padding: Option<&Tensor>,
+    p: f32,
+    ctx: &StageCtx,
+) -> Result<Tensor> {
     fused::attention(q, k, v, scale, causal, padding, dropout_key(p, ctx)?.map(|key| (key, p)))
 }
 
@@ -72,7 +79,14 @@ mod tests {
     fn dropout_masks_replay_on_recompute_and_differ_elsewhere() -> Result<()> {
         let x = Tensor::ones((64, 64), candle_core::DType::F32, &Device::Cpu)?;
         let run = |step, stage, recompute| {
-            let ctx = StageCtx::new(remat::RunPoint { seed: 1, step, stage, recompute, train: true, ..Default::default() });
+            let ctx = StageCtx::new(remat::RunPoint {
+                seed: 1,
+                step,
+                stage,
+                recompute,
+                train: true,
+                ..Default::default()
+            });
             let a = dropout(&x, 0.25, &ctx)?.flatten_all()?.to_vec1::<f32>()?;
             let b = dropout(&x, 0.25, &ctx)?.flatten_all()?.to_vec1::<f32>()?;
             Ok::<_, candle_core::Error>((a, b))

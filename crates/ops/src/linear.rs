@@ -25,7 +25,14 @@ pub struct Linear {
 impl Linear {
     /// The layer `prefix` (`n_in` -> `n_out`) stored as `layout`: its weight drawn from
     /// N(0, `std`), its bias zeros, and its adapter where `lora` targets it.
-    pub fn new(params: &mut ParamStore, lora: Option<&Lora>, prefix: &str, (n_in, n_out): (usize, usize), layout: WeightLayout, std: f32) -> Result<Self> {
+    pub fn new(
+        params: &mut ParamStore,
+        lora: Option<&Lora>,
+        prefix: &str,
+        (n_in, n_out): (usize, usize),
+        layout: WeightLayout,
+        std: f32,
+    ) -> Result<Self> {
         let shape = match layout {
             WeightLayout::OutIn => [n_out, n_in],
             WeightLayout::InOut => [n_in, n_out],
@@ -34,7 +41,13 @@ impl Linear {
             weight: params.get(&format!("{prefix}.weight"), &shape, Init::Normal { std })?,
             bias: params.get(&format!("{prefix}.bias"), &[n_out], Init::Zeros)?,
             layout,
-            adapter: Adapter::of(params, lora, prefix, (n_in, n_out), layout == WeightLayout::OutIn)?,
+            adapter: Adapter::of(
+                params,
+                lora,
+                prefix,
+                (n_in, n_out),
+                layout == WeightLayout::OutIn,
+            )?,
         })
     }
 
@@ -43,11 +56,19 @@ impl Linear {
     /// gives its weight and bias no gradient (`Lora::freeze` freezes them).
     pub fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let out_in = self.layout == WeightLayout::OutIn;
-        let Some(a) = &self.adapter else { return fused::linear(x, &self.weight, Some(&self.bias), out_in) };
+        let Some(a) = &self.adapter else {
+            return fused::linear(x, &self.weight, Some(&self.bias), out_in);
+        };
         if self.weight.track_op() || self.bias.track_op() {
             candle_core::bail!("a layer with a LoRA adapter must have its weight and bias frozen (Lora::freeze): they would get no gradient")
         }
         let dropout = crate::dropout_key(a.dropout, ctx)?.map(|key| (key, a.dropout));
-        fused::lora_linear(x, (&self.weight, Some(&self.bias)), out_in, (&a.a, &a.b, a.scale), dropout)
+        fused::lora_linear(
+            x,
+            (&self.weight, Some(&self.bias)),
+            out_in,
+            (&a.a, &a.b, a.scale),
+            dropout,
+        )
     }
 }

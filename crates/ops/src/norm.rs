@@ -33,9 +33,16 @@ pub struct GroupNorm {
 }
 
 impl GroupNorm {
-    pub fn new(params: &mut ParamStore, prefix: &str, channels: usize, groups: usize) -> Result<Self> {
+    pub fn new(
+        params: &mut ParamStore,
+        prefix: &str,
+        channels: usize,
+        groups: usize,
+    ) -> Result<Self> {
         if groups == 0 || !channels.is_multiple_of(groups) {
-            candle_core::bail!("GroupNorm `{prefix}`: {channels} channels do not split into {groups} groups")
+            candle_core::bail!(
+                "GroupNorm `{prefix}`: {channels} channels do not split into {groups} groups"
+            )
         }
         Ok(GroupNorm {
             weight: params.get(&format!("{prefix}.weight"), &[channels], Init::Ones)?,
@@ -57,8 +64,12 @@ impl GroupNorm {
         let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?.reshape(x.shape())?;
         let mut shape = vec![1; x.rank()];
         shape[1] = c;
-        let (weight, bias) = (crate::fused::widened(&self.weight)?, crate::fused::widened(&self.bias)?);
-        normed.broadcast_mul(&weight.reshape(shape.as_slice())?)?.broadcast_add(&bias.reshape(shape.as_slice())?)?.to_dtype(dtype)
+        let (weight, bias) =
+            (crate::fused::widened(&self.weight)?, crate::fused::widened(&self.bias)?);
+        normed
+            .broadcast_mul(&weight.reshape(shape.as_slice())?)?
+            .broadcast_add(&bias.reshape(shape.as_slice())?)?
+            .to_dtype(dtype)
     }
 }
 
@@ -76,7 +87,10 @@ mod tests {
         let groups = y.reshape((2, 2, 18))?;
         let mean = groups.mean_keepdim(2)?.flatten_all()?.to_vec1::<f32>()?;
         let var = groups.sqr()?.mean_keepdim(2)?.flatten_all()?.to_vec1::<f32>()?;
-        assert!(mean.iter().all(|m| m.abs() < 1e-5) && var.iter().all(|v| (v - 1.0).abs() < 1e-3), "{mean:?} {var:?}");
+        assert!(
+            mean.iter().all(|m| m.abs() < 1e-5) && var.iter().all(|v| (v - 1.0).abs() < 1e-3),
+            "{mean:?} {var:?}"
+        );
         assert!(GroupNorm::new(&mut params, "bad", 6, 4).is_err());
         Ok(())
     }

@@ -69,7 +69,12 @@ mod tests {
 
     fn input(h: usize, w: usize) -> Vec<f32> {
         // Distinct values, so the max of every window is unique (no ties for the gradient).
-        remat::rng::RngKey::named(1, "pool").uniform(h * w).into_iter().enumerate().map(|(i, u)| u + i as f32 * 1e-3).collect()
+        remat::rng::RngKey::named(1, "pool")
+            .uniform(h * w)
+            .into_iter()
+            .enumerate()
+            .map(|(i, u)| u + i as f32 * 1e-3)
+            .collect()
     }
 
     #[test]
@@ -90,10 +95,20 @@ mod tests {
     fn fused_and_composed_agree() -> Result<()> {
         let (h, w) = (9, 12);
         let x = candle_core::Var::from_vec(input(h, w).repeat(6), (2, 3, h, w), &Device::Cpu)?;
-        let r = Tensor::from_vec(remat::rng::RngKey::named(2, "r").normal(2 * 3 * 5 * 6, 0.0, 1.0), (2, 3, 5, 6), &Device::Cpu)?;
+        let r = Tensor::from_vec(
+            remat::rng::RngKey::named(2, "r").normal(2 * 3 * 5 * 6, 0.0, 1.0),
+            (2, 3, 5, 6),
+            &Device::Cpu,
+        )?;
         let run = |pool: fn(&Tensor) -> Result<Tensor>| -> Result<(Vec<f32>, Vec<f32>)> {
             let y = pool(x.as_tensor())?;
-            let g = (&y * &r)?.sum_all()?.backward()?.get(&x).expect("a gradient").flatten_all()?.to_vec1::<f32>()?;
+            let g = (&y * &r)?
+                .sum_all()?
+                .backward()?
+                .get(&x)
+                .expect("a gradient")
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             Ok((y.flatten_all()?.to_vec1::<f32>()?, g))
         };
         assert_eq!(run(max_pool2d_k3s2p1)?, run(composed)?);

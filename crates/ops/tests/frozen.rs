@@ -1,9 +1,9 @@
-//! A frozen weight (a tensor no variable leads to) costs its backward no gradient: none is
-//! stored for it and none is computed, in our fused ops on both paths and in candle's own ops;
-//! the trained operands' gradients are the same bits as when the weight trains too. The control
-//! is the same product with the weight trained, whose backward must peak at least a weight's
-//! gradient higher: were frozen weights still given gradients, it would not. The counting allocator is
-//! process-wide, and the fused path a process-wide setting: one test in this binary.
+//! A frozen weight (a tensor no variable leads to) costs its backward no gradient: none is stored
+//! for it and none is computed, in our fused ops on both paths and in candle's own ops; the trained
+//! operands' gradients are the same bits as when the weight trains too. The control is the same
+//! product with the weight trained, whose backward must peak at least a weight's gradient higher:
+//! were frozen weights still given gradients, it would not. The counting allocator is process-wide,
+//! and the fused path a process-wide setting: one test in this binary.
 
 use candle_core::{Device, Result, Tensor, Var};
 use ops::fused::{set_path, Path};
@@ -30,7 +30,11 @@ struct Backward {
     x_grad: Vec<u32>,
 }
 
-fn backward(op: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>, x: &Var, w: &Tensor) -> Result<Backward> {
+fn backward(
+    op: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
+    x: &Var,
+    w: &Tensor,
+) -> Result<Backward> {
     let loss = op(x.as_tensor(), w)?.sqr()?.sum_all()?;
     let (grads, peak) = peak_during(|| loss.backward());
     let grads = grads?;
@@ -39,20 +43,35 @@ fn backward(op: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>, x: &Var, w: &Tensor
 }
 
 /// `op` with its weight trained (the control) and frozen (the same storage, detached).
-fn frozen_costs_nothing(what: &str, op: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>, x_shape: &[usize], w_shape: &[usize]) -> Result<()> {
+fn frozen_costs_nothing(
+    what: &str,
+    op: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
+    x_shape: &[usize],
+    w_shape: &[usize],
+) -> Result<()> {
     let x = Var::from_tensor(&normal("x", x_shape)?)?;
     let w = Var::from_tensor(&normal("w", w_shape)?)?;
     let w_bytes = 4 * w.elem_count() as u64;
     let trained = backward(op, &x, w.as_tensor())?;
     let frozen = backward(op, &x, &w.as_tensor().detach())?;
-    eprintln!("{what}: backward peak {} B trained, {} B frozen (weight {w_bytes} B)", trained.peak, frozen.peak);
-    assert!(trained.w_has_grad && trained.peak >= w_bytes, "{what}, control: the trained weight's gradient ({w_bytes} B) within a peak of {} B", trained.peak);
+    eprintln!(
+        "{what}: backward peak {} B trained, {} B frozen (weight {w_bytes} B)",
+        trained.peak, frozen.peak
+    );
+    assert!(
+        trained.w_has_grad && trained.peak >= w_bytes,
+        "{what}, control: the trained weight's gradient ({w_bytes} B) within a peak of {} B",
+        trained.peak
+    );
     assert!(!frozen.w_has_grad, "{what}: the frozen weight got a gradient");
     // At least the weight's gradient is saved (a convolution's input gradient still needs the
     // kernel transposed, a weight-sized copy, so the peak itself need not fall below it).
     let saved = trained.peak.saturating_sub(frozen.peak);
     assert!(saved >= w_bytes, "{what}: frozen, the backward peaked only {saved} B lower; the weight's gradient is {w_bytes} B");
-    assert!(trained.x_grad == frozen.x_grad, "{what}: the input's gradient changed with the weight frozen");
+    assert!(
+        trained.x_grad == frozen.x_grad,
+        "{what}: the input's gradient changed with the weight frozen"
+    );
     Ok(())
 }
 

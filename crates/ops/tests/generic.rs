@@ -29,7 +29,14 @@ fn values_and_grads(op: &Op, inputs: &[Var], r: &Tensor, path: Path) -> Result<V
     let grads = (&y * r)?.sum_all()?.backward()?;
     let mut out = vec![y.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?];
     for v in inputs {
-        out.push(grads.get(v.as_tensor()).expect("every operand has a gradient").flatten_all()?.to_dtype(DType::F32)?.to_vec1()?);
+        out.push(
+            grads
+                .get(v.as_tensor())
+                .expect("every operand has a gradient")
+                .flatten_all()?
+                .to_dtype(DType::F32)?
+                .to_vec1()?,
+        );
     }
     Ok(out)
 }
@@ -72,7 +79,8 @@ const SLACK: u64 = 8 << 10;
 /// Both paths on `inputs`: values and gradients within `tol` of the scale of each, and the same
 /// bytes kept (within [`SLACK`]).
 fn check(name: &str, op: &Op, inputs: &[Var], tol: f32) -> Result<u64> {
-    let shape = op(&inputs.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())?.shape().clone();
+    let shape =
+        op(&inputs.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())?.shape().clone();
     let r = Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(inputs[0].dtype())?;
     let kernel = values_and_grads(op, inputs, &r, Path::Kernel)?;
     let generic = values_and_grads(op, inputs, &r, Path::Generic)?;
@@ -83,11 +91,16 @@ fn check(name: &str, op: &Op, inputs: &[Var], tol: f32) -> Result<u64> {
         eprintln!("{name}: {what}: scaled error {err:.2e}");
         assert!(err <= tol, "{name}: {what} differs between the paths by {err:.2e} of its scale");
     }
-    let (kernel, generic) = (kept_bytes(op, inputs, Some(Path::Kernel))?, kept_bytes(op, inputs, Some(Path::Generic))?);
+    let (kernel, generic) =
+        (kept_bytes(op, inputs, Some(Path::Kernel))?, kept_bytes(op, inputs, Some(Path::Generic))?);
     eprintln!("{name}: kept {kernel} B by the kernel, {generic} B by the generic route");
-    let (kernel_peak, generic_peak) = (step_peak(op, inputs, &r, Path::Kernel)?, step_peak(op, inputs, &r, Path::Generic)?);
+    let (kernel_peak, generic_peak) =
+        (step_peak(op, inputs, &r, Path::Kernel)?, step_peak(op, inputs, &r, Path::Generic)?);
     eprintln!("{name}: forward and backward peak {kernel_peak} B on the kernel, {generic_peak} B on the generic route");
-    assert!(generic.abs_diff(kernel) <= SLACK, "{name}: the generic route keeps {generic} B, the kernel {kernel} B");
+    assert!(
+        generic.abs_diff(kernel) <= SLACK,
+        "{name}: the generic route keeps {generic} B, the kernel {kernel} B"
+    );
     Ok(kernel)
 }
 
@@ -111,7 +124,8 @@ fn layer_norm_on_the_generic_route() -> Result<()> {
         "the control keeps {in_graph} B, no more than the kernel's {kernel} B: the kept-bytes check would not see a composition left in the graph"
     );
     // Half precision: bf16 activations beside f32 weights, as a bf16 run has them.
-    let inputs = [var(&[8, 64, 64], DType::BF16)?, var(&[64], DType::F32)?, var(&[64], DType::F32)?];
+    let inputs =
+        [var(&[8, 64, 64], DType::BF16)?, var(&[64], DType::F32)?, var(&[64], DType::F32)?];
     check("layer_norm bf16", &op, &inputs, 2e-2)?;
     Ok(())
 }
@@ -128,9 +142,15 @@ fn softmax_on_the_generic_route() -> Result<()> {
     let composed = |t: &[Tensor]| candle_nn::ops::softmax(&(&t[0] * 0.125)?, D::Minus1);
     let inputs = [var(&[2, 4, 64, 64], DType::F32)?];
     let kernel_op = |t: &[Tensor]| ops::fused::softmax_last_dim(&t[0], 0.125, false);
-    let (in_graph, kernel) = (kept_bytes(&composed, &inputs, None)?, kept_bytes(&kernel_op, &inputs, Some(Path::Kernel))?);
+    let (in_graph, kernel) = (
+        kept_bytes(&composed, &inputs, None)?,
+        kept_bytes(&kernel_op, &inputs, Some(Path::Kernel))?,
+    );
     eprintln!("softmax composed in the graph: kept {in_graph} B; the kernel {kernel} B");
-    assert!(in_graph > kernel + 2 * 4 * 64 * 64 * 4, "the control keeps {in_graph} B, no more than the kernel's {kernel} B");
+    assert!(
+        in_graph > kernel + 2 * 4 * 64 * 64 * 4,
+        "the control keeps {in_graph} B, no more than the kernel's {kernel} B"
+    );
     Ok(())
 }
 
@@ -145,10 +165,21 @@ fn dropout_gelu_and_linear_on_the_generic_route() -> Result<()> {
         check(&format!("gelu exact={exact}"), &gelu, &[var(&[8, 64, 32], DType::F32)?], 1e-5)?;
     }
     for (w_is_out_in, w_shape) in [(false, [32, 48]), (true, [48, 32])] {
-        let with_bias = move |t: &[Tensor]| ops::fused::linear(&t[0], &t[1], Some(&t[2]), w_is_out_in);
-        check("linear with bias", &with_bias, &[var(&[4, 16, 32], DType::F32)?, var(&w_shape, DType::F32)?, var(&[48], DType::F32)?], 1e-5)?;
+        let with_bias =
+            move |t: &[Tensor]| ops::fused::linear(&t[0], &t[1], Some(&t[2]), w_is_out_in);
+        check(
+            "linear with bias",
+            &with_bias,
+            &[var(&[4, 16, 32], DType::F32)?, var(&w_shape, DType::F32)?, var(&[48], DType::F32)?],
+            1e-5,
+        )?;
         let no_bias = move |t: &[Tensor]| ops::fused::linear(&t[0], &t[1], None, w_is_out_in);
-        check("linear", &no_bias, &[var(&[4, 16, 32], DType::F32)?, var(&w_shape, DType::F32)?], 1e-5)?;
+        check(
+            "linear",
+            &no_bias,
+            &[var(&[4, 16, 32], DType::F32)?, var(&w_shape, DType::F32)?],
+            1e-5,
+        )?;
     }
     Ok(())
 }
@@ -157,7 +188,8 @@ fn dropout_gelu_and_linear_on_the_generic_route() -> Result<()> {
 fn cross_entropy_on_the_generic_route() -> Result<()> {
     let _turn = turn();
     let targets = Tensor::new((0..64u32).map(|i| i * 37 % 512).collect::<Vec<_>>(), &Device::Cpu)?;
-    let weights = Tensor::new((0..64).map(|i| f32::from(i % 3 != 0)).collect::<Vec<_>>(), &Device::Cpu)?;
+    let weights =
+        Tensor::new((0..64).map(|i| f32::from(i % 3 != 0)).collect::<Vec<_>>(), &Device::Cpu)?;
     let t2 = targets.clone();
     let weighted = move |t: &[Tensor]| ops::fused::cross_entropy(&t[0], &t2, Some(&weights));
     check("cross_entropy weighted", &weighted, &[var(&[64, 512], DType::F32)?], 1e-5)?;
@@ -169,17 +201,31 @@ fn cross_entropy_on_the_generic_route() -> Result<()> {
 #[test]
 fn embedding_and_attention_on_the_generic_route() -> Result<()> {
     let _turn = turn();
-    let ids = Tensor::new((0..512u32).map(|i| i * 7 % 1000).collect::<Vec<_>>(), &Device::Cpu)?.reshape((8, 64))?;
+    let ids = Tensor::new((0..512u32).map(|i| i * 7 % 1000).collect::<Vec<_>>(), &Device::Cpu)?
+        .reshape((8, 64))?;
     let embedding = move |t: &[Tensor]| ops::fused::embedding(&t[0], &ids);
     check("embedding", &embedding, &[var(&[1000, 64], DType::F32)?], 1e-6)?;
     // Batch 2, 3 heads, 64 positions, 32 wide; the second sequence's last eight keys padded.
-    let padding = Tensor::new((0..128).map(|i| f32::from(i < 120)).collect::<Vec<_>>(), &Device::Cpu)?.reshape((2, 64))?;
+    let padding =
+        Tensor::new((0..128).map(|i| f32::from(i < 120)).collect::<Vec<_>>(), &Device::Cpu)?
+            .reshape((2, 64))?;
     let key = remat::rng::RngKey::named(5, "attention");
     for (causal, dropout) in [(false, None), (true, None), (true, Some((key, 0.1f32)))] {
         let padding = padding.clone();
-        let attention = move |t: &[Tensor]| ops::fused::attention(&t[0], &t[1], &t[2], 0.25, causal, Some(&padding), dropout);
-        let qkv = [var(&[2, 3, 64, 32], DType::F32)?, var(&[2, 3, 64, 32], DType::F32)?, var(&[2, 3, 64, 32], DType::F32)?];
-        check(&format!("attention causal={causal} dropout={}", dropout.is_some()), &attention, &qkv, 1e-5)?;
+        let attention = move |t: &[Tensor]| {
+            ops::fused::attention(&t[0], &t[1], &t[2], 0.25, causal, Some(&padding), dropout)
+        };
+        let qkv = [
+            var(&[2, 3, 64, 32], DType::F32)?,
+            var(&[2, 3, 64, 32], DType::F32)?,
+            var(&[2, 3, 64, 32], DType::F32)?,
+        ];
+        check(
+            &format!("attention causal={causal} dropout={}", dropout.is_some()),
+            &attention,
+            &qkv,
+            1e-5,
+        )?;
     }
     Ok(())
 }
@@ -188,8 +234,19 @@ fn embedding_and_attention_on_the_generic_route() -> Result<()> {
 fn batch_norm_on_the_generic_route() -> Result<()> {
     let _turn = turn();
     for (relu, residual) in [(false, false), (true, false), (true, true)] {
-        let op = move |t: &[Tensor]| Ok(ops::fused::batch_norm_train(&t[0], &t[1], &t[2], residual.then(|| &t[3]), 1e-5, relu)?.0);
-        let mut inputs = vec![var(&[4, 8, 16, 16], DType::F32)?, var(&[8], DType::F32)?, var(&[8], DType::F32)?];
+        let op = move |t: &[Tensor]| {
+            Ok(ops::fused::batch_norm_train(
+                &t[0],
+                &t[1],
+                &t[2],
+                residual.then(|| &t[3]),
+                1e-5,
+                relu,
+            )?
+            .0)
+        };
+        let mut inputs =
+            vec![var(&[4, 8, 16, 16], DType::F32)?, var(&[8], DType::F32)?, var(&[8], DType::F32)?];
         if residual {
             inputs.push(var(&[4, 8, 16, 16], DType::F32)?);
         }
@@ -197,9 +254,18 @@ fn batch_norm_on_the_generic_route() -> Result<()> {
     }
     // A downsampling block's end: two BatchNorms added, a ReLU. The control: the projection's
     // BatchNorm as an op of its own, its output kept as the other's residual operand.
-    let pair = |t: &[Tensor]| Ok(ops::fused::batch_norm_pair_train((&t[0], &t[1], &t[2]), (&t[3], &t[4], &t[5]), 1e-5)?.0);
+    let pair = |t: &[Tensor]| {
+        Ok(ops::fused::batch_norm_pair_train((&t[0], &t[1], &t[2]), (&t[3], &t[4], &t[5]), 1e-5)?.0)
+    };
     let (x, c) = ([4, 8, 16, 16], [8]);
-    let inputs = [var(&x, DType::F32)?, var(&c, DType::F32)?, var(&c, DType::F32)?, var(&x, DType::F32)?, var(&c, DType::F32)?, var(&c, DType::F32)?];
+    let inputs = [
+        var(&x, DType::F32)?,
+        var(&c, DType::F32)?,
+        var(&c, DType::F32)?,
+        var(&x, DType::F32)?,
+        var(&c, DType::F32)?,
+        var(&c, DType::F32)?,
+    ];
     let pair_kernel = check("batch_norm pair", &pair, &inputs, 1e-5)?;
     let as_residual = |t: &[Tensor]| {
         let r = ops::fused::batch_norm_train(&t[3], &t[4], &t[5], None, 1e-5, false)?.0;
@@ -207,10 +273,15 @@ fn batch_norm_on_the_generic_route() -> Result<()> {
     };
     let as_residual_kept = kept_bytes(&as_residual, &inputs, Some(Path::Kernel))?;
     eprintln!("batch_norm pair as two ops: kept {as_residual_kept} B, as one {pair_kernel} B");
-    assert!(as_residual_kept + SLACK > pair_kernel + 4 * 8 * 256 * 4, "the control keeps {as_residual_kept} B, the pair op {pair_kernel} B");
+    assert!(
+        as_residual_kept + SLACK > pair_kernel + 4 * 8 * 256 * 4,
+        "the control keeps {as_residual_kept} B, the pair op {pair_kernel} B"
+    );
     // 3D, as the U-Net has it.
-    let op = |t: &[Tensor]| Ok(ops::fused::batch_norm_train(&t[0], &t[1], &t[2], None, 1e-5, true)?.0);
-    let inputs = [var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[4], DType::F32)?, var(&[4], DType::F32)?];
+    let op =
+        |t: &[Tensor]| Ok(ops::fused::batch_norm_train(&t[0], &t[1], &t[2], None, 1e-5, true)?.0);
+    let inputs =
+        [var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[4], DType::F32)?, var(&[4], DType::F32)?];
     let kernel = check("batch_norm 3d relu", &op, &inputs, 1e-5)?;
     // The control: BatchNorm + ReLU composed in the graph keeps the centred input, the normalised
     // one and the output before the ReLU.
@@ -224,8 +295,12 @@ fn batch_norm_on_the_generic_route() -> Result<()> {
     };
     let in_graph = kept_bytes(&composed, &inputs, None)?;
     eprintln!("batch_norm composed in the graph: kept {in_graph} B");
-    assert!(in_graph > kernel + 2 * 2 * 4 * 512 * 4, "the control keeps {in_graph} B, no more than the kernel's {kernel} B");
-    let inputs = [var(&[2, 4, 8, 8, 8], DType::BF16)?, var(&[4], DType::F32)?, var(&[4], DType::F32)?];
+    assert!(
+        in_graph > kernel + 2 * 2 * 4 * 512 * 4,
+        "the control keeps {in_graph} B, no more than the kernel's {kernel} B"
+    );
+    let inputs =
+        [var(&[2, 4, 8, 8, 8], DType::BF16)?, var(&[4], DType::F32)?, var(&[4], DType::F32)?];
     check("batch_norm bf16", &op, &inputs, 2e-2)?;
     Ok(())
 }
@@ -237,53 +312,106 @@ fn convolutions_and_pooling_on_the_generic_route() -> Result<()> {
     let strided = ops::Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 1, pad_hw: 1 };
     for (name, g) in [("conv3d same", same), ("conv3d strided", strided)] {
         let op = move |t: &[Tensor]| ops::conv3d(&t[0], &t[1], g);
-        check(name, &op, &[var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[6, 4, 3, 3, 3], DType::F32)?], 1e-5)?;
+        check(
+            name,
+            &op,
+            &[var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[6, 4, 3, 3, 3], DType::F32)?],
+            1e-5,
+        )?;
     }
     let concat = move |t: &[Tensor]| ops::conv3d_concat(&t[0], &t[1], &t[2], same);
-    let concat_inputs = [var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[2, 6, 8, 8, 8], DType::F32)?, var(&[4, 10, 3, 3, 3], DType::F32)?];
+    let concat_inputs = [
+        var(&[2, 4, 8, 8, 8], DType::F32)?,
+        var(&[2, 6, 8, 8, 8], DType::F32)?,
+        var(&[4, 10, 3, 3, 3], DType::F32)?,
+    ];
     let concat_kernel = check("conv3d concat", &concat, &concat_inputs, 1e-5)?;
     // The control: the concatenation made in the graph, which the convolution keeps as its input.
-    let concat_composed = move |t: &[Tensor]| ops::conv3d(&Tensor::cat(&[&t[0], &t[1]], 1)?, &t[2], same);
+    let concat_composed =
+        move |t: &[Tensor]| ops::conv3d(&Tensor::cat(&[&t[0], &t[1]], 1)?, &t[2], same);
     let concat_in_graph = kept_bytes(&concat_composed, &concat_inputs, Some(Path::Kernel))?;
     eprintln!("conv3d of a concatenation made in the graph: kept {concat_in_graph} B, conv3d_concat {concat_kernel} B");
-    assert!(concat_in_graph + SLACK > concat_kernel + 2 * 10 * 512 * 4, "the control keeps {concat_in_graph} B, conv3d_concat {concat_kernel} B");
+    assert!(
+        concat_in_graph + SLACK > concat_kernel + 2 * 10 * 512 * 4,
+        "the control keeps {concat_in_graph} B, conv3d_concat {concat_kernel} B"
+    );
     // Large enough that the composed convolution runs in several chunks of slices per sample
     // (8 x 27 x 32 x 32 column entries per slice: 9 slices per chunk, 16 output depths).
     let op = move |t: &[Tensor]| ops::conv3d(&t[0], &t[1], same);
-    check("conv3d chunked", &op, &[var(&[2, 8, 16, 32, 32], DType::F32)?, var(&[4, 8, 3, 3, 3], DType::F32)?], 1e-5)?;
+    check(
+        "conv3d chunked",
+        &op,
+        &[var(&[2, 8, 16, 32, 32], DType::F32)?, var(&[4, 8, 3, 3, 3], DType::F32)?],
+        1e-5,
+    )?;
     // And a 2D one in chunks of samples (16 x 9 x 64 x 64 entries per sample: 3 per chunk).
     let op = |t: &[Tensor]| ops::conv2d(&t[0], &t[1], 1, 1);
-    check("conv2d chunked", &op, &[var(&[4, 16, 64, 64], DType::F32)?, var(&[8, 16, 3, 3], DType::F32)?], 1e-5)?;
+    check(
+        "conv2d chunked",
+        &op,
+        &[var(&[4, 16, 64, 64], DType::F32)?, var(&[8, 16, 3, 3], DType::F32)?],
+        1e-5,
+    )?;
     for (k, padding, stride) in [(3, 1, 1), (3, 1, 2), (1, 0, 2), (7, 3, 2)] {
         let op = move |t: &[Tensor]| ops::conv2d(&t[0], &t[1], padding, stride);
-        check(&format!("conv2d k{k} s{stride}"), &op, &[var(&[2, 8, 16, 16], DType::F32)?, var(&[16, 8, k, k], DType::F32)?], 1e-5)?;
+        check(
+            &format!("conv2d k{k} s{stride}"),
+            &op,
+            &[var(&[2, 8, 16, 16], DType::F32)?, var(&[16, 8, k, k], DType::F32)?],
+            1e-5,
+        )?;
     }
     let up = |t: &[Tensor]| ops::conv_transpose3d_k2s2(&t[0], &t[1], &t[2]);
-    check("conv_transpose3d", &up, &[var(&[2, 8, 4, 4, 4], DType::F32)?, var(&[8, 4, 2, 2, 2], DType::F32)?, var(&[4], DType::F32)?], 1e-5)?;
+    check(
+        "conv_transpose3d",
+        &up,
+        &[
+            var(&[2, 8, 4, 4, 4], DType::F32)?,
+            var(&[8, 4, 2, 2, 2], DType::F32)?,
+            var(&[4], DType::F32)?,
+        ],
+        1e-5,
+    )?;
     let pool = |t: &[Tensor]| ops::max_pool2d_k3s2p1(&t[0]);
     let kernel = check("max_pool2d", &pool, &[var(&[2, 8, 17, 16], DType::F32)?], 1e-6)?;
     let pool3d = |t: &[Tensor]| ops::max_pool3d_k2s2(&t[0]);
     check("max_pool3d", &pool3d, &[var(&[2, 8, 9, 8, 8], DType::F32)?], 1e-6)?;
     // The controls: the composed up-convolution keeps its product and the permuted copy; a 3x3
     // maximum filter composed in the graph keeps its padded copies and the row maxima.
-    let up_inputs = [var(&[2, 8, 4, 4, 4], DType::F32)?, var(&[8, 4, 2, 2, 2], DType::F32)?, var(&[4], DType::F32)?];
+    let up_inputs = [
+        var(&[2, 8, 4, 4, 4], DType::F32)?,
+        var(&[8, 4, 2, 2, 2], DType::F32)?,
+        var(&[4], DType::F32)?,
+    ];
     let up_composed = |t: &[Tensor]| {
         let (x, w, b) = (&t[0], &t[1], &t[2]);
         let cols = x.permute((0, 2, 3, 4, 1))?.reshape((128, 8))?.matmul(&w.reshape((8, 32))?)?;
-        cols.reshape(vec![2, 4, 4, 4, 4, 2, 2, 2])?.permute([0, 4, 1, 5, 2, 6, 3, 7])?.reshape((2, 4, 8, 8, 8))?.broadcast_add(&b.reshape((1, 4, 1, 1, 1))?)
+        cols.reshape(vec![2, 4, 4, 4, 4, 2, 2, 2])?
+            .permute([0, 4, 1, 5, 2, 6, 3, 7])?
+            .reshape((2, 4, 8, 8, 8))?
+            .broadcast_add(&b.reshape((1, 4, 1, 1, 1))?)
     };
     let up_kernel = kept_bytes(&up, &up_inputs, Some(Path::Kernel))?;
     let up_in_graph = kept_bytes(&up_composed, &up_inputs, None)?;
-    eprintln!("conv_transpose3d composed in the graph: kept {up_in_graph} B, the kernel {up_kernel} B");
-    assert!(up_in_graph > up_kernel + 2 * 2 * 4 * 512 * 4, "the control keeps {up_in_graph} B, no more than the kernel's {up_kernel} B");
+    eprintln!(
+        "conv_transpose3d composed in the graph: kept {up_in_graph} B, the kernel {up_kernel} B"
+    );
+    assert!(
+        up_in_graph > up_kernel + 2 * 2 * 4 * 512 * 4,
+        "the control keeps {up_in_graph} B, no more than the kernel's {up_kernel} B"
+    );
     let pool_inputs = [var(&[2, 8, 17, 16], DType::F32)?];
     let pool_composed = |t: &[Tensor]| {
         let x = t[0].pad_with_same(2, 1, 1)?.pad_with_same(3, 1, 1)?;
-        let rows = x.narrow(2, 0, 17)?.maximum(&x.narrow(2, 1, 17)?)?.maximum(&x.narrow(2, 2, 17)?)?;
+        let rows =
+            x.narrow(2, 0, 17)?.maximum(&x.narrow(2, 1, 17)?)?.maximum(&x.narrow(2, 2, 17)?)?;
         rows.narrow(3, 0, 16)?.maximum(&rows.narrow(3, 1, 16)?)?.maximum(&rows.narrow(3, 2, 16)?)
     };
     let pool_in_graph = kept_bytes(&pool_composed, &pool_inputs, None)?;
     eprintln!("max_pool2d composed in the graph: kept {pool_in_graph} B, the kernel {kernel} B");
-    assert!(pool_in_graph > kernel + 2 * 2 * 8 * 17 * 16 * 4, "the control keeps {pool_in_graph} B, no more than the kernel's {kernel} B");
+    assert!(
+        pool_in_graph > kernel + 2 * 2 * 8 * 17 * 16 * 4,
+        "the control keeps {pool_in_graph} B, no more than the kernel's {kernel} B"
+    );
     Ok(())
 }

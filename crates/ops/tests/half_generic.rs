@@ -1,4 +1,5 @@
-//! Half precision through the fused ops (tests/cases/half.rs), on the device-generic route a GPU takes (`Path::Generic`).
+//! Half precision through the fused ops (tests/cases/half.rs), on the device-generic route a GPU
+//! takes (`Path::Generic`).
 
 fn route() {
     ops::fused::set_path(ops::fused::Path::Generic);

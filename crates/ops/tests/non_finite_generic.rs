@@ -1,4 +1,5 @@
-//! NaN and infinities through the fused ops (tests/cases/non_finite.rs), on the device-generic route a GPU takes (`Path::Generic`).
+//! NaN and infinities through the fused ops (tests/cases/non_finite.rs), on the device-generic
+//! route a GPU takes (`Path::Generic`).
 
 fn route() {
     ops::fused::set_path(ops::fused::Path::Generic);

@@ -19,7 +19,9 @@
 use crate::{restored, state_dtype, state_zeros, step_count, ParamElem, TrainOptimizer};
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Storage, Tensor, Var, WithDType, D};
+use candle_core::{
+    CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Storage, Tensor, Var, WithDType, D,
+};
 use half::{bf16, f16};
 use ops::fused::{fused, slice};
 use rayon::prelude::*;
@@ -42,7 +44,14 @@ pub struct ParamsAdafactor {
 
 impl Default for ParamsAdafactor {
     fn default() -> Self {
-        ParamsAdafactor { lr: 1e-2, beta2_decay: -0.8, eps1: None, eps2: 1e-3, d: 1.0, weight_decay: 0.0 }
+        ParamsAdafactor {
+            lr: 1e-2,
+            beta2_decay: -0.8,
+            eps1: None,
+            eps2: 1e-3,
+            d: 1.0,
+            weight_decay: 0.0,
+        }
     }
 }
 
@@ -93,7 +102,9 @@ candle_optimizer!(Adafactor, ParamsAdafactor, |vars, params| {
         .map(|var| {
             let shape = Shape2::of(var.as_tensor());
             let stats = match shape {
-                Shape2::Factored { lead, r, c } => Tensor::zeros((lead, r + c), state_dtype(var.dtype()), var.device())?,
+                Shape2::Factored { lead, r, c } => {
+                    Tensor::zeros((lead, r + c), state_dtype(var.dtype()), var.device())?
+                }
                 Shape2::Whole => state_zeros(&var)?,
             };
             Ok(Factored { var, shape, stats })
@@ -118,17 +129,30 @@ impl TrainOptimizer for Adafactor {
             let p = var.as_tensor();
             let eps1 = eps1.unwrap_or(machine_epsilon(p.dtype()));
             let n = p.elem_count() as f64;
-            let lean = !self.composed && fused(p) && p.is_contiguous() && g.is_contiguous() && g.dtype() == p.dtype() && stats.is_contiguous();
+            let lean = !self.composed
+                && fused(p)
+                && p.is_contiguous()
+                && g.is_contiguous()
+                && g.dtype() == p.dtype()
+                && stats.is_contiguous();
             if lean {
                 let alpha = eps2.max((sum_of_squares(p)? / n).sqrt()) * rho;
                 stats.inplace_op2(g, &Statistics { shape: *shape, w })?;
                 let u_rms = (update_sum_of_squares(g, stats, *shape, eps1)? / n).sqrt();
                 let step_size = alpha / (u_rms / d).max(1.0);
-                p.inplace_op3(g, stats, &Apply { shape: *shape, eps1, decay: 1.0 - lr * weight_decay, step_size })?;
+                p.inplace_op3(
+                    g,
+                    stats,
+                    &Apply { shape: *shape, eps1, decay: 1.0 - lr * weight_decay, step_size },
+                )?;
             } else {
-                // In the state dtype: a half-precision parameter is updated in f32 and rounded once.
-                let (p32, g) = (p.detach().to_dtype(stats.dtype())?, g.detach().to_dtype(stats.dtype())?);
-                let alpha = eps2.max(p32.sqr()?.mean_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.sqrt()) * rho;
+                // In the state dtype: a half-precision parameter is updated in f32 and rounded
+                // once.
+                let (p32, g) =
+                    (p.detach().to_dtype(stats.dtype())?, g.detach().to_dtype(stats.dtype())?);
+                let alpha = eps2
+                    .max(p32.sqr()?.mean_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.sqrt())
+                    * rho;
                 let (next_stats, u) = composed(&g, stats, *shape, w, eps1)?;
                 drop(g);
                 *stats = next_stats;
@@ -143,7 +167,12 @@ impl TrainOptimizer for Adafactor {
     }
 
     fn state(&self) -> Result<HashMap<String, Tensor>> {
-        let mut out: HashMap<String, Tensor> = self.vars.iter().enumerate().map(|(i, f)| (format!("stats.{i}"), f.stats.clone())).collect();
+        let mut out: HashMap<String, Tensor> = self
+            .vars
+            .iter()
+            .enumerate()
+            .map(|(i, f)| (format!("stats.{i}"), f.stats.clone()))
+            .collect();
         out.insert("step".into(), Tensor::new(self.step, &candle_core::Device::Cpu)?);
         Ok(out)
     }
@@ -190,7 +219,9 @@ macro_rules! per_param {
                 type $p = f16;
                 $body
             }
-            other => candle_core::bail!(concat!("adafactor ", $what, ": no {:?} parameters"), other),
+            other => {
+                candle_core::bail!(concat!("adafactor ", $what, ": no {:?} parameters"), other)
+            }
         }
     };
 }
@@ -198,8 +229,12 @@ macro_rules! per_param {
 /// The contiguous elements of a CPU tensor as `T`, its own dtype (borrowed, never converted).
 fn elements<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(s) = &*storage else { candle_core::bail!("adafactor: tensor is not on the CPU") };
-    let (start, end) = layout.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("adafactor: tensor is not contiguous".into()))?;
+    let Storage::Cpu(s) = &*storage else {
+        candle_core::bail!("adafactor: tensor is not on the CPU")
+    };
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("adafactor: tensor is not contiguous".into()))?;
     Ok(f(&s.as_slice::<T>()?[start..end]))
 }
 
@@ -214,22 +249,39 @@ fn variance(row: f64, col: f64, row_mean: f64, eps1: f64) -> f64 {
 
 /// The blocks of a factored parameter: for each, its gradient (R x C, row-major) and its
 /// statistics (R rows then C columns), with the mean of its row statistics.
-fn blocks<'a, G: WithDType, S: WithDType>(g: &'a [G], stats: &'a [S], r: usize, c: usize) -> impl Iterator<Item = (&'a [G], &'a [S], f64)> {
-    g.chunks(r * c).zip(stats.chunks(r + c)).map(move |(g, s)| (g, s, s[..r].iter().map(|x| x.to_f64()).sum::<f64>() / r as f64))
+fn blocks<'a, G: WithDType, S: WithDType>(
+    g: &'a [G],
+    stats: &'a [S],
+    r: usize,
+    c: usize,
+) -> impl Iterator<Item = (&'a [G], &'a [S], f64)> {
+    g.chunks(r * c)
+        .zip(stats.chunks(r + c))
+        .map(move |(g, s)| (g, s, s[..r].iter().map(|x| x.to_f64()).sum::<f64>() / r as f64))
 }
 
 /// The sum of squares of the update `u = g / sqrt(v)`, with the statistics already updated.
 fn update_sum_of_squares(g: &Tensor, stats: &Tensor, shape: Shape2, eps1: f64) -> Result<f64> {
     fn run<G: WithDType, S: WithDType>(g: &[G], stats: &[S], shape: Shape2, eps1: f64) -> f64 {
         match shape {
-            Shape2::Whole => g.iter().zip(stats).map(|(g, v)| g.to_f64() * g.to_f64() / v.to_f64().max(eps1 * eps1)).sum(),
+            Shape2::Whole => g
+                .iter()
+                .zip(stats)
+                .map(|(g, v)| g.to_f64() * g.to_f64() / v.to_f64().max(eps1 * eps1))
+                .sum(),
             Shape2::Factored { r, c, .. } => blocks(g, stats, r, c)
                 .map(|(g, s, row_mean)| {
                     let (rows, cols) = s.split_at(r);
                     g.chunks(c)
                         .zip(rows)
                         .map(|(g, row)| {
-                            g.iter().zip(cols).map(|(g, col)| g.to_f64() * g.to_f64() / variance(row.to_f64(), col.to_f64(), row_mean, eps1)).sum::<f64>()
+                            g.iter()
+                                .zip(cols)
+                                .map(|(g, col)| {
+                                    g.to_f64() * g.to_f64()
+                                        / variance(row.to_f64(), col.to_f64(), row_mean, eps1)
+                                })
+                                .sum::<f64>()
                         })
                         .sum::<f64>()
                 })
@@ -249,7 +301,9 @@ impl Statistics {
     fn run<S: WithDType, G: WithDType>(&self, stats: &mut [S], g: &[G]) {
         let lerp = |s: &mut S, x: f64| *s = S::from_f64(s.to_f64() + self.w * (x - s.to_f64()));
         match self.shape {
-            Shape2::Whole => stats.iter_mut().zip(g).for_each(|(s, g)| lerp(s, g.to_f64() * g.to_f64())),
+            Shape2::Whole => {
+                stats.iter_mut().zip(g).for_each(|(s, g)| lerp(s, g.to_f64() * g.to_f64()))
+            }
             Shape2::Factored { r, c, .. } => {
                 for (s, g) in stats.chunks_mut(r + c).zip(g.chunks(r * c)) {
                     let mut col_sums = vec![0f64; c];
@@ -275,15 +329,33 @@ impl InplaceOp2 for Statistics {
         "adafactor-statistics"
     }
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
-        let (start, end) = l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("adafactor: statistics not contiguous".into()))?;
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        let (start, end) = l1.contiguous_offsets().ok_or_else(|| {
+            candle_core::Error::Msg("adafactor: statistics not contiguous".into())
+        })?;
         // The gradient in its own dtype (`slice` borrows it), the statistics in its state dtype.
         match (s1, s2.dtype()) {
-            (CpuStorage::F32(s), DType::F32) => self.run(&mut s[start..end], &slice::<f32>(s2, l2)?),
-            (CpuStorage::F32(s), DType::BF16) => self.run(&mut s[start..end], &slice::<bf16>(s2, l2)?),
-            (CpuStorage::F32(s), DType::F16) => self.run(&mut s[start..end], &slice::<f16>(s2, l2)?),
-            (CpuStorage::F64(s), DType::F64) => self.run(&mut s[start..end], &slice::<f64>(s2, l2)?),
-            (s, g) => candle_core::bail!("adafactor: no {:?} statistics for {g:?} gradients", s.dtype()),
+            (CpuStorage::F32(s), DType::F32) => {
+                self.run(&mut s[start..end], &slice::<f32>(s2, l2)?)
+            }
+            (CpuStorage::F32(s), DType::BF16) => {
+                self.run(&mut s[start..end], &slice::<bf16>(s2, l2)?)
+            }
+            (CpuStorage::F32(s), DType::F16) => {
+                self.run(&mut s[start..end], &slice::<f16>(s2, l2)?)
+            }
+            (CpuStorage::F64(s), DType::F64) => {
+                self.run(&mut s[start..end], &slice::<f64>(s2, l2)?)
+            }
+            (s, g) => {
+                candle_core::bail!("adafactor: no {:?} statistics for {g:?} gradients", s.dtype())
+            }
         }
         Ok(())
     }
@@ -301,9 +373,14 @@ struct Apply {
 
 impl Apply {
     fn run<P: ParamElem>(&self, p: &mut [P], g: &[P], stats: &[P::State]) {
-        let update = |p: &mut P, g: &P, v: f64| *p = P::from_f64(p.to_f64() * self.decay - self.step_size * g.to_f64() / v.sqrt());
+        let update = |p: &mut P, g: &P, v: f64| {
+            *p = P::from_f64(p.to_f64() * self.decay - self.step_size * g.to_f64() / v.sqrt())
+        };
         match self.shape {
-            Shape2::Whole => p.par_iter_mut().zip(g.par_iter().zip(stats)).for_each(|(p, (g, v))| update(p, g, v.to_f64().max(self.eps1 * self.eps1))),
+            Shape2::Whole => p
+                .par_iter_mut()
+                .zip(g.par_iter().zip(stats))
+                .for_each(|(p, (g, v))| update(p, g, v.to_f64().max(self.eps1 * self.eps1))),
             Shape2::Factored { r, c, .. } => {
                 let means: Vec<f64> = blocks(g, stats, r, c).map(|(_, _, m)| m).collect();
                 p.par_chunks_mut(c).zip(g.par_chunks(c)).enumerate().for_each(|(k, (p, g))| {
@@ -324,8 +401,18 @@ impl InplaceOp3 for Apply {
         "adafactor-apply"
     }
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
-        let (start, end) = l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("adafactor: parameter not contiguous".into()))?;
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<()> {
+        let (start, end) = l1
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("adafactor: parameter not contiguous".into()))?;
         match s1 {
             CpuStorage::F32(p) => self.run(&mut p[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
             CpuStorage::F64(p) => self.run(&mut p[start..end], &slice(s2, l2)?, &slice(s3, l3)?),
@@ -340,7 +427,13 @@ impl InplaceOp3 for Apply {
 /// The step in candle ops, for any device and dtype: the next statistics and the update `u`.
 /// Each temporary goes as soon as it is used (a chained expression would keep every intermediate
 /// to the end of its statement), so at most two of the gradient's size are alive beside it.
-fn composed(g: &Tensor, stats: &Tensor, shape: Shape2, w: f64, eps1: f64) -> Result<(Tensor, Tensor)> {
+fn composed(
+    g: &Tensor,
+    stats: &Tensor,
+    shape: Shape2,
+    w: f64,
+    eps1: f64,
+) -> Result<(Tensor, Tensor)> {
     match shape {
         Shape2::Whole => {
             let v = lerp(stats, g.sqr()?, w)?;

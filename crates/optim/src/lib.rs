@@ -1,17 +1,17 @@
-//! `optim`: optimizers that update in place ([`AdamW`], [`SgdMomentum`], [`Adafactor`]): each parameter and its state are rewritten element by
-//! element, so an update allocates nothing parameter-sized. candle-nn's AdamW builds six
-//! parameter-sized temporaries per parameter, which made the optimizer, not the activations, set
-//! the step's peak for the transformers here.
+//! `optim`: optimizers that update in place ([`AdamW`], [`SgdMomentum`], [`Adafactor`]): each
+//! parameter and its state are rewritten element by element, so an update allocates nothing
+//! parameter-sized. candle-nn's AdamW builds six parameter-sized temporaries per parameter, which
+//! made the optimizer, not the activations, set the step's peak for the transformers here.
 //!
-//! The state (moments, factored statistics) is kept in f32 for half-precision parameters
-//! (`--dtype bf16-weights`: bf16 weights and gradients, f32 moments) and in the parameter's dtype
-//! otherwise. On the CPU an update is one pass over a parameter, its state and its gradient,
-//! reading and writing each once (AdamW's three passes of old moved twice the bytes), computed in
-//! the state dtype as PyTorch computes it and split over threads (each element's update is
-//! independent, so the bits do not depend on the thread count). Elsewhere (a GPU, or the CPU on
-//! the generic route) they are composed from candle ops that drop each temporary once used, at
-//! most three of a parameter's size alive at once, and the new value is copied into the
-//! parameter's storage (`Var::set`).
+//! The state (moments, factored statistics) is kept in f32 for half-precision parameters (`--dtype
+//! bf16-weights`: bf16 weights and gradients, f32 moments) and in the parameter's dtype otherwise.
+//! On the CPU an update is one pass over a parameter, its state and its gradient, reading and
+//! writing each once (three passes, one per tensor, would move twice the bytes), computed in the state
+//! dtype as PyTorch computes it and split over threads (each element's update is independent, so
+//! the bits do not depend on the thread count). Elsewhere (a GPU, or the CPU on the generic route)
+//! they are composed from candle ops that drop each temporary once used, at most three of a
+//! parameter's size alive at once, and the new value is copied into the parameter's storage
+//! (`Var::set`).
 //!
 //! Not here: which optimizer a run picks by name (the `model` crate's `OptimizerKind`), the
 //! parameters themselves (`params`).
@@ -132,7 +132,11 @@ fn with_storage_mut(t: &Tensor, f: impl FnOnce(&mut CpuStorage) -> Result<()>) -
 }
 
 /// Runs `f` on the storages of `ts`, each locked for writing, in order.
-fn with_storages_mut(ts: &[&Tensor], held: Vec<&mut CpuStorage>, f: &mut dyn FnMut(Vec<&mut CpuStorage>) -> Result<()>) -> Result<()> {
+fn with_storages_mut(
+    ts: &[&Tensor],
+    held: Vec<&mut CpuStorage>,
+    f: &mut dyn FnMut(Vec<&mut CpuStorage>) -> Result<()>,
+) -> Result<()> {
     let Some((t, rest)) = ts.split_first() else { return f(held) };
     with_storage_mut(t, move |s| {
         let mut held: Vec<&mut CpuStorage> = held;
@@ -165,23 +169,39 @@ fn run<P: ParamElem, const N: usize>(
     }
     let (g, mut state) = (&g[..n], state.map(|s| &mut s[..n]));
     for i in 0..n {
-        p[i] = P::from_state(rule(p[i].to_state(), state.each_mut().map(|s| &mut s[i]), g[i].to_state()));
+        p[i] = P::from_state(rule(
+            p[i].to_state(),
+            state.each_mut().map(|s| &mut s[i]),
+            g[i].to_state(),
+        ));
     }
 }
 
 /// Applies `rule` to parameter `p`, its state tensors and its gradient `g` in one pass, in place,
 /// where that path exists (the CPU, contiguous tensors of one shape, the state in `p`'s state
 /// dtype, `g` in `p`'s); returns false where the caller must use its composed fallback.
-fn update_in_place<const N: usize>(p: &Tensor, state: [&Tensor; N], g: &Tensor, rule: &impl Rule<N>) -> Result<bool> {
-    let like = |t: &Tensor, dtype: DType| t.device().is_cpu() && t.is_contiguous() && t.dtype() == dtype && t.shape() == p.shape();
-    let lean = ops::fused::fused(p) && p.is_contiguous() && like(g, p.dtype()) && state.iter().all(|s| like(s, state_dtype(p.dtype())));
+fn update_in_place<const N: usize>(
+    p: &Tensor,
+    state: [&Tensor; N],
+    g: &Tensor,
+    rule: &impl Rule<N>,
+) -> Result<bool> {
+    let like = |t: &Tensor, dtype: DType| {
+        t.device().is_cpu() && t.is_contiguous() && t.dtype() == dtype && t.shape() == p.shape()
+    };
+    let lean = ops::fused::fused(p)
+        && p.is_contiguous()
+        && like(g, p.dtype())
+        && state.iter().all(|s| like(s, state_dtype(p.dtype())));
     if !lean {
         return Ok(false);
     }
     let range = |t: &Tensor| t.layout().contiguous_offsets().expect("contiguous, checked above");
     let ranges: Vec<(usize, usize)> = std::iter::once(p).chain(state).map(range).collect();
     let (g_storage, g_layout) = g.storage_and_layout();
-    let Storage::Cpu(g_storage) = &*g_storage else { candle_core::bail!("optimizer: gradient is not on the CPU") };
+    let Storage::Cpu(g_storage) = &*g_storage else {
+        candle_core::bail!("optimizer: gradient is not on the CPU")
+    };
     fn typed<P: ParamElem, const N: usize>(
         held: Vec<&mut CpuStorage>,
         ranges: &[(usize, usize)],
@@ -192,8 +212,11 @@ fn update_in_place<const N: usize>(p: &Tensor, state: [&Tensor; N], g: &Tensor, 
         let mut held = held.into_iter().zip(ranges).map(|(s, &(start, end))| (s, start, end));
         let (p, start, end) = held.next().expect("the parameter comes first");
         let p = &mut P::slice_mut(p).expect("dtype checked")[start..end];
-        let state: Vec<&mut [P::State]> = held.map(|(s, start, end)| &mut P::State::slice_mut(s).expect("dtype checked")[start..end]).collect();
-        let state: [&mut [P::State]; N] = state.try_into().unwrap_or_else(|_| unreachable!("one storage per state tensor"));
+        let state: Vec<&mut [P::State]> = held
+            .map(|(s, start, end)| &mut P::State::slice_mut(s).expect("dtype checked")[start..end])
+            .collect();
+        let state: [&mut [P::State]; N] =
+            state.try_into().unwrap_or_else(|_| unreachable!("one storage per state tensor"));
         run::<P, N>(&rule.at::<P::State>(), p, state, &slice::<P>(g, gl)?);
         Ok(())
     }
@@ -233,9 +256,12 @@ impl InplaceOp1 for Scale {
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
         fn run<T: candle_core::WithDType>(d: &mut [T], factor: f64) {
-            d.par_chunks_mut(CHUNK).for_each(|d| d.iter_mut().for_each(|x| *x = T::from_f64(x.to_f64() * factor)));
+            d.par_chunks_mut(CHUNK)
+                .for_each(|d| d.iter_mut().for_each(|x| *x = T::from_f64(x.to_f64() * factor)));
         }
-        let (start, end) = l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("scale: target is not contiguous".into()))?;
+        let (start, end) = l
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("scale: target is not contiguous".into()))?;
         match s {
             CpuStorage::F32(d) => run(&mut d[start..end], self.0),
             CpuStorage::F64(d) => run(&mut d[start..end], self.0),
@@ -283,16 +309,29 @@ pub trait TrainOptimizer {
 
 /// `state[name]`, shaped like `like`, as a tensor of `like`'s state dtype ([`state_dtype`]: a
 /// bf16 parameter's SGD velocity stays f32, as it was trained and saved) on its device.
-pub(crate) fn restored(state: &HashMap<String, Tensor>, name: &str, like: &Tensor) -> Result<Tensor> {
-    let t = state.get(name).ok_or_else(|| candle_core::Error::Msg(format!("optimizer state `{name}` is missing")))?;
+pub(crate) fn restored(
+    state: &HashMap<String, Tensor>,
+    name: &str,
+    like: &Tensor,
+) -> Result<Tensor> {
+    let t = state
+        .get(name)
+        .ok_or_else(|| candle_core::Error::Msg(format!("optimizer state `{name}` is missing")))?;
     if t.dims() != like.dims() {
-        candle_core::bail!("optimizer state `{name}` is {:?}, the parameter {:?}", t.dims(), like.dims())
+        candle_core::bail!(
+            "optimizer state `{name}` is {:?}, the parameter {:?}",
+            t.dims(),
+            like.dims()
+        )
     }
     t.to_dtype(state_dtype(like.dtype()))?.to_device(like.device())?.contiguous()?.copy()
 }
 
 pub(crate) fn step_count(state: &HashMap<String, Tensor>) -> Result<i64> {
-    state.get("step").ok_or_else(|| candle_core::Error::Msg("optimizer state `step` is missing".into()))?.to_scalar::<i64>()
+    state
+        .get("step")
+        .ok_or_else(|| candle_core::Error::Msg("optimizer state `step` is missing".into()))?
+        .to_scalar::<i64>()
 }
 
 /// AdamW as PyTorch's (single-tensor) implementation defines it: decoupled weight decay
@@ -339,8 +378,10 @@ impl Rule<2> for AdamWRule {
         let ParamsAdamW { lr, beta1, beta2, eps, weight_decay } = self.params;
         let s = |x: f64| S::from(x).expect("a float constant");
         let (step_size, bias2_sqrt) = self.step_size_and_bias2_sqrt();
-        let (decay, step_size, bias2_sqrt, eps) = (s(1.0 - lr * weight_decay), s(step_size), s(bias2_sqrt), s(eps));
-        let (beta1, one_minus_beta1, beta2, one_minus_beta2) = (s(beta1), s(1.0 - beta1), s(beta2), s(1.0 - beta2));
+        let (decay, step_size, bias2_sqrt, eps) =
+            (s(1.0 - lr * weight_decay), s(step_size), s(bias2_sqrt), s(eps));
+        let (beta1, one_minus_beta1, beta2, one_minus_beta2) =
+            (s(beta1), s(1.0 - beta1), s(beta2), s(1.0 - beta2));
         move |p, [m, v], g| {
             *m = beta1 * *m + one_minus_beta1 * g;
             *v = beta2 * *v + one_minus_beta2 * g * g;
@@ -382,7 +423,8 @@ impl TrainOptimizer for AdamW {
                 drop(g);
                 let denom = ((v.sqrt()? / bias2_sqrt)? + eps)?;
                 let update = ((&*m / denom)? * step_size)?;
-                let next_p = ((p.detach().to_dtype(m.dtype())? * (1.0 - lr * weight_decay))? - update)?;
+                let next_p =
+                    ((p.detach().to_dtype(m.dtype())? * (1.0 - lr * weight_decay))? - update)?;
                 var.set(&next_p.to_dtype(p.dtype())?)?;
             }
         }
@@ -390,8 +432,12 @@ impl TrainOptimizer for AdamW {
     }
 
     fn state(&self) -> Result<HashMap<String, Tensor>> {
-        let mut out: HashMap<String, Tensor> =
-            self.vars.iter().enumerate().flat_map(|(i, s)| [(format!("m.{i}"), s.m.clone()), (format!("v.{i}"), s.v.clone())]).collect();
+        let mut out: HashMap<String, Tensor> = self
+            .vars
+            .iter()
+            .enumerate()
+            .flat_map(|(i, s)| [(format!("m.{i}"), s.m.clone()), (format!("v.{i}"), s.v.clone())])
+            .collect();
         out.insert("step".into(), Tensor::new(self.step as i64, &candle_core::Device::Cpu)?);
         Ok(out)
     }
@@ -458,7 +504,9 @@ impl Rule<1> for SgdRule {
     }
 }
 
-candle_optimizer!(SgdMomentum, ParamsSgd, |vars, params| { Ok(SgdMomentum { vars: vars.into_iter().map(|v| (v, None)).collect(), params, composed: false }) });
+candle_optimizer!(SgdMomentum, ParamsSgd, |vars, params| {
+    Ok(SgdMomentum { vars: vars.into_iter().map(|v| (v, None)).collect(), params, composed: false })
+});
 
 impl TrainOptimizer for SgdMomentum {
     fn update_some(&mut self, grads: &GradStore) -> Result<()> {
@@ -472,7 +520,8 @@ impl TrainOptimizer for SgdMomentum {
                 *velocity = Some(state_zeros(var)?);
             }
             let v = velocity.clone().expect("set above");
-            let lean = !self.composed && update_in_place(p, [&v], g, &SgdRule { params: self.params, first })?;
+            let lean = !self.composed
+                && update_in_place(p, [&v], g, &SgdRule { params: self.params, first })?;
             if !lean {
                 let (g, p) = (g.detach().to_dtype(v.dtype())?, p.detach().to_dtype(v.dtype())?);
                 let d = (g + (&p * weight_decay)?)?;
@@ -487,19 +536,31 @@ impl TrainOptimizer for SgdMomentum {
     /// A parameter's momentum buffer exists once it has had a gradient (PyTorch's rule), so the
     /// state holds only those.
     fn state(&self) -> Result<HashMap<String, Tensor>> {
-        Ok(self.vars.iter().enumerate().filter_map(|(i, (_, v))| Some((format!("velocity.{i}"), v.clone()?))).collect())
+        Ok(self
+            .vars
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (_, v))| Some((format!("velocity.{i}"), v.clone()?)))
+            .collect())
     }
 
     fn set_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
         for (i, (var, velocity)) in self.vars.iter_mut().enumerate() {
             let name = format!("velocity.{i}");
-            *velocity = if state.contains_key(&name) { Some(restored(state, &name, var.as_tensor())?) } else { None };
+            *velocity = if state.contains_key(&name) {
+                Some(restored(state, &name, var.as_tensor())?)
+            } else {
+                None
+            };
         }
         Ok(())
     }
 
     fn state_bytes(&self) -> u64 {
-        self.vars.iter().map(|(var, _)| (var.elem_count() * state_dtype(var.dtype()).size_in_bytes()) as u64).sum()
+        self.vars
+            .iter()
+            .map(|(var, _)| (var.elem_count() * state_dtype(var.dtype()).size_in_bytes()) as u64)
+            .sum()
     }
 }
 
@@ -511,10 +572,16 @@ mod tests {
 
     const C: [f64; 3] = [0.5, -1.5, 3.0];
 
-    /// Three steps of `opt` on loss = sum(w^2 / 2 + c w) (so g = w + c) against `by_hand(step, w, g)`
-    /// updating f64 copies with the rule as PyTorch writes it.
-    fn follows<O: Optimizer>(dtype: DType, tol: f64, build: impl Fn(Vec<Var>) -> Result<O>, mut by_hand: impl FnMut(i32, &mut [f64], &[f64])) -> Result<()> {
-        let w = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0, 0.25], &Device::Cpu)?.to_dtype(dtype)?)?;
+    /// Three steps of `opt` on loss = sum(w^2 / 2 + c w) (so g = w + c) against `by_hand(step, w,
+    /// g)` updating f64 copies with the rule as PyTorch writes it.
+    fn follows<O: Optimizer>(
+        dtype: DType,
+        tol: f64,
+        build: impl Fn(Vec<Var>) -> Result<O>,
+        mut by_hand: impl FnMut(i32, &mut [f64], &[f64]),
+    ) -> Result<()> {
+        let w =
+            Var::from_tensor(&Tensor::new(&[1.0f32, -2.0, 0.25], &Device::Cpu)?.to_dtype(dtype)?)?;
         let c = Tensor::new(&C, &Device::Cpu)?.to_dtype(dtype)?;
         let mut opt = build(vec![w.clone()])?;
         let mut expect = [1.0f64, -2.0, 0.25];
@@ -525,7 +592,10 @@ mod tests {
             by_hand(step, &mut expect, &g);
             let got = w.as_tensor().to_dtype(DType::F64)?.to_vec1::<f64>()?;
             for (got, want) in got.iter().zip(expect) {
-                assert!((got - want).abs() <= tol * (1.0 + want.abs()), "{dtype:?} step {step}: {got} vs {want}");
+                assert!(
+                    (got - want).abs() <= tol * (1.0 + want.abs()),
+                    "{dtype:?} step {step}: {got} vs {want}"
+                );
             }
         }
         Ok(())
@@ -556,14 +626,20 @@ mod tests {
     }
 
     /// Tolerances: the dtype's rounding of the parameter (half precision keeps f32 moments).
-    const DTYPES: [(DType, f64); 4] = [(DType::F32, 1e-6), (DType::F64, 1e-12), (DType::BF16, 8e-3), (DType::F16, 1e-3)];
+    const DTYPES: [(DType, f64); 4] =
+        [(DType::F32, 1e-6), (DType::F64, 1e-12), (DType::BF16, 8e-3), (DType::F16, 1e-3)];
 
     #[test]
     fn adamw_follows_the_pytorch_update_rule() -> Result<()> {
         let p = ParamsAdamW { lr: 0.1, weight_decay: 0.1, ..Default::default() };
         for (dtype, tol) in DTYPES {
             follows(dtype, tol, |vars| AdamW::new(vars, p.clone()), adamw_by_hand(p.clone()))?;
-            follows(dtype, tol, |vars| Ok(AdamW::new(vars, p.clone())?.composed()), adamw_by_hand(p.clone()))?;
+            follows(
+                dtype,
+                tol,
+                |vars| Ok(AdamW::new(vars, p.clone())?.composed()),
+                adamw_by_hand(p.clone()),
+            )?;
         }
         Ok(())
     }
@@ -579,23 +655,41 @@ mod tests {
     }
 
     /// Updating in parts (the optimizer inside backward) gives the bits of one update, for every
-    /// optimizer: three parameters over three steps, updated as {2} then {0, 1}, against all at once.
+    /// optimizer: three parameters over three steps, updated as {2} then {0, 1}, against all at
+    /// once.
     #[test]
     fn an_update_in_parts_equals_one_update() -> Result<()> {
         type Build = fn(Vec<Var>) -> Result<Box<dyn TrainOptimizer>>;
         let optimizers: [(&str, Build); 3] = [
-            ("adamw", |vars| Ok(Box::new(AdamW::new(vars, ParamsAdamW { lr: 0.1, ..Default::default() })?))),
-            ("sgd", |vars| Ok(Box::new(SgdMomentum::new(vars, ParamsSgd { lr: 0.1, ..Default::default() })?))),
-            ("adafactor", |vars| Ok(Box::new(Adafactor::new(vars, ParamsAdafactor { lr: 0.1, ..Default::default() })?))),
+            ("adamw", |vars| {
+                Ok(Box::new(AdamW::new(vars, ParamsAdamW { lr: 0.1, ..Default::default() })?))
+            }),
+            ("sgd", |vars| {
+                Ok(Box::new(SgdMomentum::new(vars, ParamsSgd { lr: 0.1, ..Default::default() })?))
+            }),
+            ("adafactor", |vars| {
+                Ok(Box::new(Adafactor::new(
+                    vars,
+                    ParamsAdafactor { lr: 0.1, ..Default::default() },
+                )?))
+            }),
         ];
         for (kind, build) in optimizers {
             let run = |parts: bool| -> Result<Vec<Vec<u32>>> {
                 let vars = (0..3)
-                    .map(|i| Var::from_tensor(&Tensor::arange(i as f32, i as f32 + 6.0, &Device::Cpu)?.reshape((2, 3))?))
+                    .map(|i| {
+                        Var::from_tensor(
+                            &Tensor::arange(i as f32, i as f32 + 6.0, &Device::Cpu)?
+                                .reshape((2, 3))?,
+                        )
+                    })
                     .collect::<Result<Vec<Var>>>()?;
                 let mut opt = build(vars.clone())?;
                 for _ in 0..3 {
-                    let loss = vars.iter().try_fold(Tensor::new(0f32, &Device::Cpu)?, |acc, v| acc + v.as_tensor().powf(3.0)?.sum_all()?)?;
+                    let loss =
+                        vars.iter().try_fold(Tensor::new(0f32, &Device::Cpu)?, |acc, v| {
+                            acc + v.as_tensor().powf(3.0)?.sum_all()?
+                        })?;
                     let grads = loss.backward()?;
                     if !parts {
                         opt.update(&grads)?;
@@ -605,15 +699,30 @@ mod tests {
                     for part in [&vars[2..], &vars[..2]] {
                         let mut some = GradStore::default();
                         for v in part {
-                            some.insert(v.as_tensor(), grads.get(v).expect("every parameter has a gradient").clone());
+                            some.insert(
+                                v.as_tensor(),
+                                grads.get(v).expect("every parameter has a gradient").clone(),
+                            );
                         }
                         opt.update_some(&some)?;
                     }
                 }
-                vars.iter().map(|v| Ok(v.as_tensor().flatten_all()?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect())).collect()
+                vars.iter()
+                    .map(|v| {
+                        Ok(v.as_tensor()
+                            .flatten_all()?
+                            .to_vec1::<f32>()?
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .collect())
+                    })
+                    .collect()
             };
             let (whole, parts) = (run(false)?, run(true)?);
-            assert!(whole != vec![vec![0u32; 6]; 3] && parts == whole, "{kind}: the update in parts differs from one update");
+            assert!(
+                whole != vec![vec![0u32; 6]; 3] && parts == whole,
+                "{kind}: the update in parts differs from one update"
+            );
         }
         Ok(())
     }
@@ -625,7 +734,10 @@ mod tests {
         let mut opt = AdamW::new(vec![w.clone()], ParamsAdamW::default())?;
         opt.step(&w.as_tensor().sum_all()?.backward()?)?;
         let state = opt.state()?;
-        assert_eq!((state["m.0"].dtype(), state["v.0"].dtype(), w.dtype()), (DType::F32, DType::F32, DType::BF16));
+        assert_eq!(
+            (state["m.0"].dtype(), state["v.0"].dtype(), w.dtype()),
+            (DType::F32, DType::F32, DType::BF16)
+        );
         assert_eq!(state["m.0"].to_vec1::<f32>()?, vec![0.1f32; 4]);
         assert_eq!(opt.state_bytes(), 2 * 4 * 4);
         Ok(())

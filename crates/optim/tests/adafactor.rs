@@ -17,10 +17,17 @@ fn config() -> (ParamsAdafactor, usize) {
     let bytes = std::fs::read(FIXTURE).unwrap();
     let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).unwrap();
-    let c: serde_json::Value = serde_json::from_str(header["__metadata__"]["config"].as_str().unwrap()).unwrap();
+    let c: serde_json::Value =
+        serde_json::from_str(header["__metadata__"]["config"].as_str().unwrap()).unwrap();
     let f = |k: &str| c[k].as_f64().unwrap();
-    let params =
-        ParamsAdafactor { lr: f("lr"), beta2_decay: f("beta2_decay"), eps1: Some(f("eps1")), eps2: f("eps2"), d: f("d"), weight_decay: f("weight_decay") };
+    let params = ParamsAdafactor {
+        lr: f("lr"),
+        beta2_decay: f("beta2_decay"),
+        eps1: Some(f("eps1")),
+        eps2: f("eps2"),
+        d: f("d"),
+        weight_decay: f("weight_decay"),
+    };
     (params, c["steps"].as_u64().unwrap() as usize)
 }
 
@@ -28,10 +35,12 @@ fn config() -> (ParamsAdafactor, usize) {
 /// parameter is further than `tol` (relative to max(1, |want|)) from PyTorch's after any step.
 /// Returns the largest error seen.
 fn follow(dtype: DType, composed: bool, tol: f64) -> f64 {
-    let fx: HashMap<String, Tensor> = candle_core::safetensors::load(FIXTURE, &Device::Cpu).unwrap();
+    let fx: HashMap<String, Tensor> =
+        candle_core::safetensors::load(FIXTURE, &Device::Cpu).unwrap();
     let t = |name: String| fx[&format!("fixture.{name}")].to_dtype(dtype).unwrap();
     let (params, steps) = config();
-    let vars: Vec<Var> = NAMES.iter().map(|n| Var::from_tensor(&t(format!("start.{n}"))).unwrap()).collect();
+    let vars: Vec<Var> =
+        NAMES.iter().map(|n| Var::from_tensor(&t(format!("start.{n}"))).unwrap()).collect();
     let mut opt = Adafactor::new(vars.clone(), params).unwrap();
     if composed {
         opt = opt.composed();
@@ -44,12 +53,28 @@ fn follow(dtype: DType, composed: bool, tol: f64) -> f64 {
         }
         opt.step(&grads).unwrap();
         for (n, v) in NAMES.iter().zip(&vars) {
-            let got = v.as_tensor().to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
-            let want = fx[&format!("fixture.after.{step}.{n}")].to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let got = v
+                .as_tensor()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap();
+            let want = fx[&format!("fixture.after.{step}.{n}")]
+                .to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap();
             for (g, w) in got.iter().zip(&want) {
                 let err = (g - w).abs() / w.abs().max(1.0);
                 worst = worst.max(err);
-                assert!(err <= tol, "{dtype:?} step {step} `{n}`: {g} vs PyTorch {w} (error {err:.2e})");
+                assert!(
+                    err <= tol,
+                    "{dtype:?} step {step} `{n}`: {g} vs PyTorch {w} (error {err:.2e})"
+                );
             }
         }
     }
@@ -87,10 +112,12 @@ fn half_precision_parameters_keep_f32_statistics() {
 /// The state of an R x C weight is R + C numbers (AdamW: 2 R C).
 #[test]
 fn the_state_is_factored() {
-    let w = Var::from_tensor(&Tensor::zeros((300, 200), DType::F32, &Device::Cpu).unwrap()).unwrap();
+    let w =
+        Var::from_tensor(&Tensor::zeros((300, 200), DType::F32, &Device::Cpu).unwrap()).unwrap();
     let opt = Adafactor::new(vec![w], ParamsAdafactor::default()).unwrap();
     let state = optim::TrainOptimizer::state(&opt).unwrap();
-    let numbers: usize = state.iter().filter(|(k, _)| *k != "step").map(|(_, t)| t.elem_count()).sum();
+    let numbers: usize =
+        state.iter().filter(|(k, _)| *k != "step").map(|(_, t)| t.elem_count()).sum();
     assert_eq!(numbers, 300 + 200);
     assert_eq!(optim::TrainOptimizer::state_bytes(&opt), 4 * (300 + 200));
 }

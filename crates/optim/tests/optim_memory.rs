@@ -26,7 +26,8 @@ fn updates_allocate_nothing_parameter_sized() -> Result<()> {
     let n = 1 << 20; // 4 MiB in f32
     let param_bytes = 4 * n as u64;
     // A matrix, so that Adafactor factors its second moment.
-    let w = Var::from_tensor(&Tensor::arange(0f32, n as f32, &Device::Cpu)?.reshape((1024, 1024))?)?;
+    let w =
+        Var::from_tensor(&Tensor::arange(0f32, n as f32, &Device::Cpu)?.reshape((1024, 1024))?)?;
     let mut grads = GradStore::default();
     grads.insert(w.as_tensor(), Tensor::ones((1024, 1024), DType::F32, &Device::Cpu)?);
     let mut adam = AdamW::new(vec![w.clone()], ParamsAdamW::default())?;
@@ -39,7 +40,10 @@ fn updates_allocate_nothing_parameter_sized() -> Result<()> {
         assert!(adam_peak < param_bytes / 16, "AdamW step allocated {adam_peak} bytes at its peak");
         assert!(sgd_peak < param_bytes / 16, "SGD step allocated {sgd_peak} bytes at its peak");
         let adafactor_peak = peak_of(|| adafactor.step(&grads))?;
-        assert!(adafactor_peak < param_bytes / 16, "Adafactor step allocated {adafactor_peak} bytes at its peak");
+        assert!(
+            adafactor_peak < param_bytes / 16,
+            "Adafactor step allocated {adafactor_peak} bytes at its peak"
+        );
     }
     Ok(())
 }
@@ -66,8 +70,12 @@ fn adamw_matches_candle_nn_with_a_lower_peak() -> Result<()> {
         let (gs_ours, gs_theirs) = (grads(&ours_w)?, grads(&theirs_w)?);
         let ours_peak = peak_of(|| ours.step(&gs_ours))?;
         let theirs_peak = peak_of(|| theirs.step(&gs_theirs))?;
-        assert!(ours_peak < theirs_peak, "step {step}: ours peaked at {ours_peak} B, candle-nn's at {theirs_peak} B");
-        let diff = (ours_w.as_tensor() - theirs_w.as_tensor())?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(
+            ours_peak < theirs_peak,
+            "step {step}: ours peaked at {ours_peak} B, candle-nn's at {theirs_peak} B"
+        );
+        let diff =
+            (ours_w.as_tensor() - theirs_w.as_tensor())?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "step {step}: parameters differ by {diff}");
     }
     Ok(())
@@ -82,16 +90,25 @@ fn composed_updates_hold_few_parameter_sized_temporaries() -> Result<()> {
     let n = 1 << 20;
     let param_bytes = 4 * n as u64;
     // A matrix, so that Adafactor factors its second moment.
-    let w = Var::from_tensor(&Tensor::arange(0f32, n as f32, &Device::Cpu)?.affine(1e-6, 0.0)?.reshape((1024, 1024))?)?;
+    let w = Var::from_tensor(
+        &Tensor::arange(0f32, n as f32, &Device::Cpu)?.affine(1e-6, 0.0)?.reshape((1024, 1024))?,
+    )?;
     let mut grads = GradStore::default();
-    grads.insert(w.as_tensor(), Tensor::ones((1024, 1024), DType::F32, &Device::Cpu)?.affine(0.5, 0.0)?);
+    grads.insert(
+        w.as_tensor(),
+        Tensor::ones((1024, 1024), DType::F32, &Device::Cpu)?.affine(0.5, 0.0)?,
+    );
     let mut adam = AdamW::new(vec![w.clone()], ParamsAdamW::default())?;
     let mut sgd = SgdMomentum::new(vec![w.clone()], ParamsSgd::default())?;
     let mut adafactor = Adafactor::new(vec![w.clone()], ParamsAdafactor::default())?;
     ops::fused::set_path(ops::fused::Path::Generic);
     let peaks = (|| -> Result<[u64; 3]> {
         sgd.step(&grads)?; // its buffer, once
-        Ok([peak_of(|| adam.step(&grads))?, peak_of(|| sgd.step(&grads))?, peak_of(|| adafactor.step(&grads))?])
+        Ok([
+            peak_of(|| adam.step(&grads))?,
+            peak_of(|| sgd.step(&grads))?,
+            peak_of(|| adafactor.step(&grads))?,
+        ])
     })();
     ops::fused::set_path(ops::fused::Path::Kernel);
     for (name, peak) in ["AdamW", "SGD", "Adafactor"].into_iter().zip(peaks?) {

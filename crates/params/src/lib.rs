@@ -15,4 +15,7 @@
 pub mod lora;
 mod store;
 
-pub use store::{f32_bits, read_snapshot, write_atomically, write_snapshot, Freeze, Init, Initialised, ParamStore, Snapshot, SnapshotError};
+pub use store::{
+    f32_bits, read_snapshot, write_atomically, write_snapshot, Freeze, Init, Initialised,
+    ParamStore, Snapshot, SnapshotError,
+};

@@ -11,7 +11,10 @@
 //!
 //! Not here: which layers a model offers (its crate), the command-line flags (`trainkit`).
 
-use crate::store::{read_snapshot, write_atomically, write_snapshot, AdapterInfo, Freeze, Init, ParamStore, SnapshotError};
+use crate::store::{
+    read_snapshot, write_atomically, write_snapshot, AdapterInfo, Freeze, Init, ParamStore,
+    SnapshotError,
+};
 use candle_core::{DType, Result, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
@@ -88,7 +91,11 @@ impl Lora {
 
     /// Of `targets`, those no layer named in `layers` matches (a typo adapts nothing).
     pub fn unmatched_targets<'a>(&'a self, layers: &[&str]) -> Vec<&'a str> {
-        self.targets.iter().filter(|t| !layers.iter().any(|l| names(t, l))).map(String::as_str).collect()
+        self.targets
+            .iter()
+            .filter(|t| !layers.iter().any(|l| names(t, l)))
+            .map(String::as_str)
+            .collect()
     }
 }
 
@@ -114,11 +121,25 @@ impl Adapter {
     /// The adapter of `layer` (`n_in` -> `n_out`) where `lora` targets it, registered with
     /// `params` for merging; `weight_is_out_in`: how the layer stores its weight (torch's
     /// `Linear` (out, in), GPT-2's `Conv1D` (in, out)).
-    pub fn of(params: &mut ParamStore, lora: Option<&Lora>, layer: &str, (n_in, n_out): (usize, usize), weight_is_out_in: bool) -> Result<Option<Adapter>> {
+    pub fn of(
+        params: &mut ParamStore,
+        lora: Option<&Lora>,
+        layer: &str,
+        (n_in, n_out): (usize, usize),
+        weight_is_out_in: bool,
+    ) -> Result<Option<Adapter>> {
         let Some(lora) = lora.filter(|l| l.targets(layer)) else { return Ok(None) };
         // PEFT: kaiming_uniform_(a = sqrt(5)) on (r, in): bound = sqrt(6 / (1 + 5)) / sqrt(in).
-        let a = params.get(&format!("{layer}.{LORA_A}"), &[lora.rank, n_in], Init::Uniform { bound: 1.0 / (n_in as f32).sqrt() })?;
-        let b_init = if lora.init_lora_weights { Init::Zeros } else { Init::Uniform { bound: 1.0 / (lora.rank as f32).sqrt() } };
+        let a = params.get(
+            &format!("{layer}.{LORA_A}"),
+            &[lora.rank, n_in],
+            Init::Uniform { bound: 1.0 / (n_in as f32).sqrt() },
+        )?;
+        let b_init = if lora.init_lora_weights {
+            Init::Zeros
+        } else {
+            Init::Uniform { bound: 1.0 / (lora.rank as f32).sqrt() }
+        };
         let b = params.get(&format!("{layer}.{LORA_B}"), &[n_out, lora.rank], b_init)?;
         params.register_adapter(layer, weight_is_out_in, lora.scale());
         Ok(Some(Adapter { a, b, scale: lora.scale(), dropout: lora.dropout }))
@@ -138,12 +159,19 @@ impl ParamStore {
         let mut tensors = self.tensors();
         for a in &self.adapters {
             let take = |t: &mut HashMap<String, Tensor>, part: &str| {
-                t.remove(&format!("{}.{part}", a.layer)).ok_or_else(|| candle_core::Error::Msg(format!("the adapter of `{}` has no {part}", a.layer)))
+                t.remove(&format!("{}.{part}", a.layer)).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("the adapter of `{}` has no {part}", a.layer))
+                })
             };
             let (lora_a, lora_b) = (take(&mut tensors, LORA_A)?, take(&mut tensors, LORA_B)?);
             let weight = format!("{}.weight", a.layer);
-            let base = tensors.get(&weight).ok_or_else(|| candle_core::Error::Msg(format!("the adapted layer `{}` has no weight", a.layer)))?;
-            let delta = lora_b.to_dtype(DType::F32)?.matmul(&lora_a.to_dtype(DType::F32)?)?.affine(a.scale, 0.0)?; // (out, in)
+            let base = tensors.get(&weight).ok_or_else(|| {
+                candle_core::Error::Msg(format!("the adapted layer `{}` has no weight", a.layer))
+            })?;
+            let delta = lora_b
+                .to_dtype(DType::F32)?
+                .matmul(&lora_a.to_dtype(DType::F32)?)?
+                .affine(a.scale, 0.0)?; // (out, in)
             let delta = if a.weight_is_out_in { delta } else { delta.t()? };
             let merged = (base.to_dtype(DType::F32)? + delta)?.to_dtype(base.dtype())?;
             tensors.insert(weight, merged);
@@ -166,11 +194,21 @@ pub struct PeftModel<'a> {
 
 /// Writes the adapters of `params` into the folder `dir` as PEFT does: `adapter_model.safetensors`
 /// and `adapter_config.json`.
-pub fn save_adapter(dir: &Path, params: &ParamStore, lora: &Lora, model: &PeftModel) -> std::result::Result<(), SnapshotError> {
+pub fn save_adapter(
+    dir: &Path,
+    params: &ParamStore,
+    lora: &Lora,
+    model: &PeftModel,
+) -> std::result::Result<(), SnapshotError> {
     let io = |source| SnapshotError::Io { path: dir.display().to_string(), source };
     std::fs::create_dir_all(dir).map_err(|e| io(e.into()))?;
-    let tensors: HashMap<String, Tensor> =
-        params.named().filter(|(n, _)| is_adapter(n)).map(|(n, v)| (format!("{PEFT_PREFIX}{}", (model.published_name)(n)), v.as_tensor().clone())).collect();
+    let tensors: HashMap<String, Tensor> = params
+        .named()
+        .filter(|(n, _)| is_adapter(n))
+        .map(|(n, v)| {
+            (format!("{PEFT_PREFIX}{}", (model.published_name)(n)), v.as_tensor().clone())
+        })
+        .collect();
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     write_snapshot(&dir.join("adapter_model.safetensors"), &tensors, metadata).map_err(io)?;
     let mut targets = lora.targets.clone();
@@ -190,14 +228,20 @@ pub fn save_adapter(dir: &Path, params: &ParamStore, lora: &Lora, model: &PeftMo
         "inference_mode": true,
         "modules_to_save": null,
     });
-    let text = serde_json::to_string_pretty(&config).map_err(|e| io(candle_core::Error::wrap(e)))?;
-    write_atomically(&dir.join("adapter_config.json"), |tmp| Ok(std::fs::write(tmp, text)?)).map_err(io)
+    let text =
+        serde_json::to_string_pretty(&config).map_err(|e| io(candle_core::Error::wrap(e)))?;
+    write_atomically(&dir.join("adapter_config.json"), |tmp| Ok(std::fs::write(tmp, text)?))
+        .map_err(io)
 }
 
 /// Loads the adapter folder `dir` (PEFT's layout: [`save_adapter`]'s or PEFT's own) into the
 /// adapters of `params`; `ours` maps a published parameter name to ours. Every adapter must be
 /// found at its shape, and the file may hold no other adapter (another rank or targets).
-pub fn load_adapter(dir: &Path, params: &ParamStore, ours: impl Fn(&str) -> Option<String>) -> std::result::Result<(), SnapshotError> {
+pub fn load_adapter(
+    dir: &Path,
+    params: &ParamStore,
+    ours: impl Fn(&str) -> Option<String>,
+) -> std::result::Result<(), SnapshotError> {
     let path = dir.join("adapter_model.safetensors");
     let (tensors, _) = read_snapshot(&path, params.device())?;
     let p = path.display().to_string();
@@ -208,7 +252,12 @@ pub fn load_adapter(dir: &Path, params: &ParamStore, ours: impl Fn(&str) -> Opti
         let published = published.replace(".default.weight", ".weight");
         match ours(&published).filter(|n| params.named().any(|(p, _)| p == n)) {
             Some(n) => found.insert(n, t),
-            None => return Err(SnapshotError::Missing { path: p, name: format!("{name} (in the file; this model has no such adapter)") }),
+            None => {
+                return Err(SnapshotError::Missing {
+                    path: p,
+                    name: format!("{name} (in the file; this model has no such adapter)"),
+                })
+            }
         };
     }
     params.load_tensors(found, &p, |n| Some(n.to_string()), |n| !is_adapter(n)).map(drop)

@@ -24,11 +24,15 @@ pub enum Init {
 pub enum SnapshotError {
     #[error("snapshot {path}: {source}")]
     Io { path: String, source: candle_core::Error },
-    #[error("snapshot {path}: tensor `{name}` has shape {found:?}, the model expects {expected:?}")]
+    #[error(
+        "snapshot {path}: tensor `{name}` has shape {found:?}, the model expects {expected:?}"
+    )]
     Shape { path: String, name: String, found: Vec<usize>, expected: Vec<usize> },
     #[error("snapshot {path}: the model's parameter `{name}` is missing")]
     Missing { path: String, name: String },
-    #[error("snapshot {path} is corrupted: its tensors do not match the checksum written with them")]
+    #[error(
+        "snapshot {path} is corrupted: its tensors do not match the checksum written with them"
+    )]
     Corrupted { path: String },
 }
 
@@ -83,7 +87,8 @@ impl std::str::FromStr for Freeze {
     type Err = String;
 
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let patterns: Vec<String> = s.split(',').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect();
+        let patterns: Vec<String> =
+            s.split(',').map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect();
         if patterns.is_empty() {
             return Err(format!("`{s}` names no parameter pattern (e.g. `h.*.attn.*,wte.weight`)"));
         }
@@ -95,9 +100,9 @@ impl std::str::FromStr for Freeze {
 fn glob(pattern: &str, name: &str) -> bool {
     match pattern.split_once('*') {
         None => pattern == name,
-        Some((head, rest)) => {
-            name.strip_prefix(head).is_some_and(|tail| (0..=tail.len()).filter(|&i| tail.is_char_boundary(i)).any(|i| glob(rest, &tail[i..])))
-        }
+        Some((head, rest)) => name.strip_prefix(head).is_some_and(|tail| {
+            (0..=tail.len()).filter(|&i| tail.is_char_boundary(i)).any(|i| glob(rest, &tail[i..]))
+        }),
     }
 }
 
@@ -146,7 +151,8 @@ impl ParamStore {
         ParamStore { freeze: freeze.clone(), ..self }
     }
 
-    /// The parameter `name`, created with `init` on first use (a second use shares it: tied weights).
+    /// The parameter `name`, created with `init` on first use (a second use shares it: tied
+    /// weights).
     pub fn get(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
         let (seed, device, dtype) = (self.seed, self.device.clone(), self.dtype);
         let create = || create(seed, &device, dtype, name, shape, init);
@@ -168,13 +174,20 @@ impl ParamStore {
 
     /// The [`Freeze`] patterns that matched no parameter (a typo freezes nothing).
     pub fn unmatched_freeze_patterns(&self) -> Vec<&str> {
-        self.freeze.patterns().iter().filter(|p| !self.frozen.keys().any(|n| glob(p, n))).map(String::as_str).collect()
+        self.freeze
+            .patterns()
+            .iter()
+            .filter(|p| !self.frozen.keys().any(|n| glob(p, n)))
+            .map(String::as_str)
+            .collect()
     }
 
     /// The buffer `name` (f32, not trained), created with `init` on first use.
     pub fn buffer(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Var> {
         let (seed, device) = (self.seed, self.device.clone());
-        get_or_create(&mut self.buffers, name, shape, || create(seed, &device, DType::F32, name, shape, init))
+        get_or_create(&mut self.buffers, name, shape, || {
+            create(seed, &device, DType::F32, name, shape, init)
+        })
     }
 
     pub fn buffers(&self) -> impl Iterator<Item = (&str, &Var)> {
@@ -251,14 +264,25 @@ impl ParamStore {
         for (name, var) in self.all() {
             match found.remove(name) {
                 Some(t) if t.dims() == var.dims() => updates.push((var, t)),
-                Some(t) if replaceable(name) => initialised.push(Initialised { name: name.clone(), found: Some(t.dims().to_vec()) }),
-                None if replaceable(name) => initialised.push(Initialised { name: name.clone(), found: None }),
-                Some(t) => return Err(SnapshotError::Shape { path: p.clone(), name: name.clone(), found: t.dims().to_vec(), expected: var.dims().to_vec() }),
+                Some(t) if replaceable(name) => initialised
+                    .push(Initialised { name: name.clone(), found: Some(t.dims().to_vec()) }),
+                None if replaceable(name) => {
+                    initialised.push(Initialised { name: name.clone(), found: None })
+                }
+                Some(t) => {
+                    return Err(SnapshotError::Shape {
+                        path: p.clone(),
+                        name: name.clone(),
+                        found: t.dims().to_vec(),
+                        expected: var.dims().to_vec(),
+                    })
+                }
                 None => return Err(SnapshotError::Missing { path: p.clone(), name: name.clone() }),
             }
         }
         for (var, t) in updates {
-            var.set(&t.to_dtype(var.dtype()).and_then(|t| t.to_device(var.device())).map_err(io)?).map_err(io)?;
+            var.set(&t.to_dtype(var.dtype()).and_then(|t| t.to_device(var.device())).map_err(io)?)
+                .map_err(io)?;
         }
         Ok(initialised)
     }
@@ -298,7 +322,11 @@ impl Checksum {
 
 /// Writes `tensors` as a safetensors file (atomically: [`write_atomically`]) with `metadata`
 /// and a checksum of the tensors, which [`read_snapshot`] verifies.
-pub fn write_snapshot(path: &Path, tensors: &HashMap<String, Tensor>, mut metadata: HashMap<String, String>) -> Result<()> {
+pub fn write_snapshot(
+    path: &Path,
+    tensors: &HashMap<String, Tensor>,
+    mut metadata: HashMap<String, String>,
+) -> Result<()> {
     use safetensors::View;
     let mut names: Vec<&String> = tensors.keys().collect();
     names.sort();
@@ -310,7 +338,12 @@ pub fn write_snapshot(path: &Path, tensors: &HashMap<String, Tensor>, mut metada
     }
     metadata.insert(CHECKSUM.into(), sum.hex());
     write_atomically(path, |tmp| {
-        safetensors::serialize_to_file(tensors.iter().map(|(k, v)| (k.as_str(), v)), Some(metadata), tmp).map_err(candle_core::Error::wrap)
+        safetensors::serialize_to_file(
+            tensors.iter().map(|(k, v)| (k.as_str(), v)),
+            Some(metadata),
+            tmp,
+        )
+        .map_err(candle_core::Error::wrap)
     })
 }
 
@@ -336,7 +369,11 @@ pub fn read_snapshot(path: &Path, device: &Device) -> std::result::Result<Snapsh
         }
     }
     use candle_core::safetensors::Load;
-    let tensors = views.into_iter().map(|(name, v)| Ok((name, v.load(device)?))).collect::<Result<_>>().map_err(io)?;
+    let tensors = views
+        .into_iter()
+        .map(|(name, v)| Ok((name, v.load(device)?)))
+        .collect::<Result<_>>()
+        .map_err(io)?;
     Ok((tensors, metadata))
 }
 
@@ -359,13 +396,22 @@ pub fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) ->
 
 /// Bit patterns of a tensor's values as f32: what "bit for bit" compares.
 pub fn f32_bits(t: &Tensor) -> Result<Vec<u32>> {
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
+    Ok(t.to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(f32::to_bits)
+        .collect())
 }
 
 impl ParamStore {
-    /// Every parameter's gradient in `grads` as f32 bits, by name; parameters without one are absent.
+    /// Every parameter's gradient in `grads` as f32 bits, by name; parameters without one are
+    /// absent.
     pub fn grad_bits(&self, grads: &GradStore) -> Result<BTreeMap<String, Vec<u32>>> {
-        self.vars.iter().filter_map(|(n, v)| grads.get(v).map(|g| f32_bits(g).map(|b| (n.clone(), b)))).collect()
+        self.vars
+            .iter()
+            .filter_map(|(n, v)| grads.get(v).map(|g| f32_bits(g).map(|b| (n.clone(), b))))
+            .collect()
     }
 
     /// Every buffer's current value as f32 bits, by name.
@@ -378,10 +424,18 @@ impl ParamStore {
     }
 }
 
-fn get_or_create(map: &mut BTreeMap<String, Var>, name: &str, shape: &[usize], create: impl FnOnce() -> Result<Var>) -> Result<Var> {
+fn get_or_create(
+    map: &mut BTreeMap<String, Var>,
+    name: &str,
+    shape: &[usize],
+    create: impl FnOnce() -> Result<Var>,
+) -> Result<Var> {
     if let Some(v) = map.get(name) {
         if v.dims() != shape {
-            candle_core::bail!("`{name}` requested with shape {shape:?}, created with {:?}", v.dims())
+            candle_core::bail!(
+                "`{name}` requested with shape {shape:?}, created with {:?}",
+                v.dims()
+            )
         }
         return Ok(v.clone());
     }
@@ -390,13 +444,24 @@ fn get_or_create(map: &mut BTreeMap<String, Var>, name: &str, shape: &[usize], c
     Ok(var)
 }
 
-fn create(seed: u64, device: &Device, dtype: DType, name: &str, shape: &[usize], init: Init) -> Result<Var> {
+fn create(
+    seed: u64,
+    device: &Device,
+    dtype: DType,
+    name: &str,
+    shape: &[usize],
+    init: Init,
+) -> Result<Var> {
     let n: usize = shape.iter().product();
     let data = match init {
         Init::Zeros => vec![0f32; n],
         Init::Ones => vec![1f32; n],
         Init::Normal { std } => RngKey::named(seed, name).normal(n, 0.0, std),
-        Init::Uniform { bound } => RngKey::named(seed, name).uniform(n).into_iter().map(|u| (2.0 * u - 1.0) * bound).collect(),
+        Init::Uniform { bound } => RngKey::named(seed, name)
+            .uniform(n)
+            .into_iter()
+            .map(|u| (2.0 * u - 1.0) * bound)
+            .collect(),
     };
     Var::from_tensor(&Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?)
 }

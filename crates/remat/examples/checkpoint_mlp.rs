@@ -21,12 +21,16 @@ const BATCH: usize = 256;
 fn graph(vb: &VarBuilder) -> Result<StageGraph> {
     let mut blocks: Vec<Box<dyn Stage>> = Vec::new();
     for i in 0..DEPTH {
-        let block = candle_nn::seq().add(candle_nn::linear(WIDTH, WIDTH, vb.pp(format!("block{i}")))?).add(candle_nn::Activation::Relu);
+        let block = candle_nn::seq()
+            .add(candle_nn::linear(WIDTH, WIDTH, vb.pp(format!("block{i}")))?)
+            .add(candle_nn::Activation::Relu);
         blocks.push(Box::new(remat::module(&format!("block{i}"), StageKind::Block, block)));
         // the one line
     }
     let head = candle_nn::linear(WIDTH, 10, vb.pp("head"))?;
-    let loss = remat::from_fn("head", StageKind::Other, move |x, _| candle_nn::loss::cross_entropy(&head.forward(&x[0])?, &x[1]));
+    let loss = remat::from_fn("head", StageKind::Other, move |x, _| {
+        candle_nn::loss::cross_entropy(&head.forward(&x[0])?, &x[1])
+    });
     Ok(StageGraph::chain(blocks, loss)?)
 }
 
@@ -35,7 +39,16 @@ fn bits(varmap: &VarMap, grads: &candle_core::backprop::GradStore) -> Result<Vec
     varmap
         .all_vars()
         .iter()
-        .map(|v| Ok(grads.get(v).expect("every parameter has a gradient").flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect()))
+        .map(|v| {
+            Ok(grads
+                .get(v)
+                .expect("every parameter has a gradient")
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(f32::to_bits)
+                .collect())
+        })
         .collect()
 }
 
@@ -44,7 +57,11 @@ pub fn main() -> Result<()> {
     let varmap = VarMap::new();
     let graph = graph(&VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
     let x = Tensor::randn(0f32, 1.0, (BATCH, WIDTH), &device)?;
-    let y = Tensor::arange(0u32, BATCH as u32, &device)?.to_dtype(DType::F32)?.affine(1.0 / BATCH as f64 * 10.0, 0.0)?.floor()?.to_dtype(DType::U32)?; // classes 0..10
+    let y = Tensor::arange(0u32, BATCH as u32, &device)?
+        .to_dtype(DType::F32)?
+        .affine(1.0 / BATCH as f64 * 10.0, 0.0)?
+        .floor()?
+        .to_dtype(DType::U32)?; // classes 0..10
     let inputs = [x, y];
 
     let plain = bits(&varmap, &graph.plain_loss(&inputs, 0, 0)?.backward()?)?;

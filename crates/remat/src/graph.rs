@@ -38,13 +38,25 @@ impl StageGraph {
     /// Appends a stage consuming `inputs` and producing `n_outputs` new values, whose ids it
     /// returns. Stages are added in execution order, so the graph is topologically sorted by
     /// construction.
-    pub fn add(&mut self, stage: impl Stage + 'static, inputs: &[ValueId], n_outputs: usize) -> Result<Vec<ValueId>> {
+    pub fn add(
+        &mut self,
+        stage: impl Stage + 'static,
+        inputs: &[ValueId],
+        n_outputs: usize,
+    ) -> Result<Vec<ValueId>> {
         if let Some(&bad) = inputs.iter().find(|&&v| v >= self.n_values) {
-            return Err(Error::Graph(format!("stage `{}` consumes value {bad}, which no earlier stage produces", stage.name())));
+            return Err(Error::Graph(format!(
+                "stage `{}` consumes value {bad}, which no earlier stage produces",
+                stage.name()
+            )));
         }
         let outputs: Vec<ValueId> = (self.n_values..self.n_values + n_outputs).collect();
         self.n_values += n_outputs;
-        self.nodes.push(Node { stage: Box::new(stage), inputs: inputs.to_vec(), outputs: outputs.clone() });
+        self.nodes.push(Node {
+            stage: Box::new(stage),
+            inputs: inputs.to_vec(),
+            outputs: outputs.clone(),
+        });
         Ok(outputs)
     }
 
@@ -93,7 +105,9 @@ impl StageGraph {
 
     /// The stage that produces `v`, or `None` for a graph input.
     pub fn producer(&self, v: ValueId) -> Option<usize> {
-        (v >= self.n_inputs).then(|| self.nodes.iter().position(|n| n.outputs.contains(&v))).flatten()
+        (v >= self.n_inputs)
+            .then(|| self.nodes.iter().position(|n| n.outputs.contains(&v)))
+            .flatten()
     }
 
     /// The loss computed by plain candle: every stage in order, in training mode, with candle's
@@ -114,22 +128,46 @@ impl StageGraph {
 
     /// Runs every stage in order with the context `ctx(i)`; `detach` cuts candle's graph at each
     /// stage output. Values are dropped after their last reader.
-    fn forward_all(&self, inputs: &[Tensor], ctx: impl Fn(usize) -> StageCtx, detach: bool) -> Result<Tensor> {
+    fn forward_all(
+        &self,
+        inputs: &[Tensor],
+        ctx: impl Fn(usize) -> StageCtx,
+        detach: bool,
+    ) -> Result<Tensor> {
         if inputs.len() != self.n_inputs {
             return Err(Error::Inputs { expected: self.n_inputs, got: inputs.len() });
         }
         let output = self.output()?;
         let last_reader = self.last_readers();
-        let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(self.n_values).collect();
+        let mut values: Vec<Option<Tensor>> = inputs
+            .iter()
+            .cloned()
+            .map(Some)
+            .chain(std::iter::repeat(None))
+            .take(self.n_values)
+            .collect();
         for (i, node) in self.nodes.iter().enumerate() {
-            let missing = |v| Error::Graph(format!("stage `{}` consumes value {v}, which its producer did not return", node.stage.name()));
-            let ins = node.inputs.iter().map(|&v| values[v].clone().ok_or_else(|| missing(v))).collect::<Result<Vec<Tensor>>>()?;
+            let missing = |v| {
+                Error::Graph(format!(
+                    "stage `{}` consumes value {v}, which its producer did not return",
+                    node.stage.name()
+                ))
+            };
+            let ins = node
+                .inputs
+                .iter()
+                .map(|&v| values[v].clone().ok_or_else(|| missing(v)))
+                .collect::<Result<Vec<Tensor>>>()?;
             for &v in &node.inputs {
                 if last_reader[v] == Some(i) && v != output {
                     values[v] = None;
                 }
             }
-            let outs = node.stage.forward(&ins, &ctx(i)).map_err(|source| Error::Stage { stage: i, name: node.stage.name(), source })?;
+            let outs = node.stage.forward(&ins, &ctx(i)).map_err(|source| Error::Stage {
+                stage: i,
+                name: node.stage.name(),
+                source,
+            })?;
             drop(ins);
             for (&v, t) in node.outputs.iter().zip(outs) {
                 values[v] = Some(if detach { t.detach() } else { t });

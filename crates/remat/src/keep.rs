@@ -99,10 +99,15 @@ impl FromStr for OpSet {
         let kind = |name: &str| {
             OpKind::ALL.into_iter().find(|k| k.name() == name.trim()).ok_or_else(|| {
                 let valid: Vec<&str> = OpKind::ALL.iter().map(|k| k.name()).collect();
-                format!("unknown op kind `{}` to keep; valid kinds: {}", name.trim(), valid.join(", "))
+                format!(
+                    "unknown op kind `{}` to keep; valid kinds: {}",
+                    name.trim(),
+                    valid.join(", ")
+                )
             })
         };
-        let set: OpSet = s.split([',', '+']).map(kind).collect::<Result<Vec<_>, _>>()?.into_iter().collect();
+        let set: OpSet =
+            s.split([',', '+']).map(kind).collect::<Result<Vec<_>, _>>()?.into_iter().collect();
         if set.is_empty() {
             return Err("keep= names no op kind".into());
         }
@@ -182,7 +187,10 @@ pub(crate) struct Scope(());
 
 impl Scope {
     pub(crate) fn enter(mode: Mode, kinds: OpSet, stage: usize, stash: &Stash) -> Scope {
-        ACTIVE.with(|a| *a.borrow_mut() = Some(Active { mode, kinds, stage, calls: 0, stash: stash.clone(), busy: false }));
+        ACTIVE.with(|a| {
+            *a.borrow_mut() =
+                Some(Active { mode, kinds, stage, calls: 0, stash: stash.clone(), busy: false })
+        });
         Scope(())
     }
 }
@@ -196,7 +204,10 @@ impl Drop for Scope {
 /// Runs a keepable op of `kind`: `compute(None)` computes its output; `compute(Some(y))` must
 /// return `y`, the output its forward kept, as the op's output with the op's backward. Outside a
 /// recomputed segment's forward and recompute, or for a kind the policy does not keep, it computes.
-pub fn op(kind: OpKind, compute: impl FnOnce(Option<Tensor>) -> candle_core::Result<Tensor>) -> candle_core::Result<Tensor> {
+pub fn op(
+    kind: OpKind,
+    compute: impl FnOnce(Option<Tensor>) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
     // Decided, and the borrow released, before the op runs: an op inside it calls `op` too.
     let plan = ACTIVE.with(|a| {
         let mut a = a.borrow_mut();
@@ -229,7 +240,8 @@ pub fn op(kind: OpKind, compute: impl FnOnce(Option<Tensor>) -> candle_core::Res
         }
         Mode::Measure => {
             out.device().synchronize()?;
-            let op = KeptOp { kind, bytes: tensor_bytes(&out), ms: start.elapsed().as_secs_f64() * 1e3 };
+            let op =
+                KeptOp { kind, bytes: tensor_bytes(&out), ms: start.elapsed().as_secs_f64() * 1e3 };
             stash.0.borrow_mut().measured.push(op);
         }
         Mode::Replay => {}
@@ -281,6 +293,9 @@ mod tests {
         assert_eq!(run(Mode::Replay, 10.0), [1.0, 2.0], "the forward's outputs, not new ones");
         assert_eq!(computed.get(), 2, "the replay computed a kept op");
         assert!(stash.0.borrow().kept.is_empty(), "a replayed output stays held");
-        assert!(op(OpKind::Matmul, |kept| { kept.map_or_else(|| Tensor::new(5f32, &candle_core::Device::Cpu), Ok) }).is_ok());
+        assert!(op(OpKind::Matmul, |kept| {
+            kept.map_or_else(|| Tensor::new(5f32, &candle_core::Device::Cpu), Ok)
+        })
+        .is_ok());
     }
 }

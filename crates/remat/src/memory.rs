@@ -12,8 +12,8 @@
 //! OS eagerly, and the page faults that follow make big-activation runs slower in a way that hides
 //! the cost of recomputation. mimalloc too gives freed memory back (after a delay of about a
 //! second), so every training step would fault its activations in again and the kernel zero each
-//! page (`clear_page_erms` measured 12-20% of a ResNet-50 step): the allocator is told never to purge,
-//! so a step reuses the pages of the last one. The heap figures do not change: they count live
+//! page (`clear_page_erms` measured 12-20% of a ResNet-50 step): the allocator is told never to
+//! purge, so a step reuses the pages of the last one. The heap figures do not change: they count live
 //! bytes, not pages held. The price is resident memory above the live heap (freed pages kept for
 //! sizes that do not come back: 3-4 GiB for GPT-2 XL); where that matters more than time, set
 //! mimalloc's own `MIMALLOC_PURGE_DELAY` (e.g. 0: give freed pages back at once), which is then
@@ -37,7 +37,10 @@ pub use counting::CountingAlloc;
 /// reads zero ([`heap_meter_installed`] says which).
 #[cfg(feature = "meter")]
 mod counting {
-    use super::{ACTIVITY, ACTIVITY_NAMES, ACTIVITY_STAGE, CAP, CAP_REFUSAL, CURRENT, HINT, PEAK, WINDOW_PEAK};
+    use super::{
+        ACTIVITY, ACTIVITY_NAMES, ACTIVITY_STAGE, CAP, CAP_REFUSAL, CURRENT, HINT, PEAK,
+        WINDOW_PEAK,
+    };
     use mimalloc::MiMalloc;
     use std::alloc::{GlobalAlloc, Layout};
     use std::sync::atomic::Ordering;
@@ -55,8 +58,8 @@ mod counting {
         CURRENT.fetch_sub(n, Ordering::Relaxed);
     }
 
-    /// Ends the process (exit 1, after [`tell_refusal`]) if allocating `n` more bytes would take the
-    /// live heap above the cap.
+    /// Ends the process (exit 1, after [`tell_refusal`]) if allocating `n` more bytes would take
+    /// the live heap above the cap.
     fn check_cap(n: usize) {
         let (live, cap) = (CURRENT.load(Ordering::Relaxed), CAP.load(Ordering::Relaxed));
         if live.saturating_add(n as u64) > cap {
@@ -68,13 +71,14 @@ mod counting {
     }
 
     /// Writes to stderr, without allocating (the allocator is the caller), which allocation the cap
-    /// refused and during what: "heap cap: refused 32768 bytes during backward (stage 3); 6291456 of
-    /// 6291456 bytes live".
+    /// refused and during what: "heap cap: refused 32768 bytes during backward (stage 3); 6291456
+    /// of 6291456 bytes live".
     fn tell_refusal(n: usize, live: u64, cap: u64) {
         use std::io::Write;
         let mut buf = [0u8; 200];
         let mut cur = std::io::Cursor::new(&mut buf[..]);
-        let activity = ACTIVITY_NAMES.get(ACTIVITY.load(Ordering::Relaxed) as usize).unwrap_or(&"?");
+        let activity =
+            ACTIVITY_NAMES.get(ACTIVITY.load(Ordering::Relaxed) as usize).unwrap_or(&"?");
         let _ = write!(cur, "{CAP_REFUSAL} {n} bytes during {activity}");
         let stage = ACTIVITY_STAGE.load(Ordering::Relaxed);
         if stage != u64::MAX {
@@ -102,8 +106,8 @@ mod counting {
     /// `MIMALLOC_PURGE_DELAY` says otherwise; before the first allocation, as mimalloc reads its
     /// options once.
     fn configure() {
-        // SAFETY: reads the environment and sets a process-wide option; neither allocates (this runs
-        // inside the allocator, where `std::env` would allocate and re-enter it).
+        // SAFETY: reads the environment and sets a process-wide option; neither allocates (this
+        // runs inside the allocator, where `std::env` would allocate and re-enter it).
         CONFIGURED.call_once(|| unsafe {
             if libc::getenv(c"MIMALLOC_PURGE_DELAY".as_ptr()).is_null() {
                 libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1)
@@ -187,9 +191,11 @@ impl Activity {
 }
 
 /// [`Activity::name`], by the variant's number (what [`ACTIVITY`] holds).
-const ACTIVITY_NAMES: [&str; 7] = ["setup", "model build", "forward", "recompute", "backward", "optimizer", "gradient check"];
+const ACTIVITY_NAMES: [&str; 7] =
+    ["setup", "model build", "forward", "recompute", "backward", "optimizer", "gradient check"];
 
-static ACTIVITY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(Activity::Setup as u8);
+static ACTIVITY: std::sync::atomic::AtomicU8 =
+    std::sync::atomic::AtomicU8::new(Activity::Setup as u8);
 /// The stage the activity is at, or `u64::MAX` for none.
 static ACTIVITY_STAGE: AtomicU64 = AtomicU64::new(u64::MAX);
 
@@ -228,8 +234,8 @@ pub fn tensor_bytes(t: &candle_core::Tensor) -> u64 {
 /// (id, layout with its shape and strides, op), the storage's reference count and lock. Measured
 /// once on a small matrix (about 270 bytes with candle 0.11); 0 where the counting allocator is
 /// not installed. The planner counts it for every parameter gradient: a deep model has
-/// thousands, and without it the prediction fell short by about 1 % for `off` and 10 % for `sqrt`
-/// on the depth sweep's narrow blocks, where a block's gradients are a few KB.
+/// thousands, and without it the prediction falls short by about 1 % for `off` and 10 % for
+/// `sqrt` on the depth sweep's narrow blocks, where a block's gradients are a few KB.
 pub fn tensor_overhead() -> u64 {
     static OVERHEAD: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *OVERHEAD.get_or_init(|| {
@@ -240,7 +246,12 @@ pub fn tensor_overhead() -> u64 {
         (0..3)
             .filter_map(|_| {
                 let before = heap_current();
-                let t = candle_core::Tensor::zeros((2, 2), candle_core::DType::F32, &candle_core::Device::Cpu).ok()?;
+                let t = candle_core::Tensor::zeros(
+                    (2, 2),
+                    candle_core::DType::F32,
+                    &candle_core::Device::Cpu,
+                )
+                .ok()?;
                 let held = heap_current().checked_sub(before)?.checked_sub(tensor_bytes(&t));
                 drop(t);
                 held
@@ -255,7 +266,10 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size like 24GiB, 512MiB or 1000000"))?;
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size like 24GiB, 512MiB or 1000000"))?;
     let mult = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1u64,
         "kib" | "k" => 1 << 10,
@@ -264,7 +278,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "kb" => 1000,
         "mb" => 1_000_000,
         "gb" => 1_000_000_000,
-        _ => return Err(format!("unknown unit `{unit}` in `{s}`; use B, KiB, MiB, GiB, KB, MB or GB")),
+        _ => {
+            return Err(format!(
+                "unknown unit `{unit}` in `{s}`; use B, KiB, MiB, GiB, KB, MB or GB"
+            ))
+        }
     };
     if n.is_nan() || n <= 0.0 || !n.is_finite() {
         return Err(format!("`{s}` is not a positive size"));
@@ -348,7 +366,8 @@ pub mod rss {
 pub fn minor_faults() -> Option<u64> {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::uninit();
     // SAFETY: getrusage writes the whole struct when it returns 0.
-    (unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } == 0).then(|| unsafe { usage.assume_init() }.ru_minflt as u64)
+    (unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } == 0)
+        .then(|| unsafe { usage.assume_init() }.ru_minflt as u64)
 }
 
 /// Where a step's memory is counted: the host heap (CPU, through [`CountingAlloc`]) or the
@@ -366,7 +385,9 @@ impl Counter {
     pub fn for_device(device: &candle_core::Device) -> Self {
         match device {
             #[cfg(feature = "cuda")]
-            candle_core::Device::Cuda(d) => cuda::Pool::of(d).map(Counter::Cuda).unwrap_or(Counter::Heap),
+            candle_core::Device::Cuda(d) => {
+                cuda::Pool::of(d).map(Counter::Cuda).unwrap_or(Counter::Heap)
+            }
             _ => Counter::Heap,
         }
     }
@@ -471,14 +492,26 @@ pub mod cuda {
 
         fn get(&self, attr: sys::CUmemPool_attribute) -> u64 {
             let mut v: u64 = 0;
-            unsafe { sys::cuMemPoolGetAttribute(self.pool.0, attr, &mut v as *mut u64 as *mut std::ffi::c_void) };
+            unsafe {
+                sys::cuMemPoolGetAttribute(
+                    self.pool.0,
+                    attr,
+                    &mut v as *mut u64 as *mut std::ffi::c_void,
+                )
+            };
             v
         }
 
         fn reset_high(&self) {
             let mut zero: u64 = 0;
             let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
-            unsafe { sys::cuMemPoolSetAttribute(self.pool.0, attr, &mut zero as *mut u64 as *mut std::ffi::c_void) };
+            unsafe {
+                sys::cuMemPoolSetAttribute(
+                    self.pool.0,
+                    attr,
+                    &mut zero as *mut u64 as *mut std::ffi::c_void,
+                )
+            };
         }
 
         pub fn used(&self) -> u64 {
@@ -490,7 +523,9 @@ pub mod cuda {
         }
 
         pub fn peak(&self) -> u64 {
-            STEP_PEAK.load(Ordering::Relaxed).max(self.get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH))
+            STEP_PEAK
+                .load(Ordering::Relaxed)
+                .max(self.get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH))
         }
 
         pub fn reset_peak(&self) {
@@ -612,7 +647,8 @@ impl Timeline {
         Timeline { counter, start: Instant::now(), events: Vec::new() }
     }
 
-    /// Records that stage `stage`'s `phase` ended, with `grad_bytes` of parameter gradients held (Rule 9).
+    /// Records that stage `stage`'s `phase` ended, with `grad_bytes` of parameter gradients held
+    /// (Rule 9).
     pub fn record(&mut self, phase: Phase, stage: usize, grad_bytes: u64) {
         // On a GPU the readings mean something only once the queued work has run.
         self.counter.synchronize();
@@ -625,6 +661,10 @@ impl Timeline {
     /// held at its end, above `base` (the heap before the step). Parameter gradients are state the
     /// optimizer needs whatever the policy; activations are what checkpointing acts on.
     pub fn activation_peak(&self, base: u64) -> u64 {
-        self.events.iter().map(|e| e.window_peak.saturating_sub(e.grad_bytes).saturating_sub(base)).max().unwrap_or(0)
+        self.events
+            .iter()
+            .map(|e| e.window_peak.saturating_sub(e.grad_bytes).saturating_sub(base))
+            .max()
+            .unwrap_or(0)
     }
 }

@@ -77,17 +77,28 @@ impl FromStr for PolicyRequest {
     type Err = PolicyError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let invalid = |why: &str| PolicyError::Invalid { policy: s.to_string(), why: why.to_string() };
+        let invalid =
+            |why: &str| PolicyError::Invalid { policy: s.to_string(), why: why.to_string() };
         let list = |v: &str| -> Result<Vec<usize>, PolicyError> {
-            v.split(',').map(|i| i.trim().parse::<usize>().map_err(|_| invalid("expected comma-separated block indices"))).collect()
+            v.split(',')
+                .map(|i| {
+                    i.trim()
+                        .parse::<usize>()
+                        .map_err(|_| invalid("expected comma-separated block indices"))
+                })
+                .collect()
         };
         let fixed = |p| Ok(PolicyRequest::Fixed(p));
         if let Some((cut, ops)) = s.trim().split_once("+keep=") {
             let keep: OpSet = ops.parse().map_err(|e: String| invalid(&e))?;
             return match cut.parse::<PolicyRequest>()? {
-                PolicyRequest::Fixed(Policy::Off) => Err(invalid("`off` recomputes nothing, so it has nothing to keep")),
+                PolicyRequest::Fixed(Policy::Off) => {
+                    Err(invalid("`off` recomputes nothing, so it has nothing to keep"))
+                }
                 PolicyRequest::Fixed(p) => fixed(Policy::Keep(Box::new(p), keep)),
-                _ => Err(invalid("keep= goes with a policy that cuts, not with a request to the planner")),
+                _ => Err(invalid(
+                    "keep= goes with a policy that cuts, not with a request to the planner",
+                )),
             };
         }
         match s.trim() {
@@ -103,8 +114,14 @@ impl FromStr for PolicyRequest {
                 },
                 Some(("explicit", v)) => fixed(Policy::BeforeBlocks(list(v)?)),
                 // An empty plan is one segment (what a budget that fits `off` gives).
-                Some(("plan", v)) => fixed(Policy::BeforeStages(if v.trim().is_empty() { Vec::new() } else { list(v)? })),
-                Some(("budget", v)) => Ok(PolicyRequest::Budget(crate::memory::parse_size(v).map_err(|e| invalid(&e))?)),
+                Some(("plan", v)) => fixed(Policy::BeforeStages(if v.trim().is_empty() {
+                    Vec::new()
+                } else {
+                    list(v)?
+                })),
+                Some(("budget", v)) => Ok(PolicyRequest::Budget(
+                    crate::memory::parse_size(v).map_err(|e| invalid(&e))?,
+                )),
                 _ => Err(PolicyError::Unknown(s.to_string())),
             },
         }
@@ -142,7 +159,9 @@ impl fmt::Display for PolicyRequest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             PolicyRequest::Fixed(p) => p.fmt(f),
-            PolicyRequest::Budget(bytes) => write!(f, "budget={}", crate::memory::format_size(*bytes)),
+            PolicyRequest::Budget(bytes) => {
+                write!(f, "budget={}", crate::memory::format_size(*bytes))
+            }
             PolicyRequest::Auto => write!(f, "auto"),
         }
     }
@@ -184,7 +203,8 @@ impl Policy {
 
     /// Cuts stages of these kinds, in order, into contiguous segments.
     pub fn segments_of(&self, kinds: &[StageKind]) -> Result<Vec<Range<usize>>, PolicyError> {
-        let not_applicable = |why: String| PolicyError::NotApplicable { policy: self.to_string(), why };
+        let not_applicable =
+            |why: String| PolicyError::NotApplicable { policy: self.to_string(), why };
         let of_kind = |keep| stages_of_kind(kinds, keep);
         let blocks = of_kind(StageKind::is_block);
         let n = kinds.len();
@@ -201,15 +221,27 @@ impl Policy {
             }
             Policy::BeforeBlocks(idx) => idx
                 .iter()
-                .map(|&i| blocks.get(i).copied().ok_or_else(|| not_applicable(format!("block {i} does not exist (the model has {} blocks)", blocks.len()))))
+                .map(|&i| {
+                    blocks.get(i).copied().ok_or_else(|| {
+                        not_applicable(format!(
+                            "block {i} does not exist (the model has {} blocks)",
+                            blocks.len()
+                        ))
+                    })
+                })
                 .collect::<Result<_, _>>()?,
             Policy::BeforeStages(starts) => match starts.iter().find(|&&s| s >= n) {
-                Some(s) => return Err(not_applicable(format!("stage {s} does not exist (the model has {n} stages)"))),
+                Some(s) => {
+                    return Err(not_applicable(format!(
+                        "stage {s} does not exist (the model has {n} stages)"
+                    )))
+                }
                 None => starts.clone(),
             },
             Policy::Keep(cut, _) => return cut.segments_of(kinds),
         };
-        let mut cuts: Vec<usize> = std::iter::once(0).chain(starts).chain(std::iter::once(n)).collect();
+        let mut cuts: Vec<usize> =
+            std::iter::once(0).chain(starts).chain(std::iter::once(n)).collect();
         cuts.sort_unstable();
         cuts.dedup();
         Ok(cuts.windows(2).map(|w| w[0]..w[1]).collect())
@@ -218,7 +250,13 @@ impl Policy {
 
 /// Boundaries before blocks K, 2K, 3K, ... (block 0's input is the segment start anyway).
 fn every(blocks: &[usize], k: usize) -> Vec<usize> {
-    blocks.iter().copied().enumerate().filter(|(i, _)| i % k == 0 && *i > 0).map(|(_, s)| s).collect()
+    blocks
+        .iter()
+        .copied()
+        .enumerate()
+        .filter(|(i, _)| i % k == 0 && *i > 0)
+        .map(|(_, s)| s)
+        .collect()
 }
 
 #[cfg(test)]
@@ -272,14 +310,28 @@ mod tests {
         ] {
             assert_eq!(s.parse::<PolicyRequest>().unwrap().to_string(), s);
         }
-        assert_eq!("budget=1.5GiB".parse::<PolicyRequest>().unwrap(), PolicyRequest::Budget(1536 << 20));
+        assert_eq!(
+            "budget=1.5GiB".parse::<PolicyRequest>().unwrap(),
+            PolicyRequest::Budget(1536 << 20)
+        );
         assert_eq!("every-n=2".parse::<Policy>().unwrap(), Policy::EveryN(2));
         assert!(matches!("auto".parse::<Policy>(), Err(PolicyError::NeedsPlan(_))));
     }
 
     #[test]
     fn bad_names_list_the_valid_ones() {
-        for bad in ["sqrtt", "every-n=0", "every-n=x", "explicit=a", "", "budget=lots", "budget=-1GiB", "sqrt+keep=gemm", "off+keep=matmul", "auto+keep=conv"] {
+        for bad in [
+            "sqrtt",
+            "every-n=0",
+            "every-n=x",
+            "explicit=a",
+            "",
+            "budget=lots",
+            "budget=-1GiB",
+            "sqrt+keep=gemm",
+            "off+keep=matmul",
+            "auto+keep=conv",
+        ] {
             let e = bad.parse::<PolicyRequest>().unwrap_err().to_string();
             assert!(e.contains("every-two-blocks") && e.contains("before-downsample"), "{e}");
         }

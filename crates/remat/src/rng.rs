@@ -33,12 +33,16 @@ impl RngKey {
     /// A key for something that is not part of a step (e.g. weight initialisation).
     pub fn named(seed: u64, name: &str) -> Self {
         // FNV-1a: stable across platforms and Rust versions, unlike `DefaultHasher`.
-        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        let h = name
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
         RngKey { seed, step: u64::MAX, stage: h, call: 0, pass: 0 }
     }
 
     fn word(&self) -> u64 {
-        [self.seed, self.step, self.stage, self.call, self.pass].iter().fold(0u64, |acc, &part| mix(acc.wrapping_add(GOLDEN) ^ part))
+        [self.seed, self.step, self.stage, self.call, self.pass]
+            .iter()
+            .fold(0u64, |acc, &part| mix(acc.wrapping_add(GOLDEN) ^ part))
     }
 
     /// `n` draws uniform in [0, 1) with 24 bits of resolution (exact in f32).
@@ -53,7 +57,8 @@ impl RngKey {
     /// Word k of the stream gives draws 2k (its high 24 bits) and 2k + 1 (bits 8-31).
     pub fn uniform_into(&self, start: usize, out: &mut [f32]) {
         let (base, scale) = (self.word(), 1.0 / (1u32 << 24) as f32);
-        let word = |k: usize| mix(base.wrapping_add((k as u64).wrapping_add(1).wrapping_mul(GOLDEN)));
+        let word =
+            |k: usize| mix(base.wrapping_add((k as u64).wrapping_add(1).wrapping_mul(GOLDEN)));
         let mut current = (start / 2, word(start / 2));
         for (i, o) in (start..).zip(out.iter_mut()) {
             if current.0 != i / 2 {
@@ -86,8 +91,17 @@ impl RngKey {
     }
 
     /// [`RngKey::dropout_mask`] as a tensor of `like`'s shape, dtype and device.
-    pub fn dropout_mask_like(&self, like: &candle_core::Tensor, p: f32) -> candle_core::Result<candle_core::Tensor> {
-        candle_core::Tensor::from_vec(self.dropout_mask(like.elem_count(), p), like.shape(), like.device())?.to_dtype(like.dtype())
+    pub fn dropout_mask_like(
+        &self,
+        like: &candle_core::Tensor,
+        p: f32,
+    ) -> candle_core::Result<candle_core::Tensor> {
+        candle_core::Tensor::from_vec(
+            self.dropout_mask(like.elem_count(), p),
+            like.shape(),
+            like.device(),
+        )?
+        .to_dtype(like.dtype())
     }
 }
 

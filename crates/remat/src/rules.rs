@@ -69,7 +69,10 @@ pub(crate) struct Wiring {
 
 impl Wiring {
     /// `stages`: each stage's inputs and outputs, in order; `n_values` counts the graph inputs.
-    pub(crate) fn new<'a>(n_values: usize, stages: impl IntoIterator<Item = (&'a [ValueId], &'a [ValueId])>) -> Self {
+    pub(crate) fn new<'a>(
+        n_values: usize,
+        stages: impl IntoIterator<Item = (&'a [ValueId], &'a [ValueId])>,
+    ) -> Self {
         let mut producer = vec![None; n_values];
         let mut readers = vec![Vec::new(); n_values];
         for (i, (inputs, outputs)) in stages.into_iter().enumerate() {
@@ -100,6 +103,9 @@ impl Wiring {
 
     /// The values a cut before stage `cut` stores (Rule 1), in order.
     pub(crate) fn stored_at(&self, cut: usize) -> impl Iterator<Item = ValueId> + '_ {
-        (0..self.n_values()).filter(move |&v| self.producer[v].is_some_and(|p| p < cut) && self.readers[v].last().is_some_and(|&r| r >= cut))
+        (0..self.n_values()).filter(move |&v| {
+            self.producer[v].is_some_and(|p| p < cut)
+                && self.readers[v].last().is_some_and(|&r| r >= cut)
+        })
     }
 }

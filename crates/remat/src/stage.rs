@@ -85,7 +85,8 @@ impl StageCtx {
     /// The context of a stage run at `at`; `StageCtx::new(RunPoint { seed, step, stage, train:
     /// true, ..Default::default() })` for a training forward outside the executor.
     pub fn new(at: RunPoint) -> Self {
-        let key = RngKey { seed: at.seed, step: at.step, stage: at.stage as u64, call: 0, pass: at.pass };
+        let key =
+            RngKey { seed: at.seed, step: at.step, stage: at.stage as u64, call: 0, pass: at.pass };
         StageCtx { key, calls: Cell::new(0), recompute: at.recompute, train: at.train }
     }
 
@@ -173,7 +174,11 @@ macro_rules! forward_stage {
             fn kind(&self) -> StageKind {
                 (**self).kind()
             }
-            fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> candle_core::Result<Vec<Tensor>> {
+            fn forward(
+                &self,
+                inputs: &[Tensor],
+                ctx: &StageCtx,
+            ) -> candle_core::Result<Vec<Tensor>> {
                 (**self).forward(inputs, ctx)
             }
             fn signature(&self) -> Option<String> {

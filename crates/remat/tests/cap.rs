@@ -25,8 +25,14 @@ fn an_allocation_beyond_the_cap_exits_1_naming_it() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    let refusal = err.lines().find(|l| l.starts_with(CAP_REFUSAL)).unwrap_or_else(|| panic!("no refusal line: {err}"));
+    let refusal = err
+        .lines()
+        .find(|l| l.starts_with(CAP_REFUSAL))
+        .unwrap_or_else(|| panic!("no refusal line: {err}"));
     assert!(refusal.contains(&format!("refused {} bytes", 64 << 20)), "{refusal}");
     assert!(err.contains("choose a smaller one (--preset)"), "{err}");
-    assert!(!String::from_utf8_lossy(&out.stdout).contains("allocated"), "the allocation went through");
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("allocated"),
+        "the allocation went through"
+    );
 }

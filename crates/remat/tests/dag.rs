@@ -28,14 +28,27 @@ fn graph(ws: &[Var]) -> StageGraph {
 }
 
 fn input() -> Tensor {
-    Tensor::from_vec(remat::rng::RngKey::named(9, "x").normal(8 * 16, 0.0, 1.0), (8, 16), &Device::Cpu).unwrap()
+    Tensor::from_vec(
+        remat::rng::RngKey::named(9, "x").normal(8 * 16, 0.0, 1.0),
+        (8, 16),
+        &Device::Cpu,
+    )
+    .unwrap()
 }
 
 fn bits(grads: &candle_core::backprop::GradStore, ws: &[Var]) -> Vec<Vec<u32>> {
     ws.iter()
         .map(|w| {
             let g = grads.get(w.as_tensor()).expect("every weight gets a gradient");
-            g.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect()
+            g.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .into_iter()
+                .map(f32::to_bits)
+                .collect()
         })
         .collect()
 }
@@ -60,7 +73,10 @@ fn plain_candle_grads() -> Vec<Vec<u32>> {
     let ws: Vec<Var> = (0..4).map(|i| weight(i, 16)).collect();
     let dense = |i: usize, w: usize, inputs: &[Tensor]| {
         let ctx = StageCtx::train(5, 0, i);
-        Dense { w: ws[w].as_tensor().clone(), kind: StageKind::Block }.forward(inputs, &ctx).unwrap().remove(0)
+        Dense { w: ws[w].as_tensor().clone(), kind: StageKind::Block }
+            .forward(inputs, &ctx)
+            .unwrap()
+            .remove(0)
     };
     let e1 = dense(0, 0, &[input()]);
     let e2 = dense(1, 1, std::slice::from_ref(&e1));
@@ -77,7 +93,11 @@ fn off_and_plain_loss_equal_a_hand_written_candle_backward() {
     assert_eq!(grads("off"), plain, "the executor's off");
     let ws: Vec<Var> = (0..4).map(|i| weight(i, 16)).collect();
     let g = graph(&ws);
-    assert_eq!(bits(&g.plain_loss(&[input()], 5, 0).unwrap().backward().unwrap(), &ws), plain, "StageGraph::plain_loss");
+    assert_eq!(
+        bits(&g.plain_loss(&[input()], 5, 0).unwrap().backward().unwrap(), &ws),
+        plain,
+        "StageGraph::plain_loss"
+    );
 }
 
 #[test]
@@ -108,7 +128,10 @@ fn a_parameter_shared_by_two_recomputed_segments() {
         let segs = exec.segments();
         let seg_of = |stage: usize| segs.iter().position(|r| r.contains(&stage)).unwrap();
         let last = segs.len() - 1;
-        assert!(seg_of(0) != seg_of(3) && seg_of(0) < last && seg_of(3) < last, "{policy}: {segs:?} must recompute both users");
+        assert!(
+            seg_of(0) != seg_of(3) && seg_of(0) < last && seg_of(3) < last,
+            "{policy}: {segs:?} must recompute both users"
+        );
         assert_eq!(bits(&exec.step(&[input()], 0).unwrap().grads, &ws), plain, "{policy}");
     }
 }
@@ -117,7 +140,15 @@ fn a_parameter_shared_by_two_recomputed_segments() {
 fn dag_gradients_equal_off_bit_for_bit() {
     let off = grads("off");
     assert!(off.iter().all(|g| g.iter().any(|&b| f32::from_bits(b) != 0.0)));
-    for policy in ["sqrt", "every-n=1", "every-two-blocks", "before-downsample", "explicit=1,3", "sqrt+keep=matmul", "every-n=1+keep=matmul"] {
+    for policy in [
+        "sqrt",
+        "every-n=1",
+        "every-two-blocks",
+        "before-downsample",
+        "explicit=1,3",
+        "sqrt+keep=matmul",
+        "every-n=1+keep=matmul",
+    ] {
         assert_eq!(grads(policy), off, "{policy}");
     }
 }
@@ -140,7 +171,11 @@ fn kept_products_are_replayed_not_computed() {
     for policy in ["every-n=1", "before-downsample"] {
         let (full, recomputed) = products(policy);
         assert_eq!(full, off + recomputed, "{policy}: one product again per recomputed stage");
-        assert_eq!(products(&format!("{policy}+keep=matmul")).0, off, "{policy}+keep=matmul computed a kept product again");
+        assert_eq!(
+            products(&format!("{policy}+keep=matmul")).0,
+            off,
+            "{policy}+keep=matmul computed a kept product again"
+        );
     }
 }
 
@@ -149,7 +184,8 @@ fn skip_values_are_stored_across_segments() {
     let ws: Vec<Var> = (0..4).map(|i| weight(i, 4)).collect();
     let g = graph(&ws);
     let exec = Executor::new(&g, &Policy::BeforeDownsample, ws, 0).unwrap();
-    // Segments start at e2 and e3; stored: e1 (input of e2, skip into d1) and e2 (input of e3, skip into d2).
+    // Segments start at e2 and e3; stored: e1 (input of e2, skip into d1) and e2 (input of e3, skip
+    // into d2).
     assert_eq!(exec.segments(), vec![0..1, 1..2, 2..6]);
     assert_eq!(exec.stored_values(), vec![1, 2]);
 }

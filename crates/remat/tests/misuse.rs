@@ -14,7 +14,9 @@ fn graph(ws: &[Var], draw: fn(&Tensor, &remat::StageCtx) -> Result<Tensor>) -> S
         .enumerate()
         .map(|(i, w)| {
             let w = w.as_tensor().clone();
-            Box::new(remat::from_fn(&format!("block{i}"), StageKind::Block, move |x, ctx| draw(&x[0].matmul(&w)?.relu()?, ctx))) as Box<dyn Stage>
+            Box::new(remat::from_fn(&format!("block{i}"), StageKind::Block, move |x, ctx| {
+                draw(&x[0].matmul(&w)?.relu()?, ctx)
+            })) as Box<dyn Stage>
         })
         .collect();
     let loss = remat::from_fn("loss", StageKind::Other, |x, _| (&x[0] - &x[1])?.sqr()?.mean_all());
@@ -23,7 +25,9 @@ fn graph(ws: &[Var], draw: fn(&Tensor, &remat::StageCtx) -> Result<Tensor>) -> S
 
 fn setup() -> Result<(Vec<Var>, [Tensor; 2])> {
     let dev = Device::Cpu;
-    let ws = (0..4).map(|_| Var::from_tensor(&(Tensor::randn(0f32, 0.3, (32, 32), &dev)?))).collect::<Result<Vec<_>>>()?;
+    let ws = (0..4)
+        .map(|_| Var::from_tensor(&(Tensor::randn(0f32, 0.3, (32, 32), &dev)?)))
+        .collect::<Result<Vec<_>>>()?;
     let x = Tensor::randn(0f32, 1.0, (64, 32), &dev)?;
     Ok((ws, [x, Tensor::zeros((64, 32), DType::F32, &dev)?]))
 }
@@ -33,10 +37,17 @@ fn dropout_from_candles_generator_is_caught_and_named() -> Result<()> {
     let (ws, inputs) = setup()?;
     let graph = graph(&ws, |x, _| candle_nn::ops::dropout(x, 0.2));
     let exec = Executor::new(&graph, &Policy::EveryN(2), ws.clone(), 0).unwrap();
-    let err = exec.step(&inputs, 0).err().expect("the recompute differs from the forward").to_string();
-    assert!(err.contains("stage 0 (`block0`)") && err.contains("candle_nn::ops::dropout") && err.contains("ctx.dropout"), "{err}");
+    let err =
+        exec.step(&inputs, 0).err().expect("the recompute differs from the forward").to_string();
+    assert!(
+        err.contains("stage 0 (`block0`)")
+            && err.contains("candle_nn::ops::dropout")
+            && err.contains("ctx.dropout"),
+        "{err}"
+    );
     // Unchecked, the step returns gradients, and they are not plain candle's.
-    let unchecked = Executor::new(&graph, &Policy::EveryN(2), ws.clone(), 0).unwrap().without_recompute_check();
+    let unchecked =
+        Executor::new(&graph, &Policy::EveryN(2), ws.clone(), 0).unwrap().without_recompute_check();
     assert!(unchecked.step(&inputs, 0).is_ok());
     // `off` recomputes nothing: nothing to check, nothing wrong.
     assert!(Executor::new(&graph, &Policy::Off, ws, 0).unwrap().step(&inputs, 0).is_ok());
@@ -48,7 +59,20 @@ fn dropout_from_the_context_passes_bit_for_bit() -> Result<()> {
     let (ws, inputs) = setup()?;
     let graph = graph(&ws, |x, ctx| ctx.dropout(x, 0.2));
     let bits = |grads: &candle_core::backprop::GradStore| -> Vec<Vec<u32>> {
-        ws.iter().map(|w| grads.get(w).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect()).collect()
+        ws.iter()
+            .map(|w| {
+                grads
+                    .get(w)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .into_iter()
+                    .map(f32::to_bits)
+                    .collect()
+            })
+            .collect()
     };
     let plain = bits(&graph.plain_loss(&inputs, 0, 3)?.backward()?);
     for policy in [Policy::EveryN(2), Policy::Sqrt, Policy::EveryN(1)] {
@@ -63,8 +87,18 @@ fn a_keep_that_keeps_nothing_is_refused_naming_what_the_graph_runs() -> Result<(
     let (ws, inputs) = setup()?;
     let graph = graph(&ws, |x, _| Ok(x.clone())); // candle's own matmul: not a keepable op
     let policy: Policy = "every-n=2+keep=matmul".parse().unwrap();
-    let err = Executor::new(&graph, &policy, ws.clone(), 0).unwrap().step(&inputs, 0).err().expect("refused").to_string();
-    assert!(err.contains("+keep=matmul keeps nothing") && err.contains("they run: none") && err.contains("remat::keep::op"), "{err}");
+    let err = Executor::new(&graph, &policy, ws.clone(), 0)
+        .unwrap()
+        .step(&inputs, 0)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("+keep=matmul keeps nothing")
+            && err.contains("they run: none")
+            && err.contains("remat::keep::op"),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -73,7 +107,9 @@ fn planning_without_the_heap_meter_is_refused() -> Result<()> {
     let (ws, inputs) = setup()?;
     let graph = graph(&ws, |x, _| Ok(x.clone()));
     assert!(!remat::memory::heap_meter_installed());
-    let err = remat::plan::Profile::measure(&graph, &inputs, &ws, 64, 0).expect_err("refused").to_string();
+    let err = remat::plan::Profile::measure(&graph, &inputs, &ws, 64, 0)
+        .expect_err("refused")
+        .to_string();
     assert!(err.contains("needs the heap meter") && err.contains("#[global_allocator]"), "{err}");
     Ok(())
 }

@@ -17,7 +17,13 @@ impl Lcg {
     }
 }
 
-fn stage(rng: &mut Lcg, name: String, kind: StageKind, inputs: Vec<usize>, output: usize) -> StageCost {
+fn stage(
+    rng: &mut Lcg,
+    name: String,
+    kind: StageKind,
+    inputs: Vec<usize>,
+    output: usize,
+) -> StageCost {
     let kib = |rng: &mut Lcg, m: u64| (1 + rng.next(m)) << 10;
     StageCost {
         name,
@@ -66,14 +72,26 @@ fn unet(seed: u64, levels: usize) -> Profile {
     let mut stages = vec![stage(&mut rng, "stem".into(), StageKind::Other, vec![0], 2)];
     for l in 0..levels {
         let i = stages.len();
-        stages.push(stage(&mut rng, format!("down{l}"), StageKind::DownsampleBlock, vec![2 + i - 1], 2 + i));
+        stages.push(stage(
+            &mut rng,
+            format!("down{l}"),
+            StageKind::DownsampleBlock,
+            vec![2 + i - 1],
+            2 + i,
+        ));
     }
     let i = stages.len();
     stages.push(stage(&mut rng, "bottom".into(), StageKind::Block, vec![2 + i - 1], 2 + i));
     for l in (0..levels).rev() {
         let i = stages.len();
         let skip = 2 + 1 + l; // down{l}'s output
-        stages.push(stage(&mut rng, format!("up{l}"), StageKind::Block, vec![2 + i - 1, skip], 2 + i));
+        stages.push(stage(
+            &mut rng,
+            format!("up{l}"),
+            StageKind::Block,
+            vec![2 + i - 1, skip],
+            2 + i,
+        ));
     }
     let i = stages.len();
     stages.push(stage(&mut rng, "loss".into(), StageKind::Other, vec![2 + i - 1, 1], 2 + i));
@@ -82,17 +100,29 @@ fn unet(seed: u64, levels: usize) -> Profile {
 }
 
 fn segments(starts: &[usize], n: usize) -> Vec<Range<usize>> {
-    starts.iter().zip(starts.iter().skip(1).chain(std::iter::once(&n))).map(|(&a, &b)| a..b).collect()
+    starts
+        .iter()
+        .zip(starts.iter().skip(1).chain(std::iter::once(&n)))
+        .map(|(&a, &b)| a..b)
+        .collect()
 }
 
 /// Every subset of the stages where a segment may start (blocks, downsampling stages), with
 /// its (recompute time, peak).
 fn all_plans(p: &Profile) -> Vec<(Vec<usize>, f64, u64)> {
-    let cand: Vec<usize> = (1..p.stages.len()).filter(|&i| p.stages[i].kind.is_block() || p.stages[i].kind.is_downsample()).collect();
+    let cand: Vec<usize> = (1..p.stages.len())
+        .filter(|&i| p.stages[i].kind.is_block() || p.stages[i].kind.is_downsample())
+        .collect();
     (0..1u64 << cand.len())
         .map(|mask| {
-            let starts: Vec<usize> = std::iter::once(0).chain(cand.iter().enumerate().filter(|(k, _)| mask >> k & 1 == 1).map(|(_, &s)| s)).collect();
-            let e = p.predict(&segments(&starts, p.stages.len()), remat::keep::OpSet::default(), remat::plan::Grads::Gathered);
+            let starts: Vec<usize> = std::iter::once(0)
+                .chain(cand.iter().enumerate().filter(|(k, _)| mask >> k & 1 == 1).map(|(_, &s)| s))
+                .collect();
+            let e = p.predict(
+                &segments(&starts, p.stages.len()),
+                remat::keep::OpSet::default(),
+                remat::plan::Grads::Gathered,
+            );
             (starts, e.recompute_ms, e.peak)
         })
         .collect()
@@ -106,13 +136,27 @@ fn agrees_with_brute_force(p: &Profile) {
     let fixed = 1 << 20;
     for k in 0..=40 {
         let budget = least + (most - least) * k / 40;
-        let best = plans.iter().filter(|x| x.2 <= budget).map(|x| (x.1, x.2)).min_by(|a, b| a.partial_cmp(b).unwrap()).unwrap();
+        let best = plans
+            .iter()
+            .filter(|x| x.2 <= budget)
+            .map(|x| (x.1, x.2))
+            .min_by(|a, b| a.partial_cmp(b).unwrap())
+            .unwrap();
         let plan = p.plan(fixed + budget, fixed, remat::plan::Grads::Gathered).unwrap();
-        assert_eq!((plan.estimate.recompute_ms, plan.estimate.peak), best, "budget {budget}: plan {:?}", plan.starts);
+        assert_eq!(
+            (plan.estimate.recompute_ms, plan.estimate.peak),
+            best,
+            "budget {budget}: plan {:?}",
+            plan.starts
+        );
         assert!(plan.estimate.peak <= budget);
     }
-    let err = p.plan(fixed + least - 1, fixed, remat::plan::Grads::Gathered).unwrap_err().to_string();
-    assert!(err.contains("below the smallest peak") && err.contains("the state before the step"), "{err}");
+    let err =
+        p.plan(fixed + least - 1, fixed, remat::plan::Grads::Gathered).unwrap_err().to_string();
+    assert!(
+        err.contains("below the smallest peak") && err.contains("the state before the step"),
+        "{err}"
+    );
 }
 
 #[test]

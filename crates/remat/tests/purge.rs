@@ -11,7 +11,11 @@ static ALLOC: CountingAlloc = CountingAlloc;
 /// The process's resident memory in KiB.
 fn rss_kib() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches(" kB").parse().ok()).unwrap()
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
+        .unwrap()
 }
 
 /// In the child: touches 256 MiB in 4 MiB blocks (an activation's sizes), frees them, and prints
@@ -26,13 +30,17 @@ fn child() {
 
 fn resident_after_free(purge_delay: Option<&str>) -> u64 {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", "freed_pages_are_kept_unless_mimalloc_is_told_to_purge", "--nocapture"]).env("PURGE_TEST_CHILD", "1");
+    cmd.args(["--exact", "freed_pages_are_kept_unless_mimalloc_is_told_to_purge", "--nocapture"])
+        .env("PURGE_TEST_CHILD", "1");
     if let Some(delay) = purge_delay {
         cmd.env("MIMALLOC_PURGE_DELAY", delay);
     }
     let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    stdout.lines().find_map(|l| l.trim().parse().ok()).unwrap_or_else(|| panic!("child printed no figure: {stdout}"))
+    stdout
+        .lines()
+        .find_map(|l| l.trim().parse().ok())
+        .unwrap_or_else(|| panic!("child printed no figure: {stdout}"))
 }
 
 #[test]

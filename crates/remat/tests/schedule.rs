@@ -69,20 +69,47 @@ fn graph(ws: &[Var]) -> StageGraph {
 fn the_planner_replays_the_executors_bookkeeping_event_by_event() {
     let ws: Vec<Var> = (0..6).map(weight).collect();
     let g = graph(&ws);
-    let x = Tensor::from_vec(remat::rng::RngKey::named(9, "x").normal(BATCH * WIDTH, 0.0, 1.0), (BATCH, WIDTH), &Device::Cpu).unwrap();
+    let x = Tensor::from_vec(
+        remat::rng::RngKey::named(9, "x").normal(BATCH * WIDTH, 0.0, 1.0),
+        (BATCH, WIDTH),
+        &Device::Cpu,
+    )
+    .unwrap();
     let inputs = [x];
-    let profile = Profile::at_batch(&g, |_| Ok::<_, String>(inputs.to_vec()), &ws, BATCH, SEED).unwrap();
+    let profile =
+        Profile::at_batch(&g, |_| Ok::<_, String>(inputs.to_vec()), &ws, BATCH, SEED).unwrap();
     let (activations, _loss) = profile.values.split_at(profile.values.len() - 1);
     assert!(activations.iter().all(|v| v.bytes == VALUE_BYTES));
     let dense = &profile.stages[..7];
-    assert!(dense.iter().all(|s| s.keepable.len() == 1 && s.keepable[0].bytes == VALUE_BYTES), "each dense stage has one keepable product");
-    assert_eq!(profile.shared_grads.iter().map(|s| (s.first, s.last)).collect::<Vec<_>>(), [(0, 6)], "the weight e1 and d1 share");
-    for policy in ["off", "sqrt", "every-n=2", "explicit=1,5", "before-downsample", "plan=1", "plan=2,5", "sqrt+keep=matmul", "plan=2,5+keep=matmul"] {
+    assert!(
+        dense.iter().all(|s| s.keepable.len() == 1 && s.keepable[0].bytes == VALUE_BYTES),
+        "each dense stage has one keepable product"
+    );
+    assert_eq!(
+        profile.shared_grads.iter().map(|s| (s.first, s.last)).collect::<Vec<_>>(),
+        [(0, 6)],
+        "the weight e1 and d1 share"
+    );
+    for policy in [
+        "off",
+        "sqrt",
+        "every-n=2",
+        "explicit=1,5",
+        "before-downsample",
+        "plan=1",
+        "plan=2,5",
+        "sqrt+keep=matmul",
+        "plan=2,5+keep=matmul",
+    ] {
         let policy = policy.parse::<Policy>().unwrap();
         let exec = Executor::new(&g, &policy, ws.clone(), SEED).unwrap();
         let cut = (exec.segments(), policy.keeps());
         let (segments, policy) = (&cut.0, policy.to_string());
-        assert_eq!(exec.stored_values(), remat::plan::stored_values(&profile, segments), "{policy}: stored values (Rule 1)");
+        assert_eq!(
+            exec.stored_values(),
+            remat::plan::stored_values(&profile, segments),
+            "{policy}: stored values (Rule 1)"
+        );
 
         exec.step(&inputs, 0).unwrap(); // thread pools and kernel workspaces are not the step's
         let base = heap_current();
@@ -93,7 +120,14 @@ fn the_planner_replays_the_executors_bookkeeping_event_by_event() {
         let base = heap_current();
         let first = exec.step(&inputs, 2).unwrap().grads;
         let events = exec.accumulate(&inputs, 3, first).unwrap().timeline.events;
-        replays(&format!("{policy}, accumulating"), &profile, &cut, Grads::Accumulating(profile.param_grad_bytes()), &events, base);
+        replays(
+            &format!("{policy}, accumulating"),
+            &profile,
+            &cut,
+            Grads::Accumulating(profile.param_grad_bytes()),
+            &events,
+            base,
+        );
 
         // The optimizer inside backward: every gradient dropped as soon as it is reported complete.
         let base = heap_current();
@@ -101,34 +135,74 @@ fn the_planner_replays_the_executors_bookkeeping_event_by_event() {
             ready.iter().for_each(|&k| drop(store.remove(exec.params()[k].as_tensor())));
             Ok(())
         };
-        let events = exec.accumulate_reporting(&inputs, 4, GradStore::default(), &mut free).unwrap().timeline.events;
-        replays(&format!("{policy}, optimizer inside backward"), &profile, &cut, Grads::UpdatedInBackward, &events, base);
+        let events = exec
+            .accumulate_reporting(&inputs, 4, GradStore::default(), &mut free)
+            .unwrap()
+            .timeline
+            .events;
+        replays(
+            &format!("{policy}, optimizer inside backward"),
+            &profile,
+            &cut,
+            Grads::UpdatedInBackward,
+            &events,
+            base,
+        );
     }
 }
 
 /// The executor's `events` of a step cut into segments, keeping the ops of a set (`cut`), against
 /// the planner's replay, with what the step does with parameter `grads`; `base`: the heap
 /// before those.
-fn replays(at: &str, profile: &Profile, (segments, keep): &(Vec<std::ops::Range<usize>>, OpSet), grads: Grads, events: &[Event], base: u64) {
+fn replays(
+    at: &str,
+    profile: &Profile,
+    (segments, keep): &(Vec<std::ops::Range<usize>>, OpSet),
+    grads: Grads,
+    events: &[Event],
+    base: u64,
+) {
     let predicted = profile.timeline(segments, *keep, grads);
     let estimate = profile.predict(segments, *keep, grads);
-    assert_eq!(predicted.iter().map(|p| p.peak.total()).max(), Some(estimate.peak), "{at}: the estimate is the timeline's highest point");
-    let order = |e: &[(remat::memory::Phase, usize)]| e.iter().map(|(p, s)| format!("{p:?} {s}")).collect::<Vec<_>>();
-    let (ran, replayed): (Vec<_>, Vec<_>) = (events.iter().map(|e| (e.phase, e.stage)).collect(), predicted.iter().map(|p| (p.phase, p.stage)).collect());
+    assert_eq!(
+        predicted.iter().map(|p| p.peak.total()).max(),
+        Some(estimate.peak),
+        "{at}: the estimate is the timeline's highest point"
+    );
+    let order = |e: &[(remat::memory::Phase, usize)]| {
+        e.iter().map(|(p, s)| format!("{p:?} {s}")).collect::<Vec<_>>()
+    };
+    let (ran, replayed): (Vec<_>, Vec<_>) = (
+        events.iter().map(|e| (e.phase, e.stage)).collect(),
+        predicted.iter().map(|p| (p.phase, p.stage)).collect(),
+    );
     assert_eq!(order(&ran), order(&replayed), "{at}: events (Rule 3)");
     for (event, point) in events.iter().zip(&predicted) {
         agree(&format!("{at}, {:?} of stage {}", event.phase, event.stage), event, point, base);
     }
     let measured = events.iter().map(|e| e.window_peak).max().unwrap() - base;
     let error = estimate.peak as f64 / measured as f64 - 1.0;
-    eprintln!("{at}: step peak predicted {}, measured {measured} ({:+.2}%)", estimate.peak, error * 100.0);
-    assert!(error.abs() <= 0.03, "{at}: step peak predicted {}, measured {measured} ({:+.1}%)", estimate.peak, error * 100.0);
+    eprintln!(
+        "{at}: step peak predicted {}, measured {measured} ({:+.2}%)",
+        estimate.peak,
+        error * 100.0
+    );
+    assert!(
+        error.abs() <= 0.03,
+        "{at}: step peak predicted {}, measured {measured} ({:+.1}%)",
+        estimate.peak,
+        error * 100.0
+    );
 }
 
 /// One event against its predicted point; `base`: the heap before the step.
 fn agree(at: &str, event: &Event, point: &Point, base: u64) {
     let held_grads = event.grad_bytes / GRAD_BYTES;
-    assert_eq!(point.held.param_grads, event.grad_bytes + held_grads * tensor_overhead(), "{at}: parameter gradients (Rule 8)");
+    assert_eq!(
+        point.held.param_grads,
+        event.grad_bytes + held_grads * tensor_overhead(),
+        "{at}: parameter gradients (Rule 8)"
+    );
     let (measured, predicted) = (event.bytes - base, point.held.total());
     assert!(
         measured.abs_diff(predicted) <= NOISE,

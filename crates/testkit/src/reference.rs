@@ -49,8 +49,14 @@ pub struct Fixture {
 impl Fixture {
     pub fn load(path: &Path) -> Result<Self> {
         let bytes = std::fs::read(path).with_context(|| format!("fixture {}", path.display()))?;
-        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).with_context(|| format!("fixture {}", path.display()))?;
-        let config = meta.metadata().as_ref().and_then(|m| m.get("config")).cloned().context("fixture has no `config` metadata")?;
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+            .with_context(|| format!("fixture {}", path.display()))?;
+        let config = meta
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get("config"))
+            .cloned()
+            .context("fixture has no `config` metadata")?;
         let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)?;
         Ok(Fixture { path: path.to_path_buf(), tensors, config })
     }
@@ -62,7 +68,8 @@ impl Fixture {
 
     /// The model configuration the fixture was made with (JSON metadata).
     pub fn config<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
-        serde_json::from_str(&self.config).with_context(|| format!("fixture config {}", self.config))
+        serde_json::from_str(&self.config)
+            .with_context(|| format!("fixture config {}", self.config))
     }
 
     /// A LoRA fixture's adapters (its config's `lora`: rank, alpha, targets; no dropout), else
@@ -79,7 +86,13 @@ impl Fixture {
             lora: Option<Peft>,
         }
         let l = self.config::<WithLora>()?.lora;
-        Ok(l.map(|l| params::lora::Lora { rank: l.rank, alpha: l.alpha, dropout: 0.0, targets: l.targets, init_lora_weights: true }))
+        Ok(l.map(|l| params::lora::Lora {
+            rank: l.rank,
+            alpha: l.alpha,
+            dropout: 0.0,
+            targets: l.targets,
+            init_lora_weights: true,
+        }))
     }
 
     /// Loads the fixture's weights into `model` through its own snapshot loader; a LoRA fixture's
@@ -90,18 +103,30 @@ impl Fixture {
             return Ok(model.load_snapshot(&self.path)?);
         }
         model.init_from(&self.path, true)?;
-        let adapter = self.path.with_file_name(format!("{}-adapter", self.path.file_stem().context("fixture file name")?.to_string_lossy()));
+        let adapter = self.path.with_file_name(format!(
+            "{}-adapter",
+            self.path.file_stem().context("fixture file name")?.to_string_lossy()
+        ));
         Ok(model.load_adapter(&adapter)?)
     }
 
     /// The entry `fixture.<name>`.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
-        self.tensors.get(&format!("fixture.{name}")).cloned().with_context(|| format!("fixture has no `{name}`"))
+        self.tensors
+            .get(&format!("fixture.{name}"))
+            .cloned()
+            .with_context(|| format!("fixture has no `{name}`"))
     }
 
     /// An integer entry (token ids, labels) as u32.
     pub fn ids(&self, name: &str) -> Result<Vec<u32>> {
-        Ok(self.tensor(name)?.flatten_all()?.to_vec1::<i64>()?.into_iter().map(|i| i as u32).collect())
+        Ok(self
+            .tensor(name)?
+            .flatten_all()?
+            .to_vec1::<i64>()?
+            .into_iter()
+            .map(|i| i as u32)
+            .collect())
     }
 
     pub fn f32s(&self, name: &str) -> Result<Vec<f32>> {
@@ -117,8 +142,15 @@ impl Fixture {
 
 /// `max |got - want| / max(max |want|, floor)`, after checking the shapes agree.
 pub fn scaled_error(got: &Tensor, want: &Tensor, floor: f64) -> Result<f64> {
-    ensure!(got.dims() == want.dims(), "shape {:?}, the reference has {:?}", got.dims(), want.dims());
-    let flat = |t: &Tensor| -> Result<Vec<f64>> { Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?) };
+    ensure!(
+        got.dims() == want.dims(),
+        "shape {:?}, the reference has {:?}",
+        got.dims(),
+        want.dims()
+    );
+    let flat = |t: &Tensor| -> Result<Vec<f64>> {
+        Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+    };
     let (g, w) = (flat(got)?, flat(want)?);
     let scale = max_abs(&w).max(floor);
     let diff = g.iter().zip(&w).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
@@ -143,10 +175,20 @@ fn check_close_floor(what: &str, got: &Tensor, want: &Tensor, tol: f64, floor: f
 /// The model's evaluation loss ([`model::Model::evaluate`]) on `inputs` against the
 /// cross-entropy of the reference's evaluation logits (classes on the last axis) for `targets`,
 /// computed here in f64; evaluating twice gives the same loss and leaves every buffer as it was.
-pub fn check_evaluation(model: &impl model::Model, inputs: &[Tensor], reference_logits: &Tensor, targets: &[u32]) -> Result<()> {
+pub fn check_evaluation(
+    model: &impl model::Model,
+    inputs: &[Tensor],
+    reference_logits: &Tensor,
+    targets: &[u32],
+) -> Result<()> {
     let classes = *reference_logits.dims().last().context("scalar logits")?;
     let rows = reference_logits.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-    ensure!(rows.len() == targets.len() * classes, "{} logits for {} targets of {classes} classes", rows.len(), targets.len());
+    ensure!(
+        rows.len() == targets.len() * classes,
+        "{} logits for {} targets of {classes} classes",
+        rows.len(),
+        targets.len()
+    );
     let nll: f64 = rows
         .chunks(classes)
         .zip(targets)
@@ -169,25 +211,54 @@ pub fn check_evaluation(model: &impl model::Model, inputs: &[Tensor], reference_
 /// every parameter (the same set of names on both sides) and, where the fixture has them, every
 /// buffer after the step (BatchNorm running statistics). The weights and buffers must be the
 /// fixture's, freshly loaded: the step updates the buffers. Returns the largest gradient error.
-pub fn check_training_step(fx: &Fixture, graph: &StageGraph, store: &ParamStore, inputs: &[Tensor], policy: &str) -> Result<f64> {
+pub fn check_training_step(
+    fx: &Fixture,
+    graph: &StageGraph,
+    store: &ParamStore,
+    inputs: &[Tensor],
+    policy: &str,
+) -> Result<f64> {
     let exec = Executor::new(graph, &policy.parse()?, store.vars(), 0)?;
     let out = exec.step(inputs, 0)?;
     check_close(&format!("{policy}: loss"), &out.loss, &fx.tensor("loss")?, LOSS_TOL)?;
     let ours: BTreeSet<String> = store.named().map(|(n, _)| n.to_string()).collect();
-    ensure!(ours == fx.names("grad."), "{policy}: parameters differ from the reference: ours {ours:?}, reference {:?}", fx.names("grad."));
-    let want: Vec<Tensor> = store.named().map(|(name, _)| fx.tensor(&format!("grad.{name}"))).collect::<Result<_>>()?;
-    let largest = want.iter().map(|t| Ok(max_abs(&t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?))).collect::<Result<Vec<f64>>>()?;
+    ensure!(
+        ours == fx.names("grad."),
+        "{policy}: parameters differ from the reference: ours {ours:?}, reference {:?}",
+        fx.names("grad.")
+    );
+    let want: Vec<Tensor> =
+        store.named().map(|(name, _)| fx.tensor(&format!("grad.{name}"))).collect::<Result<_>>()?;
+    let largest = want
+        .iter()
+        .map(|t| Ok(max_abs(&t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)))
+        .collect::<Result<Vec<f64>>>()?;
     let floor = 1e-3 * largest.iter().fold(0f64, |m, &x| m.max(x));
     let mut worst = 0f64;
     for ((name, var), want) in store.named().zip(&want) {
-        let g = out.grads.get(var).with_context(|| format!("{policy}: `{name}` got no gradient"))?;
-        worst = worst.max(check_close_floor(&format!("{policy}: gradient of `{name}`"), g, want, GRAD_TOL, floor)?);
+        let g =
+            out.grads.get(var).with_context(|| format!("{policy}: `{name}` got no gradient"))?;
+        worst = worst.max(check_close_floor(
+            &format!("{policy}: gradient of `{name}`"),
+            g,
+            want,
+            GRAD_TOL,
+            floor,
+        )?);
     }
     let stats = fx.names("after.");
     let buffers: BTreeSet<String> = store.buffers().map(|(n, _)| n.to_string()).collect();
-    ensure!(stats == buffers, "{policy}: buffers differ from the reference: ours {buffers:?}, reference {stats:?}");
+    ensure!(
+        stats == buffers,
+        "{policy}: buffers differ from the reference: ours {buffers:?}, reference {stats:?}"
+    );
     for (name, var) in store.buffers() {
-        check_close(&format!("{policy}: `{name}` after the step"), var.as_tensor(), &fx.tensor(&format!("after.{name}"))?, STATS_TOL)?;
+        check_close(
+            &format!("{policy}: `{name}` after the step"),
+            var.as_tensor(),
+            &fx.tensor(&format!("after.{name}"))?,
+            STATS_TOL,
+        )?;
     }
     Ok(worst)
 }

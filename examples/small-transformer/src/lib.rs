@@ -65,11 +65,15 @@ impl Block {
     fn attention(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let hd = c / self.heads;
-        let qkv = self.qkv.forward(x)?.reshape((b, t, 3, self.heads, hd))?.permute((2, 0, 3, 1, 4))?; // (3, B, H, T, hd)
-        let (q, k, v) = (qkv.get(0)?.contiguous()?, qkv.get(1)?.contiguous()?, qkv.get(2)?.contiguous()?);
+        let qkv =
+            self.qkv.forward(x)?.reshape((b, t, 3, self.heads, hd))?.permute((2, 0, 3, 1, 4))?; // (3, B, H, T, hd)
+        let (q, k, v) =
+            (qkv.get(0)?.contiguous()?, qkv.get(1)?.contiguous()?, qkv.get(2)?.contiguous()?);
         let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?; // (B, H, T, T)
-        let future = Tensor::tril2(t, DType::U8, x.device())?.eq(0u8)?.broadcast_as(scores.shape())?;
-        let scores = future.where_cond(&Tensor::full(f32::NEG_INFINITY, scores.shape(), x.device())?, &scores)?;
+        let future =
+            Tensor::tril2(t, DType::U8, x.device())?.eq(0u8)?.broadcast_as(scores.shape())?;
+        let scores = future
+            .where_cond(&Tensor::full(f32::NEG_INFINITY, scores.shape(), x.device())?, &scores)?;
         let weights = ctx.dropout(&candle_nn::ops::softmax(&scores, D::Minus1)?, self.dropout)?;
         let y = weights.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?; // (B, T, C)
         ctx.dropout(&self.proj.forward(&y)?, self.dropout)
@@ -96,7 +100,10 @@ impl Stage for Block {
 /// The model as a stage graph on two inputs, token ids (B, T) and targets (B, T): the
 /// embeddings, the blocks, and a head whose output is the mean cross-entropy.
 pub fn gpt(cfg: &Config, vb: VarBuilder) -> Result<StageGraph> {
-    let (wte, wpe): (Embedding, Embedding) = (embedding(cfg.vocab, cfg.width, vb.pp("wte"))?, embedding(cfg.context, cfg.width, vb.pp("wpe"))?);
+    let (wte, wpe): (Embedding, Embedding) = (
+        embedding(cfg.vocab, cfg.width, vb.pp("wte"))?,
+        embedding(cfg.context, cfg.width, vb.pp("wpe"))?,
+    );
     let p = cfg.dropout;
     let embed = remat::from_fn("embed", StageKind::Other, move |x, ctx| {
         let t = x[0].dim(1)?;
@@ -107,7 +114,10 @@ pub fn gpt(cfg: &Config, vb: VarBuilder) -> Result<StageGraph> {
     for i in 0..cfg.layers {
         stages.push(Box::new(Block::new(cfg, vb.pp(format!("h.{i}")))?));
     }
-    let (ln_f, head) = (layer_norm(cfg.width, 1e-5, vb.pp("ln_f"))?, linear(cfg.width, cfg.vocab, vb.pp("lm_head"))?);
+    let (ln_f, head) = (
+        layer_norm(cfg.width, 1e-5, vb.pp("ln_f"))?,
+        linear(cfg.width, cfg.vocab, vb.pp("lm_head"))?,
+    );
     let loss = remat::from_fn("head", StageKind::Other, move |x, _| {
         let logits = head.forward(&norm(&ln_f, &x[0])?)?; // (B, T, vocab)
         candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &x[1].flatten_all()?)
@@ -116,8 +126,16 @@ pub fn gpt(cfg: &Config, vb: VarBuilder) -> Result<StageGraph> {
 }
 
 /// A batch of `batch` sequences of `t` tokens drawn from a fixed pattern, and its next tokens.
-pub fn batch(cfg: &Config, batch: usize, t: usize, step: u64, device: &Device) -> Result<[Tensor; 2]> {
-    let ids: Vec<u32> = (0..batch * (t + 1)).map(|i| ((i as u64 * 7 + step * 13 + (i / (t + 1)) as u64 * 3) % cfg.vocab as u64) as u32).collect();
+pub fn batch(
+    cfg: &Config,
+    batch: usize,
+    t: usize,
+    step: u64,
+    device: &Device,
+) -> Result<[Tensor; 2]> {
+    let ids: Vec<u32> = (0..batch * (t + 1))
+        .map(|i| ((i as u64 * 7 + step * 13 + (i / (t + 1)) as u64 * 3) % cfg.vocab as u64) as u32)
+        .collect();
     let ids = Tensor::from_vec(ids, (batch, t + 1), device)?;
     Ok([ids.narrow(1, 0, t)?.contiguous()?, ids.narrow(1, 1, t)?.contiguous()?])
 }

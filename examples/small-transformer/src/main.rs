@@ -25,7 +25,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let out = exec.step(&inputs, step)?;
         let peak = heap_peak() - before;
         sgd.step(&out.grads)?;
-        println!("step {step}: loss {:.4}, step peak {:.1} MiB", out.loss.to_scalar::<f32>()?, peak as f64 / (1 << 20) as f64);
+        println!(
+            "step {step}: loss {:.4}, step peak {:.1} MiB",
+            out.loss.to_scalar::<f32>()?,
+            peak as f64 / (1 << 20) as f64
+        );
     }
     Ok(())
 }

@@ -46,8 +46,15 @@ fn checkpointed_gradients_equal_plain_candle_and_the_peak_falls() -> Result<()> 
         reset_heap_peak();
         let out = exec.step(&inputs, step)?;
         let peak = heap_peak() - before;
-        assert!(bits(&varmap, &out.grads) == plain, "{policy}: gradients differ from plain candle's");
-        eprintln!("{policy}: {} segments, step peak {:.2} MiB", exec.segments().len(), peak as f64 / (1 << 20) as f64);
+        assert!(
+            bits(&varmap, &out.grads) == plain,
+            "{policy}: gradients differ from plain candle's"
+        );
+        eprintln!(
+            "{policy}: {} segments, step peak {:.2} MiB",
+            exec.segments().len(),
+            peak as f64 / (1 << 20) as f64
+        );
         Ok(peak)
     };
     let off = measure(&Policy::Off)?;
@@ -70,6 +77,9 @@ fn checkpointed_gradients_equal_plain_candle_and_the_peak_falls() -> Result<()> 
     eprintln!("{request}: {policy}, predicted {predicted} B, measured {peak} B");
     assert!(peak < off, "{request}: step peak {peak} B, not below off's {off} B");
     // The planner predicts from the same heap meter: its figure is the measured one to a few %.
-    assert!((peak as f64 / predicted as f64 - 1.0).abs() < 0.05, "{request}: predicted {predicted} B, measured {peak} B");
+    assert!(
+        (peak as f64 / predicted as f64 - 1.0).abs() < 0.05,
+        "{request}: predicted {predicted} B, measured {peak} B"
+    );
     Ok(())
 }

@@ -67,7 +67,10 @@ pub fn mask_tokens(
     }
     for start in (0..ids.len()).step_by(row_len.max(1)) {
         let row = start..(start + row_len).min(ids.len());
-        if let (false, Some(i)) = (weights[row.clone()].contains(&1.0), ids[row.clone()].iter().position(|&id| !is_special(id))) {
+        if let (false, Some(i)) = (
+            weights[row.clone()].contains(&1.0),
+            ids[row.clone()].iter().position(|&id| !is_special(id)),
+        ) {
             weights[start + i] = 1.0;
             input_ids[start + i] = mask_id;
         }
@@ -88,16 +91,31 @@ pub struct Specials {
 
 impl Specials {
     fn new([cls, sep, mask, pad]: [u32; 4], unk: Option<u32>) -> Self {
-        Specials { cls, sep, mask, pad, all: [cls, sep, mask, pad].into_iter().chain(unk).collect() }
+        Specials {
+            cls,
+            sep,
+            mask,
+            pad,
+            all: [cls, sep, mask, pad].into_iter().chain(unk).collect(),
+        }
     }
 
     fn of_words(vocab: &WordVocab) -> Self {
-        Self::new(["[CLS]", "[SEP]", "[MASK]", "[PAD]"].map(|t| vocab.special(t)), vocab.id("[UNK]"))
+        Self::new(
+            ["[CLS]", "[SEP]", "[MASK]", "[PAD]"].map(|t| vocab.special(t)),
+            vocab.id("[UNK]"),
+        )
     }
 
     fn of_tokenizer(tok: &Tokenizer) -> Result<Self, MlmDataError> {
-        let id = |token| tok.token_id(token).ok_or_else(|| MlmDataError::MissingSpecial { path: tok.path().to_string(), token });
-        Ok(Self::new([id("[CLS]")?, id("[SEP]")?, id("[MASK]")?, id("[PAD]")?], tok.token_id("[UNK]")))
+        let id = |token| {
+            tok.token_id(token)
+                .ok_or_else(|| MlmDataError::MissingSpecial { path: tok.path().to_string(), token })
+        };
+        Ok(Self::new(
+            [id("[CLS]")?, id("[SEP]")?, id("[MASK]")?, id("[PAD]")?],
+            tok.token_id("[UNK]"),
+        ))
     }
 
     pub fn is_special(&self, id: u32) -> bool {
@@ -131,29 +149,57 @@ impl MlmData {
         check(vocab.len(), vocab_size, seq)?;
         let ids = datasets::tokens::narrow_u16(&vocab.encode(&text))?;
         let source = Source::Stream(Batcher::new(ids, seq - 2, vocab_size, seed)?);
-        Ok(MlmData { source, specials: Specials::of_words(&vocab), vocab_len: vocab.len(), seq, seed })
+        Ok(MlmData {
+            source,
+            specials: Specials::of_words(&vocab),
+            vocab_len: vocab.len(),
+            seq,
+            seed,
+        })
     }
 
     /// A text file, one document per line, in whole words of `vocab` (`vocab_size` is the model's).
-    pub fn words(text: &str, vocab: &WordVocab, vocab_size: usize, seq: usize, seed: u64) -> Result<Self, MlmDataError> {
+    pub fn words(
+        text: &str,
+        vocab: &WordVocab,
+        vocab_size: usize,
+        seq: usize,
+        seed: u64,
+    ) -> Result<Self, MlmDataError> {
         check(vocab.len(), vocab_size, seq)?;
         let docs = text.lines().map(|l| vocab.encode(l)).collect();
         Self::documents(docs, Specials::of_words(vocab), vocab.len(), seq, seed)
     }
 
     /// A text file, one document per line, through a tokenizer (`vocab_size` is the model's).
-    pub fn tokenized(text: &str, tokenizer: &Tokenizer, vocab_size: usize, seq: usize, seed: u64) -> Result<Self, MlmDataError> {
+    pub fn tokenized(
+        text: &str,
+        tokenizer: &Tokenizer,
+        vocab_size: usize,
+        seq: usize,
+        seed: u64,
+    ) -> Result<Self, MlmDataError> {
         check(tokenizer.vocab_size(), vocab_size, seq)?;
         let specials = Specials::of_tokenizer(tokenizer)?;
         Self::documents(tokenizer.encode_lines(text)?, specials, tokenizer.vocab_size(), seq, seed)
     }
 
-    fn documents(docs: Vec<Vec<u32>>, specials: Specials, vocab_len: usize, seq: usize, seed: u64) -> Result<Self, MlmDataError> {
+    fn documents(
+        docs: Vec<Vec<u32>>,
+        specials: Specials,
+        vocab_len: usize,
+        seq: usize,
+        seed: u64,
+    ) -> Result<Self, MlmDataError> {
         // Cut here rather than in `Examples`, to drop the pieces with nothing to predict (only
         // special tokens: `[UNK]`s, or a literal `[PAD]` in the text): a batch of them would have
         // no position to score.
-        let pieces: Vec<Vec<u32>> =
-            docs.iter().flat_map(|d| d.chunks(seq - 2)).filter(|p| p.iter().any(|&id| !specials.is_special(id))).map(<[u32]>::to_vec).collect();
+        let pieces: Vec<Vec<u32>> = docs
+            .iter()
+            .flat_map(|d| d.chunks(seq - 2))
+            .filter(|p| p.iter().any(|&id| !specials.is_special(id)))
+            .map(<[u32]>::to_vec)
+            .collect();
         if pieces.is_empty() {
             return Err(MlmDataError::NothingToPredict);
         }
@@ -187,7 +233,8 @@ impl MlmData {
     fn frame(&self, step: u64, examples: Vec<&[u32]>, min_len: usize) -> MaskedBatch {
         let s = &self.specials;
         let seq = examples.iter().map(|e| e.len() + 2).max().unwrap_or(2).max(min_len);
-        let (mut ids, mut attention_mask) = (Vec::with_capacity(examples.len() * seq), Vec::with_capacity(examples.len() * seq));
+        let (mut ids, mut attention_mask) =
+            (Vec::with_capacity(examples.len() * seq), Vec::with_capacity(examples.len() * seq));
         for e in &examples {
             ids.push(s.cls);
             ids.extend_from_slice(e);
@@ -196,8 +243,17 @@ impl MlmData {
             attention_mask.extend((0..seq).map(|i| if i < e.len() + 2 { 1.0 } else { 0.0 }));
         }
         let key = RngKey { step, ..RngKey::named(self.seed, "mlm-mask") };
-        let (input_ids, labels, weights) = mask_tokens(&ids, seq, key, self.vocab_len, s.mask, |id| s.is_special(id));
-        MaskedBatch { batch: examples.len(), seq, token_types: vec![0; ids.len()], attention_mask, input_ids, labels, weights }
+        let (input_ids, labels, weights) =
+            mask_tokens(&ids, seq, key, self.vocab_len, s.mask, |id| s.is_special(id));
+        MaskedBatch {
+            batch: examples.len(),
+            seq,
+            token_types: vec![0; ids.len()],
+            attention_mask,
+            input_ids,
+            labels,
+            weights,
+        }
     }
 }
 

@@ -119,10 +119,18 @@ impl Config {
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads) {
-            return Err(format!("hidden_size ({}) must be a positive multiple of num_attention_heads ({})", self.hidden_size, self.num_attention_heads));
+        if self.num_attention_heads == 0
+            || !self.hidden_size.is_multiple_of(self.num_attention_heads)
+        {
+            return Err(format!(
+                "hidden_size ({}) must be a positive multiple of num_attention_heads ({})",
+                self.hidden_size, self.num_attention_heads
+            ));
         }
-        for (name, p) in [("hidden_dropout_prob", self.hidden_dropout_prob), ("attention_probs_dropout_prob", self.attention_probs_dropout_prob)] {
+        for (name, p) in [
+            ("hidden_dropout_prob", self.hidden_dropout_prob),
+            ("attention_probs_dropout_prob", self.attention_probs_dropout_prob),
+        ] {
             if !(0.0..1.0).contains(&p) {
                 return Err(format!("{name} must be in [0, 1), got {p}"));
             }
@@ -154,7 +162,8 @@ impl Stage for Embeddings {
         let words = fused::embedding(&self.word, &inputs[0])?; // (B, T, C)
         let pos = self.position.narrow(0, 0, t)?; // (T, C)
         let segments = fused::embedding(&self.token_type, &inputs[1])?; // (B, T, C)
-                                                                        // Activations from here on are in the compute dtype.
+
+        // Activations from here on are in the compute dtype.
         let x = (words.broadcast_add(&pos)? + segments)?.to_dtype(self.dtype)?;
         Ok(vec![dropout(&self.ln.forward(&x)?, self.pdrop, ctx)?])
     }
@@ -184,20 +193,67 @@ impl Layer {
         let eps = cfg.layer_norm_eps;
         Ok(Layer {
             index,
-            query: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attention.self.query"), (c, c), WeightLayout::OutIn, 0.02)?,
-            key: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attention.self.key"), (c, c), WeightLayout::OutIn, 0.02)?,
-            value: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attention.self.value"), (c, c), WeightLayout::OutIn, 0.02)?,
-            attn_out: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attention.output.dense"), (c, c), WeightLayout::OutIn, 0.02)?,
+            query: Linear::new(
+                params,
+                cfg.lora.as_ref(),
+                &format!("{p}.attention.self.query"),
+                (c, c),
+                WeightLayout::OutIn,
+                0.02,
+            )?,
+            key: Linear::new(
+                params,
+                cfg.lora.as_ref(),
+                &format!("{p}.attention.self.key"),
+                (c, c),
+                WeightLayout::OutIn,
+                0.02,
+            )?,
+            value: Linear::new(
+                params,
+                cfg.lora.as_ref(),
+                &format!("{p}.attention.self.value"),
+                (c, c),
+                WeightLayout::OutIn,
+                0.02,
+            )?,
+            attn_out: Linear::new(
+                params,
+                cfg.lora.as_ref(),
+                &format!("{p}.attention.output.dense"),
+                (c, c),
+                WeightLayout::OutIn,
+                0.02,
+            )?,
             attn_ln: LayerNorm::new(params, &format!("{p}.attention.output.LayerNorm"), c, eps)?,
-            intermediate: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.intermediate.dense"), (c, cfg.intermediate_size), WeightLayout::OutIn, 0.02)?,
-            output: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.output.dense"), (cfg.intermediate_size, c), WeightLayout::OutIn, 0.02)?,
+            intermediate: Linear::new(
+                params,
+                cfg.lora.as_ref(),
+                &format!("{p}.intermediate.dense"),
+                (c, cfg.intermediate_size),
+                WeightLayout::OutIn,
+                0.02,
+            )?,
+            output: Linear::new(
+                params,
+                cfg.lora.as_ref(),
+                &format!("{p}.output.dense"),
+                (cfg.intermediate_size, c),
+                WeightLayout::OutIn,
+                0.02,
+            )?,
             output_ln: LayerNorm::new(params, &format!("{p}.output.LayerNorm"), c, eps)?,
             n_head: cfg.num_attention_heads,
             attn_pdrop: cfg.attention_probs_dropout_prob,
             hidden_pdrop: cfg.hidden_dropout_prob,
             signature: format!(
                 "bert layer: C {c}, FFN {}, {} heads, eps {eps}, dropout {}/{}, {:?}, LoRA {:?}",
-                cfg.intermediate_size, cfg.num_attention_heads, cfg.attention_probs_dropout_prob, cfg.hidden_dropout_prob, cfg.dtype, cfg.lora
+                cfg.intermediate_size,
+                cfg.num_attention_heads,
+                cfg.attention_probs_dropout_prob,
+                cfg.hidden_dropout_prob,
+                cfg.dtype,
+                cfg.lora
             ),
         })
     }
@@ -206,9 +262,17 @@ impl Layer {
     fn attention(&self, x: &Tensor, mask: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let (nh, hd) = (self.n_head, c / self.n_head);
-        let heads = |l: &Linear| l.forward(x, ctx)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
+        let heads =
+            |l: &Linear| l.forward(x, ctx)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
         let (q, k, v) = (heads(&self.query)?, heads(&self.key)?, heads(&self.value)?);
-        let y = ops::attention((&q, &k, &v), 1.0 / (hd as f64).sqrt(), false, Some(mask), self.attn_pdrop, ctx)?; // (B, nh, T, hd)
+        let y = ops::attention(
+            (&q, &k, &v),
+            1.0 / (hd as f64).sqrt(),
+            false,
+            Some(mask),
+            self.attn_pdrop,
+            ctx,
+        )?; // (B, nh, T, hd)
         y.transpose(1, 2)?.reshape((b, t, c)) // (B, T, C)
     }
 }
@@ -222,9 +286,14 @@ impl Stage for Layer {
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let (x, mask) = (&inputs[0], &inputs[1]); // (B, T, C), (B, T)
-        let a = dropout(&self.attn_out.forward(&self.attention(x, mask, ctx)?, ctx)?, self.hidden_pdrop, ctx)?;
+        let a = dropout(
+            &self.attn_out.forward(&self.attention(x, mask, ctx)?, ctx)?,
+            self.hidden_pdrop,
+            ctx,
+        )?;
         let h = self.attn_ln.forward(&(a + x)?)?;
-        let f = self.output.forward(&fused::gelu(&self.intermediate.forward(&h, ctx)?, true)?, ctx)?; // (B, T, 4C) -> (B, T, C)
+        let f =
+            self.output.forward(&fused::gelu(&self.intermediate.forward(&h, ctx)?, true)?, ctx)?; // (B, T, 4C) -> (B, T, C)
         let f = dropout(&f, self.hidden_pdrop, ctx)?;
         Ok(vec![self.output_ln.forward(&(f + h)?)?])
     }
@@ -244,7 +313,10 @@ impl MlmHead {
     /// Logits (B*T, V) of hidden states (B, T, C).
     fn logits(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
-        let h = self.ln.forward(&fused::gelu(&self.transform.forward(x, ctx)?, true)?)?.reshape((b * t, c))?;
+        let h = self
+            .ln
+            .forward(&fused::gelu(&self.transform.forward(x, ctx)?, true)?)?
+            .reshape((b * t, c))?;
         fused::linear(&h, &self.word, Some(&self.bias), true) // (B*T, V)
     }
 }
@@ -257,7 +329,11 @@ impl Stage for MlmHead {
         StageKind::Other
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
-        Ok(vec![fused::cross_entropy(&self.logits(&inputs[0], ctx)?, &inputs[1], Some(&inputs[2]))?])
+        Ok(vec![fused::cross_entropy(
+            &self.logits(&inputs[0], ctx)?,
+            &inputs[1],
+            Some(&inputs[2]),
+        )?])
         // logits (B*T, V)
     }
 }
@@ -279,18 +355,39 @@ impl Bert {
         let (c, eps) = (config.hidden_size, config.layer_norm_eps);
         let freeze = if config.lora.is_some() { Lora::freeze() } else { config.freeze.clone() };
         let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&freeze);
-        let word = params.get("bert.embeddings.word_embeddings.weight", &[config.vocab_size, c], Init::Normal { std: 0.02 })?;
+        let word = params.get(
+            "bert.embeddings.word_embeddings.weight",
+            &[config.vocab_size, c],
+            Init::Normal { std: 0.02 },
+        )?;
         let embeddings = Arc::new(Embeddings {
             word: word.clone(),
-            position: params.get("bert.embeddings.position_embeddings.weight", &[config.max_position_embeddings, c], Init::Normal { std: 0.02 })?,
-            token_type: params.get("bert.embeddings.token_type_embeddings.weight", &[config.type_vocab_size, c], Init::Normal { std: 0.02 })?,
+            position: params.get(
+                "bert.embeddings.position_embeddings.weight",
+                &[config.max_position_embeddings, c],
+                Init::Normal { std: 0.02 },
+            )?,
+            token_type: params.get(
+                "bert.embeddings.token_type_embeddings.weight",
+                &[config.type_vocab_size, c],
+                Init::Normal { std: 0.02 },
+            )?,
             ln: LayerNorm::new(&mut params, "bert.embeddings.LayerNorm", c, eps)?,
             pdrop: config.hidden_dropout_prob,
             dtype: config.dtype.dtype(),
         });
-        let layers = (0..config.num_hidden_layers).map(|i| Layer::new(&mut params, &config, i).map(Arc::new)).collect::<Result<Vec<_>>>()?;
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| Layer::new(&mut params, &config, i).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
         let head = Arc::new(MlmHead {
-            transform: Linear::new(&mut params, config.lora.as_ref(), "cls.predictions.transform.dense", (c, c), WeightLayout::OutIn, 0.02)?,
+            transform: Linear::new(
+                &mut params,
+                config.lora.as_ref(),
+                "cls.predictions.transform.dense",
+                (c, c),
+                WeightLayout::OutIn,
+                0.02,
+            )?,
             ln: LayerNorm::new(&mut params, "cls.predictions.transform.LayerNorm", c, eps)?,
             word,
             bias: params.get("cls.predictions.bias", &[config.vocab_size], Init::Zeros)?,
@@ -310,7 +407,10 @@ impl Bert {
     pub fn inputs(&self, m: &MaskedBatch, device: &Device) -> Result<Vec<Tensor>> {
         let (b, t) = (m.batch, m.seq);
         if t > self.config.max_position_embeddings {
-            candle_core::bail!("sequence length {t} exceeds max_position_embeddings ({})", self.config.max_position_embeddings)
+            candle_core::bail!(
+                "sequence length {t} exceeds max_position_embeddings ({})",
+                self.config.max_position_embeddings
+            )
         }
         Ok(vec![
             Tensor::from_slice(&m.input_ids, (b, t), device)?,
@@ -326,11 +426,20 @@ impl Bert {
     /// (`RunMode::Train`). `token_types` (B, T) default to 0 (every token in segment A);
     /// `attention_mask` (B, T) is 1 for tokens and 0 for padding, which no token attends to
     /// (default: all 1).
-    pub fn hidden_states(&self, ids: &Tensor, token_types: Option<&Tensor>, attention_mask: Option<&Tensor>, mode: remat::RunMode) -> Result<Tensor> {
+    pub fn hidden_states(
+        &self,
+        ids: &Tensor,
+        token_types: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        mode: remat::RunMode,
+    ) -> Result<Tensor> {
         let zeros = ids.zeros_like()?;
         let ones = Tensor::ones(ids.dims(), DType::F32, ids.device())?;
         let mask = attention_mask.unwrap_or(&ones);
-        let mut x = self.embeddings.forward(&[ids.clone(), token_types.unwrap_or(&zeros).clone()], &mode.ctx(0))?.remove(0);
+        let mut x = self
+            .embeddings
+            .forward(&[ids.clone(), token_types.unwrap_or(&zeros).clone()], &mode.ctx(0))?
+            .remove(0);
         for (i, l) in self.layers.iter().enumerate() {
             x = l.forward(&[x, mask.clone()], &mode.ctx(i + 1))?.remove(0);
         }
@@ -356,12 +465,20 @@ impl model::Model for Bert {
     /// `gamma`/`beta` LayerNorm names included. The pooler, the tied decoder copy and
     /// `position_ids` are skipped.
     fn snapshot_name(&self, name: &str) -> Option<String> {
-        let skip = name.contains("pooler.") || name.ends_with("position_ids") || name.starts_with("cls.predictions.decoder.");
+        let skip = name.contains("pooler.")
+            || name.ends_with("position_ids")
+            || name.starts_with("cls.predictions.decoder.");
         if skip {
             return None;
         }
-        let name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias");
-        Some(if name.starts_with("embeddings.") || name.starts_with("encoder.") { format!("bert.{name}") } else { name })
+        let name = name
+            .replace("LayerNorm.gamma", "LayerNorm.weight")
+            .replace("LayerNorm.beta", "LayerNorm.bias");
+        Some(if name.starts_with("embeddings.") || name.starts_with("encoder.") {
+            format!("bert.{name}")
+        } else {
+            name
+        })
     }
 
     /// The masked-LM head (its decoder is the word embeddings): a bare `BertModel` has none.
@@ -375,7 +492,8 @@ impl model::Benchable for Bert {
     type Config = Config;
     type Data = MlmData;
     const DOWNSAMPLES: bool = false;
-    const KEEPABLE: &'static [remat::keep::OpKind] = &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
+    const KEEPABLE: &'static [remat::keep::OpKind] =
+        &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
 
     fn describe_input(seq: usize) -> String {
         format!("seq {seq}")
@@ -393,7 +511,13 @@ impl model::Benchable for Bert {
         MlmData::synthetic(self.config.vocab_size, seq, seed).map_err(candle_core::Error::wrap)
     }
 
-    fn synthetic_inputs(&self, data: &MlmData, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>> {
+    fn synthetic_inputs(
+        &self,
+        data: &MlmData,
+        step: u64,
+        batch: usize,
+        device: &Device,
+    ) -> Result<Vec<Tensor>> {
         self.inputs(&data.batch(step, batch), device)
     }
 }

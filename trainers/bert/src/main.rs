@@ -55,9 +55,14 @@ struct Setup {
 }
 
 fn main() -> Result<()> {
-    let args: Args = trainkit::parse(trainkit::Defaults { policy: "every-two-blocks", steps: "20", batch: "2", optimizer: "adamw", lr: "1e-4" });
-    let Some((group, device)) = trainkit::launch(&args.run)? else { return Ok(()) };
-    trainkit::or_abort(&group, train(&args, &group, &device))
+    let defaults = trainkit::Defaults {
+        policy: "every-two-blocks",
+        steps: "20",
+        batch: "2",
+        optimizer: "adamw",
+        lr: "1e-4",
+    };
+    trainkit::main(defaults, |args: &Args| &args.run, train)
 }
 
 /// One rank's training (the only one, without data parallelism).
@@ -69,19 +74,37 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         (None, None) => args.preset.config(),
     };
     let lora = args.lora.config(&bert::LORA_TARGETS)?;
-    let config = Config { dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), lora: lora.clone(), ..config };
+    let config = Config {
+        dtype: args.run.dtype,
+        freeze: args.run.freeze.clone().unwrap_or_default(),
+        lora: lora.clone(),
+        ..config
+    };
     if args.setup.seq > config.max_position_embeddings {
-        bail!("--seq {} exceeds the model's max_position_embeddings ({})", args.setup.seq, config.max_position_embeddings);
+        bail!(
+            "--seq {} exceeds the model's max_position_embeddings ({})",
+            args.setup.seq,
+            config.max_position_embeddings
+        );
     }
-    let hidden = (args.run.batch as u128).checked_mul(args.setup.seq as u128).and_then(|n| n.checked_mul(config.hidden_size as u128));
+    let hidden = (args.run.batch as u128)
+        .checked_mul(args.setup.seq as u128)
+        .and_then(|n| n.checked_mul(config.hidden_size as u128));
     trainkit::check_footprint("--batch x --seq", "one layer's hidden states", hidden)?;
     let data = data(args, &config, hub.as_ref())?;
-    let model = trainkit::build_model("--preset, --config or --model-id", || Ok(Bert::new(config, device, args.run.seed)?))?;
+    let model = trainkit::build_model("--preset, --config or --model-id", || {
+        Ok(Bert::new(config, device, args.run.seed)?)
+    })?;
     args.init.load(&model, hub.as_ref())?;
     args.lora.prepare(lora.as_ref(), &model, &bert::LORA_TARGETS)?;
-    let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.batch(step, n), device)?) };
-    // Planned for the longest batch the data can give (--text batches are padded to their own longest row).
-    let longest = |n: usize| -> Result<Vec<candle_core::Tensor>> { Ok(model.inputs(&data.full_length_batch(0, n), device)?) };
+    let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> {
+        Ok(model.inputs(&data.batch(step, n), device)?)
+    };
+    // Planned for the longest batch the data can give (--text batches are padded to their own
+    // longest row).
+    let longest = |n: usize| -> Result<Vec<candle_core::Tensor>> {
+        Ok(model.inputs(&data.full_length_batch(0, n), device)?)
+    };
     let trainer = trainkit::Trainer {
         run: &args.run,
         group,
@@ -111,16 +134,22 @@ fn data(args: &Args, config: &Config, hub: Option<&trainkit::hub::HubFiles>) -> 
     let Some(path) = &args.text else {
         return Ok(MlmData::synthetic(config.vocab_size, args.setup.seq, args.run.seed)?);
     };
-    let text = std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?;
     let tokenizer = match &args.vocab {
         Some(_) => None,
-        None => trainkit::hub::tokenizer_file(args.tokenizer.as_deref(), hub, &[args.config.as_deref(), args.init.init.as_deref()]),
+        None => trainkit::hub::tokenizer_file(
+            args.tokenizer.as_deref(),
+            hub,
+            &[args.config.as_deref(), args.init.init.as_deref()],
+        ),
     };
     let (seq, seed) = (args.setup.seq, args.run.seed);
     if let Some(file) = tokenizer {
         let tokenizer = Tokenizer::from_file(&file)?;
         trainkit::say!("--text {}: tokenized by {}", path.display(), file.display());
-        return MlmData::tokenized(&text, &tokenizer, config.vocab_size, seq, seed).with_context(|| format!("--text {}", path.display()));
+        return MlmData::tokenized(&text, &tokenizer, config.vocab_size, seq, seed)
+            .with_context(|| format!("--text {}", path.display()));
     }
     let vocab = match &args.vocab {
         Some(v) => WordVocab::from_file(v).with_context(|| format!("--vocab {}", v.display()))?,
@@ -131,5 +160,6 @@ fn data(args: &Args, config: &Config, hub: Option<&trainkit::hub::HubFiles>) -> 
             "warning: --text is read in whole words of its own vocabulary, whose ids mean nothing to the pre-trained embeddings: give --tokenizer (or --vocab)"
         );
     }
-    MlmData::words(&text, &vocab, config.vocab_size, seq, seed).with_context(|| format!("--text {}", path.display()))
+    MlmData::words(&text, &vocab, config.vocab_size, seq, seed)
+        .with_context(|| format!("--text {}", path.display()))
 }

@@ -10,5 +10,10 @@ static ALLOC: CountingAlloc = CountingAlloc;
 
 #[test]
 fn alike_stages_measured_once_predict_what_measuring_each_does() {
-    testkit::assert_alike_stages_predict_as_measured::<bert::Bert>(&bert::Config::tiny(6, 64), 32, 4, 5);
+    testkit::assert_alike_stages_predict_as_measured::<bert::Bert>(
+        &bert::Config::tiny(6, 64),
+        32,
+        4,
+        5,
+    );
 }

@@ -33,7 +33,8 @@ fn data(padded: bool, vocab_size: usize, seq: usize) -> MlmData {
         false => MlmData::synthetic(vocab_size, seq, 1).unwrap(),
         true => {
             let text = ragged_text();
-            MlmData::words(&text, &datasets::text::WordVocab::build(&text), vocab_size, seq, 1).unwrap()
+            MlmData::words(&text, &datasets::text::WordVocab::build(&text), vocab_size, seq, 1)
+                .unwrap()
         }
     }
 }
@@ -46,19 +47,34 @@ fn train_on(policy: &str, replay_rng: bool, padded: bool, dtype: Precision) -> T
     let cfg = Config { dtype, ..Config::tiny(6, 32) };
     let (batch, seq) = (2, 24);
     let model = Bert::new(cfg.clone(), &Device::Cpu, 42).unwrap();
-    let mut exec = Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 7).unwrap();
+    let mut exec =
+        Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 7)
+            .unwrap();
     if !replay_rng {
         exec = exec.without_rng_replay();
     }
-    let mut opt = AdamW::new(model.params().vars(), ParamsAdamW { lr: 1e-3, ..Default::default() }).unwrap();
+    let mut opt =
+        AdamW::new(model.params().vars(), ParamsAdamW { lr: 1e-3, ..Default::default() }).unwrap();
     let data = data(padded, cfg.vocab_size, seq);
     (0..2u64)
         .map(|step| {
             let m = data.batch(step, batch);
-            assert_eq!(padded, m.attention_mask.contains(&0.0), "padded batches must hold padding, full-length ones none");
+            assert_eq!(
+                padded,
+                m.attention_mask.contains(&0.0),
+                "padded batches must hold padding, full-length ones none"
+            );
             let out = exec.step(&model.inputs(&m, &Device::Cpu).unwrap(), step).unwrap();
             opt.step(&out.grads).unwrap();
-            (out.loss.to_dtype(candle_core::DType::F32).unwrap().to_scalar::<f32>().unwrap().to_bits(), model.params().grad_bits(&out.grads).unwrap())
+            (
+                out.loss
+                    .to_dtype(candle_core::DType::F32)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+                    .to_bits(),
+                model.params().grad_bits(&out.grads).unwrap(),
+            )
         })
         .collect()
 }
@@ -80,10 +96,19 @@ fn half_precision_gradients_equal_off_bit_for_bit() {
 
 fn assert_policies_match_off(padded: bool, dtype: Precision) {
     let off = train_on("off", true, padded, dtype);
-    for policy in ["sqrt", "every-two-blocks", "every-n=1", "sqrt+keep=matmul+attention", "every-n=1+keep=matmul"] {
+    for policy in [
+        "sqrt",
+        "every-two-blocks",
+        "every-n=1",
+        "sqrt+keep=matmul+attention",
+        "every-n=1+keep=matmul",
+    ] {
         let run = train_on(policy, true, padded, dtype);
         for (step, (a, b)) in off.iter().zip(&run).enumerate() {
-            assert_eq!(a.0, b.0, "{policy} (padded: {padded}, {dtype}): loss differs at step {step}");
+            assert_eq!(
+                a.0, b.0,
+                "{policy} (padded: {padded}, {dtype}): loss differs at step {step}"
+            );
             assert_eq!(a.1.len(), b.1.len(), "{policy}");
             for (name, g) in &a.1 {
                 assert!(g == &b.1[name], "{policy} (padded: {padded}, {dtype}): gradient of {name} differs at step {step}");
@@ -105,7 +130,10 @@ fn every_parameter_receives_a_nonzero_gradient() {
         for (_, grads) in train(policy, true) {
             assert_eq!(grads.len(), n, "{policy}: some parameters got no gradient");
             for (name, g) in grads {
-                assert!(g.iter().any(|&b| f32::from_bits(b) != 0.0), "{policy}: gradient of {name} is all zero");
+                assert!(
+                    g.iter().any(|&b| f32::from_bits(b) != 0.0),
+                    "{policy}: gradient of {name} is all zero"
+                );
             }
         }
     }
@@ -119,9 +147,14 @@ fn masking_follows_bert() {
     let chosen: Vec<usize> = (0..m.weights.len()).filter(|&i| m.weights[i] == 1.0).collect();
     let frac = chosen.len() as f64 / (64.0 * 126.0);
     assert!((frac - 0.15).abs() < 0.01, "{frac} of the words chosen");
-    let masked = chosen.iter().filter(|&&i| m.input_ids[i] == mask).count() as f64 / chosen.len() as f64;
-    let kept = chosen.iter().filter(|&&i| m.input_ids[i] == m.labels[i]).count() as f64 / chosen.len() as f64;
-    assert!((masked - 0.8).abs() < 0.03 && (kept - 0.1).abs() < 0.03, "masked {masked}, kept {kept}");
+    let masked =
+        chosen.iter().filter(|&&i| m.input_ids[i] == mask).count() as f64 / chosen.len() as f64;
+    let kept = chosen.iter().filter(|&&i| m.input_ids[i] == m.labels[i]).count() as f64
+        / chosen.len() as f64;
+    assert!(
+        (masked - 0.8).abs() < 0.03 && (kept - 0.1).abs() < 0.03,
+        "masked {masked}, kept {kept}"
+    );
     assert!(m.input_ids.chunks(128).all(|s| s[0] == cls && m.weights[0] == 0.0));
     assert_eq!(data.batch(0, 64).input_ids, m.input_ids, "masking is a function of the step");
     assert_ne!(data.batch(1, 64).input_ids, m.input_ids);

@@ -1,9 +1,13 @@
 //! `train-bert` refuses options it would not use instead of ignoring them.
 
 fn fails_saying(args: &[&str], needle: &str) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_train-bert")).args(args).output().unwrap();
+    let out =
+        std::process::Command::new(env!("CARGO_BIN_EXE_train-bert")).args(args).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
+    assert!(
+        !out.status.success() && !err.contains("panicked") && err.contains(needle),
+        "{args:?}: {err}"
+    );
 }
 
 /// Options that would go unused are refused. Unchecked, `--vocab` without text data would print the
@@ -24,5 +28,8 @@ fn options_that_would_go_unused_are_refused() {
     ] {
         fails_saying(&[&tiny[..], extra].concat(), needle);
     }
-    fails_saying(&["--model-id", "someone/x", "--init", "w.safetensors", "--offline"], "cannot be used with");
+    fails_saying(
+        &["--model-id", "someone/x", "--init", "w.safetensors", "--offline"],
+        "cannot be used with",
+    );
 }

@@ -10,7 +10,11 @@ static ALLOC: CountingAlloc = CountingAlloc;
 #[test]
 fn lora_trains_the_adapters_alone_bit_exact_and_without_weight_gradients() {
     let full = bert::Config::tiny(4, 64);
-    let lora = params::lora::Lora { dropout: 0.1, init_lora_weights: false, ..params::lora::Lora::new(4, &["query", "key", "value", "dense"]) };
+    let lora = params::lora::Lora {
+        dropout: 0.1,
+        init_lora_weights: false,
+        ..params::lora::Lora::new(4, &["query", "key", "value", "dense"])
+    };
     let config = bert::Config { lora: Some(lora), ..full.clone() };
     testkit::assert_lora_trains_adapters_only::<bert::Bert>(&config, &full, 8, 1);
 }

@@ -20,9 +20,13 @@ const SEQ: usize = 128;
 fn peaks(policy: &str) -> Peaks {
     let cfg = Config::tiny(LAYERS, 64);
     let model = Bert::new(cfg.clone(), &Device::Cpu, 3).unwrap();
-    let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
+    let exec =
+        Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
     let data = MlmData::synthetic(cfg.vocab_size, SEQ, 1).unwrap();
-    testkit::second_step_peaks(&exec, |step| model.inputs(&data.batch(step, BATCH), &Device::Cpu).unwrap()).unwrap()
+    testkit::second_step_peaks(&exec, |step| {
+        model.inputs(&data.batch(step, BATCH), &Device::Cpu).unwrap()
+    })
+    .unwrap()
 }
 
 #[test]
@@ -40,19 +44,19 @@ fn off_forward_end() -> u64 {
 }
 
 // The end of forward, from the shapes (checked within 5 %); the activation peaks, measured and
-// committed (within 10 %: they include candle's gradients in flight, which are not derived). Unit: BTC = 2 x 128 x 64 f32 = 64 KiB. Forward,
-// per layer, candle's graph holds every intermediate that feeds another op; the `ops::fused`
-// ops keep only their output: q, k, v 6 BTC (fused linear, whose product before the bias is no
-// node, then a contiguous copy of the head transpose); the fused attention's output 1 (scores and
-// probabilities are rebuilt in backward: no (T, T) map is kept) and the merge-heads copy 1;
-// attention projection 1, its dropout 1 (no mask kept), residual add 1, LayerNorm 1; intermediate
-// 4 and GELU 4; output 1, dropout 1, add 1, LayerNorm 1: 24 BTC = 1.57 MB per layer (1.58 MB
-// measured with the row statistics). `off`: 24 layers + embeddings (0.33 MB) + MLM head (1.2 MB) =
-// 39 MB at the end of forward; candle's backward adds the gradients in flight (measured, not
-// derived; the fused GELU's backward is one pass): 41 MB. `sqrt`: segments of 5 layers; a
-// recomputed segment holds 5 x 1.58 = 8 MB plus the embeddings or the stored boundaries, and its
-// backward's gradients: 10 MB. (With a composed dropout, candle's backward would also keep, until
-// it returned, a gradient for every dropout mask: a constant operand of a product, whose gradient
-// candle computes and stores but never releases; that would add most of 0.4-0.6x.)
+// committed (within 10 %: they include candle's gradients in flight, which are not derived). Unit:
+// BTC = 2 x 128 x 64 f32 = 64 KiB. Forward, per layer, candle's graph holds every intermediate that
+// feeds another op; the `ops::fused` ops keep only their output: q, k, v 6 BTC (fused linear, whose
+// product before the bias is no node, then a contiguous copy of the head transpose); the fused
+// attention's output 1 (scores and probabilities are rebuilt in backward: no (T, T) map is kept)
+// and the merge-heads copy 1; attention projection 1, its dropout 1 (no mask kept), residual add 1,
+// LayerNorm 1; intermediate 4 and GELU 4; output 1, dropout 1, add 1, LayerNorm 1: 24 BTC = 1.57 MB
+// per layer (1.58 MB measured with the row statistics). `off`: 24 layers + embeddings (0.33 MB) +
+// MLM head (1.2 MB) = 39 MB at the end of forward; candle's backward adds the gradients in flight
+// (measured, not derived; the fused GELU's backward is one pass): 41 MB. `sqrt`: segments of 5
+// layers; a recomputed segment holds 5 x 1.58 = 8 MB plus the embeddings or the stored boundaries,
+// and its backward's gradients: 10 MB. (With a composed dropout, candle's backward would also keep,
+// until it returned, a gradient for every dropout mask: a constant operand of a product, whose
+// gradient candle computes and stores but never releases; that would add most of 0.4-0.6x.)
 const OFF_ACTIVATION: u64 = 41_262_862;
 const SQRT_ACTIVATION: u64 = 10_195_079;

@@ -20,12 +20,21 @@ fn write_hf_files(model: &Bert, dir: &Path) {
     let mut tensors: HashMap<String, Tensor> = model
         .params()
         .named()
-        .map(|(n, v)| (n.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"), v.as_tensor().clone()))
+        .map(|(n, v)| {
+            (
+                n.replace("LayerNorm.weight", "LayerNorm.gamma")
+                    .replace("LayerNorm.bias", "LayerNorm.beta"),
+                v.as_tensor().clone(),
+            )
+        })
         .collect();
     let word = tensors["bert.embeddings.word_embeddings.weight"].clone();
     tensors.insert("cls.predictions.decoder.weight".into(), word);
     let c = model.config.hidden_size;
-    tensors.insert("bert.pooler.dense.weight".into(), Tensor::zeros((c, c), candle_core::DType::F32, &Device::Cpu).unwrap());
+    tensors.insert(
+        "bert.pooler.dense.weight".into(),
+        Tensor::zeros((c, c), candle_core::DType::F32, &Device::Cpu).unwrap(),
+    );
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
     let mut json = serde_json::to_value(&model.config).unwrap();
     json["architectures"] = serde_json::json!(["BertForMaskedLM"]);
@@ -36,7 +45,10 @@ fn write_hf_files(model: &Bert, dir: &Path) {
 fn logits(model: &Bert) -> Vec<f32> {
     let ids = Tensor::new(&[[2u32, 7, 9, 4, 3], [2, 30, 31, 32, 3]], &Device::Cpu).unwrap();
     model
-        .logits(&model.hidden_states(&ids, None, None, remat::RunMode::Eval).unwrap(), remat::RunMode::Eval)
+        .logits(
+            &model.hidden_states(&ids, None, None, remat::RunMode::Eval).unwrap(),
+            remat::RunMode::Eval,
+        )
         .unwrap()
         .flatten_all()
         .unwrap()
@@ -49,7 +61,8 @@ fn config_and_safetensors_reproduce_the_logits() {
     let dir = temp_dir("files");
     let saved = Bert::new(Config::tiny(2, 32), &Device::Cpu, 1).unwrap();
     write_hf_files(&saved, &dir);
-    let loaded = Bert::new(Config::from_json(&dir.join("config.json")).unwrap(), &Device::Cpu, 2).unwrap();
+    let loaded =
+        Bert::new(Config::from_json(&dir.join("config.json")).unwrap(), &Device::Cpu, 2).unwrap();
     assert_ne!(logits(&loaded), logits(&saved));
     loaded.load_snapshot(&dir.join("model.safetensors")).unwrap();
     assert_eq!(logits(&loaded), logits(&saved));
@@ -75,12 +88,23 @@ fn a_model_id_resolves_from_the_hub_cache_offline() {
     let loaded = Bert::new(Config::from_json(&files.config).unwrap(), &Device::Cpu, 5).unwrap();
     loaded.load_snapshot(&files.weights).unwrap();
     assert_eq!(logits(&loaded), logits(&saved));
-    let err = trainkit::hub::hub_files("someone/missing", Some(&cache), true).unwrap_err().to_string();
+    let err =
+        trainkit::hub::hub_files("someone/missing", Some(&cache), true).unwrap_err().to_string();
     assert!(err.contains("not in the cache") && err.contains("offline"), "{err}");
 
     // The trainer takes the same path: one step from the cached weights.
     let out = Command::new(env!("CARGO_BIN_EXE_train-bert"))
-        .args(["--model-id", "someone/tiny-bert", "--hub-cache", cache.to_str().unwrap(), "--offline", "--steps", "1", "--seq", "16"])
+        .args([
+            "--model-id",
+            "someone/tiny-bert",
+            "--hub-cache",
+            cache.to_str().unwrap(),
+            "--offline",
+            "--steps",
+            "1",
+            "--seq",
+            "16",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -89,7 +113,8 @@ fn a_model_id_resolves_from_the_hub_cache_offline() {
 
 #[test]
 fn bad_input_gives_clear_errors() {
-    let run = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_train-bert")).args(args).output().unwrap();
+    let run =
+        |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_train-bert")).args(args).output().unwrap();
     for (args, needle) in [
         (vec!["--preset", "huge"], "valid presets: tiny, base"),
         (vec!["--preset", "tiny", "--seq", "300"], "max_position_embeddings (256)"),
@@ -97,7 +122,10 @@ fn bad_input_gives_clear_errors() {
     ] {
         let out = run(&args);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
+        assert!(
+            !out.status.success() && !err.contains("panicked") && err.contains(needle),
+            "{args:?}: {err}"
+        );
     }
     let dir = temp_dir("config");
     let path = dir.join("config.json");
@@ -110,11 +138,26 @@ fn bad_input_gives_clear_errors() {
 fn loss_falls_on_the_default_corpus() {
     let log = temp_dir("log").join("log.jsonl");
     let out = Command::new(env!("CARGO_BIN_EXE_train-bert"))
-        .args(["--preset", "tiny", "--steps", "40", "--batch", "8", "--seq", "32", "--lr", "3e-3", "--log-json", log.to_str().unwrap()])
+        .args([
+            "--preset",
+            "tiny",
+            "--steps",
+            "40",
+            "--batch",
+            "8",
+            "--seq",
+            "32",
+            "--lr",
+            "3e-3",
+            "--log-json",
+            log.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let losses: Vec<f64> = trainkit::read_losses(&log).unwrap().into_iter().map(f64::from).collect();
-    let (first, last) = (losses[..5].iter().sum::<f64>() / 5.0, losses[35..].iter().sum::<f64>() / 5.0);
+    let losses: Vec<f64> =
+        trainkit::read_losses(&log).unwrap().into_iter().map(f64::from).collect();
+    let (first, last) =
+        (losses[..5].iter().sum::<f64>() / 5.0, losses[35..].iter().sum::<f64>() / 5.0);
     assert!(last < first - 1.0, "loss went {first:.3} -> {last:.3}");
 }

@@ -26,12 +26,18 @@ fn against_pytorch() -> Result<()> {
 }
 
 fn against_fixture(name: &str) -> Result<()> {
-    let fx = Fixture::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/{name}.safetensors")))?;
+    let fx = Fixture::load(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/{name}.safetensors")),
+    )?;
     let model = Bert::new(bert::Config { lora: fx.lora()?, ..fx.config()? }, &Device::Cpu, 0)?;
     fx.load_into(&model)?;
     let (b, t) = fx.tensor("ids")?.dims2()?;
-    let attention_mask: Vec<f32> = fx.ids("attention_mask")?.into_iter().map(|m| m as f32).collect();
-    assert!(attention_mask.contains(&0.0) && fx.ids("token_types")?.contains(&1), "the fixture exercises padding and segment B");
+    let attention_mask: Vec<f32> =
+        fx.ids("attention_mask")?.into_iter().map(|m| m as f32).collect();
+    assert!(
+        attention_mask.contains(&0.0) && fx.ids("token_types")?.contains(&1),
+        "the fixture exercises padding and segment B"
+    );
     let batch = MaskedBatch {
         batch: b,
         seq: t,
@@ -42,8 +48,18 @@ fn against_fixture(name: &str) -> Result<()> {
         weights: fx.f32s("weights")?,
     };
     let inputs = model.inputs(&batch, &Device::Cpu)?;
-    let hidden = model.hidden_states(&inputs[0], Some(&inputs[1]), Some(&inputs[2]), remat::RunMode::Eval)?;
-    check_close("logits", &model.logits(&hidden, remat::RunMode::Eval)?, &fx.tensor("logits")?, LOGITS_TOL)?;
+    let hidden = model.hidden_states(
+        &inputs[0],
+        Some(&inputs[1]),
+        Some(&inputs[2]),
+        remat::RunMode::Eval,
+    )?;
+    check_close(
+        "logits",
+        &model.logits(&hidden, remat::RunMode::Eval)?,
+        &fx.tensor("logits")?,
+        LOGITS_TOL,
+    )?;
     for policy in ["off", "sqrt"] {
         let worst = check_training_step(&fx, model.graph(), model.params(), &inputs, policy)?;
         eprintln!("{policy}: largest gradient error {worst:.2e}");

@@ -80,7 +80,14 @@ impl Preset {
             Preset::Large => (36, 1280, 20),
             Preset::Xl => (48, 1600, 25),
         };
-        Config { vocab_size: 50257, n_positions: 1024, n_embd, n_layer, n_head, ..Config::tiny(0, 0) }
+        Config {
+            vocab_size: 50257,
+            n_positions: 1024,
+            n_embd,
+            n_layer,
+            n_head,
+            ..Config::tiny(0, 0)
+        }
     }
 }
 
@@ -109,18 +116,32 @@ impl Config {
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
-        for (name, v) in [("vocab_size", self.vocab_size), ("n_positions", self.n_positions), ("n_layer", self.n_layer)] {
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("n_positions", self.n_positions),
+            ("n_layer", self.n_layer),
+        ] {
             if v == 0 {
                 return Err(format!("{name} must be at least 1"));
             }
         }
         if !(self.layer_norm_epsilon.is_finite() && self.layer_norm_epsilon > 0.0) {
-            return Err(format!("layer_norm_epsilon must be a positive number, got {}", self.layer_norm_epsilon));
+            return Err(format!(
+                "layer_norm_epsilon must be a positive number, got {}",
+                self.layer_norm_epsilon
+            ));
         }
         if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
-            return Err(format!("n_embd ({}) must be a positive multiple of n_head ({})", self.n_embd, self.n_head));
+            return Err(format!(
+                "n_embd ({}) must be a positive multiple of n_head ({})",
+                self.n_embd, self.n_head
+            ));
         }
-        for (name, p) in [("embd_pdrop", self.embd_pdrop), ("attn_pdrop", self.attn_pdrop), ("resid_pdrop", self.resid_pdrop)] {
+        for (name, p) in [
+            ("embd_pdrop", self.embd_pdrop),
+            ("attn_pdrop", self.attn_pdrop),
+            ("resid_pdrop", self.resid_pdrop),
+        ] {
             if !(0.0..1.0).contains(&p) {
                 return Err(format!("{name} must be in [0, 1), got {p}"));
             }
@@ -149,7 +170,8 @@ impl Stage for Embed {
         let t = ids.dim(1)?;
         let tok = ops::fused::embedding(&self.wte, ids)?; // (B, T, C)
         let pos = self.wpe.narrow(0, 0, t)?; // (T, C)
-                                             // Activations from here on are in the compute dtype.
+
+        // Activations from here on are in the compute dtype.
         Ok(vec![dropout(&tok.broadcast_add(&pos)?.to_dtype(self.dtype)?, self.pdrop, ctx)?])
     }
 }
@@ -179,17 +201,50 @@ impl Block {
         Ok(Block {
             index,
             ln_1: LayerNorm::new(params, &format!("{p}.ln_1"), c, cfg.layer_norm_epsilon)?,
-            c_attn: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attn.c_attn"), (c, 3 * c), WeightLayout::InOut, 0.02)?,
-            attn_proj: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.attn.c_proj"), (c, c), WeightLayout::InOut, proj_std)?,
+            c_attn: Linear::new(
+                params,
+                cfg.lora.as_ref(),
+                &format!("{p}.attn.c_attn"),
+                (c, 3 * c),
+                WeightLayout::InOut,
+                0.02,
+            )?,
+            attn_proj: Linear::new(
+                params,
+                cfg.lora.as_ref(),
+                &format!("{p}.attn.c_proj"),
+                (c, c),
+                WeightLayout::InOut,
+                proj_std,
+            )?,
             ln_2: LayerNorm::new(params, &format!("{p}.ln_2"), c, cfg.layer_norm_epsilon)?,
-            c_fc: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.mlp.c_fc"), (c, 4 * c), WeightLayout::InOut, 0.02)?,
-            mlp_proj: Linear::new(params, cfg.lora.as_ref(), &format!("{p}.mlp.c_proj"), (4 * c, c), WeightLayout::InOut, proj_std)?,
+            c_fc: Linear::new(
+                params,
+                cfg.lora.as_ref(),
+                &format!("{p}.mlp.c_fc"),
+                (c, 4 * c),
+                WeightLayout::InOut,
+                0.02,
+            )?,
+            mlp_proj: Linear::new(
+                params,
+                cfg.lora.as_ref(),
+                &format!("{p}.mlp.c_proj"),
+                (4 * c, c),
+                WeightLayout::InOut,
+                proj_std,
+            )?,
             n_head: cfg.n_head,
             attn_pdrop: cfg.attn_pdrop,
             resid_pdrop: cfg.resid_pdrop,
             signature: format!(
                 "gpt2 block: C {c}, {} heads, eps {}, dropout {}/{}, {:?}, LoRA {:?}",
-                cfg.n_head, cfg.layer_norm_epsilon, cfg.attn_pdrop, cfg.resid_pdrop, cfg.dtype, cfg.lora
+                cfg.n_head,
+                cfg.layer_norm_epsilon,
+                cfg.attn_pdrop,
+                cfg.resid_pdrop,
+                cfg.dtype,
+                cfg.lora
             ),
         })
     }
@@ -198,9 +253,18 @@ impl Block {
         let (b, t, c) = x.dims3()?;
         let (nh, hd) = (self.n_head, c / self.n_head);
         let qkv = self.c_attn.forward(x, ctx)?; // (B, T, 3C)
-        let head = |i: usize| qkv.narrow(2, i * c, c)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
+        let head = |i: usize| {
+            qkv.narrow(2, i * c, c)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()
+        }; // (B, nh, T, hd)
         let (q, k, v) = (head(0)?, head(1)?, head(2)?);
-        let y = ops::attention((&q, &k, &v), 1.0 / (hd as f64).sqrt(), true, None, self.attn_pdrop, ctx)?; // (B, nh, T, hd), causal
+        let y = ops::attention(
+            (&q, &k, &v),
+            1.0 / (hd as f64).sqrt(),
+            true,
+            None,
+            self.attn_pdrop,
+            ctx,
+        )?; // (B, nh, T, hd), causal
         let y = y.transpose(1, 2)?.reshape((b, t, c))?; // (B, T, C)
         self.attn_proj.forward(&y, ctx)
     }
@@ -220,7 +284,8 @@ impl Stage for Block {
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let x = &inputs[0]; // (B, T, C)
-        let x = (x + dropout(&self.attention(&self.ln_1.forward(x)?, ctx)?, self.resid_pdrop, ctx)?)?;
+        let x =
+            (x + dropout(&self.attention(&self.ln_1.forward(x)?, ctx)?, self.resid_pdrop, ctx)?)?;
         let x = (&x + dropout(&self.mlp(&self.ln_2.forward(&x)?, ctx)?, self.resid_pdrop, ctx)?)?;
         Ok(vec![x])
     }
@@ -272,8 +337,15 @@ impl Gpt2 {
         let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&freeze);
         let wte = params.get("wte.weight", &[v, c], Init::Normal { std: 0.02 })?;
         let wpe = params.get("wpe.weight", &[config.n_positions, c], Init::Normal { std: 0.02 })?;
-        let embed = Arc::new(Embed { wte: wte.clone(), wpe, pdrop: config.embd_pdrop, dtype: config.dtype.dtype() });
-        let blocks = (0..config.n_layer).map(|i| Block::new(&mut params, &config, i).map(Arc::new)).collect::<Result<Vec<_>>>()?;
+        let embed = Arc::new(Embed {
+            wte: wte.clone(),
+            wpe,
+            pdrop: config.embd_pdrop,
+            dtype: config.dtype.dtype(),
+        });
+        let blocks = (0..config.n_layer)
+            .map(|i| Block::new(&mut params, &config, i).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::new(&mut params, "ln_f", c, config.layer_norm_epsilon)?;
         let head = Arc::new(Head { ln_f, wte });
 
@@ -288,11 +360,24 @@ impl Gpt2 {
     }
 
     /// The graph inputs for a batch of flattened (B*T) ids and targets.
-    pub fn inputs(&self, ids: &[u32], targets: &[u32], batch: usize, seq: usize, device: &Device) -> Result<Vec<Tensor>> {
+    pub fn inputs(
+        &self,
+        ids: &[u32],
+        targets: &[u32],
+        batch: usize,
+        seq: usize,
+        device: &Device,
+    ) -> Result<Vec<Tensor>> {
         if seq > self.config.n_positions {
-            candle_core::bail!("sequence length {seq} exceeds the context of {} positions", self.config.n_positions)
+            candle_core::bail!(
+                "sequence length {seq} exceeds the context of {} positions",
+                self.config.n_positions
+            )
         }
-        Ok(vec![Tensor::from_slice(ids, (batch, seq), device)?, Tensor::from_slice(targets, (batch, seq), device)?])
+        Ok(vec![
+            Tensor::from_slice(ids, (batch, seq), device)?,
+            Tensor::from_slice(targets, (batch, seq), device)?,
+        ])
     }
 
     /// Logits (B, T, V) for ids (B, T): in evaluation mode (no dropout), or in training mode with
@@ -319,7 +404,9 @@ impl model::Model for Gpt2 {
     /// `lm_head.weight` and the attention-mask buffers are skipped.
     fn snapshot_name(&self, name: &str) -> Option<String> {
         let name = name.strip_prefix("transformer.").unwrap_or(name);
-        let skip = name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias");
+        let skip = name == "lm_head.weight"
+            || name.ends_with(".attn.bias")
+            || name.ends_with(".attn.masked_bias");
         (!skip).then(|| name.to_string())
     }
 
@@ -334,7 +421,8 @@ impl model::Benchable for Gpt2 {
     type Config = Config;
     type Data = (datasets::tokens::Batcher, usize);
     const DOWNSAMPLES: bool = false;
-    const KEEPABLE: &'static [remat::keep::OpKind] = &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
+    const KEEPABLE: &'static [remat::keep::OpKind] =
+        &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
 
     fn describe_input(seq: usize) -> String {
         format!("seq {seq}")
@@ -353,17 +441,37 @@ impl model::Benchable for Gpt2 {
         let (c, v, n) = (config.n_embd, config.vocab_size, config.n_positions);
         let layer_norm = || [vec![c], vec![c]];
         let conv1d = |n_in: usize, n_out: usize| [vec![n_in, n_out], vec![n_out]];
-        let block = || [layer_norm(), conv1d(c, 3 * c), conv1d(c, c), layer_norm(), conv1d(c, 4 * c), conv1d(4 * c, c)].concat();
+        let block = || {
+            [
+                layer_norm(),
+                conv1d(c, 3 * c),
+                conv1d(c, c),
+                layer_norm(),
+                conv1d(c, 4 * c),
+                conv1d(4 * c, c),
+            ]
+            .concat()
+        };
         let blocks = (0..config.n_layer).flat_map(|_| block());
         Ok([vec![v, c], vec![n, c]].into_iter().chain(blocks).chain(layer_norm()).collect())
     }
 
     fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {
         let tokens = datasets::text::byte_tokens(&datasets::text::synthetic_corpus(seed, 1 << 18));
-        Ok((datasets::tokens::Batcher::new(tokens, seq, self.config.vocab_size, seed).map_err(candle_core::Error::wrap)?, seq))
+        Ok((
+            datasets::tokens::Batcher::new(tokens, seq, self.config.vocab_size, seed)
+                .map_err(candle_core::Error::wrap)?,
+            seq,
+        ))
     }
 
-    fn synthetic_inputs(&self, (data, seq): &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>> {
+    fn synthetic_inputs(
+        &self,
+        (data, seq): &Self::Data,
+        step: u64,
+        batch: usize,
+        device: &Device,
+    ) -> Result<Vec<Tensor>> {
         let (ids, targets) = data.batch(step, batch);
         self.inputs(&ids, &targets, batch, *seq, device)
     }

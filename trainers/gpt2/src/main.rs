@@ -53,9 +53,14 @@ struct Setup {
 }
 
 fn main() -> Result<()> {
-    let args: Args = trainkit::parse(trainkit::Defaults { policy: "sqrt", steps: "50", batch: "2", optimizer: "adamw", lr: "6e-4" });
-    let Some((group, device)) = trainkit::launch(&args.run)? else { return Ok(()) };
-    trainkit::or_abort(&group, train(&args, &group, &device))
+    let defaults = trainkit::Defaults {
+        policy: "sqrt",
+        steps: "50",
+        batch: "2",
+        optimizer: "adamw",
+        lr: "6e-4",
+    };
+    trainkit::main(defaults, |args: &Args| &args.run, train)
 }
 
 /// One rank's training (the only one, without data parallelism).
@@ -67,24 +72,47 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         (None, None) => args.preset.config(),
     };
     let lora = args.lora.config(&gpt2::LORA_TARGETS)?;
-    let config = Config { dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), lora: lora.clone(), ..config };
+    let config = Config {
+        dtype: args.run.dtype,
+        freeze: args.run.freeze.clone().unwrap_or_default(),
+        lora: lora.clone(),
+        ..config
+    };
     if args.setup.seq == 0 || args.setup.seq > config.n_positions {
-        bail!("--seq {} is out of range: the model's context is 1..={} positions", args.setup.seq, config.n_positions);
+        bail!(
+            "--seq {} is out of range: the model's context is 1..={} positions",
+            args.setup.seq,
+            config.n_positions
+        );
     }
-    let logits = (args.run.batch as u128).checked_mul(args.setup.seq as u128).and_then(|n| n.checked_mul(config.vocab_size as u128));
+    let logits = (args.run.batch as u128)
+        .checked_mul(args.setup.seq as u128)
+        .and_then(|n| n.checked_mul(config.vocab_size as u128));
     trainkit::check_footprint("--batch x --seq", "the logits", logits)?;
     // The parameters and their gradients, from the configuration: a config.json of 100000 layers
     // is refused now, not after building a model the machine cannot hold.
-    let params = <Gpt2 as model::Benchable>::parameter_shapes(&config)?.iter().map(|s| s.iter().map(|&d| d as u128).product::<u128>()).sum::<u128>();
-    trainkit::check_footprint("--preset, --config or --model-id", "the memory of the parameters and their gradients", params.checked_mul(2))?;
+    let params = <Gpt2 as model::Benchable>::parameter_shapes(&config)?
+        .iter()
+        .map(|s| s.iter().map(|&d| d as u128).product::<u128>())
+        .sum::<u128>();
+    trainkit::check_footprint(
+        "--preset, --config or --model-id",
+        "the memory of the parameters and their gradients",
+        params.checked_mul(2),
+    )?;
     let tokens = match (&args.data, &args.text) {
         (Some(path), _) => datasets::tokens::load_u16(path)?,
         (None, Some(path)) => text_tokens(args, path, hub.as_ref())?,
-        (None, None) => datasets::text::byte_tokens(&datasets::text::synthetic_corpus(args.run.seed, 1 << 20)),
+        (None, None) => {
+            datasets::text::byte_tokens(&datasets::text::synthetic_corpus(args.run.seed, 1 << 20))
+        }
     };
-    let batcher = Batcher::new(tokens, args.setup.seq, config.vocab_size, args.run.seed).context(if args.text.is_some() { "--text" } else { "--data" })?;
+    let batcher = Batcher::new(tokens, args.setup.seq, config.vocab_size, args.run.seed)
+        .context(if args.text.is_some() { "--text" } else { "--data" })?;
 
-    let model = trainkit::build_model("--preset, --config or --model-id", || Ok(Gpt2::new(config, device, args.run.seed)?))?;
+    let model = trainkit::build_model("--preset, --config or --model-id", || {
+        Ok(Gpt2::new(config, device, args.run.seed)?)
+    })?;
     args.init.load(&model, hub.as_ref())?;
     args.lora.prepare(lora.as_ref(), &model, &gpt2::LORA_TARGETS)?;
     let inputs = |step: u64, n: usize| {
@@ -115,11 +143,20 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
 }
 
 /// `--text` through its tokenizer, as one token stream.
-fn text_tokens(args: &Args, path: &std::path::Path, hub: Option<&trainkit::hub::HubFiles>) -> Result<Vec<u16>> {
-    let Some(file) = trainkit::hub::tokenizer_file(args.tokenizer.as_deref(), hub, &[args.config.as_deref(), args.init.init.as_deref()]) else {
+fn text_tokens(
+    args: &Args,
+    path: &std::path::Path,
+    hub: Option<&trainkit::hub::HubFiles>,
+) -> Result<Vec<u16>> {
+    let Some(file) = trainkit::hub::tokenizer_file(
+        args.tokenizer.as_deref(),
+        hub,
+        &[args.config.as_deref(), args.init.init.as_deref()],
+    ) else {
         bail!("--text needs a tokenizer: give --tokenizer tokenizer.json (or put one beside --config or --init)");
     };
-    let text = std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?;
     let ids = Tokenizer::from_file(&file)?.encode(&text)?;
     trainkit::say!("--text {}: {} tokens by {}", path.display(), ids.len(), file.display());
     datasets::tokens::narrow_u16(&ids).with_context(|| format!("--text {}", path.display()))

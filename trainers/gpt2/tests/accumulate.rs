@@ -57,7 +57,10 @@ fn accumulated_gradients_are_the_sum_of_the_micro_batches() {
     }
     let want = bits(&model, &sum.unwrap());
     assert_eq!(want.len(), vars.len());
-    assert!(want.values().all(|g| g.iter().any(|&x| f32::from_bits(x) != 0.0)), "a parameter got no gradient");
+    assert!(
+        want.values().all(|g| g.iter().any(|&x| f32::from_bits(x) != 0.0)),
+        "a parameter got no gradient"
+    );
 
     let mut peaks = Vec::new();
     for policy in ["off", "sqrt", "every-two-blocks"] {
@@ -69,7 +72,10 @@ fn accumulated_gradients_are_the_sum_of_the_micro_batches() {
             grads = exec.accumulate(&inputs, n, grads).unwrap().grads;
             peaks.push((policy, n, meter.finish().heap_peak_delta));
         }
-        assert!(bits(&model, &grads) == want, "{policy}: the accumulated gradient is not the sum of the micro-batch gradients");
+        assert!(
+            bits(&model, &grads) == want,
+            "{policy}: the accumulated gradient is not the sum of the micro-batch gradients"
+        );
     }
     // Micro-batches after the first start with the whole gradient store held (their base): a
     // second store, or a copy of the largest gradient, would show as a higher peak above that
@@ -83,9 +89,14 @@ fn accumulated_gradients_are_the_sum_of_the_micro_batches() {
     for w in peaks.chunks(MICRO) {
         let (policy, _, first) = w[0];
         for &(_, n, peak) in &w[1..] {
-            eprintln!("{policy}: micro-batch {n} peaks {peak} B above its start, the first {first} B");
+            eprintln!(
+                "{policy}: micro-batch {n} peaks {peak} B above its start, the first {first} B"
+            );
             assert!(peak <= first + SLACK, "{policy}: micro-batch {n} peaks {peak} B above its start, the first only {first} B");
-            assert!(policy == "off" || peak < first, "{policy}: micro-batch {n} peaks as high as the first ({peak} B)");
+            assert!(
+                policy == "off" || peak < first,
+                "{policy}: micro-batch {n} peaks as high as the first ({peak} B)"
+            );
         }
     }
 
@@ -97,16 +108,23 @@ fn accumulated_gradients_are_the_sum_of_the_micro_batches() {
     let (mut xs, mut ys, mut grads) = (Vec::new(), Vec::new(), GradStore::default());
     for n in 0..MICRO as u64 {
         let (x, y) = data.batch(n, BATCH);
-        grads = exec.accumulate(&model.inputs(&x, &y, BATCH, SEQ, &Device::Cpu).unwrap(), n, grads).unwrap().grads;
+        grads = exec
+            .accumulate(&model.inputs(&x, &y, BATCH, SEQ, &Device::Cpu).unwrap(), n, grads)
+            .unwrap()
+            .grads;
         xs.extend(x);
         ys.extend(y);
     }
     optim::scale_grads(&mut grads, &vars, 1.0 / MICRO as f64).unwrap();
-    let whole = exec.step(&model.inputs(&xs, &ys, BATCH * MICRO, SEQ, &Device::Cpu).unwrap(), 0).unwrap().grads;
+    let whole = exec
+        .step(&model.inputs(&xs, &ys, BATCH * MICRO, SEQ, &Device::Cpu).unwrap(), 0)
+        .unwrap()
+        .grads;
     for (name, v) in model.params().named() {
         let (a, b) = (grads.get(v).unwrap(), whole.get(v).unwrap());
         let scale = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1e-6);
-        let err = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() / scale;
+        let err =
+            (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() / scale;
         assert!(err < 1e-5, "`{name}`: mean of micro-batches vs whole batch differ by {err:.2e} (relative to its largest element)");
     }
 }

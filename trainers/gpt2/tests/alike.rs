@@ -10,5 +10,10 @@ static ALLOC: CountingAlloc = CountingAlloc;
 
 #[test]
 fn alike_stages_measured_once_predict_what_measuring_each_does() {
-    testkit::assert_alike_stages_predict_as_measured::<gpt2::Gpt2>(&gpt2::Config::tiny(8, 64), 64, 4, 7);
+    testkit::assert_alike_stages_predict_as_measured::<gpt2::Gpt2>(
+        &gpt2::Config::tiny(8, 64),
+        64,
+        4,
+        7,
+    );
 }

@@ -5,13 +5,20 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
 fn train(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_train-gpt2")).args(["--preset", "tiny", "--seq", "16"]).args(args).output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
+        .args(["--preset", "tiny", "--seq", "16"])
+        .args(args)
+        .output()
+        .unwrap()
 }
 
 fn fails_saying(args: &[&str], needle: &str) -> String {
     let out = train(args);
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
+    assert!(
+        !out.status.success() && !err.contains("panicked") && err.contains(needle),
+        "{args:?}: {err}"
+    );
     err
 }
 
@@ -24,7 +31,10 @@ fn an_unwritable_save_path_fails_before_training() {
     std::fs::create_dir_all(&dir).unwrap();
     let err = fails_saying(&["--steps", "3", "--save", dir.to_str().unwrap()], "is a directory");
     assert!(!err.contains("step    0"), "it trained first: {err}");
-    fails_saying(&["--steps", "3", "--save", dir.join("no/such/folder/w.safetensors").to_str().unwrap()], "cannot write there");
+    fails_saying(
+        &["--steps", "3", "--save", dir.join("no/such/folder/w.safetensors").to_str().unwrap()],
+        "cannot write there",
+    );
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "a temporary was left behind");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -67,9 +77,15 @@ fn a_bad_config_names_its_field() {
         config[field] = serde_json::from_str(value).unwrap();
         let path = dir.join(format!("{field}.json"));
         std::fs::write(&path, config.to_string()).unwrap();
-        let out = Command::new(env!("CARGO_BIN_EXE_train-gpt2")).args(["--config", path.to_str().unwrap(), "--steps", "1", "--seq", "16"]).output().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
+            .args(["--config", path.to_str().unwrap(), "--steps", "1", "--seq", "16"])
+            .output()
+            .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(field) && !err.contains("--data"), "{field} = {value}: {err}");
+        assert!(
+            !out.status.success() && err.contains(field) && !err.contains("--data"),
+            "{field} = {value}: {err}"
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -80,7 +96,10 @@ fn a_bad_config_names_its_field() {
 #[test]
 fn impossible_sizes_name_the_flags() {
     for batch in ["18446744073709551615", "100000000000"] {
-        fails_saying(&["--batch", batch, "--steps", "1"], "--batch x --seq: the logits alone needs");
+        fails_saying(
+            &["--batch", batch, "--steps", "1"],
+            "--batch x --seq: the logits alone needs",
+        );
     }
 }
 
@@ -93,7 +112,10 @@ fn evaluation_runs_when_due_and_is_logged() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     for step in [1, 3, 4] {
-        assert!(err.contains(&format!("eval after step {step}: loss")), "no evaluation after step {step}: {err}");
+        assert!(
+            err.contains(&format!("eval after step {step}: loss")),
+            "no evaluation after step {step}: {err}"
+        );
     }
     assert_eq!(trainkit::read_losses(&log).unwrap().len(), 5);
     let eval = trainkit::read_eval_losses(&log).unwrap();
@@ -107,7 +129,13 @@ fn evaluation_runs_when_due_and_is_logged() {
 fn accumulation_shows_the_effective_batch() {
     let out = train(&["--steps", "2", "--batch", "3", "--accumulate", "4"]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && err.contains("accumulating 4 micro-batches of 3 per optimizer step: effective batch 12"), "{err}");
+    assert!(
+        out.status.success()
+            && err.contains(
+                "accumulating 4 micro-batches of 3 per optimizer step: effective batch 12"
+            ),
+        "{err}"
+    );
     fails_saying(&["--accumulate", "0"], "--accumulate must be at least 1");
 }
 
@@ -120,7 +148,10 @@ fn an_unknown_optimizer_lists_the_valid_ones() {
 /// `--shard-optimizer` (ZeRO stage 1) on one rank would shard nothing: refused before training.
 #[test]
 fn a_sharded_optimizer_needs_several_ranks() {
-    fails_saying(&["--steps", "1", "--shard-optimizer"], "--shard-optimizer shares the optimizer state among data-parallel ranks");
+    fails_saying(
+        &["--steps", "1", "--shard-optimizer"],
+        "--shard-optimizer shares the optimizer state among data-parallel ranks",
+    );
 }
 
 /// `--optimizer-in-backward` trains (its log the ordinary step's), and is refused with what needs
@@ -134,12 +165,17 @@ fn the_optimizer_inside_backward_trains_and_refuses_what_needs_all_gradients() {
         assert!(out.status.success(), "{extra:?}: {err}");
         err.lines()
             .filter(|l| l.trim_start().starts_with("step"))
-            .filter_map(|l| l.split_whitespace().skip_while(|w| *w != "loss").nth(1).map(str::to_string))
+            .filter_map(|l| {
+                l.split_whitespace().skip_while(|w| *w != "loss").nth(1).map(str::to_string)
+            })
             .collect::<Vec<_>>()
     };
     let (ordinary, inside) = (losses(&[]), losses(&["--optimizer-in-backward"]));
     assert!(!ordinary.is_empty() && ordinary == inside, "{ordinary:?} vs {inside:?}");
-    fails_saying(&["--optimizer-in-backward", "--accumulate", "2"], "not with --accumulate above 1");
+    fails_saying(
+        &["--optimizer-in-backward", "--accumulate", "2"],
+        "not with --accumulate above 1",
+    );
     fails_saying(&["--optimizer-in-backward", "--dtype", "f16"], "not with --dtype f16");
 }
 
@@ -172,7 +208,9 @@ fn a_resume_with_other_flags_is_refused() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let snapshot = dir.join("w.train.safetensors");
     let snapshot = snapshot.to_str().unwrap();
-    let resume = |extra: &[&'static str]| -> Vec<&str> { [&["--steps", "3", "--resume", snapshot][..], extra].concat() };
+    let resume = |extra: &[&'static str]| -> Vec<&str> {
+        [&["--steps", "3", "--resume", snapshot][..], extra].concat()
+    };
     for (extra, said) in [
         (vec!["--batch", "3"], "--batch is 3 in this run but was 2"),
         (vec!["--optimizer", "sgd"], "--optimizer is sgd in this run but was adamw"),
@@ -183,7 +221,11 @@ fn a_resume_with_other_flags_is_refused() {
         fails_saying(&resume(&extra), said);
     }
     let out = train(&resume(&["--policy", "off"]));
-    assert!(out.status.success(), "another policy resumes: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "another policy resumes: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -210,10 +252,14 @@ fn outputs_must_be_regular_files_of_their_own() {
     let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
     assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo {}", fifo.display());
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-    let mut reader = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo).unwrap();
+    let mut reader =
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo).unwrap();
     for flag in ["--save", "--log-json"] {
         fails_saying(&["--steps", "1", flag, fifo.to_str().unwrap()], "is not a regular file");
-        assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "{flag} replaced the FIFO");
+        assert!(
+            std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(),
+            "{flag} replaced the FIFO"
+        );
         let mut written = Vec::new();
         let _ = std::io::Read::read_to_end(&mut reader, &mut written); // WouldBlock: nothing written
         assert!(written.is_empty(), "{flag} wrote {} bytes into the FIFO", written.len());
@@ -224,9 +270,9 @@ fn outputs_must_be_regular_files_of_their_own() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A corrupted training snapshot or weights snapshot is refused on load, naming the file. Unchecked,
-/// 0xff bytes would fail steps later with "loss is NaN ... a lower --lr may help", and finite
-/// garbage would resume silently.
+/// A corrupted training snapshot or weights snapshot is refused on load, naming the file.
+/// Unchecked, 0xff bytes would fail steps later with "loss is NaN ... a lower --lr may help", and
+/// finite garbage would resume silently.
 #[test]
 fn a_corrupted_snapshot_is_detected() {
     let dir = scratch("corrupted");
@@ -256,7 +302,10 @@ fn options_that_would_be_ignored_are_refused() {
         (&["--dry-run", "--save", "w.safetensors"][..], "cannot be used with"),
         (&["--dry-run", "--log-json", "log.json"][..], "cannot be used with"),
         (&["--dry-run", "--resume", "w.train.safetensors"][..], "cannot be used with"),
-        (&["--init", "w.safetensors", "--resume", "w.train.safetensors"][..], "cannot be used with"),
+        (
+            &["--init", "w.safetensors", "--resume", "w.train.safetensors"][..],
+            "cannot be used with",
+        ),
         (&["--save", "w.safetensors", "--save-every", "0"][..], "--save-every must be at least 1"),
         (&["--eval-every", "0"][..], "--eval-every must be at least 1"),
         (&["--eval-every", "1", "--eval-batches", "0"][..], "--eval-batches must be at least 1"),
@@ -276,11 +325,18 @@ fn steps_and_models_that_cannot_fit_are_refused_first() {
     let out = train(&["--batch", "1000000", "--steps", "1"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("--batch 1000000 x --seq 16: a training step under sqrt needs") && err.contains("available"), "{err}");
+    assert!(
+        err.contains("--batch 1000000 x --seq 16: a training step under sqrt needs")
+            && err.contains("available"),
+        "{err}"
+    );
     let dir = scratch("huge-config");
     let config = dir.join("config.json");
     std::fs::write(&config, r#"{"vocab_size": 256, "n_positions": 64, "n_embd": 1024, "n_layer": 100000, "n_head": 2, "layer_norm_epsilon": 1e-5}"#).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_train-gpt2")).args(["--config", config.to_str().unwrap(), "--seq", "16", "--steps", "1"]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
+        .args(["--config", config.to_str().unwrap(), "--seq", "16", "--steps", "1"])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.code() == Some(1) && err.contains("--preset, --config or --model-id: the memory of the parameters and their gradients alone needs"),
@@ -298,7 +354,12 @@ fn a_policy_predicted_above_the_memory_cap_is_refused_before_training() {
     let out = train(&["--policy", "off", "--memory-cap", "4MiB", "--steps", "2"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("--policy off needs") && err.contains("above --memory-cap 4.0 MiB") && !err.contains("step    0"), "{err}");
+    assert!(
+        err.contains("--policy off needs")
+            && err.contains("above --memory-cap 4.0 MiB")
+            && !err.contains("step    0"),
+        "{err}"
+    );
 }
 
 /// A cut into one segment says "1 segment".
@@ -318,7 +379,16 @@ fn a_log_that_cannot_be_written_names_its_file() {
     let dir = scratch("log-full");
     let log = dir.join("log.jsonl");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_train-gpt2"));
-    cmd.args(["--preset", "tiny", "--seq", "16", "--steps", "30", "--log-json", log.to_str().unwrap()]);
+    cmd.args([
+        "--preset",
+        "tiny",
+        "--seq",
+        "16",
+        "--steps",
+        "30",
+        "--log-json",
+        log.to_str().unwrap(),
+    ]);
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(|| {
@@ -330,7 +400,12 @@ fn a_log_that_cannot_be_written_names_its_file() {
     }
     let out = cmd.output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains(&format!("--log-json {}", log.display())) && err.contains("File too large"), "{err}");
+    assert!(
+        !out.status.success()
+            && err.contains(&format!("--log-json {}", log.display()))
+            && err.contains("File too large"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -347,7 +422,10 @@ fn a_freeze_that_matches_nothing_or_everything_is_refused() {
     }
     let out = train(&["--freeze", "h.*.attn.*,wte.weight", "--steps", "1"]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && err.contains("trained params (") && err.contains(" frozen)"), "{err}");
+    assert!(
+        out.status.success() && err.contains("trained params (") && err.contains(" frozen)"),
+        "{err}"
+    );
 }
 
 /// `--lora`: targets that adapt nothing and combinations that cannot hold are refused, naming
@@ -365,12 +443,36 @@ fn lora_trains_adapters_writes_them_and_merges() {
     }
     let dir = scratch("lora");
     let (adapter, merged) = (dir.join("adapter"), dir.join("merged.safetensors"));
-    let out = train(&["--lora", "4", "--steps", "2", "--lr", "1e-2", "--save-adapter", adapter.to_str().unwrap(), "--save-merged", merged.to_str().unwrap()]);
+    let out = train(&[
+        "--lora",
+        "4",
+        "--steps",
+        "2",
+        "--lr",
+        "1e-2",
+        "--save-adapter",
+        adapter.to_str().unwrap(),
+        "--save-merged",
+        merged.to_str().unwrap(),
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && err.contains("trained params (") && err.contains("saved adapter to"), "{err}");
-    assert!(adapter.join("adapter_model.safetensors").is_file() && adapter.join("adapter_config.json").is_file(), "{err}");
+    assert!(
+        out.status.success()
+            && err.contains("trained params (")
+            && err.contains("saved adapter to"),
+        "{err}"
+    );
+    assert!(
+        adapter.join("adapter_model.safetensors").is_file()
+            && adapter.join("adapter_config.json").is_file(),
+        "{err}"
+    );
     let out = train(&["--init", merged.to_str().unwrap(), "--strict", "--steps", "1"]);
-    assert!(out.status.success(), "the merged weights do not load into the model without adapters: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "the merged weights do not load into the model without adapters: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = train(&["--lora", "4", "--load-adapter", adapter.to_str().unwrap(), "--steps", "1"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && err.contains("adapter from"), "{err}");

@@ -29,7 +29,8 @@ fn step(path: Path, policy: &str) -> (BTreeMap<String, Vec<u32>>, testkit::Peaks
         let (x, y) = data.batch(step, BATCH);
         model.inputs(&x, &y, BATCH, SEQ, &Device::Cpu).unwrap()
     };
-    let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
+    let exec =
+        Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
     let grads = model.params().grad_bits(&exec.step(&inputs(0), 0).unwrap().grads).unwrap();
     let peaks = testkit::second_step_peaks(&exec, inputs).unwrap();
     set_path(Path::Kernel);
@@ -49,13 +50,27 @@ fn the_generic_route_trains_gpt2_bit_exactly_within_a_tenth_of_the_kernels_memor
     for (name, k) in &kernel_off {
         let g = &generic_off[name];
         let scale = k.iter().map(|&b| f32::from_bits(b).abs()).fold(1e-6f32, f32::max);
-        let err = k.iter().zip(g).map(|(&a, &b)| (f32::from_bits(a) - f32::from_bits(b)).abs()).fold(0f32, f32::max) / scale;
+        let err = k
+            .iter()
+            .zip(g)
+            .map(|(&a, &b)| (f32::from_bits(a) - f32::from_bits(b)).abs())
+            .fold(0f32, f32::max)
+            / scale;
         assert!(err < 1e-3, "{name}: the generic route's gradient differs from the kernels' by {err:.2e} of its scale");
-        assert!(g.iter().any(|&b| f32::from_bits(b) != 0.0), "{name}: no gradient on the generic route");
+        assert!(
+            g.iter().any(|&b| f32::from_bits(b) != 0.0),
+            "{name}: no gradient on the generic route"
+        );
     }
-    for (what, k, g) in [("step", kernel_peaks.step, generic_peaks.step), ("activation", kernel_peaks.activation, generic_peaks.activation)] {
+    for (what, k, g) in [
+        ("step", kernel_peaks.step, generic_peaks.step),
+        ("activation", kernel_peaks.activation, generic_peaks.activation),
+    ] {
         let ratio = g as f64 / k as f64;
         eprintln!("off {what} peak: kernels {k} B, generic route {g} B ({ratio:.3}x)");
-        assert!((0.9..=1.1).contains(&ratio), "off {what} peak: the generic route's {g} B is {ratio:.3}x the kernels' {k} B");
+        assert!(
+            (0.9..=1.1).contains(&ratio),
+            "off {what} peak: the generic route's {g} B is {ratio:.3}x the kernels' {k} B"
+        );
     }
 }

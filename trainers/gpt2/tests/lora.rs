@@ -10,8 +10,13 @@ static ALLOC: CountingAlloc = CountingAlloc;
 #[test]
 fn lora_trains_the_adapters_alone_bit_exact_and_without_weight_gradients() {
     let full = gpt2::Config::tiny(4, 64);
-    let lora =
-        params::lora::Lora { rank: 4, alpha: 8.0, dropout: 0.1, targets: vec!["c_attn".into(), "c_proj".into(), "c_fc".into()], init_lora_weights: false };
+    let lora = params::lora::Lora {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.1,
+        targets: vec!["c_attn".into(), "c_proj".into(), "c_fc".into()],
+        init_lora_weights: false,
+    };
     let config = gpt2::Config { lora: Some(lora), ..full.clone() };
     testkit::assert_lora_trains_adapters_only::<gpt2::Gpt2>(&config, &full, 8, 1);
 }

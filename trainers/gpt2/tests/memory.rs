@@ -21,7 +21,8 @@ const SEQ: usize = 128;
 fn peaks(policy: &str) -> Peaks {
     let cfg = Config::tiny(LAYERS, 64);
     let model = Gpt2::new(cfg.clone(), &Device::Cpu, 3).unwrap();
-    let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
+    let exec =
+        Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 3).unwrap();
     let text = datasets::text::synthetic_corpus(1, 100_000);
     let data = Batcher::new(datasets::text::byte_tokens(&text), SEQ, cfg.vocab_size, 1).unwrap();
     testkit::second_step_peaks(&exec, |step| {
@@ -38,7 +39,12 @@ fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
     // `sqrt`), the outputs of its four projections and of attention: c_attn 3 BTC, attention 1,
     // its projection 1, c_fc 4, the MLP's projection 1.
     let btc = (BATCH * SEQ * 64 * 4) as u64;
-    testkit::assert_keeping_holds_the_kept_outputs(peaks, "sqrt", "matmul+attention", 20 * 10 * btc);
+    testkit::assert_keeping_holds_the_kept_outputs(
+        peaks,
+        "sqrt",
+        "matmul+attention",
+        20 * 10 * btc,
+    );
 }
 
 /// The end of `off`'s forward from the shapes (derived below): 27 BTC per block, 3 for the
@@ -50,18 +56,18 @@ fn off_forward_end() -> u64 {
 }
 
 // The end of forward, from the shapes (checked within 5 %); the activation peaks, measured and
-// committed (within 10 %: they include candle's gradients in flight, which are not derived). Unit: one (B, T, C) tensor, BTC = 2 x 128 x 64
-// f32 = 64 KiB. Forward, per block, candle's graph holds every intermediate that feeds another op;
-// the `ops::fused` ops keep only their output: the two LayerNorms 1 BTC each; c_attn 3 (one
-// fused linear: the product before the bias is no node); q, k, v 6 (each a copy out of the packed
-// projection, then a contiguous copy of its transpose); the fused attention's output 1 (scores and
-// probabilities are rebuilt in backward: no (T, T) map is kept) and the merge-heads copy 1; the
-// two projections 1 + 1; c_fc 4 and GELU 4; two residual dropouts 1 + 1 (no mask kept); two
-// residual adds 2: 27 BTC = 1.77 MB per block (1.78 MB measured with the row statistics). `off`:
-// 24 blocks + embedding (3 BTC) + head (LayerNorm, logits: 0.33 MB; the fused cross-entropy keeps
-// nothing) = 43 MB at the end of forward; candle's backward then adds the gradients in flight
-// (measured, not derived; the fused GELU's backward is one pass): 45 MB. `sqrt`: segments of 5
-// blocks; a recomputed segment holds 5 x 1.78 = 9 MB plus the stored boundaries and the incoming
-// gradient, and its backward's gradients: 11 MB.
+// committed (within 10 %: they include candle's gradients in flight, which are not derived). Unit:
+// one (B, T, C) tensor, BTC = 2 x 128 x 64 f32 = 64 KiB. Forward, per block, candle's graph holds
+// every intermediate that feeds another op; the `ops::fused` ops keep only their output: the two
+// LayerNorms 1 BTC each; c_attn 3 (one fused linear: the product before the bias is no node); q, k,
+// v 6 (each a copy out of the packed projection, then a contiguous copy of its transpose); the
+// fused attention's output 1 (scores and probabilities are rebuilt in backward: no (T, T) map is
+// kept) and the merge-heads copy 1; the two projections 1 + 1; c_fc 4 and GELU 4; two residual
+// dropouts 1 + 1 (no mask kept); two residual adds 2: 27 BTC = 1.77 MB per block (1.78 MB measured
+// with the row statistics). `off`: 24 blocks + embedding (3 BTC) + head (LayerNorm, logits: 0.33
+// MB; the fused cross-entropy keeps nothing) = 43 MB at the end of forward; candle's backward then
+// adds the gradients in flight (measured, not derived; the fused GELU's backward is one pass): 45
+// MB. `sqrt`: segments of 5 blocks; a recomputed segment holds 5 x 1.78 = 9 MB plus the stored
+// boundaries and the incoming gradient, and its backward's gradients: 11 MB.
 const OFF_ACTIVATION: u64 = 44_912_484;
 const SQRT_ACTIVATION: u64 = 10_957_493;

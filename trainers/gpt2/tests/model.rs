@@ -39,10 +39,17 @@ fn hugging_face_snapshot_reproduces_the_logits() {
     let saved = Gpt2::new(cfg.clone(), &Device::Cpu, 1).unwrap();
     // Write the file the way a GPT2LMHeadModel state dict looks: prefixed names, the tied head,
     // and the attention-mask buffers.
-    let mut tensors: HashMap<String, Tensor> = saved.params().named().map(|(n, v)| (format!("transformer.{n}"), v.as_tensor().clone())).collect();
+    let mut tensors: HashMap<String, Tensor> = saved
+        .params()
+        .named()
+        .map(|(n, v)| (format!("transformer.{n}"), v.as_tensor().clone()))
+        .collect();
     let wte = tensors["transformer.wte.weight"].clone();
     tensors.insert("lm_head.weight".into(), wte);
-    tensors.insert("transformer.h.0.attn.bias".into(), Tensor::ones((1, 1, 4, 4), candle_core::DType::F32, &Device::Cpu).unwrap());
+    tensors.insert(
+        "transformer.h.0.attn.bias".into(),
+        Tensor::ones((1, 1, 4, 4), candle_core::DType::F32, &Device::Cpu).unwrap(),
+    );
     let path = dir.join("model.safetensors");
     candle_core::safetensors::save(&tensors, &path).unwrap();
     let config_path = dir.join("config.json");
@@ -53,11 +60,32 @@ fn hugging_face_snapshot_reproduces_the_logits() {
 
     let loaded = Gpt2::new(Config::from_json(&config_path).unwrap(), &Device::Cpu, 2).unwrap();
     let ids = Tensor::new(&[[1u32, 5, 9, 200], [3, 3, 7, 0]], &Device::Cpu).unwrap();
-    let before = loaded.logits(&ids, remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let want = saved.logits(&ids, remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let before = loaded
+        .logits(&ids, remat::RunMode::Eval)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let want = saved
+        .logits(&ids, remat::RunMode::Eval)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
     assert_ne!(before, want, "different seeds must give different models");
     loaded.load_snapshot(&path).unwrap();
-    assert_eq!(loaded.logits(&ids, remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+    assert_eq!(
+        loaded
+            .logits(&ids, remat::RunMode::Eval)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap(),
+        want
+    );
 
     // Our own snapshots round-trip too, and a wrong-sized file names the tensor.
     let own = dir.join("own.safetensors");
@@ -73,9 +101,14 @@ fn hugging_face_snapshot_reproduces_the_logits() {
 fn bad_configs_name_the_field() {
     let dir = temp_dir("config");
     let path = dir.join("config.json");
-    std::fs::write(&path, r#"{"vocab_size": 10, "n_positions": 8, "n_embd": 30, "n_layer": 1, "n_head": 4}"#).unwrap();
+    std::fs::write(
+        &path,
+        r#"{"vocab_size": 10, "n_positions": 8, "n_embd": 30, "n_layer": 1, "n_head": 4}"#,
+    )
+    .unwrap();
     assert!(Config::from_json(&path).unwrap_err().to_string().contains("n_head"));
-    std::fs::write(&path, r#"{"vocab_size": 10, "n_positions": 8, "n_layer": 1, "n_head": 4}"#).unwrap();
+    std::fs::write(&path, r#"{"vocab_size": 10, "n_positions": 8, "n_layer": 1, "n_head": 4}"#)
+        .unwrap();
     assert!(Config::from_json(&path).unwrap_err().to_string().contains("n_embd"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -87,12 +120,22 @@ fn bad_configs_name_the_field() {
 fn parameter_shapes_from_the_configuration_match_the_model() {
     use model::Benchable;
     let cfg = gpt2::Config::tiny(3, 32);
-    let mut built: Vec<Vec<usize>> = Gpt2::new(cfg.clone(), &Device::Cpu, 0).unwrap().params().vars().iter().map(|v| v.dims().to_vec()).collect();
+    let mut built: Vec<Vec<usize>> = Gpt2::new(cfg.clone(), &Device::Cpu, 0)
+        .unwrap()
+        .params()
+        .vars()
+        .iter()
+        .map(|v| v.dims().to_vec())
+        .collect();
     let mut derived = Gpt2::parameter_shapes(&cfg).unwrap();
     built.sort();
     derived.sort();
     assert_eq!(derived, built);
-    let xl: usize = Gpt2::parameter_shapes(&Preset::Xl.config()).unwrap().iter().map(|s| s.iter().product::<usize>()).sum();
+    let xl: usize = Gpt2::parameter_shapes(&Preset::Xl.config())
+        .unwrap()
+        .iter()
+        .map(|s| s.iter().product::<usize>())
+        .sum();
     assert_eq!(xl, 1_557_611_200);
 }
 
@@ -109,14 +152,30 @@ fn training_mode_logits_give_the_steps_loss() {
     let loss = model.graph().plain_loss(&inputs, seed, step).unwrap().to_scalar::<f32>().unwrap();
     let ce = |mode| {
         let logits = model.logits(&inputs[0], mode).unwrap().flatten_to(1).unwrap(); // (B*T, V)
-        candle_nn::loss::cross_entropy(&logits, &inputs[1].flatten_all().unwrap()).unwrap().to_scalar::<f32>().unwrap()
+        candle_nn::loss::cross_entropy(&logits, &inputs[1].flatten_all().unwrap())
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
     };
     let train = ce(remat::RunMode::Train { seed, step });
     // The step's loss comes from the fused cross-entropy, this one from candle-nn's: the same
     // logits, summed in another order.
-    assert!((train - loss).abs() < 1e-5 * loss, "training-mode logits give {train}, the step's loss is {loss}");
+    assert!(
+        (train - loss).abs() < 1e-5 * loss,
+        "training-mode logits give {train}, the step's loss is {loss}"
+    );
     // At initialisation the logits are near uniform, so the losses are close: the logits tell.
-    let logits = |mode| model.logits(&inputs[0], mode).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    assert_ne!(logits(remat::RunMode::Train { seed, step }), logits(remat::RunMode::Eval), "training mode drew no dropout");
-    assert_ne!(logits(remat::RunMode::Train { seed, step }), logits(remat::RunMode::Train { seed, step: step + 1 }), "another step, other masks");
+    let logits = |mode| {
+        model.logits(&inputs[0], mode).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    assert_ne!(
+        logits(remat::RunMode::Train { seed, step }),
+        logits(remat::RunMode::Eval),
+        "training mode drew no dropout"
+    );
+    assert_ne!(
+        logits(remat::RunMode::Train { seed, step }),
+        logits(remat::RunMode::Train { seed, step: step + 1 }),
+        "another step, other masks"
+    );
 }

@@ -21,8 +21,11 @@ fn half_precision_training_lowers_the_loss() {
 #[test]
 fn f16_loss_scaling_skips_overflowing_steps_and_recovers() {
     let (losses, err) = testkit::run_logged(BIN, &args(&["--dtype", "f16", "--loss-scale", "1e9"]));
-    let skipped: Vec<usize> =
-        err.lines().filter(|l| l.contains("update skipped")).filter_map(|l| l.strip_prefix("step ")?.split(':').next()?.parse().ok()).collect();
+    let skipped: Vec<usize> = err
+        .lines()
+        .filter(|l| l.contains("update skipped"))
+        .filter_map(|l| l.strip_prefix("step ")?.split(':').next()?.parse().ok())
+        .collect();
     assert!(skipped.first() == Some(&0), "step 0 was not skipped: {err}");
     let recovered = skipped.last().unwrap() + 1;
     assert!(recovered + 10 <= losses.len(), "still skipping after step {recovered}: {err}");

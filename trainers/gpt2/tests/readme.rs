@@ -1,5 +1,5 @@
-//! The documented command lines for `train-gpt2` still parse: a renamed or removed flag fails here, not
-//! in a reader's terminal.
+//! The documented command lines for `train-gpt2` still parse: a renamed or removed flag fails here,
+//! not in a reader's terminal.
 
 #[test]
 fn the_readme_commands_parse() {

@@ -1,14 +1,17 @@
 //! GPT-2 against Hugging Face `transformers` (`tests/fixtures/gpt2.safetensors`, written by
-//! `scripts/make_fixtures.py`): a tiny model's logits and evaluation loss, its training loss and every parameter's
-//! gradient, under `off` and `sqrt`; and the same under `peft`'s LoRA (`gpt2-lora`: the adapter
-//! loaded from PEFT's own files, the adapters' gradients). Tolerances: `testkit::reference`.
+//! `scripts/make_fixtures.py`): a tiny model's logits and evaluation loss, its training loss and
+//! every parameter's gradient, under `off` and `sqrt`; and the same under `peft`'s LoRA
+//! (`gpt2-lora`: the adapter loaded from PEFT's own files, the adapters' gradients). Tolerances:
+//! `testkit::reference`.
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
 use model::Model;
 use std::path::Path;
-use testkit::reference::{check_close, check_evaluation, check_training_step, on_both_routes, Fixture, LOGITS_TOL};
+use testkit::reference::{
+    check_close, check_evaluation, check_training_step, on_both_routes, Fixture, LOGITS_TOL,
+};
 
 /// On the CPU kernels and on the device-generic route a GPU takes (`Path::Generic`); the only test
 /// in its binary, as the route is process-wide.
@@ -25,12 +28,19 @@ fn against_pytorch() -> Result<()> {
 }
 
 fn against_fixture(name: &str) -> Result<()> {
-    let fx = Fixture::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/{name}.safetensors")))?;
+    let fx = Fixture::load(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/{name}.safetensors")),
+    )?;
     let model = Gpt2::new(gpt2::Config { lora: fx.lora()?, ..fx.config()? }, &Device::Cpu, 0)?;
     fx.load_into(&model)?;
     let (b, t) = fx.tensor("ids")?.dims2()?;
     let ids = Tensor::from_vec(fx.ids("ids")?, (b, t), &Device::Cpu)?;
-    check_close("logits", &model.logits(&ids, remat::RunMode::Eval)?, &fx.tensor("logits")?, LOGITS_TOL)?;
+    check_close(
+        "logits",
+        &model.logits(&ids, remat::RunMode::Eval)?,
+        &fx.tensor("logits")?,
+        LOGITS_TOL,
+    )?;
     let inputs = model.inputs(&fx.ids("ids")?, &fx.ids("targets")?, b, t, &Device::Cpu)?;
     check_evaluation(&model, &inputs, &fx.tensor("logits")?, &fx.ids("targets")?)?;
     for policy in ["off", "sqrt"] {

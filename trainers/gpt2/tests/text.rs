@@ -20,7 +20,8 @@ fn a_published_checkpoint_fine_tunes_on_text() {
     Tokenizer::train(Kind::ByteLevelBpe, &text, 320, &snapshot.join("tokenizer.json")).unwrap();
     let config = Config { vocab_size: 320, ..Config::tiny(2, 32) };
     let published = Gpt2::new(config.clone(), &Device::Cpu, 1).unwrap();
-    let tensors: HashMap<String, Tensor> = published.params().named().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
+    let tensors: HashMap<String, Tensor> =
+        published.params().named().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
     assert!(!tensors.contains_key("lm_head.weight"));
     candle_core::safetensors::save(&tensors, snapshot.join("model.safetensors")).unwrap();
     std::fs::write(snapshot.join("config.json"), serde_json::to_string(&config).unwrap()).unwrap();
@@ -46,10 +47,16 @@ fn a_published_checkpoint_fine_tunes_on_text() {
             "3e-3",
         ],
     );
-    assert!(log.contains("weights from") && log.contains("tokens by") && !log.contains("initialised"), "{log}");
+    assert!(
+        log.contains("weights from") && log.contains("tokens by") && !log.contains("initialised"),
+        "{log}"
+    );
     testkit::assert_loss_falls(&losses, 0.5, "train-gpt2 --model-id --text");
 
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_train-gpt2")).args(["--preset", "tiny", "--steps", "1", "--text", text_path]).output().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
+        .args(["--preset", "tiny", "--steps", "1", "--text", text_path])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--text needs a tokenizer"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();

@@ -52,7 +52,14 @@ impl Preset {
             Preset::Resnet101 => (true, [3, 4, 23, 3], 64),
             Preset::Resnet152 => (true, [3, 8, 36, 3], 64),
         };
-        Config { bottleneck, layers, width, classes: 1000, dtype: model::Precision::F32, freeze: params::Freeze::default() }
+        Config {
+            bottleneck,
+            layers,
+            width,
+            classes: 1000,
+            dtype: model::Precision::F32,
+            freeze: params::Freeze::default(),
+        }
     }
 }
 
@@ -91,7 +98,12 @@ impl Config {
 
     /// A block's convolutions (each followed by a BatchNorm), and its downsampling projection
     /// when its input and output shapes differ.
-    fn block_convs(&self, c_in: usize, planes: usize, stride: usize) -> (Vec<ConvShape>, Option<ConvShape>) {
+    fn block_convs(
+        &self,
+        c_in: usize,
+        planes: usize,
+        stride: usize,
+    ) -> (Vec<ConvShape>, Option<ConvShape>) {
         let c_out = planes * self.expansion();
         let convs = if self.bottleneck {
             vec![(c_in, planes, 1, 1), (planes, planes, 3, stride), (planes, c_out, 1, 1)]
@@ -124,10 +136,18 @@ struct Conv {
 }
 
 impl Conv {
-    fn new(params: &mut ParamStore, name: &str, c_in: usize, c_out: usize, k: usize, stride: usize) -> Result<Self> {
+    fn new(
+        params: &mut ParamStore,
+        name: &str,
+        c_in: usize,
+        c_out: usize,
+        k: usize,
+        stride: usize,
+    ) -> Result<Self> {
         // torchvision: kaiming normal, fan_out, ReLU gain.
         let std = (2.0 / (c_out * k * k) as f32).sqrt();
-        let weight = params.get(&format!("{name}.weight"), &[c_out, c_in, k, k], Init::Normal { std })?;
+        let weight =
+            params.get(&format!("{name}.weight"), &[c_out, c_in, k, k], Init::Normal { std })?;
         Ok(Conv { weight, stride, padding: k / 2 })
     }
 
@@ -152,7 +172,9 @@ impl Stage for Stem {
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         // Activations from here on are in the compute dtype.
-        Ok(vec![self.bn1.forward_relu(&self.conv1.forward(&inputs[0].to_dtype(self.dtype)?)?, ctx)?])
+        Ok(vec![self
+            .bn1
+            .forward_relu(&self.conv1.forward(&inputs[0].to_dtype(self.dtype)?)?, ctx)?])
     }
 }
 
@@ -182,7 +204,14 @@ pub struct Block {
 }
 
 impl Block {
-    fn new(params: &mut ParamStore, cfg: &Config, name: String, c_in: usize, planes: usize, stride: usize) -> Result<Self> {
+    fn new(
+        params: &mut ParamStore,
+        cfg: &Config,
+        name: String,
+        c_in: usize,
+        planes: usize,
+        stride: usize,
+    ) -> Result<Self> {
         let (shapes, down) = cfg.block_convs(c_in, planes, stride);
         let convs = shapes
             .iter()
@@ -201,7 +230,8 @@ impl Block {
             None => None,
         };
         // The shapes decide a block's work; the first block of a layer projects its input.
-        let signature = format!("resnet block: convs {shapes:?}, projection {down:?}, {:?}", cfg.dtype);
+        let signature =
+            format!("resnet block: convs {shapes:?}, projection {down:?}, {:?}", cfg.dtype);
         Ok(Block { name, convs, downsample, stride, signature })
     }
 }
@@ -266,7 +296,8 @@ impl Stage for Head {
     }
 }
 
-/// A ResNet: parameters, BatchNorm buffers and the stage graph (inputs: images, labels; output: loss).
+/// A ResNet: parameters, BatchNorm buffers and the stage graph (inputs: images, labels; output:
+/// loss).
 pub struct ResNet {
     pub config: Config,
     params: ParamStore,
@@ -277,17 +308,34 @@ pub struct ResNet {
 
 impl ResNet {
     pub fn new(config: Config, device: &Device, seed: u64) -> Result<Self> {
-        let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&config.freeze);
+        let mut params =
+            ParamStore::new(device, config.dtype.weights(), seed).freezing(&config.freeze);
         let w = config.width;
-        let stem = Stem { conv1: Conv::new(&mut params, "conv1", 3, w, 7, 2)?, bn1: BatchNorm::new(&mut params, "bn1", w)?, dtype: config.dtype.dtype() };
-        let mut stages: Vec<std::sync::Arc<dyn Stage>> = vec![std::sync::Arc::new(stem), std::sync::Arc::new(Pool)];
+        let stem = Stem {
+            conv1: Conv::new(&mut params, "conv1", 3, w, 7, 2)?,
+            bn1: BatchNorm::new(&mut params, "bn1", w)?,
+            dtype: config.dtype.dtype(),
+        };
+        let mut stages: Vec<std::sync::Arc<dyn Stage>> =
+            vec![std::sync::Arc::new(stem), std::sync::Arc::new(Pool)];
         for (name, c_in, planes, stride) in config.blocks() {
-            stages.push(std::sync::Arc::new(Block::new(&mut params, &config, name, c_in, planes, stride)?));
+            stages.push(std::sync::Arc::new(Block::new(
+                &mut params,
+                &config,
+                name,
+                c_in,
+                planes,
+                stride,
+            )?));
         }
         let c_in = config.features();
         let bound = 1.0 / (c_in as f32).sqrt();
         let head = std::sync::Arc::new(Head {
-            fc_weight: params.get("fc.weight", &[config.classes, c_in], Init::Normal { std: bound })?,
+            fc_weight: params.get(
+                "fc.weight",
+                &[config.classes, c_in],
+                Init::Normal { std: bound },
+            )?,
             fc_bias: params.get("fc.bias", &[config.classes], Init::Zeros)?,
         });
 
@@ -302,12 +350,23 @@ impl ResNet {
     }
 
     /// Graph inputs for a batch: images flattened (B, 3, size, size) and labels.
-    pub fn inputs(&self, images: &[f32], labels: &[u32], size: usize, device: &Device) -> Result<Vec<Tensor>> {
+    pub fn inputs(
+        &self,
+        images: &[f32],
+        labels: &[u32],
+        size: usize,
+        device: &Device,
+    ) -> Result<Vec<Tensor>> {
         let b = labels.len();
         if size < 32 {
-            candle_core::bail!("image size {size} is too small: ResNet downsamples 32x, use at least 32")
+            candle_core::bail!(
+                "image size {size} is too small: ResNet downsamples 32x, use at least 32"
+            )
         }
-        Ok(vec![Tensor::from_slice(images, (b, 3, size, size), device)?, Tensor::from_slice(labels, b, device)?])
+        Ok(vec![
+            Tensor::from_slice(images, (b, 3, size, size), device)?,
+            Tensor::from_slice(labels, b, device)?,
+        ])
     }
 
     /// Logits (B, classes): in evaluation mode (running statistics, no updates), or in training
@@ -353,7 +412,8 @@ impl model::Benchable for ResNet {
     type Config = Config;
     type Data = (datasets::images::SyntheticImages, usize);
     const DOWNSAMPLES: bool = true;
-    const KEEPABLE: &'static [remat::keep::OpKind] = &[remat::keep::OpKind::Conv, remat::keep::OpKind::Matmul];
+    const KEEPABLE: &'static [remat::keep::OpKind] =
+        &[remat::keep::OpKind::Conv, remat::keep::OpKind::Matmul];
     const OPTIMIZER: model::OptimizerKind = model::OptimizerKind::Sgd;
 
     fn describe_input(size: usize) -> String {
@@ -372,7 +432,13 @@ impl model::Benchable for ResNet {
         Ok((datasets::images::SyntheticImages::new(self.config.classes, size, seed), size))
     }
 
-    fn synthetic_inputs(&self, (data, size): &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>> {
+    fn synthetic_inputs(
+        &self,
+        (data, size): &Self::Data,
+        step: u64,
+        batch: usize,
+        device: &Device,
+    ) -> Result<Vec<Tensor>> {
         let (images, labels) = data.batch(step, batch);
         self.inputs(&images, &labels, *size, device)
     }

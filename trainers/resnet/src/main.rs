@@ -1,4 +1,5 @@
-//! `train-resnet`: train a ResNet with activation checkpointing on synthetic images or an image folder.
+//! `train-resnet`: train a ResNet with activation checkpointing on synthetic images or an image
+//! folder.
 
 use anyhow::{bail, Result};
 use datasets::images::{ImageFolder, SyntheticImages};
@@ -22,7 +23,8 @@ struct Args {
     image_size: usize,
     #[command(flatten)]
     run: trainkit::RunArgs,
-    /// An image folder (one sub-folder per class, the ImageFolder layout); default: synthetic images.
+    /// An image folder (one sub-folder per class, the ImageFolder layout); default: synthetic
+    /// images.
     #[arg(long)]
     data: Option<PathBuf>,
     /// Classes of the synthetic data (with --data, the folder's sub-folders are the classes).
@@ -56,9 +58,14 @@ impl Data {
 }
 
 fn main() -> Result<()> {
-    let args: Args = trainkit::parse(trainkit::Defaults { policy: "before-downsample", steps: "20", batch: "8", optimizer: "sgd", lr: "0.05" });
-    let Some((group, device)) = trainkit::launch(&args.run)? else { return Ok(()) };
-    trainkit::or_abort(&group, train(&args, &group, &device))
+    let defaults = trainkit::Defaults {
+        policy: "before-downsample",
+        steps: "20",
+        batch: "8",
+        optimizer: "sgd",
+        lr: "0.05",
+    };
+    trainkit::main(defaults, |args: &Args| &args.run, train)
 }
 
 /// One rank's training (the only one, without data parallelism).
@@ -66,10 +73,15 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     if args.classes < 2 {
         bail!("--classes must be at least 2 (with one class the loss is 0 and nothing is learned)");
     }
-    let images = (args.run.batch as u128).checked_mul(3).and_then(|n| n.checked_mul((args.image_size as u128).checked_pow(2)?));
+    let images = (args.run.batch as u128)
+        .checked_mul(3)
+        .and_then(|n| n.checked_mul((args.image_size as u128).checked_pow(2)?));
     trainkit::check_footprint("--batch x --image-size", "the input images", images)?;
     if args.image_size < 32 {
-        bail!("--image-size {} is too small: ResNet downsamples 32x, use at least 32", args.image_size);
+        bail!(
+            "--image-size {} is too small: ResNet downsamples 32x, use at least 32",
+            args.image_size
+        );
     }
     let (data, classes) = match &args.data {
         Some(root) => {
@@ -77,10 +89,20 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
             let n = folder.classes().len();
             (Data::Folder(folder), n)
         }
-        None => (Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.run.seed)), args.classes),
+        None => (
+            Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.run.seed)),
+            args.classes,
+        ),
     };
-    let config = Config { classes, dtype: args.run.dtype, freeze: args.run.freeze.clone().unwrap_or_default(), ..args.preset.config() };
-    let model = trainkit::build_model("--preset, --classes", || Ok(ResNet::new(config, device, args.run.seed)?))?;
+    let config = Config {
+        classes,
+        dtype: args.run.dtype,
+        freeze: args.run.freeze.clone().unwrap_or_default(),
+        ..args.preset.config()
+    };
+    let model = trainkit::build_model("--preset, --classes", || {
+        Ok(ResNet::new(config, device, args.run.seed)?)
+    })?;
     args.init.load(&model, None)?;
     let inputs = |step: u64, n: usize| {
         let (images, labels) = data.batch(step, n)?;

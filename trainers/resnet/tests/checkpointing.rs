@@ -28,18 +28,25 @@ fn train(policy: &str, guard: bool) -> (Vec<(u32, Bits)>, Bits) {
 fn train_in(policy: &str, guard: bool, dtype: model::Precision) -> (Vec<(u32, Bits)>, Bits) {
     let (batch, size) = (4, 32);
     let model = ResNet::new(Config { dtype, ..tiny() }, &Device::Cpu, 11).unwrap();
-    let mut exec = Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 5).unwrap();
+    let mut exec =
+        Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 5)
+            .unwrap();
     if !guard {
         exec = exec.without_recompute_flag();
     }
-    let mut opt = SgdMomentum::new(model.params().vars(), ParamsSgd { lr: 0.05, ..Default::default() }).unwrap();
+    let mut opt =
+        SgdMomentum::new(model.params().vars(), ParamsSgd { lr: 0.05, ..Default::default() })
+            .unwrap();
     let data = SyntheticImages::new(4, size, 2);
     let steps = (0..2u64)
         .map(|step| {
             let (x, y) = data.batch(step, batch);
             let out = exec.step(&model.inputs(&x, &y, size, &Device::Cpu).unwrap(), step).unwrap();
             opt.step(&out.grads).unwrap();
-            (out.loss.to_scalar::<f32>().unwrap().to_bits(), model.params().grad_bits(&out.grads).unwrap())
+            (
+                out.loss.to_scalar::<f32>().unwrap().to_bits(),
+                model.params().grad_bits(&out.grads).unwrap(),
+            )
         })
         .collect();
     (steps, model.params().buffer_bits().unwrap())
@@ -55,10 +62,16 @@ fn gradients_and_statistics_equal_off_bit_for_bit_in_half_precision() {
     for dtype in [model::Precision::Bf16, model::Precision::F16, model::Precision::Bf16Weights] {
         let off = train_in("off", true, dtype);
         for (name, g) in &off.0[0].1 {
-            assert!(g.iter().any(|&x| f32::from_bits(x) != 0.0), "{dtype}: `{name}` got a zero gradient");
+            assert!(
+                g.iter().any(|&x| f32::from_bits(x) != 0.0),
+                "{dtype}: `{name}` got a zero gradient"
+            );
         }
         for policy in POLICIES {
-            assert!(train_in(policy, true, dtype) == off, "{dtype} {policy}: losses, gradients or statistics differ from off");
+            assert!(
+                train_in(policy, true, dtype) == off,
+                "{dtype} {policy}: losses, gradients or statistics differ from off"
+            );
         }
     }
 }
@@ -87,7 +100,10 @@ fn without_the_recompute_guard_batchnorm_statistics_differ() {
     let (_, off_stats) = train("off", true);
     let (_, stats) = train("before-downsample", false);
     let differing: Vec<&String> = off_stats.keys().filter(|n| off_stats[*n] != stats[*n]).collect();
-    assert!(!differing.is_empty(), "updating twice must change the running statistics, or the test cannot fail");
+    assert!(
+        !differing.is_empty(),
+        "updating twice must change the running statistics, or the test cannot fail"
+    );
 }
 
 #[test]
@@ -97,7 +113,10 @@ fn every_parameter_receives_a_nonzero_gradient() {
         for (_, grads) in train(policy, true).0 {
             assert_eq!(grads.len(), n, "{policy}: some parameters got no gradient");
             for (name, g) in grads {
-                assert!(g.iter().any(|&b| f32::from_bits(b) != 0.0), "{policy}: gradient of {name} is all zero");
+                assert!(
+                    g.iter().any(|&b| f32::from_bits(b) != 0.0),
+                    "{policy}: gradient of {name} is all zero"
+                );
             }
         }
     }
@@ -106,13 +125,23 @@ fn every_parameter_receives_a_nonzero_gradient() {
 #[test]
 fn published_parameter_counts() {
     // torchvision's resnet18, resnet50, resnet152 (1000 classes), counted from the shapes...
-    for (preset, count) in [("resnet18", 11_689_512), ("resnet50", 25_557_032), ("resnet152", 60_192_808)] {
-        assert_eq!(preset.parse::<resnet::Preset>().unwrap().config().parameter_count(), count, "{preset}");
+    for (preset, count) in
+        [("resnet18", 11_689_512), ("resnet50", 25_557_032), ("resnet152", 60_192_808)]
+    {
+        assert_eq!(
+            preset.parse::<resnet::Preset>().unwrap().config().parameter_count(),
+            count,
+            "{preset}"
+        );
     }
     // ...which are the parameters the model builds (checked where building is cheap).
     for preset in ["tiny", "resnet18"] {
         let config: Config = preset.parse::<resnet::Preset>().unwrap().config();
-        assert_eq!(ResNet::new(config.clone(), &Device::Cpu, 0).unwrap().params().count(), config.parameter_count(), "{preset}");
+        assert_eq!(
+            ResNet::new(config.clone(), &Device::Cpu, 0).unwrap().params().count(),
+            config.parameter_count(),
+            "{preset}"
+        );
     }
     assert!("resnet51".parse::<resnet::Preset>().unwrap_err().to_string().contains("resnet50"));
 }
@@ -126,8 +155,12 @@ fn torchvision_snapshot_reproduces_the_logits() {
     let exec = Executor::new(saved.graph(), &Policy::Off, saved.params().vars(), 0).unwrap();
     let (x, y) = SyntheticImages::new(4, 32, 3).batch(0, 4);
     exec.step(&saved.inputs(&x, &y, 32, &Device::Cpu).unwrap(), 0).unwrap();
-    let mut tensors: std::collections::HashMap<String, Tensor> =
-        saved.params().named().chain(saved.params().buffers()).map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
+    let mut tensors: std::collections::HashMap<String, Tensor> = saved
+        .params()
+        .named()
+        .chain(saved.params().buffers())
+        .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
+        .collect();
     tensors.insert("bn1.num_batches_tracked".into(), Tensor::new(1i64, &Device::Cpu).unwrap());
     let path = dir.join("resnet.safetensors");
     candle_core::safetensors::save(&tensors, &path).unwrap();
@@ -135,8 +168,23 @@ fn torchvision_snapshot_reproduces_the_logits() {
     let loaded = ResNet::new(tiny(), &Device::Cpu, 2).unwrap();
     loaded.load_snapshot(&path).unwrap();
     let images = saved.inputs(&x, &y, 32, &Device::Cpu).unwrap().remove(0);
-    let want = saved.logits(&images, remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    assert_eq!(loaded.logits(&images, remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+    let want = saved
+        .logits(&images, remat::RunMode::Eval)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert_eq!(
+        loaded
+            .logits(&images, remat::RunMode::Eval)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap(),
+        want
+    );
     let wide = Tensor::zeros((4, 3, 32, 48), candle_core::DType::F32, &Device::Cpu).unwrap();
     assert!(loaded.logits(&wide, remat::RunMode::Eval).unwrap_err().to_string().contains("square"));
     std::fs::remove_dir_all(&dir).unwrap();
@@ -145,12 +193,26 @@ fn torchvision_snapshot_reproduces_the_logits() {
 #[test]
 fn own_snapshot_round_trips_into_a_freshly_seeded_model() {
     let saved = ResNet::new(tiny(), &Device::Cpu, 1).unwrap();
-    // A training step moves the BatchNorm statistics off their initial values, which every seed shares.
+    // A training step moves the BatchNorm statistics off their initial values, which every seed
+    // shares.
     let exec = Executor::new(saved.graph(), &Policy::Off, saved.params().vars(), 0).unwrap();
     let (x, y) = SyntheticImages::new(4, 32, 3).batch(0, 4);
     let inputs = saved.inputs(&x, &y, 32, &Device::Cpu).unwrap();
     exec.step(&inputs, 0).unwrap();
-    let logits = |m: &ResNet| m.logits(&inputs[0], remat::RunMode::Eval).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let logits = |m: &ResNet| {
+        m.logits(&inputs[0], remat::RunMode::Eval)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
     let fresh = ResNet::new(tiny(), &Device::Cpu, 2).unwrap();
-    testkit::assert_snapshot_round_trip(&saved, &fresh, ResNet::params, logits, ResNet::load_snapshot);
+    testkit::assert_snapshot_round_trip(
+        &saved,
+        &fresh,
+        ResNet::params,
+        logits,
+        ResNet::load_snapshot,
+    );
 }

@@ -14,7 +14,22 @@ fn loss_falls_on_synthetic_images() {
     // among losses of 0.01, f32 too), so where the spikes fell moved with the last rounding bit
     // of a machine's kernels, and with them any statistic of the last steps.
     for dtype in ["f32", "bf16", "f16", "bf16-weights"] {
-        let args = ["--preset", "tiny", "--steps", "30", "--batch", "32", "--lr", "0.02", "--image-size", "32", "--classes", "4", "--dtype", dtype];
+        let args = [
+            "--preset",
+            "tiny",
+            "--steps",
+            "30",
+            "--batch",
+            "32",
+            "--lr",
+            "0.02",
+            "--image-size",
+            "32",
+            "--classes",
+            "4",
+            "--dtype",
+            dtype,
+        ];
         let (losses, _) = testkit::run_logged(env!("CARGO_BIN_EXE_train-resnet"), &args);
         let mut start = losses[..5].to_vec();
         start.sort_by(f32::total_cmp);
@@ -31,13 +46,19 @@ fn bad_input_gives_clear_errors() {
         (vec!["--preset", "resnet51"], "valid presets: tiny, resnet18"),
         (vec!["--preset", "tiny", "--policy", "every-other"], "valid policies"),
         (vec!["--preset", "tiny", "--image-size", "16"], "at least 32"),
-        (vec!["--preset", "tiny", "--data", "/nonexistent/folder"], "image folder /nonexistent/folder"),
+        (
+            vec!["--preset", "tiny", "--data", "/nonexistent/folder"],
+            "image folder /nonexistent/folder",
+        ),
         // One class trained at loss 0.
         (vec!["--preset", "tiny", "--classes", "1"], "--classes must be at least 2"),
     ] {
         let out = run(&args);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
+        assert!(
+            !out.status.success() && !err.contains("panicked") && err.contains(needle),
+            "{args:?}: {err}"
+        );
     }
 }
 
@@ -50,15 +71,37 @@ fn init_with_another_class_count_initialises_the_classifier() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("imagenet.safetensors");
     let config = resnet::Config { classes: 1000, ..resnet::Preset::Tiny.config() };
-    resnet::ResNet::new(config, &candle_core::Device::Cpu, 3).unwrap().save_snapshot(&path).unwrap();
+    resnet::ResNet::new(config, &candle_core::Device::Cpu, 3)
+        .unwrap()
+        .save_snapshot(&path)
+        .unwrap();
 
-    let args = ["--preset", "tiny", "--classes", "4", "--image-size", "32", "--steps", "1", "--init", path.to_str().unwrap()];
+    let args = [
+        "--preset",
+        "tiny",
+        "--classes",
+        "4",
+        "--image-size",
+        "32",
+        "--steps",
+        "1",
+        "--init",
+        path.to_str().unwrap(),
+    ];
     let out = run(&args);
     let log = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && log.contains("fc.weight (shape [1000, 256] in the snapshot)") && log.contains("fc.bias (shape [1000]"), "{log}");
+    assert!(
+        out.status.success()
+            && log.contains("fc.weight (shape [1000, 256] in the snapshot)")
+            && log.contains("fc.bias (shape [1000]"),
+        "{log}"
+    );
     let out = run(&[&args[..], &["--strict"]].concat());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--strict") && err.contains("expects [4"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("--strict") && err.contains("expects [4"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -71,7 +114,9 @@ fn a_model_too_large_for_the_machine_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("heap cap: refused") && err.contains("the model does not fit in this machine's available memory") && err.contains("--classes"),
+        err.contains("heap cap: refused")
+            && err.contains("the model does not fit in this machine's available memory")
+            && err.contains("--classes"),
         "{err}"
     );
 }

@@ -21,7 +21,14 @@ const SIZE: usize = 64;
 /// convolution's column matrix (3 x 49 values per output pixel, whatever the width), which set
 /// the peak of the `tiny` preset under every policy.
 fn config() -> Config {
-    Config { bottleneck: true, layers: [2, 2, 2, 2], width: 32, classes: 4, dtype: model::Precision::F32, freeze: params::Freeze::default() }
+    Config {
+        bottleneck: true,
+        layers: [2, 2, 2, 2],
+        width: 32,
+        classes: 4,
+        dtype: model::Precision::F32,
+        freeze: params::Freeze::default(),
+    }
 }
 
 fn model() -> ResNet {
@@ -35,7 +42,8 @@ fn inputs(model: &ResNet, step: u64) -> Vec<candle_core::Tensor> {
 
 fn peaks(policy: &str) -> Peaks {
     let model = model();
-    let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 1).unwrap();
+    let exec =
+        Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 1).unwrap();
     testkit::second_step_peaks(&exec, |step| inputs(&model, step)).unwrap()
 }
 
@@ -72,7 +80,11 @@ fn checkpointing_lowers_the_activation_peak_by_what_the_shapes_say() {
         "off: forward ends at {} B, activation peak {} B, step peak {} B; stage outputs {outputs} B (largest {largest} B)",
         off.forward_end, off.activation, off.step
     );
-    assert!(off.forward_end >= outputs, "off ends its forward with {} B, less than the stage outputs' {outputs} B", off.forward_end);
+    assert!(
+        off.forward_end >= outputs,
+        "off ends its forward with {} B, less than the stage outputs' {outputs} B",
+        off.forward_end
+    );
     for policy in ["sqrt", "before-downsample"] {
         let p = peaks(policy);
         eprintln!(
@@ -85,8 +97,18 @@ fn checkpointing_lowers_the_activation_peak_by_what_the_shapes_say() {
         );
         // A segmented forward keeps at most its boundaries and the last segment: it must end
         // below off's by at least the outputs it does not keep, so at least by half of them.
-        assert!(p.forward_end + outputs / 2 <= off.forward_end, "{policy}: forward ends at {} B, off at {} B", p.forward_end, off.forward_end);
-        assert!(p.activation * 4 <= off.activation * 3, "{policy}: activation peak {} B is more than 3/4 of off's {} B", p.activation, off.activation);
+        assert!(
+            p.forward_end + outputs / 2 <= off.forward_end,
+            "{policy}: forward ends at {} B, off at {} B",
+            p.forward_end,
+            off.forward_end
+        );
+        assert!(
+            p.activation * 4 <= off.activation * 3,
+            "{policy}: activation peak {} B is more than 3/4 of off's {} B",
+            p.activation,
+            off.activation
+        );
     }
 }
 
@@ -94,8 +116,11 @@ fn checkpointing_lowers_the_activation_peak_by_what_the_shapes_say() {
 /// that does arithmetic on Vars without detaching keeps every earlier step's tensors alive.
 fn training_does_not_grow_the_heap() {
     use candle_nn::Optimizer;
-    let model = ResNet::new(Config { classes: 4, ..resnet::Preset::Tiny.config() }, &Device::Cpu, 1).unwrap();
-    let exec = Executor::new(model.graph(), &"sqrt".parse().unwrap(), model.params().vars(), 1).unwrap();
+    let model =
+        ResNet::new(Config { classes: 4, ..resnet::Preset::Tiny.config() }, &Device::Cpu, 1)
+            .unwrap();
+    let exec =
+        Executor::new(model.graph(), &"sqrt".parse().unwrap(), model.params().vars(), 1).unwrap();
     let mut opt = optim::SgdMomentum::new(model.params().vars(), Default::default()).unwrap();
     let data = SyntheticImages::new(4, 32, 1);
     let mut after = Vec::new();
@@ -106,5 +131,9 @@ fn training_does_not_grow_the_heap() {
         drop(out);
         after.push(remat::memory::heap_current());
     }
-    assert_eq!(after[1], after[3], "the heap grew from {} to {} bytes between steps 1 and 3", after[1], after[3]);
+    assert_eq!(
+        after[1], after[3],
+        "the heap grew from {} to {} bytes between steps 1 and 3",
+        after[1], after[3]
+    );
 }

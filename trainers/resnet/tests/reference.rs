@@ -1,6 +1,6 @@
 //! ResNet against torchvision (`tests/fixtures/resnet.safetensors`, written by
-//! `scripts/make_fixtures.py` from torchvision's own `Bottleneck`): the `tiny` preset's
-//! evaluation logits (random running statistics) and evaluation loss, then one training step under `off` and
+//! `scripts/make_fixtures.py` from torchvision's own `Bottleneck`): the `tiny` preset's evaluation
+//! logits (random running statistics) and evaluation loss, then one training step under `off` and
 //! `sqrt`: the loss with BatchNorm in training mode, every parameter's gradient and every running
 //! statistic after the step. Tolerances: `testkit::reference`.
 
@@ -8,7 +8,9 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use model::Model;
 use resnet::{Config, ResNet};
-use testkit::reference::{check_close, check_evaluation, check_training_step, on_both_routes, Fixture, LOGITS_TOL};
+use testkit::reference::{
+    check_close, check_evaluation, check_training_step, on_both_routes, Fixture, LOGITS_TOL,
+};
 
 #[derive(serde::Deserialize)]
 struct FixtureConfig {
@@ -25,7 +27,9 @@ fn logits_loss_gradients_and_statistics_match_pytorch() -> Result<()> {
 }
 
 fn against_pytorch() -> Result<()> {
-    let fx = Fixture::load(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/resnet.safetensors").as_ref())?;
+    let fx = Fixture::load(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/resnet.safetensors").as_ref(),
+    )?;
     let cfg: FixtureConfig = fx.config()?;
     let config = Config { classes: cfg.classes, ..cfg.preset.parse::<resnet::Preset>()?.config() };
     let model = ResNet::new(config, &Device::Cpu, 0)?;
@@ -34,8 +38,18 @@ fn against_pytorch() -> Result<()> {
     let size = cfg.image_size;
     model.load_snapshot(fx.path())?;
     let batch = Tensor::from_slice(&images, (labels.len(), 3, size, size), &Device::Cpu)?;
-    check_close("logits", &model.logits(&batch, remat::RunMode::Eval)?, &fx.tensor("logits")?, LOGITS_TOL)?;
-    check_evaluation(&model, &model.inputs(&images, &labels, size, &Device::Cpu)?, &fx.tensor("logits")?, &labels)?;
+    check_close(
+        "logits",
+        &model.logits(&batch, remat::RunMode::Eval)?,
+        &fx.tensor("logits")?,
+        LOGITS_TOL,
+    )?;
+    check_evaluation(
+        &model,
+        &model.inputs(&images, &labels, size, &Device::Cpu)?,
+        &fx.tensor("logits")?,
+        &labels,
+    )?;
     for policy in ["off", "sqrt"] {
         model.load_snapshot(fx.path())?; // the running statistics as the reference started
         let inputs = model.inputs(&images, &labels, size, &Device::Cpu)?;

@@ -1,4 +1,4 @@
-//! The flags every trainer shares ([`RunArgs`]), each trainer's defaults for them ([`parse`]),
+//! The flags every trainer shares ([`RunArgs`]), each trainer's defaults for them ([`main`]),
 //! and the checks that refuse bad values before anything starts: counts, the learning rate, the
 //! loss scale, the device.
 
@@ -18,12 +18,34 @@ pub struct Defaults {
     pub lr: &'static str,
 }
 
+/// A trainer's `main`: parses the command line into its arguments `A` with the trainer's
+/// `defaults` ([`parse`]), starts the run on its ranks (`run` gives the shared flags of `A`; under
+/// `--ranks N` this process re-runs itself under mpirun, [`crate::launch`]) and runs `train` on
+/// each, a failing rank stopping them all ([`crate::or_abort`]).
+pub fn main<A: clap::Parser>(
+    defaults: Defaults,
+    run: impl Fn(&A) -> &RunArgs,
+    train: impl FnOnce(&A, &crate::Group, &Device) -> Result<()>,
+) -> Result<()> {
+    let args: A = parse(defaults);
+    let Some((group, device)) = crate::launch(run(&args))? else { return Ok(()) };
+    crate::or_abort(&group, train(&args, &group, &device))
+}
+
 /// Parses the command line into a trainer's arguments `A` (which flatten [`RunArgs`]), with the
 /// trainer's `defaults`; on a bad or missing flag prints clap's error and exits, as
 /// `Parser::parse` does.
-pub fn parse<A: clap::Parser>(defaults: Defaults) -> A {
-    let values = [("policy", defaults.policy), ("steps", defaults.steps), ("batch", defaults.batch), ("optimizer", defaults.optimizer), ("lr", defaults.lr)];
-    let command = values.into_iter().fold(A::command(), |c, (id, value)| c.mut_arg(id, |a| a.default_value(value).required(false)));
+fn parse<A: clap::Parser>(defaults: Defaults) -> A {
+    let values = [
+        ("policy", defaults.policy),
+        ("steps", defaults.steps),
+        ("batch", defaults.batch),
+        ("optimizer", defaults.optimizer),
+        ("lr", defaults.lr),
+    ];
+    let command = values.into_iter().fold(A::command(), |c, (id, value)| {
+        c.mut_arg(id, |a| a.default_value(value).required(false))
+    });
     A::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit())
 }
 
@@ -152,7 +174,10 @@ impl RunArgs {
             }
         }
         if self.eval_batches > MAX_EVAL_BATCHES {
-            bail!("--eval-batches {} is more than {MAX_EVAL_BATCHES} (each is a forward pass)", self.eval_batches);
+            bail!(
+                "--eval-batches {} is more than {MAX_EVAL_BATCHES} (each is a forward pass)",
+                self.eval_batches
+            );
         }
         if self.optimizer_in_backward {
             let conflict = [
@@ -192,7 +217,9 @@ impl std::str::FromStr for DeviceName {
             "cpu" => Ok(DeviceName::Cpu),
             "cuda" => Ok(DeviceName::Cuda(None)),
             d => match d.strip_prefix("cuda:") {
-                Some(n) => Ok(DeviceName::Cuda(Some(n.parse().context("--device cuda:N needs a number")?))),
+                Some(n) => {
+                    Ok(DeviceName::Cuda(Some(n.parse().context("--device cuda:N needs a number")?)))
+                }
                 None => bail!("unknown device `{d}`; valid devices: cpu, cuda, cuda:N"),
             },
         }

@@ -27,18 +27,26 @@ pub struct HubFiles {
 /// Finds `config.json`, `model.safetensors` and `tokenizer.json` (optional) of a Hugging Face
 /// model id: in the local cache first (`cache`, or the default `~/.cache/huggingface/hub`), else
 /// downloaded into it unless `offline` (or `HF_HUB_OFFLINE=1`).
-pub fn hub_files(model_id: &str, cache: Option<&Path>, offline: bool) -> Result<HubFiles, HubError> {
+pub fn hub_files(
+    model_id: &str,
+    cache: Option<&Path>,
+    offline: bool,
+) -> Result<HubFiles, HubError> {
     let offline = offline || std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1");
     let local = match cache {
         Some(dir) => hf_hub::Cache::new(dir.to_path_buf()),
         None => hf_hub::Cache::from_env(),
     };
     let repo = local.model(model_id.to_string());
-    if let (Some(config), Some(weights)) = (repo.get("config.json"), repo.get("model.safetensors")) {
+    if let (Some(config), Some(weights)) = (repo.get("config.json"), repo.get("model.safetensors"))
+    {
         return Ok(HubFiles { config, weights, tokenizer: repo.get("tokenizer.json") });
     }
     if offline {
-        return Err(HubError::NotCached { model: model_id.to_string(), cache: local.path().display().to_string() });
+        return Err(HubError::NotCached {
+            model: model_id.to_string(),
+            cache: local.path().display().to_string(),
+        });
     }
     let mut api = hf_hub::api::sync::ApiBuilder::new();
     if let Some(dir) = cache {
@@ -126,7 +134,11 @@ impl InitArgs {
         crate::say!("weights from {}", path.display());
         if !fresh.is_empty() {
             let names: Vec<String> = fresh.iter().map(ToString::to_string).collect();
-            crate::say!("initialised, not loaded ({} task-head tensors): {}", fresh.len(), names.join(", "));
+            crate::say!(
+                "initialised, not loaded ({} task-head tensors): {}",
+                fresh.len(),
+                names.join(", ")
+            );
         }
         Ok(())
     }
@@ -134,12 +146,20 @@ impl InitArgs {
 
 /// The `tokenizer.json` of a run: `explicit` (`--tokenizer`), else the hub model's, else one in
 /// the folder of any of `beside` (the `--config` and `--init` files).
-pub fn tokenizer_file(explicit: Option<&Path>, hub: Option<&HubFiles>, beside: &[Option<&Path>]) -> Option<PathBuf> {
+pub fn tokenizer_file(
+    explicit: Option<&Path>,
+    hub: Option<&HubFiles>,
+    beside: &[Option<&Path>],
+) -> Option<PathBuf> {
     if let Some(path) = explicit {
         return Some(path.to_path_buf());
     }
     if let Some(path) = hub.and_then(|h| h.tokenizer.clone()) {
         return Some(path);
     }
-    beside.iter().flatten().filter_map(|p| Some(p.parent()?.join("tokenizer.json"))).find(|p| p.is_file())
+    beside
+        .iter()
+        .flatten()
+        .filter_map(|p| Some(p.parent()?.join("tokenizer.json")))
+        .find(|p| p.is_file())
 }

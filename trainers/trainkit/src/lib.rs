@@ -1,7 +1,8 @@
 //! `trainkit`: what the four trainer binaries share, so each is its model, its data and its
 //! flags. [`Trainer::run`] owns the loop; one optimizer step ([`Stepper`]) is what the trainers
 //! and the harness's measurement both run. By job:
-//! - [`args`]: the flags every trainer shares ([`RunArgs`]) and their checks;
+//! - [`args`]: a trainer's `main` ([`main`]), the flags every trainer shares ([`RunArgs`]) and
+//!   their checks;
 //! - [`plan`]: the policy planned before training, the fit check, `--dry-run`;
 //! - [`step`]: one optimizer step of gradient accumulation, measured;
 //! - [`scaler`]: f16 loss scaling;
@@ -25,10 +26,13 @@ pub mod snapshot;
 pub mod step;
 pub mod trainer;
 
-pub use args::{parse, Defaults, DeviceName, RunArgs};
+pub use args::{main, Defaults, DeviceName, RunArgs};
 pub use log::{read_eval_losses, read_losses};
 pub use parallel::{launch, optimizer, or_abort, Group};
-pub use plan::{auto_budget, available_memory, build_model, check_footprint, free_memory, memory_before_step, rank_seed};
+pub use plan::{
+    auto_budget, available_memory, build_model, check_footprint, free_memory, memory_before_step,
+    rank_seed,
+};
 pub use scaler::{finish_gradients, LossScaler};
 pub use step::{micro_batches, StepOutcome, Stepper};
 pub use trainer::Trainer;
@@ -38,9 +42,10 @@ use std::io::Write;
 /// Set on every rank but the first of a data-parallel run: rank 0 speaks for all.
 static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Writes one line to stderr (or stdout), ending the process quietly when the reader has closed
-/// the pipe (`train-gpt2 ... 2>&1 | head -2`), where `eprintln!` would panic: with exit 141, as a
-/// process killed by SIGPIPE, since the run did not do its work (exit 0 would tell a script it had).
+/// Writes one line to stderr (or stdout), ending the process quietly when the reader has closed the
+/// pipe (`train-gpt2 ... 2>&1 | head -2`), where `eprintln!` would panic: with exit 141, as a
+/// process killed by SIGPIPE, since the run did not do its work (exit 0 would tell a script it
+/// had).
 pub fn say_line(stdout: bool, args: std::fmt::Arguments) {
     if QUIET.load(std::sync::atomic::Ordering::Relaxed) {
         return;

@@ -56,8 +56,16 @@ pub struct Log<'g> {
 impl<'g> Log<'g> {
     /// A log of `steps` optimizer steps of `micro_batches` micro-batches each, writing `log_json`
     /// on rank 0; `append` (a resumed run) continues the file of the run it resumes.
-    pub fn new(group: &'g Group, steps: usize, micro_batches: usize, log_json: Option<&Path>, append: bool) -> Result<Self> {
-        let bar = ProgressBar::new(steps as u64).with_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}")?);
+    pub fn new(
+        group: &'g Group,
+        steps: usize,
+        micro_batches: usize,
+        log_json: Option<&Path>,
+        append: bool,
+    ) -> Result<Self> {
+        let bar = ProgressBar::new(steps as u64).with_style(ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}",
+        )?);
         let json = match log_json.filter(|_| group.is_root()) {
             Some(p) => Some((
                 p.to_path_buf(),
@@ -89,13 +97,23 @@ impl<'g> Log<'g> {
     pub fn step(&mut self, step: usize, loss: f32, usage: &Usage) -> Result<()> {
         self.times.push(usage.elapsed_ms);
         let rss = usage.rss_peak_delta.map_or("n/a".into(), |b| format!("{:.1} MiB", mib(b)));
-        self.say(format_args!("step {step:>4}  loss {loss:.4}  {:>8.1} ms  peak +{:.1} MiB (rss +{rss})", usage.elapsed_ms, mib(usage.heap_peak_delta)));
+        self.say(format_args!(
+            "step {step:>4}  loss {loss:.4}  {:>8.1} ms  peak +{:.1} MiB (rss +{rss})",
+            usage.elapsed_ms,
+            mib(usage.heap_peak_delta)
+        ));
         self.bar.set_message(format!("loss {loss:.3}"));
         self.bar.inc(1);
-        let (now, before) = (self.group.comm_time(), std::mem::replace(&mut self.comm, self.group.comm_time()));
+        let (now, before) =
+            (self.group.comm_time(), std::mem::replace(&mut self.comm, self.group.comm_time()));
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        let parallel = (self.group.world() > 1).then(|| (ms(now.all_reduce - before.all_reduce), ms(now.waited - before.waited)));
-        let peaks = if self.group.world() > 1 { Some(self.group.min_max(usage.heap_peak_delta)?) } else { None };
+        let parallel = (self.group.world() > 1)
+            .then(|| (ms(now.all_reduce - before.all_reduce), ms(now.waited - before.waited)));
+        let peaks = if self.group.world() > 1 {
+            Some(self.group.min_max(usage.heap_peak_delta)?)
+        } else {
+            None
+        };
         if self.json.is_some() {
             let rec = StepRecord {
                 step,
@@ -117,7 +135,9 @@ impl<'g> Log<'g> {
 
     /// After an evaluation of `batches` held-out batches: its line and record.
     pub fn eval(&mut self, step: usize, eval_loss: f32, eval_batches: usize) -> Result<()> {
-        self.say(format_args!("eval after step {step}: loss {eval_loss:.4} ({eval_batches} held-out batches)"));
+        self.say(format_args!(
+            "eval after step {step}: loss {eval_loss:.4} ({eval_batches} held-out batches)"
+        ));
         self.write_json(&EvalRecord { step, eval_loss, eval_batches })
     }
 
@@ -125,7 +145,9 @@ impl<'g> Log<'g> {
     /// disk says only "No space left on device").
     fn write_json(&mut self, record: &impl Serialize) -> Result<()> {
         let Some((path, f)) = self.json.as_mut() else { return Ok(()) };
-        writeln!(f, "{}", serde_json::to_string(record)?).and_then(|()| f.flush()).with_context(|| format!("--log-json {}", path.display()))
+        writeln!(f, "{}", serde_json::to_string(record)?)
+            .and_then(|()| f.flush())
+            .with_context(|| format!("--log-json {}", path.display()))
     }
 
     /// Clears the bar; prints the time spent in all-reduces and the median step time (the
@@ -134,7 +156,8 @@ impl<'g> Log<'g> {
         self.bar.finish_and_clear();
         let comm = self.group.comm_time();
         if self.group.world() > 1 {
-            let (busy, waited) = (comm.all_reduce.as_secs_f64() * 1e3, comm.waited.as_secs_f64() * 1e3);
+            let (busy, waited) =
+                (comm.all_reduce.as_secs_f64() * 1e3, comm.waited.as_secs_f64() * 1e3);
             say!(
                 "all-reduce: {busy:.1} ms in all-reduce calls; the training thread waited {waited:.1} ms for the means ({:.1} MiB of f32 per rank)",
                 mib(comm.floats * 4)
@@ -160,10 +183,12 @@ pub fn read_eval_losses(path: &Path) -> Result<Vec<f32>> {
 
 /// The values of `field` in the lines of a `--log-json` file that have it.
 fn read_log(path: &Path, field: &str) -> Result<Vec<f32>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut values = Vec::new();
     for line in text.lines() {
-        let record: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{}: not a log line: {line}", path.display()))?;
+        let record: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{}: not a log line: {line}", path.display()))?;
         if let Some(v) = record.get(field).and_then(|v| v.as_f64()) {
             values.push(v as f32);
         }

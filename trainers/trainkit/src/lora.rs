@@ -20,7 +20,12 @@ pub struct LoraSetup {
 
 impl From<&Lora> for LoraSetup {
     fn from(l: &Lora) -> Self {
-        LoraSetup { lora: l.rank, lora_alpha: l.alpha, lora_dropout: l.dropout, lora_targets: l.targets.join(",") }
+        LoraSetup {
+            lora: l.rank,
+            lora_alpha: l.alpha,
+            lora_dropout: l.dropout,
+            lora_targets: l.targets.join(","),
+        }
     }
 }
 
@@ -57,20 +62,43 @@ impl LoraArgs {
     /// The adapters' configuration, `default_targets` where --lora-targets is not given.
     pub fn config(&self, default_targets: &[&str]) -> Result<Option<Lora>> {
         let Some(rank) = self.lora else { return Ok(None) };
-        let targets = if self.lora_targets.is_empty() { default_targets.iter().map(|t| t.to_string()).collect() } else { self.lora_targets.clone() };
-        let lora = Lora { rank, alpha: self.lora_alpha.unwrap_or(rank as f64), dropout: self.lora_dropout, targets, init_lora_weights: true };
+        let targets = if self.lora_targets.is_empty() {
+            default_targets.iter().map(|t| t.to_string()).collect()
+        } else {
+            self.lora_targets.clone()
+        };
+        let lora = Lora {
+            rank,
+            alpha: self.lora_alpha.unwrap_or(rank as f64),
+            dropout: self.lora_dropout,
+            targets,
+            init_lora_weights: true,
+        };
         lora.validate().map_err(anyhow::Error::msg).context("--lora")?;
         Ok(Some(lora))
     }
 
     /// Before training: every target names a layer that got an adapter (a typo would adapt
     /// nothing, or less than asked); then --load-adapter.
-    pub fn prepare(&self, lora: Option<&Lora>, model: &impl Model, adaptable: &[&str]) -> Result<()> {
+    pub fn prepare(
+        &self,
+        lora: Option<&Lora>,
+        model: &impl Model,
+        adaptable: &[&str],
+    ) -> Result<()> {
         let Some(lora) = lora else { return Ok(()) };
-        let names: Vec<&str> = model.params().named().filter_map(|(n, _)| n.strip_suffix(&format!(".{}", lora::LORA_A))).collect();
+        let names: Vec<&str> = model
+            .params()
+            .named()
+            .filter_map(|(n, _)| n.strip_suffix(&format!(".{}", lora::LORA_A)))
+            .collect();
         let unmatched = lora.unmatched_targets(&names);
         if !unmatched.is_empty() {
-            bail!("--lora-targets {}: matches no layer this model adapts (its layers: {})", unmatched.join(","), adaptable.join(", "));
+            bail!(
+                "--lora-targets {}: matches no layer this model adapts (its layers: {})",
+                unmatched.join(","),
+                adaptable.join(", ")
+            );
         }
         if let Some(dir) = &self.load_adapter {
             model.load_adapter(dir).context("--load-adapter")?;
@@ -80,17 +108,29 @@ impl LoraArgs {
     }
 
     /// After training, on the first rank: the adapter and the merged weights, where asked.
-    pub fn save(&self, lora: Option<&Lora>, model: &impl Model, peft: (&str, Option<&str>, bool), group: &crate::Group) -> Result<()> {
+    pub fn save(
+        &self,
+        lora: Option<&Lora>,
+        model: &impl Model,
+        peft: (&str, Option<&str>, bool),
+        group: &crate::Group,
+    ) -> Result<()> {
         let Some(lora) = lora.filter(|_| group.is_root()) else { return Ok(()) };
         if let Some(dir) = &self.save_adapter {
             let (base_model, task_type, fan_in_fan_out) = peft;
-            let model_info = PeftModel { base_model, task_type, fan_in_fan_out, published_name: &|n| model.published_name(n) };
+            let model_info = PeftModel {
+                base_model,
+                task_type,
+                fan_in_fan_out,
+                published_name: &|n| model.published_name(n),
+            };
             lora::save_adapter(dir, model.params(), lora, &model_info).context("--save-adapter")?;
             crate::say!("saved adapter to {}", dir.display());
         }
         if let Some(path) = &self.save_merged {
             let merged = model.params().merged().context("--save-merged")?;
-            params::write_snapshot(path, &merged, Default::default()).with_context(|| format!("--save-merged {}", path.display()))?;
+            params::write_snapshot(path, &merged, Default::default())
+                .with_context(|| format!("--save-merged {}", path.display()))?;
             crate::say!("saved merged weights to {}", path.display());
         }
         Ok(())

@@ -24,7 +24,11 @@ pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
     ops::allocate_matmul_workspaces();
     let group = Group::from_launcher(&device)?;
     if run.ranks > 1 && group.world() == 1 {
-        let (feature, built) = if run.device.is_cuda() { ("nccl", cfg!(feature = "nccl")) } else { ("mpi", cfg!(feature = "mpi")) };
+        let (feature, built) = if run.device.is_cuda() {
+            ("nccl", cfg!(feature = "nccl"))
+        } else {
+            ("mpi", cfg!(feature = "mpi"))
+        };
         if !built {
             bail!(
                 "--ranks {} on {} needs a build with `--features {feature}` (e.g. cargo build --release -p gpt2 --features {feature})",
@@ -51,7 +55,10 @@ pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
     if group.world() > 1 {
         let threads = candle_core::utils::get_num_threads();
         let over = if run.device.is_cuda() { "NCCL" } else { "MPI" };
-        crate::say!("data parallel: {} ranks ({over}), {threads} threads each; --batch is per rank", group.world());
+        crate::say!(
+            "data parallel: {} ranks ({over}), {threads} threads each; --batch is per rank",
+            group.world()
+        );
     }
     Ok(Some((group, device)))
 }
@@ -68,7 +75,10 @@ fn own_args() -> Vec<String> {
 
 /// This process's command line again, without `--ranks`, under `mpirun -np n` ([`mpirun`]).
 fn under_mpirun(n: usize) -> Result<std::process::ExitStatus> {
-    mpirun(n, &std::env::current_exe()?).args(own_args()).status().context("--ranks runs mpirun (Open MPI: apt-get install openmpi-bin libopenmpi-dev)")
+    mpirun(n, &std::env::current_exe()?)
+        .args(own_args())
+        .status()
+        .context("--ranks runs mpirun (Open MPI: apt-get install openmpi-bin libopenmpi-dev)")
 }
 
 /// This process's command line again, without `--ranks`, in `n` processes, one per GPU (NCCL,
@@ -82,7 +92,11 @@ fn one_process_per_gpu(n: usize) -> Result<std::process::ExitStatus> {
         .map(|rank| {
             std::process::Command::new(&exe)
                 .args(own_args())
-                .envs([("RANK", rank.to_string()), ("LOCAL_RANK", rank.to_string()), ("WORLD_SIZE", n.to_string())])
+                .envs([
+                    ("RANK", rank.to_string()),
+                    ("LOCAL_RANK", rank.to_string()),
+                    ("WORLD_SIZE", n.to_string()),
+                ])
                 .env("NCCL_ID_FILE", &id_file)
                 .spawn()
         })
@@ -144,16 +158,26 @@ pub fn or_abort(group: &Group, result: Result<()>) -> Result<()> {
 /// across them while earlier segments recompute (those of `off`'s single segment after its
 /// backward): taken out of the store as they are handed over, summed in f32, divided by the
 /// ranks and put back in each gradient's dtype.
-pub fn accumulate(group: &Group, exec: &Executor, inputs: &[Tensor], n: u64, last: u64, grads: GradStore) -> Result<remat::StepOutput> {
+pub fn accumulate(
+    group: &Group,
+    exec: &Executor,
+    inputs: &[Tensor],
+    n: u64,
+    last: u64,
+    grads: GradStore,
+) -> Result<remat::StepOutput> {
     if group.world() == 1 || n != last {
         return Ok(exec.accumulate(inputs, n, grads)?);
     }
     let params = exec.params();
     let mut started: Vec<Vec<(usize, DType)>> = Vec::new();
     let mut out = exec.accumulate_reporting(inputs, n, grads, &mut |ready, store| {
-        let taken: Vec<(usize, Tensor)> = ready.iter().filter_map(|&k| Some((k, store.remove(params[k].as_tensor())?))).collect();
+        let taken: Vec<(usize, Tensor)> =
+            ready.iter().filter_map(|&k| Some((k, store.remove(params[k].as_tensor())?))).collect();
         started.push(taken.iter().map(|(k, g)| (*k, g.dtype())).collect());
-        group.start_mean(taken.into_iter().map(|(_, g)| g).collect()).map_err(candle_core::Error::wrap)
+        group
+            .start_mean(taken.into_iter().map(|(_, g)| g).collect())
+            .map_err(candle_core::Error::wrap)
     })?;
     for taken in started {
         for ((k, dtype), mean) in taken.into_iter().zip(group.wait_mean()?) {
@@ -167,7 +191,11 @@ pub fn accumulate(group: &Group, exec: &Executor, inputs: &[Tensor], n: u64, las
 /// became). A plan chosen for a budget depends on what each rank measured (stage times, free
 /// memory, its share of a sharded optimizer state), and ranks under different plans would start
 /// different gradient sums; ranks asked for different policies fail.
-pub fn agreed_policy(group: &Group, requested: &remat::PolicyRequest, resolved: remat::Policy) -> Result<remat::Policy> {
+pub fn agreed_policy(
+    group: &Group,
+    requested: &remat::PolicyRequest,
+    resolved: remat::Policy,
+) -> Result<remat::Policy> {
     if group.world() == 1 {
         return Ok(resolved);
     }
@@ -207,7 +235,13 @@ pub fn check_sharding(shard: bool, ranks: usize) -> Result<()> {
 
 /// The run's optimizer over `vars`: `kind`'s, or with `shard` (`--shard-optimizer`) a
 /// [`ShardedOptimizer`] over the ranks of `group`.
-pub fn optimizer<'g>(shard: bool, group: &'g Group, kind: OptimizerKind, vars: Vec<Var>, lr: f64) -> Result<Box<dyn TrainOptimizer + 'g>> {
+pub fn optimizer<'g>(
+    shard: bool,
+    group: &'g Group,
+    kind: OptimizerKind,
+    vars: Vec<Var>,
+    lr: f64,
+) -> Result<Box<dyn TrainOptimizer + 'g>> {
     if !shard {
         return Ok(kind.build(vars, lr)?);
     }
@@ -244,7 +278,10 @@ pub struct ShardedOptimizer<'g> {
 
 impl<'g> ShardedOptimizer<'g> {
     pub fn new(group: &'g Group, kind: OptimizerKind, vars: Vec<Var>, lr: f64) -> Result<Self> {
-        let owners = owners(&vars.iter().map(|v| remat::memory::tensor_bytes(v.as_tensor())).collect::<Vec<_>>(), group.world());
+        let owners = owners(
+            &vars.iter().map(|v| remat::memory::tensor_bytes(v.as_tensor())).collect::<Vec<_>>(),
+            group.world(),
+        );
         let first = owners.iter().position(|&r| r >= group.rank()).unwrap_or(vars.len());
         let count = owners.iter().filter(|&&r| r == group.rank()).count();
         let inner = kind.build(vars[first..first + count].to_vec(), lr)?;
@@ -280,7 +317,8 @@ impl TrainOptimizer for ShardedOptimizer<'_> {
     fn update(&mut self, grads: &GradStore) -> candle_core::Result<()> {
         self.inner.update(grads)?;
         for (var, &owner) in self.vars.iter().zip(&self.owners) {
-            let updated = self.group.broadcast(var.as_tensor(), owner).map_err(candle_core::Error::wrap)?;
+            let updated =
+                self.group.broadcast(var.as_tensor(), owner).map_err(candle_core::Error::wrap)?;
             if owner != self.group.rank() {
                 var.set(&updated)?;
             }
@@ -290,13 +328,26 @@ impl TrainOptimizer for ShardedOptimizer<'_> {
 
     /// This rank's share, under the unsharded names.
     fn state(&self) -> candle_core::Result<HashMap<String, Tensor>> {
-        Ok(self.inner.state()?.into_iter().filter_map(|(k, v)| Some((reindexed(&k, |i| Some(self.first + i))?, v))).collect())
+        Ok(self
+            .inner
+            .state()?
+            .into_iter()
+            .filter_map(|(k, v)| Some((reindexed(&k, |i| Some(self.first + i))?, v)))
+            .collect())
     }
 
     /// Takes this rank's share of a whole state (an unsharded run's, or one gathered on rank 0).
     fn set_state(&mut self, state: &HashMap<String, Tensor>) -> candle_core::Result<()> {
         let (first, count) = (self.first, self.count);
-        let mine = state.iter().filter_map(|(k, v)| Some((reindexed(k, |i| (first..first + count).contains(&i).then(|| i - first))?, v.clone()))).collect();
+        let mine = state
+            .iter()
+            .filter_map(|(k, v)| {
+                Some((
+                    reindexed(k, |i| (first..first + count).contains(&i).then(|| i - first))?,
+                    v.clone(),
+                ))
+            })
+            .collect();
         self.inner.set_state(&mine)
     }
 
@@ -306,9 +357,12 @@ impl TrainOptimizer for ShardedOptimizer<'_> {
 
     fn snapshot_state(&self) -> candle_core::Result<Option<HashMap<String, Tensor>>> {
         let mine = self.state()?;
-        let bytes = safetensors::serialize(mine.iter().map(|(k, v)| (k.as_str(), v)), None).map_err(candle_core::Error::wrap)?;
+        let bytes = safetensors::serialize(mine.iter().map(|(k, v)| (k.as_str(), v)), None)
+            .map_err(candle_core::Error::wrap)?;
         drop(mine);
-        let Some(all) = self.group.gather_bytes(bytes).map_err(candle_core::Error::wrap)? else { return Ok(None) };
+        let Some(all) = self.group.gather_bytes(bytes).map_err(candle_core::Error::wrap)? else {
+            return Ok(None);
+        };
         let mut whole = HashMap::new();
         for bytes in all {
             whole.extend(candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)?);

@@ -12,14 +12,22 @@ use remat::Executor;
 /// This machine's available memory in bytes (MemAvailable + SwapFree), where /proc/meminfo says.
 pub fn available_memory() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib = |field: &str| meminfo.lines().find_map(|l| l.strip_prefix(field)?.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
+    let kib = |field: &str| {
+        meminfo.lines().find_map(|l| {
+            l.strip_prefix(field)?.trim().trim_end_matches("kB").trim().parse::<u64>().ok()
+        })
+    };
     Some((kib("MemAvailable:")? + kib("SwapFree:")?) * 1024)
 }
 
 /// The memory a training step starts from, as a budget or a memory cap counts it: everything the
 /// device holds now (weights, buffers, data, the optimizer state allocated so far), the optimizer
 /// state still to come (SGD's buffers appear at the first update), and one batch of inputs.
-pub fn memory_before_step(device: &Device, optimizer: &dyn optim::TrainOptimizer, inputs_bytes: u64) -> Result<u64> {
+pub fn memory_before_step(
+    device: &Device,
+    optimizer: &dyn optim::TrainOptimizer,
+    inputs_bytes: u64,
+) -> Result<u64> {
     let counter = remat::memory::Counter::for_device(device);
     counter.synchronize();
     let allocated: u64 = optimizer.state()?.values().map(remat::memory::tensor_bytes).sum();
@@ -50,7 +58,9 @@ pub fn check_footprint(flags: &str, what: &str, elements: Option<u128>) -> Resul
 pub fn free_memory(device: &Device) -> Option<u64> {
     match device {
         #[cfg(feature = "cuda")]
-        Device::Cuda(d) => d.cuda_stream().context().mem_get_info().ok().map(|(free, _)| free as u64),
+        Device::Cuda(d) => {
+            d.cuda_stream().context().mem_get_info().ok().map(|(free, _)| free as u64)
+        }
         _ => available_memory(),
     }
 }
@@ -81,7 +91,9 @@ pub fn within_memory<T>(hint: String, f: impl FnOnce() -> Result<T>) -> Result<T
 
 /// Builds a model with [`within_memory`]: `flags` name what sets its size (`--preset/--config`).
 pub fn build_model<M>(flags: &str, build: impl FnOnce() -> Result<M>) -> Result<M> {
-    let hint = format!("the model does not fit in this machine's available memory: choose a smaller one ({flags})");
+    let hint = format!(
+        "the model does not fit in this machine's available memory: choose a smaller one ({flags})"
+    );
     remat::memory::set_activity(remat::memory::Activity::Build, None);
     let model = within_memory(hint, build);
     remat::memory::set_activity(remat::memory::Activity::Setup, None);
@@ -109,7 +121,9 @@ fn check_step_fits(
     let hint = format!("a training step does not fit in this machine's available memory: make it smaller ({sizes})");
     // At batch 1 or 2, this is the plan's profile too; at larger batches, extrapolated (its
     // temporaries over-predict a little), and a plan measures at the batch itself.
-    let measure = |n: usize| -> Result<Profile> { Ok(Profile::measure(model.graph(), &inputs_at(n)?, &vars, n, run.seed)?) };
+    let measure = |n: usize| -> Result<Profile> {
+        Ok(Profile::measure(model.graph(), &inputs_at(n)?, &vars, n, run.seed)?)
+    };
     let (profile, measuring_peak) = remat::memory::peak_during(|| {
         within_memory(hint, || {
             Ok(match batch {
@@ -126,11 +140,17 @@ fn check_step_fits(
         None => least.estimate.peak,
     };
     // What is already allocated (the model) is not asked of the free memory again.
-    let more = fixed.saturating_sub(remat::memory::Counter::for_device(&device).current()).saturating_add(peak);
+    let more = fixed
+        .saturating_sub(remat::memory::Counter::for_device(&device).current())
+        .saturating_add(peak);
     if more > free {
         let gib = |b: u64| b as f64 / 2f64.powi(30);
         let other = if least.estimate.peak < peak {
-            format!(" (the least any checkpoint plan needs is {:.1} GiB: {})", gib(least.estimate.peak), least.policy())
+            format!(
+                " (the least any checkpoint plan needs is {:.1} GiB: {})",
+                gib(least.estimate.peak),
+                least.policy()
+            )
         } else {
             String::new()
         };
@@ -162,8 +182,15 @@ fn step_start(
     profile: &remat::plan::Profile,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<(u64, Grads)> {
-    let inputs: u64 = inputs_at(1)?.iter().map(remat::memory::tensor_bytes).sum::<u64>().saturating_mul(run.batch as u64);
-    Ok((memory_before_step(device, optimizer, inputs)?, Grads::of(profile, run.accumulate, run.optimizer_in_backward)))
+    let inputs: u64 = inputs_at(1)?
+        .iter()
+        .map(remat::memory::tensor_bytes)
+        .sum::<u64>()
+        .saturating_mul(run.batch as u64);
+    Ok((
+        memory_before_step(device, optimizer, inputs)?,
+        Grads::of(profile, run.accumulate, run.optimizer_in_backward),
+    ))
 }
 
 /// `--policy budget=SIZE`/`auto` and `--dry-run`: profiles the model's stages one at a time at
@@ -181,9 +208,19 @@ pub fn executor<'m>(
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
 ) -> Result<Option<(Executor<'m>, remat::Policy)>> {
     let measured = check_step_fits(run, model, optimizer, sizes, inputs_at)?;
-    let Some(resolved) = plan_policy(run, model, optimizer, inputs_at, measured)? else { return Ok(None) };
+    let Some(resolved) = plan_policy(run, model, optimizer, inputs_at, measured)? else {
+        return Ok(None);
+    };
     let policy = parallel::agreed_policy(group, &run.policy, resolved)?;
-    Ok(Some((Executor::new(model.graph(), &policy, model.params().vars(), rank_seed(run.seed, group.rank()))?, policy)))
+    Ok(Some((
+        Executor::new(
+            model.graph(),
+            &policy,
+            model.params().vars(),
+            rank_seed(run.seed, group.rank()),
+        )?,
+        policy,
+    )))
 }
 
 /// The random keys of rank `rank`: rank 0 draws those of a one-rank run, the others their own
@@ -210,12 +247,15 @@ fn plan_policy(
     let (profile, dry_peak) = match measured {
         Some(measured) => measured,
         None => {
-            let (profile, peak) = remat::memory::peak_during(|| Profile::at_batch(model.graph(), inputs_at, &vars, batch, run.seed));
+            let (profile, peak) = remat::memory::peak_during(|| {
+                Profile::at_batch(model.graph(), inputs_at, &vars, batch, run.seed)
+            });
             (profile?, peak)
         }
     };
     let (fixed, grads) = step_start(run, &device, optimizer, &profile, inputs_at)?;
-    let (resolved, plan) = resolve(policy, &profile, fixed, grads, auto_budget(&device, run.memory_cap))?;
+    let (resolved, plan) =
+        resolve(policy, &profile, fixed, grads, auto_budget(&device, run.memory_cap))?;
     if let (Some(cap), None, false) = (run.memory_cap, &plan, run.dry_run) {
         // A fixed policy under a cap: refused now if the planner says it cannot fit, where the
         // run would otherwise end at the allocation that crosses the cap.
@@ -233,7 +273,12 @@ fn plan_policy(
         }
     }
     if let Some(plan) = &plan {
-        say!("{policy}: {} ({}), predicted {:.1} MiB in all", resolved, segments(plan.starts.len()), mib(fixed + plan.estimate.peak));
+        say!(
+            "{policy}: {} ({}), predicted {:.1} MiB in all",
+            resolved,
+            segments(plan.starts.len()),
+            mib(fixed + plan.estimate.peak)
+        );
     }
     if !run.dry_run {
         return Ok(Some(resolved));
@@ -241,13 +286,25 @@ fn plan_policy(
     show!("{}", remat::plan::describe(&profile));
     show!("memory before a step (weights, optimizer state, data, inputs): {:.1} MiB", mib(fixed));
     let mut policies = vec![resolved.clone()];
-    policies.extend([remat::Policy::Off, remat::Policy::Sqrt, remat::Policy::EveryN(2)].into_iter().filter(|q| *q != resolved));
+    policies.extend(
+        [remat::Policy::Off, remat::Policy::Sqrt, remat::Policy::EveryN(2)]
+            .into_iter()
+            .filter(|q| *q != resolved),
+    );
     for q in policies {
         let e = profile.predict_policy(&q, grads)?;
         show!("{q}: total {:.1} MiB; {}", mib(fixed + e.peak), summary(&e));
     }
     let least = profile.least_peak(grads);
-    show!("least memory: {} total {:.1} MiB; {}", least.policy(), mib(fixed + least.estimate.peak), summary(&least.estimate));
-    show!("dry run: trained nothing; profiling used {:.1} MiB of heap beyond the model", mib(dry_peak));
+    show!(
+        "least memory: {} total {:.1} MiB; {}",
+        least.policy(),
+        mib(fixed + least.estimate.peak),
+        summary(&least.estimate)
+    );
+    show!(
+        "dry run: trained nothing; profiling used {:.1} MiB of heap beyond the model",
+        mib(dry_peak)
+    );
     Ok(None)
 }

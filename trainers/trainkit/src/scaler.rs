@@ -33,7 +33,12 @@ impl LossScaler {
 /// scale of `scaler` (f16), made ready for the update: the scaler told whether they are finite,
 /// and, if they are, divided by the micro-batch count and the loss scale in place. Returns whether
 /// the update goes ahead (false: a non-finite gradient, the step is skipped).
-pub fn finish_gradients(grads: &mut GradStore, vars: &[candle_core::Var], micro_batches: usize, scaler: Option<&mut LossScaler>) -> Result<bool> {
+pub fn finish_gradients(
+    grads: &mut GradStore,
+    vars: &[candle_core::Var],
+    micro_batches: usize,
+    scaler: Option<&mut LossScaler>,
+) -> Result<bool> {
     let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
     if let Some(scaler) = scaler {
         let finite = all_finite(grads, vars)?;

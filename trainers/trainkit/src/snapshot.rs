@@ -42,13 +42,22 @@ impl RunConfig {
     pub fn new(run: &RunArgs, ranks: usize, setup: &impl Serialize) -> Result<Self> {
         // Only where given: snapshots from before the flag existed froze nothing.
         let freeze = run.freeze.as_ref().map(|f| f.patterns().join(","));
-        let shared = SharedConfig { batch: run.batch, dtype: run.dtype, accumulate: run.accumulate, ranks, freeze, optimizer: run.optimizer, lr: run.lr };
+        let shared = SharedConfig {
+            batch: run.batch,
+            dtype: run.dtype,
+            accumulate: run.accumulate,
+            ranks,
+            freeze,
+            optimizer: run.optimizer,
+            lr: run.lr,
+        };
         Ok(RunConfig(flags(&(shared, setup))?))
     }
 
     /// Fails naming the first flag whose value differs from `saved`'s (the snapshot's), with both.
     fn check_against(&self, saved: &RunConfig, snapshot: &Path) -> Result<()> {
-        let flags: std::collections::BTreeSet<&String> = self.0.keys().chain(saved.0.keys()).collect();
+        let flags: std::collections::BTreeSet<&String> =
+            self.0.keys().chain(saved.0.keys()).collect();
         for flag in flags {
             let (now, then) = (self.0.get(flag), saved.0.get(flag));
             if !same_value(now, then) {
@@ -82,7 +91,9 @@ struct SharedConfig {
 fn flags(value: &impl Serialize) -> Result<BTreeMap<String, String>> {
     fn add(value: serde_json::Value, into: &mut BTreeMap<String, String>) -> Result<()> {
         match value {
-            serde_json::Value::Array(parts) => parts.into_iter().try_for_each(|part| add(part, into)),
+            serde_json::Value::Array(parts) => {
+                parts.into_iter().try_for_each(|part| add(part, into))
+            }
             serde_json::Value::Object(fields) => {
                 for (field, value) in fields.into_iter().filter(|(_, v)| !v.is_null()) {
                     let value = match value {
@@ -137,7 +148,8 @@ pub fn save_training(
         map.insert(GOOD_STEPS.into(), Tensor::new(s.good_steps as i64, &Device::Cpu)?);
     }
     let metadata = HashMap::from([(CONFIG.to_string(), serde_json::to_string(config)?)]);
-    params::write_snapshot(path, &map, metadata).with_context(|| format!("writing {}", path.display()))
+    params::write_snapshot(path, &map, metadata)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Loads a training snapshot into the model, the optimizer and the loss scaler (where the run
@@ -154,7 +166,9 @@ pub fn load_training(
     let ctx = || format!("--resume {}", path.display());
     let (tensors, metadata) = params::read_snapshot(path, &Device::Cpu).with_context(ctx)?;
     let scalar = |name: &str| -> Result<i64> {
-        let t = tensors.get(name).with_context(|| format!("{} is not a training snapshot (no `{name}`)", path.display()))?;
+        let t = tensors.get(name).with_context(|| {
+            format!("{} is not a training snapshot (no `{name}`)", path.display())
+        })?;
         Ok(t.to_scalar::<i64>()?)
     };
     let (next, saved_seed) = (scalar(NEXT_STEP)?, scalar(SEED)?);
@@ -166,11 +180,24 @@ pub fn load_training(
         None => say!("--resume {}: written before training snapshots kept their run's flags; make sure this run gives the same ones", path.display()),
     }
     if let Some(scaler) = scaler {
-        let scale = tensors.get(LOSS_SCALE).with_context(|| format!("{} was not written by an f16 run (no loss scale)", path.display()))?;
-        *scaler = LossScaler { scale: scale.to_scalar::<f64>()?, good_steps: scalar(GOOD_STEPS)? as u64 };
+        let scale = tensors.get(LOSS_SCALE).with_context(|| {
+            format!("{} was not written by an f16 run (no loss scale)", path.display())
+        })?;
+        *scaler =
+            LossScaler { scale: scale.to_scalar::<f64>()?, good_steps: scalar(GOOD_STEPS)? as u64 };
     }
-    let state = tensors.iter().filter_map(|(k, v)| Some((k.strip_prefix(OPTIMIZER)?.to_string(), v.clone()))).collect();
-    store.load_tensors(tensors, &path.display().to_string(), |n| (!n.starts_with("training.")).then(|| n.to_string()), |_| false).with_context(ctx)?;
+    let state = tensors
+        .iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix(OPTIMIZER)?.to_string(), v.clone())))
+        .collect();
+    store
+        .load_tensors(
+            tensors,
+            &path.display().to_string(),
+            |n| (!n.starts_with("training.")).then(|| n.to_string()),
+            |_| false,
+        )
+        .with_context(ctx)?;
     opt.set_state(&state).with_context(ctx)?;
     Ok(next as usize)
 }
@@ -184,12 +211,17 @@ fn check_writable(path: &Path, flag: &str) -> Result<()> {
     }
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_file() {
-            let kind = if meta.file_type().is_symlink() { "a symbolic link" } else { "not a regular file" };
+            let kind = if meta.file_type().is_symlink() {
+                "a symbolic link"
+            } else {
+                "not a regular file"
+            };
             bail!("{flag} {} exists and is {kind}; give the path of a regular file (it would be replaced)", path.display());
         }
     }
     let probe = path.with_extension("probe");
-    std::fs::File::create(&probe).with_context(|| format!("{flag} {}: cannot write there", path.display()))?;
+    std::fs::File::create(&probe)
+        .with_context(|| format!("{flag} {}: cannot write there", path.display()))?;
     std::fs::remove_file(&probe).ok();
     Ok(())
 }
@@ -199,11 +231,14 @@ fn check_writable(path: &Path, flag: &str) -> Result<()> {
 /// would interleave a log with a snapshot).
 pub(crate) fn check_outputs(run: &RunArgs) -> Result<()> {
     let training = run.save.as_deref().map(training_snapshot_path);
-    let outputs: Vec<(&str, &Path)> =
-        [("--save", run.save.as_deref()), ("--save's training snapshot", training.as_deref()), ("--log-json", run.log_json.as_deref())]
-            .into_iter()
-            .filter_map(|(flag, path)| Some((flag, path?)))
-            .collect();
+    let outputs: Vec<(&str, &Path)> = [
+        ("--save", run.save.as_deref()),
+        ("--save's training snapshot", training.as_deref()),
+        ("--log-json", run.log_json.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(flag, path)| Some((flag, path?)))
+    .collect();
     for (i, &(flag, path)) in outputs.iter().enumerate() {
         check_writable(path, flag)?;
         if let Some((other, _)) = outputs[..i].iter().find(|(_, p)| same_file(p, path)) {

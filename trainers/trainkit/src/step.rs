@@ -72,7 +72,8 @@ impl Stepper<'_> {
         self.exec.set_loss_scale(scaler.as_ref().map_or(1.0, |s| s.scale));
         let mut first_inputs = Some(inputs(batches.start)?);
         let meter = Meter::start(first_inputs.as_ref().expect("just made")[0].device());
-        let (mut grads, mut total, mut activation_peak, mut timeline) = (GradStore::default(), 0f64, 0, None);
+        let (mut grads, mut total, mut activation_peak, mut timeline) =
+            (GradStore::default(), 0f64, 0, None);
         let mut non_finite_losses = Vec::new();
         for n in batches.clone() {
             let inputs = match first_inputs.take() {
@@ -90,7 +91,8 @@ impl Stepper<'_> {
             grads = out.grads;
         }
         if scaler.is_none() && !all_finite(&grads, self.exec.params())? {
-            let suspects = if non_finite_losses.is_empty() { batches.collect() } else { non_finite_losses };
+            let suspects =
+                if non_finite_losses.is_empty() { batches.collect() } else { non_finite_losses };
             let named: Vec<String> = suspects
                 .into_iter()
                 .map(|n| match &self.batch_names {
@@ -112,7 +114,14 @@ impl Stepper<'_> {
         drop(grads);
         let usage = meter.finish();
         let timeline = timeline.expect("at least one micro-batch");
-        Ok(StepOutcome { loss: total / self.accumulate as f64, updated, usage, fwd_bwd_peak, activation_peak, timeline })
+        Ok(StepOutcome {
+            loss: total / self.accumulate as f64,
+            updated,
+            usage,
+            fwd_bwd_peak,
+            activation_peak,
+            timeline,
+        })
     }
 
     /// [`Stepper::step`] with the optimizer inside backward: the executor reports the gradients
@@ -151,8 +160,16 @@ impl Stepper<'_> {
             opt.update_some(&part)
         })?;
         let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
-        let (fwd_bwd_peak, activation_peak) = (meter.peak_so_far(), out.timeline.activation_peak(meter.heap_base()));
+        let (fwd_bwd_peak, activation_peak) =
+            (meter.peak_so_far(), out.timeline.activation_peak(meter.heap_base()));
         drop(out.grads);
-        Ok(StepOutcome { loss, updated: true, usage: meter.finish(), fwd_bwd_peak, activation_peak, timeline: out.timeline })
+        Ok(StepOutcome {
+            loss,
+            updated: true,
+            usage: meter.finish(),
+            fwd_bwd_peak,
+            activation_peak,
+            timeline: out.timeline,
+        })
     }
 }

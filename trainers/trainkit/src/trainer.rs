@@ -9,7 +9,9 @@ use crate::parallel::{self, Group};
 use crate::plan::executor;
 use crate::say;
 use crate::scaler::LossScaler;
-use crate::snapshot::{check_outputs, load_training, save_training, training_snapshot_path, RunConfig};
+use crate::snapshot::{
+    check_outputs, load_training, save_training, training_snapshot_path, RunConfig,
+};
 use crate::step::{micro_batches, Stepper};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -44,14 +46,25 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
     /// Trains `steps` optimizer steps on `inputs` (a rank takes its share of each batch) and
     /// prints `describe(policy, segments)` once the policy is settled; returns after a dry run's
     /// prediction without training.
-    pub fn run(mut self, inputs: &Inputs, describe: impl FnOnce(&Policy, &str) -> String) -> Result<()> {
+    pub fn run(
+        mut self,
+        inputs: &Inputs,
+        describe: impl FnOnce(&Policy, &str) -> String,
+    ) -> Result<()> {
         let (run, group, model) = (self.run, self.group, self.model);
         let batch_names = self.batch_names.take();
         check_freeze(model.params())?;
-        let mut opt = parallel::optimizer(run.shard_optimizer, group, run.optimizer, model.params().vars(), run.lr)?;
+        let mut opt = parallel::optimizer(
+            run.shard_optimizer,
+            group,
+            run.optimizer,
+            model.params().vars(),
+            run.lr,
+        )?;
         let first = |n: usize| inputs(0, n);
         let planned: &dyn Fn(usize) -> Result<Vec<Tensor>> = self.planned_inputs.unwrap_or(&first);
-        let Some((exec, policy)) = executor(run, group, model, opt.as_ref(), &self.sizes, planned)? else {
+        let Some((exec, policy)) = executor(run, group, model, opt.as_ref(), &self.sizes, planned)?
+        else {
             return Ok(());
         };
         say!("{}", describe(&policy, &crate::segments(exec.segments().len())));
@@ -61,18 +74,38 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
             remat::memory::set_heap_cap(cap);
         }
         if run.accumulate > 1 {
-            say!("accumulating {} micro-batches of {} per optimizer step: effective batch {}", run.accumulate, run.batch, run.accumulate * run.batch);
+            say!(
+                "accumulating {} micro-batches of {} per optimizer step: effective batch {}",
+                run.accumulate,
+                run.batch,
+                run.accumulate * run.batch
+            );
         }
         if group.is_root() {
             check_outputs(run)?;
         }
-        let mut log = Log::new(group, run.steps, run.accumulate, run.log_json.as_deref(), run.resume.is_some())?;
-        let mut scaler =
-            (run.dtype == model::Precision::F16).then(|| LossScaler { scale: run.loss_scale.unwrap_or(LossScaler::default().scale), good_steps: 0 });
+        let mut log = Log::new(
+            group,
+            run.steps,
+            run.accumulate,
+            run.log_json.as_deref(),
+            run.resume.is_some(),
+        )?;
+        let mut scaler = (run.dtype == model::Precision::F16).then(|| LossScaler {
+            scale: run.loss_scale.unwrap_or(LossScaler::default().scale),
+            good_steps: 0,
+        });
         let config = RunConfig::new(run, group.world(), &self.setup)?;
         let start = match &run.resume {
             Some(path) => {
-                let next = load_training(path, model.params(), opt.as_mut(), run.seed, scaler.as_mut(), &config)?;
+                let next = load_training(
+                    path,
+                    model.params(),
+                    opt.as_mut(),
+                    run.seed,
+                    scaler.as_mut(),
+                    &config,
+                )?;
                 if next > run.steps {
                     bail!("{} is at step {next}, beyond --steps {}", path.display(), run.steps);
                 }
@@ -83,7 +116,13 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
             None => 0,
         };
 
-        let stepper = Stepper { group, exec: &exec, accumulate: run.accumulate, in_backward: run.optimizer_in_backward, batch_names };
+        let stepper = Stepper {
+            group,
+            exec: &exec,
+            accumulate: run.accumulate,
+            in_backward: run.optimizer_in_backward,
+            batch_names,
+        };
         let batch = |n: u64| Ok(group.shard(inputs(n, run.batch * group.world())?)?);
         for step in start..run.steps {
             let scale = scaler.map_or(1.0, |s| s.scale);
@@ -113,7 +152,8 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
         Ok(())
     }
 
-    /// Whether something done every `every` steps (if given) and after the last is due after `step`.
+    /// Whether something done every `every` steps (if given) and after the last is due after
+    /// `step`.
     fn due(&self, step: usize, every: Option<usize>) -> bool {
         let done = step + 1;
         done == self.run.steps || every.is_some_and(|n| n > 0 && done.is_multiple_of(n))
@@ -132,12 +172,28 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
 
     /// After `step` (0-based): the weights snapshot (the model's own format) and the training
     /// snapshot beside it, written by rank 0.
-    fn save(&self, step: usize, opt: &dyn TrainOptimizer, scaler: Option<LossScaler>, config: &RunConfig) -> Result<()> {
+    fn save(
+        &self,
+        step: usize,
+        opt: &dyn TrainOptimizer,
+        scaler: Option<LossScaler>,
+        config: &RunConfig,
+    ) -> Result<()> {
         // On every rank: a sharded optimizer gathers its state from all of them.
         let Some(state) = opt.snapshot_state()? else { return Ok(()) };
-        let Some(path) = self.run.save.as_deref().filter(|_| self.group.is_root()) else { return Ok(()) };
+        let Some(path) = self.run.save.as_deref().filter(|_| self.group.is_root()) else {
+            return Ok(());
+        };
         self.model.save_snapshot(path)?;
-        save_training(&training_snapshot_path(path), self.model.params(), state, step + 1, self.run.seed, scaler, config)
+        save_training(
+            &training_snapshot_path(path),
+            self.model.params(),
+            state,
+            step + 1,
+            self.run.seed,
+            scaler,
+            config,
+        )
     }
 }
 
@@ -146,7 +202,8 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
 fn check_freeze(params: &params::ParamStore) -> Result<()> {
     let unmatched = params.unmatched_freeze_patterns();
     if !unmatched.is_empty() {
-        let names: Vec<&str> = params.named().chain(params.frozen()).map(|(name, _)| name).take(6).collect();
+        let names: Vec<&str> =
+            params.named().chain(params.frozen()).map(|(name, _)| name).take(6).collect();
         bail!("--freeze {}: matches no parameter of this model, whose parameters are named like {}, ...", unmatched.join(","), names.join(", "));
     }
     if params.vars().is_empty() {

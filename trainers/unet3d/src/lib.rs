@@ -12,7 +12,10 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use ops::fused::widened;
-use ops::{conv3d, conv3d_concat, conv_transpose3d_k2s2, max_pool3d_k2s2, BatchNorm, Conv3dGeometry, GroupNorm};
+use ops::{
+    conv3d, conv3d_concat, conv_transpose3d_k2s2, max_pool3d_k2s2, BatchNorm, Conv3dGeometry,
+    GroupNorm,
+};
 use params::{Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 
@@ -89,9 +92,20 @@ struct ConvNormRelu {
 }
 
 impl ConvNormRelu {
-    fn new(params: &mut ParamStore, cfg: &Config, prefix: &str, i: usize, c_in: usize, c_out: usize) -> Result<Self> {
+    fn new(
+        params: &mut ParamStore,
+        cfg: &Config,
+        prefix: &str,
+        i: usize,
+        c_in: usize,
+        c_out: usize,
+    ) -> Result<Self> {
         let std = (2.0 / (c_in * 27) as f32).sqrt(); // He initialisation
-        let weight = params.get(&format!("{prefix}.conv{i}.weight"), &[c_out, c_in, 3, 3, 3], Init::Normal { std })?;
+        let weight = params.get(
+            &format!("{prefix}.conv{i}.weight"),
+            &[c_out, c_in, 3, 3, 3],
+            Init::Normal { std },
+        )?;
         let name = format!("{prefix}.norm{i}");
         let norm = match cfg.norm {
             Norm::Batch => NormLayer::Batch(BatchNorm::new(params, &name, c_out)?),
@@ -130,11 +144,23 @@ pub struct Level {
 }
 
 impl Level {
-    fn new(params: &mut ParamStore, cfg: &Config, name: &str, c_in: usize, c_mid: usize, c_out: usize, up_skip: Option<usize>) -> Result<Self> {
+    fn new(
+        params: &mut ParamStore,
+        cfg: &Config,
+        name: &str,
+        c_in: usize,
+        c_mid: usize,
+        c_out: usize,
+        up_skip: Option<usize>,
+    ) -> Result<Self> {
         let up = match up_skip {
             Some(_) => {
                 let std = (1.0 / (c_in * 8) as f32).sqrt();
-                let w = params.get(&format!("{name}.up.weight"), &[c_in, c_in, 2, 2, 2], Init::Normal { std })?;
+                let w = params.get(
+                    &format!("{name}.up.weight"),
+                    &[c_in, c_in, 2, 2, 2],
+                    Init::Normal { std },
+                )?;
                 Some((w, params.get(&format!("{name}.up.bias"), &[c_in], Init::Zeros)?))
             }
             None => None,
@@ -144,7 +170,10 @@ impl Level {
             name: name.to_string(),
             kind: StageKind::Block,
             up,
-            convs: [ConvNormRelu::new(params, cfg, name, 1, first_in, c_mid)?, ConvNormRelu::new(params, cfg, name, 2, c_mid, c_out)?],
+            convs: [
+                ConvNormRelu::new(params, cfg, name, 1, first_in, c_mid)?,
+                ConvNormRelu::new(params, cfg, name, 2, c_mid, c_out)?,
+            ],
         })
     }
 }
@@ -158,8 +187,13 @@ impl Stage for Level {
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let h = match &self.up {
-            // (N, C, D, H, W) -> (N, C, 2D, 2H, 2W), convolved beside the skip (N, C_s, 2D, 2H, 2W).
-            Some((w, b)) => self.convs[0].forward(&conv_transpose3d_k2s2(&inputs[0], w, b)?, Some(&inputs[1]), ctx)?,
+            // (N, C, D, H, W) -> (N, C, 2D, 2H, 2W), convolved beside the skip (N, C_s, 2D, 2H,
+            // 2W).
+            Some((w, b)) => self.convs[0].forward(
+                &conv_transpose3d_k2s2(&inputs[0], w, b)?,
+                Some(&inputs[1]),
+                ctx,
+            )?,
             None => self.convs[0].forward(&inputs[0], None, ctx)?,
         };
         Ok(vec![self.convs[1].forward(&h, None, ctx)?])
@@ -181,7 +215,8 @@ impl Stage for Pool {
     }
 }
 
-/// 1x1x1 convolution to class scores and the loss. Inputs: features (N, C, D, H, W), labels (N*D*H*W).
+/// 1x1x1 convolution to class scores and the loss. Inputs: features (N, C, D, H, W), labels
+/// (N*D*H*W).
 pub struct Head {
     weight: Tensor,
     bias: Tensor,
@@ -233,7 +268,8 @@ fn soft_dice_loss(scores: &Tensor, labels: &Tensor, classes: usize) -> Result<Te
     dice.mean_all()?.neg()? + 1.0
 }
 
-/// A 3D U-Net: parameters, BatchNorm buffers and the stage graph (inputs: volume, labels; output: loss).
+/// A 3D U-Net: parameters, BatchNorm buffers and the stage graph (inputs: volume, labels; output:
+/// loss).
 pub struct UNet3d {
     pub config: Config,
     params: ParamStore,
@@ -249,10 +285,14 @@ impl UNet3d {
         if b == 0 || levels == 0 {
             candle_core::bail!("a 3D U-Net needs base >= 1 and levels >= 1")
         }
-        let mut params = ParamStore::new(device, config.dtype.weights(), seed).freezing(&config.freeze);
+        let mut params =
+            ParamStore::new(device, config.dtype.weights(), seed).freezing(&config.freeze);
         let mut graph = StageGraph::new(2); // values 0: volume, 1: labels
         let mut stages: Vec<(std::sync::Arc<dyn Stage>, Vec<usize>, usize)> = Vec::new();
-        let mut add = |graph: &mut StageGraph, stage: std::sync::Arc<dyn Stage>, inputs: Vec<usize>| -> Result<usize> {
+        let mut add = |graph: &mut StageGraph,
+                       stage: std::sync::Arc<dyn Stage>,
+                       inputs: Vec<usize>|
+         -> Result<usize> {
             let v = graph.add(stage.clone(), &inputs, 1)?[0];
             stages.push((stage, inputs, v));
             Ok(v)
@@ -271,12 +311,24 @@ impl UNet3d {
         c *= 2;
         for l in (0..levels).rev() {
             let (skip, c_skip) = skips[l];
-            let dec = Level::new(&mut params, &config, &format!("dec.{l}"), c, c_skip, c_skip, Some(c_skip))?;
+            let dec = Level::new(
+                &mut params,
+                &config,
+                &format!("dec.{l}"),
+                c,
+                c_skip,
+                c_skip,
+                Some(c_skip),
+            )?;
             x = add(&mut graph, std::sync::Arc::new(dec), vec![x, skip])?;
             c = c_skip;
         }
         let head = std::sync::Arc::new(Head {
-            weight: params.get("head.weight", &[config.classes, c, 1, 1, 1], Init::Normal { std: (1.0 / c as f32).sqrt() })?,
+            weight: params.get(
+                "head.weight",
+                &[config.classes, c, 1, 1, 1],
+                Init::Normal { std: (1.0 / c as f32).sqrt() },
+            )?,
             bias: params.get("head.bias", &[config.classes], Init::Zeros)?,
             classes: config.classes,
             loss: config.loss,
@@ -288,14 +340,21 @@ impl UNet3d {
 
     /// Graph inputs: voxels flattened (N, C, S, S, S) and labels (N*S^3). The side must divide by
     /// 2^levels (every pool halves it).
-    pub fn inputs(&self, voxels: &[f32], labels: &[u32], side: usize, device: &Device) -> Result<Vec<Tensor>> {
+    pub fn inputs(
+        &self,
+        voxels: &[f32],
+        labels: &[u32],
+        side: usize,
+        device: &Device,
+    ) -> Result<Vec<Tensor>> {
         let div = 1 << self.config.levels;
         if side == 0 || !side.is_multiple_of(div) {
             candle_core::bail!("volume side {side} must be a positive multiple of {div} (2^levels)")
         }
         let n = labels.len() / (side * side * side);
         let c = self.config.in_channels;
-        let volume = Tensor::from_slice(voxels, (n, c, side, side, side), device)?.to_dtype(self.config.dtype.dtype())?;
+        let volume = Tensor::from_slice(voxels, (n, c, side, side, side), device)?
+            .to_dtype(self.config.dtype.dtype())?;
         Ok(vec![volume, Tensor::from_slice(labels, n * side * side * side, device)?])
     }
 
@@ -346,7 +405,13 @@ impl model::Benchable for UNet3d {
         Ok((datasets::volumes::SyntheticVolumes::new(side, seed), side))
     }
 
-    fn synthetic_inputs(&self, (data, side): &Self::Data, step: u64, batch: usize, device: &Device) -> Result<Vec<Tensor>> {
+    fn synthetic_inputs(
+        &self,
+        (data, side): &Self::Data,
+        step: u64,
+        batch: usize,
+        device: &Device,
+    ) -> Result<Vec<Tensor>> {
         let (voxels, labels) = data.batch(step, batch);
         self.inputs(&voxels, &labels, *side, device)
     }

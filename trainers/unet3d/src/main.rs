@@ -29,7 +29,8 @@ struct Args {
     run: trainkit::RunArgs,
     #[command(flatten)]
     setup: Setup,
-    /// A folder with images/*.npy (C, D, H, W) and labels/*.npy (D, H, W); default: synthetic shapes.
+    /// A folder with images/*.npy (C, D, H, W) and labels/*.npy (D, H, W); default: synthetic
+    /// shapes.
     #[arg(long)]
     data: Option<PathBuf>,
 }
@@ -56,9 +57,14 @@ enum Data {
 }
 
 fn main() -> Result<()> {
-    let args: Args = trainkit::parse(trainkit::Defaults { policy: "before-downsample", steps: "20", batch: "2", optimizer: "adamw", lr: "1e-3" });
-    let Some((group, device)) = trainkit::launch(&args.run)? else { return Ok(()) };
-    trainkit::or_abort(&group, train(&args, &group, &device))
+    let defaults = trainkit::Defaults {
+        policy: "before-downsample",
+        steps: "20",
+        batch: "2",
+        optimizer: "adamw",
+        lr: "1e-3",
+    };
+    trainkit::main(defaults, |args: &Args| &args.run, train)
 }
 
 /// One rank's training (the only one, without data parallelism).
@@ -66,14 +72,19 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     if args.setup.classes < 2 {
         bail!("--classes must be at least 2 (with one class the loss is 0 and nothing is learned)");
     }
-    let volumes = (args.run.batch as u128).checked_mul((args.setup.volume as u128).checked_pow(3).unwrap_or(u128::MAX));
+    let volumes = (args.run.batch as u128)
+        .checked_mul((args.setup.volume as u128).checked_pow(3).unwrap_or(u128::MAX));
     trainkit::check_footprint("--batch x --volume", "the input volumes", volumes)?;
     let (data, in_channels) = match &args.data {
         Some(root) => {
             let volumes = NpyVolumes::open(root, args.run.seed)?;
             let first = volumes.read(0)?;
             if first.shape[1..].iter().any(|&s| s != args.setup.volume) {
-                bail!("--volume {} does not match the data's volumes of shape {:?} (C, D, H, W)", args.setup.volume, first.shape);
+                bail!(
+                    "--volume {} does not match the data's volumes of shape {:?} (C, D, H, W)",
+                    args.setup.volume,
+                    first.shape
+                );
             }
             (Data::Npy(volumes), first.shape[0])
         }
@@ -91,7 +102,9 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         freeze: args.run.freeze.clone().unwrap_or_default(),
         ..args.preset.config()
     };
-    let model = trainkit::build_model("--preset, --classes", || Ok(UNet3d::new(config, device, args.run.seed)?))?;
+    let model = trainkit::build_model("--preset, --classes", || {
+        Ok(UNet3d::new(config, device, args.run.seed)?)
+    })?;
     let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> {
         let (voxels, labels) = match &data {
             Data::Synthetic(d) => d.batch(step, n),
@@ -119,6 +132,11 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         },
     };
     trainer.run(&inputs, |policy, segments| {
-        format!("3D U-Net {}, policy {policy} ({segments}), batch {} x {}^3", model.params().count_text(), args.run.batch, args.setup.volume)
+        format!(
+            "3D U-Net {}, policy {policy} ({segments}), batch {} x {}^3",
+            model.params().count_text(),
+            args.run.batch,
+            args.setup.volume
+        )
     })
 }

@@ -3,9 +3,16 @@
 use std::process::Command;
 
 fn fails_saying(args: &[&str], needle: &str) {
-    let out = Command::new(env!("CARGO_BIN_EXE_train-unet3d")).args(["--preset", "tiny", "--volume", "8", "--steps", "1"]).args(args).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_train-unet3d"))
+        .args(["--preset", "tiny", "--volume", "8", "--steps", "1"])
+        .args(args)
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && !err.contains("panicked") && err.contains(needle), "{args:?}: {err}");
+    assert!(
+        !out.status.success() && !err.contains("panicked") && err.contains(needle),
+        "{args:?}: {err}"
+    );
 }
 
 /// `--group-norm` with more groups than channels is refused (clamped silently, it would train
@@ -22,7 +29,10 @@ fn impossible_groups_and_classes_are_refused() {
 /// A `.npy` file (NumPy format 1.0) of `descr` values with `shape`.
 fn write_npy(path: &std::path::Path, descr: &str, shape: &[usize], data: &[u8]) {
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({},), }}", dims.join(", "));
+    let mut header = format!(
+        "{{'descr': '{descr}', 'fortran_order': False, 'shape': ({},), }}",
+        dims.join(", ")
+    );
     while (10 + header.len() + 1) % 64 != 0 {
         header.push(' ');
     }
@@ -47,15 +57,43 @@ fn a_nan_voxel_stops_the_run_naming_its_file() {
     let mut voxels: Vec<f32> = (0..512).map(|i| (i % 7) as f32 / 7.0).collect();
     voxels[100] = f32::NAN;
     let image = dir.join("images/scan.npy");
-    write_npy(&image, "<f4", &[1, 8, 8, 8], &voxels.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
-    write_npy(&dir.join("labels/scan.npy"), "|u1", &[8, 8, 8], &(0..512).map(|i| (i % 3) as u8).collect::<Vec<u8>>());
+    write_npy(
+        &image,
+        "<f4",
+        &[1, 8, 8, 8],
+        &voxels.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>(),
+    );
+    write_npy(
+        &dir.join("labels/scan.npy"),
+        "|u1",
+        &[8, 8, 8],
+        &(0..512).map(|i| (i % 3) as u8).collect::<Vec<u8>>(),
+    );
     let save = dir.join("w.safetensors");
     let out = Command::new(env!("CARGO_BIN_EXE_train-unet3d"))
-        .args(["--preset", "tiny", "--volume", "8", "--batch", "1", "--steps", "3", "--data", dir.to_str().unwrap(), "--save", save.to_str().unwrap()])
+        .args([
+            "--preset",
+            "tiny",
+            "--volume",
+            "8",
+            "--batch",
+            "1",
+            "--steps",
+            "3",
+            "--data",
+            dir.to_str().unwrap(),
+            "--save",
+            save.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("step 0: the gradients are not finite") && err.contains(image.to_str().unwrap()), "{err}");
+    assert!(
+        !out.status.success()
+            && err.contains("step 0: the gradients are not finite")
+            && err.contains(image.to_str().unwrap()),
+        "{err}"
+    );
     assert!(!save.exists(), "a snapshot was saved");
     std::fs::remove_dir_all(&dir).unwrap();
 }

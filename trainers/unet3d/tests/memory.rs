@@ -16,7 +16,8 @@ static ALLOC: CountingAlloc = CountingAlloc;
 fn peaks(policy: &str) -> Peaks {
     let side = 24;
     let model = UNet3d::new(unet3d::Preset::Tiny.config(), &Device::Cpu, 1).unwrap();
-    let exec = Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 1).unwrap();
+    let exec =
+        Executor::new(model.graph(), &policy.parse().unwrap(), model.params().vars(), 1).unwrap();
     let data = SyntheticVolumes::new(side, 1);
     testkit::second_step_peaks(&exec, |step| {
         let (x, y) = data.batch(step, 2);
@@ -38,8 +39,16 @@ fn checkpointing_lowers_the_step_peak() {
     let v = 2 * 4 * 24u64.pow(3) * 4;
     let (downsample, two) = (peaks("before-downsample").step, peaks("every-two-blocks").step);
     eprintln!("step peaks: off {} B, before-downsample {downsample} B, every-two-blocks {two} B; 4 v = {} B", off.step, 4 * v);
-    assert!(downsample + 4 * v <= off.step, "before-downsample: step peak {downsample} B, not 4 v = {} B below off's {} B", 4 * v, off.step);
-    assert!(two < downsample, "every-two-blocks: step peak {two} B, not below before-downsample's {downsample} B");
+    assert!(
+        downsample + 4 * v <= off.step,
+        "before-downsample: step peak {downsample} B, not 4 v = {} B below off's {} B",
+        4 * v,
+        off.step
+    );
+    assert!(
+        two < downsample,
+        "every-two-blocks: step peak {two} B, not below before-downsample's {downsample} B"
+    );
     assert_near_figure("off activation peak", off.activation, OFF_ACTIVATION);
     assert_near_figure("sqrt activation peak", peaks("sqrt").activation, SQRT_ACTIVATION);
 }

@@ -22,7 +22,8 @@ struct FixtureConfig {
 }
 
 fn check(file: &str) -> Result<()> {
-    let fx = Fixture::load(format!("{}/tests/fixtures/{file}", env!("CARGO_MANIFEST_DIR")).as_ref())?;
+    let fx =
+        Fixture::load(format!("{}/tests/fixtures/{file}", env!("CARGO_MANIFEST_DIR")).as_ref())?;
     let cfg: FixtureConfig = fx.config()?;
     let config = Config {
         norm: if cfg.norm == "batch" { Norm::Batch } else { Norm::Group(cfg.groups) },
@@ -33,7 +34,12 @@ fn check(file: &str) -> Result<()> {
     let (volume, labels, side) = (fx.f32s("volume")?, fx.ids("labels")?, cfg.side);
     model.load_snapshot(fx.path())?;
     let batch = Tensor::from_slice(&volume, (cfg.batch, 1, side, side, side), &Device::Cpu)?;
-    check_close(&format!("{file}: logits"), &model.logits(&batch, remat::RunMode::Eval)?, &fx.tensor("logits")?, LOGITS_TOL)?;
+    check_close(
+        &format!("{file}: logits"),
+        &model.logits(&batch, remat::RunMode::Eval)?,
+        &fx.tensor("logits")?,
+        LOGITS_TOL,
+    )?;
     for policy in ["off", "sqrt", "before-downsample"] {
         model.load_snapshot(fx.path())?; // the running statistics as the reference started
         let inputs = model.inputs(&volume, &labels, side, &Device::Cpu)?;
@@ -47,5 +53,7 @@ fn check(file: &str) -> Result<()> {
 /// one test, as the route is process-wide.
 #[test]
 fn batchnorm_with_dice_and_groupnorm_models_match_pytorch() -> Result<()> {
-    on_both_routes(|| check("unet3d-batch.safetensors").and_then(|()| check("unet3d-group.safetensors")))
+    on_both_routes(|| {
+        check("unet3d-batch.safetensors").and_then(|()| check("unet3d-group.safetensors"))
+    })
 }

@@ -3,5 +3,8 @@
 
 #[test]
 fn a_resumed_run_is_bit_identical_to_an_uninterrupted_one() {
-    testkit::assert_resume_is_bit_identical(env!("CARGO_BIN_EXE_train-unet3d"), &["--preset", "tiny", "--volume", "8"]);
+    testkit::assert_resume_is_bit_identical(
+        env!("CARGO_BIN_EXE_train-unet3d"),
+        &["--preset", "tiny", "--volume", "8"],
+    );
 }

@@ -4,7 +4,10 @@
 use super::dropout::DropoutOp;
 use super::generic::{generic, GenericOp, Replay};
 use super::softmax::SoftmaxOp;
-use super::{apply3, exactly, is_half, kept_or, lean, slice, softmax_last_dim, widened, widened_as, Elem, FusedOp, Operand};
+use super::{
+    apply3, exactly, is_half, kept_or, lean, slice, softmax_last_dim, widened, widened_as, Elem,
+    FusedOp, Operand,
+};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor};
 use remat::keep::OpKind;
 use remat::rng::RngKey;
@@ -15,12 +18,23 @@ use remat::rng::RngKey;
 /// keeps nothing but q, k and v, where the composed attention keeps three maps of (B, heads, T, T).
 /// `padding` (B, S), nonzero where a key may be attended to (Hugging Face's `attention_mask`),
 /// masks the padded keys for every query; a query with no key left gets zeros.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, padding: Option<&Tensor>, dropout: Option<(RngKey, f32)>) -> Result<Tensor> {
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+    padding: Option<&Tensor>,
+    dropout: Option<(RngKey, f32)>,
+) -> Result<Tensor> {
     let (b, heads, t, _) = q.dims4()?;
     let s = k.dim(2)?;
     if let Some(m) = padding {
         if m.dims() != [b, s] {
-            candle_core::bail!("attention: the padding mask must be (batch {b}, keys {s}), got {:?}", m.dims())
+            candle_core::bail!(
+                "attention: the padding mask must be (batch {b}, keys {s}), got {:?}",
+                m.dims()
+            )
         }
     }
     if !lean(q) {
@@ -28,7 +42,9 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, p
         let scores = match padding {
             Some(m) => {
                 let keep = m.ne(0.0)?.reshape((b, 1, 1, s))?.broadcast_as(scores.shape())?;
-                let neg_inf = Tensor::new(f32::NEG_INFINITY, q.device())?.to_dtype(scores.dtype())?.broadcast_as(scores.shape())?;
+                let neg_inf = Tensor::new(f32::NEG_INFINITY, q.device())?
+                    .to_dtype(scores.dtype())?
+                    .broadcast_as(scores.shape())?;
                 keep.where_cond(&scores, &neg_inf)?
             }
             None => scores,
@@ -45,7 +61,17 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, p
             return attention_generic(q, k, v, (scale, causal, padding, dropout), kept);
         }
         let padding = match padding {
-            Some(m) => Some((std::sync::Arc::new(m.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(|v| v != 0.0).collect()), heads * t)),
+            Some(m) => Some((
+                std::sync::Arc::new(
+                    m.to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?
+                        .into_iter()
+                        .map(|v| v != 0.0)
+                        .collect(),
+                ),
+                heads * t,
+            )),
             None => None,
         };
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.to_dtype(q.dtype())?.contiguous()?);
@@ -71,7 +97,9 @@ fn probabilities(
     if let Some(m) = padding {
         let (b, s) = m.dims2()?;
         let keep = m.ne(0.0)?.reshape((b, 1, 1, s))?.broadcast_as(scores.shape())?;
-        let neg_inf = Tensor::new(f32::NEG_INFINITY, q.device())?.to_dtype(scores.dtype())?.broadcast_as(scores.shape())?;
+        let neg_inf = Tensor::new(f32::NEG_INFINITY, q.device())?
+            .to_dtype(scores.dtype())?
+            .broadcast_as(scores.shape())?;
         scores = keep.where_cond(&scores, &neg_inf)?;
     }
     let p = super::softmax::detached(&scores, scale, causal)?;
@@ -86,11 +114,24 @@ fn probabilities(
 /// The generic route ([`super::generic`]): attention composed on detached q, k, v; backward
 /// rebuilds the probabilities and the dropout mask, so the op keeps only q, k and v. `kept`: its
 /// output, kept from the forward (`remat::keep`).
-fn attention_generic(q: &Tensor, k: &Tensor, v: &Tensor, (scale, causal, padding, dropout): Attending, kept: Option<Tensor>) -> Result<Tensor> {
+fn attention_generic(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    (scale, causal, padding, dropout): Attending,
+    kept: Option<Tensor>,
+) -> Result<Tensor> {
     let padding = padding.map(|m| m.detach());
     let y = kept_or(kept, || {
         // In f32 for half precision, stored in q's dtype, as the kernel.
-        let (p, mask) = probabilities(&widened(&q.detach())?, &widened(&k.detach())?, scale, causal, padding.as_ref(), dropout)?;
+        let (p, mask) = probabilities(
+            &widened(&q.detach())?,
+            &widened(&k.detach())?,
+            scale,
+            causal,
+            padding.as_ref(),
+            dropout,
+        )?;
         let pd = match &mask {
             Some(m) => (p * m)?,
             None => p,
@@ -98,7 +139,11 @@ fn attention_generic(q: &Tensor, k: &Tensor, v: &Tensor, (scale, causal, padding
         pd.matmul(&widened_as(&v.detach(), q)?)?.to_dtype(q.dtype())
     })?;
     // dv = pd^T g; dp = (g v^T) mask; ds = p (dp - sum(dp p)); dq = scale ds k; dk = scale ds^T q.
-    let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor],
+                         _: &Tensor,
+                         g: &Tensor,
+                         _want: &[bool]|
+          -> Result<Vec<Option<Tensor>>> {
         let (q, k, v) = (widened(&inputs[0])?, widened(&inputs[1])?, widened(&inputs[2])?);
         let g = widened(g)?;
         // Each (B, heads, T, T) temporary goes once used: at most three are alive at once.
@@ -118,9 +163,17 @@ fn attention_generic(q: &Tensor, k: &Tensor, v: &Tensor, (scale, causal, padding
         let dq = (ds.matmul(&k)? * scale)?;
         let dk = (ds.t()?.matmul(&q)? * scale)?;
         let back = |t: Tensor, like: &Tensor| t.to_dtype(like.dtype());
-        Ok(vec![Some(back(dq, &inputs[0])?), Some(back(dk, &inputs[1])?), Some(back(dv, &inputs[2])?)])
+        Ok(vec![
+            Some(back(dq, &inputs[0])?),
+            Some(back(dk, &inputs[1])?),
+            Some(back(dv, &inputs[2])?),
+        ])
     };
-    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, GenericOp::new("generic-attention", y, Box::new(backward)))
+    q.contiguous()?.apply_op3(
+        &k.contiguous()?,
+        &v.contiguous()?,
+        GenericOp::new("generic-attention", y, Box::new(backward)),
+    )
 }
 
 struct AttentionOp {
@@ -133,7 +186,12 @@ struct AttentionOp {
 
 impl AttentionOp {
     fn softmax(&self, t: usize) -> SoftmaxOp {
-        SoftmaxOp { scale: self.scale, causal: self.causal, rows_per_block: t, padding: self.padding.clone() }
+        SoftmaxOp {
+            scale: self.scale,
+            causal: self.causal,
+            rows_per_block: t,
+            padding: self.padding.clone(),
+        }
     }
 
     /// The probabilities (B, heads, T, T), flat, of detached q and k.
@@ -162,7 +220,13 @@ impl AttentionOp {
     /// With P the probabilities and P' = dropout(P): dV = P'^T g; dP = dropout(g V^T) (the same
     /// mask); dS = softmax backward of dP (scale included); dQ = dS K; dK = dS^T Q. At most three
     /// maps of (B, heads, T, T) are alive at once.
-    fn backward<T: Elem>(&self, q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward<T: Elem>(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let p = self.probabilities::<T>(q, k)?;
         let mut dropped = p.clone();
         self.drop_out(&mut dropped);
@@ -179,7 +243,9 @@ impl AttentionOp {
 impl FusedOp for AttentionOp {
     fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
         fn run<T: Elem>(op: &AttentionOp, s: [Operand; 3]) -> Result<Vec<T>> {
-            let t = |(st, l): Operand| Tensor::from_slice(&slice::<T>(st, l)?, l.dims(), &candle_core::Device::Cpu);
+            let t = |(st, l): Operand| {
+                Tensor::from_slice(&slice::<T>(st, l)?, l.dims(), &candle_core::Device::Cpu)
+            };
             op.forward::<T>(t(s[0])?, t(s[1])?, t(s[2])?)
         }
         let args = exactly(inputs)?;
@@ -194,7 +260,13 @@ impl FusedOp for AttentionOp {
         let [q, k, v] = exactly(inputs)?;
         // Half precision runs in f32 (candle's CPU matrix product has no bf16).
         let dtype = q.dtype();
-        let wide = |t: &Tensor| if is_half(dtype) { t.detach().to_dtype(DType::F32) } else { Ok(t.detach()) };
+        let wide = |t: &Tensor| {
+            if is_half(dtype) {
+                t.detach().to_dtype(DType::F32)
+            } else {
+                Ok(t.detach())
+            }
+        };
         let (q, k, v, g) = (wide(q)?, wide(k)?, wide(v)?, wide(g)?.contiguous()?);
         let (dq, dk, dv) = per_dtype!(q.dtype(), T => self.backward::<T>(&q, &k, &v, &g)?);
         Ok(vec![Some(dq.to_dtype(dtype)?), Some(dk.to_dtype(dtype)?), Some(dv.to_dtype(dtype)?)])

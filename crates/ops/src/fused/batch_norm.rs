@@ -4,7 +4,10 @@
 //! the output, never the projection's normalised tensor.
 
 use super::generic::{generic, GenericOp};
-use super::{elem, exactly, operand, shaped, slice, uninit, wide, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::{
+    elem, exactly, operand, shaped, slice, uninit, wide, widened, widened_as, with_slice, Elem,
+    FusedOp, Operand,
+};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use num_traits::Float;
 use rayon::prelude::*;
@@ -16,9 +19,20 @@ use rayon::prelude::*;
 /// version keeps the normalised tensor and the sum as well). Returns the output and the batch's
 /// per-channel mean and biased variance, each (C) (for the running statistics). For float tensors
 /// that take the kernel or the generic route: check [`lean`](super::lean) first.
-pub fn batch_norm_train(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Tensor, Tensor)> {
+pub fn batch_norm_train(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    residual: Option<&Tensor>,
+    eps: f64,
+    relu: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
     if let Some(r) = residual.filter(|r| r.shape() != x.shape()) {
-        candle_core::bail!("batch_norm: residual {:?} does not match the input {:?}", r.dims(), x.dims())
+        candle_core::bail!(
+            "batch_norm: residual {:?} does not match the input {:?}",
+            r.dims(),
+            x.dims()
+        )
     }
     if generic(x) {
         return batch_norm_generic(x, weight, bias, residual, eps, relu);
@@ -43,7 +57,11 @@ pub type Normalised<'a> = (&'a Tensor, &'a Tensor, &'a Tensor);
 /// residual, the projection's normalised tensor would be kept as the residual operand (PyTorch
 /// keeps none either). The same bits as that composition. Returns the output and each one's
 /// per-channel batch mean and biased variance.
-pub fn batch_norm_pair_train(a: Normalised, b: Normalised, eps: f64) -> Result<(Tensor, [(Tensor, Tensor); 2])> {
+pub fn batch_norm_pair_train(
+    a: Normalised,
+    b: Normalised,
+    eps: f64,
+) -> Result<(Tensor, [(Tensor, Tensor); 2])> {
     if a.0.shape() != b.0.shape() {
         candle_core::bail!("batch_norm_pair: inputs {:?} and {:?} differ", a.0.dims(), b.0.dims())
     }
@@ -51,7 +69,8 @@ pub fn batch_norm_pair_train(a: Normalised, b: Normalised, eps: f64) -> Result<(
         return batch_norm_pair_generic(a, b, eps);
     }
     let (xa, xb) = (a.0.contiguous()?, b.0.to_dtype(a.0.dtype())?.contiguous()?);
-    let ((first, stats_a), (second, stats_b)) = (BatchNormOp::of(&xa, eps, true)?, BatchNormOp::of(&xb, eps, false)?);
+    let ((first, stats_a), (second, stats_b)) =
+        (BatchNormOp::of(&xa, eps, true)?, BatchNormOp::of(&xb, eps, false)?);
     let wb = operand(&Tensor::stack(&[a.1, a.2, b.1, b.2], 0)?, &xa)?; // (4, C)
     let y = xa.apply_op3(&xb, &wb, BatchNormPairOp { first, second })?;
     Ok((y, [stats_a, stats_b]))
@@ -60,17 +79,37 @@ pub fn batch_norm_pair_train(a: Normalised, b: Normalised, eps: f64) -> Result<(
 /// The generic route ([`super::generic`]): the statistics and the output composed on detached
 /// operands in f32 (f64 for f64), and the kernel's backward formula composed, the statistics
 /// recomputed from the input. Keeps what the kernel keeps: x, (weight; bias), the residual.
-fn batch_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Tensor, Tensor)> {
+fn batch_norm_generic(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    residual: Option<&Tensor>,
+    eps: f64,
+    relu: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let wb = Tensor::stack(&[weight, bias], 0)?; // (2, C): the op's operand, as on the kernel
     let residual_w = residual.map(|r| widened_as(&r.detach(), x)).transpose()?;
-    let (y, mean, var) = normalise(x, &widened_as(&wb.detach(), x)?, residual_w.as_ref(), eps, relu)?;
-    let backward = move |inputs: &[Tensor], y: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+    let (y, mean, var) =
+        normalise(x, &widened_as(&wb.detach(), x)?, residual_w.as_ref(), eps, relu)?;
+    let backward = move |inputs: &[Tensor],
+                         y: &Tensor,
+                         g: &Tensor,
+                         _want: &[bool]|
+          -> Result<Vec<Option<Tensor>>> {
         let (x, wb) = (&inputs[0], &inputs[1]);
-        let (dx, dwb, masked) = normalise_backward(x, &widened_as(wb, x)?, y, &widened_as(g, x)?, eps, relu)?;
+        let (dx, dwb, masked) =
+            normalise_backward(x, &widened_as(wb, x)?, y, &widened_as(g, x)?, eps, relu)?;
         let dr = if inputs.len() == 3 { Some(masked.to_dtype(inputs[2].dtype())?) } else { None };
-        Ok([Some(dx.to_dtype(x.dtype())?), Some(dwb.to_dtype(wb.dtype())?), dr].into_iter().take(inputs.len()).collect())
+        Ok([Some(dx.to_dtype(x.dtype())?), Some(dwb.to_dtype(wb.dtype())?), dr]
+            .into_iter()
+            .take(inputs.len())
+            .collect())
     };
-    let op = GenericOp::new(if residual.is_some() { "generic-batch-norm-add" } else { "generic-batch-norm" }, y, Box::new(backward));
+    let op = GenericOp::new(
+        if residual.is_some() { "generic-batch-norm-add" } else { "generic-batch-norm" },
+        y,
+        Box::new(backward),
+    );
     let y = match residual {
         Some(r) => x.contiguous()?.apply_op3(&wb, &r.contiguous()?, op)?,
         None => x.contiguous()?.apply_op2(&wb, op)?,
@@ -80,16 +119,27 @@ fn batch_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Opti
 
 /// [`batch_norm_pair_train`]'s generic route: [`batch_norm_generic`]'s composition twice in one
 /// op, keeping what the kernel keeps: x, x' and (weight; bias; weight'; bias').
-fn batch_norm_pair_generic(a: Normalised, b: Normalised, eps: f64) -> Result<(Tensor, [(Tensor, Tensor); 2])> {
+fn batch_norm_pair_generic(
+    a: Normalised,
+    b: Normalised,
+    eps: f64,
+) -> Result<(Tensor, [(Tensor, Tensor); 2])> {
     let wb = Tensor::stack(&[a.1, a.2, b.1, b.2], 0)?; // (4, C), as on the kernel
     let wb_w = widened_as(&wb.detach(), a.0)?;
     let (r, mean_b, var_b) = normalise(b.0, &wb_w.narrow(0, 2, 2)?, None, eps, false)?;
-    let (y, mean_a, var_a) = normalise(a.0, &wb_w.narrow(0, 0, 2)?, Some(&widened_as(&r, a.0)?), eps, true)?;
-    let backward = move |inputs: &[Tensor], y: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+    let (y, mean_a, var_a) =
+        normalise(a.0, &wb_w.narrow(0, 0, 2)?, Some(&widened_as(&r, a.0)?), eps, true)?;
+    let backward = move |inputs: &[Tensor],
+                         y: &Tensor,
+                         g: &Tensor,
+                         _want: &[bool]|
+          -> Result<Vec<Option<Tensor>>> {
         let (xa, xb, wb) = (&inputs[0], &inputs[1], &inputs[2]);
         let wb_w = widened_as(wb, xa)?;
-        let (dxa, dwb_a, masked) = normalise_backward(xa, &wb_w.narrow(0, 0, 2)?, y, &widened_as(g, xa)?, eps, true)?;
-        let (dxb, dwb_b, _) = normalise_backward(xb, &wb_w.narrow(0, 2, 2)?, y, &masked, eps, false)?;
+        let (dxa, dwb_a, masked) =
+            normalise_backward(xa, &wb_w.narrow(0, 0, 2)?, y, &widened_as(g, xa)?, eps, true)?;
+        let (dxb, dwb_b, _) =
+            normalise_backward(xb, &wb_w.narrow(0, 2, 2)?, y, &masked, eps, false)?;
         let dwb = Tensor::cat(&[dwb_a, dwb_b], 0)?.to_dtype(wb.dtype())?;
         Ok(vec![Some(dxa.to_dtype(xa.dtype())?), Some(dxb.to_dtype(xb.dtype())?), Some(dwb)])
     };
@@ -101,12 +151,20 @@ fn batch_norm_pair_generic(a: Normalised, b: Normalised, eps: f64) -> Result<(Te
 /// The generic route's forward on the detached x: `bn(x) (+ residual)`, then a ReLU if `relu`,
 /// with `wb_w` (weight; bias) and the residual already in the compute dtype; the output in x's
 /// dtype, and the per-channel mean and biased variance (C).
-fn normalise(x: &Tensor, wb_w: &Tensor, residual_w: Option<&Tensor>, eps: f64, relu: bool) -> Result<(Tensor, Tensor, Tensor)> {
+fn normalise(
+    x: &Tensor,
+    wb_w: &Tensor,
+    residual_w: Option<&Tensor>,
+    eps: f64,
+    relu: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let xw = widened(&x.detach())?;
     let (mean, var) = statistics(&xw)?;
     let rstd = (&var + eps)?.sqrt()?.recip()?;
-    let (w, b) = (channel_shaped(&wb_w.get(0)?, x.rank())?, channel_shaped(&wb_w.get(1)?, x.rank())?);
-    let mut y = xw.broadcast_sub(&mean)?.broadcast_mul(&(rstd.broadcast_mul(&w))?)?.broadcast_add(&b)?;
+    let (w, b) =
+        (channel_shaped(&wb_w.get(0)?, x.rank())?, channel_shaped(&wb_w.get(1)?, x.rank())?);
+    let mut y =
+        xw.broadcast_sub(&mean)?.broadcast_mul(&(rstd.broadcast_mul(&w))?)?.broadcast_add(&b)?;
     if let Some(r) = residual_w {
         y = (y + r)?;
     }
@@ -119,7 +177,14 @@ fn normalise(x: &Tensor, wb_w: &Tensor, residual_w: Option<&Tensor>, eps: f64, r
 /// The kernel's backward formula composed, for the output y and its gradient g (in the compute
 /// dtype): dx (compute dtype), d(weight; bias) (2, C), and g masked by the ReLU (the residual's
 /// gradient).
-fn normalise_backward(x: &Tensor, wb_w: &Tensor, y: &Tensor, g: &Tensor, eps: f64, relu: bool) -> Result<(Tensor, Tensor, Tensor)> {
+fn normalise_backward(
+    x: &Tensor,
+    wb_w: &Tensor,
+    y: &Tensor,
+    g: &Tensor,
+    eps: f64,
+    relu: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let xw = widened(x)?;
     // A NaN output passes its gradient, as in the kernel.
     let g = if relu { y.le(0.0)?.where_cond(&g.zeros_like()?, g)? } else { g.clone() };
@@ -130,8 +195,12 @@ fn normalise_backward(x: &Tensor, wb_w: &Tensor, y: &Tensor, g: &Tensor, eps: f6
     let dw = channel_sum(&(&g * &x_hat)?)?;
     let m = (x.elem_count() / x.dim(1)?) as f64;
     let w = channel_shaped(&wb_w.get(0)?, x.rank())?;
-    let (db_m, dw_m) = (channel_shaped(&(&db / m)?, x.rank())?, channel_shaped(&(&dw / m)?, x.rank())?);
-    let dx = g.broadcast_sub(&db_m)?.sub(&x_hat.broadcast_mul(&dw_m)?)?.broadcast_mul(&(rstd.broadcast_mul(&w))?)?;
+    let (db_m, dw_m) =
+        (channel_shaped(&(&db / m)?, x.rank())?, channel_shaped(&(&dw / m)?, x.rank())?);
+    let dx = g
+        .broadcast_sub(&db_m)?
+        .sub(&x_hat.broadcast_mul(&dw_m)?)?
+        .broadcast_mul(&(rstd.broadcast_mul(&w))?)?;
     Ok((dx, Tensor::stack(&[dw, db], 0)?, g))
 }
 
@@ -172,7 +241,9 @@ fn nan_relu(y: &Tensor) -> Result<Tensor> {
 fn channel_stats<T: Elem>(x: &[T], c: usize, s: usize) -> (Vec<f64>, Vec<f64>) {
     let n = x.len() / (c * s);
     let m = (n * s) as f64;
-    let values = |ch: usize| (0..n).flat_map(move |b| x[(b * c + ch) * s..(b * c + ch + 1) * s].iter().map(|&v| wide(v)));
+    let values = |ch: usize| {
+        (0..n).flat_map(move |b| x[(b * c + ch) * s..(b * c + ch + 1) * s].iter().map(|&v| wide(v)))
+    };
     (0..c)
         .into_par_iter()
         .map(|ch| {
@@ -209,27 +280,36 @@ impl BatchNormOp {
         let (w, b) = wb.split_at(self.channels);
         // SAFETY: every element is written below.
         let mut y = unsafe { uninit(x.len()) };
-        y.par_chunks_mut(self.spatial).zip(x.par_chunks(self.spatial)).enumerate().for_each(|(i, (y, x))| {
-            let ch = i % self.channels;
-            let (mean, scale) = (elem::<T>(self.mean[ch]), elem::<T>(self.rstd[ch]) * w[ch]);
-            let r = residual.map(|r| &r[i * self.spatial..(i + 1) * self.spatial]);
-            for (j, (y, &x)) in y.iter_mut().zip(x).enumerate() {
-                let mut v = (x - mean) * scale + b[ch];
-                if let Some(r) = r {
-                    v += r[j];
+        y.par_chunks_mut(self.spatial).zip(x.par_chunks(self.spatial)).enumerate().for_each(
+            |(i, (y, x))| {
+                let ch = i % self.channels;
+                let (mean, scale) = (elem::<T>(self.mean[ch]), elem::<T>(self.rstd[ch]) * w[ch]);
+                let r = residual.map(|r| &r[i * self.spatial..(i + 1) * self.spatial]);
+                for (j, (y, &x)) in y.iter_mut().zip(x).enumerate() {
+                    let mut v = (x - mean) * scale + b[ch];
+                    if let Some(r) = r {
+                        v += r[j];
+                    }
+                    // A NaN stays NaN through the ReLU, as in PyTorch (`Float::max` would make it
+                    // 0, and a NaN input would train on with a finite loss).
+                    *y = if self.relu && !v.is_nan() { Float::max(v, T::zero()) } else { v };
                 }
-                // A NaN stays NaN through the ReLU, as in PyTorch (`Float::max` would make it 0,
-                // and a NaN input would train on with a finite loss).
-                *y = if self.relu && !v.is_nan() { Float::max(v, T::zero()) } else { v };
-            }
-        });
+            },
+        );
         y
     }
 
     /// With g' = g (masked by y > 0 after a ReLU) and x_hat the normalised input, per channel:
     /// db = sum g', dw = sum g' x_hat, dx = w rstd / M (M g' - db - x_hat dw); the residual's
     /// gradient is g'. Returns dx, d(weight, bias) as (2, C), and g' (None without a residual).
-    fn backward<T: Elem>(&self, x: &[T], y: &[T], wb: &[T], g: &[T], residual: bool) -> (Vec<T>, Vec<T>, Option<Vec<T>>) {
+    fn backward<T: Elem>(
+        &self,
+        x: &[T],
+        y: &[T],
+        wb: &[T],
+        g: &[T],
+        residual: bool,
+    ) -> (Vec<T>, Vec<T>, Option<Vec<T>>) {
         let (c, s) = (self.channels, self.spatial);
         let n = x.len() / (c * s);
         let masked = |y: T, g: T| if self.relu && y <= T::zero() { 0.0 } else { wide(g) };
@@ -243,7 +323,8 @@ impl BatchNormOp {
                 for bi in 0..n {
                     let at = (bi * c + ch) * s;
                     let (xs, ys, gs) = (&x[at..at + s], &y[at..at + s], &g[at..at + s]);
-                    for ((x, y), g) in xs.chunks(LANES).zip(ys.chunks(LANES)).zip(gs.chunks(LANES)) {
+                    for ((x, y), g) in xs.chunks(LANES).zip(ys.chunks(LANES)).zip(gs.chunks(LANES))
+                    {
                         for l in 0..x.len() {
                             let gi = masked(y[l], g[l]);
                             db[l] += gi;
@@ -273,7 +354,11 @@ impl BatchNormOp {
         // SAFETY: `fill` writes every element of both.
         let (mut dx, mut dr) = unsafe { (uninit(x.len()), residual.then(|| uninit(x.len()))) };
         match dr.as_mut() {
-            Some(dr) => dx.par_chunks_mut(s).zip(dr.par_chunks_mut(s)).enumerate().for_each(|(block, (dx, dr))| fill(block, dx, Some(dr))),
+            Some(dr) => dx
+                .par_chunks_mut(s)
+                .zip(dr.par_chunks_mut(s))
+                .enumerate()
+                .for_each(|(block, (dx, dr))| fill(block, dx, Some(dr))),
             None => dx.par_chunks_mut(s).enumerate().for_each(|(block, dx)| fill(block, dx, None)),
         }
         let dwb = dw.into_iter().chain(db).map(elem::<T>).collect();
@@ -285,7 +370,15 @@ impl BatchNormOp {
 impl FusedOp for BatchNormOp {
     fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
         let ((x, xl), (wb, wbl), residual) = (inputs[0], inputs[1], inputs.get(2));
-        let y = per_float!(x, "batch_norm", self.forward(&slice(x, xl)?, &slice(wb, wbl)?, residual.map(|&(s, l)| slice(s, l)).transpose()?.as_deref()));
+        let y = per_float!(
+            x,
+            "batch_norm",
+            self.forward(
+                &slice(x, xl)?,
+                &slice(wb, wbl)?,
+                residual.map(|&(s, l)| slice(s, l)).transpose()?.as_deref()
+            )
+        );
         Ok((y, xl.shape().clone()))
     }
 

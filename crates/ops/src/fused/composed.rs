@@ -38,13 +38,20 @@ pub(crate) fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Resu
     }
     let d_out = (dp - kd) / g.stride_d + 1;
     let (kh, kw) = (w.dim(3)?, w.dim(4)?);
-    let (ho, wo) = ((h + 2 * g.pad_hw - kh) / g.stride_hw + 1, (wd + 2 * g.pad_hw - kw) / g.stride_hw + 1);
+    let (ho, wo) =
+        ((h + 2 * g.pad_hw - kh) / g.stride_hw + 1, (wd + 2 * g.pad_hw - kw) / g.stride_hw + 1);
     let mut rows = Vec::new();
     let entries = column_entries(x.elem_count().max(w.elem_count()).max(n * o * d_out * ho * wo));
     for chunk in chunks(n, d_out, dp, c * kh * kw * ho * wo, entries) {
         let mut sum: Option<Tensor> = None;
         for a in 0..kd {
-            let y = chunk.slices(&x, a, g.stride_d)?.conv2d(&w.narrow(2, a, 1)?.squeeze(2)?, g.pad_hw, g.stride_hw, 1, 1)?; // (rows, O, H', W')
+            let y = chunk.slices(&x, a, g.stride_d)?.conv2d(
+                &w.narrow(2, a, 1)?.squeeze(2)?,
+                g.pad_hw,
+                g.stride_hw,
+                1,
+                1,
+            )?; // (rows, O, H', W')
             sum = Some(match sum {
                 Some(s) => (s + y)?,
                 None => y,
@@ -86,16 +93,34 @@ struct Chunk {
 fn chunks(n: usize, d_out: usize, dp: usize, per_slice: usize, entries: usize) -> Vec<Chunk> {
     let fit = (entries / per_slice.max(1)).max(1);
     if dp == 1 {
-        return (0..n).step_by(fit).map(|b| Chunk { b, batches: fit.min(n - b), start: 0, rows: 1 }).collect();
+        return (0..n)
+            .step_by(fit)
+            .map(|b| Chunk { b, batches: fit.min(n - b), start: 0, rows: 1 })
+            .collect();
     }
     let rows = fit.min(d_out);
-    (0..n).flat_map(|b| (0..d_out).step_by(rows).map(move |start| Chunk { b, batches: 1, start, rows: rows.min(d_out - start) })).collect()
+    (0..n)
+        .flat_map(|b| {
+            (0..d_out).step_by(rows).map(move |start| Chunk {
+                b,
+                batches: 1,
+                start,
+                rows: rows.min(d_out - start),
+            })
+        })
+        .collect()
 }
 
 impl Chunk {
     /// The padded depths kernel depth `a` reads for this chunk's output depths.
     fn depths(&self, a: usize, stride_d: usize, device: &candle_core::Device) -> Result<Tensor> {
-        Tensor::from_vec((self.start..self.start + self.rows).map(|i| (a + i * stride_d) as u32).collect::<Vec<_>>(), self.rows, device)
+        Tensor::from_vec(
+            (self.start..self.start + self.rows)
+                .map(|i| (a + i * stride_d) as u32)
+                .collect::<Vec<_>>(),
+            self.rows,
+            device,
+        )
     }
 
     /// The input slices kernel depth `a` sees, of x (N, C, D, H, W) padded in depth:
@@ -106,7 +131,9 @@ impl Chunk {
         if d == 1 {
             return x.reshape((self.batches, c, h, wd));
         }
-        x.index_select(&self.depths(a, stride_d, x.device())?, 2)?.permute((0, 2, 1, 3, 4))?.reshape((self.batches * self.rows, c, h, wd))
+        x.index_select(&self.depths(a, stride_d, x.device())?, 2)?
+            .permute((0, 2, 1, 3, 4))?
+            .reshape((self.batches * self.rows, c, h, wd))
     }
 }
 
@@ -147,7 +174,10 @@ pub(crate) fn conv3d_composed_backward(
         for a in (0..kd).filter(|_| want_dx) {
             let wa = w.narrow(2, a, 1)?.squeeze(2)?.contiguous()?; // (O, C, kh, kw)
             let ds = gf.conv_transpose2d(&wa, g.pad_hw, out_padding, g.stride_hw, 1)?; // (slices, C, H, W)
-            let ds = ds.reshape((chunk.batches, chunk.rows, c, h, wd))?.permute((0, 2, 1, 3, 4))?.contiguous()?; // (batches, C, rows, H, W)
+            let ds = ds
+                .reshape((chunk.batches, chunk.rows, c, h, wd))?
+                .permute((0, 2, 1, 3, 4))?
+                .contiguous()?; // (batches, C, rows, H, W)
             if dp == 1 {
                 dxs.push(ds); // a 2D convolution: one kernel depth, one slice per sample
             } else {
@@ -157,7 +187,10 @@ pub(crate) fn conv3d_composed_backward(
         }
         for (a, dw) in dws.iter_mut().enumerate().filter(|_| want_dw) {
             let slices = chunk.slices(&xp, a, g.stride_d)?;
-            let dwa = slices.transpose(0, 1)?.conv2d(&gf_t, g.pad_hw, 1, g.stride_hw, 1)?.transpose(0, 1)?; // (O, C, >= kh, >= kw)
+            let dwa = slices
+                .transpose(0, 1)?
+                .conv2d(&gf_t, g.pad_hw, 1, g.stride_hw, 1)?
+                .transpose(0, 1)?; // (O, C, >= kh, >= kw)
             let dwa = dwa.narrow(2, 0, kh)?.narrow(3, 0, kw)?;
             *dw = Some(match dw.take() {
                 Some(sum) => (sum + dwa)?,
@@ -166,7 +199,11 @@ pub(crate) fn conv3d_composed_backward(
         }
     }
     let dx = want_dx.then(|| Tensor::cat(&dxs, 0)?.narrow(2, g.pad_d, d)).transpose()?;
-    let dw = want_dw.then(|| Tensor::stack(&dws.into_iter().map(|dw| dw.expect("kd >= 1")).collect::<Vec<_>>(), 2)).transpose()?;
+    let dw = want_dw
+        .then(|| {
+            Tensor::stack(&dws.into_iter().map(|dw| dw.expect("kd >= 1")).collect::<Vec<_>>(), 2)
+        })
+        .transpose()?;
     Ok((dx, dw))
 }
 
@@ -174,7 +211,10 @@ pub(crate) fn conv_transpose3d_k2s2_composed(x: &Tensor, w: &Tensor, b: &Tensor)
     let (n, c, d, h, wd) = x.dims5()?;
     let (c_w, o, k1, k2, k3) = w.dims5()?;
     if c != c_w || (k1, k2, k3) != (2, 2, 2) {
-        candle_core::bail!("conv_transpose3d_k2s2: kernel {:?} does not fit input with {c} channels", w.dims())
+        candle_core::bail!(
+            "conv_transpose3d_k2s2: kernel {:?} does not fit input with {c} channels",
+            w.dims()
+        )
     }
     let cols = x.permute((0, 2, 3, 4, 1))?.reshape((n * d * h * wd, c))?; // (N*D*H*W, C)
     let y = cols.matmul(&w.reshape((c, o * 8))?)?; // (N*D*H*W, O*8)

@@ -6,7 +6,8 @@
 
 use super::generic::{GenericOp, Replay};
 use super::{
-    apply2, apply3, exactly, kept_or, mat, matmul, matmul_strided, operand, shaped, slice, uninit, widened, widened_as, with_slice, Elem, FusedOp, Operand,
+    apply2, apply3, exactly, kept_or, mat, matmul, matmul_strided, operand, shaped, slice, uninit,
+    widened, widened_as, with_slice, Elem, FusedOp, Operand,
 };
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -18,22 +19,32 @@ use std::ops::Range;
 /// but its input and output: the operand matrix is built again in backward (the composed version
 /// in `src/conv3d.rs` keeps 7 copies of its input).
 /// `kept`: its output, kept from the forward (`remat::keep`).
-pub(crate) fn conv3d(x: &Tensor, w: &Tensor, g: super::Conv3dGeometry, kept: Option<Tensor>) -> Result<Tensor> {
+pub(crate) fn conv3d(
+    x: &Tensor,
+    w: &Tensor,
+    g: super::Conv3dGeometry,
+    kept: Option<Tensor>,
+) -> Result<Tensor> {
     let shape = Conv3dShape::new(x.dims5()?, w.dims5()?, g, BLOCK_ENTRIES)?.sized();
     apply2(&x.contiguous()?, &operand(w, x)?, Conv3dOp { shape, split: None }, kept)
 }
 
-/// Entries of an operand-matrix block at most (4 MiB in f32): the one workspace's size. Half of
-/// the 8 MiB of old took 4 MiB off the U-Net's step peaks (a decoder level's backward holds the
-/// workspace beside both input gradients) at no measured cost in time: the products stay wide
-/// enough for gemm's blocking (`bench-harness run-one`, U-Net small and ResNet-50/152).
+/// Entries of an operand-matrix block at most (4 MiB in f32): the one workspace's size. A decoder
+/// level's backward holds it beside both input gradients, so it adds to the U-Net's step peak
+/// (8 MiB blocks: 4 MiB more), while the products stay wide enough for gemm's blocking at no
+/// measured cost in time (`bench-harness run-one`, U-Net small and ResNet-50/152).
 const BLOCK_ENTRIES: usize = 1 << 20;
 
 /// [`conv3d`] building the column matrix in blocks of at most about `block_entries` entries
 /// whatever the problem's size (at least one output row; see `Conv3dShape::blocks`): the tests'
 /// way to take each kind of block.
 #[cfg(test)]
-pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: super::Conv3dGeometry, block_entries: usize) -> Result<Tensor> {
+pub(crate) fn conv3d_blocked(
+    x: &Tensor,
+    w: &Tensor,
+    g: super::Conv3dGeometry,
+    block_entries: usize,
+) -> Result<Tensor> {
     let shape = Conv3dShape::new(x.dims5()?, w.dims5()?, g, block_entries)?;
     apply2(&x.contiguous()?, &operand(w, x)?, Conv3dOp { shape, split: None }, None)
 }
@@ -42,33 +53,71 @@ pub(crate) fn conv3d_blocked(x: &Tensor, w: &Tensor, g: super::Conv3dGeometry, b
 /// (O, Ca + Cb, kd, kh, kw), without making it: the patch matrix reads each channel from where it
 /// is, and the input gradient comes out as the two tensors' gradients. Keeps a, b and the output
 /// (the concatenation and its two inputs, composed).
-pub(crate) fn conv3d_concat(a: &Tensor, b: &Tensor, w: &Tensor, g: super::Conv3dGeometry, kept: Option<Tensor>) -> Result<Tensor> {
+pub(crate) fn conv3d_concat(
+    a: &Tensor,
+    b: &Tensor,
+    w: &Tensor,
+    g: super::Conv3dGeometry,
+    kept: Option<Tensor>,
+) -> Result<Tensor> {
     let (x, split) = concat_dims(a, b)?;
     let shape = Conv3dShape::new(x, w.dims5()?, g, BLOCK_ENTRIES)?.sized();
-    apply3(&a.contiguous()?, &b.contiguous()?, &operand(w, a)?, Conv3dOp { shape, split: Some(split) }, kept)
+    apply3(
+        &a.contiguous()?,
+        &b.contiguous()?,
+        &operand(w, a)?,
+        Conv3dOp { shape, split: Some(split) },
+        kept,
+    )
 }
 
 /// The generic route of [`conv3d_concat`]: as [`conv3d_generic`], the concatenation made inside
 /// the op (forward and backward) and dropped there. Keeps what the kernel keeps: a, b and w.
-pub(crate) fn conv3d_concat_generic(a: &Tensor, b: &Tensor, w: &Tensor, g: super::Conv3dGeometry, kept: Option<Tensor>) -> Result<Tensor> {
+pub(crate) fn conv3d_concat_generic(
+    a: &Tensor,
+    b: &Tensor,
+    w: &Tensor,
+    g: super::Conv3dGeometry,
+    kept: Option<Tensor>,
+) -> Result<Tensor> {
     let split = concat_dims(a, b)?.1;
     let y = kept_or(kept, || {
         let x = Tensor::cat(&[&widened(&a.detach())?, &widened(&b.detach())?], 1)?;
         super::conv3d_composed(&x, &widened_as(&w.detach(), a)?, g)?.to_dtype(a.dtype())
     })?;
-    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor],
+                         _y: &Tensor,
+                         grad: &Tensor,
+                         want: &[bool]|
+          -> Result<Vec<Option<Tensor>>> {
         let [a, b, w] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let x = Tensor::cat(&[&widened(a)?, &widened(b)?], 1)?;
-        let (dx, dw) = super::conv3d_composed_backward(&x, &widened_as(w, a)?, &widened_as(grad, a)?, g, (want[0] || want[1], want[2]))?;
-        let part =
-            |t: &Tensor, (start, len), like: &Tensor, wanted: bool| wanted.then(|| t.narrow(1, start, len)?.to_dtype(like.dtype())?.contiguous()).transpose();
+        let (dx, dw) = super::conv3d_composed_backward(
+            &x,
+            &widened_as(w, a)?,
+            &widened_as(grad, a)?,
+            g,
+            (want[0] || want[1], want[2]),
+        )?;
+        let part = |t: &Tensor, (start, len), like: &Tensor, wanted: bool| {
+            wanted
+                .then(|| t.narrow(1, start, len)?.to_dtype(like.dtype())?.contiguous())
+                .transpose()
+        };
         let (da, db) = match &dx {
-            Some(dx) => (part(dx, (0, split), a, want[0])?, part(dx, (split, dx.dim(1)? - split), b, want[1])?),
+            Some(dx) => (
+                part(dx, (0, split), a, want[0])?,
+                part(dx, (split, dx.dim(1)? - split), b, want[1])?,
+            ),
             None => (None, None),
         };
         Ok(vec![da, db, dw.map(|dw| dw.to_dtype(w.dtype())).transpose()?])
     };
-    a.contiguous()?.apply_op3(&b.contiguous()?, &w.contiguous()?, GenericOp::new("generic-conv3d-concat", y, Box::new(backward)))
+    a.contiguous()?.apply_op3(
+        &b.contiguous()?,
+        &w.contiguous()?,
+        GenericOp::new("generic-conv3d-concat", y, Box::new(backward)),
+    )
 }
 
 /// (N, C, D, H, W) of a 3D convolution's input.
@@ -78,7 +127,13 @@ type Dims5 = (usize, usize, usize, usize, usize);
 fn concat_dims(a: &Tensor, b: &Tensor) -> Result<(Dims5, usize)> {
     let ((n, ca, d, h, w), (nb, cb, db, hb, wb)) = (a.dims5()?, b.dims5()?);
     if (n, d, h, w) != (nb, db, hb, wb) || a.dtype() != b.dtype() {
-        candle_core::bail!("conv3d_concat: {:?} {:?} and {:?} {:?} differ beyond their channels", a.dims(), a.dtype(), b.dims(), b.dtype())
+        candle_core::bail!(
+            "conv3d_concat: {:?} {:?} and {:?} {:?} differ beyond their channels",
+            a.dims(),
+            a.dtype(),
+            b.dims(),
+            b.dtype()
+        )
     }
     Ok(((n, ca + cb, d, h, w), ca))
 }
@@ -109,14 +164,36 @@ impl<'a, T: Elem> Input<'a, T> {
 /// The generic route ([`super::generic`]): candle's 2D convolutions summed over kernel depth on
 /// detached operands, and their backward composed the same way (the `composed` module's),
 /// half precision computed in f32. Keeps what the kernel keeps: x and w.
-pub(crate) fn conv3d_generic(x: &Tensor, w: &Tensor, g: super::Conv3dGeometry, kept: Option<Tensor>) -> Result<Tensor> {
-    let y = kept_or(kept, || super::conv3d_composed(&widened(&x.detach())?, &widened_as(&w.detach(), x)?, g)?.to_dtype(x.dtype()))?;
-    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+pub(crate) fn conv3d_generic(
+    x: &Tensor,
+    w: &Tensor,
+    g: super::Conv3dGeometry,
+    kept: Option<Tensor>,
+) -> Result<Tensor> {
+    let y = kept_or(kept, || {
+        super::conv3d_composed(&widened(&x.detach())?, &widened_as(&w.detach(), x)?, g)?
+            .to_dtype(x.dtype())
+    })?;
+    let backward = move |inputs: &[Tensor],
+                         _y: &Tensor,
+                         grad: &Tensor,
+                         want: &[bool]|
+          -> Result<Vec<Option<Tensor>>> {
         let [x, w] = exactly(&inputs.iter().collect::<Vec<_>>())?;
-        let (dx, dw) = super::conv3d_composed_backward(&widened(x)?, &widened_as(w, x)?, &widened_as(grad, x)?, g, (want[0], want[1]))?;
-        Ok(vec![dx.map(|dx| dx.to_dtype(x.dtype())).transpose()?, dw.map(|dw| dw.to_dtype(w.dtype())).transpose()?])
+        let (dx, dw) = super::conv3d_composed_backward(
+            &widened(x)?,
+            &widened_as(w, x)?,
+            &widened_as(grad, x)?,
+            g,
+            (want[0], want[1]),
+        )?;
+        Ok(vec![
+            dx.map(|dx| dx.to_dtype(x.dtype())).transpose()?,
+            dw.map(|dw| dw.to_dtype(w.dtype())).transpose()?,
+        ])
     };
-    x.contiguous()?.apply_op2(&w.contiguous()?, GenericOp::new("generic-conv3d", y, Box::new(backward)))
+    x.contiguous()?
+        .apply_op2(&w.contiguous()?, GenericOp::new("generic-conv3d", y, Box::new(backward)))
 }
 
 /// The sizes of one 3D convolution.
@@ -166,7 +243,9 @@ impl Conv3dShape {
     /// times an image's input: at once, the kernel bench's `conv2d 3x3 (8, 64, 32, 32)` split
     /// each image into blocks 896 and 128 columns wide).
     fn sized(self) -> Self {
-        let largest = (self.n * self.c * self.volume()).max(self.n * self.o * self.cols()).max(self.o * self.rows());
+        let largest = (self.n * self.c * self.volume())
+            .max(self.n * self.o * self.cols())
+            .max(self.o * self.rows());
         Conv3dShape { block_entries: self.block_entries.min(2 * largest), ..self }
     }
 
@@ -199,16 +278,35 @@ impl Conv3dShape {
         let fit = |unit: usize, max: usize| (self.block_entries / unit.max(1)).clamp(1, max);
         let (rows, slices) = (fit(per_row, oh), fit(per_row * oh, depth));
         if rows < oh {
-            let runs = move |z: usize| (0..oh).step_by(rows).map(move |i| (z..z + 1, i..(i + rows).min(oh)));
-            return (0..n).flat_map(|s| (0..depth).flat_map(runs).map(move |(zs, is)| ConvBlock { samples: s..s + 1, zs, rows: is })).collect();
+            let runs = move |z: usize| {
+                (0..oh).step_by(rows).map(move |i| (z..z + 1, i..(i + rows).min(oh)))
+            };
+            return (0..n)
+                .flat_map(|s| {
+                    (0..depth).flat_map(runs).map(move |(zs, is)| ConvBlock {
+                        samples: s..s + 1,
+                        zs,
+                        rows: is,
+                    })
+                })
+                .collect();
         }
         if slices < depth {
             return (0..n)
-                .flat_map(|s| (0..depth).step_by(slices).map(move |z| ConvBlock { samples: s..s + 1, zs: z..(z + slices).min(depth), rows: 0..oh }))
+                .flat_map(|s| {
+                    (0..depth).step_by(slices).map(move |z| ConvBlock {
+                        samples: s..s + 1,
+                        zs: z..(z + slices).min(depth),
+                        rows: 0..oh,
+                    })
+                })
                 .collect();
         }
         let samples = fit(per_row * oh * depth, n);
-        (0..n).step_by(samples).map(|s| ConvBlock { samples: s..(s + samples).min(n), zs: 0..depth, rows: 0..oh }).collect()
+        (0..n)
+            .step_by(samples)
+            .map(|s| ConvBlock { samples: s..(s + samples).min(n), zs: 0..depth, rows: 0..oh })
+            .collect()
     }
 
     /// The output columns j whose input column `j s + q - pad` lies inside the input's width, for
@@ -223,7 +321,8 @@ impl Conv3dShape {
     /// columns) of block `b` (one sample's part) in row `r` of the column matrix: `column` is where
     /// the line starts, counted from the block's start; `input` is the input index that column
     /// `span.start` of the line reads (the next `span.len()` columns read every `s`-th element on
-    /// from it, `span` as [`Self::row_span`] gives it), or `None` where the line reads only padding.
+    /// from it, `span` as [`Self::row_span`] gives it), or `None` where the line reads only
+    /// padding.
     fn for_row(&self, r: usize, b: &ConvBlock, mut f: impl FnMut(usize, Option<usize>)) {
         let [kd, kh, kw] = self.kernel;
         let [d, h, w] = self.input;
@@ -235,7 +334,9 @@ impl Conv3dShape {
             for i in b.rows.clone() {
                 let column = ((z - b.zs.start) * b.rows.len() + i - b.rows.start) * ow;
                 let input = match (zz, self.source(1, i, p)) {
-                    (Some(zz), Some(ii)) if !span.is_empty() => Some(((c * d + zz) * h + ii) * w + span.start * self.stride[2] + q - self.pad[2]),
+                    (Some(zz), Some(ii)) if !span.is_empty() => Some(
+                        ((c * d + zz) * h + ii) * w + span.start * self.stride[2] + q - self.pad[2],
+                    ),
                     _ => None,
                 };
                 f(column, input);
@@ -262,7 +363,12 @@ impl Conv3dShape {
     /// (samples, planes, H, W, C): each voxel's channels side by side, so a patch row copies runs
     /// of C elements (kw C at unit stride). One run of 64 voxels per task, its channels read in
     /// order.
-    fn channels_last<T: Elem>(&self, x: Input<T>, samples: Range<usize>, planes: Range<usize>) -> Vec<T> {
+    fn channels_last<T: Elem>(
+        &self,
+        x: Input<T>,
+        samples: Range<usize>,
+        planes: Range<usize>,
+    ) -> Vec<T> {
         const RUN: usize = 64;
         let (c, volume, plane) = (self.c, self.volume(), self.input[1] * self.input[2]);
         let slab = planes.len() * plane;
@@ -285,7 +391,10 @@ impl Conv3dShape {
     fn planes(&self, zs: &Range<usize>) -> Range<usize> {
         let (depth, stride, pad) = (self.input[0], self.stride[0], self.pad[0]);
         let start = (zs.start * stride).saturating_sub(pad).min(depth);
-        start..((zs.end.max(1) - 1) * stride + self.kernel[0]).saturating_sub(pad).clamp(start, depth)
+        start
+            ..((zs.end.max(1) - 1) * stride + self.kernel[0])
+                .saturating_sub(pad)
+                .clamp(start, depth)
     }
 
     /// The operand matrix this convolution's products take: the column matrix for a few input
@@ -360,7 +469,13 @@ impl Conv3dShape {
     /// Writes block `b`'s operand matrix in this convolution's layout into the front of `buf`:
     /// the patch matrix from the block's samples channels-last (`xc`), or the column matrix
     /// from x.
-    fn operand<T: Elem>(&self, x: Input<T>, xc: &mut ChannelsLast<T>, b: &ConvBlock, buf: &mut [T]) {
+    fn operand<T: Elem>(
+        &self,
+        x: Input<T>,
+        xc: &mut ChannelsLast<T>,
+        b: &ConvBlock,
+        buf: &mut [T],
+    ) {
         match self.layout() {
             Layout::Patches => self.patches(xc.of(self, x, b), b, buf),
             Layout::Columns => self.vol2col(x.first, b, buf),
@@ -372,20 +487,28 @@ impl Conv3dShape {
     /// tensor, or the patch matrix, which reads each channel where it is: the decoders' case).
     fn joined<T: Elem>(&self, x: Input<T>) -> Option<Vec<T>> {
         let in_place = self.pointwise() || self.layout() == Layout::Columns;
-        (in_place && !x.second.is_empty())
-            .then(|| (0..self.n).flat_map(|n| (0..self.c).flat_map(move |ch| x.channel(n, ch, self.c, self.volume()).iter().copied())).collect())
+        (in_place && !x.second.is_empty()).then(|| {
+            (0..self.n)
+                .flat_map(|n| {
+                    (0..self.c)
+                        .flat_map(move |ch| x.channel(n, ch, self.c, self.volume()).iter().copied())
+                })
+                .collect()
+        })
     }
 
     /// Writes the column matrix (rows, samples x block_len) of block `b` of the batch x (N, C, D,
     /// H, W) into the front of `col`, every entry of it (zeros where the kernel reads padding, so
     /// the workspace is never cleared), one row per task.
     fn vol2col<T: Elem>(&self, x: &[T], b: &ConvBlock, col: &mut [T]) {
-        let (len, sample, s, ow) = (self.block_len(b), self.c * self.volume(), self.stride[2], self.output[2]);
+        let (len, sample, s, ow) =
+            (self.block_len(b), self.c * self.volume(), self.stride[2], self.output[2]);
         let width = b.samples.len() * len;
         col[..self.rows() * width].par_chunks_mut(width).enumerate().for_each(|(r, row)| {
             let span = self.row_span(r % self.kernel[2]);
             for (k, n) in b.samples.clone().enumerate() {
-                let (xs, seg) = (&x[n * sample..(n + 1) * sample], &mut row[k * len..(k + 1) * len]);
+                let (xs, seg) =
+                    (&x[n * sample..(n + 1) * sample], &mut row[k * len..(k + 1) * len]);
                 self.for_row(r, b, |j, input| {
                     let line = &mut seg[j..j + ow];
                     let Some(i) = input else { return line.fill(T::zero()) };
@@ -418,38 +541,43 @@ impl Conv3dShape {
         // An element loop rather than `copy_from_slice`, whose call costs more than a run of a
         // few channels.
         let copy = |dst: &mut [T], src: &[T]| dst.iter_mut().zip(src).for_each(|(d, &v)| *d = v);
-        patches[..b.samples.len() * len * rows].par_chunks_mut(ow * rows).enumerate().for_each(|(task, line)| {
-            let (k, l) = (task / lines, task % lines);
-            let (z, i) = (b.zs.start + l / b.rows.len(), b.rows.start + l % b.rows.len());
-            let xs = &xc.data[k * slab..][..slab];
-            for (j, patch) in line.chunks_mut(rows).enumerate() {
-                // The kernel's row at output column j lies inside the input's width.
-                let inside = j * s >= pad && j * s + kw <= w + pad;
-                for (ap, seg) in patch.chunks_exact_mut(kw * c).enumerate() {
-                    let (Some(zz), Some(ii)) = (self.source(0, z, ap / kh), self.source(1, i, ap % kh)) else {
-                        seg.fill(T::zero());
-                        continue;
-                    };
-                    let row = ((zz - xc.planes.start) * h + ii) * w; // the input row's first voxel
-                    if inside && s == 1 {
-                        copy(seg, &xs[(row + j - pad) * c..][..kw * c]);
-                        continue;
-                    }
-                    for (q, part) in seg.chunks_exact_mut(c).enumerate() {
-                        match self.source(2, j, q) {
-                            Some(jj) => copy(part, &xs[(row + jj) * c..][..c]),
-                            None => part.fill(T::zero()),
+        patches[..b.samples.len() * len * rows].par_chunks_mut(ow * rows).enumerate().for_each(
+            |(task, line)| {
+                let (k, l) = (task / lines, task % lines);
+                let (z, i) = (b.zs.start + l / b.rows.len(), b.rows.start + l % b.rows.len());
+                let xs = &xc.data[k * slab..][..slab];
+                for (j, patch) in line.chunks_mut(rows).enumerate() {
+                    // The kernel's row at output column j lies inside the input's width.
+                    let inside = j * s >= pad && j * s + kw <= w + pad;
+                    for (ap, seg) in patch.chunks_exact_mut(kw * c).enumerate() {
+                        let (Some(zz), Some(ii)) =
+                            (self.source(0, z, ap / kh), self.source(1, i, ap % kh))
+                        else {
+                            seg.fill(T::zero());
+                            continue;
+                        };
+                        let row = ((zz - xc.planes.start) * h + ii) * w; // the input row's first voxel
+                        if inside && s == 1 {
+                            copy(seg, &xs[(row + j - pad) * c..][..kw * c]);
+                            continue;
+                        }
+                        for (q, part) in seg.chunks_exact_mut(c).enumerate() {
+                            match self.source(2, j, q) {
+                                Some(jj) => copy(part, &xs[(row + jj) * c..][..c]),
+                                None => part.fill(T::zero()),
+                            }
                         }
                     }
                 }
-            }
-        });
+            },
+        );
     }
 
     /// Adds block `b`'s column-matrix entries back into the batch's gradient dx (N, C, D, H, W),
     /// one (sample, channel) per task and its rows in order.
     fn col2vol<T: Elem>(&self, col: &[T], b: &ConvBlock, dx: &mut [T]) {
-        let (k, volume, len, s) = (self.rows() / self.c, self.volume(), self.block_len(b), self.stride[2]);
+        let (k, volume, len, s) =
+            (self.rows() / self.c, self.volume(), self.block_len(b), self.stride[2]);
         let width = b.samples.len() * len;
         let batch = &mut dx[b.samples.start * self.c * volume..b.samples.end * self.c * volume];
         batch.par_chunks_mut(volume).enumerate().for_each(|(task, xc)| {
@@ -460,7 +588,11 @@ impl Conv3dShape {
                 self.for_row(r, b, |j, input| {
                     if let Some(i) = input {
                         let i = i - c * volume;
-                        xc[i..].iter_mut().step_by(s).zip(&row[j + span.start..j + span.end]).for_each(|(x, &g)| *x += g);
+                        xc[i..]
+                            .iter_mut()
+                            .step_by(s)
+                            .zip(&row[j + span.start..j + span.end])
+                            .for_each(|(x, &g)| *x += g);
                     }
                 });
             }
@@ -485,7 +617,15 @@ impl Conv3dShape {
     /// O kd kh kw instead of one of depth O (the column matrix's gradient) and a scatter back.
     fn transposed(&self) -> Conv3dShape {
         let pad = [0, 1, 2].map(|a| self.kernel[a] - 1 - self.pad[a]);
-        Conv3dShape { c: self.o, o: self.c, input: self.output, output: self.input, stride: [1; 3], pad, ..*self }
+        Conv3dShape {
+            c: self.o,
+            o: self.c,
+            input: self.output,
+            output: self.input,
+            stride: [1; 3],
+            pad,
+            ..*self
+        }
     }
 
     /// The convolution of x (N, C, input) with `wk`, the kernel as [`Self::kernel`] gives it:
@@ -504,9 +644,15 @@ impl Conv3dShape {
                 at - p..at
             })
             .collect();
-        assert_eq!(ranges.last().map(|r| r.end), Some(self.o), "conv3d: output parts {parts:?} do not make {} channels", self.o);
+        assert_eq!(
+            ranges.last().map(|r| r.end),
+            Some(self.o),
+            "conv3d: output parts {parts:?} do not make {} channels",
+            self.o
+        );
         // SAFETY: every output element is written by exactly one product or copy below.
-        let mut ys: Vec<Vec<T>> = ranges.iter().map(|r| unsafe { uninit(self.n * r.len() * cols) }).collect();
+        let mut ys: Vec<Vec<T>> =
+            ranges.iter().map(|r| unsafe { uninit(self.n * r.len() * cols) }).collect();
         let joined = self.joined(x);
         let x = joined.as_deref().map_or(x, |x| Input::whole(x, self.c));
         if self.pointwise() {
@@ -529,7 +675,16 @@ impl Conv3dShape {
         let widest = self.widest(&blocks);
         // SAFETY: `operand` writes the part of `buf` a block reads; a product writes the part of
         // `out` that is copied out.
-        let (mut buf, mut out) = unsafe { (uninit(widest * rows), uninit(if blocks.iter().any(|b| b.samples.len() > 1) { widest * self.o } else { 0 })) };
+        let (mut buf, mut out) = unsafe {
+            (
+                uninit(widest * rows),
+                uninit(if blocks.iter().any(|b| b.samples.len() > 1) {
+                    widest * self.o
+                } else {
+                    0
+                }),
+            )
+        };
         let mut xc = ChannelsLast::new();
         for b in &blocks {
             let (start, len) = (self.block_start(b), self.block_len(b));
@@ -540,10 +695,25 @@ impl Conv3dShape {
                 let (o, wk) = (r.len(), &wk[r.start * rows..r.end * rows]);
                 // (o, width) = wk (o, rows) @ m^T: the product written transposed, as (width, o)
                 // = m (width, rows) @ wk^T, where the patch matrix is the long row-major operand.
-                let product = |dst: &mut [T], strides: (usize, usize), width: usize| match self.layout() {
-                    Layout::Patches => matmul_strided(dst, (strides.1, strides.0), m, mat(wk, true), (width, rows, o), false),
-                    Layout::Columns => matmul_strided(dst, strides, mat(wk, false), m.transposed(), (o, rows, width), false),
-                };
+                let product =
+                    |dst: &mut [T], strides: (usize, usize), width: usize| match self.layout() {
+                        Layout::Patches => matmul_strided(
+                            dst,
+                            (strides.1, strides.0),
+                            m,
+                            mat(wk, true),
+                            (width, rows, o),
+                            false,
+                        ),
+                        Layout::Columns => matmul_strided(
+                            dst,
+                            strides,
+                            mat(wk, false),
+                            m.transposed(),
+                            (o, rows, width),
+                            false,
+                        ),
+                    };
                 if b.samples.len() == 1 {
                     product(&mut y[b.samples.start * o * cols + start..], (cols, 1), len); // (o, len) of (o, DHW)
                     continue;
@@ -602,9 +772,12 @@ impl<T: Elem> ChannelsLast<T> {
     /// its input; each plane is now made about once more per four blocks).
     fn of(&mut self, s: &Conv3dShape, x: Input<T>, b: &ConvBlock) -> Slab<'_, T> {
         let need = s.planes(&b.zs);
-        if self.samples != b.samples || need.start < self.planes.start || need.end > self.planes.end {
+        if self.samples != b.samples || need.start < self.planes.start || need.end > self.planes.end
+        {
             let plane = b.samples.len() * s.input[1] * s.input[2] * s.c;
-            let planes = need.start..(need.start + (s.block_entries / 4 / plane.max(1)).max(need.len())).min(s.input[0]);
+            let planes = need.start
+                ..(need.start + (s.block_entries / 4 / plane.max(1)).max(need.len()))
+                    .min(s.input[0]);
             self.data = Vec::new(); // freed before the next is made
             self.data = s.channels_last(x, b.samples.clone(), planes.clone());
             (self.samples, self.planes) = (b.samples.clone(), planes);
@@ -642,7 +815,13 @@ impl Conv3dOp {
     /// comes as one tensor per part of the input. `want`: whether dx and dW are wanted (an
     /// image with no variable upstream, a frozen weight): those not wanted are not computed,
     /// and come back empty.
-    fn backward<T: Elem>(&self, x: Input<T>, w: &[T], gy: &[T], want: Want) -> Result<(Vec<Vec<T>>, Vec<T>)> {
+    fn backward<T: Elem>(
+        &self,
+        x: Input<T>,
+        w: &[T],
+        gy: &[T],
+        want: Want,
+    ) -> Result<(Vec<Vec<T>>, Vec<T>)> {
         let s = &self.shape;
         let (cols, rows) = (s.cols(), s.rows());
         let mut dw = if want.dw { vec![T::zero(); w.len()] } else { Vec::new() };
@@ -657,7 +836,9 @@ impl Conv3dOp {
             }
         };
         if s.pointwise() {
-            for (g_n, x_n) in gy.chunks(s.o * cols).zip(x.first.chunks(s.c * cols)).filter(|_| want.dw) {
+            for (g_n, x_n) in
+                gy.chunks(s.o * cols).zip(x.first.chunks(s.c * cols)).filter(|_| want.dw)
+            {
                 // (O, C) += g_n (O, DHW) @ x_n^T
                 matmul(&mut dw, mat(g_n, false), mat(x_n, true), (s.o, cols, s.c), true);
             }
@@ -675,8 +856,13 @@ impl Conv3dOp {
         let several = blocks.iter().any(|b| b.samples.len() > 1);
         // SAFETY: each block writes the part of each workspace it reads: `operand` writes `buf`,
         // the gather `g`, the product `dcol`.
-        let (mut buf, mut g, mut dcol) =
-            unsafe { (uninit(widest * rows), uninit(if several { s.o * widest } else { 0 }), uninit(if col2vol { rows * widest } else { 0 })) };
+        let (mut buf, mut g, mut dcol) = unsafe {
+            (
+                uninit(widest * rows),
+                uninit(if several { s.o * widest } else { 0 }),
+                uninit(if col2vol { rows * widest } else { 0 }),
+            )
+        };
         let mut xc = ChannelsLast::new();
         for b in &blocks {
             let (start, len) = (s.block_start(b), s.block_len(b));
@@ -689,7 +875,8 @@ impl Conv3dOp {
             } else {
                 for (o, row) in g[..s.o * width].chunks_mut(width).enumerate() {
                     for (k, n) in b.samples.clone().enumerate() {
-                        row[k * len..(k + 1) * len].copy_from_slice(&gy[(n * s.o + o) * cols + start..][..len]);
+                        row[k * len..(k + 1) * len]
+                            .copy_from_slice(&gy[(n * s.o + o) * cols + start..][..len]);
                     }
                 }
                 mat(&g[..s.o * width], false)
@@ -715,9 +902,14 @@ impl Conv3dOp {
         let volume = s.volume();
         let dxs = match self.split {
             None => vec![dx],
-            Some(split) => {
-                [0..split, split..s.c].map(|r| dx.chunks(s.c * volume).flat_map(|x_n| &x_n[r.start * volume..r.end * volume]).copied().collect()).into()
-            }
+            Some(split) => [0..split, split..s.c]
+                .map(|r| {
+                    dx.chunks(s.c * volume)
+                        .flat_map(|x_n| &x_n[r.start * volume..r.end * volume])
+                        .copied()
+                        .collect()
+                })
+                .into(),
         };
         Ok((dxs, dw))
     }
@@ -737,8 +929,16 @@ impl FusedOp for Conv3dOp {
         let y = per_float!(x, "conv3d", {
             let w = slice(w, wl)?;
             let first = slice(x, xl)?;
-            let second = inputs.get(1).filter(|_| inputs.len() == 3).map(|&(b, bl)| slice(b, bl)).transpose()?;
-            let input = Input { first: &first, second: second.as_deref().unwrap_or(&[]), split: self.split.unwrap_or(s.c) };
+            let second = inputs
+                .get(1)
+                .filter(|_| inputs.len() == 3)
+                .map(|&(b, bl)| slice(b, bl))
+                .transpose()?;
+            let input = Input {
+                first: &first,
+                second: second.as_deref().unwrap_or(&[]),
+                split: self.split.unwrap_or(s.c),
+            };
             s.convolve(input, &s.kernel(&w, false), &[s.o]).remove(0)
         });
         Ok((y, Shape::from(vec![s.n, s.o, s.output[0], s.output[1], s.output[2]])))

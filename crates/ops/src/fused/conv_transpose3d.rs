@@ -2,7 +2,10 @@
 //! matrix product per sample: keeps only its input.
 
 use super::generic::{GenericOp, Replay};
-use super::{apply3, exactly, kept_or, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::{
+    apply3, exactly, kept_or, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as,
+    with_slice, Elem, FusedOp, Operand,
+};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -11,11 +14,20 @@ use rayon::prelude::*;
 /// scatter. One op: it keeps only x (the composed version keeps the product, its permuted copy
 /// and the sum before the bias). CPU f32/f64 only: check [`fused`](super::fused) first.
 /// `kept`: its output, kept from the forward (`remat::keep`).
-pub(crate) fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor, kept: Option<Tensor>) -> Result<Tensor> {
+pub(crate) fn conv_transpose3d_k2s2(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    kept: Option<Tensor>,
+) -> Result<Tensor> {
     let (n, c, d, h, wd) = x.dims5()?;
     let (c_w, o, ..) = w.dims5()?;
     if c != c_w || w.dims()[2..] != [2, 2, 2] || b.dims() != [o] {
-        candle_core::bail!("conv_transpose3d_k2s2: kernel {:?} and bias {:?} do not fit input with {c} channels", w.dims(), b.dims())
+        candle_core::bail!(
+            "conv_transpose3d_k2s2: kernel {:?} and bias {:?} do not fit input with {c} channels",
+            w.dims(),
+            b.dims()
+        )
     }
     let op = ConvTranspose3dOp { n, c, o, input: [d, h, wd] };
     apply3(&x.contiguous()?, &operand(w, x)?, &operand(b, x)?, op, kept)
@@ -25,12 +37,22 @@ pub(crate) fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor, kept: Op
 /// bias) on detached operands, and its backward composed: the output gradient gathered back into
 /// (voxels, O 8) columns gives the input's gradient by one product with the weight and the
 /// weight's by one product with the input. Keeps what the kernel keeps: x (w and b).
-pub(crate) fn conv_transpose3d_k2s2_generic(x: &Tensor, w: &Tensor, b: &Tensor, kept: Option<Tensor>) -> Result<Tensor> {
+pub(crate) fn conv_transpose3d_k2s2_generic(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    kept: Option<Tensor>,
+) -> Result<Tensor> {
     let y = kept_or(kept, || {
-        let (xd, wd, bd) = (widened(&x.detach())?, widened_as(&w.detach(), x)?, widened_as(&b.detach(), x)?);
+        let (xd, wd, bd) =
+            (widened(&x.detach())?, widened_as(&w.detach(), x)?, widened_as(&b.detach(), x)?);
         super::conv_transpose3d_k2s2_composed(&xd, &wd, &bd)?.to_dtype(x.dtype())
     })?;
-    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor],
+                         _y: &Tensor,
+                         grad: &Tensor,
+                         _want: &[bool]|
+          -> Result<Vec<Option<Tensor>>> {
         let [x, w, b] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let (n, c, d, h, wd) = x.dims5()?;
         let o = w.dim(1)?;
@@ -42,9 +64,17 @@ pub(crate) fn conv_transpose3d_k2s2_generic(x: &Tensor, w: &Tensor, b: &Tensor, 
         let cols = widened(x)?.permute((0, 2, 3, 4, 1))?.reshape((voxels, c))?; // (N D H W, C)
         let dw = cols.t()?.matmul(&g_cols)?.reshape(w.shape())?;
         let db = g_cols.reshape((voxels, o, 8))?.sum((0, 2))?;
-        Ok(vec![Some(dx.to_dtype(x.dtype())?), Some(dw.to_dtype(w.dtype())?), Some(db.to_dtype(b.dtype())?)])
+        Ok(vec![
+            Some(dx.to_dtype(x.dtype())?),
+            Some(dw.to_dtype(w.dtype())?),
+            Some(db.to_dtype(b.dtype())?),
+        ])
     };
-    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, GenericOp::new("generic-conv-transpose3d", y, Box::new(backward)))
+    x.contiguous()?.apply_op3(
+        &w.contiguous()?,
+        &b.contiguous()?,
+        GenericOp::new("generic-conv-transpose3d", y, Box::new(backward)),
+    )
 }
 
 struct ConvTranspose3dOp {
@@ -68,7 +98,8 @@ impl ConvTranspose3dOp {
             for z in 0..d {
                 for i in 0..h {
                     for j in 0..w {
-                        let out = ((oc * 2 * d + 2 * z + a) * 2 * h + 2 * i + p) * 2 * w + 2 * j + q;
+                        let out =
+                            ((oc * 2 * d + 2 * z + a) * 2 * h + 2 * i + p) * 2 * w + 2 * j + q;
                         f(oc * 8 + k, (z * h + i) * w + j, out);
                     }
                 }
@@ -81,7 +112,9 @@ impl ConvTranspose3dOp {
         let mut y = vec![T::zero(); self.n * ok * v];
         for (x, y) in x.chunks(self.c * v).zip(y.chunks_mut(ok * v)) {
             let prod = matmul_new(mat(w, true), mat(x, false), (ok, self.c, v)); // (O 8, DHW)
-            y.par_chunks_mut(8 * v).enumerate().for_each(|(oc, y)| self.for_channel(oc, |r, col, out| y[out - oc * 8 * v] = prod[r * v + col] + b[oc]));
+            y.par_chunks_mut(8 * v).enumerate().for_each(|(oc, y)| {
+                self.for_channel(oc, |r, col, out| y[out - oc * 8 * v] = prod[r * v + col] + b[oc])
+            });
         }
         Ok(y)
     }
@@ -90,10 +123,13 @@ impl ConvTranspose3dOp {
     /// dx = W G, dW += x G^T, db = sums of G's rows, in order.
     fn backward<T: Elem>(&self, x: &[T], w: &[T], gy: &[T]) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
         let (v, ok) = (self.volume(), self.o * 8);
-        let (mut dx, mut dw, mut db) = (Vec::with_capacity(x.len()), vec![T::zero(); w.len()], vec![T::zero(); self.o]);
+        let (mut dx, mut dw, mut db) =
+            (Vec::with_capacity(x.len()), vec![T::zero(); w.len()], vec![T::zero(); self.o]);
         for (x, gy) in x.chunks(self.c * v).zip(gy.chunks(ok * v)) {
             let mut g = vec![T::zero(); ok * v];
-            g.par_chunks_mut(8 * v).enumerate().for_each(|(oc, g)| self.for_channel(oc, |r, col, out| g[(r - oc * 8) * v + col] = gy[out]));
+            g.par_chunks_mut(8 * v).enumerate().for_each(|(oc, g)| {
+                self.for_channel(oc, |r, col, out| g[(r - oc * 8) * v + col] = gy[out])
+            });
             for (oc, rows) in g.chunks(8 * v).enumerate() {
                 db[oc] += rows.iter().copied().sum::<T>();
             }
@@ -108,7 +144,11 @@ impl ConvTranspose3dOp {
 impl FusedOp for ConvTranspose3dOp {
     fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
         let [(x, xl), (w, wl), (b, bl)] = exactly(inputs)?;
-        let y = per_float!(x, "conv_transpose3d", self.forward(&slice(x, xl)?, &slice(w, wl)?, &slice(b, bl)?)?);
+        let y = per_float!(
+            x,
+            "conv_transpose3d",
+            self.forward(&slice(x, xl)?, &slice(w, wl)?, &slice(b, bl)?)?
+        );
         let [d, h, w] = self.input;
         Ok((y, Shape::from(vec![self.n, self.o, 2 * d, 2 * h, 2 * w])))
     }

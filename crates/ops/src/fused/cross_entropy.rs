@@ -2,7 +2,9 @@
 //! but its inputs.
 
 use super::generic::{generic, GenericOp};
-use super::{elem, exactly, fused, nan_max, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
+use super::{
+    elem, exactly, fused, nan_max, shaped, slice, widened, with_slice, Elem, FusedOp, Operand,
+};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -10,7 +12,11 @@ use rayon::prelude::*;
 /// `logsumexp(row) - row[target]`, or with `weights` (N) the weighted mean
 /// `sum(w_i ce_i) / sum(w_i)` (BERT scores only its masked positions). Weights that are all zero
 /// are an error ([`NO_WEIGHT`]).
-pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: Option<&Tensor>) -> Result<Tensor> {
+pub fn cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    weights: Option<&Tensor>,
+) -> Result<Tensor> {
     let (n, _) = logits.dims2()?;
     let weights = match weights {
         Some(w) => w.to_dtype(logits.dtype())?,
@@ -19,24 +25,41 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, weights: Option<&Tensor>
     if generic(logits) {
         let targets = targets.to_dtype(DType::U32)?.contiguous()?;
         let loss = composed(&widened(&logits.detach())?, &targets, &widened(&weights)?)?;
-        // d loss / d logits = (softmax(logits) - onehot(target)) w / sum(w), times the loss's gradient.
-        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
-            let (logits, targets, weights) = (widened(&inputs[0])?, &inputs[1], widened(&inputs[2])?);
+        // d loss / d logits = (softmax(logits) - onehot(target)) w / sum(w), times the loss's
+        // gradient.
+        let backward = move |inputs: &[Tensor],
+                             _: &Tensor,
+                             g: &Tensor,
+                             _want: &[bool]|
+              -> Result<Vec<Option<Tensor>>> {
+            let (logits, targets, weights) =
+                (widened(&inputs[0])?, &inputs[1], widened(&inputs[2])?);
             let v = logits.dim(1)?;
             let classes = Tensor::arange(0u32, v as u32, logits.device())?.unsqueeze(0)?;
             let onehot = targets.unsqueeze(1)?.broadcast_eq(&classes)?.to_dtype(logits.dtype())?;
             let total = weights.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            let scale = weights.unsqueeze(1)?.broadcast_mul(&widened(g)?.to_dtype(logits.dtype())?)?;
-            let d = (candle_nn::ops::softmax(&logits, D::Minus1)? - onehot)?.broadcast_mul(&scale)?;
+            let scale =
+                weights.unsqueeze(1)?.broadcast_mul(&widened(g)?.to_dtype(logits.dtype())?)?;
+            let d =
+                (candle_nn::ops::softmax(&logits, D::Minus1)? - onehot)?.broadcast_mul(&scale)?;
             Ok(vec![Some((d / total)?.to_dtype(inputs[0].dtype())?), None, None])
         };
-        let loss = loss.to_dtype(if logits.dtype() == DType::F64 { DType::F64 } else { DType::F32 })?;
-        return logits.contiguous()?.apply_op3(&targets, &weights.contiguous()?, GenericOp::new("generic-cross-entropy", loss, Box::new(backward)));
+        let loss =
+            loss.to_dtype(if logits.dtype() == DType::F64 { DType::F64 } else { DType::F32 })?;
+        return logits.contiguous()?.apply_op3(
+            &targets,
+            &weights.contiguous()?,
+            GenericOp::new("generic-cross-entropy", loss, Box::new(backward)),
+        );
     }
     if !fused(logits) {
         return composed(logits, targets, &weights);
     }
-    logits.contiguous()?.apply_op3(&targets.to_dtype(DType::U32)?.contiguous()?, &weights.contiguous()?, CrossEntropyOp)
+    logits.contiguous()?.apply_op3(
+        &targets.to_dtype(DType::U32)?.contiguous()?,
+        &weights.contiguous()?,
+        CrossEntropyOp,
+    )
 }
 
 /// The weighted mean negative log-likelihood from candle's ops.
@@ -72,7 +95,11 @@ impl CrossEntropyOp {
         if weight == T::zero() {
             candle_core::bail!("{NO_WEIGHT}")
         }
-        let losses: Vec<T> = logits.par_chunks(v).zip(targets.par_iter()).map(|(row, &t)| log_sum_exp(row) - row[t as usize]).collect();
+        let losses: Vec<T> = logits
+            .par_chunks(v)
+            .zip(targets.par_iter())
+            .map(|(row, &t)| log_sum_exp(row) - row[t as usize])
+            .collect();
         let total = losses.iter().zip(weights).fold(T::zero(), |acc, (&l, &w)| acc + l * w);
         Ok(total / weight)
     }
@@ -82,14 +109,17 @@ impl CrossEntropyOp {
         let v = logits.len() / targets.len();
         let scale = g / weights.iter().copied().sum::<T>();
         let mut d = vec![T::zero(); logits.len()];
-        d.par_chunks_mut(v).zip(logits.par_chunks(v)).zip(targets.par_iter().zip(weights.par_iter())).for_each(|((d, row), (&t, &w))| {
-            let lse = log_sum_exp(row);
-            let s = scale * w;
-            for j in 0..v {
-                d[j] = s * (row[j] - lse).exp();
-            }
-            d[t as usize] -= s;
-        });
+        d.par_chunks_mut(v)
+            .zip(logits.par_chunks(v))
+            .zip(targets.par_iter().zip(weights.par_iter()))
+            .for_each(|((d, row), (&t, &w))| {
+                let lse = log_sum_exp(row);
+                let s = scale * w;
+                for j in 0..v {
+                    d[j] = s * (row[j] - lse).exp();
+                }
+                d[t as usize] -= s;
+            });
         d
     }
 }
@@ -100,8 +130,18 @@ impl FusedOp for CrossEntropyOp {
         let targets = slice::<u32>(targets, tl)?;
         let loss = match logits {
             // The loss of half-precision logits is computed and returned in f32.
-            CpuStorage::BF16(_) | CpuStorage::F16(_) => CpuStorage::F32(vec![Self::forward::<f32>(&slice(logits, ll)?, &targets, &slice(weights, wl)?)?]),
-            _ => per_float!(logits, "cross_entropy", vec![Self::forward(&slice(logits, ll)?, &targets, &slice(weights, wl)?)?]),
+            CpuStorage::BF16(_) | CpuStorage::F16(_) => {
+                CpuStorage::F32(vec![Self::forward::<f32>(
+                    &slice(logits, ll)?,
+                    &targets,
+                    &slice(weights, wl)?,
+                )?])
+            }
+            _ => per_float!(
+                logits,
+                "cross_entropy",
+                vec![Self::forward(&slice(logits, ll)?, &targets, &slice(weights, wl)?)?]
+            ),
         };
         Ok((loss, Shape::from(())))
     }

@@ -2,7 +2,9 @@
 //! holding it; its bits equal `x * mask` composed.
 
 use super::generic::{generic, GenericOp};
-use super::{elem, exactly, fused, shaped, slice, widened, with_slice, Elem, FusedOp, Operand, ELEMENT_CHUNK};
+use super::{
+    elem, exactly, fused, shaped, slice, widened, with_slice, Elem, FusedOp, Operand, ELEMENT_CHUNK,
+};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 use remat::rng::RngKey;
@@ -19,7 +21,8 @@ pub fn dropout(x: &Tensor, key: RngKey, p: f32) -> Result<Tensor> {
             (&wide * mask(&wide)?)?.to_dtype(t.dtype())
         };
         let y = masked(&x.detach())?;
-        let backward = move |_: &[Tensor], _: &Tensor, g: &Tensor, _: &[bool]| Ok(vec![Some(masked(g)?)]);
+        let backward =
+            move |_: &[Tensor], _: &Tensor, g: &Tensor, _: &[bool]| Ok(vec![Some(masked(g)?)]);
         return x.contiguous()?.apply_op1(GenericOp::new("generic-dropout", y, Box::new(backward)));
     }
     if !fused(x) {

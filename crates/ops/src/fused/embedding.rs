@@ -16,16 +16,28 @@ pub fn embedding(w: &Tensor, ids: &Tensor) -> Result<Tensor> {
         let ids = ids.flatten_all()?.contiguous()?;
         let y = w.detach().index_select(&ids, 0)?;
         // The table's gradient: each token's row added at its id.
-        let backward = |inputs: &[Tensor], _: &Tensor, g: &Tensor, _: &[bool]| -> Result<Vec<Option<Tensor>>> {
+        let backward = |inputs: &[Tensor],
+                        _: &Tensor,
+                        g: &Tensor,
+                        _: &[bool]|
+         -> Result<Vec<Option<Tensor>>> {
             let (w, ids) = (&inputs[0], &inputs[1]);
             Ok(vec![Some(w.zeros_like()?.index_add(ids, &g.to_dtype(w.dtype())?, 0)?), None])
         };
-        return w.contiguous()?.apply_op2(&ids, GenericOp::new("generic-embedding", y, Box::new(backward)))?.reshape(shape);
+        return w
+            .contiguous()?
+            .apply_op2(&ids, GenericOp::new("generic-embedding", y, Box::new(backward)))?
+            .reshape(shape);
     }
     if !fused(w) || ids.dtype() != DType::U32 {
         return w.index_select(&ids.flatten_all()?, 0)?.reshape(shape);
     }
-    w.contiguous()?.apply_op2(&ids.flatten_all()?.contiguous()?, EmbeddingOp { vocab: w.dim(0)?, width: w.dim(1)? })?.reshape(shape)
+    w.contiguous()?
+        .apply_op2(
+            &ids.flatten_all()?.contiguous()?,
+            EmbeddingOp { vocab: w.dim(0)?, width: w.dim(1)? },
+        )?
+        .reshape(shape)
 }
 
 struct EmbeddingOp {
@@ -36,7 +48,10 @@ struct EmbeddingOp {
 impl EmbeddingOp {
     fn check(&self, ids: &[u32]) -> Result<()> {
         match ids.iter().find(|&&i| i as usize >= self.vocab) {
-            Some(bad) => candle_core::bail!("embedding: id {bad} is outside the vocabulary of {}", self.vocab),
+            Some(bad) => candle_core::bail!(
+                "embedding: id {bad} is outside the vocabulary of {}",
+                self.vocab
+            ),
             None => Ok(()),
         }
     }
@@ -44,7 +59,9 @@ impl EmbeddingOp {
     fn forward<T: Elem>(&self, w: &[T], ids: &[u32]) -> Vec<T> {
         let c = self.width;
         let mut y = vec![T::zero(); ids.len() * c];
-        y.par_chunks_mut(c).zip(ids.par_iter()).for_each(|(y, &i)| y.copy_from_slice(&w[i as usize * c..(i as usize + 1) * c]));
+        y.par_chunks_mut(c)
+            .zip(ids.par_iter())
+            .for_each(|(y, &i)| y.copy_from_slice(&w[i as usize * c..(i as usize + 1) * c]));
         y
     }
 

@@ -2,7 +2,10 @@
 //! backward.
 
 use super::generic::{generic, GenericOp};
-use super::{elem, exactly, fused, shaped, slice, wide, widened, with_slice, Elem, FusedOp, Operand, ELEMENT_CHUNK};
+use super::{
+    elem, exactly, fused, shaped, slice, wide, widened, with_slice, Elem, FusedOp, Operand,
+    ELEMENT_CHUNK,
+};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -15,14 +18,19 @@ pub fn gelu(x: &Tensor, exact: bool) -> Result<Tensor> {
         let x32 = widened(&x.detach())?;
         let y = if exact { x32.gelu_erf()? } else { x32.gelu()? }.to_dtype(x.dtype())?;
         drop(x32);
-        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+        let backward = move |inputs: &[Tensor],
+                             _: &Tensor,
+                             g: &Tensor,
+                             _want: &[bool]|
+              -> Result<Vec<Option<Tensor>>> {
             let x = widened(&inputs[0])?;
             // Operators on owned tensors drop their operands as they go; a chain of methods would
             // keep every intermediate to the end of its statement.
             let derivative = if exact {
                 // cdf(x) + x pdf(x)
                 let cdf = (&x / std::f64::consts::SQRT_2)?.erf()?.affine(0.5, 0.5)?;
-                let pdf = ((x.sqr()? * -0.5)?.exp()? * (2.0 * std::f64::consts::PI).sqrt().recip())?;
+                let pdf =
+                    ((x.sqr()? * -0.5)?.exp()? * (2.0 * std::f64::consts::PI).sqrt().recip())?;
                 (cdf + (pdf * &x)?)?
             } else {
                 // 0.5 (1 + t) + 0.5 c x (1 - t^2) (1 + 3 k x^2), t = tanh(c x (1 + k x^2))
@@ -31,7 +39,8 @@ pub fn gelu(x: &Tensor, exact: bool) -> Result<Tensor> {
                 let u = (x2.affine(0.044_715, 1.0)? * &x)?;
                 drop(x2);
                 let t = (u * SQRT_2_OVER_PI)?.tanh()?;
-                let slope = ((t.sqr()?.affine(-0.5 * SQRT_2_OVER_PI, 0.5 * SQRT_2_OVER_PI)? * &x)? * poly)?;
+                let slope =
+                    ((t.sqr()?.affine(-0.5 * SQRT_2_OVER_PI, 0.5 * SQRT_2_OVER_PI)? * &x)? * poly)?;
                 (t.affine(0.5, 0.5)? + slope)?
             };
             Ok(vec![Some((widened(g)? * derivative)?.to_dtype(g.dtype())?)])

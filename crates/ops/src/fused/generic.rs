@@ -38,12 +38,14 @@ pub fn path() -> Path {
 /// Whether an op with a generic form takes it for `t`: a float tensor on a CUDA device, or on the
 /// CPU with the path forced.
 pub(crate) fn generic(t: &Tensor) -> bool {
-    t.dtype().is_float() && (t.device().is_cuda() || (t.device().is_cpu() && path() == Path::Generic))
+    t.dtype().is_float()
+        && (t.device().is_cuda() || (t.device().is_cpu() && path() == Path::Generic))
 }
 
 /// The gradients of an op's operands from its detached operands, output and output gradient,
 /// and which operands want one (some variable leads to them: not a frozen weight, not an image).
-type Backward = dyn Fn(&[Tensor], &Tensor, &Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync;
+type Backward =
+    dyn Fn(&[Tensor], &Tensor, &Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync;
 
 /// A composed forward's result recorded as one op over its operands, with its composed backward.
 pub(super) struct GenericOp {
@@ -66,7 +68,12 @@ impl GenericOp {
         copied(self.name, &self.out, pick)
     }
 
-    fn grads(&self, inputs: &[&Tensor], out: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+    fn grads(
+        &self,
+        inputs: &[&Tensor],
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>> {
         let want: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
         (self.backward)(&inputs, &out.detach(), &grad.detach(), &want)
@@ -76,7 +83,11 @@ impl GenericOp {
 /// The output an op was given (`slot`, taken: the op holds no second copy) as a fresh storage of
 /// the device `pick` selects: candle makes a custom op's output from the storage its forward
 /// returns, so the output is copied once.
-fn copied<S>(name: &str, slot: &Mutex<Option<Tensor>>, pick: impl Fn(&Storage) -> Option<&S>) -> Result<(S, Shape)>
+fn copied<S>(
+    name: &str,
+    slot: &Mutex<Option<Tensor>>,
+    pick: impl Fn(&Storage) -> Option<&S>,
+) -> Result<(S, Shape)>
 where
     S: BackendStorage,
     S::Device: BackendDevice<Storage = S>,
@@ -85,7 +96,9 @@ where
     let out = slot.lock().map_err(poisoned)?.take();
     let out = out.ok_or_else(|| candle_core::Error::Msg(format!("{name}: forward ran twice")))?;
     let (storage, layout) = out.storage_and_layout();
-    let Some(s) = pick(&storage) else { candle_core::bail!("{name}: the given output is on another device") };
+    let Some(s) = pick(&storage) else {
+        candle_core::bail!("{name}: the given output is on another device")
+    };
     // SAFETY: every element of the new storage is written by the copy below.
     let mut copy = unsafe { s.device().alloc_uninit(out.shape(), out.dtype())? };
     s.copy_strided_src(&mut copy, 0, layout)?;
@@ -141,7 +154,11 @@ impl candle_core::CustomOp1 for GenericOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
         self.forward(cuda)
     }
 
@@ -155,16 +172,34 @@ impl candle_core::CustomOp2 for GenericOp {
         self.name
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         self.forward(cpu)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
         self.forward(cuda)
     }
 
-    fn bwd(&self, x1: &Tensor, x2: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x1: &Tensor,
+        x2: &Tensor,
+        y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let mut grads = self.grads(&[x1, x2], y, g)?.into_iter();
         Ok((grads.next().flatten(), grads.next().flatten()))
     }
@@ -175,7 +210,15 @@ impl candle_core::CustomOp3 for GenericOp {
         self.name
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         self.forward(cpu)
     }
 
@@ -194,7 +237,14 @@ impl candle_core::CustomOp3 for GenericOp {
         self.forward(cuda)
     }
 
-    fn bwd(&self, x1: &Tensor, x2: &Tensor, x3: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x1: &Tensor,
+        x2: &Tensor,
+        x3: &Tensor,
+        y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let mut grads = self.grads(&[x1, x2, x3], y, g)?.into_iter();
         Ok((grads.next().flatten(), grads.next().flatten(), grads.next().flatten()))
     }

@@ -1,7 +1,10 @@
 //! LayerNorm: keeps nothing but its input (the statistics are recomputed in backward).
 
 use super::generic::{generic, GenericOp};
-use super::{elem, exactly, fused, operand, shaped, slice, sum_rows, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::{
+    elem, exactly, fused, operand, shaped, slice, sum_rows, widened, widened_as, with_slice, Elem,
+    FusedOp, Operand,
+};
 use candle_core::{CpuStorage, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -16,7 +19,11 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     }
     let d = x.dim(D::Minus1)?;
     if weight.dims() != [d] || bias.dims() != [d] {
-        candle_core::bail!("layer_norm: weight {:?} and bias {:?} must be [{d}]", weight.dims(), bias.dims())
+        candle_core::bail!(
+            "layer_norm: weight {:?} and bias {:?} must be [{d}]",
+            weight.dims(),
+            bias.dims()
+        )
     }
     x.contiguous()?.apply_op3(&operand(weight, x)?, &operand(bias, x)?, LayerNormOp { eps })
 }
@@ -26,9 +33,19 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 fn layer_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     // In f32 for half precision, stored in x's dtype, as the kernel.
     let x32 = widened(&x.detach())?;
-    let y = candle_nn::ops::layer_norm_slow(&x32, &widened_as(&weight.detach(), x)?, &widened_as(&bias.detach(), x)?, eps as f32)?.to_dtype(x.dtype())?;
+    let y = candle_nn::ops::layer_norm_slow(
+        &x32,
+        &widened_as(&weight.detach(), x)?,
+        &widened_as(&bias.detach(), x)?,
+        eps as f32,
+    )?
+    .to_dtype(x.dtype())?;
     drop(x32);
-    let backward = move |inputs: &[Tensor], _y: &Tensor, g: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor],
+                         _y: &Tensor,
+                         g: &Tensor,
+                         _want: &[bool]|
+          -> Result<Vec<Option<Tensor>>> {
         let [x, w, b] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         let (x32, g32) = (widened(x)?, widened(g)?);
         let w32 = widened_as(w, x)?;
@@ -48,9 +65,17 @@ fn layer_norm_generic(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> R
         let dx = (centred - xhat.broadcast_mul(&m2)?)?;
         drop(xhat);
         let dx = dx.broadcast_mul(&rstd)?;
-        Ok(vec![Some(dx.to_dtype(x.dtype())?), Some(dw.to_dtype(w.dtype())?), Some(db.to_dtype(b.dtype())?)])
+        Ok(vec![
+            Some(dx.to_dtype(x.dtype())?),
+            Some(dw.to_dtype(w.dtype())?),
+            Some(db.to_dtype(b.dtype())?),
+        ])
     };
-    x.contiguous()?.apply_op3(weight, bias, GenericOp::new("generic-layer-norm", y, Box::new(backward)))
+    x.contiguous()?.apply_op3(
+        weight,
+        bias,
+        GenericOp::new("generic-layer-norm", y, Box::new(backward)),
+    )
 }
 
 struct LayerNormOp {
@@ -111,7 +136,11 @@ impl LayerNormOp {
 impl FusedOp for LayerNormOp {
     fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
         let [(x, xl), (w, wl), (b, bl)] = exactly(inputs)?;
-        let y = per_float!(x, "layer_norm", self.forward(&slice(x, xl)?, &slice(w, wl)?, &slice(b, bl)?));
+        let y = per_float!(
+            x,
+            "layer_norm",
+            self.forward(&slice(x, xl)?, &slice(w, wl)?, &slice(b, bl)?)
+        );
         Ok((y, xl.shape().clone()))
     }
 

@@ -1,7 +1,10 @@
 //! Linear: `x @ w + b` as one op, so the product before the bias is not kept; keeps its inputs.
 
 use super::generic::{generic, GenericOp, Replay};
-use super::{apply2, apply3, is_half, kept_or, lean, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as, with_slice, Elem, FusedOp, Operand};
+use super::{
+    apply2, apply3, is_half, kept_or, lean, mat, matmul, matmul_new, operand, shaped, slice,
+    widened, widened_as, with_slice, Elem, FusedOp, Operand,
+};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 use remat::keep::OpKind;
 
@@ -27,18 +30,29 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> 
 }
 
 /// [`linear`] on the generic route; `kept`: its output, kept from the forward (`remat::keep`).
-fn linear_generic(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool, kept: Option<Tensor>) -> Result<Tensor> {
+fn linear_generic(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    w_is_out_in: bool,
+    kept: Option<Tensor>,
+) -> Result<Tensor> {
     let k = x.dim(D::Minus1)?;
     let y = kept_or(kept, || {
         // In f32 for half precision (an f32 weight may meet a bf16 input), stored in x's dtype.
         let w_in = if w_is_out_in { w.t()? } else { w.clone() }; // (in, out)
         let x32 = widened(&x.detach())?;
         let like_x32 = |t: &Tensor| widened_as(&t.detach(), x);
-        composed(&x32, &like_x32(&w_in)?, b.map(like_x32).transpose()?.as_ref())?.to_dtype(x.dtype())
+        composed(&x32, &like_x32(&w_in)?, b.map(like_x32).transpose()?.as_ref())?
+            .to_dtype(x.dtype())
     })?;
     // dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) w), db = the rows' sum of g.
     // Only the gradients wanted: a frozen weight's is not computed.
-    let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor],
+                         _: &Tensor,
+                         g: &Tensor,
+                         want: &[bool]|
+          -> Result<Vec<Option<Tensor>>> {
         let (x, w) = (&inputs[0], &inputs[1]);
         let rows = x.elem_count() / k;
         let g32 = widened(g)?;
@@ -57,7 +71,11 @@ fn linear_generic(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool,
         }
         Ok(grads)
     };
-    let op = GenericOp::new(if b.is_some() { "generic-linear-bias" } else { "generic-linear" }, y, Box::new(backward));
+    let op = GenericOp::new(
+        if b.is_some() { "generic-linear-bias" } else { "generic-linear" },
+        y,
+        Box::new(backward),
+    );
     let x = x.contiguous()?;
     match b {
         Some(b) => x.apply_op3(w, b, op),
@@ -101,7 +119,16 @@ impl LinearOp {
 impl FusedOp for LinearOp {
     fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
         let ((x, xl), (w, wl), b) = (inputs[0], inputs[1], inputs.get(2));
-        let y = per_float!(x, "linear", self.forward(&slice(x, xl)?, xl, &slice(w, wl)?, b.map(|&(s, l)| slice(s, l)).transpose()?.as_deref()));
+        let y = per_float!(
+            x,
+            "linear",
+            self.forward(
+                &slice(x, xl)?,
+                xl,
+                &slice(w, wl)?,
+                b.map(|&(s, l)| slice(s, l)).transpose()?.as_deref()
+            )
+        );
         let mut dims = xl.dims().to_vec();
         *dims.last_mut().expect("rank >= 1") = wl.dims()[if self.w_is_out_in { 0 } else { 1 }];
         Ok((y, Shape::from(dims)))
@@ -127,7 +154,9 @@ impl FusedOp for LinearOp {
             })))?;
             (dx.map(|dx| shaped(dx, x)).transpose()?, dw.map(|dw| shaped(dw, w)).transpose()?)
         });
-        let Some(b) = b.filter(|b| b.track_op()) else { return Ok([dx, dw].into_iter().chain(b.map(|_| None)).collect()) };
+        let Some(b) = b.filter(|b| b.track_op()) else {
+            return Ok([dx, dw].into_iter().chain(b.map(|_| None)).collect());
+        };
         // The bias gradient summed in f32 at least (candle would sum a bf16 g in bf16).
         let g = if is_half(g.dtype()) { g.to_dtype(DType::F32)? } else { g };
         Ok(vec![dx, dw, Some(g.reshape((rows, n))?.sum(0)?.to_dtype(b.dtype())?)])
@@ -173,20 +202,36 @@ pub fn lora_linear(
                 None => y,
             };
             let h = dropped(&x2)?.matmul(&f32(a)?.t()?)?; // (rows, r)
-            (y + h.matmul(&f32(b_lora)?.t()?)?.affine(scale, 0.0)?)?.reshape(out_shape)?.to_dtype(x.dtype())
+            (y + h.matmul(&f32(b_lora)?.t()?)?.affine(scale, 0.0)?)?
+                .reshape(out_shape)?
+                .to_dtype(x.dtype())
         })?;
         // g (rows, out): dx = g w_in^T + mask * (scale g B A), dA = scale (g B)^T dropout(x),
         // dB = scale g^T (dropout(x) A^T).
-        let backward = move |inputs: &[Tensor], _: &Tensor, g: &Tensor, want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+        let backward = move |inputs: &[Tensor],
+                             _: &Tensor,
+                             g: &Tensor,
+                             want: &[bool]|
+              -> Result<Vec<Option<Tensor>>> {
             let (x, a, b_lora) = (&inputs[0], &inputs[1], &inputs[2]);
             let g2 = g.to_dtype(DType::F32)?.reshape((rows, g.elem_count() / rows))?;
             let (a32, b32) = (a.to_dtype(DType::F32)?, b_lora.to_dtype(DType::F32)?);
             let xd = dropped(&x.to_dtype(DType::F32)?.reshape((rows, k))?)?;
             let gb = g2.matmul(&b32)?.affine(scale, 0.0)?; // (rows, r)
-            let dx = || -> Result<Tensor> { (g2.matmul(&w_in.t()?)? + dropped(&gb.matmul(&a32)?)?)?.reshape(x.shape())?.to_dtype(x.dtype()) };
+            let dx = || -> Result<Tensor> {
+                (g2.matmul(&w_in.t()?)? + dropped(&gb.matmul(&a32)?)?)?
+                    .reshape(x.shape())?
+                    .to_dtype(x.dtype())
+            };
             let da = || -> Result<Tensor> { gb.t()?.matmul(&xd)?.to_dtype(a.dtype()) };
-            let db = || -> Result<Tensor> { g2.t()?.matmul(&xd.matmul(&a32.t()?)?)?.affine(scale, 0.0)?.to_dtype(b_lora.dtype()) };
-            Ok(vec![want[0].then(dx).transpose()?, want[1].then(da).transpose()?, want[2].then(db).transpose()?])
+            let db = || -> Result<Tensor> {
+                g2.t()?.matmul(&xd.matmul(&a32.t()?)?)?.affine(scale, 0.0)?.to_dtype(b_lora.dtype())
+            };
+            Ok(vec![
+                want[0].then(dx).transpose()?,
+                want[1].then(da).transpose()?,
+                want[2].then(db).transpose()?,
+            ])
         };
         x.contiguous()?.apply_op3(a, b_lora, GenericOp::new("lora-linear", y, Box::new(backward)))
     })

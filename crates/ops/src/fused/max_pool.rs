@@ -28,12 +28,16 @@ fn max_pool(x: &Tensor, axes: usize, k: usize, s: usize, p: usize) -> Result<Ten
         candle_core::bail!("max_pool{axes}d: needs rank >= {axes}, k >= 1, s >= 1 and p < k; got {:?}, k {k}, s {s}, p {p}", x.dims())
     }
     // A 2D pooling is a 3D one of depth 1 whose window has depth 1.
-    let mut op = MaxPoolOp { axes, kernel: [1, k, k], stride: [1, s, s], pad: [0, p, p], input: [1; 3] };
+    let mut op =
+        MaxPoolOp { axes, kernel: [1, k, k], stride: [1, s, s], pad: [0, p, p], input: [1; 3] };
     for a in 0..axes {
         let (at, n) = (3 - axes + a, x.dim(r - axes + a)?);
         (op.kernel[at], op.stride[at], op.pad[at], op.input[at]) = (k, s, p, n);
         if n + 2 * p < k {
-            candle_core::bail!("max_pool{axes}d: input {:?} padded by {p} is smaller than the window {k}", &x.dims()[r - axes..])
+            candle_core::bail!(
+                "max_pool{axes}d: input {:?} padded by {p} is smaller than the window {k}",
+                &x.dims()[r - axes..]
+            )
         }
     }
     x.contiguous()?.apply_op1(op)
@@ -49,9 +53,15 @@ pub(crate) fn max_pool_generic(x: &Tensor, pool: fn(&Tensor) -> Result<Tensor>) 
     let x_d = x.detach();
     // candle's maxima let a NaN lose; the kernel, as PyTorch, lets it win its windows.
     let nan_in_window = pool(&x_d.ne(&x_d)?.to_dtype(x.dtype())?)?.gt(0.0)?;
-    let nan = Tensor::new(f32::NAN, x.device())?.to_dtype(x.dtype())?.broadcast_as(nan_in_window.shape())?;
+    let nan = Tensor::new(f32::NAN, x.device())?
+        .to_dtype(x.dtype())?
+        .broadcast_as(nan_in_window.shape())?;
     let y = nan_in_window.where_cond(&nan, &pool(&x_d)?)?;
-    let backward = move |inputs: &[Tensor], _y: &Tensor, grad: &Tensor, _want: &[bool]| -> Result<Vec<Option<Tensor>>> {
+    let backward = move |inputs: &[Tensor],
+                         _y: &Tensor,
+                         grad: &Tensor,
+                         _want: &[bool]|
+          -> Result<Vec<Option<Tensor>>> {
         let [x] = exactly(&inputs.iter().collect::<Vec<_>>())?;
         // In f32 for half precision: a gradient where windows overlap is a sum.
         let wide = Var::from_tensor(&widened(x)?)?;
@@ -87,9 +97,15 @@ impl MaxPoolOp {
         let [od, oh, ow] = self.out();
         let [_, h, w] = self.input;
         // The input coordinates along axis `a` of the window that starts at output coordinate `at`.
-        let window =
-            |a: usize, at: usize| (0..self.kernel[a]).filter_map(move |k| (at * self.stride[a] + k).checked_sub(self.pad[a]).filter(|&v| v < self.input[a]));
-        for (o, (z, i, j)) in (0..od).flat_map(|z| (0..oh).flat_map(move |i| (0..ow).map(move |j| (z, i, j)))).enumerate() {
+        let window = |a: usize, at: usize| {
+            (0..self.kernel[a]).filter_map(move |k| {
+                (at * self.stride[a] + k).checked_sub(self.pad[a]).filter(|&v| v < self.input[a])
+            })
+        };
+        for (o, (z, i, j)) in (0..od)
+            .flat_map(|z| (0..oh).flat_map(move |i| (0..ow).map(move |j| (z, i, j))))
+            .enumerate()
+        {
             let mut best: Option<(usize, T)> = None;
             for zz in window(0, z) {
                 for r in window(1, i) {
@@ -109,14 +125,18 @@ impl MaxPoolOp {
     fn forward<T: Elem>(&self, x: &[T]) -> Vec<T> {
         let (vin, vout) = (Self::volume(self.input), Self::volume(self.out()));
         let mut y = vec![T::zero(); x.len() / vin * vout];
-        y.par_chunks_mut(vout).zip(x.par_chunks(vin)).for_each(|(y, x)| self.argmax(x, |o, i| y[o] = x[i]));
+        y.par_chunks_mut(vout)
+            .zip(x.par_chunks(vin))
+            .for_each(|(y, x)| self.argmax(x, |o, i| y[o] = x[i]));
         y
     }
 
     fn backward<T: Elem>(&self, x: &[T], g: &[T]) -> Vec<T> {
         let (vin, vout) = (Self::volume(self.input), Self::volume(self.out()));
         let mut dx = vec![T::zero(); x.len()];
-        dx.par_chunks_mut(vin).zip(x.par_chunks(vin).zip(g.par_chunks(vout))).for_each(|(dx, (x, g))| self.argmax(x, |o, i| dx[i] += g[o]));
+        dx.par_chunks_mut(vin)
+            .zip(x.par_chunks(vin).zip(g.par_chunks(vout)))
+            .for_each(|(dx, (x, g))| self.argmax(x, |o, i| dx[i] += g[o]));
         dx
     }
 }

@@ -1,10 +1,11 @@
-//! Fused training ops: each one candle custom op whose backward keeps only what it needs, where
-//! the same op composed from elementwise candle ops keeps every intermediate alive until backward
-//! ends (a composed LayerNorm holds 5 tensors of its input's size, a composed softmax 3, a
-//! composed cross-entropy 3 of the logits' size).
+//! Fused training ops: each one candle custom op whose backward keeps only what it needs, where the
+//! same op composed from elementwise candle ops keeps every intermediate alive until backward ends
+//! (a composed LayerNorm holds 5 tensors of its input's size, a composed softmax 3, a composed
+//! cross-entropy 3 of the logits' size).
 //!
 //! - [`layer_norm()`]: keeps nothing but its input (the statistics are recomputed in backward).
-//! - [`softmax_last_dim()`]: with an optional scale and causal mask folded in, keeps only its output.
+//! - [`softmax_last_dim()`]: with an optional scale and causal mask folded in, keeps only its
+//!   output.
 //! - [`cross_entropy()`]: the mean (optionally weighted) negative log-likelihood of logits; keeps
 //!   nothing but its inputs.
 //! - [`batch_norm_train()`]: BatchNorm in training mode, optionally with the ReLU that follows it;
@@ -19,19 +20,19 @@
 //!   (scores and probabilities are rebuilt in backward).
 //! - `max_pool2d`, `max_pool3d` (through the crate's `max_pool2d_k3s2p1` and `max_pool3d_k2s2`):
 //!   keep only their input; backward finds each window's maximum again.
-//! - `conv_transpose3d_k2s2` (through the crate's function of that name): the U-Net
-//!   up-convolution with its bias, one matrix product per sample; keeps only its input.
-//! - `conv3d` (through the crate's `conv3d`): vol2col in blocks and a matrix product per block,
-//!   the column matrix built again in backward; keeps its input and output only. Through
+//! - `conv_transpose3d_k2s2` (through the crate's function of that name): the U-Net up-convolution
+//!   with its bias, one matrix product per sample; keeps only its input.
+//! - `conv3d` (through the crate's `conv3d`): vol2col in blocks and a matrix product per block, the
+//!   column matrix built again in backward; keeps its input and output only. Through
 //!   `conv3d_concat`, of two tensors' channels side by side, never concatenated.
 //! - The `composed` module: the same convolutions composed from candle ops, for any device.
 //!
-//! Every kernel of ours works row by row (or channel by channel), each sequentially on one
-//! thread, and every reduction across rows sums fixed chunks in a fixed order: the same inputs
-//! give the same bits whatever the number of threads. The ops that multiply matrices (linear,
-//! attention, conv3d) use candle's matrix product for that part, as the composed ops do; in one
-//! process it gives the same bits every time, so a recompute under checkpointing is bit-identical
-//! to the forward.
+//! Every kernel of ours works row by row (or channel by channel), each sequentially on one thread,
+//! and every reduction across rows sums fixed chunks in a fixed order: the same inputs give the
+//! same bits whatever the number of threads. The ops that multiply matrices (linear, attention,
+//! conv3d) use candle's matrix product for that part, as the composed ops do; in one process it
+//! gives the same bits every time, so a recompute under checkpointing is bit-identical to the
+//! forward.
 //!
 //! f32 and f64 tensors on the CPU take the fused path, and so do bf16 and f16 ones: their kernels
 //! read the half-precision operands widened to f32 (a transient copy per op), compute in f32 and
@@ -42,8 +43,8 @@
 //!
 //! On a CUDA device every op takes its device-generic route (the `generic` module): the same op,
 //! keeping the same tensors for backward, its forward and backward composed from candle's device
-//! kernels inside the custom op. [`set_path`] forces that route on the CPU, where the tests prove it.
-//! Anything else (Metal, integer tensors) falls back to the composed candle ops.
+//! kernels inside the custom op. [`set_path`] forces that route on the CPU, where the tests prove
+//! it. Anything else (Metal, integer tensors) falls back to the composed candle ops.
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Storage, Tensor, WithDType};
 use num_traits::Float;
@@ -58,8 +59,12 @@ macro_rules! per_float {
         match $s {
             candle_core::CpuStorage::F32(_) => candle_core::CpuStorage::F32($body),
             candle_core::CpuStorage::F64(_) => candle_core::CpuStorage::F64($body),
-            candle_core::CpuStorage::BF16(_) => candle_core::CpuStorage::BF16($crate::fused::narrow($body)),
-            candle_core::CpuStorage::F16(_) => candle_core::CpuStorage::F16($crate::fused::narrow($body)),
+            candle_core::CpuStorage::BF16(_) => {
+                candle_core::CpuStorage::BF16($crate::fused::narrow($body))
+            }
+            candle_core::CpuStorage::F16(_) => {
+                candle_core::CpuStorage::F16($crate::fused::narrow($body))
+            }
             _ => candle_core::bail!(concat!("fused ", $name, ": float operands only")),
         }
     };
@@ -173,7 +178,9 @@ mod softmax;
 pub use attention::attention;
 pub use batch_norm::{batch_norm_pair_train, batch_norm_train, Normalised};
 pub use composed::Conv3dGeometry;
-pub(crate) use composed::{conv3d_composed, conv3d_composed_backward, conv_transpose3d_k2s2_composed};
+pub(crate) use composed::{
+    conv3d_composed, conv3d_composed_backward, conv_transpose3d_k2s2_composed,
+};
 #[cfg(test)] // src/conv3d.rs's tests force small blocks through it
 pub(crate) use conv3d::conv3d_blocked;
 pub(crate) use conv3d::{conv3d, conv3d_concat, conv3d_concat_generic, conv3d_generic};
@@ -237,12 +244,22 @@ fn kept_or(kept: Option<Tensor>, compute: impl FnOnce() -> Result<Tensor>) -> Re
 
 /// The operands of an op that takes exactly `N` (what [`custom_op!`] passes at arity `N`).
 fn exactly<const N: usize, T: Copy>(inputs: &[T]) -> Result<[T; N]> {
-    inputs.try_into().map_err(|_| candle_core::Error::Msg(format!("fused op: {} operands where {N} were expected", inputs.len())))
+    inputs.try_into().map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "fused op: {} operands where {N} were expected",
+            inputs.len()
+        ))
+    })
 }
 
 /// `FusedOp::bwd`'s gradients as the `N` that `CustomOpN::bwd` returns.
-fn gradients<const N: usize>(grads: Vec<Option<Tensor>>, name: &str) -> Result<[Option<Tensor>; N]> {
-    grads.try_into().map_err(|g: Vec<_>| candle_core::Error::Msg(format!("{name}: {} gradients for {N} operands", g.len())))
+fn gradients<const N: usize>(
+    grads: Vec<Option<Tensor>>,
+    name: &str,
+) -> Result<[Option<Tensor>; N]> {
+    grads.try_into().map_err(|g: Vec<_>| {
+        candle_core::Error::Msg(format!("{name}: {} gradients for {N} operands", g.len()))
+    })
 }
 
 /// Rows per chunk of a cross-row reduction: fixed, so the summation order is too.
@@ -254,7 +271,9 @@ const ELEMENT_CHUNK: usize = 1 << 14;
 
 /// The fused path applies: a float tensor on the CPU, the kernels not set aside ([`set_path`]).
 pub fn fused(t: &Tensor) -> bool {
-    path() == Path::Kernel && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+    path() == Path::Kernel
+        && t.device().is_cpu()
+        && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
 }
 
 /// The op's own implementation applies, the CPU kernel or the generic route, rather than candle's
@@ -294,7 +313,9 @@ fn operand(t: &Tensor, x: &Tensor) -> Result<Tensor> {
 /// The contiguous elements of a CPU storage as `T`: borrowed where it holds `T`, converted (a
 /// copy) where it holds another float type (half precision widened to f32).
 pub fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [T]>> {
-    let (start, end) = l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("fused op: input is not contiguous".into()))?;
+    let (start, end) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("fused op: input is not contiguous".into()))?;
     fn convert<S: WithDType, T: WithDType>(v: &[S]) -> Cow<'static, [T]> {
         Cow::Owned(v.iter().map(|x| T::from_f64(x.to_f64())).collect())
     }
@@ -313,7 +334,10 @@ fn narrow<H: WithDType>(v: Vec<f32>) -> Vec<H> {
 }
 
 /// Runs `f` on the contiguous elements of a CPU tensor.
-pub(crate) fn with_slice<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+pub(crate) fn with_slice<T: WithDType, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T]) -> Result<R>,
+) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
         Storage::Cpu(s) => f(&slice::<T>(s, layout)?),
@@ -327,7 +351,10 @@ fn shaped<T: WithDType>(v: Vec<T>, like: &Tensor) -> Result<Tensor> {
 }
 
 /// A float type the kernels run in.
-trait Elem: WithDType + Float + Send + Sync + std::iter::Sum + std::ops::AddAssign + std::ops::SubAssign {}
+trait Elem:
+    WithDType + Float + Send + Sync + std::iter::Sum + std::ops::AddAssign + std::ops::SubAssign
+{
+}
 impl Elem for f32 {}
 impl Elem for f64 {}
 
@@ -399,9 +426,18 @@ impl<T> Mat<'_, T> {
         // A packed operand is exactly its elements; a block of a wider matrix holds them.
         let holds = match self.ld {
             None => self.data.len() == rows * cols,
-            Some(_) => stored_rows == 0 || stored_cols == 0 || (ld >= stored_cols && self.data.len() >= (stored_rows - 1) * ld + stored_cols),
+            Some(_) => {
+                stored_rows == 0
+                    || stored_cols == 0
+                    || (ld >= stored_cols
+                        && self.data.len() >= (stored_rows - 1) * ld + stored_cols)
+            }
         };
-        assert!(holds, "matmul: {} elements {ld} apart do not hold a ({rows}, {cols}) operand", self.data.len());
+        assert!(
+            holds,
+            "matmul: {} elements {ld} apart do not hold a ({rows}, {cols}) operand",
+            self.data.len()
+        );
         if self.t {
             (1, ld as isize)
         } else {
@@ -411,8 +447,20 @@ impl<T> Mat<'_, T> {
 }
 
 /// `dst (m, n) (+)= a (m, k) @ b (k, n)`: [`matmul_strided`] into a packed row-major `dst`.
-fn matmul<T: Elem>(dst: &mut [T], a: Mat<T>, b: Mat<T>, mkn: (usize, usize, usize), accumulate: bool) {
-    assert!(dst.len() == mkn.0 * mkn.2, "matmul: {} elements do not pack a ({}, {}) product", dst.len(), mkn.0, mkn.2);
+fn matmul<T: Elem>(
+    dst: &mut [T],
+    a: Mat<T>,
+    b: Mat<T>,
+    mkn: (usize, usize, usize),
+    accumulate: bool,
+) {
+    assert!(
+        dst.len() == mkn.0 * mkn.2,
+        "matmul: {} elements do not pack a ({}, {}) product",
+        dst.len(),
+        mkn.0,
+        mkn.2
+    );
     matmul_strided(dst, (mkn.2, 1), a, b, mkn, accumulate)
 }
 
@@ -422,13 +470,24 @@ fn matmul<T: Elem>(dst: &mut [T], a: Mat<T>, b: Mat<T>, mkn: (usize, usize, usiz
 /// `dst_strides` (added to it with `accumulate`; without, `dst` is only written, so it may be
 /// uninitialised). Split over candle's threads; the bits do not depend on their number (threads
 /// split the output, each element's sum over k runs in one fixed order).
-fn matmul_strided<T: Elem>(dst: &mut [T], (dst_rs, dst_cs): (usize, usize), a: Mat<T>, b: Mat<T>, (m, k, n): (usize, usize, usize), accumulate: bool) {
+fn matmul_strided<T: Elem>(
+    dst: &mut [T],
+    (dst_rs, dst_cs): (usize, usize),
+    a: Mat<T>,
+    b: Mat<T>,
+    (m, k, n): (usize, usize, usize),
+    accumulate: bool,
+) {
     // The strides must not map two elements to one place: one of them spans the other's whole run.
     let apart = (dst_cs == 1 && dst_rs >= n) || (dst_rs == 1 && dst_cs >= m);
-    assert!(m == 0 || n == 0 || (apart && dst.len() > (m - 1) * dst_rs + (n - 1) * dst_cs), "matmul: destination does not hold ({m}, {n})");
+    assert!(
+        m == 0 || n == 0 || (apart && dst.len() > (m - 1) * dst_rs + (n - 1) * dst_cs),
+        "matmul: destination does not hold ({m}, {n})"
+    );
     let ((a_rs, a_cs), (b_rs, b_cs)) = (a.strides(m, k), b.strides(k, n));
     let threads = candle_core::utils::get_num_threads();
-    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let parallelism =
+        if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // SAFETY: every access stays within the slices, whose lengths are checked above against the
     // shapes the strides describe.
     unsafe {

@@ -2,7 +2,9 @@
 //! its output.
 
 use super::generic::{generic, GenericOp};
-use super::{elem, exactly, fused, nan_max, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
+use super::{
+    elem, exactly, fused, nan_max, shaped, slice, widened, with_slice, Elem, FusedOp, Operand,
+};
 use candle_core::{CpuStorage, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -13,7 +15,11 @@ pub fn softmax_last_dim(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> 
         // The composed softmax on the detached input; backward from the output alone:
         // dx = scale y (g - sum(g y)) (masked entries have y = 0, so no gradient).
         let y = detached(&x.detach(), scale, causal)?;
-        let backward = move |_: &[Tensor], y: &Tensor, g: &Tensor, _: &[bool]| -> Result<Vec<Option<Tensor>>> {
+        let backward = move |_: &[Tensor],
+                             y: &Tensor,
+                             g: &Tensor,
+                             _: &[bool]|
+              -> Result<Vec<Option<Tensor>>> {
             let (y32, g32) = (widened(y)?, widened(g)?);
             let gy = (&g32 * &y32)?;
             let row = gy.sum_keepdim(D::Minus1)?;
@@ -50,8 +56,13 @@ pub(super) fn detached(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
 /// `x` (.., T, S) with element (.., i, j) set to -inf where j > i: the future keys of a decoder.
 fn mask_future(x: &Tensor) -> Result<Tensor> {
     let (t, s) = (x.dim(D::Minus2)?, x.dim(D::Minus1)?);
-    let future = Tensor::from_vec((0..t * s).map(|i| u8::from(i % s > i / s)).collect(), (t, s), x.device())?;
-    let neg_inf = Tensor::new(f32::NEG_INFINITY, x.device())?.to_dtype(x.dtype())?.broadcast_as(x.shape())?;
+    let future = Tensor::from_vec(
+        (0..t * s).map(|i| u8::from(i % s > i / s)).collect(),
+        (t, s),
+        x.device(),
+    )?;
+    let neg_inf =
+        Tensor::new(f32::NEG_INFINITY, x.device())?.to_dtype(x.dtype())?.broadcast_as(x.shape())?;
     future.broadcast_as(x.shape())?.where_cond(&neg_inf, x)
 }
 
@@ -78,7 +89,10 @@ impl SoftmaxOp {
     /// Whether entry `j` of row `r` (of `width`) takes part: visible and not padding.
     fn keeps(&self, r: usize, width: usize) -> impl Fn(usize) -> bool + '_ {
         let n = self.visible(r, width);
-        let keys = self.padding.as_ref().map(|(keep, rows)| &keep[r / rows * width..(r / rows + 1) * width]);
+        let keys = self
+            .padding
+            .as_ref()
+            .map(|(keep, rows)| &keep[r / rows * width..(r / rows + 1) * width]);
         move |j| j < n && keys.is_none_or(|k| k[j])
     }
 
@@ -87,7 +101,9 @@ impl SoftmaxOp {
         let mut y = vec![T::zero(); x.len()];
         y.par_chunks_mut(width).zip(x.par_chunks(width)).enumerate().for_each(|(r, (y, x))| {
             let (n, keep) = (self.visible(r, width), self.keeps(r, width));
-            let max = (0..n).filter(|&j| keep(j)).fold(T::neg_infinity(), |m, j| nan_max(m, x[j] * scale));
+            let max = (0..n)
+                .filter(|&j| keep(j))
+                .fold(T::neg_infinity(), |m, j| nan_max(m, x[j] * scale));
             if max == T::neg_infinity() {
                 return; // every key masked: the row stays zero
             }
@@ -105,13 +121,16 @@ impl SoftmaxOp {
     pub(super) fn backward<T: Elem>(&self, y: &[T], g: &[T], width: usize) -> Vec<T> {
         let scale = elem::<T>(self.scale);
         let mut dx = vec![T::zero(); y.len()];
-        dx.par_chunks_mut(width).zip(y.par_chunks(width).zip(g.par_chunks(width))).enumerate().for_each(|(r, (dx, (y, g)))| {
-            let (n, keep) = (self.visible(r, width), self.keeps(r, width));
-            let dot = (0..n).filter(|&j| keep(j)).map(|j| g[j] * y[j]).sum::<T>();
-            for j in (0..n).filter(|&j| keep(j)) {
-                dx[j] = scale * y[j] * (g[j] - dot);
-            }
-        });
+        dx.par_chunks_mut(width)
+            .zip(y.par_chunks(width).zip(g.par_chunks(width)))
+            .enumerate()
+            .for_each(|(r, (dx, (y, g)))| {
+                let (n, keep) = (self.visible(r, width), self.keeps(r, width));
+                let dot = (0..n).filter(|&j| keep(j)).map(|j| g[j] * y[j]).sum::<T>();
+                for j in (0..n).filter(|&j| keep(j)) {
+                    dx[j] = scale * y[j] * (g[j] - dot);
+                }
+            });
         dx
     }
 }

@@ -16,13 +16,21 @@ fn values(name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
 }
 
 fn bits(t: &Tensor) -> Result<Vec<u32>> {
-    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>().map(|v| v.into_iter().map(f32::to_bits).collect())
+    t.to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()
+        .map(|v| v.into_iter().map(f32::to_bits).collect())
 }
 
 /// `f(activations, weights)` with the activations `acts` (name, shape) in `dtype` and in f32, the
 /// weights `weights` in f32 both times: the outputs, the activation gradients and the weight
 /// gradients of `sum(y * r)` must agree as described above.
-fn same_as_f32(dtype: DType, acts: &[(&str, &[usize])], weights: &[(&str, &[usize])], f: impl Fn(&[Tensor], &[Tensor]) -> Result<Tensor>) -> Result<()> {
+fn same_as_f32(
+    dtype: DType,
+    acts: &[(&str, &[usize])],
+    weights: &[(&str, &[usize])],
+    f: impl Fn(&[Tensor], &[Tensor]) -> Result<Tensor>,
+) -> Result<()> {
     check(dtype, acts, weights, f, true)
 }
 
@@ -36,7 +44,10 @@ fn check(
     exact_grads: bool,
 ) -> Result<()> {
     let make = |specs: &[(&str, &[usize])], in_dtype: DType| -> Result<Vec<Var>> {
-        specs.iter().map(|(n, s)| Var::from_tensor(&values(n, s, dtype)?.to_dtype(in_dtype)?)).collect()
+        specs
+            .iter()
+            .map(|(n, s)| Var::from_tensor(&values(n, s, dtype)?.to_dtype(in_dtype)?))
+            .collect()
     };
     let (half_acts, wide_acts) = (make(acts, dtype)?, make(acts, DType::F32)?);
     let (half_w, wide_w) = (make(weights, DType::F32)?, make(weights, DType::F32)?);
@@ -44,24 +55,32 @@ fn check(
     let y_half = f(&tensors(&half_acts), &tensors(&half_w))?;
     let y_wide = f(&tensors(&wide_acts), &tensors(&wide_w))?;
     let out_dtype = y_half.dtype();
-    assert!(out_dtype == dtype || (out_dtype == DType::F32 && y_half.rank() == 0), "output in {out_dtype:?}");
+    assert!(
+        out_dtype == dtype || (out_dtype == DType::F32 && y_half.rank() == 0),
+        "output in {out_dtype:?}"
+    );
     assert_eq!(bits(&y_half)?, bits(&y_wide.to_dtype(out_dtype)?)?, "outputs differ");
     let r = values("r", y_half.dims(), dtype)?;
     let grads_half = (&y_half * r.to_dtype(out_dtype)?)?.sum_all()?.backward()?;
     let grads_wide = (&y_wide * r)?.sum_all()?.backward()?;
     for (i, (h, w)) in half_acts.iter().zip(&wide_acts).enumerate() {
-        let (gh, gw) = (grads_half.get(h).expect("a gradient"), grads_wide.get(w).expect("a gradient"));
+        let (gh, gw) =
+            (grads_half.get(h).expect("a gradient"), grads_wide.get(w).expect("a gradient"));
         assert_eq!(gh.dtype(), dtype, "activation {i}: gradient in {:?}", gh.dtype());
         if exact_grads {
             assert_eq!(bits(gh)?, bits(&gw.to_dtype(dtype)?)?, "activation {i}: gradients differ");
         } else {
             let largest = gw.abs()?.max_all()?.to_scalar::<f32>()?;
             let err = (gh.to_dtype(DType::F32)? - gw)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert!(err <= 0.01 * largest, "activation {i}: gradients differ by {err} (largest {largest})");
+            assert!(
+                err <= 0.01 * largest,
+                "activation {i}: gradients differ by {err} (largest {largest})"
+            );
         }
     }
     for (i, (h, w)) in half_w.iter().zip(&wide_w).enumerate() {
-        let (gh, gw) = (grads_half.get(h).expect("a gradient"), grads_wide.get(w).expect("a gradient"));
+        let (gh, gw) =
+            (grads_half.get(h).expect("a gradient"), grads_wide.get(w).expect("a gradient"));
         assert_eq!(gh.dtype(), DType::F32, "weight {i}: gradient in {:?}", gh.dtype());
         assert_eq!(bits(gh)?, bits(gw)?, "weight {i}: gradients differ");
     }
@@ -77,18 +96,37 @@ fn each_half(test: impl Fn(DType) -> Result<()>) -> Result<()> {
 fn transformer_ops() -> Result<()> {
     super::route();
     each_half(|dt| {
-        same_as_f32(dt, &[("x", &[2, 3, 16])], &[("w", &[16]), ("b", &[16])], |a, w| fused::layer_norm(&a[0], &w[0], &w[1], 1e-5))?;
-        same_as_f32(dt, &[("x", &[2, 3, 16])], &[("w", &[8, 16]), ("b", &[8])], |a, w| fused::linear(&a[0], &w[0], Some(&w[1]), true))?;
-        same_as_f32(dt, &[("x", &[2, 3, 16])], &[("w", &[16, 8])], |a, w| fused::linear(&a[0], &w[0], None, false))?;
-        same_as_f32(dt, &[("x", &[2, 3, 16])], &[], |a, _| fused::gelu(&a[0], false))?;
-        check(dt, &[("x", &[2, 3, 16])], &[], |a, _| fused::softmax_last_dim(&a[0], 0.5, true), false)?;
-        same_as_f32(dt, &[("x", &[2, 3, 16])], &[], |a, _| fused::dropout(&a[0], RngKey::named(1, "d"), 0.25))?;
-        let key = Some((RngKey::named(2, "a"), 0.1));
-        same_as_f32(dt, &[("q", &[2, 2, 5, 4]), ("k", &[2, 2, 5, 4]), ("v", &[2, 2, 5, 4])], &[], |a, _| {
-            fused::attention(&a[0], &a[1], &a[2], 0.5, true, None, key)
+        same_as_f32(dt, &[("x", &[2, 3, 16])], &[("w", &[16]), ("b", &[16])], |a, w| {
+            fused::layer_norm(&a[0], &w[0], &w[1], 1e-5)
         })?;
+        same_as_f32(dt, &[("x", &[2, 3, 16])], &[("w", &[8, 16]), ("b", &[8])], |a, w| {
+            fused::linear(&a[0], &w[0], Some(&w[1]), true)
+        })?;
+        same_as_f32(dt, &[("x", &[2, 3, 16])], &[("w", &[16, 8])], |a, w| {
+            fused::linear(&a[0], &w[0], None, false)
+        })?;
+        same_as_f32(dt, &[("x", &[2, 3, 16])], &[], |a, _| fused::gelu(&a[0], false))?;
+        check(
+            dt,
+            &[("x", &[2, 3, 16])],
+            &[],
+            |a, _| fused::softmax_last_dim(&a[0], 0.5, true),
+            false,
+        )?;
+        same_as_f32(dt, &[("x", &[2, 3, 16])], &[], |a, _| {
+            fused::dropout(&a[0], RngKey::named(1, "d"), 0.25)
+        })?;
+        let key = Some((RngKey::named(2, "a"), 0.1));
+        same_as_f32(
+            dt,
+            &[("q", &[2, 2, 5, 4]), ("k", &[2, 2, 5, 4]), ("v", &[2, 2, 5, 4])],
+            &[],
+            |a, _| fused::attention(&a[0], &a[1], &a[2], 0.5, true, None, key),
+        )?;
         let targets = Tensor::new(&[3u32, 0, 7, 5, 1, 2], &Device::Cpu)?;
-        same_as_f32(dt, &[("logits", &[6, 8])], &[], |a, _| fused::cross_entropy(&a[0], &targets, None))?;
+        same_as_f32(dt, &[("logits", &[6, 8])], &[], |a, _| {
+            fused::cross_entropy(&a[0], &targets, None)
+        })?;
         Ok(())
     })
 }
@@ -97,14 +135,26 @@ fn transformer_ops() -> Result<()> {
 fn convolution_ops() -> Result<()> {
     super::route();
     each_half(|dt| {
-        same_as_f32(dt, &[("x", &[2, 3, 9, 9])], &[("w", &[4, 3, 3, 3])], |a, w| conv2d(&a[0], &w[0], 1, 2))?;
-        let g = Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: 1, pad_hw: 1 };
-        same_as_f32(dt, &[("x", &[1, 2, 4, 5, 6])], &[("w", &[3, 2, 3, 3, 3])], |a, w| conv3d(&a[0], &w[0], g))?;
-        same_as_f32(dt, &[("x", &[1, 2, 3, 3, 3])], &[("w", &[2, 3, 2, 2, 2]), ("b", &[3])], |a, w| conv_transpose3d_k2s2(&a[0], &w[0], &w[1]))?;
-        same_as_f32(dt, &[("x", &[2, 3, 9, 9])], &[], |a, _| max_pool2d_k3s2p1(&a[0]))?;
-        same_as_f32(dt, &[("x", &[2, 3, 4, 4]), ("r", &[2, 3, 4, 4])], &[("w", &[3]), ("b", &[3])], |a, w| {
-            Ok(fused::batch_norm_train(&a[0], &w[0], &w[1], Some(&a[1]), 1e-5, true)?.0)
+        same_as_f32(dt, &[("x", &[2, 3, 9, 9])], &[("w", &[4, 3, 3, 3])], |a, w| {
+            conv2d(&a[0], &w[0], 1, 2)
         })?;
+        let g = Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: 1, pad_hw: 1 };
+        same_as_f32(dt, &[("x", &[1, 2, 4, 5, 6])], &[("w", &[3, 2, 3, 3, 3])], |a, w| {
+            conv3d(&a[0], &w[0], g)
+        })?;
+        same_as_f32(
+            dt,
+            &[("x", &[1, 2, 3, 3, 3])],
+            &[("w", &[2, 3, 2, 2, 2]), ("b", &[3])],
+            |a, w| conv_transpose3d_k2s2(&a[0], &w[0], &w[1]),
+        )?;
+        same_as_f32(dt, &[("x", &[2, 3, 9, 9])], &[], |a, _| max_pool2d_k3s2p1(&a[0]))?;
+        same_as_f32(
+            dt,
+            &[("x", &[2, 3, 4, 4]), ("r", &[2, 3, 4, 4])],
+            &[("w", &[3]), ("b", &[3])],
+            |a, w| Ok(fused::batch_norm_train(&a[0], &w[0], &w[1], Some(&a[1]), 1e-5, true)?.0),
+        )?;
         Ok(())
     })
 }

@@ -1,11 +1,13 @@
 //! A NaN or an infinity in any input of a fused op comes out of it, forward and (where PyTorch's
 //! gradient depends on the values) backward, as it does in PyTorch. Without this, BatchNorm's fused
 //! ReLU would turn NaN into 0 (`f32::max` ignores NaN), so one NaN voxel would train the 3D U-Net
-//! with a finite loss near ln 3 while NaN reached its weights; and an all-NaN softmax row would come
-//! out as zeros.
+//! with a finite loss near ln 3 while NaN reached its weights; and an all-NaN softmax row would
+//! come out as zeros.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use ops::{conv3d, conv_transpose3d_k2s2, fused, max_pool2d_k3s2p1, max_pool3d_k2s2, Conv3dGeometry};
+use ops::{
+    conv3d, conv_transpose3d_k2s2, fused, max_pool2d_k3s2p1, max_pool3d_k2s2, Conv3dGeometry,
+};
 use remat::rng::RngKey;
 
 fn normal(name: &str, shape: &[usize]) -> Result<Var> {
@@ -57,7 +59,10 @@ fn check(case: &Case, value: f32) -> Result<()> {
         }
         if *grads_poisoned {
             let grads = y.sum_all()?.backward()?;
-            let poisoned = vars.iter().map(|v| grads.get(v).map_or(Ok(false), |g| finite(g).map(|f| !f))).collect::<Result<Vec<bool>>>()?;
+            let poisoned = vars
+                .iter()
+                .map(|v| grads.get(v).map_or(Ok(false), |g| finite(g).map(|f| !f)))
+                .collect::<Result<Vec<bool>>>()?;
             assert!(poisoned.iter().any(|&p| p), "{what}: every gradient is finite");
         }
         vars[i].set(&clean)?;
@@ -79,12 +84,21 @@ fn cases(dev: &Device) -> Result<Vec<Case>> {
             ],
             op: Box::new(|v| fused::layer_norm(&v[0], &v[1], &v[2], 1e-5)),
         },
-        Case { name: "softmax", inputs: vec![Input("x", normal("sm-x", &[2, 3, 4])?, 5, true)], op: Box::new(|v| fused::softmax_last_dim(&v[0], 0.5, true)) },
+        Case {
+            name: "softmax",
+            inputs: vec![Input("x", normal("sm-x", &[2, 3, 4])?, 5, true)],
+            op: Box::new(|v| fused::softmax_last_dim(&v[0], 0.5, true)),
+        },
         Case {
             name: "cross_entropy",
             inputs: vec![
                 Input("logits", normal("ce-l", &[4, 5])?, 7, true),
-                Input("weights", Var::from_tensor(&Tensor::new(&[1f32, 0.5, 2.0, 1.0], dev)?)?, 2, true),
+                Input(
+                    "weights",
+                    Var::from_tensor(&Tensor::new(&[1f32, 0.5, 2.0, 1.0], dev)?)?,
+                    2,
+                    true,
+                ),
             ],
             op: Box::new(move |v| fused::cross_entropy(&v[0], &targets, Some(&v[1]))),
         },
@@ -96,12 +110,21 @@ fn cases(dev: &Device) -> Result<Vec<Case>> {
                 Input("bias", normal("bn-b", &[3])?, 0, false),
                 Input("residual", normal("bn-r", &[2, 3, 4])?, 3, false),
             ],
-            op: Box::new(|v| Ok(fused::batch_norm_train(&v[0], &v[1], &v[2], Some(&v[3]), 1e-5, true)?.0)),
+            op: Box::new(|v| {
+                Ok(fused::batch_norm_train(&v[0], &v[1], &v[2], Some(&v[3]), 1e-5, true)?.0)
+            }),
         },
-        Case { name: "dropout", inputs: vec![Input("x", normal("do-x", &[64])?, 0, false)], op: Box::new(move |v| fused::dropout(&v[0], key, 0.5)) },
+        Case {
+            name: "dropout",
+            inputs: vec![Input("x", normal("do-x", &[64])?, 0, false)],
+            op: Box::new(move |v| fused::dropout(&v[0], key, 0.5)),
+        },
         Case {
             name: "conv3d",
-            inputs: vec![Input("x", normal("c3-x", &[1, 2, 4, 4, 4])?, 21, true), Input("w", normal("c3-w", &[2, 2, 3, 3, 3])?, 5, true)],
+            inputs: vec![
+                Input("x", normal("c3-x", &[1, 2, 4, 4, 4])?, 21, true),
+                Input("w", normal("c3-w", &[2, 2, 3, 3, 3])?, 5, true),
+            ],
             op: Box::new(|v| conv3d(&v[0], &v[1], Conv3dGeometry::same(3))),
         },
         Case {
@@ -113,8 +136,16 @@ fn cases(dev: &Device) -> Result<Vec<Case>> {
             ],
             op: Box::new(|v| conv_transpose3d_k2s2(&v[0], &v[1], &v[2])),
         },
-        Case { name: "max_pool2d", inputs: vec![Input("x", normal("mp-x", &[1, 2, 5, 5])?, 12, false)], op: Box::new(|v| max_pool2d_k3s2p1(&v[0])) },
-        Case { name: "max_pool3d", inputs: vec![Input("x", normal("mp3-x", &[1, 2, 4, 4, 4])?, 77, false)], op: Box::new(|v| max_pool3d_k2s2(&v[0])) },
+        Case {
+            name: "max_pool2d",
+            inputs: vec![Input("x", normal("mp-x", &[1, 2, 5, 5])?, 12, false)],
+            op: Box::new(|v| max_pool2d_k3s2p1(&v[0])),
+        },
+        Case {
+            name: "max_pool3d",
+            inputs: vec![Input("x", normal("mp3-x", &[1, 2, 4, 4, 4])?, 77, false)],
+            op: Box::new(|v| max_pool3d_k2s2(&v[0])),
+        },
         Case {
             name: "embedding",
             // Row 2, which the ids look up.
@@ -137,10 +168,20 @@ fn cases(dev: &Device) -> Result<Vec<Case>> {
                 Input("k", normal("at-k", &[1, 2, 3, 4])?, 2, true),
                 Input("v", normal("at-v", &[1, 2, 3, 4])?, 9, true),
             ],
-            op: Box::new(move |v| fused::attention(&v[0], &v[1], &v[2], 0.5, true, None, Some((key, 0.1)))),
+            op: Box::new(move |v| {
+                fused::attention(&v[0], &v[1], &v[2], 0.5, true, None, Some((key, 0.1)))
+            }),
         },
-        Case { name: "gelu (tanh)", inputs: vec![Input("x", normal("ge-x", &[7])?, 3, true)], op: Box::new(|v| fused::gelu(&v[0], false)) },
-        Case { name: "gelu (erf)", inputs: vec![Input("x", normal("ge-x", &[7])?, 3, true)], op: Box::new(|v| fused::gelu(&v[0], true)) },
+        Case {
+            name: "gelu (tanh)",
+            inputs: vec![Input("x", normal("ge-x", &[7])?, 3, true)],
+            op: Box::new(|v| fused::gelu(&v[0], false)),
+        },
+        Case {
+            name: "gelu (erf)",
+            inputs: vec![Input("x", normal("ge-x", &[7])?, 3, true)],
+            op: Box::new(|v| fused::gelu(&v[0], true)),
+        },
     ])
 }
 

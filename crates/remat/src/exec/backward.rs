@@ -14,7 +14,12 @@ impl<'e, 'g> StepRun<'e, 'g> {
     /// Every segment's backward, last first, recomputing all but the last (Rule 3), the finished
     /// parameter gradients reported as they complete (after the backward of the earliest stage
     /// that uses each).
-    pub(super) fn backward(&mut self, kept: Vec<Live>, sums: &mut ParamGrads, reporter: &mut Reporter) -> Result<()> {
+    pub(super) fn backward(
+        &mut self,
+        kept: Vec<Live>,
+        sums: &mut ParamGrads,
+        reporter: &mut Reporter,
+    ) -> Result<()> {
         let exec = self.exec;
         let mut kept = Some(kept);
         for s in (0..exec.segments.len()).rev() {
@@ -43,7 +48,12 @@ struct SegmentBackward {
 }
 
 impl SegmentBackward {
-    fn run(mut self, step: &mut StepRun, sums: &mut ParamGrads, reporter: &mut Reporter) -> Result<()> {
+    fn run(
+        mut self,
+        step: &mut StepRun,
+        sums: &mut ParamGrads,
+        reporter: &mut Reporter,
+    ) -> Result<()> {
         let exec = step.exec;
         for i in exec.segments[self.s].stages.clone().rev() {
             let live = self.runs.pop().expect("one live run per stage");
@@ -57,7 +67,14 @@ impl SegmentBackward {
 
     /// Stage `i`'s backward: its parameter gradients into `sums`, its input gradients passed on.
     /// Rule 6: its run is dropped on return.
-    fn stage(&self, i: usize, live: Live, step: &mut StepRun, sums: &mut ParamGrads, reporter: &Reporter) -> Result<()> {
+    fn stage(
+        &self,
+        i: usize,
+        live: Live,
+        step: &mut StepRun,
+        sums: &mut ParamGrads,
+        reporter: &Reporter,
+    ) -> Result<()> {
         let Some(root) = self.root(i, &live, step)? else { return Ok(()) };
         set_activity(Activity::Backward, Some(i));
         let mut grads = root.backward()?;

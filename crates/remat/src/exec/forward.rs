@@ -29,7 +29,12 @@ pub(super) struct StepRun<'e, 'g> {
 
 impl<'e, 'g> StepRun<'e, 'g> {
     /// `find_users`: record [`StepRun::first_users`] (the first step).
-    pub(super) fn start(exec: &'e Executor<'g>, inputs: &[Tensor], step: u64, find_users: bool) -> Self {
+    pub(super) fn start(
+        exec: &'e Executor<'g>,
+        inputs: &[Tensor],
+        step: u64,
+        find_users: bool,
+    ) -> Self {
         let device = inputs.first().map_or(candle_core::Device::Cpu, |t| t.device().clone());
         let timeline = Timeline::start(&device);
         let mut stored: Vec<Option<Tensor>> = vec![None; exec.graph.n_values()];
@@ -37,7 +42,16 @@ impl<'e, 'g> StepRun<'e, 'g> {
             *slot = Some(t.clone());
         }
         let first_users = find_users.then(|| vec![None; exec.params.len()]);
-        StepRun { exec, step, stored, stash: Stash::default(), value_grads: HashMap::new(), timeline, first_users, digests: HashMap::new() }
+        StepRun {
+            exec,
+            step,
+            stored,
+            stash: Stash::default(),
+            value_grads: HashMap::new(),
+            timeline,
+            first_users,
+            digests: HashMap::new(),
+        }
     }
 
     /// Stage `i`'s forward made `outputs`: every parameter their op graph reaches that no earlier
@@ -45,8 +59,14 @@ impl<'e, 'g> StepRun<'e, 'g> {
     /// segment's earlier stages too, whose parameters are claimed already.
     fn find_users(&mut self, i: usize, outputs: &[Tensor]) {
         let Some(first_users) = &mut self.first_users else { return };
-        let unclaimed: HashMap<_, usize> =
-            self.exec.params.iter().enumerate().filter(|(k, _)| first_users[*k].is_none()).map(|(k, p)| (p.as_tensor().id(), k)).collect();
+        let unclaimed: HashMap<_, usize> = self
+            .exec
+            .params
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| first_users[*k].is_none())
+            .map(|(k, p)| (p.as_tensor().id(), k))
+            .collect();
         for t in outputs {
             for node in t.sorted_nodes() {
                 if let Some(&k) = unclaimed.get(&node.id()) {
@@ -71,12 +91,19 @@ impl<'e, 'g> StepRun<'e, 'g> {
         // A `+keep=` that kept nothing would silently recompute everything: the graph runs none
         // of those ops through `keep::op` (a candle-nn `Linear` is not one).
         if !self.exec.keep.is_empty() && last > 0 && !self.stash.keeps_any() {
-            return Err(Error::KeepsNothing { keep: self.exec.keep.to_string(), seen: self.stash.seen().to_string() });
+            return Err(Error::KeepsNothing {
+                keep: self.exec.keep.to_string(),
+                seen: self.stash.seen().to_string(),
+            });
         }
         // Rule 3: the last segment's graphs are kept for its backward.
         let kept = self.run_segment(last, false, grad_bytes)?;
         let output = self.exec.graph.output()?;
-        let loss = kept.iter().find_map(|l| l.values.get(&output)).expect("the last segment produces the loss").detach();
+        let loss = kept
+            .iter()
+            .find_map(|l| l.values.get(&output))
+            .expect("the last segment produces the loss")
+            .detach();
         Ok((loss, kept))
     }
     /// Runs the stages of segment `s`. In the last segment and in a recompute it builds one graph
@@ -84,7 +111,12 @@ impl<'e, 'g> StepRun<'e, 'g> {
     /// standing in as a `Var` shared by its consumers in the segment, and returns one live run per
     /// stage; otherwise one live run of the whole segment.
     /// `grad_bytes`: parameter gradients held meanwhile, for the timeline.
-    pub(super) fn run_segment(&mut self, s: usize, recompute: bool, grad_bytes: u64) -> Result<Vec<Live>> {
+    pub(super) fn run_segment(
+        &mut self,
+        s: usize,
+        recompute: bool,
+        grad_bytes: u64,
+    ) -> Result<Vec<Live>> {
         let exec = self.exec;
         let seg = &exec.segments[s];
         // Rule 3: graphs in the last segment and in a recompute; Rule 2: none otherwise.
@@ -94,7 +126,8 @@ impl<'e, 'g> StepRun<'e, 'g> {
         let mut runs = Vec::new();
         let mut whole = Live::default();
         let pass = u64::from(recompute && !exec.replay_rng);
-        // Rule 10: a segment to be recomputed keeps the policy's ops' outputs, its recompute replays them.
+        // Rule 10: a segment to be recomputed keeps the policy's ops' outputs, its recompute
+        // replays them.
         let keep = match (graphs, recompute) {
             _ if exec.keep.is_empty() => None,
             (false, _) => Some(Mode::Keep),
@@ -105,22 +138,33 @@ impl<'e, 'g> StepRun<'e, 'g> {
             let node = &exec.graph.nodes()[i];
             let mut live = Live::default();
             let inputs = self.stage_inputs(i, &values, &mut vars, graphs, &mut live)?;
-            let ctx =
-                StageCtx::new(crate::RunPoint { seed: exec.seed, step: self.step, stage: i, pass, recompute: recompute && exec.tell_recompute, train: true });
+            let ctx = StageCtx::new(crate::RunPoint {
+                seed: exec.seed,
+                step: self.step,
+                stage: i,
+                pass,
+                recompute: recompute && exec.tell_recompute,
+                train: true,
+            });
             set_activity(if recompute { Activity::Recompute } else { Activity::Forward }, Some(i));
             let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
             let scope = keep.map(|mode| Scope::enter(mode, exec.keep, i, &self.stash));
             let outputs = node.stage.forward(&inputs, &ctx).map_err(stage_err)?;
             drop((scope, inputs));
             if outputs.len() != node.outputs.len() {
-                let msg = format!("returned {} outputs, the graph expects {}", outputs.len(), node.outputs.len());
+                let msg = format!(
+                    "returned {} outputs, the graph expects {}",
+                    outputs.len(),
+                    node.outputs.len()
+                );
                 return Err(stage_err(candle_core::Error::Msg(msg)));
             }
             if !recompute {
                 self.find_users(i, &outputs);
             }
             if exec.check_recompute && !graphs {
-                self.digests.insert(i, outputs.iter().map(super::ops::digest).collect::<Result<_>>()?);
+                self.digests
+                    .insert(i, outputs.iter().map(super::ops::digest).collect::<Result<_>>()?);
             } else if exec.check_recompute && recompute {
                 self.check_recompute(i, &outputs)?;
             }
@@ -137,10 +181,16 @@ impl<'e, 'g> StepRun<'e, 'g> {
             if graphs {
                 runs.push(live);
             } else {
-                whole.values.extend(live.values.into_iter().filter(|(v, _)| seg.outputs.contains(v)));
+                whole
+                    .values
+                    .extend(live.values.into_iter().filter(|(v, _)| seg.outputs.contains(v)));
             }
             // Rule 9
-            self.timeline.record(if recompute { Phase::Recompute } else { Phase::Forward }, i, grad_bytes);
+            self.timeline.record(
+                if recompute { Phase::Recompute } else { Phase::Forward },
+                i,
+                grad_bytes,
+            );
         }
         if !graphs {
             runs.push(whole);
@@ -153,7 +203,11 @@ impl<'e, 'g> StepRun<'e, 'g> {
         let forward = self.digests.remove(&i).unwrap_or_default();
         for (k, (t, before)) in outputs.iter().zip(forward).enumerate() {
             if before.is_some() && super::ops::digest(t)? != before {
-                return Err(Error::Recompute { stage: i, name: self.exec.graph.nodes()[i].stage.name(), output: k });
+                return Err(Error::Recompute {
+                    stage: i,
+                    name: self.exec.graph.nodes()[i].stage.name(),
+                    output: k,
+                });
             }
         }
         Ok(())
@@ -164,7 +218,9 @@ impl<'e, 'g> StepRun<'e, 'g> {
         let exec = self.exec;
         let mut values = HashMap::new();
         for &v in &exec.segments[s].inputs {
-            let t = self.stored[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not stored")))?;
+            let t = self.stored[v]
+                .clone()
+                .ok_or_else(|| Error::Graph(format!("value {v} was not stored")))?;
             if graphs && exec.first_consumer[v] == Some(s) && v >= exec.graph.n_inputs() {
                 // Rule 5: taken over by this segment, which holds it through its first reader's
                 // `Var` (Rule 4); kept stored as well, it would live on.

@@ -18,13 +18,17 @@ pub(super) struct Reporter<'f, 's> {
 }
 
 impl<'f, 's> Reporter<'f, 's> {
-    pub(super) fn new(finished: &'f mut dyn FnMut(&[usize], &mut GradStore) -> candle_core::Result<()>, complete_after: &'s [Option<usize>]) -> Self {
+    pub(super) fn new(
+        finished: &'f mut dyn FnMut(&[usize], &mut GradStore) -> candle_core::Result<()>,
+        complete_after: &'s [Option<usize>],
+    ) -> Self {
         Reporter { finished, complete_after, reported: vec![false; complete_after.len()] }
     }
 
     /// After stage `i`'s backward: the gradients no earlier stage adds to.
     pub(super) fn after_stage(&mut self, i: usize, store: &mut GradStore) -> Result<()> {
-        let ready: Vec<usize> = (0..self.complete_after.len()).filter(|&k| self.complete_after[k] == Some(i)).collect();
+        let ready: Vec<usize> =
+            (0..self.complete_after.len()).filter(|&k| self.complete_after[k] == Some(i)).collect();
         self.report(&ready, store)
     }
 

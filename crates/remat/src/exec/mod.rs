@@ -1,27 +1,27 @@
 //! The executor: forward keeping only segment boundaries, backward stage by stage.
 //!
 //! candle has no hook to start backprop from a given output gradient, and `backward()` needs the
-//! whole forward graph alive. So each non-last segment runs forward on detached inputs and only
-//! its boundary outputs are kept (detached). Backward walks the segments in reverse, recomputing
-//! each (the last one keeps its forward graphs: recomputing it would buy nothing).
+//! whole forward graph alive. So each non-last segment runs forward on detached inputs and only its
+//! boundary outputs are kept (detached). Backward walks the segments in reverse, recomputing each
+//! (the last one keeps its forward graphs: recomputing it would buy nothing).
 //!
-//! Where a segment's graphs are built (its recompute, and the last segment's forward), every
-//! stage runs on `Var`s over the float values it consumes (sharing their memory, not copies), so
-//! each stage is a graph of its own. Backward then walks the stages in reverse: it seeds each stage's outputs with their
-//! incoming gradients, calls `backward()` on that stage alone, moves the parameter gradients
-//! (detached) into the step's store, passes the input gradients on and drops the stage, so its
-//! activations are freed as soon as its gradients are propagated (candle's own `backward()`
-//! holds every activation of the graph until it returns: a PyTorch-like peak during backward
-//! needs this).
+//! Where a segment's graphs are built (its recompute, and the last segment's forward), every stage
+//! runs on `Var`s over the float values it consumes (sharing their memory, not copies), so each
+//! stage is a graph of its own. Backward then walks the stages in reverse: it seeds each stage's
+//! outputs with their incoming gradients, calls `backward()` on that stage alone, moves the
+//! parameter gradients (detached) into the step's store, passes the input gradients on and drops
+//! the stage, so its activations are freed as soon as its gradients are propagated (candle's own
+//! `backward()` holds every activation of the graph until it returns: a PyTorch-like peak during
+//! backward needs this).
 //!
 //! Bit-exactness with `off` holds by construction: every policy runs the same per-stage backward
 //! passes in the same order, and a recompute draws the same random keys, so only the stored
 //! boundaries differ. It also equals plain candle (one `backward()` of the whole graph) where each
 //! parameter is used by one op per stage: a seed's backward hands candle the incoming gradient
 //! unchanged (`0 + g`, as candle itself does), and a parameter used by several stages (a tied
-//! embedding) gets each stage's contribution added to the sum so far, later stages first, as
-//! candle adds them. That sum is accumulated in place, so a tied vocabulary-sized weight does not
-//! need three copies of its gradient at once.
+//! embedding) gets each stage's contribution added to the sum so far, later stages first, as candle
+//! adds them. That sum is accumulated in place, so a tied vocabulary-sized weight does not need
+//! three copies of its gradient at once.
 //!
 //! What a step holds, frees and recomputes when follows the rules of [`crate::rules`], which the
 //! planner replays to predict it; `// Rule N` marks where each is implemented.
@@ -70,7 +70,10 @@ impl Segment {
             }
         }
         // Rule 1: what the cut after this segment stores, of what it produces.
-        let outputs = wiring.stored_at(stages.end).filter(|&v| wiring.producer(v).is_some_and(|p| p >= stages.start)).collect();
+        let outputs = wiring
+            .stored_at(stages.end)
+            .filter(|&v| wiring.producer(v).is_some_and(|p| p >= stages.start))
+            .collect();
         Segment { stages, inputs, outputs, last_reader }
     }
 }
@@ -99,7 +102,12 @@ impl StepOutput {
     /// (`candle_nn::LayerNorm::forward`, `candle_nn::ops::softmax_last_dim`), which candle drops
     /// without a word.
     pub fn params_without_grad(&self, params: &[Var]) -> Vec<usize> {
-        params.iter().enumerate().filter(|(_, p)| self.grads.get(p.as_tensor()).is_none()).map(|(i, _)| i).collect()
+        params
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| self.grads.get(p.as_tensor()).is_none())
+            .map(|(i, _)| i)
+            .collect()
     }
 }
 
@@ -136,24 +144,35 @@ pub struct Executor<'g> {
 
 impl<'g> Executor<'g> {
     /// `params` are the trainable variables whose gradients [`Executor::step`] returns.
-    pub fn new(graph: &'g StageGraph, policy: &Policy, params: Vec<Var>, seed: u64) -> Result<Self> {
+    pub fn new(
+        graph: &'g StageGraph,
+        policy: &Policy,
+        params: Vec<Var>,
+        seed: u64,
+    ) -> Result<Self> {
         let ranges = policy.segments(graph)?;
         let output = graph.output()?;
         let nodes = graph.nodes();
         if nodes.is_empty() {
             return Err(Error::Graph("the graph has no stages".into()));
         }
-        let wiring = Wiring::new(graph.n_values(), nodes.iter().map(|n| (&n.inputs[..], &n.outputs[..])));
+        let wiring =
+            Wiring::new(graph.n_values(), nodes.iter().map(|n| (&n.inputs[..], &n.outputs[..])));
         let mut seg_of_stage = vec![0; nodes.len()];
         for (s, r) in ranges.iter().enumerate() {
             r.clone().for_each(|i| seg_of_stage[i] = s);
         }
         if wiring.producer(output).map(|p| seg_of_stage[p]) != Some(ranges.len() - 1) {
-            return Err(Error::Graph("the loss must be produced by a stage of the last segment".into()));
+            return Err(Error::Graph(
+                "the loss must be produced by a stage of the last segment".into(),
+            ));
         }
         // Rule 5: the earliest segment that reads a value.
-        let first_consumer = (0..graph.n_values()).map(|v| wiring.first_reader(v).map(|r| seg_of_stage[r])).collect();
-        let segments = ranges.into_iter().map(|stages| Segment::new(stages, nodes, &wiring)).collect();
+        let first_consumer = (0..graph.n_values())
+            .map(|v| wiring.first_reader(v).map(|r| seg_of_stage[r]))
+            .collect();
+        let segments =
+            ranges.into_iter().map(|stages| Segment::new(stages, nodes, &wiring)).collect();
         Ok(Executor {
             graph,
             segments,
@@ -218,7 +237,11 @@ impl<'g> Executor<'g> {
     pub fn stored_values(&self) -> Vec<ValueId> {
         let n = self.graph.n_inputs();
         let last = self.segments.len() - 1;
-        let mut v: Vec<ValueId> = self.segments[..last].iter().flat_map(|s| s.outputs.iter().copied()).filter(|&v| v >= n).collect();
+        let mut v: Vec<ValueId> = self.segments[..last]
+            .iter()
+            .flat_map(|s| s.outputs.iter().copied())
+            .filter(|&v| v >= n)
+            .collect();
         v.sort_unstable();
         v.dedup();
         v
@@ -275,7 +298,10 @@ impl<'g> Executor<'g> {
         let held = grad_bytes(&self.params, &grads);
         let (loss, kept) = run.forward(held)?;
         let first_users = run.first_users.take();
-        let complete_after = schedule.map(|s| &s.complete_after[..]).or(first_users.as_deref()).expect("the first step finds the users");
+        let complete_after = schedule
+            .map(|s| &s.complete_after[..])
+            .or(first_users.as_deref())
+            .expect("the first step finds the users");
         let mut sums = ParamGrads::new(grads, expected, self.params.len());
         run.backward(kept, &mut sums, &mut Reporter::new(finished, complete_after))?;
         let (grads, contributions) = sums.finish();

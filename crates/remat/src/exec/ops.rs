@@ -48,7 +48,8 @@ pub(super) fn digest(t: &Tensor) -> Result<Option<u64>> {
         let at: Vec<u32> = (0..picks).map(|k| (k * n / picks) as u32).collect();
         let at = Tensor::from_vec(at, picks, t.device())?;
         // f64 holds every float and small integer dtype's values exactly: equal bits, equal values.
-        let values = t.flatten_all()?.index_select(&at, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+        let values =
+            t.flatten_all()?.index_select(&at, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
         values.iter().for_each(|v| v.to_bits().hash(&mut h));
     }
     Ok(Some(h.finish()))
@@ -71,7 +72,10 @@ pub(super) fn add_into(store: &mut GradStore, p: &Var, g: Tensor) -> Result<()> 
 /// Whether `acc += g` can run in place ([`AddAssign`], CPU); elsewhere the sum is a new tensor.
 /// The same bits as candle's `acc + g` either way.
 fn adds_in_place(acc: &Tensor, g: &Tensor) -> bool {
-    acc.device().is_cpu() && acc.is_contiguous() && g.dtype() == acc.dtype() && g.shape() == acc.shape()
+    acc.device().is_cpu()
+        && acc.is_contiguous()
+        && g.dtype() == acc.dtype()
+        && g.shape() == acc.shape()
 }
 
 struct AddAssign;
@@ -81,11 +85,18 @@ impl InplaceOp2 for AddAssign {
         "remat-add-assign"
     }
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
         fn add<T: Copy + std::ops::Add<Output = T>>(a: &mut [T], b: &[T]) {
             a.iter_mut().zip(b).for_each(|(a, &b)| *a = *a + b);
         }
-        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
             candle_core::bail!("remat-add-assign: operands must be contiguous")
         };
         match (s1, s2) {
@@ -124,7 +135,12 @@ impl CustomOp1 for GradSeed {
         Ok((CpuStorage::F32(vec![0.0]), Shape::from(())))
     }
 
-    fn bwd(&self, _arg: &Tensor, _res: &Tensor, _grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        _grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
         let grad = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
         match grad {
             Some(grad) => Ok(Some(grad)),

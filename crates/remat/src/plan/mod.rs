@@ -76,7 +76,10 @@ pub struct StageCost {
 impl StageCost {
     /// Bytes and milliseconds of the ops of a kind in `keep`.
     pub fn kept(&self, keep: OpSet) -> (u64, f64) {
-        self.keepable.iter().filter(|o| keep.contains(o.kind)).fold((0, 0.0), |(b, t), o| (b + o.bytes, t + o.ms))
+        self.keepable
+            .iter()
+            .filter(|o| keep.contains(o.kind))
+            .fold((0, 0.0), |(b, t), o| (b + o.bytes, t + o.ms))
     }
 }
 
@@ -265,7 +268,14 @@ pub enum PlanError {
         mib(*.budget), mib(.fixed + .step), mib(*.fixed), mib(*.step), mib(*.dominant_bytes)
     )]
     #[allow(missing_docs)] // its fields are what its message names
-    BelowMinimum { budget: u64, fixed: u64, step: u64, plan: String, dominant: &'static str, dominant_bytes: u64 },
+    BelowMinimum {
+        budget: u64,
+        fixed: u64,
+        step: u64,
+        plan: String,
+        dominant: &'static str,
+        dominant_bytes: u64,
+    },
     /// Two profiles that cannot be extrapolated from.
     #[error("profiles at batch {0} and {1} cannot be extrapolated: they must be of the same graph at two different batch sizes")]
     Extrapolate(usize, usize),
@@ -286,13 +296,21 @@ pub const FRONTIER_CUTS: usize = 64;
 /// as it is. `fixed`: the heap before a step
 /// (parameters, optimizer state, inputs); `available`: what `auto` may use (the device's free
 /// memory less a margin, or the memory cap).
-pub fn resolve(request: &PolicyRequest, profile: &Profile, fixed: u64, grads: Grads, available: Option<u64>) -> Result<(Policy, Option<Plan>)> {
+pub fn resolve(
+    request: &PolicyRequest,
+    profile: &Profile,
+    fixed: u64,
+    grads: Grads,
+    available: Option<u64>,
+) -> Result<(Policy, Option<Plan>)> {
     let budget = match request {
         PolicyRequest::Budget(b) => *b,
         PolicyRequest::Auto => available.ok_or(Error::NoMemoryLimit)?,
         PolicyRequest::Fixed(policy) => return Ok((policy.clone(), None)),
     };
-    let plan = profile.plan(budget, fixed, grads).map_err(|reason| Error::Plan { policy: request.to_string(), reason: Box::new(reason) })?;
+    let plan = profile
+        .plan(budget, fixed, grads)
+        .map_err(|reason| Error::Plan { policy: request.to_string(), reason: Box::new(reason) })?;
     Ok((plan.policy(), Some(plan)))
 }
 
@@ -308,7 +326,8 @@ pub fn frontier(profile: &Profile, fixed: u64, grads: Grads, points: usize) -> V
     let high = profile.predict_policy(&Policy::Off, grads).map_or(low, |e| e.peak);
     let mut plans: Vec<Plan> = Vec::new();
     for k in 0..points.max(2) {
-        let budget = fixed + low + (high.saturating_sub(low)) * k as u64 / (points.max(2) - 1) as u64;
+        let budget =
+            fixed + low + (high.saturating_sub(low)) * k as u64 / (points.max(2) - 1) as u64;
         if let Ok(p) = profile.plan(budget, fixed, grads) {
             if plans.last().is_none_or(|q| q.starts != p.starts) {
                 plans.push(p);
@@ -320,7 +339,10 @@ pub fn frontier(profile: &Profile, fixed: u64, grads: Grads, points: usize) -> V
 
 /// A readable summary of a profile's stages (for `--dry-run`).
 pub fn describe(profile: &Profile) -> String {
-    let mut out = format!("{:>4}  {:<24} {:>12} {:>12} {:>12} {:>10}\n", "#", "stage", "keeps", "backward+", "param grads", "forward");
+    let mut out = format!(
+        "{:>4}  {:<24} {:>12} {:>12} {:>12} {:>10}\n",
+        "#", "stage", "keeps", "backward+", "param grads", "forward"
+    );
     for (i, s) in profile.stages.iter().enumerate() {
         out += &format!(
             "{i:>4}  {:<24} {:>12} {:>12} {:>12} {:>8.1}ms\n",

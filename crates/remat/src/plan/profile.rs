@@ -35,12 +35,24 @@ impl Profile {
     /// are that stage's (of the same shapes and dtypes, by the signature's promise), which later
     /// stages read in their place. GPT-2 XL's 48 blocks then cost one block's measurement.
     /// [`Profile::measure_each`] measures every stage.
-    pub fn measure(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: usize, seed: u64) -> Result<Profile> {
+    pub fn measure(
+        graph: &StageGraph,
+        inputs: &[Tensor],
+        params: &[Var],
+        batch: usize,
+        seed: u64,
+    ) -> Result<Profile> {
         measure_graph(graph, inputs, params, batch, seed, true)
     }
 
     /// [`Profile::measure`] without reusing any stage's figures: what the reuse is checked against.
-    pub fn measure_each(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: usize, seed: u64) -> Result<Profile> {
+    pub fn measure_each(
+        graph: &StageGraph,
+        inputs: &[Tensor],
+        params: &[Var],
+        batch: usize,
+        seed: u64,
+    ) -> Result<Profile> {
         measure_graph(graph, inputs, params, batch, seed, false)
     }
 
@@ -69,14 +81,23 @@ impl Profile {
         batch: usize,
         seed: u64,
     ) -> Result<Profile> {
-        let (one, two) = (Profile::at_batch(graph, &inputs_at, params, probes.0, seed)?, Profile::at_batch(graph, &inputs_at, params, probes.1, seed)?);
+        let (one, two) = (
+            Profile::at_batch(graph, &inputs_at, params, probes.0, seed)?,
+            Profile::at_batch(graph, &inputs_at, params, probes.1, seed)?,
+        );
         Ok(Profile::extrapolate(&one, &two, batch)?)
     }
 
     /// The profile at `batch`, from profiles `a` and `b` of the same graph at two batch sizes:
     /// every quantity on the line through the two (bytes rounded, never below zero).
-    pub fn extrapolate(a: &Profile, b: &Profile, batch: usize) -> std::result::Result<Profile, PlanError> {
-        let same = a.batch != b.batch && a.stages.len() == b.stages.len() && a.values.len() == b.values.len();
+    pub fn extrapolate(
+        a: &Profile,
+        b: &Profile,
+        batch: usize,
+    ) -> std::result::Result<Profile, PlanError> {
+        let same = a.batch != b.batch
+            && a.stages.len() == b.stages.len()
+            && a.values.len() == b.values.len();
         if !same {
             return Err(PlanError::Extrapolate(a.batch, b.batch));
         }
@@ -84,7 +105,12 @@ impl Profile {
         let line = |x: f64, y: f64| x + (y - x) * t;
         let bytes = |x: u64, y: u64| line(x as f64, y as f64).round().max(0.0) as u64;
         let ms = |x: f64, y: f64| line(x, y).max(0.0);
-        let values = a.values.iter().zip(&b.values).map(|(x, y)| ValueCost { bytes: bytes(x.bytes, y.bytes), float: x.float }).collect();
+        let values = a
+            .values
+            .iter()
+            .zip(&b.values)
+            .map(|(x, y)| ValueCost { bytes: bytes(x.bytes, y.bytes), float: x.float })
+            .collect();
         let stages = a
             .stages
             .iter()
@@ -98,11 +124,26 @@ impl Profile {
                 param_grad_bytes: x.param_grad_bytes,
                 forward_ms: ms(x.forward_ms, y.forward_ms),
                 backward_ms: ms(x.backward_ms, y.backward_ms),
-                keepable: x.keepable.iter().zip(&y.keepable).map(|(a, b)| KeptOp { bytes: bytes(a.bytes, b.bytes), ms: ms(a.ms, b.ms), ..*a }).collect(),
+                keepable: x
+                    .keepable
+                    .iter()
+                    .zip(&y.keepable)
+                    .map(|(a, b)| KeptOp {
+                        bytes: bytes(a.bytes, b.bytes),
+                        ms: ms(a.ms, b.ms),
+                        ..*a
+                    })
+                    .collect(),
                 ..x.clone()
             })
             .collect();
-        Ok(Profile { batch, n_inputs: a.n_inputs, values, stages, shared_grads: a.shared_grads.clone() })
+        Ok(Profile {
+            batch,
+            n_inputs: a.n_inputs,
+            values,
+            stages,
+            shared_grads: a.shared_grads.clone(),
+        })
     }
 
     /// Every stage's kind, in order.
@@ -173,7 +214,9 @@ impl Users {
     fn shared(&self) -> Vec<SharedGrad> {
         (0..self.bytes.len())
             .filter_map(|k| match (self.first[k], self.last[k]) {
-                (Some(first), Some(last)) if first < last => Some(SharedGrad { first, last, bytes: self.bytes[k] }),
+                (Some(first), Some(last)) if first < last => {
+                    Some(SharedGrad { first, last, bytes: self.bytes[k] })
+                }
                 _ => None,
             })
             .collect()
@@ -181,7 +224,14 @@ impl Users {
 }
 
 /// [`Profile::measure`], reusing alike stages' figures where `reuse`.
-fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: usize, seed: u64, reuse: bool) -> Result<Profile> {
+fn measure_graph(
+    graph: &StageGraph,
+    inputs: &[Tensor],
+    params: &[Var],
+    batch: usize,
+    seed: u64,
+    reuse: bool,
+) -> Result<Profile> {
     if inputs.len() != graph.n_inputs() {
         return Err(Error::Inputs { expected: graph.n_inputs(), got: inputs.len() });
     }
@@ -191,8 +241,20 @@ fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: u
     if device.is_cpu() && !crate::memory::heap_meter_installed() {
         return Err(Error::NoMeter);
     }
-    let meter = Meter { counter: Counter::for_device(device), n_inputs: graph.n_inputs(), output: graph.output()?, params, seed };
-    let mut values: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).chain(std::iter::repeat(None)).take(graph.n_values()).collect();
+    let meter = Meter {
+        counter: Counter::for_device(device),
+        n_inputs: graph.n_inputs(),
+        output: graph.output()?,
+        params,
+        seed,
+    };
+    let mut values: Vec<Option<Tensor>> = inputs
+        .iter()
+        .cloned()
+        .map(Some)
+        .chain(std::iter::repeat(None))
+        .take(graph.n_values())
+        .collect();
     let mut costs: Vec<ValueCost> = vec![ValueCost { bytes: 0, float: false }; graph.n_values()];
     for (c, t) in costs.iter_mut().zip(inputs) {
         *c = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
@@ -204,18 +266,42 @@ fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: u
     let mut reused_grad_bytes = vec![0u64; graph.nodes().len()];
     let last_reader = graph.last_readers();
     for (i, node) in graph.nodes().iter().enumerate() {
-        let ins =
-            node.inputs.iter().map(|&v| values[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not produced")))).collect::<Result<Vec<_>>>()?;
-        let key = node.stage.signature().filter(|_| reuse).map(|s| (s, ins.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect::<Vec<_>>()));
+        let ins = node
+            .inputs
+            .iter()
+            .map(|&v| {
+                values[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not produced")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let key =
+            node.stage.signature().filter(|_| reuse).map(|s| {
+                (s, ins.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect::<Vec<_>>())
+            });
         let (outs, cost) = match key.as_ref().and_then(|k| alike.get(k)) {
             Some(m) => {
                 reused_grad_bytes[i] = m.param_grad_bytes;
-                (m.outputs.clone(), StageCost { name: node.stage.name(), kind: node.stage.kind(), inputs: node.inputs.clone(), outputs: node.outputs.clone(), ..m.cost.clone() })
+                (
+                    m.outputs.clone(),
+                    StageCost {
+                        name: node.stage.name(),
+                        kind: node.stage.kind(),
+                        inputs: node.inputs.clone(),
+                        outputs: node.outputs.clone(),
+                        ..m.cost.clone()
+                    },
+                )
             }
             None => {
                 let (outs, cost, grads) = measure_twice(&meter, node, i, &ins)?;
                 if let Some(key) = key {
-                    alike.insert(key, Measured { cost: cost.clone(), outputs: outs.clone(), param_grad_bytes: grads.iter().map(|(_, b)| b).sum() });
+                    alike.insert(
+                        key,
+                        Measured {
+                            cost: cost.clone(),
+                            outputs: outs.clone(),
+                            param_grad_bytes: grads.iter().map(|(_, b)| b).sum(),
+                        },
+                    );
                 }
                 users.record(i, &grads);
                 (outs, cost)
@@ -237,7 +323,13 @@ fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: u
         stage.param_grad_bytes += bytes;
     }
     set_activity(Activity::Setup, None);
-    Ok(Profile { batch, n_inputs: meter.n_inputs, values: costs, stages, shared_grads: users.shared() })
+    Ok(Profile {
+        batch,
+        n_inputs: meter.n_inputs,
+        values: costs,
+        stages,
+        shared_grads: users.shared(),
+    })
 }
 
 /// Stage `i` measured twice, every figure the smaller of the two: a kernel's first call may grow
@@ -245,7 +337,12 @@ fn measure_graph(graph: &StageGraph, inputs: &[Tensor], params: &[Var], batch: u
 /// starts its thread pool, neither the stage's to keep. So no pass needs to run before a
 /// measurement: a pass thrown away first left every prediction of remat's schedule test
 /// unchanged to the byte.
-fn measure_twice(meter: &Meter, node: &crate::graph::Node, i: usize, ins: &[Tensor]) -> Result<(Vec<Tensor>, StageCost, ParamGradBytes)> {
+fn measure_twice(
+    meter: &Meter,
+    node: &crate::graph::Node,
+    i: usize,
+    ins: &[Tensor],
+) -> Result<(Vec<Tensor>, StageCost, ParamGradBytes)> {
     let (outs, first, grads) = measure_stage(meter, node, i, ins)?;
     let (_, second, _) = measure_stage(meter, node, i, ins)?;
     Ok((outs, first.least(&second), grads))
@@ -256,13 +353,28 @@ type ParamGradBytes = Vec<(usize, u64)>;
 
 /// One measurement of stage `i` of a graph on its inputs `ins`: its outputs (detached), its
 /// costs, and the bytes of each parameter gradient (by index in `params`) its backward gives.
-fn measure_stage(meter: &Meter, node: &crate::graph::Node, i: usize, ins: &[Tensor]) -> Result<(Vec<Tensor>, StageCost, ParamGradBytes)> {
-    let (counter, n_inputs, output, params, seed) = (&meter.counter, meter.n_inputs, meter.output, meter.params, meter.seed);
+fn measure_stage(
+    meter: &Meter,
+    node: &crate::graph::Node,
+    i: usize,
+    ins: &[Tensor],
+) -> Result<(Vec<Tensor>, StageCost, ParamGradBytes)> {
+    let (counter, n_inputs, output, params, seed) =
+        (&meter.counter, meter.n_inputs, meter.output, meter.params, meter.seed);
     let stage_err = |source| Error::Stage { stage: i, name: node.stage.name(), source };
-    let ctx = || StageCtx::new(crate::RunPoint { seed, stage: i, recompute: true, train: true, ..Default::default() });
+    let ctx = || {
+        StageCtx::new(crate::RunPoint {
+            seed,
+            stage: i,
+            recompute: true,
+            train: true,
+            ..Default::default()
+        })
+    };
     set_activity(Activity::Forward, Some(i));
     // Without a graph of its own: the outputs keep their op graph until detached.
-    let (outs, chain_bytes, chain_transient, _) = metered(counter, || node.stage.forward(ins, &ctx()).map_err(stage_err))?;
+    let (outs, chain_bytes, chain_transient, _) =
+        metered(counter, || node.stage.forward(ins, &ctx()).map_err(stage_err))?;
     let detached: Vec<Tensor> = outs.iter().map(Tensor::detach).collect();
     drop(outs);
     // With a graph on `Var`s over its inputs, as the executor's last segment and recomputes run it.
@@ -270,10 +382,21 @@ fn measure_stage(meter: &Meter, node: &crate::graph::Node, i: usize, ins: &[Tens
         .inputs
         .iter()
         .zip(ins)
-        .map(|(&v, t)| Ok(if v >= n_inputs && t.dtype().is_float() { Some(crate::exec::var_over(t)?) } else { None }))
+        .map(|(&v, t)| {
+            Ok(if v >= n_inputs && t.dtype().is_float() {
+                Some(crate::exec::var_over(t)?)
+            } else {
+                None
+            })
+        })
         .collect::<Result<Vec<Option<Var>>>>()?;
-    let run_ins: Vec<Tensor> = graph_ins.iter().zip(ins).map(|(var, t)| var.as_ref().map_or(t.clone(), |v| v.as_tensor().clone())).collect();
-    // The ops a policy could keep (`+keep=`) are measured in passing: their outputs' bytes and times.
+    let run_ins: Vec<Tensor> = graph_ins
+        .iter()
+        .zip(ins)
+        .map(|(var, t)| var.as_ref().map_or(t.clone(), |v| v.as_tensor().clone()))
+        .collect();
+    // The ops a policy could keep (`+keep=`) are measured in passing: their outputs' bytes and
+    // times.
     let stash = Stash::default();
     let (outs, graph_bytes, graph_transient, forward_ms) = metered(counter, || {
         let _scope = Scope::enter(Mode::Measure, OpSet::all(), i, &stash);
@@ -304,7 +427,11 @@ fn measure_stage(meter: &Meter, node: &crate::graph::Node, i: usize, ins: &[Tens
             None => None,
         })
     })?;
-    let param_grads = params.iter().enumerate().filter_map(|(k, p)| Some((k, counter.held_bytes(grads.as_ref()?.get(p)?)))).collect();
+    let param_grads = params
+        .iter()
+        .enumerate()
+        .filter_map(|(k, p)| Some((k, counter.held_bytes(grads.as_ref()?.get(p)?))))
+        .collect();
     set_activity(Activity::Setup, None);
     let cost = StageCost {
         name: node.stage.name(),
@@ -336,7 +463,12 @@ impl StageCost {
             backward_transient: self.backward_transient.min(other.backward_transient),
             forward_ms: self.forward_ms.min(other.forward_ms),
             backward_ms: self.backward_ms.min(other.backward_ms),
-            keepable: self.keepable.iter().zip(&other.keepable).map(|(a, b)| KeptOp { bytes: a.bytes.min(b.bytes), ms: a.ms.min(b.ms), ..*a }).collect(),
+            keepable: self
+                .keepable
+                .iter()
+                .zip(&other.keepable)
+                .map(|(a, b)| KeptOp { bytes: a.bytes.min(b.bytes), ms: a.ms.min(b.ms), ..*a })
+                .collect(),
             ..self.clone()
         }
     }

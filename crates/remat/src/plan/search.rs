@@ -10,30 +10,53 @@ impl Profile {
     /// Stages where a segment may start: blocks and downsampling stages (what the fixed
     /// policies cut at), and stage 0.
     pub(super) fn candidates(&self) -> Vec<usize> {
-        self.stages.iter().enumerate().filter(|(i, s)| *i == 0 || s.kind.is_block() || s.kind.is_downsample()).map(|(i, _)| i).collect()
+        self.stages
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| *i == 0 || s.kind.is_block() || s.kind.is_downsample())
+            .map(|(i, _)| i)
+            .collect()
     }
 
     /// The plan with the least recompute time whose peak, plus `fixed` (the heap before the step:
     /// parameters, optimizer state, inputs), fits `budget`; equal times go to the lower peak.
-    pub fn plan(&self, budget: u64, fixed: u64, grads: Grads) -> std::result::Result<Plan, PlanError> {
+    pub fn plan(
+        &self,
+        budget: u64,
+        fixed: u64,
+        grads: Grads,
+    ) -> std::result::Result<Plan, PlanError> {
         let found = if budget >= fixed { self.search(budget - fixed, grads) } else { None };
         match found {
             Some(plan) => Ok(plan),
             None => {
                 let min = self.least_peak(grads);
                 let (dominant, dominant_bytes) = min.estimate.at_peak.dominant();
-                Err(PlanError::BelowMinimum { budget, fixed, step: min.estimate.peak, plan: min.policy().to_string(), dominant, dominant_bytes })
+                Err(PlanError::BelowMinimum {
+                    budget,
+                    fixed,
+                    step: min.estimate.peak,
+                    plan: min.policy().to_string(),
+                    dominant,
+                    dominant_bytes,
+                })
             }
         }
     }
 
-    /// The plan with the smallest predicted peak (a bisection over budgets of the search `Profile::plan` makes).
+    /// The plan with the smallest predicted peak (a bisection over budgets of the search
+    /// `Profile::plan` makes).
     pub fn least_peak(&self, grads: Grads) -> Plan {
-        let all = self.stages.iter().map(|s| s.graph_bytes + s.chain_bytes + s.graph_transient + s.backward_transient).sum::<u64>()
+        let all = self
+            .stages
+            .iter()
+            .map(|s| s.graph_bytes + s.chain_bytes + s.graph_transient + s.backward_transient)
+            .sum::<u64>()
             + self.values.iter().map(|v| 2 * v.bytes).sum::<u64>()
             + self.param_grad_bytes()
             + grads.held();
-        let mut best = self.search(all, grads).expect("every plan fits a budget of everything at once");
+        let mut best =
+            self.search(all, grads).expect("every plan fits a budget of everything at once");
         let (mut lo, mut hi) = (0u64, best.estimate.peak);
         while lo + 1 < hi {
             let mid = lo + (hi - lo) / 2;
@@ -61,12 +84,24 @@ impl Profile {
             starts: Vec<usize>,
         }
         let mut fronts: Vec<Vec<Partial>> = (0..cuts.len()).map(|_| Vec::new()).collect();
-        fronts[0].push(Partial { past: 0, recompute: 0.0, peak: Estimate::default(), starts: vec![0] });
+        fronts[0].push(Partial {
+            past: 0,
+            recompute: 0.0,
+            peak: Estimate::default(),
+            starts: vec![0],
+        });
         let mut best: Option<Partial> = None;
         for (ia, &a) in cuts.iter().enumerate() {
             let front = std::mem::take(&mut fronts[ia]);
             for p in &front {
-                for (ib, b) in cuts.iter().copied().enumerate().skip(ia + 1).map(|(i, b)| (Some(i), b)).chain(std::iter::once((None, n))) {
+                for (ib, b) in cuts
+                    .iter()
+                    .copied()
+                    .enumerate()
+                    .skip(ia + 1)
+                    .map(|(i, b)| (Some(i), b))
+                    .chain(std::iter::once((None, n)))
+                {
                     let last = ib.is_none();
                     let cost = walk.estimate(a, b, last, p.past);
                     if cost.peak > step_budget {
@@ -75,19 +110,34 @@ impl Profile {
                     let mut peak = p.peak;
                     peak.merge(&cost);
                     let mut starts = p.starts.clone();
-                    let next = Partial { past: p.past + walk.settled(a, b), recompute: p.recompute + cost.recompute_ms, peak, starts: Vec::new() };
+                    let next = Partial {
+                        past: p.past + walk.settled(a, b),
+                        recompute: p.recompute + cost.recompute_ms,
+                        peak,
+                        starts: Vec::new(),
+                    };
                     match ib {
                         None => {
-                            let better = best.as_ref().is_none_or(|q| (next.recompute, next.peak.peak) < (q.recompute, q.peak.peak));
+                            let better = best.as_ref().is_none_or(|q| {
+                                (next.recompute, next.peak.peak) < (q.recompute, q.peak.peak)
+                            });
                             if better {
                                 best = Some(Partial { starts, ..next });
                             }
                         }
                         Some(ib) => {
                             let f = &mut fronts[ib];
-                            let dominated = f.iter().any(|q| q.past <= next.past && q.recompute <= next.recompute && q.peak.peak <= next.peak.peak);
+                            let dominated = f.iter().any(|q| {
+                                q.past <= next.past
+                                    && q.recompute <= next.recompute
+                                    && q.peak.peak <= next.peak.peak
+                            });
                             if !dominated {
-                                f.retain(|q| !(next.past <= q.past && next.recompute <= q.recompute && next.peak.peak <= q.peak.peak));
+                                f.retain(|q| {
+                                    !(next.past <= q.past
+                                        && next.recompute <= q.recompute
+                                        && next.peak.peak <= q.peak.peak)
+                                });
                                 starts.push(b);
                                 f.push(Partial { starts, ..next });
                             }
@@ -97,7 +147,15 @@ impl Profile {
             }
         }
         let best = best?;
-        let segments: Vec<Range<usize>> = best.starts.iter().zip(best.starts.iter().skip(1).chain(std::iter::once(&n))).map(|(&a, &b)| a..b).collect();
-        Some(Plan { estimate: self.predict(&segments, OpSet::default(), grads), starts: best.starts })
+        let segments: Vec<Range<usize>> = best
+            .starts
+            .iter()
+            .zip(best.starts.iter().skip(1).chain(std::iter::once(&n)))
+            .map(|(&a, &b)| a..b)
+            .collect();
+        Some(Plan {
+            estimate: self.predict(&segments, OpSet::default(), grads),
+            starts: best.starts,
+        })
     }
 }

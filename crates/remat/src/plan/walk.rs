@@ -41,7 +41,13 @@ impl Profile {
         let mut past = 0;
         for (k, seg) in segments.iter().enumerate() {
             let mut back = Vec::new();
-            walk.segment(seg.start, seg.end, k + 1 == segments.len(), past, |p| if p.phase == Phase::Forward { forward.push(p) } else { back.push(p) });
+            walk.segment(seg.start, seg.end, k + 1 == segments.len(), past, |p| {
+                if p.phase == Phase::Forward {
+                    forward.push(p)
+                } else {
+                    back.push(p)
+                }
+            });
             backward.push(back);
             past += walk.settled(seg.start, seg.end);
         }
@@ -88,7 +94,8 @@ pub(super) struct Walk<'p> {
 
 impl<'p> Walk<'p> {
     pub(super) fn new(p: &'p Profile, keep: OpSet, grads: Grads) -> Self {
-        let wiring = Wiring::new(p.values.len(), p.stages.iter().map(|s| (&s.inputs[..], &s.outputs[..])));
+        let wiring =
+            Wiring::new(p.values.len(), p.stages.iter().map(|s| (&s.inputs[..], &s.outputs[..])));
         Walk { p, wiring, grads, kept: p.stages.iter().map(|s| s.kept(keep)).collect() }
     }
 
@@ -107,7 +114,11 @@ impl<'p> Walk<'p> {
     /// not among them: every stage before a segment's start keeps its outputs (Rule 10) through
     /// that segment whatever the cuts, so [`Walk::segment`] counts those itself.
     pub(super) fn settled(&self, a: usize, b: usize) -> u64 {
-        self.wiring.stored_at(a).filter(|&v| self.wiring.readers(v).last().is_some_and(|&r| r < b)).map(|v| self.bytes(v)).sum()
+        self.wiring
+            .stored_at(a)
+            .filter(|&v| self.wiring.readers(v).last().is_some_and(|&r| r < b))
+            .map(|v| self.bytes(v))
+            .sum()
     }
 
     /// The estimate of the segment `a..b` alone: its points' peaks and its recompute time.
@@ -116,7 +127,10 @@ impl<'p> Walk<'p> {
         self.segment(a, b, last, past, |point| est.see(&point));
         if !last {
             // Rule 10: a replayed op is not run again.
-            est.recompute_ms = self.p.stages[a..b].iter().zip(&self.kept[a..b]).fold(0.0, |t, (s, k)| t + (s.forward_ms - k.1).max(0.0));
+            est.recompute_ms = self.p.stages[a..b]
+                .iter()
+                .zip(&self.kept[a..b])
+                .fold(0.0, |t, (s, k)| t + (s.forward_ms - k.1).max(0.0));
         }
         est
     }
@@ -159,7 +173,16 @@ impl<'w, 'p> SegmentWalk<'w, 'p> {
     fn new(walk: &'w Walk<'p>, range: Range<usize>, last: bool, past: u64) -> Self {
         let (a, b) = (range.start, range.end);
         let stored_here: Vec<ValueId> = walk.wiring.stored_at(a).collect();
-        let mut seg = SegmentWalk { walk, a, b, last, past, kept_before: walk.kept_bytes(0..a), stored_here, handed: Vec::new() };
+        let mut seg = SegmentWalk {
+            walk,
+            a,
+            b,
+            last,
+            past,
+            kept_before: walk.kept_bytes(0..a),
+            stored_here,
+            handed: Vec::new(),
+        };
         seg.handed = seg
             .stored_here
             .iter()
@@ -188,11 +211,18 @@ impl<'w, 'p> SegmentWalk<'w, 'p> {
     /// on candle as published, its first reader's `Var` is a copy of a value produced in the
     /// segment, held until that reader's backward.
     fn vars(&self, i: usize) -> u64 {
-        let handed: u64 = self.handed.iter().filter(|&&(first, _)| first == i).map(|&(_, bytes)| bytes).sum();
+        let handed: u64 =
+            self.handed.iter().filter(|&&(first, _)| first == i).map(|&(_, bytes)| bytes).sum();
         let copied = |v: &&ValueId| {
-            self.float(**v) && self.walk.wiring.producer(**v).is_some_and(|p| p >= self.a) && self.first_reader(**v) == i
+            self.float(**v)
+                && self.walk.wiring.producer(**v).is_some_and(|p| p >= self.a)
+                && self.first_reader(**v) == i
         };
-        let copies = if crate::rules::VARS_COPY { self.walk.p.stages[i].inputs.iter().filter(copied).map(|&v| self.walk.bytes(v)).sum() } else { 0 };
+        let copies = if crate::rules::VARS_COPY {
+            self.walk.p.stages[i].inputs.iter().filter(copied).map(|&v| self.walk.bytes(v)).sum()
+        } else {
+            0
+        };
         handed + copies
     }
 
@@ -206,21 +236,37 @@ impl<'w, 'p> SegmentWalk<'w, 'p> {
             + if self.walk.grads == Grads::Gathered {
                 p.stages[b..].iter().map(|s| s.param_grad_bytes).sum::<u64>()
             } else {
-                p.shared_grads.iter().filter(|s| s.last >= b && s.first < b).map(|s| s.bytes).sum::<u64>()
+                p.shared_grads
+                    .iter()
+                    .filter(|s| s.last >= b && s.first < b)
+                    .map(|s| s.bytes)
+                    .sum::<u64>()
             }
     }
 
     /// The segment's forward, stage by stage; returns what its stages hold at its end.
     fn forward(&self, see: &mut impl FnMut(Point)) -> u64 {
-        // Rule 1: forward holds every value stored so far; Rule 2: a segment's stages stay until it ends.
+        // Rule 1: forward holds every value stored so far; Rule 2: a segment's stages stay until it
+        // ends.
         let stored = self.past + self.stored_here.iter().map(|&v| self.walk.bytes(v)).sum::<u64>();
         let mut live = 0;
         for (i, st) in self.walk.p.stages.iter().enumerate().take(self.b).skip(self.a) {
             // Rule 3: the last segment's forward builds graphs, on `Var`s (Rule 4).
-            let (keep, transient) = if self.last { (self.vars(i) + st.graph_bytes, st.graph_transient) } else { (st.chain_bytes, st.chain_transient) };
+            let (keep, transient) = if self.last {
+                (self.vars(i) + st.graph_bytes, st.graph_transient)
+            } else {
+                (st.chain_bytes, st.chain_transient)
+            };
             let stored = if self.last { stored - self.handed_by(i) } else { stored };
             live += keep;
-            let held = Breakdown { stored, kept: self.kept_before, param_grads: self.walk.grads.held(), value_grads: 0, live, transient: 0 };
+            let held = Breakdown {
+                stored,
+                kept: self.kept_before,
+                param_grads: self.walk.grads.held(),
+                value_grads: 0,
+                live,
+                transient: 0,
+            };
             see(Point::after(Phase::Forward, i, held, transient));
         }
         live
@@ -232,18 +278,37 @@ impl<'w, 'p> SegmentWalk<'w, 'p> {
         let (walk, stages, a, b) = (self.walk, &self.walk.p.stages, self.a, self.b);
         // Rule 5: stored values whose earliest reader's segment is this one or an earlier one are
         // held (not what this segment stores: its recompute makes those anew).
-        let stored = self.past + self.stored_here.iter().filter(|&&v| self.first_reader(v) < b).map(|&v| walk.bytes(v)).sum::<u64>();
+        let stored = self.past
+            + self
+                .stored_here
+                .iter()
+                .filter(|&&v| self.first_reader(v) < b)
+                .map(|&v| walk.bytes(v))
+                .sum::<u64>();
         // Rule 7: gradients of the values later segments read, waiting for their producers.
-        let mut pending: BTreeSet<ValueId> = walk.wiring.stored_at(b).filter(|&v| self.float(v)).collect();
+        let mut pending: BTreeSet<ValueId> =
+            walk.wiring.stored_at(b).filter(|&v| self.float(v)).collect();
         let value_grads = pending.iter().map(|&v| walk.bytes(v)).sum();
-        let mut held = Breakdown { stored, kept: self.kept_before, param_grads: self.grads_after(), value_grads, live: 0, transient: 0 };
+        let mut held = Breakdown {
+            stored,
+            kept: self.kept_before,
+            param_grads: self.grads_after(),
+            value_grads,
+            live: 0,
+            transient: 0,
+        };
         if !self.last {
             // Rule 3: recomputed with graphs, right before its backward.
             for (i, st) in stages.iter().enumerate().take(b).skip(a) {
                 held.live += self.vars(i) + st.graph_bytes;
                 // Rule 10: a replayed output's copy joins the stage's graph as its kept one goes;
-                // while the stage runs, some of its kept outputs are still held beside their copies.
-                let now = Breakdown { stored: stored - self.handed_by(i), kept: self.kept_before + walk.kept_bytes(i + 1..b), ..held };
+                // while the stage runs, some of its kept outputs are still held beside their
+                // copies.
+                let now = Breakdown {
+                    stored: stored - self.handed_by(i),
+                    kept: self.kept_before + walk.kept_bytes(i + 1..b),
+                    ..held
+                };
                 see(Point::after(Phase::Recompute, i, now, st.graph_transient.max(walk.kept[i].0)));
             }
             held.kept = self.kept_before;
@@ -288,7 +353,11 @@ impl<'w, 'p> SegmentWalk<'w, 'p> {
 /// The values a cut of the stages into `segments` stores (graph inputs excluded), in order.
 pub fn stored_values(profile: &Profile, segments: &[Range<usize>]) -> Vec<ValueId> {
     let walk = Walk::new(profile, OpSet::default(), Grads::Gathered);
-    let mut out: Vec<ValueId> = segments.iter().skip(1).flat_map(|s| walk.wiring.stored_at(s.start).collect::<Vec<_>>()).collect();
+    let mut out: Vec<ValueId> = segments
+        .iter()
+        .skip(1)
+        .flat_map(|s| walk.wiring.stored_at(s.start).collect::<Vec<_>>())
+        .collect();
     out.sort_unstable();
     out.dedup();
     out

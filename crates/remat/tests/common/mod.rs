@@ -33,7 +33,13 @@ impl candle_core::CustomOp2 for Given {
         "given-matmul"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let y = self.0.lock().unwrap().take().expect("forward runs once");
         let (storage, layout) = y.storage_and_layout();
         let candle_core::Storage::Cpu(s) = &*storage else { candle_core::bail!("CPU only") };
@@ -41,7 +47,13 @@ impl candle_core::CustomOp2 for Given {
         Ok((s.clone(), y.shape().clone()))
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dx = x.track_op().then(|| g.matmul(&w.t()?)).transpose()?;
         let dw = w.track_op().then(|| x.t()?.matmul(g)).transpose()?;
         Ok((dx, dw))
