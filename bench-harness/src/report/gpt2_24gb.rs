@@ -136,32 +136,7 @@ pub fn table(m: &Matrix) -> String {
             | model | variant | policy | predicted GiB | measured GiB | error | fits 24 GiB | tokens/s | step time | gradients |\n\
             |---|---|---|---|---|---|---|---|---|---|\n";
     for r in &records {
-        let (model, variant) = r.model.split_once('/').unwrap_or((&r.model, ""));
-        let predicted = r.predicted_total_bytes.map_or("-".into(), cell);
-        let seq = r.input.trim_start_matches("seq ").parse::<usize>().unwrap_or(0);
-        let (measured, error, tokens, time) = if r.status == Status::Ok {
-            let total = measured_total(r);
-            let error = r.predicted_total_bytes.map_or("-".into(), |p| {
-                format!("{:+.1}%", (p as f64 / total as f64 - 1.0) * 100.0)
-            });
-            let tokens = (r.batch * r.accumulate * seq) as f64;
-            let mark = if returned_freed_memory(r) { " †" } else { "" };
-            (
-                cell(total),
-                error,
-                format!("{:.1}{mark}", tokens / (r.step_ms_median / 1000.0)),
-                format!("{:.1} s{mark}", r.step_ms_median / 1000.0),
-            )
-        } else {
-            (format!("not run: {}", r.error), "-".into(), "-".into(), "-".into())
-        };
-        let grads = match (r.status, r.grads_checked, r.grads_bit_identical) {
-            (Status::Ok, true, true) => "= plain candle",
-            (Status::Ok, true, false) => "DIFFER",
-            (Status::Ok, false, _) => "not checked (memory)",
-            _ => "-",
-        };
-        let _ = writeln!(out, "| {model} | {variant} | {} | {predicted} | {measured} | {error} | {} | {tokens} | {time} | {grads} |", r.policy, fits(r));
+        let _ = writeln!(out, "{}", measured_row(r));
     }
     let fit: Vec<String> = records
         .iter()
@@ -181,6 +156,36 @@ pub fn table(m: &Matrix) -> String {
     out
 }
 
+/// A configuration's row of the table of predicted against measured.
+fn measured_row(r: &Record) -> String {
+    let (model, variant) = r.model.split_once('/').unwrap_or((&r.model, ""));
+    let predicted = r.predicted_total_bytes.map_or("-".into(), cell);
+    let seq = r.input.trim_start_matches("seq ").parse::<usize>().unwrap_or(0);
+    let (measured, error, tokens, time) = if r.status == Status::Ok {
+        let total = measured_total(r);
+        let error = r
+            .predicted_total_bytes
+            .map_or("-".into(), |p| format!("{:+.1}%", (p as f64 / total as f64 - 1.0) * 100.0));
+        let tokens = (r.batch * r.accumulate * seq) as f64;
+        let mark = if returned_freed_memory(r) { " †" } else { "" };
+        (
+            cell(total),
+            error,
+            format!("{:.1}{mark}", tokens / (r.step_ms_median / 1000.0)),
+            format!("{:.1} s{mark}", r.step_ms_median / 1000.0),
+        )
+    } else {
+        (format!("not run: {}", r.error), "-".into(), "-".into(), "-".into())
+    };
+    let grads = match (r.status, r.grads_checked, r.grads_bit_identical) {
+        (Status::Ok, true, true) => "= plain candle",
+        (Status::Ok, true, false) => "DIFFER",
+        (Status::Ok, false, _) => "not checked (memory)",
+        _ => "-",
+    };
+    format!("| {model} | {variant} | {} | {predicted} | {measured} | {error} | {} | {tokens} | {time} | {grads} |", r.policy, fits(r))
+}
+
 /// The figure of `--matrix gpt2-24gb`: `memory.png` and `.svg`.
 pub fn plot(dir: &Path, m: &Matrix) -> Result<()> {
     plot::both(dir, "memory", (1100, 120 + 22 * m.records.len() as u32), &MemoryChart(m))
@@ -197,10 +202,10 @@ impl Chart for MemoryChart<'_> {
 /// Peak memory of every configuration as a bar split into the model state (weights, gradients,
 /// optimizer state, by arithmetic) and the rest (activations and temporaries): measured where it
 /// ran, predicted and pale where it did not; smallest model at the top, against a line at 24 GiB.
-fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
-    // Bottom up: the largest model's last configuration first. (label, state GiB, total GiB,
-    // measured)
-    let bars: Vec<(String, f64, f64, bool)> = in_size_order(m)
+/// The bars of the memory chart, bottom up (the largest model's last configuration first): each
+/// configuration's label, state and total GiB, and whether it was measured (else predicted).
+fn memory_bars(m: &Matrix) -> Vec<(String, f64, f64, bool)> {
+    in_size_order(m)
         .into_iter()
         .rev()
         .filter_map(|r| {
@@ -221,7 +226,11 @@ fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -
                 )),
             }
         })
-        .collect();
+        .collect()
+}
+
+fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
+    let bars = memory_bars(m);
     let max = bars.iter().map(|b| b.2).fold(26.0, f64::max) * 1.05;
     let n = bars.len().max(1) as i32;
     let mut chart = ChartBuilder::on(root)

@@ -19,60 +19,7 @@ pub fn spawn_one(
     (profile, profiles): (Profile, Option<&Path>),
     mode: One,
 ) -> Record {
-    let exe = std::env::current_exe().expect("own executable");
-    let mut cmd = if common.ranks > 1 {
-        trainkit::parallel::mpirun(common.ranks, &exe)
-    } else {
-        Command::new(exe)
-    };
-    cmd.args([
-        "run-one",
-        "--model",
-        &w.model,
-        "--policy",
-        &policy.to_string(),
-        "--profile",
-        profile.name(),
-    ])
-    .args([
-        "--steps",
-        &common.steps.to_string(),
-        "--seed",
-        &common.seed.to_string(),
-        "--device",
-        &common.device.to_string(),
-    ]);
-    if let Some(cap) = common.memory_cap {
-        cmd.args(["--memory-cap", &cap.to_string()]);
-    }
-    if let Some(dir) = profiles {
-        cmd.arg("--profiles").arg(dir);
-    }
-    pass_overrides(&mut cmd, common.overrides());
-    if common.no_rng_replay {
-        cmd.arg("--no-rng-replay");
-    }
-    if common.fused_path == crate::cli::FusedPath::Generic {
-        cmd.args(["--fused-path", "generic"]);
-    }
-    if common.shard_optimizer {
-        cmd.arg("--shard-optimizer");
-    }
-    if common.return_freed_memory {
-        cmd.env("MIMALLOC_PURGE_DELAY", "0");
-    }
-    match mode {
-        One::Full => {}
-        One::TimeOnly => {
-            cmd.arg("--time-only");
-        }
-        One::Unchecked => {
-            cmd.arg("--no-check");
-        }
-        One::DryRun => {
-            cmd.arg("--dry-run");
-        }
-    }
+    let mut cmd = run_one_command(w, policy, common, (profile, profiles), mode);
     die_with_parent(&mut cmd);
     let failed = |status: Status, error: String| Record {
         status,
@@ -110,6 +57,53 @@ pub fn spawn_one(
         (None, true) => failed(Status::Oom, "killed by SIGKILL (the kernel's OOM killer?)".into()),
         _ => failed(Status::Error, child_error(&stderr, out.status)),
     }
+}
+
+/// The `run-one` command line of a configuration: this binary (under mpirun with `--ranks`) with
+/// the flags of the workload, the policy and the run.
+fn run_one_command(
+    w: &Workload,
+    policy: &PolicyRequest,
+    common: &Common,
+    (profile, profiles): (Profile, Option<&Path>),
+    mode: One,
+) -> Command {
+    let exe = std::env::current_exe().expect("own executable");
+    let mut cmd = if common.ranks > 1 {
+        trainkit::parallel::mpirun(common.ranks, &exe)
+    } else {
+        Command::new(exe)
+    };
+    cmd.args(["run-one", "--model", &w.model, "--policy", &policy.to_string()])
+        .args(["--profile", profile.name(), "--steps", &common.steps.to_string()])
+        .args(["--seed", &common.seed.to_string(), "--device", &common.device.to_string()]);
+    if let Some(cap) = common.memory_cap {
+        cmd.args(["--memory-cap", &cap.to_string()]);
+    }
+    if let Some(dir) = profiles {
+        cmd.arg("--profiles").arg(dir);
+    }
+    pass_overrides(&mut cmd, common.overrides());
+    if common.no_rng_replay {
+        cmd.arg("--no-rng-replay");
+    }
+    if common.fused_path == crate::cli::FusedPath::Generic {
+        cmd.args(["--fused-path", "generic"]);
+    }
+    if common.shard_optimizer {
+        cmd.arg("--shard-optimizer");
+    }
+    if common.return_freed_memory {
+        cmd.env("MIMALLOC_PURGE_DELAY", "0");
+    }
+    let mode_flag = match mode {
+        One::Full => None,
+        One::TimeOnly => Some("--time-only"),
+        One::Unchecked => Some("--no-check"),
+        One::DryRun => Some("--dry-run"),
+    };
+    cmd.args(mode_flag);
+    cmd
 }
 
 /// Gives `cmd` (a `run-one` or `project-one`) the changes `o` makes to a workload.

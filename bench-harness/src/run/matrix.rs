@@ -311,9 +311,24 @@ impl Run<'_> {
             self.matrix.put(rec);
             ran = true;
         }
-        // PyTorch runs where ours ran, and where ours was predicted not to fit this machine: there
-        // within what the machine can give (the same room ours was refused), to see whether it
-        // fits.
+        if let Some(python) = python {
+            self.baseline_beside(w, policy, python, bar);
+        }
+        self.matrix.save_json(&self.dir)?;
+        Ok(ran)
+    }
+
+    /// PyTorch beside ours, where ours ran, and where ours was predicted not to fit this machine:
+    /// there within what the machine can give (the same room ours was refused), to see whether
+    /// it fits.
+    fn baseline_beside(
+        &mut self,
+        w: &Workload,
+        policy: &PolicyRequest,
+        python: &str,
+        bar: &ProgressBar,
+    ) {
+        let common = &self.args.common;
         let ours = self.matrix.find(&w.model, &policy.to_string());
         let limit = match ours {
             Some(r) if r.status == Status::Ok => Some(None),
@@ -326,7 +341,7 @@ impl Run<'_> {
             }
             _ => None,
         };
-        if let (Some(python), Some(ours), Some(limit)) = (python, ours, limit) {
+        if let (Some(ours), Some(limit)) = (ours, limit) {
             if baseline::MODELS.contains(&w.model.as_str()) {
                 bar.set_message(format!("{} {policy} in PyTorch", w.model));
                 let b = Baseline {
@@ -346,8 +361,6 @@ impl Run<'_> {
                 self.matrix.put_baseline(b);
             }
         }
-        self.matrix.save_json(&self.dir)?;
-        Ok(ran)
     }
 }
 
@@ -466,10 +479,35 @@ fn time_rounds(
             torch_ms[i].push(b.filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median));
         }
     }
+    store_rounds(matrix, w, &timed, &Rounds { ours, torch: torch_ms }, timing.replace);
+}
+
+/// Step times per timing round, per timed policy (the measuring run's first unless replaced):
+/// ours, and PyTorch's where it ran.
+struct Rounds {
+    ours: Vec<Vec<Option<f64>>>,
+    torch: Vec<Vec<Option<f64>>>,
+}
+
+/// The ratios of [`time_rounds`] into each timed policy's record and baseline; with `replace`,
+/// their step times too.
+fn store_rounds(
+    matrix: &mut Matrix,
+    w: &Workload,
+    timed: &[&PolicyRequest],
+    rounds: &Rounds,
+    replace: bool,
+) {
+    let off = PolicyRequest::Fixed(Policy::Off);
+    let theirs = |m: &Matrix, p: &PolicyRequest| {
+        m.find_baseline(&w.model, &p.to_string())
+            .filter(|b| b.status == Status::Ok)
+            .map(|b| b.step_ms_median)
+    };
     // `off`'s times per round; only its measuring run's where this run's policies leave it out
     // (a resumed folder holds it), so the ratios are that pair's alone.
     let (ours_off, torch_off) = match timed.iter().position(|p| **p == off) {
-        Some(i) => (ours[i].clone(), torch_ms[i].clone()),
+        Some(i) => (rounds.ours[i].clone(), rounds.torch[i].clone()),
         None => (
             vec![matrix
                 .find(&w.model, "off")
@@ -485,10 +523,10 @@ fn time_rounds(
     for (i, p) in timed.iter().enumerate() {
         let mut rec = matrix.find(&w.model, &p.to_string()).unwrap().clone();
         if **p != off {
-            rec.time_vs_off = Spread::of(ratios(&ours[i], &ours_off));
+            rec.time_vs_off = Spread::of(ratios(&rounds.ours[i], &ours_off));
         }
-        if timing.replace {
-            if let Some(t) = Spread::of(ours[i].iter().flatten().copied().collect()) {
+        if replace {
+            if let Some(t) = Spread::of(rounds.ours[i].iter().flatten().copied().collect()) {
                 (rec.step_ms_median, rec.step_ms_min, rec.step_ms_max) = (t.median, t.min, t.max);
                 rec.times_command = this_command();
             }
@@ -499,11 +537,11 @@ fn time_rounds(
             .filter(|b| b.status == Status::Ok)
             .cloned()
         {
-            b.ours_over_torch = Spread::of(ratios(&ours[i], &torch_ms[i]));
+            b.ours_over_torch = Spread::of(ratios(&rounds.ours[i], &rounds.torch[i]));
             b.time_vs_off =
-                if **p == off { None } else { Spread::of(ratios(&torch_ms[i], &torch_off)) };
-            if timing.replace {
-                if let Some(t) = Spread::of(torch_ms[i].iter().flatten().copied().collect()) {
+                if **p == off { None } else { Spread::of(ratios(&rounds.torch[i], &torch_off)) };
+            if replace {
+                if let Some(t) = Spread::of(rounds.torch[i].iter().flatten().copied().collect()) {
                     (b.step_ms_median, b.step_ms_min, b.step_ms_max) = (t.median, t.min, t.max);
                     b.times_command = this_command();
                 }

@@ -68,22 +68,7 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
             return Ok(());
         };
         say!("{}", describe(&policy, &crate::segments(exec.segments().len())));
-
-        // `run` was checked by `launch` ([`RunArgs::check`]), before anything started.
-        if let Some(cap) = run.memory_cap {
-            remat::memory::set_heap_cap(cap);
-        }
-        if run.accumulate > 1 {
-            say!(
-                "accumulating {} micro-batches of {} per optimizer step: effective batch {}",
-                run.accumulate,
-                run.batch,
-                run.accumulate * run.batch
-            );
-        }
-        if group.is_root() {
-            check_outputs(run)?;
-        }
+        self.before_training()?;
         let mut log = Log::new(
             group,
             run.steps,
@@ -96,25 +81,8 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
             good_steps: 0,
         });
         let config = RunConfig::new(run, group.world(), &self.setup)?;
-        let start = match &run.resume {
-            Some(path) => {
-                let next = load_training(
-                    path,
-                    model.params(),
-                    opt.as_mut(),
-                    run.seed,
-                    scaler.as_mut(),
-                    &config,
-                )?;
-                if next > run.steps {
-                    bail!("{} is at step {next}, beyond --steps {}", path.display(), run.steps);
-                }
-                log.start_at(next);
-                say!("resumed from {} at step {next}", path.display());
-                next
-            }
-            None => 0,
-        };
+        let start = self.resume(opt.as_mut(), scaler.as_mut(), &config)?;
+        log.start_at(start);
 
         let stepper = Stepper {
             group,
@@ -150,6 +118,46 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
             say!("saved snapshot to {}", path.display());
         }
         Ok(())
+    }
+
+    /// What follows from the flags once the policy is settled: the memory cap set, the
+    /// accumulation announced, the output files checked. `run` was checked by `launch`
+    /// ([`RunArgs::check`]) before anything started.
+    fn before_training(&self) -> Result<()> {
+        let run = self.run;
+        if let Some(cap) = run.memory_cap {
+            remat::memory::set_heap_cap(cap);
+        }
+        if run.accumulate > 1 {
+            say!(
+                "accumulating {} micro-batches of {} per optimizer step: effective batch {}",
+                run.accumulate,
+                run.batch,
+                run.accumulate * run.batch
+            );
+        }
+        if self.group.is_root() {
+            check_outputs(run)?;
+        }
+        Ok(())
+    }
+
+    /// The step to start from: 0, or with `--resume` the training snapshot's next step, its
+    /// weights, optimizer state and loss scaler loaded once its configuration matches `config`.
+    fn resume(
+        &self,
+        opt: &mut dyn TrainOptimizer,
+        scaler: Option<&mut LossScaler>,
+        config: &RunConfig,
+    ) -> Result<usize> {
+        let (run, params) = (self.run, self.model.params());
+        let Some(path) = &run.resume else { return Ok(0) };
+        let next = load_training(path, params, opt, run.seed, scaler, config)?;
+        if next > run.steps {
+            bail!("{} is at step {next}, beyond --steps {}", path.display(), run.steps);
+        }
+        say!("resumed from {} at step {next}", path.display());
+        Ok(next)
     }
 
     /// Whether something done every `every` steps (if given) and after the last is due after

@@ -636,39 +636,14 @@ impl Conv3dShape {
     /// workspace, copied out sample by sample.
     fn convolve<T: Elem>(&self, x: Input<T>, wk: &[T], parts: &[usize]) -> Vec<Vec<T>> {
         let (cols, rows) = (self.cols(), self.rows());
-        let mut at = 0;
-        let ranges: Vec<Range<usize>> = parts
-            .iter()
-            .map(|&p| {
-                at += p;
-                at - p..at
-            })
-            .collect();
-        assert_eq!(
-            ranges.last().map(|r| r.end),
-            Some(self.o),
-            "conv3d: output parts {parts:?} do not make {} channels",
-            self.o
-        );
+        let ranges = self.part_ranges(parts);
         // SAFETY: every output element is written by exactly one product or copy below.
         let mut ys: Vec<Vec<T>> =
             ranges.iter().map(|r| unsafe { uninit(self.n * r.len() * cols) }).collect();
         let joined = self.joined(x);
         let x = joined.as_deref().map_or(x, |x| Input::whole(x, self.c));
         if self.pointwise() {
-            for (n, x_n) in x.first.chunks(self.c * cols).enumerate() {
-                for (y, r) in ys.iter_mut().zip(&ranges) {
-                    // (o, DHW) = wk's rows (o, C) @ x_n (C, DHW)
-                    let o = r.len();
-                    matmul(
-                        &mut y[n * o * cols..(n + 1) * o * cols],
-                        mat(&wk[r.start * self.c..r.end * self.c], false),
-                        mat(x_n, false),
-                        (o, self.c, cols),
-                        false,
-                    );
-                }
-            }
+            self.convolve_pointwise(x, wk, &ranges, &mut ys);
             return ys;
         }
         let blocks = self.blocks();
@@ -728,6 +703,72 @@ impl Conv3dShape {
             }
         }
         ys
+    }
+
+    /// The output channels of each of `parts`, in order: O in all.
+    fn part_ranges(&self, parts: &[usize]) -> Vec<Range<usize>> {
+        let mut at = 0;
+        let ranges: Vec<Range<usize>> = parts
+            .iter()
+            .map(|&p| {
+                at += p;
+                at - p..at
+            })
+            .collect();
+        assert_eq!(
+            ranges.last().map(|r| r.end),
+            Some(self.o),
+            "conv3d: output parts {parts:?} do not make {} channels",
+            self.o
+        );
+        ranges
+    }
+
+    /// [`Self::convolve`] of a pointwise convolution: a product per sample straight into each
+    /// part of the output, `ys`, whose channels `ranges` gives.
+    fn convolve_pointwise<T: Elem>(
+        &self,
+        x: Input<T>,
+        wk: &[T],
+        ranges: &[Range<usize>],
+        ys: &mut [Vec<T>],
+    ) {
+        let cols = self.cols();
+        for (n, x_n) in x.first.chunks(self.c * cols).enumerate() {
+            for (y, r) in ys.iter_mut().zip(ranges) {
+                // (o, DHW) = wk's rows (o, C) @ x_n (C, DHW)
+                let o = r.len();
+                matmul(
+                    &mut y[n * o * cols..(n + 1) * o * cols],
+                    mat(&wk[r.start * self.c..r.end * self.c], false),
+                    mat(x_n, false),
+                    (o, self.c, cols),
+                    false,
+                );
+            }
+        }
+    }
+
+    /// The output gradient's columns of block `b`, (O, samples x len): `gy` (N, O, output) itself
+    /// where the block is one sample's, else gathered into the workspace `g`.
+    fn block_gradient<'a, T: Elem>(
+        &self,
+        gy: &'a [T],
+        b: &ConvBlock,
+        g: &'a mut [T],
+    ) -> super::Mat<'a, T> {
+        let (cols, start, len) = (self.cols(), self.block_start(b), self.block_len(b));
+        if b.samples.len() == 1 {
+            return mat(&gy[b.samples.start * self.o * cols + start..], false).ld(cols);
+        }
+        let width = b.samples.len() * len;
+        for (o, row) in g[..self.o * width].chunks_mut(width).enumerate() {
+            for (k, n) in b.samples.clone().enumerate() {
+                row[k * len..(k + 1) * len]
+                    .copy_from_slice(&gy[(n * self.o + o) * cols + start..][..len]);
+            }
+        }
+        mat(&g[..self.o * width], false)
     }
 
     /// A block's operand matrix as the (samples x len, rows) matrix of [`Self::patches`]: the
@@ -865,22 +906,10 @@ impl Conv3dOp {
         };
         let mut xc = ChannelsLast::new();
         for b in &blocks {
-            let (start, len) = (s.block_start(b), s.block_len(b));
+            let len = s.block_len(b);
             let width = b.samples.len() * len;
             s.operand(x, &mut xc, b, &mut buf);
-            // The output gradient's columns of this block, (O, samples x len): in place where the
-            // block is one sample's, else gathered.
-            let gb = if b.samples.len() == 1 {
-                mat(&gy[b.samples.start * s.o * cols + start..], false).ld(cols)
-            } else {
-                for (o, row) in g[..s.o * width].chunks_mut(width).enumerate() {
-                    for (k, n) in b.samples.clone().enumerate() {
-                        row[k * len..(k + 1) * len]
-                            .copy_from_slice(&gy[(n * s.o + o) * cols + start..][..len]);
-                    }
-                }
-                mat(&g[..s.o * width], false)
-            };
+            let gb = s.block_gradient(gy, b, &mut g);
             if want.dw {
                 matmul(&mut dw, gb, s.matrix(&buf[..width * rows]), (s.o, width, rows), true);
                 // += (O, rows) in the layout's order
@@ -898,20 +927,24 @@ impl Conv3dOp {
         if !want.dx {
             return Ok((Vec::new(), dw));
         }
-        // Strided and in two parts (no model here has one): dx split by channels.
-        let volume = s.volume();
-        let dxs = match self.split {
+        Ok((self.split_by_parts(dx), dw))
+    }
+
+    /// A strided convolution's input gradient `dx` (N, C, input), one tensor per part of the
+    /// input: split by channels where it is in two parts (no model here has one).
+    fn split_by_parts<T: Elem>(&self, dx: Vec<T>) -> Vec<Vec<T>> {
+        let (c, volume) = (self.shape.c, self.shape.volume());
+        match self.split {
             None => vec![dx],
-            Some(split) => [0..split, split..s.c]
+            Some(split) => [0..split, split..c]
                 .map(|r| {
-                    dx.chunks(s.c * volume)
+                    dx.chunks(c * volume)
                         .flat_map(|x_n| &x_n[r.start * volume..r.end * volume])
                         .copied()
                         .collect()
                 })
                 .into(),
-        };
-        Ok((dxs, dw))
+        }
     }
 }
 

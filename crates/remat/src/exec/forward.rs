@@ -151,23 +151,7 @@ impl<'e, 'g> StepRun<'e, 'g> {
             let scope = keep.map(|mode| Scope::enter(mode, exec.keep, i, &self.stash));
             let outputs = node.stage.forward(&inputs, &ctx).map_err(stage_err)?;
             drop((scope, inputs));
-            if outputs.len() != node.outputs.len() {
-                let msg = format!(
-                    "returned {} outputs, the graph expects {}",
-                    outputs.len(),
-                    node.outputs.len()
-                );
-                return Err(stage_err(candle_core::Error::Msg(msg)));
-            }
-            if !recompute {
-                self.find_users(i, &outputs);
-            }
-            if exec.check_recompute && !graphs {
-                self.digests
-                    .insert(i, outputs.iter().map(super::ops::digest).collect::<Result<_>>()?);
-            } else if exec.check_recompute && recompute {
-                self.check_recompute(i, &outputs)?;
-            }
+            self.after_stage(i, &outputs, graphs, recompute)?;
             for (&v, t) in node.outputs.iter().zip(&outputs) {
                 values.insert(v, t.clone());
             }
@@ -196,6 +180,37 @@ impl<'e, 'g> StepRun<'e, 'g> {
             runs.push(whole);
         }
         Ok(runs)
+    }
+
+    /// After stage `i` ran (`graphs`: with a graph of its own): its outputs counted against the
+    /// graph's; in forward, their users found; for the recompute check, their digests taken in the
+    /// forward of a segment to be recomputed and compared in its recompute.
+    fn after_stage(
+        &mut self,
+        i: usize,
+        outputs: &[Tensor],
+        graphs: bool,
+        recompute: bool,
+    ) -> Result<()> {
+        let node = &self.exec.graph.nodes()[i];
+        if outputs.len() != node.outputs.len() {
+            let msg = format!(
+                "returned {} outputs, the graph expects {}",
+                outputs.len(),
+                node.outputs.len()
+            );
+            let source = candle_core::Error::Msg(msg);
+            return Err(Error::Stage { stage: i, name: node.stage.name(), source });
+        }
+        if !recompute {
+            self.find_users(i, outputs);
+        }
+        if self.exec.check_recompute && !graphs {
+            self.digests.insert(i, outputs.iter().map(super::ops::digest).collect::<Result<_>>()?);
+        } else if self.exec.check_recompute && recompute {
+            self.check_recompute(i, outputs)?;
+        }
+        Ok(())
     }
 
     /// Fails naming stage `i` if a recomputed output's digest differs from its forward's.

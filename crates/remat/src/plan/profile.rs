@@ -223,6 +223,51 @@ impl Users {
     }
 }
 
+/// The stages measured so far: each one measured in full that others may be alike to, with what
+/// it measured; the parameters' users; the gradient bytes of the stages that took an alike one's
+/// figures.
+struct Measuring<'a> {
+    meter: Meter<'a>,
+    /// Whether alike stages reuse the figures of the first one measured.
+    reuse: bool,
+    alike: HashMap<AlikeKey, Measured>,
+    users: Users,
+    reused_grad_bytes: Vec<u64>,
+}
+
+impl Measuring<'_> {
+    /// Stage `i` (`node`) on its inputs `ins`: its outputs and its costs, measured, or an alike
+    /// stage's where one was measured and `reuse`.
+    fn stage(
+        &mut self,
+        i: usize,
+        node: &crate::graph::Node,
+        ins: &[Tensor],
+    ) -> Result<(Vec<Tensor>, StageCost)> {
+        let shapes = || ins.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect::<Vec<_>>();
+        let key = node.stage.signature().filter(|_| self.reuse).map(|s| (s, shapes()));
+        if let Some(m) = key.as_ref().and_then(|k| self.alike.get(k)) {
+            self.reused_grad_bytes[i] = m.param_grad_bytes;
+            let cost = StageCost {
+                name: node.stage.name(),
+                kind: node.stage.kind(),
+                inputs: node.inputs.clone(),
+                outputs: node.outputs.clone(),
+                ..m.cost.clone()
+            };
+            return Ok((m.outputs.clone(), cost));
+        }
+        let (outs, cost, grads) = measure_twice(&self.meter, node, i, ins)?;
+        if let Some(key) = key {
+            let param_grad_bytes = grads.iter().map(|(_, b)| b).sum();
+            let measured = Measured { cost: cost.clone(), outputs: outs.clone(), param_grad_bytes };
+            self.alike.insert(key, measured);
+        }
+        self.users.record(i, &grads);
+        Ok((outs, cost))
+    }
+}
+
 /// [`Profile::measure`], reusing alike stages' figures where `reuse`.
 fn measure_graph(
     graph: &StageGraph,
@@ -241,95 +286,48 @@ fn measure_graph(
     if device.is_cpu() && !crate::memory::heap_meter_installed() {
         return Err(Error::NoMeter);
     }
-    let meter = Meter {
-        counter: Counter::for_device(device),
-        n_inputs: graph.n_inputs(),
-        output: graph.output()?,
-        params,
-        seed,
+    let n_inputs = graph.n_inputs();
+    let meter =
+        Meter { counter: Counter::for_device(device), n_inputs, output: graph.output()?, params, seed };
+    let mut measuring = Measuring {
+        meter,
+        reuse,
+        alike: HashMap::new(),
+        users: Users::new(params.len()),
+        reused_grad_bytes: vec![0; graph.nodes().len()],
     };
-    let mut values: Vec<Option<Tensor>> = inputs
-        .iter()
-        .cloned()
-        .map(Some)
-        .chain(std::iter::repeat(None))
-        .take(graph.n_values())
-        .collect();
+    let mut values: Vec<Option<Tensor>> = vec![None; graph.n_values()];
     let mut costs: Vec<ValueCost> = vec![ValueCost { bytes: 0, float: false }; graph.n_values()];
-    for (c, t) in costs.iter_mut().zip(inputs) {
-        *c = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
+    for (v, t) in inputs.iter().enumerate() {
+        costs[v] = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
+        values[v] = Some(t.clone());
     }
-    let mut users = Users::new(params.len());
     let mut stages = Vec::with_capacity(graph.nodes().len());
-    // Each stage measured in full that others may be alike to, and what it measured.
-    let mut alike: HashMap<AlikeKey, Measured> = HashMap::new();
-    let mut reused_grad_bytes = vec![0u64; graph.nodes().len()];
     let last_reader = graph.last_readers();
     for (i, node) in graph.nodes().iter().enumerate() {
-        let ins = node
-            .inputs
-            .iter()
-            .map(|&v| {
-                values[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not produced")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let key =
-            node.stage.signature().filter(|_| reuse).map(|s| {
-                (s, ins.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect::<Vec<_>>())
-            });
-        let (outs, cost) = match key.as_ref().and_then(|k| alike.get(k)) {
-            Some(m) => {
-                reused_grad_bytes[i] = m.param_grad_bytes;
-                (
-                    m.outputs.clone(),
-                    StageCost {
-                        name: node.stage.name(),
-                        kind: node.stage.kind(),
-                        inputs: node.inputs.clone(),
-                        outputs: node.outputs.clone(),
-                        ..m.cost.clone()
-                    },
-                )
-            }
-            None => {
-                let (outs, cost, grads) = measure_twice(&meter, node, i, &ins)?;
-                if let Some(key) = key {
-                    alike.insert(
-                        key,
-                        Measured {
-                            cost: cost.clone(),
-                            outputs: outs.clone(),
-                            param_grad_bytes: grads.iter().map(|(_, b)| b).sum(),
-                        },
-                    );
-                }
-                users.record(i, &grads);
-                (outs, cost)
-            }
+        let produced = |&v: &ValueId| {
+            values[v].clone().ok_or_else(|| Error::Graph(format!("value {v} was not produced")))
         };
+        let ins = node.inputs.iter().map(produced).collect::<Result<Vec<_>>>()?;
+        let (outs, cost) = measuring.stage(i, node, &ins)?;
         for (&v, t) in node.outputs.iter().zip(&outs) {
             costs[v] = ValueCost { bytes: tensor_bytes(t), float: t.dtype().is_float() };
             values[v] = Some(t.clone());
         }
         for &v in &node.inputs {
-            if last_reader[v] == Some(i) && v >= meter.n_inputs {
+            if last_reader[v] == Some(i) && v >= n_inputs {
                 values[v] = None;
             }
         }
         stages.push(cost);
     }
-    users.add_grads_to(&mut stages);
-    for (stage, bytes) in stages.iter_mut().zip(reused_grad_bytes) {
+    measuring.users.add_grads_to(&mut stages);
+    for (stage, bytes) in stages.iter_mut().zip(measuring.reused_grad_bytes) {
         stage.param_grad_bytes += bytes;
     }
     set_activity(Activity::Setup, None);
-    Ok(Profile {
-        batch,
-        n_inputs: meter.n_inputs,
-        values: costs,
-        stages,
-        shared_grads: users.shared(),
-    })
+    let shared_grads = measuring.users.shared();
+    Ok(Profile { batch, n_inputs, values: costs, stages, shared_grads })
 }
 
 /// Stage `i` measured twice, every figure the smaller of the two: a kernel's first call may grow
@@ -378,23 +376,7 @@ fn measure_stage(
     let detached: Vec<Tensor> = outs.iter().map(Tensor::detach).collect();
     drop(outs);
     // With a graph on `Var`s over its inputs, as the executor's last segment and recomputes run it.
-    let graph_ins = node
-        .inputs
-        .iter()
-        .zip(ins)
-        .map(|(&v, t)| {
-            Ok(if v >= n_inputs && t.dtype().is_float() {
-                Some(crate::exec::var_over(t)?)
-            } else {
-                None
-            })
-        })
-        .collect::<Result<Vec<Option<Var>>>>()?;
-    let run_ins: Vec<Tensor> = graph_ins
-        .iter()
-        .zip(ins)
-        .map(|(var, t)| var.as_ref().map_or(t.clone(), |v| v.as_tensor().clone()))
-        .collect();
+    let run_ins = on_vars(node, ins, n_inputs)?;
     // The ops a policy could keep (`+keep=`) are measured in passing: their outputs' bytes and
     // times.
     let stash = Stash::default();
@@ -403,7 +385,8 @@ fn measure_stage(
         node.stage.forward(&run_ins, &ctx()).map_err(stage_err)
     })?;
     let keepable = stash.take_measured();
-    // Backward from the loss, or from a gradient of ones for every float output.
+    // Backward from the loss, or from a gradient of ones (made before it is metered) for every
+    // other float output.
     let seeds = node
         .outputs
         .iter()
@@ -413,20 +396,8 @@ fn measure_stage(
         .collect::<Result<Vec<_>>>()?;
     let loss = node.outputs.iter().position(|&v| v == output).map(|k| outs[k].clone());
     set_activity(Activity::Backward, Some(i));
-    let (grads, grads_left, above_left, backward_ms) = metered(counter, || {
-        let mut root = loss.clone();
-        for (t, g) in seeds {
-            let seeded = crate::exec::seed(&t, g)?;
-            root = Some(match root {
-                Some(r) => (r + seeded)?,
-                None => seeded,
-            });
-        }
-        Ok(match root {
-            Some(r) => Some(r.backward()?),
-            None => None,
-        })
-    })?;
+    let (grads, grads_left, above_left, backward_ms) =
+        metered(counter, || backward_from(loss.clone(), seeds))?;
     let param_grads = params
         .iter()
         .enumerate()
@@ -450,6 +421,42 @@ fn measure_stage(
         keepable,
     };
     Ok((detached, cost, param_grads))
+}
+
+/// A stage's inputs `ins` as its graph runs on them: each float value of the graph's own (not
+/// one of its `n_inputs` inputs) through a `Var` over it.
+fn on_vars(node: &crate::graph::Node, ins: &[Tensor], n_inputs: usize) -> Result<Vec<Tensor>> {
+    node.inputs
+        .iter()
+        .zip(ins)
+        .map(|(&v, t)| {
+            Ok(if v >= n_inputs && t.dtype().is_float() {
+                crate::exec::var_over(t)?.as_tensor().clone()
+            } else {
+                t.clone()
+            })
+        })
+        .collect()
+}
+
+/// A backward from `loss` (if any) and from each of `seeds`' tensors with its gradient; `None`
+/// where there is nothing to start from.
+fn backward_from(
+    loss: Option<Tensor>,
+    seeds: Vec<(Tensor, Tensor)>,
+) -> Result<Option<candle_core::backprop::GradStore>> {
+    let mut root = loss;
+    for (t, g) in seeds {
+        let seeded = crate::exec::seed(&t, g)?;
+        root = Some(match root {
+            Some(r) => (r + seeded)?,
+            None => seeded,
+        });
+    }
+    Ok(match root {
+        Some(r) => Some(r.backward()?),
+        None => None,
+    })
 }
 
 impl StageCost {

@@ -77,12 +77,6 @@ impl Profile {
         let walk = Walk::new(self, OpSet::default(), grads);
         let n = self.stages.len();
         let cuts = self.candidates();
-        struct Partial {
-            past: u64,
-            recompute: f64,
-            peak: Estimate,
-            starts: Vec<usize>,
-        }
         let mut fronts: Vec<Vec<Partial>> = (0..cuts.len()).map(|_| Vec::new()).collect();
         fronts[0].push(Partial {
             past: 0,
@@ -127,17 +121,8 @@ impl Profile {
                         }
                         Some(ib) => {
                             let f = &mut fronts[ib];
-                            let dominated = f.iter().any(|q| {
-                                q.past <= next.past
-                                    && q.recompute <= next.recompute
-                                    && q.peak.peak <= next.peak.peak
-                            });
-                            if !dominated {
-                                f.retain(|q| {
-                                    !(next.past <= q.past
-                                        && next.recompute <= q.recompute
-                                        && next.peak.peak <= q.peak.peak)
-                                });
+                            if !f.iter().any(|q| q.covers(&next)) {
+                                f.retain(|q| !next.covers(q));
                                 starts.push(b);
                                 f.push(Partial { starts, ..next });
                             }
@@ -157,5 +142,24 @@ impl Profile {
             estimate: self.predict(&segments, OpSet::default(), grads),
             starts: best.starts,
         })
+    }
+}
+
+/// A partial plan of the search, up to a cut: the bytes of the stored values settled before it,
+/// the recompute time and the peak so far, and where its segments start.
+struct Partial {
+    past: u64,
+    recompute: f64,
+    peak: Estimate,
+    starts: Vec<usize>,
+}
+
+impl Partial {
+    /// Whether it is no worse than `other` by every measure the search keeps (`other` is then
+    /// dropped from the Pareto set).
+    fn covers(&self, other: &Partial) -> bool {
+        self.past <= other.past
+            && self.recompute <= other.recompute
+            && self.peak.peak <= other.peak.peak
     }
 }
