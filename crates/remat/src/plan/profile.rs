@@ -287,8 +287,13 @@ fn measure_graph(
         return Err(Error::NoMeter);
     }
     let n_inputs = graph.n_inputs();
-    let meter =
-        Meter { counter: Counter::for_device(device), n_inputs, output: graph.output()?, params, seed };
+    let meter = Meter {
+        counter: Counter::for_device(device),
+        n_inputs,
+        output: graph.output()?,
+        params,
+        seed,
+    };
     let mut measuring = Measuring {
         meter,
         reuse,
