@@ -68,7 +68,12 @@ fn predictions_match_the_meter_under_selective_recompute() {
         ],
     );
     let recs = records(&dir);
-    assert_eq!(recs.len(), 4, "sqrt and its keep= variant for each model (conv alone applies to ResNet, matmul+attention to GPT-2)");
+    assert_eq!(
+        recs.len(),
+        4,
+        "sqrt and its keep= variant for each model (conv alone applies to \
+        ResNet, matmul+attention to GPT-2)"
+    );
     for keeping in recs.iter().filter(|r| r["policy"].as_str().unwrap().contains("+keep=")) {
         let what = format!("{} {}", keeping["model"], keeping["policy"]);
         let sqrt =

@@ -66,7 +66,10 @@ mod tests {
 pub enum FolderError {
     #[error("image folder {path}: {source}")]
     Io { path: String, source: std::io::Error },
-    #[error("image folder {path} has no class sub-folders with images (expected root/<class>/<image>.png|jpg)")]
+    #[error(
+        "image folder {path} has no class sub-folders with images (expected \
+        root/<class>/<image>.png|jpg)"
+    )]
     Empty { path: String },
     #[error("image {path}: {source}")]
     Decode { path: String, source: image::ImageError },

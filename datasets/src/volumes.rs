@@ -126,7 +126,10 @@ impl NpyVolumes {
         let (shape, voxels) = read_npy(image, |n| n.into_f32())?;
         let (label_shape, labels) = read_npy(label, |n| n.into_u32())?;
         if shape.len() != 4 || label_shape != shape[1..] {
-            let why = format!("image shape {shape:?} (C, D, H, W) does not match label shape {label_shape:?} (D, H, W)");
+            let why = format!(
+                "image shape {shape:?} (C, D, H, W) does not match label shape \
+                {label_shape:?} (D, H, W)"
+            );
             return Err(VolumeError::File { path: image.display().to_string(), why });
         }
         Ok(Volume { shape, voxels, labels })

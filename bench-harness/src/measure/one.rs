@@ -160,7 +160,8 @@ fn shared_profile(
     let exe = std::env::current_exe().and_then(std::fs::metadata)?;
     let built = exe.modified()?.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let measured_for = format!(
-        "{} batch {} {} {} on {device_name}, {} threads, {} ranks, {:?} fused path, seed {seed}; by the harness of {} bytes built at {built} s (commit {})",
+        "{} batch {} {} {} on {device_name}, {} threads, {} ranks, {:?} fused path, seed {seed}; \
+         by the harness of {} bytes built at {built} s (commit {})",
         w.model,
         inst.batch(),
         w.input(),
@@ -264,15 +265,24 @@ pub fn run(w: &Workload, policy: &PolicyRequest, at: &Setting) -> Result<Record>
     }
     if let (Some(room), Some(total)) = (room, rec.predicted_total_bytes) {
         if total > room {
-            let reason = format!("{STEP_DOES_NOT_FIT} {} in all by the planner's prediction, and this machine can give {}", gib_text(total), gib_text(room));
+            let reason = format!(
+                "{STEP_DOES_NOT_FIT} {} in all by the planner's prediction, and \
+                this machine can give {}",
+                gib_text(total),
+                gib_text(room)
+            );
             return Ok(rec.skipped(reason));
         }
         // The check runs plain candle's step and then ours, each on a fresh model, holding a
         // copy of the first's gradients meanwhile: where two steps of `off`'s size do not fit,
         // it is skipped and the record says why.
         if let Some(off) = off_total.filter(|&off| 2 * off > room) {
-            rec.check_skipped =
-                format!("two steps of `off` ({} each by the planner's prediction) do not fit the {} this machine can give", gib_text(off), gib_text(room));
+            rec.check_skipped = format!(
+                "two steps of `off` ({} each by the planner's prediction) do not fit the \
+                    {} this machine can give",
+                gib_text(off),
+                gib_text(room)
+            );
         }
     }
     let exec = Executor::new(
@@ -302,7 +312,8 @@ fn state_beyond(w: &Workload, inst: &dyn Instance, room: u64) -> Option<String> 
     let state = params + grads + optimizer;
     (state > room).then(|| {
         format!(
-            "predicted only: its weights, gradients and optimizer state alone are {} (by arithmetic on the parameter shapes), and this machine can give {}",
+            "predicted only: its weights, gradients and optimizer state alone are {} (by \
+             arithmetic on the parameter shapes), and this machine can give {}",
             gib_text(state),
             gib_text(room)
         )

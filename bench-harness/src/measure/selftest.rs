@@ -58,8 +58,12 @@ pub fn selftest(device: trainkit::DeviceName) -> Result<()> {
         rec.grads_differing
     );
     let report = serde_json::json!({
-        "device": device_name, "matmul": matmul, "conv2d_input_grad_sum": g, "meter_peak_bytes": peak,
-        "reserved_bytes": counter.reserved(), "gpt2_tiny_sqrt_bit_identical": rec.grads_bit_identical,
+        "device": device_name,
+        "matmul": matmul,
+        "conv2d_input_grad_sum": g,
+        "meter_peak_bytes": peak,
+        "reserved_bytes": counter.reserved(),
+        "gpt2_tiny_sqrt_bit_identical": rec.grads_bit_identical,
     });
     trainkit::show!("{report}");
     Ok(())

@@ -33,7 +33,11 @@ pub const MEASURES: [(&str, &str); 21] = [
     ("total", "state plus step peak: 459.1 MiB, 18.11 GiB"),
     ("total-gb", "the same in GB (10^9 bytes): 19.4 GB"),
     ("saving", "`off`'s total less this one"),
-    ("state", "weights, gradients and optimizer state: the prediction's arithmetic where the record has one, else the measured state"),
+    (
+        "state",
+        "weights, gradients and optimizer state: the prediction's arithmetic where the \
+        record has one, else the measured state",
+    ),
     ("state-max-rank", "the largest rank's state (data parallelism)"),
     ("predicted-total", "the predicted total"),
     ("step-peak", "the step's peak above the state"),
@@ -56,7 +60,8 @@ pub const PLANNER: [(&str, &str); 4] = [
 ];
 
 /// The README's results table lies between these lines.
-pub const README_BEGIN: &str = "<!-- results table: rendered by `bench-harness claims` from results/README-results.template.md -->";
+pub const README_BEGIN: &str = "<!-- results table: rendered by `bench-harness claims` from \
+    results/README-results.template.md -->";
 pub const README_END: &str = "<!-- end of results table -->";
 
 /// One rendered document: its template, and where the rendering goes (a whole file, or the part
@@ -96,8 +101,13 @@ pub fn run(dir: &Path, check: bool) -> Result<()> {
             .with_context(|| format!("rendering {}", doc.template.display()))?;
         let on_disk = if doc.target.exists() { read(&doc.target)? } else { String::new() };
         let wanted = match doc.between {
-            None => format!("<!-- Rendered by `cargo run --release -p bench-harness -- claims` from {}: edit that. -->\n{rendered}", file_name(&doc.template)),
-            Some((begin, end)) => splice(&on_disk, begin, end, &rendered).with_context(|| format!("{}", doc.target.display()))?,
+            None => format!(
+                "<!-- Rendered by `cargo run --release -p bench-harness -- claims` \
+                from {}: edit that. -->\n{rendered}",
+                file_name(&doc.template)
+            ),
+            Some((begin, end)) => splice(&on_disk, begin, end, &rendered)
+                .with_context(|| format!("{}", doc.target.display()))?,
         };
         if on_disk == wanted {
             trainkit::say!(
@@ -113,7 +123,8 @@ pub fn run(dir: &Path, check: bool) -> Result<()> {
                 .unwrap_or(on_disk.lines().count().min(wanted.lines().count()))
                 + 1;
             bail!(
-                "{} is not what {} and the results give (first difference at line {line}): run `cargo run --release -p bench-harness -- claims` and commit it",
+                "{} is not what {} and the results give (first difference at line {line}): run \
+                 `cargo run --release -p bench-harness -- claims` and commit it",
                 doc.target.display(),
                 file_name(&doc.template)
             );
@@ -170,15 +181,27 @@ fn figure(query: &str, dir: &Path, folders: &mut HashMap<String, Matrix>) -> Res
     match words[1..] {
         ["depth", policy, "exponent"] => {
             let fits = m.depth_fits();
-            let k = fits.iter().find(|(p, _)| p == policy).with_context(|| format!("no depth sweep under `{policy}` in `{folder}`"))?.1;
+            let k = fits
+                .iter()
+                .find(|(p, _)| p == policy)
+                .with_context(|| format!("no depth sweep under `{policy}` in `{folder}`"))?
+                .1;
             Ok(format!("{k:.2}"))
         }
         ["planner", what] => planner(m, what),
         [model, policy, measure] => {
-            let r = m.find(model, policy).with_context(|| format!("`{folder}` has no record of {model} under {policy}"))?;
+            let r = m.find(model, policy).with_context(|| {
+                format!(
+                    "`{folder}` has no record of \
+                {model} under {policy}"
+                )
+            })?;
             record_figure(m, r, measure)
         }
-        _ => bail!("a query is FOLDER MODEL POLICY MEASURE, FOLDER depth POLICY exponent or FOLDER planner MEASURE"),
+        _ => bail!(
+            "a query is FOLDER MODEL POLICY MEASURE, FOLDER depth POLICY exponent or \
+            FOLDER planner MEASURE"
+        ),
     }
 }
 

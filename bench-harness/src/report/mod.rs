@@ -74,15 +74,23 @@ fn header(m: &Matrix) -> String {
     let meta = &m.meta;
     format!(
         "# Checkpointing matrix: profile `{}`\n\n{}  \nMachine: {}  \ncandle {}, commit {}\n\n\
-Memory is heap bytes from the counting allocator above the model state (parameters + optimizer state); \
-ratios are against `off` of the same model in the same run. Times are medians of the timed steps after a warm-up. \
-*Activation peak* is what checkpointing acts on (forward and backward, parameter gradients excluded); *step peak* is the \
-whole step, and *peak set in* says whether forward/backward or the optimizer update (parameter-sized temporaries) reached it. \
-*time / off, rounds*: the same ratio over this run and the interleaved timing rounds (off, policy, off, policy, ... each in a \
+Memory is heap bytes from the counting allocator above the model state (parameters + optimizer \
+state); \
+ratios are against `off` of the same model in the same run. Times are medians of the timed steps \
+after a warm-up. \
+*Activation peak* is what checkpointing acts on (forward and backward, parameter gradients \
+excluded); *step peak* is the \
+whole step, and *peak set in* says whether forward/backward or the optimizer update \
+(parameter-sized temporaries) reached it. \
+*time / off, rounds*: the same ratio over this run and the interleaved timing rounds (off, \
+policy, off, policy, ... each in a \
 fresh process): median (min-max). \
-*grads = plain candle*: one step of the policy through the executor (`off` included) against the same step in plain candle \
-(every stage in order, one `backward()`), every gradient and BatchNorm statistic compared bit for bit. \
-*predicted*: the planner's step peak (from the model's stages profiled one at a time before the run) and its error against \
+*grads = plain candle*: one step of the policy through the executor (`off` included) against the \
+same step in plain candle \
+(every stage in order, one `backward()`), every gradient and BatchNorm statistic compared bit for \
+bit. \
+*predicted*: the planner's step peak (from the model's stages profiled one at a time before the \
+run) and its error against \
 the measured step peak, and its predicted time / off.\n",
         meta.profile,
         self::results::made_by(m.record_commands(), &meta.command),
@@ -98,7 +106,8 @@ fn planner_summary(out: &mut String, m: &Matrix) {
         let within = errors.iter().filter(|(e, _)| e.abs() <= 0.05).count();
         let _ = writeln!(
             out,
-            "\n**Planner**: predicted step peak within 5% of the measured for {within} of {} configurations; the largest error is \
+            "\n**Planner**: predicted step peak within 5% of the measured for {within} of {} \
+             configurations; the largest error is \
              {:+.1}% ({} {}).",
             errors.len(),
             worst * 100.0,
@@ -115,7 +124,9 @@ fn model_table(out: &mut String, m: &Matrix, rows: &[&Record]) {
     let _ = write!(
         out,
         "\n## {} (batch {}, {}, {}, {} threads): model state {}\n\n\
-| policy | segments | step peak | predicted (error) | peak set in | activation peak | RSS peak delta | step time (median) | step peak / off | activation / off | time / off | predicted time / off | time / off, rounds | grads = plain candle (bits) | status | commit |\n\
+| policy | segments | step peak | predicted (error) | peak set in | activation peak | RSS peak \
+delta | step time (median) | step peak / off | activation / off | time / off | predicted time / \
+off | time / off, rounds | grads = plain candle (bits) | status | commit |\n\
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         first.model,
         first.batch,
@@ -167,7 +178,8 @@ fn record_row(out: &mut String, r: &Record, off: Option<&Record>) {
         if r.plan.is_empty() { r.policy.clone() } else { format!("{} → `{}`", r.policy, r.plan) };
     let _ = writeln!(
         out,
-        "| {policy} | {} | {} | {predicted} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | {act} | {time} | {predicted_time} | {rounds} | {grads} | ok | {} |",
+        "| {policy} | {} | {} | {predicted} | {} | {} | {} | {:.0} ms ({:.0}-{:.0}) | {peak} | \
+         {act} | {time} | {predicted_time} | {rounds} | {grads} | ok | {} |",
         r.segments,
         mib(r.step_peak_bytes),
         if r.step_peak_bytes > r.fwd_bwd_peak_bytes { "optimizer" } else { "fwd/bwd" },
@@ -192,12 +204,17 @@ fn commit(r: &Record) -> &str {
 
 fn ranks_table(out: &mut String, rows: &[&Record]) {
     let first = rows[0];
-    let _ = write!(
+    let _ =
+        write!(
         out,
-        "\n{} ranks (MPI), batch {} each{}: memory above is rank 0's.\n\n| policy | model state, rank 0 | model state, largest rank | step peak, rank 0 | step peak, largest rank | all-reduce per step | training thread waited (dividing included) |\n|---|---|---|---|---|---|---|\n",
+        "\n{} ranks (MPI), batch {} each{}: memory above is rank 0's.\n\n| policy | model state, \
+         rank 0 | model state, largest rank | step peak, rank 0 | step peak, largest rank | \
+         all-reduce per step | training thread waited (dividing included) \
+         |\n|---|---|---|---|---|---|---|\n",
         first.ranks,
         first.batch,
-        if first.shard_optimizer { ", optimizer state sharded over the ranks (ZeRO stage 1)" } else { "" }
+        if first.shard_optimizer { ", optimizer state sharded over the ranks (ZeRO stage \
+            1)" } else { "" }
     );
     let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1} ms"));
     let largest = |v: Option<u64>| v.map_or("-".into(), mib);

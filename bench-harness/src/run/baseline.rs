@@ -36,10 +36,14 @@ pub fn available(python: &str) -> Result<(), String> {
         Ok(out) if out.status.success() => Ok(()),
         Ok(out) => Err(format!(
             "`{python}` cannot import torch, torchvision and transformers ({}); install them with \
-             `python3 -m venv .venv && .venv/bin/pip install torch torchvision transformers peft` and pass `--python .venv/bin/python`",
+             `python3 -m venv .venv && .venv/bin/pip install torch torchvision transformers peft` \
+             and pass `--python .venv/bin/python`",
             String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("").trim()
         )),
-        Err(e) => Err(format!("cannot run `{python}`: {e}; pass --python with a Python that has torch")),
+        Err(e) => Err(format!(
+            "cannot run `{python}`: {e}; pass --python with a Python that has \
+            torch"
+        )),
     }
 }
 

@@ -95,7 +95,10 @@ fn check(args: &MatrixArgs) -> Result<()> {
             || !(args.policies.is_empty()
                 || args.policies.contains(&PolicyRequest::Fixed(Policy::Off))))
     {
-        bail!("--retime takes the times again in --rounds rounds (at least 1), each policy against `off`: keep `off` among --policies");
+        bail!(
+            "--retime takes the times again in --rounds rounds (at least 1), each policy \
+            against `off`: keep `off` among --policies"
+        );
     }
     if args.baseline.is_some() && common.ranks > 1 {
         bail!("--baseline runs PyTorch in one process; it cannot be combined with --ranks");
@@ -106,7 +109,8 @@ fn check(args: &MatrixArgs) -> Result<()> {
             || common.dtype.is_some_and(|d| d != model::Precision::F32))
     {
         bail!(
-            "--baseline runs one f32 micro-batch per step with each model's default optimizer; it cannot be combined with --accumulate, --optimizer or --dtype"
+            "--baseline runs one f32 micro-batch per step with each model's default optimizer; it \
+             cannot be combined with --accumulate, --optimizer or --dtype"
         );
     }
     Ok(())
@@ -155,8 +159,10 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
         .collect();
     if configs.is_empty() {
         bail!(
-            "--models {:?} with --policies {:?} selects no configuration of profile `{profile}` (before-downsample applies to ResNet and U-Net only; \
-             +keep= to models that run the ops it names: matmul and attention in GPT-2 and BERT, conv in ResNet and U-Net)",
+            "--models {:?} with --policies {:?} selects no configuration of profile `{profile}` \
+             (before-downsample applies to ResNet and U-Net only; \
+             +keep= to models that run the ops it names: matmul and attention in GPT-2 and BERT, \
+             conv in ResNet and U-Net)",
             args.models,
             args.policies
         );
@@ -184,7 +190,8 @@ fn open(dir: &Path, args: &MatrixArgs, workloads: &[Workload], profile: Profile)
     if !mismatched.is_empty() {
         if !args.force {
             bail!(
-                "{} holds results of another configuration ({}); a resume would mix them: use another --out, or --force to replace them",
+                "{} holds results of another configuration ({}); a resume would mix them: use \
+                 another --out, or --force to replace them",
                 dir.display(),
                 mismatched.join("; ")
             );

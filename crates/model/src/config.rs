@@ -47,7 +47,11 @@ macro_rules! presets {
             fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
                 match s {
                     $($name => Ok($variant),)+
-                    _ => Err($crate::UnknownPreset { model: $model, given: s.into(), valid: &[$(concat!($name $(, " (", $size, ")")?)),+] }),
+                    _ => Err($crate::UnknownPreset {
+                        model: $model,
+                        given: s.into(),
+                        valid: &[$(concat!($name $(, " (", $size, ")")?)),+],
+                    }),
                 }
             }
         }

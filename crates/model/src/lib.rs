@@ -19,7 +19,8 @@ macro_rules! named_choice {
             fn from_str(s: &str) -> std::result::Result<Self, String> {
                 match s {
                     $($name => Ok($variant),)+
-                    _ => Err(format!(concat!("unknown ", $what, " `{}`; valid ", $what, "s: {}"), s, [$($name),+].join(", "))),
+                    _ => Err(format!(concat!("unknown ", $what, " `{}`; valid ", $what, "s: \
+                        {}"), s, [$($name),+].join(", "))),
                 }
             }
         }
@@ -34,7 +35,10 @@ macro_rules! named_choice {
 
         /// As its name: a run's configuration names it as its flag does.
         impl serde::Serialize for $ty {
-            fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+            fn serialize<S: serde::Serializer>(
+                &self,
+                serializer: S,
+            ) -> std::result::Result<S::Ok, S::Error> {
                 serializer.collect_str(self)
             }
         }
@@ -181,7 +185,11 @@ pub enum OptimizerKind {
     Adafactor,
 }
 
-named_choice!(OptimizerKind, "optimizer", [OptimizerKind::Sgd => "sgd", OptimizerKind::Adamw => "adamw", OptimizerKind::Adafactor => "adafactor"]);
+named_choice!(OptimizerKind, "optimizer", [
+    OptimizerKind::Sgd => "sgd",
+    OptimizerKind::Adamw => "adamw",
+    OptimizerKind::Adafactor => "adafactor",
+]);
 
 impl OptimizerKind {
     /// The optimizer over `vars` with learning rate `lr` and otherwise PyTorch's defaults (SGD:

@@ -20,7 +20,12 @@ pub enum Precision {
     Bf16Weights,
 }
 
-named_choice!(Precision, "dtype", [Precision::F32 => "f32", Precision::Bf16 => "bf16", Precision::F16 => "f16", Precision::Bf16Weights => "bf16-weights"]);
+named_choice!(Precision, "dtype", [
+    Precision::F32 => "f32",
+    Precision::Bf16 => "bf16",
+    Precision::F16 => "f16",
+    Precision::Bf16Weights => "bf16-weights",
+]);
 
 impl Precision {
     /// The dtype activations are stored in.

@@ -121,7 +121,8 @@ impl BatchNorm {
         let (mean, var) = if ctx.is_training() {
             let mean = x.mean_keepdim(reduce.as_slice())?;
             let centered = x.broadcast_sub(&mean)?;
-            let var = centered.sqr()?.mean_keepdim(reduce.as_slice())?; // biased, as used to normalise
+            // Biased, as used to normalise.
+            let var = centered.sqr()?.mean_keepdim(reduce.as_slice())?;
             if !ctx.is_recompute() {
                 self.update_running(&mean.detach().reshape(c)?, &var.detach().reshape(c)?, n)?;
             }

@@ -220,10 +220,12 @@ mod tests {
                 (2, 4, d_out, 6, 6),
                 &Device::Cpu,
             )?;
-            let run = |f: &dyn Fn(&Tensor, &Tensor, Conv3dGeometry) -> Result<Tensor>| -> Result<Vec<Vec<f32>>> {
+            type Conv<'a> = dyn Fn(&Tensor, &Tensor, Conv3dGeometry) -> Result<Tensor> + 'a;
+            let run = |f: &Conv<'_>| -> Result<Vec<Vec<f32>>> {
                 let y = f(x.as_tensor(), w.as_tensor(), g)?;
                 let grads = (&y * &r)?.sum_all()?.backward()?;
-                [y, grads.get(&x).unwrap().clone(), grads.get(&w).unwrap().clone()].iter().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect()
+                let (dx, dw) = (grads.get(&x).unwrap().clone(), grads.get(&w).unwrap().clone());
+                [y, dx, dw].iter().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect()
             };
             let composed = run(&conv3d_composed)?;
             // Blocks of both samples side by side, of one output row, of one whole sample.

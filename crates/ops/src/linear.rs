@@ -60,7 +60,10 @@ impl Linear {
             return fused::linear(x, &self.weight, Some(&self.bias), out_in);
         };
         if self.weight.track_op() || self.bias.track_op() {
-            candle_core::bail!("a layer with a LoRA adapter must have its weight and bias frozen (Lora::freeze): they would get no gradient")
+            candle_core::bail!(
+                "a layer with a LoRA adapter must have its weight and bias frozen \
+                (Lora::freeze): they would get no gradient"
+            )
         }
         let dropout = crate::dropout_key(a.dropout, ctx)?.map(|key| (key, a.dropout));
         fused::lora_linear(

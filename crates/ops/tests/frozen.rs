@@ -67,7 +67,11 @@ fn frozen_costs_nothing(
     // At least the weight's gradient is saved (a convolution's input gradient still needs the
     // kernel transposed, a weight-sized copy, so the peak itself need not fall below it).
     let saved = trained.peak.saturating_sub(frozen.peak);
-    assert!(saved >= w_bytes, "{what}: frozen, the backward peaked only {saved} B lower; the weight's gradient is {w_bytes} B");
+    assert!(
+        saved >= w_bytes,
+        "{what}: frozen, the backward peaked only {saved} B lower; the \
+        weight's gradient is {w_bytes} B"
+    );
     assert!(
         trained.x_grad == frozen.x_grad,
         "{what}: the input's gradient changed with the weight frozen"

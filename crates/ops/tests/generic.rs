@@ -96,7 +96,10 @@ fn check(name: &str, op: &Op, inputs: &[Var], tol: f32) -> Result<u64> {
     eprintln!("{name}: kept {kernel} B by the kernel, {generic} B by the generic route");
     let (kernel_peak, generic_peak) =
         (step_peak(op, inputs, &r, Path::Kernel)?, step_peak(op, inputs, &r, Path::Generic)?);
-    eprintln!("{name}: forward and backward peak {kernel_peak} B on the kernel, {generic_peak} B on the generic route");
+    eprintln!(
+        "{name}: forward and backward peak {kernel_peak} B on the kernel, {generic_peak} B \
+        on the generic route"
+    );
     assert!(
         generic.abs_diff(kernel) <= SLACK,
         "{name}: the generic route keeps {generic} B, the kernel {kernel} B"
@@ -121,7 +124,8 @@ fn layer_norm_on_the_generic_route() -> Result<()> {
     eprintln!("layer_norm composed in the graph: kept {in_graph} B");
     assert!(
         in_graph > kernel + 2 * x_bytes,
-        "the control keeps {in_graph} B, no more than the kernel's {kernel} B: the kept-bytes check would not see a composition left in the graph"
+        "the control keeps {in_graph} B, no more than the kernel's {kernel} B: the kept-bytes \
+         check would not see a composition left in the graph"
     );
     // Half precision: bf16 activations beside f32 weights, as a bf16 run has them.
     let inputs =
@@ -330,7 +334,10 @@ fn convolutions_and_pooling_on_the_generic_route() -> Result<()> {
     let concat_composed =
         move |t: &[Tensor]| ops::conv3d(&Tensor::cat(&[&t[0], &t[1]], 1)?, &t[2], same);
     let concat_in_graph = kept_bytes(&concat_composed, &concat_inputs, Some(Path::Kernel))?;
-    eprintln!("conv3d of a concatenation made in the graph: kept {concat_in_graph} B, conv3d_concat {concat_kernel} B");
+    eprintln!(
+        "conv3d of a concatenation made in the graph: kept {concat_in_graph} B, \
+        conv3d_concat {concat_kernel} B"
+    );
     assert!(
         concat_in_graph + SLACK > concat_kernel + 2 * 10 * 512 * 4,
         "the control keeps {concat_in_graph} B, conv3d_concat {concat_kernel} B"

@@ -239,7 +239,9 @@ fn elements<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R>
 }
 
 fn sum_of_squares(t: &Tensor) -> Result<f64> {
-    per_param!(t, "parameter", P => elements::<P, _>(t, |x| x.iter().map(|v| v.to_f64() * v.to_f64()).sum()))
+    per_param!(t, "parameter", P => {
+        elements::<P, _>(t, |x| x.iter().map(|v| v.to_f64() * v.to_f64()).sum())
+    })
 }
 
 /// The variance estimate of element `(i, j)` of a block from its row and column statistics.
@@ -288,7 +290,11 @@ fn update_sum_of_squares(g: &Tensor, stats: &Tensor, shape: Shape2, eps1: f64) -
                 .sum(),
         }
     }
-    per_param!(g, "gradient", P => elements::<P, _>(g, |g| elements::<<P as ParamElem>::State, _>(stats, |s| run(g, s, shape, eps1)))?)
+    per_param!(g, "gradient", P => {
+        elements::<P, _>(g, |g| {
+            elements::<<P as ParamElem>::State, _>(stats, |s| run(g, s, shape, eps1))
+        })?
+    })
 }
 
 /// Moves the statistics (the destination) toward this step's squared gradient (the operand).
@@ -446,7 +452,8 @@ fn composed(
             let rows = lerp(&stats.narrow(1, 0, r)?, sq.mean(D::Minus1)?, w)?; // (lead, R)
             let cols = lerp(&stats.narrow(1, r, c)?, sq.mean(1)?, w)?; // (lead, C)
             drop(sq);
-            let row_mean = rows.mean_keepdim(1)?.clamp(eps1, f64::INFINITY)?.unsqueeze(2)?; // (lead, 1, 1)
+            // (lead, 1, 1)
+            let row_mean = rows.mean_keepdim(1)?.clamp(eps1, f64::INFINITY)?.unsqueeze(2)?;
             let outer = rows.unsqueeze(2)?.broadcast_mul(&cols.unsqueeze(1)?)?; // (lead, R, C)
             let v = outer.broadcast_div(&row_mean)?;
             drop(outer);

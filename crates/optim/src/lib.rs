@@ -6,10 +6,10 @@
 //! The state (moments, factored statistics) is kept in f32 for half-precision parameters (`--dtype
 //! bf16-weights`: bf16 weights and gradients, f32 moments) and in the parameter's dtype otherwise.
 //! On the CPU an update is one pass over a parameter, its state and its gradient, reading and
-//! writing each once (three passes, one per tensor, would move twice the bytes), computed in the state
-//! dtype as PyTorch computes it and split over threads (each element's update is independent, so
-//! the bits do not depend on the thread count). Elsewhere (a GPU, or the CPU on the generic route)
-//! they are composed from candle ops that drop each temporary once used, at most three of a
+//! writing each once (three passes, one per tensor, would move twice the bytes), computed in the
+//! state dtype as PyTorch computes it and split over threads (each element's update is independent,
+//! so the bits do not depend on the thread count). Elsewhere (a GPU, or the CPU on the generic
+//! route) they are composed from candle ops that drop each temporary once used, at most three of a
 //! parameter's size alive at once, and the new value is copied into the parameter's storage
 //! (`Var::set`).
 //!
@@ -26,7 +26,10 @@ macro_rules! candle_optimizer {
 
             fn new($vars: Vec<candle_core::Var>, $p: $params) -> candle_core::Result<Self> $new
 
-            fn step(&mut self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
+            fn step(
+                &mut self,
+                grads: &candle_core::backprop::GradStore,
+            ) -> candle_core::Result<()> {
                 $crate::TrainOptimizer::update(self, grads)
             }
 

@@ -73,7 +73,12 @@ pub fn main() -> Result<()> {
         let out = exec.step(&inputs, 0)?;
         let peak = heap_peak() - before;
         let same = bits(&varmap, &out.grads)? == plain;
-        println!("{policy}: {} segments, step peak {:.1} MiB, gradients = plain candle bit for bit: {same}", exec.segments().len(), peak as f64 / 1048576.0);
+        println!(
+            "{policy}: {} segments, step peak {:.1} MiB, gradients = plain candle bit for \
+            bit: {same}",
+            exec.segments().len(),
+            peak as f64 / 1048576.0
+        );
         assert!(same, "{policy}: gradients differ from plain candle");
         peaks.push(peak);
     }

@@ -8,12 +8,12 @@
 //! static ALLOC: remat::memory::CountingAlloc = remat::memory::CountingAlloc;
 //! ```
 //!
-//! It wraps mimalloc rather than the system allocator: glibc's malloc returns freed pages to the
-//! OS eagerly, and the page faults that follow make big-activation runs slower in a way that hides
-//! the cost of recomputation. mimalloc too gives freed memory back (after a delay of about a
-//! second), so every training step would fault its activations in again and the kernel zero each
-//! page (`clear_page_erms` measured 12-20% of a ResNet-50 step): the allocator is told never to
-//! purge, so a step reuses the pages of the last one. The heap figures do not change: they count live
+//! It wraps mimalloc rather than the system allocator: glibc's malloc returns freed pages to the OS
+//! eagerly, and the page faults that follow make big-activation runs slower in a way that hides the
+//! cost of recomputation. mimalloc too gives freed memory back (after a delay of about a second),
+//! so every training step would fault its activations in again and the kernel zero each page
+//! (`clear_page_erms` measured 12-20% of a ResNet-50 step): the allocator is told never to purge,
+//! so a step reuses the pages of the last one. The heap figures do not change: they count live
 //! bytes, not pages held. The price is resident memory above the live heap (freed pages kept for
 //! sizes that do not come back: 3-4 GiB for GPT-2 XL); where that matters more than time, set
 //! mimalloc's own `MIMALLOC_PURGE_DELAY` (e.g. 0: give freed pages back at once), which is then

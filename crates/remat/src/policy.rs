@@ -65,12 +65,17 @@ pub enum PolicyError {
     #[error("policy `{policy}` does not apply to this model: {why}")]
     NotApplicable { policy: String, why: String },
     /// `budget=` or `auto` where a fixed policy is needed.
-    #[error("`{0}` is a request to the planner, not a policy: resolve it from the model's profile first (remat::plan::resolve)")]
+    #[error(
+        "`{0}` is a request to the planner, not a policy: resolve it from the model's profile \
+        first (remat::plan::resolve)"
+    )]
     NeedsPlan(String),
 }
 
-const VALID: &str = "off, sqrt, every-two-blocks, every-n=K (K >= 1), before-downsample, explicit=I,J,... (block indices), \
-                     plan=I,J,... (stage indices), budget=SIZE (e.g. 2GiB), auto; and POLICY+keep=OPS (OPS from matmul, conv, \
+const VALID: &str = "off, sqrt, every-two-blocks, every-n=K (K >= 1), before-downsample, \
+    explicit=I,J,... (block indices), \
+                     plan=I,J,... (stage indices), budget=SIZE (e.g. 2GiB), auto; and \
+                     POLICY+keep=OPS (OPS from matmul, conv, \
                      attention, joined by +: selective recompute)";
 
 impl FromStr for PolicyRequest {

@@ -59,7 +59,11 @@ pub fn second_step_peaks(exec: &Executor, inputs: impl Fn(u64) -> Vec<Tensor>) -
 pub fn assert_near_figure(what: &str, measured: u64, committed: u64) {
     let ratio = measured as f64 / committed as f64;
     eprintln!("{what}: {measured} B measured, {committed} B committed ({ratio:.3}x)");
-    assert!((0.9..=1.1).contains(&ratio), "{what}: measured {measured} B is {ratio:.3}x the committed {committed} B (allowed 0.9-1.1)");
+    assert!(
+        (0.9..=1.1).contains(&ratio),
+        "{what}: measured {measured} B is {ratio:.3}x the \
+        committed {committed} B (allowed 0.9-1.1)"
+    );
 }
 
 /// The memory checks of a deep transformer, given its peaks under a policy: `sqrt` at least
@@ -132,9 +136,20 @@ pub fn assert_keeping_holds_the_kept_outputs(
     let keeping = format!("{policy}+keep={keep}");
     let (cut, with_kept, off) =
         (peaks(policy).activation, peaks(&keeping).activation, peaks("off").activation);
-    eprintln!("activation peaks: {policy} {cut} B, {keeping} {with_kept} B, off {off} B; kept from the shapes {kept} B");
-    assert!(with_kept >= cut + kept / 2, "{keeping}: activation peak {with_kept} B, not half the {kept} B kept above {policy}'s {cut} B");
-    assert!(with_kept <= cut + kept + kept / 20, "{keeping}: activation peak {with_kept} B holds more than the {kept} B kept above {policy}'s {cut} B");
+    eprintln!(
+        "activation peaks: {policy} {cut} B, {keeping} {with_kept} B, off {off} B; kept \
+        from the shapes {kept} B"
+    );
+    assert!(
+        with_kept >= cut + kept / 2,
+        "{keeping}: activation peak {with_kept} B, not half the \
+        {kept} B kept above {policy}'s {cut} B"
+    );
+    assert!(
+        with_kept <= cut + kept + kept / 20,
+        "{keeping}: activation peak {with_kept} B holds \
+        more than the {kept} B kept above {policy}'s {cut} B"
+    );
     assert!(with_kept < off, "{keeping}: activation peak {with_kept} B is not below off's {off} B");
 }
 
@@ -265,7 +280,12 @@ pub fn assert_frozen_parameters_get_no_gradient<M: model::Benchable>(
             );
         }
     }
-    eprintln!("{} of {} parameters frozen; the rest's gradients equal the unfrozen model's under every policy", frozen_names.len(), all.params().vars().len());
+    eprintln!(
+        "{} of {} parameters frozen; the rest's gradients equal the unfrozen model's under \
+        every policy",
+        frozen_names.len(),
+        all.params().vars().len()
+    );
 }
 
 /// LoRA trains its adapters and nothing else, exactly and cheaply: `config` has adapters, with B
@@ -340,9 +360,14 @@ pub fn assert_lora_trains_adapters_only<M: model::Benchable>(
     let (lora_peak, full_peak) = (peak(&lora), peak(&base));
     assert!(
         lora_peak + weight_grads / 2 <= full_peak,
-        "LoRA's step peak {lora_peak} B, full fine-tuning's {full_peak} B: the base weights' gradients ({weight_grads} B) were not all saved"
+        "LoRA's step peak {lora_peak} B, full fine-tuning's {full_peak} B: the base weights' \
+         gradients ({weight_grads} B) were not all saved"
     );
-    eprintln!("{} adapters: gradients = plain candle's under every policy; step peak {lora_peak} B vs full fine-tuning {full_peak} B", adapters.len());
+    eprintln!(
+        "{} adapters: gradients = plain candle's under every policy; step peak {lora_peak} \
+        B vs full fine-tuning {full_peak} B",
+        adapters.len()
+    );
 }
 
 /// The optimizer inside backward (`--optimizer-in-backward`) on a model of `config` at `batch`
@@ -391,9 +416,20 @@ pub fn assert_optimizer_in_backward<M: model::Benchable>(
                 (weights, held)
             };
             let ((ordinary, all), (inside, held)) = (run(false), run(true));
-            assert!(inside == ordinary, "{kind} {policy}: the weights after the optimizer inside backward differ from the ordinary step's");
-            eprintln!("{kind} {policy}: at most {held} B of gradients held inside backward, {all} B after it");
-            assert!(held * 2 <= all, "{kind} {policy}: {held} B of gradients held at once with the optimizer inside backward, of {all} B");
+            assert!(
+                inside == ordinary,
+                "{kind} {policy}: the weights after the optimizer inside \
+                backward differ from the ordinary step's"
+            );
+            eprintln!(
+                "{kind} {policy}: at most {held} B of gradients held inside backward, {all} \
+                B after it"
+            );
+            assert!(
+                held * 2 <= all,
+                "{kind} {policy}: {held} B of gradients held at once with \
+                the optimizer inside backward, of {all} B"
+            );
         }
     }
 }

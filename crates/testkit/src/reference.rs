@@ -203,7 +203,11 @@ pub fn check_evaluation(
     ensure!(model.evaluate(inputs)? == got, "evaluating twice gave two losses");
     ensure!(model.params().buffer_bits()? == buffers, "evaluation changed a buffer");
     let err = (got as f64 - want).abs() / want.abs().max(1.0);
-    ensure!(err <= LOSS_TOL, "evaluation loss {got} vs {want} from the reference logits: error {err:.3e} exceeds {LOSS_TOL:.0e}");
+    ensure!(
+        err <= LOSS_TOL,
+        "evaluation loss {got} vs {want} from the reference logits: error \
+        {err:.3e} exceeds {LOSS_TOL:.0e}"
+    );
     Ok(())
 }
 

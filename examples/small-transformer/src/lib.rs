@@ -65,8 +65,9 @@ impl Block {
     fn attention(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let hd = c / self.heads;
+        // (3, B, H, T, hd)
         let qkv =
-            self.qkv.forward(x)?.reshape((b, t, 3, self.heads, hd))?.permute((2, 0, 3, 1, 4))?; // (3, B, H, T, hd)
+            self.qkv.forward(x)?.reshape((b, t, 3, self.heads, hd))?.permute((2, 0, 3, 1, 4))?;
         let (q, k, v) =
             (qkv.get(0)?.contiguous()?, qkv.get(1)?.contiguous()?, qkv.get(2)?.contiguous()?);
         let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?; // (B, H, T, T)

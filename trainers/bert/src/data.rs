@@ -15,7 +15,10 @@ pub enum MlmDataError {
     SequenceTooShort(usize),
     #[error("tokenizer {path} has no {token} token, which BERT's masked-LM data needs")]
     MissingSpecial { path: String, token: &'static str },
-    #[error("no document has a token to predict: every one holds special tokens only ([UNK], [PAD], ...)")]
+    #[error(
+        "no document has a token to predict: every one holds special tokens only ([UNK], \
+        [PAD], ...)"
+    )]
     NothingToPredict,
     #[error(transparent)]
     Tokens(#[from] datasets::tokens::DataError),

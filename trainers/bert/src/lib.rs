@@ -75,7 +75,11 @@ pub enum Preset {
     Large,
 }
 
-model::presets!(Preset, "BERT", [Preset::Tiny => "tiny", Preset::Base => "base" ("110M"), Preset::Large => "large" ("340M")]);
+model::presets!(Preset, "BERT", [
+    Preset::Tiny => "tiny",
+    Preset::Base => "base" ("110M"),
+    Preset::Large => "large" ("340M"),
+]);
 
 impl Preset {
     /// `tiny` (tests), `base` (12 x 768), `large` (24 x 1024).
@@ -262,8 +266,9 @@ impl Layer {
     fn attention(&self, x: &Tensor, mask: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let (nh, hd) = (self.n_head, c / self.n_head);
+        // (B, nh, T, hd)
         let heads =
-            |l: &Linear| l.forward(x, ctx)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous(); // (B, nh, T, hd)
+            |l: &Linear| l.forward(x, ctx)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous();
         let (q, k, v) = (heads(&self.query)?, heads(&self.key)?, heads(&self.value)?);
         let y = ops::attention(
             (&q, &k, &v),
@@ -292,8 +297,9 @@ impl Stage for Layer {
             ctx,
         )?;
         let h = self.attn_ln.forward(&(a + x)?)?;
+        // (B, T, 4C) -> (B, T, C)
         let f =
-            self.output.forward(&fused::gelu(&self.intermediate.forward(&h, ctx)?, true)?, ctx)?; // (B, T, 4C) -> (B, T, C)
+            self.output.forward(&fused::gelu(&self.intermediate.forward(&h, ctx)?, true)?, ctx)?;
         let f = dropout(&f, self.hidden_pdrop, ctx)?;
         Ok(vec![self.output_ln.forward(&(f + h)?)?])
     }
@@ -393,7 +399,8 @@ impl Bert {
             bias: params.get("cls.predictions.bias", &[config.vocab_size], Init::Zeros)?,
         });
 
-        let mut graph = StageGraph::new(5); // values 0: ids, 1: token types, 2: attention mask, 3: labels, 4: weights
+        // Values 0: ids, 1: token types, 2: attention mask, 3: labels, 4: weights.
+        let mut graph = StageGraph::new(5);
         let mut x = graph.add(embeddings.clone(), &[0, 1], 1)?[0];
         for l in &layers {
             x = graph.add(l.clone(), &[x, 2], 1)?[0];

@@ -157,7 +157,8 @@ fn data(args: &Args, config: &Config, hub: Option<&trainkit::hub::HubFiles>) -> 
     };
     if args.vocab.is_none() && (hub.is_some() || args.init.init.is_some()) {
         trainkit::say!(
-            "warning: --text is read in whole words of its own vocabulary, whose ids mean nothing to the pre-trained embeddings: give --tokenizer (or --vocab)"
+            "warning: --text is read in whole words of its own vocabulary, whose ids mean nothing \
+             to the pre-trained embeddings: give --tokenizer (or --vocab)"
         );
     }
     MlmData::words(&text, &vocab, config.vocab_size, seq, seed)

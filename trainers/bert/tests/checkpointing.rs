@@ -111,7 +111,11 @@ fn assert_policies_match_off(padded: bool, dtype: Precision) {
             );
             assert_eq!(a.1.len(), b.1.len(), "{policy}");
             for (name, g) in &a.1 {
-                assert!(g == &b.1[name], "{policy} (padded: {padded}, {dtype}): gradient of {name} differs at step {step}");
+                assert!(
+                    g == &b.1[name],
+                    "{policy} (padded: {padded}, {dtype}): gradient of \
+                    {name} differs at step {step}"
+                );
             }
         }
     }

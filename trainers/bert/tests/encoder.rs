@@ -27,7 +27,8 @@ fn padding_leaves_each_sentence_as_it_is_alone() {
     let ids = Tensor::from_vec(padded, (2, t), &Device::Cpu).unwrap();
     let mask: Vec<f32> = (0..2 * t).map(|i| if i < t + SHORT.len() { 1.0 } else { 0.0 }).collect();
     let mask = Tensor::from_vec(mask, (2, t), &Device::Cpu).unwrap();
-    let batch = model.hidden_states(&ids, None, Some(&mask), remat::RunMode::Eval).unwrap(); // (2, T, C)
+    // (2, T, C)
+    let batch = model.hidden_states(&ids, None, Some(&mask), remat::RunMode::Eval).unwrap();
 
     let alone = |s: &[u32]| {
         model

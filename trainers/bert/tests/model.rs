@@ -129,7 +129,9 @@ fn bad_input_gives_clear_errors() {
     }
     let dir = temp_dir("config");
     let path = dir.join("config.json");
-    std::fs::write(&path, r#"{"vocab_size": 10, "hidden_size": 30, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 8}"#).unwrap();
+    let config = r#"{"vocab_size": 10, "hidden_size": 30, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "intermediate_size": 8}"#;
+    std::fs::write(&path, config).unwrap();
     assert!(Config::from_json(&path).unwrap_err().to_string().contains("num_attention_heads"));
     std::fs::remove_dir_all(&dir).unwrap();
 }

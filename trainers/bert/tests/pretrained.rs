@@ -187,8 +187,13 @@ fn a_published_tokenizer_with_padding_and_truncation_set_trains() {
     Tokenizer::train(Kind::WordPiece, &text, 300, &tok_path).unwrap();
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&tok_path).unwrap()).unwrap();
-    json["padding"] = serde_json::json!({"strategy": {"Fixed": 128}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"});
-    json["truncation"] = serde_json::json!({"direction": "Right", "max_length": 128, "strategy": "LongestFirst", "stride": 0});
+    json["padding"] = serde_json::json!({
+        "strategy": {"Fixed": 128}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 0,
+        "pad_type_id": 0, "pad_token": "[PAD]",
+    });
+    json["truncation"] = serde_json::json!({
+        "direction": "Right", "max_length": 128, "strategy": "LongestFirst", "stride": 0,
+    });
     std::fs::write(&tok_path, json.to_string()).unwrap();
 
     let tokenizer = Tokenizer::from_file(&tok_path).unwrap();

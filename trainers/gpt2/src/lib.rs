@@ -69,7 +69,13 @@ pub enum Preset {
     Xl,
 }
 
-model::presets!(Preset, "GPT-2", [Preset::Tiny => "tiny", Preset::Small => "small" ("124M"), Preset::Medium => "medium" ("350M"), Preset::Large => "large" ("774M"), Preset::Xl => "xl" ("1.56B")]);
+model::presets!(Preset, "GPT-2", [
+    Preset::Tiny => "tiny",
+    Preset::Small => "small" ("124M"),
+    Preset::Medium => "medium" ("350M"),
+    Preset::Large => "large" ("774M"),
+    Preset::Xl => "xl" ("1.56B"),
+]);
 
 impl Preset {
     pub fn config(self) -> Config {

@@ -153,7 +153,10 @@ fn text_tokens(
         hub,
         &[args.config.as_deref(), args.init.init.as_deref()],
     ) else {
-        bail!("--text needs a tokenizer: give --tokenizer tokenizer.json (or put one beside --config or --init)");
+        bail!(
+            "--text needs a tokenizer: give --tokenizer tokenizer.json (or put one beside \
+            --config or --init)"
+        );
     };
     let text =
         std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?;

@@ -92,7 +92,11 @@ fn accumulated_gradients_are_the_sum_of_the_micro_batches() {
             eprintln!(
                 "{policy}: micro-batch {n} peaks {peak} B above its start, the first {first} B"
             );
-            assert!(peak <= first + SLACK, "{policy}: micro-batch {n} peaks {peak} B above its start, the first only {first} B");
+            assert!(
+                peak <= first + SLACK,
+                "{policy}: micro-batch {n} peaks {peak} B above its \
+                start, the first only {first} B"
+            );
             assert!(
                 policy == "off" || peak < first,
                 "{policy}: micro-batch {n} peaks as high as the first ({peak} B)"
@@ -125,6 +129,10 @@ fn accumulated_gradients_are_the_sum_of_the_micro_batches() {
         let scale = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1e-6);
         let err =
             (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() / scale;
-        assert!(err < 1e-5, "`{name}`: mean of micro-batches vs whole batch differ by {err:.2e} (relative to its largest element)");
+        assert!(
+            err < 1e-5,
+            "`{name}`: mean of micro-batches vs whole batch differ by {err:.2e} \
+            (relative to its largest element)"
+        );
     }
 }

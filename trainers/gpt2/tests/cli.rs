@@ -61,7 +61,8 @@ fn a_closed_pipe_ends_the_run_quietly() {
         .spawn()
         .unwrap();
     let mut first = String::new();
-    BufReader::new(child.stderr.take().unwrap()).read_line(&mut first).unwrap(); // the reader then goes away
+    // The reader then goes away.
+    BufReader::new(child.stderr.take().unwrap()).read_line(&mut first).unwrap();
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(trainkit::CLOSED_PIPE_EXIT), "{first}: exited with {status}");
 }
@@ -73,7 +74,10 @@ fn a_bad_config_names_its_field() {
     let dir = std::env::temp_dir().join(format!("cli-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for (field, value) in [("vocab_size", "0"), ("layer_norm_epsilon", "-1")] {
-        let mut config = serde_json::json!({"vocab_size": 256, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 2, "layer_norm_epsilon": 1e-5});
+        let mut config = serde_json::json!({
+            "vocab_size": 256, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 2,
+            "layer_norm_epsilon": 1e-5,
+        });
         config[field] = serde_json::from_str(value).unwrap();
         let path = dir.join(format!("{field}.json"));
         std::fs::write(&path, config.to_string()).unwrap();
@@ -261,7 +265,8 @@ fn outputs_must_be_regular_files_of_their_own() {
             "{flag} replaced the FIFO"
         );
         let mut written = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut reader, &mut written); // WouldBlock: nothing written
+        // WouldBlock: nothing written.
+        let _ = std::io::Read::read_to_end(&mut reader, &mut written);
         assert!(written.is_empty(), "{flag} wrote {} bytes into the FIFO", written.len());
     }
     let same = dir.join("same");
@@ -332,14 +337,20 @@ fn steps_and_models_that_cannot_fit_are_refused_first() {
     );
     let dir = scratch("huge-config");
     let config = dir.join("config.json");
-    std::fs::write(&config, r#"{"vocab_size": 256, "n_positions": 64, "n_embd": 1024, "n_layer": 100000, "n_head": 2, "layer_norm_epsilon": 1e-5}"#).unwrap();
+    let huge = r#"{"vocab_size": 256, "n_positions": 64, "n_embd": 1024, "n_layer": 100000,
+        "n_head": 2, "layer_norm_epsilon": 1e-5}"#;
+    std::fs::write(&config, huge).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
         .args(["--config", config.to_str().unwrap(), "--seq", "16", "--steps", "1"])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        out.status.code() == Some(1) && err.contains("--preset, --config or --model-id: the memory of the parameters and their gradients alone needs"),
+        out.status.code() == Some(1)
+            && err.contains(
+                "--preset, --config or --model-id: the \
+            memory of the parameters and their gradients alone needs"
+            ),
         "{err}"
     );
     assert!(start.elapsed() < std::time::Duration::from_secs(60), "took {:?}", start.elapsed());
@@ -414,7 +425,11 @@ fn a_log_that_cannot_be_written_names_its_file() {
 #[test]
 fn a_freeze_that_matches_nothing_or_everything_is_refused() {
     for (args, said) in [
-        (&["--freeze", "h.*.atn.*"][..], "--freeze h.*.atn.*: matches no parameter of this model, whose parameters are named like h.0.attn"),
+        (
+            &["--freeze", "h.*.atn.*"][..],
+            "--freeze h.*.atn.*: matches no parameter of this model, \
+            whose parameters are named like h.0.attn",
+        ),
         (&["--freeze", "*"][..], "--freeze leaves no parameter to train"),
         (&["--freeze", ","][..], "names no parameter pattern"),
     ] {
@@ -434,7 +449,11 @@ fn a_freeze_that_matches_nothing_or_everything_is_refused() {
 #[test]
 fn lora_trains_adapters_writes_them_and_merges() {
     for (args, said) in [
-        (&["--lora", "4", "--lora-targets", "c_atn"][..], "--lora-targets c_atn: matches no layer this model adapts (its layers: c_attn, c_proj, c_fc)"),
+        (
+            &["--lora", "4", "--lora-targets", "c_atn"][..],
+            "--lora-targets c_atn: matches no layer \
+            this model adapts (its layers: c_attn, c_proj, c_fc)",
+        ),
         (&["--lora", "0"][..], "the LoRA rank must be at least 1"),
         (&["--lora", "4", "--freeze", "wte.weight"][..], "cannot be used with"),
         (&["--lora-alpha", "8"][..], "--lora <LORA>"),

@@ -56,7 +56,11 @@ fn the_generic_route_trains_gpt2_bit_exactly_within_a_tenth_of_the_kernels_memor
             .map(|(&a, &b)| (f32::from_bits(a) - f32::from_bits(b)).abs())
             .fold(0f32, f32::max)
             / scale;
-        assert!(err < 1e-3, "{name}: the generic route's gradient differs from the kernels' by {err:.2e} of its scale");
+        assert!(
+            err < 1e-3,
+            "{name}: the generic route's gradient differs from the kernels' by \
+            {err:.2e} of its scale"
+        );
         assert!(
             g.iter().any(|&b| f32::from_bits(b) != 0.0),
             "{name}: no gradient on the generic route"

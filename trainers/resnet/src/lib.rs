@@ -39,7 +39,14 @@ pub enum Preset {
     Resnet152,
 }
 
-model::presets!(Preset, "ResNet", [Preset::Tiny => "tiny", Preset::Resnet18 => "resnet18", Preset::Resnet34 => "resnet34", Preset::Resnet50 => "resnet50", Preset::Resnet101 => "resnet101", Preset::Resnet152 => "resnet152"]);
+model::presets!(Preset, "ResNet", [
+    Preset::Tiny => "tiny",
+    Preset::Resnet18 => "resnet18",
+    Preset::Resnet34 => "resnet34",
+    Preset::Resnet50 => "resnet50",
+    Preset::Resnet101 => "resnet101",
+    Preset::Resnet152 => "resnet152",
+]);
 
 impl Preset {
     /// The preset's configuration, with 1000 classes (set `classes` after).

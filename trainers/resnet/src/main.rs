@@ -120,7 +120,8 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     trainer.run(&inputs, |policy, segments| {
         let size = args.image_size;
         format!(
-            "ResNet {}, {} blocks, policy {policy} ({segments}), batch {} x {size}x{size}, {classes} classes",
+            "ResNet {}, {} blocks, policy {policy} ({segments}), batch {} x {size}x{size}, \
+             {classes} classes",
             model.params().count_text(),
             model.graph().blocks().len(),
             args.run.batch

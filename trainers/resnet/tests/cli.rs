@@ -36,7 +36,11 @@ fn loss_falls_on_synthetic_images() {
         // The model learns (the first steps are near chance, ln 4 = 1.39) and stays learnt: each
         // of the last ten losses is below 0.6x the median of the first five. A spiking run fails.
         let (first, worst) = (start[2], losses[20..].iter().copied().fold(f32::MIN, f32::max));
-        assert!(worst < 0.6 * first, "{dtype}: loss went {first:.3} -> at worst {worst:.3} in the last ten steps: {losses:?}");
+        assert!(
+            worst < 0.6 * first,
+            "{dtype}: loss went {first:.3} -> at worst {worst:.3} in the \
+            last ten steps: {losses:?}"
+        );
     }
 }
 

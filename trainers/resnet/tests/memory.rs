@@ -77,7 +77,8 @@ fn checkpointing_lowers_the_activation_peak_by_what_the_shapes_say() {
     let (outputs, largest) = stage_outputs();
     let off = peaks("off");
     eprintln!(
-        "off: forward ends at {} B, activation peak {} B, step peak {} B; stage outputs {outputs} B (largest {largest} B)",
+        "off: forward ends at {} B, activation peak {} B, step peak {} B; stage outputs {outputs} \
+         B (largest {largest} B)",
         off.forward_end, off.activation, off.step
     );
     assert!(
@@ -88,7 +89,8 @@ fn checkpointing_lowers_the_activation_peak_by_what_the_shapes_say() {
     for policy in ["sqrt", "before-downsample"] {
         let p = peaks(policy);
         eprintln!(
-            "{policy}: forward ends at {} B, activation peak {} B ({:.2}x off), step peak {} B ({:.2}x off)",
+            "{policy}: forward ends at {} B, activation peak {} B ({:.2}x off), step peak {} B \
+             ({:.2}x off)",
             p.forward_end,
             p.activation,
             p.activation as f64 / off.activation as f64,

@@ -181,12 +181,27 @@ impl RunArgs {
         }
         if self.optimizer_in_backward {
             let conflict = [
-                (self.accumulate > 1, "--accumulate above 1 (a gradient is final only after the last micro-batch's backward)"),
-                (self.ranks > 1, "--ranks above 1 (the gradients are averaged over the ranks before the update)"),
-                (self.dtype == model::Precision::F16, "--dtype f16 (its loss scaler skips a step unless every gradient is finite)"),
+                (
+                    self.accumulate > 1,
+                    "--accumulate above 1 (a gradient is final only after the \
+                    last micro-batch's backward)",
+                ),
+                (
+                    self.ranks > 1,
+                    "--ranks above 1 (the gradients are averaged over the ranks \
+                    before the update)",
+                ),
+                (
+                    self.dtype == model::Precision::F16,
+                    "--dtype f16 (its loss scaler skips a step \
+                    unless every gradient is finite)",
+                ),
             ];
             if let Some((_, why)) = conflict.iter().find(|(c, _)| *c) {
-                bail!("--optimizer-in-backward updates each parameter as its gradient is final: not with {why}");
+                bail!(
+                    "--optimizer-in-backward updates each parameter as its gradient is final: \
+                    not with {why}"
+                );
             }
         }
         if let Some(scale) = self.loss_scale {
@@ -194,7 +209,11 @@ impl RunArgs {
                 bail!("--loss-scale applies to --dtype f16 only (this run: {})", self.dtype);
             }
             if !(scale.is_finite() && scale > 0.0 && scale <= f32::MAX as f64) {
-                bail!("--loss-scale {scale} is not a positive number f32 can hold (at most {:e}): every step would overflow and be skipped", f32::MAX);
+                bail!(
+                    "--loss-scale {scale} is not a positive number f32 can hold (at most {:e}): \
+                    every step would overflow and be skipped",
+                    f32::MAX
+                );
             }
         }
         Ok(())

@@ -159,7 +159,8 @@ impl<'g> Log<'g> {
             let (busy, waited) =
                 (comm.all_reduce.as_secs_f64() * 1e3, comm.waited.as_secs_f64() * 1e3);
             say!(
-                "all-reduce: {busy:.1} ms in all-reduce calls; the training thread waited {waited:.1} ms for the means ({:.1} MiB of f32 per rank)",
+                "all-reduce: {busy:.1} ms in all-reduce calls; the training thread waited \
+                 {waited:.1} ms for the means ({:.1} MiB of f32 per rank)",
                 mib(comm.floats * 4)
             );
         }

@@ -31,7 +31,8 @@ pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
         };
         if !built {
             bail!(
-                "--ranks {} on {} needs a build with `--features {feature}` (e.g. cargo build --release -p gpt2 --features {feature})",
+                "--ranks {} on {} needs a build with `--features {feature}` (e.g. cargo build \
+                 --release -p gpt2 --features {feature})",
                 run.ranks,
                 run.device
             );
@@ -201,7 +202,11 @@ pub fn agreed_policy(
     }
     let theirs = String::from_utf8(group.broadcast_bytes(requested.to_string().into_bytes(), 0)?)?;
     if theirs != requested.to_string() {
-        bail!("rank {} was given --policy {requested}, rank 0 {theirs}: every rank must checkpoint in sync", group.rank());
+        bail!(
+            "rank {} was given --policy {requested}, rank 0 {theirs}: every rank must \
+            checkpoint in sync",
+            group.rank()
+        );
     }
     Ok(String::from_utf8(group.broadcast_bytes(resolved.to_string().into_bytes(), 0)?)?.parse()?)
 }
@@ -228,7 +233,10 @@ pub fn check_in_sync(group: &Group, store: &params::ParamStore) -> Result<()> {
 /// before anything is built.
 pub fn check_sharding(shard: bool, ranks: usize) -> Result<()> {
     if shard && ranks < 2 {
-        bail!("--shard-optimizer shares the optimizer state among data-parallel ranks: give --ranks N (N > 1)");
+        bail!(
+            "--shard-optimizer shares the optimizer state among data-parallel ranks: give \
+            --ranks N (N > 1)"
+        );
     }
     Ok(())
 }
@@ -250,7 +258,8 @@ pub fn optimizer<'g>(
     let total = group.mean_of(mine as f64)? * group.world() as f64;
     let (_, most) = group.min_max(mine)?;
     crate::say!(
-        "optimizer state sharded over {} ranks (ZeRO stage 1): {:.1} MiB on the largest share of {:.1} MiB",
+        "optimizer state sharded over {} ranks (ZeRO stage 1): {:.1} MiB on the largest share of \
+         {:.1} MiB",
         group.world(),
         crate::mib(most),
         total / (1024.0 * 1024.0)

@@ -118,7 +118,10 @@ fn check_step_fits(
     let (policy, batch) = (&run.policy, run.batch);
     let (vars, device) = vars_and_device(model);
     let Some(free) = free_memory(&device) else { return Ok(None) };
-    let hint = format!("a training step does not fit in this machine's available memory: make it smaller ({sizes})");
+    let hint = format!(
+        "a training step does not fit in this machine's available memory: make it \
+        smaller ({sizes})"
+    );
     // At batch 1 or 2, this is the plan's profile too; at larger batches, extrapolated (its
     // temporaries over-predict a little), and a plan measures at the batch itself.
     let measure = |n: usize| -> Result<Profile> {
@@ -155,7 +158,9 @@ fn check_step_fits(
             String::new()
         };
         bail!(
-            "{sizes}: a training step under {policy} needs {:.1} GiB beyond the model by the planner's prediction{other}; this device has {:.1} GiB available. Make the step smaller",
+            "{sizes}: a training step under {policy} needs {:.1} GiB beyond the model by the \
+             planner's prediction{other}; this device has {:.1} GiB available. Make the step \
+             smaller",
             gib(more),
             gib(free)
         );
@@ -263,7 +268,9 @@ fn plan_policy(
         if need > cap {
             let least = profile.least_peak(grads);
             bail!(
-                "--policy {resolved} needs {:.1} MiB by the planner's prediction (state before the step {:.1} MiB), above --memory-cap {:.1} MiB; the least any checkpoint plan needs is {:.1} MiB ({}), and --policy auto picks the fastest plan that fits",
+                "--policy {resolved} needs {:.1} MiB by the planner's prediction (state before \
+                 the step {:.1} MiB), above --memory-cap {:.1} MiB; the least any checkpoint plan \
+                 needs is {:.1} MiB ({}), and --policy auto picks the fastest plan that fits",
                 mib(need),
                 mib(fixed),
                 mib(cap),

@@ -63,7 +63,9 @@ impl RunConfig {
             if !same_value(now, then) {
                 let show = |v: Option<&String>| v.map_or("not given".to_string(), |v| v.clone());
                 bail!(
-                    "--resume {}: {flag} is {} in this run but was {} in the run that wrote the snapshot; resume with the same flags (only --policy, --steps, --device and the output files may change)",
+                    "--resume {}: {flag} is {} in this run but was {} in the run that wrote the \
+                     snapshot; resume with the same flags (only --policy, --steps, --device and \
+                     the output files may change)",
                     snapshot.display(),
                     show(now),
                     show(then)
@@ -173,11 +175,21 @@ pub fn load_training(
     };
     let (next, saved_seed) = (scalar(NEXT_STEP)?, scalar(SEED)?);
     if saved_seed as u64 != seed {
-        bail!("{} was written with --seed {saved_seed}; resume with the same seed (this run has {seed})", path.display());
+        bail!(
+            "{} was written with --seed {saved_seed}; resume with the same seed (this run has \
+            {seed})",
+            path.display()
+        );
     }
     match metadata.get(CONFIG) {
-        Some(saved) => config.check_against(&serde_json::from_str(saved).with_context(ctx)?, path)?,
-        None => say!("--resume {}: written before training snapshots kept their run's flags; make sure this run gives the same ones", path.display()),
+        Some(saved) => {
+            config.check_against(&serde_json::from_str(saved).with_context(ctx)?, path)?
+        }
+        None => say!(
+            "--resume {}: written before training snapshots kept their run's flags; make \
+            sure this run gives the same ones",
+            path.display()
+        ),
     }
     if let Some(scaler) = scaler {
         let scale = tensors.get(LOSS_SCALE).with_context(|| {
@@ -216,7 +228,11 @@ fn check_writable(path: &Path, flag: &str) -> Result<()> {
             } else {
                 "not a regular file"
             };
-            bail!("{flag} {} exists and is {kind}; give the path of a regular file (it would be replaced)", path.display());
+            bail!(
+                "{flag} {} exists and is {kind}; give the path of a regular file (it would be \
+                replaced)",
+                path.display()
+            );
         }
     }
     let probe = path.with_extension("probe");

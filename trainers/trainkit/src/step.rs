@@ -101,7 +101,8 @@ impl Stepper<'_> {
                 })
                 .collect();
             bail!(
-                "step {step}: the gradients are not finite, so the weights were not updated; a NaN or an infinity in the data ({}), or a diverging run (a lower --lr may help)",
+                "step {step}: the gradients are not finite, so the weights were not updated; a \
+                 NaN or an infinity in the data ({}), or a diverging run (a lower --lr may help)",
                 named.join("; ")
             );
         }
@@ -135,7 +136,10 @@ impl Stepper<'_> {
         opt: &mut dyn TrainOptimizer,
     ) -> Result<StepOutcome> {
         if self.accumulate != 1 || self.group.world() != 1 || scaler.is_some() {
-            bail!("the optimizer inside backward runs one micro-batch on one rank without a loss scaler");
+            bail!(
+                "the optimizer inside backward runs one micro-batch on one rank without a loss \
+                 scaler"
+            );
         }
         let inputs = inputs(step)?;
         let meter = Meter::start(inputs[0].device());
@@ -143,22 +147,30 @@ impl Stepper<'_> {
         // What the parameters share (the step count of the bias corrections) advances once, as
         // in an ordinary update; an error later in the step ends the run.
         opt.begin_update()?;
-        let out = self.exec.accumulate_reporting(&inputs, step, GradStore::default(), &mut |ready, store| {
-            let mut part = GradStore::default();
-            for &k in ready {
-                if let Some(g) = store.remove(params[k].as_tensor()) {
-                    part.insert(params[k].as_tensor(), g);
+        let out = self.exec.accumulate_reporting(
+            &inputs,
+            step,
+            GradStore::default(),
+            &mut |ready, store| {
+                let mut part = GradStore::default();
+                for &k in ready {
+                    if let Some(g) = store.remove(params[k].as_tensor()) {
+                        part.insert(params[k].as_tensor(), g);
+                    }
                 }
-            }
-            if !all_finite(&part, params).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))? {
-                candle_core::bail!(
-                    "step {step}: gradients are not finite; the parameters whose gradients were final before them are updated \
-                     already (--optimizer-in-backward): a NaN or an infinity in data batch {step}, or a diverging run (a lower --lr may help)"
+                if !all_finite(&part, params)
+                    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?
+                {
+                    candle_core::bail!(
+                    "step {step}: gradients are not finite; the parameters whose gradients were \
+                     final before them are updated already (--optimizer-in-backward): a NaN or an \
+                     infinity in data batch {step}, or a diverging run (a lower --lr may help)"
                 );
-            }
-            set_activity(Activity::Optimizer, None);
-            opt.update_some(&part)
-        })?;
+                }
+                set_activity(Activity::Optimizer, None);
+                opt.update_some(&part)
+            },
+        )?;
         let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
         let (fwd_bwd_peak, activation_peak) =
             (meter.peak_so_far(), out.timeline.activation_peak(meter.heap_base()));

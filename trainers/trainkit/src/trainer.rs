@@ -97,12 +97,18 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
             let out = stepper.step(step as u64, scaler.as_mut(), batch, opt.as_mut())?;
             if !out.updated {
                 let now = scaler.map_or(1.0, |s| s.scale);
-                log.say(format_args!("step {step}: gradients not finite at loss scale {scale}; update skipped, loss scale now {now}"));
+                log.say(format_args!(
+                    "step {step}: gradients not finite at loss scale {scale}; \
+                    update skipped, loss scale now {now}"
+                ));
             }
             let loss = group.mean_of(out.loss)? as f32;
             log.step(step, loss, &out.usage)?;
             if !loss.is_finite() {
-                bail!("step {step}: the loss is {loss}; training cannot go on (a lower --lr may help)");
+                bail!(
+                    "step {step}: the loss is {loss}; training cannot go on (a lower --lr may \
+                    help)"
+                );
             }
             if run.eval_every.is_some() && self.due(step, run.eval_every) {
                 let eval_loss = self.evaluate(&batch)?;
@@ -212,7 +218,12 @@ fn check_freeze(params: &params::ParamStore) -> Result<()> {
     if !unmatched.is_empty() {
         let names: Vec<&str> =
             params.named().chain(params.frozen()).map(|(name, _)| name).take(6).collect();
-        bail!("--freeze {}: matches no parameter of this model, whose parameters are named like {}, ...", unmatched.join(","), names.join(", "));
+        bail!(
+            "--freeze {}: matches no parameter of this model, whose parameters are named like \
+            {}, ...",
+            unmatched.join(","),
+            names.join(", ")
+        );
     }
     if params.vars().is_empty() {
         bail!("--freeze leaves no parameter to train");

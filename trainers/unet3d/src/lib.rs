@@ -57,7 +57,11 @@ pub enum Preset {
     Cicek,
 }
 
-model::presets!(Preset, "3D U-Net", [Preset::Tiny => "tiny", Preset::Small => "small" ("16-32-64-128"), Preset::Cicek => "cicek" ("32-64-128-256, 512 at the bottom")]);
+model::presets!(Preset, "3D U-Net", [
+    Preset::Tiny => "tiny",
+    Preset::Small => "small" ("16-32-64-128"),
+    Preset::Cicek => "cicek" ("32-64-128-256, 512 at the bottom"),
+]);
 
 impl Preset {
     /// The preset with one input channel, three classes (background, sphere, cube), BatchNorm.
@@ -112,7 +116,10 @@ impl ConvNormRelu {
             Norm::Group(g) => {
                 // Clamping would train another model than the one asked for.
                 if g == 0 || !c_out.is_multiple_of(g) {
-                    candle_core::bail!("{g} GroupNorm groups do not divide the {c_out} channels of `{prefix}` (every level's channels must be a multiple)")
+                    candle_core::bail!(
+                        "{g} GroupNorm groups do not divide the {c_out} channels \
+                        of `{prefix}` (every level's channels must be a multiple)"
+                    )
                 }
                 NormLayer::Group(GroupNorm::new(params, &name, c_out, g)?)
             }
@@ -306,7 +313,8 @@ impl UNet3d {
             x = add(&mut graph, std::sync::Arc::new(Pool(l)), vec![skip])?;
             c = out;
         }
-        let bottom = Level::new(&mut params, &config, "bottom", c, c, 2 * c, None)?; // e.g. 256 -> 512
+        // E.g. 256 -> 512.
+        let bottom = Level::new(&mut params, &config, "bottom", c, c, 2 * c, None)?;
         x = add(&mut graph, std::sync::Arc::new(bottom), vec![x])?;
         c *= 2;
         for l in (0..levels).rev() {

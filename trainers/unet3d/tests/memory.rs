@@ -38,7 +38,12 @@ fn checkpointing_lowers_the_step_peak() {
     let off = peaks("off");
     let v = 2 * 4 * 24u64.pow(3) * 4;
     let (downsample, two) = (peaks("before-downsample").step, peaks("every-two-blocks").step);
-    eprintln!("step peaks: off {} B, before-downsample {downsample} B, every-two-blocks {two} B; 4 v = {} B", off.step, 4 * v);
+    eprintln!(
+        "step peaks: off {} B, before-downsample {downsample} B, every-two-blocks {two} B; \
+        4 v = {} B",
+        off.step,
+        4 * v
+    );
     assert!(
         downsample + 4 * v <= off.step,
         "before-downsample: step peak {downsample} B, not 4 v = {} B below off's {} B",

@@ -268,7 +268,9 @@ impl BatchNormOp {
     fn of(x: &Tensor, eps: f64, relu: bool) -> Result<(Self, (Tensor, Tensor))> {
         let (n, c) = (x.dim(0)?, x.dim(1)?);
         let spatial = x.elem_count() / (n * c).max(1);
-        let (mean, var) = per_dtype!(x.dtype(), T => with_slice::<T, _>(x, |xs| Ok(channel_stats(xs, c, spatial)))?);
+        let (mean, var) = per_dtype!(x.dtype(), T => {
+            with_slice::<T, _>(x, |xs| Ok(channel_stats(xs, c, spatial)))?
+        });
         let rstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
         let per_channel = |v: Vec<f64>| Tensor::from_vec(v, c, x.device());
         let stats = (per_channel(mean.clone())?, per_channel(var)?);
@@ -386,7 +388,13 @@ impl FusedOp for BatchNormOp {
         let (x, wb, residual) = (inputs[0], inputs[1], inputs.len() == 3);
         let g = g.contiguous()?;
         let (dx, dwb, dr) = per_dtype!(x.dtype(), T => {
-            let (dx, dwb, dr) = with_slice::<T, _>(x, |xs| with_slice(y, |ys| with_slice(wb, |ws| with_slice(&g, |gs| Ok(self.backward(xs, ys, ws, gs, residual))))))?;
+            let (dx, dwb, dr) = with_slice::<T, _>(x, |xs| {
+                with_slice(y, |ys| {
+                    with_slice(wb, |ws| {
+                        with_slice(&g, |gs| Ok(self.backward(xs, ys, ws, gs, residual)))
+                    })
+                })
+            })?;
             (shaped(dx, x)?, shaped(dwb, wb)?, dr.map(|dr| shaped(dr, x)).transpose()?)
         });
         Ok([Some(dx), Some(dwb), dr].into_iter().take(inputs.len()).collect())
@@ -419,14 +427,21 @@ impl FusedOp for BatchNormPairOp {
         let [x, x2, wb] = exactly(inputs)?;
         let (g, c) = (g.contiguous()?, self.first.channels);
         let (dx, dx2, dwb) = per_dtype!(x.dtype(), T => {
-            let (dx, dx2, dwb) = with_slice::<T, _>(x, |xs| with_slice(x2, |x2s| with_slice(y, |ys| with_slice(wb, |ws| with_slice(&g, |gs| {
+            let backward = |xs: &[T], x2s: &[T], ys: &[T], ws: &[T], gs: &[T]| {
                 let (dx, dwb, _) = self.first.backward(xs, ys, &ws[..2 * c], gs, false);
                 // The second's gradient is g masked by the output's ReLU: its backward masks g
                 // itself, as the first's does, rather than reading a masked copy.
                 let second = BatchNormOp { relu: true, ..self.second.clone() };
                 let (dx2, dwb2, _) = second.backward(x2s, ys, &ws[2 * c..], gs, false);
-                Ok((dx, dx2, dwb.into_iter().chain(dwb2).collect::<Vec<T>>()))
-            })))))?;
+                (dx, dx2, dwb.into_iter().chain(dwb2).collect::<Vec<T>>())
+            };
+            let (dx, dx2, dwb) = with_slice::<T, _>(x, |xs| {
+                with_slice(x2, |x2s| {
+                    with_slice(y, |ys| {
+                        with_slice(wb, |ws| with_slice(&g, |gs| Ok(backward(xs, x2s, ys, ws, gs))))
+                    })
+                })
+            })?;
             (shaped(dx, x)?, shaped(dx2, x2)?, shaped(dwb, wb)?)
         });
         Ok(vec![Some(dx), Some(dx2), Some(dwb)])

@@ -29,7 +29,10 @@ pub(crate) fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Resu
     }
     if g.stride_hw > 1 && h % 2 != wd % 2 {
         // candle 0.11's conv2d backward mis-shapes such inputs.
-        candle_core::bail!("conv3d: strided in-plane convolution needs height and width of equal parity, got {h}x{wd}")
+        candle_core::bail!(
+            "conv3d: strided in-plane convolution needs height and width of equal \
+            parity, got {h}x{wd}"
+        )
     }
     let x = x.pad_with_zeros(2, g.pad_d, g.pad_d)?;
     let dp = d + 2 * g.pad_d;
@@ -61,7 +64,8 @@ pub(crate) fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Resu
     }
     let y = Tensor::cat(&rows, 0)?; // (N * D_out, O, H', W')
     drop(rows);
-    y.reshape((n, d_out, o, ho, wo))?.permute((0, 2, 1, 3, 4))?.contiguous() // (N, O, D_out, H', W')
+    // (N, O, D_out, H', W')
+    y.reshape((n, d_out, o, ho, wo))?.permute((0, 2, 1, 3, 4))?.contiguous()
 }
 
 /// Entries of the column matrix candle's `conv2d` builds for one chunk of input slices, at most:
@@ -166,14 +170,16 @@ pub(crate) fn conv3d_composed_backward(
     for chunk in chunks(n, d_out, dp, c * kh * kw * ho * wo, entries) {
         let slices_of = chunk.batches * chunk.rows;
         let gf = grad.narrow(0, chunk.b, chunk.batches)?.narrow(2, chunk.start, chunk.rows)?;
-        let gf = gf.permute((0, 2, 1, 3, 4))?.reshape((slices_of, o, ho, wo))?; // (slices, O, H', W')
+        // (slices, O, H', W')
+        let gf = gf.permute((0, 2, 1, 3, 4))?.reshape((slices_of, o, ho, wo))?;
         let gf_t = gf.transpose(0, 1)?; // (O, slices, H', W')
         if chunk.start == 0 && dp > 1 && want_dx {
             dxs.push(Tensor::zeros((chunk.batches, c, dp, h, wd), x.dtype(), x.device())?);
         }
         for a in (0..kd).filter(|_| want_dx) {
             let wa = w.narrow(2, a, 1)?.squeeze(2)?.contiguous()?; // (O, C, kh, kw)
-            let ds = gf.conv_transpose2d(&wa, g.pad_hw, out_padding, g.stride_hw, 1)?; // (slices, C, H, W)
+                                                                   // (slices, C, H, W)
+            let ds = gf.conv_transpose2d(&wa, g.pad_hw, out_padding, g.stride_hw, 1)?;
             let ds = ds
                 .reshape((chunk.batches, chunk.rows, c, h, wd))?
                 .permute((0, 2, 1, 3, 4))?

@@ -225,7 +225,10 @@ impl Conv3dShape {
         let mut output = [0; 3];
         for a in 0..3 {
             if input[a] + 2 * pad[a] < kernel[a] || stride[a] == 0 {
-                candle_core::bail!("conv3d: input {input:?} padded by {pad:?} is smaller than the kernel {kernel:?}")
+                candle_core::bail!(
+                    "conv3d: input {input:?} padded by {pad:?} is smaller than the \
+                    kernel {kernel:?}"
+                )
             }
             output[a] = (input[a] + 2 * pad[a] - kernel[a]) / stride[a] + 1;
         }
@@ -556,7 +559,8 @@ impl Conv3dShape {
                             seg.fill(T::zero());
                             continue;
                         };
-                        let row = ((zz - xc.planes.start) * h + ii) * w; // the input row's first voxel
+                        // The input row's first voxel.
+                        let row = ((zz - xc.planes.start) * h + ii) * w;
                         if inside && s == 1 {
                             copy(seg, &xs[(row + j - pad) * c..][..kw * c]);
                             continue;
@@ -690,7 +694,8 @@ impl Conv3dShape {
                         ),
                     };
                 if b.samples.len() == 1 {
-                    product(&mut y[b.samples.start * o * cols + start..], (cols, 1), len); // (o, len) of (o, DHW)
+                    // (o, len) of (o, DHW)
+                    product(&mut y[b.samples.start * o * cols + start..], (cols, 1), len);
                     continue;
                 }
                 product(&mut out, (width, 1), width); // (o, samples x len)
@@ -915,7 +920,8 @@ impl Conv3dOp {
                 // += (O, rows) in the layout's order
             }
             if col2vol {
-                matmul(&mut dcol[..rows * width], mat(w, true), gb, (rows, s.o, width), false); // (rows, samples x len)
+                // (rows, samples x len)
+                matmul(&mut dcol[..rows * width], mat(w, true), gb, (rows, s.o, width), false);
                 s.col2vol(&dcol, b, &mut dx);
             }
         }
@@ -986,7 +992,13 @@ impl FusedOp for Conv3dOp {
         let (dxs, dw) = per_dtype!(x.dtype(), T => {
             let split = self.split.unwrap_or(self.shape.c);
             let (dxs, dw) = with_slice::<T, _>(x, |xs| {
-                let run = |bs: &[T]| with_slice(w, |ws| with_slice(&g, |gs| self.backward(Input { first: xs, second: bs, split }, ws, gs, want)));
+                let run = |bs: &[T]| {
+                    with_slice(w, |ws| {
+                        with_slice(&g, |gs| {
+                            self.backward(Input { first: xs, second: bs, split }, ws, gs, want)
+                        })
+                    })
+                };
                 match second {
                     Some(b) => with_slice(b, run),
                     None => run(&[]),
@@ -994,7 +1006,11 @@ impl FusedOp for Conv3dOp {
             })?;
             // Not wanted, dx was not computed: no gradient for any part.
             let dxs = match want.dx {
-                true => dxs.into_iter().zip(parts).map(|(dx, x)| x.track_op().then(|| shaped(dx, x)).transpose()).collect::<Result<Vec<_>>>()?,
+                true => dxs
+                    .into_iter()
+                    .zip(parts)
+                    .map(|(dx, x)| x.track_op().then(|| shaped(dx, x)).transpose())
+                    .collect::<Result<Vec<_>>>()?,
                 false => vec![None; parts.len()],
             };
             (dxs, want.dw.then(|| shaped(dw, w)).transpose()?)

@@ -58,9 +58,11 @@ pub(crate) fn conv_transpose3d_k2s2_generic(
         let o = w.dim(1)?;
         let voxels = n * d * h * wd;
         let g = widened_as(grad, x)?.reshape(vec![n, o, d, 2, h, 2, wd, 2])?;
-        let g_cols = g.permute([0, 2, 4, 6, 1, 3, 5, 7])?.reshape((voxels, o * 8))?; // (N D H W, O 8)
+        // (N D H W, O 8)
+        let g_cols = g.permute([0, 2, 4, 6, 1, 3, 5, 7])?.reshape((voxels, o * 8))?;
         let w_mat = widened_as(w, x)?.reshape((c, o * 8))?; // (C, O 8)
-        let dx = g_cols.matmul(&w_mat.t()?)?.reshape((n, d, h, wd, c))?.permute((0, 4, 1, 2, 3))?; // (N, C, D, H, W)
+                                                            // (N, C, D, H, W)
+        let dx = g_cols.matmul(&w_mat.t()?)?.reshape((n, d, h, wd, c))?.permute((0, 4, 1, 2, 3))?;
         let cols = widened(x)?.permute((0, 2, 3, 4, 1))?.reshape((voxels, c))?; // (N D H W, C)
         let dw = cols.t()?.matmul(&g_cols)?.reshape(w.shape())?;
         let db = g_cols.reshape((voxels, o, 8))?.sum((0, 2))?;
@@ -157,7 +159,9 @@ impl FusedOp for ConvTranspose3dOp {
         let [x, w, b] = exactly(inputs)?;
         let g = g.contiguous()?;
         let (dx, dw, db) = per_dtype!(x.dtype(), T => {
-            let (dx, dw, db) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| self.backward(xs, ws, gs))))?;
+            let (dx, dw, db) = with_slice::<T, _>(x, |xs| {
+                with_slice(w, |ws| with_slice(&g, |gs| self.backward(xs, ws, gs)))
+            })?;
             (shaped(dx, x)?, shaped(dw, w)?, shaped(db, b)?)
         });
         Ok(vec![Some(dx), Some(dw), Some(db)])

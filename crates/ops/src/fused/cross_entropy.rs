@@ -77,7 +77,8 @@ struct CrossEntropyOp;
 
 /// The error of a weighted cross-entropy whose weights are all zero. PyTorch returns NaN (a mean
 /// over no target), which then reads as a diverged run; here it is refused, naming the cause.
-const NO_WEIGHT: &str = "cross_entropy: every weight is zero, so the batch has no position to score (the mean over none is undefined)";
+const NO_WEIGHT: &str = "cross_entropy: every weight is zero, so the batch has no position to \
+    score (the mean over none is undefined)";
 
 /// logsumexp of a row.
 fn log_sum_exp<T: Elem>(row: &[T]) -> T {
@@ -149,10 +150,14 @@ impl FusedOp for CrossEntropyOp {
     fn bwd(&self, inputs: &[&Tensor], _loss: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let [logits, targets, weights] = exactly(inputs)?;
         let g = g.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let d = with_slice::<u32, _>(
-            targets,
-            |t| per_dtype!(logits.dtype(), T => shaped(with_slice::<T, _>(logits, |l| with_slice(weights, |w| Ok(Self::backward(l, t, w, elem::<T>(g)))))?, logits)),
-        )?;
+        let d = with_slice::<u32, _>(targets, |t| {
+            per_dtype!(logits.dtype(), T => {
+                let d = with_slice::<T, _>(logits, |l| {
+                    with_slice(weights, |w| Ok(Self::backward(l, t, w, elem::<T>(g))))
+                })?;
+                shaped(d, logits)
+            })
+        })?;
         Ok(vec![Some(d), None, None])
     }
 }

@@ -67,7 +67,9 @@ impl FusedOp for DropoutOp {
     fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let [x] = exactly(inputs)?;
         let g = g.contiguous()?;
-        let dx = per_dtype!(x.dtype(), T => shaped(with_slice::<T, _>(&g, |gs| Ok(self.masked(gs)))?, x)?);
+        let dx = per_dtype!(x.dtype(), T => {
+            shaped(with_slice::<T, _>(&g, |gs| Ok(self.masked(gs)))?, x)?
+        });
         Ok(vec![Some(dx)])
     }
 }

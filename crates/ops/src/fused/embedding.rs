@@ -87,7 +87,12 @@ impl FusedOp for EmbeddingOp {
     fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let [w, ids] = exactly(inputs)?;
         let g = g.contiguous()?;
-        let dw = per_dtype!(w.dtype(), T => shaped(with_slice::<u32, _>(ids, |ids| with_slice::<T, _>(&g, |gs| Ok(self.backward(ids, gs))))?, w)?);
+        let dw = per_dtype!(w.dtype(), T => {
+            let dw = with_slice::<u32, _>(ids, |ids| {
+                with_slice::<T, _>(&g, |gs| Ok(self.backward(ids, gs)))
+            })?;
+            shaped(dw, w)?
+        });
         Ok(vec![Some(dw), None])
     }
 }

@@ -101,7 +101,10 @@ impl FusedOp for GeluOp {
     fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let [x] = exactly(inputs)?;
         let g = g.contiguous()?;
-        let dx = per_dtype!(x.dtype(), T => shaped(with_slice::<T, _>(x, |xs| with_slice(&g, |gs| Ok(self.map(xs, Some(gs)))))?, x)?);
+        let dx = per_dtype!(x.dtype(), T => {
+            let dx = with_slice::<T, _>(x, |xs| with_slice(&g, |gs| Ok(self.map(xs, Some(gs)))))?;
+            shaped(dx, x)?
+        });
         Ok(vec![Some(dx)])
     }
 }

@@ -148,7 +148,9 @@ impl FusedOp for LayerNormOp {
         let [x, w, _b] = exactly(inputs)?;
         let g = g.contiguous()?;
         let (dx, dw, db) = per_dtype!(x.dtype(), T => {
-            let (dx, dw, db) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| Ok(self.backward(xs, ws, gs)))))?;
+            let (dx, dw, db) = with_slice::<T, _>(x, |xs| {
+                with_slice(w, |ws| with_slice(&g, |gs| Ok(self.backward(xs, ws, gs))))
+            })?;
             (shaped(dx, x)?, shaped(dw, w)?, shaped(db, w)?)
         });
         Ok(vec![Some(dx), Some(dw), Some(db)])

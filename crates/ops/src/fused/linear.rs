@@ -144,7 +144,9 @@ impl FusedOp for LinearOp {
         let (dx, dw) = per_dtype!(x.dtype(), T => {
             let (dx, dw) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| {
                 // w_in^T is the stored w read the other way round.
-                let dx = x.track_op().then(|| matmul_new(mat(gs, false), mat(ws, !self.w_is_out_in), (rows, n, k)));
+                let dx = x.track_op().then(|| {
+                    matmul_new(mat(gs, false), mat(ws, !self.w_is_out_in), (rows, n, k))
+                });
                 let dw = w.track_op().then(|| if self.w_is_out_in {
                     matmul_new(mat(gs, true), mat(xs, false), (n, rows, k))
                 } else {

@@ -25,7 +25,11 @@ pub(crate) fn max_pool3d(x: &Tensor, k: usize, s: usize, p: usize) -> Result<Ten
 fn max_pool(x: &Tensor, axes: usize, k: usize, s: usize, p: usize) -> Result<Tensor> {
     let r = x.rank();
     if r < axes || k == 0 || s == 0 || p >= k {
-        candle_core::bail!("max_pool{axes}d: needs rank >= {axes}, k >= 1, s >= 1 and p < k; got {:?}, k {k}, s {s}, p {p}", x.dims())
+        candle_core::bail!(
+            "max_pool{axes}d: needs rank >= {axes}, k >= 1, s >= 1 and p < k; got \
+            {:?}, k {k}, s {s}, p {p}",
+            x.dims()
+        )
     }
     // A 2D pooling is a 3D one of depth 1 whose window has depth 1.
     let mut op =
@@ -154,7 +158,10 @@ impl FusedOp for MaxPoolOp {
     fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let [x] = exactly(inputs)?;
         let g = g.contiguous()?;
-        let dx = per_dtype!(x.dtype(), T => shaped(with_slice::<T, _>(x, |xs| with_slice(&g, |gs| Ok(self.backward(xs, gs))))?, x)?);
+        let dx = per_dtype!(x.dtype(), T => {
+            let dx = with_slice::<T, _>(x, |xs| with_slice(&g, |gs| Ok(self.backward(xs, gs))))?;
+            shaped(dx, x)?
+        });
         Ok(vec![Some(dx)])
     }
 }

@@ -125,11 +125,23 @@ macro_rules! custom_op {
                     $name
                 }
 
-                fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+                fn cpu_fwd(
+                    &self,
+                    s1: &CpuStorage,
+                    l1: &Layout,
+                    s2: &CpuStorage,
+                    l2: &Layout,
+                ) -> Result<(CpuStorage, Shape)> {
                     FusedOp::cpu_fwd(self, &[(s1, l1), (s2, l2)])
                 }
 
-                fn bwd(&self, x1: &Tensor, x2: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+                fn bwd(
+                    &self,
+                    x1: &Tensor,
+                    x2: &Tensor,
+                    y: &Tensor,
+                    g: &Tensor,
+                ) -> Result<(Option<Tensor>, Option<Tensor>)> {
                     let [d1, d2] = gradients(FusedOp::bwd(self, &[x1, x2], y, g)?, $name)?;
                     Ok((d1, d2))
                 }
@@ -146,11 +158,26 @@ macro_rules! custom_op {
                     $name
                 }
 
-                fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+                fn cpu_fwd(
+                    &self,
+                    s1: &CpuStorage,
+                    l1: &Layout,
+                    s2: &CpuStorage,
+                    l2: &Layout,
+                    s3: &CpuStorage,
+                    l3: &Layout,
+                ) -> Result<(CpuStorage, Shape)> {
                     FusedOp::cpu_fwd(self, &[(s1, l1), (s2, l2), (s3, l3)])
                 }
 
-                fn bwd(&self, x1: &Tensor, x2: &Tensor, x3: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+                fn bwd(
+                    &self,
+                    x1: &Tensor,
+                    x2: &Tensor,
+                    x3: &Tensor,
+                    y: &Tensor,
+                    g: &Tensor,
+                ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
                     let [d1, d2, d3] = gradients(FusedOp::bwd(self, &[x1, x2, x3], y, g)?, $name)?;
                     Ok((d1, d2, d3))
                 }

@@ -145,7 +145,11 @@ impl FusedOp for SoftmaxOp {
 
     fn bwd(&self, _inputs: &[&Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let (g, width) = (g.contiguous()?, y.dim(D::Minus1)?);
-        let dx = per_dtype!(y.dtype(), T => shaped(with_slice::<T, _>(y, |ys| with_slice(&g, |gs| Ok(self.backward(ys, gs, width))))?, y)?);
+        let dx = per_dtype!(y.dtype(), T => {
+            let dx =
+                with_slice::<T, _>(y, |ys| with_slice(&g, |gs| Ok(self.backward(ys, gs, width))))?;
+            shaped(dx, y)?
+        });
         Ok(vec![Some(dx)])
     }
 }

@@ -262,7 +262,8 @@ fn transposed_conv3d_input_and_weight() -> Result<()> {
 #[test]
 fn pools() -> Result<()> {
     super::route();
-    let x = distinct("pool3d", &[1, 2, 5, 4, 7])?; // odd sizes: the last slice of depth and width is dropped
+    // Odd sizes: the last slice of depth and width is dropped.
+    let x = distinct("pool3d", &[1, 2, 5, 4, 7])?;
     check_gradients("max_pool3d_k2s2", &[("x", &x)], || max_pool3d_k2s2(x.as_tensor()))?;
     let x = distinct("pool2d", &[2, 2, 7, 6])?;
     check_gradients("max_pool2d_k3s2p1", &[("x", &x)], || max_pool2d_k3s2p1(x.as_tensor()))
@@ -282,8 +283,9 @@ fn layer_norm_input_weight_and_bias() -> Result<()> {
     // Forward by hand: (x - mean) / sqrt(biased var + eps) * weight + bias, per row.
     let y = ln.forward(x.as_tensor())?.flatten_all()?.to_vec1::<f64>()?;
     let xs = x.as_tensor().flatten_all()?.to_vec1::<f64>()?;
+    // Name order: bias, weight.
     let (w, b) =
-        (named[1].1.as_tensor().to_vec1::<f64>()?, named[0].1.as_tensor().to_vec1::<f64>()?); // name order: bias, weight
+        (named[1].1.as_tensor().to_vec1::<f64>()?, named[0].1.as_tensor().to_vec1::<f64>()?);
     for (row, out) in xs.chunks(5).zip(y.chunks(5)) {
         let mean = row.iter().sum::<f64>() / 5.0;
         let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 5.0;
@@ -644,8 +646,9 @@ fn batch_norm_in_training_mode_with_and_without_relu() -> Result<()> {
         let x = normal("x", shape, -1.0, 3.0)?;
         let mut vars = refs(&named);
         vars.push(("x", &x));
+        // Training; a recompute, so the statistics stay put.
         let ctx =
-            StageCtx::new(remat::RunPoint { recompute: true, train: true, ..Default::default() }); // training; a recompute, so the statistics stay put
+            StageCtx::new(remat::RunPoint { recompute: true, train: true, ..Default::default() });
         let f = || {
             if relu {
                 bn.forward_relu(x.as_tensor(), &ctx)
@@ -667,8 +670,9 @@ fn batch_norm_in_training_mode_with_and_without_relu() -> Result<()> {
 fn fused_dropout_equals_the_composed_mask_bit_for_bit() -> Result<()> {
     super::route();
     let key = RngKey::named(4, "dropout");
+    // Several parallel pieces.
     let x =
-        Var::from_tensor(&normal("x", &[3, 40000], 0.0, 1.0)?.as_tensor().to_dtype(DType::F32)?)?; // several parallel pieces
+        Var::from_tensor(&normal("x", &[3, 40000], 0.0, 1.0)?.as_tensor().to_dtype(DType::F32)?)?;
     let mask = Tensor::from_vec(key.dropout_mask(x.elem_count(), 0.3), x.shape(), &Device::Cpu)?;
     let bits = |t: &Tensor| -> Result<Vec<u32>> {
         Ok(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())

@@ -82,7 +82,10 @@ impl SegmentBackward {
             if let Some(g) = grads.remove(p.as_tensor()) {
                 if reporter.reported(k) {
                     // Its update may have run already: stop rather than train on part of it.
-                    let msg = format!("stage {i} gave parameter {k} a gradient after it was reported complete: its forward did not show the use");
+                    let msg = format!(
+                        "stage {i} gave parameter {k} a gradient after it was \
+                        reported complete: its forward did not show the use"
+                    );
                     return Err(Error::Graph(msg));
                 }
                 sums.add(k, p, g.detach())?;

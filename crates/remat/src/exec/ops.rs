@@ -144,7 +144,10 @@ impl CustomOp1 for GradSeed {
         let grad = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
         match grad {
             Some(grad) => Ok(Some(grad)),
-            None => candle_core::bail!("remat-grad-seed: a second backward through one seed (its gradient was handed over in the first)"),
+            None => candle_core::bail!(
+                "remat-grad-seed: a second backward through one seed (its \
+                gradient was handed over in the first)"
+            ),
         }
     }
 }

@@ -263,8 +263,10 @@ impl Plan {
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
     #[error(
-        "budget {} is below the smallest peak any checkpoint plan reaches, {} (plan {plan}): the state before the step \
-         (parameters, optimizer state, data, inputs) is {}, and of the step's own {}, {dominant} take {}",
+        "budget {} is below the smallest peak any checkpoint plan reaches, {} (plan {plan}): the \
+         state before the step \
+         (parameters, optimizer state, data, inputs) is {}, and of the step's own {}, {dominant} \
+         take {}",
         mib(*.budget), mib(.fixed + .step), mib(*.fixed), mib(*.step), mib(*.dominant_bytes)
     )]
     #[allow(missing_docs)] // its fields are what its message names
@@ -277,7 +279,10 @@ pub enum PlanError {
         dominant_bytes: u64,
     },
     /// Two profiles that cannot be extrapolated from.
-    #[error("profiles at batch {0} and {1} cannot be extrapolated: they must be of the same graph at two different batch sizes")]
+    #[error(
+        "profiles at batch {0} and {1} cannot be extrapolated: they must be of the same graph \
+        at two different batch sizes"
+    )]
     Extrapolate(usize, usize),
 }
 
@@ -360,7 +365,9 @@ pub fn describe(profile: &Profile) -> String {
 pub fn summary(e: &Estimate) -> String {
     let d = &e.at_peak;
     format!(
-        "peak {} above the state (forward {}, backward {}): stored {}{}, parameter gradients {}, gradients in flight {}, live stages {}, temporaries {}; recompute {:.0} ms of {:.0} ms ({:.2}x off)",
+        "peak {} above the state (forward {}, backward {}): stored {}{}, parameter gradients {}, \
+         gradients in flight {}, live stages {}, temporaries {}; recompute {:.0} ms of {:.0} ms \
+         ({:.2}x off)",
         mib(e.peak),
         mib(e.forward_peak),
         mib(e.backward_peak),
