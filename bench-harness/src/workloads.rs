@@ -7,7 +7,6 @@ use gpt2::Gpt2;
 use model::{Benchable, OptimizerKind, Precision};
 use optim::TrainOptimizer;
 use params::ParamStore;
-use remat::keep::OpSet;
 use remat::{Policy, StageGraph};
 use resnet::ResNet;
 use std::sync::Arc;
@@ -68,7 +67,7 @@ pub struct Workload {
 trait Family: std::fmt::Debug {
     fn describe_input(&self, size: usize) -> String;
     fn downsamples(&self) -> bool;
-    fn keepable(&self) -> OpSet;
+    fn check_keep(&self, policy: &Policy) -> std::result::Result<(), String>;
     fn optimizer(&self) -> OptimizerKind;
     fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>>;
     fn build(
@@ -97,8 +96,8 @@ impl<M: Benchable> Family for Config<M> {
     fn downsamples(&self) -> bool {
         M::DOWNSAMPLES
     }
-    fn keepable(&self) -> OpSet {
-        M::KEEPABLE.iter().copied().collect()
+    fn check_keep(&self, policy: &Policy) -> std::result::Result<(), String> {
+        M::check_keep(policy)
     }
     fn optimizer(&self) -> OptimizerKind {
         M::OPTIMIZER
@@ -373,9 +372,7 @@ impl Workload {
     pub fn applies(&self, policy: &Policy) -> bool {
         match policy {
             Policy::BeforeDownsample => self.family.downsamples(),
-            Policy::Keep(cut, keep) => {
-                self.applies(cut) && keep.kinds().all(|k| self.family.keepable().contains(k))
-            }
+            Policy::Keep(cut, _) => self.applies(cut) && self.family.check_keep(policy).is_ok(),
             _ => true,
         }
     }

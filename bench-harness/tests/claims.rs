@@ -89,3 +89,23 @@ fn a_figure_the_results_do_not_give_is_refused_with_the_measures_there_are() {
         "{ledger}"
     );
 }
+
+/// A check with nothing to check fails naming what is missing: a `--dir` that does not exist, or
+/// a folder without the ledger's template (the README's alone would be checked). Unchecked, both
+/// passed with exit 0.
+#[test]
+fn a_folder_without_the_ledger_template_is_refused() {
+    let dir = common::out_dir("claims-nothing");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("README-results.template.md"), "Nothing.\n").unwrap();
+    for folder in [dir.join("nosuch"), dir.clone()] {
+        let out = common::harness(&["claims", "--check", "--dir", folder.to_str().unwrap()]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains("CLAIMS.template.md does not exist"),
+            "{}: {stderr}",
+            folder.display()
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -181,7 +181,9 @@ fn the_recorded_commit_is_the_projects_from_any_directory() {
 }
 
 /// Inputs that cannot mean anything fail with a message and a non-zero exit. Unchecked, a cap of 0
-/// or below would be accepted, and a selection of nothing would write an empty matrix and exit 0.
+/// or below would be accepted, a selection of nothing would write an empty matrix and exit 0, a
+/// trailing comma in `--models` would select every model, and `--retime` of a folder with nothing
+/// measured would write empty reports.
 #[test]
 fn caps_below_one_byte_and_empty_selections_fail() {
     let dir = out_dir("nothing");
@@ -192,6 +194,8 @@ fn caps_below_one_byte_and_empty_selections_fail() {
             vec!["--profile", "smoke", "--models", "gpt2", "--policies", "before-downsample"],
             "selects no configuration",
         ),
+        (vec!["--profile", "smoke", "--models", "gpt2,", "--dry-run"], "an empty model name"),
+        (vec!["--profile", "smoke", "--retime"], "no measured configuration"),
     ] {
         let mut args = args.clone();
         args.extend(["--out", dir.to_str().unwrap()]);

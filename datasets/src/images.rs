@@ -71,6 +71,11 @@ pub enum FolderError {
         root/<class>/<image>.png|jpg)"
     )]
     Empty { path: String },
+    #[error(
+        "class folder {path} has no images (.png, .jpg, .jpeg): a class without examples would \
+        change the class count; remove it or add its images"
+    )]
+    EmptyClass { path: String },
     #[error("image {path}: {source}")]
     Decode { path: String, source: image::ImageError },
 }
@@ -111,7 +116,7 @@ impl ImageFolder {
                 })
                 .collect();
             if images.is_empty() {
-                continue;
+                return Err(FolderError::EmptyClass { path: dir.display().to_string() });
             }
             images.sort();
             let label = classes.len() as u32;
@@ -173,6 +178,13 @@ mod folder_tests {
             }
         }
         std::fs::create_dir_all(root.join("empty")).unwrap();
+        let err = ImageFolder::open(&root, 4, 0).unwrap_err().to_string();
+        assert!(err.contains("empty") && err.contains("has no images"), "{err}");
+        assert!(ImageFolder::open(&root.join("empty"), 4, 0)
+            .unwrap_err()
+            .to_string()
+            .contains("no class sub-folders"));
+        std::fs::remove_dir(root.join("empty")).unwrap();
         let f = ImageFolder::open(&root, 4, 0).unwrap();
         assert_eq!(f.classes(), ["cats", "dogs"]);
         let (x, y) = f.batch(0, 6).unwrap();
@@ -182,10 +194,6 @@ mod folder_tests {
             let want = if label == 0 { (1.0 - MEAN[0]) / STD[0] } else { -MEAN[0] / STD[0] };
             assert!((red - want).abs() < 1e-5);
         }
-        assert!(ImageFolder::open(&root.join("empty"), 4, 0)
-            .unwrap_err()
-            .to_string()
-            .contains("no class sub-folders"));
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

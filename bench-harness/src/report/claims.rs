@@ -91,8 +91,19 @@ fn documents(dir: &Path) -> [Document; 2] {
 /// `claims`: renders every document from its template and the results under `dir`; with
 /// `check`, changes nothing and fails unless each document is that rendering.
 pub fn run(dir: &Path, check: bool) -> Result<()> {
+    let docs = documents(dir);
+    // The ledger is the point: without its template there is nothing to render or check (the
+    // README's table is optional, for a results folder of another repository).
+    if !docs[0].template.is_file() {
+        bail!(
+            "{} does not exist: `claims` renders {} from it (is --dir {} the results folder?)",
+            docs[0].template.display(),
+            file_name(&docs[0].target),
+            dir.display()
+        );
+    }
     let mut folders = HashMap::new();
-    for doc in documents(dir) {
+    for doc in docs {
         if !doc.template.exists() {
             continue;
         }

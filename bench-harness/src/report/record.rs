@@ -188,12 +188,29 @@ impl Spread {
         }
         let mut sorted = rounds.clone();
         sorted.sort_by(f64::total_cmp);
-        Some(Spread {
-            median: sorted[sorted.len() / 2],
-            min: sorted[0],
-            max: sorted[sorted.len() - 1],
-            rounds,
-        })
+        let n = sorted.len();
+        // Of an even count, the mean of the middle two.
+        let median =
+            if n % 2 == 1 { sorted[n / 2] } else { (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0 };
+        Some(Spread { median, min: sorted[0], max: sorted[n - 1], rounds })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Spread;
+
+    /// The median of an odd count is the middle value, of an even count the mean of the middle
+    /// two (two timing rounds: not the larger of the two); non-finite rounds are left out.
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        let median = |v: &[f64]| Spread::of(v.to_vec()).map(|s| s.median);
+        assert_eq!(median(&[1.87, 1.88]), Some((1.87 + 1.88) / 2.0));
+        assert_eq!(median(&[2.90, 1.81]), Some((1.81 + 2.90) / 2.0));
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(2.5));
+        assert_eq!(median(&[1.0, f64::NAN, 3.0]), Some(2.0));
+        assert_eq!(median(&[f64::NAN]), None);
     }
 }
 

@@ -38,14 +38,16 @@ pub fn run(mut args: MatrixArgs) -> Result<()> {
         return Ok(());
     }
     let (workloads, configs) = select(&args, profile)?;
-    let mut run = Run {
-        matrix: open(&dir, &args, &workloads, profile)?,
-        args: &args,
-        profile,
-        dir,
-        statuses: Vec::new(),
-        ran_any: false,
-    };
+    let matrix = open(&dir, &args, &workloads, profile)?;
+    let measured =
+        |w: &Workload| matrix.records.iter().any(|r| r.model == w.model && r.status == Status::Ok);
+    if args.retime && !workloads.iter().any(measured) {
+        bail!(
+            "--retime: {} holds no measured configuration of the selected models to time again",
+            dir.display()
+        );
+    }
+    let mut run = Run { matrix, args: &args, profile, dir, statuses: Vec::new(), ran_any: false };
     let dry_run = args.dry_run && profile != Profile::Gpt2_24gb;
     run.all(&configs, dry_run)?;
     if dry_run {
@@ -90,6 +92,12 @@ fn check(args: &MatrixArgs) -> Result<()> {
         bail!("--ranks must be at least 1");
     }
     trainkit::parallel::check_sharding(common.shard_optimizer, common.ranks)?;
+    if args.models.iter().any(|m| m.trim().is_empty()) {
+        bail!(
+            "--models {}: an empty model name (a stray comma?) would select every model",
+            args.models.join(",")
+        );
+    }
     if args.retime
         && (args.rounds == 0
             || !(args.policies.is_empty()

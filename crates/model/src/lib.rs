@@ -62,6 +62,29 @@ use std::path::Path;
 
 /// What the trainers and the harness need of a model.
 pub trait Model {
+    /// The kinds of op it runs whose outputs a policy may keep (`+keep=`).
+    const KEEPABLE: &'static [remat::keep::OpKind];
+
+    /// Refuses a `policy` whose `+keep=` names an op this model does not run: it would keep
+    /// nothing there and recompute all of it. The trainers and the harness both ask this.
+    fn check_keep(policy: &remat::Policy) -> std::result::Result<(), String> {
+        let keep = policy.keeps();
+        let missing: Vec<String> = keep
+            .kinds()
+            .filter(|k| !Self::KEEPABLE.contains(k))
+            .map(|k| k.name().to_string())
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let runs: Vec<&str> = Self::KEEPABLE.iter().map(|k| k.name()).collect();
+        Err(format!(
+            "{policy}: this model runs no {} op to keep (it keeps: {})",
+            missing.join(" or "),
+            runs.join(", ")
+        ))
+    }
+
     /// The stage graph the executor runs (inputs: the batch; output: the loss).
     fn graph(&self) -> &StageGraph;
 
@@ -141,8 +164,6 @@ pub trait Benchable: Model + Sized + 'static {
     const DOWNSAMPLES: bool;
     /// The optimizer its benchmarks train with (at [`OptimizerKind::bench_lr`]).
     const OPTIMIZER: OptimizerKind = OptimizerKind::Adamw;
-    /// The kinds of op it runs whose outputs a policy may keep (`+keep=`).
-    const KEEPABLE: &'static [remat::keep::OpKind];
 
     /// The input size in words: `seq 256`, `128x128`, `32^3`.
     fn describe_input(size: usize) -> String;

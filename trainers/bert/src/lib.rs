@@ -460,6 +460,9 @@ impl Bert {
 }
 
 impl model::Model for Bert {
+    const KEEPABLE: &'static [remat::keep::OpKind] =
+        &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
+
     fn graph(&self) -> &StageGraph {
         &self.graph
     }
@@ -499,8 +502,6 @@ impl model::Benchable for Bert {
     type Config = Config;
     type Data = MlmData;
     const DOWNSAMPLES: bool = false;
-    const KEEPABLE: &'static [remat::keep::OpKind] =
-        &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
 
     fn describe_input(seq: usize) -> String {
         format!("seq {seq}")

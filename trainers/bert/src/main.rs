@@ -73,7 +73,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         (None, Some(files)) => Config::from_json(&files.config)?,
         (None, None) => args.preset.config(),
     };
-    let lora = args.lora.config(&bert::LORA_TARGETS)?;
+    let lora = args.lora.config(&bert::LORA_TARGETS, config.hidden_size)?;
     let config = Config {
         dtype: args.run.dtype,
         freeze: args.run.freeze.clone().unwrap_or_default(),
@@ -134,8 +134,7 @@ fn data(args: &Args, config: &Config, hub: Option<&trainkit::hub::HubFiles>) -> 
     let Some(path) = &args.text else {
         return Ok(MlmData::synthetic(config.vocab_size, args.setup.seq, args.run.seed)?);
     };
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?;
+    let text = trainkit::read_text("--text", path)?;
     let tokenizer = match &args.vocab {
         Some(_) => None,
         None => trainkit::hub::tokenizer_file(

@@ -398,6 +398,9 @@ impl Gpt2 {
 }
 
 impl model::Model for Gpt2 {
+    const KEEPABLE: &'static [remat::keep::OpKind] =
+        &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
+
     fn graph(&self) -> &StageGraph {
         &self.graph
     }
@@ -427,8 +430,6 @@ impl model::Benchable for Gpt2 {
     type Config = Config;
     type Data = (datasets::tokens::Batcher, usize);
     const DOWNSAMPLES: bool = false;
-    const KEEPABLE: &'static [remat::keep::OpKind] =
-        &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
 
     fn describe_input(seq: usize) -> String {
         format!("seq {seq}")

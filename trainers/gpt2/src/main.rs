@@ -71,7 +71,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         (None, Some(files)) => Config::from_json(&files.config)?,
         (None, None) => args.preset.config(),
     };
-    let lora = args.lora.config(&gpt2::LORA_TARGETS)?;
+    let lora = args.lora.config(&gpt2::LORA_TARGETS, config.n_embd)?;
     let config = Config {
         dtype: args.run.dtype,
         freeze: args.run.freeze.clone().unwrap_or_default(),
@@ -148,6 +148,7 @@ fn text_tokens(
     path: &std::path::Path,
     hub: Option<&trainkit::hub::HubFiles>,
 ) -> Result<Vec<u16>> {
+    let text = trainkit::read_text("--text", path)?;
     let Some(file) = trainkit::hub::tokenizer_file(
         args.tokenizer.as_deref(),
         hub,
@@ -158,8 +159,6 @@ fn text_tokens(
             --config or --init)"
         );
     };
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?;
     let ids = Tokenizer::from_file(&file)?.encode(&text)?;
     trainkit::say!("--text {}: {} tokens by {}", path.display(), ids.len(), file.display());
     datasets::tokens::narrow_u16(&ids).with_context(|| format!("--text {}", path.display()))

@@ -497,3 +497,74 @@ fn lora_trains_adapters_writes_them_and_merges() {
     assert!(out.status.success() && err.contains("adapter from"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--text` that is not a regular file is refused before it is read: read whole, a FIFO whose
+/// writer never closes (or `/dev/zero`) would never end. Unchecked, this run does not end: the
+/// test gives it 60 s.
+#[test]
+fn a_text_that_is_not_a_regular_file_is_refused() {
+    let dir = scratch("text-fifo");
+    let fifo = dir.join("fifo");
+    let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo {}", fifo.display());
+    // A writer that stays: a reader of the FIFO sees no end.
+    let _writer = std::fs::OpenOptions::new().read(true).write(true).open(&fifo).unwrap();
+    let tokenizer = dir.join("tokenizer.json");
+    let text = "a tokenizer of its own, so that the run gets as far as reading the text. ";
+    let kind = datasets::tokenizer::Kind::ByteLevelBpe;
+    datasets::tokenizer::Tokenizer::train(kind, &text.repeat(20), 300, &tokenizer).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
+        .args(["--preset", "tiny", "--steps", "1", "--text", fifo.to_str().unwrap()])
+        .args(["--tokenizer", tokenizer.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("--text of a FIFO was read for 60 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("is not a regular file"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// What a run prints is its work: standard output on a full device ends `--dry-run` with exit 1
+/// naming the stream. Unchecked, the prediction was lost and the run exited 0.
+#[test]
+fn output_that_cannot_be_written_fails_the_run() {
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
+        .args(["--preset", "tiny", "--seq", "16", "--dry-run"])
+        .stdout(full)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() == Some(1) && err.contains("writing to standard output"),
+        "{:?}: {err}",
+        out.status
+    );
+}
+
+/// A `+keep=` of an op the model does not run is refused, as the harness refuses it: unchecked,
+/// `sqrt+keep=conv` trained GPT-2 keeping nothing and recomputing everything.
+#[test]
+fn a_keep_of_an_op_the_model_lacks_is_refused() {
+    fails_saying(&["--steps", "1", "--policy", "sqrt+keep=conv"], "runs no conv op to keep");
+}
+
+/// A LoRA rank above the width of the layers it adapts is refused naming `--lora`: unchecked,
+/// `--lora 100000` on a 64-wide model trained 409.6M adapter parameters, and `--lora 1000000000`
+/// failed naming `--preset`.
+#[test]
+fn a_lora_rank_above_the_layers_width_is_refused() {
+    for rank in ["100000", "1000000000"] {
+        fails_saying(&["--steps", "1", "--lora", rank], "is above the width 64 of the layers");
+    }
+}

@@ -44,4 +44,7 @@ fn bad_precision_input_is_refused() {
     fails(&["--dtype", "f16", "--loss-scale", "0"], "is not a positive number f32 can hold");
     // Above f32's largest number every step would overflow and be skipped.
     fails(&["--dtype", "f16", "--loss-scale", "1e40"], "is not a positive number f32 can hold");
+    // Below 1 the gradients underflow f16 further (at 1e-30 every one is zero).
+    fails(&["--dtype", "f16", "--loss-scale", "1e-30"], "--loss-scale 1e-30 is below 1");
+    fails(&["--dtype", "f16", "--loss-scale", "0.5"], "is below 1");
 }

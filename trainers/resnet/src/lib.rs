@@ -395,6 +395,9 @@ impl ResNet {
 }
 
 impl model::Model for ResNet {
+    const KEEPABLE: &'static [remat::keep::OpKind] =
+        &[remat::keep::OpKind::Conv, remat::keep::OpKind::Matmul];
+
     fn graph(&self) -> &StageGraph {
         &self.graph
     }
@@ -419,8 +422,6 @@ impl model::Benchable for ResNet {
     type Config = Config;
     type Data = (datasets::images::SyntheticImages, usize);
     const DOWNSAMPLES: bool = true;
-    const KEEPABLE: &'static [remat::keep::OpKind] =
-        &[remat::keep::OpKind::Conv, remat::keep::OpKind::Matmul];
     const OPTIMIZER: model::OptimizerKind = model::OptimizerKind::Sgd;
 
     fn describe_input(size: usize) -> String {

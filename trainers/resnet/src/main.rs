@@ -87,6 +87,13 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         Some(root) => {
             let folder = ImageFolder::open(root, args.image_size, args.run.seed)?;
             let n = folder.classes().len();
+            if n < 2 {
+                bail!(
+                    "--data {}: {n} class folder; training needs at least 2 (with one class the \
+                     loss is 0 and nothing is learned)",
+                    root.display()
+                );
+            }
             (Data::Folder(folder), n)
         }
         None => (

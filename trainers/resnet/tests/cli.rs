@@ -66,6 +66,27 @@ fn bad_input_gives_clear_errors() {
     }
 }
 
+/// An image folder of one class trained at loss 0, and an empty class folder was dropped
+/// silently, changing the class count: one class is refused as `--classes 1` is, and an empty
+/// class folder is named.
+#[test]
+fn a_data_folder_needs_two_classes_each_with_images() {
+    let root = std::env::temp_dir().join(format!("resnet-one-class-{}", std::process::id()));
+    std::fs::create_dir_all(root.join("cats")).unwrap();
+    image::RgbImage::from_pixel(40, 40, image::Rgb([255u8, 0, 0]))
+        .save(root.join("cats").join("0.png"))
+        .unwrap();
+    std::fs::create_dir_all(root.join("dogs")).unwrap();
+    let data = root.to_str().unwrap();
+    for needle in ["dogs has no images", "1 class folder; training needs at least 2"] {
+        let out = run(&["--preset", "tiny", "--data", data, "--steps", "1", "--batch", "1"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(needle), "{needle}: {err}");
+        let _ = std::fs::remove_dir(root.join("dogs"));
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 /// An ImageNet snapshot has a 1000-class `fc`: `--init` into a model of another class count loads
 /// the rest and initialises `fc`, saying so; `--strict` refuses the mismatch.
 #[test]

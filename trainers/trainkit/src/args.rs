@@ -215,6 +215,13 @@ impl RunArgs {
                     f32::MAX
                 );
             }
+            if scale < 1.0 {
+                bail!(
+                    "--loss-scale {scale:e} is below 1: it would push the gradients further under \
+                     f16's smallest number (6e-8), which loss scaling exists to lift them above \
+                     (the scaler lowers the scale itself when a step overflows)"
+                );
+            }
         }
         Ok(())
     }

@@ -45,7 +45,7 @@ static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new
 /// Writes one line to stderr (or stdout), ending the process quietly when the reader has closed the
 /// pipe (`train-gpt2 ... 2>&1 | head -2`), where `eprintln!` would panic: with exit 141, as a
 /// process killed by SIGPIPE, since the run did not do its work (exit 0 would tell a script it
-/// had).
+/// had); on any other write error (`> /dev/full`) with exit 1, saying so on stderr.
 pub fn say_line(stdout: bool, args: std::fmt::Arguments) {
     if QUIET.load(std::sync::atomic::Ordering::Relaxed) {
         return;
@@ -57,9 +57,16 @@ pub fn say_line(stdout: bool, args: std::fmt::Arguments) {
         let mut err = std::io::stderr().lock();
         err.write_fmt(args).and_then(|_| err.write_all(b"\n"))
     };
-    if let Err(e) = result {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            std::process::exit(CLOSED_PIPE_EXIT);
+    match result {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            std::process::exit(CLOSED_PIPE_EXIT)
+        }
+        // A full disk or device: what the run says is lost, so it has not done its work.
+        Err(e) => {
+            let stream = if stdout { "standard output" } else { "standard error" };
+            let _ = writeln!(std::io::stderr(), "error: writing to {stream}: {e}");
+            std::process::exit(1);
         }
     }
 }
@@ -78,6 +85,17 @@ macro_rules! say {
 #[macro_export]
 macro_rules! show {
     ($($arg:tt)*) => { $crate::say_line(true, format_args!($($arg)*)) };
+}
+
+/// The text file `path` that `flag` names, whole. Refused unless it is a regular file: a device
+/// such as `/dev/zero` would be read until memory ran out, a pipe until its writer closed.
+pub fn read_text(flag: &str, path: &std::path::Path) -> anyhow::Result<String> {
+    use anyhow::Context;
+    let meta = std::fs::metadata(path).with_context(|| format!("{flag} {}", path.display()))?;
+    if !meta.is_file() {
+        anyhow::bail!("{flag} {} is not a regular file; give a text file", path.display());
+    }
+    std::fs::read_to_string(path).with_context(|| format!("{flag} {}", path.display()))
 }
 
 /// "1 segment", "3 segments": what a log line says of a cut.

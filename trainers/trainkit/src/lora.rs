@@ -59,9 +59,16 @@ pub struct LoraArgs {
 }
 
 impl LoraArgs {
-    /// The adapters' configuration, `default_targets` where --lora-targets is not given.
-    pub fn config(&self, default_targets: &[&str]) -> Result<Option<Lora>> {
+    /// The adapters' configuration, `default_targets` where --lora-targets is not given; a
+    /// rank above `width`, the narrowest side of the layers adapted, is refused.
+    pub fn config(&self, default_targets: &[&str], width: usize) -> Result<Option<Lora>> {
         let Some(rank) = self.lora else { return Ok(None) };
+        if rank > width {
+            bail!(
+                "--lora {rank} is above the width {width} of the layers it adapts: an update of \
+                 a layer that wide has rank at most {width}"
+            );
+        }
         let targets = if self.lora_targets.is_empty() {
             default_targets.iter().map(|t| t.to_string()).collect()
         } else {

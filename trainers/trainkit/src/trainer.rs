@@ -53,6 +53,9 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
     ) -> Result<()> {
         let (run, group, model) = (self.run, self.group, self.model);
         let batch_names = self.batch_names.take();
+        if let Some(policy) = run.policy.fixed() {
+            M::check_keep(policy).map_err(|e| anyhow::anyhow!("--policy {e}"))?;
+        }
         check_freeze(model.params())?;
         let mut opt = parallel::optimizer(
             run.shard_optimizer,

@@ -381,6 +381,8 @@ impl UNet3d {
 }
 
 impl model::Model for UNet3d {
+    const KEEPABLE: &'static [remat::keep::OpKind] = &[remat::keep::OpKind::Conv];
+
     fn graph(&self) -> &StageGraph {
         &self.graph
     }
@@ -395,7 +397,6 @@ impl model::Benchable for UNet3d {
     type Config = Config;
     type Data = (datasets::volumes::SyntheticVolumes, usize);
     const DOWNSAMPLES: bool = true;
-    const KEEPABLE: &'static [remat::keep::OpKind] = &[remat::keep::OpKind::Conv];
 
     fn describe_input(side: usize) -> String {
         format!("{side}^3")
