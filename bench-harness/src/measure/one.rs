@@ -266,8 +266,8 @@ pub fn run(w: &Workload, policy: &PolicyRequest, at: &Setting) -> Result<Record>
     if let (Some(room), Some(total)) = (room, rec.predicted_total_bytes) {
         if total > room {
             let reason = format!(
-                "{STEP_DOES_NOT_FIT} {} in all by the planner's prediction, and \
-                this machine can give {}",
+                "{STEP_DOES_NOT_FIT} {} in all by the planner's prediction, and this machine can \
+                 give {}",
                 gib_text(total),
                 gib_text(room)
             );
@@ -278,8 +278,8 @@ pub fn run(w: &Workload, policy: &PolicyRequest, at: &Setting) -> Result<Record>
         // it is skipped and the record says why.
         if let Some(off) = off_total.filter(|&off| 2 * off > room) {
             rec.check_skipped = format!(
-                "two steps of `off` ({} each by the planner's prediction) do not fit the \
-                    {} this machine can give",
+                "two steps of `off` ({} each by the planner's prediction) do not fit the {} this \
+                 machine can give",
                 gib_text(off),
                 gib_text(room)
             );

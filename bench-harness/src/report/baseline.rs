@@ -19,20 +19,17 @@ pub fn side_by_side(m: &Matrix) -> String {
         .map_or("", |b| b.framework_version.as_str());
     let mut out = format!(
         "\n## Side by side with PyTorch {version}\n\nThe same configurations in PyTorch eager on \
-         the same machine, run right after ours \
-(`--baseline pytorch`: `scripts/torch_baseline.py`, torchvision/transformers models, \
-`torch.utils.checkpoint(use_reentrant=False)` \
-on the same segments, the same optimizer, fp32, the same thread count). *Step peak*: the highest \
-live bytes during a step \
-above the model state (parameters + optimizer state), ours from the counting allocator, PyTorch's \
-from its profiler's allocation \
-events. Times are medians of the timed steps after a warm-up; the time ratios are medians (range) \
-over the measuring pair \
-and the interleaved timing rounds, where PyTorch runs each policy right after ours. PyTorch's \
-side: {}.\n\n\
-| model | policy | step peak: ours | step peak: PyTorch | ours / PyTorch | step time: ours | step \
-time: PyTorch | ours / PyTorch | time / off: ours | time / off: PyTorch |\n\
-|---|---|---|---|---|---|---|---|---|---|\n",
+         the same machine, run right after ours (`--baseline pytorch`: \
+         `scripts/torch_baseline.py`, torchvision/transformers models, \
+         `torch.utils.checkpoint(use_reentrant=False)` on the same segments, the same optimizer, \
+         fp32, the same thread count). *Step peak*: the highest live bytes during a step above the \
+         model state (parameters + optimizer state), ours from the counting allocator, PyTorch's \
+         from its profiler's allocation events. Times are medians of the timed steps after a \
+         warm-up; the time ratios are medians (range) over the measuring pair and the interleaved \
+         timing rounds, where PyTorch runs each policy right after ours. PyTorch's side: {}.\n\n| \
+         model | policy | step peak: ours | step peak: PyTorch | ours / PyTorch | step time: ours \
+         | step time: PyTorch | ours / PyTorch | time / off: ours | time / off: PyTorch \
+         |\n|---|---|---|---|---|---|---|---|---|---|\n",
         super::results::made_by(m.baselines.iter().map(|b| b.command.as_str()), &m.meta.command)
     );
     for b in &m.baselines {
@@ -106,16 +103,15 @@ fn rates(m: &Matrix) -> String {
     let rate = |p: Option<f64>| p.map_or("not measured".into(), |p| format!("{p:.0}"));
     let mut out = format!(
         "\n## Achieved GFLOP/s\n\nA step's FLOPs (forward and backward without recompute, as \
-         PyTorch's `FlopCounterMode` counts them from the \
-shapes of the products and convolutions of the same model) over the median step time: under a \
-checkpointing policy the recompute is \
-work on top, so this is the useful rate. {}\n\n\
-| model | policy | step GFLOP | ours GFLOP/s | PyTorch GFLOP/s | ours, of the best | PyTorch, of \
-the best |\n|---|---|---|---|---|---|---|\n",
+         PyTorch's `FlopCounterMode` counts them from the shapes of the products and convolutions \
+         of the same model) over the median step time: under a checkpointing policy the recompute \
+         is work on top, so this is the useful rate. {}\n\n| model | policy | step GFLOP | ours \
+         GFLOP/s | PyTorch GFLOP/s | ours, of the best | PyTorch, of the best \
+         |\n|---|---|---|---|---|---|---|\n",
         peak.map_or("The machine's best was not measured in this run.".into(), |p| format!(
             "*The best*: {p:.0} GFLOP/s, the faster of the two frameworks' (2048, 2048) @ (2048, \
-             2048) f32 products on the same threads \
-(ours, gemm: {}; PyTorch's torch.mm: {}), each the fastest of five, measured in this run.",
+             2048) f32 products on the same threads (ours, gemm: {}; PyTorch's torch.mm: {}), each \
+             the fastest of five, measured in this run.",
             rate(m.meta.matmul_peak_gflops),
             rate(torch_peak)
         ))

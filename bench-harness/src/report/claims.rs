@@ -35,8 +35,8 @@ pub const MEASURES: [(&str, &str); 21] = [
     ("saving", "`off`'s total less this one"),
     (
         "state",
-        "weights, gradients and optimizer state: the prediction's arithmetic where the \
-        record has one, else the measured state",
+        "weights, gradients and optimizer state: the prediction's arithmetic where the record has \
+         one, else the measured state",
     ),
     ("state-max-rank", "the largest rank's state (data parallelism)"),
     ("predicted-total", "the predicted total"),
@@ -113,8 +113,8 @@ pub fn run(dir: &Path, check: bool) -> Result<()> {
         let on_disk = if doc.target.exists() { read(&doc.target)? } else { String::new() };
         let wanted = match doc.between {
             None => format!(
-                "<!-- Rendered by `cargo run --release -p bench-harness -- claims` \
-                from {}: edit that. -->\n{rendered}",
+                "<!-- Rendered by `cargo run --release -p bench-harness -- claims` from {}: edit \
+                 that. -->\n{rendered}",
                 file_name(&doc.template)
             ),
             Some((begin, end)) => splice(&on_disk, begin, end, &rendered)
@@ -201,17 +201,14 @@ fn figure(query: &str, dir: &Path, folders: &mut HashMap<String, Matrix>) -> Res
         }
         ["planner", what] => planner(m, what),
         [model, policy, measure] => {
-            let r = m.find(model, policy).with_context(|| {
-                format!(
-                    "`{folder}` has no record of \
-                {model} under {policy}"
-                )
-            })?;
+            let r = m
+                .find(model, policy)
+                .with_context(|| format!("`{folder}` has no record of {model} under {policy}"))?;
             record_figure(m, r, measure)
         }
         _ => bail!(
-            "a query is FOLDER MODEL POLICY MEASURE, FOLDER depth POLICY exponent or \
-            FOLDER planner MEASURE"
+            "a query is FOLDER MODEL POLICY MEASURE, FOLDER depth POLICY exponent or FOLDER \
+             planner MEASURE"
         ),
     }
 }

@@ -24,8 +24,8 @@ fn sizes(m: &Matrix) -> String {
     match (accumulated, in_backward) {
         (Some(1), _) => format!("{input}, one micro-batch per optimizer step"),
         (Some(n), true) => format!(
-            "{input}, {n} micro-batches accumulated per optimizer step (1 \
-            with the optimizer inside backward)"
+            "{input}, {n} micro-batches accumulated per optimizer step (1 with the optimizer \
+             inside backward)"
         ),
         (Some(n), false) => format!("{input}, {n} micro-batches accumulated per optimizer step"),
         (None, _) => format!("{input}, one micro-batch per step, the optimizer inside backward"),
@@ -96,17 +96,14 @@ fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
 pub fn table(m: &Matrix) -> String {
     let meta = &m.meta;
     let mut out = format!(
-        "# GPT-2 on 24 GiB: state, precision, optimizer and checkpointing, measured\n\n\
-         {}  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\n\
-         Every configuration trains at batch 1, {}. Variants: `f32-adamw` (everything f32), \
-         `bf16-adamw` (bf16 activations, f32 parameters, \
-         gradients and AdamW moments), `bf16-weights-adamw` (bf16 activations, parameters and \
-         gradients, f32 AdamW moments: \
-         no f32 master copy), `bf16-adafactor` (bf16 activations, f32 parameters and gradients, \
-         Adafactor's factored \
+        "# GPT-2 on 24 GiB: state, precision, optimizer and checkpointing, \
+         measured\n\n{}  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\nEvery \
+         configuration trains at batch 1, {}. Variants: `f32-adamw` (everything f32), `bf16-adamw` \
+         (bf16 activations, f32 parameters, gradients and AdamW moments), `bf16-weights-adamw` \
+         (bf16 activations, parameters and gradients, f32 AdamW moments: no f32 master copy), \
+         `bf16-adafactor` (bf16 activations, f32 parameters and gradients, Adafactor's factored \
          second moment), `{IN_BACKWARD}` (`f32-adamw` with the optimizer inside backward: each \
-         gradient applied and freed as \
-         soon as it is final, one micro-batch per step).\n\n",
+         gradient applied and freed as soon as it is final, one micro-batch per step).\n\n",
         super::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
         meta.machine,
         meta.candle_version,
@@ -114,19 +111,16 @@ pub fn table(m: &Matrix) -> String {
         meta.profile,
         sizes(m)
     );
-    out += "## The model state, by arithmetic\n\n\
-            Parameters and gradients 4 bytes each (2 under `bf16-weights-adamw`); AdamW 8 bytes \
-            per parameter; Adafactor 4 bytes per row and per column of each \
-            weight matrix (per element of a vector). Computed from the parameter shapes, not \
-            measured. The last two columns are \
-            one rank's state when the optimizer state is sharded over 2 or 4 data-parallel ranks \
-            (`--ranks N --shard-optimizer`, \
-            ZeRO stage 1: every rank still holds all parameters and gradients). With the \
-            optimizer inside backward no gradient is held \
-            through the step: the ones in flight are part of the step's peak, with the \
-            activations.\n\n\
-            | model | variant | parameters | params GiB | grads GiB | optimizer GiB | state GiB | \
-            per rank, sharded over 2 | over 4 |\n|---|---|---|---|---|---|---|---|---|\n";
+    out += "## The model state, by arithmetic\n\nParameters and gradients 4 bytes each (2 under \
+        `bf16-weights-adamw`); AdamW 8 bytes per parameter; Adafactor 4 bytes per row and per \
+        column of each weight matrix (per element of a vector). Computed from the parameter \
+        shapes, not measured. The last two columns are one rank's state when the optimizer state \
+        is sharded over 2 or 4 data-parallel ranks (`--ranks N --shard-optimizer`, ZeRO stage 1: \
+        every rank still holds all parameters and gradients). With the optimizer inside backward \
+        no gradient is held through the step: the ones in flight are part of the step's peak, with \
+        the activations.\n\n| model | variant | parameters | params GiB | grads GiB | optimizer \
+        GiB | state GiB | per rank, sharded over 2 | over 4 \
+        |\n|---|---|---|---|---|---|---|---|---|\n";
     let records = in_size_order(m);
     let mut seen = Vec::new();
     for r in &records {
@@ -138,24 +132,18 @@ pub fn table(m: &Matrix) -> String {
             let _ = writeln!(out, "{}", state_row(r, model, variant, &p));
         }
     }
-    out += "\n## Predicted against measured\n\n\
-            Predicted total: the planner's, from the model built at its size and its stages \
-            profiled one at a time at batch 1 \
-            and the full sequence (one block measured, its figures reused for the others, which \
-            are alike), the optimizer state \
-            by arithmetic. Measured total: the heap before the step (parameters, optimizer state) \
-            plus the step's peak above it \
-            (gradients, activations), the highest over the timed steps. Configurations predicted \
-            above the memory cap are not \
-            run; with `--dry-run`, none is, and every row is a prediction. The meter counts live \
-            bytes; the allocator keeps freed pages for reuse \
-            (a step faults in no new memory), so a process's resident memory runs above its live \
-            heap (by 3-4 GiB for GPT-2 XL): \
-            near a machine's limit the kernel may kill a run whose live heap fits, which the \
-            table says.\n\n\
-            | model | variant | policy | predicted GiB | measured GiB | error | fits 24 GiB | \
-            tokens/s | step time | gradients |\n\
-            |---|---|---|---|---|---|---|---|---|---|\n";
+    out += "\n## Predicted against measured\n\nPredicted total: the planner's, from the model \
+        built at its size and its stages profiled one at a time at batch 1 and the full sequence \
+        (one block measured, its figures reused for the others, which are alike), the optimizer \
+        state by arithmetic. Measured total: the heap before the step (parameters, optimizer \
+        state) plus the step's peak above it (gradients, activations), the highest over the timed \
+        steps. Configurations predicted above the memory cap are not run; with `--dry-run`, none \
+        is, and every row is a prediction. The meter counts live bytes; the allocator keeps freed \
+        pages for reuse (a step faults in no new memory), so a process's resident memory runs \
+        above its live heap (by 3-4 GiB for GPT-2 XL): near a machine's limit the kernel may kill \
+        a run whose live heap fits, which the table says.\n\n| model | variant | policy | \
+        predicted GiB | measured GiB | error | fits 24 GiB | tokens/s | step time | gradients \
+        |\n|---|---|---|---|---|---|---|---|---|---|\n";
     for r in &records {
         let _ = writeln!(out, "{}", measured_row(r));
     }
@@ -166,10 +154,8 @@ pub fn table(m: &Matrix) -> String {
         .collect();
     if records.iter().any(|r| r.status == Status::Ok && returned_freed_memory(r)) {
         out += "\n† Measured with `--return-freed-memory` (freed memory given back to the OS at \
-            once, so that resident memory \
-                stays near the live heap on this machine): every step faults its pages in again, \
-                so its time is not comparable \
-                with the other rows'.\n";
+            once, so that resident memory stays near the live heap on this machine): every step \
+            faults its pages in again, so its time is not comparable with the other rows'.\n";
     }
     let _ = write!(
         out,
@@ -207,8 +193,8 @@ fn measured_row(r: &Record) -> String {
         _ => "-",
     };
     format!(
-        "| {model} | {variant} | {} | {predicted} | {measured} | {error} | {} | {tokens} | \
-        {time} | {grads} |",
+        "| {model} | {variant} | {} | {predicted} | {measured} | {error} | {} | {tokens} | {time} \
+         | {grads} |",
         r.policy,
         fits(r)
     )

@@ -73,25 +73,19 @@ pub fn markdown(m: &Matrix) -> String {
 fn header(m: &Matrix) -> String {
     let meta = &m.meta;
     format!(
-        "# Checkpointing matrix: profile `{}`\n\n{}  \nMachine: {}  \ncandle {}, commit {}\n\n\
-Memory is heap bytes from the counting allocator above the model state (parameters + optimizer \
-state); \
-ratios are against `off` of the same model in the same run. Times are medians of the timed steps \
-after a warm-up. \
-*Activation peak* is what checkpointing acts on (forward and backward, parameter gradients \
-excluded); *step peak* is the \
-whole step, and *peak set in* says whether forward/backward or the optimizer update \
-(parameter-sized temporaries) reached it. \
-*time / off, rounds*: the same ratio over this run and the interleaved timing rounds (off, \
-policy, off, policy, ... each in a \
-fresh process): median (min-max). \
-*grads = plain candle*: one step of the policy through the executor (`off` included) against the \
-same step in plain candle \
-(every stage in order, one `backward()`), every gradient and BatchNorm statistic compared bit for \
-bit. \
-*predicted*: the planner's step peak (from the model's stages profiled one at a time before the \
-run) and its error against \
-the measured step peak, and its predicted time / off.\n",
+        "# Checkpointing matrix: profile `{}`\n\n{}  \nMachine: {}  \ncandle {}, commit \
+         {}\n\nMemory is heap bytes from the counting allocator above the model state (parameters \
+         + optimizer state); ratios are against `off` of the same model in the same run. Times are \
+         medians of the timed steps after a warm-up. *Activation peak* is what checkpointing acts \
+         on (forward and backward, parameter gradients excluded); *step peak* is the whole step, \
+         and *peak set in* says whether forward/backward or the optimizer update (parameter-sized \
+         temporaries) reached it. *time / off, rounds*: the same ratio over this run and the \
+         interleaved timing rounds (off, policy, off, policy, ... each in a fresh process): median \
+         (min-max). *grads = plain candle*: one step of the policy through the executor (`off` \
+         included) against the same step in plain candle (every stage in order, one `backward()`), \
+         every gradient and BatchNorm statistic compared bit for bit. *predicted*: the planner's \
+         step peak (from the model's stages profiled one at a time before the run) and its error \
+         against the measured step peak, and its predicted time / off.\n",
         meta.profile,
         self::results::made_by(m.record_commands(), &meta.command),
         meta.machine,
@@ -107,8 +101,7 @@ fn planner_summary(out: &mut String, m: &Matrix) {
         let _ = writeln!(
             out,
             "\n**Planner**: predicted step peak within 5% of the measured for {within} of {} \
-             configurations; the largest error is \
-             {:+.1}% ({} {}).",
+             configurations; the largest error is {:+.1}% ({} {}).",
             errors.len(),
             worst * 100.0,
             r.model,
@@ -123,11 +116,11 @@ fn model_table(out: &mut String, m: &Matrix, rows: &[&Record]) {
     let off = m.find(&first.model, "off").filter(|r| r.status == Status::Ok);
     let _ = write!(
         out,
-        "\n## {} (batch {}, {}, {}, {} threads): model state {}\n\n\
-| policy | segments | step peak | predicted (error) | peak set in | activation peak | RSS peak \
-delta | step time (median) | step peak / off | activation / off | time / off | predicted time / \
-off | time / off, rounds | grads = plain candle (bits) | status | commit |\n\
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "\n## {} (batch {}, {}, {}, {} threads): model state {}\n\n| policy | segments | step peak \
+         | predicted (error) | peak set in | activation peak | RSS peak delta | step time (median) \
+         | step peak / off | activation / off | time / off | predicted time / off | time / off, \
+         rounds | grads = plain candle (bits) | status | commit \
+         |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         first.model,
         first.batch,
         first.input,

@@ -18,29 +18,22 @@ pub fn render(m: &Matrix, article: impl Fn(&str) -> Option<(f64, f64, &'static s
     }
     let mut out = format!(
         "\n## Projected at the article's sizes (predictions, beside measurements where they \
-         ran)\n\n{}.\n\n\
-         The planner's prediction for the article's configurations: each model built at its full \
-         size, its stages profiled one at a time at the full input size, at the article's batch \
-         where it is 16 or less, else at \
-         batches 8 and 16 and extrapolated (kept bytes are linear in the batch; some kernels' \
-         temporaries grow slower, so those \
+         ran)\n\n{}.\n\nThe planner's prediction for the article's configurations: each model \
+         built at its full size, its stages profiled one at a time at the full input size, at the \
+         article's batch where it is 16 or less, else at batches 8 and 16 and extrapolated (kept \
+         bytes are linear in the batch; some kernels' temporaries grow slower, so those \
          projections lean high); the state (weights, optimizer state, inputs) is arithmetic. \
-         Totals \
-         are the state plus the step's predicted peak, in GB (10^9 bytes, as the article writes \
-         them). Time is the predicted step \
-         time over `off`'s from this machine's stage times (a CPU ratio, not an A100's). *budget \
-         = sqrt's memory*: the plan with \
-         the least recompute whose peak fits what `sqrt` needs; *budget=24GiB*: the plan with the \
-         least recompute for a 24 GiB \
-         card; *least memory*: the plan with the smallest peak. *Measured*: the same \
-         configuration run in this folder \
-         (state plus step peak), and the projection's error against it. The article's \
-         optimizer is not stated: each model trains with its benchmark default (the `optimizer` \
-         column: SGD with momentum for \
-         the ResNets, AdamW for BERT and the U-Net).\n\n\
-         | model | batch | input | optimizer | state | policy or plan | predicted total | / off | \
-         predicted time | measured | error | article: off → checkpointing | article: time |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         Totals are the state plus the step's predicted peak, in GB (10^9 bytes, as the article \
+         writes them). Time is the predicted step time over `off`'s from this machine's stage \
+         times (a CPU ratio, not an A100's). *budget = sqrt's memory*: the plan with the least \
+         recompute whose peak fits what `sqrt` needs; *budget=24GiB*: the plan with the least \
+         recompute for a 24 GiB card; *least memory*: the plan with the smallest peak. *Measured*: \
+         the same configuration run in this folder (state plus step peak), and the projection's \
+         error against it. The article's optimizer is not stated: each model trains with its \
+         benchmark default (the `optimizer` column: SGD with momentum for the ResNets, AdamW for \
+         BERT and the U-Net).\n\n| model | batch | input | optimizer | state | policy or plan | \
+         predicted total | / off | predicted time | measured | error | article: off → \
+         checkpointing | article: time |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         made_by(projections.iter().map(|p| p.command.as_str()), &m.meta.command)
     );
     for p in projections {

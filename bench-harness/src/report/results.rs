@@ -78,17 +78,16 @@ pub fn made_by<'a>(commands: impl IntoIterator<Item = &'a str>, last_run: &str) 
     match (named.len(), unnamed) {
         (0, false) => "Command: none".into(),
         (0, true) => format!(
-            "Command of the last run: `{last_run}` (earlier runs may have made \
-            some of these results: their commands were not recorded)"
+            "Command of the last run: `{last_run}` (earlier runs may have made some of these \
+             results: their commands were not recorded)"
         ),
         (1, false) => format!("Command: {list}"),
         (_, false) => format!(
-            "Commands (in the order of the results they made; matrix.json names \
-            each result's): {list}"
+            "Commands (in the order of the results they made; matrix.json names each result's): \
+             {list}"
         ),
         (_, true) => format!(
-            "Commands: {list}; the other results by earlier runs, whose commands \
-            were not recorded"
+            "Commands: {list}; the other results by earlier runs, whose commands were not recorded"
         ),
     }
 }

@@ -76,19 +76,16 @@ pub fn render(m: &Matrix, fits: &[(String, f64)]) -> String {
     let meta = &m.meta;
     let mut out = format!(
         "# The article's table, measured\n\n{}  \nMachine: {}  \ncandle {}, commit {}, profile \
-         `{}`\n\n\
-*Memory* is what a step holds at its peak: model state (parameters, optimizer state) plus the \
-step's peak above it, \
-from the counting allocator (on a GPU: the memory pool). *With checkpointing* is policy \
-`{TABLE_POLICY}`; every policy is in \
-`matrix.csv`. *Time increase* is the step time over `off`'s, the median over the measuring run \
-and the interleaved timing rounds (`matrix.md` has their range). The article's figures (A100, \
-PyTorch) \
-are quoted for comparison, not measured here.\n\n\
-| model | batch | input | memory off | memory {TABLE_POLICY} | {TABLE_POLICY} / off | activations \
-{TABLE_POLICY} / off | {TABLE_POLICY} step peak set by | time increase | article: batch | \
-article: off | article: checkpointing | article: ratio | article: time |\n\
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         `{}`\n\n*Memory* is what a step holds at its peak: model state (parameters, optimizer \
+         state) plus the step's peak above it, from the counting allocator (on a GPU: the memory \
+         pool). *With checkpointing* is policy `{TABLE_POLICY}`; every policy is in `matrix.csv`. \
+         *Time increase* is the step time over `off`'s, the median over the measuring run and the \
+         interleaved timing rounds (`matrix.md` has their range). The article's figures (A100, \
+         PyTorch) are quoted for comparison, not measured here.\n\n| model | batch | input | \
+         memory off | memory {TABLE_POLICY} | {TABLE_POLICY} / off | activations {TABLE_POLICY} / \
+         off | {TABLE_POLICY} step peak set by | time increase | article: batch | article: off | \
+         article: checkpointing | article: ratio | article: time \
+         |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         super::results::made_by(m.record_commands(), &meta.command),
         meta.machine,
         meta.candle_version,
@@ -100,9 +97,8 @@ article: off | article: checkpointing | article: ratio | article: time |\n\
     }
     out.push_str(
         "\nWhere the step peak is set by the optimizer update (parameter-sized temporaries), \
-         checkpointing cannot lower \
-it further: the activations column shows what it did to the memory it acts on. Every policy is in \
-`matrix.md`.\n",
+         checkpointing cannot lower it further: the activations column shows what it did to the \
+         memory it acts on. Every policy is in `matrix.md`.\n",
     );
     if !fits.is_empty() {
         out.push_str(&depth_sweep(m, fits));
@@ -196,8 +192,8 @@ fn depth_sweep(m: &Matrix, fits: &[(String, f64)]) -> String {
     let _ = write!(
         out,
         "\n## Depth sweep (claim C2: O(sqrt L) memory)\n\nGPT-2 blocks of fixed width, activation \
-         peak against the number of blocks L, \
-least-squares exponent k of peak ~ L^k:\n\n| policy | depths | exponent k |\n|---|---|---|\n"
+         peak against the number of blocks L, least-squares exponent k of peak ~ L^k:\n\n| policy \
+         | depths | exponent k |\n|---|---|---|\n"
     );
     let depths: Vec<String> = m.models(true).iter().map(|d| depth_of(d).to_string()).collect();
     for (policy, k) in fits {

@@ -40,10 +40,9 @@ pub fn available(python: &str) -> Result<(), String> {
              and pass `--python .venv/bin/python`",
             String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("").trim()
         )),
-        Err(e) => Err(format!(
-            "cannot run `{python}`: {e}; pass --python with a Python that has \
-            torch"
-        )),
+        Err(e) => {
+            Err(format!("cannot run `{python}`: {e}; pass --python with a Python that has torch"))
+        }
     }
 }
 

@@ -104,8 +104,8 @@ fn check(args: &MatrixArgs) -> Result<()> {
                 || args.policies.contains(&PolicyRequest::Fixed(Policy::Off))))
     {
         bail!(
-            "--retime takes the times again in --rounds rounds (at least 1), each policy \
-            against `off`: keep `off` among --policies"
+            "--retime takes the times again in --rounds rounds (at least 1), each policy against \
+             `off`: keep `off` among --policies"
         );
     }
     if args.baseline.is_some() && common.ranks > 1 {
@@ -168,9 +168,8 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
     if configs.is_empty() {
         bail!(
             "--models {:?} with --policies {:?} selects no configuration of profile `{profile}` \
-             (before-downsample applies to ResNet and U-Net only; \
-             +keep= to models that run the ops it names: matmul and attention in GPT-2 and BERT, \
-             conv in ResNet and U-Net)",
+             (before-downsample applies to ResNet and U-Net only; +keep= to models that run the \
+             ops it names: matmul and attention in GPT-2 and BERT, conv in ResNet and U-Net)",
             args.models,
             args.policies
         );

@@ -28,8 +28,8 @@ pub enum CollectiveError {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error(
-        "launched by {launcher} as one of {world} ranks, but this binary was built without \
-        the `{feature}` feature (cargo build --features {feature})"
+        "launched by {launcher} as one of {world} ranks, but this binary was built without the \
+         `{feature}` feature (cargo build --features {feature})"
     )]
     NotBuiltFor { launcher: &'static str, world: usize, feature: &'static str },
     #[error("MPI: {0}")]

@@ -61,8 +61,8 @@ impl Linear {
         };
         if self.weight.track_op() || self.bias.track_op() {
             candle_core::bail!(
-                "a layer with a LoRA adapter must have its weight and bias frozen \
-                (Lora::freeze): they would get no gradient"
+                "a layer with a LoRA adapter must have its weight and bias frozen (Lora::freeze): \
+                 they would get no gradient"
             )
         }
         let dropout = crate::dropout_key(a.dropout, ctx)?.map(|key| (key, a.dropout));

@@ -69,8 +69,8 @@ fn frozen_costs_nothing(
     let saved = trained.peak.saturating_sub(frozen.peak);
     assert!(
         saved >= w_bytes,
-        "{what}: frozen, the backward peaked only {saved} B lower; the \
-        weight's gradient is {w_bytes} B"
+        "{what}: frozen, the backward peaked only {saved} B lower; the weight's gradient is \
+         {w_bytes} B"
     );
     assert!(
         trained.x_grad == frozen.x_grad,

@@ -97,8 +97,8 @@ fn check(name: &str, op: &Op, inputs: &[Var], tol: f32) -> Result<u64> {
     let (kernel_peak, generic_peak) =
         (step_peak(op, inputs, &r, Path::Kernel)?, step_peak(op, inputs, &r, Path::Generic)?);
     eprintln!(
-        "{name}: forward and backward peak {kernel_peak} B on the kernel, {generic_peak} B \
-        on the generic route"
+        "{name}: forward and backward peak {kernel_peak} B on the kernel, {generic_peak} B on the \
+         generic route"
     );
     assert!(
         generic.abs_diff(kernel) <= SLACK,
@@ -335,8 +335,8 @@ fn convolutions_and_pooling_on_the_generic_route() -> Result<()> {
         move |t: &[Tensor]| ops::conv3d(&Tensor::cat(&[&t[0], &t[1]], 1)?, &t[2], same);
     let concat_in_graph = kept_bytes(&concat_composed, &concat_inputs, Some(Path::Kernel))?;
     eprintln!(
-        "conv3d of a concatenation made in the graph: kept {concat_in_graph} B, \
-        conv3d_concat {concat_kernel} B"
+        "conv3d of a concatenation made in the graph: kept {concat_in_graph} B, conv3d_concat \
+         {concat_kernel} B"
     );
     assert!(
         concat_in_graph + SLACK > concat_kernel + 2 * 10 * 512 * 4,

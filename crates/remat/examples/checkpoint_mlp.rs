@@ -74,8 +74,8 @@ pub fn main() -> Result<()> {
         let peak = heap_peak() - before;
         let same = bits(&varmap, &out.grads)? == plain;
         println!(
-            "{policy}: {} segments, step peak {:.1} MiB, gradients = plain candle bit for \
-            bit: {same}",
+            "{policy}: {} segments, step peak {:.1} MiB, gradients = plain candle bit for bit: \
+             {same}",
             exec.segments().len(),
             peak as f64 / 1048576.0
         );

@@ -67,8 +67,7 @@ pub enum Error {
     /// counting allocator; without it every figure would read 0.
     #[error(
         "planning on the CPU needs the heap meter: enable remat's `meter` feature and install it \
-         with \
-         `#[global_allocator] static ALLOC: remat::memory::CountingAlloc = \
+         with `#[global_allocator] static ALLOC: remat::memory::CountingAlloc = \
          remat::memory::CountingAlloc;`"
     )]
     NoMeter,
@@ -82,22 +81,19 @@ pub enum Error {
     /// A `+keep=` policy whose recomputed segments run no op of the kinds it keeps.
     #[error(
         "+keep={keep} keeps nothing in this graph: its recomputed segments run no {keep} op \
-         through `remat::keep::op` \
-         (the keepable ops they run: {}). Wrap the ops to keep in `remat::keep::op` (a candle-nn \
-         `Linear` is not; the \
-         `layers` crate's linear, attention and convolutions are), or leave +keep= out",
+         through `remat::keep::op` (the keepable ops they run: {}). Wrap the ops to keep in \
+         `remat::keep::op` (a candle-nn `Linear` is not; the `layers` crate's linear, attention \
+         and convolutions are), or leave +keep= out",
         if seen.is_empty() { "none" } else { seen.as_str() }
     )]
     #[allow(missing_docs)] // its fields are what its message names
     KeepsNothing { keep: String, seen: String },
     /// A recomputed stage gave other outputs than its forward: its gradients would be wrong.
     #[error(
-        "stage {stage} (`{name}`): its recompute gave another output {output} than its forward, \
-         so its gradients would be \
-         wrong. The stage draws randomness that is not from its context \
-         (`candle_nn::ops::dropout`, `Tensor::rand`: use \
-         `ctx.dropout`, `ctx.next_key()`) or changes state in forward (skip it when \
-         `ctx.is_recompute()`). \
+        "stage {stage} (`{name}`): its recompute gave another output {output} than its forward, so \
+         its gradients would be wrong. The stage draws randomness that is not from its context \
+         (`candle_nn::ops::dropout`, `Tensor::rand`: use `ctx.dropout`, `ctx.next_key()`) or \
+         changes state in forward (skip it when `ctx.is_recompute()`). \
          `Executor::without_recompute_check` turns this check off"
     )]
     #[allow(missing_docs)] // its fields are what its message names

@@ -67,16 +67,14 @@ pub enum PolicyError {
     /// `budget=` or `auto` where a fixed policy is needed.
     #[error(
         "`{0}` is a request to the planner, not a policy: resolve it from the model's profile \
-        first (remat::plan::resolve)"
+         first (remat::plan::resolve)"
     )]
     NeedsPlan(String),
 }
 
 const VALID: &str = "off, sqrt, every-two-blocks, every-n=K (K >= 1), before-downsample, \
-    explicit=I,J,... (block indices), \
-                     plan=I,J,... (stage indices), budget=SIZE (e.g. 2GiB), auto; and \
-                     POLICY+keep=OPS (OPS from matmul, conv, \
-                     attention, joined by +: selective recompute)";
+    explicit=I,J,... (block indices), plan=I,J,... (stage indices), budget=SIZE (e.g. 2GiB), auto; \
+    and POLICY+keep=OPS (OPS from matmul, conv, attention, joined by +: selective recompute)";
 
 impl FromStr for PolicyRequest {
     type Err = PolicyError;

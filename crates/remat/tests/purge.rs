@@ -51,7 +51,7 @@ fn freed_pages_are_kept_unless_mimalloc_is_told_to_purge() {
     let (kept, purged) = (resident_after_free(None), resident_after_free(Some("0")));
     eprintln!(
         "resident after freeing 256 MiB: {kept} MiB kept by default, {purged} MiB with \
-        MIMALLOC_PURGE_DELAY=0"
+         MIMALLOC_PURGE_DELAY=0"
     );
     assert!(kept >= 200 && purged <= 64, "kept {kept} MiB, purged {purged} MiB");
 }

@@ -61,8 +61,7 @@ pub fn assert_near_figure(what: &str, measured: u64, committed: u64) {
     eprintln!("{what}: {measured} B measured, {committed} B committed ({ratio:.3}x)");
     assert!(
         (0.9..=1.1).contains(&ratio),
-        "{what}: measured {measured} B is {ratio:.3}x the \
-        committed {committed} B (allowed 0.9-1.1)"
+        "{what}: measured {measured} B is {ratio:.3}x the committed {committed} B (allowed 0.9-1.1)"
     );
 }
 
@@ -137,18 +136,18 @@ pub fn assert_keeping_holds_the_kept_outputs(
     let (cut, with_kept, off) =
         (peaks(policy).activation, peaks(&keeping).activation, peaks("off").activation);
     eprintln!(
-        "activation peaks: {policy} {cut} B, {keeping} {with_kept} B, off {off} B; kept \
-        from the shapes {kept} B"
+        "activation peaks: {policy} {cut} B, {keeping} {with_kept} B, off {off} B; kept from the \
+         shapes {kept} B"
     );
     assert!(
         with_kept >= cut + kept / 2,
-        "{keeping}: activation peak {with_kept} B, not half the \
-        {kept} B kept above {policy}'s {cut} B"
+        "{keeping}: activation peak {with_kept} B, not half the {kept} B kept above {policy}'s \
+         {cut} B"
     );
     assert!(
         with_kept <= cut + kept + kept / 20,
-        "{keeping}: activation peak {with_kept} B holds \
-        more than the {kept} B kept above {policy}'s {cut} B"
+        "{keeping}: activation peak {with_kept} B holds more than the {kept} B kept above \
+         {policy}'s {cut} B"
     );
     assert!(with_kept < off, "{keeping}: activation peak {with_kept} B is not below off's {off} B");
 }
@@ -281,8 +280,8 @@ pub fn assert_frozen_parameters_get_no_gradient<M: model::Benchable>(
         }
     }
     eprintln!(
-        "{} of {} parameters frozen; the rest's gradients equal the unfrozen model's under \
-        every policy",
+        "{} of {} parameters frozen; the rest's gradients equal the unfrozen model's under every \
+         policy",
         frozen_names.len(),
         all.params().vars().len()
     );
@@ -364,8 +363,8 @@ pub fn assert_lora_trains_adapters_only<M: model::Benchable>(
          gradients ({weight_grads} B) were not all saved"
     );
     eprintln!(
-        "{} adapters: gradients = plain candle's under every policy; step peak {lora_peak} \
-        B vs full fine-tuning {full_peak} B",
+        "{} adapters: gradients = plain candle's under every policy; step peak {lora_peak} B vs \
+         full fine-tuning {full_peak} B",
         adapters.len()
     );
 }
@@ -418,17 +417,17 @@ pub fn assert_optimizer_in_backward<M: model::Benchable>(
             let ((ordinary, all), (inside, held)) = (run(false), run(true));
             assert!(
                 inside == ordinary,
-                "{kind} {policy}: the weights after the optimizer inside \
-                backward differ from the ordinary step's"
+                "{kind} {policy}: the weights after the optimizer inside backward differ from the \
+                 ordinary step's"
             );
             eprintln!(
-                "{kind} {policy}: at most {held} B of gradients held inside backward, {all} \
-                B after it"
+                "{kind} {policy}: at most {held} B of gradients held inside backward, {all} B \
+                 after it"
             );
             assert!(
                 held * 2 <= all,
-                "{kind} {policy}: {held} B of gradients held at once with \
-                the optimizer inside backward, of {all} B"
+                "{kind} {policy}: {held} B of gradients held at once with the optimizer inside \
+                 backward, of {all} B"
             );
         }
     }

@@ -205,8 +205,8 @@ pub fn check_evaluation(
     let err = (got as f64 - want).abs() / want.abs().max(1.0);
     ensure!(
         err <= LOSS_TOL,
-        "evaluation loss {got} vs {want} from the reference logits: error \
-        {err:.3e} exceeds {LOSS_TOL:.0e}"
+        "evaluation loss {got} vs {want} from the reference logits: error {err:.3e} exceeds \
+         {LOSS_TOL:.0e}"
     );
     Ok(())
 }

@@ -16,8 +16,8 @@ pub enum MlmDataError {
     #[error("tokenizer {path} has no {token} token, which BERT's masked-LM data needs")]
     MissingSpecial { path: String, token: &'static str },
     #[error(
-        "no document has a token to predict: every one holds special tokens only ([UNK], \
-        [PAD], ...)"
+        "no document has a token to predict: every one holds special tokens only ([UNK], [PAD], \
+         ...)"
     )]
     NothingToPredict,
     #[error(transparent)]

@@ -113,8 +113,8 @@ fn assert_policies_match_off(padded: bool, dtype: Precision) {
             for (name, g) in &a.1 {
                 assert!(
                     g == &b.1[name],
-                    "{policy} (padded: {padded}, {dtype}): gradient of \
-                    {name} differs at step {step}"
+                    "{policy} (padded: {padded}, {dtype}): gradient of {name} differs at step \
+                     {step}"
                 );
             }
         }

@@ -155,8 +155,8 @@ fn text_tokens(
         &[args.config.as_deref(), args.init.init.as_deref()],
     ) else {
         bail!(
-            "--text needs a tokenizer: give --tokenizer tokenizer.json (or put one beside \
-            --config or --init)"
+            "--text needs a tokenizer: give --tokenizer tokenizer.json (or put one beside --config \
+             or --init)"
         );
     };
     let ids = Tokenizer::from_file(&file)?.encode(&text)?;

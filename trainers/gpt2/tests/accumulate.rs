@@ -94,8 +94,7 @@ fn accumulated_gradients_are_the_sum_of_the_micro_batches() {
             );
             assert!(
                 peak <= first + SLACK,
-                "{policy}: micro-batch {n} peaks {peak} B above its \
-                start, the first only {first} B"
+                "{policy}: micro-batch {n} peaks {peak} B above its start, the first only {first} B"
             );
             assert!(
                 policy == "off" || peak < first,
@@ -131,8 +130,8 @@ fn accumulated_gradients_are_the_sum_of_the_micro_batches() {
             (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() / scale;
         assert!(
             err < 1e-5,
-            "`{name}`: mean of micro-batches vs whole batch differ by {err:.2e} \
-            (relative to its largest element)"
+            "`{name}`: mean of micro-batches vs whole batch differ by {err:.2e} (relative to its \
+             largest element)"
         );
     }
 }

@@ -348,8 +348,8 @@ fn steps_and_models_that_cannot_fit_are_refused_first() {
     assert!(
         out.status.code() == Some(1)
             && err.contains(
-                "--preset, --config or --model-id: the \
-            memory of the parameters and their gradients alone needs"
+                "--preset, --config or --model-id: the memory of the parameters and their \
+                 gradients alone needs"
             ),
         "{err}"
     );
@@ -427,8 +427,8 @@ fn a_freeze_that_matches_nothing_or_everything_is_refused() {
     for (args, said) in [
         (
             &["--freeze", "h.*.atn.*"][..],
-            "--freeze h.*.atn.*: matches no parameter of this model, \
-            whose parameters are named like h.0.attn",
+            "--freeze h.*.atn.*: matches no parameter of this model, whose parameters are named \
+             like h.0.attn",
         ),
         (&["--freeze", "*"][..], "--freeze leaves no parameter to train"),
         (&["--freeze", ","][..], "names no parameter pattern"),
@@ -451,8 +451,8 @@ fn lora_trains_adapters_writes_them_and_merges() {
     for (args, said) in [
         (
             &["--lora", "4", "--lora-targets", "c_atn"][..],
-            "--lora-targets c_atn: matches no layer \
-            this model adapts (its layers: c_attn, c_proj, c_fc)",
+            "--lora-targets c_atn: matches no layer this model adapts (its layers: c_attn, c_proj, \
+             c_fc)",
         ),
         (&["--lora", "0"][..], "the LoRA rank must be at least 1"),
         (&["--lora", "4", "--freeze", "wte.weight"][..], "cannot be used with"),

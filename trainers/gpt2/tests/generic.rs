@@ -58,8 +58,8 @@ fn the_generic_route_trains_gpt2_bit_exactly_within_a_tenth_of_the_kernels_memor
             / scale;
         assert!(
             err < 1e-3,
-            "{name}: the generic route's gradient differs from the kernels' by \
-            {err:.2e} of its scale"
+            "{name}: the generic route's gradient differs from the kernels' by {err:.2e} of its \
+             scale"
         );
         assert!(
             g.iter().any(|&b| f32::from_bits(b) != 0.0),

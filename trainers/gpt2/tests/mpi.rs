@@ -100,7 +100,7 @@ fn two_ranks_of_b_train_as_one_rank_of_2b() {
     }
     eprintln!(
         "largest difference, 2 ranks x 4 against 1 rank x 8 after one SGD step: {worst:.1e} \
-        (largest update {moved:.1e})"
+         (largest update {moved:.1e})"
     );
     assert!(moved > 1e-3 && worst <= 1e-6, "difference {worst}, update {moved}");
 

@@ -38,8 +38,7 @@ fn loss_falls_on_synthetic_images() {
         let (first, worst) = (start[2], losses[20..].iter().copied().fold(f32::MIN, f32::max));
         assert!(
             worst < 0.6 * first,
-            "{dtype}: loss went {first:.3} -> at worst {worst:.3} in the \
-            last ten steps: {losses:?}"
+            "{dtype}: loss went {first:.3} -> at worst {worst:.3} in the last ten steps: {losses:?}"
         );
     }
 }

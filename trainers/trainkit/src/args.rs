@@ -183,24 +183,22 @@ impl RunArgs {
             let conflict = [
                 (
                     self.accumulate > 1,
-                    "--accumulate above 1 (a gradient is final only after the \
-                    last micro-batch's backward)",
+                    "--accumulate above 1 (a gradient is final only after the last micro-batch's \
+                     backward)",
                 ),
                 (
                     self.ranks > 1,
-                    "--ranks above 1 (the gradients are averaged over the ranks \
-                    before the update)",
+                    "--ranks above 1 (the gradients are averaged over the ranks before the update)",
                 ),
                 (
                     self.dtype == model::Precision::F16,
-                    "--dtype f16 (its loss scaler skips a step \
-                    unless every gradient is finite)",
+                    "--dtype f16 (its loss scaler skips a step unless every gradient is finite)",
                 ),
             ];
             if let Some((_, why)) = conflict.iter().find(|(c, _)| *c) {
                 bail!(
-                    "--optimizer-in-backward updates each parameter as its gradient is final: \
-                    not with {why}"
+                    "--optimizer-in-backward updates each parameter as its gradient is final: not \
+                     with {why}"
                 );
             }
         }
@@ -211,7 +209,7 @@ impl RunArgs {
             if !(scale.is_finite() && scale > 0.0 && scale <= f32::MAX as f64) {
                 bail!(
                     "--loss-scale {scale} is not a positive number f32 can hold (at most {:e}): \
-                    every step would overflow and be skipped",
+                     every step would overflow and be skipped",
                     f32::MAX
                 );
             }

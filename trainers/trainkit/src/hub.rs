@@ -125,15 +125,15 @@ impl InitArgs {
             (Some(path), _) => path,
             (None, Some(files)) => &files.weights,
             (None, None) if self.strict => bail!(
-                "--strict applies to pre-trained weights, and \
-                none were given (--init or --model-id)"
+                "--strict applies to pre-trained weights, and none were given (--init or \
+                 --model-id)"
             ),
             (None, None) => return Ok(()),
         };
         let fresh = model.init_from(path, self.strict).with_context(|| match self.strict {
             true => {
-                "--strict: the weights must hold every parameter (without --strict the task \
-                head is initialised)"
+                "--strict: the weights must hold every parameter (without --strict the task head \
+                 is initialised)"
             }
             false => "loading pre-trained weights",
         })?;

@@ -65,8 +65,8 @@ impl LoraArgs {
         let Some(rank) = self.lora else { return Ok(None) };
         if rank > width {
             bail!(
-                "--lora {rank} is above the width {width} of the layers it adapts: an update of \
-                 a layer that wide has rank at most {width}"
+                "--lora {rank} is above the width {width} of the layers it adapts: an update of a \
+                 layer that wide has rank at most {width}"
             );
         }
         let targets = if self.lora_targets.is_empty() {

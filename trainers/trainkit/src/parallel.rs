@@ -203,8 +203,8 @@ pub fn agreed_policy(
     let theirs = String::from_utf8(group.broadcast_bytes(requested.to_string().into_bytes(), 0)?)?;
     if theirs != requested.to_string() {
         bail!(
-            "rank {} was given --policy {requested}, rank 0 {theirs}: every rank must \
-            checkpoint in sync",
+            "rank {} was given --policy {requested}, rank 0 {theirs}: every rank must checkpoint \
+             in sync",
             group.rank()
         );
     }
@@ -234,8 +234,8 @@ pub fn check_in_sync(group: &Group, store: &params::ParamStore) -> Result<()> {
 pub fn check_sharding(shard: bool, ranks: usize) -> Result<()> {
     if shard && ranks < 2 {
         bail!(
-            "--shard-optimizer shares the optimizer state among data-parallel ranks: give \
-            --ranks N (N > 1)"
+            "--shard-optimizer shares the optimizer state among data-parallel ranks: give --ranks \
+             N (N > 1)"
         );
     }
     Ok(())

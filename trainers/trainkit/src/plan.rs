@@ -119,8 +119,7 @@ fn check_step_fits(
     let (vars, device) = vars_and_device(model);
     let Some(free) = free_memory(&device) else { return Ok(None) };
     let hint = format!(
-        "a training step does not fit in this machine's available memory: make it \
-        smaller ({sizes})"
+        "a training step does not fit in this machine's available memory: make it smaller ({sizes})"
     );
     // At batch 1 or 2, this is the plan's profile too; at larger batches, extrapolated (its
     // temporaries over-predict a little), and a plan measures at the batch itself.
@@ -241,7 +240,7 @@ fn plan_policy(
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
     measured: Option<(Profile, u64)>,
 ) -> Result<Option<remat::Policy>> {
-    use remat::plan::{resolve, summary};
+    use remat::plan::resolve;
     let (policy, batch) = (&run.policy, run.batch);
     if let (Some(policy), false, None) = (policy.fixed(), run.dry_run, run.memory_cap) {
         return Ok(Some(policy.clone()));
@@ -268,8 +267,8 @@ fn plan_policy(
         if need > cap {
             let least = profile.least_peak(grads);
             bail!(
-                "--policy {resolved} needs {:.1} MiB by the planner's prediction (state before \
-                 the step {:.1} MiB), above --memory-cap {:.1} MiB; the least any checkpoint plan \
+                "--policy {resolved} needs {:.1} MiB by the planner's prediction (state before the \
+                 step {:.1} MiB), above --memory-cap {:.1} MiB; the least any checkpoint plan \
                  needs is {:.1} MiB ({}), and --policy auto picks the fastest plan that fits",
                 mib(need),
                 mib(fixed),
@@ -290,13 +289,27 @@ fn plan_policy(
     if !run.dry_run {
         return Ok(Some(resolved));
     }
-    show!("{}", remat::plan::describe(&profile));
+    print_dry_run(&profile, &resolved, (fixed, grads), dry_peak)?;
+    Ok(None)
+}
+
+/// `--dry-run`'s prediction: the profile, then per phase the step under `resolved` and the
+/// fixed policies, and the least memory any plan needs, from the state before a step and what
+/// the step does with gradients (`fixed`, `grads`); `dry_peak`: the heap profiling took.
+fn print_dry_run(
+    profile: &Profile,
+    resolved: &remat::Policy,
+    (fixed, grads): (u64, Grads),
+    dry_peak: u64,
+) -> Result<()> {
+    use remat::plan::summary;
+    show!("{}", remat::plan::describe(profile));
     show!("memory before a step (weights, optimizer state, data, inputs): {:.1} MiB", mib(fixed));
     let mut policies = vec![resolved.clone()];
     policies.extend(
         [remat::Policy::Off, remat::Policy::Sqrt, remat::Policy::EveryN(2)]
             .into_iter()
-            .filter(|q| *q != resolved),
+            .filter(|q| q != resolved),
     );
     for q in policies {
         let e = profile.predict_policy(&q, grads)?;
@@ -313,5 +326,5 @@ fn plan_policy(
         "dry run: trained nothing; profiling used {:.1} MiB of heap beyond the model",
         mib(dry_peak)
     );
-    Ok(None)
+    Ok(())
 }

@@ -177,7 +177,7 @@ pub fn load_training(
     if saved_seed as u64 != seed {
         bail!(
             "{} was written with --seed {saved_seed}; resume with the same seed (this run has \
-            {seed})",
+             {seed})",
             path.display()
         );
     }
@@ -186,8 +186,8 @@ pub fn load_training(
             config.check_against(&serde_json::from_str(saved).with_context(ctx)?, path)?
         }
         None => say!(
-            "--resume {}: written before training snapshots kept their run's flags; make \
-            sure this run gives the same ones",
+            "--resume {}: written before training snapshots kept their run's flags; make sure this \
+             run gives the same ones",
             path.display()
         ),
     }
@@ -230,7 +230,7 @@ fn check_writable(path: &Path, flag: &str) -> Result<()> {
             };
             bail!(
                 "{flag} {} exists and is {kind}; give the path of a regular file (it would be \
-                replaced)",
+                 replaced)",
                 path.display()
             );
         }

@@ -101,8 +101,8 @@ impl Stepper<'_> {
                 })
                 .collect();
             bail!(
-                "step {step}: the gradients are not finite, so the weights were not updated; a \
-                 NaN or an infinity in the data ({}), or a diverging run (a lower --lr may help)",
+                "step {step}: the gradients are not finite, so the weights were not updated; a NaN \
+                 or an infinity in the data ({}), or a diverging run (a lower --lr may help)",
                 named.join("; ")
             );
         }

@@ -53,10 +53,7 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
     ) -> Result<()> {
         let (run, group, model) = (self.run, self.group, self.model);
         let batch_names = self.batch_names.take();
-        if let Some(policy) = run.policy.fixed() {
-            M::check_keep(policy).map_err(|e| anyhow::anyhow!("--policy {e}"))?;
-        }
-        check_freeze(model.params())?;
+        check_policy_and_freeze::<M>(run, model.params())?;
         let mut opt = parallel::optimizer(
             run.shard_optimizer,
             group,
@@ -101,16 +98,15 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
             if !out.updated {
                 let now = scaler.map_or(1.0, |s| s.scale);
                 log.say(format_args!(
-                    "step {step}: gradients not finite at loss scale {scale}; \
-                    update skipped, loss scale now {now}"
+                    "step {step}: gradients not finite at loss scale {scale}; update skipped, loss \
+                     scale now {now}"
                 ));
             }
             let loss = group.mean_of(out.loss)? as f32;
             log.step(step, loss, &out.usage)?;
             if !loss.is_finite() {
                 bail!(
-                    "step {step}: the loss is {loss}; training cannot go on (a lower --lr may \
-                    help)"
+                    "step {step}: the loss is {loss}; training cannot go on (a lower --lr may help)"
                 );
             }
             if run.eval_every.is_some() && self.due(step, run.eval_every) {
@@ -214,6 +210,15 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
     }
 }
 
+/// Before anything runs: a `+keep=` of an op the model does not run (it would keep nothing),
+/// and `--freeze` ([`check_freeze`]).
+fn check_policy_and_freeze<M: Model>(run: &RunArgs, params: &params::ParamStore) -> Result<()> {
+    if let Some(policy) = run.policy.fixed() {
+        M::check_keep(policy).map_err(|e| anyhow::anyhow!("--policy {e}"))?;
+    }
+    check_freeze(params)
+}
+
 /// `--freeze`: every pattern must name a parameter (a typo would freeze nothing), and some
 /// parameter must still train.
 fn check_freeze(params: &params::ParamStore) -> Result<()> {
@@ -222,8 +227,8 @@ fn check_freeze(params: &params::ParamStore) -> Result<()> {
         let names: Vec<&str> =
             params.named().chain(params.frozen()).map(|(name, _)| name).take(6).collect();
         bail!(
-            "--freeze {}: matches no parameter of this model, whose parameters are named like \
-            {}, ...",
+            "--freeze {}: matches no parameter of this model, whose parameters are named like {}, \
+             ...",
             unmatched.join(","),
             names.join(", ")
         );

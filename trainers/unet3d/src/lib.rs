@@ -117,8 +117,8 @@ impl ConvNormRelu {
                 // Clamping would train another model than the one asked for.
                 if g == 0 || !c_out.is_multiple_of(g) {
                     candle_core::bail!(
-                        "{g} GroupNorm groups do not divide the {c_out} channels \
-                        of `{prefix}` (every level's channels must be a multiple)"
+                        "{g} GroupNorm groups do not divide the {c_out} channels of `{prefix}` \
+                         (every level's channels must be a multiple)"
                     )
                 }
                 NormLayer::Group(GroupNorm::new(params, &name, c_out, g)?)

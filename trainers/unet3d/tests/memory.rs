@@ -39,8 +39,8 @@ fn checkpointing_lowers_the_step_peak() {
     let v = 2 * 4 * 24u64.pow(3) * 4;
     let (downsample, two) = (peaks("before-downsample").step, peaks("every-two-blocks").step);
     eprintln!(
-        "step peaks: off {} B, before-downsample {downsample} B, every-two-blocks {two} B; \
-        4 v = {} B",
+        "step peaks: off {} B, before-downsample {downsample} B, every-two-blocks {two} B; 4 v = \
+         {} B",
         off.step,
         4 * v
     );

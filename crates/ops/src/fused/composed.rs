@@ -30,8 +30,8 @@ pub(crate) fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Resu
     if g.stride_hw > 1 && h % 2 != wd % 2 {
         // candle 0.11's conv2d backward mis-shapes such inputs.
         candle_core::bail!(
-            "conv3d: strided in-plane convolution needs height and width of equal \
-            parity, got {h}x{wd}"
+            "conv3d: strided in-plane convolution needs height and width of equal parity, got \
+             {h}x{wd}"
         )
     }
     let x = x.pad_with_zeros(2, g.pad_d, g.pad_d)?;

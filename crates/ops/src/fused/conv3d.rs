@@ -226,8 +226,8 @@ impl Conv3dShape {
         for a in 0..3 {
             if input[a] + 2 * pad[a] < kernel[a] || stride[a] == 0 {
                 candle_core::bail!(
-                    "conv3d: input {input:?} padded by {pad:?} is smaller than the \
-                    kernel {kernel:?}"
+                    "conv3d: input {input:?} padded by {pad:?} is smaller than the kernel \
+                     {kernel:?}"
                 )
             }
             output[a] = (input[a] + 2 * pad[a] - kernel[a]) / stride[a] + 1;

@@ -26,8 +26,8 @@ fn max_pool(x: &Tensor, axes: usize, k: usize, s: usize, p: usize) -> Result<Ten
     let r = x.rank();
     if r < axes || k == 0 || s == 0 || p >= k {
         candle_core::bail!(
-            "max_pool{axes}d: needs rank >= {axes}, k >= 1, s >= 1 and p < k; got \
-            {:?}, k {k}, s {s}, p {p}",
+            "max_pool{axes}d: needs rank >= {axes}, k >= 1, s >= 1 and p < k; got {:?}, k {k}, s \
+             {s}, p {p}",
             x.dims()
         )
     }

@@ -83,8 +83,8 @@ impl SegmentBackward {
                 if reporter.reported(k) {
                     // Its update may have run already: stop rather than train on part of it.
                     let msg = format!(
-                        "stage {i} gave parameter {k} a gradient after it was \
-                        reported complete: its forward did not show the use"
+                        "stage {i} gave parameter {k} a gradient after it was reported complete: \
+                         its forward did not show the use"
                     );
                     return Err(Error::Graph(msg));
                 }

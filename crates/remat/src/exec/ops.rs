@@ -145,8 +145,8 @@ impl CustomOp1 for GradSeed {
         match grad {
             Some(grad) => Ok(Some(grad)),
             None => candle_core::bail!(
-                "remat-grad-seed: a second backward through one seed (its \
-                gradient was handed over in the first)"
+                "remat-grad-seed: a second backward through one seed (its gradient was handed over \
+                 in the first)"
             ),
         }
     }

@@ -264,9 +264,8 @@ impl Plan {
 pub enum PlanError {
     #[error(
         "budget {} is below the smallest peak any checkpoint plan reaches, {} (plan {plan}): the \
-         state before the step \
-         (parameters, optimizer state, data, inputs) is {}, and of the step's own {}, {dominant} \
-         take {}",
+         state before the step (parameters, optimizer state, data, inputs) is {}, and of the \
+         step's own {}, {dominant} take {}",
         mib(*.budget), mib(.fixed + .step), mib(*.fixed), mib(*.step), mib(*.dominant_bytes)
     )]
     #[allow(missing_docs)] // its fields are what its message names
@@ -280,8 +279,8 @@ pub enum PlanError {
     },
     /// Two profiles that cannot be extrapolated from.
     #[error(
-        "profiles at batch {0} and {1} cannot be extrapolated: they must be of the same graph \
-        at two different batch sizes"
+        "profiles at batch {0} and {1} cannot be extrapolated: they must be of the same graph at \
+         two different batch sizes"
     )]
     Extrapolate(usize, usize),
 }
