@@ -32,10 +32,6 @@ struct Args {
     setup: Setup,
     #[command(flatten)]
     lora: trainkit::lora::LoraArgs,
-    /// A UTF-8 text file to train on, one document per line (a longer one is cut into several
-    /// sequences; a batch is padded to its longest); default: the built-in synthetic corpus.
-    #[arg(long)]
-    text: Option<PathBuf>,
     /// The tokenizer.json for --text; default: the --model-id's, or one beside --config or --init.
     /// Without one, --text is read in whole words.
     #[arg(long, requires = "text")]
@@ -52,6 +48,11 @@ struct Setup {
     /// The sequence length: of every sequence on the synthetic corpus, the longest with --text.
     #[arg(long, default_value_t = 128)]
     seq: usize,
+    /// A UTF-8 text file to train on, one document per line (a longer one is cut into several
+    /// sequences; a batch is padded to its longest); default: the built-in synthetic corpus.
+    #[arg(long)]
+    #[serde(serialize_with = "trainkit::data_source")]
+    text: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -131,7 +132,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
 
 /// The synthetic corpus, or `--text` through its tokenizer or in whole words.
 fn data(args: &Args, config: &Config, hub: Option<&trainkit::hub::HubFiles>) -> Result<MlmData> {
-    let Some(path) = &args.text else {
+    let Some(path) = &args.setup.text else {
         return Ok(MlmData::synthetic(config.vocab_size, args.setup.seq, args.run.seed)?);
     };
     let text = trainkit::read_text("--text", path)?;

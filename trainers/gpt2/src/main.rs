@@ -33,12 +33,6 @@ struct Args {
     setup: Setup,
     #[command(flatten)]
     lora: trainkit::lora::LoraArgs,
-    /// Flat u16 little-endian token file; default: the built-in synthetic corpus (byte tokens).
-    #[arg(long, conflicts_with = "text")]
-    data: Option<PathBuf>,
-    /// A UTF-8 text file to train on, tokenized whole and packed into full sequences.
-    #[arg(long)]
-    text: Option<PathBuf>,
     /// The tokenizer.json for --text; default: the --model-id's, or one beside --config or --init.
     #[arg(long, requires = "text")]
     tokenizer: Option<PathBuf>,
@@ -50,6 +44,14 @@ struct Setup {
     /// Sequence length (at most the model's context).
     #[arg(long, default_value_t = 256)]
     seq: usize,
+    /// Flat u16 little-endian token file; default: the built-in synthetic corpus (byte tokens).
+    #[arg(long, conflicts_with = "text")]
+    #[serde(serialize_with = "trainkit::data_source")]
+    data: Option<PathBuf>,
+    /// A UTF-8 text file to train on, tokenized whole and packed into full sequences.
+    #[arg(long)]
+    #[serde(serialize_with = "trainkit::data_source")]
+    text: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -100,7 +102,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         "the memory of the parameters and their gradients",
         params.checked_mul(2),
     )?;
-    let tokens = match (&args.data, &args.text) {
+    let tokens = match (&args.setup.data, &args.setup.text) {
         (Some(path), _) => datasets::tokens::load_u16(path)?,
         (None, Some(path)) => text_tokens(args, path, hub.as_ref())?,
         (None, None) => {
@@ -108,7 +110,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         }
     };
     let batcher = Batcher::new(tokens, args.setup.seq, config.vocab_size, args.run.seed)
-        .context(if args.text.is_some() { "--text" } else { "--data" })?;
+        .context(if args.setup.text.is_some() { "--text" } else { "--data" })?;
 
     let model = trainkit::build_model("--preset, --config or --model-id", || {
         Ok(Gpt2::new(config, device, args.run.seed)?)

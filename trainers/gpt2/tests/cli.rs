@@ -200,7 +200,7 @@ fn scratch(name: &str) -> std::path::PathBuf {
 }
 
 /// A resume whose flags differ from the run that wrote the training snapshot is refused, naming
-/// the flag and both values; the policy may change. Checking only the seed and the step would let
+/// the flag and both values, the data source included; the policy may change. Checking only the seed and the step would let
 /// `--batch`, `--dtype` and `--optimizer` (AdamW's moments silently dropped when resuming as SGD)
 /// change while the run went on.
 #[test]
@@ -224,6 +224,13 @@ fn a_resume_with_other_flags_is_refused() {
     ] {
         fails_saying(&resume(&extra), said);
     }
+    // Another data source: a token file where the snapshot's run read the synthetic corpus.
+    let tokens = dir.join("tokens.bin");
+    let bytes: Vec<u8> = (0..4096u32).flat_map(|i| ((i * 7 % 256) as u16).to_le_bytes()).collect();
+    std::fs::write(&tokens, bytes).unwrap();
+    let data = ["--steps", "3", "--resume", snapshot, "--data", tokens.to_str().unwrap()];
+    let err = fails_saying(&data, "in this run but was not given");
+    assert!(err.contains("--data is ") && err.contains("(8192 bytes)"), "{err}");
     let out = train(&resume(&["--policy", "off"]));
     assert!(
         out.status.success(),

@@ -40,6 +40,8 @@ struct Args {
 struct Setup {
     image_size: usize,
     classes: usize,
+    #[serde(serialize_with = "trainkit::data_source")]
+    data: Option<PathBuf>,
 }
 
 /// Where batches come from.
@@ -120,7 +122,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         group,
         model: &model,
         sizes: format!("--batch {} x --image-size {}", args.run.batch, args.image_size),
-        setup: Setup { image_size: args.image_size, classes },
+        setup: Setup { image_size: args.image_size, classes, data: args.data.clone() },
         planned_inputs: None,
         batch_names: None,
     };

@@ -76,6 +76,46 @@ impl RunConfig {
     }
 }
 
+/// A data source (`--data`, `--text`) as a run's configuration keeps it, for `#[serde(serialize_with)]`
+/// on a trainer's `Setup`: its path made absolute and what it holds (a file's bytes; a folder's
+/// files and their bytes), so that a resume on other data, or on the same path with other
+/// contents, is refused.
+pub fn data_source<S: serde::Serializer>(
+    path: &Option<std::path::PathBuf>,
+    serializer: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    let Some(path) = path else { return serializer.serialize_none() };
+    let described = describe_source(path).map_err(|e| {
+        serde::ser::Error::custom(format!("reading the data source {}: {e}", path.display()))
+    })?;
+    serializer.serialize_str(&described)
+}
+
+/// `path (N bytes)` for a file, `path (F files, N bytes)` for a folder (all files below it).
+fn describe_source(path: &Path) -> std::io::Result<String> {
+    fn walk(dir: &Path, files: &mut u64, bytes: &mut u64) -> std::io::Result<()> {
+        for entry in std::fs::read_dir(dir)? {
+            let entry = entry?;
+            let meta = entry.metadata()?;
+            if meta.is_dir() {
+                walk(&entry.path(), files, bytes)?;
+            } else {
+                *files += 1;
+                *bytes += meta.len();
+            }
+        }
+        Ok(())
+    }
+    let absolute = std::fs::canonicalize(path)?;
+    let meta = std::fs::metadata(&absolute)?;
+    if !meta.is_dir() {
+        return Ok(format!("{} ({} bytes)", absolute.display(), meta.len()));
+    }
+    let (mut files, mut bytes) = (0, 0);
+    walk(&absolute, &mut files, &mut bytes)?;
+    Ok(format!("{} ({files} files, {bytes} bytes)", absolute.display()))
+}
+
 /// The shared flags that decide what a run computes ([`RunConfig`]).
 #[derive(Serialize)]
 struct SharedConfig {

@@ -29,10 +29,6 @@ struct Args {
     run: trainkit::RunArgs,
     #[command(flatten)]
     setup: Setup,
-    /// A folder with images/*.npy (C, D, H, W) and labels/*.npy (D, H, W); default: synthetic
-    /// shapes.
-    #[arg(long)]
-    data: Option<PathBuf>,
 }
 
 /// This trainer's flags that decide what a run computes: its training snapshots keep them.
@@ -49,6 +45,11 @@ struct Setup {
     group_norm: Option<usize>,
     #[arg(long, value_enum, default_value = "ce")]
     loss: LossArg,
+    /// A folder with images/*.npy (C, D, H, W) and labels/*.npy (D, H, W); default: synthetic
+    /// shapes.
+    #[arg(long)]
+    #[serde(serialize_with = "trainkit::data_source")]
+    data: Option<PathBuf>,
 }
 
 enum Data {
@@ -75,7 +76,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     let volumes = (args.run.batch as u128)
         .checked_mul((args.setup.volume as u128).checked_pow(3).unwrap_or(u128::MAX));
     trainkit::check_footprint("--batch x --volume", "the input volumes", volumes)?;
-    let (data, in_channels) = match &args.data {
+    let (data, in_channels) = match &args.setup.data {
         Some(root) => {
             let volumes = NpyVolumes::open(root, args.run.seed)?;
             let first = volumes.read(0)?;
