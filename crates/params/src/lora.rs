@@ -23,6 +23,9 @@ use std::path::Path;
 pub const LORA_A: &str = "lora_A.weight";
 pub const LORA_B: &str = "lora_B.weight";
 
+/// The files of an adapter folder, as PEFT names them: the weights and the configuration.
+pub const ADAPTER_FILES: [&str; 2] = ["adapter_model.safetensors", "adapter_config.json"];
+
 /// PEFT's prefix before a model's own parameter names in an adapter file.
 const PEFT_PREFIX: &str = "base_model.model.";
 
@@ -210,7 +213,7 @@ pub fn save_adapter(
         })
         .collect();
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_snapshot(&dir.join("adapter_model.safetensors"), &tensors, metadata).map_err(io)?;
+    write_snapshot(&dir.join(ADAPTER_FILES[0]), &tensors, metadata).map_err(io)?;
     let mut targets = lora.targets.clone();
     targets.sort();
     let config = serde_json::json!({
@@ -230,8 +233,7 @@ pub fn save_adapter(
     });
     let text =
         serde_json::to_string_pretty(&config).map_err(|e| io(candle_core::Error::wrap(e)))?;
-    write_atomically(&dir.join("adapter_config.json"), |tmp| Ok(std::fs::write(tmp, text)?))
-        .map_err(io)
+    write_atomically(&dir.join(ADAPTER_FILES[1]), |tmp| Ok(std::fs::write(tmp, text)?)).map_err(io)
 }
 
 /// Loads the adapter folder `dir` (PEFT's layout: [`save_adapter`]'s or PEFT's own) into the
@@ -242,7 +244,7 @@ pub fn load_adapter(
     params: &ParamStore,
     ours: impl Fn(&str) -> Option<String>,
 ) -> std::result::Result<(), SnapshotError> {
-    let path = dir.join("adapter_model.safetensors");
+    let path = dir.join(ADAPTER_FILES[0]);
     let (tensors, _) = read_snapshot(&path, params.device())?;
     let p = path.display().to_string();
     let mut found = HashMap::new();

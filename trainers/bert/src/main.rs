@@ -112,6 +112,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         model: &model,
         sizes: format!("--batch {} x --seq {}", args.run.batch, args.setup.seq),
         setup: (&args.setup, lora.as_ref().map(LoraSetup::from)),
+        outputs: args.lora.outputs(),
         planned_inputs: Some(&longest),
         batch_names: None,
     };

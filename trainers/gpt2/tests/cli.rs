@@ -575,3 +575,42 @@ fn a_lora_rank_above_the_layers_width_is_refused() {
         fails_saying(&["--steps", "1", "--lora", rank], "is above the width 64 of the layers");
     }
 }
+
+/// Every path a run writes is checked before training, by the check `--save` has: unchecked,
+/// `--save-merged` onto a device replaced it with a regular file, `--save-merged X --save X` kept
+/// only the merged weights, and `--save-adapter` onto a file or a link failed only after
+/// training, or wrote where the link pointed.
+#[test]
+fn lora_outputs_are_checked_before_training() {
+    let dir = scratch("lora-outputs");
+    let fifo = dir.join("fifo");
+    let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo {}", fifo.display());
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    // The reading end held open, so that a regressed writer neither blocks nor goes unseen.
+    let _reader =
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo).unwrap();
+    let file = dir.join("file.txt");
+    std::fs::write(&file, "keep me").unwrap();
+    std::fs::create_dir_all(dir.join("elsewhere")).unwrap();
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(dir.join("elsewhere"), &link).unwrap();
+    let same = dir.join("same.safetensors");
+    let [fifo_s, file_s, link_s, same_s] =
+        [&fifo, &file, &link, &same].map(|p| p.to_str().unwrap().to_string());
+    for (args, said) in [
+        (vec!["--save-merged", &fifo_s], "is not a regular file"),
+        (vec!["--save-merged", &same_s, "--save", &same_s], "are both"),
+        (vec!["--save-adapter", &file_s], "exists and is not a folder"),
+        (vec!["--save-adapter", &link_s], "is a symbolic link"),
+        (vec!["--save-adapter", &same_s, "--save", &same_s], "are both"),
+    ] {
+        let args = [&["--steps", "1", "--lora", "4"][..], &args].concat();
+        fails_saying(&args, said);
+    }
+    assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "the FIFO replaced");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
+    assert!(std::fs::read_dir(dir.join("elsewhere")).unwrap().next().is_none(), "wrote via link");
+    assert!(!same.exists(), "a refused run wrote {}", same.display());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -123,6 +123,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         model: &model,
         sizes: format!("--batch {} x --image-size {}", args.run.batch, args.image_size),
         setup: Setup { image_size: args.image_size, classes, data: args.data.clone() },
+        outputs: Vec::new(),
         planned_inputs: None,
         batch_names: None,
     };

@@ -34,7 +34,7 @@ pub use plan::{
     rank_seed,
 };
 pub use scaler::{finish_gradients, LossScaler};
-pub use snapshot::data_source;
+pub use snapshot::{data_source, Output};
 pub use step::{micro_batches, StepOutcome, Stepper};
 pub use trainer::Trainer;
 

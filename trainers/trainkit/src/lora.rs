@@ -85,6 +85,18 @@ impl LoraArgs {
         Ok(Some(lora))
     }
 
+    /// The paths `--save-merged` and `--save-adapter` write, for the check of every output
+    /// before training.
+    pub fn outputs(&self) -> Vec<crate::snapshot::Output<'_>> {
+        use crate::snapshot::Output;
+        let merged = self.save_merged.as_deref().map(|p| Output::File("--save-merged", p));
+        let adapter = self
+            .save_adapter
+            .as_deref()
+            .map(|d| Output::Folder("--save-adapter", d, &lora::ADAPTER_FILES));
+        merged.into_iter().chain(adapter).collect()
+    }
+
     /// Before training: every target names a layer that got an adapter (a typo would adapt
     /// nothing, or less than asked); then --load-adapter.
     pub fn prepare(

@@ -282,26 +282,81 @@ fn check_writable(path: &Path, flag: &str) -> Result<()> {
     Ok(())
 }
 
-/// The files a run writes (`--save`, its training snapshot, `--log-json`), checked before
-/// training: each writable ([`check_writable`]) and no two the same (`--save X --log-json X`
-/// would interleave a log with a snapshot).
-pub(crate) fn check_outputs(run: &RunArgs) -> Result<()> {
+/// A path a run writes besides the shared flags' (`--save-merged`, `--save-adapter`): a file, or
+/// a folder and the files it writes into it.
+pub enum Output<'a> {
+    File(&'static str, &'a Path),
+    Folder(&'static str, &'a Path, &'static [&'static str]),
+}
+
+/// Every path a run writes, checked once, before training: `--save`, its training snapshot and
+/// `--log-json`, and the trainer's `extra` outputs. Each file must be writable
+/// ([`check_writable`]); a folder must be one, or creatable, and not a link (its files would be
+/// written wherever it points); no two may be the same (`--save X --log-json X` would interleave
+/// a log with a snapshot, `--save X --save-merged X` keep only the last written).
+pub(crate) fn check_outputs(run: &RunArgs, extra: &[Output]) -> Result<()> {
     let training = run.save.as_deref().map(training_snapshot_path);
-    let outputs: Vec<(&str, &Path)> = [
+    let shared = [
         ("--save", run.save.as_deref()),
         ("--save's training snapshot", training.as_deref()),
         ("--log-json", run.log_json.as_deref()),
-    ]
-    .into_iter()
-    .filter_map(|(flag, path)| Some((flag, path?)))
-    .collect();
-    for (i, &(flag, path)) in outputs.iter().enumerate() {
+    ];
+    let mut files: Vec<(String, std::path::PathBuf)> = shared
+        .into_iter()
+        .filter_map(|(flag, path)| Some((flag.to_string(), path?.to_path_buf())))
+        .collect();
+    let mut written = files.clone();
+    for output in extra {
+        match *output {
+            Output::File(flag, path) => {
+                files.push((flag.to_string(), path.to_path_buf()));
+                written.push((flag.to_string(), path.to_path_buf()));
+            }
+            Output::Folder(flag, dir, names) => {
+                let exists = check_folder(dir, flag)?;
+                written.push((flag.to_string(), dir.to_path_buf()));
+                for name in names {
+                    let path = dir.join(name);
+                    if exists {
+                        files.push((format!("{flag}'s {name}"), path.clone()));
+                    }
+                    written.push((format!("{flag}'s {name}"), path));
+                }
+            }
+        }
+    }
+    for (flag, path) in &files {
         check_writable(path, flag)?;
-        if let Some((other, _)) = outputs[..i].iter().find(|(_, p)| same_file(p, path)) {
+    }
+    for (i, (flag, path)) in written.iter().enumerate() {
+        if let Some((other, _)) = written[..i].iter().find(|(_, p)| same_file(p, path)) {
             bail!("{flag} and {other} are both {}; give each its own file", path.display());
         }
     }
     Ok(())
+}
+
+/// Fails now if the folder `dir` (given with `flag`) cannot take the files written into it: it
+/// exists and is not a folder, or is a symbolic link, or cannot be created. Returns whether it
+/// exists (its files are then checked as files).
+fn check_folder(dir: &Path, flag: &str) -> Result<bool> {
+    match std::fs::symlink_metadata(dir) {
+        Ok(meta) if meta.file_type().is_symlink() => bail!(
+            "{flag} {} is a symbolic link; give the path of a folder (what it points to would be \
+             overwritten)",
+            dir.display()
+        ),
+        Ok(meta) if !meta.is_dir() => {
+            bail!("{flag} {} exists and is not a folder; give the path of a folder", dir.display())
+        }
+        Ok(_) => Ok(true),
+        Err(_) => {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("{flag} {}: cannot create it", dir.display()))?;
+            std::fs::remove_dir(dir).ok();
+            Ok(false)
+        }
+    }
 }
 
 /// Whether two output paths name one file: equal as given, or in the same folder (symlinks and

@@ -10,7 +10,7 @@ use crate::plan::executor;
 use crate::say;
 use crate::scaler::LossScaler;
 use crate::snapshot::{
-    check_outputs, load_training, save_training, training_snapshot_path, RunConfig,
+    check_outputs, load_training, save_training, training_snapshot_path, Output, RunConfig,
 };
 use crate::step::{micro_batches, Stepper};
 use anyhow::{bail, Result};
@@ -34,6 +34,9 @@ pub struct Trainer<'a, M, S> {
     /// flags (`seq` is `--seq`), or a tuple of such structs ([`RunConfig`]). Its training
     /// snapshots keep them and a resume must match them.
     pub setup: S,
+    /// What the trainer writes besides the shared flags' outputs (`--save-merged`,
+    /// `--save-adapter`): checked with them before training.
+    pub outputs: Vec<Output<'a>>,
     /// The inputs the planner measures a batch of `n` with, where they are not data batch 0's
     /// (masked-LM batches of text are padded to their own longest row: planned at full length).
     pub planned_inputs: Option<&'a dyn Fn(usize) -> Result<Vec<Tensor>>>,
@@ -142,7 +145,7 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
             );
         }
         if self.group.is_root() {
-            check_outputs(run)?;
+            check_outputs(run, &self.outputs)?;
         }
         Ok(())
     }

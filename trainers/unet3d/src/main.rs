@@ -126,6 +126,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         model: &model,
         sizes: format!("--batch {} x --volume {}", args.run.batch, args.setup.volume),
         setup: &args.setup,
+        outputs: Vec::new(),
         planned_inputs: None,
         batch_names: match &data {
             Data::Npy(volumes) => Some(Box::new(move |n| volumes.files(n, per_step).join(", "))),
