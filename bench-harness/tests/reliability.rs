@@ -263,3 +263,41 @@ fn force_sets_an_unreadable_matrix_aside() {
     assert_eq!(records(&dir).len(), 1);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A results folder measured on another processor (a fresh clone's committed one) is not resumed
+/// into: one table would mix two machines. Refused naming both, unless `--force`, which starts
+/// afresh. Unchecked, the run measured only what the folder lacked and rendered the mixture.
+#[test]
+fn results_of_another_processor_are_not_resumed_into() {
+    let dir = out_dir("other-cpu");
+    let args = ["--models", "gpt2-tiny", "--policies", "off", "--rounds", "0"];
+    common::smoke(&dir, &args);
+    let mut m = common::matrix(&dir);
+    m["meta"]["machine"] = "Another CPU 9000 (2 CPUs visible, candle threads 2)".into();
+    std::fs::write(dir.join("matrix.json"), m.to_string()).unwrap();
+    let mut again = vec!["--profile", "smoke", "--steps", "1", "--out", dir.to_str().unwrap()];
+    again.extend(args);
+    let out = harness(&again);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("Another CPU 9000") && err.contains("--force"),
+        "{err}"
+    );
+    common::smoke(&dir, &[&args[..], &["--force"]].concat());
+    let machine = common::matrix(&dir)["meta"]["machine"].as_str().unwrap().to_string();
+    assert!(!machine.starts_with("Another CPU"), "--force kept the other machine's results");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A run says where it is on stderr where no progress bar is drawn (not a terminal): a line as
+/// each configuration starts, and one per timing round. Unchecked, `--retime --rounds 2` over
+/// five models printed nothing for 12 minutes, and the main job nothing while it profiled.
+#[test]
+fn a_run_says_where_it_is() {
+    let dir = out_dir("progress");
+    let args = ["--models", "gpt2-tiny", "--policies", "off,sqrt", "--rounds", "1"];
+    let err = common::smoke(&dir, &args);
+    let said = ["measuring gpt2-tiny off", "timing round 1/1: gpt2-tiny sqrt"];
+    assert!(said.iter().all(|s| err.contains(s)), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -25,6 +25,19 @@ pub struct Meta {
 /// What made results from now: the machine, candle, the commit, this command, the profile, and on
 /// the CPU the matrix product's best rate (about a second to measure).
 pub fn meta(profile: Profile, device: &trainkit::DeviceName) -> Meta {
+    Meta {
+        machine: machine(),
+        candle_version: env!("CANDLE_VERSION").into(),
+        git_commit: commit(),
+        command: super::results::this_command(),
+        profile: profile.name().into(),
+        matmul_peak_gflops: (*device == trainkit::DeviceName::Cpu).then(ops::matmul_peak_gflops),
+    }
+}
+
+/// This machine as results name it: the CPU's model, how many CPUs the run sees, candle's
+/// threads, and the vector extensions the matrix products can use.
+pub fn machine() -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo
         .lines()
@@ -41,19 +54,24 @@ pub fn meta(profile: Profile, device: &trainkit::DeviceName) -> Meta {
         .filter(|f| flags.contains(f))
         .collect();
     let vector = if vector.is_empty() { String::new() } else { format!("; {}", vector.join(" ")) };
-    Meta {
-        machine: format!(
-            "{} ({} CPUs visible, candle threads {}{vector})",
-            cpu.unwrap_or_else(|| std::env::consts::ARCH.into()),
-            std::thread::available_parallelism().map_or(0, |n| n.get()),
-            candle_core::utils::get_num_threads()
-        ),
-        candle_version: env!("CANDLE_VERSION").into(),
-        git_commit: commit(),
-        command: super::results::this_command(),
-        profile: profile.name().into(),
-        matmul_peak_gflops: (*device == trainkit::DeviceName::Cpu).then(ops::matmul_peak_gflops),
-    }
+    format!(
+        "{} ({} CPUs visible, candle threads {}{vector})",
+        cpu.unwrap_or_else(|| std::env::consts::ARCH.into()),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        candle_core::utils::get_num_threads()
+    )
+}
+
+/// Whether two `machine`s (results folders' or this one's) have the same processor: its model,
+/// and its vector extensions where both name them (older folders do not). Results measured on
+/// another processor do not belong in one table.
+pub fn same_processor(a: &str, b: &str) -> bool {
+    let parts = |m: &str| {
+        let name = m.split(" (").next().unwrap_or(m).to_string();
+        (name, m.split_once("; ").map(|(_, v)| v.trim_end_matches(')').to_string()))
+    };
+    let ((name_a, vector_a), (name_b, vector_b)) = (parts(a), parts(b));
+    name_a == name_b && (vector_a.is_none() || vector_b.is_none() || vector_a == vector_b)
 }
 
 /// The commit the harness was built from, `-dirty` where its code differed from it (build.rs):

@@ -11,7 +11,7 @@ use crate::measure::{self, One};
 use crate::report;
 use crate::report::record::Baseline;
 use crate::report::record::{Record, Spread, Status};
-use crate::report::results::{meta, this_command, Matrix};
+use crate::report::results::{machine, meta, same_processor, this_command, Matrix};
 use crate::report::units::mib;
 use crate::workloads::{self, Profile, Workload};
 use anyhow::{bail, Context, Result};
@@ -193,6 +193,20 @@ fn open(dir: &Path, args: &MatrixArgs, workloads: &[Workload], profile: Profile)
         }
         Err(e) => return Err(e.context("rerun with --force to set it aside and start afresh")),
     };
+    // Results measured on another processor (a fresh clone's committed folder): a resume would
+    // render one table from two machines.
+    let (theirs, ours) = (&matrix.meta.machine, machine());
+    let other_machine = !matrix.records.is_empty() && !same_processor(theirs, &ours);
+    if other_machine && !args.force {
+        bail!(
+            "{} holds results measured on {theirs}, and this machine is {ours}: a resume would \
+             mix the two in one table; use another --out, or --force to replace them",
+            dir.display()
+        );
+    }
+    if other_machine {
+        matrix = Matrix::default();
+    }
     let mismatched = other_configurations(&matrix, workloads, &args.common, profile);
     if !mismatched.is_empty() {
         if !args.force {
@@ -299,6 +313,11 @@ impl Run<'_> {
         let mut ran = false;
         if args.force || !have {
             bar.set_message(format!("{} {policy}", w.model));
+            // The bar is drawn on a terminal only: elsewhere a line says what is running (a
+            // full-size profile takes minutes).
+            if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+                trainkit::say!("measuring {} {policy}", w.model);
+            }
             let rec = if profile == Profile::Gpt2_24gb {
                 gpt2_24gb::run_predicted(
                     &mut self.matrix,
@@ -482,9 +501,21 @@ fn time_rounds(
     let mut torch_ms: Vec<Vec<Option<f64>>> =
         timed.iter().map(|p| first(theirs(matrix, p))).collect();
     let torch_ran: Vec<bool> = timed.iter().map(|p| theirs(matrix, p).is_some()).collect();
-    for _ in 0..timing.rounds {
+    for round in 1..=timing.rounds {
         for (i, p) in timed.iter().enumerate() {
             let rec = spawn_one(w, p, common, (profile, None), One::TimeOnly);
+            // A line per configuration and round: a long --retime says where it is, on a
+            // terminal or not (the progress bar is drawn on a terminal only).
+            trainkit::say!(
+                "timing round {round}/{}: {} {p}: {}",
+                timing.rounds,
+                w.model,
+                if rec.status == Status::Ok {
+                    format!("{:.0} ms", rec.step_ms_median)
+                } else {
+                    rec.status.to_string()
+                }
+            );
             ours[i].push(Some(rec.step_ms_median).filter(|_| rec.status == Status::Ok));
             let measured = matrix.find(&w.model, &p.to_string()).unwrap();
             let b = torch.filter(|_| torch_ran[i]).map(|py| {

@@ -284,10 +284,15 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
             ))
         }
     };
-    if n.is_nan() || n <= 0.0 || !n.is_finite() {
+    let bytes = n * mult as f64;
+    if n.is_nan() || bytes < 1.0 || !n.is_finite() {
         return Err(format!("`{s}` is not a positive size"));
     }
-    Ok((n * mult as f64) as u64)
+    // A conversion to u64 saturates: a larger size would be taken as another, silently.
+    if bytes >= u64::MAX as f64 {
+        return Err(format!("`{s}` is more than a size can be ({} bytes)", u64::MAX));
+    }
+    Ok(bytes as u64)
 }
 
 /// A byte count as [`parse_size`] reads it back: whole GiB/MiB/KiB where exact, else bytes.

@@ -331,6 +331,9 @@ mod tests {
             "",
             "budget=lots",
             "budget=-1GiB",
+            // Beyond u64: was clamped to u64::MAX, silently.
+            "budget=18446744073709551616",
+            "budget=0.5",
             "sqrt+keep=gemm",
             "off+keep=matmul",
             "auto+keep=conv",
