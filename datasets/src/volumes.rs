@@ -135,6 +135,19 @@ impl NpyVolumes {
         Ok(Volume { shape, voxels, labels })
     }
 
+    /// Reads every label file and fails naming the first that holds a label outside
+    /// `0..classes`: found when a batch drew it, it would stop the run steps late.
+    pub fn check_labels(&self, classes: u32) -> Result<(), VolumeError> {
+        for (_, label) in &self.pairs {
+            let (_, labels) = read_npy(label, Numbers::into_u32)?;
+            if let Some(&bad) = labels.iter().find(|&&l| l >= classes) {
+                let why = format!("label {bad} is outside the {classes} classes (--classes)");
+                return Err(VolumeError::File { path: label.display().to_string(), why });
+            }
+        }
+        Ok(())
+    }
+
     /// Which volumes batch `step` of `n` holds.
     fn picks(&self, step: u64, n: usize) -> Vec<usize> {
         let mut rng = SplitMix::new(self.seed ^ step.wrapping_mul(0xC2B2_AE3D_27D4_EB4F));
@@ -175,28 +188,38 @@ enum Numbers {
 }
 
 impl Numbers {
-    fn into_f32(self) -> Option<Vec<f32>> {
+    /// An image's voxels: f4 or f8.
+    fn into_f32(self) -> Result<Vec<f32>, String> {
         match self {
-            Numbers::F32(v) => Some(v),
-            Numbers::F64(v) => Some(v.into_iter().map(|x| x as f32).collect()),
-            _ => None,
+            Numbers::F32(v) => Ok(v),
+            Numbers::F64(v) => Ok(v.into_iter().map(|x| x as f32).collect()),
+            _ => Err("an image's dtype must be f4 or f8".into()),
         }
     }
 
-    fn into_u32(self) -> Option<Vec<u32>> {
-        let ok = |v: Vec<i64>| v.into_iter().map(|x| u32::try_from(x).ok()).collect();
+    /// A label volume's class indices: integers (i8, i4, u1), none negative.
+    fn into_u32(self) -> Result<Vec<u32>, String> {
+        let indices = |v: Vec<i64>| {
+            v.into_iter()
+                .map(|x| {
+                    u32::try_from(x).map_err(|_| {
+                        format!("label {x} is negative: labels are class indices from 0")
+                    })
+                })
+                .collect()
+        };
         match self {
-            Numbers::I64(v) => ok(v),
-            Numbers::I32(v) => ok(v.into_iter().map(i64::from).collect()),
-            Numbers::U8(v) => Some(v.into_iter().map(u32::from).collect()),
-            _ => None,
+            Numbers::I64(v) => indices(v),
+            Numbers::I32(v) => indices(v.into_iter().map(i64::from).collect()),
+            Numbers::U8(v) => Ok(v.into_iter().map(u32::from).collect()),
+            _ => Err("a label volume's dtype must be an integer one: i8, i4 or u1".into()),
         }
     }
 }
 
 fn read_npy<T>(
     path: &Path,
-    convert: impl Fn(Numbers) -> Option<Vec<T>>,
+    convert: impl Fn(Numbers) -> Result<Vec<T>, String>,
 ) -> Result<(Vec<usize>, Vec<T>), VolumeError> {
     let err = |why: String| VolumeError::File { path: path.display().to_string(), why };
     let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
@@ -214,11 +237,7 @@ fn read_npy<T>(
         "u1" => Numbers::U8(npy.into_vec().map_err(|e| err(e.to_string()))?),
         other => return Err(err(format!("unsupported dtype `{other}`"))),
     };
-    let values = convert(numbers).ok_or_else(|| {
-        err(format!(
-            "dtype `{descr}` is not valid here (images: f4/f8; labels: non-negative i8/i4/u1)"
-        ))
-    })?;
+    let values = convert(numbers).map_err(|why| err(format!("{why} (dtype `{descr}`)")))?;
     Ok((shape, values))
 }
 
@@ -284,7 +303,7 @@ mod tests {
             .contains("has no labels/b.npy"));
         write(root.join("labels/b.npy"), &[2, 2, 2], vec![0.5; 8]);
         let err = NpyVolumes::open(&root, 0).unwrap().read(1).unwrap_err().to_string();
-        assert!(err.contains("not valid here"), "{err}");
+        assert!(err.contains("dtype must be an integer one"), "{err}");
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -254,12 +254,7 @@ pub fn load_adapter(
         let published = published.replace(".default.weight", ".weight");
         match ours(&published).filter(|n| params.named().any(|(p, _)| p == n)) {
             Some(n) => found.insert(n, t),
-            None => {
-                return Err(SnapshotError::Missing {
-                    path: p,
-                    name: format!("{name} (in the file; this model has no such adapter)"),
-                })
-            }
+            None => return Err(SnapshotError::Unexpected { path: p, name }),
         };
     }
     params.load_tensors(found, &p, |n| Some(n.to_string()), |n| !is_adapter(n)).map(drop)

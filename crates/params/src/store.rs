@@ -31,6 +31,11 @@ pub enum SnapshotError {
     #[error("snapshot {path}: the model's parameter `{name}` is missing")]
     Missing { path: String, name: String },
     #[error(
+        "snapshot {path}: tensor `{name}` is not an adapter of this model (the adapter was made \
+         for other --lora-targets, or another model)"
+    )]
+    Unexpected { path: String, name: String },
+    #[error(
         "snapshot {path} is corrupted: its tensors do not match the checksum written with them"
     )]
     Corrupted { path: String },

@@ -502,6 +502,16 @@ fn lora_trains_adapters_writes_them_and_merges() {
     let out = train(&["--lora", "4", "--load-adapter", adapter.to_str().unwrap(), "--steps", "1"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && err.contains("adapter from"), "{err}");
+    // Adapters this model has not (made for more targets) are extra, not "missing".
+    let fewer = ["--lora", "4", "--lora-targets", "c_attn", "--steps", "1", "--load-adapter"];
+    let out = train(&[&fewer[..], &[adapter.to_str().unwrap()]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("is not an adapter of this model")
+            && !err.contains("is missing"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -79,6 +79,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     let (data, in_channels) = match &args.setup.data {
         Some(root) => {
             let volumes = NpyVolumes::open(root, args.run.seed)?;
+            volumes.check_labels(args.setup.classes as u32)?;
             let first = volumes.read(0)?;
             if first.shape[1..].iter().any(|&s| s != args.setup.volume) {
                 bail!(

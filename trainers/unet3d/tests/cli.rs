@@ -97,3 +97,31 @@ fn a_nan_voxel_stops_the_run_naming_its_file() {
     assert!(!save.exists(), "a snapshot was saved");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Labels are checked when the data is opened, naming the file: a label beyond `--classes`
+/// stopped the run only when a batch drew it (six steps late), naming neither file nor batch, and
+/// a label of -1 was refused with a message that listed its dtype as valid.
+#[test]
+fn labels_out_of_range_are_refused_naming_the_file() {
+    let dir = std::env::temp_dir().join(format!("unet3d-labels-{}", std::process::id()));
+    let minus_one: Vec<u8> = (0..512).flat_map(|_| (-1i32).to_le_bytes()).collect();
+    for (descr, labels, said) in [
+        ("|u1", vec![8u8; 512], "label 8 is outside the 3 classes"),
+        ("<i4", minus_one, "label -1 is negative"),
+    ] {
+        let _ = std::fs::remove_dir_all(&dir);
+        for sub in ["images", "labels"] {
+            std::fs::create_dir_all(dir.join(sub)).unwrap();
+        }
+        let voxels: Vec<u8> = (0..512).flat_map(|i| (i as f32 / 512.0).to_le_bytes()).collect();
+        write_npy(&dir.join("images/scan.npy"), "<f4", &[1, 8, 8, 8], &voxels);
+        let labels_file = dir.join("labels/scan.npy");
+        write_npy(&labels_file, descr, &[8, 8, 8], &labels);
+        fails_saying(&["--data", dir.to_str().unwrap(), "--batch", "1"], said);
+        fails_saying(
+            &["--data", dir.to_str().unwrap(), "--batch", "1"],
+            labels_file.to_str().unwrap(),
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
