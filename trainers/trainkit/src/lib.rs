@@ -51,12 +51,14 @@ pub fn say_line(stdout: bool, args: std::fmt::Arguments) {
     if QUIET.load(std::sync::atomic::Ordering::Relaxed) {
         return;
     }
+    // One write per line: ranks and child processes share the stream, and a line written in
+    // pieces interleaves with theirs.
+    let line = format!("{args}\n");
     let result = if stdout {
         let mut out = std::io::stdout().lock();
-        out.write_fmt(args).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush())
+        out.write_all(line.as_bytes()).and_then(|_| out.flush())
     } else {
-        let mut err = std::io::stderr().lock();
-        err.write_fmt(args).and_then(|_| err.write_all(b"\n"))
+        std::io::stderr().lock().write_all(line.as_bytes())
     };
     match result {
         Ok(()) => {}

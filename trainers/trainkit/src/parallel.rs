@@ -147,7 +147,9 @@ pub fn mpirun(n: usize, exe: &std::path::Path) -> std::process::Command {
 pub fn or_abort(group: &Group, result: Result<()>) -> Result<()> {
     match result {
         Err(e) if group.world() > 1 => {
-            eprintln!("rank {} of {}: error: {e:#}", group.rank(), group.world());
+            // One write: the ranks share stderr, and a line written in pieces interleaves.
+            let line = format!("rank {} of {}: error: {e:#}\n", group.rank(), group.world());
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
             group.abort(1)
         }
         other => other,
