@@ -193,21 +193,8 @@ fn open(dir: &Path, args: &MatrixArgs, workloads: &[Workload], profile: Profile)
         }
         Err(e) => return Err(e.context("rerun with --force to set it aside and start afresh")),
     };
-    // Results measured on another processor (a fresh clone's committed folder): a resume would
-    // render one table from two machines.
-    let (theirs, ours) = (&matrix.meta.machine, machine());
-    let other_machine = !matrix.records.is_empty() && !same_processor(theirs, &ours);
-    if other_machine && !args.force {
-        bail!(
-            "{} holds results measured on {theirs}, and this machine is {ours}: a resume would \
-             mix the two in one table; use another --out, or --force to replace them",
-            dir.display()
-        );
-    }
-    if other_machine {
-        matrix = Matrix::default();
-    }
-    let mismatched = other_configurations(&matrix, workloads, &args.common, profile);
+    let ours = machine();
+    let mismatched = other_configurations(&matrix, workloads, &args.common, profile, &ours);
     if !mismatched.is_empty() {
         if !args.force {
             bail!(
@@ -218,7 +205,9 @@ fn open(dir: &Path, args: &MatrixArgs, workloads: &[Workload], profile: Profile)
             );
         }
         let keep = |model: &str| {
-            workloads.iter().all(|w| w.model != model) && matrix.meta.profile == profile.name()
+            workloads.iter().all(|w| w.model != model)
+                && matrix.meta.profile == profile.name()
+                && same_processor(&matrix.meta.machine, &ours)
         };
         matrix.records.retain(|r| keep(&r.model));
         matrix.baselines.retain(|b| keep(&b.model));
@@ -398,17 +387,22 @@ impl Run<'_> {
 }
 
 /// What in the results folder was measured under another configuration than this run's (profile,
-/// or a model's batch, input, device, threads or timed steps): a description of each, empty if all
+/// processor against `machine`, or a model's batch, input, device, threads or timed steps): a description of each, empty if all
 /// match. Records are matched by model and policy, so mixing them would compare unlike runs.
 fn other_configurations(
     matrix: &Matrix,
     workloads: &[Workload],
     common: &Common,
     profile: Profile,
+    machine: &str,
 ) -> Vec<String> {
     let mut out = Vec::new();
     if !matrix.records.is_empty() && matrix.meta.profile != profile.name() {
         out.push(format!("profile `{}`, this run `{profile}`", matrix.meta.profile));
+    }
+    // Another processor (a fresh clone's committed folder): one table would mix two machines.
+    if !matrix.records.is_empty() && !same_processor(&matrix.meta.machine, machine) {
+        out.push(format!("measured on {}, this machine {machine}", matrix.meta.machine));
     }
     let threads = candle_core::utils::get_num_threads();
     for r in &matrix.records {
@@ -488,11 +482,7 @@ fn time_rounds(
     let timed: Vec<&PolicyRequest> = policies.iter().filter(|p| ok(matrix, p)).collect();
     let torch = python.filter(|_| baseline::MODELS.contains(&w.model.as_str()));
     // Per policy: ours, and PyTorch's where it ran, step times per round, the measuring runs first.
-    let theirs = |m: &Matrix, p: &PolicyRequest| {
-        m.find_baseline(&w.model, &p.to_string())
-            .filter(|b| b.status == Status::Ok)
-            .map(|b| b.step_ms_median)
-    };
+    let theirs = |m: &Matrix, p: &PolicyRequest| torch_step_ms(m, &w.model, p);
     let first = |t: Option<f64>| if timing.replace { vec![] } else { vec![t] };
     let mut ours: Vec<Vec<Option<f64>>> = timed
         .iter()
@@ -527,6 +517,13 @@ fn time_rounds(
     store_rounds(matrix, w, &timed, &Rounds { ours, torch: torch_ms }, timing.replace);
 }
 
+/// PyTorch's step time of `model` under `policy`, where its baseline in `m` ran.
+fn torch_step_ms(m: &Matrix, model: &str, policy: &PolicyRequest) -> Option<f64> {
+    m.find_baseline(model, &policy.to_string())
+        .filter(|b| b.status == Status::Ok)
+        .map(|b| b.step_ms_median)
+}
+
 /// Step times per timing round, per timed policy (the measuring run's first unless replaced):
 /// ours, and PyTorch's where it ran.
 struct Rounds {
@@ -544,11 +541,7 @@ fn store_rounds(
     replace: bool,
 ) {
     let off = PolicyRequest::Fixed(Policy::Off);
-    let theirs = |m: &Matrix, p: &PolicyRequest| {
-        m.find_baseline(&w.model, &p.to_string())
-            .filter(|b| b.status == Status::Ok)
-            .map(|b| b.step_ms_median)
-    };
+    let theirs = |m: &Matrix, p: &PolicyRequest| torch_step_ms(m, &w.model, p);
     // `off`'s times per round; only its measuring run's where this run's policies leave it out
     // (a resumed folder holds it), so the ratios are that pair's alone.
     let (ours_off, torch_off) = match timed.iter().position(|p| **p == off) {

@@ -69,10 +69,9 @@ fn main() -> Result<()> {
 /// One rank's training (the only one, without data parallelism).
 fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
     let hub = args.hub.files()?;
-    let config = match (&args.config, &hub) {
-        (Some(path), _) => Config::from_json(path)?,
-        (None, Some(files)) => Config::from_json(&files.config)?,
-        (None, None) => args.preset.config(),
+    let config = match trainkit::hub::config_file(args.config.as_deref(), hub.as_ref()) {
+        Some(path) => Config::from_json(path)?,
+        None => args.preset.config(),
     };
     let lora = args.lora.config(&bert::LORA_TARGETS, config.hidden_size)?;
     let config = Config {

@@ -72,9 +72,6 @@ fn main() -> Result<()> {
 
 /// One rank's training (the only one, without data parallelism).
 fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
-    if args.classes < 2 {
-        bail!("--classes must be at least 2 (with one class the loss is 0 and nothing is learned)");
-    }
     let images = (args.run.batch as u128)
         .checked_mul(3)
         .and_then(|n| n.checked_mul((args.image_size as u128).checked_pow(2)?));
@@ -89,13 +86,6 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         Some(root) => {
             let folder = ImageFolder::open(root, args.image_size, args.run.seed)?;
             let n = folder.classes().len();
-            if n < 2 {
-                bail!(
-                    "--data {}: {n} class folder; training needs at least 2 (with one class the \
-                     loss is 0 and nothing is learned)",
-                    root.display()
-                );
-            }
             (Data::Folder(folder), n)
         }
         None => (
@@ -103,6 +93,16 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
             args.classes,
         ),
     };
+    if classes < 2 {
+        let why = "with one class the loss is 0 and nothing is learned";
+        match &args.data {
+            Some(root) => bail!(
+                "--data {}: {classes} class folder; training needs at least 2 ({why})",
+                root.display()
+            ),
+            None => bail!("--classes must be at least 2 ({why})"),
+        }
+    }
     let config = Config {
         classes,
         dtype: args.run.dtype,

@@ -103,6 +103,12 @@ impl HubArgs {
     }
 }
 
+/// The `config.json` a model is built from: `--config`'s, else the `--model-id`'s; `None`: the
+/// preset's configuration.
+pub fn config_file<'a>(config: Option<&'a Path>, hub: Option<&'a HubFiles>) -> Option<&'a Path> {
+    config.or(hub.map(|files| files.config.as_path()))
+}
+
 /// The options of every trainer that can start from pre-trained weights.
 #[derive(clap::Args, Debug)]
 pub struct InitArgs {
