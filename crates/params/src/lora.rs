@@ -236,6 +236,120 @@ pub fn save_adapter(
     write_atomically(&dir.join(ADAPTER_FILES[1]), |tmp| Ok(std::fs::write(tmp, text)?)).map_err(io)
 }
 
+/// What an adapter folder's `adapter_config.json` says the adapter computes: its [`Lora`] and how
+/// the layers it was made for store their weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdapterConfig {
+    pub lora: Lora,
+    /// PEFT's `fan_in_fan_out`: whether the adapted layers store their weight (in, out).
+    pub fan_in_fan_out: bool,
+}
+
+/// The keys of a LoRA `adapter_config.json` that do not change what a loaded adapter computes
+/// (where it came from, how it was initialised); every key not here and not read must be unset
+/// (`null`, `false`, `{}` or `[]`), for each one that is set asks for more than plain LoRA
+/// (DoRA, rank-stabilised scaling, per-layer ranks, trained biases, extra modules ...).
+const INFORMATIONAL: [&str; 10] = [
+    "task_type",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "peft_version",
+    "auto_mapping",
+    "megatron_core",
+    "qalora_group_size",
+    "ensure_weight_tying",
+    "init_lora_weights",
+];
+
+/// Reads `adapter_config.json` in the adapter folder `dir` as PEFT's `LoraConfig` does (a key
+/// left out takes PEFT's default: `r` 8, `lora_alpha` 8, `lora_dropout` 0), refusing a
+/// configuration that asks for what is not implemented here, naming the key and its value.
+pub fn read_adapter_config(dir: &Path) -> std::result::Result<AdapterConfig, SnapshotError> {
+    let path = dir.join(ADAPTER_FILES[1]);
+    let p = path.display().to_string();
+    let problem = |problem: String| SnapshotError::Config { path: p.clone(), problem };
+    let text = std::fs::read_to_string(&path).map_err(|e| problem(e.to_string()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| problem(format!("not JSON: {e}")))?;
+    let serde_json::Value::Object(keys) = json else {
+        return Err(problem("not a JSON object".into()));
+    };
+    if !keys.contains_key("peft_type") {
+        return Err(problem("no `peft_type`: not a PEFT adapter's configuration".into()));
+    }
+    let defaults = Lora::default();
+    let number = |key: &str, default: f64| match keys.get(key) {
+        None => Ok(default),
+        Some(v) => v.as_f64().ok_or_else(|| problem(format!("`{key}` is {v}, not a number"))),
+    };
+    let rank = match keys.get("r") {
+        None => defaults.rank,
+        Some(v) => v
+            .as_u64()
+            .and_then(|r| usize::try_from(r).ok())
+            .ok_or_else(|| problem(format!("`r` is {v}, not a rank")))?,
+    };
+    let lora = Lora {
+        rank,
+        alpha: number("lora_alpha", defaults.alpha)?,
+        dropout: number("lora_dropout", defaults.dropout.into())? as f32,
+        targets: target_modules(keys.get("target_modules")).map_err(problem)?,
+        init_lora_weights: true,
+    };
+    lora.validate().map_err(problem)?;
+    let fan_in_fan_out = match keys.get("fan_in_fan_out") {
+        None => false,
+        Some(v) => v.as_bool().ok_or_else(|| problem(format!("`fan_in_fan_out` is {v}")))?,
+    };
+    for (key, value) in &keys {
+        if let Some(unsupported) = unsupported(key, value) {
+            return Err(problem(unsupported));
+        }
+    }
+    Ok(AdapterConfig { lora, fan_in_fan_out })
+}
+
+/// PEFT's `target_modules`: a list of layer names (a string is a regular expression in PEFT,
+/// which is not implemented here).
+fn target_modules(value: Option<&serde_json::Value>) -> std::result::Result<Vec<String>, String> {
+    let names = value.and_then(|v| v.as_array()).and_then(|list| {
+        list.iter().map(|t| t.as_str().map(str::to_string)).collect::<Option<Vec<_>>>()
+    });
+    match (value, names) {
+        (_, Some(names)) => Ok(names),
+        (Some(v @ serde_json::Value::String(_)), None) => Err(format!(
+            "`target_modules` is the regular expression {v}: only a list of layer names is \
+             supported"
+        )),
+        (None | Some(serde_json::Value::Null), None) => Err("`target_modules` is not given: \
+             PEFT would take its defaults for the model type; list the layers"
+            .into()),
+        (Some(v), None) => Err(format!("`target_modules` is {v}, not a list of layer names")),
+    }
+}
+
+/// Why the key `key` set to `value` asks for what is not implemented here, if it does.
+fn unsupported(key: &str, value: &serde_json::Value) -> Option<String> {
+    use serde_json::Value;
+    let read = ["r", "lora_alpha", "lora_dropout", "target_modules", "fan_in_fan_out"];
+    let fine = match (key, value) {
+        ("peft_type", v) => v == "LORA",
+        ("bias", v) => v == "none",
+        // Initialisations that change the base weights (PiSSA, OLoRA, LoftQ ...) leave an
+        // adapter that is wrong beside the published base.
+        ("init_lora_weights", v) => v.is_boolean() || v == "gaussian",
+        (k, _) if read.contains(&k) || INFORMATIONAL.contains(&k) => true,
+        (_, Value::Null | Value::Bool(false)) => true,
+        (_, Value::Object(o)) => o.is_empty(),
+        (_, Value::Array(a)) => a.is_empty(),
+        _ => false,
+    };
+    (!fine).then(|| {
+        format!("`{key}` is {value}: not supported (this implements plain LoRA, scaled alpha / r)")
+    })
+}
+
 /// Loads the adapter folder `dir` (PEFT's layout: [`save_adapter`]'s or PEFT's own) into the
 /// adapters of `params`; `ours` maps a published parameter name to ours. Every adapter must be
 /// found at its shape, and the file may hold no other adapter (another rank or targets).

@@ -35,6 +35,8 @@ pub enum SnapshotError {
          for other --lora-targets, or another model)"
     )]
     Unexpected { path: String, name: String },
+    #[error("{path}: {problem}")]
+    Config { path: String, problem: String },
     #[error(
         "snapshot {path} is corrupted: its tensors do not match the checksum written with them"
     )]

@@ -473,13 +473,10 @@ pub fn assert_lora_files<M: model::Benchable>(
             "{name} is not under PEFT's key"
         );
     }
-    let config_json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
-            .unwrap();
-    assert_eq!(
-        (config_json["peft_type"].as_str(), config_json["r"].as_u64()),
-        (Some("LORA"), Some(lora.rank as u64))
-    );
+    let saved = params::lora::read_adapter_config(&dir).unwrap();
+    let mut targets = lora.targets.clone();
+    targets.sort();
+    assert_eq!(saved.lora, params::lora::Lora { targets, init_lora_weights: true, ..lora.clone() });
 
     let other = M::build(config, &Device::Cpu, 1).unwrap();
     other.load_adapter(&dir).unwrap();

@@ -107,6 +107,16 @@ impl Fixture {
             "{}-adapter",
             self.path.file_stem().context("fixture file name")?.to_string_lossy()
         ));
+        // The configuration PEFT wrote says what the fixture's config does.
+        let saved = params::lora::read_adapter_config(&adapter)?.lora;
+        let lora = self.lora()?.context("a LoRA fixture")?;
+        let set = |t: &[String]| t.iter().cloned().collect::<BTreeSet<_>>();
+        ensure!(
+            (saved.rank, saved.alpha, set(&saved.targets))
+                == (lora.rank, lora.alpha, set(&lora.targets)),
+            "{}: {saved:?} is not the fixture's {lora:?}",
+            adapter.display()
+        );
         Ok(model.load_adapter(&adapter)?)
     }
 

@@ -13,6 +13,10 @@ use trainkit::lora::LoraSetup;
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
+/// BERT is a masked LM, for which PEFT has no task.
+const PEFT: trainkit::lora::Peft =
+    trainkit::lora::Peft { targets: &bert::LORA_TARGETS, task_type: None, fan_in_fan_out: false };
+
 #[derive(clap::Parser, Debug)]
 #[command(about = "Masked-LM training of BERT with activation checkpointing (candle + remat)")]
 struct Args {
@@ -73,7 +77,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         Some(path) => Config::from_json(path)?,
         None => args.preset.config(),
     };
-    let lora = args.lora.config(&bert::LORA_TARGETS, config.hidden_size)?;
+    let lora = args.lora.config(&PEFT, config.hidden_size)?;
     let config = Config {
         dtype: args.run.dtype,
         freeze: args.run.freeze.clone().unwrap_or_default(),
@@ -96,7 +100,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         Ok(Bert::new(config, device, args.run.seed)?)
     })?;
     args.init.load(&model, hub.as_ref())?;
-    args.lora.prepare(lora.as_ref(), &model, &bert::LORA_TARGETS)?;
+    args.lora.prepare(lora.as_ref(), &model, PEFT.targets)?;
     let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> {
         Ok(model.inputs(&data.batch(step, n), device)?)
     };
@@ -127,7 +131,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     })?;
     // PEFT names the base model by its hub id; a model from a preset or a config.json has none.
     let base_model = args.hub.model_id.as_deref().unwrap_or_default();
-    args.lora.save(lora.as_ref(), &model, (base_model, None, false), group)
+    args.lora.save(lora.as_ref(), &model, (base_model, &PEFT), group)
 }
 
 /// The synthetic corpus, or `--text` through its tokenizer or in whole words.

@@ -14,6 +14,13 @@ use trainkit::lora::LoraSetup;
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
+/// GPT-2 stores its projections (in, out): torch's `Conv1D`.
+const PEFT: trainkit::lora::Peft = trainkit::lora::Peft {
+    targets: &gpt2::LORA_TARGETS,
+    task_type: Some("CAUSAL_LM"),
+    fan_in_fan_out: true,
+};
+
 #[derive(clap::Parser, Debug)]
 #[command(about = "Train GPT-2 with activation checkpointing (candle + remat)")]
 struct Args {
@@ -72,7 +79,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         Some(path) => Config::from_json(path)?,
         None => args.preset.config(),
     };
-    let lora = args.lora.config(&gpt2::LORA_TARGETS, config.n_embd)?;
+    let lora = args.lora.config(&PEFT, config.n_embd)?;
     let config = Config {
         dtype: args.run.dtype,
         freeze: args.run.freeze.clone().unwrap_or_default(),
@@ -115,7 +122,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
         Ok(Gpt2::new(config, device, args.run.seed)?)
     })?;
     args.init.load(&model, hub.as_ref())?;
-    args.lora.prepare(lora.as_ref(), &model, &gpt2::LORA_TARGETS)?;
+    args.lora.prepare(lora.as_ref(), &model, PEFT.targets)?;
     let inputs = |step: u64, n: usize| {
         let (x, y) = batcher.batch(step, n);
         Ok(model.inputs(&x, &y, n, args.setup.seq, device)?)
@@ -141,7 +148,7 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     })?;
     // PEFT names the base model by its hub id; a model from a preset or a config.json has none.
     let base_model = args.hub.model_id.as_deref().unwrap_or_default();
-    args.lora.save(lora.as_ref(), &model, (base_model, Some("CAUSAL_LM"), true), group)
+    args.lora.save(lora.as_ref(), &model, (base_model, &PEFT), group)
 }
 
 /// `--text` through its tokenizer, as one token stream.

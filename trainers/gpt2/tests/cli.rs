@@ -502,9 +502,19 @@ fn lora_trains_adapters_writes_them_and_merges() {
     let out = train(&["--lora", "4", "--load-adapter", adapter.to_str().unwrap(), "--steps", "1"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && err.contains("adapter from"), "{err}");
-    // Adapters this model has not (made for more targets) are extra, not "missing".
-    let fewer = ["--lora", "4", "--lora-targets", "c_attn", "--steps", "1", "--load-adapter"];
-    let out = train(&[&fewer[..], &[adapter.to_str().unwrap()]].concat());
+    // Adapters this model has not (a config that lists fewer targets than the file holds) are
+    // extra, not "missing".
+    let config = adapter.join("adapter_config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let fewer = text.replace(
+        r#""c_attn",
+    "c_fc",
+    "c_proj""#,
+        r#""c_attn""#,
+    );
+    assert_ne!(fewer, text, "the targets as --save-adapter writes them");
+    std::fs::write(&config, fewer).unwrap();
+    let out = train(&["--load-adapter", adapter.to_str().unwrap(), "--steps", "1"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success()
@@ -512,6 +522,59 @@ fn lora_trains_adapters_writes_them_and_merges() {
             && !err.contains("is missing"),
         "{err}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The first step's loss a run prints.
+fn first_loss(out: &std::process::Output) -> String {
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err.lines().find(|l| l.starts_with("step    0")).unwrap_or_else(|| panic!("{err}"));
+    line.split_whitespace().nth(3).unwrap().to_string()
+}
+
+/// `--load-adapter` takes the adapter as its `adapter_config.json` says (rank, alpha, dropout,
+/// targets): a flag that contradicts it is refused naming both values, and a configuration that
+/// is missing, not JSON, or asks for what is not implemented is refused naming the key. Without
+/// it, an adapter saved at alpha 16 and loaded with `--lora 4` ran at alpha 4 (another loss,
+/// exit 0), and `"r": 8`, `"use_rslora": true` or `{not json` were accepted.
+#[test]
+fn a_loaded_adapter_is_what_its_adapter_config_says() {
+    let dir = scratch("adapter-config");
+    let adapter = dir.join("adapter");
+    let a = adapter.to_str().unwrap();
+    let out = train(&["--lora", "4", "--lora-alpha", "16", "--steps", "1", "--save-adapter", a]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let as_saved =
+        train(&["--lora", "4", "--lora-alpha", "16", "--steps", "1", "--load-adapter", a]);
+    for implied in [&["--lora", "4"][..], &[]] {
+        let out = train(&[implied, &["--steps", "1", "--load-adapter", a]].concat());
+        assert_eq!(first_loss(&out), first_loss(&as_saved), "{implied:?}: not at alpha 16");
+    }
+    fails_saying(
+        &["--lora", "8", "--load-adapter", a],
+        &format!("--lora 8 contradicts the adapter's `r` 4 in {a}/adapter_config.json"),
+    );
+    fails_saying(&["--load-adapter", a, "--lora-alpha", "8"], "--lora-alpha 8 contradicts");
+    fails_saying(&["--load-adapter", a, "--lora-dropout", "0.1"], "`lora_dropout` 0");
+    fails_saying(&["--load-adapter", a, "--lora-targets", "c_fc"], "`target_modules` c_");
+    let config = adapter.join("adapter_config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    for (edit, said) in [
+        (text.replace(r#""r": 4"#, r#""r": 8"#), "has shape [4, 64], the model expects [8, 64]"),
+        (
+            text.replace(r#""use_rslora": false"#, r#""use_rslora": true"#),
+            "`use_rslora` is true: not supported",
+        ),
+        (text.replace(r#""bias": "none""#, r#""bias": "all""#), r#"`bias` is "all""#),
+        (text.replace(r#""peft_type": "LORA""#, r#""peft_type": "IA3""#), "`peft_type`"),
+        ("{not json".into(), "adapter_config.json: not JSON"),
+    ] {
+        assert_ne!(edit, text, "{said}: the edit did not apply");
+        std::fs::write(&config, edit).unwrap();
+        fails_saying(&["--load-adapter", a], said);
+    }
+    std::fs::remove_file(&config).unwrap();
+    fails_saying(&["--load-adapter", a], "adapter_config.json: No such file");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
