@@ -165,3 +165,37 @@ fn retime_replaces_the_times_and_nothing_else() {
     assert!(!refused.status.success() && err.contains("keep `off` among --policies"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A run killed during a model's timing rounds (they are stored after the last) is finished by
+/// the same command: the rounds are taken, nothing is measured again. Unchecked, the resumed run
+/// found every configuration measured, took no rounds, and the `time / off` column stayed `-`.
+#[test]
+fn a_run_interrupted_in_its_timing_rounds_finishes_them() {
+    use std::io::{BufRead, BufReader};
+    let dir = out_dir("interrupted-rounds");
+    let args = ["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off,sqrt"];
+    let rounds = ["--rounds", "2"];
+    let mut h = std::process::Command::new(env!("CARGO_BIN_EXE_bench-harness"))
+        .args(["--profile", "smoke", "--steps", "1", "--out", dir.to_str().unwrap()])
+        .args(args)
+        .args(rounds)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let said: Vec<String> = BufReader::new(h.stderr.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .take_while(|l| !l.starts_with("timing round 1/2"))
+        .collect();
+    h.kill().unwrap(); // SIGKILL, in the first round
+    h.wait().unwrap();
+    let sqrt = |dir: &std::path::Path| common::record(dir, "gpt2-tiny", "sqrt");
+    assert!(sqrt(&dir)["time_vs_off"].is_null(), "killed after its rounds: {said:?}");
+
+    let out = smoke(&dir, &[&args[..], &rounds].concat());
+    assert!(!ran(&out), "the resumed run measured a configuration again:\n{out}");
+    let ratios = sqrt(&dir)["time_vs_off"]["rounds"].as_array().cloned().unwrap_or_default();
+    // The measuring run's ratio and the two rounds'.
+    assert_eq!(ratios.len(), 3, "the resumed run did not finish the rounds:\n{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -257,16 +257,21 @@ impl Run<'_> {
             }
             bar.inc(1);
             let model_done = configs.get(i + 1).is_none_or(|(next, _)| next.model != w.model);
-            if model_done
-                && args.rounds > 0
-                && (args.retime || ran_models.contains(&w.model.as_str()))
+            if !model_done || args.rounds == 0 {
+                continue;
+            }
+            let policies: Vec<PolicyRequest> = configs
+                .iter()
+                .filter(|(c, _)| c.model == w.model)
+                .map(|(_, p)| p.clone())
+                .collect();
+            // A run interrupted during a model's rounds measured its configurations but stored
+            // no rounds: this one takes them.
+            if args.retime
+                || ran_models.contains(&w.model.as_str())
+                || rounds_missing(&self.matrix, &w.model, &policies, python.is_some())
             {
                 bar.set_message(format!("{}: {} interleaved timing rounds", w.model, args.rounds));
-                let policies: Vec<PolicyRequest> = configs
-                    .iter()
-                    .filter(|(c, _)| c.model == w.model)
-                    .map(|(_, p)| p.clone())
-                    .collect();
                 let timing = Timing { rounds: args.rounds, replace: args.retime };
                 time_rounds(&mut self.matrix, w, &policies, timing, common, profile, python);
                 self.matrix.save_json(&self.dir)?;
@@ -515,6 +520,22 @@ fn time_rounds(
         }
     }
     store_rounds(matrix, w, &timed, &Rounds { ours, torch: torch_ms }, timing.replace);
+}
+
+/// Whether `model`'s configurations under `policies` lack what timing rounds give them (they
+/// are stored after the last round): a policy's time / off where it and `off` ran, or, `torch`,
+/// ours / PyTorch where PyTorch ran.
+fn rounds_missing(m: &Matrix, model: &str, policies: &[PolicyRequest], torch: bool) -> bool {
+    let off_ran = m.find(model, "off").is_some_and(|r| r.status == Status::Ok);
+    policies.iter().map(ToString::to_string).any(|p| {
+        let ratio_missing = m.find(model, &p).is_some_and(|r| {
+            off_ran && p != "off" && r.status == Status::Ok && r.time_vs_off.is_none()
+        });
+        let torch_missing = m
+            .find_baseline(model, &p)
+            .is_some_and(|b| torch && b.status == Status::Ok && b.ours_over_torch.is_none());
+        ratio_missing || torch_missing
+    })
 }
 
 /// PyTorch's step time of `model` under `policy`, where its baseline in `m` ran.
