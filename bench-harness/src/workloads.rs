@@ -69,6 +69,7 @@ trait Family: std::fmt::Debug {
     fn downsamples(&self) -> bool;
     fn check_keep(&self, policy: &Policy) -> std::result::Result<(), String>;
     fn optimizer(&self) -> OptimizerKind;
+    fn step_floor(&self, batch: usize, size: usize) -> (&'static str, Option<u128>);
     fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>>;
     fn build(
         &self,
@@ -101,6 +102,9 @@ impl<M: Benchable> Family for Config<M> {
     }
     fn optimizer(&self) -> OptimizerKind {
         M::OPTIMIZER
+    }
+    fn step_floor(&self, batch: usize, size: usize) -> (&'static str, Option<u128>) {
+        M::step_floor(&self.0, batch, size)
     }
     fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>> {
         Ok(M::parameter_shapes(&self.0)?)
@@ -347,6 +351,12 @@ impl Workload {
             shard_optimizer: o.shard_optimizer || self.shard_optimizer,
             ..self
         }
+    }
+
+    /// A tensor each of its steps holds whatever the policy, named, in elements
+    /// ([`model::Benchable::step_floor`]).
+    pub fn step_floor(&self) -> (&'static str, Option<u128>) {
+        self.family.step_floor(self.batch, self.input_size)
     }
 
     /// The shapes of its trainable parameters.

@@ -209,6 +209,26 @@ fn caps_below_one_byte_and_empty_selections_fail() {
     assert!(!dir.join("matrix.json").exists(), "nothing ran, so nothing is written");
 }
 
+/// A `--batch` whose logits alone exceed the machine is recorded `skipped` by the trainers' own
+/// check, before its model is built, as the docs say. Unchecked, the child built the model and
+/// profiled the step for a minute and then ran out of memory.
+#[test]
+fn a_batch_the_machine_cannot_hold_is_skipped_before_it_is_built() {
+    let dir = out_dir("huge-batch");
+    let args = ["--models", "gpt2-tiny", "--policies", "off", "--batch", "100000000"];
+    common::smoke(&dir, &[&args[..], &["--rounds", "0"]].concat());
+    let r = record(&dir, "gpt2-tiny", "off");
+    assert!(
+        r["status"] == "skipped"
+            && r["error"]
+                .as_str()
+                .unwrap()
+                .starts_with("predicted only: --batch x --input-size: the logits alone: "),
+        "{r}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A model name `run-one` does not know is refused with the names it does know.
 #[test]
 fn an_unknown_model_lists_the_profiles_models() {

@@ -246,6 +246,14 @@ pub fn run(w: &Workload, policy: &PolicyRequest, at: &Setting) -> Result<Record>
     } else {
         trainkit::free_memory(at.device).map(|free| base + free - free / 10)
     };
+    // A batch no step here could hold is refused as the trainers refuse it, before anything
+    // is built (building and profiling it would run for minutes and end out of memory).
+    if at.predict_step {
+        let (what, elements) = w.step_floor();
+        if let Err(e) = trainkit::check_footprint("--batch x --input-size", what, elements) {
+            return Ok(rec.skipped(format!("predicted only: {e:#}")));
+        }
+    }
     // Held from here on, as the model is: part of the state before a step, never of a step.
     ops::allocate_matmul_workspaces();
     set_activity(Activity::Build, None);

@@ -170,6 +170,13 @@ pub trait Benchable: Model + Sized + 'static {
 
     fn build(config: &Self::Config, device: &Device, seed: u64) -> Result<Self>;
 
+    /// A tensor every training step of `batch` inputs of size `size` holds, whatever the policy:
+    /// what it is ("the logits") and its elements (`None` beyond u128). A lower bound of a step's
+    /// need, so that a batch no machine here could hold is refused before anything is built, by
+    /// the trainers and the harness alike (`trainkit::check_footprint`).
+    fn step_floor(config: &Self::Config, batch: usize, size: usize)
+        -> (&'static str, Option<u128>);
+
     /// `config` computing in `dtype`.
     fn with_dtype(config: &Self::Config, dtype: Precision) -> Self::Config;
 

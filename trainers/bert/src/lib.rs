@@ -507,6 +507,13 @@ impl model::Benchable for Bert {
         format!("seq {seq}")
     }
 
+    fn step_floor(config: &Config, batch: usize, seq: usize) -> (&'static str, Option<u128>) {
+        let hidden = (batch as u128)
+            .checked_mul(seq as u128)
+            .and_then(|n| n.checked_mul(config.hidden_size as u128)); // (B, T, C)
+        ("one layer's hidden states", hidden)
+    }
+
     fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
         Bert::new(config.clone(), device, seed)
     }

@@ -4,7 +4,7 @@ use anyhow::{bail, Context, Result};
 use bert::{Bert, Config, MlmData, Preset};
 use datasets::text::WordVocab;
 use datasets::tokenizer::Tokenizer;
-use model::Model;
+use model::{Benchable, Model};
 use remat::memory::CountingAlloc;
 use serde::Serialize;
 use std::path::PathBuf;
@@ -91,10 +91,8 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
             config.max_position_embeddings
         );
     }
-    let hidden = (args.run.batch as u128)
-        .checked_mul(args.setup.seq as u128)
-        .and_then(|n| n.checked_mul(config.hidden_size as u128));
-    trainkit::check_footprint("--batch x --seq", "one layer's hidden states", hidden)?;
+    let (what, elements) = Bert::step_floor(&config, args.run.batch, args.setup.seq);
+    trainkit::check_footprint("--batch x --seq", what, elements)?;
     let data = data(args, &config, hub.as_ref())?;
     let model = trainkit::build_model("--preset, --config or --model-id", || {
         Ok(Bert::new(config, device, args.run.seed)?)

@@ -435,6 +435,13 @@ impl model::Benchable for Gpt2 {
         format!("seq {seq}")
     }
 
+    fn step_floor(config: &Config, batch: usize, seq: usize) -> (&'static str, Option<u128>) {
+        let logits = (batch as u128)
+            .checked_mul(seq as u128)
+            .and_then(|n| n.checked_mul(config.vocab_size as u128)); // (B, T, vocab)
+        ("the logits", logits)
+    }
+
     fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
         Gpt2::new(config.clone(), device, seed)
     }

@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use datasets::tokenizer::Tokenizer;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
-use model::Model;
+use model::{Benchable, Model};
 use remat::memory::CountingAlloc;
 use serde::Serialize;
 use std::path::PathBuf;
@@ -93,10 +93,8 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
             config.n_positions
         );
     }
-    let logits = (args.run.batch as u128)
-        .checked_mul(args.setup.seq as u128)
-        .and_then(|n| n.checked_mul(config.vocab_size as u128));
-    trainkit::check_footprint("--batch x --seq", "the logits", logits)?;
+    let (what, elements) = Gpt2::step_floor(&config, args.run.batch, args.setup.seq);
+    trainkit::check_footprint("--batch x --seq", what, elements)?;
     // The parameters and their gradients, from the configuration: a config.json of 100000 layers
     // is refused now, not after building a model the machine cannot hold.
     let params = <Gpt2 as model::Benchable>::parameter_shapes(&config)?

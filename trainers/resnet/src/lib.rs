@@ -428,6 +428,13 @@ impl model::Benchable for ResNet {
         format!("{size}x{size}")
     }
 
+    fn step_floor(_: &Config, batch: usize, size: usize) -> (&'static str, Option<u128>) {
+        let images = (batch as u128)
+            .checked_mul(3)
+            .and_then(|n| n.checked_mul((size as u128).checked_pow(2)?)); // (B, 3, H, W)
+        ("the input images", images)
+    }
+
     fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
         ResNet::new(config.clone(), device, seed)
     }

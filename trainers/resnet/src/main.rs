@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Result};
 use datasets::images::{ImageFolder, SyntheticImages};
-use model::Model;
+use model::{Benchable, Model};
 use remat::memory::CountingAlloc;
 use resnet::{Config, Preset, ResNet};
 use serde::Serialize;
@@ -72,10 +72,11 @@ fn main() -> Result<()> {
 
 /// One rank's training (the only one, without data parallelism).
 fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
-    let images = (args.run.batch as u128)
-        .checked_mul(3)
-        .and_then(|n| n.checked_mul((args.image_size as u128).checked_pow(2)?));
-    trainkit::check_footprint("--batch x --image-size", "the input images", images)?;
+    // Before the data (synthetic images are drawn at --image-size): the floor is the input
+    // images, whatever the classes.
+    let (what, elements) =
+        ResNet::step_floor(&args.preset.config(), args.run.batch, args.image_size);
+    trainkit::check_footprint("--batch x --image-size", what, elements)?;
     if args.image_size < 32 {
         bail!(
             "--image-size {} is too small: ResNet downsamples 32x, use at least 32",

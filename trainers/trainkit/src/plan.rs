@@ -45,7 +45,7 @@ pub fn check_footprint(flags: &str, what: &str, elements: Option<u128>) -> Resul
     if let Some(have) = available_memory().map(u128::from) {
         if bytes > have {
             bail!(
-                "{flags}: {what} alone needs {:.1} GiB (f32); this machine has {:.1} GiB available",
+                "{flags}: {what} alone: {:.1} GiB (f32); this machine has {:.1} GiB available",
                 bytes as f64 / 2f64.powi(30),
                 have as f64 / 2f64.powi(30)
             );

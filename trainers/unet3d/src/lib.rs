@@ -402,6 +402,13 @@ impl model::Benchable for UNet3d {
         format!("{side}^3")
     }
 
+    fn step_floor(config: &Config, batch: usize, side: usize) -> (&'static str, Option<u128>) {
+        let volumes = (batch as u128)
+            .checked_mul(config.in_channels as u128)
+            .and_then(|n| n.checked_mul((side as u128).checked_pow(3)?)); // (B, C, D, H, W)
+        ("the input volumes", volumes)
+    }
+
     fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
         UNet3d::new(config.clone(), device, seed)
     }

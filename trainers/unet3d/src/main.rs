@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use clap::ValueEnum;
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
-use model::Model;
+use model::{Benchable, Model};
 use remat::memory::CountingAlloc;
 use serde::Serialize;
 use std::path::PathBuf;
@@ -73,9 +73,10 @@ fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> 
     if args.setup.classes < 2 {
         bail!("--classes must be at least 2 (with one class the loss is 0 and nothing is learned)");
     }
-    let volumes = (args.run.batch as u128)
-        .checked_mul((args.setup.volume as u128).checked_pow(3).unwrap_or(u128::MAX));
-    trainkit::check_footprint("--batch x --volume", "the input volumes", volumes)?;
+    // Before the data, at the preset's one input channel: a lower bound for data with more.
+    let (what, elements) =
+        UNet3d::step_floor(&args.preset.config(), args.run.batch, args.setup.volume);
+    trainkit::check_footprint("--batch x --volume", what, elements)?;
     let (data, in_channels) = match &args.setup.data {
         Some(root) => {
             let volumes = NpyVolumes::open(root, args.run.seed)?;
