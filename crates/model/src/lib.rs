@@ -137,15 +137,31 @@ pub trait Model {
     /// Starts from pre-trained weights: [`Model::load_snapshot`], except that task-head
     /// parameters ([`Model::task_head`]) the snapshot lacks or has at another shape keep their
     /// initial values (returned, for the log), unless `strict`.
-    /// LoRA adapters, which no base model's weights hold, keep theirs too (and are not returned).
+    /// LoRA adapters, which no base model's weights hold, keep theirs too (and are not returned);
+    /// adapters the snapshot holds and the model has not are refused
+    /// ([`SnapshotError::Adapters`]): a LoRA run's training is in them.
     fn init_from(
         &self,
         path: &Path,
         strict: bool,
     ) -> std::result::Result<Vec<Initialised>, SnapshotError> {
         let adapter = params::lora::is_adapter;
-        let fresh = self.params().load(
-            path,
+        let (tensors, _) = params::read_snapshot(path, self.params().device())?;
+        let p = path.display().to_string();
+        let ours: std::collections::HashSet<&str> = self.params().named().map(|(n, _)| n).collect();
+        let mut dropped: Vec<&String> = tensors
+            .keys()
+            .filter(|n| adapter(n))
+            .filter(|n| self.snapshot_name(n).is_none_or(|m| !ours.contains(m.as_str())))
+            .collect();
+        dropped.sort();
+        if let Some(first) = dropped.first() {
+            let (count, first) = (dropped.len(), first.to_string());
+            return Err(SnapshotError::Adapters { path: p, count, first });
+        }
+        let fresh = self.params().load_tensors(
+            tensors,
+            &p,
             |name| self.snapshot_name(name),
             |name| adapter(name) || (!strict && self.task_head(name)),
         )?;

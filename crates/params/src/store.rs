@@ -35,6 +35,11 @@ pub enum SnapshotError {
          for other --lora-targets, or another model)"
     )]
     Unexpected { path: String, name: String },
+    #[error(
+        "snapshot {path} holds {count} LoRA adapter tensors this model has not (`{first}` \
+         first): loaded, they would be dropped and the adapters' training lost"
+    )]
+    Adapters { path: String, count: usize, first: String },
     #[error("{path}: {problem}")]
     Config { path: String, problem: String },
     #[error(

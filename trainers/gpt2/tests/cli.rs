@@ -684,3 +684,24 @@ fn lora_outputs_are_checked_before_training() {
     assert!(!same.exists(), "a refused run wrote {}", same.display());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--init` of a LoRA run's snapshot into a model without those adapters is refused, naming the
+/// adapters and the ways on; with them, it loads. Unchecked, the adapter tensors were dropped
+/// without a word and the run started from the base weights, the fine-tuning lost.
+#[test]
+fn init_of_a_lora_snapshot_keeps_its_adapters_or_is_refused() {
+    let dir = scratch("init-lora");
+    let snapshot = dir.join("lora.safetensors");
+    let s = snapshot.to_str().unwrap();
+    let out = train(&["--lora", "4", "--steps", "1", "--save", s]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = fails_saying(&["--steps", "1", "--init", s], "holds 32 LoRA adapter tensors");
+    assert!(err.contains("give --lora (and --lora-targets) as that run did"), "{err}");
+    fails_saying(
+        &["--lora", "4", "--lora-targets", "c_fc", "--steps", "1", "--init", s],
+        "holds 24 LoRA adapter tensors this model has not",
+    );
+    let out = train(&["--lora", "4", "--steps", "1", "--init", s]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -136,7 +136,14 @@ impl InitArgs {
             ),
             (None, None) => return Ok(()),
         };
-        let fresh = model.init_from(path, self.strict).with_context(|| match self.strict {
+        let fresh = model.init_from(path, self.strict);
+        if let Err(e @ params::SnapshotError::Adapters { .. }) = fresh {
+            return Err(anyhow::Error::new(e).context(
+                "--init of a LoRA run's snapshot: give --lora (and --lora-targets) as that run \
+                 did, or --init the weights it wrote with --save-merged",
+            ));
+        }
+        let fresh = fresh.with_context(|| match self.strict {
             true => {
                 "--strict: the weights must hold every parameter (without --strict the task head \
                  is initialised)"
