@@ -229,6 +229,64 @@ fn a_batch_the_machine_cannot_hold_is_skipped_before_it_is_built() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The files of `dir` (not its subfolders) with their bytes, by name.
+fn files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap())
+        })
+        .collect()
+}
+
+/// A disk that fills while a results folder is written (a file-size limit here, which fails a
+/// write the same way: text files fit, a figure does not) is reported naming the file, and every
+/// file keeps its previous contents, none left partial. Unchecked, the error read
+/// `plotting: BackendError(DrawingError(ImageError(IoError(..))))`, naming no file, and a
+/// truncated PNG replaced the last good one.
+#[test]
+#[cfg(target_os = "linux")]
+fn a_full_disk_while_writing_results_names_the_file_and_keeps_the_last_one() {
+    use std::os::unix::process::CommandExt;
+    let dir = out_dir("full-disk");
+    let args = ["--models", "gpt2-tiny", "--policies", "off", "--rounds", "0"];
+    common::smoke(&dir, &args);
+    let before = files(&dir);
+    let largest_text = before.iter().filter(|(n, _)| !n.ends_with(".png")).map(|(_, b)| b.len());
+    let limit = largest_text.max().unwrap() as u64 + 1;
+    assert!(before.values().any(|b| b.len() as u64 > limit), "no figure is over {limit} bytes");
+    let mut render = Command::new(env!("CARGO_BIN_EXE_bench-harness"));
+    render.args(["--matrix", "render", "--out", dir.to_str().unwrap()]);
+    // SAFETY: async-signal-safe calls between fork and exec.
+    unsafe {
+        render.pre_exec(move || {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let cap = libc::rlimit { rlim_cur: limit, rlim_max: limit };
+            match libc::setrlimit(libc::RLIMIT_FSIZE, &cap) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+    let out = render.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains(&format!("writing {}/", dir.display()))
+            && err.contains(".png")
+            && err.contains("File too large"),
+        "{err}"
+    );
+    assert!(
+        files(&dir) == before,
+        "a file changed or a temporary was left: {:?}",
+        files(&dir).keys()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A model name `run-one` does not know is refused with the names it does know.
 #[test]
 fn an_unknown_model_lists_the_profiles_models() {

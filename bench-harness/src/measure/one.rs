@@ -184,10 +184,7 @@ fn shared_profile(
     if group.is_root() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let shared = SharedProfile { measured_for, profile };
-        let partial = path.with_extension("json.partial");
-        std::fs::write(&partial, serde_json::to_vec_pretty(&shared)?)
-            .with_context(|| format!("writing {}", partial.display()))?;
-        std::fs::rename(&partial, &path).with_context(|| format!("writing {}", path.display()))?;
+        crate::report::write_file(&path, serde_json::to_vec_pretty(&shared)?)?;
         return Ok(shared.profile);
     }
     Ok(profile)

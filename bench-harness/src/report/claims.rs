@@ -140,8 +140,7 @@ pub fn run(dir: &Path, check: bool) -> Result<()> {
                 file_name(&doc.template)
             );
         } else {
-            std::fs::write(&doc.target, wanted)
-                .with_context(|| format!("writing {}", doc.target.display()))?;
+            super::write_file(&doc.target, wanted)?;
             trainkit::say!("wrote {}", doc.target.display());
         }
     }

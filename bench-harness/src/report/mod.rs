@@ -24,21 +24,27 @@ use std::fmt::Write as _;
 use std::path::Path;
 use units::mib;
 
-/// Writes every file of a results folder: `matrix.json` (through a temporary file, so an
-/// interrupted write never loses finished configurations), the CSV, the Markdown, TABLE.md and
-/// the plots.
+/// Writes every file of a results folder ([`write_file`]): `matrix.json`, the CSV, the
+/// Markdown, TABLE.md and the plots.
 pub fn save(m: &Matrix, dir: &Path) -> Result<()> {
     m.save_json(dir)?;
-    std::fs::write(dir.join("matrix.csv"), csv(m))
-        .with_context(|| format!("writing {}", dir.display()))?;
-    std::fs::write(dir.join("matrix.md"), markdown(m))?;
+    write_file(&dir.join("matrix.csv"), csv(m))?;
+    write_file(&dir.join("matrix.md"), markdown(m))?;
     if m.meta.profile == Profile::Gpt2_24gb.name() {
-        std::fs::write(dir.join("TABLE.md"), gpt2_24gb::table(m))?;
+        write_file(&dir.join("TABLE.md"), gpt2_24gb::table(m))?;
         return gpt2_24gb::plot(dir, m);
     }
     let fits = m.depth_fits();
-    std::fs::write(dir.join("TABLE.md"), self::table::render(m, &fits))?;
+    write_file(&dir.join("TABLE.md"), self::table::render(m, &fits))?;
     self::plot::all(dir, m, &fits)
+}
+
+/// Writes `contents` to `path` through a temporary beside it, renamed over it once whole: an
+/// interrupted run or a full disk leaves the previous file (finished configurations are never
+/// lost), not a partial one; the error names the file.
+pub fn write_file(path: &Path, contents: impl AsRef<[u8]>) -> Result<()> {
+    params::write_atomically(path, |tmp| Ok(std::fs::write(tmp, contents.as_ref())?))
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// One row per record and per PyTorch baseline, the columns of [`COLUMNS`].

@@ -4,7 +4,7 @@
 
 use super::record::{Record, Status};
 use super::results::{depth_of, Matrix};
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, Context, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use remat::memory::Phase;
@@ -35,12 +35,20 @@ pub trait Chart {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()>;
 }
 
-/// Draws `chart` twice: `<stem>.png` and `<stem>.svg`.
-pub fn both(dir: &Path, stem: &str, size: (u32, u32), chart: &impl Chart) -> Result<()> {
+/// Draws `chart` twice, `<stem>.png` and `<stem>.svg`, each drawn in memory and then written
+/// whole ([`super::write_file`]).
+pub fn both(dir: &Path, stem: &str, (w, h): (u32, u32), chart: &impl Chart) -> Result<()> {
     let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
-    let (png, svg) = (dir.join(format!("{stem}.png")), dir.join(format!("{stem}.svg")));
-    render(BitMapBackend::new(&png, size).into_drawing_area(), chart)?;
-    render(SVGBackend::new(&svg, size).into_drawing_area(), chart)
+    let mut rgb = vec![0; w as usize * h as usize * 3];
+    render(BitMapBackend::with_buffer(&mut rgb, (w, h)).into_drawing_area(), chart)?;
+    let mut png = std::io::Cursor::new(Vec::new());
+    image::RgbImage::from_raw(w, h, rgb)
+        .context("a bitmap of 3 bytes a pixel")?
+        .write_to(&mut png, image::ImageOutputFormat::Png)?;
+    super::write_file(&dir.join(format!("{stem}.png")), png.into_inner())?;
+    let mut svg = String::new();
+    render(SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area(), chart)?;
+    super::write_file(&dir.join(format!("{stem}.svg")), svg)
 }
 
 fn render<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, chart: &impl Chart) -> Result<()> {

@@ -218,10 +218,7 @@ impl Matrix {
     /// Writes only the JSON (after each configuration; plots are drawn once at the end).
     pub fn save_json(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let tmp = dir.join("matrix.json.tmp");
-        std::fs::write(&tmp, serde_json::to_string_pretty(self)?)?;
-        std::fs::rename(&tmp, dir.join("matrix.json"))?;
-        Ok(())
+        super::write_file(&dir.join("matrix.json"), serde_json::to_string_pretty(self)?)
     }
 }
 

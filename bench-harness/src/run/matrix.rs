@@ -391,9 +391,10 @@ impl Run<'_> {
     }
 }
 
-/// What in the results folder was measured under another configuration than this run's (profile,
-/// processor against `machine`, or a model's batch, input, device, threads or timed steps): a description of each, empty if all
-/// match. Records are matched by model and policy, so mixing them would compare unlike runs.
+/// What in the results folder was measured under another configuration than this run's
+/// (profile, processor against `machine`, or a model's batch, input, device, threads or timed
+/// steps): a description of each, empty if all match. Records are matched by model and policy,
+/// so mixing them would compare unlike runs.
 fn other_configurations(
     matrix: &Matrix,
     workloads: &[Workload],

@@ -197,9 +197,9 @@ fn scratch(name: &str) -> std::path::PathBuf {
 }
 
 /// A resume whose flags differ from the run that wrote the training snapshot is refused, naming
-/// the flag and both values, the data source included; the policy may change. Checking only the seed and the step would let
-/// `--batch`, `--dtype` and `--optimizer` (AdamW's moments silently dropped when resuming as SGD)
-/// change while the run went on.
+/// the flag and both values, the data source included; the policy may change. Checking only the
+/// seed and the step would let `--batch`, `--dtype` and `--optimizer` (AdamW's moments silently
+/// dropped when resuming as SGD) change while the run went on.
 #[test]
 fn a_resume_with_other_flags_is_refused() {
     let dir = scratch("resume-flags");

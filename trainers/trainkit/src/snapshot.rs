@@ -76,10 +76,10 @@ impl RunConfig {
     }
 }
 
-/// A data source (`--data`, `--text`) as a run's configuration keeps it, for `#[serde(serialize_with)]`
-/// on a trainer's `Setup`: its path made absolute and what it holds (a file's bytes; a folder's
-/// files and their bytes), so that a resume on other data, or on the same path with other
-/// contents, is refused.
+/// A data source (`--data`, `--text`) as a run's configuration keeps it, for
+/// `#[serde(serialize_with)]` on a trainer's `Setup`: its path made absolute and what it holds
+/// (a file's bytes; a folder's files and their bytes), so that a resume on other data, or on
+/// the same path with other contents, is refused.
 pub fn data_source<S: serde::Serializer>(
     path: &Option<std::path::PathBuf>,
     serializer: S,
