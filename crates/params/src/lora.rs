@@ -378,3 +378,49 @@ pub fn load_adapter(
 pub fn is_adapter(name: &str) -> bool {
     name.ends_with(LORA_A) || name.ends_with(LORA_B)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::read_adapter_config;
+
+    /// `adapter_config.json` with `json` in a folder of its own; what reading it gives.
+    fn read(name: &str, json: &str) -> Result<super::AdapterConfig, String> {
+        let dir =
+            std::env::temp_dir().join(format!("adapter-config-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("adapter_config.json"), json).unwrap();
+        let read = read_adapter_config(&dir).map_err(|e| e.to_string());
+        std::fs::remove_dir_all(&dir).unwrap();
+        read
+    }
+
+    /// Keys left out take PEFT's defaults (r 8, alpha 8, dropout 0), as `LoraConfig(**json)`
+    /// does; what PEFT would take from elsewhere (its default targets per model type) or does
+    /// not mean plain LoRA is refused, naming the key.
+    #[test]
+    fn adapter_configs_read_as_peft_reads_them() {
+        let config = read("defaults", r#"{"peft_type": "LORA", "target_modules": ["c_attn"]}"#);
+        let lora = config.unwrap().lora;
+        assert_eq!((lora.rank, lora.alpha, lora.dropout), (8, 8.0, 0.0));
+        for (json, said) in [
+            (r#"{"target_modules": ["c_attn"]}"#, "no `peft_type`"),
+            (r#"{"peft_type": "LORA"}"#, "`target_modules` is not given"),
+            (r#"{"peft_type": "LORA", "target_modules": ".*attn"}"#, "regular expression"),
+            (r#"{"peft_type": "LORA", "target_modules": ["c_attn"], "r": -4}"#, "`r` is -4"),
+            (
+                r#"{"peft_type": "LORA", "target_modules": ["c_attn"],
+                    "init_lora_weights": "pissa"}"#,
+                r#"`init_lora_weights` is "pissa""#,
+            ),
+            (
+                r#"{"peft_type": "LORA", "target_modules": ["c_attn"],
+                    "rank_pattern": {"c_attn": 2}}"#,
+                "`rank_pattern`",
+            ),
+            (r#"["LORA"]"#, "not a JSON object"),
+        ] {
+            let err = read("refused", json).unwrap_err();
+            assert!(err.contains(said), "{json}: {err}");
+        }
+    }
+}
