@@ -81,7 +81,7 @@ impl LoraArgs {
     /// adapted, is refused.
     pub fn config(&self, peft: &Peft, width: usize) -> Result<Option<Lora>> {
         let lora = match (&self.load_adapter, self.lora) {
-            (Some(dir), _) => self.from_adapter(dir, peft)?,
+            (Some(dir), _) => self.agree_with_adapter(dir, peft)?,
             (None, None) => return Ok(None),
             (None, Some(rank)) => Lora {
                 rank,
@@ -108,7 +108,7 @@ impl LoraArgs {
 
     /// The adapter's configuration as `dir`'s `adapter_config.json` says; a flag that says
     /// otherwise is refused, naming both values.
-    fn from_adapter(&self, dir: &Path, peft: &Peft) -> Result<Lora> {
+    fn agree_with_adapter(&self, dir: &Path, peft: &Peft) -> Result<Lora> {
         let saved = lora::read_adapter_config(dir).context("--load-adapter")?;
         let config = dir.join(lora::ADAPTER_FILES[1]);
         let contradiction = |flag: &str, given: &dyn Display, key: &str, value: &dyn Display| {

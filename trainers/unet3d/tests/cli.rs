@@ -125,3 +125,22 @@ fn labels_out_of_range_are_refused_naming_the_file() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A resume with another `--loss` names both values as the flag spells them (`ce-dice`): the
+/// configuration used to be compared in the enum's own spelling, "--loss is cedice".
+#[test]
+fn a_resume_with_another_loss_names_it_as_the_flag_spells_it() {
+    let dir = std::env::temp_dir().join(format!("unet3d-cli-loss-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let save = dir.join("w.safetensors");
+    let out = Command::new(env!("CARGO_BIN_EXE_train-unet3d"))
+        .args(["--preset", "tiny", "--volume", "8", "--steps", "1", "--loss", "ce-dice"])
+        .args(["--save-every", "1", "--save", save.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let snapshot = dir.join("w.train.safetensors");
+    let resume = ["--resume", snapshot.to_str().unwrap(), "--loss", "ce"];
+    fails_saying(&resume, "--loss is ce in this run but was ce-dice");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
