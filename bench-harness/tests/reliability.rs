@@ -287,6 +287,25 @@ fn a_full_disk_while_writing_results_names_the_file_and_keeps_the_last_one() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// What the harness prints is its result: `selftest` onto a full device ends with exit 1 naming
+/// the stream. Unchecked, the self-test's findings were lost and it exited 0.
+#[test]
+#[cfg(target_os = "linux")]
+fn output_that_cannot_be_written_fails_the_selftest() {
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_bench-harness"))
+        .arg("selftest")
+        .stdout(full)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() == Some(1) && err.contains("writing to standard output"),
+        "{:?}: {err}",
+        out.status
+    );
+}
+
 /// A model name `run-one` does not know is refused with the names it does know.
 #[test]
 fn an_unknown_model_lists_the_profiles_models() {

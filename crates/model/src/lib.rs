@@ -148,11 +148,17 @@ pub trait Model {
         let adapter = params::lora::is_adapter;
         let (tensors, _) = params::read_snapshot(path, self.params().device())?;
         let p = path.display().to_string();
-        let ours: std::collections::HashSet<&str> = self.params().named().map(|(n, _)| n).collect();
+        let ours: std::collections::HashSet<&str> =
+            self.params().all().map(|(n, _)| n.as_str()).collect();
+        // An adapter of one of this model's layers that the model gives no adapter.
+        let dropped_adapter = |m: &str| {
+            params::lora::adapted_layer(m)
+                .is_some_and(|layer| ours.contains(format!("{layer}.weight").as_str()))
+                && !ours.contains(m)
+        };
         let mut dropped: Vec<&String> = tensors
             .keys()
-            .filter(|n| adapter(n))
-            .filter(|n| self.snapshot_name(n).is_none_or(|m| !ours.contains(m.as_str())))
+            .filter(|n| self.snapshot_name(n).is_some_and(|m| dropped_adapter(&m)))
             .collect();
         dropped.sort();
         if let Some(first) = dropped.first() {

@@ -379,6 +379,12 @@ pub fn is_adapter(name: &str) -> bool {
     name.ends_with(LORA_A) || name.ends_with(LORA_B)
 }
 
+/// The layer whose adapter the parameter `name` belongs to (`h.0.attn.c_attn` of
+/// `h.0.attn.c_attn.lora_A.weight`), if it is an adapter's.
+pub fn adapted_layer(name: &str) -> Option<&str> {
+    [LORA_A, LORA_B].iter().find_map(|part| name.strip_suffix(part)?.strip_suffix('.'))
+}
+
 #[cfg(test)]
 mod tests {
     use super::read_adapter_config;

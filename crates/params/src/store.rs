@@ -431,7 +431,8 @@ impl ParamStore {
         self.buffers.iter().map(|(n, v)| f32_bits(v.as_tensor()).map(|b| (n.clone(), b))).collect()
     }
 
-    fn all(&self) -> impl Iterator<Item = (&String, &Var)> {
+    /// Every parameter, trained or frozen, and every buffer, by name.
+    pub fn all(&self) -> impl Iterator<Item = (&String, &Var)> {
         self.vars.iter().chain(&self.frozen).chain(self.buffers.iter())
     }
 }
