@@ -2,15 +2,19 @@
 
 - `torch.mm` at the shapes of `crates/ops/benches/gemm.rs` (GFLOP/s, each operand row-major),
 - the convolutions of `crates/ops/benches/fused.rs` (one forward and backward of the sum of the
-  output, the same step the Rust bench times), as medians in ms.
+  output, the same step the Rust bench times), as medians in ms;
+- with `--convs FILE`, instead, the convolutions listed there (`bench-harness kernels` writes
+  the list it recorded from the models): each one's forward, input-gradient backward (where the
+  model needs it) and weight-gradient backward, as medians in ms, one JSON line per convolution.
 
-    python scripts/torch_ops.py [--threads 2]
+    python scripts/torch_ops.py [--threads 2] [--convs FILE --reps 9]
 
 Run it right after `cargo bench -p ops --bench gemm` / `--bench fused -- conv`, on the same
 machine: timings move between machines and, on a shared host, between minutes.
 """
 
 import argparse
+import json
 import statistics
 import time
 
@@ -50,11 +54,63 @@ def median_seconds(f, reps):
     return statistics.median(times)
 
 
+def conv_op(kind, geometry):
+    """The PyTorch op a model runs for a recorded convolution `kind` with `geometry` (stride in
+    depth, stride in-plane, padding in depth, padding in-plane)."""
+    sd, shw, pd, phw = geometry
+    f = torch.nn.functional
+    if kind == "conv2d":
+        return lambda x, w: f.conv2d(x, w, padding=phw, stride=shw)
+    if kind == "conv3d":
+        return lambda x, w: f.conv3d(x, w, padding=(pd, phw, phw), stride=(sd, shw, shw))
+    if kind == "conv3d-concat":
+        # A U-Net decoder in PyTorch concatenates its skip and up-sampled tensors, then convolves.
+        return lambda a, b, w: f.conv3d(
+            torch.cat([a, b], 1), w, padding=(pd, phw, phw), stride=(sd, shw, shw)
+        )
+    if kind == "conv-transpose3d-k2s2":
+        return lambda x, w, b: f.conv_transpose3d(x, w, b, stride=2)
+    raise SystemExit(f"unknown convolution kind {kind!r}")
+
+
+def time_convs(path, reps):
+    """One JSON line per convolution of the list at `path`: its forward, input-gradient and
+    weight-gradient backward times, each alone (only that operand requires a gradient)."""
+    with open(path) as f:
+        calls = json.load(f)
+    for call in calls:
+        op = conv_op(call["kind"], call["geometry"])
+        data = 2 if call["kind"] == "conv3d-concat" else 1
+        operands = [torch.randn(*shape) for shape in call["shapes"]]
+
+        def backward(data_grads):
+            ts = [
+                t.detach().requires_grad_((i < data) == data_grads)
+                for i, t in enumerate(operands)
+            ]
+            loss = op(*ts).sum()
+            return median_seconds(lambda: loss.backward(retain_graph=True), reps) * 1e3
+
+        with torch.no_grad():
+            forward = median_seconds(lambda: op(*operands), reps) * 1e3
+        times = {
+            "forward_ms": forward,
+            "input_grad_ms": backward(True) if call["input_gradient"] else None,
+            "weight_grad_ms": backward(False),
+        }
+        print(json.dumps(times), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--convs", help="time the convolutions listed in this JSON file")
+    parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.convs:
+        time_convs(args.convs, args.reps)
+        return
     print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     for what, m, k, n in SHAPES:
         a, b = torch.randn(m, k), torch.randn(k, n)

@@ -54,6 +54,10 @@ enum Cmd {
         #[arg(long)]
         check: bool,
     },
+    /// Time every convolution the `cpu` profile's models run (recorded from their forward
+    /// passes): forward, input and weight gradients, beside PyTorch's on the same shapes
+    /// (`scripts/torch_ops.py`), into `convs.{json,md}`.
+    Kernels(run::kernels::KernelArgs),
     /// Predict one model of the `full` profile at its size and print the projection as JSON
     /// (the matrix runs this for the article's table).
     #[command(hide = true)]
@@ -106,6 +110,7 @@ fn main() -> Result<()> {
         }
         Some(Cmd::Selftest { device }) => measure::selftest::selftest(device),
         Some(Cmd::Claims { dir, check }) => report::claims::run(&dir, check),
+        Some(Cmd::Kernels(args)) => run::kernels::run(&args),
         None => run::matrix::run(cli.matrix),
     }
 }

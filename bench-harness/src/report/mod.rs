@@ -9,6 +9,7 @@
 pub mod baseline;
 pub mod claims;
 pub mod gpt2_24gb;
+pub mod kernels;
 pub mod plot;
 pub mod projection;
 pub mod record;

@@ -2,7 +2,7 @@
 //! one fresh Python process per configuration, cut into the same checkpoint segments as ours.
 
 use crate::report::record::{Baseline, Record, Status};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The models `scripts/torch_baseline.py` has a PyTorch version of.
@@ -17,14 +17,15 @@ pub const MODELS: [&str; 8] = [
     "gpt2-small-lora",
 ];
 
-/// The script in the repository the harness runs in (a binary built elsewhere and shipped to a
-/// GPU machine runs there from the repository's root), else where the harness was built.
-fn script() -> PathBuf {
-    let here = PathBuf::from("scripts/torch_baseline.py");
+/// The script `name` of `scripts/` in the repository the harness runs in (a binary built
+/// elsewhere and shipped to a GPU machine runs there from the repository's root), else where
+/// the harness was built.
+pub fn script(name: &str) -> PathBuf {
+    let here = Path::new("scripts").join(name);
     if here.exists() {
         return here;
     }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_baseline.py")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts").join(name)
 }
 
 /// Whether `python` can import torch, torchvision and transformers; if not, why, with how to
@@ -76,7 +77,7 @@ pub fn run(
     let mut cmd = Command::new(python);
     super::child::die_with_parent(&mut cmd);
     let out = cmd
-        .arg(script())
+        .arg(script("torch_baseline.py"))
         .args(["--model", &ours.model, "--policy", &ours.policy, "--segments", &segments.join(",")])
         .args(["--batch", &ours.batch.to_string(), "--input-size", &input_size.to_string()])
         .args([

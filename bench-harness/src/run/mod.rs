@@ -6,5 +6,6 @@
 pub mod baseline;
 pub mod child;
 pub mod gpt2_24gb;
+pub mod kernels;
 pub mod matrix;
 pub mod projection;

@@ -3,6 +3,7 @@
 //! same fused kernel.
 
 use crate::fused::{conv3d_composed, conv_transpose3d_k2s2_composed, Conv3dGeometry};
+use crate::recorded::{recorded, ConvCall, ConvKind};
 use candle_core::{Result, Tensor};
 use remat::keep::OpKind;
 
@@ -10,6 +11,10 @@ use remat::keep::OpKind;
 /// vol2col kernel (`crate::fused`); elsewhere the sum over kernel depth of 2D convolutions, with
 /// the output depth folded into the batch, as one op on the generic route (it keeps x and w).
 pub fn conv3d(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
+    recorded(ConvKind::Conv3d, &[x, w], g, || conv3d_unrecorded(x, w, g))
+}
+
+fn conv3d_unrecorded(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
     if !crate::fused::lean(x) {
         return conv3d_composed(x, w, g);
     }
@@ -24,12 +29,14 @@ pub fn conv3d(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
 /// `conv3d(cat([a, b], 1), w)` but never making the concatenation: on the CPU kernels and the
 /// generic route it keeps a, b and w only (composed, the concatenation too: the size of both).
 pub fn conv3d_concat(a: &Tensor, b: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
-    if !crate::fused::lean(a) {
-        return conv3d_composed(&Tensor::cat(&[a, b], 1)?, w, g);
-    }
-    remat::keep::op(OpKind::Conv, |kept| match crate::fused::generic(a) {
-        true => crate::fused::conv3d_concat_generic(a, b, w, g, kept),
-        false => crate::fused::conv3d_concat(a, b, w, g, kept),
+    recorded(ConvKind::Conv3dConcat, &[a, b, w], g, || {
+        if !crate::fused::lean(a) {
+            return conv3d_composed(&Tensor::cat(&[a, b], 1)?, w, g);
+        }
+        remat::keep::op(OpKind::Conv, |kept| match crate::fused::generic(a) {
+            true => crate::fused::conv3d_concat_generic(a, b, w, g, kept),
+            false => crate::fused::conv3d_concat(a, b, w, g, kept),
+        })
     })
 }
 
@@ -39,24 +46,44 @@ pub fn conv3d_concat(a: &Tensor, b: &Tensor, w: &Tensor, g: Conv3dGeometry) -> R
 /// gradient comes out detached (candle builds it with graph ops that keep each layer's output
 /// gradient alive until the whole backward returns). Elsewhere candle's `conv2d`.
 pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
-    if !crate::fused::lean(x) {
-        return x.conv2d(w, padding, stride, 1, 1);
-    }
     let g = Conv3dGeometry { stride_d: 1, stride_hw: stride, pad_d: 0, pad_hw: padding };
-    conv3d(&x.unsqueeze(2)?, &w.unsqueeze(2)?, g)?.squeeze(2) // (N, O, H', W')
+    recorded(ConvKind::Conv2d, &[x, w], g, || {
+        if !crate::fused::lean(x) {
+            return x.conv2d(w, padding, stride, 1, 1);
+        }
+        conv3d_unrecorded(&x.unsqueeze(2)?, &w.unsqueeze(2)?, g)?.squeeze(2) // (N, O, H', W')
+    })
 }
 
 /// Transposed 3D convolution with kernel = stride = 2 plus a bias (the U-Net up-convolution):
 /// x (N, C, D, H, W), w (C, O, 2, 2, 2) as PyTorch stores it, b (O). Fused on the CPU in f32/f64;
 /// elsewhere one matmul and a reshape, as each input voxel writes its own 2x2x2 output block.
 pub fn conv_transpose3d_k2s2(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if !crate::fused::lean(x) {
-        return conv_transpose3d_k2s2_composed(x, w, b);
-    }
-    remat::keep::op(OpKind::Conv, |kept| match crate::fused::generic(x) {
-        true => crate::fused::conv_transpose3d_k2s2_generic(x, w, b, kept),
-        false => crate::fused::conv_transpose3d_k2s2(x, w, b, kept),
+    let g = Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 0, pad_hw: 0 };
+    recorded(ConvKind::ConvTranspose3dK2S2, &[x, w, b], g, || {
+        if !crate::fused::lean(x) {
+            return conv_transpose3d_k2s2_composed(x, w, b);
+        }
+        remat::keep::op(OpKind::Conv, |kept| match crate::fused::generic(x) {
+            true => crate::fused::conv_transpose3d_k2s2_generic(x, w, b, kept),
+            false => crate::fused::conv_transpose3d_k2s2(x, w, b, kept),
+        })
     })
+}
+
+impl ConvCall {
+    /// Runs this convolution on `operands` (in call order, of its shapes).
+    pub fn call(&self, operands: &[Tensor]) -> Result<Tensor> {
+        let (stride_d, stride_hw, pad_d, pad_hw) = self.geometry;
+        let g = Conv3dGeometry { stride_d, stride_hw, pad_d, pad_hw };
+        match (self.kind, operands) {
+            (ConvKind::Conv2d, [x, w]) => conv2d(x, w, pad_hw, stride_hw),
+            (ConvKind::Conv3d, [x, w]) => conv3d(x, w, g),
+            (ConvKind::Conv3dConcat, [a, b, w]) => conv3d_concat(a, b, w, g),
+            (ConvKind::ConvTranspose3dK2S2, [x, w, b]) => conv_transpose3d_k2s2(x, w, b),
+            _ => candle_core::bail!("{:?} takes {} operands", self.kind, self.shapes.len()),
+        }
+    }
 }
 
 /// Max-pooling with kernel = stride = 2 over the last three dims (odd sizes are floored, as in

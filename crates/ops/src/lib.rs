@@ -15,6 +15,7 @@
 //!   from 2D convolutions, matmuls and reshapes that have a backward; [`conv3d_concat`] convolves
 //!   two tensors' channels side by side without concatenating them; [`conv2d`] runs the fused
 //!   convolution kernel where it can (a lean backward), candle's elsewhere.
+//! - [`record_convolutions`] lists the convolutions a forward pass runs, for the kernel bench.
 //! - [`Linear`]: a linear layer in either published weight layout, with its LoRA adapter
 //!   (`params::lora`) beside it as one op where the configuration targets it.
 //!
@@ -27,6 +28,7 @@ pub mod fused;
 mod linear;
 mod norm;
 mod pool;
+mod recorded;
 
 pub use batchnorm::BatchNorm;
 pub use conv3d::{conv2d, conv3d, conv3d_concat, conv_transpose3d_k2s2, max_pool3d_k2s2};
@@ -34,6 +36,7 @@ pub use fused::{allocate_matmul_workspaces, matmul_peak_gflops, Conv3dGeometry};
 pub use linear::{Linear, WeightLayout};
 pub use norm::{GroupNorm, LayerNorm};
 pub use pool::max_pool2d_k3s2p1;
+pub use recorded::{record_convolutions, ConvCall, ConvKind};
 
 use candle_core::{Result, Tensor};
 use remat::StageCtx;

@@ -1,0 +1,81 @@
+//! The kernel bench's side in this process: the convolutions a model runs, recorded from one
+//! forward pass at its profile's sizes ([`convolutions`]), and each one timed on operands of its
+//! shapes ([`time`]): the forward, and each backward alone (the input gradient, the weight
+//! gradient), as a median over repetitions after a warm-up.
+
+use crate::report::kernels::ConvTimes;
+use crate::report::record::Spread;
+use crate::workloads::Workload;
+use anyhow::Result;
+use candle_core::{Device, Tensor, Var};
+use ops::ConvCall;
+use remat::rng::RngKey;
+use std::time::Instant;
+
+/// A model's distinct convolutions in the order it first runs them, each with how many times a
+/// forward pass runs it.
+pub fn convolutions(w: &Workload, device: &Device, seed: u64) -> Result<Vec<(ConvCall, usize)>> {
+    let inst = w.build(device, seed)?;
+    let inputs = inst.inputs(0)?;
+    let (loss, calls) = ops::record_convolutions(|| inst.graph().plain_loss(&inputs, seed, 0));
+    loss?;
+    let mut distinct: Vec<(ConvCall, usize)> = Vec::new();
+    for call in calls {
+        match distinct.iter_mut().find(|(c, _)| *c == call) {
+            Some((_, count)) => *count += 1,
+            None => distinct.push((call, 1)),
+        }
+    }
+    Ok(distinct)
+}
+
+/// Times `call` on `device`: each part `reps` times after two warm-ups, the median.
+pub fn time(call: &ConvCall, device: &Device, reps: usize) -> Result<ConvTimes> {
+    let data = call.data_operands();
+    let operands: Vec<Tensor> = call
+        .shapes
+        .iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            let values =
+                RngKey::named(7, &format!("operand {i}")).normal(shape.iter().product(), 0.0, 1.0);
+            Ok(Tensor::from_vec(values, shape.as_slice(), device)?.to_dtype(call.dtype)?)
+        })
+        .collect::<Result<_>>()?;
+    // The operands with the data (`true`) or the weights as variables: a backward then computes
+    // that gradient alone.
+    let with_vars = |data_vars: bool| -> Result<Vec<Tensor>> {
+        operands
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match (i < data) == data_vars {
+                true => Ok(Var::from_tensor(t)?.as_tensor().clone()),
+                false => Ok(t.clone()),
+            })
+            .collect()
+    };
+    let forward_ms = median_ms(reps, || call.call(&operands))?;
+    let backward_ms = |data_vars: bool| -> Result<f64> {
+        let loss = call.call(&with_vars(data_vars)?)?.sum_all()?;
+        median_ms(reps, || loss.backward())
+    };
+    let input_grad_ms = match call.gradients[..data].iter().any(|&g| g) {
+        true => Some(backward_ms(true)?),
+        false => None,
+    };
+    Ok(ConvTimes { forward_ms, input_grad_ms, weight_grad_ms: backward_ms(false)? })
+}
+
+/// The median of `reps` runs of `f` in milliseconds, after two runs not counted.
+fn median_ms<T>(reps: usize, mut f: impl FnMut() -> candle_core::Result<T>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    let mut ms = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let start = Instant::now();
+        f()?;
+        ms.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(Spread::of(ms).map_or(f64::NAN, |s| s.median))
+}
