@@ -99,8 +99,9 @@ impl KernelReport {
              on each side; PyTorch {}. Made by `{}` at commit {}: every convolution the models \
              run, recorded from a forward pass at the `cpu` profile's sizes, timed on random \
              operands of its shapes: the forward, the input gradient's backward (where the model \
-             needs it: not the stem's) and the weight gradient's, each alone, the median of the \
-             rounds' medians (ours and PyTorch's rounds interleaved).\n",
+             needs it: not the stem's) and the weight gradient's, each alone and from a random \
+             output gradient, the median of the rounds' medians (ours and PyTorch's rounds \
+             interleaved).\n",
             self.machine,
             candle_core::utils::get_num_threads(),
             self.torch.as_deref().unwrap_or("not run"),

@@ -31,7 +31,8 @@ mod forward;
 mod grads;
 mod ops;
 
-pub(crate) use ops::{seed, var_over};
+pub use ops::seed;
+pub(crate) use ops::var_over;
 
 use crate::graph::{Node, StageGraph, ValueId};
 use crate::keep::OpSet;

@@ -114,8 +114,10 @@ impl InplaceOp2 for AddAssign {
 /// as in a plain backward. Handed over, not shared: the seed gives the gradient up in its backward
 /// (a stage's root runs one backward), so candle stores it as its only holder, without a copy, and
 /// it is freed as soon as the stage's ops have read it rather than when the stage's backward
-/// returns (16 MiB less in flight for a U-Net decoder level at 32^3).
-pub(crate) fn seed(t: &Tensor, grad: Tensor) -> Result<Tensor> {
+/// returns (16 MiB less in flight for a U-Net decoder level at 32^3). `seed(t, g)?.backward()` is
+/// the backward of whatever made `t` from the gradient `g`, as a stage's backward runs it (the
+/// kernel bench times an op's backward this way).
+pub fn seed(t: &Tensor, grad: Tensor) -> Result<Tensor> {
     if t.device().is_cpu() {
         Ok(t.apply_op1(GradSeed(std::sync::Mutex::new(Some(grad))))?)
     } else {
