@@ -1,6 +1,6 @@
 //! Each fused op of `ops::fused`, forward and backward, against the same op composed from
 //! candle's elementwise ops, at the shapes the `cpu` profile's models run them:
-//! `cargo bench -p layers --bench fused`. `scripts/torch_ops.py` times PyTorch's convolutions at
+//! `cargo bench -p ops --bench fused`. `scripts/torch_ops.py` times PyTorch's convolutions at
 //! the same shapes.
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
