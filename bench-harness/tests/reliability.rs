@@ -292,17 +292,8 @@ fn a_full_disk_while_writing_results_names_the_file_and_keeps_the_last_one() {
 #[test]
 #[cfg(target_os = "linux")]
 fn output_that_cannot_be_written_fails_the_selftest() {
-    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_bench-harness"))
-        .arg("selftest")
-        .stdout(full)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.code() == Some(1) && err.contains("writing to standard output"),
-        "{:?}: {err}",
-        out.status
+    testkit::assert_fails_on_a_full_stdout(
+        Command::new(env!("CARGO_BIN_EXE_bench-harness")).arg("selftest"),
     );
 }
 

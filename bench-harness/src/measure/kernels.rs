@@ -12,21 +12,13 @@ use ops::ConvCall;
 use remat::rng::RngKey;
 use std::time::Instant;
 
-/// A model's distinct convolutions in the order it first runs them, each with how many times a
-/// forward pass runs it.
-pub fn convolutions(w: &Workload, device: &Device, seed: u64) -> Result<Vec<(ConvCall, usize)>> {
+/// The convolutions a forward pass of `w` runs, in order.
+pub fn convolutions(w: &Workload, device: &Device, seed: u64) -> Result<Vec<ConvCall>> {
     let inst = w.build(device, seed)?;
     let inputs = inst.inputs(0)?;
     let (loss, calls) = ops::record_convolutions(|| inst.graph().plain_loss(&inputs, seed, 0));
     loss?;
-    let mut distinct: Vec<(ConvCall, usize)> = Vec::new();
-    for call in calls {
-        match distinct.iter_mut().find(|(c, _)| *c == call) {
-            Some((_, count)) => *count += 1,
-            None => distinct.push((call, 1)),
-        }
-    }
-    Ok(distinct)
+    Ok(calls)
 }
 
 /// Times `call` on `device`: each part `reps` times after two warm-ups, the median.
@@ -63,7 +55,7 @@ pub fn time(call: &ConvCall, device: &Device, reps: usize) -> Result<ConvTimes> 
         let grad = Tensor::from_vec(values, y.shape(), device)?.to_dtype(y.dtype())?;
         median_ms(reps, || remat::exec::seed(&y, grad.clone())?.backward())
     };
-    let input_grad_ms = match call.gradients[..data].iter().any(|&g| g) {
+    let input_grad_ms = match call.needs_input_gradient() {
         true => Some(backward_ms(true)?),
         false => None,
     };

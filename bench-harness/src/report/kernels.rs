@@ -38,16 +38,18 @@ impl KernelReport {
         KernelReport { machine, torch: None, entries: Vec::new() }
     }
 
-    /// `model` runs `call` `count` times per forward.
-    pub fn add(&mut self, model: &str, call: ConvCall, count: usize) {
-        match self.entries.iter_mut().find(|e| e.call == call) {
-            Some(e) => e.counts.push((model.to_string(), count)),
-            None => self.entries.push(Entry {
-                call,
-                counts: vec![(model.to_string(), count)],
-                ours: None,
-                torch: None,
-            }),
+    /// `model` runs `call` once more per forward.
+    pub fn add(&mut self, model: &str, call: ConvCall) {
+        let entry = match self.entries.iter().position(|e| e.call == call) {
+            Some(i) => &mut self.entries[i],
+            None => {
+                self.entries.push(Entry { call, counts: Vec::new(), ours: None, torch: None });
+                self.entries.last_mut().expect("just pushed")
+            }
+        };
+        match entry.counts.iter_mut().find(|(m, _)| m == model) {
+            Some((_, n)) => *n += 1,
+            None => entry.counts.push((model.to_string(), 1)),
         }
     }
 
@@ -74,7 +76,7 @@ impl KernelReport {
                 "kind": e.call.kind.name(),
                 "shapes": e.call.shapes,
                 "geometry": e.call.geometry,
-                "input_gradient": wants_input_gradient(&e.call),
+                "input_gradient": e.call.needs_input_gradient(),
                 "macs": e.call.macs(),
                 "counts": e.counts,
                 "ours": e.ours,
@@ -186,11 +188,6 @@ impl KernelReport {
             );
         }
     }
-}
-
-/// Whether the model needs `call`'s input gradient.
-fn wants_input_gradient(call: &ConvCall) -> bool {
-    call.gradients[..call.data_operands()].iter().any(|&g| g)
 }
 
 /// "ours / theirs (ratio)" in ms, or ours alone where PyTorch did not run.

@@ -86,8 +86,8 @@ fn record(models: &[String], device: &candle_core::Device) -> Result<KernelRepor
             continue;
         }
         trainkit::say!("recording the convolutions of {} ({} x {})", w.model, w.batch, w.input());
-        for (call, count) in kernels::convolutions(&w, device, 0)? {
-            report.add(&w.model, call, count);
+        for call in kernels::convolutions(&w, device, 0)? {
+            report.add(&w.model, call);
         }
     }
     if report.entries.is_empty() {
@@ -116,7 +116,7 @@ fn calls_json(report: &KernelReport) -> serde_json::Value {
             "kind": e.call.kind.name(),
             "shapes": e.call.shapes,
             "geometry": [sd, shw, pd, phw],
-            "input_gradient": e.call.gradients[..e.call.data_operands()].iter().any(|&g| g),
+            "input_gradient": e.call.needs_input_gradient(),
         })
     });
     serde_json::Value::Array(calls.collect())

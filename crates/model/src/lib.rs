@@ -156,12 +156,11 @@ pub trait Model {
                 .is_some_and(|layer| ours.contains(format!("{layer}.weight").as_str()))
                 && !ours.contains(m)
         };
-        let mut dropped: Vec<&String> = tensors
+        let dropped: Vec<&String> = tensors
             .keys()
             .filter(|n| self.snapshot_name(n).is_some_and(|m| dropped_adapter(&m)))
             .collect();
-        dropped.sort();
-        if let Some(first) = dropped.first() {
+        if let Some(first) = dropped.iter().min() {
             let (count, first) = (dropped.len(), first.to_string());
             return Err(SnapshotError::Adapters { path: p, count, first });
         }

@@ -56,6 +56,11 @@ impl ConvCall {
         }
     }
 
+    /// Whether the model needed the gradient of its data (a network's input image needs none).
+    pub fn needs_input_gradient(&self) -> bool {
+        self.gradients[..self.data_operands()].iter().any(|&g| g)
+    }
+
     /// Multiply-adds of its forward (a backward's input or weight gradient takes as many).
     pub fn macs(&self) -> u64 {
         let product = |s: &[usize]| s.iter().map(|&d| d as u64).product::<u64>();

@@ -548,6 +548,19 @@ pub fn assert_snapshot_round_trip<M>(
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `cmd` with its standard output on a full device (`/dev/full`) ends with exit 1, naming the
+/// stream: what a run prints is its work, and a run whose output is lost has not done it.
+pub fn assert_fails_on_a_full_stdout(cmd: &mut std::process::Command) {
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let out = cmd.stdout(full).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() == Some(1) && err.contains("writing to standard output"),
+        "{:?}: {err}",
+        out.status
+    );
+}
+
 /// Runs the trainer binary `bin` with `args` and `--log-json`; it must succeed. Returns the
 /// per-step training losses and what it printed on stderr.
 pub fn run_logged(bin: &str, args: &[&str]) -> (Vec<f32>, String) {

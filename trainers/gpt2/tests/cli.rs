@@ -196,6 +196,14 @@ fn scratch(name: &str) -> std::path::PathBuf {
     dir
 }
 
+/// A FIFO named `fifo` in `dir`.
+fn make_fifo(dir: &std::path::Path) -> std::path::PathBuf {
+    let fifo = dir.join("fifo");
+    let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo {}", fifo.display());
+    fifo
+}
+
 /// A resume whose flags differ from the run that wrote the training snapshot is refused, naming
 /// the flag and both values, the data source included; the policy may change. Checking only the
 /// seed and the step would let `--batch`, `--dtype` and `--optimizer` (AdamW's moments silently
@@ -256,9 +264,7 @@ fn outputs_must_be_regular_files_of_their_own() {
     // regression would replace /dev/null with a regular file for every later `> /dev/null`. The
     // test holds the FIFO's reading end open (non-blocking), so a regressed writer neither blocks
     // nor goes unseen: what it wrote is read back.
-    let fifo = dir.join("fifo");
-    let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo {}", fifo.display());
+    let fifo = make_fifo(&dir);
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     let mut reader =
         std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo).unwrap();
@@ -581,9 +587,7 @@ fn a_loaded_adapter_is_what_its_adapter_config_says() {
 #[test]
 fn a_text_that_is_not_a_regular_file_is_refused() {
     let dir = scratch("text-fifo");
-    let fifo = dir.join("fifo");
-    let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo {}", fifo.display());
+    let fifo = make_fifo(&dir);
     // A writer that stays: a reader of the FIFO sees no end.
     let _writer = std::fs::OpenOptions::new().read(true).write(true).open(&fifo).unwrap();
     let tokenizer = dir.join("tokenizer.json");
@@ -615,18 +619,9 @@ fn a_text_that_is_not_a_regular_file_is_refused() {
 /// naming the stream. Unchecked, the prediction was lost and the run exited 0.
 #[test]
 fn output_that_cannot_be_written_fails_the_run() {
-    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
-        .args(["--preset", "tiny", "--seq", "16", "--dry-run"])
-        .stdout(full)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.code() == Some(1) && err.contains("writing to standard output"),
-        "{:?}: {err}",
-        out.status
-    );
+    let mut dry_run = Command::new(env!("CARGO_BIN_EXE_train-gpt2"));
+    dry_run.args(["--preset", "tiny", "--seq", "16", "--dry-run"]);
+    testkit::assert_fails_on_a_full_stdout(&mut dry_run);
 }
 
 /// A `+keep=` of an op the model does not run is refused, as the harness refuses it: unchecked,
@@ -653,9 +648,7 @@ fn a_lora_rank_above_the_layers_width_is_refused() {
 #[test]
 fn lora_outputs_are_checked_before_training() {
     let dir = scratch("lora-outputs");
-    let fifo = dir.join("fifo");
-    let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo {}", fifo.display());
+    let fifo = make_fifo(&dir);
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     // The reading end held open, so that a regressed writer neither blocks nor goes unseen.
     let _reader =
