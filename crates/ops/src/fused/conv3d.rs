@@ -14,6 +14,8 @@ use rayon::prelude::*;
 use std::borrow::Cow;
 use std::ops::Range;
 
+mod direct;
+
 /// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw) by a matrix product per block
 /// of its operand matrix (one workspace for all blocks, [`Conv3dShape::sized`]). It keeps nothing
 /// but its input and output: the operand matrix is built again in backward (the composed version
@@ -122,6 +124,34 @@ pub(crate) fn conv3d_concat_generic(
 
 /// (N, C, D, H, W) of a 3D convolution's input.
 type Dims5 = (usize, usize, usize, usize, usize);
+
+/// The input and weight gradients of a transposed convolution with kernel = stride = 2 of x (N,
+/// C, D, H, W) by w (C, O, 2, 2, 2), from its output gradient gy (N, O, 2D, 2H, 2W), by the
+/// direct kernels where they take it (f32): dx is the convolution of gy with w at stride 2 (each
+/// input voxel's gradient is what its 2x2x2 output block's gradient makes through w), and dW that
+/// convolution's weight gradient with x as its output gradient. Each where `want` asks for it.
+pub(super) fn k2s2_gradients_directly<T: Elem>(
+    x: &[T],
+    w: &[T],
+    gy: &[T],
+    (n, c, o, [d, h, wd]): (usize, usize, usize, [usize; 3]),
+    want: (bool, bool),
+) -> Option<(Option<Vec<T>>, Option<Vec<T>>)> {
+    let g = super::Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 0, pad_hw: 0 };
+    let s = Conv3dShape::new((n, o, 2 * d, 2 * h, 2 * wd), (c, o, 2, 2, 2), g, BLOCK_ENTRIES)
+        .ok()?
+        .sized();
+    let (plan, weight_plan) = (direct::Plan::of(&s)?, direct::WeightPlan::of(&s)?);
+    let (x, w, gy) = (T::f32s(x)?, T::f32s(w)?, T::f32s(gy)?);
+    let gy = Input::whole(gy, o);
+    let dx = want.0.then(|| direct::convolve(&s, plan, gy, w, false, &s.part_ranges(&[c])));
+    let dw = want.1.then(|| direct::weight_gradient(&s, weight_plan, gy, x));
+    let typed = |v: Option<Vec<f32>>| match v {
+        Some(v) => T::from_f32s(v).map(Some),
+        None => Some(None),
+    };
+    Some((typed(dx.map(|mut dx| dx.remove(0)))?, typed(dw)?))
+}
 
 /// The dims of the channel concatenation of a and b, and a's channels; both must agree elsewhere.
 fn concat_dims(a: &Tensor, b: &Tensor) -> Result<(Dims5, usize)> {
@@ -710,6 +740,42 @@ impl Conv3dShape {
         ys
     }
 
+    /// The convolution of x with w (O, C, kd, kh, kw), or with `flip` the kernel of the
+    /// convolution whose input gradient this is ([`Self::kernel`]), as [`Self::convolve`] gives
+    /// it: directly where the direct kernels take it (f32, `direct::Plan::of`), else by
+    /// [`Self::convolve`].
+    fn convolve_any<T: Elem>(
+        &self,
+        x: Input<T>,
+        w: &[T],
+        flip: bool,
+        parts: &[usize],
+    ) -> Vec<Vec<T>> {
+        self.convolve_directly(x, w, flip, parts)
+            .unwrap_or_else(|| self.convolve(x, &self.kernel(w, flip), parts))
+    }
+
+    fn convolve_directly<T: Elem>(
+        &self,
+        x: Input<T>,
+        w: &[T],
+        flip: bool,
+        parts: &[usize],
+    ) -> Option<Vec<Vec<T>>> {
+        let plan = direct::Plan::of(self)?;
+        let x = Input { first: T::f32s(x.first)?, second: T::f32s(x.second)?, split: x.split };
+        let ys = direct::convolve(self, plan, x, T::f32s(w)?, flip, &self.part_ranges(parts));
+        ys.into_iter().map(T::from_f32s).collect()
+    }
+
+    /// The weight gradient (O, C, kd, kh, kw) from the output gradient gy, directly where the
+    /// direct kernels take it (f32, `direct::WeightPlan::of`).
+    fn weight_gradient_directly<T: Elem>(&self, x: Input<T>, gy: &[T]) -> Option<Vec<T>> {
+        let plan = direct::WeightPlan::of(self)?;
+        let x = Input { first: T::f32s(x.first)?, second: T::f32s(x.second)?, split: x.split };
+        T::from_f32s(direct::weight_gradient(self, plan, x, T::f32s(gy)?))
+    }
+
     /// The output channels of each of `parts`, in order: O in all.
     fn part_ranges(&self, parts: &[usize]) -> Vec<Range<usize>> {
         let mut at = 0;
@@ -870,31 +936,35 @@ impl Conv3dOp {
     ) -> Result<(Vec<Vec<T>>, Vec<T>)> {
         let s = &self.shape;
         let (cols, rows) = (s.cols(), s.rows());
-        let mut dw = if want.dw { vec![T::zero(); w.len()] } else { Vec::new() };
         let joined = s.joined(x);
         let x = joined.as_deref().map_or(x, |x| Input::whole(x, s.c));
+        // dW directly where the direct kernels take it, else by matrix products: per sample for
+        // a pointwise kernel, else in the blocks' loop, which makes dx too where the stride is
+        // not one.
+        let direct_dw = if want.dw { s.weight_gradient_directly(x, gy) } else { None };
+        let looped_dw = want.dw && direct_dw.is_none();
+        let mut dw = if looped_dw { vec![T::zero(); w.len()] } else { Vec::new() };
         let transposed_dx = || {
             let t = s.transposed();
             if want.dx {
-                t.convolve(Input::whole(gy, s.o), &t.kernel(w, true), &self.parts())
+                t.convolve_any(Input::whole(gy, s.o), w, true, &self.parts())
             } else {
                 Vec::new()
             }
         };
         if s.pointwise() {
             for (g_n, x_n) in
-                gy.chunks(s.o * cols).zip(x.first.chunks(s.c * cols)).filter(|_| want.dw)
+                gy.chunks(s.o * cols).zip(x.first.chunks(s.c * cols)).filter(|_| looped_dw)
             {
                 // (O, C) += g_n (O, DHW) @ x_n^T
                 matmul(&mut dw, mat(g_n, false), mat(x_n, true), (s.o, cols, s.c), true);
             }
-            return Ok((transposed_dx(), dw));
+            return Ok((transposed_dx(), direct_dw.unwrap_or(dw)));
         }
         let strided = !s.unit_stride();
-        // The blocks' loop makes dW, and dx where the stride is not one.
         let col2vol = strided && want.dx;
-        if !(want.dw || col2vol) {
-            return Ok((transposed_dx(), dw));
+        if !(looped_dw || col2vol) {
+            return Ok((transposed_dx(), direct_dw.unwrap_or(dw)));
         }
         let mut dx = if col2vol { vec![T::zero(); s.n * s.c * s.volume()] } else { Vec::new() };
         let blocks = s.blocks();
@@ -915,7 +985,7 @@ impl Conv3dOp {
             let width = b.samples.len() * len;
             s.operand(x, &mut xc, b, &mut buf);
             let gb = s.block_gradient(gy, b, &mut g);
-            if want.dw {
+            if looped_dw {
                 matmul(&mut dw, gb, s.matrix(&buf[..width * rows]), (s.o, width, rows), true);
                 // += (O, rows) in the layout's order
             }
@@ -926,7 +996,11 @@ impl Conv3dOp {
             }
         }
         drop((buf, g, dcol, xc)); // before the input gradient's convolution makes its own
-        let dw = if want.dw { s.natural(dw) } else { dw };
+        let dw = match direct_dw {
+            Some(dw) => dw,
+            None if looped_dw => s.natural(dw),
+            None => dw,
+        };
         if !strided {
             return Ok((transposed_dx(), dw));
         }
@@ -978,7 +1052,7 @@ impl FusedOp for Conv3dOp {
                 second: second.as_deref().unwrap_or(&[]),
                 split: self.split.unwrap_or(s.c),
             };
-            s.convolve(input, &s.kernel(&w, false), &[s.o]).remove(0)
+            s.convolve_any(input, &w, false, &[s.o]).remove(0)
         });
         Ok((y, Shape::from(vec![s.n, s.o, s.output[0], s.output[1], s.output[2]])))
     }

@@ -121,25 +121,55 @@ impl ConvTranspose3dOp {
         Ok(y)
     }
 
-    /// Per sample, with G (O 8, DHW) the output gradient gathered back into the product's layout:
-    /// dx = W G, dW += x G^T, db = sums of G's rows, in order.
-    fn backward<T: Elem>(&self, x: &[T], w: &[T], gy: &[T]) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
+    /// dx and dW (where `want` asks for them) by the direct kernels where they take them, else per
+    /// sample, with G (O 8, DHW) the output gradient gathered back into the product's layout:
+    /// dx = W G, dW += x G^T; db the sums of each output channel's gradient, samples in order.
+    #[allow(clippy::type_complexity)]
+    fn backward<T: Elem>(
+        &self,
+        x: &[T],
+        w: &[T],
+        gy: &[T],
+        want: (bool, bool),
+    ) -> Result<(Option<Vec<T>>, Option<Vec<T>>, Vec<T>)> {
+        let per_channel = 8 * self.volume();
+        let db = (0..self.o)
+            .into_par_iter()
+            .map(|oc| {
+                let sample = |n: usize| &gy[(n * self.o + oc) * per_channel..][..per_channel];
+                (0..self.n)
+                    .map(|n| sample(n).iter().copied().sum::<T>())
+                    .fold(T::zero(), |a, b| a + b)
+            })
+            .collect();
+        let dims = (self.n, self.c, self.o, self.input);
+        if let Some((dx, dw)) = super::conv3d::k2s2_gradients_directly(x, w, gy, dims, want) {
+            return Ok((dx, dw, db));
+        }
+        let (dx, dw) = self.backward_by_products(x, w, gy)?;
+        Ok((want.0.then_some(dx), want.1.then_some(dw), db))
+    }
+
+    /// dx and dW per sample by matrix products, with G (O 8, DHW) the output gradient gathered
+    /// back into the product's layout: dx = W G, dW += x G^T.
+    fn backward_by_products<T: Elem>(
+        &self,
+        x: &[T],
+        w: &[T],
+        gy: &[T],
+    ) -> Result<(Vec<T>, Vec<T>)> {
         let (v, ok) = (self.volume(), self.o * 8);
-        let (mut dx, mut dw, mut db) =
-            (Vec::with_capacity(x.len()), vec![T::zero(); w.len()], vec![T::zero(); self.o]);
+        let (mut dx, mut dw) = (Vec::with_capacity(x.len()), vec![T::zero(); w.len()]);
         for (x, gy) in x.chunks(self.c * v).zip(gy.chunks(ok * v)) {
             let mut g = vec![T::zero(); ok * v];
             g.par_chunks_mut(8 * v).enumerate().for_each(|(oc, g)| {
                 self.for_channel(oc, |r, col, out| g[(r - oc * 8) * v + col] = gy[out])
             });
-            for (oc, rows) in g.chunks(8 * v).enumerate() {
-                db[oc] += rows.iter().copied().sum::<T>();
-            }
             matmul(&mut dw, mat(x, false), mat(&g, true), (self.c, v, ok), true); // += (C, O 8)
             dx.extend(matmul_new(mat(w, false), mat(&g, false), (self.c, ok, v)));
             // (C, DHW)
         }
-        Ok((dx, dw, db))
+        Ok((dx, dw))
     }
 }
 
@@ -158,13 +188,14 @@ impl FusedOp for ConvTranspose3dOp {
     fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let [x, w, b] = exactly(inputs)?;
         let g = g.contiguous()?;
-        let (dx, dw, db) = per_dtype!(x.dtype(), T => {
+        let want = (x.track_op(), w.track_op());
+        per_dtype!(x.dtype(), T => {
             let (dx, dw, db) = with_slice::<T, _>(x, |xs| {
-                with_slice(w, |ws| with_slice(&g, |gs| self.backward(xs, ws, gs)))
+                with_slice(w, |ws| with_slice(&g, |gs| self.backward(xs, ws, gs, want)))
             })?;
-            (shaped(dx, x)?, shaped(dw, w)?, shaped(db, b)?)
-        });
-        Ok(vec![Some(dx), Some(dw), Some(db)])
+            let dx = dx.map(|dx| shaped(dx, x)).transpose()?;
+            Ok(vec![dx, dw.map(|dw| shaped(dw, w)).transpose()?, Some(shaped(db, b)?)])
+        })
     }
 }
 

@@ -381,9 +381,32 @@ fn shaped<T: WithDType>(v: Vec<T>, like: &Tensor) -> Result<Tensor> {
 trait Elem:
     WithDType + Float + Send + Sync + std::iter::Sum + std::ops::AddAssign + std::ops::SubAssign
 {
+    /// `v` as f32 elements, where this type is f32: what the kernels written for f32 alone take.
+    fn f32s(v: &[Self]) -> Option<&[f32]>;
+
+    /// f32 elements as this type's, where it is f32.
+    fn from_f32s(v: Vec<f32>) -> Option<Vec<Self>>;
 }
-impl Elem for f32 {}
-impl Elem for f64 {}
+
+impl Elem for f32 {
+    fn f32s(v: &[f32]) -> Option<&[f32]> {
+        Some(v)
+    }
+
+    fn from_f32s(v: Vec<f32>) -> Option<Vec<f32>> {
+        Some(v)
+    }
+}
+
+impl Elem for f64 {
+    fn f32s(_: &[f64]) -> Option<&[f32]> {
+        None
+    }
+
+    fn from_f32s(_: Vec<f32>) -> Option<Vec<f64>> {
+        None
+    }
+}
 
 fn elem<T: Elem>(x: f64) -> T {
     T::from(x).expect("a finite constant")
