@@ -125,6 +125,9 @@ pub(crate) fn conv3d_concat_generic(
 /// (N, C, D, H, W) of a 3D convolution's input.
 type Dims5 = (usize, usize, usize, usize, usize);
 
+/// An input gradient and a weight gradient, each where it was asked for.
+pub(super) type Gradients<T> = (Option<Vec<T>>, Option<Vec<T>>);
+
 /// The input and weight gradients of a transposed convolution with kernel = stride = 2 of x (N,
 /// C, D, H, W) by w (C, O, 2, 2, 2), from its output gradient gy (N, O, 2D, 2H, 2W), by the
 /// direct kernels where they take it (f32): dx is the convolution of gy with w at stride 2 (each
@@ -136,7 +139,7 @@ pub(super) fn k2s2_gradients_directly<T: Elem>(
     gy: &[T],
     (n, c, o, [d, h, wd]): (usize, usize, usize, [usize; 3]),
     want: (bool, bool),
-) -> Option<(Option<Vec<T>>, Option<Vec<T>>)> {
+) -> Option<Gradients<T>> {
     let g = super::Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 0, pad_hw: 0 };
     let s = Conv3dShape::new((n, o, 2 * d, 2 * h, 2 * wd), (c, o, 2, 2, 2), g, BLOCK_ENTRIES)
         .ok()?

@@ -1,6 +1,7 @@
 //! The U-Net up-convolution (transposed 3D convolution, kernel = stride = 2) with its bias, one
 //! matrix product per sample: keeps only its input.
 
+use super::conv3d::Gradients;
 use super::generic::{GenericOp, Replay};
 use super::{
     apply3, exactly, kept_or, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as,
@@ -124,14 +125,13 @@ impl ConvTranspose3dOp {
     /// dx and dW (where `want` asks for them) by the direct kernels where they take them, else per
     /// sample, with G (O 8, DHW) the output gradient gathered back into the product's layout:
     /// dx = W G, dW += x G^T; db the sums of each output channel's gradient, samples in order.
-    #[allow(clippy::type_complexity)]
     fn backward<T: Elem>(
         &self,
         x: &[T],
         w: &[T],
         gy: &[T],
         want: (bool, bool),
-    ) -> Result<(Option<Vec<T>>, Option<Vec<T>>, Vec<T>)> {
+    ) -> Result<(Gradients<T>, Vec<T>)> {
         let per_channel = 8 * self.volume();
         let db = (0..self.o)
             .into_par_iter()
@@ -143,11 +143,11 @@ impl ConvTranspose3dOp {
             })
             .collect();
         let dims = (self.n, self.c, self.o, self.input);
-        if let Some((dx, dw)) = super::conv3d::k2s2_gradients_directly(x, w, gy, dims, want) {
-            return Ok((dx, dw, db));
+        if let Some(gradients) = super::conv3d::k2s2_gradients_directly(x, w, gy, dims, want) {
+            return Ok((gradients, db));
         }
         let (dx, dw) = self.backward_by_products(x, w, gy)?;
-        Ok((want.0.then_some(dx), want.1.then_some(dw), db))
+        Ok(((want.0.then_some(dx), want.1.then_some(dw)), db))
     }
 
     /// dx and dW per sample by matrix products, with G (O 8, DHW) the output gradient gathered
@@ -190,7 +190,7 @@ impl FusedOp for ConvTranspose3dOp {
         let g = g.contiguous()?;
         let want = (x.track_op(), w.track_op());
         per_dtype!(x.dtype(), T => {
-            let (dx, dw, db) = with_slice::<T, _>(x, |xs| {
+            let ((dx, dw), db) = with_slice::<T, _>(x, |xs| {
                 with_slice(w, |ws| with_slice(&g, |gs| self.backward(xs, ws, gs, want)))
             })?;
             let dx = dx.map(|dx| shaped(dx, x)).transpose()?;
