@@ -504,14 +504,26 @@ fn matmul<T: Elem>(
     mkn: (usize, usize, usize),
     accumulate: bool,
 ) {
-    assert!(
-        dst.len() == mkn.0 * mkn.2,
-        "matmul: {} elements do not pack a ({}, {}) product",
-        dst.len(),
-        mkn.0,
-        mkn.2
-    );
-    matmul_strided(dst, (mkn.2, 1), a, b, mkn, accumulate)
+    let threads = candle_core::utils::get_num_threads();
+    matmul_on(threads, dst, (packed(dst, mkn), 1), a, b, mkn, accumulate)
+}
+
+/// [`matmul`] on this thread alone: for products that the caller runs side by side, each too
+/// small to pay for splitting (a pointwise convolution's, one per sample).
+fn matmul_alone<T: Elem>(
+    dst: &mut [T],
+    a: Mat<T>,
+    b: Mat<T>,
+    mkn: (usize, usize, usize),
+    accumulate: bool,
+) {
+    matmul_on(1, dst, (packed(dst, mkn), 1), a, b, mkn, accumulate)
+}
+
+/// The row stride of `dst` packing an (m, n) product, checked.
+fn packed<T>(dst: &[T], (m, _, n): (usize, usize, usize)) -> usize {
+    assert!(dst.len() == m * n, "matmul: {} elements do not pack a ({m}, {n}) product", dst.len());
+    n
 }
 
 /// `dst (m, n) (+)= a (m, k) @ b (k, n)` with gemm, the matrix product candle's CPU backend runs,
@@ -521,6 +533,20 @@ fn matmul<T: Elem>(
 /// uninitialised). Split over candle's threads; the bits do not depend on their number (threads
 /// split the output, each element's sum over k runs in one fixed order).
 fn matmul_strided<T: Elem>(
+    dst: &mut [T],
+    dst_strides: (usize, usize),
+    a: Mat<T>,
+    b: Mat<T>,
+    mkn: (usize, usize, usize),
+    accumulate: bool,
+) {
+    let threads = candle_core::utils::get_num_threads();
+    matmul_on(threads, dst, dst_strides, a, b, mkn, accumulate)
+}
+
+/// [`matmul_strided`] split over `threads`.
+fn matmul_on<T: Elem>(
+    threads: usize,
     dst: &mut [T],
     (dst_rs, dst_cs): (usize, usize),
     a: Mat<T>,
@@ -535,7 +561,6 @@ fn matmul_strided<T: Elem>(
         "matmul: destination does not hold ({m}, {n})"
     );
     let ((a_rs, a_cs), (b_rs, b_cs)) = (a.strides(m, k), b.strides(k, n));
-    let threads = candle_core::utils::get_num_threads();
     let parallelism =
         if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // SAFETY: every access stays within the slices, whose lengths are checked above against the
