@@ -67,12 +67,14 @@ fn checkpointing_lowers_the_step_peak() {
 // and dec.0 keep their up-sampled tensor, which their first convolution reads beside the skip
 // (the concatenation is never made; the fused up-convolution keeps only its input); each stage
 // reads its inputs through `Var`s over their memory. The step's peak is in backward:
-// dec.0's, a patch block and the input gradients on top of what is still held (measured, not
-// derived): `off` 18 MB (24 MB with an 8 MiB patch workspace and whole samples copied
+// dec.0's, a slab of its padded input planes and the input gradients on top of what is still
+// held (measured, not derived): `off` 15 MB (18 MB with the patch matrix's blocks, which the
+// direct kernels do not make, 24 MB with an 8 MiB patch workspace and whole samples copied
 // channels-last, 28 MB when the concatenation, the pool's partial maxima and the head's permuted
 // voxels were kept). `sqrt` cuts after `bottom` (segments enc.0..bottom, dec.1..head): the last
-// segment, kept from forward, holds dec.1 + dec.0 + head, and its backward reaches 16 MB (21).
+// segment, kept from forward, holds dec.1 + dec.0 + head, and its backward reaches 13 MB (16
+// with patch blocks, 21).
 // The full-resolution decoder, never recomputed, sets both peaks, which is why checkpointing
 // saves little on this model.
-const OFF_ACTIVATION: u64 = 18_278_856;
-const SQRT_ACTIVATION: u64 = 15_804_684;
+const OFF_ACTIVATION: u64 = 15_159_632;
+const SQRT_ACTIVATION: u64 = 12_686_060;
