@@ -7,8 +7,9 @@ use crate::recorded::{recorded, ConvCall, ConvKind};
 use candle_core::{Result, Tensor};
 use remat::keep::OpKind;
 
-/// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw): on the CPU in f32/f64 the fused
-/// vol2col kernel (`crate::fused`); elsewhere the sum over kernel depth of 2D convolutions, with
+/// 3D convolution of x (N, C, D, H, W) with w (O, C, kd, kh, kw): on the CPU the fused kernels
+/// (`crate::fused`: direct convolution in f32 on AVX2 or AVX-512, else vol2col and matrix
+/// products); elsewhere the sum over kernel depth of 2D convolutions, with
 /// the output depth folded into the batch, as one op on the generic route (it keeps x and w).
 pub fn conv3d(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
     recorded(ConvKind::Conv3d, &[x, w], g, || conv3d_unrecorded(x, w, g))
@@ -41,10 +42,11 @@ pub fn conv3d_concat(a: &Tensor, b: &Tensor, w: &Tensor, g: Conv3dGeometry) -> R
 }
 
 /// 2D convolution of x (N, C, H, W) with w (O, C, kh, kw), one stride and padding for both sides:
-/// [`conv3d`] at depth 1. On the CPU kernels the input gradient is a matrix product and col2im
-/// (candle's `conv2d` backward runs `conv_transpose2d`'s direct loops); on either route the weight
-/// gradient comes out detached (candle builds it with graph ops that keep each layer's output
-/// gradient alive until the whole backward returns). Elsewhere candle's `conv2d`.
+/// [`conv3d`] at depth 1. On the CPU kernels the input gradient is a convolution or, strided, a
+/// matrix product and col2im (candle's `conv2d` backward runs `conv_transpose2d`'s scalar
+/// loops); on either route the weight gradient comes out detached (candle builds it with graph
+/// ops that keep each layer's output gradient alive until the whole backward returns).
+/// Elsewhere candle's `conv2d`.
 pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
     let g = Conv3dGeometry { stride_d: 1, stride_hw: stride, pad_d: 0, pad_hw: padding };
     recorded(ConvKind::Conv2d, &[x, w], g, || {

@@ -21,18 +21,23 @@
 //! - `max_pool2d`, `max_pool3d` (through the crate's `max_pool2d_k3s2p1` and `max_pool3d_k2s2`):
 //!   keep only their input; backward finds each window's maximum again.
 //! - `conv_transpose3d_k2s2` (through the crate's function of that name): the U-Net up-convolution
-//!   with its bias, one matrix product per sample; keeps only its input.
-//! - `conv3d` (through the crate's `conv3d`): vol2col in blocks and a matrix product per block, the
-//!   column matrix built again in backward; keeps its input and output only. Through
+//!   with its bias, one matrix product per sample; its gradients by the direct kernels (a stride-2
+//!   convolution of its output gradient); keeps only its input.
+//! - `conv3d` (through the crate's `conv3d`): in f32 on AVX2 or AVX-512, direct convolution
+//!   (output tiles in vector registers, every input channel and tap added in, oneDNN's way: the
+//!   `conv3d::direct` module) for the forward and both gradients of every kernel but 1x1x1; a
+//!   1x1x1 kernel, f64, or another processor, a matrix product per block of an operand matrix
+//!   built in blocks (vol2col), built again in backward. Keeps its input and output only. Through
 //!   `conv3d_concat`, of two tensors' channels side by side, never concatenated.
 //! - The `composed` module: the same convolutions composed from candle ops, for any device.
 //!
 //! Every kernel of ours works row by row (or channel by channel), each sequentially on one thread,
 //! and every reduction across rows sums fixed chunks in a fixed order: the same inputs give the
-//! same bits whatever the number of threads. The ops that multiply matrices (linear, attention,
-//! conv3d) use candle's matrix product for that part, as the composed ops do; in one process it
-//! gives the same bits every time, so a recompute under checkpointing is bit-identical to the
-//! forward.
+//! same bits whatever the number of threads; the direct convolutions make each output element in
+//! one tile, its sum in one fixed order. The ops that multiply matrices (linear, attention,
+//! conv3d where it is not direct) use candle's matrix product for that part, as the composed ops
+//! do; in one process it gives the same bits every time, so a recompute under checkpointing is
+//! bit-identical to the forward.
 //!
 //! f32 and f64 tensors on the CPU take the fused path, and so do bf16 and f16 ones: their kernels
 //! read the half-precision operands widened to f32 (a transient copy per op), compute in f32 and
