@@ -75,10 +75,10 @@ impl Isa {
 
 impl Plan {
     /// The plan for convolution `s`, where it runs directly: a kernel other than 1x1x1, a column
-    /// stride of 1 or 2, on a processor with AVX2 and FMA or AVX-512. Two
-    /// vectors of output channels per tile where they fill it (halving the broadcasts per
-    /// multiply-add), else one; eight columns where the output rows are made of eights, else four;
-    /// as many rows as the accumulators allow, up to three.
+    /// stride of 1 or 2, on a processor with AVX2 and FMA or AVX-512. Two vectors of output
+    /// channels per tile where they fill it ([`vectors`]), else one; eight columns where the
+    /// output rows are made of eights, else four; as many rows as the accumulators allow, up to
+    /// three.
     pub(super) fn of(s: &Conv3dShape) -> Option<Plan> {
         Plan::for_isa(s, Isa::detect()?)
     }
@@ -122,8 +122,8 @@ pub(super) struct WeightPlan {
 
 impl WeightPlan {
     /// The plan for the weight gradient of convolution `s`, where it runs directly: a kernel
-    /// other than 1x1x1, a column stride of 1 or 2, 1, 2, 3 or 7 wide, on a processor with AVX2
-    /// and FMA or AVX-512. As many kernel rows at once as the accumulators (rows x kw x vectors)
+    /// other than 1x1x1 and 1, 2, 3 or 7 wide, a column stride of 1 or 2, on a processor with
+    /// AVX2 and FMA or AVX-512. As many kernel rows at once as the accumulators (rows x kw x vectors)
     /// allow, up to four, or eight where they divide the rows.
     pub(super) fn of(s: &Conv3dShape) -> Option<WeightPlan> {
         WeightPlan::for_isa(s, Isa::detect()?)
