@@ -123,8 +123,8 @@ pub(super) struct WeightPlan {
 impl WeightPlan {
     /// The plan for the weight gradient of convolution `s`, where it runs directly: a kernel
     /// other than 1x1x1 and 1, 2, 3 or 7 wide, a column stride of 1 or 2, on a processor with
-    /// AVX2 and FMA or AVX-512. As many kernel rows at once as the accumulators (rows x kw x vectors)
-    /// allow, up to four, or eight where they divide the rows.
+    /// AVX2 and FMA or AVX-512. As many kernel rows at once as the accumulators (rows x kw x
+    /// vectors) allow, up to four, or eight where they divide the rows.
     pub(super) fn of(s: &Conv3dShape) -> Option<WeightPlan> {
         WeightPlan::for_isa(s, Isa::detect()?)
     }
