@@ -9,7 +9,7 @@
 use super::generic::{GenericOp, Replay};
 use super::{
     apply2, apply3, exactly, kept_or, mat, matmul, matmul_alone, matmul_strided, operand, shaped,
-    slice, uninit, widened, widened_as, with_slice, Elem, FusedOp, Operand,
+    slice, sum_chunks, uninit, widened, widened_as, with_slice, Elem, FusedOp, Operand,
 };
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -734,12 +734,7 @@ impl Conv3dShape {
                     continue;
                 }
                 product(&mut out, (width, 1), width); // (o, samples x len)
-                for (k, n) in b.samples.clone().enumerate() {
-                    let y_n = &mut y[n * o * cols..(n + 1) * o * cols];
-                    for (y, row) in y_n.chunks_mut(cols).zip(out.chunks(width)) {
-                        y[start..start + len].copy_from_slice(&row[k * len..(k + 1) * len]);
-                    }
-                }
+                scatter(&out[..o * width], (o, cols), start..start + len, b.samples.clone(), y);
             }
         }
         ys
@@ -845,18 +840,13 @@ impl Conv3dShape {
         for n0 in (0..self.n).step_by(run) {
             let samples = n0..(n0 + run).min(self.n);
             let width = samples.len() * cols;
-            gather(x.first, self.c, cols, samples.clone(), &mut xs);
+            gather(x.first, (self.c, cols), 0..cols, samples.clone(), &mut xs);
             for (y, r) in ys.iter_mut().zip(ranges) {
                 let (o, out) = (r.len(), &mut out[..r.len() * width]);
                 let wk = mat(&wk[r.start * self.c..r.end * self.c], false);
                 // (o, samples x DHW) = wk's rows (o, C) @ xs (C, samples x DHW)
                 matmul(out, wk, mat(&xs[..self.c * width], false), (o, self.c, width), false);
-                for (k, n) in samples.clone().enumerate() {
-                    let y_n = &mut y[n * o * cols..(n + 1) * o * cols];
-                    for (y, row) in y_n.chunks_mut(cols).zip(out.chunks(width)) {
-                        y.copy_from_slice(&row[k * cols..(k + 1) * cols]);
-                    }
-                }
+                scatter(out, (o, cols), 0..cols, samples.clone(), y);
             }
         }
     }
@@ -872,30 +862,18 @@ impl Conv3dShape {
     /// a block, a product of depth samples x DHW per run, the runs in order; else a fixed number
     /// of runs of samples are summed side by side, a product per sample, and their sums added
     /// in order. Either way the sums' order does not depend on the threads.
-    fn pointwise_weight_gradient<T: Elem>(&self, x: &[T], gy: &[T], dw: &mut [T]) {
+    fn pointwise_weight_gradient<T: Elem>(&self, x: &[T], gy: &[T]) -> Vec<T> {
         const RUNS: usize = 4;
         let cols = self.cols();
         if cols >= FEW_VOXELS {
-            let per = self.n.div_ceil(RUNS);
-            let starts: Vec<usize> = (0..self.n).step_by(per).collect();
-            let sums: Vec<Vec<T>> = starts
-                .into_par_iter()
-                .map(|n0| {
-                    let mut sum = vec![T::zero(); dw.len()];
-                    for n in n0..(n0 + per).min(self.n) {
-                        let g_n = mat(&gy[n * self.o * cols..][..self.o * cols], false);
-                        let x_n = mat(&x[n * self.c * cols..][..self.c * cols], true);
-                        // (O, C) += g_n (O, DHW) @ x_n^T
-                        matmul_alone(&mut sum, g_n, x_n, (self.o, cols, self.c), true);
-                    }
-                    sum
-                })
-                .collect();
-            for sum in sums {
-                dw.iter_mut().zip(sum).for_each(|(d, v)| *d += v);
-            }
-            return;
+            return sum_chunks(self.n, self.n.div_ceil(RUNS), self.o * self.c, |n, sum| {
+                let g_n = mat(&gy[n * self.o * cols..][..self.o * cols], false);
+                let x_n = mat(&x[n * self.c * cols..][..self.c * cols], true);
+                // (O, C) += g_n (O, DHW) @ x_n^T
+                matmul_alone(sum, g_n, x_n, (self.o, cols, self.c), true);
+            });
         }
+        let mut dw = vec![T::zero(); self.o * self.c];
         let run = self.samples_per_run(self.c + self.o);
         // SAFETY: the gathers write what the product reads.
         let (mut gs, mut xs) =
@@ -903,11 +881,12 @@ impl Conv3dShape {
         for n0 in (0..self.n).step_by(run) {
             let samples = n0..(n0 + run).min(self.n);
             let width = samples.len() * cols;
-            gather(gy, self.o, cols, samples.clone(), &mut gs);
-            gather(x, self.c, cols, samples, &mut xs);
+            gather(gy, (self.o, cols), 0..cols, samples.clone(), &mut gs);
+            gather(x, (self.c, cols), 0..cols, samples, &mut xs);
             let (g, x) = (mat(&gs[..self.o * width], false), mat(&xs[..self.c * width], true));
-            matmul(dw, g, x, (self.o, width, self.c), true);
+            matmul(&mut dw, g, x, (self.o, width, self.c), true);
         }
+        dw
     }
 
     /// The output gradient's columns of block `b`, (O, samples x len): `gy` (N, O, output) itself
@@ -922,14 +901,8 @@ impl Conv3dShape {
         if b.samples.len() == 1 {
             return mat(&gy[b.samples.start * self.o * cols + start..], false).ld(cols);
         }
-        let width = b.samples.len() * len;
-        for (o, row) in g[..self.o * width].chunks_mut(width).enumerate() {
-            for (k, n) in b.samples.clone().enumerate() {
-                row[k * len..(k + 1) * len]
-                    .copy_from_slice(&gy[(n * self.o + o) * cols + start..][..len]);
-            }
-        }
-        mat(&g[..self.o * width], false)
+        gather(gy, (self.o, cols), start..start + len, b.samples.clone(), g);
+        mat(&g[..self.o * b.samples.len() * len], false)
     }
 
     /// A block's operand matrix as the (samples x len, rows) matrix of [`Self::patches`]: the
@@ -944,15 +917,40 @@ impl Conv3dShape {
 /// that: the kernel bench's best at ResNet's shapes).
 const FEW_VOXELS: usize = 256;
 
-/// Channels of `samples` of src (N, channels, `len`) side by side into the front of `dst`:
-/// (channels, samples x `len`), a channel per task.
-fn gather<T: Elem>(src: &[T], channels: usize, len: usize, samples: Range<usize>, dst: &mut [T]) {
-    let width = samples.len() * len;
+/// Columns `part` of each channel of `samples` of src (N, channels, cols) side by side into the
+/// front of `dst`: (channels, samples x part), a channel per task.
+fn gather<T: Elem>(
+    src: &[T],
+    (channels, cols): (usize, usize),
+    part: Range<usize>,
+    samples: Range<usize>,
+    dst: &mut [T],
+) {
+    let (len, width) = (part.len(), samples.len() * part.len());
     dst[..channels * width].par_chunks_mut(width).enumerate().for_each(|(ch, row)| {
         for (k, n) in samples.clone().enumerate() {
-            row[k * len..(k + 1) * len].copy_from_slice(&src[(n * channels + ch) * len..][..len]);
+            row[k * len..(k + 1) * len]
+                .copy_from_slice(&src[(n * channels + ch) * cols + part.start..][..len]);
         }
     });
+}
+
+/// [`gather`]'s inverse: src (channels, samples x part) into columns `part` of each channel of
+/// `samples` of dst (N, channels, cols).
+fn scatter<T: Elem>(
+    src: &[T],
+    (channels, cols): (usize, usize),
+    part: Range<usize>,
+    samples: Range<usize>,
+    dst: &mut [T],
+) {
+    let (len, width) = (part.len(), samples.len() * part.len());
+    for (k, n) in samples.enumerate() {
+        let dst_n = &mut dst[n * channels * cols..(n + 1) * channels * cols];
+        for (d, row) in dst_n.chunks_mut(cols).zip(src.chunks(width)) {
+            d[part.clone()].copy_from_slice(&row[k * len..(k + 1) * len]);
+        }
+    }
 }
 
 /// How a block's operand matrix is stored: the column matrix (rows, voxels) or the patch matrix
@@ -1049,7 +1047,6 @@ impl Conv3dOp {
         // not one.
         let direct_dw = if want.dw { s.weight_gradient_directly(x, gy) } else { None };
         let looped_dw = want.dw && direct_dw.is_none();
-        let mut dw = if looped_dw { vec![T::zero(); w.len()] } else { Vec::new() };
         let transposed_dx = || {
             let t = s.transposed();
             if want.dx {
@@ -1059,11 +1056,10 @@ impl Conv3dOp {
             }
         };
         if s.pointwise() {
-            if looped_dw {
-                s.pointwise_weight_gradient(x.first, gy, &mut dw);
-            }
+            let dw = if looped_dw { s.pointwise_weight_gradient(x.first, gy) } else { Vec::new() };
             return Ok((transposed_dx(), direct_dw.unwrap_or(dw)));
         }
+        let mut dw = if looped_dw { vec![T::zero(); w.len()] } else { Vec::new() };
         let strided = !s.unit_stride();
         let col2vol = strided && want.dx;
         if !(looped_dw || col2vol) {

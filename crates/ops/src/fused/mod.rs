@@ -434,11 +434,22 @@ fn nan_max<T: Elem>(m: T, v: T) -> T {
 /// Sums `n_rows` rows' contributions of width `width` (from `row(i, out)`, which adds row i into
 /// `out`) in fixed chunks of rows, the chunks' partial sums then added in order.
 fn sum_rows<T: Elem>(n_rows: usize, width: usize, row: impl Fn(usize, &mut [T]) + Sync) -> Vec<T> {
-    let partials: Vec<Vec<T>> = (0..n_rows.div_ceil(CHUNK_ROWS))
+    sum_chunks(n_rows, CHUNK_ROWS, width, row)
+}
+
+/// [`sum_rows`] in chunks of `chunk` rows: fixed by the caller, not by the threads, so the sums'
+/// order is too.
+fn sum_chunks<T: Elem>(
+    n_rows: usize,
+    chunk: usize,
+    width: usize,
+    row: impl Fn(usize, &mut [T]) + Sync,
+) -> Vec<T> {
+    let partials: Vec<Vec<T>> = (0..n_rows.div_ceil(chunk))
         .into_par_iter()
         .map(|c| {
             let mut acc = vec![T::zero(); width];
-            (c * CHUNK_ROWS..((c + 1) * CHUNK_ROWS).min(n_rows)).for_each(|i| row(i, &mut acc));
+            (c * chunk..((c + 1) * chunk).min(n_rows)).for_each(|i| row(i, &mut acc));
             acc
         })
         .collect();

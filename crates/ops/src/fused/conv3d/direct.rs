@@ -687,6 +687,22 @@ unsafe fn grad<S: Simd, const NV: usize, const KW: usize, const G: usize, const 
     }
 }
 
+/// `$f::<A, B, C, SX>` as a `$ty` for the run-time sizes `($a, $b, $c, $sx)`, if (A, B, C) is
+/// one of the listed instances (each with a column stride SX of 1 and of 2).
+#[cfg(target_arch = "x86_64")]
+macro_rules! instance {
+    ($ty:ty, $f:ident, ($a:expr, $b:expr, $c:expr, $sx:expr):
+     $(($x:literal, $y:literal, $z:literal)),+) => {
+        match ($a, $b, $c, $sx) {
+            $(
+                ($x, $y, $z, 1) => Some($f::<$x, $y, $z, 1> as $ty),
+                ($x, $y, $z, 2) => Some($f::<$x, $y, $z, 2> as $ty),
+            )+
+            _ => None,
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{grad, tile, GradArgs, GradFn, Isa, Simd, TileArgs, TileFn};
@@ -786,19 +802,8 @@ mod x86 {
     /// The instance of the weight-gradient kernel for these sizes ([`super::WeightPlan::of`]
     /// makes no others: the rows that fit its accumulators).
     pub(super) fn grad_fn(isa: Isa, nv: usize, kw: usize, g: usize, sx: usize) -> GradFn {
-        macro_rules! pick {
-            ($f:ident: $(($nv:literal, $kw:literal, $g:literal)),+) => {
-                match (nv, kw, g, sx) {
-                    $(
-                        ($nv, $kw, $g, 1) => $f::<$nv, $kw, $g, 1> as GradFn,
-                        ($nv, $kw, $g, 2) => $f::<$nv, $kw, $g, 2> as GradFn,
-                    )+
-                    _ => unreachable!("no {isa:?} weight gradient {nv} x {kw} x {g}, stride {sx}"),
-                }
-            };
-        }
         match isa {
-            Isa::Avx512 => pick!(grad512:
+            Isa::Avx512 => instance!(GradFn, grad512, (nv, kw, g, sx):
                 (1, 1, 1), (1, 1, 2), (1, 1, 3), (1, 1, 4), (1, 1, 8),
                 (1, 2, 1), (1, 2, 2), (1, 2, 3), (1, 2, 4), (1, 2, 8),
                 (1, 3, 1), (1, 3, 2), (1, 3, 3), (1, 3, 4), (1, 3, 8),
@@ -807,7 +812,7 @@ mod x86 {
                 (2, 2, 1), (2, 2, 2), (2, 2, 3), (2, 2, 4),
                 (2, 3, 1), (2, 3, 2), (2, 3, 3), (2, 3, 4),
                 (2, 7, 1), (2, 7, 2)),
-            Isa::Avx2 => pick!(grad2:
+            Isa::Avx2 => instance!(GradFn, grad2, (nv, kw, g, sx):
                 (1, 1, 1), (1, 1, 2), (1, 1, 3), (1, 1, 4), (1, 1, 8),
                 (1, 2, 1), (1, 2, 2), (1, 2, 3), (1, 2, 4),
                 (1, 3, 1), (1, 3, 2), (1, 3, 3), (1, 3, 4),
@@ -816,28 +821,21 @@ mod x86 {
                 (2, 2, 1), (2, 2, 2), (2, 2, 3),
                 (2, 3, 1), (2, 3, 2)),
         }
+        .unwrap_or_else(|| {
+            unreachable!("no {isa:?} weight gradient {nv} x {kw} x {g}, stride {sx}")
+        })
     }
 
     /// The instance of the tile for these sizes ([`super::Plan::of`] makes no others).
     pub(super) fn tile_fn(isa: Isa, nv: usize, r: usize, q: usize, sx: usize) -> TileFn {
-        macro_rules! pick {
-            ($f:ident: $(($nv:literal, $r:literal, $q:literal)),+) => {
-                match (nv, r, q, sx) {
-                    $(
-                        ($nv, $r, $q, 1) => $f::<$nv, $r, $q, 1> as TileFn,
-                        ($nv, $r, $q, 2) => $f::<$nv, $r, $q, 2> as TileFn,
-                    )+
-                    _ => unreachable!("no {isa:?} tile of {nv} x {r} x {q}, stride {sx}"),
-                }
-            };
-        }
         match isa {
-            Isa::Avx512 => pick!(avx512:
+            Isa::Avx512 => instance!(TileFn, avx512, (nv, r, q, sx):
                 (1, 1, 8), (1, 2, 8), (1, 3, 8), (2, 1, 8),
                 (1, 1, 4), (1, 2, 4), (1, 3, 4), (2, 1, 4), (2, 2, 4), (2, 3, 4)),
-            Isa::Avx2 => pick!(avx2:
+            Isa::Avx2 => instance!(TileFn, avx2, (nv, r, q, sx):
                 (1, 1, 8), (1, 1, 4), (1, 2, 4), (1, 3, 4), (2, 1, 4)),
         }
+        .unwrap_or_else(|| unreachable!("no {isa:?} tile of {nv} x {r} x {q}, stride {sx}"))
     }
 }
 
