@@ -43,11 +43,15 @@ CONVS = [
 ]
 
 
-def median_seconds(f, reps):
+def median_seconds(f, reps, setup=lambda: None):
+    """The median time of `reps` calls of `f` after two not counted, each after `setup` (not
+    timed)."""
     for _ in range(2):
+        setup()
         f()
     times = []
     for _ in range(reps):
+        setup()
         start = time.perf_counter()
         f()
         times.append(time.perf_counter() - start)
@@ -90,7 +94,14 @@ def time_convs(path, reps):
             ]
             y = op(*ts)
             grad = torch.randn_like(y)
-            return median_seconds(lambda: y.backward(grad, retain_graph=True), reps) * 1e3
+
+            # Each backward writes a fresh gradient, as ours does, rather than adding into the
+            # last one's.
+            def clear():
+                for t in ts:
+                    t.grad = None
+
+            return median_seconds(lambda: y.backward(grad, retain_graph=True), reps, clear) * 1e3
 
         with torch.no_grad():
             forward = median_seconds(lambda: op(*operands), reps) * 1e3

@@ -46,14 +46,16 @@ pub fn time(call: &ConvCall, device: &Device, reps: usize) -> Result<ConvTimes> 
             })
             .collect()
     };
-    let forward_ms = median_ms(reps, || call.call(&operands))?;
+    let forward_ms = median_ms(reps, || Ok(()), |()| call.call(&operands))?;
     // From a gradient of the output's shape, as a stage's backward hands it on (a `sum` as the
-    // loss would time candle materialising its broadcast gradient, slower than the convolution).
+    // loss would time candle materialising its broadcast gradient, slower than the convolution),
+    // a fresh copy each time as a model's backward hands on its own: one shared with the caller
+    // is copied again when the backward stores it (an 8 MiB copy in a timed 1x1 convolution).
     let backward_ms = |data_vars: bool| -> Result<f64> {
         let y = call.call(&with_vars(data_vars)?)?;
         let values = RngKey::named(7, "output gradient").normal(y.elem_count(), 0.0, 1.0);
         let grad = Tensor::from_vec(values, y.shape(), device)?.to_dtype(y.dtype())?;
-        median_ms(reps, || remat::exec::seed(&y, grad.clone())?.backward())
+        median_ms(reps, || Ok(grad.copy()?), |g| remat::exec::seed(&y, g)?.backward())
     };
     let input_grad_ms = match call.needs_input_gradient() {
         true => Some(backward_ms(true)?),
@@ -62,15 +64,21 @@ pub fn time(call: &ConvCall, device: &Device, reps: usize) -> Result<ConvTimes> 
     Ok(ConvTimes { forward_ms, input_grad_ms, weight_grad_ms: backward_ms(false)? })
 }
 
-/// The median of `reps` runs of `f` in milliseconds, after two runs not counted.
-fn median_ms<T>(reps: usize, mut f: impl FnMut() -> candle_core::Result<T>) -> Result<f64> {
+/// The median of `reps` runs of `f` in milliseconds, each on what `setup` makes for it (not
+/// timed), after two runs not counted.
+fn median_ms<S, T>(
+    reps: usize,
+    mut setup: impl FnMut() -> Result<S>,
+    mut f: impl FnMut(S) -> candle_core::Result<T>,
+) -> Result<f64> {
     for _ in 0..2 {
-        f()?;
+        f(setup()?)?;
     }
     let mut ms = Vec::with_capacity(reps);
     for _ in 0..reps.max(1) {
+        let operands = setup()?;
         let start = Instant::now();
-        f()?;
+        f(operands)?;
         ms.push(start.elapsed().as_secs_f64() * 1e3);
     }
     Ok(Spread::of(ms).map_or(f64::NAN, |s| s.median))

@@ -650,6 +650,45 @@ impl Conv3dShape {
         self.stride == [1; 3] && (0..3).all(|a| self.pad[a] < self.kernel[a])
     }
 
+    /// Where this is a strided 1x1x1 kernel without padding (ResNet's downsampling shortcuts):
+    /// the pointwise convolution of the voxels it reads, every stride-th, which [`Self::subsample`]
+    /// gathers (through the operand matrix, a patch per voxel, it took 2x oneDNN's time).
+    fn subsampled(&self) -> Option<Conv3dShape> {
+        let strided = self.kernel == [1; 3] && self.pad == [0; 3] && self.stride != [1; 3];
+        strided.then_some(Conv3dShape { input: self.output, stride: [1; 3], ..*self })
+    }
+
+    /// The voxels of x (N, C, input) that a strided 1x1x1 kernel reads: (N, C, output).
+    fn subsample<T: Elem>(&self, x: Input<T>) -> Vec<T> {
+        let ([_, h, w], [_, oh, ow], [sd, sh, sw]) = (self.input, self.output, self.stride);
+        let cols = self.cols();
+        // SAFETY: each task writes every voxel of its channel.
+        let mut out = unsafe { uninit(self.n * self.c * cols) };
+        out.par_chunks_mut(cols).enumerate().for_each(|(i, dst)| {
+            let src = x.channel(i / self.c, i % self.c, self.c, self.volume());
+            for (r, row) in dst.chunks_mut(ow).enumerate() {
+                let from = src[((r / oh * sd) * h + r % oh * sh) * w..].iter().step_by(sw);
+                row.iter_mut().zip(from).for_each(|(d, &v)| *d = v);
+            }
+        });
+        out
+    }
+
+    /// The input gradient (N, C, input) of a strided 1x1x1 kernel from that of the voxels it read,
+    /// `dxs` (N, C, output): each in its place, zero elsewhere.
+    fn spread<T: Elem>(&self, dxs: &[T]) -> Vec<T> {
+        let ([_, h, w], [_, oh, ow], [sd, sh, sw]) = (self.input, self.output, self.stride);
+        let (cols, volume) = (self.cols(), self.volume());
+        let mut dx = vec![T::zero(); self.n * self.c * volume];
+        dx.par_chunks_mut(volume).zip(dxs.par_chunks(cols)).for_each(|(dst, src)| {
+            for (r, row) in src.chunks(ow).enumerate() {
+                let to = dst[((r / oh * sd) * h + r % oh * sh) * w..].iter_mut().step_by(sw);
+                to.zip(row).for_each(|(d, &g)| *d = g);
+            }
+        });
+        dx
+    }
+
     /// The convolution that gives this one's input gradient, where [`Self::unit_stride`]: of the
     /// output gradient (N, O, output) with the kernel [`Self::flipped`], padded by
     /// `kernel - 1 - pad` on each side, its output the input's size. One matrix product of depth
@@ -667,13 +706,14 @@ impl Conv3dShape {
         }
     }
 
-    /// The convolution of x (N, C, input) with `wk`, the kernel as [`Self::kernel`] gives it:
-    /// (N, O, output), as one tensor per part of the output channels, `parts` of them (O in all).
-    /// Pointwise, a product per sample straight into the output; else per block, its operand
-    /// matrix built in one workspace and multiplied by each part's rows of the kernel: a block of
-    /// one sample's voxels straight into the output, a block of several samples into a second
-    /// workspace, copied out sample by sample.
-    fn convolve<T: Elem>(&self, x: Input<T>, wk: &[T], parts: &[usize]) -> Vec<Vec<T>> {
+    /// The convolution of x (N, C, input) with w (O, C, kd, kh, kw), or with `flip` with the
+    /// kernel of the convolution whose input gradient this is ([`Self::kernel`]): (N, O, output),
+    /// as one tensor per part of the output channels, `parts` of them (O in all). Pointwise, a
+    /// product per sample straight into the output; else per block, its operand matrix built in
+    /// one workspace and multiplied by each part's rows of the kernel: a block of one sample's
+    /// voxels straight into the output, a block of several samples into a second workspace,
+    /// copied out sample by sample.
+    fn convolve<T: Elem>(&self, x: Input<T>, w: &[T], flip: bool, parts: &[usize]) -> Vec<Vec<T>> {
         let (cols, rows) = (self.cols(), self.rows());
         let ranges = self.part_ranges(parts);
         // SAFETY: every output element is written by exactly one product or copy below.
@@ -682,9 +722,10 @@ impl Conv3dShape {
         let joined = self.joined(x);
         let x = joined.as_deref().map_or(x, |x| Input::whole(x, self.c));
         if self.pointwise() {
-            self.convolve_pointwise(x, wk, &ranges, &mut ys);
+            self.convolve_pointwise(x, w, flip, &ranges, &mut ys);
             return ys;
         }
+        let wk = self.kernel(w, flip);
         let blocks = self.blocks();
         let widest = self.widest(&blocks);
         // SAFETY: `operand` writes the part of `buf` a block reads; a product writes the part of
@@ -751,8 +792,11 @@ impl Conv3dShape {
         flip: bool,
         parts: &[usize],
     ) -> Vec<Vec<T>> {
+        if let Some(sub) = self.subsampled() {
+            return sub.convolve_any(Input::whole(&self.subsample(x), self.c), w, flip, parts);
+        }
         self.convolve_directly(x, w, flip, parts)
-            .unwrap_or_else(|| self.convolve(x, &self.kernel(w, flip), parts))
+            .unwrap_or_else(|| self.convolve(x, w, flip, parts))
     }
 
     fn convolve_directly<T: Elem>(
@@ -795,18 +839,30 @@ impl Conv3dShape {
         ranges
     }
 
+    /// Output channels `r` of a pointwise kernel, an (r.len(), C) operand: rows of w (O, C), or
+    /// with `flip` columns of the kernel w (C, O) of the convolution whose input gradient this
+    /// is, read in place as its transpose (copied, it took a third of ResNet's last pointwise
+    /// input gradients).
+    fn pointwise_rows<'w, T>(&self, w: &'w [T], flip: bool, r: &Range<usize>) -> super::Mat<'w, T> {
+        match flip {
+            true => mat(&w[r.start..], true).ld(self.o),
+            false => mat(&w[r.start * self.c..r.end * self.c], false),
+        }
+    }
+
     /// [`Self::convolve`] of a pointwise convolution: a product per sample straight into each
     /// part of the output, `ys`, whose channels `ranges` gives.
     fn convolve_pointwise<T: Elem>(
         &self,
         x: Input<T>,
-        wk: &[T],
+        w: &[T],
+        flip: bool,
         ranges: &[Range<usize>],
         ys: &mut [Vec<T>],
     ) {
         let cols = self.cols();
         if cols < FEW_VOXELS / 4 {
-            return self.convolve_pointwise_gathered(x, wk, ranges, ys);
+            return self.convolve_pointwise_gathered(x, w, flip, ranges, ys);
         }
         for (y, r) in ys.iter_mut().zip(ranges) {
             let o = r.len();
@@ -815,8 +871,8 @@ impl Conv3dShape {
             // waiting for the other thread as multiplying.
             let xs = x.first.par_chunks(self.c * cols);
             y.par_chunks_mut(o * cols).zip(xs).for_each(|(y_n, x_n)| {
-                // (o, DHW) = wk's rows (o, C) @ x_n (C, DHW)
-                let wk = mat(&wk[r.start * self.c..r.end * self.c], false);
+                // (o, DHW) = the kernel's rows (o, C) @ x_n (C, DHW)
+                let wk = self.pointwise_rows(w, flip, r);
                 matmul_alone(y_n, wk, mat(x_n, false), (o, self.c, cols), false);
             });
         }
@@ -828,7 +884,8 @@ impl Conv3dShape {
     fn convolve_pointwise_gathered<T: Elem>(
         &self,
         x: Input<T>,
-        wk: &[T],
+        w: &[T],
+        flip: bool,
         ranges: &[Range<usize>],
         ys: &mut [Vec<T>],
     ) {
@@ -843,8 +900,8 @@ impl Conv3dShape {
             gather(x.first, (self.c, cols), 0..cols, samples.clone(), &mut xs);
             for (y, r) in ys.iter_mut().zip(ranges) {
                 let (o, out) = (r.len(), &mut out[..r.len() * width]);
-                let wk = mat(&wk[r.start * self.c..r.end * self.c], false);
-                // (o, samples x DHW) = wk's rows (o, C) @ xs (C, samples x DHW)
+                let wk = self.pointwise_rows(w, flip, r);
+                // (o, samples x DHW) = the kernel's rows (o, C) @ xs (C, samples x DHW)
                 matmul(out, wk, mat(&xs[..self.c * width], false), (o, self.c, width), false);
                 scatter(out, (o, cols), 0..cols, samples.clone(), y);
             }
@@ -1045,6 +1102,17 @@ impl Conv3dOp {
         // dW directly where the direct kernels take it, else by matrix products: per sample for
         // a pointwise kernel, else in the blocks' loop, which makes dx too where the stride is
         // not one.
+        if let Some(sub) = s.subsampled() {
+            let dw = match want.dw {
+                true => sub.pointwise_weight_gradient(&s.subsample(x), gy),
+                false => Vec::new(),
+            };
+            if !want.dx {
+                return Ok((Vec::new(), dw));
+            }
+            let dxs = sub.transposed().convolve_any(Input::whole(gy, s.o), w, true, &[s.c]);
+            return Ok((self.split_by_parts(s.spread(&dxs[0])), dw));
+        }
         let direct_dw = if want.dw { s.weight_gradient_directly(x, gy) } else { None };
         let looped_dw = want.dw && direct_dw.is_none();
         let transposed_dx = || {

@@ -116,6 +116,12 @@ fn conv3d_input_and_weight() -> Result<()> {
             [4, 3, 1, 1, 1],
             Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: 0, pad_hw: 0 },
         ),
+        // Strided pointwise: the pointwise convolution of every stride-th voxel, odd sides.
+        (
+            [2, 3, 5, 5, 5],
+            [4, 3, 1, 1, 1],
+            Conv3dGeometry { stride_d: 2, stride_hw: 2, pad_d: 0, pad_hw: 0 },
+        ),
     ];
     for (xs, ws, g) in cases {
         let (x, w) = (normal("x", &xs, 0.0, 1.0)?, normal("w", &ws, 0.0, 1.0)?);
@@ -153,6 +159,7 @@ fn conv2d_input_and_weight() -> Result<()> {
         ([2, 2, 5, 6], [3, 2, 3, 3], 1, 1),
         ([2, 4, 3, 5], [3, 4, 1, 1], 0, 1),
         ([1, 4, 6, 6], [2, 4, 1, 1], 0, 2),
+        ([2, 3, 7, 5], [2, 3, 1, 1], 0, 2),
     ];
     for (xs, ws, pad, stride) in cases {
         let (x, w) = (normal("x", &xs, 0.0, 1.0)?, normal("w", &ws, 0.0, 1.0)?);
