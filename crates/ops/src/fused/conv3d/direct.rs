@@ -207,17 +207,21 @@ impl Shared {
     }
 }
 
-/// Packed (O / T, C, taps, T) back as w (O, C, taps) stores it: a task per output channel, its
-/// lane of each (taps, T) block read a stride T apart.
+/// Packed (O / T, C, taps, T) back as w (O, C, taps) stores it: a task per tile of T output
+/// channels, reading its packed entries in order and writing its channels' rows side by side (a
+/// task per output channel read every entry a stride T apart: a tenth of a weight gradient).
 fn unpack(s: &Conv3dShape, t: usize, packed: &[f32]) -> Vec<f32> {
     let per_channel = s.rows();
-    // SAFETY: each task writes every entry of its output channel.
+    // SAFETY: each task writes every entry of its output channels.
     let mut dw = unsafe { super::super::uninit(s.o * per_channel) };
-    dw.par_chunks_mut(per_channel).enumerate().for_each(|(o, dst)| {
-        let (tile, lane) = (o / t, o % t);
-        let src = packed[tile * per_channel * t + lane..].iter().step_by(t);
-        dst.iter_mut().zip(src).for_each(|(d, &v)| *d = v);
-    });
+    dw.par_chunks_mut(t * per_channel).zip(packed.par_chunks(t * per_channel)).for_each(
+        |(dst, src)| {
+            for (i, lanes) in src.chunks_exact(t).enumerate() {
+                let rows = dst[i..].iter_mut().step_by(per_channel);
+                rows.zip(lanes).for_each(|(d, &v)| *d = v);
+            }
+        },
+    );
     dw
 }
 
