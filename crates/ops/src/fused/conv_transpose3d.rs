@@ -137,9 +137,7 @@ impl ConvTranspose3dOp {
             .into_par_iter()
             .map(|oc| {
                 let sample = |n: usize| &gy[(n * self.o + oc) * per_channel..][..per_channel];
-                (0..self.n)
-                    .map(|n| sample(n).iter().copied().sum::<T>())
-                    .fold(T::zero(), |a, b| a + b)
+                (0..self.n).map(|n| super::sum_lanes(sample(n))).fold(T::zero(), |a, b| a + b)
             })
             .collect();
         let dims = (self.n, self.c, self.o, self.input);

@@ -431,6 +431,21 @@ fn nan_max<T: Elem>(m: T, v: T) -> T {
     }
 }
 
+/// The sum of `xs` as `LANES` interleaved partial sums added in order at the end: one fixed order,
+/// which vectorises, where a single running sum waits for each addition in turn (the
+/// up-convolution's bias gradient, summed so, took as long as its input gradient).
+fn sum_lanes<T: Elem>(xs: &[T]) -> T {
+    const LANES: usize = 16;
+    let mut acc = [T::zero(); LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        acc.iter_mut().zip(chunk).for_each(|(a, &v)| *a += v);
+    }
+    acc.iter_mut().zip(rest).for_each(|(a, &v)| *a += v);
+    acc.into_iter().fold(T::zero(), |s, a| s + a)
+}
+
 /// Sums `n_rows` rows' contributions of width `width` (from `row(i, out)`, which adds row i into
 /// `out`) in fixed chunks of rows, the chunks' partial sums then added in order.
 fn sum_rows<T: Elem>(n_rows: usize, width: usize, row: impl Fn(usize, &mut [T]) + Sync) -> Vec<T> {
