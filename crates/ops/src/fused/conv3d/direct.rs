@@ -160,15 +160,22 @@ pub(super) fn weight_gradient(
 ) -> Vec<f32> {
     let (t, kw) = (plan.channels(), s.kernel[2]);
     let (tiles_o, taps, rows) = (s.o.div_ceil(t), s.rows() / s.c, s.c * s.kernel[0] * s.kernel[1]);
-    let mut packed = vec![0f32; tiles_o * s.c * taps * t];
     let slab = SlabShape::new(s, 1, tiles_o * t);
     let runs = rows.div_ceil(plan.groups);
+    // Where that leaves few tasks (the U-Net's first convolution, of one input channel, has 3),
+    // each block's lines are split into parts, each part's sums kept apart and the parts added
+    // in order at the end: the split is fixed by the shapes, so the bits do not depend on the
+    // threads.
+    let parts = MIN_TASKS.div_ceil(tiles_o * runs);
+    let size = tiles_o * s.c * taps * t;
+    let mut packed = vec![0f32; parts * size];
     for block in slab.blocks(s) {
         let data = slab.fill(s, x, &block);
         let (lines, gyt) = (slab.lines(s, &block), transposed(s, t, gy, &block));
         let channel = slab.channel(s, &block);
         let sums = Shared(packed.as_mut_ptr());
-        (0..tiles_o * runs).into_par_iter().for_each(|task| {
+        (0..tiles_o * runs * parts).into_par_iter().for_each(|task| {
+            let (part, task) = (task % parts, task / parts);
             let (tile, first) = (task / runs, (task % runs) * plan.groups);
             let groups = plan.groups.min(rows - first);
             let mut args = GradArgs {
@@ -177,22 +184,29 @@ pub(super) fn weight_gradient(
                 gy: gyt[tile * t..].as_ptr(),
                 ld: tiles_o * t,
                 dw: [std::ptr::null_mut(); 8],
-                lines: &lines,
+                lines: &lines[part * lines.len() / parts..(part + 1) * lines.len() / parts],
                 ow: s.output[2],
             };
             for (g, row) in (first..first + groups).enumerate() {
                 let (c, a, b) =
                     (row / (rows / s.c), (row / s.kernel[1]) % s.kernel[0], row % s.kernel[1]);
                 args.groups[g] = c * channel + (a * slab.rows + b) * slab.width;
-                args.dw[g] = sums.at((tile * s.c * taps + row * kw) * t);
+                args.dw[g] = sums.at(part * size + (tile * s.c * taps + row * kw) * t);
             }
             // SAFETY: the slab holds every element a line's taps read, `gyt` a T-wide run of
-            // every voxel, and this task alone adds into its rows' taps of its tile.
+            // every voxel, and this task alone adds into its part's rows' taps of its tile.
             unsafe { grad_fn(plan, kw, groups, s.stride[2])(&args) };
         });
     }
-    unpack(s, t, &packed)
+    let (sum, rest) = packed.split_at_mut(size);
+    for part in rest.chunks_exact(size) {
+        sum.iter_mut().zip(part).for_each(|(a, &b)| *a += b);
+    }
+    unpack(s, t, sum)
 }
+
+/// Tasks a weight gradient's block is split into at least: a few per thread.
+const MIN_TASKS: usize = 8;
 
 /// A pointer the tasks share, each writing its own elements.
 struct Shared(*mut f32);
