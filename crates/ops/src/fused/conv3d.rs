@@ -1,8 +1,9 @@
 //! 3D convolution: in f32 on AVX2 or AVX-512 directly ([`direct`]: forward, unit-stride input
 //! gradient and weight gradient of every kernel but 1x1x1); else by an operand matrix built in
 //! blocks (the column matrix, or for 8 or more input channels the patch matrix) and a matrix
-//! product per block, none built for a pointwise kernel. Its input gradient a convolution too
-//! where the stride is one: keeps its input and output only.
+//! product per block, none built for a 1x1x1 kernel (strided, of the voxels it reads, taken out
+//! first). Its input gradient a convolution too where the stride is one: keeps its input and
+//! output only.
 //! Its input may come in two tensors whose channels side by side are the input (a U-Net decoder's
 //! skip and up-sampled tensors): the concatenation is never made, nor kept.
 
