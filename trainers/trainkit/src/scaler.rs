@@ -62,16 +62,19 @@ impl Default for LossScaler {
 }
 
 /// Whether every gradient of `vars` in `grads` is finite (a sum per gradient: an infinity or a
-/// NaN anywhere makes it non-finite).
+/// NaN anywhere makes it non-finite). The gradients side by side on the threads: a sum runs on
+/// one, and one after the other they were 2% of a ResNet-152 step with the other core idle.
 pub(crate) fn all_finite(grads: &GradStore, vars: &[candle_core::Var]) -> Result<bool> {
-    for v in vars {
-        if let Some(g) = grads.get(v) {
-            if !g.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.is_finite() {
-                return Ok(false);
-            }
-        }
-    }
-    Ok(true)
+    use rayon::prelude::*;
+    let finite = |g: &candle_core::Tensor| -> Result<bool> {
+        Ok(g.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.is_finite())
+    };
+    let not_finite = vars
+        .par_iter()
+        .filter_map(|v| grads.get(v))
+        .map(|g| finite(g).map(|ok| !ok))
+        .find_any(|r| !matches!(r, Ok(false)));
+    Ok(!not_finite.transpose()?.unwrap_or(false))
 }
 
 #[cfg(test)]

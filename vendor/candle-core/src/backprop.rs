@@ -179,7 +179,16 @@ impl Tensor {
             // the backprop graph of the backprop itself. This would be an issue for second order
             // derivatives but these are out of scope at the moment.
             let do_not_detach = CANDLE_GRAD_DO_NOT_DETACH.with(|b| *b);
-            let grad = if do_not_detach { grad } else { grad.detach() };
+            // The removed handle is dropped once detached, and `Reshape` and `Copy` hand the
+            // gradient itself on: a view it is the only holder of is then stored as it is
+            // (`GradStore::accumulate`) rather than copied. (Patched into this vendored copy.)
+            let grad = if do_not_detach {
+                grad
+            } else {
+                let detached = grad.detach();
+                drop(grad);
+                detached
+            };
             if let Some(op) = node.op() {
                 match op {
                     Op::Binary(lhs, rhs, BinaryOp::Add) => {
@@ -533,9 +542,7 @@ impl Tensor {
                     Op::ToDType(arg) => {
                         grads.accumulate(arg, grad.to_dtype(arg.dtype())?)?
                     }
-                    Op::Copy(arg) => {
-                        grads.accumulate(arg, grad.clone())?
-                    }
+                    Op::Copy(arg) => grads.accumulate(arg, grad)?,
                     Op::Affine { arg, mul, .. } => {
                         let arg_grad = grad.affine(*mul, 0.)?;
                         grads.accumulate(arg, arg_grad)?
@@ -606,6 +613,7 @@ impl Tensor {
                     | Op::Cmp(_, _) => {}
                     Op::Reshape(arg) => {
                         let arg_grad = grad.reshape(arg.dims())?;
+                        drop(grad);
                         grads.accumulate(arg, arg_grad)?
                     }
                     Op::Unary(_, UnaryOp::Ceil) => Err(Error::BackwardNotSupported { op: "ceil" })?,

@@ -931,18 +931,18 @@ impl Conv3dShape {
                 matmul_alone(sum, g_n, x_n, (self.o, cols, self.c), true);
             });
         }
-        let mut dw = vec![T::zero(); self.o * self.c];
         let run = self.samples_per_run(self.c + self.o);
-        // SAFETY: the gathers write what the product reads.
-        let (mut gs, mut xs) =
-            unsafe { (uninit(self.o * run * cols), uninit(self.c * run * cols)) };
+        // SAFETY: the gathers write what the product reads, the first product all of dw.
+        let (mut dw, mut gs, mut xs) = unsafe {
+            (uninit(self.o * self.c), uninit(self.o * run * cols), uninit(self.c * run * cols))
+        };
         for n0 in (0..self.n).step_by(run) {
             let samples = n0..(n0 + run).min(self.n);
             let width = samples.len() * cols;
             gather(gy, (self.o, cols), 0..cols, samples.clone(), &mut gs);
             gather(x, (self.c, cols), 0..cols, samples, &mut xs);
             let (g, x) = (mat(&gs[..self.o * width], false), mat(&xs[..self.c * width], true));
-            matmul(&mut dw, g, x, (self.o, width, self.c), true);
+            matmul(&mut dw, g, x, (self.o, width, self.c), n0 > 0);
         }
         dw
     }

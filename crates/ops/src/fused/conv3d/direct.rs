@@ -168,8 +168,9 @@ pub(super) fn weight_gradient(
     // threads.
     let parts = MIN_TASKS.div_ceil(tiles_o * runs);
     let size = tiles_o * s.c * taps * t;
-    let mut packed = vec![0f32; parts * size];
-    for block in slab.blocks(s) {
+    // SAFETY: the first block's tasks write every entry (each part's tiles x rows x kw x T).
+    let mut packed = unsafe { super::super::uninit(parts * size) };
+    for (i, block) in slab.blocks(s).into_iter().enumerate() {
         let data = slab.fill(s, x, &block);
         let (lines, gyt) = (slab.lines(s, &block), transposed(s, t, gy, &block));
         let channel = slab.channel(s, &block);
@@ -184,6 +185,7 @@ pub(super) fn weight_gradient(
                 gy: gyt[tile * t..].as_ptr(),
                 ld: tiles_o * t,
                 dw: [std::ptr::null_mut(); 8],
+                fresh: i == 0,
                 lines: &lines[part * lines.len() / parts..(part + 1) * lines.len() / parts],
                 ow: s.output[2],
             };
@@ -491,6 +493,9 @@ struct TileArgs<'a> {
     row: usize,
     /// Each tap's offset from the tile's input start.
     taps: &'a [usize],
+    /// Each kernel row's first tap's offset, and the elements from there to the row's last read.
+    kernel_rows: &'a [usize],
+    span: usize,
     w: *const f32,
     c: usize,
 }
@@ -511,6 +516,8 @@ fn run_block(
 ) {
     let [_, oh, ow] = s.output;
     let (t, taps) = (plan.channels(), slab.taps(s));
+    let kernel_rows: Vec<usize> = taps.iter().copied().step_by(s.kernel[2]).collect();
+    let span = (plan.cols - 1) * s.stride[2] + s.kernel[2] - 1;
     let channel = slab.channel(s, b);
     let row_runs = oh.div_ceil(plan.rows);
     let tiles_o = s.o.div_ceil(t);
@@ -531,6 +538,8 @@ fn run_block(
                 channel,
                 row: s.stride[1] * slab.width,
                 taps: &taps,
+                kernel_rows: &kernel_rows,
+                span,
                 w: weights[tile * s.c * taps.len() * t..].as_ptr(),
                 c: s.c,
             };
@@ -560,8 +569,10 @@ struct GradArgs<'a> {
     /// The transposed output gradient at the task's tile, its voxels `ld` apart.
     gy: *const f32,
     ld: usize,
-    /// Each kernel row's sums: kw taps of T lanes.
+    /// Each kernel row's sums: kw taps of T lanes; with `fresh` (the first block) written, not
+    /// added to (zeroing them first was a gradient-sized fill on one thread).
     dw: [*mut f32; 8],
+    fresh: bool,
     lines: &'a [(usize, usize)],
     ow: usize,
 }
@@ -634,11 +645,13 @@ unsafe fn tile<S: Simd, const NV: usize, const R: usize, const Q: usize, const S
         // The channel after next's lines, asked for now: a tile reads a few lines of each
         // channel, a channel's stride apart, which the hardware prefetchers do not foresee (the
         // up-convolution's input gradient, 4 lines per channel, waited on them at 107 GFLOP/s).
+        // A kernel row's taps read the same line or two: asking for each tap's was a fifth of
+        // the tile's instructions.
         let ahead = x.wrapping_add(PREFETCH_CHANNELS * args.channel);
-        for &off in args.taps {
+        for &off in args.kernel_rows {
             for r in 0..R {
                 S::prefetch(ahead.wrapping_add(off + r * args.row));
-                S::prefetch(ahead.wrapping_add(off + r * args.row + (Q - 1) * SX));
+                S::prefetch(ahead.wrapping_add(off + r * args.row + args.span));
             }
         }
         for &off in args.taps {
@@ -669,7 +682,7 @@ unsafe fn tile<S: Simd, const NV: usize, const R: usize, const Q: usize, const S
 
 /// Weight-gradient sums: for every voxel of every line, NV vectors of the output gradient times
 /// the G x KW input elements its taps read, added into G x KW x NV accumulators that start from
-/// and end in the task's sums.
+/// and end in the task's sums (start from zero in the first block).
 ///
 /// # Safety
 /// As [`tile`], for [`weight_gradient`]'s operands.
@@ -678,10 +691,12 @@ unsafe fn grad<S: Simd, const NV: usize, const KW: usize, const G: usize, const 
     args: &GradArgs,
 ) {
     let mut acc = [[[S::zero(); NV]; KW]; G];
-    for (g, acc) in acc.iter_mut().enumerate() {
-        for (k, acc) in acc.iter_mut().enumerate() {
-            for (v, acc) in acc.iter_mut().enumerate() {
-                *acc = S::load(args.dw[g].add((k * NV + v) * S::LANES));
+    if !args.fresh {
+        for (g, acc) in acc.iter_mut().enumerate() {
+            for (k, acc) in acc.iter_mut().enumerate() {
+                for (v, acc) in acc.iter_mut().enumerate() {
+                    *acc = S::load(args.dw[g].add((k * NV + v) * S::LANES));
+                }
             }
         }
     }
