@@ -69,12 +69,12 @@ pub(crate) fn all_finite(grads: &GradStore, vars: &[candle_core::Var]) -> Result
     let finite = |g: &candle_core::Tensor| -> Result<bool> {
         Ok(g.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.is_finite())
     };
-    let not_finite = vars
-        .par_iter()
+    // Any gradient that is not finite, or whose check failed, settles it.
+    vars.par_iter()
         .filter_map(|v| grads.get(v))
-        .map(|g| finite(g).map(|ok| !ok))
-        .find_any(|r| !matches!(r, Ok(false)));
-    Ok(!not_finite.transpose()?.unwrap_or(false))
+        .map(finite)
+        .find_any(|r| !matches!(r, Ok(true)))
+        .unwrap_or(Ok(true))
 }
 
 #[cfg(test)]

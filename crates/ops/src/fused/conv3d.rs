@@ -10,7 +10,7 @@
 use super::generic::{GenericOp, Replay};
 use super::{
     apply2, apply3, exactly, kept_or, mat, matmul, matmul_alone, matmul_strided, operand, shaped,
-    slice, sum_chunks, uninit, widened, widened_as, with_slice, Elem, FusedOp, Operand,
+    slice, sum_chunks, sums, uninit, widened, widened_as, with_slice, Elem, FusedOp, Operand,
 };
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -911,7 +911,7 @@ impl Conv3dShape {
 
     /// Samples whose `channels` x DHW entries fit a block together, at least one.
     fn samples_per_run(&self, channels: usize) -> usize {
-        (self.block_entries / (channels * self.cols()).max(1)).clamp(1, self.n)
+        (self.block_entries / (channels * self.cols()).max(1)).min(self.n).max(1)
     }
 
     /// A pointwise convolution's dW (O, C) += the sum over samples of gy_n (O, DHW) @ x_n^T. A
@@ -934,7 +934,11 @@ impl Conv3dShape {
         let run = self.samples_per_run(self.c + self.o);
         // SAFETY: the gathers write what the product reads, the first product all of dw.
         let (mut dw, mut gs, mut xs) = unsafe {
-            (uninit(self.o * self.c), uninit(self.o * run * cols), uninit(self.c * run * cols))
+            (
+                sums(self.o * self.c, self.n),
+                uninit(self.o * run * cols),
+                uninit(self.c * run * cols),
+            )
         };
         for n0 in (0..self.n).step_by(run) {
             let samples = n0..(n0 + run).min(self.n);

@@ -644,6 +644,19 @@ unsafe fn uninit<T: Elem>(len: usize) -> Vec<T> {
     v
 }
 
+/// `len` sums over `terms` terms whose first term writes them whole (so they need no zeros
+/// first: see [`uninit`]); zeros where there is no term (an empty batch).
+///
+/// # Safety
+/// With terms, the first must write every element before anything reads it.
+unsafe fn sums<T: Elem>(len: usize, terms: usize) -> Vec<T> {
+    match terms {
+        0 => vec![T::zero(); len],
+        // SAFETY: the caller's first term writes every element.
+        _ => unsafe { uninit(len) },
+    }
+}
+
 /// The rate of the matrix product on this machine at its best, in GFLOP/s: a (2048, 2048) @
 /// (2048, 2048) f32 product on candle's threads, the fastest of five after a warm-up. The yardstick
 /// a model's achieved rate is read against (a step is mostly products, most of them smaller).

@@ -168,9 +168,10 @@ pub(super) fn weight_gradient(
     // threads.
     let parts = MIN_TASKS.div_ceil(tiles_o * runs);
     let size = tiles_o * s.c * taps * t;
+    let blocks = slab.blocks(s);
     // SAFETY: the first block's tasks write every entry (each part's tiles x rows x kw x T).
-    let mut packed = unsafe { super::super::uninit(parts * size) };
-    for (i, block) in slab.blocks(s).into_iter().enumerate() {
+    let mut packed = unsafe { super::super::sums(parts * size, blocks.len()) };
+    for (i, block) in blocks.into_iter().enumerate() {
         let data = slab.fill(s, x, &block);
         let (lines, gyt) = (slab.lines(s, &block), transposed(s, t, gy, &block));
         let channel = slab.channel(s, &block);
