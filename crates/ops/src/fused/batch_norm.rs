@@ -239,18 +239,65 @@ fn nan_relu(y: &Tensor) -> Result<Tensor> {
 /// Per-channel mean and biased variance of (N, C, S) data, in f64, two passes; one channel per
 /// task, each summed in a fixed order.
 fn channel_stats<T: Elem>(x: &[T], c: usize, s: usize) -> (Vec<f64>, Vec<f64>) {
-    let n = x.len() / (c * s);
-    let m = (n * s) as f64;
-    let values = |ch: usize| {
-        (0..n).flat_map(move |b| x[(b * c + ch) * s..(b * c + ch + 1) * s].iter().map(|&v| wide(v)))
-    };
+    let m = (x.len() / c) as f64;
     (0..c)
         .into_par_iter()
         .map(|ch| {
-            let mean = values(ch).sum::<f64>() / m;
-            (mean, values(ch).map(|v| (v - mean) * (v - mean)).sum::<f64>() / m)
+            let mut sum = Lanes::<1>::default();
+            channel_blocks(x, ch, c, s).for_each(|x| sum.add([x], |[x]| [wide(x)]));
+            let mean = sum.total()[0] / m;
+            let mut squares = Lanes::<1>::default();
+            channel_blocks(x, ch, c, s)
+                .for_each(|x| squares.add([x], |[x]| [(wide(x) - mean) * (wide(x) - mean)]));
+            (mean, squares.total()[0] / m)
         })
         .unzip()
+}
+
+/// Channel `ch`'s blocks of (N, C, S) data, one per sample, in order.
+fn channel_blocks<T>(t: &[T], ch: usize, c: usize, s: usize) -> impl Iterator<Item = &[T]> {
+    t.chunks_exact(c * s).map(move |sample| &sample[ch * s..][..s])
+}
+
+/// `K` running sums in f64, each as [`LANES`] interleaved partial sums (independent chains the
+/// compiler vectorises, where one running sum waits for each addition in turn) added in a fixed
+/// order at the end: the same bits at any thread count.
+struct Lanes<const K: usize>([[f64; LANES]; K]);
+
+const LANES: usize = 16;
+
+impl<const K: usize> Default for Lanes<K> {
+    fn default() -> Self {
+        Lanes([[0.0; LANES]; K])
+    }
+}
+
+impl<const K: usize> Lanes<K> {
+    /// Adds `term` of the elements at each position of the equally long `inputs`.
+    fn add<T: Elem, const M: usize>(
+        &mut self,
+        inputs: [&[T]; M],
+        term: impl Fn([T; M]) -> [f64; K],
+    ) {
+        let len = inputs[0].len();
+        let inputs = inputs.map(|v| &v[..len]);
+        let full = len / LANES;
+        for i in 0..full {
+            let chunk = inputs.map(|v| &v[i * LANES..][..LANES]);
+            for l in 0..LANES {
+                let t = term(chunk.map(|v| v[l]));
+                (0..K).for_each(|k| self.0[k][l] += t[k]);
+            }
+        }
+        for (l, j) in (full * LANES..len).enumerate() {
+            let t = term(inputs.map(|v| v[j]));
+            (0..K).for_each(|k| self.0[k][l] += t[k]);
+        }
+    }
+
+    fn total(&self) -> [f64; K] {
+        self.0.map(|lanes| lanes.iter().sum())
+    }
 }
 
 #[derive(Clone)]
@@ -315,26 +362,19 @@ impl BatchNormOp {
         let (c, s) = (self.channels, self.spatial);
         let n = x.len() / (c * s);
         let masked = |y: T, g: T| if self.relu && y <= T::zero() { 0.0 } else { wide(g) };
-        // Per channel, in LANES interleaved partial sums (independent chains the compiler can
-        // vectorise) added up in a fixed order: the same bits at any thread count.
-        const LANES: usize = 8;
         let (db, dw): (Vec<f64>, Vec<f64>) = (0..c)
             .into_par_iter()
             .map(|ch| {
-                let (mut db, mut dw, mean) = ([0f64; LANES], [0f64; LANES], self.mean[ch]);
-                for bi in 0..n {
-                    let at = (bi * c + ch) * s;
-                    let (xs, ys, gs) = (&x[at..at + s], &y[at..at + s], &g[at..at + s]);
-                    for ((x, y), g) in xs.chunks(LANES).zip(ys.chunks(LANES)).zip(gs.chunks(LANES))
-                    {
-                        for l in 0..x.len() {
-                            let gi = masked(y[l], g[l]);
-                            db[l] += gi;
-                            dw[l] += gi * (wide(x[l]) - mean);
-                        }
-                    }
+                let (mut sums, mean) = (Lanes::<2>::default(), self.mean[ch]);
+                let blocks = |t| channel_blocks(t, ch, c, s);
+                for ((x, y), g) in blocks(x).zip(blocks(y)).zip(blocks(g)) {
+                    sums.add([x, y, g], |[x, y, g]| {
+                        let g = masked(y, g);
+                        [g, g * (wide(x) - mean)]
+                    });
                 }
-                (db.iter().sum::<f64>(), dw.iter().sum::<f64>() * self.rstd[ch])
+                let [db, dw] = sums.total();
+                (db, dw * self.rstd[ch])
             })
             .unzip();
         let m = (n * s) as f64;
@@ -342,10 +382,12 @@ impl BatchNormOp {
         let fill = |block: usize, dx: &mut [T], dr: Option<&mut [T]>| {
             let (ch, at) = (block % c, block * s);
             let (mean, rstd) = (self.mean[ch], self.rstd[ch]);
+            // k (m g' - db - (x - mean) rstd dw) with k = w rstd / m, as a g' - b (x - mean) - d
             let k = wide(wb[ch]) * rstd / m;
+            let (a, b, d) = (k * m, k * rstd * dw[ch], k * db[ch]);
             let (xs, ys, gs) = (&x[at..at + s], &y[at..at + s], &g[at..at + s]);
-            for (((d, &x), &y), &g) in dx.iter_mut().zip(xs).zip(ys).zip(gs) {
-                *d = elem(k * (m * masked(y, g) - db[ch] - (wide(x) - mean) * rstd * dw[ch]));
+            for (((dx, &x), &y), &g) in dx.iter_mut().zip(xs).zip(ys).zip(gs) {
+                *dx = elem(a * masked(y, g) - b * (wide(x) - mean) - d);
             }
             if let Some(dr) = dr {
                 for ((d, &y), &g) in dr.iter_mut().zip(ys).zip(gs) {
