@@ -1143,10 +1143,11 @@ impl Conv3dOp {
         let widest = s.widest(&blocks);
         let several = blocks.iter().any(|b| b.samples.len() > 1);
         // SAFETY: each block writes the part of each workspace it reads: `operand` writes `buf`,
-        // the gather `g`, the product `dcol`.
+        // the gather `g`, the product `dcol`. The operand matrix only for the weight gradient:
+        // the input gradient's product reads the kernel and the output gradient.
         let (mut buf, mut g, mut dcol) = unsafe {
             (
-                uninit(widest * rows),
+                uninit(if looped_dw { widest * rows } else { 0 }),
                 uninit(if several { s.o * widest } else { 0 }),
                 uninit(if col2vol { rows * widest } else { 0 }),
             )
@@ -1155,9 +1156,9 @@ impl Conv3dOp {
         for b in &blocks {
             let len = s.block_len(b);
             let width = b.samples.len() * len;
-            s.operand(x, &mut xc, b, &mut buf);
             let gb = s.block_gradient(gy, b, &mut g);
             if looped_dw {
+                s.operand(x, &mut xc, b, &mut buf);
                 matmul(&mut dw, gb, s.matrix(&buf[..width * rows]), (s.o, width, rows), true);
                 // += (O, rows) in the layout's order
             }
