@@ -132,8 +132,7 @@ impl MaxPoolOp {
                 let cs = self.window(2, j);
                 let (mut best, mut m) = (cs.start, line[cs.start]);
                 for c in cs {
-                    let wins = line[c] > m || line[c].is_nan();
-                    (best, m) = if wins { (c, line[c]) } else { (best, m) };
+                    (best, m) = if beats(line[c], m) { (c, line[c]) } else { (best, m) };
                 }
                 (max[j], at[j]) = (m, best as u32);
             }
@@ -246,10 +245,17 @@ unsafe fn merge_avx2<T: Elem>(
 fn merge_any<T: Elem>(max: &mut [T], at: &mut [u32], candidates: &[T], candidates_at: &[u32]) {
     let pairs = max.iter_mut().zip(at.iter_mut());
     for ((m, a), (&v, &i)) in pairs.zip(candidates.iter().zip(candidates_at)) {
-        let wins = (v > *m) | v.is_nan();
+        let wins = beats(v, *m);
         *a = if wins { i } else { *a };
         *m = if wins { v } else { *m };
     }
+}
+
+/// Whether `v`, met after `max` in a window, takes its place: it is greater, or a NaN (the last
+/// NaN wins, as PyTorch's kernels). Both compares, `|` not `||`: one select, no branch.
+#[inline(always)]
+fn beats<T: Elem>(v: T, max: T) -> bool {
+    (v > max) | v.is_nan()
 }
 
 #[cfg(test)]
