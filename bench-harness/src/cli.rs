@@ -57,11 +57,11 @@ pub struct Common {
     /// Train every selected model with this optimizer (sgd, adamw, adafactor) instead of its
     /// default (SGD for the ResNets, AdamW for the others).
     #[arg(long)]
-    pub optimizer: Option<model::OptimizerKind>,
+    pub optimizer: Option<trainable::OptimizerKind>,
     /// The dtype activations are computed in (f32, bf16, f16; parameters stay f32); default:
     /// the profile's, f32 but in gpt2-24gb. f16 runs with dynamic loss scaling.
     #[arg(long)]
-    pub dtype: Option<model::Precision>,
+    pub dtype: Option<trainable::Precision>,
     /// Emulate a smaller memory (e.g. 24GiB): on the CPU allocations beyond this much heap fail;
     /// on a GPU the rest of the device memory is held.
     #[arg(long, value_parser = remat::memory::parse_size)]

@@ -8,6 +8,65 @@
 //! the claims ledger); `measure` (one configuration measured in this process); `run` (how the
 //! matrix runs: each configuration in a fresh process, PyTorch beside it, timing rounds). Each
 //! imports only from those before it.
+//!
+//! # Experiments, layer by layer
+//!
+//! Cut by layer, one experiment's code lies in several of those folders. Here is each experiment
+//! (a `--matrix` value, a flag that adds to a matrix, or a command) with its files, layer by
+//! layer; `main.rs` (the commands) and `cli.rs` (the flags) serve them all. Each experiment's
+//! file names its siblings in the other layers; `docs/architecture.md` has the same table.
+//!
+//! | experiment | file | what the file does for it |
+//! |---|---|---|
+//! | `--matrix models` | `workloads.rs` | `profile`: the models; `Workload::policies`: theirs |
+//! | | `run/matrix.rs` | selects, refuses a mixed folder, resumes, runs each, saves |
+//! | | `run/child.rs` | `spawn_one`: a fresh `run-one` process; its record, or `oom`/error |
+//! | | `measure/one.rs` | `run-one`: timed steps, the prediction, the gradient check |
+//! | | `report/record.rs` | `Record`: one configuration's figures |
+//! | | `report/results.rs` | `Matrix`: `matrix.json`, and the questions asked of it |
+//! | | `report/mod.rs` | `save`: every file of the folder; `matrix.csv`, `matrix.md` |
+//! | | `report/table.rs` | `TABLE.md`: the article's table beside ours |
+//! | | `report/plot.rs` | the `tradeoff` and `timelines` figures |
+//! | `--matrix depth` | `workloads.rs` | `depth_sweep`: GPT-2 stacks `depth-<L>`, `off`, `sqrt` |
+//! | | `run/`, `measure/` | as `models`: `matrix.rs`, `child.rs`, `one.rs` |
+//! | | `report/results.rs` | `depth_fits`: the exponent of activation peak against depth |
+//! | | `report/table.rs` | `TABLE.md`'s depth sweep |
+//! | | `report/plot.rs` | the `depth` figure |
+//! | `--matrix all` | | `models` and `depth` (the default) |
+//! | `--rounds`, `--retime` | `run/matrix.rs` | `time_rounds`: the interleaved rounds |
+//! | | `measure/one.rs` | `One::TimeOnly`: the steps timed, nothing else |
+//! | | `report/record.rs` | `Spread`: time / off over the rounds |
+//! | `--dry-run` | `run/matrix.rs` | every configuration predicted in a child and printed |
+//! | | `measure/one.rs` | `One::DryRun`: the planner's prediction, no step |
+//! | projections | `run/projection.rs` | `project_all`: each of the article's models, a process |
+//! | | `measure/projection.rs` | `project-one`: profiled at full size, every policy predicted |
+//! | | `report/record.rs` | `Projection` |
+//! | | `report/projection.rs` | `TABLE.md`'s projections, beside what the folder measured |
+//! | `--matrix gpt2-24gb` | `workloads.rs` | GPT-2 small to XL in each of `STATE_VARIANTS` |
+//! | | `run/gpt2_24gb.rs` | defaults; each predicted, skipped above the cap, else run |
+//! | | `run/projection.rs` | `spawn_projection`: the projection its predictions come from |
+//! | | `run/`, `measure/` | as `models`: `matrix.rs`, `child.rs`, `one.rs` |
+//! | | `measure/projection.rs` | `project-one` at the configuration's own size |
+//! | | `report/record.rs` | `Prediction`: the state by arithmetic, the activations |
+//! | | `report/gpt2_24gb.rs` | its `TABLE.md` and `memory` figure |
+//! | `--baseline pytorch` | `run/baseline.rs` | `scripts/torch_baseline.py` on one configuration |
+//! | | `run/matrix.rs` | `baseline_beside`: PyTorch right after ours, and in the rounds |
+//! | | (`measure/`: none) | the script measures PyTorch |
+//! | | `report/record.rs` | `Baseline`: PyTorch's row |
+//! | | `report/baseline.rs` | side by side in `matrix.md` and `TABLE.md`; GFLOP/s |
+//! | | `report/mod.rs` | PyTorch's rows of `matrix.csv` |
+//! | `--ranks N` | `run/child.rs` | `run-one` under `mpirun` |
+//! | | `measure/one.rs` | all-reduce times, the largest rank's peaks |
+//! | | `report/mod.rs` | `matrix.md`'s ranks table |
+//! | `--fused-path generic` | `run/child.rs` | passes the route to `run-one` |
+//! | | `measure/one.rs` | sets the route; the record names it |
+//! | `--matrix render` | `run/matrix.rs` | reads `matrix.json`, runs nothing |
+//! | | `report/` | `save` and every writer it calls |
+//! | `kernels` | `run/kernels.rs` | the flags; rounds of ours and `scripts/torch_ops.py --convs` |
+//! | | `measure/kernels.rs` | a model's convolutions from its forward; each part timed |
+//! | | `report/kernels.rs` | `KernelReport`: `convs.json` and `convs.md` |
+//! | `selftest` | `measure/selftest.rs` | the device's ops, the meter, `one.rs`'s gradient check |
+//! | `claims` | `report/claims.rs` | `CLAIMS.md`, README's table: queries of results folders |
 
 mod cli;
 mod measure;
@@ -109,7 +168,11 @@ fn main() -> Result<()> {
             measure::projection::project_one(&model, &common)
         }
         Some(Cmd::Selftest { device }) => measure::selftest::selftest(device),
-        Some(Cmd::Claims { dir, check }) => report::claims::run(&dir, check),
+        Some(Cmd::Claims { dir, check }) => {
+            let action =
+                if check { report::claims::Action::Check } else { report::claims::Action::Write };
+            report::claims::run(&dir, action)
+        }
         Some(Cmd::Kernels(args)) => run::kernels::run(&args),
         None => run::matrix::run(cli.matrix),
     }

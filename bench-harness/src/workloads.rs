@@ -4,12 +4,12 @@ use anyhow::Result;
 use bert::Bert;
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
-use model::{Benchable, OptimizerKind, Precision};
 use optim::TrainOptimizer;
 use params::ParamStore;
 use remat::{Policy, StageGraph};
 use resnet::ResNet;
 use std::sync::Arc;
+use trainable::{Benchable, OptimizerKind, Precision};
 use unet3d::UNet3d;
 
 /// The `gpt2-24gb` variant with the optimizer inside backward (f32 activations, AdamW).
@@ -71,15 +71,9 @@ trait Family: std::fmt::Debug {
     fn optimizer(&self) -> OptimizerKind;
     fn step_floor(&self, batch: usize, size: usize) -> (&'static str, Option<u128>);
     fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>>;
-    fn build(
-        &self,
-        batch: usize,
-        size: usize,
-        dtype: Precision,
-        optimizer: OptimizerKind,
-        device: &Device,
-        seed: u64,
-    ) -> Result<Box<dyn Instance>>;
+    /// The model of workload `w` (whose family this is) at its batch, input size, dtype and
+    /// optimizer.
+    fn build(&self, w: &Workload, device: &Device, seed: u64) -> Result<Box<dyn Instance>>;
 }
 
 struct Config<M: Benchable>(M::Config);
@@ -109,17 +103,10 @@ impl<M: Benchable> Family for Config<M> {
     fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>> {
         Ok(M::parameter_shapes(&self.0)?)
     }
-    fn build(
-        &self,
-        batch: usize,
-        size: usize,
-        dtype: Precision,
-        optimizer: OptimizerKind,
-        device: &Device,
-        seed: u64,
-    ) -> Result<Box<dyn Instance>> {
-        let model = M::build(&M::with_dtype(&self.0, dtype), device, seed)?;
-        let data = model.synthetic_data(size, seed)?;
+    fn build(&self, w: &Workload, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
+        let model = M::build(&M::with_dtype(&self.0, w.dtype), device, seed)?;
+        let data = model.synthetic_data(w.input_size, seed)?;
+        let (batch, optimizer) = (w.batch, w.optimizer());
         Ok(Box::new(Built { model, data, batch, optimizer, device: device.clone() }))
     }
 }
@@ -354,7 +341,7 @@ impl Workload {
     }
 
     /// A tensor each of its steps holds whatever the policy, named, in elements
-    /// ([`model::Benchable::step_floor`]).
+    /// ([`trainable::Benchable::step_floor`]).
     pub fn step_floor(&self) -> (&'static str, Option<u128>) {
         self.family.step_floor(self.batch, self.input_size)
     }
@@ -399,7 +386,7 @@ impl Workload {
     }
 
     pub fn build(&self, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
-        self.family.build(self.batch, self.input_size, self.dtype, self.optimizer(), device, seed)
+        self.family.build(self, device, seed)
     }
 }
 
@@ -431,7 +418,7 @@ impl<M: Benchable> Instance for Built<M> {
         group: &'g trainkit::Group,
     ) -> Result<Box<dyn TrainOptimizer + 'g>> {
         trainkit::optimizer(
-            shard,
+            trainkit::parallel::OptimizerState::from_flag(shard),
             group,
             self.optimizer,
             self.model.params().vars(),
@@ -450,7 +437,8 @@ mod tests {
     #[test]
     fn the_state_of_gpt2_xl_by_arithmetic() {
         let shapes =
-            <gpt2::Gpt2 as model::Benchable>::parameter_shapes(&gpt2::Preset::Xl.config()).unwrap();
+            <gpt2::Gpt2 as trainable::Benchable>::parameter_shapes(&gpt2::Preset::Xl.config())
+                .unwrap();
         let n: u64 = shapes.iter().map(|s| s.iter().product::<usize>() as u64).sum();
         assert_eq!(n, 1_557_611_200);
         let total = |(p, g, o): (u64, u64, u64)| p + g + o;

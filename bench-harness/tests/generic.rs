@@ -4,7 +4,7 @@
 //! kernels in what it keeps and within a stated margin in what it holds at its peak.
 
 mod common;
-use common::{out_dir, records, smoke};
+use common::{models_args, out_dir, records, smoke};
 
 /// Bytes held above the step's base when forward ends: what the model keeps for backward.
 fn kept_at_forward_end(r: &serde_json::Value) -> f64 {
@@ -17,19 +17,10 @@ fn kept_at_forward_end(r: &serde_json::Value) -> f64 {
 
 #[test]
 fn the_generic_route_is_measured_and_as_lean_as_the_kernels() {
-    let args = [
-        "--matrix",
-        "models",
-        "--models",
-        "gpt2,bert,resnet,unet3d",
-        "--policies",
-        "off,sqrt",
-        "--rounds",
-        "0",
-    ];
+    let models = "gpt2,bert,resnet,unet3d";
     let (kernel, generic) = (out_dir("generic-kernel"), out_dir("generic-route"));
-    smoke(&kernel, &args);
-    smoke(&generic, &[&args[..], &["--fused-path", "generic"]].concat());
+    smoke(&kernel, &models_args(models, "off,sqrt", &[]));
+    smoke(&generic, &models_args(models, "off,sqrt", &["--fused-path", "generic"]));
     let (k, g) = (records(&kernel), records(&generic));
     assert_eq!(k.len(), 8);
     for (k, g) in k.iter().zip(&g) {

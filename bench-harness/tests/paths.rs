@@ -3,15 +3,12 @@
 //! pytorch` on a machine without torch, and `--return-freed-memory`.
 
 mod common;
-use common::{harness, out_dir, records, smoke};
+use common::{harness, models_args, out_dir, records, smoke};
+use serde_json::Value;
 
 /// `--matrix gpt2-24gb` of `models` under `sqrt` at sequence 16, one timed step, with `extra`
 /// flags, into `dir`: its records (the run must succeed) and its log.
-fn gpt2_24gb(
-    dir: &std::path::Path,
-    models: &str,
-    extra: &[&str],
-) -> (Vec<serde_json::Value>, String) {
+fn gpt2_24gb(dir: &std::path::Path, models: &str, extra: &[&str]) -> (Vec<Value>, String) {
     let args = [
         "--matrix",
         "gpt2-24gb",
@@ -32,6 +29,13 @@ fn gpt2_24gb(
     (records(dir), err)
 }
 
+/// The record of `model` among `recs`, which must be there (else the run's log `err` is shown).
+fn find<'a>(recs: &'a [Value], model: &str, err: &str) -> &'a Value {
+    recs.iter()
+        .find(|r| r["model"] == model)
+        .unwrap_or_else(|| panic!("no record of {model}: {err}"))
+}
+
 /// GPT-2 small, predicted at its size under the 2 GiB cap, runs, and its measured step peak
 /// (the later micro-batches', which hold the tied embedding's partial gradient) is within 3% of
 /// the prediction; GPT-2 medium, predicted above the cap, is skipped and says what it would have
@@ -44,12 +48,7 @@ fn gpt2_24gb_predicts_and_skips_what_cannot_fit() {
         "gpt2-small/bf16-adafactor,gpt2-medium/bf16-adafactor",
         &["--memory-cap", "2GiB"],
     );
-    let find = |model: &str| {
-        recs.iter()
-            .find(|r| r["model"] == model)
-            .unwrap_or_else(|| panic!("no record of {model}: {err}"))
-    };
-    let small = find("gpt2-small/bf16-adafactor");
+    let small = find(&recs, "gpt2-small/bf16-adafactor", &err);
     assert_eq!(small["status"], "ok", "{}", small["error"]);
     let (predicted, measured) = (
         small["predicted_peak_bytes"].as_f64().unwrap(),
@@ -61,7 +60,7 @@ fn gpt2_24gb_predicts_and_skips_what_cannot_fit() {
         "gpt2-small's step peak predicted {:+.1}% off its measured one",
         error * 100.0
     );
-    let medium = find("gpt2-medium/bf16-adafactor");
+    let medium = find(&recs, "gpt2-medium/bf16-adafactor", &err);
     assert_eq!(medium["status"], "skipped", "{medium}");
     assert!(
         medium["error"].as_str().unwrap().starts_with("does not fit (predicted"),
@@ -88,13 +87,10 @@ fn gpt2_24gb_measures_the_optimizer_inside_backward() {
         "gpt2-small/f32-adamw,gpt2-small/f32-adamw-in-backward",
         &["--accumulate", "1", "--memory-cap", "4GiB"],
     );
-    let find = |model: &str| {
-        recs.iter()
-            .find(|r| r["model"] == model)
-            .unwrap_or_else(|| panic!("no record of {model}: {err}"))
-    };
-    let (ordinary, inside) =
-        (find("gpt2-small/f32-adamw"), find("gpt2-small/f32-adamw-in-backward"));
+    let (ordinary, inside) = (
+        find(&recs, "gpt2-small/f32-adamw", &err),
+        find(&recs, "gpt2-small/f32-adamw-in-backward", &err),
+    );
     for r in [ordinary, inside] {
         assert_eq!(r["status"], "ok", "{}", r["error"]);
         assert_eq!(r["grads_bit_identical"], true, "{r}");
@@ -109,7 +105,7 @@ fn gpt2_24gb_measures_the_optimizer_inside_backward() {
         );
     }
     let grads = ordinary["predicted"]["grads"].as_u64().unwrap();
-    let peak = |r: &serde_json::Value| r["step_peak_bytes"].as_u64().unwrap();
+    let peak = |r: &Value| r["step_peak_bytes"].as_u64().unwrap();
     assert!(
         peak(inside) + grads / 2 <= peak(ordinary),
         "step peak {} inside backward, {} after it: not half the {grads} B of gradients saved",
@@ -123,23 +119,8 @@ fn gpt2_24gb_measures_the_optimizer_inside_backward() {
 #[test]
 fn a_pytorch_baseline_without_torch_goes_on_without_it() {
     let dir = out_dir("no-torch");
-    let err = smoke(
-        &dir,
-        &[
-            "--matrix",
-            "models",
-            "--models",
-            "gpt2-tiny",
-            "--policies",
-            "off",
-            "--rounds",
-            "0",
-            "--baseline",
-            "pytorch",
-            "--python",
-            "/nonexistent/python3",
-        ],
-    );
+    let extra = ["--baseline", "pytorch", "--python", "/nonexistent/python3"];
+    let err = smoke(&dir, &models_args("gpt2-tiny", "off", &extra));
     assert!(err.contains("no PyTorch baseline:") && err.contains("going on without it"), "{err}");
     assert_eq!(records(&dir).len(), 1);
     std::fs::remove_dir_all(&dir).unwrap();
@@ -149,20 +130,7 @@ fn a_pytorch_baseline_without_torch_goes_on_without_it() {
 #[test]
 fn return_freed_memory_reaches_the_children() {
     let dir = out_dir("return-freed");
-    smoke(
-        &dir,
-        &[
-            "--matrix",
-            "models",
-            "--models",
-            "gpt2-tiny",
-            "--policies",
-            "off",
-            "--rounds",
-            "0",
-            "--return-freed-memory",
-        ],
-    );
+    smoke(&dir, &models_args("gpt2-tiny", "off", &["--return-freed-memory"]));
     let r = &records(&dir)[0];
     assert_eq!(r["status"], "ok", "{}", r["error"]);
     assert!(r["command"].as_str().unwrap().contains("--return-freed-memory"), "{}", r["command"]);

@@ -4,7 +4,7 @@
 //! memory/time frontier.
 
 mod common;
-use common::{harness, out_dir, records, smoke};
+use common::{harness, models_args, out_dir, records, smoke, smoke_args};
 
 /// Relative error the tests allow between predicted and measured step peaks. Measured: under
 /// 1% for every smoke configuration at batch 8 (the largest was ResNet's -0.8%).
@@ -52,21 +52,7 @@ fn predictions_match_the_meter_for_tiny_models_of_every_kind() {
 fn predictions_match_the_meter_under_selective_recompute() {
     let dir = out_dir("planner-keep");
     let policies = "sqrt,sqrt+keep=matmul+attention,sqrt+keep=conv";
-    smoke(
-        &dir,
-        &[
-            "--matrix",
-            "models",
-            "--models",
-            "gpt2,resnet",
-            "--batch",
-            "8",
-            "--policies",
-            policies,
-            "--rounds",
-            "0",
-        ],
-    );
+    smoke(&dir, &models_args("gpt2,resnet", policies, &["--batch", "8"]));
     let recs = records(&dir);
     assert_eq!(
         recs.len(),
@@ -107,21 +93,7 @@ fn predictions_match_the_meter_under_selective_recompute() {
 #[test]
 fn a_budget_plan_fits_its_budget_and_one_below_the_minimum_is_refused() {
     let dir = out_dir("planner-budget");
-    smoke(
-        &dir,
-        &[
-            "--matrix",
-            "models",
-            "--models",
-            "gpt2",
-            "--batch",
-            "8",
-            "--policies",
-            "off",
-            "--rounds",
-            "0",
-        ],
-    );
+    smoke(&dir, &models_args("gpt2", "off", &["--batch", "8"]));
     let off = &records(&dir)[0];
     let off_total =
         off["model_state_bytes"].as_u64().unwrap() + off["step_peak_bytes"].as_u64().unwrap();
@@ -129,21 +101,7 @@ fn a_budget_plan_fits_its_budget_and_one_below_the_minimum_is_refused() {
     // number of KiB, so that the record's spelling differs from the one asked for every time.
     let budget = off_total * 9 / 10 / 1024 * 1024;
     let policy = format!("budget={budget}");
-    smoke(
-        &dir,
-        &[
-            "--matrix",
-            "models",
-            "--models",
-            "gpt2",
-            "--batch",
-            "8",
-            "--policies",
-            &policy,
-            "--rounds",
-            "0",
-        ],
-    );
+    smoke(&dir, &models_args("gpt2", &policy, &["--batch", "8"]));
     // By what the policy means, not its spelling: the record writes a byte count that is a
     // multiple of 1024 in KiB (`budget=11088KiB` for 11354112), so a string match failed on
     // some machines' figures and not others'.
@@ -158,20 +116,8 @@ fn a_budget_plan_fits_its_budget_and_one_below_the_minimum_is_refused() {
     let total = r["model_state_bytes"].as_u64().unwrap() + r["step_peak_bytes"].as_u64().unwrap();
     assert!(total <= budget, "measured {total} bytes under budget {budget}");
 
-    let out = harness(&[
-        "--matrix",
-        "models",
-        "--profile",
-        "smoke",
-        "--models",
-        "gpt2",
-        "--policies",
-        "budget=1KiB",
-        "--rounds",
-        "0",
-        "--out",
-        out_dir("planner-refused").to_str().unwrap(),
-    ]);
+    let refused = out_dir("planner-refused");
+    let out = harness(&smoke_args(&refused, &models_args("gpt2", "budget=1KiB", &[])));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(

@@ -3,7 +3,7 @@
 //! matrix.json.
 
 mod common;
-use common::{harness, out_dir, record, records, smoke};
+use common::{harness, models_args, out_dir, record, records, smoke, smoke_args};
 use serde_json::Value;
 
 #[test]
@@ -38,14 +38,8 @@ fn batch_and_input_size_reach_the_record() {
 #[test]
 fn every_record_names_the_command_that_measured_it() {
     let dir = out_dir("commands");
-    smoke(
-        &dir,
-        &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off", "--rounds", "0"],
-    );
-    smoke(
-        &dir,
-        &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--rounds", "0"],
-    );
+    smoke(&dir, &models_args("gpt2-tiny", "off", &[]));
+    smoke(&dir, &models_args("gpt2-tiny", "sqrt", &[]));
     let command =
         |policy: &str| record(&dir, "gpt2-tiny", policy)["command"].as_str().unwrap().to_string();
     assert!(
@@ -70,25 +64,8 @@ fn every_record_names_the_command_that_measured_it() {
 fn accumulation_reaches_the_record() {
     let one = out_dir("accumulate-1");
     let three = out_dir("accumulate-3");
-    smoke(
-        &one,
-        &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off,sqrt", "--rounds", "0"],
-    );
-    smoke(
-        &three,
-        &[
-            "--matrix",
-            "models",
-            "--models",
-            "gpt2-tiny",
-            "--policies",
-            "off,sqrt",
-            "--rounds",
-            "0",
-            "--accumulate",
-            "3",
-        ],
-    );
+    smoke(&one, &models_args("gpt2-tiny", "off,sqrt", &[]));
+    smoke(&three, &models_args("gpt2-tiny", "off,sqrt", &["--accumulate", "3"]));
     for policy in ["off", "sqrt"] {
         let (a, b) = (record(&one, "gpt2-tiny", policy), record(&three, "gpt2-tiny", policy));
         assert_eq!(b["status"], "ok", "{}", b["error"]);
@@ -114,18 +91,8 @@ fn accumulation_reaches_the_record() {
 #[test]
 fn the_optimizer_reaches_the_record() {
     let (adamw, adafactor) = (out_dir("optimizer-default"), out_dir("optimizer-adafactor"));
-    let args = [
-        "--matrix",
-        "models",
-        "--models",
-        "gpt2-tiny,resnet-tiny",
-        "--policies",
-        "off",
-        "--rounds",
-        "0",
-    ];
-    smoke(&adamw, &args);
-    smoke(&adafactor, &[&args[..], &["--optimizer", "adafactor"]].concat());
+    smoke(&adamw, &models_args("gpt2-tiny,resnet-tiny", "off", &[]));
+    smoke(&adafactor, &models_args("gpt2-tiny,resnet-tiny", "off", &["--optimizer", "adafactor"]));
     assert_eq!(record(&adamw, "resnet-tiny", "off")["optimizer"], "sgd");
     let (a, b) = (record(&adamw, "gpt2-tiny", "off"), record(&adafactor, "gpt2-tiny", "off"));
     assert_eq!(
@@ -288,13 +255,7 @@ fn every_csv_column_is_written_and_parses_to_the_json_value() {
         &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "sqrt", "--no-rng-replay"],
     );
     // Every configuration of this run out of memory: recorded, and the harness exits non-zero.
-    let out = harness(&[
-        "--profile",
-        "smoke",
-        "--steps",
-        "1",
-        "--out",
-        dir.to_str().unwrap(),
+    let args = [
         "--matrix",
         "models",
         "--models",
@@ -303,7 +264,8 @@ fn every_csv_column_is_written_and_parses_to_the_json_value() {
         "off",
         "--memory-cap",
         "2MiB",
-    ]);
+    ];
+    let out = harness(&smoke_args(&dir, &args));
     assert!(
         !out.status.success()
             && String::from_utf8_lossy(&out.stderr)

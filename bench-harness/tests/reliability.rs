@@ -3,7 +3,7 @@
 //! Each test says what would go wrong without its safeguard.
 
 mod common;
-use common::{harness, out_dir, record, records};
+use common::{harness, models_args, out_dir, record, records, smoke_args};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -16,25 +16,10 @@ use std::time::{Duration, Instant};
 fn a_cap_that_sqrt_fits_records_sqrt_ok_and_names_where_off_ran_out() {
     let dir = out_dir("cap");
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "--matrix",
-            "models",
-            "--profile",
-            "smoke",
-            "--models",
-            "gpt2-tiny",
-            "--policies",
-            "off,sqrt",
-            "--steps",
-            "1",
-            "--rounds",
-            "0",
-            "--force",
-            "--out",
-            dir.to_str().unwrap(),
-        ];
-        args.extend_from_slice(extra);
-        harness(&args)
+        harness(&smoke_args(
+            &dir,
+            &models_args("gpt2-tiny", "off,sqrt", &[&["--force"], extra].concat()),
+        ))
     };
     assert!(run(&[]).status.success());
     let (off, sqrt) = (record(&dir, "gpt2-tiny", "off"), record(&dir, "gpt2-tiny", "sqrt"));
@@ -157,20 +142,10 @@ fn the_recorded_commit_is_the_projects_from_any_directory() {
     let elsewhere = std::env::temp_dir();
     let out = Command::new(env!("CARGO_BIN_EXE_bench-harness"))
         .current_dir(&elsewhere)
-        .args([
-            "--matrix",
-            "models",
-            "--profile",
-            "smoke",
-            "--models",
-            "gpt2-tiny",
-            "--policies",
-            "off",
-            "--steps",
-            "1",
-            "--out",
-            dir.to_str().unwrap(),
-        ])
+        .args(smoke_args(
+            &dir,
+            &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off"],
+        ))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -215,8 +190,7 @@ fn caps_below_one_byte_and_empty_selections_fail() {
 #[test]
 fn a_batch_the_machine_cannot_hold_is_skipped_before_it_is_built() {
     let dir = out_dir("huge-batch");
-    let args = ["--models", "gpt2-tiny", "--policies", "off", "--batch", "100000000"];
-    common::smoke(&dir, &[&args[..], &["--rounds", "0"]].concat());
+    common::smoke(&dir, &models_args("gpt2-tiny", "off", &["--batch", "100000000"]));
     let r = record(&dir, "gpt2-tiny", "off");
     assert!(
         r["status"] == "skipped"
@@ -251,8 +225,7 @@ fn files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
 fn a_full_disk_while_writing_results_names_the_file_and_keeps_the_last_one() {
     use std::os::unix::process::CommandExt;
     let dir = out_dir("full-disk");
-    let args = ["--models", "gpt2-tiny", "--policies", "off", "--rounds", "0"];
-    common::smoke(&dir, &args);
+    common::smoke(&dir, &models_args("gpt2-tiny", "off", &[]));
     let before = files(&dir);
     let largest_text = before.iter().filter(|(n, _)| !n.ends_with(".png")).map(|(_, b)| b.len());
     let limit = largest_text.max().unwrap() as u64 + 1;
@@ -326,20 +299,8 @@ fn force_sets_an_unreadable_matrix_aside() {
     let dir = out_dir("truncated");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("matrix.json"), "{\"meta\": {\"machine\": \"x").unwrap();
-    let args = [
-        "--matrix",
-        "models",
-        "--profile",
-        "smoke",
-        "--models",
-        "gpt2-tiny",
-        "--policies",
-        "off",
-        "--steps",
-        "1",
-        "--out",
-        dir.to_str().unwrap(),
-    ];
+    let args =
+        smoke_args(&dir, &["--matrix", "models", "--models", "gpt2-tiny", "--policies", "off"]);
     let out = harness(&args);
     assert!(
         !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--force"),
@@ -358,14 +319,12 @@ fn force_sets_an_unreadable_matrix_aside() {
 #[test]
 fn results_of_another_processor_are_not_resumed_into() {
     let dir = out_dir("other-cpu");
-    let args = ["--models", "gpt2-tiny", "--policies", "off", "--rounds", "0"];
+    let args = models_args("gpt2-tiny", "off", &[]);
     common::smoke(&dir, &args);
     let mut m = common::matrix(&dir);
     m["meta"]["machine"] = "Another CPU 9000 (2 CPUs visible, candle threads 2)".into();
     std::fs::write(dir.join("matrix.json"), m.to_string()).unwrap();
-    let mut again = vec!["--profile", "smoke", "--steps", "1", "--out", dir.to_str().unwrap()];
-    again.extend(args);
-    let out = harness(&again);
+    let out = harness(&smoke_args(&dir, &args));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("Another CPU 9000") && err.contains("--force"),

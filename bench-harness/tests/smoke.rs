@@ -8,16 +8,9 @@ use common::{harness, out_dir, records};
 #[test]
 fn smoke_matrix_checks_every_model_and_policy() {
     let dir = out_dir("smoke");
-    let out = harness(&[
-        "--matrix",
-        "all",
-        "--profile",
-        "smoke",
-        "--steps",
-        "2",
-        "--out",
-        dir.to_str().unwrap(),
-    ]);
+    let args =
+        ["--matrix", "all", "--profile", "smoke", "--steps", "2", "--out", dir.to_str().unwrap()];
+    let out = harness(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
     let recs = records(&dir);
@@ -97,16 +90,7 @@ fn smoke_matrix_checks_every_model_and_policy() {
     }
 
     // A second run resumes: nothing is rerun.
-    let again = harness(&[
-        "--matrix",
-        "all",
-        "--profile",
-        "smoke",
-        "--steps",
-        "2",
-        "--out",
-        dir.to_str().unwrap(),
-    ]);
+    let again = harness(&args);
     assert!(again.status.success());
     assert!(
         !String::from_utf8_lossy(&again.stderr).contains("grads = plain candle"),
@@ -117,16 +101,7 @@ fn smoke_matrix_checks_every_model_and_policy() {
     for (flag, value, says) in
         [("--batch", "3", "batch 2 vs 3"), ("--steps", "1", "timed steps 2 vs 1")]
     {
-        let mut args = vec![
-            "--matrix",
-            "all",
-            "--profile",
-            "smoke",
-            "--steps",
-            "2",
-            "--out",
-            dir.to_str().unwrap(),
-        ];
+        let mut args = args.to_vec();
         args.retain(|a| !(flag == "--steps" && (*a == "--steps" || *a == "2")));
         args.extend([flag, value]);
         let other = harness(&args);

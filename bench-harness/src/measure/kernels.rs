@@ -2,6 +2,9 @@
 //! forward pass at its profile's sizes ([`convolutions`]), and each one timed on operands of its
 //! shapes ([`time`]): the forward, and each backward alone (the input gradient, the weight
 //! gradient), as a median over repetitions after a warm-up.
+//!
+//! The experiment's other layers: [`crate::run::kernels`] (the command: the rounds, PyTorch's
+//! side) and [`crate::report::kernels`] (the report and its files).
 
 use crate::report::kernels::ConvTimes;
 use crate::report::record::Spread;

@@ -1,6 +1,10 @@
 //! One configuration, measured in this (fresh) process: a warm-up step, timed steps, and a
 //! bit-for-bit gradient check against plain candle (the graph's stages run in order, one
 //! `backward()`), which every policy, `off` included, must equal.
+//!
+//! The matrices' other layers: [`crate::run::child`] (starts `run-one`, reads its record back),
+//! [`crate::run::matrix`] (which configurations, the timing rounds) and
+//! [`crate::report::record::Record`] (what it prints).
 
 use crate::cli::Common;
 use crate::report::record::{FrontierPoint, Record, Status};
@@ -25,6 +29,15 @@ pub enum One {
     TimeOnly,
     /// The prediction only.
     DryRun,
+}
+
+/// What the gradient check's recomputes draw their dropout keys from: the forward's, replayed (a
+/// real check), or fresh ones (`--no-rng-replay`, [`remat::Executor::without_rng_replay`]: the
+/// negative control, which exists only to show that the check can fail).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecomputeRng {
+    Replayed,
+    Fresh,
 }
 
 /// `run-one`: one configuration measured in this process, on the ranks `mpirun` started.
@@ -96,7 +109,8 @@ fn measure_one(
             Some(p) if rec.plan.is_empty() => p.clone(),
             _ => rec.plan.parse()?,
         };
-        check(&mut rec, &w, &checked, common.seed, dev, !common.no_rng_replay)?;
+        let rng = if common.no_rng_replay { RecomputeRng::Fresh } else { RecomputeRng::Replayed };
+        check(&mut rec, &w, &checked, common.seed, dev, rng)?;
     }
     println!("{}", serde_json::to_string(&rec)?);
     Ok(())
@@ -345,7 +359,7 @@ fn timed_steps(
     let (mut comm_ms, mut wait_ms) = (Vec::new(), Vec::new());
     let (mut times, mut faults) = (Vec::new(), Vec::new());
     // f16 trains under dynamic loss scaling, as the trainers do.
-    let mut scaler = (w.dtype == model::Precision::F16).then(trainkit::LossScaler::default);
+    let mut scaler = (w.dtype == trainable::Precision::F16).then(trainkit::LossScaler::default);
     let stepper = trainkit::Stepper {
         group,
         exec,
@@ -471,18 +485,17 @@ fn plan(
 
 /// Checks `policy` on `w` against plain candle and fills the record's gradient fields (run it
 /// after [`run`], once the model is freed and any memory cap lifted: the check builds two more
-/// models). `replay_rng: false` makes the check's recomputes draw fresh dropout keys (see
-/// `--no-rng-replay`): it exists only to show the check can fail.
+/// models). `rng`: [`RecomputeRng::Replayed`] but in the negative control.
 pub fn check(
     rec: &mut Record,
     w: &Workload,
     policy: &Policy,
     seed: u64,
     device: &Device,
-    replay_rng: bool,
+    rng: RecomputeRng,
 ) -> Result<()> {
     set_activity(Activity::GradCheck, None);
-    let check = gradcheck(w, policy, seed, device, replay_rng)?;
+    let check = gradcheck(w, policy, seed, device, rng)?;
     rec.grads_checked = true;
     rec.grads_bit_identical = check.differing == 0;
     rec.grads_differing = check.differing;
@@ -515,11 +528,11 @@ fn executor_step(
     policy: &Policy,
     seed: u64,
     device: &Device,
-    replay_rng: bool,
+    rng: RecomputeRng,
 ) -> Result<(Fingerprint, usize)> {
     let inst = w.build(device, seed)?;
     let mut exec = Executor::new(inst.graph(), policy, inst.store().vars(), seed)?;
-    if !replay_rng {
+    if rng == RecomputeRng::Fresh {
         exec = exec.without_rng_replay();
     }
     let out = exec.step(&inst.inputs(0)?, 0)?;
@@ -537,10 +550,10 @@ fn gradcheck(
     policy: &Policy,
     seed: u64,
     device: &Device,
-    replay_rng: bool,
+    rng: RecomputeRng,
 ) -> Result<GradCheck> {
     let (ref_grads, ref_bufs) = plain_step(w, seed, device)?;
-    let ((grads, bufs), n_params) = executor_step(w, policy, seed, device, replay_rng)?;
+    let ((grads, bufs), n_params) = executor_step(w, policy, seed, device, rng)?;
     let zero = grads.values().filter(|g| g.iter().all(|&x| f32::from_bits(x) == 0.0)).count();
     let mut check =
         GradCheck { differing: 0, max_abs_diff: 0.0, without_grad: n_params - grads.len() + zero };

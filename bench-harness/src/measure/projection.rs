@@ -3,6 +3,10 @@
 //! where it is at most [`PROBES`]`.1`, else at the two probe batches and extrapolated to the
 //! article's batch; the state (parameters, optimizer, inputs) is arithmetic. Every policy and
 //! three planner plans are then predicted.
+//!
+//! The experiment's other layers: [`crate::run::projection`] (which starts `project-one` for the
+//! article's models, and for `gpt2-24gb`'s predictions, [`crate::run::gpt2_24gb`]) and
+//! [`crate::report::projection`] (the projections' section of `TABLE.md`).
 
 use super::one::predict;
 use crate::cli::Common;

@@ -1,4 +1,7 @@
 //! `bench-harness selftest`: a quick check of a device before a long run.
+//!
+//! It runs in this process alone, and prints its one line itself: no `run` or `report` module;
+//! its gradient check is [`super::one`]'s.
 
 use super::one;
 use crate::workloads::{self, Profile};
@@ -51,7 +54,7 @@ pub fn selftest(device: trainkit::DeviceName) -> Result<()> {
         group: &group,
     };
     let mut rec = one::run(&w, &Policy::Sqrt.into(), &at)?;
-    one::check(&mut rec, &w, &Policy::Sqrt, 0, &dev, true)?;
+    one::check(&mut rec, &w, &Policy::Sqrt, 0, &dev, one::RecomputeRng::Replayed)?;
     anyhow::ensure!(
         rec.grads_bit_identical,
         "gpt2-tiny sqrt: {} gradient elements differ from plain candle",

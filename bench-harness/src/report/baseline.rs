@@ -1,5 +1,9 @@
 //! PyTorch beside ours in `matrix.md`: step peaks and times side by side, and the rates the
 //! convolutions and products achieve.
+//!
+//! The experiment's other layers: [`crate::run::baseline`] (PyTorch run on one configuration,
+//! `scripts/torch_baseline.py`) and [`crate::run::matrix`] (when it runs: right after ours, and in
+//! the timing rounds); the script measures, so no `measure` module.
 
 use super::record::{Baseline, Record, Status};
 use super::results::Matrix;

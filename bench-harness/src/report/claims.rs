@@ -13,6 +13,9 @@
 //! No figure of these documents is typed by hand, so none can go stale silently: `--check` fails
 //! where a document is not what its template and the results give (a rerun changed a figure, or a
 //! hand edited the document).
+//!
+//! It runs nothing and measures nothing (no `run` or `measure` module): it reads the folders the
+//! matrices wrote, through [`super::results::Matrix`].
 
 use super::record::{Record, Status};
 use super::results::Matrix;
@@ -88,9 +91,18 @@ fn documents(dir: &Path) -> [Document; 2] {
     ]
 }
 
-/// `claims`: renders every document from its template and the results under `dir`; with
-/// `check`, changes nothing and fails unless each document is that rendering.
-pub fn run(dir: &Path, check: bool) -> Result<()> {
+/// What `claims` does with a document that is not what its template and the results give.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Writes the rendering over it.
+    Write,
+    /// Changes nothing and fails (`--check`).
+    Check,
+}
+
+/// `claims`: renders every document from its template and the results under `dir`; where one
+/// differs from that rendering, writes it or, [`Action::Check`], fails.
+pub fn run(dir: &Path, action: Action) -> Result<()> {
     let docs = documents(dir);
     // The ledger is the point: without its template there is nothing to render or check (the
     // README's table is optional, for a results folder of another repository).
@@ -126,7 +138,7 @@ pub fn run(dir: &Path, check: bool) -> Result<()> {
                 doc.target.display(),
                 file_name(&doc.template)
             );
-        } else if check {
+        } else if action == Action::Check {
             let line = on_disk
                 .lines()
                 .zip(wanted.lines())
@@ -219,14 +231,9 @@ fn listed(pairs: &[(&str, &str)]) -> String {
 
 /// A figure of record `r` of `m`.
 fn record_figure(m: &Matrix, r: &Record, measure: &str) -> Result<String> {
-    let total = |r: &Record| r.model_state_bytes + r.step_peak_bytes;
     // Figures of a prediction hold for a record that was not run; measured ones need a run.
     match measure {
-        "state" => {
-            return Ok(size(
-                r.predicted.map_or(r.model_state_bytes, |p| p.params + p.grads + p.optimizer),
-            ))
-        }
+        "state" => return Ok(size(r.state_bytes())),
         "predicted-total" => {
             return Ok(size(r.predicted_total_bytes.context("the record has no predicted total")?))
         }
@@ -262,13 +269,13 @@ fn record_figure(m: &Matrix, r: &Record, measure: &str) -> Result<String> {
             ratio(r.activation_peak_bytes as f64, off()?.activation_peak_bytes as f64)
         }
         "peak/off" => ratio(r.step_peak_bytes as f64, off()?.step_peak_bytes as f64),
-        "total/off" => ratio(total(r) as f64, total(off()?) as f64),
+        "total/off" => ratio(r.measured_total() as f64, off()?.measured_total() as f64),
         "time/off" => change(time_vs_off(r, off()?)),
         "time/off-range" => format!("{} to {}", change(rounds()?.min), change(rounds()?.max)),
         "rounds" => rounds()?.rounds.len().to_string(),
-        "total" => size(total(r)),
-        "total-gb" => format!("{:.1} GB", total(r) as f64 / 1e9),
-        "saving" => size(total(off()?).saturating_sub(total(r))),
+        "total" => size(r.measured_total()),
+        "total-gb" => format!("{:.1} GB", r.measured_total() as f64 / 1e9),
+        "saving" => size(off()?.measured_total().saturating_sub(r.measured_total())),
         "state-max-rank" => size(r.model_state_bytes_max_rank.ok_or_else(data_parallel)?),
         "step-peak" => size(r.step_peak_bytes),
         "step-ms" => format!("{:.0}", r.step_ms_median),

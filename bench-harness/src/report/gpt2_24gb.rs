@@ -2,6 +2,9 @@
 //! batch 1 with 8 micro-batches accumulated (one with the optimizer inside backward), each way of
 //! holding its state and each policy: the predicted bytes (with the state's arithmetic), the
 //! measured peak, whether it fits 24 GiB, and tokens per second.
+//!
+//! The experiment's other layers: [`crate::run::gpt2_24gb`] (its defaults, the prediction, the
+//! skip) and [`crate::measure::projection`] (the projection the predictions come from).
 
 use super::plot::{self, color, plot_err, Chart};
 use super::record::{Prediction, Record, Status};
@@ -37,12 +40,6 @@ fn cell(bytes: u64) -> String {
     format!("{:.2}", units::gib(bytes))
 }
 
-/// Everything the step held at its peak: the state before it (parameters, optimizer state,
-/// inputs) and the step's peak above that (gradients, activations, temporaries).
-pub fn measured_total(r: &Record) -> u64 {
-    r.model_state_bytes + r.step_peak_bytes
-}
-
 /// The records smallest model first (within a size, in the matrix's order: variant, then policy),
 /// whatever order the runs that made them came in.
 pub fn in_size_order(m: &Matrix) -> Vec<&Record> {
@@ -55,7 +52,7 @@ pub fn in_size_order(m: &Matrix) -> Vec<&Record> {
 /// Whether a configuration fits 24 GiB, in words.
 fn fits(r: &Record) -> String {
     match (r.status, r.predicted_total_bytes) {
-        (Status::Ok, _) => if measured_total(r) <= CARD_BYTES { "**yes**" } else { "no" }.into(),
+        (Status::Ok, _) => if r.measured_total() <= CARD_BYTES { "**yes**" } else { "no" }.into(),
         // The kernel, not the cap: the process's resident memory outgrew the machine.
         (Status::Oom, p) if r.error.contains("SIGKILL") => {
             format!(
@@ -78,7 +75,7 @@ fn returned_freed_memory(r: &Record) -> bool {
 
 fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
     let bytes =
-        r.dtype.parse::<model::Precision>().map_or(4, |d| d.weights().size_in_bytes() as u64);
+        r.dtype.parse::<trainable::Precision>().map_or(4, |d| d.weights().size_in_bytes() as u64);
     let params = p.params / bytes;
     let per_rank = |ranks: u64| cell(p.params + p.grads + p.optimizer.div_ceil(ranks));
     format!(
@@ -86,7 +83,7 @@ fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
         cell(p.params),
         cell(p.grads),
         cell(p.optimizer),
-        cell(p.params + p.grads + p.optimizer),
+        cell(p.state()),
         per_rank(2),
         per_rank(4)
     )
@@ -149,8 +146,8 @@ pub fn table(m: &Matrix) -> String {
     }
     let fit: Vec<String> = records
         .iter()
-        .filter(|r| r.status == Status::Ok && measured_total(r) <= CARD_BYTES)
-        .map(|r| format!("{} `{}` ({} GiB)", r.model, r.policy, cell(measured_total(r))))
+        .filter(|r| r.status == Status::Ok && r.measured_total() <= CARD_BYTES)
+        .map(|r| format!("{} `{}` ({} GiB)", r.model, r.policy, cell(r.measured_total())))
         .collect();
     if records.iter().any(|r| r.status == Status::Ok && returned_freed_memory(r)) {
         out += "\n† Measured with `--return-freed-memory` (freed memory given back to the OS at \
@@ -171,7 +168,7 @@ fn measured_row(r: &Record) -> String {
     let predicted = r.predicted_total_bytes.map_or("-".into(), cell);
     let seq = r.input.trim_start_matches("seq ").parse::<usize>().unwrap_or(0);
     let (measured, error, tokens, time) = if r.status == Status::Ok {
-        let total = measured_total(r);
+        let total = r.measured_total();
         let error = r
             .predicted_total_bytes
             .map_or("-".into(), |p| format!("{:+.1}%", (p as f64 / total as f64 - 1.0) * 100.0));
@@ -213,9 +210,6 @@ impl Chart for MemoryChart<'_> {
     }
 }
 
-/// Peak memory of every configuration as a bar split into the model state (weights, gradients,
-/// optimizer state, by arithmetic) and the rest (activations and temporaries): measured where it
-/// ran, predicted and pale where it did not; smallest model at the top, against a line at 24 GiB.
 /// The bars of the memory chart, bottom up (the largest model's last configuration first): each
 /// configuration's label, state and total GiB, and whether it was measured (else predicted).
 fn memory_bars(m: &Matrix) -> Vec<(String, f64, f64, bool)> {
@@ -223,13 +217,12 @@ fn memory_bars(m: &Matrix) -> Vec<(String, f64, f64, bool)> {
         .into_iter()
         .rev()
         .filter_map(|r| {
-            let state =
-                r.predicted.map_or(r.model_state_bytes, |p| p.params + p.grads + p.optimizer);
+            let state = r.state_bytes();
             match r.status {
                 Status::Ok => Some((
                     format!("{} {}", r.model, r.policy),
                     units::gib(state),
-                    units::gib(measured_total(r)),
+                    units::gib(r.measured_total()),
                     true,
                 )),
                 _ => Some((
@@ -243,6 +236,9 @@ fn memory_bars(m: &Matrix) -> Vec<(String, f64, f64, bool)> {
         .collect()
 }
 
+/// Peak memory of every configuration as a bar split into the model state (weights, gradients,
+/// optimizer state, by arithmetic) and the rest (activations and temporaries): measured where it
+/// ran, predicted and pale where it did not; smallest model at the top, against a line at 24 GiB.
 fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
     let bars = memory_bars(m);
     let max = bars.iter().map(|b| b.2).fold(26.0, f64::max) * 1.05;
@@ -305,12 +301,5 @@ fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -
         .map_err(plot_err)?
         .label("24 GiB")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], color(3).stroke_width(2)));
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()
-        .map_err(plot_err)?;
-    Ok(())
+    plot::legend(&mut chart, SeriesLabelPosition::LowerRight)
 }

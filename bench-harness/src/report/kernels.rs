@@ -1,6 +1,9 @@
 //! The kernel bench's results (`bench-harness kernels`): every convolution of the models with
 //! how often each model runs it, our times and PyTorch's, as `convs.json` and `convs.md`: per
 //! model the total of its convolutions (each time the count it runs), then per convolution.
+//!
+//! The experiment's other layers: [`crate::run::kernels`] (the command: the rounds, PyTorch's
+//! side) and [`crate::measure::kernels`] (the recording and the timing).
 
 use anyhow::Result;
 use ops::ConvCall;

@@ -20,7 +20,7 @@ pub mod units;
 use crate::workloads::Profile;
 use anyhow::{Context, Result};
 use record::{Baseline, Record, Status};
-use results::Matrix;
+use results::{Matrix, Models};
 use std::fmt::Write as _;
 use std::path::Path;
 use units::mib;
@@ -66,7 +66,7 @@ pub fn csv(m: &Matrix) -> String {
 pub fn markdown(m: &Matrix) -> String {
     let mut out = header(m);
     planner_summary(&mut out, m);
-    for model in m.models(false).iter().chain(&m.models(true)) {
+    for model in m.models(Models::Profile).iter().chain(&m.models(Models::DepthSweep)) {
         let rows: Vec<&Record> = m.records.iter().filter(|r| r.model == *model).collect();
         model_table(&mut out, m, &rows);
         if rows[0].ranks > 1 {
@@ -246,8 +246,18 @@ fn quoted(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
 }
 
-fn ms(v: f64) -> String {
+fn ms(v: &f64) -> String {
     format!("{v:.3}")
+}
+
+/// An optional figure's text, empty where there is none.
+fn or_empty<T: ToString>(v: &Option<T>) -> String {
+    v.as_ref().map_or(String::new(), ToString::to_string)
+}
+
+/// An optional time's text ([`ms`]), empty where there is none.
+fn ms_or_empty(v: &Option<f64>) -> String {
+    v.as_ref().map_or(String::new(), ms)
 }
 
 fn none(_: &Baseline, _: Option<&Record>) -> String {
@@ -256,7 +266,33 @@ fn none(_: &Baseline, _: Option<&Record>) -> String {
 
 /// A spread's median, min or max, empty where there is none.
 fn spread(s: &Option<self::record::Spread>, pick: fn(&self::record::Spread) -> f64) -> String {
-    s.as_ref().map_or(String::new(), |t| ms(pick(t)))
+    s.as_ref().map_or(String::new(), |t| ms(&pick(t)))
+}
+
+/// The [`Column`] of a figure our records and PyTorch's rows both hold, named as their field:
+/// each side's written by `text` (its `Display` where no `text` is named).
+macro_rules! both {
+    ($field:ident) => {
+        both!($field, ToString::to_string)
+    };
+    ($field:ident, $text:expr) => {
+        Column {
+            name: stringify!($field),
+            ours: |r| $text(&r.$field),
+            theirs: |b, _| $text(&b.$field),
+        }
+    };
+}
+
+/// The [`Column`] of a figure only our records hold (empty in PyTorch's rows), named as its
+/// field, written by `text` (its `Display` where no `text` is named).
+macro_rules! ours {
+    ($field:ident) => {
+        ours!($field, ToString::to_string)
+    };
+    ($field:ident, $text:expr) => {
+        Column { name: stringify!($field), ours: |r| $text(&r.$field), theirs: none }
+    };
 }
 
 const COLUMNS: [Column; 46] = [
@@ -265,9 +301,9 @@ const COLUMNS: [Column; 46] = [
         ours: |_| "candle".into(),
         theirs: |b, _| format!("pytorch {}", b.framework_version),
     },
-    Column { name: "model", ours: |r| r.model.clone(), theirs: |b, _| b.model.clone() },
-    Column { name: "policy", ours: |r| quoted(&r.policy), theirs: |b, _| quoted(&b.policy) },
-    Column { name: "batch", ours: |r| r.batch.to_string(), theirs: |b, _| b.batch.to_string() },
+    both!(model),
+    both!(policy, quoted),
+    both!(batch),
     Column { name: "accumulate", ours: |r| r.accumulate.to_string(), theirs: |_, _| "1".into() },
     Column {
         name: "optimizer",
@@ -286,123 +322,47 @@ const COLUMNS: [Column; 46] = [
     },
     Column { name: "dtype", ours: |r| r.dtype.clone(), theirs: |_, _| "f32".into() },
     Column { name: "device", ours: |r| r.device.clone(), theirs: |_, _| "cpu".into() },
-    Column {
-        name: "threads",
-        ours: |r| r.threads.to_string(),
-        theirs: |b, _| b.threads.to_string(),
-    },
+    both!(threads),
     Column { name: "ranks", ours: |r| r.ranks.to_string(), theirs: |_, _| "1".into() },
     Column {
         name: "shard_optimizer",
         ours: |r| r.shard_optimizer.to_string(),
         theirs: |_, _| "false".into(),
     },
-    Column {
-        name: "model_state_bytes",
-        ours: |r| r.model_state_bytes.to_string(),
-        theirs: |b, _| b.model_state_bytes.to_string(),
-    },
-    Column {
-        name: "step_peak_bytes",
-        ours: |r| r.step_peak_bytes.to_string(),
-        theirs: |b, _| b.step_peak_bytes.to_string(),
-    },
-    Column {
-        name: "fwd_bwd_peak_bytes",
-        ours: |r| r.fwd_bwd_peak_bytes.to_string(),
-        theirs: |b, _| b.fwd_bwd_peak_bytes.to_string(),
-    },
-    Column {
-        name: "activation_peak_bytes",
-        ours: |r| r.activation_peak_bytes.to_string(),
-        theirs: none,
-    },
-    Column {
-        name: "rss_peak_delta_bytes",
-        ours: |r| r.rss_peak_delta_bytes.to_string(),
-        theirs: none,
-    },
-    Column {
-        name: "minor_faults_per_step",
-        ours: |r| r.minor_faults_per_step.map_or(String::new(), |f| f.to_string()),
-        theirs: none,
-    },
-    Column {
-        name: "reserved_bytes",
-        ours: |r| r.reserved_bytes.map_or(String::new(), |b| b.to_string()),
-        theirs: none,
-    },
-    Column {
-        name: "model_state_bytes_max_rank",
-        ours: |r| r.model_state_bytes_max_rank.map_or(String::new(), |b| b.to_string()),
-        theirs: none,
-    },
-    Column {
-        name: "step_peak_bytes_max_rank",
-        ours: |r| r.step_peak_bytes_max_rank.map_or(String::new(), |b| b.to_string()),
-        theirs: none,
-    },
-    Column {
-        name: "step_ms_median",
-        ours: |r| ms(r.step_ms_median),
-        theirs: |b, _| ms(b.step_ms_median),
-    },
-    Column { name: "step_ms_min", ours: |r| ms(r.step_ms_min), theirs: |b, _| ms(b.step_ms_min) },
-    Column { name: "step_ms_max", ours: |r| ms(r.step_ms_max), theirs: |b, _| ms(b.step_ms_max) },
-    Column {
-        name: "all_reduce_ms",
-        ours: |r| r.all_reduce_ms.map_or(String::new(), ms),
-        theirs: none,
-    },
-    Column {
-        name: "all_reduce_wait_ms",
-        ours: |r| r.all_reduce_wait_ms.map_or(String::new(), ms),
-        theirs: none,
-    },
-    Column {
-        name: "timed_steps",
-        ours: |r| r.timed_steps.to_string(),
-        theirs: |b, _| b.timed_steps.to_string(),
-    },
-    Column {
-        name: "segments",
-        ours: |r| r.segments.to_string(),
-        theirs: |b, _| b.segments.to_string(),
-    },
-    Column { name: "loss", ours: |r| r.loss.to_string(), theirs: |b, _| b.loss.to_string() },
-    Column {
-        name: "grads_bit_identical",
-        ours: |r| r.grads_bit_identical.to_string(),
-        theirs: none,
-    },
-    Column { name: "grads_checked", ours: |r| r.grads_checked.to_string(), theirs: none },
-    Column {
-        name: "predicted_total_bytes",
-        ours: |r| r.predicted_total_bytes.map_or(String::new(), |b| b.to_string()),
-        theirs: none,
-    },
-    Column {
-        name: "predicted_peak_bytes",
-        ours: |r| r.predicted_peak_bytes.map_or(String::new(), |b| b.to_string()),
-        theirs: none,
-    },
+    both!(model_state_bytes),
+    both!(step_peak_bytes),
+    both!(fwd_bwd_peak_bytes),
+    ours!(activation_peak_bytes),
+    ours!(rss_peak_delta_bytes),
+    ours!(minor_faults_per_step, or_empty),
+    ours!(reserved_bytes, or_empty),
+    ours!(model_state_bytes_max_rank, or_empty),
+    ours!(step_peak_bytes_max_rank, or_empty),
+    both!(step_ms_median, ms),
+    both!(step_ms_min, ms),
+    both!(step_ms_max, ms),
+    ours!(all_reduce_ms, ms_or_empty),
+    ours!(all_reduce_wait_ms, ms_or_empty),
+    both!(timed_steps),
+    both!(segments),
+    both!(loss),
+    ours!(grads_bit_identical),
+    ours!(grads_checked),
+    ours!(predicted_total_bytes, or_empty),
+    ours!(predicted_peak_bytes, or_empty),
     Column {
         name: "predicted_time_ratio",
         ours: |r| r.predicted_time_ratio.map_or(String::new(), |t| format!("{t:.3}")),
         theirs: none,
     },
-    Column { name: "plan", ours: |r| quoted(&r.plan), theirs: none },
-    Column { name: "grads_differing", ours: |r| r.grads_differing.to_string(), theirs: none },
+    ours!(plan, quoted),
+    ours!(grads_differing),
     Column { name: "max_abs_diff", ours: |r| format!("{:e}", r.max_abs_diff), theirs: none },
-    Column {
-        name: "params_without_grad",
-        ours: |r| r.params_without_grad.to_string(),
-        theirs: none,
-    },
-    Column { name: "check_skipped", ours: |r| quoted(&r.check_skipped), theirs: none },
-    Column { name: "status", ours: |r| r.status.to_string(), theirs: |b, _| b.status.to_string() },
-    Column { name: "commit", ours: |r| r.commit.clone(), theirs: |b, _| b.commit.clone() },
-    Column { name: "error", ours: |r| quoted(&r.error), theirs: |b, _| quoted(&b.error) },
+    ours!(params_without_grad),
+    ours!(check_skipped, quoted),
+    both!(status),
+    both!(commit),
+    both!(error, quoted),
     Column {
         name: "time_vs_off_median",
         ours: |r| spread(&r.time_vs_off, |t| t.median),

@@ -1,18 +1,20 @@
 //! Plots (PNG and SVG): how a figure is written ([`Chart`], [`both`]), and the figures of the
 //! models and depth matrices: the memory-time trade-off per model, each model's step timelines,
 //! and peak activation memory against depth.
+//!
+//! The matrices' other layers: [`crate::run::matrix`] (the run) and [`crate::measure::one`] (each
+//! configuration measured, its timeline).
 
 use super::record::{Record, Status};
-use super::results::{depth_of, Matrix};
+use super::results::{depth_of, Matrix, Models};
 use anyhow::{anyhow, Context, Result};
-use plotters::coord::Shift;
+use plotters::coord::{CoordTranslate, Shift};
 use plotters::prelude::*;
-use remat::memory::Phase;
+use remat::memory::{mib, Phase};
 use std::path::Path;
 
 static FONT: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
 
-const MIB: f64 = 1024.0 * 1024.0;
 const COLORS: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
@@ -51,6 +53,20 @@ pub fn both(dir: &Path, stem: &str, (w, h): (u32, u32), chart: &impl Chart) -> R
     super::write_file(&dir.join(format!("{stem}.svg")), svg)
 }
 
+/// Draws the legend of `chart`'s labelled series at `position`, in a white box.
+pub fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(position)
+        .draw()
+        .map_err(plot_err)
+}
+
 fn render<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, chart: &impl Chart) -> Result<()> {
     root.fill(&WHITE).map_err(plot_err)?;
     chart.draw(&root)?;
@@ -76,11 +92,11 @@ impl Chart for Figure<'_> {
 
 /// Writes every figure of the matrix into `dir`.
 pub fn all(dir: &Path, m: &Matrix, fits: &[(String, f64)]) -> Result<()> {
-    let models = m.models(false).len().max(1) as u32;
+    let models = m.models(Models::Profile).len().max(1) as u32;
     let rows = models.div_ceil(2);
     both(dir, "tradeoff", (1200, 420 * rows), &Figure::Tradeoff(m))?;
     both(dir, "timelines", (1200, 420 * rows), &Figure::Timelines(m))?;
-    if !m.models(true).is_empty() {
+    if !m.models(Models::DepthSweep).is_empty() {
         both(dir, "depth", (900, 600), &Figure::Depth { matrix: m, fits })?;
     }
     Ok(())
@@ -95,7 +111,7 @@ fn panels<DB: DrawingBackend>(
 
 /// Peak memory against step time: one point per policy (filled: whole step, hollow: activations).
 fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
-    let models = m.models(false);
+    let models = m.models(Models::Profile);
     for (area, model) in panels(root, models.len()).iter().zip(&models) {
         let rows: Vec<&Record> = m.ok_rows(model);
         if rows.is_empty() {
@@ -108,7 +124,7 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
             .map(|off| {
                 off.frontier
                     .iter()
-                    .map(|p| (off.step_ms_median * p.time_ratio, p.peak_bytes as f64 / MIB))
+                    .map(|p| (off.step_ms_median * p.time_ratio, mib(p.peak_bytes)))
                     .collect()
             })
             .unwrap_or_default();
@@ -117,7 +133,7 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
         let min_t = times.fold(f64::MAX, f64::min) * 0.9;
         let max_m = rows
             .iter()
-            .map(|r| r.step_peak_bytes as f64 / MIB)
+            .map(|r| mib(r.step_peak_bytes))
             .chain(frontier.iter().map(|p| p.1))
             .fold(0.0, f64::max)
             * 1.15;
@@ -144,11 +160,8 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
                 .legend(|(x, y)| PathElement::new([(x - 8, y), (x + 8, y)], BLACK));
         }
         for (i, r) in rows.iter().enumerate() {
-            let (t, step, act) = (
-                r.step_ms_median,
-                r.step_peak_bytes as f64 / MIB,
-                r.activation_peak_bytes as f64 / MIB,
-            );
+            let (t, step, act) =
+                (r.step_ms_median, mib(r.step_peak_bytes), mib(r.activation_peak_bytes));
             let c = color(i);
             chart
                 .draw_series([
@@ -159,13 +172,7 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
                 .label(r.policy.clone())
                 .legend(move |(x, y)| Circle::new((x, y), 5, c.filled()));
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::LowerRight)
-            .draw()
-            .map_err(plot_err)?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     }
     Ok(())
 }
@@ -173,7 +180,7 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
 /// Heap above the step's start at every stage boundary; forward solid, recompute and backward
 /// dashed.
 fn timelines<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
-    let models = m.models(false);
+    let models = m.models(Models::Profile);
     for (area, model) in panels(root, models.len()).iter().zip(&models) {
         let rows: Vec<&Record> =
             m.ok_rows(model).into_iter().filter(|r| !r.timeline.is_empty()).collect();
@@ -181,7 +188,7 @@ fn timelines<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> R
             continue;
         }
         let above = |r: &Record, e: &remat::memory::Event| {
-            e.window_peak.saturating_sub(r.timeline_base_bytes) as f64 / MIB
+            mib(e.window_peak.saturating_sub(r.timeline_base_bytes))
         };
         let max_t =
             rows.iter().flat_map(|r| r.timeline.iter().map(|e| e.at_ms)).fold(0.0, f64::max) * 1.05;
@@ -232,13 +239,7 @@ fn timelines<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> R
                 .draw_series(DashedLineSeries::new(backward, 6, 4, c.stroke_width(2)))
                 .map_err(plot_err)?;
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()
-            .map_err(plot_err)?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     }
     Ok(())
 }
@@ -250,12 +251,12 @@ fn depth<DB: DrawingBackend>(
     fits: &[(String, f64)],
 ) -> Result<()> {
     let points = |policy: &str| -> Vec<(f64, f64)> {
-        m.models(true)
+        m.models(Models::DepthSweep)
             .iter()
             .filter_map(|model| {
                 m.find(model, policy)
                     .filter(|r| r.status == Status::Ok)
-                    .map(|r| (depth_of(model) as f64, r.activation_peak_bytes as f64 / MIB))
+                    .map(|r| (depth_of(model) as f64, mib(r.activation_peak_bytes)))
             })
             .collect()
     };
@@ -297,12 +298,5 @@ fn depth<DB: DrawingBackend>(
             .draw_series(pts.into_iter().map(|p| Circle::new(p, 5, c.filled())))
             .map_err(plot_err)?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(plot_err)?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)
 }

@@ -1,6 +1,9 @@
 //! The article's A100 table projected at its own sizes (`measure::projection`), rendered for
 //! `TABLE.md`: predictions, labelled so, beside the measurement and its error where the folder
 //! measured the same configuration (`--profile full`).
+//!
+//! The experiment's other layers: [`crate::run::projection`] (the projections asked for, each in
+//! a fresh process) and [`crate::measure::projection`] (`project-one`, the projection itself).
 
 use super::results::{made_by, Matrix};
 
@@ -67,7 +70,7 @@ pub fn render(m: &Matrix, article: impl Fn(&str) -> Option<(f64, f64, &'static s
                         && rec.batch == p.batch
                         && rec.input == p.input
                 })
-                .map(|rec| rec.model_state_bytes + rec.step_peak_bytes);
+                .map(|rec| rec.measured_total());
             let (measured, error) = measured.map_or(("-".into(), "-".into()), |b| {
                 (gb(b), format!("{:+.1}%", (r.total_bytes as f64 / b as f64 - 1.0) * 100.0))
             });

@@ -65,7 +65,8 @@ pub struct Record {
     #[serde(default)]
     pub time_vs_off: Option<Spread>,
     pub loss: f32,
-    /// Every gradient and buffer element equals plain candle's bit for bit (see [`run`]).
+    /// Every gradient and buffer element equals plain candle's bit for bit (see
+    /// [`crate::measure::one::check`]).
     pub grads_bit_identical: bool,
     /// Whether the gradient check ran (`gpt2-24gb` skips it where it would need more memory than
     /// the machine has: two models and a copy of every gradient).
@@ -75,8 +76,9 @@ pub struct Record {
     /// of `off`'s predicted size beyond what the machine can give), else empty.
     #[serde(default)]
     pub check_skipped: String,
-    /// `gpt2-24gb`: what the configuration was predicted to need ([`crate::gpt2_24gb::predict`]),
-    /// and its total (the state, the gradients and the activations at the step's peak).
+    /// `gpt2-24gb`: what the configuration was predicted to need
+    /// ([`crate::run::gpt2_24gb::predict`]), and its total (the state, the gradients and the
+    /// activations at the step's peak).
     #[serde(default)]
     pub predicted: Option<Prediction>,
     #[serde(default)]
@@ -248,6 +250,19 @@ impl Record {
         self.error = reason;
         self
     }
+
+    /// Everything the step held at its peak, measured: the state before it (parameters,
+    /// optimizer state, inputs) and the step's peak above that (gradients, activations,
+    /// temporaries).
+    pub fn measured_total(&self) -> u64 {
+        self.model_state_bytes + self.step_peak_bytes
+    }
+
+    /// The model state: the prediction's arithmetic ([`Prediction::state`]) where the record has
+    /// one, else the measured state.
+    pub fn state_bytes(&self) -> u64 {
+        self.predicted.map_or(self.model_state_bytes, |p| p.state())
+    }
 }
 
 /// Predicted bytes of one configuration.
@@ -263,9 +278,14 @@ pub struct Prediction {
 }
 
 impl Prediction {
+    /// The parameters, their gradients and the optimizer's state.
+    pub fn state(&self) -> u64 {
+        self.params + self.grads + self.optimizer
+    }
+
     /// Everything at the step's peak: the state, the gradients and the activations.
     pub fn total(&self) -> Option<u64> {
-        Some(self.params + self.grads + self.optimizer + self.activations?)
+        Some(self.state() + self.activations?)
     }
 }
 

@@ -110,6 +110,25 @@ pub fn made_by<'a>(commands: impl IntoIterator<Item = &'a str>, last_run: &str) 
     }
 }
 
+/// The two sets of models a results folder can hold: the profile's, or the depth sweep's GPT-2
+/// block stacks (named `depth-<L>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Models {
+    Profile,
+    DepthSweep,
+}
+
+impl Models {
+    /// The set `model` belongs to.
+    fn of(model: &str) -> Models {
+        if model.starts_with(crate::workloads::DEPTH_PREFIX) {
+            Models::DepthSweep
+        } else {
+            Models::Profile
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Matrix {
     pub meta: Meta,
@@ -143,13 +162,11 @@ impl Matrix {
         ))
     }
 
-    /// Model names in run order: the depth sweep's (`depth == true`) or the others.
-    pub fn models(&self, depth: bool) -> Vec<String> {
+    /// The names of the models of `set`, in run order.
+    pub fn models(&self, set: Models) -> Vec<String> {
         let mut names: Vec<String> = Vec::new();
         for r in &self.records {
-            if r.model.starts_with(crate::workloads::DEPTH_PREFIX) == depth
-                && !names.contains(&r.model)
-            {
+            if Models::of(&r.model) == set && !names.contains(&r.model) {
                 names.push(r.model.clone());
             }
         }
@@ -190,7 +207,7 @@ impl Matrix {
             .iter()
             .filter_map(|&p| {
                 let pts: Vec<(f64, f64)> = self
-                    .models(true)
+                    .models(Models::DepthSweep)
                     .iter()
                     .filter_map(|m| {
                         self.find(m, p)

@@ -1,9 +1,12 @@
 //! `TABLE.md`: the article's A100 table next to the same columns measured by this matrix, and the
 //! depth sweep's fitted exponents.
+//!
+//! The matrices' other layers: [`crate::run::matrix`] (the run) and [`crate::measure::one`] (each
+//! configuration measured).
 
 use super::baseline::side_by_side;
 use super::record::{Record, Status};
-use super::results::{depth_of, Matrix};
+use super::results::{depth_of, Matrix, Models};
 use super::units::{mib, size};
 use std::fmt::Write as _;
 
@@ -131,7 +134,6 @@ fn article_row(m: &Matrix, row: &ArticleRow) -> String {
         .find_map(|name| Some((m.find(name, "off")?, m.find(name, TABLE_POLICY)?)));
     match found {
         Some((off, ck)) if off.status == Status::Ok && ck.status == Status::Ok => {
-            let total = |r: &Record| r.model_state_bytes + r.step_peak_bytes;
             let _ = writeln!(
                 out,
                 "| {} ({}) | {} | {} | {} | {} | {:.2} | {:.2} | {} | {:+.0}% | {article} |",
@@ -139,9 +141,9 @@ fn article_row(m: &Matrix, row: &ArticleRow) -> String {
                 off.model,
                 off.batch,
                 off.input,
-                size(total(off)),
-                size(total(ck)),
-                total(ck) as f64 / total(off) as f64,
+                size(off.measured_total()),
+                size(ck.measured_total()),
+                ck.measured_total() as f64 / off.measured_total() as f64,
                 ck.activation_peak_bytes as f64 / off.activation_peak_bytes.max(1) as f64,
                 if ck.step_peak_bytes > ck.fwd_bwd_peak_bytes {
                     "optimizer update"
@@ -154,7 +156,7 @@ fn article_row(m: &Matrix, row: &ArticleRow) -> String {
         Some((off, ck)) => {
             // Not run where the planner predicted it would not fit: its prediction, marked.
             let total = |r: &Record| match (r.status, r.predicted_total_bytes) {
-                (Status::Ok, _) => Some((r.model_state_bytes + r.step_peak_bytes, "")),
+                (Status::Ok, _) => Some((r.measured_total(), "")),
                 (Status::Skipped, Some(p)) => Some((p, " (predicted, not run)")),
                 _ => None,
             };
@@ -195,14 +197,15 @@ fn depth_sweep(m: &Matrix, fits: &[(String, f64)]) -> String {
          peak against the number of blocks L, least-squares exponent k of peak ~ L^k:\n\n| policy \
          | depths | exponent k |\n|---|---|---|\n"
     );
-    let depths: Vec<String> = m.models(true).iter().map(|d| depth_of(d).to_string()).collect();
+    let depths: Vec<String> =
+        m.models(Models::DepthSweep).iter().map(|d| depth_of(d).to_string()).collect();
     for (policy, k) in fits {
         let _ = writeln!(out, "| {policy} | {} | {k:.2} |", depths.join(", "));
     }
     out.push_str(
         "\n| L | activation peak off | activation peak sqrt | sqrt / off |\n|---|---|---|---|\n",
     );
-    for model in m.models(true) {
+    for model in m.models(Models::DepthSweep) {
         let peak = |p: &str| {
             m.find(&model, p).filter(|r| r.status == Status::Ok).map(|r| r.activation_peak_bytes)
         };

@@ -1,13 +1,10 @@
 //! Byte counts as the reports and lines print them.
 
-/// Bytes in GiB, for the caller to format.
-pub fn gib(bytes: u64) -> f64 {
-    bytes as f64 / (1u64 << 30) as f64
-}
+pub use remat::memory::gib;
 
 /// Bytes in MiB, formatted: `12.3 MiB`.
 pub fn mib(bytes: u64) -> String {
-    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+    format!("{:.1} MiB", remat::memory::mib(bytes))
 }
 
 /// Bytes in GiB, formatted: `12.3 GiB`.

@@ -1,5 +1,9 @@
 //! `--baseline pytorch`: the same configurations in PyTorch eager (`scripts/torch_baseline.py`),
 //! one fresh Python process per configuration, cut into the same checkpoint segments as ours.
+//!
+//! The experiment's other layers: [`super::matrix`] runs it beside ours and in the timing rounds;
+//! no `measure` module (the script measures PyTorch); [`crate::report::baseline`] shows it beside
+//! ours, and [`crate::report::record::Baseline`] is its row.
 
 use crate::report::record::{Baseline, Record, Status};
 use std::path::{Path, PathBuf};
@@ -47,17 +51,25 @@ pub fn available(python: &str) -> Result<(), String> {
     }
 }
 
+/// What a PyTorch run measures, as ours does in `measure::One::Full` and `One::TimeOnly`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Measure {
+    /// Memory and time (the run beside ours).
+    Full,
+    /// Its steps timed, no memory measured (a timing round: `--time-only`).
+    TimeOnly,
+}
+
 /// Runs the PyTorch version of `ours` (same model, batch, input size, segments, steps, threads,
-/// device);
-/// `time_only`: its steps timed, no memory measured (the timing rounds). `memory_limit`: the
-/// bytes it may allocate, beyond which it ends as `oom` (where ours was predicted not to fit).
+/// device), measuring what `measure` says. `memory_limit`: the bytes it may allocate, beyond
+/// which it ends as `oom` (where ours was predicted not to fit).
 pub fn run(
     python: &str,
     ours: &Record,
     input_size: usize,
     steps: usize,
     seed: u64,
-    time_only: bool,
+    measure: Measure,
     memory_limit: Option<u64>,
 ) -> Baseline {
     let failed = |error: String| Baseline {
@@ -90,7 +102,7 @@ pub fn run(
             "--device",
             &ours.device,
         ])
-        .args(time_only.then_some("--time-only"))
+        .args((measure == Measure::TimeOnly).then_some("--time-only"))
         .args(memory_limit.map(|b| format!("--memory-limit={b}")))
         .output();
     let out = match out {

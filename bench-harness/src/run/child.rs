@@ -1,6 +1,9 @@
 //! Every configuration runs in a fresh process of this binary (`run-one`, `project-one`), so
 //! one run's peak never leaks into another's: starting it, reading its record back, and telling an
 //! out-of-memory end from an error.
+//!
+//! What runs in the child: [`crate::measure::one`] (`run-one`) and [`crate::measure::projection`]
+//! (`project-one`).
 
 use crate::cli::Common;
 use crate::measure::One;

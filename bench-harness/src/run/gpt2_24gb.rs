@@ -12,9 +12,13 @@
 //! parameter, Adafactor R + C numbers per R x C weight (a vector whole), SGD one buffer. The rest
 //! of the predicted peak (activations, temporaries, the inputs) is the planner's.
 //!
-//! The table and the figure are the `report` module's (`report::gpt2_24gb`).
+//! The experiment's other layers: [`crate::workloads`] (its configurations, `gpt2_24gb` and
+//! `STATE_VARIANTS`), [`crate::measure::projection`] (the projection, started by
+//! [`super::projection::spawn_projection`]), [`crate::measure::one`] (each configuration run, as
+//! in every matrix) and [`crate::report::gpt2_24gb`] (its table and figure).
 
 use super::child::spawn_one;
+use super::Execution;
 use crate::cli::Common;
 use crate::measure::One;
 use crate::report::record::{Prediction, Projection, Record, Status};
@@ -47,14 +51,14 @@ pub fn defaults(common: &mut Common) -> Result<()> {
 /// once per model and kept in the matrix), skipped where the prediction exceeds the memory cap,
 /// run otherwise. The gradient check needs two models and a copy of every gradient beside them,
 /// so it runs only where that fits the cap (four times the parameters' f32 bytes, with room for
-/// the activations). `dry_run`: predicted, nothing runs.
+/// the activations). [`Execution::DryRun`]: predicted and recorded as not run.
 pub fn run_predicted(
     matrix: &mut Matrix,
     w: &Workload,
     policy: &PolicyRequest,
     common: &Common,
     profile: Profile,
-    dry_run: bool,
+    execution: Execution,
 ) -> Result<Option<Record>> {
     if !matrix.projections.iter().any(|p| p.model == w.model) {
         let p = super::projection::spawn_projection(&w.model, profile, common, common.overrides())
@@ -71,7 +75,9 @@ pub fn run_predicted(
         ..Record::new(w, policy, &common.device.to_string())
     };
     let mut rec = match total {
-        Some(t) if dry_run => skipped(format!("dry run (predicted {:.1} GiB)", units::gib(t))),
+        Some(t) if execution == Execution::DryRun => {
+            skipped(format!("dry run (predicted {:.1} GiB)", units::gib(t)))
+        }
         Some(t) if t > cap => skipped(format!(
             "does not fit (predicted {:.1} GiB > cap {:.1} GiB)",
             units::gib(t),

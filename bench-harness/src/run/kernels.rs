@@ -1,6 +1,9 @@
 //! `bench-harness kernels`: every convolution the `cpu` profile's models run, recorded from
 //! their forward passes, timed here and in PyTorch (`scripts/torch_ops.py --convs`) on the same
 //! shapes, in interleaved rounds (ours, then PyTorch's, per round), into `convs.{json,md}`.
+//!
+//! The experiment's other layers: [`crate::measure::kernels`] (the recording and the timing, in
+//! this process) and [`crate::report::kernels`] (the report and its files).
 
 use crate::measure::kernels;
 use crate::report::kernels::{ConvTimes, Entry, KernelReport};

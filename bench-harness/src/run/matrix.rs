@@ -2,10 +2,15 @@
 //! fresh process ([`super::child`]) into the results folder, resumable (what is there is kept
 //! unless `--force`), with PyTorch beside them (`--baseline`), interleaved timing rounds, and the
 //! reports written at the end.
+//!
+//! The matrices' other layers: [`crate::workloads`] (the configurations), [`crate::measure::one`]
+//! (`run-one`: one configuration measured) and [`crate::report`] (the folder's files, written by
+//! [`crate::report::save`]: `matrix.csv` and `matrix.md` there, [`crate::report::table`],
+//! [`crate::report::plot`]).
 
-use super::baseline;
+use super::baseline::{self, Measure};
 use super::child::spawn_one;
-use super::{gpt2_24gb, projection};
+use super::{gpt2_24gb, projection, Execution, Existing};
 use crate::cli::{Common, MatrixArgs, MatrixKind};
 use crate::measure::{self, One};
 use crate::report;
@@ -48,14 +53,20 @@ pub fn run(mut args: MatrixArgs) -> Result<()> {
         );
     }
     let mut run = Run { matrix, args: &args, profile, dir, statuses: Vec::new(), ran_any: false };
-    let dry_run = args.dry_run && profile != Profile::Gpt2_24gb;
-    run.all(&configs, dry_run)?;
-    if dry_run {
+    // gpt2-24gb predicts every configuration anyway: its dry run records them as not run.
+    let execution = if args.dry_run && profile != Profile::Gpt2_24gb {
+        Execution::DryRun
+    } else {
+        Execution::Measure
+    };
+    run.all(&configs, execution)?;
+    if execution == Execution::DryRun {
         return Ok(());
     }
     let Run { mut matrix, statuses, dir, .. } = run;
     if matches!(profile, Profile::Cpu | Profile::Full) {
-        projection::project_all(&mut matrix, &args.models, &args.common, args.force);
+        let existing = if args.force { Existing::Replace } else { Existing::Keep };
+        projection::project_all(&mut matrix, &args.models, &args.common, existing);
     }
     report::save(&matrix, &dir)?;
     trainkit::say!("results in {}", dir.display());
@@ -91,7 +102,8 @@ fn check(args: &MatrixArgs) -> Result<()> {
     if common.ranks == 0 {
         bail!("--ranks must be at least 1");
     }
-    trainkit::parallel::check_sharding(common.shard_optimizer, common.ranks)?;
+    let state = trainkit::parallel::OptimizerState::from_flag(common.shard_optimizer);
+    trainkit::parallel::check_sharding(state, common.ranks)?;
     if args.models.iter().any(|m| m.trim().is_empty()) {
         bail!(
             "--models {}: an empty model name (a stray comma?) would select every model",
@@ -114,7 +126,7 @@ fn check(args: &MatrixArgs) -> Result<()> {
     if args.baseline.is_some()
         && (common.accumulate.is_some_and(|n| n > 1)
             || common.optimizer.is_some()
-            || common.dtype.is_some_and(|d| d != model::Precision::F32))
+            || common.dtype.is_some_and(|d| d != trainable::Precision::F32))
     {
         bail!(
             "--baseline runs one f32 micro-batch per step with each model's default optimizer; it \
@@ -228,8 +240,8 @@ struct Run<'a> {
 
 impl Run<'_> {
     /// Every configuration in order, under a progress bar; after a model's last one, its timing
-    /// rounds. `dry_run`: each predicted and printed, nothing saved.
-    fn all(&mut self, configs: &[Config], dry_run: bool) -> Result<()> {
+    /// rounds. [`Execution::DryRun`]: each predicted and printed, nothing saved.
+    fn all(&mut self, configs: &[Config], execution: Execution) -> Result<()> {
         let (args, common, profile) = (self.args, &self.args.common, self.profile);
         let python = match &args.baseline {
             Some(_) => match baseline::available(&args.python) {
@@ -246,7 +258,7 @@ impl Run<'_> {
         )?);
         let mut ran_models: Vec<&str> = Vec::new();
         for (i, (w, policy)) in configs.iter().enumerate() {
-            if dry_run {
+            if execution == Execution::DryRun {
                 let rec = spawn_one(w, policy, common, (profile, None), One::DryRun);
                 bar.suspend(|| trainkit::say!("{}", dry_summary(&rec)));
                 bar.inc(1);
@@ -313,14 +325,8 @@ impl Run<'_> {
                 trainkit::say!("measuring {} {policy}", w.model);
             }
             let rec = if profile == Profile::Gpt2_24gb {
-                gpt2_24gb::run_predicted(
-                    &mut self.matrix,
-                    w,
-                    policy,
-                    common,
-                    profile,
-                    args.dry_run,
-                )?
+                let execution = if args.dry_run { Execution::DryRun } else { Execution::Measure };
+                gpt2_24gb::run_predicted(&mut self.matrix, w, policy, common, profile, execution)?
             } else {
                 Some(spawn_one(
                     w,
@@ -380,7 +386,7 @@ impl Run<'_> {
                         w.input_size,
                         common.steps,
                         common.seed,
-                        false,
+                        Measure::Full,
                         limit,
                     )
                 };
@@ -515,7 +521,8 @@ fn time_rounds(
             ours[i].push(Some(rec.step_ms_median).filter(|_| rec.status == Status::Ok));
             let measured = matrix.find(&w.model, &p.to_string()).unwrap();
             let b = torch.filter(|_| torch_ran[i]).map(|py| {
-                baseline::run(py, measured, w.input_size, common.steps, common.seed, true, None)
+                let (steps, seed) = (common.steps, common.seed);
+                baseline::run(py, measured, w.input_size, steps, seed, Measure::TimeOnly, None)
             });
             torch_ms[i].push(b.filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median));
         }

@@ -4,8 +4,12 @@
 //! labelled so; where the folder measured the same configuration (`--profile full`), the
 //! measurement and the projection's error sit beside them in `TABLE.md`. `gpt2-24gb` predicts its
 //! configurations the same way ([`spawn_projection`]).
+//!
+//! The experiment's other layers: [`crate::measure::projection`] (`project-one`, the projection
+//! itself) and [`crate::report::projection`] (its section of `TABLE.md`).
 
 use super::child::{child_error, die_with_parent, pass_overrides};
+use super::Existing;
 use crate::cli::Common;
 use crate::report::record::Projection;
 use crate::report::results::{this_command, Matrix};
@@ -17,14 +21,14 @@ use std::process::Command;
 pub const MODELS: [&str; 4] = ["resnet50", "resnet152", "bert-large", "unet3d-cicek"];
 
 /// Runs `project-one` for every model of the article's table that `models` selects (all where
-/// it is empty), in fresh processes, into the matrix; a projection already there is kept unless
-/// `force`.
-pub fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, force: bool) {
+/// it is empty), in fresh processes, into the matrix; a projection already there is kept or
+/// replaced as `existing` says.
+pub fn project_all(matrix: &mut Matrix, models: &[String], common: &Common, existing: Existing) {
     for model in MODELS
         .iter()
         .filter(|m| models.is_empty() || models.iter().any(|s| m.starts_with(s.as_str())))
     {
-        if !force && matrix.projections.iter().any(|p| p.model == *model) {
+        if existing == Existing::Keep && matrix.projections.iter().any(|p| p.model == *model) {
             continue;
         }
         // At the article's sizes: the command line's sizes are this run's, not the article's.

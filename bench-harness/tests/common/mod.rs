@@ -16,14 +16,29 @@ pub fn out_dir(name: &str) -> PathBuf {
     dir
 }
 
-/// Runs the harness at the smoke profile, one timed step, into `dir`; must succeed. Returns stderr.
-pub fn smoke(dir: &Path, args: &[&str]) -> String {
+/// The arguments of a run at the smoke profile, one timed step, into `dir`, then `args`.
+pub fn smoke_args<'a>(dir: &'a Path, args: &[&'a str]) -> Vec<&'a str> {
     let mut all = vec!["--profile", "smoke", "--steps", "1", "--out", dir.to_str().unwrap()];
     all.extend_from_slice(args);
+    all
+}
+
+/// Runs the harness at the smoke profile, one timed step, into `dir`; must succeed. Returns stderr.
+pub fn smoke(dir: &Path, args: &[&str]) -> String {
+    let all = smoke_args(dir, args);
     let out = harness(&all);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "bench-harness {all:?} failed:\n{stderr}");
     stderr
+}
+
+/// The arguments of `--matrix models` of `models` under `policies` with no timing rounds, then
+/// `extra`: what most tests run [`smoke`] with.
+pub fn models_args<'a>(models: &'a str, policies: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut all = vec!["--matrix", "models", "--models", models, "--policies", policies];
+    all.extend_from_slice(&["--rounds", "0"]);
+    all.extend_from_slice(extra);
+    all
 }
 
 pub fn matrix(dir: &Path) -> serde_json::Value {

@@ -19,6 +19,7 @@ struct Handle(Comm);
 // training thread calls it: a `Group` is neither shared nor sent, and candle runs a custom op
 // on the thread that applies it.
 unsafe impl Send for Handle {}
+// SAFETY: as for `Send`: shared references to it are used on the training thread alone.
 unsafe impl Sync for Handle {}
 
 pub(crate) struct NcclWorld {

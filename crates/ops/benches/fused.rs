@@ -5,7 +5,8 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use criterion::{criterion_group, criterion_main, Criterion};
-use ops::fused;
+use ops::fused::{self, Mask};
+use ops::WeightLayout;
 use remat::rng::RngKey;
 
 fn var(name: &str, shape: &[usize]) -> Var {
@@ -95,7 +96,7 @@ fn bench(c: &mut Criterion) {
         ),
         (
             "linear (2, 128, 1024) -> 4096",
-            Box::new(|| fused::linear(&h, &wi, Some(&bi), true)),
+            Box::new(|| fused::linear(&h, &wi, Some(&bi), WeightLayout::OutIn)),
             Box::new(|| {
                 h.as_tensor()
                     .reshape((256, 1024))?
@@ -106,7 +107,7 @@ fn bench(c: &mut Criterion) {
         ),
         (
             "causal softmax (2, 12, 256, 256)",
-            Box::new(|| fused::softmax_last_dim(&scores, 0.125, true)),
+            Box::new(|| fused::softmax_last_dim(&scores, 0.125, Mask::Causal)),
             Box::new(|| {
                 let s = (scores.as_tensor() * 0.125)?;
                 candle_nn::ops::softmax(
@@ -117,7 +118,7 @@ fn bench(c: &mut Criterion) {
         ),
         (
             "causal attention with dropout (2, 12, 256, 64)",
-            Box::new(|| fused::attention(&q, &k, &v, 0.125, true, None, Some((key, 0.1)))),
+            Box::new(|| fused::attention(&q, &k, &v, 0.125, Mask::Causal, None, Some((key, 0.1)))),
             Box::new(|| {
                 let s = (q.matmul(&k.t()?)? * 0.125)?;
                 let p = candle_nn::ops::softmax(

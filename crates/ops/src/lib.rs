@@ -1,9 +1,13 @@
 //! `ops`: the layers candle lacks or gets wrong, for training under checkpointing.
 //!
+//! Two levels: the layers a model calls (the `layers` module, re-exported here, and
+//! [`dropout`] and [`attention`] at this root), and the kernels behind them ([`fused`]).
+//!
 //! - [`fused`]: LayerNorm, softmax, cross-entropy, BatchNorm + ReLU, dropout, linear, GELU,
 //!   attention and conv3d as single ops with hand-written backward passes that keep only what
 //!   backward needs (candle's own fused LayerNorm and softmax record no backward; composed ones
-//!   keep every intermediate). [`attention`] is the attention with a keyed dropout.
+//!   keep every intermediate). [`attention`] is the attention with a keyed dropout, its causal
+//!   mask a [`Mask`].
 //! - [`dropout`] draws its mask from the stage's counter-based key, so a recompute under
 //!   checkpointing reproduces it exactly (candle's `ops::dropout` uses unseedable global RNG), and
 //!   draws it again in backward instead of holding it.
@@ -16,26 +20,23 @@
 //!   two tensors' channels side by side without concatenating them; [`conv2d`] runs the fused
 //!   convolution kernel where it can (a lean backward), candle's elsewhere.
 //! - [`record_convolutions`] lists the convolutions a forward pass runs, for the kernel bench.
-//! - [`Linear`]: a linear layer in either published weight layout, with its LoRA adapter
-//!   (`params::lora`) beside it as one op where the configuration targets it.
+//! - [`Linear`]: a linear layer in either published weight layout ([`WeightLayout`], from
+//!   `params`), with its LoRA adapter (`params::lora`) beside it as one op where the
+//!   configuration targets it.
 //!
 //! Not here: the parameters these layers read (the `params` crate), the optimizers (`optim`),
 //! the models (the trainer crates), the checkpointing engine (`remat`).
 
-mod batchnorm;
-mod conv3d;
 pub mod fused;
-mod linear;
-mod norm;
-mod pool;
+mod layers;
 mod recorded;
 
-pub use batchnorm::BatchNorm;
-pub use conv3d::{conv2d, conv3d, conv3d_concat, conv_transpose3d_k2s2, max_pool3d_k2s2};
-pub use fused::{allocate_matmul_workspaces, matmul_peak_gflops, Conv3dGeometry};
-pub use linear::{Linear, WeightLayout};
-pub use norm::{GroupNorm, LayerNorm};
-pub use pool::max_pool2d_k3s2p1;
+pub use fused::{allocate_matmul_workspaces, matmul_peak_gflops, Conv3dGeometry, Mask};
+pub use layers::{
+    conv2d, conv3d, conv3d_concat, conv_transpose3d_k2s2, max_pool2d_k3s2p1, max_pool3d_k2s2,
+    BatchNorm, GroupNorm, LayerNorm, Linear,
+};
+pub use params::WeightLayout;
 pub use recorded::{record_convolutions, ConvCall, ConvKind};
 
 use candle_core::{Result, Tensor};
@@ -51,26 +52,23 @@ pub fn dropout(x: &Tensor, p: f32, ctx: &StageCtx) -> Result<Tensor> {
 }
 
 /// The key of a dropout with probability `p`, or `None` where it is the identity (evaluation,
-/// `p == 0`); an error for `p` outside [0, 1).
+/// `p == 0`); an error for `p` outside [0, 1) ([`StageCtx::dropout_key`]).
 pub(crate) fn dropout_key(p: f32, ctx: &StageCtx) -> Result<Option<remat::rng::RngKey>> {
-    if !(0.0..1.0).contains(&p) {
-        candle_core::bail!("dropout probability must be in [0, 1), got {p}")
-    }
-    Ok((ctx.is_training() && p > 0.0).then(|| ctx.next_key()))
+    ctx.dropout_key(p)
 }
 
 /// Scaled dot-product attention of q, k, v (B, heads, T, d) with dropout `p` on the attention
-/// probabilities, its mask keyed like [`dropout`]'s, and an optional key padding mask (B, T)
-/// ([`fused::attention`]).
+/// probabilities, its mask keyed like [`dropout`]'s, the causal mask where `mask` is
+/// [`Mask::Causal`], and an optional key padding mask (B, T) ([`fused::attention`]).
 pub fn attention(
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     scale: f64,
-    causal: bool,
+    mask: Mask,
     padding: Option<&Tensor>,
     p: f32,
     ctx: &StageCtx,
 ) -> Result<Tensor> {
-    fused::attention(q, k, v, scale, causal, padding, dropout_key(p, ctx)?.map(|key| (key, p)))
+    fused::attention(q, k, v, scale, mask, padding, dropout_key(p, ctx)?.map(|key| (key, p)))
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@
 
 use candle_core::{Device, Result, Tensor, Var};
 use ops::fused::{set_path, Path};
+use ops::WeightLayout;
 use remat::memory::peak_during;
 
 #[global_allocator]
@@ -85,7 +86,7 @@ fn frozen_costs_nothing(
 
 #[test]
 fn a_frozen_weight_gets_no_gradient_computed_or_stored() -> Result<()> {
-    let linear = |x: &Tensor, w: &Tensor| ops::fused::linear(x, w, None, true);
+    let linear = |x: &Tensor, w: &Tensor| ops::fused::linear(x, w, None, WeightLayout::OutIn);
     let matmul = |x: &Tensor, w: &Tensor| x.matmul(&w.t()?);
     let conv = |x: &Tensor, w: &Tensor| ops::conv2d(x, w, 1, 1);
     let (rows, square) = ([ROWS, IN], [OUT, IN]);

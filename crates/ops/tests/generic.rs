@@ -4,7 +4,8 @@
 //! check must refuse). The path and the heap counter are process-wide: the tests take turns.
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
-use ops::fused::{set_path, Path};
+use ops::fused::{set_path, Activation, GeluForm, Mask, Path};
+use ops::WeightLayout;
 use remat::memory::heap_current;
 
 #[global_allocator]
@@ -137,15 +138,15 @@ fn layer_norm_on_the_generic_route() -> Result<()> {
 #[test]
 fn softmax_on_the_generic_route() -> Result<()> {
     let _turn = turn();
-    for causal in [false, true] {
-        let op = move |t: &[Tensor]| ops::fused::softmax_last_dim(&t[0], 0.125, causal);
+    for mask in [Mask::None, Mask::Causal] {
+        let op = move |t: &[Tensor]| ops::fused::softmax_last_dim(&t[0], 0.125, mask);
         let inputs = [var(&[2, 4, 64, 64], DType::F32)?];
-        check(&format!("softmax causal={causal}"), &op, &inputs, 1e-5)?;
+        check(&format!("softmax mask={mask:?}"), &op, &inputs, 1e-5)?;
     }
     // The control: softmax composed in the graph keeps more than its output.
     let composed = |t: &[Tensor]| candle_nn::ops::softmax(&(&t[0] * 0.125)?, D::Minus1);
     let inputs = [var(&[2, 4, 64, 64], DType::F32)?];
-    let kernel_op = |t: &[Tensor]| ops::fused::softmax_last_dim(&t[0], 0.125, false);
+    let kernel_op = |t: &[Tensor]| ops::fused::softmax_last_dim(&t[0], 0.125, Mask::None);
     let (in_graph, kernel) = (
         kept_bytes(&composed, &inputs, None)?,
         kept_bytes(&kernel_op, &inputs, Some(Path::Kernel))?,
@@ -164,20 +165,19 @@ fn dropout_gelu_and_linear_on_the_generic_route() -> Result<()> {
     let key = remat::rng::RngKey::named(7, "dropout");
     let dropout = move |t: &[Tensor]| ops::fused::dropout(&t[0], key, 0.1);
     check("dropout", &dropout, &[var(&[8, 64, 64], DType::F32)?], 0.0)?;
-    for exact in [false, true] {
-        let gelu = move |t: &[Tensor]| ops::fused::gelu(&t[0], exact);
-        check(&format!("gelu exact={exact}"), &gelu, &[var(&[8, 64, 32], DType::F32)?], 1e-5)?;
+    for form in [GeluForm::Tanh, GeluForm::Erf] {
+        let gelu = move |t: &[Tensor]| ops::fused::gelu(&t[0], form);
+        check(&format!("gelu {form:?}"), &gelu, &[var(&[8, 64, 32], DType::F32)?], 1e-5)?;
     }
-    for (w_is_out_in, w_shape) in [(false, [32, 48]), (true, [48, 32])] {
-        let with_bias =
-            move |t: &[Tensor]| ops::fused::linear(&t[0], &t[1], Some(&t[2]), w_is_out_in);
+    for (layout, w_shape) in [(WeightLayout::InOut, [32, 48]), (WeightLayout::OutIn, [48, 32])] {
+        let with_bias = move |t: &[Tensor]| ops::fused::linear(&t[0], &t[1], Some(&t[2]), layout);
         check(
             "linear with bias",
             &with_bias,
             &[var(&[4, 16, 32], DType::F32)?, var(&w_shape, DType::F32)?, var(&[48], DType::F32)?],
             1e-5,
         )?;
-        let no_bias = move |t: &[Tensor]| ops::fused::linear(&t[0], &t[1], None, w_is_out_in);
+        let no_bias = move |t: &[Tensor]| ops::fused::linear(&t[0], &t[1], None, layout);
         check(
             "linear",
             &no_bias,
@@ -214,10 +214,12 @@ fn embedding_and_attention_on_the_generic_route() -> Result<()> {
         Tensor::new((0..128).map(|i| f32::from(i < 120)).collect::<Vec<_>>(), &Device::Cpu)?
             .reshape((2, 64))?;
     let key = remat::rng::RngKey::named(5, "attention");
-    for (causal, dropout) in [(false, None), (true, None), (true, Some((key, 0.1f32)))] {
+    for (mask, dropout) in
+        [(Mask::None, None), (Mask::Causal, None), (Mask::Causal, Some((key, 0.1f32)))]
+    {
         let padding = padding.clone();
         let attention = move |t: &[Tensor]| {
-            ops::fused::attention(&t[0], &t[1], &t[2], 0.25, causal, Some(&padding), dropout)
+            ops::fused::attention(&t[0], &t[1], &t[2], 0.25, mask, Some(&padding), dropout)
         };
         let qkv = [
             var(&[2, 3, 64, 32], DType::F32)?,
@@ -225,7 +227,7 @@ fn embedding_and_attention_on_the_generic_route() -> Result<()> {
             var(&[2, 3, 64, 32], DType::F32)?,
         ];
         check(
-            &format!("attention causal={causal} dropout={}", dropout.is_some()),
+            &format!("attention mask={mask:?} dropout={}", dropout.is_some()),
             &attention,
             &qkv,
             1e-5,
@@ -237,7 +239,9 @@ fn embedding_and_attention_on_the_generic_route() -> Result<()> {
 #[test]
 fn batch_norm_on_the_generic_route() -> Result<()> {
     let _turn = turn();
-    for (relu, residual) in [(false, false), (true, false), (true, true)] {
+    let cases =
+        [(Activation::Identity, false), (Activation::Relu, false), (Activation::Relu, true)];
+    for (activation, residual) in cases {
         let op = move |t: &[Tensor]| {
             Ok(ops::fused::batch_norm_train(
                 &t[0],
@@ -245,7 +249,7 @@ fn batch_norm_on_the_generic_route() -> Result<()> {
                 &t[2],
                 residual.then(|| &t[3]),
                 1e-5,
-                relu,
+                activation,
             )?
             .0)
         };
@@ -254,7 +258,7 @@ fn batch_norm_on_the_generic_route() -> Result<()> {
         if residual {
             inputs.push(var(&[4, 8, 16, 16], DType::F32)?);
         }
-        check(&format!("batch_norm relu={relu} residual={residual}"), &op, &inputs, 1e-5)?;
+        check(&format!("batch_norm {activation:?} residual={residual}"), &op, &inputs, 1e-5)?;
     }
     // A downsampling block's end: two BatchNorms added, a ReLU. The control: the projection's
     // BatchNorm as an op of its own, its output kept as the other's residual operand.
@@ -272,8 +276,9 @@ fn batch_norm_on_the_generic_route() -> Result<()> {
     ];
     let pair_kernel = check("batch_norm pair", &pair, &inputs, 1e-5)?;
     let as_residual = |t: &[Tensor]| {
-        let r = ops::fused::batch_norm_train(&t[3], &t[4], &t[5], None, 1e-5, false)?.0;
-        Ok(ops::fused::batch_norm_train(&t[0], &t[1], &t[2], Some(&r), 1e-5, true)?.0)
+        let r =
+            ops::fused::batch_norm_train(&t[3], &t[4], &t[5], None, 1e-5, Activation::Identity)?.0;
+        Ok(ops::fused::batch_norm_train(&t[0], &t[1], &t[2], Some(&r), 1e-5, Activation::Relu)?.0)
     };
     let as_residual_kept = kept_bytes(&as_residual, &inputs, Some(Path::Kernel))?;
     eprintln!("batch_norm pair as two ops: kept {as_residual_kept} B, as one {pair_kernel} B");
@@ -282,8 +287,9 @@ fn batch_norm_on_the_generic_route() -> Result<()> {
         "the control keeps {as_residual_kept} B, the pair op {pair_kernel} B"
     );
     // 3D, as the U-Net has it.
-    let op =
-        |t: &[Tensor]| Ok(ops::fused::batch_norm_train(&t[0], &t[1], &t[2], None, 1e-5, true)?.0);
+    let op = |t: &[Tensor]| {
+        Ok(ops::fused::batch_norm_train(&t[0], &t[1], &t[2], None, 1e-5, Activation::Relu)?.0)
+    };
     let inputs =
         [var(&[2, 4, 8, 8, 8], DType::F32)?, var(&[4], DType::F32)?, var(&[4], DType::F32)?];
     let kernel = check("batch_norm 3d relu", &op, &inputs, 1e-5)?;

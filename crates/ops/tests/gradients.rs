@@ -1,11 +1,11 @@
 //! Every layer of this crate against central finite differences in f64, and the rules they cannot
-//! see (tests/cases/gradients.rs), with the fused ops on their CPU kernels.
+//! see (tests/cases/gradients/), with the fused ops on their CPU kernels.
 
 fn route() {
     ops::fused::set_path(ops::fused::Path::Kernel);
 }
 
-#[path = "cases/gradients.rs"]
+#[path = "cases/gradients/mod.rs"]
 mod cases;
 
 /// A batch of no samples gives a convolution's weight a zero gradient on both kernels that sum it

@@ -16,7 +16,9 @@
 //! (a GPU, or the CPU on the generic route) it runs composed candle ops that hold at most three
 //! temporaries of a parameter's size at once, then copy the new value into the parameter.
 
-use crate::{restored, state_dtype, state_zeros, step_count, ParamElem, TrainOptimizer};
+use crate::in_place::ParamElem;
+use crate::state::{restored, state_dtype, state_zeros, StepCount};
+use crate::TrainOptimizer;
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{
@@ -58,7 +60,7 @@ impl Default for ParamsAdafactor {
 pub struct Adafactor {
     vars: Vec<Factored>,
     params: ParamsAdafactor,
-    step: i64,
+    step: StepCount,
     composed: bool,
 }
 
@@ -110,17 +112,16 @@ candle_optimizer!(Adafactor, ParamsAdafactor, |vars, params| {
             Ok(Factored { var, shape, stats })
         })
         .collect::<Result<_>>()?;
-    Ok(Adafactor { vars, params, step: 0, composed: false })
+    Ok(Adafactor { vars, params, step: StepCount::default(), composed: false })
 });
 
 impl TrainOptimizer for Adafactor {
     fn begin_update(&mut self) -> Result<()> {
-        self.step += 1;
-        Ok(())
+        self.step.begin_update()
     }
 
     fn update_some(&mut self, grads: &GradStore) -> Result<()> {
-        let t = self.step as f64;
+        let t = self.step.get() as f64;
         let ParamsAdafactor { lr, beta2_decay, eps1, eps2, d, weight_decay } = self.params;
         let w = t.powf(beta2_decay);
         let rho = lr.min(1.0 / t.sqrt());
@@ -173,7 +174,7 @@ impl TrainOptimizer for Adafactor {
             .enumerate()
             .map(|(i, f)| (format!("stats.{i}"), f.stats.clone()))
             .collect();
-        out.insert("step".into(), Tensor::new(self.step, &candle_core::Device::Cpu)?);
+        self.step.save(&mut out)?;
         Ok(out)
     }
 
@@ -181,7 +182,7 @@ impl TrainOptimizer for Adafactor {
         for (i, f) in self.vars.iter_mut().enumerate() {
             f.stats = restored(state, &format!("stats.{i}"), &f.stats)?;
         }
-        self.step = step_count(state)?;
+        self.step = StepCount::restore(state)?;
         Ok(())
     }
 

@@ -8,13 +8,16 @@
 //!   checksum, replacing the target only once the new file is whole ([`write_atomically`]).
 //! - [`lora`]: LoRA adapters as PEFT builds them, beside the parameters they adapt; saved and
 //!   loaded in PEFT's layout, merged into the base weights on request.
+//! - [`WeightLayout`]: how a linear layer stores its weight, (out, in) or (in, out).
 //!
 //! Not here: the layers that read the parameters (the `ops` crate), the optimizers that update
-//! them (`optim`), the interface a model implements (`model`).
+//! them (`optim`), the interface a model implements (`trainable`).
 
+mod layout;
 pub mod lora;
 mod store;
 
+pub use layout::WeightLayout;
 pub use store::{
     f32_bits, read_snapshot, write_atomically, write_snapshot, Freeze, Init, Initialised,
     ParamStore, Snapshot, SnapshotError,

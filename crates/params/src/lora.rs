@@ -15,6 +15,7 @@ use crate::store::{
     read_snapshot, write_atomically, write_snapshot, AdapterInfo, Freeze, Init, ParamStore,
     SnapshotError,
 };
+use crate::WeightLayout;
 use candle_core::{DType, Result, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
@@ -122,14 +123,14 @@ pub struct Adapter {
 
 impl Adapter {
     /// The adapter of `layer` (`n_in` -> `n_out`) where `lora` targets it, registered with
-    /// `params` for merging; `weight_is_out_in`: how the layer stores its weight (torch's
-    /// `Linear` (out, in), GPT-2's `Conv1D` (in, out)).
+    /// `params` for merging; `layout`: how the layer stores its weight (torch's `Linear`
+    /// (out, in), GPT-2's `Conv1D` (in, out)).
     pub fn of(
         params: &mut ParamStore,
         lora: Option<&Lora>,
         layer: &str,
         (n_in, n_out): (usize, usize),
-        weight_is_out_in: bool,
+        layout: WeightLayout,
     ) -> Result<Option<Adapter>> {
         let Some(lora) = lora.filter(|l| l.targets(layer)) else { return Ok(None) };
         // PEFT: kaiming_uniform_(a = sqrt(5)) on (r, in): bound = sqrt(6 / (1 + 5)) / sqrt(in).
@@ -144,15 +145,15 @@ impl Adapter {
             Init::Uniform { bound: 1.0 / (lora.rank as f32).sqrt() }
         };
         let b = params.get(&format!("{layer}.{LORA_B}"), &[n_out, lora.rank], b_init)?;
-        params.register_adapter(layer, weight_is_out_in, lora.scale());
+        params.register_adapter(layer, layout, lora.scale());
         Ok(Some(Adapter { a, b, scale: lora.scale(), dropout: lora.dropout }))
     }
 }
 
 impl ParamStore {
     /// Records that `layer` has a LoRA adapter (its `lora_A`/`lora_B` parameters), for merging.
-    pub(crate) fn register_adapter(&mut self, layer: &str, weight_is_out_in: bool, scale: f64) {
-        self.adapters.push(AdapterInfo { layer: layer.into(), weight_is_out_in, scale });
+    pub(crate) fn register_adapter(&mut self, layer: &str, layout: WeightLayout, scale: f64) {
+        self.adapters.push(AdapterInfo { layer: layer.into(), layout, scale });
     }
 
     /// Every parameter and buffer as a snapshot holds them, with each LoRA adapter folded into
@@ -175,7 +176,10 @@ impl ParamStore {
                 .to_dtype(DType::F32)?
                 .matmul(&lora_a.to_dtype(DType::F32)?)?
                 .affine(a.scale, 0.0)?; // (out, in)
-            let delta = if a.weight_is_out_in { delta } else { delta.t()? };
+            let delta = match a.layout {
+                WeightLayout::OutIn => delta,
+                WeightLayout::InOut => delta.t()?,
+            };
             let merged = (base.to_dtype(DType::F32)? + delta)?.to_dtype(base.dtype())?;
             tensors.insert(weight, merged);
         }

@@ -1,5 +1,6 @@
 //! The parameter store and the snapshot files it is saved to and loaded from.
 
+use crate::WeightLayout;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use remat::rng::RngKey;
@@ -136,7 +137,7 @@ pub struct ParamStore {
 /// What merging needs of a layer's adapter: the layer, how it stores its weight, the scale.
 pub(crate) struct AdapterInfo {
     pub(crate) layer: String,
-    pub(crate) weight_is_out_in: bool,
+    pub(crate) layout: WeightLayout,
     pub(crate) scale: f64,
 }
 

@@ -77,7 +77,7 @@ pub fn main() -> Result<()> {
             "{policy}: {} segments, step peak {:.1} MiB, gradients = plain candle bit for bit: \
              {same}",
             exec.segments().len(),
-            peak as f64 / 1048576.0
+            remat::memory::mib(peak)
         );
         assert!(same, "{policy}: gradients differ from plain candle");
         peaks.push(peak);

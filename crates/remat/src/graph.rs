@@ -61,14 +61,34 @@ impl StageGraph {
     }
 
     /// A chain: `blocks` one after the other on graph input 0 (the batch), then `loss` on the last
-    /// block's output and graph input 1 (the targets), whose output is the graph's loss.
+    /// block's output and graph input 1 (the targets), whose output is the graph's loss. A step
+    /// takes the two inputs; for a loss that needs no targets, or more inputs than two,
+    /// [`StageGraph::chain_with_inputs`].
     pub fn chain(blocks: Vec<Box<dyn Stage>>, loss: impl Stage + 'static) -> Result<Self> {
-        let mut graph = StageGraph::new(2);
+        Self::chain_with_inputs(2, blocks, loss)
+    }
+
+    /// A chain on `n_inputs` graph inputs: `blocks` one after the other on input 0 (the batch),
+    /// then `loss` on the last block's output followed by inputs `1..n_inputs` (none for
+    /// `n_inputs = 1`: a loss that needs no targets; targets then a mask for 3), whose output is
+    /// the graph's loss. A step takes `n_inputs` tensors. `chain` is `chain_with_inputs(2, ..)`.
+    pub fn chain_with_inputs(
+        n_inputs: usize,
+        blocks: Vec<Box<dyn Stage>>,
+        loss: impl Stage + 'static,
+    ) -> Result<Self> {
+        if n_inputs == 0 {
+            return Err(Error::Graph(
+                "a chain takes at least one input: the batch its first stage reads".into(),
+            ));
+        }
+        let mut graph = StageGraph::new(n_inputs);
         let mut x = 0;
         for block in blocks {
             x = graph.then(block, x)?;
         }
-        let out = graph.add(loss, &[x, 1], 1)?[0];
+        let loss_inputs: Vec<ValueId> = std::iter::once(x).chain(1..n_inputs).collect();
+        let out = graph.add(loss, &loss_inputs, 1)?[0];
         graph.set_output(out);
         Ok(graph)
     }

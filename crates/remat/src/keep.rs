@@ -4,11 +4,13 @@
 //! activations, dropout, additions). `sqrt+keep=matmul` is PyTorch's selective activation
 //! checkpointing with matrix products on its save list.
 //!
-//! An op that can be kept (the `layers` crate's linear, attention and convolutions) runs through
-//! [`op`], which hands it the kept output where there is one. The op returns that output as its
-//! own, with its own backward: the gradients are the op's on the forward's bits, so they equal
-//! `off` bit for bit. Ops are matched by their order within their stage: a stage is a pure function
-//! ([`crate::Stage`]), so the n-th keepable op of its recompute is the n-th of its forward.
+//! An op can be kept where its code runs it through [`op`], which hands it the kept output where
+//! there is one: candle's and candle-nn's own ops do not (a model wraps its own matrix products,
+//! attention or convolutions; this repository's `ops` crate does for its linear, attention and
+//! convolutions). The op returns that output as its own, with its own backward: the gradients are
+//! the op's on the forward's bits, so they equal `off` bit for bit. Ops are matched by their order
+//! within their stage: a stage is a pure function ([`crate::Stage`]), so the n-th keepable op of
+//! its recompute is the n-th of its forward.
 //!
 //! Rule 10 ([`crate::rules`]): a kept output is held from its op's forward until the op replays it
 //! in its segment's recompute; the last segment keeps nothing (its graphs are kept anyway).
@@ -54,7 +56,9 @@ impl OpKind {
 
 /// A set of op kinds: what a policy keeps. Written `matmul+attention` (a comma list is read too;
 /// the `+` keeps a policy's name free of commas, which separate the policies of a list).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub struct OpSet(u8);
 
 impl OpSet {

@@ -9,8 +9,9 @@
 //! outputs of named ops inside recomputed segments ([`keep`]: selective recompute), so that a
 //! recompute runs only the cheap ops between them.
 //!
-//! This crate holds the engine only: no model code, no layers (see the `layers` crate), no
-//! optimizer. It also owns the memory meter ([`memory`]) that measures what checkpointing buys.
+//! This crate holds the engine only: no model code, no layers (candle-nn's, or a model's own,
+//! wrapped as stages), no optimizer. It also owns the memory meter ([`memory`]) that measures what
+//! checkpointing buys.
 //!
 //! It builds against candle-core 0.11 as published. The feature `meter` adds the counting
 //! allocator ([`memory`]); `patched-candle` builds over this repository's vendored candle-core,
@@ -81,9 +82,9 @@ pub enum Error {
     /// A `+keep=` policy whose recomputed segments run no op of the kinds it keeps.
     #[error(
         "+keep={keep} keeps nothing in this graph: its recomputed segments run no {keep} op \
-         through `remat::keep::op` (the keepable ops they run: {}). Wrap the ops to keep in \
-         `remat::keep::op` (a candle-nn `Linear` is not; the `layers` crate's linear, attention \
-         and convolutions are), or leave +keep= out",
+         through `remat::keep::op` (the keepable ops they run: {}). Run the ops to keep through \
+         `remat::keep::op` (candle's and candle-nn's own ops, a `Linear` included, do not: an op \
+         is keepable only where its code calls it), or leave +keep= out",
         if seen.is_empty() { "none" } else { seen.as_str() }
     )]
     #[allow(missing_docs)] // its fields are what its message names

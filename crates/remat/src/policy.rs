@@ -17,7 +17,8 @@ use std::ops::Range;
 use std::str::FromStr;
 
 /// Which stage boundaries a step stores (see the module documentation and `PolicyRequest`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Serialized as a tagged structure (what ranks exchange), written and parsed as its name.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Policy {
     /// Plain candle: one segment, every activation kept.
     Off,
@@ -40,7 +41,7 @@ pub enum Policy {
 }
 
 /// What `--policy` asks for: a policy, or the planner's choice for a memory budget.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum PolicyRequest {
     /// A policy, as it is.
     Fixed(Policy),

@@ -20,7 +20,50 @@ pub struct RngKey {
     pub pass: u64,
 }
 
+/// 2^64 over the golden ratio: the odd constant that spreads consecutive integers (a key's parts,
+/// a stream's word numbers, [`derive_seed`]'s streams) apart before [`mix`].
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// The seed of stream `stream` of a run seeded `seed`: `seed` itself for stream 0, for the others
+/// seeds whose keys draw other numbers (data-parallel ranks: rank 0 draws what a one-rank run
+/// draws, the others their own dropout masks).
+pub fn derive_seed(seed: u64, stream: u64) -> u64 {
+    seed ^ stream.wrapping_mul(GOLDEN)
+}
+
+/// Inverted dropout with drop probability `p`, element by element: an element whose uniform draw
+/// `u` (its index in a key's stream, [`RngKey::uniform_into`]) is below `1 - p` is kept and scaled
+/// by `1 / (1 - p)`, the others are zeroed. The one rule of every dropout mask (that of
+/// [`RngKey::dropout_mask`], and of a fused kernel drawing the mask in pieces): the same key and
+/// `p` give the same mask.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DropoutRule {
+    keep: f32,
+}
+
+impl DropoutRule {
+    /// The rule of drop probability `p` (in [0, 1): [`crate::StageCtx::dropout_key`] checks it).
+    pub fn new(p: f32) -> Self {
+        DropoutRule { keep: 1.0 - p }
+    }
+
+    /// `1 / (1 - p)` in f32, what a kept element is multiplied by: a kernel of another element
+    /// type converts it once.
+    pub fn scale(self) -> f32 {
+        1.0 / self.keep
+    }
+
+    /// The mask at the draw `u`: `scale` (the caller's [`DropoutRule::scale`], in its element
+    /// type) where the element is kept, `zero` where it is dropped.
+    #[inline]
+    pub fn mask<T>(self, u: f32, scale: T, zero: T) -> T {
+        if u < self.keep {
+            scale
+        } else {
+            zero
+        }
+    }
+}
 
 /// The SplitMix64 finaliser: a bijective 64-bit mix with good avalanche.
 fn mix(mut z: u64) -> u64 {
@@ -83,11 +126,12 @@ impl RngKey {
             .collect()
     }
 
-    /// An inverted-dropout mask of `n` elements: `1 / (1 - p)` where kept, `0` where dropped.
+    /// An inverted-dropout mask of `n` elements: `1 / (1 - p)` where kept, `0` where dropped
+    /// ([`DropoutRule`]).
     pub fn dropout_mask(&self, n: usize, p: f32) -> Vec<f32> {
-        let keep = 1.0 - p;
-        let scale = 1.0 / keep;
-        self.uniform(n).into_iter().map(|u| if u < keep { scale } else { 0.0 }).collect()
+        let rule = DropoutRule::new(p);
+        let scale = rule.scale();
+        self.uniform(n).into_iter().map(|u| rule.mask(u, scale, 0.0)).collect()
     }
 
     /// [`RngKey::dropout_mask`] as a tensor of `like`'s shape, dtype and device.
@@ -131,6 +175,13 @@ mod tests {
         key(3, 1, 4).uniform_into(0, a);
         key(3, 1, 4).uniform_into(333, b);
         assert_eq!(whole, pieces);
+    }
+
+    #[test]
+    fn derived_seeds_keep_stream_0_and_differ_elsewhere() {
+        assert_eq!(derive_seed(7, 0), 7);
+        let seeds: std::collections::HashSet<u64> = (0..64).map(|s| derive_seed(7, s)).collect();
+        assert_eq!(seeds.len(), 64);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The unit the executor schedules: a stage, and the context it runs in.
 
 use crate::rng::RngKey;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use std::cell::Cell;
 
 /// What a stage is to the policies: `sqrt` and `every-n` count blocks, `before-downsample` stores
@@ -121,19 +121,31 @@ impl StageCtx {
     }
 
     /// Inverted dropout of `x` with drop probability `p` in training mode (`x` unchanged in
-    /// evaluation), its mask drawn from this context's next key: a recompute draws the same
-    /// mask, so gradients stay bit-identical to plain candle's. The stage's own dropout, composed
-    /// of candle ops (candle keeps the mask for backward); `candle_nn::ops::dropout` draws from
-    /// candle's generator, which a recompute cannot replay.
+    /// evaluation or for `p == 0`), its mask drawn from the key [`StageCtx::dropout_key`] gives:
+    /// a recompute draws the same mask, so gradients stay bit-identical to plain candle's. The
+    /// stage's own dropout, composed of candle ops (candle keeps the mask for backward);
+    /// `candle_nn::ops::dropout` draws from candle's generator, which a recompute cannot replay.
+    /// A half-precision `x` is multiplied in f32 and rounded once (`1 / (1 - p)` is seldom a
+    /// half-precision number), as a fused dropout computes it.
     pub fn dropout(&self, x: &Tensor, p: f32) -> candle_core::Result<Tensor> {
+        let Some(key) = self.dropout_key(p)? else { return Ok(x.clone()) };
+        let wide = match x.dtype() {
+            DType::BF16 | DType::F16 => x.to_dtype(DType::F32)?,
+            _ => x.clone(),
+        };
+        (&wide * key.dropout_mask_like(&wide, p)?)?.to_dtype(x.dtype())
+    }
+
+    /// The key of a dropout with drop probability `p` at this call site, or `None` where the
+    /// dropout is the identity (evaluation, `p == 0`); an error for `p` outside [0, 1). A key is
+    /// drawn only for a mask that is applied, so a dropout of `p == 0` changes no later draw.
+    /// Every dropout draws its key here ([`StageCtx::dropout`], and a fused dropout of its own
+    /// that applies [`crate::rng::DropoutRule`]), so both give one mask for one call site.
+    pub fn dropout_key(&self, p: f32) -> candle_core::Result<Option<RngKey>> {
         if !(0.0..1.0).contains(&p) {
-            candle_core::bail!("dropout probability {p} is not in [0, 1)")
+            candle_core::bail!("dropout probability must be in [0, 1), got {p}")
         }
-        let key = self.next_key(); // drawn in training and evaluation alike: the same call sites
-        if !self.train || p == 0.0 {
-            return Ok(x.clone());
-        }
-        x * key.dropout_mask_like(x, p)?
+        Ok((self.train && p > 0.0).then(|| self.next_key()))
     }
 }
 

@@ -28,7 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!(
             "step {step}: loss {:.4}, step peak {:.1} MiB",
             out.loss.to_scalar::<f32>()?,
-            peak as f64 / (1 << 20) as f64
+            remat::memory::mib(peak)
         );
     }
     Ok(())

@@ -53,7 +53,7 @@ fn checkpointed_gradients_equal_plain_candle_and_the_peak_falls() -> Result<()> 
         eprintln!(
             "{policy}: {} segments, step peak {:.2} MiB",
             exec.segments().len(),
-            peak as f64 / (1 << 20) as f64
+            remat::memory::mib(peak)
         );
         Ok(peak)
     };

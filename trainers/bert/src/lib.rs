@@ -38,7 +38,7 @@ pub struct Config {
     pub layer_norm_eps: f64,
     /// The dtype activations are stored in (not in `config.json`: a training choice).
     #[serde(skip)]
-    pub dtype: model::Precision,
+    pub dtype: trainable::Precision,
     /// The parameters that do not train (`--freeze`): read through tensors no variable leads
     /// to, so they get no gradient.
     #[serde(skip)]
@@ -75,7 +75,7 @@ pub enum Preset {
     Large,
 }
 
-model::presets!(Preset, "BERT", [
+trainable::presets!(Preset, "BERT", [
     Preset::Tiny => "tiny",
     Preset::Base => "base" ("110M"),
     Preset::Large => "large" ("340M"),
@@ -111,37 +111,35 @@ impl Config {
             hidden_dropout_prob: default_pdrop(),
             attention_probs_dropout_prob: default_pdrop(),
             layer_norm_eps: default_eps(),
-            dtype: model::Precision::F32,
+            dtype: trainable::Precision::F32,
             freeze: params::Freeze::default(),
             lora: None,
         }
     }
 
-    /// Reads a Hugging Face `config.json`; errors name the file and the field.
-    pub fn from_json(path: &std::path::Path) -> std::result::Result<Self, model::ConfigError> {
-        model::read_config(path, Config::validate)
-    }
-
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.num_attention_heads == 0
-            || !self.hidden_size.is_multiple_of(self.num_attention_heads)
-        {
-            return Err(format!(
-                "hidden_size ({}) must be a positive multiple of num_attention_heads ({})",
-                self.hidden_size, self.num_attention_heads
-            ));
-        }
-        for (name, p) in [
+        use trainable::check;
+        check::positive(&[
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("intermediate_size", self.intermediate_size),
+            ("type_vocab_size", self.type_vocab_size),
+        ])?;
+        check::epsilon(("layer_norm_eps", self.layer_norm_eps))?;
+        check::heads(
+            ("hidden_size", self.hidden_size),
+            ("num_attention_heads", self.num_attention_heads),
+        )?;
+        check::probabilities(&[
             ("hidden_dropout_prob", self.hidden_dropout_prob),
             ("attention_probs_dropout_prob", self.attention_probs_dropout_prob),
-        ] {
-            if !(0.0..1.0).contains(&p) {
-                return Err(format!("{name} must be in [0, 1), got {p}"));
-            }
-        }
-        self.lora.as_ref().map_or(Ok(()), Lora::validate)
+        ])?;
+        check::lora(self.lora.as_ref())
     }
 }
+
+trainable::model_config!(Config, lora_width: hidden_size, validate: Config::validate);
 
 /// Word + position + token-type embeddings, LayerNorm, dropout. Inputs: ids (B, T), token types
 /// (B, T). Output (B, T, C).
@@ -273,7 +271,7 @@ impl Layer {
         let y = ops::attention(
             (&q, &k, &v),
             1.0 / (hd as f64).sqrt(),
-            false,
+            ops::Mask::None,
             Some(mask),
             self.attn_pdrop,
             ctx,
@@ -298,8 +296,10 @@ impl Stage for Layer {
         )?;
         let h = self.attn_ln.forward(&(a + x)?)?;
         // (B, T, 4C) -> (B, T, C)
-        let f =
-            self.output.forward(&fused::gelu(&self.intermediate.forward(&h, ctx)?, true)?, ctx)?;
+        let f = self.output.forward(
+            &fused::gelu(&self.intermediate.forward(&h, ctx)?, fused::GeluForm::Erf)?,
+            ctx,
+        )?;
         let f = dropout(&f, self.hidden_pdrop, ctx)?;
         Ok(vec![self.output_ln.forward(&(f + h)?)?])
     }
@@ -321,9 +321,9 @@ impl MlmHead {
         let (b, t, c) = x.dims3()?;
         let h = self
             .ln
-            .forward(&fused::gelu(&self.transform.forward(x, ctx)?, true)?)?
+            .forward(&fused::gelu(&self.transform.forward(x, ctx)?, fused::GeluForm::Erf)?)?
             .reshape((b * t, c))?;
-        fused::linear(&h, &self.word, Some(&self.bias), true) // (B*T, V)
+        fused::linear(&h, &self.word, Some(&self.bias), WeightLayout::OutIn) // (B*T, V)
     }
 }
 
@@ -459,16 +459,12 @@ impl Bert {
     }
 }
 
-impl model::Model for Bert {
+impl trainable::Model for Bert {
     const KEEPABLE: &'static [remat::keep::OpKind] =
         &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
 
-    fn graph(&self) -> &StageGraph {
-        &self.graph
-    }
-
-    fn params(&self) -> &ParamStore {
-        &self.params
+    fn parts(&self) -> (&StageGraph, &ParamStore) {
+        (&self.graph, &self.params)
     }
 
     /// Hugging Face names: `BertForMaskedLM`'s, or a bare `BertModel`'s (no `bert.` prefix), old
@@ -498,7 +494,7 @@ impl model::Model for Bert {
 }
 
 /// Synthetic masked-LM batches over the whole vocabulary.
-impl model::Benchable for Bert {
+impl trainable::Benchable for Bert {
     type Config = Config;
     type Data = MlmData;
     const DOWNSAMPLES: bool = false;
@@ -518,8 +514,33 @@ impl model::Benchable for Bert {
         Bert::new(config.clone(), device, seed)
     }
 
-    fn with_dtype(config: &Config, dtype: model::Precision) -> Config {
-        Config { dtype, ..config.clone() }
+    /// From the configuration, without building (a config.json may describe any size).
+    fn parameter_shapes(config: &Config) -> Result<Vec<Vec<usize>>> {
+        let (c, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);
+        let layer_norm = || [vec![c], vec![c]];
+        let linear = |n_in: usize, n_out: usize| [vec![n_out, n_in], vec![n_out]]; // (out, in)
+        let layer = || {
+            [
+                linear(c, c), // query
+                linear(c, c), // key
+                linear(c, c), // value
+                linear(c, c), // attention output
+                layer_norm(),
+                linear(c, i),
+                linear(i, c),
+                layer_norm(),
+            ]
+            .concat()
+        };
+        let embeddings =
+            [vec![v, c], vec![config.max_position_embeddings, c], vec![config.type_vocab_size, c]];
+        let head = [linear(c, c).to_vec(), layer_norm().to_vec(), vec![vec![v]]].concat();
+        Ok(embeddings
+            .into_iter()
+            .chain(layer_norm())
+            .chain((0..config.num_hidden_layers).flat_map(|_| layer()))
+            .chain(head)
+            .collect())
     }
 
     fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {

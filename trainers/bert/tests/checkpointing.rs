@@ -4,14 +4,8 @@
 
 use bert::{Bert, Config, MlmData};
 use candle_core::Device;
-use candle_nn::Optimizer;
-use model::Model;
-use model::Precision;
-use optim::{AdamW, ParamsAdamW};
-use remat::{Executor, Policy};
-use std::collections::BTreeMap;
-
-type Trace = Vec<(u32, BTreeMap<String, Vec<u32>>)>;
+use testkit::checkpointing::{Control, Training};
+use trainable::Precision;
 
 /// Lines of 3 to 30 words: cut at 22 tokens and padded per batch, rows differ in length.
 fn ragged_text() -> String {
@@ -39,50 +33,39 @@ fn data(padded: bool, vocab_size: usize, seq: usize) -> MlmData {
     }
 }
 
-fn train(policy: &str, replay_rng: bool) -> Trace {
-    train_on(policy, replay_rng, false, Precision::F32)
+/// A tiny BERT with dropout 0.1, activations in `dtype`, trained with AdamW on batches of 2 x 24,
+/// `padded` (every batch holds padding) or full-length (none does).
+fn check(padded: bool, dtype: Precision, run: impl FnOnce(&Training<Bert>)) {
+    let cfg = Config { dtype, ..Config::tiny(6, 32) };
+    let data = data(padded, cfg.vocab_size, 24);
+    let build = || Bert::new(cfg.clone(), &Device::Cpu, 42).unwrap();
+    let inputs = |model: &Bert, step: u64| {
+        let m = data.batch(step, 2);
+        assert_eq!(
+            padded,
+            m.attention_mask.contains(&0.0),
+            "padded batches must hold padding, full-length ones none"
+        );
+        model.inputs(&m, &Device::Cpu).unwrap()
+    };
+    let optimizer = trainable::OptimizerKind::Adamw;
+    run(&Training { build: &build, inputs: &inputs, optimizer, lr: 1e-3, seed: 7 })
 }
 
-fn train_on(policy: &str, replay_rng: bool, padded: bool, dtype: Precision) -> Trace {
-    let cfg = Config { dtype, ..Config::tiny(6, 32) };
-    let (batch, seq) = (2, 24);
-    let model = Bert::new(cfg.clone(), &Device::Cpu, 42).unwrap();
-    let mut exec =
-        Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 7)
-            .unwrap();
-    if !replay_rng {
-        exec = exec.without_rng_replay();
-    }
-    let mut opt =
-        AdamW::new(model.params().vars(), ParamsAdamW { lr: 1e-3, ..Default::default() }).unwrap();
-    let data = data(padded, cfg.vocab_size, seq);
-    (0..2u64)
-        .map(|step| {
-            let m = data.batch(step, batch);
-            assert_eq!(
-                padded,
-                m.attention_mask.contains(&0.0),
-                "padded batches must hold padding, full-length ones none"
-            );
-            let out = exec.step(&model.inputs(&m, &Device::Cpu).unwrap(), step).unwrap();
-            opt.step(&out.grads).unwrap();
-            (
-                out.loss
-                    .to_dtype(candle_core::DType::F32)
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap()
-                    .to_bits(),
-                model.params().grad_bits(&out.grads).unwrap(),
-            )
-        })
-        .collect()
-}
+const POLICIES: [&str; 5] = [
+    "sqrt",
+    "every-two-blocks",
+    "every-n=1",
+    "sqrt+keep=matmul+attention",
+    "every-n=1+keep=matmul",
+];
 
 #[test]
 fn gradients_equal_off_bit_for_bit() {
     for padded in [false, true] {
-        assert_policies_match_off(padded, Precision::F32);
+        check(padded, Precision::F32, |t| {
+            t.assert_policies_equal_off(&POLICIES, &format!("padded: {padded}"))
+        });
     }
 }
 
@@ -90,57 +73,21 @@ fn gradients_equal_off_bit_for_bit() {
 #[test]
 fn half_precision_gradients_equal_off_bit_for_bit() {
     for dtype in [Precision::Bf16, Precision::F16, Precision::Bf16Weights] {
-        assert_policies_match_off(true, dtype);
-    }
-}
-
-fn assert_policies_match_off(padded: bool, dtype: Precision) {
-    let off = train_on("off", true, padded, dtype);
-    for policy in [
-        "sqrt",
-        "every-two-blocks",
-        "every-n=1",
-        "sqrt+keep=matmul+attention",
-        "every-n=1+keep=matmul",
-    ] {
-        let run = train_on(policy, true, padded, dtype);
-        for (step, (a, b)) in off.iter().zip(&run).enumerate() {
-            assert_eq!(
-                a.0, b.0,
-                "{policy} (padded: {padded}, {dtype}): loss differs at step {step}"
-            );
-            assert_eq!(a.1.len(), b.1.len(), "{policy}");
-            for (name, g) in &a.1 {
-                assert!(
-                    g == &b.1[name],
-                    "{policy} (padded: {padded}, {dtype}): gradient of {name} differs at step \
-                     {step}"
-                );
-            }
-        }
+        check(true, dtype, |t| t.assert_policies_equal_off(&POLICIES, &format!("padded, {dtype}")));
     }
 }
 
 #[test]
 fn without_rng_replay_the_gradients_differ() {
-    let (off, run) = (train("off", true), train("every-two-blocks", false));
-    assert!(off[0].1.iter().any(|(n, g)| g != &run[0].1[n]), "replay off must break bit-exactness");
+    check(false, Precision::F32, |t| {
+        t.assert_control_breaks("every-two-blocks", Control::NoRngReplay)
+    });
 }
 
 #[test]
 fn every_parameter_receives_a_nonzero_gradient() {
-    let n = Bert::new(Config::tiny(6, 32), &Device::Cpu, 42).unwrap().params().vars().len();
-    for policy in ["off", "sqrt", "every-two-blocks"] {
-        for (_, grads) in train(policy, true) {
-            assert_eq!(grads.len(), n, "{policy}: some parameters got no gradient");
-            for (name, g) in grads {
-                assert!(
-                    g.iter().any(|&b| f32::from_bits(b) != 0.0),
-                    "{policy}: gradient of {name} is all zero"
-                );
-            }
-        }
-    }
+    let policies = ["off", "sqrt", "every-two-blocks"];
+    check(false, Precision::F32, |t| t.assert_every_parameter_learns(&policies, "f32"));
 }
 
 #[test]

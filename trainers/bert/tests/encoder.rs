@@ -4,8 +4,8 @@
 
 use bert::{Bert, Config};
 use candle_core::{DType, Device, Tensor};
-use model::Model;
 use std::collections::HashMap;
+use trainable::Model;
 
 fn model() -> Bert {
     Bert::new(Config::tiny(3, 32), &Device::Cpu, 4).unwrap()

@@ -5,10 +5,10 @@
 
 use bert::{Bert, Config, MlmData};
 use candle_core::Device;
-use model::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use testkit::Peaks;
+use trainable::Model;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;

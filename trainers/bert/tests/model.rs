@@ -3,10 +3,12 @@
 
 use bert::{Bert, Config};
 use candle_core::{Device, Tensor};
-use model::Model;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use trainable::Model;
+use trainable::ModelConfig;
+use trainkit::hub::Download;
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("bert-{name}-{}", std::process::id()));
@@ -84,12 +86,14 @@ fn a_model_id_resolves_from_the_hub_cache_offline() {
     let saved = Bert::new(Config::tiny(2, 32), &Device::Cpu, 1).unwrap();
     write_hf_files(&saved, &snapshot);
 
-    let files = trainkit::hub::hub_files("someone/tiny-bert", Some(&cache), true).unwrap();
+    let files =
+        trainkit::hub::hub_files("someone/tiny-bert", Some(&cache), Download::Never).unwrap();
     let loaded = Bert::new(Config::from_json(&files.config).unwrap(), &Device::Cpu, 5).unwrap();
     loaded.load_snapshot(&files.weights).unwrap();
     assert_eq!(logits(&loaded), logits(&saved));
-    let err =
-        trainkit::hub::hub_files("someone/missing", Some(&cache), true).unwrap_err().to_string();
+    let err = trainkit::hub::hub_files("someone/missing", Some(&cache), Download::Never)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("not in the cache") && err.contains("offline"), "{err}");
 
     // The trainer takes the same path: one step from the cached weights.
@@ -162,4 +166,11 @@ fn loss_falls_on_the_default_corpus() {
     let (first, last) =
         (losses[..5].iter().sum::<f64>() / 5.0, losses[35..].iter().sum::<f64>() / 5.0);
     assert!(last < first - 1.0, "loss went {first:.3} -> {last:.3}");
+}
+
+/// The shapes derived from a configuration (how the trainer refuses a `config.json` too large for
+/// the machine before building it) are those of the model built.
+#[test]
+fn parameter_shapes_from_the_configuration_match_the_model() {
+    testkit::checkpointing::assert_parameter_shapes_match_the_model::<Bert>(&Config::tiny(2, 32));
 }

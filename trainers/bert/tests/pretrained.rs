@@ -5,10 +5,10 @@
 use bert::{Bert, Config, MlmData};
 use candle_core::{Device, Tensor};
 use datasets::tokenizer::{Kind, Tokenizer};
-use model::Model;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use trainable::Model;
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("bert-pretrained-{name}-{}", std::process::id()));

@@ -15,7 +15,6 @@ use params::lora::Lora;
 use params::{Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
-use std::path::Path;
 use std::sync::Arc;
 
 /// Hyper-parameters, with Hugging Face's `config.json` field names.
@@ -36,7 +35,7 @@ pub struct Config {
     pub resid_pdrop: f32,
     /// The dtype activations are stored in (not in `config.json`: a training choice).
     #[serde(skip)]
-    pub dtype: model::Precision,
+    pub dtype: trainable::Precision,
     /// The parameters that do not train (`--freeze`): read through tensors no variable leads
     /// to, so they get no gradient.
     #[serde(skip)]
@@ -69,7 +68,7 @@ pub enum Preset {
     Xl,
 }
 
-model::presets!(Preset, "GPT-2", [
+trainable::presets!(Preset, "GPT-2", [
     Preset::Tiny => "tiny",
     Preset::Small => "small" ("124M"),
     Preset::Medium => "medium" ("350M"),
@@ -110,51 +109,31 @@ impl Config {
             embd_pdrop: 0.1,
             attn_pdrop: 0.1,
             resid_pdrop: 0.1,
-            dtype: model::Precision::F32,
+            dtype: trainable::Precision::F32,
             freeze: params::Freeze::default(),
             lora: None,
         }
     }
 
-    /// Reads a Hugging Face `config.json`; errors name the file and the field.
-    pub fn from_json(path: &Path) -> std::result::Result<Self, model::ConfigError> {
-        model::read_config(path, Config::validate)
-    }
-
     pub fn validate(&self) -> std::result::Result<(), String> {
-        for (name, v) in [
+        use trainable::check;
+        check::positive(&[
             ("vocab_size", self.vocab_size),
             ("n_positions", self.n_positions),
             ("n_layer", self.n_layer),
-        ] {
-            if v == 0 {
-                return Err(format!("{name} must be at least 1"));
-            }
-        }
-        if !(self.layer_norm_epsilon.is_finite() && self.layer_norm_epsilon > 0.0) {
-            return Err(format!(
-                "layer_norm_epsilon must be a positive number, got {}",
-                self.layer_norm_epsilon
-            ));
-        }
-        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
-            return Err(format!(
-                "n_embd ({}) must be a positive multiple of n_head ({})",
-                self.n_embd, self.n_head
-            ));
-        }
-        for (name, p) in [
+        ])?;
+        check::epsilon(("layer_norm_epsilon", self.layer_norm_epsilon))?;
+        check::heads(("n_embd", self.n_embd), ("n_head", self.n_head))?;
+        check::probabilities(&[
             ("embd_pdrop", self.embd_pdrop),
             ("attn_pdrop", self.attn_pdrop),
             ("resid_pdrop", self.resid_pdrop),
-        ] {
-            if !(0.0..1.0).contains(&p) {
-                return Err(format!("{name} must be in [0, 1), got {p}"));
-            }
-        }
-        self.lora.as_ref().map_or(Ok(()), Lora::validate)
+        ])?;
+        check::lora(self.lora.as_ref())
     }
 }
+
+trainable::model_config!(Config, lora_width: n_embd, validate: Config::validate);
 
 /// Token + position embedding, then dropout. Inputs: ids (B, T) u32. Output: (B, T, C).
 pub struct Embed {
@@ -266,7 +245,7 @@ impl Block {
         let y = ops::attention(
             (&q, &k, &v),
             1.0 / (hd as f64).sqrt(),
-            true,
+            ops::Mask::Causal,
             None,
             self.attn_pdrop,
             ctx,
@@ -276,7 +255,8 @@ impl Block {
     }
 
     fn mlp(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
-        self.mlp_proj.forward(&fused::gelu(&self.c_fc.forward(x, ctx)?, false)?, ctx)
+        self.mlp_proj
+            .forward(&fused::gelu(&self.c_fc.forward(x, ctx)?, fused::GeluForm::Tanh)?, ctx)
         // (B, T, 4C) -> (B, T, C)
     }
 }
@@ -307,7 +287,8 @@ impl Head {
     fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let h = self.ln_f.forward(x)?.reshape((b * t, c))?;
-        fused::linear(&h, &self.wte, None, true)?.reshape((b, t, ())) // (B, T, V)
+        // (B, T, V)
+        fused::linear(&h, &self.wte, None, WeightLayout::OutIn)?.reshape((b, t, ()))
     }
 }
 
@@ -397,16 +378,12 @@ impl Gpt2 {
     }
 }
 
-impl model::Model for Gpt2 {
+impl trainable::Model for Gpt2 {
     const KEEPABLE: &'static [remat::keep::OpKind] =
         &[remat::keep::OpKind::Matmul, remat::keep::OpKind::Attention];
 
-    fn graph(&self) -> &StageGraph {
-        &self.graph
-    }
-
-    fn params(&self) -> &ParamStore {
-        &self.params
+    fn parts(&self) -> (&StageGraph, &ParamStore) {
+        (&self.graph, &self.params)
     }
 
     /// Hugging Face GPT-2 names, with or without the `transformer.` prefix; the tied
@@ -426,7 +403,7 @@ impl model::Model for Gpt2 {
 }
 
 /// Synthetic text: the byte tokens of a generated corpus, in sequences of the given length.
-impl model::Benchable for Gpt2 {
+impl trainable::Benchable for Gpt2 {
     type Config = Config;
     type Data = (datasets::tokens::Batcher, usize);
     const DOWNSAMPLES: bool = false;
@@ -444,10 +421,6 @@ impl model::Benchable for Gpt2 {
 
     fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
         Gpt2::new(config.clone(), device, seed)
-    }
-
-    fn with_dtype(config: &Config, dtype: model::Precision) -> Config {
-        Config { dtype, ..config.clone() }
     }
 
     /// From the configuration, without building: GPT-2 XL's weights alone are 6.2 GB.

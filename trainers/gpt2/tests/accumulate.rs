@@ -8,9 +8,9 @@ use candle_core::backprop::GradStore;
 use candle_core::Device;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
-use model::Model;
 use remat::memory::{CountingAlloc, Meter};
 use remat::Executor;
+use trainable::Model;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;

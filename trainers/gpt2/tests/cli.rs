@@ -200,6 +200,7 @@ fn scratch(name: &str) -> std::path::PathBuf {
 fn make_fifo(dir: &std::path::Path) -> std::path::PathBuf {
     let fifo = dir.join("fifo");
     let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `path` is a NUL-terminated string that outlives the call, which only reads it.
     assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo {}", fifo.display());
     fifo
 }

@@ -5,9 +5,9 @@
 
 use candle_core::Device;
 use gpt2::{Config, Gpt2};
-use model::Model;
 use remat::memory::CountingAlloc;
 use remat::plan::{Grads, Profile};
+use trainable::Model;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;

@@ -6,11 +6,11 @@
 use candle_core::Device;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
-use model::Model;
 use ops::fused::{set_path, Path};
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use std::collections::BTreeMap;
+use trainable::Model;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;

@@ -6,10 +6,10 @@
 use candle_core::Device;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2};
-use model::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use testkit::Peaks;
+use trainable::Model;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;

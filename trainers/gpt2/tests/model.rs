@@ -2,9 +2,10 @@
 
 use candle_core::{Device, Tensor};
 use gpt2::{Config, Gpt2, Preset};
-use model::Model;
 use std::collections::HashMap;
 use std::path::PathBuf;
+use trainable::Model;
+use trainable::ModelConfig;
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("gpt2-{name}-{}", std::process::id()));
@@ -118,19 +119,10 @@ fn bad_configs_name_the_field() {
 /// 1,557,611,200 parameters.
 #[test]
 fn parameter_shapes_from_the_configuration_match_the_model() {
-    use model::Benchable;
-    let cfg = gpt2::Config::tiny(3, 32);
-    let mut built: Vec<Vec<usize>> = Gpt2::new(cfg.clone(), &Device::Cpu, 0)
-        .unwrap()
-        .params()
-        .vars()
-        .iter()
-        .map(|v| v.dims().to_vec())
-        .collect();
-    let mut derived = Gpt2::parameter_shapes(&cfg).unwrap();
-    built.sort();
-    derived.sort();
-    assert_eq!(derived, built);
+    use trainable::Benchable;
+    testkit::checkpointing::assert_parameter_shapes_match_the_model::<Gpt2>(&gpt2::Config::tiny(
+        3, 32,
+    ));
     let xl: usize = Gpt2::parameter_shapes(&Preset::Xl.config())
         .unwrap()
         .iter()

@@ -6,11 +6,12 @@
 #![cfg(feature = "mpi")]
 
 use candle_core::Device;
-use model::Model;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use trainable::Model;
+use trainable::ModelConfig;
 
 const BIN: &str = env!("CARGO_BIN_EXE_train-gpt2");
 

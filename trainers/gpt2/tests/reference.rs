@@ -7,11 +7,11 @@
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
-use model::Model;
 use std::path::Path;
 use testkit::reference::{
     check_close, check_evaluation, check_training_step, on_both_routes, Fixture, LOGITS_TOL,
 };
+use trainable::Model;
 
 /// On the CPU kernels and on the device-generic route a GPU takes (`Path::Generic`); the only test
 /// in its binary, as the route is process-wide.

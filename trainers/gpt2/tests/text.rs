@@ -5,8 +5,8 @@
 use candle_core::{Device, Tensor};
 use datasets::tokenizer::{Kind, Tokenizer};
 use gpt2::{Config, Gpt2};
-use model::Model;
 use std::collections::HashMap;
+use trainable::Model;
 
 #[test]
 fn a_published_checkpoint_fine_tunes_on_text() {

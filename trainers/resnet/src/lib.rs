@@ -22,7 +22,7 @@ pub struct Config {
     pub width: usize,
     pub classes: usize,
     /// The dtype activations are stored in.
-    pub dtype: model::Precision,
+    pub dtype: trainable::Precision,
     /// The parameters that do not train (`--freeze`): read through tensors no variable leads
     /// to, so they get no gradient.
     pub freeze: params::Freeze,
@@ -39,7 +39,7 @@ pub enum Preset {
     Resnet152,
 }
 
-model::presets!(Preset, "ResNet", [
+trainable::presets!(Preset, "ResNet", [
     Preset::Tiny => "tiny",
     Preset::Resnet18 => "resnet18",
     Preset::Resnet34 => "resnet34",
@@ -64,7 +64,7 @@ impl Preset {
             layers,
             width,
             classes: 1000,
-            dtype: model::Precision::F32,
+            dtype: trainable::Precision::F32,
             freeze: params::Freeze::default(),
         }
     }
@@ -120,18 +120,23 @@ impl Config {
         (convs, (stride != 1 || c_in != c_out).then_some((c_in, c_out, 1, stride)))
     }
 
+    /// The shapes of the trainable parameters, without building the model: each convolution's
+    /// weight (out, in, k, k) and its BatchNorm's weight and bias, then the classifier's.
+    pub fn parameter_shapes(&self) -> Vec<Vec<usize>> {
+        let conv_bn =
+            |(c_in, c_out, k, _): ConvShape| [vec![c_out, c_in, k, k], vec![c_out], vec![c_out]];
+        let blocks = self.blocks().into_iter().flat_map(|(_, c_in, planes, stride)| {
+            let (convs, down) = self.block_convs(c_in, planes, stride);
+            convs.into_iter().chain(down)
+        });
+        let fc = [vec![self.classes, self.features()], vec![self.classes]];
+        let stem = conv_bn((3, self.width, 7, 2));
+        stem.into_iter().chain(blocks.flat_map(conv_bn)).chain(fc).collect()
+    }
+
     /// Trainable parameters, counted from the shapes without building the model.
     pub fn parameter_count(&self) -> usize {
-        let conv_bn = |(ci, co, k, _): ConvShape| ci * co * k * k + 2 * co;
-        let blocks: usize = self
-            .blocks()
-            .into_iter()
-            .map(|(_, c_in, planes, stride)| {
-                let (convs, down) = self.block_convs(c_in, planes, stride);
-                convs.into_iter().chain(down).map(conv_bn).sum::<usize>()
-            })
-            .sum();
-        conv_bn((3, self.width, 7, 2)) + blocks + self.features() * self.classes + self.classes
+        self.parameter_shapes().iter().map(|s| s.iter().product::<usize>()).sum()
     }
 }
 
@@ -394,16 +399,14 @@ impl ResNet {
     }
 }
 
-impl model::Model for ResNet {
+trainable::model_config!(Config);
+
+impl trainable::Model for ResNet {
     const KEEPABLE: &'static [remat::keep::OpKind] =
         &[remat::keep::OpKind::Conv, remat::keep::OpKind::Matmul];
 
-    fn graph(&self) -> &StageGraph {
-        &self.graph
-    }
-
-    fn params(&self) -> &ParamStore {
-        &self.params
+    fn parts(&self) -> (&StageGraph, &ParamStore) {
+        (&self.graph, &self.params)
     }
 
     /// torchvision names; the `num_batches_tracked` counters are skipped.
@@ -418,11 +421,11 @@ impl model::Model for ResNet {
 }
 
 /// Synthetic square images of the model's classes; trained with SGD and momentum, as ResNets are.
-impl model::Benchable for ResNet {
+impl trainable::Benchable for ResNet {
     type Config = Config;
     type Data = (datasets::images::SyntheticImages, usize);
     const DOWNSAMPLES: bool = true;
-    const OPTIMIZER: model::OptimizerKind = model::OptimizerKind::Sgd;
+    const OPTIMIZER: trainable::OptimizerKind = trainable::OptimizerKind::Sgd;
 
     fn describe_input(size: usize) -> String {
         format!("{size}x{size}")
@@ -439,8 +442,8 @@ impl model::Benchable for ResNet {
         ResNet::new(config.clone(), device, seed)
     }
 
-    fn with_dtype(config: &Config, dtype: model::Precision) -> Config {
-        Config { dtype, ..config.clone() }
+    fn parameter_shapes(config: &Config) -> Result<Vec<Vec<usize>>> {
+        Ok(config.parameter_shapes())
     }
 
     fn synthetic_data(&self, size: usize, seed: u64) -> Result<Self::Data> {

@@ -2,12 +2,13 @@
 //! folder.
 
 use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
 use datasets::images::{ImageFolder, SyntheticImages};
-use model::{Benchable, Model};
 use remat::memory::CountingAlloc;
 use resnet::{Config, Preset, ResNet};
 use serde::Serialize;
 use std::path::PathBuf;
+use trainable::Model;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -60,82 +61,95 @@ impl Data {
 }
 
 fn main() -> Result<()> {
-    let defaults = trainkit::Defaults {
-        policy: "before-downsample",
-        steps: "20",
-        batch: "8",
-        optimizer: "sgd",
-        lr: "0.05",
-    };
-    trainkit::main(defaults, |args: &Args| &args.run, train)
+    trainkit::main::<Args>()
 }
 
-/// One rank's training (the only one, without data parallelism).
-fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
-    // Before the data (synthetic images are drawn at --image-size): the floor is the input
-    // images, whatever the classes.
-    let (what, elements) =
-        ResNet::step_floor(&args.preset.config(), args.run.batch, args.image_size);
-    trainkit::check_footprint("--batch x --image-size", what, elements)?;
-    if args.image_size < 32 {
-        bail!(
-            "--image-size {} is too small: ResNet downsamples 32x, use at least 32",
-            args.image_size
-        );
+impl trainkit::Recipe for Args {
+    type Model = ResNet;
+    type Data = Data;
+    const MODEL_FLAGS: &'static str = "--preset, --classes";
+
+    fn defaults() -> trainkit::Defaults {
+        let (steps, batch, optimizer, lr) = (20, 8, trainable::OptimizerKind::Sgd, 0.05);
+        let policy = remat::Policy::BeforeDownsample.into();
+        trainkit::Defaults { policy, steps, batch, optimizer, lr }
     }
-    let (data, classes) = match &args.data {
-        Some(root) => {
-            let folder = ImageFolder::open(root, args.image_size, args.run.seed)?;
-            let n = folder.classes().len();
-            (Data::Folder(folder), n)
+
+    fn flags(&self) -> trainkit::Flags<'_> {
+        let sources = trainkit::Sources { init: Some(&self.init), ..Default::default() };
+        trainkit::Flags { sources, ..trainkit::Flags::run(&self.run) }
+    }
+
+    fn input_size(&self) -> (&'static str, usize) {
+        ("--image-size", self.image_size)
+    }
+
+    fn preset(&self) -> Config {
+        self.preset.config()
+    }
+
+    fn check(&self, _: &Config) -> Result<()> {
+        if self.image_size < 32 {
+            bail!(
+                "--image-size {} is too small: ResNet downsamples 32x, use at least 32",
+                self.image_size
+            );
         }
-        None => (
-            Data::Synthetic(SyntheticImages::new(args.classes, args.image_size, args.run.seed)),
-            args.classes,
-        ),
-    };
-    if classes < 2 {
-        let why = "with one class the loss is 0 and nothing is learned";
-        match &args.data {
-            Some(root) => bail!(
-                "--data {}: {classes} class folder; training needs at least 2 ({why})",
-                root.display()
+        Ok(())
+    }
+
+    /// Synthetic images of --classes, or the folder's, whose sub-folders are the classes.
+    fn data(&self, config: &mut Config, _: Option<&trainkit::hub::HubFiles>) -> Result<Data> {
+        let (data, classes) = match &self.data {
+            Some(root) => {
+                let folder = ImageFolder::open(root, self.image_size, self.run.seed)?;
+                let n = folder.classes().len();
+                (Data::Folder(folder), n)
+            }
+            None => (
+                Data::Synthetic(SyntheticImages::new(self.classes, self.image_size, self.run.seed)),
+                self.classes,
             ),
-            None => bail!("--classes must be at least 2 ({why})"),
+        };
+        if classes < 2 {
+            let why = "with one class the loss is 0 and nothing is learned";
+            match &self.data {
+                Some(root) => bail!(
+                    "--data {}: {classes} class folder; training needs at least 2 ({why})",
+                    root.display()
+                ),
+                None => bail!("--classes must be at least 2 ({why})"),
+            }
         }
+        config.classes = classes;
+        Ok(data)
     }
-    let config = Config {
-        classes,
-        dtype: args.run.dtype,
-        freeze: args.run.freeze.clone().unwrap_or_default(),
-        ..args.preset.config()
-    };
-    let model = trainkit::build_model("--preset, --classes", || {
-        Ok(ResNet::new(config, device, args.run.seed)?)
-    })?;
-    args.init.load(&model, None)?;
-    let inputs = |step: u64, n: usize| {
+
+    fn inputs(
+        &self,
+        model: &ResNet,
+        data: &Data,
+        step: u64,
+        n: usize,
+        device: &Device,
+    ) -> Result<Vec<Tensor>> {
         let (images, labels) = data.batch(step, n)?;
-        Ok(model.inputs(&images, &labels, args.image_size, device)?)
-    };
-    let trainer = trainkit::Trainer {
-        run: &args.run,
-        group,
-        model: &model,
-        sizes: format!("--batch {} x --image-size {}", args.run.batch, args.image_size),
-        setup: Setup { image_size: args.image_size, classes, data: args.data.clone() },
-        outputs: Vec::new(),
-        planned_inputs: None,
-        batch_names: None,
-    };
-    trainer.run(&inputs, |policy, segments| {
-        let size = args.image_size;
+        Ok(model.inputs(&images, &labels, self.image_size, device)?)
+    }
+
+    fn setup(&self, config: &Config) -> impl Serialize {
+        Setup { image_size: self.image_size, classes: config.classes, data: self.data.clone() }
+    }
+
+    fn describe(&self, model: &ResNet, _: &Data, policy: &remat::Policy, segments: &str) -> String {
+        let size = self.image_size;
         format!(
             "ResNet {}, {} blocks, policy {policy} ({segments}), batch {} x {size}x{size}, \
-             {classes} classes",
+             {} classes",
             model.params().count_text(),
             model.graph().blocks().len(),
-            args.run.batch
+            self.run.batch,
+            model.config.classes
         )
-    })
+    }
 }

@@ -3,123 +3,73 @@
 //! snapshots.
 
 use candle_core::{Device, Tensor};
-use candle_nn::Optimizer;
 use datasets::images::SyntheticImages;
-use optim::{ParamsSgd, SgdMomentum};
-
-use model::Model;
 use remat::{Executor, Policy};
 use resnet::{Config, ResNet};
-use std::collections::BTreeMap;
-
-type Bits = BTreeMap<String, Vec<u32>>;
+use testkit::checkpointing::{Control, Training};
+use trainable::Model;
 
 fn tiny() -> Config {
     Config { classes: 4, ..resnet::Preset::Tiny.config() }
 }
 
-/// Two SGD steps of a tiny bottleneck ResNet: per step (loss bits, gradient bits), then the
-/// BatchNorm running statistics at the end.
-fn train(policy: &str, guard: bool) -> (Vec<(u32, Bits)>, Bits) {
-    train_in(policy, guard, model::Precision::F32)
-}
-
-/// [`train`] with activations in `dtype`.
-fn train_in(policy: &str, guard: bool, dtype: model::Precision) -> (Vec<(u32, Bits)>, Bits) {
-    let (batch, size) = (4, 32);
-    let model = ResNet::new(Config { dtype, ..tiny() }, &Device::Cpu, 11).unwrap();
-    let mut exec =
-        Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 5)
-            .unwrap();
-    if !guard {
-        exec = exec.without_recompute_flag();
-    }
-    let mut opt =
-        SgdMomentum::new(model.params().vars(), ParamsSgd { lr: 0.05, ..Default::default() })
-            .unwrap();
-    let data = SyntheticImages::new(4, size, 2);
-    let steps = (0..2u64)
-        .map(|step| {
-            let (x, y) = data.batch(step, batch);
-            let out = exec.step(&model.inputs(&x, &y, size, &Device::Cpu).unwrap(), step).unwrap();
-            opt.step(&out.grads).unwrap();
-            (
-                out.loss.to_scalar::<f32>().unwrap().to_bits(),
-                model.params().grad_bits(&out.grads).unwrap(),
-            )
-        })
-        .collect();
-    (steps, model.params().buffer_bits().unwrap())
+/// A tiny bottleneck ResNet, activations in `dtype`, trained with SGD on batches of 4 at 32x32.
+fn check(dtype: trainable::Precision, run: impl FnOnce(&Training<ResNet>)) {
+    let data = SyntheticImages::new(4, 32, 2);
+    let build = || ResNet::new(Config { dtype, ..tiny() }, &Device::Cpu, 11).unwrap();
+    let inputs = |model: &ResNet, step: u64| {
+        let (x, y) = data.batch(step, 4);
+        model.inputs(&x, &y, 32, &Device::Cpu).unwrap()
+    };
+    let optimizer = trainable::OptimizerKind::Sgd;
+    run(&Training { build: &build, inputs: &inputs, optimizer, lr: 0.05, seed: 5 })
 }
 
 const POLICIES: [&str; 4] = ["sqrt", "every-two-blocks", "before-downsample", "sqrt+keep=conv"];
 
 /// In bf16 and f16 too (parameters, gradients and running statistics f32, activations half), and
-/// in bf16-weights (parameters and gradients bf16, running statistics f32),
-/// every policy equals `off` bit for bit, and every parameter gets a non-zero gradient.
+/// in bf16-weights (parameters and gradients bf16, running statistics f32), every policy equals
+/// `off` bit for bit, and every parameter gets a non-zero gradient.
 #[test]
 fn gradients_and_statistics_equal_off_bit_for_bit_in_half_precision() {
-    for dtype in [model::Precision::Bf16, model::Precision::F16, model::Precision::Bf16Weights] {
-        let off = train_in("off", true, dtype);
-        for (name, g) in &off.0[0].1 {
-            assert!(
-                g.iter().any(|&x| f32::from_bits(x) != 0.0),
-                "{dtype}: `{name}` got a zero gradient"
-            );
-        }
-        for policy in POLICIES {
-            assert!(
-                train_in(policy, true, dtype) == off,
-                "{dtype} {policy}: losses, gradients or statistics differ from off"
-            );
-        }
+    for dtype in
+        [trainable::Precision::Bf16, trainable::Precision::F16, trainable::Precision::Bf16Weights]
+    {
+        check(dtype, |t| {
+            t.assert_every_parameter_learns(&["off"], &dtype.to_string());
+            t.assert_policies_equal_off(&POLICIES, &dtype.to_string());
+        });
     }
 }
 
 #[test]
 fn gradients_and_batchnorm_statistics_equal_off_bit_for_bit() {
-    let (off, off_stats) = train("off", true);
-    assert!(off_stats.len() >= 2 * 10, "expected running mean and var of every BatchNorm");
-    for policy in POLICIES {
-        let (run, stats) = train(policy, true);
-        for (step, (a, b)) in off.iter().zip(&run).enumerate() {
-            assert_eq!(a.0, b.0, "{policy}: loss differs at step {step}");
-            assert_eq!(a.1.keys().collect::<Vec<_>>(), b.1.keys().collect::<Vec<_>>(), "{policy}");
-            for (name, g) in &a.1 {
-                assert!(g == &b.1[name], "{policy}: gradient of {name} differs at step {step}");
-            }
-        }
-        for (name, s) in &off_stats {
-            assert!(s == &stats[name], "{policy}: {name} differs from off");
-        }
-    }
+    check(trainable::Precision::F32, |t| {
+        let off = t.trace("off", Control::None);
+        assert!(off.buffers.len() >= 2 * 10, "expected running mean and var of every BatchNorm");
+        t.assert_policies_equal_off(&POLICIES, "f32");
+    });
 }
 
+/// Updating twice must change the running statistics, or the test cannot fail.
 #[test]
 fn without_the_recompute_guard_batchnorm_statistics_differ() {
-    let (_, off_stats) = train("off", true);
-    let (_, stats) = train("before-downsample", false);
-    let differing: Vec<&String> = off_stats.keys().filter(|n| off_stats[*n] != stats[*n]).collect();
-    assert!(
-        !differing.is_empty(),
-        "updating twice must change the running statistics, or the test cannot fail"
-    );
+    check(trainable::Precision::F32, |t| {
+        t.assert_control_breaks("before-downsample", Control::NoRecomputeFlag)
+    });
 }
 
 #[test]
 fn every_parameter_receives_a_nonzero_gradient() {
-    let n = ResNet::new(tiny(), &Device::Cpu, 11).unwrap().params().vars().len();
-    for policy in ["off", "sqrt", "every-two-blocks", "before-downsample"] {
-        for (_, grads) in train(policy, true).0 {
-            assert_eq!(grads.len(), n, "{policy}: some parameters got no gradient");
-            for (name, g) in grads {
-                assert!(
-                    g.iter().any(|&b| f32::from_bits(b) != 0.0),
-                    "{policy}: gradient of {name} is all zero"
-                );
-            }
-        }
-    }
+    let policies = ["off", "sqrt", "every-two-blocks", "before-downsample"];
+    check(trainable::Precision::F32, |t| t.assert_every_parameter_learns(&policies, "f32"));
+}
+
+#[test]
+fn parameter_shapes_from_the_configuration_match_the_model() {
+    testkit::checkpointing::assert_parameter_shapes_match_the_model::<ResNet>(&tiny());
+    let resnet18 = Config { classes: 10, ..resnet::Preset::Resnet18.config() };
+    testkit::checkpointing::assert_parameter_shapes_match_the_model::<ResNet>(&resnet18);
 }
 
 #[test]

@@ -90,7 +90,7 @@ fn a_data_folder_needs_two_classes_each_with_images() {
 /// the rest and initialises `fc`, saying so; `--strict` refuses the mismatch.
 #[test]
 fn init_with_another_class_count_initialises_the_classifier() {
-    use model::Model;
+    use trainable::Model;
     let dir = std::env::temp_dir().join(format!("resnet-init-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("imagenet.safetensors");

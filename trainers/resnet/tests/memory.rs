@@ -5,11 +5,11 @@
 
 use candle_core::Device;
 use datasets::images::SyntheticImages;
-use model::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use resnet::{Config, ResNet};
 use testkit::Peaks;
+use trainable::Model;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -26,7 +26,7 @@ fn config() -> Config {
         layers: [2, 2, 2, 2],
         width: 32,
         classes: 4,
-        dtype: model::Precision::F32,
+        dtype: trainable::Precision::F32,
         freeze: params::Freeze::default(),
     }
 }

@@ -6,11 +6,11 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use model::Model;
 use resnet::{Config, ResNet};
 use testkit::reference::{
     check_close, check_evaluation, check_training_step, on_both_routes, Fixture, LOGITS_TOL,
 };
+use trainable::Model;
 
 #[derive(serde::Deserialize)]
 struct FixtureConfig {

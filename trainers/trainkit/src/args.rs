@@ -4,44 +4,30 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
-use model::OptimizerKind;
 use remat::PolicyRequest;
+use trainable::OptimizerKind;
 
 /// A trainer's defaults for the shared flags that have no one default for every model: the policy
 /// that suits its architecture, and the steps, batch, optimizer and learning rate it trains well
 /// with.
 pub struct Defaults {
-    pub policy: &'static str,
-    pub steps: &'static str,
-    pub batch: &'static str,
-    pub optimizer: &'static str,
-    pub lr: &'static str,
-}
-
-/// A trainer's `main`: parses the command line into its arguments `A` with the trainer's
-/// `defaults` ([`parse`]), starts the run on its ranks (`run` gives the shared flags of `A`; under
-/// `--ranks N` this process re-runs itself under mpirun, [`crate::launch`]) and runs `train` on
-/// each, a failing rank stopping them all ([`crate::or_abort`]).
-pub fn main<A: clap::Parser>(
-    defaults: Defaults,
-    run: impl Fn(&A) -> &RunArgs,
-    train: impl FnOnce(&A, &crate::Group, &Device) -> Result<()>,
-) -> Result<()> {
-    let args: A = parse(defaults);
-    let Some((group, device)) = crate::launch(run(&args))? else { return Ok(()) };
-    crate::or_abort(&group, train(&args, &group, &device))
+    pub policy: PolicyRequest,
+    pub steps: usize,
+    pub batch: usize,
+    pub optimizer: OptimizerKind,
+    pub lr: f64,
 }
 
 /// Parses the command line into a trainer's arguments `A` (which flatten [`RunArgs`]), with the
 /// trainer's `defaults`; on a bad or missing flag prints clap's error and exits, as
 /// `Parser::parse` does.
-fn parse<A: clap::Parser>(defaults: Defaults) -> A {
+pub(crate) fn parse<A: clap::Parser>(defaults: Defaults) -> A {
     let values = [
-        ("policy", defaults.policy),
-        ("steps", defaults.steps),
-        ("batch", defaults.batch),
-        ("optimizer", defaults.optimizer),
-        ("lr", defaults.lr),
+        ("policy", defaults.policy.to_string()),
+        ("steps", defaults.steps.to_string()),
+        ("batch", defaults.batch.to_string()),
+        ("optimizer", defaults.optimizer.to_string()),
+        ("lr", defaults.lr.to_string()),
     ];
     let command = values.into_iter().fold(A::command(), |c, (id, value)| {
         c.mut_arg(id, |a| a.default_value(value).required(false))
@@ -103,7 +89,7 @@ pub struct RunArgs {
     /// gradients and the optimizer state stay f32), or bf16-weights (parameters and gradients
     /// bf16 too, optimizer moments f32).
     #[arg(long, default_value = "f32")]
-    pub dtype: model::Precision,
+    pub dtype: trainable::Precision,
     /// Parameters that do not train, by name (`*`: any run of characters), comma-separated:
     /// `h.*.attn.*,wte.weight` (GPT-2), `bert.embeddings.*` (BERT), `conv1.*,bn1.*,layer1.*`
     /// (ResNet), `enc.0.*` (U-Net). They get no gradient, neither computed nor stored, and no
@@ -191,7 +177,7 @@ impl RunArgs {
                     "--ranks above 1 (the gradients are averaged over the ranks before the update)",
                 ),
                 (
-                    self.dtype == model::Precision::F16,
+                    self.dtype == trainable::Precision::F16,
                     "--dtype f16 (its loss scaler skips a step unless every gradient is finite)",
                 ),
             ];
@@ -203,7 +189,7 @@ impl RunArgs {
             }
         }
         if let Some(scale) = self.loss_scale {
-            if self.dtype != model::Precision::F16 {
+            if self.dtype != trainable::Precision::F16 {
                 bail!("--loss-scale applies to --dtype f16 only (this run: {})", self.dtype);
             }
             if !(scale.is_finite() && scale > 0.0 && scale <= f32::MAX as f64) {

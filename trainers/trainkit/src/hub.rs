@@ -3,8 +3,8 @@
 //! snapshot lacks it; and the `tokenizer.json` that goes with them.
 
 use anyhow::{bail, Context, Result};
-use model::Model;
 use std::path::{Path, PathBuf};
+use trainable::Model;
 
 /// Why a model's files could not be found or fetched.
 #[derive(Debug, thiserror::Error)]
@@ -24,15 +24,24 @@ pub struct HubFiles {
     pub tokenizer: Option<PathBuf>,
 }
 
+/// Whether a model's files missing from the cache may be downloaded (`--offline`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Download {
+    Allowed,
+    /// The cache only: a model not in it is an error.
+    Never,
+}
+
 /// Finds `config.json`, `model.safetensors` and `tokenizer.json` (optional) of a Hugging Face
 /// model id: in the local cache first (`cache`, or the default `~/.cache/huggingface/hub`), else
-/// downloaded into it unless `offline` (or `HF_HUB_OFFLINE=1`).
+/// downloaded into it where `download` allows (and `HF_HUB_OFFLINE=1` does not forbid it).
 pub fn hub_files(
     model_id: &str,
     cache: Option<&Path>,
-    offline: bool,
+    download: Download,
 ) -> Result<HubFiles, HubError> {
-    let offline = offline || std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1");
+    let offline =
+        download == Download::Never || std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1");
     let local = match cache {
         Some(dir) => hf_hub::Cache::new(dir.to_path_buf()),
         None => hf_hub::Cache::from_env(),
@@ -99,7 +108,8 @@ impl HubArgs {
             }
             return Ok(None);
         };
-        Ok(Some(hub_files(id, self.hub_cache.as_deref(), self.offline)?))
+        let download = if self.offline { Download::Never } else { Download::Allowed };
+        Ok(Some(hub_files(id, self.hub_cache.as_deref(), download)?))
     }
 }
 
@@ -107,6 +117,42 @@ impl HubArgs {
 /// preset's configuration.
 pub fn config_file<'a>(config: Option<&'a Path>, hub: Option<&'a HubFiles>) -> Option<&'a Path> {
     config.or(hub.map(|files| files.config.as_path()))
+}
+
+/// Where a model's configuration and weights may come from besides its presets.
+#[derive(Clone, Copy, Default)]
+pub struct Sources<'a> {
+    /// `--config`: a Hugging Face `config.json`.
+    pub config: Option<&'a Path>,
+    /// `--model-id` and its companions.
+    pub hub: Option<&'a HubArgs>,
+    /// `--init` and `--strict`.
+    pub init: Option<&'a InitArgs>,
+}
+
+/// Where a published model comes from, for the trainers that read Hugging Face configurations
+/// (GPT-2, BERT): `--config`, `--model-id` and `--init`.
+#[derive(clap::Args, Debug)]
+pub struct Pretrained {
+    /// A Hugging Face config.json (instead of --preset).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub hub: HubArgs,
+    #[command(flatten)]
+    pub init: InitArgs,
+}
+
+impl Pretrained {
+    /// All three, as the training path reads them.
+    pub fn sources(&self) -> Sources<'_> {
+        Sources { config: self.config.as_deref(), hub: Some(&self.hub), init: Some(&self.init) }
+    }
+
+    /// The files a `tokenizer.json` may lie beside: `--config` and `--init`.
+    pub fn beside(&self) -> [Option<&Path>; 2] {
+        [self.config.as_deref(), self.init.init.as_deref()]
+    }
 }
 
 /// The options of every trainer that can start from pre-trained weights.

@@ -1,8 +1,9 @@
 //! `trainkit`: what the four trainer binaries share, so each is its model, its data and its
 //! flags. [`Trainer::run`] owns the loop; one optimizer step ([`Stepper`]) is what the trainers
 //! and the harness's measurement both run. By job:
-//! - [`args`]: a trainer's `main` ([`main`]), the flags every trainer shares ([`RunArgs`]) and
-//!   their checks;
+//! - [`recipe`]: the one training path, from a trainer's command line ([`Recipe`]: what is its
+//!   own) to a trained model ([`main`], [`train`]);
+//! - [`args`]: the flags every trainer shares ([`RunArgs`]), their defaults and their checks;
 //! - [`plan`]: the policy planned before training, the fit check, `--dry-run`;
 //! - [`step`]: one optimizer step of gradient accumulation, measured;
 //! - [`scaler`]: f16 loss scaling;
@@ -10,6 +11,7 @@
 //! - [`log`]: the progress bar, the per-step lines and `--log-json`;
 //! - [`trainer`]: the loop;
 //! - [`lora`]: `--lora` and its flags (GPT-2, BERT);
+//! - [`text`]: a causal language model's data flags (`--seq`, `--data`, `--text`);
 //! - [`hub`]: pre-trained weights and the Hugging Face hub; [`parallel`]: data parallelism over
 //!   the ranks of a `collective::Group`.
 //!
@@ -21,18 +23,22 @@ pub mod log;
 pub mod lora;
 pub mod parallel;
 pub mod plan;
+pub mod recipe;
 pub mod scaler;
 pub mod snapshot;
 pub mod step;
+pub mod text;
 pub mod trainer;
 
-pub use args::{main, Defaults, DeviceName, RunArgs};
+pub use args::{Defaults, DeviceName, RunArgs};
+pub use hub::Sources;
 pub use log::{read_eval_losses, read_losses};
 pub use parallel::{launch, optimizer, or_abort, Group};
 pub use plan::{
     auto_budget, available_memory, build_model, check_footprint, free_memory, memory_before_step,
     rank_seed,
 };
+pub use recipe::{main, train, Flags, Recipe};
 pub use scaler::{finish_gradients, LossScaler};
 pub use snapshot::{data_source, Output};
 pub use step::{micro_batches, StepOutcome, Stepper};
@@ -43,22 +49,32 @@ use std::io::Write;
 /// Set on every rank but the first of a data-parallel run: rank 0 speaks for all.
 static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Writes one line to stderr (or stdout), ending the process quietly when the reader has closed the
+/// Where a line a run says goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stream {
+    /// What the run was asked for (`--dry-run`'s prediction): `println!`'s stream.
+    Stdout,
+    /// Progress, warnings and errors: `eprintln!`'s stream.
+    Stderr,
+}
+
+/// Writes one line to `stream`, ending the process quietly when the reader has closed the
 /// pipe (`train-gpt2 ... 2>&1 | head -2`), where `eprintln!` would panic: with exit 141, as a
 /// process killed by SIGPIPE, since the run did not do its work (exit 0 would tell a script it
 /// had); on any other write error (`> /dev/full`) with exit 1, saying so on stderr.
-pub fn say_line(stdout: bool, args: std::fmt::Arguments) {
+pub fn say_line(stream: Stream, args: std::fmt::Arguments) {
     if QUIET.load(std::sync::atomic::Ordering::Relaxed) {
         return;
     }
     // One write per line: ranks and child processes share the stream, and a line written in
     // pieces interleaves with theirs.
     let line = format!("{args}\n");
-    let result = if stdout {
-        let mut out = std::io::stdout().lock();
-        out.write_all(line.as_bytes()).and_then(|_| out.flush())
-    } else {
-        std::io::stderr().lock().write_all(line.as_bytes())
+    let result = match stream {
+        Stream::Stdout => {
+            let mut out = std::io::stdout().lock();
+            out.write_all(line.as_bytes()).and_then(|_| out.flush())
+        }
+        Stream::Stderr => std::io::stderr().lock().write_all(line.as_bytes()),
     };
     match result {
         Ok(()) => {}
@@ -67,7 +83,10 @@ pub fn say_line(stdout: bool, args: std::fmt::Arguments) {
         }
         // A full disk or device: what the run says is lost, so it has not done its work.
         Err(e) => {
-            let stream = if stdout { "standard output" } else { "standard error" };
+            let stream = match stream {
+                Stream::Stdout => "standard output",
+                Stream::Stderr => "standard error",
+            };
             let _ = writeln!(std::io::stderr(), "error: writing to {stream}: {e}");
             std::process::exit(1);
         }
@@ -81,13 +100,13 @@ pub const CLOSED_PIPE_EXIT: i32 = 141;
 /// `eprintln!` that ends quietly on a closed pipe ([`say_line`]).
 #[macro_export]
 macro_rules! say {
-    ($($arg:tt)*) => { $crate::say_line(false, format_args!($($arg)*)) };
+    ($($arg:tt)*) => { $crate::say_line($crate::Stream::Stderr, format_args!($($arg)*)) };
 }
 
 /// `println!` that ends quietly on a closed pipe ([`say_line`]).
 #[macro_export]
 macro_rules! show {
-    ($($arg:tt)*) => { $crate::say_line(true, format_args!($($arg)*)) };
+    ($($arg:tt)*) => { $crate::say_line($crate::Stream::Stdout, format_args!($($arg)*)) };
 }
 
 /// The text file `path` that `flag` names, whole. Refused unless it is a regular file: a device
@@ -104,9 +123,4 @@ pub fn read_text(flag: &str, path: &std::path::Path) -> anyhow::Result<String> {
 /// "1 segment", "3 segments": what a log line says of a cut.
 pub fn segments(n: usize) -> String {
     format!("{n} segment{}", if n == 1 { "" } else { "s" })
-}
-
-/// Bytes in MiB, for the lines a run prints.
-pub fn mib(bytes: u64) -> f64 {
-    bytes as f64 / (1024.0 * 1024.0)
 }

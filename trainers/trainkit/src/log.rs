@@ -3,9 +3,10 @@
 //! all-reduce time); and reading a `--log-json` file back.
 
 use crate::parallel::Group;
-use crate::{mib, say};
+use crate::say;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use remat::memory::mib;
 use remat::memory::Usage;
 use serde::Serialize;
 use std::io::Write;
@@ -53,15 +54,24 @@ pub struct Log<'g> {
     times: Vec<f64>,
 }
 
+/// What a run does with a `--log-json` file that exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFile {
+    /// A new run: the file starts empty.
+    New,
+    /// A resumed run: its steps follow those of the run it resumes.
+    Continue,
+}
+
 impl<'g> Log<'g> {
     /// A log of `steps` optimizer steps of `micro_batches` micro-batches each, writing `log_json`
-    /// on rank 0; `append` (a resumed run) continues the file of the run it resumes.
+    /// on rank 0; a resumed run ([`LogFile::Continue`]) continues the file of the run it resumes.
     pub fn new(
         group: &'g Group,
         steps: usize,
         micro_batches: usize,
         log_json: Option<&Path>,
-        append: bool,
+        file: LogFile,
     ) -> Result<Self> {
         let bar = ProgressBar::new(steps as u64).with_style(ProgressStyle::with_template(
             "{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}",
@@ -72,8 +82,8 @@ impl<'g> Log<'g> {
                 std::fs::OpenOptions::new()
                     .create(true)
                     .write(true)
-                    .append(append)
-                    .truncate(!append)
+                    .append(file == LogFile::Continue)
+                    .truncate(file == LogFile::New)
                     .open(p)
                     .with_context(|| format!("--log-json {}", p.display()))?,
             )),

@@ -3,12 +3,12 @@
 //! training (the adapter in PEFT's layout, the merged weights).
 
 use anyhow::{anyhow, bail, Context, Result};
-use model::Model;
 use params::lora::{self, Lora, PeftModel};
 use serde::Serialize;
 use std::collections::BTreeSet;
 use std::fmt::Display;
 use std::path::{Path, PathBuf};
+use trainable::Model;
 
 /// The flags that decide what a LoRA run computes, as its training snapshots keep them (a resume
 /// must match them): the adapters' configuration, defaults resolved.

@@ -7,10 +7,10 @@ use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 pub use collective::Group;
-use model::OptimizerKind;
 use optim::TrainOptimizer;
 use remat::Executor;
 use std::collections::HashMap;
+use trainable::OptimizerKind;
 
 /// The ranks of this run and this rank's device (`--device`; plain `cuda` is the rank's GPU
 /// under one process per GPU), made once: an NCCL group works on that device's stream. With
@@ -49,7 +49,7 @@ pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
     if run.ranks > 1 && run.ranks != group.world() {
         bail!("--ranks {} under a launcher of {} ranks", run.ranks, group.world());
     }
-    check_sharding(run.shard_optimizer, group.world())?;
+    check_sharding(OptimizerState::from_flag(run.shard_optimizer), group.world())?;
     if !group.is_root() {
         crate::QUIET.store(true, std::sync::atomic::Ordering::Relaxed);
     }
@@ -202,15 +202,25 @@ pub fn agreed_policy(
     if group.world() == 1 {
         return Ok(resolved);
     }
-    let theirs = String::from_utf8(group.broadcast_bytes(requested.to_string().into_bytes(), 0)?)?;
-    if theirs != requested.to_string() {
+    let theirs: remat::PolicyRequest = broadcast_value(group, requested)?;
+    if &theirs != requested {
         bail!(
             "rank {} was given --policy {requested}, rank 0 {theirs}: every rank must checkpoint \
              in sync",
             group.rank()
         );
     }
-    Ok(String::from_utf8(group.broadcast_bytes(resolved.to_string().into_bytes(), 0)?)?.parse()?)
+    broadcast_value(group, &resolved)
+}
+
+/// Rank 0's `value`, on every rank: sent as its typed structure (JSON), not as text that each
+/// rank would parse again.
+fn broadcast_value<T: serde::Serialize + serde::de::DeserializeOwned>(
+    group: &Group,
+    value: &T,
+) -> Result<T> {
+    let bytes = group.broadcast_bytes(serde_json::to_vec(value)?, 0)?;
+    Ok(serde_json::from_slice(&bytes)?)
 }
 
 /// Fails unless every rank holds the same parameter bits (a hash of them, compared by all-reduce).
@@ -231,10 +241,30 @@ pub fn check_in_sync(group: &Group, store: &params::ParamStore) -> Result<()> {
     Ok(())
 }
 
-/// Refuses `--shard-optimizer` (`shard`) on fewer than two ranks, where it would shard nothing:
-/// before anything is built.
-pub fn check_sharding(shard: bool, ranks: usize) -> Result<()> {
-    if shard && ranks < 2 {
+/// Where the ranks keep the optimizer state (`--shard-optimizer`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimizerState {
+    /// Every rank holds all of it and updates every parameter.
+    Whole,
+    /// ZeRO stage 1: each rank holds and updates its share of the parameters only.
+    Sharded,
+}
+
+impl OptimizerState {
+    /// As `--shard-optimizer` asks.
+    pub fn from_flag(shard_optimizer: bool) -> Self {
+        if shard_optimizer {
+            OptimizerState::Sharded
+        } else {
+            OptimizerState::Whole
+        }
+    }
+}
+
+/// Refuses `--shard-optimizer` on fewer than two ranks, where it would shard nothing: before
+/// anything is built.
+pub fn check_sharding(state: OptimizerState, ranks: usize) -> Result<()> {
+    if state == OptimizerState::Sharded && ranks < 2 {
         bail!(
             "--shard-optimizer shares the optimizer state among data-parallel ranks: give --ranks \
              N (N > 1)"
@@ -243,16 +273,16 @@ pub fn check_sharding(shard: bool, ranks: usize) -> Result<()> {
     Ok(())
 }
 
-/// The run's optimizer over `vars`: `kind`'s, or with `shard` (`--shard-optimizer`) a
+/// The run's optimizer over `vars`: `kind`'s, or with its state sharded (`--shard-optimizer`) a
 /// [`ShardedOptimizer`] over the ranks of `group`.
 pub fn optimizer<'g>(
-    shard: bool,
+    state: OptimizerState,
     group: &'g Group,
     kind: OptimizerKind,
     vars: Vec<Var>,
     lr: f64,
 ) -> Result<Box<dyn TrainOptimizer + 'g>> {
-    if !shard {
+    if state == OptimizerState::Whole {
         return Ok(kind.build(vars, lr)?);
     }
     let sharded = ShardedOptimizer::new(group, kind, vars, lr)?;
@@ -263,8 +293,8 @@ pub fn optimizer<'g>(
         "optimizer state sharded over {} ranks (ZeRO stage 1): {:.1} MiB on the largest share of \
          {:.1} MiB",
         group.world(),
-        crate::mib(most),
-        total / (1024.0 * 1024.0)
+        remat::memory::mib(most),
+        remat::memory::mib(total as u64)
     );
     Ok(Box::new(sharded))
 }

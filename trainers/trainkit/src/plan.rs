@@ -3,9 +3,10 @@
 
 use crate::args::RunArgs;
 use crate::parallel::{self, Group};
-use crate::{mib, say, segments, show};
+use crate::{say, segments, show};
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
+use remat::memory::{gib, mib};
 use remat::plan::{Grads, Profile};
 use remat::Executor;
 
@@ -46,8 +47,8 @@ pub fn check_footprint(flags: &str, what: &str, elements: Option<u128>) -> Resul
         if bytes > have {
             bail!(
                 "{flags}: {what} alone: {:.1} GiB (f32); this machine has {:.1} GiB available",
-                bytes as f64 / 2f64.powi(30),
-                have as f64 / 2f64.powi(30)
+                gib(bytes),
+                gib(have)
             );
         }
     }
@@ -110,7 +111,7 @@ pub fn build_model<M>(flags: &str, build: impl FnOnce() -> Result<M>) -> Result<
 /// beyond the model: that is the plan's profile too, measured once.
 fn check_step_fits(
     run: &RunArgs,
-    model: &impl model::Model,
+    model: &impl trainable::Model,
     optimizer: &dyn optim::TrainOptimizer,
     sizes: &str,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
@@ -146,7 +147,6 @@ fn check_step_fits(
         .saturating_sub(remat::memory::Counter::for_device(&device).current())
         .saturating_add(peak);
     if more > free {
-        let gib = |b: u64| b as f64 / 2f64.powi(30);
         let other = if least.estimate.peak < peak {
             format!(
                 " (the least any checkpoint plan needs is {:.1} GiB: {})",
@@ -168,7 +168,7 @@ fn check_step_fits(
 }
 
 /// A model's parameters and the device they are on.
-fn vars_and_device(model: &impl model::Model) -> (Vec<candle_core::Var>, Device) {
+fn vars_and_device(model: &impl trainable::Model) -> (Vec<candle_core::Var>, Device) {
     let vars = model.params().vars();
     let device = vars.first().map_or(Device::Cpu, |v| v.device().clone());
     (vars, device)
@@ -206,7 +206,7 @@ fn step_start(
 pub fn executor<'m>(
     run: &RunArgs,
     group: &Group,
-    model: &'m impl model::Model,
+    model: &'m impl trainable::Model,
     optimizer: &dyn optim::TrainOptimizer,
     sizes: &str,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
@@ -230,12 +230,12 @@ pub fn executor<'m>(
 /// The random keys of rank `rank`: rank 0 draws those of a one-rank run, the others their own
 /// (ranks must not share dropout masks); checkpointing replays each rank's keys on recompute.
 pub fn rank_seed(seed: u64, rank: usize) -> u64 {
-    seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    remat::rng::derive_seed(seed, rank as u64)
 }
 
 fn plan_policy(
     run: &RunArgs,
-    model: &impl model::Model,
+    model: &impl trainable::Model,
     optimizer: &dyn optim::TrainOptimizer,
     inputs_at: &dyn Fn(usize) -> Result<Vec<Tensor>>,
     measured: Option<(Profile, u64)>,

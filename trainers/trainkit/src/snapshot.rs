@@ -120,11 +120,11 @@ fn describe_source(path: &Path) -> std::io::Result<String> {
 #[derive(Serialize)]
 struct SharedConfig {
     batch: usize,
-    dtype: model::Precision,
+    dtype: trainable::Precision,
     accumulate: usize,
     ranks: usize,
     freeze: Option<String>,
-    optimizer: model::OptimizerKind,
+    optimizer: trainable::OptimizerKind,
     lr: f64,
 }
 

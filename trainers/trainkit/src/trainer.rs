@@ -1,10 +1,10 @@
 //! The training loop every trainer binary runs: the optimizer, the policy planned (or a dry run),
 //! then step after step ([`Stepper`]) with evaluation and snapshots when due, resumable from a
-//! training snapshot. A trainer binary builds its model and data and hands them to
-//! [`Trainer::run`].
+//! training snapshot. The training path ([`crate::recipe::train`]) builds the model and data and
+//! hands them to [`Trainer::run`].
 
 use crate::args::RunArgs;
-use crate::log::Log;
+use crate::log::{Log, LogFile};
 use crate::parallel::{self, Group};
 use crate::plan::executor;
 use crate::say;
@@ -15,10 +15,10 @@ use crate::snapshot::{
 use crate::step::{micro_batches, Stepper};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
-use model::Model;
 use optim::TrainOptimizer;
 use remat::Policy;
 use serde::Serialize;
+use trainable::Model;
 
 /// The graph inputs of data batch `n` of `size` samples.
 pub type Inputs<'a> = dyn Fn(u64, usize) -> Result<Vec<Tensor>> + 'a;
@@ -37,9 +37,9 @@ pub struct Trainer<'a, M, S> {
     /// What the trainer writes besides the shared flags' outputs (`--save-merged`,
     /// `--save-adapter`): checked with them before training.
     pub outputs: Vec<Output<'a>>,
-    /// The inputs the planner measures a batch of `n` with, where they are not data batch 0's
-    /// (masked-LM batches of text are padded to their own longest row: planned at full length).
-    pub planned_inputs: Option<&'a dyn Fn(usize) -> Result<Vec<Tensor>>>,
+    /// The inputs the planner measures a batch of `n` with (masked-LM batches of text are padded
+    /// to their own longest row: planned at full length).
+    pub planned_inputs: &'a dyn Fn(usize) -> Result<Vec<Tensor>>,
     /// What a data batch is, by number, where the data comes from files: named in the error of a
     /// step whose gradients are not finite.
     pub batch_names: Option<Box<dyn Fn(u64) -> String + 'a>>,
@@ -58,28 +58,22 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
         let batch_names = self.batch_names.take();
         check_policy_and_freeze::<M>(run, model.params())?;
         let mut opt = parallel::optimizer(
-            run.shard_optimizer,
+            parallel::OptimizerState::from_flag(run.shard_optimizer),
             group,
             run.optimizer,
             model.params().vars(),
             run.lr,
         )?;
-        let first = |n: usize| inputs(0, n);
-        let planned: &dyn Fn(usize) -> Result<Vec<Tensor>> = self.planned_inputs.unwrap_or(&first);
+        let planned = self.planned_inputs;
         let Some((exec, policy)) = executor(run, group, model, opt.as_ref(), &self.sizes, planned)?
         else {
             return Ok(());
         };
         say!("{}", describe(&policy, &crate::segments(exec.segments().len())));
         self.before_training()?;
-        let mut log = Log::new(
-            group,
-            run.steps,
-            run.accumulate,
-            run.log_json.as_deref(),
-            run.resume.is_some(),
-        )?;
-        let mut scaler = (run.dtype == model::Precision::F16).then(|| LossScaler {
+        let file = if run.resume.is_some() { LogFile::Continue } else { LogFile::New };
+        let mut log = Log::new(group, run.steps, run.accumulate, run.log_json.as_deref(), file)?;
+        let mut scaler = (run.dtype == trainable::Precision::F16).then(|| LossScaler {
             scale: run.loss_scale.unwrap_or(LossScaler::default().scale),
             good_steps: 0,
         });
@@ -175,7 +169,7 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
         done == self.run.steps || every.is_some_and(|n| n > 0 && done.is_multiple_of(n))
     }
 
-    /// The mean evaluation-mode loss ([`model::Model::evaluate`]) over `--eval-batches` held-out
+    /// The mean evaluation-mode loss ([`trainable::Model::evaluate`]) over `--eval-batches` held-out
     /// batches: those the data stream gives after the last training micro-batch, never trained on.
     fn evaluate(&self, inputs: &dyn Fn(u64) -> Result<Vec<Tensor>>) -> Result<f32> {
         let held_out = micro_batches(self.run.steps as u64, self.run.accumulate).start;

@@ -43,7 +43,7 @@ pub struct Config {
     pub norm: Norm,
     pub loss: Loss,
     /// The dtype activations are stored in (the volume is cast to it on input).
-    pub dtype: model::Precision,
+    pub dtype: trainable::Precision,
     /// The parameters that do not train (`--freeze`): read through tensors no variable leads
     /// to, so they get no gradient.
     pub freeze: params::Freeze,
@@ -57,7 +57,7 @@ pub enum Preset {
     Cicek,
 }
 
-model::presets!(Preset, "3D U-Net", [
+trainable::presets!(Preset, "3D U-Net", [
     Preset::Tiny => "tiny",
     Preset::Small => "small" ("16-32-64-128"),
     Preset::Cicek => "cicek" ("32-64-128-256, 512 at the bottom"),
@@ -78,7 +78,7 @@ impl Preset {
             classes: 3,
             norm: Norm::Batch,
             loss: Loss::CrossEntropy,
-            dtype: model::Precision::F32,
+            dtype: trainable::Precision::F32,
             freeze: params::Freeze::default(),
         }
     }
@@ -266,7 +266,7 @@ impl Stage for Head {
 
 /// 1 - mean over classes of 2|P∩Y| / (|P| + |Y|), with P the softmax probabilities (N, K).
 fn soft_dice_loss(scores: &Tensor, labels: &Tensor, classes: usize) -> Result<Tensor> {
-    let p = ops::fused::softmax_last_dim(scores, 1.0, false)?;
+    let p = ops::fused::softmax_last_dim(scores, 1.0, ops::Mask::None)?;
     let ids = Tensor::arange(0u32, classes as u32, scores.device())?.unsqueeze(0)?; // (1, K)
     let y = labels.unsqueeze(1)?.broadcast_eq(&ids)?.to_dtype(p.dtype())?; // one-hot (N, K)
     let inter = (&p * &y)?.sum(0)?;
@@ -380,20 +380,18 @@ impl UNet3d {
     }
 }
 
-impl model::Model for UNet3d {
+trainable::model_config!(Config);
+
+impl trainable::Model for UNet3d {
     const KEEPABLE: &'static [remat::keep::OpKind] = &[remat::keep::OpKind::Conv];
 
-    fn graph(&self) -> &StageGraph {
-        &self.graph
-    }
-
-    fn params(&self) -> &ParamStore {
-        &self.params
+    fn parts(&self) -> (&StageGraph, &ParamStore) {
+        (&self.graph, &self.params)
     }
 }
 
 /// Synthetic cubic volumes with a voxel-wise segmentation.
-impl model::Benchable for UNet3d {
+impl trainable::Benchable for UNet3d {
     type Config = Config;
     type Data = (datasets::volumes::SyntheticVolumes, usize);
     const DOWNSAMPLES: bool = true;
@@ -411,10 +409,6 @@ impl model::Benchable for UNet3d {
 
     fn build(config: &Config, device: &Device, seed: u64) -> Result<Self> {
         UNet3d::new(config.clone(), device, seed)
-    }
-
-    fn with_dtype(config: &Config, dtype: model::Precision) -> Config {
-        Config { dtype, ..config.clone() }
     }
 
     fn synthetic_data(&self, side: usize, seed: u64) -> Result<Self::Data> {

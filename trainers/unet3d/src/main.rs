@@ -1,12 +1,13 @@
 //! `train-unet3d`: train the 3D U-Net with activation checkpointing on synthetic or `.npy` volumes.
 
 use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
 use clap::ValueEnum;
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
-use model::{Benchable, Model};
 use remat::memory::CountingAlloc;
 use serde::Serialize;
 use std::path::PathBuf;
+use trainable::Model;
 use unet3d::{Config, Loss, Norm, Preset, UNet3d};
 
 #[global_allocator]
@@ -58,89 +59,107 @@ enum Data {
 }
 
 fn main() -> Result<()> {
-    let defaults = trainkit::Defaults {
-        policy: "before-downsample",
-        steps: "20",
-        batch: "2",
-        optimizer: "adamw",
-        lr: "1e-3",
-    };
-    trainkit::main(defaults, |args: &Args| &args.run, train)
+    trainkit::main::<Args>()
 }
 
-/// One rank's training (the only one, without data parallelism).
-fn train(args: &Args, group: &trainkit::Group, device: &candle_core::Device) -> Result<()> {
-    if args.setup.classes < 2 {
-        bail!("--classes must be at least 2 (with one class the loss is 0 and nothing is learned)");
+impl trainkit::Recipe for Args {
+    type Model = UNet3d;
+    type Data = Data;
+    const MODEL_FLAGS: &'static str = "--preset, --classes";
+
+    fn defaults() -> trainkit::Defaults {
+        let (steps, batch, optimizer, lr) = (20, 2, trainable::OptimizerKind::Adamw, 1e-3);
+        let policy = remat::Policy::BeforeDownsample.into();
+        trainkit::Defaults { policy, steps, batch, optimizer, lr }
     }
-    // Before the data, at the preset's one input channel: a lower bound for data with more.
-    let (what, elements) =
-        UNet3d::step_floor(&args.preset.config(), args.run.batch, args.setup.volume);
-    trainkit::check_footprint("--batch x --volume", what, elements)?;
-    let (data, in_channels) = match &args.setup.data {
-        Some(root) => {
-            let volumes = NpyVolumes::open(root, args.run.seed)?;
-            volumes.check_labels(args.setup.classes as u32)?;
-            let first = volumes.read(0)?;
-            if first.shape[1..].iter().any(|&s| s != args.setup.volume) {
-                bail!(
-                    "--volume {} does not match the data's volumes of shape {:?} (C, D, H, W)",
-                    args.setup.volume,
-                    first.shape
-                );
-            }
-            (Data::Npy(volumes), first.shape[0])
+
+    fn flags(&self) -> trainkit::Flags<'_> {
+        trainkit::Flags::run(&self.run)
+    }
+
+    fn input_size(&self) -> (&'static str, usize) {
+        ("--volume", self.setup.volume)
+    }
+
+    /// The preset's, with one input channel until the data says otherwise (the step's floor is
+    /// checked at one: a lower bound for data with more).
+    fn preset(&self) -> Config {
+        Config {
+            classes: self.setup.classes,
+            norm: self.setup.group_norm.map_or(Norm::Batch, Norm::Group),
+            loss: match self.setup.loss {
+                LossArg::Ce => Loss::CrossEntropy,
+                LossArg::CeDice => Loss::CrossEntropyDice,
+            },
+            ..self.preset.config()
         }
-        None => (Data::Synthetic(SyntheticVolumes::new(args.setup.volume, args.run.seed)), 1),
-    };
-    let config = Config {
-        in_channels,
-        classes: args.setup.classes,
-        norm: args.setup.group_norm.map_or(Norm::Batch, Norm::Group),
-        loss: match args.setup.loss {
-            LossArg::Ce => Loss::CrossEntropy,
-            LossArg::CeDice => Loss::CrossEntropyDice,
-        },
-        dtype: args.run.dtype,
-        freeze: args.run.freeze.clone().unwrap_or_default(),
-        ..args.preset.config()
-    };
-    let model = trainkit::build_model("--preset, --classes", || {
-        Ok(UNet3d::new(config, device, args.run.seed)?)
-    })?;
-    let inputs = |step: u64, n: usize| -> Result<Vec<candle_core::Tensor>> {
-        let (voxels, labels) = match &data {
+    }
+
+    fn check(&self, _: &Config) -> Result<()> {
+        if self.setup.classes < 2 {
+            bail!(
+                "--classes must be at least 2 (with one class the loss is 0 and nothing is \
+                 learned)"
+            );
+        }
+        Ok(())
+    }
+
+    /// Synthetic shapes, or the folder's volumes, whose channels the model takes.
+    fn data(&self, config: &mut Config, _: Option<&trainkit::hub::HubFiles>) -> Result<Data> {
+        let Some(root) = &self.setup.data else {
+            return Ok(Data::Synthetic(SyntheticVolumes::new(self.setup.volume, self.run.seed)));
+        };
+        let volumes = NpyVolumes::open(root, self.run.seed)?;
+        volumes.check_labels(self.setup.classes as u32)?;
+        let first = volumes.read(0)?;
+        if first.shape[1..].iter().any(|&s| s != self.setup.volume) {
+            bail!(
+                "--volume {} does not match the data's volumes of shape {:?} (C, D, H, W)",
+                self.setup.volume,
+                first.shape
+            );
+        }
+        config.in_channels = first.shape[0];
+        Ok(Data::Npy(volumes))
+    }
+
+    fn inputs(
+        &self,
+        model: &UNet3d,
+        data: &Data,
+        step: u64,
+        n: usize,
+        device: &Device,
+    ) -> Result<Vec<Tensor>> {
+        let (voxels, labels) = match data {
             Data::Synthetic(d) => d.batch(step, n),
             Data::Npy(d) => {
                 let (_, v, l) = d.batch(step, n)?;
                 (v, l)
             }
         };
-        if let Some(&bad) = labels.iter().find(|&&l| l as usize >= args.setup.classes) {
-            bail!("label {bad} is outside --classes {}", args.setup.classes);
+        if let Some(&bad) = labels.iter().find(|&&l| l as usize >= self.setup.classes) {
+            bail!("label {bad} is outside --classes {}", self.setup.classes);
         }
-        Ok(model.inputs(&voxels, &labels, args.setup.volume, device)?)
-    };
-    let per_step = args.run.batch * group.world();
-    let trainer = trainkit::Trainer {
-        run: &args.run,
-        group,
-        model: &model,
-        sizes: format!("--batch {} x --volume {}", args.run.batch, args.setup.volume),
-        setup: &args.setup,
-        outputs: Vec::new(),
-        planned_inputs: None,
-        batch_names: match &data {
-            Data::Npy(volumes) => Some(Box::new(move |n| volumes.files(n, per_step).join(", "))),
-            Data::Synthetic(_) => None,
-        },
-    };
-    trainer.run(&inputs, |policy, segments| {
+        Ok(model.inputs(&voxels, &labels, self.setup.volume, device)?)
+    }
+
+    fn batch_names<'a>(&'a self, data: &'a Data) -> Option<trainkit::recipe::BatchNames<'a>> {
+        let Data::Npy(volumes) = data else { return None };
+        Some(Box::new(move |step, per_step| volumes.files(step, per_step).join(", ")))
+    }
+
+    fn setup(&self, _: &Config) -> impl Serialize {
+        &self.setup
+    }
+
+    fn describe(&self, model: &UNet3d, _: &Data, policy: &remat::Policy, segments: &str) -> String {
         format!(
             "3D U-Net {}, policy {policy} ({segments}), batch {} x {}^3",
             model.params().count_text(),
-            args.run.batch,
-            args.setup.volume
+            self.run.batch,
+            self.setup.volume
         )
-    })
+    }
 }

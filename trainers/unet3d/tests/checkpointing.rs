@@ -2,88 +2,48 @@
 //! level; gradients and running statistics still equal `off` bit for bit; its snapshots load back.
 
 use candle_core::Device;
-use candle_nn::Optimizer;
 use datasets::volumes::SyntheticVolumes;
-use model::Model;
-use optim::{AdamW, ParamsAdamW};
 use remat::{Executor, Policy};
-use std::collections::BTreeMap;
+use testkit::checkpointing::{Control, Training};
+use trainable::Model;
 use unet3d::{Config, Loss, UNet3d};
-
-type Bits = BTreeMap<String, Vec<u32>>;
 
 fn tiny() -> Config {
     unet3d::Preset::Tiny.config()
 }
 
-fn train(config: &Config, policy: &str) -> (Vec<(u32, Bits)>, Bits) {
-    train_guarded(config, policy, true)
-}
-
-/// Two AdamW steps; `guard: false` hides the recompute flag from the stages (BatchNorm then
-/// updates its statistics on recompute too).
-fn train_guarded(config: &Config, policy: &str, guard: bool) -> (Vec<(u32, Bits)>, Bits) {
-    let side = 8;
-    let model = UNet3d::new(config.clone(), &Device::Cpu, 3).unwrap();
-    let mut exec =
-        Executor::new(model.graph(), &policy.parse::<Policy>().unwrap(), model.params().vars(), 1)
-            .unwrap();
-    if !guard {
-        exec = exec.without_recompute_flag();
-    }
-    let mut opt =
-        AdamW::new(model.params().vars(), ParamsAdamW { lr: 1e-3, ..Default::default() }).unwrap();
-    let data = SyntheticVolumes::new(side, 4);
-    let steps = (0..2u64)
-        .map(|step| {
-            let (x, y) = data.batch(step, 2);
-            let out = exec.step(&model.inputs(&x, &y, side, &Device::Cpu).unwrap(), step).unwrap();
-            opt.step(&out.grads).unwrap();
-            (
-                out.loss
-                    .to_dtype(candle_core::DType::F32)
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap()
-                    .to_bits(),
-                model.params().grad_bits(&out.grads).unwrap(),
-            )
-        })
-        .collect();
-    (steps, model.params().buffer_bits().unwrap())
+/// A tiny U-Net of `config`, trained with AdamW on batches of 2 volumes of 8^3.
+fn check(config: &Config, run: impl FnOnce(&Training<UNet3d>)) {
+    let data = SyntheticVolumes::new(8, 4);
+    let build = || UNet3d::new(config.clone(), &Device::Cpu, 3).unwrap();
+    let inputs = |model: &UNet3d, step: u64| {
+        let (x, y) = data.batch(step, 2);
+        model.inputs(&x, &y, 8, &Device::Cpu).unwrap()
+    };
+    let optimizer = trainable::OptimizerKind::Adamw;
+    run(&Training { build: &build, inputs: &inputs, optimizer, lr: 1e-3, seed: 1 })
 }
 
 #[test]
 fn gradients_and_batchnorm_statistics_equal_off_bit_for_bit() {
     // Mixed precision too, so bf16 and f16 are checked on a model with BatchNorm, not only GPT-2.
-    let half = [model::Precision::Bf16, model::Precision::F16, model::Precision::Bf16Weights]
-        .map(|dtype| Config { dtype, ..tiny() });
+    let half =
+        [trainable::Precision::Bf16, trainable::Precision::F16, trainable::Precision::Bf16Weights]
+            .map(|dtype| Config { dtype, ..tiny() });
+    let policies = [
+        "sqrt",
+        "every-two-blocks",
+        "before-downsample",
+        "every-n=1",
+        "before-downsample+keep=conv",
+    ];
     for config in
         [tiny(), Config { loss: Loss::CrossEntropyDice, ..tiny() }].into_iter().chain(half)
     {
-        let (off, off_stats) = train(&config, "off");
-        assert!(!off_stats.is_empty());
-        for policy in [
-            "sqrt",
-            "every-two-blocks",
-            "before-downsample",
-            "every-n=1",
-            "before-downsample+keep=conv",
-        ] {
-            let (run, stats) = train(&config, policy);
-            for (step, (a, b)) in off.iter().zip(&run).enumerate() {
-                assert_eq!(a.0, b.0, "{policy}: loss differs at step {step}");
-                assert_eq!(a.1.len(), b.1.len(), "{policy}");
-                for (name, g) in &a.1 {
-                    assert!(
-                        g == &b.1[name],
-                        "{policy} ({:?}): gradient of {name} differs at step {step}",
-                        config.dtype
-                    );
-                }
-            }
-            assert!(off_stats == stats, "{policy}: BatchNorm running statistics differ from off");
-        }
+        check(&config, |t| {
+            assert!(!t.trace("off", Control::None).buffers.is_empty());
+            t.assert_policies_equal_off(&policies, &format!("{:?}", config.dtype));
+        });
     }
 }
 
@@ -91,29 +51,15 @@ fn gradients_and_batchnorm_statistics_equal_off_bit_for_bit() {
 /// every policy that recomputes a BatchNorm stage, and the check above sees it.
 #[test]
 fn without_the_recompute_flag_the_statistics_differ() {
-    let off_stats = train(&tiny(), "off").1;
     for policy in ["sqrt", "before-downsample"] {
-        assert!(
-            train_guarded(&tiny(), policy, false).1 != off_stats,
-            "{policy}: the check cannot fail"
-        );
+        check(&tiny(), |t| t.assert_control_breaks(policy, Control::NoRecomputeFlag));
     }
 }
 
 #[test]
 fn every_parameter_receives_a_nonzero_gradient() {
-    let n = UNet3d::new(tiny(), &Device::Cpu, 3).unwrap().params().vars().len();
-    for policy in ["off", "sqrt", "before-downsample"] {
-        for (_, grads) in train(&tiny(), policy).0 {
-            assert_eq!(grads.len(), n, "{policy}: some parameters got no gradient");
-            for (name, g) in grads {
-                assert!(
-                    g.iter().any(|&b| f32::from_bits(b) != 0.0),
-                    "{policy}: gradient of {name} is all zero"
-                );
-            }
-        }
-    }
+    let policies = ["off", "sqrt", "before-downsample"];
+    check(&tiny(), |t| t.assert_every_parameter_learns(&policies, "f32"));
 }
 
 #[test]

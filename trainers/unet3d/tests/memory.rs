@@ -4,10 +4,10 @@
 
 use candle_core::Device;
 use datasets::volumes::SyntheticVolumes;
-use model::Model;
 use remat::memory::CountingAlloc;
 use remat::Executor;
 use testkit::{assert_near_figure, Peaks};
+use trainable::Model;
 use unet3d::UNet3d;
 
 #[global_allocator]

@@ -7,8 +7,8 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use model::Model;
 use testkit::reference::{check_close, check_training_step, on_both_routes, Fixture, LOGITS_TOL};
+use trainable::Model;
 use unet3d::{Config, Loss, Norm, UNet3d};
 
 #[derive(serde::Deserialize)]

@@ -1,29 +1,31 @@
 //! Scaled dot-product attention with causal mask, key padding and dropout: keeps only q, k, v
 //! (scores and probabilities are rebuilt in backward).
 
-use super::dropout::DropoutOp;
-use super::generic::{generic, GenericOp, Replay};
-use super::softmax::SoftmaxOp;
-use super::{
-    apply3, exactly, is_half, kept_or, lean, slice, softmax_last_dim, widened, widened_as, Elem,
-    FusedOp, Operand,
-};
+use crate::fused::dropout::DropoutOp;
+use crate::fused::dtype::{is_half, widened, widened_as};
+use crate::fused::elem::Elem;
+use crate::fused::generic::GenericOp;
+use crate::fused::op::{exactly, FusedOp, Operand};
+use crate::fused::replay::{apply3, kept_or, Replay};
+use crate::fused::route::{generic, lean};
+use crate::fused::softmax::{detached, softmax_last_dim, Mask, SoftmaxOp};
+use crate::fused::storage::slice;
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor};
 use remat::keep::OpKind;
 use remat::rng::RngKey;
 
 /// Scaled dot-product attention of q, k, v (B, heads, T, d): `dropout(softmax(scale q k^T)) v`,
-/// with the causal mask if `causal` and dropout by `dropout = (key, p)`. One op: the scores and
-/// probabilities are rebuilt in backward (and the dropout mask drawn again from its key), so it
-/// keeps nothing but q, k and v, where the composed attention keeps three maps of (B, heads, T, T).
-/// `padding` (B, S), nonzero where a key may be attended to (Hugging Face's `attention_mask`),
-/// masks the padded keys for every query; a query with no key left gets zeros.
+/// with the causal mask if `mask` is [`Mask::Causal`] and dropout by `dropout = (key, p)`. One
+/// op: the scores and probabilities are rebuilt in backward (and the dropout mask drawn again from
+/// its key), so it keeps nothing but q, k and v, where the composed attention keeps three maps of
+/// (B, heads, T, T). `padding` (B, S), nonzero where a key may be attended to (Hugging Face's
+/// `attention_mask`), masks the padded keys for every query; a query with no key left gets zeros.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
-    causal: bool,
+    mask: Mask,
     padding: Option<&Tensor>,
     dropout: Option<(RngKey, f32)>,
 ) -> Result<Tensor> {
@@ -49,16 +51,16 @@ pub fn attention(
             }
             None => scores,
         };
-        let p = softmax_last_dim(&scores, scale, causal)?;
+        let p = softmax_last_dim(&scores, scale, mask)?;
         let p = match dropout {
-            Some((key, rate)) => super::dropout(&p, key, rate)?,
+            Some((key, rate)) => crate::fused::dropout::dropout(&p, key, rate)?,
             None => p,
         };
         return p.matmul(v);
     }
     remat::keep::op(OpKind::Attention, |kept| {
         if generic(q) {
-            return attention_generic(q, k, v, (scale, causal, padding, dropout), kept);
+            return attention_generic(q, k, v, (scale, mask, padding, dropout), kept);
         }
         let padding = match padding {
             Some(m) => Some((
@@ -75,21 +77,21 @@ pub fn attention(
             None => None,
         };
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.to_dtype(q.dtype())?.contiguous()?);
-        apply3(&q, &k, &v, AttentionOp { scale, causal, padding, dropout }, kept)
+        apply3(&q, &k, &v, AttentionOp { scale, mask, padding, dropout }, kept)
     })
 }
 
 /// What [`attention`] does besides its operands: scale, causal mask, key padding, dropout.
-type Attending<'a> = (f64, bool, Option<&'a Tensor>, Option<(RngKey, f32)>);
+type Attending<'a> = (f64, Mask, Option<&'a Tensor>, Option<(RngKey, f32)>);
 
-/// The probabilities `softmax(scale q k^T)` of detached q and k (padded keys and, with `causal`,
-/// future keys at 0) and the dropout mask (scaled by 1 / (1 - rate)) applied to them, from
-/// candle's ops.
+/// The probabilities `softmax(scale q k^T)` of detached q and k (padded keys and, with
+/// [`Mask::Causal`], future keys at 0) and the dropout mask (scaled by 1 / (1 - rate)) applied to
+/// them, from candle's ops.
 fn probabilities(
     q: &Tensor,
     k: &Tensor,
     scale: f64,
-    causal: bool,
+    mask: Mask,
     padding: Option<&Tensor>,
     dropout: Option<(RngKey, f32)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
@@ -102,7 +104,7 @@ fn probabilities(
             .broadcast_as(scores.shape())?;
         scores = keep.where_cond(&scores, &neg_inf)?;
     }
-    let p = super::softmax::detached(&scores, scale, causal)?;
+    let p = detached(&scores, scale, mask)?;
     drop(scores);
     let mask = match dropout {
         Some((key, rate)) => Some(key.dropout_mask_like(&p, rate)?),
@@ -118,7 +120,7 @@ fn attention_generic(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    (scale, causal, padding, dropout): Attending,
+    (scale, mask, padding, dropout): Attending,
     kept: Option<Tensor>,
 ) -> Result<Tensor> {
     let padding = padding.map(|m| m.detach());
@@ -128,7 +130,7 @@ fn attention_generic(
             &widened(&q.detach())?,
             &widened(&k.detach())?,
             scale,
-            causal,
+            mask,
             padding.as_ref(),
             dropout,
         )?;
@@ -147,7 +149,7 @@ fn attention_generic(
         let (q, k, v) = (widened(&inputs[0])?, widened(&inputs[1])?, widened(&inputs[2])?);
         let g = widened(g)?;
         // Each (B, heads, T, T) temporary goes once used: at most three are alive at once.
-        let (p, mask) = probabilities(&q, &k, scale, causal, padding.as_ref(), dropout)?;
+        let (p, mask) = probabilities(&q, &k, scale, mask, padding.as_ref(), dropout)?;
         let dv = match &mask {
             Some(m) => (&p * m)?.t()?.matmul(&g)?,
             None => p.t()?.matmul(&g)?,
@@ -178,7 +180,7 @@ fn attention_generic(
 
 struct AttentionOp {
     scale: f64,
-    causal: bool,
+    mask: Mask,
     /// Which keys each batch element may attend to, and the rows per batch element.
     padding: Option<(std::sync::Arc<Vec<bool>>, usize)>,
     dropout: Option<(RngKey, f32)>,
@@ -188,7 +190,7 @@ impl AttentionOp {
     fn softmax(&self, t: usize) -> SoftmaxOp {
         SoftmaxOp {
             scale: self.scale,
-            causal: self.causal,
+            mask: self.mask,
             rows_per_block: t,
             padding: self.padding.clone(),
         }

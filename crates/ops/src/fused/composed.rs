@@ -1,24 +1,11 @@
 //! The convolutions composed from candle ops that all have a backward, so they run on any
-//! device: the fallback where no fused route applies, and the backward of the generic route.
+//! device: the fallback where no fused route applies, and the backward of the generic route. Not
+//! here: the CPU kernels (`conv3d`, `conv_transpose3d`), the geometry they share
+//! ([`Conv3dGeometry`], beside the kernels' own shapes).
 
+use crate::fused::conv3d::Conv3dGeometry;
+use crate::fused::op::Want;
 use candle_core::{Result, Tensor};
-
-/// Geometry of a 3D convolution: stride and padding in depth, and in-plane (height and width share
-/// them, as candle's `conv2d` takes one stride and one padding).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Conv3dGeometry {
-    pub stride_d: usize,
-    pub stride_hw: usize,
-    pub pad_d: usize,
-    pub pad_hw: usize,
-}
-
-impl Conv3dGeometry {
-    /// Stride 1, "same" padding for an odd cubic kernel `k`.
-    pub fn same(k: usize) -> Self {
-        Conv3dGeometry { stride_d: 1, stride_hw: 1, pad_d: k / 2, pad_hw: k / 2 }
-    }
-}
 
 /// The composed 3D convolution: every op has a candle backward, so it runs on any device.
 pub(crate) fn conv3d_composed(x: &Tensor, w: &Tensor, g: Conv3dGeometry) -> Result<Tensor> {
@@ -152,9 +139,9 @@ pub(crate) fn conv3d_composed_backward(
     w: &Tensor,
     grad: &Tensor,
     g: Conv3dGeometry,
-    want: (bool, bool),
+    want: Want,
 ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-    let (want_dx, want_dw) = want;
+    let Want { dx: want_dx, dw: want_dw } = want;
     let (n, c, d, h, wd) = x.dims5()?;
     let (o, _, kd, kh, kw) = w.dims5()?;
     let (_, _, d_out, ho, wo) = grad.dims5()?;
@@ -213,6 +200,8 @@ pub(crate) fn conv3d_composed_backward(
     Ok((dx, dw))
 }
 
+/// The composed up-convolution: transposed 3D convolution with kernel = stride = 2 plus a bias,
+/// one matrix product and a reshape (each input voxel writes its own 2x2x2 output block).
 pub(crate) fn conv_transpose3d_k2s2_composed(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (n, c, d, h, wd) = x.dims5()?;
     let (c_w, o, k1, k2, k3) = w.dims5()?;

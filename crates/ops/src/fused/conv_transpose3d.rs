@@ -1,19 +1,24 @@
 //! The U-Net up-convolution (transposed 3D convolution, kernel = stride = 2) with its bias, one
-//! matrix product per sample: keeps only its input.
+//! matrix product per sample: keeps only its input. Not here: its gradients by the direct
+//! convolution kernels (`conv3d::k2s2_gradients`), its composed form (`composed`).
 
-use super::conv3d::Gradients;
-use super::generic::{GenericOp, Replay};
-use super::{
-    apply3, exactly, kept_or, mat, matmul, matmul_new, operand, shaped, slice, widened, widened_as,
-    with_slice, Elem, FusedOp, Operand,
-};
+use crate::fused::composed::conv_transpose3d_k2s2_composed;
+use crate::fused::conv3d::{k2s2_gradients_directly, Gradients};
+use crate::fused::dtype::{operand, widened, widened_as};
+use crate::fused::elem::Elem;
+use crate::fused::generic::GenericOp;
+use crate::fused::matmul::{mat, matmul, matmul_new, Dest};
+use crate::fused::op::{exactly, FusedOp, Operand, Want};
+use crate::fused::parallel::sum_lanes;
+use crate::fused::replay::{apply3, kept_or, Replay};
+use crate::fused::storage::{shaped, slice, with_slice};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 /// `conv_transpose3d(x, w, stride 2) + b` for x (N, C, D, H, W), w (C, O, 2, 2, 2), b (O): every
 /// input voxel writes its own 2x2x2 output block, so it is one matrix product per sample and a
 /// scatter. One op: it keeps only x (the composed version keeps the product, its permuted copy
-/// and the sum before the bias). CPU f32/f64 only: check [`fused`](super::fused) first.
+/// and the sum before the bias). CPU f32/f64 only: check [`fused`](crate::fused::fused) first.
 /// `kept`: its output, kept from the forward (`remat::keep`).
 pub(crate) fn conv_transpose3d_k2s2(
     x: &Tensor,
@@ -34,9 +39,9 @@ pub(crate) fn conv_transpose3d_k2s2(
     apply3(&x.contiguous()?, &operand(w, x)?, &operand(b, x)?, op, kept)
 }
 
-/// The generic route ([`super::generic`]): the composed form (one matrix product, a reshape, the
-/// bias) on detached operands, and its backward composed: the output gradient gathered back into
-/// (voxels, O 8) columns gives the input's gradient by one product with the weight and the
+/// The generic route ([`crate::fused::generic`]): the composed form (one matrix product, a reshape,
+/// the bias) on detached operands, and its backward composed: the output gradient gathered back
+/// into (voxels, O 8) columns gives the input's gradient by one product with the weight and the
 /// weight's by one product with the input. Keeps what the kernel keeps: x (w and b).
 pub(crate) fn conv_transpose3d_k2s2_generic(
     x: &Tensor,
@@ -47,7 +52,7 @@ pub(crate) fn conv_transpose3d_k2s2_generic(
     let y = kept_or(kept, || {
         let (xd, wd, bd) =
             (widened(&x.detach())?, widened_as(&w.detach(), x)?, widened_as(&b.detach(), x)?);
-        super::conv_transpose3d_k2s2_composed(&xd, &wd, &bd)?.to_dtype(x.dtype())
+        conv_transpose3d_k2s2_composed(&xd, &wd, &bd)?.to_dtype(x.dtype())
     })?;
     let backward = move |inputs: &[Tensor],
                          _y: &Tensor,
@@ -114,7 +119,7 @@ impl ConvTranspose3dOp {
         let (v, ok) = (self.volume(), self.o * 8);
         let mut y = vec![T::zero(); self.n * ok * v];
         for (x, y) in x.chunks(self.c * v).zip(y.chunks_mut(ok * v)) {
-            let prod = matmul_new(mat(w, true), mat(x, false), (ok, self.c, v)); // (O 8, DHW)
+            let prod = matmul_new(mat(w).transposed(), mat(x), (ok, self.c, v)); // (O 8, DHW)
             y.par_chunks_mut(8 * v).enumerate().for_each(|(oc, y)| {
                 self.for_channel(oc, |r, col, out| y[out - oc * 8 * v] = prod[r * v + col] + b[oc])
             });
@@ -130,22 +135,22 @@ impl ConvTranspose3dOp {
         x: &[T],
         w: &[T],
         gy: &[T],
-        want: (bool, bool),
+        want: Want,
     ) -> Result<(Gradients<T>, Vec<T>)> {
         let per_channel = 8 * self.volume();
         let db = (0..self.o)
             .into_par_iter()
             .map(|oc| {
                 let sample = |n: usize| &gy[(n * self.o + oc) * per_channel..][..per_channel];
-                (0..self.n).map(|n| super::sum_lanes(sample(n))).fold(T::zero(), |a, b| a + b)
+                (0..self.n).map(|n| sum_lanes(sample(n))).fold(T::zero(), |a, b| a + b)
             })
             .collect();
         let dims = (self.n, self.c, self.o, self.input);
-        if let Some(gradients) = super::conv3d::k2s2_gradients_directly(x, w, gy, dims, want) {
+        if let Some(gradients) = k2s2_gradients_directly(x, w, gy, dims, want) {
             return Ok((gradients, db));
         }
         let (dx, dw) = self.backward_by_products(x, w, gy)?;
-        Ok(((want.0.then_some(dx), want.1.then_some(dw)), db))
+        Ok(((want.dx.then_some(dx), want.dw.then_some(dw)), db))
     }
 
     /// dx and dW per sample by matrix products, with G (O 8, DHW) the output gradient gathered
@@ -163,9 +168,9 @@ impl ConvTranspose3dOp {
             g.par_chunks_mut(8 * v).enumerate().for_each(|(oc, g)| {
                 self.for_channel(oc, |r, col, out| g[(r - oc * 8) * v + col] = gy[out])
             });
-            matmul(&mut dw, mat(x, false), mat(&g, true), (self.c, v, ok), true); // += (C, O 8)
-            dx.extend(matmul_new(mat(w, false), mat(&g, false), (self.c, ok, v)));
-            // (C, DHW)
+            // dW += (C, O 8), dx gets (C, DHW)
+            matmul(&mut dw, mat(x), mat(&g).transposed(), (self.c, v, ok), Dest::Accumulate);
+            dx.extend(matmul_new(mat(w), mat(&g), (self.c, ok, v)));
         }
         Ok((dx, dw))
     }
@@ -186,7 +191,7 @@ impl FusedOp for ConvTranspose3dOp {
     fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let [x, w, b] = exactly(inputs)?;
         let g = g.contiguous()?;
-        let want = (x.track_op(), w.track_op());
+        let want = Want { dx: x.track_op(), dw: w.track_op() };
         per_dtype!(x.dtype(), T => {
             let ((dx, dw), db) = with_slice::<T, _>(x, |xs| {
                 with_slice(w, |ws| with_slice(&g, |gs| self.backward(xs, ws, gs, want)))

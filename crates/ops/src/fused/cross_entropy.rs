@@ -1,17 +1,19 @@
 //! Cross-entropy: the mean (optionally weighted) negative log-likelihood of logits; keeps nothing
 //! but its inputs.
 
-use super::generic::{generic, GenericOp};
-use super::{
-    elem, exactly, fused, nan_max, shaped, slice, widened, with_slice, Elem, FusedOp, Operand,
-};
+use crate::fused::dtype::widened;
+use crate::fused::elem::{elem, nan_max, Elem};
+use crate::fused::generic::GenericOp;
+use crate::fused::op::{exactly, FusedOp, Operand};
+use crate::fused::route::{fused, generic};
+use crate::fused::storage::{shaped, slice, with_slice};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
 /// Cross-entropy of logits (N, V) against class ids (N) u32: the mean over rows of
 /// `logsumexp(row) - row[target]`, or with `weights` (N) the weighted mean
 /// `sum(w_i ce_i) / sum(w_i)` (BERT scores only its masked positions). Weights that are all zero
-/// are an error ([`NO_WEIGHT`]).
+/// are an error (`NO_WEIGHT`).
 pub fn cross_entropy(
     logits: &Tensor,
     targets: &Tensor,

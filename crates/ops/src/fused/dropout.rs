@@ -1,16 +1,20 @@
 //! Inverted dropout: keeps nothing, its backward draws the mask again from its key instead of
 //! holding it; its bits equal `x * mask` composed.
 
-use super::generic::{generic, GenericOp};
-use super::{
-    elem, exactly, fused, shaped, slice, widened, with_slice, Elem, FusedOp, Operand, ELEMENT_CHUNK,
-};
+use crate::fused::dtype::widened;
+use crate::fused::elem::{elem, Elem};
+use crate::fused::generic::GenericOp;
+use crate::fused::op::{exactly, FusedOp, Operand};
+use crate::fused::parallel::ELEMENT_CHUNK;
+use crate::fused::route::{fused, generic};
+use crate::fused::storage::{shaped, slice, with_slice};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
-use remat::rng::RngKey;
+use remat::rng::{DropoutRule, RngKey};
 
 /// Inverted dropout: `x * mask` with `mask = 1 / (1 - p)` where `key`'s uniform draw is below
-/// `1 - p`, else 0 (`RngKey::dropout_mask`). Backward draws the mask again from the key.
+/// `1 - p`, else 0 (remat's `DropoutRule`, the mask of `RngKey::dropout_mask`). Backward draws the
+/// mask again from the key.
 pub fn dropout(x: &Tensor, key: RngKey, p: f32) -> Result<Tensor> {
     let mask = move |like: &Tensor| key.dropout_mask_like(like, p);
     if generic(x) {
@@ -45,13 +49,13 @@ impl DropoutOp {
     }
 
     pub(super) fn mask_in_place<T: Elem>(&self, x: &mut [T]) {
-        let keep = 1.0 - self.p;
-        let scale = elem::<T>((1.0 / keep) as f64);
+        let rule = DropoutRule::new(self.p);
+        let scale = elem::<T>(rule.scale() as f64);
         x.par_chunks_mut(ELEMENT_CHUNK).enumerate().for_each(|(c, x)| {
             let mut u = vec![0f32; x.len()];
             self.key.uniform_into(c * ELEMENT_CHUNK, &mut u);
             for (x, &u) in x.iter_mut().zip(&u) {
-                *x *= if u < keep { scale } else { T::zero() };
+                *x *= rule.mask(u, scale, T::zero());
             }
         });
     }

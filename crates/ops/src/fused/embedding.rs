@@ -1,8 +1,11 @@
 //! Embedding: a row lookup that keeps only its ids; its backward builds the table's gradient in
 //! one allocation.
 
-use super::generic::{generic, GenericOp};
-use super::{exactly, fused, shaped, slice, with_slice, Elem, FusedOp, Operand};
+use crate::fused::elem::Elem;
+use crate::fused::generic::GenericOp;
+use crate::fused::op::{exactly, FusedOp, Operand};
+use crate::fused::route::{fused, generic};
+use crate::fused::storage::{shaped, slice, with_slice};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor};
 use rayon::prelude::*;
 

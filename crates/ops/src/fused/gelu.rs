@@ -1,22 +1,37 @@
-//! GELU, tanh or erf: keeps its input, as candle's does, with a one-pass, multi-threaded
-//! backward.
+//! GELU, tanh or erf ([`GeluForm`]): keeps its input, as candle's does, with a one-pass,
+//! multi-threaded backward. Not here: the layers it follows (the models' crates).
 
-use super::generic::{generic, GenericOp};
-use super::{
-    elem, exactly, fused, shaped, slice, wide, widened, with_slice, Elem, FusedOp, Operand,
-    ELEMENT_CHUNK,
-};
+use crate::fused::dtype::widened;
+use crate::fused::elem::{elem, wide, Elem};
+use crate::fused::generic::GenericOp;
+use crate::fused::op::{exactly, FusedOp, Operand};
+use crate::fused::parallel::ELEMENT_CHUNK;
+use crate::fused::route::{fused, generic};
+use crate::fused::storage::{shaped, slice, with_slice};
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-/// GELU, with the tanh approximation (GPT-2's `gelu_new`) or exact with erf (BERT's `gelu`),
-/// computed in f64 per element, in parallel. Keeps its input, as candle's does, but its backward
-/// is one pass where candle's composes about ten tensors of the input's size.
-pub fn gelu(x: &Tensor, exact: bool) -> Result<Tensor> {
+/// Which GELU: `x cdf(x)` exact, or its tanh approximation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GeluForm {
+    /// The tanh approximation, GPT-2's `gelu_new` (candle's `gelu`).
+    Tanh,
+    /// Exact, with erf: BERT's `gelu` (candle's `gelu_erf`).
+    Erf,
+}
+
+/// GELU in the form `form`, computed in f64 per element, in parallel. Keeps its input, as
+/// candle's does, but its backward is one pass where candle's composes about ten tensors of the
+/// input's size.
+pub fn gelu(x: &Tensor, form: GeluForm) -> Result<Tensor> {
     if generic(x) {
         // In f32 for half precision, stored in x's dtype, as the kernel.
         let x32 = widened(&x.detach())?;
-        let y = if exact { x32.gelu_erf()? } else { x32.gelu()? }.to_dtype(x.dtype())?;
+        let y = match form {
+            GeluForm::Erf => x32.gelu_erf()?,
+            GeluForm::Tanh => x32.gelu()?,
+        }
+        .to_dtype(x.dtype())?;
         drop(x32);
         let backward = move |inputs: &[Tensor],
                              _: &Tensor,
@@ -26,7 +41,7 @@ pub fn gelu(x: &Tensor, exact: bool) -> Result<Tensor> {
             let x = widened(&inputs[0])?;
             // Operators on owned tensors drop their operands as they go; a chain of methods would
             // keep every intermediate to the end of its statement.
-            let derivative = if exact {
+            let derivative = if form == GeluForm::Erf {
                 // cdf(x) + x pdf(x)
                 let cdf = (&x / std::f64::consts::SQRT_2)?.erf()?.affine(0.5, 0.5)?;
                 let pdf =
@@ -48,13 +63,16 @@ pub fn gelu(x: &Tensor, exact: bool) -> Result<Tensor> {
         return x.contiguous()?.apply_op1(GenericOp::new("generic-gelu", y, Box::new(backward)));
     }
     if !fused(x) {
-        return if exact { x.gelu_erf() } else { x.gelu() };
+        return match form {
+            GeluForm::Erf => x.gelu_erf(),
+            GeluForm::Tanh => x.gelu(),
+        };
     }
-    x.contiguous()?.apply_op1(GeluOp { exact })
+    x.contiguous()?.apply_op1(GeluOp { form })
 }
 
 struct GeluOp {
-    exact: bool,
+    form: GeluForm,
 }
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -62,7 +80,7 @@ const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 impl GeluOp {
     /// (gelu(x), gelu'(x)).
     fn eval(&self, x: f64) -> (f64, f64) {
-        if self.exact {
+        if self.form == GeluForm::Erf {
             let cdf = 0.5 * (1.0 + candle_core::cpu::erf::erf_f64(x / std::f64::consts::SQRT_2));
             let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
             (x * cdf, cdf + x * pdf)

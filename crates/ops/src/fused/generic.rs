@@ -2,45 +2,13 @@
 //! own tensor ops on detached operands, recorded as one custom op over the operands, so nothing of
 //! the composition enters candle's graph and the op keeps for backward what its CPU kernel keeps
 //! (its operands and its output). The price is one copy of the output: candle makes a custom op's
-//! output from the storage its forward returns. CUDA tensors take this route; [`set_path`] forces
-//! it on the CPU, so that what it keeps can be measured without a GPU.
+//! output from the storage its forward returns. CUDA tensors take this route; `set_path` forces
+//! it on the CPU, so that what it keeps can be measured without a GPU. Not here: which route an
+//! op takes (`route`), the CPU kernels (each op's own module).
 
-use super::FusedOp;
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, Layout, Result, Shape, Storage, Tensor};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-
-/// Which implementation the fused ops take on the CPU.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Path {
-    /// The CPU kernels.
-    Kernel,
-    /// The device-generic route, as on other devices.
-    Generic,
-}
-
-static GENERIC: AtomicBool = AtomicBool::new(false);
-
-/// Sets the path every fused op of this process takes on the CPU (tests and measurements).
-pub fn set_path(path: Path) {
-    GENERIC.store(path == Path::Generic, Ordering::Relaxed);
-}
-
-pub fn path() -> Path {
-    if GENERIC.load(Ordering::Relaxed) {
-        Path::Generic
-    } else {
-        Path::Kernel
-    }
-}
-
-/// Whether an op with a generic form takes it for `t`: a float tensor on a CUDA device, or on the
-/// CPU with the path forced.
-pub(crate) fn generic(t: &Tensor) -> bool {
-    t.dtype().is_float()
-        && (t.device().is_cuda() || (t.device().is_cpu() && path() == Path::Generic))
-}
 
 /// The gradients of an op's operands from its detached operands, output and output gradient,
 /// and which operands want one (some variable leads to them: not a frozen weight, not an image).
@@ -48,7 +16,7 @@ type Backward =
     dyn Fn(&[Tensor], &Tensor, &Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync;
 
 /// A composed forward's result recorded as one op over its operands, with its composed backward.
-pub(super) struct GenericOp {
+pub(crate) struct GenericOp {
     name: &'static str,
     /// Taken by the forward: the op does not hold a second copy of its output.
     out: Mutex<Option<Tensor>>,
@@ -56,7 +24,7 @@ pub(super) struct GenericOp {
 }
 
 impl GenericOp {
-    pub(super) fn new(name: &'static str, out: Tensor, backward: Box<Backward>) -> Self {
+    pub(crate) fn new(name: &'static str, out: Tensor, backward: Box<Backward>) -> Self {
         GenericOp { name, out: Mutex::new(Some(out)), backward }
     }
 
@@ -83,7 +51,7 @@ impl GenericOp {
 /// The output an op was given (`slot`, taken: the op holds no second copy) as a fresh storage of
 /// the device `pick` selects: candle makes a custom op's output from the storage its forward
 /// returns, so the output is copied once.
-fn copied<S>(
+pub(crate) fn copied<S>(
     name: &str,
     slot: &Mutex<Option<Tensor>>,
     pick: impl Fn(&Storage) -> Option<&S>,
@@ -105,31 +73,8 @@ where
     Ok((copy, out.shape().clone()))
 }
 
-/// A fused op whose output is given: the output its forward kept under selective recompute
-/// (`remat::keep`), replayed in the recompute. Its forward copies that output; its backward is
-/// the op's, so the gradients are the op's own.
-pub(super) struct Replay<O> {
-    op: O,
-    out: Mutex<Option<Tensor>>,
-}
-
-impl<O: FusedOp> Replay<O> {
-    pub(super) fn new(op: O, out: Tensor) -> Self {
-        Replay { op, out: Mutex::new(Some(out)) }
-    }
-}
-
-impl<O: FusedOp> FusedOp for Replay<O> {
-    fn cpu_fwd(&self, _: &[super::Operand]) -> Result<(CpuStorage, Shape)> {
-        copied("replayed op", &self.out, cpu)
-    }
-
-    fn bwd(&self, inputs: &[&Tensor], out: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
-        self.op.bwd(inputs, out, grad)
-    }
-}
-
-fn cpu(s: &Storage) -> Option<&CpuStorage> {
+/// The storage `s` as a CPU one, if it is: the pick of an output given on the CPU.
+pub(crate) fn cpu(s: &Storage) -> Option<&CpuStorage> {
     match s {
         Storage::Cpu(s) => Some(s),
         _ => None,

@@ -1,10 +1,12 @@
 //! LayerNorm: keeps nothing but its input (the statistics are recomputed in backward).
 
-use super::generic::{generic, GenericOp};
-use super::{
-    elem, exactly, fused, operand, shaped, slice, sum_rows, widened, widened_as, with_slice, Elem,
-    FusedOp, Operand,
-};
+use crate::fused::dtype::{operand, widened, widened_as};
+use crate::fused::elem::{elem, Elem};
+use crate::fused::generic::GenericOp;
+use crate::fused::op::{exactly, FusedOp, Operand};
+use crate::fused::parallel::sum_rows;
+use crate::fused::route::{fused, generic};
+use crate::fused::storage::{shaped, slice, with_slice};
 use candle_core::{CpuStorage, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 

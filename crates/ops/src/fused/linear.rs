@@ -1,27 +1,33 @@
 //! Linear: `x @ w + b` as one op, so the product before the bias is not kept; keeps its inputs.
+//! And a frozen linear layer with its LoRA adapter beside it as one op ([`lora_linear`]). Not
+//! here: the layer that holds the parameters (the crate's `Linear`).
 
-use super::generic::{generic, GenericOp, Replay};
-use super::{
-    apply2, apply3, is_half, kept_or, lean, mat, matmul, matmul_new, operand, shaped, slice,
-    widened, widened_as, with_slice, Elem, FusedOp, Operand,
-};
+use crate::fused::dtype::{is_half, operand, widened, widened_as};
+use crate::fused::elem::Elem;
+use crate::fused::generic::GenericOp;
+use crate::fused::matmul::{mat, matmul, matmul_new, Dest, Mat};
+use crate::fused::op::{FusedOp, Operand};
+use crate::fused::replay::{apply2, apply3, kept_or, Replay};
+use crate::fused::route::{generic, lean};
+use crate::fused::storage::{shaped, slice, with_slice};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
+use params::WeightLayout;
 use remat::keep::OpKind;
 
-/// `x @ w + b` over the last dimension of x (.., in): `w` is (in, out), or (out, in) with
-/// `w_is_out_in` (Hugging Face's `Linear`; GPT-2's `Conv1D` stores (in, out)). One op: the
-/// product before the bias is no graph node, so it is not kept for backward as `matmul` followed
-/// by `broadcast_add` keeps it.
-pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, w_is_out_in: bool) -> Result<Tensor> {
+/// `x @ w + b` over the last dimension of x (.., in): `w` is stored as `layout` says, (in, out)
+/// ([`WeightLayout::InOut`], GPT-2's `Conv1D`) or (out, in) ([`WeightLayout::OutIn`], Hugging
+/// Face's `Linear`). One op: the product before the bias is no graph node, so it is not kept for
+/// backward as `matmul` followed by `broadcast_add` keeps it.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, layout: WeightLayout) -> Result<Tensor> {
     if !lean(x) {
-        return composed(x, &if w_is_out_in { w.t()? } else { w.clone() }, b);
+        return composed(x, &in_out(w, layout)?, b);
     }
     remat::keep::op(OpKind::Matmul, |kept| {
         if generic(x) {
-            return linear_generic(x, w, b, w_is_out_in, kept);
+            return linear_generic(x, w, b, layout, kept);
         }
         let (x, w) = (x.contiguous()?, operand(w, x)?);
-        let op = LinearOp { w_is_out_in };
+        let op = LinearOp { layout };
         match b {
             Some(b) => apply3(&x, &w, &operand(b, &x)?, op, kept),
             None => apply2(&x, &w, op, kept),
@@ -34,13 +40,13 @@ fn linear_generic(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
-    w_is_out_in: bool,
+    layout: WeightLayout,
     kept: Option<Tensor>,
 ) -> Result<Tensor> {
     let k = x.dim(D::Minus1)?;
     let y = kept_or(kept, || {
         // In f32 for half precision (an f32 weight may meet a bf16 input), stored in x's dtype.
-        let w_in = if w_is_out_in { w.t()? } else { w.clone() }; // (in, out)
+        let w_in = in_out(w, layout)?;
         let x32 = widened(&x.detach())?;
         let like_x32 = |t: &Tensor| widened_as(&t.detach(), x);
         composed(&x32, &like_x32(&w_in)?, b.map(like_x32).transpose()?.as_ref())?
@@ -58,12 +64,16 @@ fn linear_generic(
         let g32 = widened(g)?;
         let g2 = g32.reshape((rows, g32.elem_count() / rows))?;
         let dx = || -> Result<Tensor> {
-            let w_in = widened_as(&if w_is_out_in { w.t()? } else { w.clone() }, g)?;
+            let w_in = widened_as(&in_out(w, layout)?, g)?;
             g2.matmul(&w_in.t()?)?.reshape(x.shape())?.to_dtype(x.dtype())
         };
         let dw = || -> Result<Tensor> {
             let dw_in = widened_as(x, g)?.reshape((rows, k))?.t()?.matmul(&g2)?;
-            if w_is_out_in { dw_in.t()?.contiguous()? } else { dw_in }.to_dtype(w.dtype())
+            match layout {
+                WeightLayout::OutIn => dw_in.t()?.contiguous()?,
+                WeightLayout::InOut => dw_in,
+            }
+            .to_dtype(w.dtype())
         };
         let mut grads = vec![want[0].then(dx).transpose()?, want[1].then(dw).transpose()?];
         if let Some(b) = inputs.get(2) {
@@ -83,6 +93,15 @@ fn linear_generic(
     }
 }
 
+/// The weight `w`, stored as `layout` says, as the (in, out) matrix `x @ w_in` takes: itself, or
+/// its transpose (a view).
+fn in_out(w: &Tensor, layout: WeightLayout) -> Result<Tensor> {
+    match layout {
+        WeightLayout::OutIn => w.t(),
+        WeightLayout::InOut => Ok(w.clone()),
+    }
+}
+
 /// `x @ w_in + b` from candle's ops, over the last dimension of x.
 fn composed(x: &Tensor, w_in: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let k = x.dim(D::Minus1)?;
@@ -98,19 +117,28 @@ fn composed(x: &Tensor, w_in: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 }
 
 struct LinearOp {
-    w_is_out_in: bool,
+    layout: WeightLayout,
 }
 
 impl LinearOp {
+    /// The stored weight `w` as the (in, out) operand `w_in` of `x @ w_in`: an (out, in) weight
+    /// read transposed, in place.
+    fn w_in<'w, T>(&self, w: &'w [T]) -> Mat<'w, T> {
+        match self.layout {
+            WeightLayout::OutIn => mat(w).transposed(),
+            WeightLayout::InOut => mat(w),
+        }
+    }
+
     fn forward<T: Elem>(&self, x: &[T], xl: &Layout, w: &[T], b: Option<&[T]>) -> Vec<T> {
         let k = *xl.dims().last().expect("rank >= 1");
         let (rows, n) = (x.len() / k, w.len() / k);
-        let mut y = match b {
-            Some(b) => b.repeat(rows),
-            None => vec![T::zero(); rows * n],
+        let (mut y, dest) = match b {
+            Some(b) => (b.repeat(rows), Dest::Accumulate),
+            None => (vec![T::zero(); rows * n], Dest::Overwrite),
         };
         // y = b + x @ w_in, the bias added first: as one product accumulated onto it.
-        matmul(&mut y, mat(x, false), mat(w, self.w_is_out_in), (rows, k, n), b.is_some());
+        matmul(&mut y, mat(x), self.w_in(w), (rows, k, n), dest);
         y
     }
 }
@@ -130,7 +158,10 @@ impl FusedOp for LinearOp {
             )
         );
         let mut dims = xl.dims().to_vec();
-        *dims.last_mut().expect("rank >= 1") = wl.dims()[if self.w_is_out_in { 0 } else { 1 }];
+        *dims.last_mut().expect("rank >= 1") = match self.layout {
+            WeightLayout::OutIn => wl.dims()[0],
+            WeightLayout::InOut => wl.dims()[1],
+        };
         Ok((y, Shape::from(dims)))
     }
 
@@ -145,12 +176,15 @@ impl FusedOp for LinearOp {
             let (dx, dw) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| {
                 // w_in^T is the stored w read the other way round.
                 let dx = x.track_op().then(|| {
-                    matmul_new(mat(gs, false), mat(ws, !self.w_is_out_in), (rows, n, k))
+                    matmul_new(mat(gs), self.w_in(ws).transposed(), (rows, n, k))
                 });
-                let dw = w.track_op().then(|| if self.w_is_out_in {
-                    matmul_new(mat(gs, true), mat(xs, false), (n, rows, k))
-                } else {
-                    matmul_new(mat(xs, true), mat(gs, false), (k, rows, n))
+                let dw = w.track_op().then(|| match self.layout {
+                    WeightLayout::OutIn => {
+                        matmul_new(mat(gs).transposed(), mat(xs), (n, rows, k))
+                    }
+                    WeightLayout::InOut => {
+                        matmul_new(mat(xs).transposed(), mat(gs), (k, rows, n))
+                    }
                 });
                 Ok((dx, dw))
             })))?;
@@ -178,13 +212,13 @@ custom_op!(Replay<LinearOp>: 2 "replayed-linear", 3 "replayed-linear-bias");
 pub fn lora_linear(
     x: &Tensor,
     (w, b): (&Tensor, Option<&Tensor>),
-    w_is_out_in: bool,
+    layout: WeightLayout,
     (a, b_lora, scale): (&Tensor, &Tensor, f64),
     dropout: Option<(remat::rng::RngKey, f32)>,
 ) -> Result<Tensor> {
     let k = x.dim(D::Minus1)?;
     let f32 = |t: &Tensor| t.detach().to_dtype(DType::F32);
-    let w_in = f32(&if w_is_out_in { w.t()? } else { w.clone() })?; // (in, out)
+    let w_in = f32(&in_out(w, layout)?)?; // (in, out)
     let bias = b.map(f32).transpose()?;
     let dropped = move |x2: &Tensor| -> Result<Tensor> {
         match dropout {

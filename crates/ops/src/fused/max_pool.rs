@@ -1,8 +1,11 @@
 //! Max pooling over the last two or three dimensions: keeps only its input; backward finds each
 //! window's maximum again.
 
-use super::generic::GenericOp;
-use super::{exactly, shaped, slice, widened, with_slice, Elem, FusedOp, Operand};
+use crate::fused::dtype::widened;
+use crate::fused::elem::Elem;
+use crate::fused::generic::GenericOp;
+use crate::fused::op::{exactly, FusedOp, Operand};
+use crate::fused::storage::{shaped, slice, with_slice};
 use candle_core::{CpuStorage, Result, Shape, Tensor, Var};
 use rayon::prelude::*;
 use std::ops::Range;

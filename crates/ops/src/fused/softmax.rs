@@ -1,20 +1,34 @@
-//! Softmax over the last dimension, with an optional scale and causal mask folded in: keeps only
-//! its output.
+//! Softmax over the last dimension, with an optional scale and causal mask ([`Mask`]) folded in:
+//! keeps only its output. Not here: the key padding mask, which only attention takes
+//! (`attention`).
 
-use super::generic::{generic, GenericOp};
-use super::{
-    elem, exactly, fused, nan_max, shaped, slice, widened, with_slice, Elem, FusedOp, Operand,
-};
+use crate::fused::dtype::widened;
+use crate::fused::elem::{elem, nan_max, Elem};
+use crate::fused::generic::GenericOp;
+use crate::fused::op::{exactly, FusedOp, Operand};
+use crate::fused::route::{fused, generic};
+use crate::fused::storage::{shaped, slice, with_slice};
 use candle_core::{CpuStorage, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-/// `softmax(scale * x)` over the last dimension; with `causal`, element (.., i, j) of the last two
-/// dimensions is masked out (probability 0) where j > i, as in a decoder's self-attention.
-pub fn softmax_last_dim(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+/// Which entries of attention scores (.., query i, key j) a softmax over them masks out
+/// (probability 0) by their place, beside any key padding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mask {
+    /// None: every key is seen (an encoder's self-attention, or a softmax over anything else).
+    None,
+    /// The future: key j where j > i, as in a decoder's self-attention.
+    Causal,
+}
+
+/// `softmax(scale * x)` over the last dimension; with [`Mask::Causal`], element (.., i, j) of the
+/// last two dimensions is masked out (probability 0) where j > i, as in a decoder's
+/// self-attention.
+pub fn softmax_last_dim(x: &Tensor, scale: f64, mask: Mask) -> Result<Tensor> {
     if generic(x) {
         // The composed softmax on the detached input; backward from the output alone:
         // dx = scale y (g - sum(g y)) (masked entries have y = 0, so no gradient).
-        let y = detached(&x.detach(), scale, causal)?;
+        let y = detached(&x.detach(), scale, mask)?;
         let backward = move |_: &[Tensor],
                              y: &Tensor,
                              g: &Tensor,
@@ -29,25 +43,31 @@ pub fn softmax_last_dim(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> 
         return x.contiguous()?.apply_op1(GenericOp::new("generic-softmax", y, Box::new(backward)));
     }
     if !fused(x) {
-        return composed(x, scale, causal);
+        return composed(x, scale, mask);
     }
-    let rows_per_block = if causal { x.dim(D::Minus2)? } else { 1 };
-    x.contiguous()?.apply_op1(SoftmaxOp { scale, causal, rows_per_block, padding: None })
+    let rows_per_block = match mask {
+        Mask::Causal => x.dim(D::Minus2)?,
+        Mask::None => 1,
+    };
+    x.contiguous()?.apply_op1(SoftmaxOp { scale, mask, rows_per_block, padding: None })
 }
 
 /// `softmax(scale * x)` from candle's ops (candle's fused softmax_last_dim has no backward).
-pub(super) fn composed(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+fn composed(x: &Tensor, scale: f64, mask: Mask) -> Result<Tensor> {
     let x = (x * scale)?;
-    let x = if causal { mask_future(&x)? } else { x };
+    let x = match mask {
+        Mask::Causal => mask_future(&x)?,
+        Mask::None => x,
+    };
     candle_nn::ops::softmax(&x, D::Minus1)
 }
 
 /// `softmax(scale * x)` of a detached `x` through candle's fused softmax kernel (on every device;
 /// it has no backward, which a detached input does not need), computed in f32 for half precision
 /// and returned in `x`'s dtype: the generic route's forward. Each temporary goes once used.
-pub(super) fn detached(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+pub(crate) fn detached(x: &Tensor, scale: f64, mask: Mask) -> Result<Tensor> {
     let mut scaled = (widened(x)? * scale)?;
-    if causal {
+    if mask == Mask::Causal {
         scaled = mask_future(&scaled)?;
     }
     candle_nn::ops::softmax_last_dim(&scaled)?.to_dtype(x.dtype())
@@ -66,23 +86,23 @@ fn mask_future(x: &Tensor) -> Result<Tensor> {
     future.broadcast_as(x.shape())?.where_cond(&neg_inf, x)
 }
 
-pub(super) struct SoftmaxOp {
-    pub(super) scale: f64,
-    pub(super) causal: bool,
-    /// With `causal`, the number of rows of each (T, S) attention map: row r is query r % T.
-    pub(super) rows_per_block: usize,
+pub(crate) struct SoftmaxOp {
+    pub(crate) scale: f64,
+    pub(crate) mask: Mask,
+    /// With [`Mask::Causal`], the number of rows of each (T, S) attention map: row r is query r %
+    /// T.
+    pub(crate) rows_per_block: usize,
     /// Key padding: which of each batch element's S keys may be attended to, (B, S) flat, and
     /// the rows per batch element (heads x T). A row with no key left is all zeros.
-    pub(super) padding: Option<(std::sync::Arc<Vec<bool>>, usize)>,
+    pub(crate) padding: Option<(std::sync::Arc<Vec<bool>>, usize)>,
 }
 
 impl SoftmaxOp {
     /// How many leading entries of row `r` are visible.
     fn visible(&self, r: usize, width: usize) -> usize {
-        if self.causal {
-            (r % self.rows_per_block + 1).min(width)
-        } else {
-            width
+        match self.mask {
+            Mask::Causal => (r % self.rows_per_block + 1).min(width),
+            Mask::None => width,
         }
     }
 
@@ -96,7 +116,7 @@ impl SoftmaxOp {
         move |j| j < n && keys.is_none_or(|k| k[j])
     }
 
-    pub(super) fn forward<T: Elem>(&self, x: &[T], width: usize) -> Vec<T> {
+    pub(crate) fn forward<T: Elem>(&self, x: &[T], width: usize) -> Vec<T> {
         let scale = elem::<T>(self.scale);
         let mut y = vec![T::zero(); x.len()];
         y.par_chunks_mut(width).zip(x.par_chunks(width)).enumerate().for_each(|(r, (y, x))| {
@@ -118,7 +138,7 @@ impl SoftmaxOp {
     }
 
     /// dx = scale * y * (g - sum(g y)) per row (masked entries have y = 0, so dx = 0 there).
-    pub(super) fn backward<T: Elem>(&self, y: &[T], g: &[T], width: usize) -> Vec<T> {
+    pub(crate) fn backward<T: Elem>(&self, y: &[T], g: &[T], width: usize) -> Vec<T> {
         let scale = elem::<T>(self.scale);
         let mut dx = vec![T::zero(); y.len()];
         dx.par_chunks_mut(width)

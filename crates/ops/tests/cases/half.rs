@@ -6,7 +6,10 @@
 //! close to the f32 path's.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use ops::{conv2d, conv3d, conv_transpose3d_k2s2, fused, max_pool2d_k3s2p1, Conv3dGeometry};
+use ops::fused::{Activation, GeluForm, Mask};
+use ops::{
+    conv2d, conv3d, conv_transpose3d_k2s2, fused, max_pool2d_k3s2p1, Conv3dGeometry, WeightLayout,
+};
 use remat::rng::RngKey;
 
 /// Random values that `dtype` represents exactly, as f32.
@@ -100,17 +103,17 @@ fn transformer_ops() -> Result<()> {
             fused::layer_norm(&a[0], &w[0], &w[1], 1e-5)
         })?;
         same_as_f32(dt, &[("x", &[2, 3, 16])], &[("w", &[8, 16]), ("b", &[8])], |a, w| {
-            fused::linear(&a[0], &w[0], Some(&w[1]), true)
+            fused::linear(&a[0], &w[0], Some(&w[1]), WeightLayout::OutIn)
         })?;
         same_as_f32(dt, &[("x", &[2, 3, 16])], &[("w", &[16, 8])], |a, w| {
-            fused::linear(&a[0], &w[0], None, false)
+            fused::linear(&a[0], &w[0], None, WeightLayout::InOut)
         })?;
-        same_as_f32(dt, &[("x", &[2, 3, 16])], &[], |a, _| fused::gelu(&a[0], false))?;
+        same_as_f32(dt, &[("x", &[2, 3, 16])], &[], |a, _| fused::gelu(&a[0], GeluForm::Tanh))?;
         check(
             dt,
             &[("x", &[2, 3, 16])],
             &[],
-            |a, _| fused::softmax_last_dim(&a[0], 0.5, true),
+            |a, _| fused::softmax_last_dim(&a[0], 0.5, Mask::Causal),
             false,
         )?;
         same_as_f32(dt, &[("x", &[2, 3, 16])], &[], |a, _| {
@@ -121,7 +124,7 @@ fn transformer_ops() -> Result<()> {
             dt,
             &[("q", &[2, 2, 5, 4]), ("k", &[2, 2, 5, 4]), ("v", &[2, 2, 5, 4])],
             &[],
-            |a, _| fused::attention(&a[0], &a[1], &a[2], 0.5, true, None, key),
+            |a, _| fused::attention(&a[0], &a[1], &a[2], 0.5, Mask::Causal, None, key),
         )?;
         let targets = Tensor::new(&[3u32, 0, 7, 5, 1, 2], &Device::Cpu)?;
         same_as_f32(dt, &[("logits", &[6, 8])], &[], |a, _| {
@@ -153,7 +156,17 @@ fn convolution_ops() -> Result<()> {
             dt,
             &[("x", &[2, 3, 4, 4]), ("r", &[2, 3, 4, 4])],
             &[("w", &[3]), ("b", &[3])],
-            |a, w| Ok(fused::batch_norm_train(&a[0], &w[0], &w[1], Some(&a[1]), 1e-5, true)?.0),
+            |a, w| {
+                Ok(fused::batch_norm_train(
+                    &a[0],
+                    &w[0],
+                    &w[1],
+                    Some(&a[1]),
+                    1e-5,
+                    Activation::Relu,
+                )?
+                .0)
+            },
         )?;
         Ok(())
     })

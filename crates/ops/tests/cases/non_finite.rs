@@ -5,8 +5,10 @@
 //! come out as zeros.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
+use ops::fused::{Activation, GeluForm, Mask};
 use ops::{
     conv3d, conv_transpose3d_k2s2, fused, max_pool2d_k3s2p1, max_pool3d_k2s2, Conv3dGeometry,
+    WeightLayout,
 };
 use remat::rng::RngKey;
 
@@ -87,7 +89,7 @@ fn cases(dev: &Device) -> Result<Vec<Case>> {
         Case {
             name: "softmax",
             inputs: vec![Input("x", normal("sm-x", &[2, 3, 4])?, 5, true)],
-            op: Box::new(|v| fused::softmax_last_dim(&v[0], 0.5, true)),
+            op: Box::new(|v| fused::softmax_last_dim(&v[0], 0.5, Mask::Causal)),
         },
         Case {
             name: "cross_entropy",
@@ -111,7 +113,15 @@ fn cases(dev: &Device) -> Result<Vec<Case>> {
                 Input("residual", normal("bn-r", &[2, 3, 4])?, 3, false),
             ],
             op: Box::new(|v| {
-                Ok(fused::batch_norm_train(&v[0], &v[1], &v[2], Some(&v[3]), 1e-5, true)?.0)
+                Ok(fused::batch_norm_train(
+                    &v[0],
+                    &v[1],
+                    &v[2],
+                    Some(&v[3]),
+                    1e-5,
+                    Activation::Relu,
+                )?
+                .0)
             }),
         },
         Case {
@@ -159,7 +169,7 @@ fn cases(dev: &Device) -> Result<Vec<Case>> {
                 Input("w", normal("li-w", &[2, 4])?, 3, true),
                 Input("b", normal("li-b", &[2])?, 1, false),
             ],
-            op: Box::new(|v| fused::linear(&v[0], &v[1], Some(&v[2]), true)),
+            op: Box::new(|v| fused::linear(&v[0], &v[1], Some(&v[2]), WeightLayout::OutIn)),
         },
         Case {
             name: "attention",
@@ -169,18 +179,18 @@ fn cases(dev: &Device) -> Result<Vec<Case>> {
                 Input("v", normal("at-v", &[1, 2, 3, 4])?, 9, true),
             ],
             op: Box::new(move |v| {
-                fused::attention(&v[0], &v[1], &v[2], 0.5, true, None, Some((key, 0.1)))
+                fused::attention(&v[0], &v[1], &v[2], 0.5, Mask::Causal, None, Some((key, 0.1)))
             }),
         },
         Case {
             name: "gelu (tanh)",
             inputs: vec![Input("x", normal("ge-x", &[7])?, 3, true)],
-            op: Box::new(|v| fused::gelu(&v[0], false)),
+            op: Box::new(|v| fused::gelu(&v[0], GeluForm::Tanh)),
         },
         Case {
             name: "gelu (erf)",
             inputs: vec![Input("x", normal("ge-x", &[7])?, 3, true)],
-            op: Box::new(|v| fused::gelu(&v[0], true)),
+            op: Box::new(|v| fused::gelu(&v[0], GeluForm::Erf)),
         },
     ])
 }
@@ -208,7 +218,7 @@ fn an_infinity_in_any_input_of_a_fused_op_comes_out() -> Result<()> {
 fn an_all_nan_softmax_row_is_nan() -> Result<()> {
     super::route();
     let x = Tensor::new(&[[f32::NAN, f32::NAN], [0.0, 1.0]], &Device::Cpu)?;
-    let y = fused::softmax_last_dim(&x, 1.0, false)?.to_vec2::<f32>()?;
+    let y = fused::softmax_last_dim(&x, 1.0, Mask::None)?.to_vec2::<f32>()?;
     assert!(y[0].iter().all(|v| v.is_nan()) && y[1].iter().all(|v| v.is_finite()), "{y:?}");
     Ok(())
 }

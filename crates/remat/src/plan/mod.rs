@@ -288,8 +288,8 @@ pub enum PlanError {
 /// Bytes in MiB, or in KiB or bytes below a tenth of a MiB (`budget=1KiB` read "0.0 MiB").
 fn mib(bytes: u64) -> String {
     match bytes {
-        b if b >= (1 << 20) / 10 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
-        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / (1u64 << 10) as f64),
+        b if b >= (1 << 20) / 10 => format!("{:.1} MiB", crate::memory::mib(b)),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
         b => format!("{b} B"),
     }
 }

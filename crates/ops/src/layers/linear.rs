@@ -1,0 +1,64 @@
+//! The linear layer of the transformers, with a LoRA adapter beside it where one is configured.
+//! Not here: the ops it runs (`fused::linear`), the adapter's parameters (`params::lora`), how a
+//! weight is stored (`params::WeightLayout`, re-exported at the crate's root).
+
+use crate::fused;
+use candle_core::{Result, Tensor};
+use params::lora::{Adapter, Lora};
+use params::{Init, ParamStore, WeightLayout};
+use remat::StageCtx;
+
+/// `x @ W + b`, with a LoRA adapter beside it where the configuration targets the layer.
+pub struct Linear {
+    weight: Tensor,
+    bias: Tensor,
+    layout: WeightLayout,
+    adapter: Option<Adapter>,
+}
+
+impl Linear {
+    /// The layer `prefix` (`n_in` -> `n_out`) stored as `layout`: its weight drawn from
+    /// N(0, `std`), its bias zeros, and its adapter where `lora` targets it.
+    pub fn new(
+        params: &mut ParamStore,
+        lora: Option<&Lora>,
+        prefix: &str,
+        (n_in, n_out): (usize, usize),
+        layout: WeightLayout,
+        std: f32,
+    ) -> Result<Self> {
+        let shape = match layout {
+            WeightLayout::OutIn => [n_out, n_in],
+            WeightLayout::InOut => [n_in, n_out],
+        };
+        Ok(Linear {
+            weight: params.get(&format!("{prefix}.weight"), &shape, Init::Normal { std })?,
+            bias: params.get(&format!("{prefix}.bias"), &[n_out], Init::Zeros)?,
+            layout,
+            adapter: Adapter::of(params, lora, prefix, (n_in, n_out), layout)?,
+        })
+    }
+
+    /// (B, T, in) -> (B, T, out). With an adapter, one op over the frozen base that keeps only
+    /// `x` ([`fused::lora_linear`]); a base that trains under an adapter is refused, since that op
+    /// gives its weight and bias no gradient (`Lora::freeze` freezes them).
+    pub fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        let Some(a) = &self.adapter else {
+            return fused::linear(x, &self.weight, Some(&self.bias), self.layout);
+        };
+        if self.weight.track_op() || self.bias.track_op() {
+            candle_core::bail!(
+                "a layer with a LoRA adapter must have its weight and bias frozen (Lora::freeze): \
+                 they would get no gradient"
+            )
+        }
+        let dropout = crate::dropout_key(a.dropout, ctx)?.map(|key| (key, a.dropout));
+        fused::lora_linear(
+            x,
+            (&self.weight, Some(&self.bias)),
+            self.layout,
+            (&a.a, &a.b, a.scale),
+            dropout,
+        )
+    }
+}

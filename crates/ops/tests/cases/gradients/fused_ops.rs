@@ -1,0 +1,349 @@
+//! The fused ops (`ops::fused`) called directly, each against central finite differences in f64
+//! and, where it has one, the composed candle op it replaces. Not here: the layers that call them
+//! (`layers`), every fused op against its composed equivalent and across thread counts
+//! (`agreement`).
+
+use super::{check_gradients, normal, randomised, refs};
+use candle_core::{DType, Device, Result, Tensor, Var};
+use ops::fused::{GeluForm, Mask};
+use ops::{fused, BatchNorm, WeightLayout};
+use params::ParamStore;
+use remat::rng::RngKey;
+use remat::StageCtx;
+
+#[test]
+fn fused_layer_norm_input_weight_and_bias() -> Result<()> {
+    crate::route();
+    let (x, w, b) = (
+        normal("x", &[3, 2, 7], 0.5, 2.0)?,
+        normal("w", &[7], 1.0, 0.5)?,
+        normal("b", &[7], 0.0, 0.5)?,
+    );
+    check_gradients("fused layer_norm", &[("x", &x), ("w", &w), ("b", &b)], || {
+        fused::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)
+    })
+}
+
+#[test]
+fn fused_softmax_plain_scaled_and_causal() -> Result<()> {
+    crate::route();
+    let x = normal("x", &[2, 3, 5, 5], 0.0, 2.0)?;
+    check_gradients("fused softmax", &[("x", &x)], || {
+        fused::softmax_last_dim(x.as_tensor(), 1.0, Mask::None)
+    })?;
+    check_gradients("fused softmax, scaled, causal", &[("x", &x)], || {
+        fused::softmax_last_dim(x.as_tensor(), 0.37, Mask::Causal)
+    })?;
+    let wide = normal("wide", &[4, 9], 0.0, 2.0)?; // not square: rows of one block
+    check_gradients("fused softmax, 4x9", &[("x", &wide)], || {
+        fused::softmax_last_dim(wide.as_tensor(), 0.5, Mask::None)
+    })
+}
+
+#[test]
+fn fused_cross_entropy_plain_and_weighted() -> Result<()> {
+    crate::route();
+    let logits = normal("logits", &[6, 11], 0.0, 3.0)?;
+    let targets = Tensor::new(&[0u32, 10, 3, 3, 7, 1], &Device::Cpu)?;
+    let weights = Tensor::new(&[1.0f64, 0.0, 1.0, 1.0, 0.0, 1.0], &Device::Cpu)?;
+    check_gradients("fused cross_entropy", &[("logits", &logits)], || {
+        fused::cross_entropy(logits.as_tensor(), &targets, None)
+    })?;
+    check_gradients("fused cross_entropy, weighted", &[("logits", &logits)], || {
+        fused::cross_entropy(logits.as_tensor(), &targets, Some(&weights))
+    })?;
+    assert!(
+        fused::cross_entropy(
+            logits.as_tensor(),
+            &Tensor::new(&[11u32, 0, 0, 0, 0, 0], &Device::Cpu)?,
+            None
+        )
+        .is_err(),
+        "a target out of range"
+    );
+    Ok(())
+}
+
+/// BatchNorm in training mode over 4D and 5D input, alone and fused with its ReLU.
+#[test]
+fn batch_norm_in_training_mode_with_and_without_relu() -> Result<()> {
+    crate::route();
+    let cases = [
+        ([3usize, 4, 3, 5].as_slice(), false),
+        (&[2, 3, 3, 2, 3], false),
+        (&[2, 3, 3, 2, 3], true),
+        (&[4, 2, 5, 5], true),
+    ];
+    for (shape, relu) in cases {
+        let mut params = ParamStore::new(&Device::Cpu, DType::F64, 0);
+        let bn = BatchNorm::new(&mut params, "bn", shape[1])?;
+        let named = randomised(&params)?;
+        let x = normal("x", shape, -1.0, 3.0)?;
+        let mut vars = refs(&named);
+        vars.push(("x", &x));
+        // Training; a recompute, so the statistics stay put.
+        let ctx =
+            StageCtx::new(remat::RunPoint { recompute: true, train: true, ..Default::default() });
+        let f = || {
+            if relu {
+                bn.forward_relu(x.as_tensor(), &ctx)
+            } else {
+                bn.forward(x.as_tensor(), &ctx)
+            }
+        };
+        // No pre-activation within H of zero, where the ReLU's kink would break the difference.
+        let pre = bn.forward(x.as_tensor(), &ctx)?.flatten_all()?.to_vec1::<f64>()?;
+        assert!(pre.iter().all(|v| v.abs() > 1e-4), "{shape:?}: an input sits on the ReLU's kink");
+        check_gradients(&format!("fused BatchNorm {shape:?} relu {relu}"), &vars, f)?;
+    }
+    Ok(())
+}
+
+/// The fused dropout gives the bits of `x * mask` composed, forward and backward, though it holds
+/// no mask: its backward draws the mask again from the key.
+#[test]
+fn fused_dropout_equals_the_composed_mask_bit_for_bit() -> Result<()> {
+    crate::route();
+    let key = RngKey::named(4, "dropout");
+    // Several parallel pieces.
+    let x =
+        Var::from_tensor(&normal("x", &[3, 40000], 0.0, 1.0)?.as_tensor().to_dtype(DType::F32)?)?;
+    let mask = Tensor::from_vec(key.dropout_mask(x.elem_count(), 0.3), x.shape(), &Device::Cpu)?;
+    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+        Ok(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
+    };
+    let (fused_y, composed_y) =
+        (fused::dropout(x.as_tensor(), key, 0.3)?, (x.as_tensor() * &mask)?);
+    assert_eq!(bits(&fused_y)?, bits(&composed_y)?, "forward");
+    let r = Tensor::from_vec(
+        RngKey::named(5, "r").normal(x.elem_count(), 0.0, 1.0),
+        x.shape(),
+        &Device::Cpu,
+    )?;
+    let (gf, gc) =
+        ((fused_y * &r)?.sum_all()?.backward()?, (composed_y * &r)?.sum_all()?.backward()?);
+    assert_eq!(bits(gf.get(&x).unwrap())?, bits(gc.get(&x).unwrap())?, "backward");
+    Ok(())
+}
+
+#[test]
+fn fused_linear_both_weight_layouts() -> Result<()> {
+    crate::route();
+    let x = normal("x", &[2, 3, 5], 0.0, 1.0)?;
+    let (w_in_out, w_out_in, b) = (
+        normal("w", &[5, 4], 0.0, 1.0)?,
+        normal("wt", &[4, 5], 0.0, 1.0)?,
+        normal("b", &[4], 0.0, 1.0)?,
+    );
+    check_gradients("fused linear (in, out)", &[("x", &x), ("w", &w_in_out), ("b", &b)], || {
+        fused::linear(x.as_tensor(), w_in_out.as_tensor(), Some(b.as_tensor()), WeightLayout::InOut)
+    })?;
+    check_gradients("fused linear (out, in)", &[("x", &x), ("w", &w_out_in), ("b", &b)], || {
+        fused::linear(x.as_tensor(), w_out_in.as_tensor(), Some(b.as_tensor()), WeightLayout::OutIn)
+    })?;
+    check_gradients("fused linear, no bias", &[("x", &x), ("w", &w_out_in)], || {
+        fused::linear(x.as_tensor(), w_out_in.as_tensor(), None, WeightLayout::OutIn)
+    })?;
+    // Against the composed product and bias, forward.
+    let composed = x
+        .as_tensor()
+        .reshape((6, 5))?
+        .matmul(&w_out_in.as_tensor().t()?)?
+        .broadcast_add(b.as_tensor())?
+        .reshape((2, 3, 4))?;
+    let fused = fused::linear(
+        x.as_tensor(),
+        w_out_in.as_tensor(),
+        Some(b.as_tensor()),
+        WeightLayout::OutIn,
+    )?;
+    let diff = (fused - composed)?.abs()?.max_all()?.to_scalar::<f64>()?;
+    assert!(diff < 1e-12, "fused linear differs from matmul + bias by {diff}");
+    Ok(())
+}
+
+#[test]
+fn fused_attention_queries_keys_and_values() -> Result<()> {
+    crate::route();
+    let (q, k, v) = (
+        normal("q", &[2, 2, 5, 3], 0.0, 1.0)?,
+        normal("k", &[2, 2, 5, 3], 0.0, 1.0)?,
+        normal("v", &[2, 2, 5, 3], 0.0, 1.0)?,
+    );
+    let vars = [("q", &q), ("k", &k), ("v", &v)];
+    check_gradients("attention", &vars, || {
+        fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, Mask::None, None, None)
+    })?;
+    check_gradients("causal attention", &vars, || {
+        fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.6, Mask::Causal, None, None)
+    })?;
+    let key = RngKey::named(6, "attention");
+    check_gradients("causal attention, dropout", &vars, || {
+        fused::attention(
+            q.as_tensor(),
+            k.as_tensor(),
+            v.as_tensor(),
+            0.6,
+            Mask::Causal,
+            None,
+            Some((key, 0.3)),
+        )
+    })?;
+    // Key padding: the first sequence keeps 3 of its 5 keys, the second all of them.
+    let padding = Tensor::new(&[[1u32, 1, 0, 1, 0], [1, 1, 1, 1, 1]], &Device::Cpu)?;
+    check_gradients("attention, key padding", &vars, || {
+        fused::attention(
+            q.as_tensor(),
+            k.as_tensor(),
+            v.as_tensor(),
+            0.6,
+            Mask::None,
+            Some(&padding),
+            None,
+        )
+    })?;
+    check_gradients("causal attention, key padding, dropout", &vars, || {
+        fused::attention(
+            q.as_tensor(),
+            k.as_tensor(),
+            v.as_tensor(),
+            0.6,
+            Mask::Causal,
+            Some(&padding),
+            Some((key, 0.3)),
+        )
+    })
+}
+
+/// A padded key changes nothing: not the output, and it gets no gradient.
+#[test]
+fn padded_keys_are_ignored() -> Result<()> {
+    crate::route();
+    let (q, k, v) = (
+        normal("q", &[2, 2, 5, 3], 0.0, 1.0)?,
+        normal("k", &[2, 2, 5, 3], 0.0, 1.0)?,
+        normal("v", &[2, 2, 5, 3], 0.0, 1.0)?,
+    );
+    let padding = Tensor::new(&[[1u32, 1, 0, 1, 0], [1, 1, 1, 1, 0]], &Device::Cpu)?;
+    let y = fused::attention(
+        q.as_tensor(),
+        k.as_tensor(),
+        v.as_tensor(),
+        0.6,
+        Mask::None,
+        Some(&padding),
+        None,
+    )?;
+    // Other values at the padded positions (key 2 and 4 of the first sequence, 4 of the second).
+    let noise = (normal("noise", &[2, 2, 5, 3], 0.0, 5.0)?.as_tensor()
+        * padding
+            .to_dtype(DType::F64)?
+            .neg()?
+            .affine(1.0, 1.0)?
+            .reshape((2, 1, 5, 1))?
+            .broadcast_as((2, 2, 5, 3))?)?;
+    let y2 = fused::attention(
+        q.as_tensor(),
+        &(k.as_tensor() + &noise)?,
+        &(v.as_tensor() + &noise)?,
+        0.6,
+        Mask::None,
+        Some(&padding),
+        None,
+    )?;
+    assert_eq!(y.flatten_all()?.to_vec1::<f64>()?, y2.flatten_all()?.to_vec1::<f64>()?);
+    let grads = y.sum_all()?.backward()?;
+    for var in [&k, &v] {
+        let g = grads.get(var).unwrap().flatten_all()?.to_vec1::<f64>()?; // (2, 2, 5, 3)
+        let g4 = |b: usize, h: usize, s: usize| {
+            g[((b * 2 + h) * 5 + s) * 3..((b * 2 + h) * 5 + s + 1) * 3].to_vec()
+        };
+        for h in 0..2 {
+            assert!(
+                g4(0, h, 2).iter().chain(&g4(0, h, 4)).chain(&g4(1, h, 4)).all(|&x| x == 0.0),
+                "a padded key got a gradient"
+            );
+        }
+    }
+    // The composed fallback masks the same keys.
+    let composed = {
+        let keep = padding.ne(0.0)?.reshape((2, 1, 1, 5))?.broadcast_as((2, 2, 5, 5))?;
+        let s = q.as_tensor().matmul(&k.as_tensor().t()?)?;
+        let s = keep.where_cond(
+            &s,
+            &Tensor::new(f64::NEG_INFINITY, &Device::Cpu)?.broadcast_as((2, 2, 5, 5))?,
+        )?;
+        candle_nn::ops::softmax(&(s * 0.6)?, candle_core::D::Minus1)?.matmul(v.as_tensor())?
+    };
+    let diff = (y - composed)?.abs()?.max_all()?.to_scalar::<f64>()?;
+    assert!(diff < 1e-12, "fused and composed padded attention differ by {diff}");
+    Ok(())
+}
+
+/// The fused attention against softmax, dropout and two matrix products composed, forward and
+/// backward, with dropout on (the same key draws the same mask on both sides).
+#[test]
+fn fused_attention_agrees_with_the_composed_ops() -> Result<()> {
+    crate::route();
+    let to32 = |v: &Var| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?);
+    let (q, k, v) = (
+        to32(&normal("q", &[2, 3, 16, 8], 0.0, 1.0)?)?,
+        to32(&normal("k", &[2, 3, 16, 8], 0.0, 1.0)?)?,
+        to32(&normal("v", &[2, 3, 16, 8], 0.0, 1.0)?)?,
+    );
+    let key = RngKey::named(7, "attention");
+    let fused_y = fused::attention(
+        q.as_tensor(),
+        k.as_tensor(),
+        v.as_tensor(),
+        0.35,
+        Mask::Causal,
+        None,
+        Some((key, 0.2)),
+    )?;
+    let p =
+        fused::softmax_last_dim(&q.as_tensor().matmul(&k.as_tensor().t()?)?, 0.35, Mask::Causal)?;
+    let composed_y = fused::dropout(&p, key, 0.2)?.matmul(v.as_tensor())?;
+    let r = Tensor::from_vec(
+        RngKey::named(8, "r").normal(fused_y.elem_count(), 0.0, 1.0),
+        fused_y.shape(),
+        &Device::Cpu,
+    )?;
+    let (gf, gc) =
+        ((&fused_y * &r)?.sum_all()?.backward()?, (&composed_y * &r)?.sum_all()?.backward()?);
+    let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
+        let scale = b.abs()?.max_all()?.to_scalar::<f32>()?;
+        Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
+    };
+    assert!(
+        err(&fused_y, &composed_y)? < 1e-5,
+        "forward differs by {:.2e}",
+        err(&fused_y, &composed_y)?
+    );
+    for (name, var) in [("q", &q), ("k", &k), ("v", &v)] {
+        let e = err(gf.get(var).unwrap(), gc.get(var).unwrap())?;
+        assert!(e < 1e-5, "gradient of {name} differs by {e:.2e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn fused_gelu_tanh_and_erf() -> Result<()> {
+    crate::route();
+    let x = normal("x", &[3, 7], 0.0, 2.0)?;
+    check_gradients("fused gelu (tanh)", &[("x", &x)], || {
+        fused::gelu(x.as_tensor(), GeluForm::Tanh)
+    })?;
+    check_gradients("fused gelu (erf)", &[("x", &x)], || {
+        fused::gelu(x.as_tensor(), GeluForm::Erf)
+    })?;
+    // Against candle's own, forward.
+    let forms =
+        [(GeluForm::Tanh, x.as_tensor().gelu()?), (GeluForm::Erf, x.as_tensor().gelu_erf()?)];
+    for (form, candle) in forms {
+        let diff =
+            (fused::gelu(x.as_tensor(), form)? - candle)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        assert!(diff < 1e-12, "gelu ({form:?}) differs from candle's by {diff}");
+    }
+    Ok(())
+}
