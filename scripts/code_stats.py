@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""Shape of the codebase: lines per crate, the largest files and functions, and import circles.
+"""Shape of the codebase: lines per crate, the largest files and functions, public functions that
+take a bare `bool`, and import circles.
 
     python3 scripts/code_stats.py            # the whole workspace
     python3 scripts/code_stats.py --limit 80 # list every function longer than 80 lines
+
+A `pub fn` (not `pub(crate)` or `pub(super)`) takes a bare `bool` when one of its parameters is
+typed `bool`: its call site shows `true` or `false`, not what they mean.
 
 A function is measured from its `fn` line to the closing brace at the same indentation (the code
 is rustfmt-formatted, so that is where it ends). A crate's import graph has an edge from module A
@@ -55,6 +59,19 @@ def functions(path):
         if end is not None:
             found.append((m.group(2), i + 1, end - i + 1))
     return found
+
+
+PUB_FN = re.compile(r"\bpub\s+(?:const\s+)?(?:unsafe\s+)?fn\s+(\w+)\s*(?:<[^(]*?>)?\s*\(([^)]*(?:\([^)]*\)[^)]*)*)\)", re.S)
+
+
+def bool_params(path):
+    """(name, line) of every `pub fn` in a file with a parameter typed `bool`."""
+    text = path.read_text()
+    return [
+        (m.group(1), text[: m.start()].count("\n") + 1)
+        for m in PUB_FN.finditer(text)
+        if re.search(r":\s*bool\b", m.group(2))
+    ]
 
 
 def module_of(src, path):
@@ -123,7 +140,7 @@ def main():
     args = parser.parse_args()
 
     print("## Lines per crate (src / tests and benches)")
-    all_files, long_fns, all_circles = [], [], []
+    all_files, long_fns, all_circles, bools = [], [], [], []
     for name, directory in crates():
         src = directory / "src"
         in_src = sum(len(p.read_text().splitlines()) for p in rust_files(src))
@@ -132,6 +149,7 @@ def main():
         for p in rust_files(directory):
             all_files.append((len(p.read_text().splitlines()), p.relative_to(ROOT)))
             long_fns += [(n, p.relative_to(ROOT), f, line) for f, line, n in functions(p) if n > args.limit and src in p.parents]
+            bools += [(p.relative_to(ROOT), line, f) for f, line in bool_params(p)]
         all_circles += [(name, c) for c in circles(import_graph(src))]
 
     print(f"\n## The {args.files} largest files")
@@ -140,6 +158,11 @@ def main():
     print(f"\n## Library and binary functions over {args.limit} lines")
     for n, p, f, line in sorted(long_fns, reverse=True):
         print(f"{n:6} {p}:{line} {f}")
+    print("\n## Public functions that take a bare bool")
+    for p, line, f in bools:
+        print(f"{p}:{line} {f}")
+    if not bools:
+        print("none")
     print("\n## Import circles between a crate's modules")
     for name, c in all_circles:
         print(f"{name}: {' <-> '.join(c)}")

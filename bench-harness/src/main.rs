@@ -33,7 +33,7 @@
 //! | | `report/table.rs` | `TABLE.md`'s depth sweep |
 //! | | `report/plot.rs` | the `depth` figure |
 //! | `--matrix all` | | `models` and `depth` (the default) |
-//! | `--rounds`, `--retime` | `run/matrix.rs` | `time_rounds`: the interleaved rounds |
+//! | `--rounds`, `--retime` | `run/rounds.rs` | `time_rounds`: the interleaved rounds, their ratios stored |
 //! | | `measure/one.rs` | `One::TimeOnly`: the steps timed, nothing else |
 //! | | `report/record.rs` | `Spread`: time / off over the rounds |
 //! | `--dry-run` | `run/matrix.rs` | every configuration predicted in a child and printed |

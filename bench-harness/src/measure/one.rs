@@ -13,7 +13,7 @@ use crate::workloads::{self, Instance, Workload};
 use anyhow::{anyhow, Context, Result};
 use candle_core::Device;
 use remat::memory::{set_activity, Activity, Counter};
-use remat::plan::{Estimate, Grads, Profile};
+use remat::plan::{Estimate, Grads, Profile, Update};
 use remat::{Executor, Policy, PolicyRequest};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -207,7 +207,7 @@ fn shared_profile(
 /// The predicted step of `policy` on `w`: with several micro-batches the first gathers the
 /// parameter gradients and later ones hold them all from the start, so the higher of the two.
 pub fn predict(profile: &Profile, policy: &Policy, w: &Workload) -> Result<Estimate> {
-    let grads = Grads::of(profile, w.accumulate, w.in_backward);
+    let grads = Grads::of(profile, w.accumulate, Update::from_flag(w.in_backward));
     if w.accumulate == 1 {
         return Ok(profile.predict_policy(policy, grads)?);
     }
@@ -445,7 +445,7 @@ fn plan(
     // After the profile: the workspaces kernels keep from their first calls are part of it.
     let inputs_bytes: u64 = inst.inputs(0)?.iter().map(remat::memory::tensor_bytes).sum();
     let fixed = trainkit::memory_before_step(device, optimizer, inputs_bytes)?;
-    let grads = Grads::of(&profile, w.accumulate, w.in_backward);
+    let grads = Grads::of(&profile, w.accumulate, Update::from_flag(w.in_backward));
     let (resolved, plan) = remat::plan::resolve(
         policy,
         &profile,

@@ -15,7 +15,7 @@ use crate::workloads::{self, Workload, CARD_BYTES};
 use anyhow::{Context, Result};
 use candle_core::Device;
 use remat::memory::tensor_bytes;
-use remat::plan::{Estimate, Grads, Profile};
+use remat::plan::{Estimate, Grads, Profile, Update};
 use remat::{Policy, PolicyRequest};
 
 /// The batches a projection measures at and extrapolates from, when the article's is larger.
@@ -57,7 +57,7 @@ pub fn project(w: &Workload, device: &Device, seed: u64) -> Result<Projection> {
         Profile::extrapolated(inst.graph(), inputs_at, &vars, PROBES, w.batch, seed)?
     };
     // Accumulating, every micro-batch after the first holds all parameter gradients.
-    let grads = Grads::of(&profile, w.accumulate, w.in_backward);
+    let grads = Grads::of(&profile, w.accumulate, Update::from_flag(w.in_backward));
     let row = |label: String, plan: String, e: &Estimate| ProjectedPolicy {
         label,
         plan,

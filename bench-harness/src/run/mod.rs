@@ -11,6 +11,7 @@ pub mod gpt2_24gb;
 pub mod kernels;
 pub mod matrix;
 pub mod projection;
+pub mod rounds;
 
 /// Whether a matrix measures its configurations or, `--dry-run`, only predicts them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -7,7 +7,7 @@ use crate::{say, segments, show};
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 use remat::memory::{gib, mib};
-use remat::plan::{Grads, Profile};
+use remat::plan::{Grads, Profile, Update};
 use remat::Executor;
 
 /// This machine's available memory in bytes (MemAvailable + SwapFree), where /proc/meminfo says.
@@ -193,7 +193,7 @@ fn step_start(
         .saturating_mul(run.batch as u64);
     Ok((
         memory_before_step(device, optimizer, inputs)?,
-        Grads::of(profile, run.accumulate, run.optimizer_in_backward),
+        Grads::of(profile, run.accumulate, Update::from_flag(run.optimizer_in_backward)),
     ))
 }
 

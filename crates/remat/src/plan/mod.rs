@@ -135,14 +135,34 @@ pub enum Grads {
     UpdatedInBackward,
 }
 
+/// When the optimizer updates the parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Update {
+    /// After the step's backward, from every gradient at once.
+    AfterBackward,
+    /// Inside backward, each parameter as soon as its gradient is final (one micro-batch).
+    InBackward,
+}
+
+impl Update {
+    /// As `--optimizer-in-backward` asks.
+    pub fn from_flag(optimizer_in_backward: bool) -> Self {
+        if optimizer_in_backward {
+            Update::InBackward
+        } else {
+            Update::AfterBackward
+        }
+    }
+}
+
 impl Grads {
     /// What a step of `profile` holds: with `accumulate` micro-batches, the heaviest one (any
-    /// after the first); `in_backward`: the optimizer inside backward (one micro-batch).
-    pub fn of(profile: &Profile, accumulate: usize, in_backward: bool) -> Grads {
-        match (in_backward, accumulate > 1) {
-            (true, _) => Grads::UpdatedInBackward,
-            (false, true) => Grads::Accumulating(profile.param_grad_bytes()),
-            (false, false) => Grads::Gathered,
+    /// after the first); with the update inside backward, what that frees.
+    pub fn of(profile: &Profile, accumulate: usize, update: Update) -> Grads {
+        match (update, accumulate > 1) {
+            (Update::InBackward, _) => Grads::UpdatedInBackward,
+            (Update::AfterBackward, true) => Grads::Accumulating(profile.param_grad_bytes()),
+            (Update::AfterBackward, false) => Grads::Gathered,
         }
     }
 
