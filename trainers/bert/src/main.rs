@@ -2,10 +2,11 @@
 
 use anyhow::{bail, Context, Result};
 use bert::{Bert, Config, MlmData, Preset};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use datasets::text::WordVocab;
 use datasets::tokenizer::Tokenizer;
 use remat::memory::CountingAlloc;
+use remat::Policy;
 use serde::Serialize;
 use std::path::PathBuf;
 use trainable::Model;
@@ -129,26 +130,15 @@ impl trainkit::Recipe for Args {
             .with_context(|| format!("--text {}", path.display()))
     }
 
-    fn inputs(
-        &self,
-        model: &Bert,
-        data: &MlmData,
-        step: u64,
-        n: usize,
-        device: &Device,
-    ) -> Result<Vec<Tensor>> {
+    fn inputs(&self, model: &Bert, data: &MlmData, step: u64, n: usize) -> Result<Vec<Tensor>> {
+        let device = model.params().device();
         Ok(model.inputs(&data.batch(step, n), device)?)
     }
 
     /// Planned for the longest batch the data can give (--text batches are padded to their own
     /// longest row).
-    fn planned_inputs(
-        &self,
-        model: &Bert,
-        data: &MlmData,
-        n: usize,
-        device: &Device,
-    ) -> Result<Vec<Tensor>> {
+    fn planned_inputs(&self, model: &Bert, data: &MlmData, n: usize) -> Result<Vec<Tensor>> {
+        let device = model.params().device();
         Ok(model.inputs(&data.full_length_batch(0, n), device)?)
     }
 
@@ -156,13 +146,7 @@ impl trainkit::Recipe for Args {
         &self.setup
     }
 
-    fn describe(
-        &self,
-        model: &Bert,
-        data: &MlmData,
-        policy: &remat::Policy,
-        segments: &str,
-    ) -> String {
+    fn describe(&self, model: &Bert, data: &MlmData, policy: &Policy, segments: &str) -> String {
         format!(
             "BERT {}, {} layers, policy {policy} ({segments}), batch {} x seq {}, vocabulary {}",
             model.params().count_text(),

@@ -2,10 +2,11 @@
 //! token file.
 
 use anyhow::Result;
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
 use remat::memory::CountingAlloc;
+use remat::Policy;
 use trainable::Model;
 use trainkit::lora::{LoraArgs, Peft};
 
@@ -68,14 +69,8 @@ impl trainkit::Recipe for Args {
         self.text.batcher(config.vocab_size, self.run.seed, hub, &self.pretrained.beside())
     }
 
-    fn inputs(
-        &self,
-        model: &Gpt2,
-        data: &Batcher,
-        step: u64,
-        n: usize,
-        device: &Device,
-    ) -> Result<Vec<Tensor>> {
+    fn inputs(&self, model: &Gpt2, data: &Batcher, step: u64, n: usize) -> Result<Vec<Tensor>> {
+        let device = model.params().device();
         let (x, y) = data.batch(step, n); // (B, T) token ids, (B, T) the next ones
         Ok(model.inputs(&x, &y, n, self.text.seq, device)?)
     }
@@ -84,13 +79,7 @@ impl trainkit::Recipe for Args {
         &self.text
     }
 
-    fn describe(
-        &self,
-        model: &Gpt2,
-        _: &Batcher,
-        policy: &remat::Policy,
-        segments: &str,
-    ) -> String {
+    fn describe(&self, model: &Gpt2, _: &Batcher, policy: &Policy, segments: &str) -> String {
         format!(
             "GPT-2 {}, {} layers, policy {policy} ({segments}), batch {} x seq {}",
             model.params().count_text(),

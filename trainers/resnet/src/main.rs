@@ -2,9 +2,10 @@
 //! folder.
 
 use anyhow::{bail, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use datasets::images::{ImageFolder, SyntheticImages};
 use remat::memory::CountingAlloc;
+use remat::Policy;
 use resnet::{Config, Preset, ResNet};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -125,14 +126,8 @@ impl trainkit::Recipe for Args {
         Ok(data)
     }
 
-    fn inputs(
-        &self,
-        model: &ResNet,
-        data: &Data,
-        step: u64,
-        n: usize,
-        device: &Device,
-    ) -> Result<Vec<Tensor>> {
+    fn inputs(&self, model: &ResNet, data: &Data, step: u64, n: usize) -> Result<Vec<Tensor>> {
+        let device = model.params().device();
         let (images, labels) = data.batch(step, n)?;
         Ok(model.inputs(&images, &labels, self.image_size, device)?)
     }
@@ -141,7 +136,7 @@ impl trainkit::Recipe for Args {
         Setup { image_size: self.image_size, classes: config.classes, data: self.data.clone() }
     }
 
-    fn describe(&self, model: &ResNet, _: &Data, policy: &remat::Policy, segments: &str) -> String {
+    fn describe(&self, model: &ResNet, _: &Data, policy: &Policy, segments: &str) -> String {
         let size = self.image_size;
         format!(
             "ResNet {}, {} blocks, policy {policy} ({segments}), batch {} x {size}x{size}, \

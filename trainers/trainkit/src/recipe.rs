@@ -51,14 +51,13 @@ pub trait Recipe: clap::Parser {
     /// is set in `config`. `hub`: the `--model-id`'s files (its tokenizer).
     fn data(&self, config: &mut ConfigOf<Self>, hub: Option<&HubFiles>) -> Result<Self::Data>;
 
-    /// The graph inputs of data batch `step`, of `n` samples.
+    /// The graph inputs of data batch `step`, of `n` samples, on the model's device.
     fn inputs(
         &self,
         model: &Self::Model,
         data: &Self::Data,
         step: u64,
         n: usize,
-        device: &Device,
     ) -> Result<Vec<Tensor>>;
 
     /// The inputs the planner measures a batch of `n` with. Default: data batch 0's (a trainer
@@ -68,9 +67,8 @@ pub trait Recipe: clap::Parser {
         model: &Self::Model,
         data: &Self::Data,
         n: usize,
-        device: &Device,
     ) -> Result<Vec<Tensor>> {
-        self.inputs(model, data, 0, n, device)
+        self.inputs(model, data, 0, n)
     }
 
     /// What each data batch is, where the data comes from files: named in the error of a step
@@ -154,8 +152,8 @@ pub fn train<R: Recipe>(args: &R, group: &Group, device: &Device) -> Result<()> 
     if let Some((flags, peft)) = lora_flags {
         flags.prepare(lora.as_ref(), &model, peft.targets)?;
     }
-    let inputs = |step: u64, n: usize| args.inputs(&model, &data, step, n, device);
-    let planned = |n: usize| args.planned_inputs(&model, &data, n, device);
+    let inputs = |step: u64, n: usize| args.inputs(&model, &data, step, n);
+    let planned = |n: usize| args.planned_inputs(&model, &data, n);
     let per_step = run.batch * group.world();
     let batch_names = args.batch_names(&data).map(|names| {
         Box::new(move |step| names(step, per_step)) as Box<dyn Fn(u64) -> String + '_>

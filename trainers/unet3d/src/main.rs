@@ -1,10 +1,11 @@
 //! `train-unet3d`: train the 3D U-Net with activation checkpointing on synthetic or `.npy` volumes.
 
 use anyhow::{bail, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use clap::ValueEnum;
 use datasets::volumes::{NpyVolumes, SyntheticVolumes};
 use remat::memory::CountingAlloc;
+use remat::Policy;
 use serde::Serialize;
 use std::path::PathBuf;
 use trainable::Model;
@@ -124,14 +125,8 @@ impl trainkit::Recipe for Args {
         Ok(Data::Npy(volumes))
     }
 
-    fn inputs(
-        &self,
-        model: &UNet3d,
-        data: &Data,
-        step: u64,
-        n: usize,
-        device: &Device,
-    ) -> Result<Vec<Tensor>> {
+    fn inputs(&self, model: &UNet3d, data: &Data, step: u64, n: usize) -> Result<Vec<Tensor>> {
+        let device = model.params().device();
         let (voxels, labels) = match data {
             Data::Synthetic(d) => d.batch(step, n),
             Data::Npy(d) => {
@@ -154,7 +149,7 @@ impl trainkit::Recipe for Args {
         &self.setup
     }
 
-    fn describe(&self, model: &UNet3d, _: &Data, policy: &remat::Policy, segments: &str) -> String {
+    fn describe(&self, model: &UNet3d, _: &Data, policy: &Policy, segments: &str) -> String {
         format!(
             "3D U-Net {}, policy {policy} ({segments}), batch {} x {}^3",
             model.params().count_text(),
