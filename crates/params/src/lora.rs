@@ -72,6 +72,13 @@ impl Lora {
         self.targets.iter().any(|t| names(t, layer))
     }
 
+    /// The configuration as a value equal exactly where two are (floats as their bits): what an
+    /// adapted layer's costs depend on, for the planner's alike stages (`remat::Signature`).
+    pub fn key(&self) -> (usize, u64, u32, Vec<String>, bool) {
+        let (alpha, dropout) = (self.alpha.to_bits(), self.dropout.to_bits());
+        (self.rank, alpha, dropout, self.targets.clone(), self.init_lora_weights)
+    }
+
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.rank == 0 {
             return Err("the LoRA rank must be at least 1".into());

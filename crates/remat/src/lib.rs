@@ -27,11 +27,13 @@ pub mod plan;
 pub mod policy;
 pub mod rng;
 pub mod rules;
+pub mod signature;
 pub mod stage;
 
 pub use exec::{Executor, StepOutput};
 pub use graph::{StageGraph, ValueId};
 pub use policy::{Policy, PolicyError, PolicyRequest};
+pub use signature::Signature;
 pub use stage::{from_fn, module, RunMode, RunPoint, Stage, StageCtx, StageKind};
 
 /// Errors of the checkpointing engine.

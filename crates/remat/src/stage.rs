@@ -1,6 +1,7 @@
 //! The unit the executor schedules: a stage, and the context it runs in.
 
 use crate::rng::RngKey;
+use crate::signature::Signature;
 use candle_core::{DType, Tensor};
 use std::cell::Cell;
 
@@ -50,7 +51,7 @@ pub trait Stage {
     /// of the same shapes that no other stage reads (the blocks of a transformer). The planner
     /// measures the first of them and reuses its costs for the others
     /// ([`crate::plan::Profile::measure`]). `None`, the default: measured on its own.
-    fn signature(&self) -> Option<String> {
+    fn signature(&self) -> Option<Signature> {
         None
     }
 }
@@ -193,7 +194,7 @@ macro_rules! forward_stage {
             ) -> candle_core::Result<Vec<Tensor>> {
                 (**self).forward(inputs, ctx)
             }
-            fn signature(&self) -> Option<String> {
+            fn signature(&self) -> Option<Signature> {
                 (**self).signature()
             }
         }

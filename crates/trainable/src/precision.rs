@@ -7,7 +7,7 @@
 
 use candle_core::DType;
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Precision {
     #[default]
     F32,

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use ops::{dropout, fused, LayerNorm, Linear, WeightLayout};
 use params::lora::Lora;
 use params::{Init, ParamStore};
-use remat::{Stage, StageCtx, StageGraph, StageKind};
+use remat::{Signature, Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
@@ -186,7 +186,7 @@ pub struct Layer {
     attn_pdrop: f32,
     hidden_pdrop: f32,
     /// What every layer of this configuration shares (the planner measures one of them).
-    signature: String,
+    signature: Signature,
 }
 
 impl Layer {
@@ -248,15 +248,13 @@ impl Layer {
             n_head: cfg.num_attention_heads,
             attn_pdrop: cfg.attention_probs_dropout_prob,
             hidden_pdrop: cfg.hidden_dropout_prob,
-            signature: format!(
-                "bert layer: C {c}, FFN {}, {} heads, eps {eps}, dropout {}/{}, {:?}, LoRA {:?}",
-                cfg.intermediate_size,
-                cfg.num_attention_heads,
-                cfg.attention_probs_dropout_prob,
-                cfg.hidden_dropout_prob,
+            signature: Signature::of((
+                "bert layer",
+                (c, cfg.intermediate_size, cfg.num_attention_heads, eps.to_bits()),
+                (cfg.attention_probs_dropout_prob.to_bits(), cfg.hidden_dropout_prob.to_bits()),
                 cfg.dtype,
-                cfg.lora
-            ),
+                cfg.lora.as_ref().map(Lora::key),
+            )),
         })
     }
 
@@ -284,7 +282,7 @@ impl Stage for Layer {
     fn name(&self) -> String {
         format!("encoder.layer.{}", self.index)
     }
-    fn signature(&self) -> Option<String> {
+    fn signature(&self) -> Option<Signature> {
         Some(self.signature.clone())
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {

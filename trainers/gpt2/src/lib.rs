@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use ops::{dropout, fused, LayerNorm, Linear, WeightLayout};
 use params::lora::Lora;
 use params::{Init, ParamStore};
-use remat::{Stage, StageCtx, StageGraph, StageKind};
+use remat::{Signature, Stage, StageCtx, StageGraph, StageKind};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
@@ -174,7 +174,7 @@ pub struct Block {
     attn_pdrop: f32,
     resid_pdrop: f32,
     /// What every block of this configuration shares (the planner measures one of them).
-    signature: String,
+    signature: Signature,
 }
 
 impl Block {
@@ -222,15 +222,13 @@ impl Block {
             n_head: cfg.n_head,
             attn_pdrop: cfg.attn_pdrop,
             resid_pdrop: cfg.resid_pdrop,
-            signature: format!(
-                "gpt2 block: C {c}, {} heads, eps {}, dropout {}/{}, {:?}, LoRA {:?}",
-                cfg.n_head,
-                cfg.layer_norm_epsilon,
-                cfg.attn_pdrop,
-                cfg.resid_pdrop,
+            signature: Signature::of((
+                "gpt2 block",
+                (c, cfg.n_head, cfg.layer_norm_epsilon.to_bits()),
+                (cfg.attn_pdrop.to_bits(), cfg.resid_pdrop.to_bits()),
                 cfg.dtype,
-                cfg.lora
-            ),
+                cfg.lora.as_ref().map(Lora::key),
+            )),
         })
     }
 
@@ -265,7 +263,7 @@ impl Stage for Block {
     fn name(&self) -> String {
         format!("h.{}", self.index)
     }
-    fn signature(&self) -> Option<String> {
+    fn signature(&self) -> Option<Signature> {
         Some(self.signature.clone())
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use ops::fused::widened;
 use ops::{max_pool2d_k3s2p1, BatchNorm};
 use params::{Init, ParamStore};
-use remat::{Stage, StageCtx, StageGraph, StageKind};
+use remat::{Signature, Stage, StageCtx, StageGraph, StageKind};
 
 /// Architecture: block type, blocks per layer, stem width.
 #[derive(Clone, Debug, PartialEq)]
@@ -212,7 +212,7 @@ pub struct Block {
     downsample: Option<(Conv, BatchNorm)>,
     stride: usize,
     /// What every block of these shapes shares (the planner measures one of them).
-    signature: String,
+    signature: Signature,
 }
 
 impl Block {
@@ -242,8 +242,7 @@ impl Block {
             None => None,
         };
         // The shapes decide a block's work; the first block of a layer projects its input.
-        let signature =
-            format!("resnet block: convs {shapes:?}, projection {down:?}, {:?}", cfg.dtype);
+        let signature = Signature::of(("resnet block", shapes.clone(), down, cfg.dtype));
         Ok(Block { name, convs, downsample, stride, signature })
     }
 }
@@ -252,7 +251,7 @@ impl Stage for Block {
     fn name(&self) -> String {
         self.name.clone()
     }
-    fn signature(&self) -> Option<String> {
+    fn signature(&self) -> Option<Signature> {
         Some(self.signature.clone())
     }
     fn kind(&self) -> StageKind {

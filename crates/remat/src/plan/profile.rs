@@ -1,6 +1,7 @@
 //! Measuring a profile: every stage run alone under the memory meter, in each of the executor's
 //! modes ([`Profile::measure`]), and profiles at other batch sizes ([`Profile::extrapolate`]).
 
+use crate::signature::Signature;
 use super::{PlanError, Profile, SharedGrad, StageCost, ValueCost};
 use crate::graph::{StageGraph, ValueId};
 use crate::keep::{KeptOp, Mode, OpSet, Scope, Stash};
@@ -166,7 +167,7 @@ struct Measured {
 }
 
 /// What makes stages alike: a signature and the shapes and dtypes of the inputs.
-type AlikeKey = (String, Vec<(Vec<usize>, DType)>);
+type AlikeKey = (Signature, Vec<(Vec<usize>, DType)>);
 
 /// What measuring a graph's stages needs throughout: the meter, where the graph's own values
 /// start and which is its loss, the parameters whose gradients are counted, the seed.
