@@ -1,11 +1,11 @@
 //! Measuring a profile: every stage run alone under the memory meter, in each of the executor's
 //! modes ([`Profile::measure`]), and profiles at other batch sizes ([`Profile::extrapolate`]).
 
-use crate::signature::Signature;
 use super::{PlanError, Profile, SharedGrad, StageCost, ValueCost};
 use crate::graph::{StageGraph, ValueId};
 use crate::keep::{KeptOp, Mode, OpSet, Scope, Stash};
 use crate::memory::{set_activity, tensor_bytes, Activity, Counter};
+use crate::signature::Signature;
 use crate::stage::{StageCtx, StageKind};
 use crate::{Error, Result};
 use candle_core::{DType, Tensor, Var};
