@@ -142,6 +142,15 @@ impl trainkit::Recipe for Args {
         Ok(model.inputs(&data.full_length_batch(0, n), device)?)
     }
 
+    fn read_files(&self) -> Vec<trainkit::snapshot::Input> {
+        let named = [
+            ("--text", &self.setup.text),
+            ("--tokenizer", &self.tokenizer),
+            ("--vocab", &self.vocab),
+        ];
+        trainkit::snapshot::inputs(&named)
+    }
+
     fn setup(&self, _: &Config) -> impl Serialize {
         &self.setup
     }

@@ -75,6 +75,10 @@ impl trainkit::Recipe for Args {
         Ok(model.inputs(&x, &y, n, self.text.seq, device)?)
     }
 
+    fn read_files(&self) -> Vec<trainkit::snapshot::Input> {
+        self.text.files()
+    }
+
     fn setup(&self, _: &Config) -> impl serde::Serialize {
         &self.text
     }

@@ -471,3 +471,47 @@ fn output_that_cannot_be_written_fails_the_run() {
 fn a_keep_of_an_op_the_model_lacks_is_refused() {
     fails_saying(&["--steps", "1", "--policy", "sqrt+keep=conv"], "runs no conv op to keep");
 }
+
+/// No output may be a file the run reads, however it is spelled (the same path, `./`, a hard
+/// link): `--init w --log-json w` turned the weights into a log, `--resume r --log-json r`
+/// appended a log to the snapshot, `--data t --save t` replaced the data with weights. The input is
+/// left as it was. A resume may still save over the training snapshot it resumed (the snapshot is
+/// written beside it and renamed over it, after it was read).
+#[test]
+fn an_output_onto_an_input_is_refused_and_the_input_kept() {
+    let dir = scratch("onto-input");
+    let at = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let saved = train(&["--steps", "1", "--save", &at("w.safetensors"), "--save-every", "1"]);
+    assert!(saved.status.success(), "{}", String::from_utf8_lossy(&saved.stderr));
+    // u16 little-endian byte tokens.
+    let tokens: Vec<u8> = (0..4000u16).flat_map(|i| (i * 7 % 251).to_le_bytes()).collect();
+    std::fs::write(dir.join("tokens.bin"), &tokens).unwrap();
+    std::fs::hard_link(dir.join("w.safetensors"), dir.join("link.safetensors")).unwrap();
+    let dot = format!("{}/./tokens.bin", dir.display());
+    let cases: [(&[&str], &str); 4] = [
+        (&["--init", &at("w.safetensors"), "--log-json", &at("w.safetensors")], "w.safetensors"),
+        (&["--init", &at("link.safetensors"), "--log-json", &at("w.safetensors")], "w.safetensors"),
+        (
+            &["--resume", &at("w.train.safetensors"), "--log-json", &at("w.train.safetensors")],
+            "w.train.safetensors",
+        ),
+        (&["--data", &at("tokens.bin"), "--save", &dot], "tokens.bin"),
+    ];
+    for (args, input) in cases {
+        let before = std::fs::read(dir.join(input)).unwrap();
+        let mut all = vec!["--steps", "1"];
+        all.extend_from_slice(args);
+        fails_saying(&all, "would destroy its own input");
+        assert!(std::fs::read(dir.join(input)).unwrap() == before, "{args:?} changed {input}");
+    }
+    let resumed = train(&[
+        "--steps",
+        "2",
+        "--resume",
+        &at("w.train.safetensors"),
+        "--save",
+        &at("w.safetensors"),
+    ]);
+    assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -9,6 +9,7 @@ use crate::args::{Defaults, RunArgs};
 use crate::hub::{HubArgs, HubFiles, Sources};
 use crate::lora::{LoraArgs, LoraSetup, Peft};
 use crate::parallel::Group;
+use crate::snapshot::{Input, Reads};
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use remat::Policy;
@@ -76,6 +77,12 @@ pub trait Recipe: clap::Parser {
     fn batch_names<'a>(&'a self, data: &'a Self::Data) -> Option<BatchNames<'a>> {
         let _ = data;
         None
+    }
+
+    /// The files this trainer's own flags make it read (`--text`, `--tokenizer`, `--vocab`), with
+    /// their flags: no output may be one of them. Default: none.
+    fn read_files(&self) -> Vec<Input> {
+        Vec::new()
     }
 
     /// This trainer's own flags that decide what a run computes, as a struct whose fields are
@@ -166,6 +173,7 @@ pub fn train<R: Recipe>(args: &R, group: &Group, device: &Device) -> Result<()> 
         sizes: format!("--batch {} x {flag} {size}", run.batch),
         setup: (args.setup(&config), lora.as_ref().map(LoraSetup::from)),
         outputs: lora_flags.map(|(flags, _)| flags.outputs()).unwrap_or_default(),
+        inputs: read_files(args, hub.as_ref()),
         planned_inputs: &planned,
         batch_names,
     };
@@ -177,6 +185,29 @@ pub fn train<R: Recipe>(args: &R, group: &Group, device: &Device) -> Result<()> 
         flags.save(lora.as_ref(), &model, (base_model, peft), group)?;
     }
     Ok(())
+}
+
+/// Every file the run reads, with its flag: the shared flags' (`--resume`, `--config`, `--init`,
+/// the `--model-id`'s files, `--load-adapter`'s) and the trainer's own ([`Recipe::read_files`]).
+fn read_files<R: Recipe>(args: &R, hub: Option<&HubFiles>) -> Vec<Input> {
+    let Flags { run, sources, lora } = args.flags();
+    let weights = [
+        ("--resume", run.resume.as_deref()),
+        ("--init", sources.init.and_then(|i| i.init.as_deref())),
+    ];
+    let weights =
+        weights.into_iter().filter_map(|(flag, p)| Some(Input::new(flag, p?, Reads::Weights)));
+    let adapter = lora.and_then(|(flags, _)| flags.load_adapter.as_deref());
+    let adapter_files = adapter.into_iter().flat_map(|dir| {
+        let file = |name: &&str| Input::new("--load-adapter's", &dir.join(name), Reads::Other);
+        params::lora::ADAPTER_FILES.iter().map(file).collect::<Vec<_>>()
+    });
+    let hub_files = hub.into_iter().flat_map(|h| {
+        let files = [Some(&h.config), Some(&h.weights), h.tokenizer.as_ref()];
+        files.into_iter().flatten().map(|p| Input::new("--model-id's", p, Reads::Other))
+    });
+    let config = sources.config.map(|p| Input::new("--config", p, Reads::Other));
+    weights.chain(config).chain(adapter_files).chain(hub_files).chain(args.read_files()).collect()
 }
 
 /// Refuses sizes no machine here could hold, before anything is built: the tensor every step of

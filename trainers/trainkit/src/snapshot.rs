@@ -293,8 +293,9 @@ pub enum Output<'a> {
 /// `--log-json`, and the trainer's `extra` outputs. Each file must be writable
 /// ([`check_writable`]); a folder must be one, or creatable, and not a link (its files would be
 /// written wherever it points); no two may be the same (`--save X --log-json X` would interleave
-/// a log with a snapshot, `--save X --save-merged X` keep only the last written).
-pub(crate) fn check_outputs(run: &RunArgs, extra: &[Output]) -> Result<()> {
+/// a log with a snapshot, `--save X --save-merged X` keep only the last written), and none may be
+/// a file the run reads (`inputs`: `--init w --log-json w` would turn the weights into a log).
+pub(crate) fn check_outputs(run: &RunArgs, extra: &[Output], inputs: &[Input]) -> Result<()> {
     let training = run.save.as_deref().map(training_snapshot_path);
     let shared = [
         ("--save", run.save.as_deref()),
@@ -332,8 +333,54 @@ pub(crate) fn check_outputs(run: &RunArgs, extra: &[Output]) -> Result<()> {
         if let Some((other, _)) = written[..i].iter().find(|(_, p)| same_file(p, path)) {
             bail!("{flag} and {other} are both {}; give each its own file", path.display());
         }
+        // A snapshot is written beside its target and renamed over it, after the weights it
+        // continues were read: a resume may save over the training snapshot it resumed.
+        let snapshot = [run.save.as_deref(), training.as_deref()].contains(&Some(path.as_path()));
+        let destroyed = inputs
+            .iter()
+            .filter(|input| !(snapshot && input.reads == Reads::Weights))
+            .find(|input| same_file(&input.path, path));
+        if let Some(input) = destroyed {
+            bail!(
+                "{flag} {} is the file {} {} reads: the run would destroy its own input; write \
+                 elsewhere",
+                path.display(),
+                input.flag,
+                input.path.display()
+            );
+        }
     }
     Ok(())
+}
+
+/// A file a run reads: the flag that names it and what it holds.
+pub struct Input {
+    pub flag: String,
+    pub path: std::path::PathBuf,
+    pub reads: Reads,
+}
+
+impl Input {
+    pub fn new(flag: &str, path: &Path, reads: Reads) -> Self {
+        Input { flag: flag.to_string(), path: path.to_path_buf(), reads }
+    }
+}
+
+/// The data files of `flags` that are given (`("--text", &args.text)`): none holds weights.
+pub fn inputs(flags: &[(&str, &Option<std::path::PathBuf>)]) -> Vec<Input> {
+    let given = |(flag, path): &(&str, &Option<std::path::PathBuf>)| {
+        Some(Input::new(flag, path.as_deref()?, Reads::Other))
+    };
+    flags.iter().filter_map(given).collect()
+}
+
+/// What an input file holds, as far as the outputs are concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reads {
+    /// Weights the run continues (`--init`, `--resume`): its own snapshot may replace them.
+    Weights,
+    /// Anything else (data, a tokenizer, a configuration, an adapter): no output may be it.
+    Other,
 }
 
 /// Fails now if the folder `dir` (given with `flag`) cannot take the files written into it: it
@@ -359,9 +406,17 @@ fn check_folder(dir: &Path, flag: &str) -> Result<bool> {
     }
 }
 
-/// Whether two output paths name one file: equal as given, or in the same folder (symlinks and
-/// `..` resolved) under the same name. [`check_writable`] has refused a symlink as the file itself.
+/// Whether two paths name one file: where both exist, the same device and inode; else equal as
+/// given, or in the same folder (symlinks and `..` resolved) under the same name.
+/// [`check_writable`] has refused a symlink as an output file itself.
 fn same_file(a: &Path, b: &Path) -> bool {
+    // Where both exist, by identity (device and inode): hard links, symbolic links and other
+    // spellings of one file are one file.
+    #[cfg(unix)]
+    if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+        use std::os::unix::fs::MetadataExt;
+        return (x.dev(), x.ino()) == (y.dev(), y.ino());
+    }
     let resolved = |p: &Path| {
         let folder = p.parent().filter(|f| !f.as_os_str().is_empty()).unwrap_or(Path::new("."));
         Some(std::fs::canonicalize(folder).ok()?.join(p.file_name()?))

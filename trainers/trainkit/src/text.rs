@@ -3,6 +3,7 @@
 //! tokenizer. Not here: a masked LM's data (BERT's own), the models.
 
 use crate::hub::HubFiles;
+use crate::snapshot::Input;
 use anyhow::{bail, Context, Result};
 use datasets::tokens::Batcher;
 use serde::Serialize;
@@ -30,6 +31,13 @@ pub struct TokenArgs {
 }
 
 impl TokenArgs {
+    /// The files these flags read, with their flags.
+    pub fn files(&self) -> Vec<Input> {
+        let named =
+            [("--data", &self.data), ("--text", &self.text), ("--tokenizer", &self.tokenizer)];
+        crate::snapshot::inputs(&named)
+    }
+
     /// Refuses a `--seq` the model's `context` (its positions) cannot take.
     pub fn check_context(&self, context: usize) -> Result<()> {
         if self.seq == 0 || self.seq > context {

@@ -10,7 +10,7 @@ use crate::plan::executor;
 use crate::say;
 use crate::scaler::LossScaler;
 use crate::snapshot::{
-    check_outputs, load_training, save_training, training_snapshot_path, Output, RunConfig,
+    check_outputs, load_training, save_training, training_snapshot_path, Input, Output, RunConfig,
 };
 use crate::step::{micro_batches, Stepper};
 use anyhow::{bail, Result};
@@ -37,6 +37,9 @@ pub struct Trainer<'a, M, S> {
     /// What the trainer writes besides the shared flags' outputs (`--save-merged`,
     /// `--save-adapter`): checked with them before training.
     pub outputs: Vec<Output<'a>>,
+    /// The files the run reads (`--init`, `--resume`, `--config`, data, tokenizer, ...): no
+    /// output may be one of them.
+    pub inputs: Vec<Input>,
     /// The inputs the planner measures a batch of `n` with (masked-LM batches of text are padded
     /// to their own longest row: planned at full length).
     pub planned_inputs: &'a dyn Fn(usize) -> Result<Vec<Tensor>>,
@@ -139,7 +142,7 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
             );
         }
         if self.group.is_root() {
-            check_outputs(run, &self.outputs)?;
+            check_outputs(run, &self.outputs, &self.inputs)?;
         }
         Ok(())
     }
