@@ -203,12 +203,13 @@ fn a_batch_the_machine_cannot_hold_is_skipped_before_it_is_built() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The files of `dir` (not its subfolders) with their bytes, by name.
+/// The files of `dir` (not its subfolders) with their bytes, by name; not the run's lock, which
+/// names the process that held the folder last.
 fn files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
     std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| p.is_file())
+        .filter(|p| p.is_file() && !p.ends_with(".lock"))
         .map(|p| {
             (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap())
         })
@@ -346,5 +347,34 @@ fn a_run_says_where_it_is() {
     let err = common::smoke(&dir, &args);
     let said = ["measuring gpt2-tiny off", "timing round 1/1: gpt2-tiny sqrt"];
     assert!(said.iter().all(|s| err.contains(s)), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A second run into a results folder another run holds is refused naming that process, and
+/// writes nothing there; once the holder has ended, the folder is free. Unlocked, both runs
+/// resumed from one half-written `matrix.json`, timed the same configurations at once and mixed
+/// their results.
+#[test]
+#[cfg(target_os = "linux")]
+fn a_second_run_into_a_held_folder_is_refused() {
+    use std::os::unix::io::AsRawFd;
+    let dir = out_dir("held");
+    std::fs::create_dir_all(&dir).unwrap();
+    // Held as a running harness holds it: an exclusive flock on `.lock`, which names the holder.
+    let held = std::fs::File::create(dir.join(".lock")).unwrap();
+    std::fs::write(dir.join(".lock"), "4242").unwrap();
+    // SAFETY: `held` is open, so its descriptor is valid for the call.
+    assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+    let args = smoke_args(&dir, &models_args("gpt2-tiny", "off", &[]));
+    let out = harness(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("in use by another bench-harness run (process 4242)"),
+        "{err}"
+    );
+    assert!(!dir.join("matrix.json").exists(), "the refused run wrote into the folder");
+    drop(held);
+    common::smoke(&dir, &models_args("gpt2-tiny", "off", &[]));
+    assert!(dir.join("matrix.json").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -10,6 +10,7 @@
 
 use super::baseline::{self, Measure};
 use super::child::spawn_one;
+use super::lock::lock;
 use super::rounds::{rounds_missing, time_rounds, Timing};
 use super::{gpt2_24gb, projection, Execution, Existing};
 use crate::cli::{Common, MatrixArgs, MatrixKind};
@@ -39,11 +40,14 @@ pub fn run(mut args: MatrixArgs) -> Result<()> {
     if args.matrix == MatrixKind::Render {
         let matrix = Matrix::load(&dir)?
             .with_context(|| format!("{} has no matrix.json to render", dir.display()))?;
+        let _lock = lock(&dir)?;
         report::save(&matrix, &dir)?;
         trainkit::say!("rendered {}", dir.display());
         return Ok(());
     }
     let (workloads, configs) = select(&args, profile)?;
+    // A dry run writes nothing into the folder; a measuring run holds it until its report.
+    let _lock = if args.dry_run { None } else { Some(lock(&dir)?) };
     let matrix = open(&dir, &args, &workloads, profile)?;
     let measured =
         |w: &Workload| matrix.records.iter().any(|r| r.model == w.model && r.status == Status::Ok);

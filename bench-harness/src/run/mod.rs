@@ -9,6 +9,7 @@ pub mod baseline;
 pub mod child;
 pub mod gpt2_24gb;
 pub mod kernels;
+pub mod lock;
 pub mod matrix;
 pub mod projection;
 pub mod rounds;
