@@ -378,3 +378,18 @@ fn a_second_run_into_a_held_folder_is_refused() {
     assert!(dir.join("matrix.json").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--rounds` is bounded: `--rounds 2^64-1` timed forever.
+#[test]
+fn rounds_beyond_their_bound_are_refused() {
+    let dir = out_dir("rounds");
+    let out = harness(&smoke_args(&dir, &["--rounds", "18446744073709551615"]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--rounds 18446744073709551615 is more than 1000"),
+        "{err}"
+    );
+    let out = harness(&smoke_args(&dir, &["--accumulate", "18446744073709551615"]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("is more than 1000000"), "{err}");
+}

@@ -93,6 +93,9 @@ pub fn run(mut args: MatrixArgs) -> Result<()> {
     Ok(())
 }
 
+/// The most timing rounds a run takes (`--rounds`).
+const MAX_ROUNDS: usize = 1000;
+
 /// Refuses flags that cannot go together, before anything runs.
 fn check(args: &MatrixArgs) -> Result<()> {
     let common = &args.common;
@@ -107,6 +110,12 @@ fn check(args: &MatrixArgs) -> Result<()> {
     if common.ranks == 0 {
         bail!("--ranks must be at least 1");
     }
+    // Each round runs every policy again, each micro-batch a forward and backward pass: beyond
+    // these a run would never end, and a product of counts could wrap.
+    if args.rounds > MAX_ROUNDS {
+        bail!("--rounds {} is more than {MAX_ROUNDS} (each reruns every policy)", args.rounds);
+    }
+    trainkit::args::check_accumulate(common.accumulate.unwrap_or(1), common.batch.unwrap_or(1))?;
     let state = trainkit::parallel::OptimizerState::from_flag(common.shard_optimizer);
     trainkit::parallel::check_sharding(state, common.ranks)?;
     if args.models.iter().any(|m| m.trim().is_empty()) {

@@ -515,3 +515,14 @@ fn an_output_onto_an_input_is_refused_and_the_input_kept() {
     assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Counts whose product or loop a step depends on are bounded: `--accumulate 2^64-1` wrapped the
+/// effective batch to 0 and never ended.
+#[test]
+fn accumulation_beyond_its_bound_or_a_count_is_refused() {
+    fails_saying(&["--steps", "1", "--accumulate", "18446744073709551615"], "is more than 1000000");
+    fails_saying(
+        &["--steps", "1", "--accumulate", "1000000", "--batch", "100000"],
+        "an effective batch too large to count",
+    );
+}

@@ -135,6 +135,23 @@ pub struct RunArgs {
 /// more would run for days without a word.
 const MAX_EVAL_BATCHES: usize = 10_000;
 
+/// The most micro-batches an optimizer step accumulates (`--accumulate`): each is a forward and
+/// a backward pass, so more would run for days without a word.
+pub const MAX_ACCUMULATE: usize = 1_000_000;
+
+/// Refuses an `--accumulate` beyond [`MAX_ACCUMULATE`], or one whose effective batch (`batch`
+/// samples per micro-batch, over all ranks) would not fit a count: it wrapped to "effective
+/// batch 0" and a step that never ended.
+pub fn check_accumulate(accumulate: usize, batch: usize) -> Result<()> {
+    if accumulate > MAX_ACCUMULATE {
+        bail!("--accumulate {accumulate} is more than {MAX_ACCUMULATE} (each is a forward and backward pass)");
+    }
+    if accumulate.checked_mul(batch).is_none_or(|n| n > u32::MAX as usize) {
+        bail!("--accumulate {accumulate} x --batch {batch}: an effective batch too large to count");
+    }
+    Ok(())
+}
+
 impl RunArgs {
     /// Refuses values the run could only ignore or misuse, before anything starts: a learning rate
     /// that is not a positive finite number (NaN or infinity would train to garbage without a
@@ -159,6 +176,7 @@ impl RunArgs {
                 bail!("{flag} must be at least 1");
             }
         }
+        check_accumulate(self.accumulate, self.batch.saturating_mul(self.ranks))?;
         if self.eval_batches > MAX_EVAL_BATCHES {
             bail!(
                 "--eval-batches {} is more than {MAX_EVAL_BATCHES} (each is a forward pass)",
