@@ -146,7 +146,8 @@ pub fn check_accumulate(accumulate: usize, batch: usize) -> Result<()> {
     if accumulate > MAX_ACCUMULATE {
         bail!("--accumulate {accumulate} is more than {MAX_ACCUMULATE} (each is a forward and backward pass)");
     }
-    if accumulate.checked_mul(batch).is_none_or(|n| n > u32::MAX as usize) {
+    // One micro-batch is the step's own size, refused with its footprint where it cannot fit.
+    if accumulate > 1 && accumulate.checked_mul(batch).is_none_or(|n| n > u32::MAX as usize) {
         bail!("--accumulate {accumulate} x --batch {batch}: an effective batch too large to count");
     }
     Ok(())
