@@ -123,6 +123,7 @@ impl Config {
             ("vocab_size", self.vocab_size),
             ("max_position_embeddings", self.max_position_embeddings),
             ("num_hidden_layers", self.num_hidden_layers),
+            ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
             ("type_vocab_size", self.type_vocab_size),
         ])?;

@@ -121,6 +121,7 @@ impl Config {
             ("vocab_size", self.vocab_size),
             ("n_positions", self.n_positions),
             ("n_layer", self.n_layer),
+            ("n_embd", self.n_embd),
         ])?;
         check::epsilon(("layer_norm_epsilon", self.layer_norm_epsilon))?;
         check::heads(("n_embd", self.n_embd), ("n_head", self.n_head))?;

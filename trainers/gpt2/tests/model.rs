@@ -111,6 +111,15 @@ fn bad_configs_name_the_field() {
     std::fs::write(&path, r#"{"vocab_size": 10, "n_positions": 8, "n_layer": 1, "n_head": 4}"#)
         .unwrap();
     assert!(Config::from_json(&path).unwrap_err().to_string().contains("n_embd"));
+    // A zero width passed the heads' check and panicked in the embedding (`chunk_size must not
+    // be zero`).
+    std::fs::write(
+        &path,
+        r#"{"vocab_size": 10, "n_positions": 8, "n_embd": 0, "n_layer": 1, "n_head": 4}"#,
+    )
+    .unwrap();
+    let err = Config::from_json(&path).unwrap_err().to_string();
+    assert!(err.contains("n_embd must be at least 1"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -90,6 +90,7 @@ impl trainkit::Recipe for Args {
     }
 
     fn check(&self, _: &Config) -> Result<()> {
+        trainkit::args::check_classes(self.classes)?;
         if self.image_size < 32 {
             bail!(
                 "--image-size {} is too small: ResNet downsamples 32x, use at least 32",

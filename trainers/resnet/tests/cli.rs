@@ -144,3 +144,17 @@ fn a_model_too_large_for_the_machine_is_refused() {
         "{err}"
     );
 }
+
+/// `--classes` near 2^64 (also 2^63, 2^61) panicked with `capacity overflow` allocating the
+/// synthetic labels: refused, naming the flag and its bound.
+#[test]
+fn classes_beyond_their_bound_are_refused() {
+    for classes in ["18446744073709551615", "9223372036854775808", "2305843009213693952"] {
+        let out = run(&["--preset", "tiny", "--steps", "1", "--classes", classes]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && !err.contains("panicked") && err.contains("is more than"),
+            "--classes {classes}: {err}"
+        );
+    }
+}

@@ -135,6 +135,20 @@ pub struct RunArgs {
 /// more would run for days without a word.
 const MAX_EVAL_BATCHES: usize = 10_000;
 
+/// The most classes a classifier takes (`--classes`): far beyond any classifier (ImageNet-21k has
+/// 21,841), and low enough that every size computed from it fits a count; a count near 2^64
+/// overflowed the allocation of the synthetic labels and panicked. Below it, a classifier too
+/// large for the machine is refused while it is built.
+pub const MAX_CLASSES: usize = 1 << 40;
+
+/// Refuses `--classes` beyond [`MAX_CLASSES`].
+pub fn check_classes(classes: usize) -> Result<()> {
+    if classes > MAX_CLASSES {
+        bail!("--classes {classes} is more than {MAX_CLASSES}");
+    }
+    Ok(())
+}
+
 /// The most micro-batches an optimizer step accumulates (`--accumulate`): each is a forward and
 /// a backward pass, so more would run for days without a word.
 pub const MAX_ACCUMULATE: usize = 1_000_000;

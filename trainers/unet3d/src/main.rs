@@ -97,6 +97,7 @@ impl trainkit::Recipe for Args {
     }
 
     fn check(&self, _: &Config) -> Result<()> {
+        trainkit::args::check_classes(self.setup.classes)?;
         if self.setup.classes < 2 {
             bail!(
                 "--classes must be at least 2 (with one class the loss is 0 and nothing is \

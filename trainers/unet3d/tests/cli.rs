@@ -24,6 +24,8 @@ fn impossible_groups_and_classes_are_refused() {
     fails_saying(&["--classes", "0"], "--classes must be at least 2");
     // One class trained at loss 0.
     fails_saying(&["--classes", "1"], "--classes must be at least 2");
+    // Near 2^64, the synthetic labels' allocation overflowed: `capacity overflow`.
+    fails_saying(&["--classes", "18446744073709551615"], "is more than 1099511627776");
 }
 
 /// A `.npy` file (NumPy format 1.0) of `descr` values with `shape`.
