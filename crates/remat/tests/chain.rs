@@ -6,7 +6,7 @@ use candle_core::{Device, Result, Tensor, Var};
 use remat::{Executor, Policy, Stage, StageGraph, StageKind};
 
 mod common;
-use common::{Dense, SquaredSum};
+use common::{bits, Dense, SquaredSum};
 
 fn weights() -> Vec<Var> {
     (0..6)
@@ -22,21 +22,6 @@ fn blocks(ws: &[Var]) -> Vec<Box<dyn Stage>> {
     ws.iter()
         .map(|w| {
             Box::new(Dense { w: w.as_tensor().clone(), kind: StageKind::Block }) as Box<dyn Stage>
-        })
-        .collect()
-}
-
-fn bits(grads: &candle_core::backprop::GradStore, ws: &[Var]) -> Vec<Vec<u32>> {
-    ws.iter()
-        .map(|w| {
-            let g = grads.get(w).expect("every weight has a gradient");
-            g.flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .into_iter()
-                .map(f32::to_bits)
-                .collect()
         })
         .collect()
 }

@@ -1,11 +1,11 @@
 //! The executor on a DAG with skip edges and a parameter shared across segments: every policy's
 //! gradients equal plain candle's bit for bit, with dropout on; and the check can fail.
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use remat::{Executor, Policy, Stage, StageCtx, StageGraph, StageKind};
 
 mod common;
-use common::{Dense, SquaredSum, PRODUCTS};
+use common::{bits, Dense, SquaredSum, PRODUCTS};
 
 fn weight(seed: u64, n: usize) -> Var {
     let v = remat::rng::RngKey::named(seed, "w").normal(n * n, 0.0, 0.5);
@@ -34,23 +34,6 @@ fn input() -> Tensor {
         &Device::Cpu,
     )
     .unwrap()
-}
-
-fn bits(grads: &candle_core::backprop::GradStore, ws: &[Var]) -> Vec<Vec<u32>> {
-    ws.iter()
-        .map(|w| {
-            let g = grads.get(w.as_tensor()).expect("every weight gets a gradient");
-            g.to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .into_iter()
-                .map(f32::to_bits)
-                .collect()
-        })
-        .collect()
 }
 
 fn grads_of(policy: &str, replay_rng: bool) -> Vec<Vec<u32>> {

@@ -134,7 +134,7 @@ pub fn main<R: Recipe>() -> Result<()> {
 pub fn train<R: Recipe>(args: &R, group: &Group, device: &Device) -> Result<()> {
     let Flags { run, sources, lora: lora_flags } = args.flags();
     let hub = sources.hub.map(HubArgs::files).transpose()?.flatten();
-    let mut config = match sources.config.or(hub.as_ref().map(|files| files.config.as_path())) {
+    let mut config = match crate::hub::config_file(sources.config, hub.as_ref()) {
         Some(path) => ConfigOf::<R>::from_json(path)?,
         None => args.preset(),
     };
@@ -229,6 +229,6 @@ fn check_sizes<R: Recipe>(args: &R, config: &ConfigOf<R>, lora: bool) -> Result<
         false => (2, "the memory of the parameters and their gradients"),
     };
     // In f32 elements, as check_footprint counts: bf16 weights take half.
-    let bytes = params * copies * run.dtype.weights().size_in_bytes() as u128;
-    crate::check_footprint(R::MODEL_FLAGS, what, Some(bytes.div_ceil(4)))
+    let bytes = params.checked_mul(copies * run.dtype.weights().size_in_bytes() as u128);
+    crate::check_footprint(R::MODEL_FLAGS, what, bytes.map(|b| b.div_ceil(4)))
 }

@@ -99,3 +99,22 @@ impl Stage for SquaredSum {
         Ok(vec![inputs[0].sqr()?.mean_all()?])
     }
 }
+
+/// Every weight's gradient bits (as f32), in order; each weight must have one.
+#[allow(dead_code)] // used by dag.rs and chain.rs, not by every test binary that shares this module
+pub fn bits(grads: &candle_core::backprop::GradStore, ws: &[candle_core::Var]) -> Vec<Vec<u32>> {
+    ws.iter()
+        .map(|w| {
+            let g = grads.get(w.as_tensor()).expect("every weight gets a gradient");
+            g.to_dtype(candle_core::DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .into_iter()
+                .map(f32::to_bits)
+                .collect()
+        })
+        .collect()
+}
