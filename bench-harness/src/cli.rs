@@ -146,9 +146,10 @@ pub struct MatrixArgs {
     /// scripts/torch_baseline.py (PyTorch eager, torch.utils.checkpoint on the same segments).
     #[arg(long, value_enum)]
     pub baseline: Option<BaselineKind>,
-    /// The Python that has torch, torchvision and transformers (for --baseline pytorch).
-    #[arg(long, default_value = "python3")]
-    pub python: String,
+    /// The Python that has torch, torchvision and transformers, for --baseline pytorch (which it
+    /// needs; default python3).
+    #[arg(long)]
+    pub python: Option<String>,
     /// Predict every configuration and run none: the planner's step peak (forward and backward,
     /// and what it is made of) and time, printed, nothing saved. gpt2-24gb: every configuration
     /// predicted at its size and recorded as not run.
@@ -156,6 +157,13 @@ pub struct MatrixArgs {
     pub dry_run: bool,
     #[command(flatten)]
     pub common: Common,
+}
+
+impl MatrixArgs {
+    /// The Python of `--baseline pytorch`: `--python`, else `python3`.
+    pub fn python(&self) -> &str {
+        self.python.as_deref().unwrap_or("python3")
+    }
 }
 
 impl Common {

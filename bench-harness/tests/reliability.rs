@@ -393,3 +393,21 @@ fn rounds_beyond_their_bound_are_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("is more than 1000000"), "{err}");
 }
+
+/// `--python` names the Python of `--baseline pytorch`: without `--baseline` it is refused,
+/// before anything runs. Unchecked, it was ignored and the run measured ours alone, as if no
+/// Python had been named.
+#[test]
+fn python_without_a_baseline_is_refused() {
+    let dir = out_dir("python-alone");
+    let extra = ["--python", "/opt/venv/bin/python", "--dry-run"];
+    let out = harness(&smoke_args(&dir, &models_args("gpt2-tiny", "off", &extra)));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && !err.contains("panicked")
+            && err.contains("--python needs --baseline"),
+        "{err}"
+    );
+    assert!(!dir.exists(), "the refused run wrote into the folder");
+}

@@ -134,6 +134,12 @@ fn check(args: &MatrixArgs) -> Result<()> {
              `off`: keep `off` among --policies"
         );
     }
+    if let (Some(python), None) = (&args.python, args.baseline) {
+        bail!(
+            "--python needs --baseline: {python} would run PyTorch beside ours (--baseline \
+             pytorch), and without --baseline nothing runs it"
+        );
+    }
     if args.baseline.is_some() && common.ranks > 1 {
         bail!("--baseline runs PyTorch in one process; it cannot be combined with --ranks");
     }
@@ -258,8 +264,8 @@ impl Run<'_> {
     fn all(&mut self, configs: &[Config], execution: Execution) -> Result<()> {
         let (args, common, profile) = (self.args, &self.args.common, self.profile);
         let python = match &args.baseline {
-            Some(_) => match baseline::available(&args.python) {
-                Ok(()) => Some(args.python.as_str()),
+            Some(_) => match baseline::available(args.python()) {
+                Ok(()) => Some(args.python()),
                 Err(why) => {
                     trainkit::say!("no PyTorch baseline: {why}; going on without it");
                     None
