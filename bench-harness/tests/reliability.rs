@@ -411,3 +411,28 @@ fn python_without_a_baseline_is_refused() {
     );
     assert!(!dir.exists(), "the refused run wrote into the folder");
 }
+
+/// A matrix.json with two records of one configuration (model, policy), a hand merge of two
+/// folders, is refused naming the file and the configuration, and nothing is written. Unchecked,
+/// `--matrix render` printed both as rows of one table, and a resume replaced only the first.
+#[test]
+fn two_records_of_one_configuration_are_refused() {
+    let dir = out_dir("duplicate");
+    common::smoke(&dir, &models_args("gpt2-tiny", "off", &[]));
+    let mut m = common::matrix(&dir);
+    let records = m["records"].as_array_mut().unwrap();
+    records.push(records[0].clone());
+    std::fs::write(dir.join("matrix.json"), m.to_string()).unwrap();
+    let before = files(&dir);
+    let out = harness(&["--matrix", "render", "--out", dir.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && !err.contains("panicked")
+            && err.contains(&dir.join("matrix.json").display().to_string())
+            && err.contains("two records of gpt2-tiny off"),
+        "{err}"
+    );
+    assert!(files(&dir) == before, "the refused render wrote into the folder");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

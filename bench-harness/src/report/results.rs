@@ -4,7 +4,7 @@
 
 use super::record::{Baseline, Projection, Record, Status};
 use crate::workloads::Profile;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -156,10 +156,37 @@ impl Matrix {
             return Ok(None);
         }
         let text = std::fs::read_to_string(&path)?;
-        Ok(Some(
-            serde_json::from_str(&text)
-                .with_context(|| format!("{} is not a matrix file", path.display()))?,
-        ))
+        let matrix: Matrix = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a matrix file", path.display()))?;
+        if let Some(twice) = matrix.repeated() {
+            bail!(
+                "{} holds two {twice}, where a results folder has one (a hand merge of two \
+                 folders?): remove one of them",
+                path.display()
+            );
+        }
+        Ok(Some(matrix))
+    }
+
+    /// The first configuration that has two records, two PyTorch records or two projections
+    /// (records are keyed by model and policy, projections by model), in words; `None` if none.
+    /// Every reader finds the first alone, and the reports would show both.
+    fn repeated(&self) -> Option<String> {
+        fn first_twice<'a, T>(list: &'a [T], key: impl Fn(&'a T) -> String) -> Option<String> {
+            let mut seen = std::collections::HashSet::new();
+            list.iter().map(key).find(|k| !seen.insert(k.clone()))
+        }
+        let model_policy = |model: &str, policy: &str| format!("{model} {policy}");
+        first_twice(&self.records, |r| model_policy(&r.model, &r.policy))
+            .map(|k| format!("records of {k}"))
+            .or_else(|| {
+                first_twice(&self.baselines, |b| model_policy(&b.model, &b.policy))
+                    .map(|k| format!("PyTorch records of {k}"))
+            })
+            .or_else(|| {
+                first_twice(&self.projections, |p| p.model.clone())
+                    .map(|k| format!("projections of {k}"))
+            })
     }
 
     /// The names of the models of `set`, in run order.
@@ -274,6 +301,34 @@ pub fn this_command() -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::record::{Baseline, Record};
+
+    /// Records and PyTorch's are keyed by (model, policy): one model under two policies is two
+    /// configurations, one configuration twice is refused.
+    #[test]
+    fn a_configuration_recorded_twice_is_found() {
+        let rec = |model: &str, policy: &str| Record {
+            model: model.into(),
+            policy: policy.into(),
+            ..Record::default()
+        };
+        let baseline = |model: &str, policy: &str| Baseline {
+            model: model.into(),
+            policy: policy.into(),
+            ..Baseline::default()
+        };
+        let mut m = super::Matrix {
+            records: vec![rec("gpt2-tiny", "off"), rec("gpt2-tiny", "sqrt"), rec("bert", "off")],
+            baselines: vec![baseline("gpt2-tiny", "off"), baseline("gpt2-tiny", "sqrt")],
+            ..super::Matrix::default()
+        };
+        assert_eq!(m.repeated(), None);
+        m.baselines.push(baseline("gpt2-tiny", "sqrt"));
+        assert_eq!(m.repeated().as_deref(), Some("PyTorch records of gpt2-tiny sqrt"));
+        m.records.push(rec("bert", "off"));
+        assert_eq!(m.repeated().as_deref(), Some("records of bert off"));
+    }
+
     #[test]
     fn fits_a_power_law() {
         let pts: Vec<(f64, f64)> =
