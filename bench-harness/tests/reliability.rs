@@ -436,3 +436,29 @@ fn two_records_of_one_configuration_are_refused() {
     assert!(files(&dir) == before, "the refused render wrote into the folder");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--ranks 2` where mpirun is not installed (here: not on an empty PATH) is refused before
+/// anything runs, naming mpirun and the package that has it. Unchecked, every configuration was
+/// recorded as "could not start: No such file or directory (os error 2)", naming no program.
+#[test]
+fn ranks_without_mpirun_name_it_and_how_to_get_it() {
+    let dir = out_dir("no-mpirun");
+    let empty_path = out_dir("no-mpirun-path");
+    std::fs::create_dir_all(&empty_path).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_bench-harness"))
+        .env("PATH", &empty_path)
+        .args(smoke_args(&dir, &models_args("gpt2-tiny", "off", &["--ranks", "2"])))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && !err.contains("panicked")
+            && err.contains("mpirun")
+            && err.contains("apt-get install openmpi-bin"),
+        "{err}"
+    );
+    assert!(!dir.join("matrix.json").exists(), "nothing ran, so nothing is written");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::remove_dir_all(&empty_path).unwrap();
+}

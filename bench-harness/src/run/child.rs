@@ -31,7 +31,10 @@ pub fn spawn_one(
     };
     let out = match cmd.output() {
         Ok(out) => out,
-        Err(e) => return failed(Status::Error, format!("could not start: {e}")),
+        Err(e) => {
+            let program = cmd.get_program().to_string_lossy().into_owned();
+            return failed(Status::Error, format!("could not start {program}: {e}"));
+        }
     };
     let stdout = String::from_utf8_lossy(&out.stdout);
     if out.status.success() {

@@ -110,6 +110,16 @@ fn check(args: &MatrixArgs) -> Result<()> {
     if common.ranks == 0 {
         bail!("--ranks must be at least 1");
     }
+    // Unchecked, every configuration would be recorded as "could not start: No such file or
+    // directory", naming no program.
+    if common.ranks > 1 && args.matrix != MatrixKind::Render && !on_path("mpirun") {
+        bail!(
+            "--ranks {} runs each configuration under mpirun, which is not installed (not found \
+             on PATH): install Open MPI (apt-get install openmpi-bin; a build with --features mpi \
+             also needs libopenmpi-dev libclang-dev)",
+            common.ranks
+        );
+    }
     // Each round runs every policy again, each micro-batch a forward and backward pass: beyond
     // these a run would never end, and a product of counts could wrap.
     if args.rounds > MAX_ROUNDS {
@@ -154,6 +164,16 @@ fn check(args: &MatrixArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Whether `program` is an executable file in a folder of PATH, where a command finds it.
+fn on_path(program: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path).any(|dir| {
+        std::fs::metadata(dir.join(program))
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    })
 }
 
 /// The workloads of the matrix's kind and profile that `--models` selects, with the command

@@ -30,12 +30,8 @@ pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
             ("mpi", cfg!(feature = "mpi"))
         };
         if !built {
-            bail!(
-                "--ranks {} on {} needs a build with `--features {feature}` (e.g. cargo build \
-                 --release -p gpt2 --features {feature})",
-                run.ranks,
-                run.device
-            );
+            let exe = std::env::current_exe().ok();
+            bail!(needs_feature(run.ranks, &run.device, feature, exe.as_deref()));
         }
         let (how, status) = match run.device.is_cuda() {
             true => ("one process per GPU", one_process_per_gpu(run.ranks)?),
@@ -62,6 +58,23 @@ pub fn launch(run: &RunArgs) -> Result<Option<(Group, candle_core::Device)>> {
         );
     }
     Ok(Some((group, device)))
+}
+
+/// What `--ranks N` says in a build without `feature` (`mpi` or `nccl`): the build that has it,
+/// of the trainer's own package, which its binary `exe` names (`train-bert` is package `bert`).
+fn needs_feature(
+    ranks: usize,
+    device: &crate::DeviceName,
+    feature: &str,
+    exe: Option<&std::path::Path>,
+) -> String {
+    let package = exe
+        .and_then(|exe| exe.file_stem()?.to_str()?.strip_prefix("train-"))
+        .unwrap_or("<the trainer's package>");
+    format!(
+        "--ranks {ranks} on {device} needs a build with `--features {feature}` (e.g. cargo build \
+         --release -p {package} --features {feature})"
+    )
 }
 
 /// This process's arguments without `--ranks`.
@@ -423,6 +436,25 @@ mod tests {
         assert_eq!(owners(&[5; 6], 3), [0, 0, 1, 1, 2, 2]);
         assert_eq!(owners(&[1, 2], 4), [0, 2]);
         assert_eq!(owners(&[], 2), Vec::<usize>::new());
+    }
+
+    /// A trainer built without MPI names the build of its own package: `train-bert --ranks 2`
+    /// suggested `-p gpt2`.
+    #[test]
+    fn a_build_without_the_feature_names_the_trainers_package() {
+        let cpu = crate::DeviceName::Cpu;
+        for package in ["gpt2", "bert", "resnet", "unet3d"] {
+            let exe = std::path::PathBuf::from(format!("/w/target/release/train-{package}"));
+            let said = needs_feature(2, &cpu, "mpi", Some(&exe));
+            assert!(
+                said.starts_with("--ranks 2 on cpu needs a build with `--features mpi`")
+                    && said.contains(&format!("cargo build --release -p {package} --features mpi")),
+                "{said}"
+            );
+        }
+        // Another binary's name: no package guessed.
+        let said = needs_feature(2, &cpu, "mpi", Some(std::path::Path::new("/usr/bin/trainer")));
+        assert!(!said.contains("-p gpt2") && said.contains("--features mpi"), "{said}");
     }
 
     #[test]
