@@ -462,3 +462,37 @@ fn ranks_without_mpirun_name_it_and_how_to_get_it() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::remove_dir_all(&empty_path).unwrap();
 }
+
+/// `--matrix depth` sweeps GPT-2 block stacks only: a `--models` of another model is refused
+/// saying which models the depth matrix takes, and a profile without a depth sweep says so.
+/// Unchecked, `--matrix depth --models resnet` said resnet was not in the profile, which has it.
+#[test]
+fn the_depth_matrix_names_the_models_it_takes() {
+    let dir = out_dir("depth-models");
+    for (args, needles) in [
+        (
+            vec!["--profile", "smoke", "--matrix", "depth", "--models", "resnet"],
+            &["--matrix depth", "GPT-2", "depth-2, depth-4, depth-8, depth-16"][..],
+        ),
+        (
+            vec!["--profile", "gpt2-24gb", "--matrix", "depth"],
+            &["profile `gpt2-24gb` has no depth sweep"][..],
+        ),
+    ] {
+        let mut args = args.clone();
+        args.extend(["--dry-run", "--out", dir.to_str().unwrap()]);
+        let out = harness(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && !err.contains("panicked")
+                && !err.contains("matches no model of profile")
+                && needles.iter().all(|n| err.contains(n)),
+            "{args:?}: {err}"
+        );
+    }
+    // The models matrix still names the profile's models.
+    let out = harness(&["--profile", "smoke", "--models", "vgg", "--dry-run"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("gpt2-tiny"), "{err}");
+}

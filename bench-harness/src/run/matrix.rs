@@ -187,12 +187,13 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
     if matches!(args.matrix, MatrixKind::All | MatrixKind::Depth) {
         selected.extend(workloads::depth_sweep(profile));
     }
+    let names: Vec<String> = selected.iter().map(|w| w.model.clone()).collect();
     let workloads: Vec<Workload> = by_name(selected, &args.models)
         .into_iter()
         .map(|w| w.overridden(args.common.overrides()))
         .collect();
     if workloads.is_empty() {
-        bail!("--models {:?} matches no model of profile `{profile}`", args.models);
+        bail!(no_model(args, profile, &names));
     }
     let configs: Vec<Config> = workloads
         .iter()
@@ -227,6 +228,30 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
         );
     }
     Ok((workloads, configs))
+}
+
+/// Why `--models` selects nothing from `names`, the models of the matrix's kind at `profile`:
+/// the depth matrix takes its own GPT-2 block stacks only, not the profile's models.
+fn no_model(args: &MatrixArgs, profile: Profile, names: &[String]) -> String {
+    let models = args.models.join(",");
+    let names = names.join(", ");
+    match args.matrix {
+        MatrixKind::Depth if names.is_empty() => format!(
+            "--matrix depth: profile `{profile}` has no depth sweep (the profiles smoke, cpu and \
+             full have one)"
+        ),
+        MatrixKind::Depth => format!(
+            "--models {models} matches none of the models --matrix depth takes: the depth sweep \
+             runs its own GPT-2 block stacks of growing depth, at profile `{profile}`: {names} \
+             (leave --models out to run them all, or use --matrix models for the profile's \
+             models)"
+        ),
+        MatrixKind::All => format!(
+            "--models {models} matches no model of profile `{profile}` or of its depth sweep; \
+             they are: {names}"
+        ),
+        _ => format!("--models {models} matches no model of profile `{profile}`; it has: {names}"),
+    }
 }
 
 /// The results folder's matrix, to resume: refused where it holds results of another
