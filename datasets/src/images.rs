@@ -93,32 +93,40 @@ pub struct ImageFolder {
 const MEAN: [f32; 3] = [0.485, 0.456, 0.406];
 const STD: [f32; 3] = [0.229, 0.224, 0.225];
 
+/// The images an image folder at `root` holds, as [`ImageFolder::open`] reads them: the files
+/// with an image extension in each of its sub-folders.
+pub fn listed(root: &std::path::Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+    Ok(class_folders(root)?.into_iter().flat_map(|(_, images)| images).collect())
+}
+
+/// Each sub-folder of `root` (a class), in name order, with its image files in name order.
+#[allow(clippy::type_complexity)]
+fn class_folders(
+    root: &std::path::Path,
+) -> std::io::Result<Vec<(std::path::PathBuf, Vec<std::path::PathBuf>)>> {
+    let entries = |dir: &std::path::Path| -> std::io::Result<Vec<std::path::PathBuf>> {
+        let mut paths: Vec<_> =
+            std::fs::read_dir(dir)?.filter_map(|e| Some(e.ok()?.path())).collect();
+        paths.sort();
+        Ok(paths)
+    };
+    let image = |p: &std::path::PathBuf| {
+        p.extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| ["png", "jpg", "jpeg"].contains(&e.to_ascii_lowercase().as_str()))
+    };
+    let dirs = entries(root)?.into_iter().filter(|p| p.is_dir());
+    dirs.map(|dir| Ok((dir.clone(), entries(&dir)?.into_iter().filter(image).collect()))).collect()
+}
+
 impl ImageFolder {
     pub fn open(root: &std::path::Path, size: usize, seed: u64) -> Result<Self, FolderError> {
         let io = |source| FolderError::Io { path: root.display().to_string(), source };
-        let mut dirs: Vec<std::path::PathBuf> = std::fs::read_dir(root)
-            .map_err(io)?
-            .filter_map(|e| e.ok())
-            .map(|e| e.path())
-            .filter(|p| p.is_dir())
-            .collect();
-        dirs.sort();
         let (mut classes, mut files) = (Vec::new(), Vec::new());
-        for dir in dirs {
-            let mut images: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
-                .map_err(io)?
-                .filter_map(|e| e.ok())
-                .map(|e| e.path())
-                .filter(|p| {
-                    p.extension().and_then(|e| e.to_str()).is_some_and(|e| {
-                        ["png", "jpg", "jpeg"].contains(&e.to_ascii_lowercase().as_str())
-                    })
-                })
-                .collect();
+        for (dir, images) in class_folders(root).map_err(io)? {
             if images.is_empty() {
                 return Err(FolderError::EmptyClass { path: dir.display().to_string() });
             }
-            images.sort();
             let label = classes.len() as u32;
             classes.push(
                 dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),

@@ -85,6 +85,22 @@ pub struct Volume {
     pub labels: Vec<u32>,
 }
 
+/// The files a volume folder at `root` holds, as [`NpyVolumes::open`] reads them: each
+/// `images/*.npy` and the `labels/` file of its name, where there is one.
+pub fn listed(root: &Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(root.join("images"))? {
+        let path = entry?.path();
+        let label = root.join("labels").join(path.file_name().unwrap_or_default());
+        if path.extension().is_some_and(|e| e == "npy") {
+            files.push(path);
+            files.extend(Some(label).filter(|l| l.exists()));
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
 impl NpyVolumes {
     pub fn open(root: &Path, seed: u64) -> Result<Self, VolumeError> {
         let folder = |why: String| VolumeError::Folder { path: root.display().to_string(), why };

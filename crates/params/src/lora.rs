@@ -157,7 +157,55 @@ impl Adapter {
     }
 }
 
+/// The metadata key under which a snapshot of a model with LoRA adapters keeps their scale
+/// (alpha / rank), which its tensors do not show.
+const LORA_SCALE: &str = "lora_scale";
+
 impl ParamStore {
+    /// What a snapshot of this store keeps besides its tensors: its adapters' scale, where it
+    /// has adapters.
+    pub fn metadata(&self) -> HashMap<String, String> {
+        let scale = self.adapters.first().map(|a| (LORA_SCALE.to_string(), a.scale.to_string()));
+        scale.into_iter().collect()
+    }
+
+    /// Refuses a snapshot at `path` whose adapters (its `tensors`, under this store's names, and
+    /// its `metadata`) this store has at another rank or scale: loading them would drop them
+    /// (another shape is initialised instead) or rescale them. Snapshots written before the scale
+    /// was kept are checked for their rank.
+    pub fn check_adapters(
+        &self,
+        tensors: &HashMap<String, Tensor>,
+        metadata: &HashMap<String, String>,
+        path: &str,
+    ) -> std::result::Result<(), SnapshotError> {
+        let Some(ours) = self.adapters.first() else { return Ok(()) };
+        // lora_A is (rank, in).
+        let rank_of = |t: &Tensor| t.dims().first().copied().unwrap_or(0);
+        let a_name = format!("{}.{LORA_A}", ours.layer);
+        let Some(our_rank) = self.all().find(|(n, _)| **n == a_name).map(|(_, v)| rank_of(v))
+        else {
+            return Ok(());
+        };
+        let Some((_, theirs)) = tensors.iter().find(|(n, _)| n.ends_with(LORA_A)) else {
+            return Ok(());
+        };
+        let rank = rank_of(theirs);
+        let scale = metadata.get(LORA_SCALE).and_then(|s| s.parse::<f64>().ok());
+        if rank == our_rank && scale.is_none_or(|s| s == ours.scale) {
+            return Ok(());
+        }
+        let describe = |rank: usize, scale: Option<f64>| match scale {
+            Some(scale) => format!("rank {rank}, alpha {}", scale * rank as f64),
+            None => format!("rank {rank}"),
+        };
+        Err(SnapshotError::AdapterConfig {
+            path: path.to_string(),
+            snapshot: describe(rank, scale),
+            model: describe(our_rank, Some(ours.scale)),
+        })
+    }
+
     /// Records that `layer` has a LoRA adapter (its `lora_A`/`lora_B` parameters), for merging.
     pub(crate) fn register_adapter(&mut self, layer: &str, layout: WeightLayout, scale: f64) {
         self.adapters.push(AdapterInfo { layer: layer.into(), layout, scale });

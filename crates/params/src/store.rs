@@ -41,6 +41,18 @@ pub enum SnapshotError {
          first): loaded, they would be dropped and the adapters' training lost"
     )]
     Adapters { path: String, count: usize, first: String },
+    #[error(
+        "snapshot {path} holds LoRA adapters of {snapshot}, this run's are {model}: loaded, they \
+         would be dropped or rescaled; give --lora and --lora-alpha as the run that wrote it did"
+    )]
+    AdapterConfig { path: String, snapshot: String, model: String },
+    #[error(
+        "snapshot {path} holds {count} tensors this model has not (`{first}` first): it is \
+         another model's weights, or of another configuration"
+    )]
+    Unknown { path: String, count: usize, first: String },
+    #[error("snapshot {path}: tensor `{name}` holds {what}; weights must be finite numbers")]
+    NotFinite { path: String, name: String, what: String },
     #[error("{path}: {problem}")]
     Config { path: String, problem: String },
     #[error(
@@ -234,7 +246,7 @@ impl ParamStore {
     /// written beside the target and renamed over it, so an interrupted write keeps the old one.
     pub fn save(&self, path: &Path) -> std::result::Result<(), SnapshotError> {
         let io = |source| SnapshotError::Io { path: path.display().to_string(), source };
-        write_snapshot(path, &self.tensors(), HashMap::new()).map_err(io)
+        write_snapshot(path, &self.tensors(), self.metadata()).map_err(io)
     }
 
     /// Every parameter and buffer under its name, as a snapshot holds them.
@@ -276,7 +288,7 @@ impl ParamStore {
         let (mut updates, mut initialised) = (Vec::new(), Vec::new());
         for (name, var) in self.all() {
             match found.remove(name) {
-                Some(t) if t.dims() == var.dims() => updates.push((var, t)),
+                Some(t) if t.dims() == var.dims() => updates.push((name, var, t)),
                 Some(t) if replaceable(name) => initialised
                     .push(Initialised { name: name.clone(), found: Some(t.dims().to_vec()) }),
                 None if replaceable(name) => {
@@ -293,12 +305,50 @@ impl ParamStore {
                 None => return Err(SnapshotError::Missing { path: p.clone(), name: name.clone() }),
             }
         }
-        for (var, t) in updates {
+        if let Some(first) = found.keys().min() {
+            let (count, first) = (found.len(), first.clone());
+            return Err(SnapshotError::Unknown { path: p, count, first });
+        }
+        for (name, var, t) in &updates {
+            check_finite(var, t).map_err(|what| SnapshotError::NotFinite {
+                path: p.clone(),
+                name: name.to_string(),
+                what,
+            })?;
+        }
+        for (_, var, t) in updates {
             var.set(&t.to_dtype(var.dtype()).and_then(|t| t.to_device(var.device())).map_err(io)?)
                 .map_err(io)?;
         }
         Ok(initialised)
     }
+}
+
+/// Refuses a tensor loaded into `var` that is not of a float dtype (an integer tensor would be
+/// cast into weights silently) or holds a NaN or an infinity (it would surface steps later as
+/// non-finite gradients blamed on the data); says which. Buffers of integers (a BatchNorm's
+/// batch count) take integers.
+fn check_finite(var: &Var, t: &Tensor) -> std::result::Result<(), String> {
+    if !var.dtype().is_float() {
+        return Ok(());
+    }
+    if !t.dtype().is_float() {
+        return Err(format!("{:?} values where the model has {:?}", t.dtype(), var.dtype()));
+    }
+    let floats = t.flatten_all().and_then(|t| t.to_dtype(DType::F32)).map_err(|e| e.to_string())?;
+    // x * 0 is 0 for every finite x and NaN for a NaN or an infinity: one pass, no copy kept.
+    let finite = floats
+        .affine(0.0, 0.0)
+        .and_then(|d| d.sum_all())
+        .and_then(|s| s.to_scalar::<f32>())
+        .map_err(|e| e.to_string())?
+        == 0.0;
+    if finite {
+        return Ok(());
+    }
+    let values = floats.to_vec1::<f32>().map_err(|e| e.to_string())?;
+    let (at, v) = values.iter().enumerate().find(|(_, v)| !v.is_finite()).unwrap_or((0, &f32::NAN));
+    Err(format!("{v} (element {at} of {})", values.len()))
 }
 
 /// The metadata key of the checksum our snapshots carry.
@@ -390,11 +440,17 @@ pub fn read_snapshot(path: &Path, device: &Device) -> std::result::Result<Snapsh
     Ok((tensors, metadata))
 }
 
+/// The temporary [`write_atomically`] writes `path` through: `w.safetensors` is written as
+/// `w.partial`. One that exists was left by a write the process did not live to finish.
+pub fn partial_path(path: &Path) -> std::path::PathBuf {
+    path.with_extension("partial")
+}
+
 /// Writes a file through `write` to a temporary beside `path`, then renames it over `path`: an
 /// interrupted write keeps the previous file, and a failed one leaves no temporary behind. The
 /// file is readable by all (0644), as files written by other tools are.
 pub fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let tmp = path.with_extension("partial");
+    let tmp = partial_path(path);
     let done = write(&tmp).and_then(|()| {
         #[cfg(unix)]
         std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;

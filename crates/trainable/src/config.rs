@@ -60,8 +60,10 @@ macro_rules! presets {
 
 /// A model's configuration as a run sets it, whatever the model: what the shared flags (`--dtype`,
 /// `--freeze`, `--lora`) decide of it, and where it reads a `config.json` from. The training path
-/// sets them here and nowhere else. [`model_config!`](crate::model_config) implements it.
-pub trait ModelConfig: Clone + std::fmt::Debug + 'static {
+/// sets them here and nowhere else; a training snapshot keeps its fields (serialized: what the
+/// shared flags set is kept as flags, and skipped). [`model_config!`](crate::model_config)
+/// implements it.
+pub trait ModelConfig: Clone + std::fmt::Debug + serde::Serialize + 'static {
     /// Reads a Hugging Face `config.json`; errors name the file and the field. Default: the model
     /// has none (its presets are its sizes).
     fn from_json(path: &Path) -> Result<Self, ConfigError> {
@@ -131,10 +133,15 @@ macro_rules! model_config {
 /// The checks of a configuration's fields that every model shares, each failing with the
 /// message that names the field (for [`read_config`]'s `validate`).
 pub mod check {
-    /// Each of `fields` (name, value) is at least 1.
+    /// The largest size a configuration's field may have (2^31): beyond any model published,
+    /// and low enough that the products of sizes a model computes (a weight's elements, a
+    /// step's activations) cannot overflow before its footprint is checked.
+    pub const MAX_SIZE: usize = 1 << 31;
+
+    /// Each of `fields` (name, value) is in 1..=[`MAX_SIZE`].
     pub fn positive(fields: &[(&str, usize)]) -> Result<(), String> {
-        match fields.iter().find(|(_, v)| *v == 0) {
-            Some((name, _)) => Err(format!("{name} must be at least 1")),
+        match fields.iter().find(|(_, v)| !(1..=MAX_SIZE).contains(v)) {
+            Some((name, v)) => Err(format!("{name} must be in 1..={MAX_SIZE}, got {v}")),
             None => Ok(()),
         }
     }
@@ -164,6 +171,25 @@ pub mod check {
             return Err(format!("{name} must be a positive number, got {eps}"));
         }
         Ok(())
+    }
+
+    /// `key` (a `config.json` key of a variant the model does not implement) has one of the
+    /// values it implements (`supported`, shown as JSON): another would be silently ignored.
+    pub fn implemented<T: PartialEq + serde::Serialize>(
+        key: &str,
+        value: &T,
+        supported: &[T],
+    ) -> Result<(), String> {
+        if supported.contains(value) {
+            return Ok(());
+        }
+        let json = |v: &T| serde_json::to_string(v).unwrap_or_default();
+        let supported: Vec<String> = supported.iter().map(json).collect();
+        Err(format!(
+            "{key} {} is not implemented by this model (supported: {})",
+            json(value),
+            supported.join(", ")
+        ))
     }
 
     /// The LoRA adapters, where there are some.

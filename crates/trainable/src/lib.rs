@@ -147,15 +147,19 @@ pub trait Model {
     /// initial values (returned, for the log), unless `strict`.
     /// LoRA adapters, which no base model's weights hold, keep theirs too (and are not returned);
     /// adapters the snapshot holds and the model has not are refused
-    /// ([`SnapshotError::Adapters`]): a LoRA run's training is in them.
+    /// ([`SnapshotError::Adapters`]): a LoRA run's training is in them; so are adapters of
+    /// another rank or scale ([`SnapshotError::AdapterConfig`]).
     fn init_from(
         &self,
         path: &Path,
         strict: bool,
     ) -> std::result::Result<Vec<Initialised>, SnapshotError> {
         let adapter = params::lora::is_adapter;
-        let (tensors, _) = params::read_snapshot(path, self.params().device())?;
+        let (tensors, metadata) = params::read_snapshot(path, self.params().device())?;
         let p = path.display().to_string();
+        let renamed: std::collections::HashMap<String, candle_core::Tensor> =
+            tensors.iter().filter_map(|(n, t)| Some((self.snapshot_name(n)?, t.clone()))).collect();
+        self.params().check_adapters(&renamed, &metadata, &p)?;
         let ours: std::collections::HashSet<&str> =
             self.params().all().map(|(n, _)| n.as_str()).collect();
         // An adapter of one of this model's layers that the model gives no adapter.

@@ -36,6 +36,8 @@ pub struct Config {
     pub attention_probs_dropout_prob: f32,
     #[serde(default = "default_eps")]
     pub layer_norm_eps: f64,
+    #[serde(flatten)]
+    pub variant: Variant,
     /// The dtype activations are stored in (not in `config.json`: a training choice).
     #[serde(skip)]
     pub dtype: trainable::Precision,
@@ -47,6 +49,46 @@ pub struct Config {
     /// base parameter frozen (`--lora`).
     #[serde(skip)]
     pub lora: Option<Lora>,
+}
+
+/// The `config.json` keys of variants of BERT this crate does not implement, at BERT's own
+/// values: read so that another value is refused naming the key, not ignored.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Variant {
+    /// The feed-forward activation: GELU's exact (erf) form.
+    pub hidden_act: String,
+    /// Learned absolute positions.
+    pub position_embedding_type: String,
+    pub is_decoder: bool,
+    pub add_cross_attention: bool,
+    /// The masked-LM decoder is the word embedding.
+    pub tie_word_embeddings: bool,
+}
+
+impl Default for Variant {
+    fn default() -> Self {
+        Variant {
+            hidden_act: "gelu".into(),
+            position_embedding_type: "absolute".into(),
+            is_decoder: false,
+            add_cross_attention: false,
+            tie_word_embeddings: true,
+        }
+    }
+}
+
+impl Variant {
+    /// Every key at a value this crate implements.
+    fn validate(&self) -> std::result::Result<(), String> {
+        use trainable::check::implemented;
+        implemented("hidden_act", &self.hidden_act, &["gelu".into()])?;
+        let absolute = ["absolute".to_string()];
+        implemented("position_embedding_type", &self.position_embedding_type, &absolute)?;
+        implemented("is_decoder", &self.is_decoder, &[false])?;
+        implemented("add_cross_attention", &self.add_cross_attention, &[false])?;
+        implemented("tie_word_embeddings", &self.tie_word_embeddings, &[true])
+    }
 }
 
 /// The layers LoRA adapts unless told otherwise (`--lora-targets`): the attention's query, key,
@@ -111,6 +153,7 @@ impl Config {
             hidden_dropout_prob: default_pdrop(),
             attention_probs_dropout_prob: default_pdrop(),
             layer_norm_eps: default_eps(),
+            variant: Variant::default(),
             dtype: trainable::Precision::F32,
             freeze: params::Freeze::default(),
             lora: None,
@@ -136,6 +179,7 @@ impl Config {
             ("hidden_dropout_prob", self.hidden_dropout_prob),
             ("attention_probs_dropout_prob", self.attention_probs_dropout_prob),
         ])?;
+        self.variant.validate()?;
         check::lora(self.lora.as_ref())
     }
 }

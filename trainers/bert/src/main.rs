@@ -11,6 +11,7 @@ use serde::Serialize;
 use std::path::PathBuf;
 use trainable::Model;
 use trainkit::hub::HubFiles;
+use trainkit::inputs::{Input, Reads};
 use trainkit::lora::{LoraArgs, Peft};
 
 #[global_allocator]
@@ -63,6 +64,7 @@ fn main() -> Result<()> {
 impl trainkit::Recipe for Args {
     type Model = Bert;
     type Data = MlmData;
+    const MODEL: &'static str = "BERT";
     const MODEL_FLAGS: &'static str = "--preset, --config or --model-id";
 
     fn defaults() -> trainkit::Defaults {
@@ -142,13 +144,15 @@ impl trainkit::Recipe for Args {
         Ok(model.inputs(&data.full_length_batch(0, n), device)?)
     }
 
-    fn read_files(&self) -> Vec<trainkit::snapshot::Input> {
-        let named = [
-            ("--text", &self.setup.text),
-            ("--tokenizer", &self.tokenizer),
-            ("--vocab", &self.vocab),
-        ];
-        trainkit::snapshot::inputs(&named)
+    fn read_files(&self, hub: Option<&HubFiles>) -> Vec<Input> {
+        let mut files =
+            trainkit::inputs::given(&[("--text", &self.setup.text), ("--vocab", &self.vocab)]);
+        if self.setup.text.is_some() && self.vocab.is_none() {
+            let beside = self.pretrained.beside();
+            let tokenizer = trainkit::hub::tokenizer_file(self.tokenizer.as_deref(), hub, &beside);
+            files.extend(tokenizer.map(|p| Input::file("--text's tokenizer", &p, Reads::Setup)));
+        }
+        files
     }
 
     fn setup(&self, _: &Config) -> impl Serialize {

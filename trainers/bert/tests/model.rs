@@ -140,6 +140,36 @@ fn bad_input_gives_clear_errors() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A config.json key of a BERT variant this crate does not implement is refused naming it and
+/// what is implemented: `hidden_act: "relu"` and `position_embedding_type: "relative_key"` gave
+/// the same model as without them. BERT's own values load; a size beyond its bound is named.
+#[test]
+fn keys_of_variants_not_implemented_are_refused() {
+    let dir = temp_dir("config-variants");
+    let path = dir.join("config.json");
+    let base = r#""vocab_size": 10, "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "intermediate_size": 8"#;
+    for (key, said) in [
+        (
+            r#""hidden_act": "relu""#,
+            r#"hidden_act "relu" is not implemented by this model (supported: "gelu")"#,
+        ),
+        (
+            r#""position_embedding_type": "relative_key""#,
+            r#"position_embedding_type "relative_key""#,
+        ),
+        (r#""type_vocab_size": 4294967296"#, "type_vocab_size must be in 1..=2147483648"),
+    ] {
+        std::fs::write(&path, format!("{{{base}, {key}}}")).unwrap();
+        let err = Config::from_json(&path).unwrap_err().to_string();
+        assert!(err.contains(said), "{key}: {err}");
+    }
+    let published = r#""hidden_act": "gelu", "position_embedding_type": "absolute""#;
+    std::fs::write(&path, format!("{{{base}, {published}}}")).unwrap();
+    Config::from_json(&path).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn loss_falls_on_the_default_corpus() {
     let log = temp_dir("log").join("log.jsonl");

@@ -33,6 +33,8 @@ pub struct Config {
     pub attn_pdrop: f32,
     #[serde(default = "default_pdrop")]
     pub resid_pdrop: f32,
+    #[serde(flatten)]
+    pub variant: Variant,
     /// The dtype activations are stored in (not in `config.json`: a training choice).
     #[serde(skip)]
     pub dtype: trainable::Precision,
@@ -44,6 +46,56 @@ pub struct Config {
     /// parameter frozen (`--lora`).
     #[serde(skip)]
     pub lora: Option<Lora>,
+}
+
+/// The `config.json` keys of variants of GPT-2 this crate does not implement, at GPT-2's own
+/// values: read so that another value is refused naming the key, not ignored.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Variant {
+    /// The MLP's activation: GELU's tanh form (`gelu_new`, also called `gelu_pytorch_tanh`).
+    pub activation_function: String,
+    /// The MLP's width: 4 x n_embd (`null`).
+    pub n_inner: Option<usize>,
+    pub scale_attn_weights: bool,
+    pub scale_attn_by_inverse_layer_idx: bool,
+    pub reorder_and_upcast_attn: bool,
+    /// The output projection is the token embedding.
+    pub tie_word_embeddings: bool,
+    pub add_cross_attention: bool,
+}
+
+impl Default for Variant {
+    fn default() -> Self {
+        Variant {
+            activation_function: "gelu_new".into(),
+            n_inner: None,
+            scale_attn_weights: true,
+            scale_attn_by_inverse_layer_idx: false,
+            reorder_and_upcast_attn: false,
+            tie_word_embeddings: true,
+            add_cross_attention: false,
+        }
+    }
+}
+
+impl Variant {
+    /// Every key at a value this crate implements.
+    fn validate(&self, n_embd: usize) -> std::result::Result<(), String> {
+        use trainable::check::implemented;
+        let tanh = ["gelu_new", "gelu_pytorch_tanh"].map(String::from);
+        implemented("activation_function", &self.activation_function, &tanh)?;
+        implemented("n_inner", &self.n_inner, &[None, Some(4 * n_embd)])?;
+        implemented("scale_attn_weights", &self.scale_attn_weights, &[true])?;
+        implemented(
+            "scale_attn_by_inverse_layer_idx",
+            &self.scale_attn_by_inverse_layer_idx,
+            &[false],
+        )?;
+        implemented("reorder_and_upcast_attn", &self.reorder_and_upcast_attn, &[false])?;
+        implemented("tie_word_embeddings", &self.tie_word_embeddings, &[true])?;
+        implemented("add_cross_attention", &self.add_cross_attention, &[false])
+    }
 }
 
 /// The layers LoRA adapts unless told otherwise (`--lora-targets`): every projection of the
@@ -109,6 +161,7 @@ impl Config {
             embd_pdrop: 0.1,
             attn_pdrop: 0.1,
             resid_pdrop: 0.1,
+            variant: Variant::default(),
             dtype: trainable::Precision::F32,
             freeze: params::Freeze::default(),
             lora: None,
@@ -130,6 +183,7 @@ impl Config {
             ("attn_pdrop", self.attn_pdrop),
             ("resid_pdrop", self.resid_pdrop),
         ])?;
+        self.variant.validate(self.n_embd)?;
         check::lora(self.lora.as_ref())
     }
 }

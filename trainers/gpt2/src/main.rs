@@ -40,6 +40,7 @@ fn main() -> Result<()> {
 impl trainkit::Recipe for Args {
     type Model = Gpt2;
     type Data = Batcher;
+    const MODEL: &'static str = "GPT-2";
     const MODEL_FLAGS: &'static str = "--preset, --config or --model-id";
 
     fn defaults() -> trainkit::Defaults {
@@ -75,8 +76,8 @@ impl trainkit::Recipe for Args {
         Ok(model.inputs(&x, &y, n, self.text.seq, device)?)
     }
 
-    fn read_files(&self) -> Vec<trainkit::snapshot::Input> {
-        self.text.files()
+    fn read_files(&self, hub: Option<&trainkit::hub::HubFiles>) -> Vec<trainkit::inputs::Input> {
+        self.text.files(hub, &self.pretrained.beside())
     }
 
     fn setup(&self, _: &Config) -> impl serde::Serialize {

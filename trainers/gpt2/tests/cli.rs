@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{fails_saying, make_fifo, scratch, train};
+use common::{fails_saying, fails_within, make_fifo, scratch, train};
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
@@ -295,9 +295,88 @@ fn options_that_would_be_ignored_are_refused() {
         (&["--eval-every", "1", "--eval-batches", "0"][..], "--eval-batches must be at least 1"),
         (&["--eval-every", "1", "--eval-batches", "100000000000"][..], "is more than 10000"),
         (&["--ranks", "0"][..], "--ranks must be at least 1"),
+        // A token file is already tokens: a tokenizer beside it would be ignored.
+        (
+            &["--data", "t.bin", "--tokenizer", "tok.json"][..],
+            "'--data <DATA>' cannot be used with '--tokenizer <TOKENIZER>'",
+        ),
     ] {
         fails_saying(args, said);
     }
+}
+
+/// `--help` whose output cannot be written is not a success: `--help > /dev/full` exited 0
+/// having printed nothing. Into a closed pipe it ends as SIGPIPE would (141), as every line a
+/// run prints does.
+#[test]
+fn help_that_cannot_be_written_is_not_a_success() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
+        .arg("--help")
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(141), "{}", String::from_utf8_lossy(&out.stderr));
+    let help = train(&["--help"]);
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(help.status.success() && text.contains("--policy <POLICY>"), "{text}");
+}
+
+/// Weights that cannot be the model's are refused on load, naming the file and the tensor: a
+/// NaN in `--init` or `--load-adapter` surfaced only as "the gradients are not finite ... a NaN
+/// or an infinity in the data (data batch 0)", an integer tensor was cast into weights, and a
+/// tensor the model has not loaded without a word.
+#[test]
+fn weights_that_cannot_be_the_models_are_refused_naming_the_tensor() {
+    use candle_core::{DType, Device, Tensor};
+    let dir = scratch("bad-weights");
+    let at = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let out = train(&["--steps", "1", "--save", &at("w.safetensors")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (tensors, _) = params::read_snapshot(&dir.join("w.safetensors"), &Device::Cpu).unwrap();
+    let name = tensors.keys().find(|n| n.ends_with("ln_f.weight")).unwrap().clone();
+    let with_nan = |t: &Tensor| {
+        let mut values = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        values[3] = f32::NAN;
+        Tensor::new(values, &Device::Cpu).unwrap().reshape(t.shape()).unwrap()
+    };
+    let edited = |name: &str, t: Tensor| {
+        let mut edited = tensors.clone();
+        edited.insert(name.to_string(), t);
+        edited
+    };
+    let cases = [
+        ("holds NaN (element 3 of 64)", edited(&name, with_nan(&tensors[&name]))),
+        (
+            "holds I64 values where the model has F32",
+            edited(&name, tensors[&name].to_dtype(DType::I64).unwrap()),
+        ),
+        (
+            "holds 1 tensors this model has not (`h.9.attn.c_attn.weight` first)",
+            edited("h.9.attn.c_attn.weight", tensors[&name].clone()),
+        ),
+    ];
+    for (said, edited) in cases {
+        params::write_snapshot(&dir.join("bad.safetensors"), &edited, Default::default()).unwrap();
+        let err = fails_saying(&["--steps", "1", "--init", &at("bad.safetensors")], said);
+        assert!(err.contains("bad.safetensors"), "{err}");
+    }
+    // An adapter's NaN, through --load-adapter.
+    let adapter = dir.join("adapter");
+    let saved =
+        train(&["--lora", "4", "--steps", "1", "--save-adapter", adapter.to_str().unwrap()]);
+    assert!(saved.status.success(), "{}", String::from_utf8_lossy(&saved.stderr));
+    let file = adapter.join("adapter_model.safetensors");
+    let (mut tensors, _) = params::read_snapshot(&file, &Device::Cpu).unwrap();
+    let a = tensors.keys().find(|n| n.contains("lora_A")).unwrap().clone();
+    *tensors.get_mut(&a).unwrap() = with_nan(&tensors[&a]);
+    params::write_snapshot(&file, &tensors, Default::default()).unwrap();
+    let err =
+        fails_saying(&["--steps", "1", "--load-adapter", adapter.to_str().unwrap()], "holds NaN");
+    assert!(err.contains("adapter_model.safetensors"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A step that cannot fit is refused before it is allocated, naming the flags, with exit 1 (no
@@ -452,7 +531,7 @@ fn a_text_that_is_not_a_regular_file_is_refused() {
     }
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("is not a regular file"), "{err}");
+    assert!(!out.status.success() && err.contains("is a named pipe; give a regular file"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -525,4 +604,175 @@ fn accumulation_beyond_its_bound_or_a_count_is_refused() {
         &["--steps", "1", "--accumulate", "1000000", "--batch", "100000"],
         "an effective batch too large to count",
     );
+}
+
+/// Every file a run reads is checked before it is opened and before the model is built: a pipe
+/// with no writer given as `--data`, `--init`, `--resume`, `--config`, `--tokenizer` or an
+/// adapter's `adapter_config.json` blocked the run in `open` forever, and a missing `--resume`
+/// was found only after the model was built (11.6 s at the medium preset).
+#[test]
+fn every_input_is_checked_before_anything_is_built() {
+    let dir = scratch("inputs-checked");
+    let fifo = make_fifo(&dir);
+    let fifo = fifo.to_str().unwrap();
+    let text = dir.join("a.txt");
+    std::fs::write(&text, "some text to train on. ".repeat(40)).unwrap();
+    let adapter = dir.join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    make_fifo(&adapter);
+    std::fs::rename(adapter.join("fifo"), adapter.join("adapter_config.json")).unwrap();
+    std::fs::write(adapter.join("adapter_model.safetensors"), b"").unwrap();
+    let cases: [&[&str]; 6] = [
+        &["--data", fifo],
+        &["--init", fifo],
+        &["--resume", fifo],
+        &["--config", fifo],
+        &["--text", text.to_str().unwrap(), "--tokenizer", fifo],
+        &["--lora", "4", "--load-adapter", adapter.to_str().unwrap()],
+    ];
+    for args in cases {
+        let preset: &[&str] = if args[0] == "--config" { &[] } else { &["--preset", "tiny"] };
+        let all = [preset, &["--steps", "1"], args].concat();
+        fails_within(60, &all, "is a named pipe; give a regular file");
+    }
+    let missing = dir.join("missing.safetensors");
+    let start = std::time::Instant::now();
+    let args = ["--preset", "medium", "--steps", "1", "--resume", missing.to_str().unwrap()];
+    let err = fails_within(60, &args, "--resume");
+    assert!(err.contains("No such file"), "{err}");
+    // Building the medium model alone takes about 10 s here.
+    assert!(start.elapsed().as_secs_f64() < 5.0, "refused after {:?}", start.elapsed());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A resume must read what the run that wrote the snapshot read: a `--config` with another
+/// dropout, a `--text` edited to the same byte count and another tokenizer all resumed (losses
+/// 5.1142 and 5.5351 against 5.1259), since the snapshot kept only the data's path and size.
+#[test]
+fn a_resume_on_other_inputs_is_refused() {
+    let dir = scratch("resume-inputs");
+    let at = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let config = gpt2::Config { vocab_size: 320, ..gpt2::Preset::Tiny.config() };
+    std::fs::write(at("config.json"), serde_json::to_string(&config).unwrap()).unwrap();
+    let text = "the snapshot keeps what this text holds. ".repeat(30);
+    std::fs::write(at("a.txt"), &text).unwrap();
+    let kind = datasets::tokenizer::Kind::ByteLevelBpe;
+    let other = "another text gives another tokenizer. ".repeat(30);
+    for (name, trained_on) in [("tokenizer.json", &text), ("other.json", &other)] {
+        datasets::tokenizer::Tokenizer::train(kind, trained_on, 300, &dir.join(name)).unwrap();
+    }
+    let (config_path, text_path, tokenizer) =
+        (at("config.json"), at("a.txt"), at("tokenizer.json"));
+    let (save, snapshot) = (at("w.safetensors"), at("w.train.safetensors"));
+    let run = |steps: &'static str, extra: &[&str]| {
+        let mut args = vec!["--config", &config_path, "--text", &text_path, "--steps", steps];
+        args.extend_from_slice(extra);
+        Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
+            .args(["--seq", "16"])
+            .args(&args)
+            .output()
+            .unwrap()
+    };
+    let saved = run("1", &["--tokenizer", &tokenizer, "--save", &save]);
+    assert!(saved.status.success(), "{}", String::from_utf8_lossy(&saved.stderr));
+    let refused = |extra: &[&str], said: &str| {
+        let out = run("2", &[&["--resume", &snapshot][..], extra].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(said), "{extra:?}: {err}");
+    };
+    refused(&["--tokenizer", &at("other.json")], "--text's tokenizer's content is sha256:");
+    let mut edited = config.clone();
+    edited.attn_pdrop = 0.2;
+    std::fs::write(at("config.json"), serde_json::to_string(&edited).unwrap()).unwrap();
+    refused(&["--tokenizer", &tokenizer], "the model's attn_pdrop is 0.2 in this run but was 0.1");
+    std::fs::write(at("config.json"), serde_json::to_string(&config).unwrap()).unwrap();
+    std::fs::write(at("a.txt"), text.replacen("keeps", "holds", 1)).unwrap();
+    refused(&["--tokenizer", &tokenizer], "--text's content is sha256:");
+    std::fs::write(at("a.txt"), &text).unwrap();
+    let resumed = run("2", &["--tokenizer", &tokenizer, "--resume", &snapshot]);
+    assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The steps of a `--log-json` file's training records, in order.
+fn logged_steps(log: &std::path::Path) -> Vec<u64> {
+    let text = std::fs::read_to_string(log).unwrap();
+    let records = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
+    records.filter(|r| r.get("loss").is_some()).map(|r| r["step"].as_u64().unwrap()).collect()
+}
+
+/// Ctrl-C finished the run at once with exit 130, no word and no snapshot: the steps since the
+/// last `--save-every` were lost. Now it finishes the step, writes the training snapshot, says
+/// so and exits 130; the resume goes on bit for bit, and a `.partial` a killed write left beside
+/// the snapshot is removed with a word.
+#[test]
+fn ctrl_c_writes_the_snapshot_and_the_resume_goes_on() {
+    let dir = scratch("ctrl-c");
+    let at = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let (save, log) = (at("w.safetensors"), at("log.jsonl"));
+    let child = Command::new(env!("CARGO_BIN_EXE_train-gpt2"))
+        .args(["--preset", "tiny", "--seq", "16", "--steps", "1000000"])
+        .args(["--save", &save, "--save-every", "1000000", "--log-json", &log])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(&log).map_or(0, |t| t.lines().count()) < 3 {
+        assert!(start.elapsed().as_secs() < 120, "no step logged in 120 s");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // SAFETY: kill only sends a signal to the child this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    let said = err.lines().find(|l| l.starts_with("stopped after step ")).expect(&err);
+    let last: u64 = said["stopped after step ".len()..].split(';').next().unwrap().parse().unwrap();
+    assert_eq!(logged_steps(std::path::Path::new(&log)), (0..=last).collect::<Vec<_>>());
+
+    std::fs::write(at("w.partial"), b"half a snapshot").unwrap();
+    let steps = (last + 3).to_string();
+    let resumed = train(&[
+        "--steps",
+        &steps,
+        "--resume",
+        &at("w.train.safetensors"),
+        "--save",
+        &save,
+        "--log-json",
+        &log,
+    ]);
+    let err = String::from_utf8_lossy(&resumed.stderr);
+    assert!(resumed.status.success() && err.contains("w.partial: left by a write"), "{err}");
+    assert!(!dir.join("w.partial").exists());
+    let straight = train(&["--steps", &steps, "--log-json", &at("straight.jsonl")]);
+    assert!(straight.status.success());
+    let bits = |path: &str| -> Vec<u32> {
+        trainkit::read_losses(std::path::Path::new(path))
+            .unwrap()
+            .iter()
+            .map(|l| l.to_bits())
+            .collect()
+    };
+    assert_eq!(bits(&log), bits(&at("straight.jsonl")), "the resumed run differs");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A resume from a snapshot older than the log's last step trains those steps again: they were
+/// appended twice (steps 150-159 twice after a Ctrl-C). The log now drops the records the
+/// snapshot does not hold.
+#[test]
+fn a_resume_logs_each_step_once() {
+    let dir = scratch("log-once");
+    let at = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let log = at("log.jsonl");
+    let first = train(&["--steps", "2", "--save", &at("w.safetensors"), "--log-json", &log]);
+    assert!(first.status.success());
+    let resume = ["--resume", &at("w.train.safetensors"), "--log-json", &log, "--steps", "4"];
+    for _ in 0..2 {
+        let out = train(&resume);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    assert_eq!(logged_steps(std::path::Path::new(&log)), vec![0, 1, 2, 3]);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -181,8 +181,8 @@ fn lora_outputs_are_checked_before_training() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `--init` of a LoRA run's snapshot into a model without those adapters is refused, naming the
-/// adapters and the ways on; with them, it loads. Unchecked, the adapter tensors were dropped
+/// `--init` of a LoRA run's snapshot into a model without those adapters, or with adapters of
+/// another rank or alpha, is refused, naming the adapters and the ways on; with them, it loads. Unchecked, the adapter tensors were dropped
 /// without a word and the run started from the base weights, the fine-tuning lost.
 #[test]
 fn init_of_a_lora_snapshot_keeps_its_adapters_or_is_refused() {
@@ -197,6 +197,15 @@ fn init_of_a_lora_snapshot_keeps_its_adapters_or_is_refused() {
         &["--lora", "4", "--lora-targets", "c_fc", "--steps", "1", "--init", s],
         "holds 24 LoRA adapter tensors this model has not",
     );
+    // Adapters of another rank trained the base without them (their shapes did not fit, so they
+    // were initialised instead) and another alpha rescaled them, both without a word.
+    for (flags, said) in [
+        (&["--lora", "2"][..], "adapters of rank 4, alpha 4, this run's are rank 2, alpha 2"),
+        (&["--lora", "8"][..], "adapters of rank 4, alpha 4, this run's are rank 8, alpha 8"),
+        (&["--lora", "4", "--lora-alpha", "64"][..], "this run's are rank 4, alpha 64"),
+    ] {
+        fails_saying(&[flags, &["--steps", "1", "--init", s]].concat(), said);
+    }
     let out = train(&["--lora", "4", "--steps", "1", "--init", s]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     std::fs::remove_dir_all(&dir).unwrap();

@@ -119,7 +119,57 @@ fn bad_configs_name_the_field() {
     )
     .unwrap();
     let err = Config::from_json(&path).unwrap_err().to_string();
-    assert!(err.contains("n_embd must be at least 1"), "{err}");
+    assert!(err.contains("n_embd must be in 1..=2147483648, got 0"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every size is bounded before anything is built: a width near 2^63 overflowed the products
+/// of sizes before the footprint check could name it.
+#[test]
+fn sizes_beyond_their_bound_name_the_field() {
+    let dir = temp_dir("config-bounds");
+    let path = dir.join("config.json");
+    for (field, value) in [("n_embd", "9223372036854775808"), ("n_layer", "4294967296")] {
+        let sizes =
+            [("vocab_size", "10"), ("n_positions", "8"), ("n_layer", "1"), ("n_embd", "32")];
+        let mut fields: Vec<String> = sizes
+            .iter()
+            .map(|(f, v)| format!(r#""{f}": {}"#, if *f == field { value } else { v }))
+            .collect();
+        fields.push(r#""n_head": 4"#.into());
+        let json = format!("{{{}}}", fields.join(", "));
+        std::fs::write(&path, json).unwrap();
+        let err = Config::from_json(&path).unwrap_err().to_string();
+        assert!(err.contains(&format!("{field} must be in 1..=2147483648, got {value}")), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A config.json key of a GPT-2 variant this crate does not implement is refused naming it and
+/// what is implemented: `activation_function: "relu"`, `n_inner`, `scale_attn_by_inverse_layer_idx`
+/// and `tie_word_embeddings: false` gave the same model as without them. GPT-2's own values load.
+#[test]
+fn keys_of_variants_not_implemented_are_refused() {
+    let dir = temp_dir("config-variants");
+    let path = dir.join("config.json");
+    let base = r#""vocab_size": 10, "n_positions": 8, "n_embd": 32, "n_layer": 1, "n_head": 4"#;
+    for (key, said) in [
+        (
+            r#""activation_function": "relu""#,
+            r#"activation_function "relu" is not implemented by this model (supported: "gelu_new", "gelu_pytorch_tanh")"#,
+        ),
+        (r#""n_inner": 64"#, "n_inner 64 is not implemented by this model (supported: null, 128)"),
+        (r#""scale_attn_by_inverse_layer_idx": true"#, "scale_attn_by_inverse_layer_idx true"),
+        (r#""tie_word_embeddings": false"#, "tie_word_embeddings false"),
+    ] {
+        std::fs::write(&path, format!("{{{base}, {key}}}")).unwrap();
+        let err = Config::from_json(&path).unwrap_err().to_string();
+        assert!(err.contains(said), "{key}: {err}");
+    }
+    let published =
+        r#""activation_function": "gelu_new", "n_inner": null, "tie_word_embeddings": true"#;
+    std::fs::write(&path, format!("{{{base}, {published}}}")).unwrap();
+    Config::from_json(&path).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

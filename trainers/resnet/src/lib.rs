@@ -14,7 +14,7 @@ use params::{Init, ParamStore};
 use remat::{Signature, Stage, StageCtx, StageGraph, StageKind};
 
 /// Architecture: block type, blocks per layer, stem width.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Config {
     pub bottleneck: bool,
     pub layers: [usize; 4],
@@ -22,9 +22,11 @@ pub struct Config {
     pub width: usize,
     pub classes: usize,
     /// The dtype activations are stored in.
+    #[serde(skip)]
     pub dtype: trainable::Precision,
     /// The parameters that do not train (`--freeze`): read through tensors no variable leads
     /// to, so they get no gradient.
+    #[serde(skip)]
     pub freeze: params::Freeze,
 }
 
@@ -68,6 +70,13 @@ impl Preset {
             freeze: params::Freeze::default(),
         }
     }
+}
+
+/// The side of the last feature map of an `image_size` input: five halvings, each rounding up
+/// (the stem's 7x7/2 and the max-pool's 3x3/2, both padded, and the stride-2 first blocks of
+/// layers 2-4): 224 gives 7.
+pub fn last_map_side(image_size: usize) -> usize {
+    (0..5).fold(image_size, |side, _| side.div_ceil(2))
 }
 
 /// A convolution's shape: (input channels, output channels, kernel side, stride).

@@ -10,6 +10,7 @@ use resnet::{Config, Preset, ResNet};
 use serde::Serialize;
 use std::path::PathBuf;
 use trainable::Model;
+use trainkit::inputs::{Input, Reads};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -68,6 +69,7 @@ fn main() -> Result<()> {
 impl trainkit::Recipe for Args {
     type Model = ResNet;
     type Data = Data;
+    const MODEL: &'static str = "ResNet";
     const MODEL_FLAGS: &'static str = "--preset, --classes";
 
     fn defaults() -> trainkit::Defaults {
@@ -97,7 +99,8 @@ impl trainkit::Recipe for Args {
                 self.image_size
             );
         }
-        Ok(())
+        let side = resnet::last_map_side(self.image_size);
+        trainkit::args::check_batch_norm(self.run.batch, side * side, &format!("{side}x{side}"))
     }
 
     /// Synthetic images of --classes, or the folder's, whose sub-folders are the classes.
@@ -125,6 +128,12 @@ impl trainkit::Recipe for Args {
         }
         config.classes = classes;
         Ok(data)
+    }
+
+    fn read_files(&self, _: Option<&trainkit::hub::HubFiles>) -> Vec<Input> {
+        let folder =
+            |p: &PathBuf| Input::folder("--data", p, Reads::Setup, datasets::images::listed);
+        self.data.iter().map(folder).collect()
     }
 
     fn inputs(&self, model: &ResNet, data: &Data, step: u64, n: usize) -> Result<Vec<Tensor>> {

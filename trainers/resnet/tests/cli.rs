@@ -51,7 +51,7 @@ fn bad_input_gives_clear_errors() {
         (vec!["--preset", "tiny", "--image-size", "16"], "at least 32"),
         (
             vec!["--preset", "tiny", "--data", "/nonexistent/folder"],
-            "image folder /nonexistent/folder",
+            "--data /nonexistent/folder: No such file",
         ),
         // One class trained at loss 0.
         (vec!["--preset", "tiny", "--classes", "1"], "--classes must be at least 2"),
@@ -157,4 +157,23 @@ fn classes_beyond_their_bound_are_refused() {
             "--classes {classes}: {err}"
         );
     }
+}
+
+/// A batch at which the last BatchNorm sees one value per channel (`--batch 1` of 32-pixel
+/// images: a 1x1 map) is refused naming `--batch`, as PyTorch refuses it: it trained a
+/// degenerate model whose step-0 loss was ln 10 and whose classifier bias alone learned. Two
+/// samples train.
+#[test]
+fn a_batch_norm_of_one_value_per_channel_is_refused() {
+    let args = ["--preset", "tiny", "--image-size", "32", "--steps", "1", "--batch"];
+    let out = run(&[&args[..], &["1"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err
+                .contains("--batch 1 is too small for BatchNorm: the smallest feature map is 1x1"),
+        "{err}"
+    );
+    let out = run(&[&args[..], &["2"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -36,7 +36,7 @@ fn against_pytorch() -> Result<()> {
     let images = fx.f32s("images")?;
     let labels = fx.ids("labels")?;
     let size = cfg.image_size;
-    model.load_snapshot(fx.path())?;
+    model.load_snapshot(fx.weights())?;
     let batch = Tensor::from_slice(&images, (labels.len(), 3, size, size), &Device::Cpu)?;
     check_close(
         "logits",
@@ -51,7 +51,7 @@ fn against_pytorch() -> Result<()> {
         &labels,
     )?;
     for policy in ["off", "sqrt"] {
-        model.load_snapshot(fx.path())?; // the running statistics as the reference started
+        model.load_snapshot(fx.weights())?; // the running statistics as the reference started
         let inputs = model.inputs(&images, &labels, size, &Device::Cpu)?;
         let worst = check_training_step(&fx, model.graph(), model.params(), &inputs, policy)?;
         eprintln!("{policy}: largest gradient error {worst:.2e}");

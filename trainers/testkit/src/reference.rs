@@ -42,8 +42,16 @@ pub fn on_both_routes(check: impl Fn() -> Result<()>) -> Result<()> {
 /// A fixture file: the weights under their published names, and `fixture.*` entries.
 pub struct Fixture {
     path: PathBuf,
+    /// The weights alone, written as a snapshot of their own for the model's loaders.
+    weights: PathBuf,
     tensors: HashMap<String, Tensor>,
     config: String,
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        std::fs::remove_file(&self.weights).ok();
+    }
 }
 
 impl Fixture {
@@ -58,12 +66,24 @@ impl Fixture {
             .cloned()
             .context("fixture has no `config` metadata")?;
         let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)?;
-        Ok(Fixture { path: path.to_path_buf(), tensors, config })
+        // The `fixture.*` entries are no weights: a loader refuses a tensor its model has not.
+        let weights: HashMap<String, Tensor> = tensors
+            .iter()
+            .filter(|(name, _)| !name.starts_with("fixture."))
+            .map(|(name, t)| (name.clone(), t.clone()))
+            .collect();
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+        let file = format!("fixture-{stem}-{}-{n}.safetensors", std::process::id());
+        let weights_path = std::env::temp_dir().join(file);
+        params::write_snapshot(&weights_path, &weights, HashMap::new())?;
+        Ok(Fixture { path: path.to_path_buf(), weights: weights_path, tensors, config })
     }
 
-    /// The file, for the model's own snapshot loader (it ignores the `fixture.*` entries).
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The fixture's weights alone as a snapshot, for the model's own loaders.
+    pub fn weights(&self) -> &Path {
+        &self.weights
     }
 
     /// The model configuration the fixture was made with (JSON metadata).
@@ -100,9 +120,9 @@ impl Fixture {
     /// [`params::lora::load_adapter`].
     pub fn load_into(&self, model: &impl trainable::Model) -> Result<()> {
         if self.lora()?.is_none() {
-            return Ok(model.load_snapshot(&self.path)?);
+            return Ok(model.load_snapshot(&self.weights)?);
         }
-        model.init_from(&self.path, true)?;
+        model.init_from(&self.weights, true)?;
         let adapter = self.path.with_file_name(format!(
             "{}-adapter",
             self.path.file_stem().context("fixture file name")?.to_string_lossy()

@@ -32,7 +32,17 @@ pub(crate) fn parse<A: clap::Parser>(defaults: Defaults) -> A {
     let command = values.into_iter().fold(A::command(), |c, (id, value)| {
         c.mut_arg(id, |a| a.default_value(value).required(false))
     });
-    A::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit())
+    let matches = command.try_get_matches().unwrap_or_else(|e| match e.kind() {
+        // Printed as every line a run says: clap's own printing ignores a failed write, and
+        // `--help > /dev/full` exited 0 having printed nothing.
+        clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
+            let text = e.render().to_string();
+            crate::say_line(crate::Stream::Stdout, format_args!("{}", text.trim_end()));
+            std::process::exit(0)
+        }
+        _ => e.exit(),
+    });
+    A::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }
 
 /// The command-line options every trainer shares.
@@ -145,6 +155,23 @@ pub const MAX_CLASSES: usize = 1 << 40;
 pub fn check_classes(classes: usize) -> Result<()> {
     if classes > MAX_CLASSES {
         bail!("--classes {classes} is more than {MAX_CLASSES}");
+    }
+    Ok(())
+}
+
+/// Refuses a `--batch` at which a BatchNorm sees one value per channel (the batch times the
+/// `positions` of the model's smallest feature map, `map` in words): it normalizes that value to its bias alone,
+/// whatever the input, so nothing before it learns (the step-0 loss is ln(classes) and only the
+/// classifier's bias moves). PyTorch refuses it too: "expected more than 1 value per channel
+/// when training".
+pub fn check_batch_norm(batch: usize, positions: usize, map: &str) -> Result<()> {
+    if batch.saturating_mul(positions) <= 1 {
+        bail!(
+            "--batch {batch} is too small for BatchNorm: the smallest feature map is {map} per \
+             sample, so a BatchNorm there sees one value per channel, which it normalizes to its \
+             bias alone, and nothing before it learns (PyTorch refuses it too); use --batch 2 \
+             or more"
+        );
     }
     Ok(())
 }

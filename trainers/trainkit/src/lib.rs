@@ -7,7 +7,9 @@
 //! - [`plan`]: the policy planned before training, the fit check, `--dry-run`;
 //! - [`step`]: one optimizer step of gradient accumulation, measured;
 //! - [`scaler`]: f16 loss scaling;
-//! - [`snapshot`]: training snapshots that `--resume` continues;
+//! - [`snapshot`]: training snapshots that `--resume` continues, and the outputs' checks;
+//! - [`inputs`]: the files a run reads, checked before anything is built;
+//! - [`interrupt`]: Ctrl-C, which ends a run after its step and its snapshot;
 //! - [`log`]: the progress bar, the per-step lines and `--log-json`;
 //! - [`trainer`]: the loop;
 //! - [`lora`]: `--lora` and its flags (GPT-2, BERT);
@@ -19,6 +21,8 @@
 
 pub mod args;
 pub mod hub;
+pub mod inputs;
+pub mod interrupt;
 pub mod log;
 pub mod lora;
 pub mod parallel;

@@ -59,8 +59,9 @@ pub struct Log<'g> {
 pub enum LogFile {
     /// A new run: the file starts empty.
     New,
-    /// A resumed run: its steps follow those of the run it resumes.
-    Continue,
+    /// A resumed run at step `from`: its steps follow those of the run it resumes, whose records
+    /// of step `from` on (steps the snapshot does not hold, trained again now) are dropped.
+    Continue { from: usize },
 }
 
 impl<'g> Log<'g> {
@@ -77,16 +78,19 @@ impl<'g> Log<'g> {
             "{bar:30} {pos}/{len} steps [{elapsed} < {eta}] {msg}",
         )?);
         let json = match log_json.filter(|_| group.is_root()) {
-            Some(p) => Some((
-                p.to_path_buf(),
-                std::fs::OpenOptions::new()
+            Some(p) => {
+                let context = || format!("--log-json {}", p.display());
+                if let LogFile::Continue { from } = file {
+                    keep_before(p, from).with_context(context)?;
+                }
+                let open = std::fs::OpenOptions::new()
                     .create(true)
                     .write(true)
-                    .append(file == LogFile::Continue)
+                    .append(file != LogFile::New)
                     .truncate(file == LogFile::New)
-                    .open(p)
-                    .with_context(|| format!("--log-json {}", p.display()))?,
-            )),
+                    .open(p);
+                Some((p.to_path_buf(), open.with_context(context)?))
+            }
             None => None,
         };
         Ok(Log { group, comm: group.comm_time(), bar, json, micro_batches, times: Vec::new() })
@@ -180,6 +184,26 @@ impl<'g> Log<'g> {
             say!("median step time after warm-up: {:.1} ms", t[t.len() / 2]);
         }
     }
+}
+
+/// Drops the records of step `from` on from the log `path`, where it exists, and a last line cut
+/// short: a run stopped after its last snapshot logged steps its resume trains again.
+fn keep_before(path: &Path, from: usize) -> std::io::Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        other => other?,
+    };
+    let before = |line: &&str| {
+        let record = serde_json::from_str::<serde_json::Value>(line).ok();
+        record.and_then(|r| r.get("step")?.as_u64()).is_some_and(|step| step < from as u64)
+    };
+    let kept: String = text.lines().filter(before).map(|line| format!("{line}\n")).collect();
+    if kept.len() == text.len() {
+        return Ok(());
+    }
+    // Written beside and renamed over it: an interruption keeps the whole log.
+    params::write_atomically(path, |tmp| Ok(std::fs::write(tmp, kept)?))
+        .map_err(std::io::Error::other)
 }
 
 /// The training losses of a `--log-json` file, in step order (evaluation lines skipped).

@@ -7,9 +7,10 @@
 
 use crate::args::{Defaults, RunArgs};
 use crate::hub::{HubArgs, HubFiles, Sources};
+use crate::inputs::{Input, Reads};
 use crate::lora::{LoraArgs, LoraSetup, Peft};
 use crate::parallel::Group;
-use crate::snapshot::{Input, Reads};
+use crate::snapshot::RunConfig;
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use remat::Policy;
@@ -25,6 +26,8 @@ pub trait Recipe: clap::Parser {
     type Model: Benchable;
     /// Where its batches come from.
     type Data;
+    /// The model's name, as a training snapshot keeps it: `GPT-2`.
+    const MODEL: &'static str;
     /// What its errors call the flags that choose the model: `--preset, --config or --model-id`.
     const MODEL_FLAGS: &'static str;
 
@@ -80,8 +83,10 @@ pub trait Recipe: clap::Parser {
     }
 
     /// The files this trainer's own flags make it read (`--text`, `--tokenizer`, `--vocab`), with
-    /// their flags: no output may be one of them. Default: none.
-    fn read_files(&self) -> Vec<Input> {
+    /// their flags (`hub`: the `--model-id`'s files, where its tokenizer is one): checked before
+    /// anything is built, and no output may be one of them. Default: none.
+    fn read_files(&self, hub: Option<&HubFiles>) -> Vec<Input> {
+        let _ = hub;
         Vec::new()
     }
 
@@ -121,11 +126,16 @@ pub type BatchNames<'a> = Box<dyn Fn(u64, usize) -> String + 'a>;
 
 /// A trainer's `main`: parses the command line into `R` with its defaults, starts the run on its
 /// ranks (under `--ranks N` this process re-runs itself under mpirun, [`crate::launch`]) and
-/// runs [`train`] on each, a failing rank stopping them all ([`crate::or_abort`]).
+/// runs [`train`] on each, a failing rank stopping them all ([`crate::or_abort`]); a run ended by
+/// Ctrl-C exits with [`crate::interrupt::EXIT`] once its snapshot is written.
 pub fn main<R: Recipe>() -> Result<()> {
     let args: R = crate::args::parse(R::defaults());
     let Some((group, device)) = crate::launch(args.flags().run)? else { return Ok(()) };
-    crate::or_abort(&group, train(&args, &group, &device))
+    let result = train(&args, &group, &device);
+    if result.as_ref().is_err_and(|e| e.is::<crate::interrupt::Interrupted>()) {
+        std::process::exit(crate::interrupt::EXIT);
+    }
+    crate::or_abort(&group, result)
 }
 
 /// One rank's training of the model `args` chooses, as its flags ask: configuration, the checks
@@ -134,6 +144,8 @@ pub fn main<R: Recipe>() -> Result<()> {
 pub fn train<R: Recipe>(args: &R, group: &Group, device: &Device) -> Result<()> {
     let Flags { run, sources, lora: lora_flags } = args.flags();
     let hub = sources.hub.map(HubArgs::files).transpose()?.flatten();
+    let files = read_files(args, hub.as_ref());
+    crate::inputs::check(&files)?;
     let mut config = match crate::hub::config_file(sources.config, hub.as_ref()) {
         Some(path) => ConfigOf::<R>::from_json(path)?,
         None => args.preset(),
@@ -166,14 +178,20 @@ pub fn train<R: Recipe>(args: &R, group: &Group, device: &Device) -> Result<()> 
         Box::new(move |step| names(step, per_step)) as Box<dyn Fn(u64) -> String + '_>
     });
     let (flag, size) = args.input_size();
+    let setup = (args.setup(&config), lora.as_ref().map(LoraSetup::from));
+    let mut run_config = RunConfig::new(run, group.world(), &setup)?.model(R::MODEL, &config)?;
+    // Read whole only where a training snapshot keeps it or a resume compares it.
+    if run.save.is_some() || run.resume.is_some() {
+        run_config = run_config.contents(crate::inputs::fingerprints(&files)?);
+    }
     let trainer = crate::Trainer {
         run,
         group,
         model: &model,
         sizes: format!("--batch {} x {flag} {size}", run.batch),
-        setup: (args.setup(&config), lora.as_ref().map(LoraSetup::from)),
+        config: run_config,
         outputs: lora_flags.map(|(flags, _)| flags.outputs()).unwrap_or_default(),
-        inputs: read_files(args, hub.as_ref()),
+        inputs: files,
         planned_inputs: &planned,
         batch_names,
     };
@@ -196,18 +214,26 @@ fn read_files<R: Recipe>(args: &R, hub: Option<&HubFiles>) -> Vec<Input> {
         ("--init", sources.init.and_then(|i| i.init.as_deref())),
     ];
     let weights =
-        weights.into_iter().filter_map(|(flag, p)| Some(Input::new(flag, p?, Reads::Weights)));
+        weights.into_iter().filter_map(|(flag, p)| Some(Input::file(flag, p?, Reads::Weights)));
     let adapter = lora.and_then(|(flags, _)| flags.load_adapter.as_deref());
     let adapter_files = adapter.into_iter().flat_map(|dir| {
-        let file = |name: &&str| Input::new("--load-adapter's", &dir.join(name), Reads::Other);
+        let file = |name: &&str| {
+            Input::file(&format!("--load-adapter's {name}"), &dir.join(name), Reads::Other)
+        };
         params::lora::ADAPTER_FILES.iter().map(file).collect::<Vec<_>>()
     });
     let hub_files = hub.into_iter().flat_map(|h| {
-        let files = [Some(&h.config), Some(&h.weights), h.tokenizer.as_ref()];
-        files.into_iter().flatten().map(|p| Input::new("--model-id's", p, Reads::Other))
+        // Its tokenizer decides what is computed only under --text: the trainer's own files.
+        let tokenizer = h.tokenizer.as_ref().map(|p| (p, Reads::Other));
+        let files = [Some((&h.config, Reads::Setup)), Some((&h.weights, Reads::Other)), tokenizer];
+        files.into_iter().flatten().map(|(p, reads)| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            Input::file(&format!("--model-id's {name}"), p, reads)
+        })
     });
-    let config = sources.config.map(|p| Input::new("--config", p, Reads::Other));
-    weights.chain(config).chain(adapter_files).chain(hub_files).chain(args.read_files()).collect()
+    let config = sources.config.map(|p| Input::file("--config", p, Reads::Setup));
+    let own = args.read_files(hub);
+    weights.chain(config).chain(adapter_files).chain(hub_files).chain(own).collect()
 }
 
 /// Refuses sizes no machine here could hold, before anything is built: the tensor every step of

@@ -3,6 +3,7 @@
 //! the files a run writes, checked before it starts.
 
 use crate::args::RunArgs;
+use crate::inputs::{same_file, Input, Reads, Shape};
 use crate::say;
 use crate::scaler::LossScaler;
 use anyhow::{bail, Context, Result};
@@ -26,6 +27,18 @@ const GOOD_STEPS: &str = "training.loss_scale_good_steps";
 
 /// The metadata key of a training snapshot's [`RunConfig`].
 const CONFIG: &str = "training.config";
+
+/// The [`RunConfig`] entry naming the model a run trains.
+const MODEL: &str = "the model";
+
+/// Whether a [`RunConfig`] entry is one that snapshots kept only from the fourth reliability
+/// round on: the model, its configuration, the inputs' content.
+fn recorded_since_round_four(key: &str) -> bool {
+    key.starts_with(MODEL) || key.ends_with(CONTENT)
+}
+
+/// How a [`RunConfig`] entry of an input's content ends: `--text's content`.
+pub(crate) const CONTENT: &str = "'s content";
 
 /// The flags that decide what a run computes, kept in its training snapshots: a resumed run must
 /// give the same ones, or it would continue another run (AdamW's moments dropped when resuming as
@@ -54,11 +67,65 @@ impl RunConfig {
         Ok(RunConfig(flags(&(shared, setup))?))
     }
 
-    /// Fails naming the first flag whose value differs from `saved`'s (the snapshot's), with both.
+    /// With the model it trains (`GPT-2`) and its configuration, every field (`the model's
+    /// attn_pdrop`): a `--config` with another dropout is another run.
+    pub fn model(mut self, name: &str, config: &impl Serialize) -> Result<Self> {
+        self.0.insert(MODEL.into(), name.into());
+        let serde_json::Value::Object(fields) = serde_json::to_value(config)? else {
+            bail!("a model's configuration is a struct of fields");
+        };
+        for (field, value) in fields.into_iter().filter(|(_, v)| !v.is_null()) {
+            self.0.insert(format!("the model's {field}"), text(value));
+        }
+        Ok(self)
+    }
+
+    /// With the content of the inputs that decide what it computes
+    /// ([`crate::inputs::fingerprints`]): a resume on an edited text or another tokenizer is
+    /// another run.
+    pub fn contents(mut self, fingerprints: Vec<(String, String)>) -> Self {
+        self.0.extend(fingerprints);
+        self
+    }
+
+    /// Fails naming the first flag whose value differs from `saved`'s (the snapshot's), with both;
+    /// first, where the snapshot is of another model, says so.
     fn check_against(&self, saved: &RunConfig, snapshot: &Path) -> Result<()> {
-        let flags: std::collections::BTreeSet<&String> =
-            self.0.keys().chain(saved.0.keys()).collect();
-        for flag in flags {
+        if let (Some(now), Some(then)) = (self.0.get(MODEL), saved.0.get(MODEL)) {
+            if now != then {
+                bail!(
+                    "--resume {} is a training snapshot of {then}, not of {now}: resume it with \
+                     the trainer that wrote it",
+                    snapshot.display()
+                );
+            }
+        }
+        // Snapshots written before their configuration kept the model and the inputs' content
+        // lack those entries: said once, not refused.
+        let unrecorded: Vec<&str> = self
+            .0
+            .keys()
+            .filter(|k| !saved.0.contains_key(*k) && recorded_since_round_four(k))
+            .map(String::as_str)
+            .collect();
+        if !unrecorded.is_empty() {
+            say!(
+                "--resume {}: written before training snapshots kept {}; make sure this run \
+                 gives the same",
+                snapshot.display(),
+                unrecorded.join(", ")
+            );
+        }
+        let flags: std::collections::BTreeSet<&String> = self
+            .0
+            .keys()
+            .filter(|k| saved.0.contains_key(*k) || !recorded_since_round_four(k))
+            .chain(saved.0.keys())
+            .collect();
+        // A file's content last: a flag or field that differs says more than a hash.
+        let (contents, named): (Vec<&String>, Vec<&String>) =
+            flags.into_iter().partition(|k| k.ends_with(CONTENT));
+        for flag in named.into_iter().chain(contents) {
             let (now, then) = (self.0.get(flag), saved.0.get(flag));
             if !same_value(now, then) {
                 let show = |v: Option<&String>| v.map_or("not given".to_string(), |v| v.clone());
@@ -138,11 +205,7 @@ fn flags(value: &impl Serialize) -> Result<BTreeMap<String, String>> {
             }
             serde_json::Value::Object(fields) => {
                 for (field, value) in fields.into_iter().filter(|(_, v)| !v.is_null()) {
-                    let value = match value {
-                        serde_json::Value::String(s) => s,
-                        other => other.to_string(),
-                    };
-                    into.insert(format!("--{}", field.replace('_', "-")), value);
+                    into.insert(format!("--{}", field.replace('_', "-")), text(value));
                 }
                 Ok(())
             }
@@ -153,6 +216,22 @@ fn flags(value: &impl Serialize) -> Result<BTreeMap<String, String>> {
     let mut flags = BTreeMap::new();
     add(serde_json::to_value(value)?, &mut flags)?;
     Ok(flags)
+}
+
+/// A configuration value as the resume check shows it: a string as it is, anything else as JSON.
+/// A number an `f32` field held is shown as that `f32` (`0.1`, not `0.10000000149011612`).
+fn text(value: serde_json::Value) -> String {
+    match value {
+        serde_json::Value::String(s) => s,
+        serde_json::Value::Number(n) if n.is_f64() => {
+            let x = n.as_f64().unwrap_or_default();
+            match x as f32 {
+                single if single as f64 == x => single.to_string(),
+                _ => n.to_string(),
+            }
+        }
+        other => other.to_string(),
+    }
 }
 
 /// Whether a flag's value in this run and in the snapshot's agree: the same text, the same number
@@ -189,7 +268,8 @@ pub fn save_training(
         map.insert(LOSS_SCALE.into(), Tensor::new(s.scale, &Device::Cpu)?);
         map.insert(GOOD_STEPS.into(), Tensor::new(s.good_steps as i64, &Device::Cpu)?);
     }
-    let metadata = HashMap::from([(CONFIG.to_string(), serde_json::to_string(config)?)]);
+    let mut metadata = store.metadata();
+    metadata.insert(CONFIG.to_string(), serde_json::to_string(config)?);
     params::write_snapshot(path, &map, metadata)
         .with_context(|| format!("writing {}", path.display()))
 }
@@ -282,6 +362,48 @@ fn check_writable(path: &Path, flag: &str) -> Result<()> {
     Ok(())
 }
 
+/// Removes, with a word, the temporaries ([`params::partial_path`]) that writes of this run's
+/// snapshots left when their process was killed: the next write would replace them anyway, and
+/// left alone they would lie beside the snapshots looking like one. One the run reads (`--init
+/// w.partial`) is an input, not a leftover: it stays, and the snapshot write is refused.
+pub(crate) fn remove_stale_partials(
+    run: &RunArgs,
+    extra: &[Output],
+    inputs: &[Input],
+) -> Result<()> {
+    let training = run.save.as_deref().map(training_snapshot_path);
+    let mut targets: Vec<std::path::PathBuf> =
+        [run.save.as_deref(), training.as_deref()].into_iter().flatten().map(Into::into).collect();
+    for output in extra {
+        match *output {
+            Output::File(_, path) => targets.push(path.into()),
+            Output::Folder(_, dir, names) => targets.extend(names.iter().map(|n| dir.join(n))),
+        }
+    }
+    for target in targets {
+        let stale = params::partial_path(&target);
+        if let Some(input) = inputs.iter().find(|input| same_file(&input.path, &stale)) {
+            bail!(
+                "{} {} is where {} is written before it is renamed into place; give the input \
+                 another name or write elsewhere",
+                input.flag,
+                stale.display(),
+                target.display()
+            );
+        }
+        if std::fs::symlink_metadata(&stale).is_ok_and(|m| m.is_file()) {
+            std::fs::remove_file(&stale)
+                .with_context(|| format!("removing {}", stale.display()))?;
+            say!(
+                "removed {}: left by a write of {} that did not finish",
+                stale.display(),
+                target.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// A path a run writes besides the shared flags' (`--save-merged`, `--save-adapter`): a file, or
 /// a folder and the files it writes into it.
 pub enum Output<'a> {
@@ -339,10 +461,19 @@ pub(crate) fn check_outputs(run: &RunArgs, extra: &[Output], inputs: &[Input]) -
         let destroyed = inputs
             .iter()
             .filter(|input| !(snapshot && input.reads == Reads::Weights))
-            .find(|input| same_file(&input.path, path));
+            .find(|input| match input.shape {
+                Shape::File => same_file(&input.path, path),
+                Shape::Folder(_) => {
+                    input.files().is_ok_and(|f| f.iter().any(|f| same_file(f, path)))
+                }
+            });
         if let Some(input) = destroyed {
+            let what = match input.shape {
+                Shape::File => "is the file",
+                Shape::Folder(_) => "is a file of the folder",
+            };
             bail!(
-                "{flag} {} is the file {} {} reads: the run would destroy its own input; write \
+                "{flag} {} {what} {} {} reads: the run would destroy its own input; write \
                  elsewhere",
                 path.display(),
                 input.flag,
@@ -351,36 +482,6 @@ pub(crate) fn check_outputs(run: &RunArgs, extra: &[Output], inputs: &[Input]) -
         }
     }
     Ok(())
-}
-
-/// A file a run reads: the flag that names it and what it holds.
-pub struct Input {
-    pub flag: String,
-    pub path: std::path::PathBuf,
-    pub reads: Reads,
-}
-
-impl Input {
-    pub fn new(flag: &str, path: &Path, reads: Reads) -> Self {
-        Input { flag: flag.to_string(), path: path.to_path_buf(), reads }
-    }
-}
-
-/// The data files of `flags` that are given (`("--text", &args.text)`): none holds weights.
-pub fn inputs(flags: &[(&str, &Option<std::path::PathBuf>)]) -> Vec<Input> {
-    let given = |(flag, path): &(&str, &Option<std::path::PathBuf>)| {
-        Some(Input::new(flag, path.as_deref()?, Reads::Other))
-    };
-    flags.iter().filter_map(given).collect()
-}
-
-/// What an input file holds, as far as the outputs are concerned.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reads {
-    /// Weights the run continues (`--init`, `--resume`): its own snapshot may replace them.
-    Weights,
-    /// Anything else (data, a tokenizer, a configuration, an adapter): no output may be it.
-    Other,
 }
 
 /// Fails now if the folder `dir` (given with `flag`) cannot take the files written into it: it
@@ -406,20 +507,38 @@ fn check_folder(dir: &Path, flag: &str) -> Result<bool> {
     }
 }
 
-/// Whether two paths name one file: where both exist, the same device and inode; else equal as
-/// given, or in the same folder (symlinks and `..` resolved) under the same name.
-/// [`check_writable`] has refused a symlink as an output file itself.
-fn same_file(a: &Path, b: &Path) -> bool {
-    // Where both exist, by identity (device and inode): hard links, symbolic links and other
-    // spellings of one file are one file.
-    #[cfg(unix)]
-    if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
-        use std::os::unix::fs::MetadataExt;
-        return (x.dev(), x.ino()) == (y.dev(), y.ino());
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(entries: &[(&str, &str)]) -> RunConfig {
+        RunConfig(entries.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())
     }
-    let resolved = |p: &Path| {
-        let folder = p.parent().filter(|f| !f.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        Some(std::fs::canonicalize(folder).ok()?.join(p.file_name()?))
-    };
-    a == b || resolved(a).is_some_and(|x| Some(x) == resolved(b))
+
+    /// A ResNet snapshot resumed by `train-gpt2` said "--classes is not given in this run but
+    /// was 10", as if a flag were missing.
+    #[test]
+    fn another_models_snapshot_is_named_as_such() {
+        let resnet = config(&[(MODEL, "ResNet"), ("--classes", "10")]);
+        let gpt2 = config(&[(MODEL, "GPT-2"), ("--seq", "16")]);
+        let error = gpt2.check_against(&resnet, Path::new("r.train.safetensors")).unwrap_err();
+        let said = error.to_string();
+        assert!(said.contains("is a training snapshot of ResNet, not of GPT-2"), "{said}");
+    }
+
+    /// A snapshot written before the model and the inputs' content were kept resumes (with a
+    /// word); a flag it lacks is still refused.
+    #[test]
+    fn entries_older_snapshots_lack_are_not_refused_but_flags_are() {
+        let old = config(&[("--seq", "16")]);
+        let now = config(&[
+            (MODEL, "GPT-2"),
+            ("the model's n_embd", "32"),
+            ("--text's content", "sha256:00"),
+            ("--seq", "16"),
+        ]);
+        now.check_against(&old, Path::new("w.train.safetensors")).unwrap();
+        let with_flag = config(&[("--seq", "16"), ("--freeze", "wte")]);
+        assert!(with_flag.check_against(&old, Path::new("w.train.safetensors")).is_err());
+    }
 }

@@ -3,7 +3,7 @@
 //! tokenizer. Not here: a masked LM's data (BERT's own), the models.
 
 use crate::hub::HubFiles;
-use crate::snapshot::Input;
+use crate::inputs::{Input, Reads};
 use anyhow::{bail, Context, Result};
 use datasets::tokens::Batcher;
 use serde::Serialize;
@@ -25,17 +25,22 @@ pub struct TokenArgs {
     #[serde(serialize_with = "crate::data_source")]
     pub text: Option<PathBuf>,
     /// The tokenizer.json for --text; default: the --model-id's, or one beside --config or --init.
-    #[arg(long, requires = "text")]
+    /// (clap checks `requires` only where no conflicting flag is given: `--data` names itself.)
+    #[arg(long, requires = "text", conflicts_with = "data")]
     #[serde(skip)]
     pub tokenizer: Option<PathBuf>,
 }
 
 impl TokenArgs {
-    /// The files these flags read, with their flags.
-    pub fn files(&self) -> Vec<Input> {
-        let named =
-            [("--data", &self.data), ("--text", &self.text), ("--tokenizer", &self.tokenizer)];
-        crate::snapshot::inputs(&named)
+    /// The files these flags read, with their flags: `--data` or `--text` and its tokenizer
+    /// (where it comes from as in [`TokenArgs::batcher`]).
+    pub fn files(&self, hub: Option<&HubFiles>, beside: &[Option<&Path>]) -> Vec<Input> {
+        let mut files = crate::inputs::given(&[("--data", &self.data), ("--text", &self.text)]);
+        if self.text.is_some() {
+            let tokenizer = crate::hub::tokenizer_file(self.tokenizer.as_deref(), hub, beside);
+            files.extend(tokenizer.map(|p| Input::file("--text's tokenizer", &p, Reads::Setup)));
+        }
+        files
     }
 
     /// Refuses a `--seq` the model's `context` (its positions) cannot take.

@@ -4,36 +4,36 @@
 //! hands them to [`Trainer::run`].
 
 use crate::args::RunArgs;
+use crate::inputs::Input;
 use crate::log::{Log, LogFile};
 use crate::parallel::{self, Group};
 use crate::plan::executor;
 use crate::say;
 use crate::scaler::LossScaler;
 use crate::snapshot::{
-    check_outputs, load_training, save_training, training_snapshot_path, Input, Output, RunConfig,
+    check_outputs, load_training, remove_stale_partials, save_training, training_snapshot_path,
+    Output, RunConfig,
 };
 use crate::step::{micro_batches, Stepper};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 use optim::TrainOptimizer;
 use remat::Policy;
-use serde::Serialize;
 use trainable::Model;
 
 /// The graph inputs of data batch `n` of `size` samples.
 pub type Inputs<'a> = dyn Fn(u64, usize) -> Result<Vec<Tensor>> + 'a;
 
 /// One training run of `model`, as its command line asked.
-pub struct Trainer<'a, M, S> {
+pub struct Trainer<'a, M> {
     pub run: &'a RunArgs,
     pub group: &'a Group,
     pub model: &'a M,
     /// The flags that set a step's size, as errors name them: `--batch 2 x --seq 256`.
     pub sizes: String,
-    /// The trainer's own flags that decide what the run computes: a struct whose fields are the
-    /// flags (`seq` is `--seq`), or a tuple of such structs ([`RunConfig`]). Its training
-    /// snapshots keep them and a resume must match them.
-    pub setup: S,
+    /// What decides what the run computes: the flags, the model and the inputs' content. Its
+    /// training snapshots keep it and a resume must match it.
+    pub config: RunConfig,
     /// What the trainer writes besides the shared flags' outputs (`--save-merged`,
     /// `--save-adapter`): checked with them before training.
     pub outputs: Vec<Output<'a>>,
@@ -48,7 +48,7 @@ pub struct Trainer<'a, M, S> {
     pub batch_names: Option<Box<dyn Fn(u64) -> String + 'a>>,
 }
 
-impl<M: Model, S: Serialize> Trainer<'_, M, S> {
+impl<M: Model> Trainer<'_, M> {
     /// Trains `steps` optimizer steps on `inputs` (a rank takes its share of each batch) and
     /// prints `describe(policy, segments)` once the policy is settled; returns after a dry run's
     /// prediction without training.
@@ -74,14 +74,17 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
         };
         say!("{}", describe(&policy, &crate::segments(exec.segments().len())));
         self.before_training()?;
-        let file = if run.resume.is_some() { LogFile::Continue } else { LogFile::New };
-        let mut log = Log::new(group, run.steps, run.accumulate, run.log_json.as_deref(), file)?;
+        crate::interrupt::catch()?;
         let mut scaler = (run.dtype == trainable::Precision::F16).then(|| LossScaler {
             scale: run.loss_scale.unwrap_or(LossScaler::default().scale),
             good_steps: 0,
         });
-        let config = RunConfig::new(run, group.world(), &self.setup)?;
-        let start = self.resume(opt.as_mut(), scaler.as_mut(), &config)?;
+        let start = self.resume(opt.as_mut(), scaler.as_mut(), &self.config)?;
+        let file = match run.resume {
+            Some(_) => LogFile::Continue { from: start },
+            None => LogFile::New,
+        };
+        let mut log = Log::new(group, run.steps, run.accumulate, run.log_json.as_deref(), file)?;
         log.start_at(start);
 
         let stepper = Stepper {
@@ -113,8 +116,24 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
                 let eval_loss = self.evaluate(&batch)?;
                 log.eval(step, eval_loss, run.eval_batches)?;
             }
-            if run.save.is_some() && self.due(step, run.save_every) {
-                self.save(step, opt.as_ref(), scaler, &config)?;
+            let saved = run.save.is_some() && self.due(step, run.save_every);
+            if saved {
+                self.save(step, opt.as_ref(), scaler, &self.config)?;
+            }
+            if step + 1 < run.steps && crate::interrupt::requested(group)? {
+                if run.save.is_some() && !saved {
+                    self.save(step, opt.as_ref(), scaler, &self.config)?;
+                }
+                log.finish();
+                match run.save.as_deref().map(training_snapshot_path) {
+                    Some(path) => say!(
+                        "stopped after step {step}; --resume {} goes on from step {}",
+                        path.display(),
+                        step + 1
+                    ),
+                    None => say!("stopped after step {step}; nothing saved (no --save given)"),
+                }
+                return Err(crate::interrupt::Interrupted.into());
             }
         }
         parallel::check_in_sync(group, model.params())?;
@@ -143,6 +162,7 @@ impl<M: Model, S: Serialize> Trainer<'_, M, S> {
         }
         if self.group.is_root() {
             check_outputs(run, &self.outputs, &self.inputs)?;
+            remove_stale_partials(run, &self.outputs, &self.inputs)?;
         }
         Ok(())
     }

@@ -19,20 +19,20 @@ use ops::{
 use params::{Init, ParamStore};
 use remat::{Stage, StageCtx, StageGraph, StageKind};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum Norm {
     Batch,
     Group(usize),
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum Loss {
     CrossEntropy,
     /// Cross-entropy plus soft Dice (1 - mean Dice over classes).
     CrossEntropyDice,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Config {
     /// Width of the first convolution (32 in the paper).
     pub base: usize,
@@ -43,9 +43,11 @@ pub struct Config {
     pub norm: Norm,
     pub loss: Loss,
     /// The dtype activations are stored in (the volume is cast to it on input).
+    #[serde(skip)]
     pub dtype: trainable::Precision,
     /// The parameters that do not train (`--freeze`): read through tensors no variable leads
     /// to, so they get no gradient.
+    #[serde(skip)]
     pub freeze: params::Freeze,
 }
 

@@ -9,6 +9,7 @@ use remat::Policy;
 use serde::Serialize;
 use std::path::PathBuf;
 use trainable::Model;
+use trainkit::inputs::{Input, Reads};
 use unet3d::{Config, Loss, Norm, Preset, UNet3d};
 
 #[global_allocator]
@@ -66,6 +67,7 @@ fn main() -> Result<()> {
 impl trainkit::Recipe for Args {
     type Model = UNet3d;
     type Data = Data;
+    const MODEL: &'static str = "3D U-Net";
     const MODEL_FLAGS: &'static str = "--preset, --classes";
 
     fn defaults() -> trainkit::Defaults {
@@ -96,13 +98,20 @@ impl trainkit::Recipe for Args {
         }
     }
 
-    fn check(&self, _: &Config) -> Result<()> {
+    fn check(&self, config: &Config) -> Result<()> {
         trainkit::args::check_classes(self.setup.classes)?;
         if self.setup.classes < 2 {
             bail!(
                 "--classes must be at least 2 (with one class the loss is 0 and nothing is \
                  learned)"
             );
+        }
+        if config.norm == Norm::Batch {
+            // The bottom of the U: the volume after `levels` poolings (a non-multiple of
+            // 2^levels is refused when the model is built).
+            let side = (self.setup.volume >> config.levels).max(1);
+            let map = format!("{side}x{side}x{side}");
+            trainkit::args::check_batch_norm(self.run.batch, side.saturating_pow(3), &map)?;
         }
         Ok(())
     }
@@ -124,6 +133,12 @@ impl trainkit::Recipe for Args {
         }
         config.in_channels = first.shape[0];
         Ok(Data::Npy(volumes))
+    }
+
+    fn read_files(&self, _: Option<&trainkit::hub::HubFiles>) -> Vec<Input> {
+        let folder =
+            |p: &PathBuf| Input::folder("--data", p, Reads::Setup, datasets::volumes::listed);
+        self.setup.data.iter().map(folder).collect()
     }
 
     fn inputs(&self, model: &UNet3d, data: &Data, step: u64, n: usize) -> Result<Vec<Tensor>> {

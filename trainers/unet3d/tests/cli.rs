@@ -146,3 +146,22 @@ fn a_resume_with_another_loss_names_it_as_the_flag_spells_it() {
     fails_saying(&resume, "--loss is ce in this run but was ce-dice");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A batch at which the BatchNorm at the bottom of the U sees one value per channel (one
+/// 4-voxel volume through two poolings: 1x1x1) is refused naming `--batch`, as PyTorch refuses
+/// it; GroupNorm, which normalizes each sample on its own, takes it.
+#[test]
+fn a_batch_norm_of_one_value_per_channel_is_refused() {
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_train-unet3d"))
+            .args(["--preset", "tiny", "--volume", "4", "--batch", "1", "--steps", "1"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--batch 1 is too small for BatchNorm"), "{err}");
+    let out = run(&["--group-norm", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -32,7 +32,7 @@ fn check(file: &str) -> Result<()> {
     };
     let model = UNet3d::new(config, &Device::Cpu, 0)?;
     let (volume, labels, side) = (fx.f32s("volume")?, fx.ids("labels")?, cfg.side);
-    model.load_snapshot(fx.path())?;
+    model.load_snapshot(fx.weights())?;
     let batch = Tensor::from_slice(&volume, (cfg.batch, 1, side, side, side), &Device::Cpu)?;
     check_close(
         &format!("{file}: logits"),
@@ -41,7 +41,7 @@ fn check(file: &str) -> Result<()> {
         LOGITS_TOL,
     )?;
     for policy in ["off", "sqrt", "before-downsample"] {
-        model.load_snapshot(fx.path())?; // the running statistics as the reference started
+        model.load_snapshot(fx.weights())?; // the running statistics as the reference started
         let inputs = model.inputs(&volume, &labels, side, &Device::Cpu)?;
         let worst = check_training_step(&fx, model.graph(), model.params(), &inputs, policy)?;
         eprintln!("{file} {policy}: largest gradient error {worst:.2e}");

@@ -26,16 +26,30 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
             ))
         }
     };
+    let too_large =
+        || format!("`{s}` is more than the largest size, {MAX_SIZE} bytes (2^64 - 2048)");
+    // A whole number is read exactly: through an f64, one above 2^53 would be taken as another.
+    if let Ok(whole) = num.trim().parse::<u64>() {
+        return match whole.checked_mul(mult) {
+            Some(0) => Err(format!("`{s}` is not a positive size")),
+            Some(bytes) if bytes <= MAX_SIZE => Ok(bytes),
+            _ => Err(too_large()),
+        };
+    }
     let bytes = n * mult as f64;
     if n.is_nan() || bytes < 1.0 || !n.is_finite() {
         return Err(format!("`{s}` is not a positive size"));
     }
     // A conversion to u64 saturates: a larger size would be taken as another, silently.
-    if bytes >= u64::MAX as f64 {
-        return Err(format!("`{s}` is more than a size can be ({} bytes)", u64::MAX));
+    if bytes > MAX_SIZE as f64 {
+        return Err(too_large());
     }
     Ok(bytes as u64)
 }
+
+/// The largest size [`parse_size`] reads: the largest f64 below 2^64 (a fraction of a unit is
+/// computed in f64), exact as an f64.
+const MAX_SIZE: u64 = u64::MAX - 2047;
 
 /// A byte count as [`parse_size`] reads it back: whole GiB/MiB/KiB where exact, else bytes.
 pub fn format_size(bytes: u64) -> String {
@@ -55,4 +69,40 @@ pub fn mib(bytes: impl Into<u128>) -> f64 {
 /// Bytes in GiB (2^30 bytes), for the caller to format.
 pub fn gib(bytes: impl Into<u128>) -> f64 {
     bytes.into() as f64 / (1u64 << 30) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    /// A size beyond the largest is refused naming the largest, not the size refused: 2^64 - 1
+    /// said it was "more than a size can be (18446744073709551615 bytes)". Byte counts are read
+    /// exactly: one above the largest is refused, not rounded down to it.
+    #[test]
+    fn a_size_beyond_the_largest_names_the_largest() {
+        let largest = (u64::MAX - 2047).to_string();
+        assert_eq!(parse_size(&largest), Ok(u64::MAX - 2047));
+        assert_eq!(parse_size("9007199254740993"), Ok(9007199254740993), "2^53 + 1, exactly");
+        for s in [
+            "18446744073709551615",
+            "18446744073709549569",
+            "18446744073709551616",
+            "20000000000GB",
+            "17179869184GiB",
+        ] {
+            let e = parse_size(s).unwrap_err();
+            assert!(
+                e.contains("more than the largest size, 18446744073709549568 bytes")
+                    && !e.contains("(18446744073709551615"),
+                "{s}: {e}"
+            );
+        }
+        assert_eq!(parse_size("24GiB"), Ok(24 << 30));
+        assert_eq!(parse_size("1.5GB"), Ok(1_500_000_000));
+        assert_eq!(parse_size("1000000"), Ok(1_000_000));
+        assert!(parse_size("0").unwrap_err().contains("not a positive size"));
+        assert!(parse_size("-1GiB").unwrap_err().contains("not a positive size"));
+        assert!(parse_size("12 parsecs").unwrap_err().contains("unknown unit"));
+        assert!(parse_size("x").unwrap_err().contains("is not a size"));
+    }
 }
