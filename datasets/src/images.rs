@@ -136,7 +136,22 @@ impl ImageFolder {
         if files.is_empty() {
             return Err(FolderError::Empty { path: root.display().to_string() });
         }
+        // Every image's header now, not its first draw: a damaged file among thousands stopped
+        // the run at whichever step drew it, before the first snapshot. (Decoding them all
+        // would read the whole data set before the first step.)
+        for (path, _) in &files {
+            let decode = |source| FolderError::Decode { path: path.display().to_string(), source };
+            let reader = image::ImageReader::open(path)
+                .and_then(|r| r.with_guessed_format())
+                .map_err(|e| decode(image::ImageError::IoError(e)))?;
+            reader.into_dimensions().map_err(decode)?;
+        }
         Ok(ImageFolder { classes, files, size, seed })
+    }
+
+    /// How many images it holds.
+    pub fn images(&self) -> usize {
+        self.files.len()
     }
 
     pub fn classes(&self) -> &[String] {

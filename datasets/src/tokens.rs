@@ -65,6 +65,11 @@ impl Batcher {
         Ok(Batcher { tokens, seq, seed })
     }
 
+    /// How many distinct windows the stream holds (one per start).
+    pub fn windows(&self) -> usize {
+        self.tokens.len() - self.seq
+    }
+
     /// The batch of `step`: `batch` windows, each flattened row-major, as (inputs, targets).
     pub fn batch(&self, step: u64, batch: usize) -> (Vec<u32>, Vec<u32>) {
         let mut rng = SplitMix::new(self.seed ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03));

@@ -210,6 +210,14 @@ impl MlmData {
         Ok(MlmData { source, specials, vocab_len, seq, seed })
     }
 
+    /// How many distinct samples it holds: windows of the stream, or documents' pieces.
+    pub fn samples(&self) -> usize {
+        match &self.source {
+            Source::Stream(windows) => windows.windows(),
+            Source::Documents(docs) => docs.len(),
+        }
+    }
+
     /// The masked batch of `step`: `[CLS] example [SEP]` rows, padded with `[PAD]` to the
     /// longest row (masked out of attention, never scored).
     pub fn batch(&self, step: u64, batch: usize) -> MaskedBatch {

@@ -155,6 +155,10 @@ impl trainkit::Recipe for Args {
         files
     }
 
+    fn samples(&self, data: &MlmData) -> Option<usize> {
+        Some(data.samples())
+    }
+
     fn setup(&self, _: &Config) -> impl Serialize {
         &self.setup
     }

@@ -33,3 +33,52 @@ fn options_that_would_go_unused_are_refused() {
         "cannot be used with",
     );
 }
+
+/// Every file `train-bert` reads is spared by every output it writes: weights, training
+/// snapshot, configuration, text, the tokenizer found beside `--config`, and a vocabulary. A
+/// snapshot may replace the weights it continues, so those meet `--log-json`.
+#[test]
+fn every_file_read_is_spared_by_every_output() {
+    use datasets::tokenizer::{Kind, Tokenizer};
+    use testkit::cli::{assert_outputs_spare_inputs, ReadFile};
+    let bin = env!("CARGO_BIN_EXE_train-bert");
+    let dir = std::env::temp_dir().join(format!("bert-spared-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("model")).unwrap();
+    let at = |name: &str| dir.join(name);
+    let s = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let (w, train_w) = (s("w.safetensors"), s("w.train.safetensors"));
+    let tiny = ["--preset", "tiny", "--seq", "16", "--steps", "1"];
+    let out = std::process::Command::new(bin)
+        .args(tiny)
+        .args(["--save", &w, "--save-every", "1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = datasets::text::synthetic_corpus(5, 4000);
+    std::fs::write(at("a.txt"), &text).unwrap();
+    Tokenizer::train(Kind::WordPiece, &text, 300, &at("model/tokenizer.json")).unwrap();
+    let config = bert::Config::tiny(2, 32);
+    std::fs::write(at("model/config.json"), serde_json::to_string(&config).unwrap()).unwrap();
+    let words: Vec<&str> = text.split_whitespace().take(50).collect();
+    let vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"].iter().chain(&words);
+    std::fs::write(at("vocab.txt"), vocab.copied().collect::<Vec<_>>().join("\n")).unwrap();
+    let (config, text, vocab) = (s("model/config.json"), s("a.txt"), s("vocab.txt"));
+    let (all, log) = (&["--save", "--log-json"][..], &["--log-json"][..]);
+    let with_config = ["--config", &config, "--seq", "16", "--steps", "1", "--text", &text];
+    let with_vocab = [&tiny[..], &["--text", &text, "--vocab", &vocab]].concat();
+    let reads = [
+        ReadFile::new(&[&tiny[..], &["--init", &w]].concat(), &at("w.safetensors"), log),
+        ReadFile::new(
+            &[&tiny[..], &["--resume", &train_w]].concat(),
+            &at("w.train.safetensors"),
+            log,
+        ),
+        ReadFile::new(&with_config, &at("model/config.json"), all),
+        ReadFile::new(&with_config, &at("a.txt"), all),
+        ReadFile::new(&with_config, &at("model/tokenizer.json"), all),
+        ReadFile::new(&with_vocab, &at("vocab.txt"), all),
+    ];
+    assert_outputs_spare_inputs(bin, &[], &reads);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -80,6 +80,10 @@ impl trainkit::Recipe for Args {
         self.text.files(hub, &self.pretrained.beside())
     }
 
+    fn samples(&self, data: &Batcher) -> Option<usize> {
+        Some(data.windows())
+    }
+
     fn setup(&self, _: &Config) -> impl serde::Serialize {
         &self.text
     }

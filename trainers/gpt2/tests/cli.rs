@@ -89,8 +89,10 @@ fn impossible_sizes_name_the_flags() {
     }
 }
 
-/// `--eval-every 2` over 5 steps evaluates after steps 1, 3 and the last, on held-out batches:
-/// printed, and logged as lines of their own that leave the training losses readable.
+/// `--eval-every 2` over 5 steps evaluates after steps 1, 3 and the last: printed, and logged as
+/// lines of their own that leave the training losses readable. More evaluation batches than the
+/// data holds samples are refused: `--eval-batches 1000` over a file of ~120 windows printed
+/// "1000 held-out batches" that repeated the training windows.
 #[test]
 fn evaluation_runs_when_due_and_is_logged() {
     let log = std::env::temp_dir().join(format!("cli-eval-{}.jsonl", std::process::id()));
@@ -108,6 +110,17 @@ fn evaluation_runs_when_due_and_is_logged() {
     assert_eq!(eval.len(), 3);
     assert!(eval.iter().all(|l| l.is_finite() && *l > 0.0), "{eval:?}");
     std::fs::remove_file(&log).unwrap();
+    let dir = scratch("eval-windows");
+    let tokens: Vec<u8> = (0..136u16).flat_map(|i| (i % 251).to_le_bytes()).collect();
+    std::fs::write(dir.join("t.bin"), tokens).unwrap();
+    let data = dir.join("t.bin");
+    let args = ["--steps", "1", "--eval-every", "1", "--data", data.to_str().unwrap()];
+    let err = fails_saying(&[&args[..], &["--eval-batches", "1000"]].concat(), "draw 2000 samples");
+    assert!(
+        err.contains("the data holds 120 distinct ones") && err.contains("at most 60"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `--accumulate N` says the micro-batch and the effective batch; `--accumulate 0` is refused.
@@ -774,5 +787,60 @@ fn a_resume_logs_each_step_once() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     }
     assert_eq!(logged_steps(std::path::Path::new(&log)), vec![0, 1, 2, 3]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every file `train-gpt2` reads is spared by every output it writes (`--save`, `--log-json`,
+/// `--save-merged`): weights, training snapshot, token file, text, configuration, the tokenizer
+/// given and the one found beside `--config`, and an adapter's two files. A snapshot may replace
+/// the weights it continues (`--init`/`--resume` with `--save`), so those meet `--log-json`.
+#[test]
+fn every_file_read_is_spared_by_every_output() {
+    use testkit::cli::{assert_outputs_spare_inputs, ReadFile};
+    let dir = scratch("spared");
+    let at = |name: &str| dir.join(name);
+    let s = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let saved = train(&["--steps", "1", "--save", &s("w.safetensors"), "--save-every", "1"]);
+    assert!(saved.status.success(), "{}", String::from_utf8_lossy(&saved.stderr));
+    let lora = train(&["--lora", "4", "--steps", "1", "--save-adapter", &s("adapter")]);
+    assert!(lora.status.success(), "{}", String::from_utf8_lossy(&lora.stderr));
+    let tokens: Vec<u8> = (0..4000u16).flat_map(|i| (i * 7 % 251).to_le_bytes()).collect();
+    std::fs::write(at("tokens.bin"), tokens).unwrap();
+    let text = "every file a run reads is spared. ".repeat(30);
+    std::fs::write(at("a.txt"), &text).unwrap();
+    std::fs::create_dir_all(at("model")).unwrap();
+    let config = gpt2::Config { vocab_size: 320, ..gpt2::Preset::Tiny.config() };
+    std::fs::write(at("model/config.json"), serde_json::to_string(&config).unwrap()).unwrap();
+    let kind = datasets::tokenizer::Kind::ByteLevelBpe;
+    for tokenizer in ["model/tokenizer.json", "tok.json"] {
+        datasets::tokenizer::Tokenizer::train(kind, &text, 300, &at(tokenizer)).unwrap();
+    }
+    let (w, train_w, tokens) = (s("w.safetensors"), s("w.train.safetensors"), s("tokens.bin"));
+    let (config, text, tok, adapter) =
+        (s("model/config.json"), s("a.txt"), s("tok.json"), s("adapter"));
+    let tiny = |args: &[&str]| -> Vec<String> {
+        ["--preset", "tiny"].iter().chain(args).map(|a| a.to_string()).collect()
+    };
+    let (all, log) = (&["--save", "--log-json"][..], &["--log-json"][..]);
+    let lora_outputs = &["--save", "--log-json", "--save-merged"][..];
+    let with_config = ["--config", &config, "--text", &text];
+    let with_tokenizer = [&with_config[..], &["--tokenizer", &tok]].concat();
+    let with_adapter = tiny(&["--lora", "4", "--load-adapter", &adapter]);
+    let reads = [
+        ReadFile::new(&tiny(&["--init", &w]), &at("w.safetensors"), log),
+        ReadFile::new(&tiny(&["--resume", &train_w]), &at("w.train.safetensors"), log),
+        ReadFile::new(&tiny(&["--data", &tokens]), &at("tokens.bin"), all),
+        ReadFile::new(&with_config, &at("model/config.json"), all),
+        ReadFile::new(&with_config, &at("a.txt"), all),
+        ReadFile::new(&with_config, &at("model/tokenizer.json"), all),
+        ReadFile::new(&with_tokenizer, &at("tok.json"), all),
+        ReadFile::new(&with_adapter, &at("adapter/adapter_config.json"), lora_outputs),
+        ReadFile::new(&with_adapter, &at("adapter/adapter_model.safetensors"), lora_outputs),
+    ];
+    assert_outputs_spare_inputs(
+        env!("CARGO_BIN_EXE_train-gpt2"),
+        &["--seq", "16", "--steps", "1"],
+        &reads,
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -142,6 +142,13 @@ impl trainkit::Recipe for Args {
         Ok(model.inputs(&images, &labels, self.image_size, device)?)
     }
 
+    fn samples(&self, data: &Data) -> Option<usize> {
+        match data {
+            Data::Synthetic(_) => None,
+            Data::Folder(folder) => Some(folder.images()),
+        }
+    }
+
     fn setup(&self, config: &Config) -> impl Serialize {
         Setup { image_size: self.image_size, classes: config.classes, data: self.data.clone() }
     }

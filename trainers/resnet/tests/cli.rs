@@ -86,6 +86,28 @@ fn a_data_folder_needs_two_classes_each_with_images() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// A damaged image is named before training: images were decoded as batches drew them, and a
+/// corrupt PNG among 40 stopped the run at step 12, before its first snapshot.
+#[test]
+fn a_damaged_image_is_named_before_training() {
+    let root = std::env::temp_dir().join(format!("resnet-damaged-{}", std::process::id()));
+    for class in ["cats", "dogs"] {
+        std::fs::create_dir_all(root.join(class)).unwrap();
+        for i in 0..20 {
+            image::RgbImage::from_pixel(8, 8, image::Rgb([i * 10, 0, 0]))
+                .save(root.join(class).join(format!("{i}.png")))
+                .unwrap();
+        }
+    }
+    std::fs::write(root.join("dogs").join("7.png"), b"not a PNG at all").unwrap();
+    let data = root.to_str().unwrap();
+    let out = run(&["--preset", "tiny", "--image-size", "32", "--data", data, "--steps", "40"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("dogs/7.png"), "{err}");
+    assert!(!err.contains("step    0"), "refused only after training began: {err}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 /// An ImageNet snapshot has a 1000-class `fc`: `--init` into a model of another class count loads
 /// the rest and initialises `fc`, saying so; `--strict` refuses the mismatch.
 #[test]
@@ -176,4 +198,34 @@ fn a_batch_norm_of_one_value_per_channel_is_refused() {
     );
     let out = run(&[&args[..], &["2"]].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Every file `train-resnet` reads is spared by every output it writes: weights, training
+/// snapshot, and an image of its `--data` folder.
+#[test]
+fn every_file_read_is_spared_by_every_output() {
+    use testkit::cli::{assert_outputs_spare_inputs, ReadFile};
+    let bin = env!("CARGO_BIN_EXE_train-resnet");
+    let dir = std::env::temp_dir().join(format!("resnet-spared-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for class in ["cats", "dogs"] {
+        std::fs::create_dir_all(dir.join("data").join(class)).unwrap();
+        image::RgbImage::from_pixel(8, 8, image::Rgb([200, 0, 0]))
+            .save(dir.join("data").join(class).join("0.png"))
+            .unwrap();
+    }
+    let at = |name: &str| dir.join(name);
+    let s = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let (w, train_w, data) = (s("w.safetensors"), s("w.train.safetensors"), s("data"));
+    let tiny = ["--preset", "tiny", "--image-size", "32", "--batch", "2", "--steps", "1"];
+    let out = run(&[&tiny[..], &["--save", &w, "--save-every", "1"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (all, log) = (&["--save", "--log-json"][..], &["--log-json"][..]);
+    let reads = [
+        ReadFile::new(&["--init", &w], &at("w.safetensors"), log),
+        ReadFile::new(&["--resume", &train_w], &at("w.train.safetensors"), log),
+        ReadFile::new(&["--data", &data], &at("data/dogs/0.png"), all),
+    ];
+    assert_outputs_spare_inputs(bin, &tiny, &reads);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

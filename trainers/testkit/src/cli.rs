@@ -140,3 +140,44 @@ pub fn assert_resume_is_bit_identical(bin: &str, args: &[&str]) {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A file a trainer reads, for [`assert_outputs_spare_inputs`]: the flags that make a run read
+/// it, the file, and the output flags to aim at it.
+pub struct ReadFile<'a> {
+    pub args: Vec<String>,
+    pub file: std::path::PathBuf,
+    pub outputs: &'a [&'a str],
+}
+
+impl<'a> ReadFile<'a> {
+    /// `file`, read through `args`, aimed at by each of `outputs`.
+    pub fn new(args: &[impl AsRef<str>], file: &Path, outputs: &'a [&'a str]) -> Self {
+        let args = args.iter().map(|a| a.as_ref().to_string()).collect();
+        ReadFile { args, file: file.to_path_buf(), outputs }
+    }
+}
+
+/// No output of the trainer `bin` may be a file it reads: a run given (after `base`) the flags
+/// that make it read a file and that file as one of its outputs is refused, saying it would
+/// destroy its own input, and the file is left as it was.
+pub fn assert_outputs_spare_inputs(bin: &str, base: &[&str], reads: &[ReadFile]) {
+    for read in reads {
+        let before = std::fs::read(&read.file).unwrap();
+        for output in read.outputs {
+            let out = std::process::Command::new(bin)
+                .args(base)
+                .args(&read.args)
+                .args([output, read.file.to_str().unwrap()])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                !out.status.success() && err.contains("would destroy its own input"),
+                "{:?} {output} onto it: {err}",
+                read.args
+            );
+            let after = std::fs::read(&read.file).unwrap();
+            assert!(after == before, "{:?} {output} changed {}", read.args, read.file.display());
+        }
+    }
+}

@@ -85,8 +85,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub resume: Option<std::path::PathBuf>,
     /// Every N steps and after the last, print (and log) the loss in evaluation mode (no dropout,
-    /// BatchNorm on its running statistics) on --eval-batches batches that training never uses:
-    /// those the data stream would give after the last training step.
+    /// BatchNorm on its running statistics) on --eval-batches batches of the data steps after the
+    /// last training step (of a fixed data set, drawn from the samples training draws from).
     #[arg(long)]
     pub eval_every: Option<usize>,
     #[arg(long, default_value_t = 2, requires = "eval_every")]
@@ -141,7 +141,7 @@ pub struct RunArgs {
     pub optimizer_in_backward: bool,
 }
 
-/// The most held-out batches an evaluation runs (`--eval-batches`): each is a forward pass, so
+/// The most batches an evaluation runs (`--eval-batches`): each is a forward pass, so
 /// more would run for days without a word.
 const MAX_EVAL_BATCHES: usize = 10_000;
 

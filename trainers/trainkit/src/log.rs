@@ -147,10 +147,10 @@ impl<'g> Log<'g> {
         Ok(())
     }
 
-    /// After an evaluation of `batches` held-out batches: its line and record.
+    /// After an evaluation of `batches` batches: its line and record.
     pub fn eval(&mut self, step: usize, eval_loss: f32, eval_batches: usize) -> Result<()> {
         self.say(format_args!(
-            "eval after step {step}: loss {eval_loss:.4} ({eval_batches} held-out batches)"
+            "eval after step {step}: loss {eval_loss:.4} ({eval_batches} evaluation batches)"
         ));
         self.write_json(&EvalRecord { step, eval_loss, eval_batches })
     }

@@ -75,6 +75,14 @@ pub trait Recipe: clap::Parser {
         self.inputs(model, data, 0, n)
     }
 
+    /// How many distinct samples the data holds, where it holds a fixed number (a file's
+    /// windows, a folder's images): evaluation batches beyond them would repeat. Default: an
+    /// endless supply (synthetic images).
+    fn samples(&self, data: &Self::Data) -> Option<usize> {
+        let _ = data;
+        None
+    }
+
     /// What each data batch is, where the data comes from files: named in the error of a step
     /// whose gradients are not finite. Default: nothing to name.
     fn batch_names<'a>(&'a self, data: &'a Self::Data) -> Option<BatchNames<'a>> {
@@ -192,6 +200,7 @@ pub fn train<R: Recipe>(args: &R, group: &Group, device: &Device) -> Result<()> 
         config: run_config,
         outputs: lora_flags.map(|(flags, _)| flags.outputs()).unwrap_or_default(),
         inputs: files,
+        samples: args.samples(&data),
         planned_inputs: &planned,
         batch_names,
     };

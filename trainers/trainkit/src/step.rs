@@ -74,7 +74,7 @@ impl Stepper<'_> {
         let meter = Meter::start(first_inputs.as_ref().expect("just made")[0].device());
         let (mut grads, mut total, mut activation_peak, mut timeline) =
             (GradStore::default(), 0f64, 0, None);
-        let mut non_finite_losses = Vec::new();
+        let (mut non_finite_losses, mut bad_data) = (Vec::new(), Vec::new());
         for n in batches.clone() {
             let inputs = match first_inputs.take() {
                 Some(inputs) => inputs,
@@ -84,26 +84,30 @@ impl Stepper<'_> {
             let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
             if !loss.is_finite() {
                 non_finite_losses.push(n);
+                if !inputs_finite(&inputs)? {
+                    bad_data.push(n);
+                }
             }
             total += loss as f64;
             activation_peak = activation_peak.max(out.timeline.activation_peak(meter.heap_base()));
             timeline.get_or_insert(out.timeline);
             grads = out.grads;
         }
+        // Whatever the loss scaler would make of it (f16 skips such steps, forever): the data.
+        if !bad_data.is_empty() {
+            bail!(
+                "step {step}: the data holds a NaN or an infinity ({}), so the weights were not \
+                 updated",
+                self.name_batches(bad_data)
+            );
+        }
         if scaler.is_none() && !all_finite(&grads, self.exec.params())? {
             let suspects =
                 if non_finite_losses.is_empty() { batches.collect() } else { non_finite_losses };
-            let named: Vec<String> = suspects
-                .into_iter()
-                .map(|n| match &self.batch_names {
-                    Some(names) => format!("data batch {n}: {}", names(n)),
-                    None => format!("data batch {n}"),
-                })
-                .collect();
             bail!(
                 "step {step}: the gradients are not finite, so the weights were not updated; a NaN \
                  or an infinity in the data ({}), or a diverging run (a lower --lr may help)",
-                named.join("; ")
+                self.name_batches(suspects)
             );
         }
         let updated = finish_gradients(&mut grads, self.exec.params(), self.accumulate, scaler)?;
@@ -123,6 +127,15 @@ impl Stepper<'_> {
             activation_peak,
             timeline,
         })
+    }
+
+    /// The data batches `batches`, by the files they come from where the data has them.
+    fn name_batches(&self, batches: Vec<u64>) -> String {
+        let name = |n: u64| match &self.batch_names {
+            Some(names) => format!("data batch {n}: {}", names(n)),
+            None => format!("data batch {n}"),
+        };
+        batches.into_iter().map(name).collect::<Vec<_>>().join("; ")
     }
 
     /// [`Stepper::step`] with the optimizer inside backward: the executor reports the gradients
@@ -184,4 +197,17 @@ impl Stepper<'_> {
             timeline: out.timeline,
         })
     }
+}
+
+/// Whether every value of the float tensors among a batch's `inputs` is finite (ids and labels
+/// are): x * 0 is 0 for a finite x and NaN otherwise, summed in f32 (an f16 sum of a large
+/// volume would overflow).
+fn inputs_finite(inputs: &[Tensor]) -> Result<bool> {
+    for t in inputs.iter().filter(|t| t.dtype().is_float()) {
+        let zeros = t.to_dtype(DType::F32)?.affine(0.0, 0.0)?;
+        if zeros.sum_all()?.to_scalar::<f32>()? != 0.0 {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }

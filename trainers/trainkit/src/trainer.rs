@@ -40,6 +40,9 @@ pub struct Trainer<'a, M> {
     /// The files the run reads (`--init`, `--resume`, `--config`, data, tokenizer, ...): no
     /// output may be one of them.
     pub inputs: Vec<Input>,
+    /// How many distinct samples the data holds, where it holds a fixed number
+    /// ([`crate::Recipe::samples`]).
+    pub samples: Option<usize>,
     /// The inputs the planner measures a batch of `n` with (masked-LM batches of text are padded
     /// to their own longest row: planned at full length).
     pub planned_inputs: &'a dyn Fn(usize) -> Result<Vec<Tensor>>,
@@ -160,6 +163,24 @@ impl<M: Model> Trainer<'_, M> {
                 run.accumulate * run.batch
             );
         }
+        if let (Some(_), Some(samples)) = (run.eval_every, self.samples) {
+            let per_step = run.batch * self.group.world();
+            let drawn = run.eval_batches.saturating_mul(per_step);
+            if drawn > samples {
+                bail!(
+                    "--eval-batches {} of {per_step} samples draw {drawn} samples per evaluation, \
+                     but the data holds {samples} distinct ones: its batches would repeat each \
+                     other; give at most {} --eval-batches",
+                    run.eval_batches,
+                    (samples / per_step).max(1)
+                );
+            }
+            say!(
+                "evaluation: {} batches drawn from the data's {samples} samples as training draws \
+                 them (a fixed data set has no held-out part: the loss measures the fit to it)",
+                run.eval_batches
+            );
+        }
         if self.group.is_root() {
             check_outputs(run, &self.outputs, &self.inputs)?;
             remove_stale_partials(run, &self.outputs, &self.inputs)?;
@@ -192,8 +213,9 @@ impl<M: Model> Trainer<'_, M> {
         done == self.run.steps || every.is_some_and(|n| n > 0 && done.is_multiple_of(n))
     }
 
-    /// The mean evaluation-mode loss ([`trainable::Model::evaluate`]) over `--eval-batches` held-out
-    /// batches: those the data stream gives after the last training micro-batch, never trained on.
+    /// The mean evaluation-mode loss ([`trainable::Model::evaluate`]) over `--eval-batches`
+    /// batches: those the data stream gives after the last training micro-batch (of a fixed data
+    /// set, drawn from the same samples).
     fn evaluate(&self, inputs: &dyn Fn(u64) -> Result<Vec<Tensor>>) -> Result<f32> {
         let held_out = micro_batches(self.run.steps as u64, self.run.accumulate).start;
         let mut total = 0.0;

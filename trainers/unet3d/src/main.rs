@@ -161,6 +161,13 @@ impl trainkit::Recipe for Args {
         Some(Box::new(move |step, per_step| volumes.files(step, per_step).join(", ")))
     }
 
+    fn samples(&self, data: &Data) -> Option<usize> {
+        match data {
+            Data::Synthetic(_) => None,
+            Data::Npy(volumes) => Some(volumes.len()),
+        }
+    }
+
     fn setup(&self, _: &Config) -> impl Serialize {
         &self.setup
     }
