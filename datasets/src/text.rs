@@ -48,8 +48,8 @@ pub fn synthetic_corpus(seed: u64, min_bytes: usize) -> String {
 }
 
 /// Byte-level tokens: every byte is its own token id (< 256).
-pub fn byte_tokens(text: &str) -> Vec<u16> {
-    text.bytes().map(u16::from).collect()
+pub fn byte_tokens(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
 }
 
 #[cfg(test)]

@@ -14,22 +14,13 @@ pub enum DataError {
     #[error("{have} tokens are too few for windows of {need} (sequence length + 1)")]
     TooShort { have: usize, need: usize },
     #[error("token {token} at position {pos} is outside the vocabulary of {vocab}")]
-    OutOfVocab { token: u16, pos: usize, vocab: usize },
-    #[error(
-        "token id {token} does not fit a u16 token stream (a vocabulary of more than 65536 tokens)"
-    )]
-    WideToken { token: u32 },
+    OutOfVocab { token: u32, pos: usize, vocab: usize },
     #[error("the text has no tokens")]
     NoDocuments,
 }
 
-/// Token ids as a u16 stream, the format [`Batcher`] and the token files use.
-pub fn narrow_u16(ids: &[u32]) -> Result<Vec<u16>, DataError> {
-    ids.iter().map(|&t| u16::try_from(t).map_err(|_| DataError::WideToken { token: t })).collect()
-}
-
-/// Reads a flat file of u16 little-endian token ids.
-pub fn load_u16(path: &Path) -> Result<Vec<u16>, DataError> {
+/// Reads a flat file of u16 little-endian token ids, as the ids they are.
+pub fn load_u16(path: &Path) -> Result<Vec<u32>, DataError> {
     let p = path.display().to_string();
     let bytes = std::fs::read(path).map_err(|source| DataError::Io { path: p.clone(), source })?;
     if bytes.is_empty() {
@@ -38,7 +29,7 @@ pub fn load_u16(path: &Path) -> Result<Vec<u16>, DataError> {
     if bytes.len() % 2 != 0 {
         return Err(DataError::OddLength { path: p, len: bytes.len() });
     }
-    Ok(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+    Ok(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]).into()).collect())
 }
 
 /// Writes tokens in the same format.
@@ -47,15 +38,16 @@ pub fn save_u16(path: &Path, tokens: &[u16]) -> std::io::Result<()> {
 }
 
 /// Cuts random (input, target) windows out of a token stream: targets are inputs shifted by one.
+/// Ids are 32-bit: Llama 3's and Qwen's vocabularies are above 65,535.
 #[derive(Debug)]
 pub struct Batcher {
-    tokens: Vec<u16>,
+    tokens: Vec<u32>,
     seq: usize,
     seed: u64,
 }
 
 impl Batcher {
-    pub fn new(tokens: Vec<u16>, seq: usize, vocab: usize, seed: u64) -> Result<Self, DataError> {
+    pub fn new(tokens: Vec<u32>, seq: usize, vocab: usize, seed: u64) -> Result<Self, DataError> {
         if tokens.len() < seq + 1 {
             return Err(DataError::TooShort { have: tokens.len(), need: seq + 1 });
         }
@@ -78,8 +70,8 @@ impl Batcher {
         for _ in 0..batch {
             let start = rng.below(self.tokens.len() - self.seq);
             let w = &self.tokens[start..start + self.seq + 1];
-            x.extend(w[..self.seq].iter().map(|&t| t as u32));
-            y.extend(w[1..].iter().map(|&t| t as u32));
+            x.extend_from_slice(&w[..self.seq]);
+            y.extend_from_slice(&w[1..]);
         }
         (x, y)
     }
@@ -163,7 +155,7 @@ mod tests {
 
     #[test]
     fn batches_are_shifted_windows() {
-        let tokens: Vec<u16> = (0..1000).map(|i| (i % 200) as u16).collect();
+        let tokens: Vec<u32> = (0..1000).map(|i| i % 200).collect();
         let b = Batcher::new(tokens, 16, 256, 1).unwrap();
         let (x, y) = b.batch(5, 3);
         assert_eq!((x.len(), y.len()), (48, 48));
@@ -196,6 +188,5 @@ mod tests {
         );
         assert_eq!(ex.batch(2, 3).len(), 3, "a batch runs across the end of an epoch");
         assert!(Examples::new(vec![vec![]], 4, 0).is_err());
-        assert!(narrow_u16(&[70_000]).unwrap_err().to_string().contains("65536"));
     }
 }

@@ -34,7 +34,7 @@ mod recorded;
 pub use fused::{allocate_matmul_workspaces, matmul_peak_gflops, Conv3dGeometry, Mask};
 pub use layers::{
     conv2d, conv3d, conv3d_concat, conv_transpose3d_k2s2, max_pool2d_k3s2p1, max_pool3d_k2s2,
-    BatchNorm, GroupNorm, LayerNorm, Linear,
+    BatchNorm, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
 pub use params::WeightLayout;
 pub use recorded::{record_convolutions, ConvCall, ConvKind};

@@ -150,7 +150,7 @@ impl MlmData {
         let text = datasets::text::synthetic_corpus(seed, 1 << 19);
         let vocab = WordVocab::build(&text);
         check(vocab.len(), vocab_size, seq)?;
-        let ids = datasets::tokens::narrow_u16(&vocab.encode(&text))?;
+        let ids = vocab.encode(&text);
         let source = Source::Stream(Batcher::new(ids, seq - 2, vocab_size, seed)?);
         Ok(MlmData {
             source,

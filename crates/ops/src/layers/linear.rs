@@ -11,7 +11,7 @@ use remat::StageCtx;
 /// `x @ W + b`, with a LoRA adapter beside it where the configuration targets the layer.
 pub struct Linear {
     weight: Tensor,
-    bias: Tensor,
+    bias: Option<Tensor>,
     layout: WeightLayout,
     adapter: Option<Adapter>,
 }
@@ -27,13 +27,27 @@ impl Linear {
         layout: WeightLayout,
         std: f32,
     ) -> Result<Self> {
+        let without = Self::without_bias(params, lora, prefix, (n_in, n_out), layout, std)?;
+        let bias = params.get(&format!("{prefix}.bias"), &[n_out], Init::Zeros)?;
+        Ok(Linear { bias: Some(bias), ..without })
+    }
+
+    /// [`Linear::new`] without a bias (Llama's projections).
+    pub fn without_bias(
+        params: &mut ParamStore,
+        lora: Option<&Lora>,
+        prefix: &str,
+        (n_in, n_out): (usize, usize),
+        layout: WeightLayout,
+        std: f32,
+    ) -> Result<Self> {
         let shape = match layout {
             WeightLayout::OutIn => [n_out, n_in],
             WeightLayout::InOut => [n_in, n_out],
         };
         Ok(Linear {
             weight: params.get(&format!("{prefix}.weight"), &shape, Init::Normal { std })?,
-            bias: params.get(&format!("{prefix}.bias"), &[n_out], Init::Zeros)?,
+            bias: None,
             layout,
             adapter: Adapter::of(params, lora, prefix, (n_in, n_out), layout)?,
         })
@@ -44,9 +58,9 @@ impl Linear {
     /// gives its weight and bias no gradient (`Lora::freeze` freezes them).
     pub fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let Some(a) = &self.adapter else {
-            return fused::linear(x, &self.weight, Some(&self.bias), self.layout);
+            return fused::linear(x, &self.weight, self.bias.as_ref(), self.layout);
         };
-        if self.weight.track_op() || self.bias.track_op() {
+        if self.weight.track_op() || self.bias.as_ref().is_some_and(Tensor::track_op) {
             candle_core::bail!(
                 "a layer with a LoRA adapter must have its weight and bias frozen (Lora::freeze): \
                  they would get no gradient"
@@ -55,7 +69,7 @@ impl Linear {
         let dropout = crate::dropout_key(a.dropout, ctx)?.map(|key| (key, a.dropout));
         fused::lora_linear(
             x,
-            (&self.weight, Some(&self.bias)),
+            (&self.weight, self.bias.as_ref()),
             self.layout,
             (&a.a, &a.b, a.scale),
             dropout,

@@ -15,5 +15,5 @@ mod testing;
 pub use batch_norm::BatchNorm;
 pub use convolution::{conv2d, conv3d, conv3d_concat, conv_transpose3d_k2s2};
 pub use linear::Linear;
-pub use norm::{GroupNorm, LayerNorm};
+pub use norm::{GroupNorm, LayerNorm, RmsNorm};
 pub use pooling::{max_pool2d_k3s2p1, max_pool3d_k2s2};

@@ -1,8 +1,8 @@
 //! The normalisation layers without batch state: LayerNorm over the last dimension (the fused
-//! kernel) and GroupNorm over groups of channels (composed). Not here: BatchNorm
+//! kernel), RMSNorm over the last dimension and GroupNorm over groups of channels (composed). Not here: BatchNorm
 //! (`layers::batch_norm`), the LayerNorm kernel (`fused::layer_norm`).
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor, D};
 use params::{Init, ParamStore};
 
 /// Layer normalisation over the last dimension, with `weight` and `bias` as Hugging Face names
@@ -24,6 +24,29 @@ impl LayerNorm {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         crate::fused::layer_norm(x, &self.weight, &self.bias, self.eps)
+    }
+}
+
+/// Root-mean-square normalisation over the last dimension (Zhang & Sennrich, 2019), as Llama's
+/// `LlamaRMSNorm`: in f32 whatever the input's dtype, cast back, then scaled by `weight` (no
+/// centring, no bias). Composed of candle's ops, whose backward keeps the f32 input and its
+/// scale beside the output.
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(params: &mut ParamStore, prefix: &str, dim: usize, eps: f64) -> Result<Self> {
+        Ok(RmsNorm { weight: params.get(&format!("{prefix}.weight"), &[dim], Init::Ones)?, eps })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x32 = x.to_dtype(DType::F32)?;
+        let scale = (x32.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?.recip()?;
+        let normed = x32.broadcast_mul(&scale)?.to_dtype(dtype)?;
+        normed.broadcast_mul(&self.weight.to_dtype(dtype)?)
     }
 }
 

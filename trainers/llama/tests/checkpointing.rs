@@ -1,0 +1,82 @@
+//! Checkpointing must not change training: for each architecture (Llama, Qwen2 with its q/k/v
+//! bias, Qwen3 with its q/k norms), gradients and losses under every policy equal `off` bit for
+//! bit with dropout on (attention dropout, and LoRA's), every parameter gets a gradient, and the
+//! negative control (no RNG replay) breaks it.
+
+use candle_core::Device;
+use datasets::tokens::Batcher;
+use llama::{Architecture, Config, Llama};
+use params::lora::Lora;
+use testkit::checkpointing::{Control, Training};
+use trainable::Precision;
+
+const ARCHITECTURES: [Architecture; 3] =
+    [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3];
+
+/// A tiny model of 6 layers with attention dropout 0.1, trained with AdamW on batches of 2 x 32.
+fn check(cfg: Config, run: impl FnOnce(&Training<Llama>)) {
+    let cfg = Config { num_hidden_layers: 6, ..cfg };
+    let text = datasets::text::synthetic_corpus(1, 100_000);
+    let data = Batcher::new(datasets::text::byte_tokens(&text), 32, cfg.vocab_size, 1).unwrap();
+    let build = || Llama::new(cfg.clone(), &Device::Cpu, 42).unwrap();
+    let inputs = |model: &Llama, step: u64| {
+        let (x, y) = data.batch(step, 2);
+        model.inputs(&x, &y, 2, 32, &Device::Cpu).unwrap()
+    };
+    let optimizer = trainable::OptimizerKind::Adamw;
+    run(&Training { build: &build, inputs: &inputs, optimizer, lr: 1e-3, seed: 7 })
+}
+
+/// Adapters of rank 4 on every projection, with LoRA dropout 0.1, over a frozen base.
+fn lora() -> Lora {
+    Lora {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.1,
+        targets: llama::LORA_TARGETS.iter().map(|t| t.to_string()).collect(),
+        init_lora_weights: false,
+    }
+}
+
+#[test]
+fn gradients_equal_off_bit_for_bit() {
+    let policies =
+        ["sqrt", "every-two-blocks", "every-n=1", "explicit=3", "sqrt+keep=matmul+attention"];
+    for architecture in ARCHITECTURES {
+        let what = format!("{architecture:?}");
+        check(Config::tiny(architecture), |t| {
+            t.assert_policies_equal_off(&policies, &what);
+            t.assert_every_parameter_learns(&["off", "sqrt"], &what);
+        });
+    }
+}
+
+/// LoRA over a bf16 base (`bf16-weights`: no f32 copy of a frozen weight), and full fine-tuning
+/// in bf16: every policy equals `off` bit for bit and every trained parameter learns.
+#[test]
+fn lora_and_bf16_equal_off_bit_for_bit() {
+    for architecture in ARCHITECTURES {
+        let lora = Config {
+            dtype: Precision::Bf16Weights,
+            lora: Some(lora()),
+            tie_word_embeddings: true,
+            ..Config::tiny(architecture)
+        };
+        let bf16 = Config { dtype: Precision::Bf16, ..Config::tiny(architecture) };
+        for (cfg, what) in [(lora, "LoRA over bf16 weights"), (bf16, "bf16")] {
+            let what = format!("{architecture:?}, {what}");
+            check(cfg, |t| {
+                t.assert_policies_equal_off(&["sqrt", "every-two-blocks", "every-n=1"], &what);
+                t.assert_every_parameter_learns(&["off"], &what);
+            });
+        }
+    }
+}
+
+/// Step 0's forward is identical; the recompute draws new dropout masks, so gradients differ.
+#[test]
+fn without_rng_replay_the_gradients_differ() {
+    check(Config::tiny(Architecture::Llama), |t| {
+        t.assert_control_breaks("sqrt", Control::NoRngReplay)
+    });
+}
