@@ -4,6 +4,7 @@ use anyhow::Result;
 use bert::Bert;
 use candle_core::{Device, Tensor};
 use gpt2::Gpt2;
+use llama::Llama;
 use optim::TrainOptimizer;
 use params::ParamStore;
 use remat::{Policy, StageGraph};
@@ -143,6 +144,8 @@ pub enum Profile {
     /// The profile of `--matrix gpt2-24gb`.
     #[value(name = "gpt2-24gb")]
     Gpt2_24gb,
+    /// The Llama family on a CPU: SmolLM2-135M, full fine-tuning and LoRA.
+    Llama,
 }
 
 impl Profile {
@@ -153,6 +156,7 @@ impl Profile {
             Profile::Cpu => "cpu",
             Profile::Full => "full",
             Profile::Gpt2_24gb => "gpt2-24gb",
+            Profile::Llama => "llama",
         }
     }
 }
@@ -182,13 +186,20 @@ fn lora(targets: &[&str]) -> Option<params::lora::Lora> {
 
 /// The configurations of a profile.
 pub fn profile(profile: Profile) -> Vec<Workload> {
-    use {bert::Preset as B, gpt2::Preset as G, resnet::Preset as R, unet3d::Preset as U};
+    use {bert::Preset as B, gpt2::Preset as G, llama::Preset as L};
+    use {resnet::Preset as R, unet3d::Preset as U};
     match profile {
         Profile::Smoke => vec![
             workload::<ResNet>("resnet-tiny", resnet(R::Tiny), 2, 32),
             workload::<Bert>("bert-tiny", B::Tiny.config(), 2, 16),
             workload::<UNet3d>("unet3d-tiny", U::Tiny.config(), 2, 8),
             workload::<Gpt2>("gpt2-tiny", gpt2::Config::tiny(4, 32), 2, 32),
+            workload::<Llama>(
+                "llama-tiny",
+                llama::Config { num_hidden_layers: 4, ..L::Tiny.config() },
+                2,
+                32,
+            ),
         ],
         Profile::Cpu => vec![
             workload::<ResNet>("resnet50", resnet(R::Resnet50), 8, 128),
@@ -223,6 +234,15 @@ pub fn profile(profile: Profile) -> Vec<Workload> {
             workload::<Gpt2>("gpt2-xl", G::Xl.config(), 1, 1024),
         ],
         Profile::Gpt2_24gb => gpt2_24gb(),
+        Profile::Llama => vec![
+            workload::<Llama>("smollm2-135m", L::Smollm2_135m.config(), 2, 512),
+            workload::<Llama>(
+                "smollm2-135m-lora",
+                llama::Config { lora: lora(&llama::LORA_TARGETS), ..L::Smollm2_135m.config() },
+                2,
+                512,
+            ),
+        ],
     }
 }
 
@@ -270,7 +290,7 @@ pub fn depth_sweep(profile: Profile) -> Vec<Workload> {
         Profile::Smoke => (&[2, 4, 8, 16], 16, 2, 16),
         Profile::Cpu => (&[16, 64, 256, 1024], 64, 2, 64),
         Profile::Full => (&[16, 64, 256, 1024], 256, 4, 256),
-        Profile::Gpt2_24gb => return Vec::new(),
+        Profile::Gpt2_24gb | Profile::Llama => return Vec::new(),
     };
     depths
         .iter()

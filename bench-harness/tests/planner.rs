@@ -1,5 +1,5 @@
 //! The planner against the meter: its predicted step peak equals the measured one for tiny models
-//! of all four kinds under every policy; a `budget=` plan fits its budget when it runs; a budget
+//! of all five kinds under every policy; a `budget=` plan fits its budget when it runs; a budget
 //! below the least any plan reaches is refused with that minimum; the `off` record carries the
 //! memory/time frontier.
 
@@ -15,7 +15,7 @@ fn predictions_match_the_meter_for_tiny_models_of_every_kind() {
     let dir = out_dir("planner-predict");
     smoke(&dir, &["--matrix", "models", "--batch", "8", "--rounds", "0"]);
     let recs = records(&dir);
-    assert_eq!(recs.len(), 14, "every model and policy of the smoke profile");
+    assert_eq!(recs.len(), 17, "every model and policy of the smoke profile");
     for r in &recs {
         let what = format!("{} {}", r["model"], r["policy"]);
         let (measured, predicted) = (
