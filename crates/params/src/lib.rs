@@ -19,6 +19,6 @@ mod store;
 
 pub use layout::WeightLayout;
 pub use store::{
-    f32_bits, partial_path, read_snapshot, write_atomically, write_snapshot, Freeze, Init,
-    Initialised, ParamStore, Snapshot, SnapshotError,
+    f32_bits, is_index, partial_path, read_snapshot, shards, write_atomically, write_snapshot,
+    Freeze, Init, Initialised, ParamStore, Snapshot, SnapshotError,
 };

@@ -413,9 +413,46 @@ pub fn write_snapshot(
 /// A snapshot's tensors by name, and its metadata.
 pub type Snapshot = (HashMap<String, Tensor>, HashMap<String, String>);
 
-/// Reads a safetensors file: its tensors (on `device`) and its metadata. A file that carries a
+/// Whether `path` is a sharded checkpoint's index (`model.safetensors.index.json`).
+pub fn is_index(path: &Path) -> bool {
+    path.file_name().is_some_and(|n| n.to_string_lossy().ends_with(".safetensors.index.json"))
+}
+
+/// The files a sharded checkpoint's index names in its `weight_map`, beside it, each once, in
+/// name order.
+pub fn shards(index: &Path) -> std::result::Result<Vec<std::path::PathBuf>, SnapshotError> {
+    let problem =
+        |problem: String| SnapshotError::Config { path: index.display().to_string(), problem };
+    let text = std::fs::read_to_string(index).map_err(|e| problem(e.to_string()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| problem(e.to_string()))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| problem("no `weight_map`: not a sharded checkpoint's index".into()))?;
+    let mut files: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
+    files.sort();
+    files.dedup();
+    // A shard is a file beside the index, never a path elsewhere.
+    if let Some(bad) = files.iter().find(|f| Path::new(f).components().count() != 1) {
+        return Err(problem(format!("`weight_map` names {bad}, not a file beside the index")));
+    }
+    let folder = index.parent().unwrap_or(Path::new("."));
+    Ok(files.into_iter().map(|f| folder.join(f)).collect())
+}
+
+/// Reads a safetensors file: its tensors (on `device`) and its metadata; or a sharded
+/// checkpoint through its index ([`is_index`]): every shard's tensors. A file that carries a
 /// checksum ([`write_snapshot`]: ours; published files have none) must match it.
 pub fn read_snapshot(path: &Path, device: &Device) -> std::result::Result<Snapshot, SnapshotError> {
+    if is_index(path) {
+        let mut all = HashMap::new();
+        for shard in shards(path)? {
+            let (tensors, _) = read_snapshot(&shard, device)?;
+            all.extend(tensors);
+        }
+        return Ok((all, HashMap::new()));
+    }
     let p = path.display().to_string();
     let io = |source| SnapshotError::Io { path: p.clone(), source };
     let bytes = std::fs::read(path).map_err(|e| io(e.into()))?;

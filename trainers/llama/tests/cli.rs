@@ -150,3 +150,57 @@ fn configurations_not_implemented_are_refused_naming_the_key() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The first step's loss of `train-llama args` (it must succeed).
+fn first_loss(args: &[&str]) -> String {
+    let out = run(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?}: {err}");
+    let line = err.lines().find(|l| l.starts_with("step    0  loss")).expect(&err);
+    line.split_whitespace().nth(3).unwrap().to_string()
+}
+
+/// A sharded checkpoint (`model.safetensors.index.json` and the shards it names, as Llama-3.2-3B
+/// and larger are published) loads through its index, from a folder and from the hub cache
+/// offline, and trains from exactly the weights the single file holds.
+#[test]
+fn a_sharded_checkpoint_loads_as_the_single_file_does() {
+    let dir = scratch("sharded");
+    let text = "a sharded checkpoint is its index and its shards. ".repeat(40);
+    std::fs::write(dir.join("a.txt"), &text).unwrap();
+    let single = dir.join("single");
+    std::fs::create_dir_all(&single).unwrap();
+    checkpoint(&single, "Qwen2ForCausalLM", &text);
+    let hub = dir.join("hub");
+    let sharded = trainkit::hub::cache_folder(&hub, "someone/tiny-qwen").unwrap();
+    for file in ["config.json", "tokenizer.json"] {
+        std::fs::copy(single.join(file), sharded.join(file)).unwrap();
+    }
+    let (tensors, _) =
+        params::read_snapshot(&single.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let mut weight_map = serde_json::Map::new();
+    for (i, part) in names.chunks(names.len().div_ceil(2)).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", i + 1);
+        let shard = part.iter().map(|n| (n.to_string(), tensors[*n].clone())).collect();
+        params::write_snapshot(&sharded.join(&file), &shard, Default::default()).unwrap();
+        weight_map.extend(part.iter().map(|n| (n.to_string(), file.clone().into())));
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(sharded.join("model.safetensors.index.json"), index.to_string()).unwrap();
+
+    let s = |p: PathBuf| p.to_str().unwrap().to_string();
+    let common = ["--text", &s(dir.join("a.txt")), "--seq", "32", "--steps", "1"];
+    let from = |weights: &Path| {
+        let config = s(single.join("config.json"));
+        first_loss(
+            &[&["--config", &config, "--init", &s(weights.to_path_buf())][..], &common].concat(),
+        )
+    };
+    let want = from(&single.join("model.safetensors"));
+    assert_eq!(from(&sharded.join("model.safetensors.index.json")), want, "from the index");
+    let hub_args = ["--model-id", "someone/tiny-qwen", "--hub-cache", &s(hub.clone()), "--offline"];
+    assert_eq!(first_loss(&[&hub_args[..], &common].concat()), want, "from the hub cache");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

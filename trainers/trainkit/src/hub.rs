@@ -13,6 +13,8 @@ pub enum HubError {
     NotCached { model: String, cache: String },
     #[error("fetching `{model}` from the Hugging Face hub: {source}")]
     Fetch { model: String, source: hf_hub::api::sync::ApiError },
+    #[error("the model's sharded checkpoint: {0}")]
+    Index(String),
 }
 
 /// A published model's files.
@@ -32,7 +34,8 @@ pub enum Download {
     Never,
 }
 
-/// Finds `config.json`, `model.safetensors` and `tokenizer.json` (optional) of a Hugging Face
+/// Finds `config.json`, `model.safetensors` (or a sharded checkpoint's index and its shards) and
+/// `tokenizer.json` (optional) of a Hugging Face
 /// model id: in the local cache first (`cache`, or the default `~/.cache/huggingface/hub`), else
 /// downloaded into it where `download` allows (and `HF_HUB_OFFLINE=1` does not forbid it).
 pub fn hub_files(
@@ -47,8 +50,13 @@ pub fn hub_files(
         None => hf_hub::Cache::from_env(),
     };
     let repo = local.model(model_id.to_string());
-    if let (Some(config), Some(weights)) = (repo.get("config.json"), repo.get("model.safetensors"))
-    {
+    // One file, or a sharded checkpoint's index whose shards are all cached too.
+    let cached_weights = repo.get(WEIGHTS).or_else(|| {
+        let index = repo.get(INDEX)?;
+        let shards = params::shards(&index).ok()?;
+        shards.iter().all(|s| s.is_file()).then_some(index)
+    });
+    if let (Some(config), Some(weights)) = (repo.get("config.json"), cached_weights) {
         return Ok(HubFiles { config, weights, tokenizer: repo.get("tokenizer.json") });
     }
     if offline {
@@ -63,12 +71,29 @@ pub fn hub_files(
     }
     let fetch = |source| HubError::Fetch { model: model_id.to_string(), source };
     let remote = api.build().map_err(fetch)?.model(model_id.to_string());
+    let weights = match remote.get(WEIGHTS) {
+        Ok(file) => file,
+        // Sharded: the index, then each shard it names, into the same snapshot folder.
+        Err(single) => {
+            let index = remote.get(INDEX).map_err(|_| fetch(single))?;
+            let shards = params::shards(&index).map_err(|e| HubError::Index(e.to_string()))?;
+            for shard in shards {
+                let name = shard.file_name().unwrap_or_default().to_string_lossy();
+                remote.get(&name).map_err(fetch)?;
+            }
+            index
+        }
+    };
     Ok(HubFiles {
         config: remote.get("config.json").map_err(fetch)?,
-        weights: remote.get("model.safetensors").map_err(fetch)?,
+        weights,
         tokenizer: remote.get("tokenizer.json").ok(),
     })
 }
+
+/// A model's weights in one file, and the index of a sharded checkpoint's.
+const WEIGHTS: &str = "model.safetensors";
+const INDEX: &str = "model.safetensors.index.json";
 
 /// Makes the folder of `model_id` in the hub cache `cache`, the layout `hf-hub` reads (a `main`
 /// ref to a snapshot), and returns it: files put there resolve offline as if downloaded. For a

@@ -231,6 +231,14 @@ fn read_files<R: Recipe>(args: &R, hub: Option<&HubFiles>) -> Vec<Input> {
         };
         params::lora::ADAPTER_FILES.iter().map(file).collect::<Vec<_>>()
     });
+    // A sharded checkpoint's index names the shards it reads.
+    let shards = [sources.init.and_then(|i| i.init.as_deref()), hub.map(|h| h.weights.as_path())]
+        .into_iter()
+        .flatten()
+        .filter(|p| params::is_index(p))
+        .flat_map(|index| params::shards(index).unwrap_or_default())
+        .map(|shard| Input::file("a sharded checkpoint's", &shard, Reads::Other))
+        .collect::<Vec<_>>();
     let hub_files = hub.into_iter().flat_map(|h| {
         // Its tokenizer decides what is computed only under --text: the trainer's own files.
         let tokenizer = h.tokenizer.as_ref().map(|p| (p, Reads::Other));
@@ -242,7 +250,7 @@ fn read_files<R: Recipe>(args: &R, hub: Option<&HubFiles>) -> Vec<Input> {
     });
     let config = sources.config.map(|p| Input::file("--config", p, Reads::Setup));
     let own = args.read_files(hub);
-    weights.chain(config).chain(adapter_files).chain(hub_files).chain(own).collect()
+    weights.chain(shards).chain(config).chain(adapter_files).chain(hub_files).chain(own).collect()
 }
 
 /// Refuses sizes no machine here could hold, before anything is built: the tensor every step of
