@@ -204,3 +204,20 @@ fn a_sharded_checkpoint_loads_as_the_single_file_does() {
     assert_eq!(first_loss(&[&hub_args[..], &common].concat()), want, "from the hub cache");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The shared training paths run for the Llama family as for every trainer: accumulation, the
+/// optimizer inside backward, the planner's `budget=` and `auto`, full fine-tuning in bf16.
+#[test]
+fn the_shared_training_paths_run() {
+    let tiny = ["--preset", "tiny", "--seq", "32", "--steps", "2"];
+    for extra in [
+        &["--accumulate", "2"][..],
+        &["--optimizer-in-backward", "--policy", "every-n=1"],
+        &["--policy", "auto"],
+        &["--policy", "sqrt+keep=attention", "--dtype", "bf16"],
+    ] {
+        let out = run(&[&tiny[..], extra].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && err.contains("step    1  loss"), "{extra:?}: {err}");
+    }
+}
