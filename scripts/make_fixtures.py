@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Reference fixtures from PyTorch for the model tests: an oracle that shares no code with ours.
 
-For a tiny GPT-2 (Hugging Face `transformers`), a tiny BERT masked LM (`transformers`), a tiny
+For a tiny GPT-2 (Hugging Face `transformers`), a tiny BERT masked LM (`transformers`), tiny
+decoders of the Llama family (`transformers`' Llama, Mistral, Qwen2 and Qwen3), a tiny
 ResNet built from torchvision's own `Bottleneck` blocks, and a tiny 3D U-Net written here with
 `torch.nn.functional` to match `trainers/unet3d` (one with BatchNorm and CE + soft Dice, one with
 GroupNorm and CE), it writes one safetensors file per model into `trainers/<model>/tests/fixtures/` (and one of
@@ -27,7 +28,7 @@ Run from the repository root (needs torch, torchvision, transformers, safetensor
     python3 -m venv .venv-fixtures && .venv-fixtures/bin/pip install torch torchvision transformers safetensors peft
     .venv-fixtures/bin/python scripts/make_fixtures.py            # all; --only lora for the LoRA ones
 
-CI needs no Python: the fixtures are committed (about 1 MB in all).
+CI needs no Python: the fixtures are committed (about 5 MB in all).
 """
 
 import json
@@ -332,11 +333,67 @@ def adafactor(gen):
     save(out_path("optim", "adafactor"), {}, fixture, config)
 
 
+def llama(gen, architecture, lora=False):
+    """A tiny decoder of the Llama family (`architecture`: LlamaForCausalLM with Llama 3's rope
+    scaling, MistralForCausalLM, Qwen2ForCausalLM with its q/k/v bias, Qwen3ForCausalLM with its
+    q/k norms and a head_dim of its own), its `config.json` as `transformers` writes it in the
+    metadata (the test reads it as `train-llama --config` does). `lora`: under PEFT's LoRA on
+    every projection; the gradients are the adapters'."""
+    import transformers
+
+    cls = getattr(transformers, architecture)
+    kwargs = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  rms_norm_eps=1e-6, attention_dropout=0.0, tie_word_embeddings=architecture != "LlamaForCausalLM",
+                  attn_implementation="eager")
+    if architecture == "LlamaForCausalLM":
+        kwargs["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=16)
+        kwargs["rope_theta"] = 10000.0
+    if architecture == "Qwen3ForCausalLM":
+        kwargs["head_dim"] = 16
+    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    model = cls(config_cls(**kwargs))
+    # The rotary embedding's frequencies are buffers that no checkpoint holds: kept as computed.
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    randomise(model, gen, lambda n, p: 0.3 if p.dim() == 2 else 0.1)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    with torch.no_grad():  # RMSNorm weights around 1, as trained ones are
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(1.0)
+    model.config.architectures = [architecture]  # as save_pretrained writes it
+    config = model.config.to_dict()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    short = architecture.removesuffix("ForCausalLM").lower()
+    name, rename = short, lambda n: n
+    if lora:
+        adapter = os.path.join(os.path.dirname(out_path("llama", short)), f"{short}-lora-adapter")
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model, config["lora"] = with_lora(model, gen, targets, False, adapter)
+        name = f"{short}-lora"
+        rename = lambda n: n.removeprefix("base_model.model.").replace(".default.", ".")
+    b, t = 2, 16
+    ids = torch.randint(0, kwargs["vocab_size"], (b, t), generator=gen)
+    targets_ = torch.randint(0, kwargs["vocab_size"], (b, t), generator=gen)
+    model = model.double().train()
+    logits = model(ids).logits  # (B, T, V)
+    loss = F.cross_entropy(logits.reshape(b * t, -1), targets_.reshape(-1))
+    loss.backward()
+    fixture = {"ids": ids, "targets": targets_, "logits": logits, "loss": loss, **grads(model, rename)}
+    save(out_path("llama", name), weights, fixture, config)
+
+
+LLAMA_FAMILY = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+
+
 def main():
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["models", "adafactor", "lora"], help="write one group of fixtures (default: all)")
+    parser.add_argument("--only", choices=["models", "adafactor", "lora", "llama"], help="write one group of fixtures (default: all)")
     only = parser.parse_args().only
     torch.use_deterministic_algorithms(True)
     if only in (None, "models"):
@@ -352,6 +409,11 @@ def main():
         # Needs `peft` too. Each from a generator of its own, so the fixtures above keep their draws.
         gpt2(torch.Generator().manual_seed(20261203), lora=True)
         bert(torch.Generator().manual_seed(20261204), lora=True)
+    if only in (None, "llama"):
+        # The Llama family, full and under LoRA (needs `peft`).
+        for i, architecture in enumerate(LLAMA_FAMILY):
+            llama(torch.Generator().manual_seed(20261206 + i), architecture)
+            llama(torch.Generator().manual_seed(20261216 + i), architecture, lora=True)
 
 
 if __name__ == "__main__":
