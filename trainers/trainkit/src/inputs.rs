@@ -66,6 +66,9 @@ impl Input {
     }
 }
 
+/// How the resume configuration's entry of an input's content ends: `--text's content`.
+pub(crate) const CONTENT: &str = "'s content";
+
 /// What an input holds, as far as the outputs and a resume are concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reads {
@@ -126,7 +129,7 @@ pub fn fingerprints(inputs: &[Input]) -> Result<Vec<(String, String)>> {
             }
             // 64 bits tell two files apart as surely as 256, in a line a person can read.
             let digest: String = hash.finalize()[..8].iter().map(|b| format!("{b:02x}")).collect();
-            let key = format!("{}{}", input.flag, crate::snapshot::CONTENT);
+            let key = format!("{}{CONTENT}", input.flag);
             Ok((key, format!("sha256:{digest}...")))
         })
         .collect()

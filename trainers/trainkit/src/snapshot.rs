@@ -3,7 +3,7 @@
 //! the files a run writes, checked before it starts.
 
 use crate::args::RunArgs;
-use crate::inputs::{same_file, Input, Reads, Shape};
+use crate::inputs::{same_file, Input, Reads, Shape, CONTENT};
 use crate::say;
 use crate::scaler::LossScaler;
 use anyhow::{bail, Context, Result};
@@ -36,9 +36,6 @@ const MODEL: &str = "the model";
 fn recorded_since_round_four(key: &str) -> bool {
     key.starts_with(MODEL) || key.ends_with(CONTENT)
 }
-
-/// How a [`RunConfig`] entry of an input's content ends: `--text's content`.
-pub(crate) const CONTENT: &str = "'s content";
 
 /// The flags that decide what a run computes, kept in its training snapshots: a resumed run must
 /// give the same ones, or it would continue another run (AdamW's moments dropped when resuming as
