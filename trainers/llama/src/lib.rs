@@ -11,9 +11,9 @@
 //! read it ([`config`]); parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.
 //! weight`), so published checkpoints load.
 //!
-//! Composed of candle's ops where `ops` has no lean kernel yet (RMSNorm, the rotary embedding, the
-//! gated product, the repeat of K and V for grouped heads): correct and bit-deterministic under
-//! every policy, not yet as lean as the fused ops of GPT-2.
+//! Attention is `ops`' fused op, grouped-query (K and V never repeated); RMSNorm, the rotary
+//! embedding and the gated product are composed of candle's ops where `ops` has no lean kernel
+//! yet: correct and bit-deterministic under every policy, not yet as lean as GPT-2's ops.
 //!
 //! Not here: the training loop (`src/main.rs`), data (`datasets`), the engine (`remat`).
 
@@ -169,21 +169,6 @@ impl Layer {
         Ok((angles.cos()?.to_dtype(dtype)?, angles.sin()?.to_dtype(dtype)?))
     }
 
-    /// K or V (B, kv_heads, T, hd) repeated for the query heads that share it: (B, heads, T, hd).
-    fn repeat_kv(&self, x: &Tensor) -> Result<Tensor> {
-        let repeat = self.heads / self.kv_heads;
-        if repeat == 1 {
-            return Ok(x.clone());
-        }
-        let (b, kv, t, hd) = x.dims4()?;
-        x.unsqueeze(2)?.expand((b, kv, repeat, t, hd))?.contiguous()?.reshape((
-            b,
-            kv * repeat,
-            t,
-            hd,
-        ))
-    }
-
     fn attention(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let q = self.heads_of(x, &self.q_proj, self.heads, self.q_norm.as_ref(), ctx)?;
@@ -191,7 +176,7 @@ impl Layer {
         let v = self.heads_of(x, &self.v_proj, self.kv_heads, None, ctx)?;
         let (cos, sin) = self.angles(t, q.dtype())?;
         let (q, k) = (self.rope(&q, &cos, &sin)?, self.rope(&k, &cos, &sin)?);
-        let (k, v) = (self.repeat_kv(&k)?, self.repeat_kv(&v)?); // (B, heads, T, hd)
+        // K and V (B, kv_heads, T, hd), each shared by heads / kv_heads query heads, unrepeated.
         let y = ops::attention(
             (&q, &k, &v),
             1.0 / (self.head_dim as f64).sqrt(),

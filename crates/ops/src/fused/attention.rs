@@ -20,6 +20,9 @@ use remat::rng::RngKey;
 /// its key), so it keeps nothing but q, k and v, where the composed attention keeps three maps of
 /// (B, heads, T, T). `padding` (B, S), nonzero where a key may be attended to (Hugging Face's
 /// `attention_mask`), masks the padded keys for every query; a query with no key left gets zeros.
+/// Grouped-query attention: k and v may have fewer heads (B, kv_heads, S, d), each shared by
+/// `heads / kv_heads` adjacent query heads (Llama's, Qwen's): those queries are attended as rows
+/// of one map per key/value head, so K and V are never repeated.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -28,6 +31,32 @@ pub fn attention(
     mask: Mask,
     padding: Option<&Tensor>,
     dropout: Option<(RngKey, f32)>,
+) -> Result<Tensor> {
+    let (b, heads, t, d) = q.dims4()?;
+    let kv_heads = k.dim(1)?;
+    if kv_heads == heads {
+        return attention_rows(q, k, v, (scale, mask, padding, dropout), t);
+    }
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || v.dim(1)? != kv_heads {
+        candle_core::bail!(
+            "attention: {heads} query heads cannot share {kv_heads} key and {} value heads",
+            v.dim(1)?
+        )
+    }
+    // (B, heads, T, d) is (B, kv_heads, heads/kv_heads x T, d) as it lies in memory.
+    let grouped = q.contiguous()?.reshape((b, kv_heads, heads / kv_heads * t, d))?;
+    let y = attention_rows(&grouped, k, v, (scale, mask, padding, dropout), t)?;
+    y.reshape((b, heads, t, ()))
+}
+
+/// [`attention`] of q (B, h, R, d) whose rows are queries at positions 0..`period`, repeated
+/// every `period` rows (R = period unless grouped-query attention folded heads into the rows).
+fn attention_rows(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    (scale, mask, padding, dropout): Attending,
+    period: usize,
 ) -> Result<Tensor> {
     let (b, heads, t, _) = q.dims4()?;
     let s = k.dim(2)?;
@@ -51,7 +80,7 @@ pub fn attention(
             }
             None => scores,
         };
-        let p = softmax_last_dim(&scores, scale, mask)?;
+        let p = in_blocks(&scores, period, |x| softmax_last_dim(x, scale, mask))?;
         let p = match dropout {
             Some((key, rate)) => crate::fused::dropout::dropout(&p, key, rate)?,
             None => p,
@@ -60,7 +89,7 @@ pub fn attention(
     }
     remat::keep::op(OpKind::Attention, |kept| {
         if generic(q) {
-            return attention_generic(q, k, v, (scale, mask, padding, dropout), kept);
+            return attention_generic(q, k, v, (scale, mask, padding, dropout), period, kept);
         }
         let padding = match padding {
             Some(m) => Some((
@@ -77,23 +106,35 @@ pub fn attention(
             None => None,
         };
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.to_dtype(q.dtype())?.contiguous()?);
-        apply3(&q, &k, &v, AttentionOp { scale, mask, padding, dropout }, kept)
+        apply3(&q, &k, &v, AttentionOp { scale, mask, period, padding, dropout }, kept)
     })
 }
 
 /// What [`attention`] does besides its operands: scale, causal mask, key padding, dropout.
 type Attending<'a> = (f64, Mask, Option<&'a Tensor>, Option<(RngKey, f32)>);
 
+/// `softmax` (`f`) of scores (B, h, R, S) whose rows are queries repeated every `period` rows,
+/// each block of `period` rows masked as the first: (B, h, R / period, period, S) for `f`.
+fn in_blocks(
+    scores: &Tensor,
+    period: usize,
+    f: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (b, h, r, s) = scores.dims4()?;
+    if r == period {
+        return f(scores);
+    }
+    f(&scores.reshape((b, h, r / period, period, s))?)?.reshape((b, h, r, s))
+}
+
 /// The probabilities `softmax(scale q k^T)` of detached q and k (padded keys and, with
-/// [`Mask::Causal`], future keys at 0) and the dropout mask (scaled by 1 / (1 - rate)) applied to
-/// them, from candle's ops.
+/// [`Mask::Causal`], future keys at 0; q's rows repeat their positions every `period` rows) and
+/// the dropout mask (scaled by 1 / (1 - rate)) applied to them, from candle's ops.
 fn probabilities(
     q: &Tensor,
     k: &Tensor,
-    scale: f64,
-    mask: Mask,
-    padding: Option<&Tensor>,
-    dropout: Option<(RngKey, f32)>,
+    (scale, mask, padding, dropout): Attending,
+    period: usize,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let mut scores = q.matmul(&k.t()?)?;
     if let Some(m) = padding {
@@ -104,7 +145,7 @@ fn probabilities(
             .broadcast_as(scores.shape())?;
         scores = keep.where_cond(&scores, &neg_inf)?;
     }
-    let p = detached(&scores, scale, mask)?;
+    let p = in_blocks(&scores, period, |x| detached(x, scale, mask))?;
     drop(scores);
     let mask = match dropout {
         Some((key, rate)) => Some(key.dropout_mask_like(&p, rate)?),
@@ -121,6 +162,7 @@ fn attention_generic(
     k: &Tensor,
     v: &Tensor,
     (scale, mask, padding, dropout): Attending,
+    period: usize,
     kept: Option<Tensor>,
 ) -> Result<Tensor> {
     let padding = padding.map(|m| m.detach());
@@ -129,10 +171,8 @@ fn attention_generic(
         let (p, mask) = probabilities(
             &widened(&q.detach())?,
             &widened(&k.detach())?,
-            scale,
-            mask,
-            padding.as_ref(),
-            dropout,
+            (scale, mask, padding.as_ref(), dropout),
+            period,
         )?;
         let pd = match &mask {
             Some(m) => (p * m)?,
@@ -149,7 +189,7 @@ fn attention_generic(
         let (q, k, v) = (widened(&inputs[0])?, widened(&inputs[1])?, widened(&inputs[2])?);
         let g = widened(g)?;
         // Each (B, heads, T, T) temporary goes once used: at most three are alive at once.
-        let (p, mask) = probabilities(&q, &k, scale, mask, padding.as_ref(), dropout)?;
+        let (p, mask) = probabilities(&q, &k, (scale, mask, padding.as_ref(), dropout), period)?;
         let dv = match &mask {
             Some(m) => (&p * m)?.t()?.matmul(&g)?,
             None => p.t()?.matmul(&g)?,
@@ -181,17 +221,19 @@ fn attention_generic(
 struct AttentionOp {
     scale: f64,
     mask: Mask,
+    /// The rows of each causal block: q's rows repeat their positions every `period` rows.
+    period: usize,
     /// Which keys each batch element may attend to, and the rows per batch element.
     padding: Option<(std::sync::Arc<Vec<bool>>, usize)>,
     dropout: Option<(RngKey, f32)>,
 }
 
 impl AttentionOp {
-    fn softmax(&self, t: usize) -> SoftmaxOp {
+    fn softmax(&self) -> SoftmaxOp {
         SoftmaxOp {
             scale: self.scale,
             mask: self.mask,
-            rows_per_block: t,
+            rows_per_block: self.period,
             padding: self.padding.clone(),
         }
     }
@@ -199,7 +241,7 @@ impl AttentionOp {
     /// The probabilities (B, heads, T, T), flat, of detached q and k.
     fn probabilities<T: Elem>(&self, q: &Tensor, k: &Tensor) -> Result<Vec<T>> {
         let scores = q.matmul(&k.t()?)?.flatten_all()?.to_vec1::<T>()?;
-        Ok(self.softmax(q.dim(2)?).forward(&scores, k.dim(2)?))
+        Ok(self.softmax().forward(&scores, k.dim(2)?))
     }
 
     fn drop_out<T: Elem>(&self, p: &mut [T]) {
@@ -235,7 +277,7 @@ impl AttentionOp {
         let dv = Self::map(dropped, q, k)?.t()?.matmul(g)?;
         let mut dp = g.matmul(&v.t()?)?.flatten_all()?.to_vec1::<T>()?;
         self.drop_out(&mut dp);
-        let ds = self.softmax(q.dim(2)?).backward(&p, &dp, k.dim(2)?);
+        let ds = self.softmax().backward(&p, &dp, k.dim(2)?);
         drop((p, dp));
         let ds = Self::map(ds, q, k)?;
         Ok((ds.matmul(k)?, ds.t()?.matmul(q)?, dv))

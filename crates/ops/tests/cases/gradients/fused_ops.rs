@@ -280,6 +280,53 @@ fn padded_keys_are_ignored() -> Result<()> {
     Ok(())
 }
 
+/// Grouped-query attention (4 query heads sharing 2 key/value heads, as Llama's and Qwen's) equals
+/// attention over K and V repeated for each query head, forward and backward (the repeat's
+/// gradient sums over the heads that share it), with the causal mask, key padding and dropout.
+#[test]
+fn grouped_query_attention_equals_attention_over_repeated_keys() -> Result<()> {
+    crate::route();
+    let to32 = |v: &Var| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?);
+    let (q, k, v) = (
+        to32(&normal("gq", &[2, 4, 16, 8], 0.0, 1.0)?)?,
+        to32(&normal("gk", &[2, 2, 16, 8], 0.0, 1.0)?)?,
+        to32(&normal("gv", &[2, 2, 16, 8], 0.0, 1.0)?)?,
+    );
+    let padding =
+        Tensor::new((0..32).map(|i| f32::from(i < 29)).collect::<Vec<_>>(), &Device::Cpu)?
+            .reshape((2, 16))?;
+    let key = RngKey::named(9, "grouped attention");
+    let attend = |k: &Tensor, v: &Tensor| {
+        fused::attention(q.as_tensor(), k, v, 0.35, Mask::Causal, Some(&padding), Some((key, 0.2)))
+    };
+    // (B, 2, T, d) -> (B, 4, T, d): query heads 0 and 1 share key/value head 0, 2 and 3 head 1.
+    let repeat =
+        |x: &Tensor| x.unsqueeze(2)?.expand((2, 2, 2, 16, 8))?.contiguous()?.reshape((2, 4, 16, 8));
+    let grouped = attend(k.as_tensor(), v.as_tensor())?;
+    let repeated = attend(&repeat(k.as_tensor())?, &repeat(v.as_tensor())?)?;
+    let r = Tensor::from_vec(
+        RngKey::named(10, "r").normal(grouped.elem_count(), 0.0, 1.0),
+        grouped.shape(),
+        &Device::Cpu,
+    )?;
+    let (gg, gr) =
+        ((&grouped * &r)?.sum_all()?.backward()?, (&repeated * &r)?.sum_all()?.backward()?);
+    let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
+        let scale = b.abs()?.max_all()?.to_scalar::<f32>()?;
+        Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
+    };
+    assert!(
+        err(&grouped, &repeated)? < 1e-6,
+        "forward differs by {:.2e}",
+        err(&grouped, &repeated)?
+    );
+    for (name, var) in [("q", &q), ("k", &k), ("v", &v)] {
+        let e = err(gg.get(var).unwrap(), gr.get(var).unwrap())?;
+        assert!(e < 1e-5, "gradient of {name} differs by {e:.2e}");
+    }
+    Ok(())
+}
+
 /// The fused attention against softmax, dropout and two matrix products composed, forward and
 /// backward, with dropout on (the same key draws the same mask on both sides).
 #[test]
