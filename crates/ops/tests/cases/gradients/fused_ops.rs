@@ -280,6 +280,35 @@ fn padded_keys_are_ignored() -> Result<()> {
     Ok(())
 }
 
+/// Fails unless `a` and `b`, two ways of computing one thing from `vars`, agree within
+/// `forward` of `b`'s largest value, and so do the gradients of a random projection of each
+/// (within `backward`).
+fn assert_agree(
+    a: &Tensor,
+    b: &Tensor,
+    vars: &[(&str, &Var)],
+    forward: f32,
+    backward: f32,
+) -> Result<()> {
+    let r = Tensor::from_vec(
+        RngKey::named(8, "r").normal(a.elem_count(), 0.0, 1.0),
+        a.shape(),
+        &Device::Cpu,
+    )?;
+    let (ga, gb) = ((a * &r)?.sum_all()?.backward()?, (b * &r)?.sum_all()?.backward()?);
+    let err = |x: &Tensor, y: &Tensor| -> Result<f32> {
+        let scale = y.abs()?.max_all()?.to_scalar::<f32>()?;
+        Ok((x - y)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
+    };
+    let e = err(a, b)?;
+    assert!(e < forward, "forward differs by {e:.2e}");
+    for (name, var) in vars {
+        let e = err(ga.get(var).unwrap(), gb.get(var).unwrap())?;
+        assert!(e < backward, "gradient of {name} differs by {e:.2e}");
+    }
+    Ok(())
+}
+
 /// Grouped-query attention (4 query heads sharing 2 key/value heads, as Llama's and Qwen's) equals
 /// attention over K and V repeated for each query head, forward and backward (the repeat's
 /// gradient sums over the heads that share it), with the causal mask, key padding and dropout.
@@ -304,27 +333,7 @@ fn grouped_query_attention_equals_attention_over_repeated_keys() -> Result<()> {
         |x: &Tensor| x.unsqueeze(2)?.expand((2, 2, 2, 16, 8))?.contiguous()?.reshape((2, 4, 16, 8));
     let grouped = attend(k.as_tensor(), v.as_tensor())?;
     let repeated = attend(&repeat(k.as_tensor())?, &repeat(v.as_tensor())?)?;
-    let r = Tensor::from_vec(
-        RngKey::named(10, "r").normal(grouped.elem_count(), 0.0, 1.0),
-        grouped.shape(),
-        &Device::Cpu,
-    )?;
-    let (gg, gr) =
-        ((&grouped * &r)?.sum_all()?.backward()?, (&repeated * &r)?.sum_all()?.backward()?);
-    let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
-        let scale = b.abs()?.max_all()?.to_scalar::<f32>()?;
-        Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
-    };
-    assert!(
-        err(&grouped, &repeated)? < 1e-6,
-        "forward differs by {:.2e}",
-        err(&grouped, &repeated)?
-    );
-    for (name, var) in [("q", &q), ("k", &k), ("v", &v)] {
-        let e = err(gg.get(var).unwrap(), gr.get(var).unwrap())?;
-        assert!(e < 1e-5, "gradient of {name} differs by {e:.2e}");
-    }
-    Ok(())
+    assert_agree(&grouped, &repeated, &[("q", &q), ("k", &k), ("v", &v)], 1e-6, 1e-5)
 }
 
 /// The fused attention against softmax, dropout and two matrix products composed, forward and
@@ -351,27 +360,7 @@ fn fused_attention_agrees_with_the_composed_ops() -> Result<()> {
     let p =
         fused::softmax_last_dim(&q.as_tensor().matmul(&k.as_tensor().t()?)?, 0.35, Mask::Causal)?;
     let composed_y = fused::dropout(&p, key, 0.2)?.matmul(v.as_tensor())?;
-    let r = Tensor::from_vec(
-        RngKey::named(8, "r").normal(fused_y.elem_count(), 0.0, 1.0),
-        fused_y.shape(),
-        &Device::Cpu,
-    )?;
-    let (gf, gc) =
-        ((&fused_y * &r)?.sum_all()?.backward()?, (&composed_y * &r)?.sum_all()?.backward()?);
-    let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
-        let scale = b.abs()?.max_all()?.to_scalar::<f32>()?;
-        Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
-    };
-    assert!(
-        err(&fused_y, &composed_y)? < 1e-5,
-        "forward differs by {:.2e}",
-        err(&fused_y, &composed_y)?
-    );
-    for (name, var) in [("q", &q), ("k", &k), ("v", &v)] {
-        let e = err(gf.get(var).unwrap(), gc.get(var).unwrap())?;
-        assert!(e < 1e-5, "gradient of {name} differs by {e:.2e}");
-    }
-    Ok(())
+    assert_agree(&fused_y, &composed_y, &[("q", &q), ("k", &k), ("v", &v)], 1e-5, 1e-5)
 }
 
 #[test]
