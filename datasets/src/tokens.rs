@@ -57,6 +57,13 @@ impl Batcher {
         Ok(Batcher { tokens, seq, seed })
     }
 
+    /// Windows of `seq` over the byte tokens of the built-in synthetic corpus (256 KiB): a causal
+    /// language model's synthetic data (GPT-2's and the Llama family's, in the harness).
+    pub fn synthetic(seq: usize, vocab: usize, seed: u64) -> Result<Self, DataError> {
+        let text = crate::text::synthetic_corpus(seed, 1 << 18);
+        Batcher::new(crate::text::byte_tokens(&text), seq, vocab, seed)
+    }
+
     /// How many distinct windows the stream holds (one per start).
     pub fn windows(&self) -> usize {
         self.tokens.len() - self.seq

@@ -19,6 +19,6 @@ mod store;
 
 pub use layout::WeightLayout;
 pub use store::{
-    f32_bits, is_index, partial_path, read_snapshot, shards, write_atomically, write_snapshot,
-    Freeze, Init, Initialised, ParamStore, Snapshot, SnapshotError,
+    all_finite, f32_bits, is_index, partial_path, read_snapshot, shards, write_atomically,
+    write_snapshot, Freeze, Init, Initialised, ParamStore, Snapshot, SnapshotError,
 };

@@ -335,20 +335,21 @@ fn check_finite(var: &Var, t: &Tensor) -> std::result::Result<(), String> {
     if !t.dtype().is_float() {
         return Err(format!("{:?} values where the model has {:?}", t.dtype(), var.dtype()));
     }
-    let floats = t.flatten_all().and_then(|t| t.to_dtype(DType::F32)).map_err(|e| e.to_string())?;
-    // x * 0 is 0 for every finite x and NaN for a NaN or an infinity: one pass, no copy kept.
-    let finite = floats
-        .affine(0.0, 0.0)
-        .and_then(|d| d.sum_all())
-        .and_then(|s| s.to_scalar::<f32>())
-        .map_err(|e| e.to_string())?
-        == 0.0;
-    if finite {
+    if all_finite(t).map_err(|e| e.to_string())? {
         return Ok(());
     }
-    let values = floats.to_vec1::<f32>().map_err(|e| e.to_string())?;
+    let floats = t.flatten_all().and_then(|t| t.to_dtype(DType::F32));
+    let values = floats.and_then(|t| t.to_vec1::<f32>()).map_err(|e| e.to_string())?;
     let (at, v) = values.iter().enumerate().find(|(_, v)| !v.is_finite()).unwrap_or((0, &f32::NAN));
     Err(format!("{v} (element {at} of {})", values.len()))
+}
+
+/// Whether every value of the float tensor `t` is finite: x * 0 is 0 for a finite x and NaN for
+/// a NaN or an infinity, summed in f32 (a half-precision sum of a large tensor would overflow).
+/// One pass; no copy of `t` kept.
+pub fn all_finite(t: &Tensor) -> Result<bool> {
+    let zeros = t.to_dtype(DType::F32)?.affine(0.0, 0.0)?;
+    Ok(zeros.sum_all()?.to_scalar::<f32>()? == 0.0)
 }
 
 /// The metadata key of the checksum our snapshots carry.

@@ -497,12 +497,8 @@ impl trainable::Benchable for Gpt2 {
     }
 
     fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {
-        let tokens = datasets::text::byte_tokens(&datasets::text::synthetic_corpus(seed, 1 << 18));
-        Ok((
-            datasets::tokens::Batcher::new(tokens, seq, self.config.vocab_size, seed)
-                .map_err(candle_core::Error::wrap)?,
-            seq,
-        ))
+        let batcher = datasets::tokens::Batcher::synthetic(seq, self.config.vocab_size, seed);
+        Ok((batcher.map_err(candle_core::Error::wrap)?, seq))
     }
 
     fn synthetic_inputs(

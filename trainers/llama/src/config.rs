@@ -315,16 +315,7 @@ impl Fields<'_> {
 
     /// `key` is absent or one of `supported` (JSON values): another would be ignored.
     fn only(&self, key: &str, supported: &[Value]) -> std::result::Result<(), String> {
-        match self.get(key) {
-            Some(v) if !supported.contains(v) => {
-                let list: Vec<String> = supported.iter().map(Value::to_string).collect();
-                Err(format!(
-                    "{key} {v} is not implemented by this model (supported: {})",
-                    list.join(", ")
-                ))
-            }
-            _ => Ok(()),
-        }
+        self.get(key).map_or(Ok(()), |v| trainable::check::implemented(key, v, supported))
     }
 
     fn architecture(&self) -> std::result::Result<Architecture, String> {

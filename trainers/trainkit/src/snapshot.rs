@@ -448,6 +448,14 @@ pub(crate) fn check_outputs(run: &RunArgs, extra: &[Output], inputs: &[Input]) -
     for (flag, path) in &files {
         check_writable(path, flag)?;
     }
+    // Each input's files, a folder's listed once for every output.
+    let read: Vec<(&Input, Vec<std::path::PathBuf>)> = inputs
+        .iter()
+        .map(|input| match input.shape {
+            Shape::File => (input, vec![input.path.clone()]),
+            Shape::Folder(_) => (input, input.files().unwrap_or_default()),
+        })
+        .collect();
     for (i, (flag, path)) in written.iter().enumerate() {
         if let Some((other, _)) = written[..i].iter().find(|(_, p)| same_file(p, path)) {
             bail!("{flag} and {other} are both {}; give each its own file", path.display());
@@ -455,16 +463,11 @@ pub(crate) fn check_outputs(run: &RunArgs, extra: &[Output], inputs: &[Input]) -
         // A snapshot is written beside its target and renamed over it, after the weights it
         // continues were read: a resume may save over the training snapshot it resumed.
         let snapshot = [run.save.as_deref(), training.as_deref()].contains(&Some(path.as_path()));
-        let destroyed = inputs
+        let destroyed = read
             .iter()
-            .filter(|input| !(snapshot && input.reads == Reads::Weights))
-            .find(|input| match input.shape {
-                Shape::File => same_file(&input.path, path),
-                Shape::Folder(_) => {
-                    input.files().is_ok_and(|f| f.iter().any(|f| same_file(f, path)))
-                }
-            });
-        if let Some(input) = destroyed {
+            .filter(|(input, _)| !(snapshot && input.reads == Reads::Weights))
+            .find(|(_, files)| files.iter().any(|f| same_file(f, path)));
+        if let Some((input, _)) = destroyed {
             let what = match input.shape {
                 Shape::File => "is the file",
                 Shape::Folder(_) => "is a file of the folder",

@@ -200,12 +200,10 @@ impl Stepper<'_> {
 }
 
 /// Whether every value of the float tensors among a batch's `inputs` is finite (ids and labels
-/// are): x * 0 is 0 for a finite x and NaN otherwise, summed in f32 (an f16 sum of a large
-/// volume would overflow).
+/// are) ([`params::all_finite`]).
 fn inputs_finite(inputs: &[Tensor]) -> Result<bool> {
     for t in inputs.iter().filter(|t| t.dtype().is_float()) {
-        let zeros = t.to_dtype(DType::F32)?.affine(0.0, 0.0)?;
-        if zeros.sum_all()?.to_scalar::<f32>()? != 0.0 {
+        if !params::all_finite(t)? {
             return Ok(false);
         }
     }
