@@ -139,6 +139,75 @@ impl Examples {
     }
 }
 
+/// A causal language model's examples of different lengths (one per document, or per piece of a
+/// long one), each right-padded to `seq` positions: the targets at the padding are `ignore`, an id
+/// the loss skips. With the causal mask no real position attends to the padding after it, so no
+/// attention mask is needed.
+#[derive(Debug)]
+pub struct Padded {
+    examples: Examples,
+    seq: usize,
+    ignore: u32,
+}
+
+impl Padded {
+    /// Documents cut into pieces of at most `seq + 1` tokens that overlap by one, so that every
+    /// pair of neighbours is predicted exactly once; a document of one token (no pair) is dropped.
+    pub fn new(
+        documents: Vec<Vec<u32>>,
+        seq: usize,
+        vocab: usize,
+        ignore: u32,
+        seed: u64,
+    ) -> Result<Self, DataError> {
+        let mut pos = 0;
+        for doc in &documents {
+            if let Some(&token) = doc.iter().find(|&&t| t as usize >= vocab || t == ignore) {
+                let at = pos + doc.iter().position(|&t| t == token).expect("found");
+                return Err(DataError::OutOfVocab { token, pos: at, vocab });
+            }
+            pos += doc.len();
+        }
+        let examples: Vec<Vec<u32>> = documents
+            .iter()
+            .flat_map(|d| {
+                (0..d.len().saturating_sub(1))
+                    .step_by(seq.max(1))
+                    .map(move |start| d[start..(start + seq + 1).min(d.len())].to_vec())
+            })
+            .collect();
+        if examples.is_empty() {
+            return Err(DataError::NoDocuments);
+        }
+        Ok(Padded { examples: Examples { examples, seed }, seq, ignore })
+    }
+
+    /// How many examples (pieces) it holds.
+    pub fn len(&self) -> usize {
+        self.examples.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.examples.is_empty()
+    }
+
+    /// The batch of `step` as (inputs, targets), each `batch * seq` row-major: an example of n
+    /// tokens gives its first n - 1 as inputs and its last n - 1 as targets, then padding (input
+    /// id 0, target `ignore`).
+    pub fn batch(&self, step: u64, batch: usize) -> (Vec<u32>, Vec<u32>) {
+        let (mut x, mut y) =
+            (Vec::with_capacity(batch * self.seq), Vec::with_capacity(batch * self.seq));
+        for example in self.examples.batch(step, batch) {
+            let n = example.len() - 1; // (input, target) pairs, 1..=seq
+            x.extend_from_slice(&example[..n]);
+            y.extend_from_slice(&example[1..]);
+            x.resize(x.len() + self.seq - n, 0);
+            y.resize(y.len() + self.seq - n, self.ignore);
+        }
+        (x, y)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,5 +264,34 @@ mod tests {
         );
         assert_eq!(ex.batch(2, 3).len(), 3, "a batch runs across the end of an epoch");
         assert!(Examples::new(vec![vec![]], 4, 0).is_err());
+    }
+
+    #[test]
+    fn padded_examples_predict_each_pair_once_and_ignore_the_padding() {
+        const IGNORE: u32 = u32::MAX;
+        // seq 3: [1 2 3 4 5 6] gives [1 2 3 4] and [4 5 6]; [7] has no pair; [8 9] is one.
+        let docs = vec![vec![1, 2, 3, 4, 5, 6], vec![7], vec![8, 9]];
+        let data = Padded::new(docs, 3, 16, IGNORE, 3).unwrap();
+        assert_eq!(data.len(), 3);
+        let mut rows: Vec<(Vec<u32>, Vec<u32>)> = (0..3)
+            .map(|step| {
+                let (x, y) = data.batch(step, 1);
+                (x, y)
+            })
+            .collect();
+        rows.sort();
+        assert_eq!(
+            rows,
+            vec![
+                (vec![1, 2, 3], vec![2, 3, 4]),
+                (vec![4, 5, 0], vec![5, 6, IGNORE]),
+                (vec![8, 0, 0], vec![9, IGNORE, IGNORE]),
+            ]
+        );
+        let (x, y) = data.batch(7, 4);
+        assert_eq!((x.len(), y.len()), (12, 12));
+        assert!(Padded::new(vec![vec![7]], 3, 16, IGNORE, 0).is_err(), "no pair at all");
+        let err = Padded::new(vec![vec![1, 20]], 3, 16, IGNORE, 0).unwrap_err().to_string();
+        assert!(err.contains("token 20 at position 1"), "{err}");
     }
 }

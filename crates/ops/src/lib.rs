@@ -3,11 +3,12 @@
 //! Two levels: the layers a model calls (the `layers` module, re-exported here, and
 //! [`dropout`] and [`attention`] at this root), and the kernels behind them ([`fused`]).
 //!
-//! - [`fused`]: LayerNorm, softmax, cross-entropy, BatchNorm + ReLU, dropout, linear, GELU,
-//!   attention and conv3d as single ops with hand-written backward passes that keep only what
+//! - [`fused`]: LayerNorm, RMSNorm, softmax, cross-entropy, BatchNorm + ReLU, dropout, linear,
+//!   GELU, the SiLU-gated product, attention (with a rotary embedding inside where asked) and
+//!   conv3d as single ops with hand-written backward passes that keep only what
 //!   backward needs (candle's own fused LayerNorm and softmax record no backward; composed ones
 //!   keep every intermediate). [`attention`] is the attention with a keyed dropout, its causal
-//!   mask a [`Mask`].
+//!   mask a [`Mask`]; [`rotary_attention`] turns q and k by position inside it.
 //! - [`dropout`] draws its mask from the stage's counter-based key, so a recompute under
 //!   checkpointing reproduces it exactly (candle's `ops::dropout` uses unseedable global RNG), and
 //!   draws it again in backward instead of holding it.
@@ -69,6 +70,20 @@ pub fn attention(
     ctx: &StageCtx,
 ) -> Result<Tensor> {
     fused::attention(q, k, v, scale, mask, padding, dropout_key(p, ctx)?.map(|key| (key, p)))
+}
+
+/// [`attention`] with q and k turned by the rotary embedding `rotary` inside the op
+/// ([`fused::rotary_attention`]), without key padding.
+pub fn rotary_attention(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    rotary: &fused::Rotary,
+    scale: f64,
+    mask: Mask,
+    p: f32,
+    ctx: &StageCtx,
+) -> Result<Tensor> {
+    let dropout = dropout_key(p, ctx)?.map(|key| (key, p));
+    fused::rotary_attention(q, k, v, rotary, scale, mask, dropout)
 }
 
 #[cfg(test)]

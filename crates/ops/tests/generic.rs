@@ -236,6 +236,98 @@ fn embedding_and_attention_on_the_generic_route() -> Result<()> {
     Ok(())
 }
 
+/// The decoder ops of the Llama family: RMSNorm, the SiLU-gated product, attention with the rotary
+/// embedding turned inside it over grouped key/value heads. Each keeps what its kernel keeps, and
+/// less than the same op composed in the graph (the controls).
+#[test]
+fn rms_norm_silu_mul_and_rotary_attention_on_the_generic_route() -> Result<()> {
+    let _turn = turn();
+    let rms = |t: &[Tensor]| ops::fused::rms_norm(&t[0], &t[1], 1e-6);
+    let inputs = [var(&[8, 64, 64], DType::F32)?, var(&[64], DType::F32)?];
+    let kernel = check("rms_norm f32", &rms, &inputs, 1e-5)?;
+    let composed = |t: &[Tensor]| {
+        let scale = (t[0].sqr()?.mean_keepdim(D::Minus1)? + 1e-6)?.sqrt()?.recip()?;
+        t[0].broadcast_mul(&scale)?.broadcast_mul(&t[1])
+    };
+    let in_graph = kept_bytes(&composed, &inputs, None)?;
+    eprintln!("rms_norm composed in the graph: kept {in_graph} B");
+    assert!(
+        in_graph > kernel + 8 * 64 * 64 * 4,
+        "the control keeps {in_graph} B, the kernel {kernel} B"
+    );
+    let inputs = [var(&[8, 64, 64], DType::BF16)?, var(&[64], DType::F32)?];
+    check("rms_norm bf16", &rms, &inputs, 2e-2)?;
+
+    let gated = |t: &[Tensor]| ops::fused::silu_mul(&t[0], &t[1]);
+    let inputs = [var(&[8, 64, 64], DType::F32)?, var(&[8, 64, 64], DType::F32)?];
+    let kernel = check("silu_mul", &gated, &inputs, 1e-5)?;
+    let composed = |t: &[Tensor]| t[0].silu()? * &t[1];
+    let in_graph = kept_bytes(&composed, &inputs, None)?;
+    eprintln!("silu_mul composed in the graph: kept {in_graph} B");
+    assert!(
+        in_graph > kernel + 8 * 64 * 64 * 4,
+        "the control keeps {in_graph} B, the kernel {kernel} B"
+    );
+
+    // Batch 2, 4 query heads over 2 key/value heads, 64 positions, 32 wide, dropout on.
+    let rotary = ops::fused::Rotary::new((0..16).map(|i| 0.5f32.powi(i)).collect());
+    let key = remat::rng::RngKey::named(5, "rotary attention");
+    let inside = {
+        let rotary = rotary.clone();
+        move |t: &[Tensor]| {
+            let dropout = Some((key, 0.1));
+            ops::fused::rotary_attention(&t[0], &t[1], &t[2], &rotary, 0.25, Mask::Causal, dropout)
+        }
+    };
+    let qkv = [
+        var(&[2, 4, 64, 32], DType::F32)?,
+        var(&[2, 2, 64, 32], DType::F32)?,
+        var(&[2, 2, 64, 32], DType::F32)?,
+    ];
+    let kernel = check("rotary attention", &inside, &qkv, 1e-5)?;
+    // The control: q and k turned by candle's ops in the graph (the op without its rotation,
+    // given turned operands), which keeps the turned copies beside q and k.
+    let outside = move |t: &[Tensor]| {
+        let half = |x: &Tensor, i: usize| x.narrow(D::Minus1, 16 * i, 16);
+        let angles = Tensor::arange(0u32, 64, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .unsqueeze(1)?
+            .broadcast_mul(
+                &Tensor::new((0..16).map(|i| 0.5f32.powi(i)).collect::<Vec<_>>(), &Device::Cpu)?
+                    .unsqueeze(0)?,
+            )?;
+        let angles = Tensor::cat(&[&angles, &angles], 1)?;
+        let (cos, sin) = (angles.cos()?, angles.sin()?);
+        let turn = |x: &Tensor| -> Result<Tensor> {
+            let rotated = Tensor::cat(&[&half(x, 1)?.neg()?, &half(x, 0)?], D::Minus1)?;
+            x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+        };
+        let dropout = Some((key, 0.1));
+        ops::fused::attention(
+            &turn(&t[0])?,
+            &turn(&t[1])?,
+            &t[2],
+            0.25,
+            Mask::Causal,
+            None,
+            dropout,
+        )
+    };
+    let in_graph = kept_bytes(&outside, &qkv, Some(Path::Kernel))?;
+    eprintln!("rotary embedding composed before attention: kept {in_graph} B, inside {kernel} B");
+    assert!(
+        in_graph > kernel + 2 * 4 * 64 * 32 * 4,
+        "the control keeps {in_graph} B, the rotary attention {kernel} B"
+    );
+    let qkv = [
+        var(&[2, 4, 64, 32], DType::BF16)?,
+        var(&[2, 2, 64, 32], DType::BF16)?,
+        var(&[2, 2, 64, 32], DType::BF16)?,
+    ];
+    check("rotary attention bf16", &inside, &qkv, 2e-2)?;
+    Ok(())
+}
+
 #[test]
 fn batch_norm_on_the_generic_route() -> Result<()> {
     let _turn = turn();

@@ -3,12 +3,12 @@
 
 use anyhow::Result;
 use candle_core::Tensor;
-use datasets::tokens::Batcher;
 use gpt2::{Config, Gpt2, Preset};
 use remat::memory::CountingAlloc;
 use remat::Policy;
 use trainable::Model;
 use trainkit::lora::{LoraArgs, Peft};
+use trainkit::text::TokenData;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -39,7 +39,7 @@ fn main() -> Result<()> {
 
 impl trainkit::Recipe for Args {
     type Model = Gpt2;
-    type Data = Batcher;
+    type Data = TokenData;
     const MODEL: &'static str = "GPT-2";
     const MODEL_FLAGS: &'static str = "--preset, --config or --model-id";
 
@@ -66,11 +66,15 @@ impl trainkit::Recipe for Args {
         self.text.check_context(config.n_positions)
     }
 
-    fn data(&self, config: &mut Config, hub: Option<&trainkit::hub::HubFiles>) -> Result<Batcher> {
+    fn data(
+        &self,
+        config: &mut Config,
+        hub: Option<&trainkit::hub::HubFiles>,
+    ) -> Result<TokenData> {
         self.text.batcher(config.vocab_size, self.run.seed, hub, &self.pretrained.beside())
     }
 
-    fn inputs(&self, model: &Gpt2, data: &Batcher, step: u64, n: usize) -> Result<Vec<Tensor>> {
+    fn inputs(&self, model: &Gpt2, data: &TokenData, step: u64, n: usize) -> Result<Vec<Tensor>> {
         let device = model.params().device();
         let (x, y) = data.batch(step, n); // (B, T) token ids, (B, T) the next ones
         Ok(model.inputs(&x, &y, n, self.text.seq, device)?)
@@ -80,15 +84,15 @@ impl trainkit::Recipe for Args {
         self.text.files(hub, &self.pretrained.beside())
     }
 
-    fn samples(&self, data: &Batcher) -> Option<usize> {
-        Some(data.windows())
+    fn samples(&self, data: &TokenData) -> Option<usize> {
+        Some(data.samples())
     }
 
     fn setup(&self, _: &Config) -> impl serde::Serialize {
         &self.text
     }
 
-    fn describe(&self, model: &Gpt2, _: &Batcher, policy: &Policy, segments: &str) -> String {
+    fn describe(&self, model: &Gpt2, _: &TokenData, policy: &Policy, segments: &str) -> String {
         format!(
             "GPT-2 {}, {} layers, policy {policy} ({segments}), batch {} x seq {}",
             model.params().count_text(),

@@ -11,9 +11,9 @@
 //! read it ([`config`]); parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.
 //! weight`), so published checkpoints load.
 //!
-//! Attention is `ops`' fused op, grouped-query (K and V never repeated); RMSNorm, the rotary
-//! embedding and the gated product are composed of candle's ops where `ops` has no lean kernel
-//! yet: correct and bit-deterministic under every policy, not yet as lean as GPT-2's ops.
+//! Each piece is one of `ops`' fused ops, which keep for backward no more than PyTorch does:
+//! RMSNorm keeps its input, the gated product its two operands, attention (grouped-query, the
+//! rotary embedding turned inside it) the projections' q, k and v, K and V never repeated.
 //!
 //! Not here: the training loop (`src/main.rs`), data (`datasets`), the engine (`remat`).
 
@@ -21,7 +21,7 @@ pub mod config;
 
 pub use config::{Architecture, Config, Preset, Rope, LORA_TARGETS};
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 use ops::{fused, Linear, RmsNorm, WeightLayout};
 use params::lora::Lora;
 use params::{Init, ParamStore};
@@ -68,15 +68,19 @@ pub struct Layer {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    /// The rotary embedding's inverse frequencies, (head_dim / 2) f32.
-    inv_freq: Tensor,
+    rotary: fused::Rotary,
     attention_dropout: f32,
     /// What every layer of this configuration shares (the planner measures one of them).
     signature: Signature,
 }
 
 impl Layer {
-    fn new(params: &mut ParamStore, cfg: &Config, index: usize, inv_freq: &Tensor) -> Result<Self> {
+    fn new(
+        params: &mut ParamStore,
+        cfg: &Config,
+        index: usize,
+        rotary: &fused::Rotary,
+    ) -> Result<Self> {
         let (c, hd) = (cfg.hidden_size, cfg.head_dim);
         let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let p = format!("model.layers.{index}");
@@ -119,7 +123,7 @@ impl Layer {
             heads: cfg.num_attention_heads,
             kv_heads: cfg.num_key_value_heads,
             head_dim: hd,
-            inv_freq: inv_freq.clone(),
+            rotary: rotary.clone(),
             attention_dropout: cfg.attention_dropout,
             signature: Signature::of((
                 "llama layer",
@@ -150,38 +154,18 @@ impl Layer {
         h.transpose(1, 2)?.contiguous() // (B, h, T, hd)
     }
 
-    /// Rotates each pair (i, i + head_dim/2) of `x` (B, h, T, hd) by its position's angle:
-    /// x cos + rotate_half(x) sin, as `apply_rotary_pos_emb` does.
-    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let half = self.head_dim / 2;
-        let (x1, x2) = (x.narrow(D::Minus1, 0, half)?, x.narrow(D::Minus1, half, half)?);
-        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-        x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
-    }
-
-    /// The angles' cosines and sines at positions 0..t: (T, head_dim) each, in `dtype`.
-    fn angles(&self, t: usize, dtype: DType) -> Result<(Tensor, Tensor)> {
-        let positions = Tensor::arange(0u32, t as u32, self.inv_freq.device())?
-            .to_dtype(DType::F32)?
-            .unsqueeze(1)?; // (T, 1)
-        let freqs = positions.broadcast_mul(&self.inv_freq.unsqueeze(0)?)?; // (T, hd/2)
-        let angles = Tensor::cat(&[&freqs, &freqs], D::Minus1)?; // (T, hd)
-        Ok((angles.cos()?.to_dtype(dtype)?, angles.sin()?.to_dtype(dtype)?))
-    }
-
     fn attention(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let q = self.heads_of(x, &self.q_proj, self.heads, self.q_norm.as_ref(), ctx)?;
         let k = self.heads_of(x, &self.k_proj, self.kv_heads, self.k_norm.as_ref(), ctx)?;
         let v = self.heads_of(x, &self.v_proj, self.kv_heads, None, ctx)?;
-        let (cos, sin) = self.angles(t, q.dtype())?;
-        let (q, k) = (self.rope(&q, &cos, &sin)?, self.rope(&k, &cos, &sin)?);
-        // K and V (B, kv_heads, T, hd), each shared by heads / kv_heads query heads, unrepeated.
-        let y = ops::attention(
+        // q and k turned by position inside the op; K and V (B, kv_heads, T, hd), each shared by
+        // heads / kv_heads query heads, unrepeated.
+        let y = ops::rotary_attention(
             (&q, &k, &v),
+            &self.rotary,
             1.0 / (self.head_dim as f64).sqrt(),
             ops::Mask::Causal,
-            None,
             self.attention_dropout,
             ctx,
         )?; // (B, heads, T, hd)
@@ -190,8 +174,9 @@ impl Layer {
     }
 
     fn mlp(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(x, ctx)?.silu()?; // (B, T, I)
-        self.down_proj.forward(&(gate * self.up_proj.forward(x, ctx)?)?, ctx) // (B, T, C)
+        let gate = self.gate_proj.forward(x, ctx)?; // (B, T, I)
+        let h = fused::silu_mul(&gate, &self.up_proj.forward(x, ctx)?)?; // silu(gate) * up
+        self.down_proj.forward(&h, ctx) // (B, T, C)
     }
 }
 
@@ -261,9 +246,9 @@ impl Llama {
             params.get("model.embed_tokens.weight", &[v, c], Init::Normal { std: INIT_STD })?;
         let embed =
             Arc::new(Embed { embed_tokens: embed_tokens.clone(), dtype: config.dtype.dtype() });
-        let inv_freq = Tensor::new(config.rope.inverse_frequencies(config.head_dim), device)?;
+        let rotary = fused::Rotary::new(config.rope.inverse_frequencies(config.head_dim));
         let layers = (0..config.num_hidden_layers)
-            .map(|i| Layer::new(&mut params, &config, i, &inv_freq).map(Arc::new))
+            .map(|i| Layer::new(&mut params, &config, i, &rotary).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(&mut params, "model.norm", c, config.rms_norm_eps)?;
         let lm_head = match config.tie_word_embeddings {

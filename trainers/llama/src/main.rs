@@ -4,12 +4,12 @@
 
 use anyhow::Result;
 use candle_core::Tensor;
-use datasets::tokens::Batcher;
 use llama::{Config, Llama, Preset};
 use remat::memory::CountingAlloc;
 use remat::Policy;
 use trainable::Model;
 use trainkit::lora::{LoraArgs, Peft};
+use trainkit::text::TokenData;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -41,7 +41,7 @@ fn main() -> Result<()> {
 
 impl trainkit::Recipe for Args {
     type Model = Llama;
-    type Data = Batcher;
+    type Data = TokenData;
     const MODEL: &'static str = "Llama-family";
     const MODEL_FLAGS: &'static str = "--preset, --config or --model-id";
 
@@ -78,11 +78,15 @@ impl trainkit::Recipe for Args {
         Ok(())
     }
 
-    fn data(&self, config: &mut Config, hub: Option<&trainkit::hub::HubFiles>) -> Result<Batcher> {
+    fn data(
+        &self,
+        config: &mut Config,
+        hub: Option<&trainkit::hub::HubFiles>,
+    ) -> Result<TokenData> {
         self.text.batcher(config.vocab_size, self.run.seed, hub, &self.pretrained.beside())
     }
 
-    fn inputs(&self, model: &Llama, data: &Batcher, step: u64, n: usize) -> Result<Vec<Tensor>> {
+    fn inputs(&self, model: &Llama, data: &TokenData, step: u64, n: usize) -> Result<Vec<Tensor>> {
         let device = model.params().device();
         let (x, y) = data.batch(step, n); // (B, T) token ids, (B, T) the next ones
         Ok(model.inputs(&x, &y, n, self.text.seq, device)?)
@@ -92,15 +96,15 @@ impl trainkit::Recipe for Args {
         self.text.files(hub, &self.pretrained.beside())
     }
 
-    fn samples(&self, data: &Batcher) -> Option<usize> {
-        Some(data.windows())
+    fn samples(&self, data: &TokenData) -> Option<usize> {
+        Some(data.samples())
     }
 
     fn setup(&self, _: &Config) -> impl serde::Serialize {
         &self.text
     }
 
-    fn describe(&self, model: &Llama, _: &Batcher, policy: &Policy, segments: &str) -> String {
+    fn describe(&self, model: &Llama, _: &TokenData, policy: &Policy, segments: &str) -> String {
         let c = &model.config;
         format!(
             "{:?} {}, {} layers, {} heads ({} key/value), policy {policy} ({segments}), batch {} \

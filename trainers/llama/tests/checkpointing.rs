@@ -4,7 +4,7 @@
 //! negative control (no RNG replay) breaks it.
 
 use candle_core::Device;
-use datasets::tokens::Batcher;
+use datasets::tokens::{Batcher, Padded};
 use llama::{Architecture, Config, Llama};
 use params::lora::Lora;
 use testkit::checkpointing::{Control, Training};
@@ -13,14 +13,24 @@ use trainable::Precision;
 const ARCHITECTURES: [Architecture; 3] =
     [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3];
 
-/// A tiny model of 6 layers with attention dropout 0.1, trained with AdamW on batches of 2 x 32.
+/// A tiny model of 6 layers with attention dropout 0.1, trained with AdamW on batches of 2 x 32
+/// windows of a text.
 fn check(cfg: Config, run: impl FnOnce(&Training<Llama>)) {
-    let cfg = Config { num_hidden_layers: 6, ..cfg };
     let text = datasets::text::synthetic_corpus(1, 100_000);
     let data = Batcher::new(datasets::text::byte_tokens(&text), 32, cfg.vocab_size, 1).unwrap();
+    check_on(cfg, &|step| data.batch(step, 2), run)
+}
+
+/// [`check`] on the batches `batch(step)` gives, 2 x 32 each.
+fn check_on(
+    cfg: Config,
+    batch: &dyn Fn(u64) -> (Vec<u32>, Vec<u32>),
+    run: impl FnOnce(&Training<Llama>),
+) {
+    let cfg = Config { num_hidden_layers: 6, ..cfg };
     let build = || Llama::new(cfg.clone(), &Device::Cpu, 42).unwrap();
     let inputs = |model: &Llama, step: u64| {
-        let (x, y) = data.batch(step, 2);
+        let (x, y) = batch(step);
         model.inputs(&x, &y, 2, 32, &Device::Cpu).unwrap()
     };
     let optimizer = trainable::OptimizerKind::Adamw;
@@ -71,6 +81,30 @@ fn lora_and_bf16_equal_off_bit_for_bit() {
             });
         }
     }
+}
+
+/// Examples of different lengths, right-padded, their padding skipped by the loss (`--packing
+/// lines`): every policy equals `off` bit for bit.
+#[test]
+fn padded_examples_equal_off_bit_for_bit() {
+    // Documents of 5 to 44 tokens: most shorter than a sequence, some cut into two pieces.
+    let tokens = datasets::text::byte_tokens(&datasets::text::synthetic_corpus(2, 20_000));
+    let lengths = (0..).map(|i| 5 + (i * 7) % 40);
+    let mut at = 0;
+    let lines: Vec<Vec<u32>> = lengths
+        .map_while(|n| {
+            let doc = tokens.get(at..at + n)?.to_vec();
+            at += n;
+            Some(doc)
+        })
+        .collect();
+    let cfg = Config::tiny(Architecture::Qwen3);
+    let data = Padded::new(lines, 32, cfg.vocab_size, ops::fused::IGNORE, 1).unwrap();
+    let (_, targets) = data.batch(0, 2);
+    assert!(targets.contains(&ops::fused::IGNORE), "the batches must hold padding");
+    check_on(cfg, &|step| data.batch(step, 2), |t| {
+        t.assert_policies_equal_off(&["sqrt", "every-n=1"], "padded examples");
+    });
 }
 
 /// Step 0's forward is identical; the recompute draws new dropout masks, so gradients differ.

@@ -221,3 +221,34 @@ fn the_shared_training_paths_run() {
         assert!(out.status.success() && err.contains("step    1  loss"), "{extra:?}: {err}");
     }
 }
+
+/// `--packing lines`: each line of the text one example, right-padded, the padding skipped by the
+/// loss (tests/padding.rs shows it skipped); without `--text` the flag is refused.
+#[test]
+fn lines_of_a_text_train_as_padded_examples() {
+    let dir = scratch("lines");
+    let text: String =
+        (0..60).map(|i| format!("example {i} says {}\n", "more ".repeat(i % 7))).collect();
+    std::fs::write(dir.join("a.txt"), &text).unwrap();
+    checkpoint(&dir, "LlamaForCausalLM", &text);
+    let s = |p: PathBuf| p.to_str().unwrap().to_string();
+    let out = run(&[
+        "--config",
+        &s(dir.join("config.json")),
+        "--text",
+        &s(dir.join("a.txt")),
+        "--packing",
+        "lines",
+        "--seq",
+        "16",
+        "--steps",
+        "2",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("step    1  loss"), "{err}");
+    assert!(err.contains("in 60 examples of at most 17 tokens"), "{err}");
+    let out = run(&["--preset", "tiny", "--packing", "lines", "--steps", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--text"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

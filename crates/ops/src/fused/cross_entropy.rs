@@ -10,10 +10,15 @@ use crate::fused::storage::{shaped, slice, with_slice};
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
+/// The target id of a position the loss skips: a causal LM's padding (PyTorch's `ignore_index`,
+/// -100 in transformers' labels; ids here are u32).
+pub const IGNORE: u32 = u32::MAX;
+
 /// Cross-entropy of logits (N, V) against class ids (N) u32: the mean over rows of
 /// `logsumexp(row) - row[target]`, or with `weights` (N) the weighted mean
-/// `sum(w_i ce_i) / sum(w_i)` (BERT scores only its masked positions). Weights that are all zero
-/// are an error (`NO_WEIGHT`).
+/// `sum(w_i ce_i) / sum(w_i)` (BERT scores only its masked positions). A row whose target is
+/// [`IGNORE`] weighs 0 (the mean is over the others, as PyTorch's `ignore_index`). Weights that
+/// are all zero are an error (`NO_WEIGHT`).
 pub fn cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
@@ -24,9 +29,10 @@ pub fn cross_entropy(
         Some(w) => w.to_dtype(logits.dtype())?,
         None => Tensor::ones(n, logits.dtype(), logits.device())?,
     };
+    let (targets, weights) = &skipping_ignored(targets, weights)?;
     if generic(logits) {
         let targets = targets.to_dtype(DType::U32)?.contiguous()?;
-        let loss = composed(&widened(&logits.detach())?, &targets, &widened(&weights)?)?;
+        let loss = composed(&widened(&logits.detach())?, &targets, &widened(weights)?)?;
         // d loss / d logits = (softmax(logits) - onehot(target)) w / sum(w), times the loss's
         // gradient.
         let backward = move |inputs: &[Tensor],
@@ -55,13 +61,27 @@ pub fn cross_entropy(
         );
     }
     if !fused(logits) {
-        return composed(logits, targets, &weights);
+        return composed(logits, targets, weights);
     }
     logits.contiguous()?.apply_op3(
         &targets.to_dtype(DType::U32)?.contiguous()?,
         &weights.contiguous()?,
         CrossEntropyOp,
     )
+}
+
+/// `targets` and `weights` with each [`IGNORE`]d row's target set to 0 and its weight to 0 (the
+/// same tensors where no target is ignored).
+fn skipping_ignored(targets: &Tensor, weights: Tensor) -> Result<(Tensor, Tensor)> {
+    let ids = targets.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?;
+    if !ids.contains(&IGNORE) {
+        return Ok((targets.clone(), weights));
+    }
+    let kept: Vec<f32> = ids.iter().map(|&t| f32::from(u8::from(t != IGNORE))).collect();
+    let ids: Vec<u32> = ids.into_iter().map(|t| if t == IGNORE { 0 } else { t }).collect();
+    let device = targets.device();
+    let kept = Tensor::from_vec(kept, weights.shape(), device)?.to_dtype(weights.dtype())?;
+    Ok((Tensor::from_vec(ids, targets.shape(), device)?, (weights * kept)?))
 }
 
 /// The weighted mean negative log-likelihood from candle's ops.
@@ -79,8 +99,8 @@ struct CrossEntropyOp;
 
 /// The error of a weighted cross-entropy whose weights are all zero. PyTorch returns NaN (a mean
 /// over no target), which then reads as a diverged run; here it is refused, naming the cause.
-const NO_WEIGHT: &str = "cross_entropy: every weight is zero, so the batch has no position to \
-    score (the mean over none is undefined)";
+const NO_WEIGHT: &str = "cross_entropy: every weight is zero (or every target ignored), so the \
+    batch has no position to score (the mean over none is undefined)";
 
 /// logsumexp of a row.
 fn log_sum_exp<T: Elem>(row: &[T]) -> T {

@@ -18,8 +18,13 @@
 //! - [`linear()`]: `x @ w + b` as one op, so the product before the bias is not kept; the weight
 //!   in either layout (`params::WeightLayout`).
 //! - [`gelu()`]: tanh or erf GELU ([`GeluForm`]) with a one-pass, multi-threaded backward.
+//! - [`rms_norm()`]: RMSNorm (Llama's); keeps nothing but its input.
+//! - [`silu_mul()`]: the SiLU-gated product of a gated MLP; keeps its two operands, not the
+//!   activation between them.
 //! - [`attention()`]: scaled dot-product attention with causal mask and dropout; keeps only q, k, v
-//!   (scores and probabilities are rebuilt in backward).
+//!   (scores and probabilities are rebuilt in backward). [`rotary_attention()`]: the same with q
+//!   and k turned by a rotary embedding ([`Rotary`]) inside the op, so the turned copies are
+//!   rebuilt in backward too.
 //! - `max_pool2d`, `max_pool3d` (through the crate's `max_pool2d_k3s2p1` and `max_pool3d_k2s2`):
 //!   keep only their input; backward finds each window's maximum again.
 //! - `conv_transpose3d_k2s2` (through the crate's function of that name): the U-Net up-convolution
@@ -91,9 +96,12 @@ mod gelu;
 mod layer_norm;
 mod linear;
 mod max_pool;
+mod rms_norm;
+mod rotary;
+mod silu_mul;
 mod softmax;
 
-pub use attention::attention;
+pub use attention::{attention, rotary_attention};
 pub use batch_norm::{batch_norm_pair_train, batch_norm_train, Activation, Normalised};
 pub(crate) use composed::{conv3d_composed, conv_transpose3d_k2s2_composed};
 #[cfg(test)] // the convolution layers' tests force small blocks through it
@@ -101,7 +109,7 @@ pub(crate) use conv3d::conv3d_blocked;
 pub use conv3d::Conv3dGeometry;
 pub(crate) use conv3d::{conv3d, conv3d_concat, conv3d_concat_generic, conv3d_generic};
 pub(crate) use conv_transpose3d::{conv_transpose3d_k2s2, conv_transpose3d_k2s2_generic};
-pub use cross_entropy::cross_entropy;
+pub use cross_entropy::{cross_entropy, IGNORE};
 pub use dropout::dropout;
 pub use dtype::{is_half, widened};
 pub use embedding::embedding;
@@ -110,7 +118,10 @@ pub use layer_norm::layer_norm;
 pub use linear::{linear, lora_linear};
 pub use matmul::{allocate_matmul_workspaces, matmul_peak_gflops};
 pub(crate) use max_pool::{max_pool2d, max_pool3d, max_pool_generic};
+pub use rms_norm::rms_norm;
+pub use rotary::Rotary;
 pub use route::{fused, path, set_path, Path};
 pub(crate) use route::{generic, lean};
+pub use silu_mul::silu_mul;
 pub use softmax::{softmax_last_dim, Mask};
 pub use storage::slice;

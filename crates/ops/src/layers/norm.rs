@@ -1,8 +1,8 @@
-//! The normalisation layers without batch state: LayerNorm over the last dimension (the fused
-//! kernel), RMSNorm over the last dimension and GroupNorm over groups of channels (composed). Not here: BatchNorm
-//! (`layers::batch_norm`), the LayerNorm kernel (`fused::layer_norm`).
+//! The normalisation layers without batch state: LayerNorm and RMSNorm over the last dimension
+//! (the fused kernels) and GroupNorm over groups of channels (composed). Not here: BatchNorm
+//! (`layers::batch_norm`), the kernels (`fused::layer_norm`, `fused::rms_norm`).
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{Result, Tensor};
 use params::{Init, ParamStore};
 
 /// Layer normalisation over the last dimension, with `weight` and `bias` as Hugging Face names
@@ -28,9 +28,8 @@ impl LayerNorm {
 }
 
 /// Root-mean-square normalisation over the last dimension (Zhang & Sennrich, 2019), as Llama's
-/// `LlamaRMSNorm`: in f32 whatever the input's dtype, cast back, then scaled by `weight` (no
-/// centring, no bias). Composed of candle's ops, whose backward keeps the f32 input and its
-/// scale beside the output.
+/// `LlamaRMSNorm`, scaled by `weight` (no centring, no bias): [`crate::fused::rms_norm`], which
+/// keeps only its input for backward.
 pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
@@ -42,11 +41,7 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let x32 = x.to_dtype(DType::F32)?;
-        let scale = (x32.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?.recip()?;
-        let normed = x32.broadcast_mul(&scale)?.to_dtype(dtype)?;
-        normed.broadcast_mul(&self.weight.to_dtype(dtype)?)
+        crate::fused::rms_norm(x, &self.weight, self.eps)
     }
 }
 

@@ -126,6 +126,19 @@ fn transformer_ops() -> Result<()> {
             &[],
             |a, _| fused::attention(&a[0], &a[1], &a[2], 0.5, Mask::Causal, None, key),
         )?;
+        let rotary = fused::Rotary::new(vec![1.0, 0.01]);
+        same_as_f32(
+            dt,
+            &[("q", &[2, 4, 5, 4]), ("k", &[2, 2, 5, 4]), ("v", &[2, 2, 5, 4])],
+            &[],
+            |a, _| fused::rotary_attention(&a[0], &a[1], &a[2], &rotary, 0.5, Mask::Causal, key),
+        )?;
+        same_as_f32(dt, &[("x", &[2, 3, 16])], &[("w", &[16])], |a, w| {
+            fused::rms_norm(&a[0], &w[0], 1e-6)
+        })?;
+        same_as_f32(dt, &[("gate", &[2, 3, 16]), ("up", &[2, 3, 16])], &[], |a, _| {
+            fused::silu_mul(&a[0], &a[1])
+        })?;
         let targets = Tensor::new(&[3u32, 0, 7, 5, 1, 2], &Device::Cpu)?;
         same_as_f32(dt, &[("logits", &[6, 8])], &[], |a, _| {
             fused::cross_entropy(&a[0], &targets, None)

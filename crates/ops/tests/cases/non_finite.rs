@@ -183,6 +183,37 @@ fn cases(dev: &Device) -> Result<Vec<Case>> {
             }),
         },
         Case {
+            name: "rotary attention, grouped",
+            inputs: vec![
+                // At position 0 (cos 1, sin 0): a score of -inf at every key would read as a
+                // query with no key left, which attention answers with zeros.
+                Input("q", normal("ra-q", &[1, 4, 3, 4])?, 1, true),
+                Input("k", normal("ra-k", &[1, 2, 3, 4])?, 2, true),
+                Input("v", normal("ra-v", &[1, 2, 3, 4])?, 9, true),
+            ],
+            op: Box::new(move |v| {
+                let rotary = fused::Rotary::new(vec![1.0, 0.1]);
+                let dropout = Some((key, 0.1));
+                fused::rotary_attention(&v[0], &v[1], &v[2], &rotary, 0.5, Mask::Causal, dropout)
+            }),
+        },
+        Case {
+            name: "rms_norm",
+            inputs: vec![
+                Input("x", normal("rn-x", &[3, 5])?, 4, true),
+                Input("weight", normal("rn-w", &[5])?, 1, true),
+            ],
+            op: Box::new(|v| fused::rms_norm(&v[0], &v[1], 1e-6)),
+        },
+        Case {
+            name: "silu_mul",
+            inputs: vec![
+                Input("gate", normal("sm-g", &[2, 5])?, 3, true),
+                Input("up", normal("sm-u", &[2, 5])?, 6, true),
+            ],
+            op: Box::new(|v| fused::silu_mul(&v[0], &v[1])),
+        },
+        Case {
             name: "gelu (tanh)",
             inputs: vec![Input("x", normal("ge-x", &[7])?, 3, true)],
             op: Box::new(|v| fused::gelu(&v[0], GeluForm::Tanh)),

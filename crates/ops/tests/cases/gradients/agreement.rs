@@ -118,6 +118,8 @@ fn fused_ops_are_deterministic_across_thread_counts() -> Result<()> {
             let targets =
                 Tensor::from_vec((0..300u32).map(|i| i % 64).collect(), 300, &Device::Cpu)?;
             let h = fused::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)?;
+            // RMSNorm's weight gradient is a sum across rows; the gated product is elementwise.
+            let h = fused::silu_mul(&fused::rms_norm(&h, w.as_tensor(), 1e-6)?, &h)?;
             let p = fused::softmax_last_dim(&h.reshape((3, 100, 64))?, 0.5, Mask::None)?
                 .reshape((300, 64))?;
             let loss = fused::cross_entropy(&(p * 10.0)?, &targets, None)?;

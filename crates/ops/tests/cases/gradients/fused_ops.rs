@@ -25,6 +25,99 @@ fn fused_layer_norm_input_weight_and_bias() -> Result<()> {
 }
 
 #[test]
+fn fused_rms_norm_input_and_weight() -> Result<()> {
+    crate::route();
+    let (x, w) = (normal("x", &[3, 2, 7], 0.5, 2.0)?, normal("w", &[7], 1.0, 0.5)?);
+    check_gradients("fused rms_norm", &[("x", &x), ("w", &w)], || {
+        fused::rms_norm(x.as_tensor(), w.as_tensor(), 1e-5)
+    })?;
+    // Against transformers' LlamaRMSNorm written out: x rsqrt(mean(x^2) + eps) w.
+    let x = x.as_tensor();
+    let rms = (x.sqr()?.mean_keepdim(2)? + 1e-5)?.sqrt()?;
+    let written = x.broadcast_div(&rms)?.broadcast_mul(w.as_tensor())?;
+    let diff = (fused::rms_norm(x, w.as_tensor(), 1e-5)? - written)?.abs()?.max_all()?;
+    assert!(diff.to_scalar::<f64>()? < 1e-12, "rms_norm differs from its formula by {diff}");
+    Ok(())
+}
+
+#[test]
+fn fused_silu_mul_gate_and_up() -> Result<()> {
+    crate::route();
+    let (gate, up) = (normal("gate", &[3, 11], 0.0, 3.0)?, normal("up", &[3, 11], 0.0, 1.0)?);
+    check_gradients("fused silu_mul", &[("gate", &gate), ("up", &up)], || {
+        fused::silu_mul(gate.as_tensor(), up.as_tensor())
+    })?;
+    let candle = (gate.as_tensor().silu()? * up.as_tensor())?;
+    let fused_y = fused::silu_mul(gate.as_tensor(), up.as_tensor())?;
+    let diff = (fused_y - candle)?.abs()?.max_all()?.to_scalar::<f64>()?;
+    assert!(diff < 1e-12, "silu_mul differs from candle's silu times up by {diff}");
+    Ok(())
+}
+
+/// Grouped (4 query heads over 2 key/value heads), causal, with dropout: the rotation of q and k
+/// inside the op and its turn back in backward.
+#[test]
+fn rotary_attention_queries_keys_and_values() -> Result<()> {
+    crate::route();
+    let (q, k, v) = (
+        normal("rq", &[2, 4, 5, 4], 0.0, 1.0)?,
+        normal("rk", &[2, 2, 5, 4], 0.0, 1.0)?,
+        normal("rv", &[2, 2, 5, 4], 0.0, 1.0)?,
+    );
+    let rotary = fused::Rotary::new(vec![1.0, 0.3]);
+    let key = RngKey::named(6, "rotary attention");
+    let vars = [("q", &q), ("k", &k), ("v", &v)];
+    for (mask, dropout) in
+        [(Mask::Causal, None), (Mask::Causal, Some((key, 0.3))), (Mask::None, None)]
+    {
+        check_gradients(&format!("rotary attention {mask:?}, dropout {dropout:?}"), &vars, || {
+            let (q, k, v) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+            fused::rotary_attention(q, k, v, &rotary, 0.6, mask, dropout)
+        })?;
+    }
+    Ok(())
+}
+
+/// transformers' `apply_rotary_pos_emb` written out (q cos + rotate_half(q) sin, cos and sin of
+/// `inv_freq * position` in f32), then attention: the same values and gradients as the op that
+/// turns q and k inside, which keeps no turned copy.
+#[test]
+fn rotary_attention_equals_attention_of_turned_queries_and_keys() -> Result<()> {
+    crate::route();
+    let to32 = |v: &Var| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?);
+    let (q, k, v) = (
+        to32(&normal("tq", &[2, 4, 16, 8], 0.0, 1.0)?)?,
+        to32(&normal("tk", &[2, 2, 16, 8], 0.0, 1.0)?)?,
+        to32(&normal("tv", &[2, 2, 16, 8], 0.0, 1.0)?)?,
+    );
+    let inv_freq: Vec<f32> = (0..4).map(|i| 10_000f32.powf(-(2 * i) as f32 / 8.0)).collect();
+    let freqs = Tensor::arange(0u32, 16, &Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .unsqueeze(1)?
+        .broadcast_mul(&Tensor::new(inv_freq.as_slice(), &Device::Cpu)?.unsqueeze(0)?)?;
+    let emb = Tensor::cat(&[&freqs, &freqs], 1)?; // (T, d)
+    let (cos, sin) = (emb.cos()?, emb.sin()?);
+    let turn = |x: &Tensor| -> Result<Tensor> {
+        let (x1, x2) = (x.narrow(3, 0, 4)?, x.narrow(3, 4, 4)?);
+        let half = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
+        x.broadcast_mul(&cos)? + half.broadcast_mul(&sin)?
+    };
+    let key = Some((RngKey::named(9, "rotary"), 0.2));
+    let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+    let inside = fused::rotary_attention(
+        qt,
+        kt,
+        vt,
+        &fused::Rotary::new(inv_freq),
+        0.35,
+        Mask::Causal,
+        key,
+    )?;
+    let outside = fused::attention(&turn(qt)?, &turn(kt)?, vt, 0.35, Mask::Causal, None, key)?;
+    assert_agree(&inside, &outside, &[("q", &q), ("k", &k), ("v", &v)], 1e-6, 1e-5)
+}
+
+#[test]
 fn fused_softmax_plain_scaled_and_causal() -> Result<()> {
     crate::route();
     let x = normal("x", &[2, 3, 5, 5], 0.0, 2.0)?;
@@ -61,6 +154,20 @@ fn fused_cross_entropy_plain_and_weighted() -> Result<()> {
         .is_err(),
         "a target out of range"
     );
+    // Ignored targets (a causal LM's padding) weigh 0: the same loss and gradient as the weights
+    // above, whose zeros fall where these are ignored.
+    let ignoring = Tensor::new(&[0u32, fused::IGNORE, 3, 3, fused::IGNORE, 1], &Device::Cpu)?;
+    check_gradients("fused cross_entropy, ignored targets", &[("logits", &logits)], || {
+        fused::cross_entropy(logits.as_tensor(), &ignoring, None)
+    })?;
+    let (a, b) = (
+        fused::cross_entropy(logits.as_tensor(), &ignoring, None)?.to_scalar::<f64>()?,
+        fused::cross_entropy(logits.as_tensor(), &targets, Some(&weights))?.to_scalar::<f64>()?,
+    );
+    assert_eq!(a.to_bits(), b.to_bits(), "ignored {a}, weighted 0 {b}");
+    let none = Tensor::new(&[fused::IGNORE; 6], &Device::Cpu)?;
+    let err = fused::cross_entropy(logits.as_tensor(), &none, None).unwrap_err().to_string();
+    assert!(err.contains("every target ignored"), "{err}");
     Ok(())
 }
 
