@@ -181,3 +181,42 @@ pub fn assert_outputs_spare_inputs(bin: &str, base: &[&str], reads: &[ReadFile])
         }
     }
 }
+
+/// Trains `bin args` on two ranks (`--ranks 2`, Open MPI's `mpirun`) under each of `policies`,
+/// the first `off`: every rank's parameters must end bit-identical (the trainer checks and says
+/// so), and every policy's snapshot must equal `off`'s bit for bit. Returns `off`'s snapshot,
+/// each tensor's f32 bits by name.
+pub fn assert_two_ranks_checkpoint_as_off(
+    bin: &str,
+    args: &[&str],
+    policies: &[&str],
+) -> std::collections::BTreeMap<String, Vec<u32>> {
+    assert_eq!(policies.first(), Some(&"off"), "the first policy is the reference");
+    let dir = std::env::temp_dir().join(format!("two-ranks-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let snapshot = |policy: &str| {
+        let path = dir.join(format!("{policy}.safetensors"));
+        let out = std::process::Command::new(bin)
+            .args(args)
+            .args(["--ranks", "2", "--policy", policy, "--save", path.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success()
+                && log.contains("ranks in sync: parameters bit-identical on all 2 ranks"),
+            "{policy}: {log}"
+        );
+        candle_core::safetensors::load(&path, &Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| (n, params::f32_bits(&t).unwrap()))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let off = snapshot("off");
+    for policy in &policies[1..] {
+        assert!(snapshot(policy) == off, "{policy}: two-rank weights differ from two-rank off");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    off
+}
