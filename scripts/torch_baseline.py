@@ -3,7 +3,8 @@
 measured the way the harness measures ours, printed as one JSON line.
 
 The models are PyTorch's own at the harness's sizes: torchvision's ResNet-50/152, Hugging Face
-`transformers`' BertForMaskedLM and GPT2LMHeadModel (eager attention), and a 3D U-Net written with
+`transformers`' BertForMaskedLM and GPT2LMHeadModel (eager attention) and LlamaForCausalLM at
+SmolLM2-135M's shape (sdpa attention, transformers' default), and a 3D U-Net written with
 `torch.nn` to match `trainers/unet3d`. Each is cut into the same stages as our stage graph, and
 `--segments` (from the harness: the stage ranges our policy chose) says which run under
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: every segment but the last, as our
@@ -11,8 +12,8 @@ executor does. A `--policy` with `+keep=` (our selective recompute) runs those s
 PyTorch's selective activation checkpointing, saving the outputs of the ops it names: `matmul` the
 linear layers' products (`aten.mm`, `aten.addmm`), `conv` the convolutions (`aten.convolution`),
 `attention` the product of the probabilities with the values (the `aten.bmm` whose output is not
-the (T, T) scores). The `-lora` models are the same under `peft`'s LoRA (rank 8, alpha 16, B drawn), the
-base frozen. Optimizers as ours: SGD with momentum 0.9 (lr 0.05, weight decay 1e-4) for ResNet,
+the (T, T) scores). The `-lora` models are the same under `peft`'s LoRA (rank 8, alpha 16, B drawn; SmolLM2's
+rank 16, alpha 32, on all seven projections), the base frozen. Optimizers as ours: SGD with momentum 0.9 (lr 0.05, weight decay 1e-4) for ResNet,
 AdamW (lr 1e-4, weight decay 0.01) for the others. fp32, `--threads` intra-op threads, on
 `--device` (`cpu` or `cuda`: every tensor made on it, the inputs drawn by a generator there).
 
@@ -207,14 +208,49 @@ def unet3d(batch, side, base, levels=3, classes=3):
     return mods, stages, 2, inputs, opt
 
 
-def with_lora(built, targets, fan_in_fan_out):
-    """A built model under `peft`'s LoRA as the harness's `-lora` models are (rank 8, alpha 16, no
-    dropout, B drawn: `init_lora_weights=False`), base frozen, AdamW over the adapters. PEFT swaps
-    the targeted layers inside the same modules, so the stages call the adapted layers."""
+def smollm2(batch, seq):
+    """SmolLM2-135M's published shape (`LlamaForCausalLM`), random weights, `transformers`' default
+    attention (sdpa: causal, no mask, the grouped key/value heads as transformers passes them)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, attention_dropout=0.0)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    m = model.model
+    positions = torch.arange(seq)[None]
+    # One (cos, sin) table for every layer, as LlamaModel computes it once per forward.
+    with torch.no_grad():
+        rotary = m.rotary_emb(torch.zeros(1), position_ids=positions)
+
+    def layer(block):
+        return lambda x: hidden(block(x, attention_mask=None, position_ids=positions, position_embeddings=rotary))
+
+    def head(x, targets):
+        logits = model.lm_head(m.norm(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    stages = transformer_stages(m.embed_tokens, [layer(b) for b in m.layers], head, 2)
+
+    def inputs(gen):
+        ids = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=gen)
+        return [ids[:, :-1], ids[:, 1:]]
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    return model, stages, 2, inputs, opt
+
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(built, targets, fan_in_fan_out, rank=8):
+    """A built model under `peft`'s LoRA as the harness's `-lora` models are (rank 8, or `rank`;
+    alpha twice the rank; no dropout; B drawn: `init_lora_weights=False`), base frozen, AdamW over
+    the adapters. PEFT swaps the targeted layers inside the same modules, so the stages call the
+    adapted layers."""
     from peft import LoraConfig, get_peft_model
 
     model, stages, n_inputs, inputs, _ = built
-    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, fan_in_fan_out=fan_in_fan_out, init_lora_weights=False)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, fan_in_fan_out=fan_in_fan_out, init_lora_weights=False)
     model = get_peft_model(model, config)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
     return model, stages, n_inputs, inputs, opt
@@ -225,6 +261,10 @@ def build(model, batch, size):
         return with_lora(gpt2(batch, size), ["c_attn", "c_proj", "c_fc"], True)
     if model == "bert-large-lora":
         return with_lora(bert(batch, size), ["query", "key", "value", "dense"], False)
+    if model == "smollm2-135m":
+        return smollm2(batch, size)
+    if model == "smollm2-135m-lora":
+        return with_lora(smollm2(batch, size), LLAMA_TARGETS, False, rank=16)
     if model in ("resnet50", "resnet152"):
         return resnet(model, batch, size)
     if model == "gpt2-small":
@@ -233,7 +273,7 @@ def build(model, batch, size):
         return bert(batch, size)
     if model in ("unet3d-small", "unet3d-cicek"):
         return unet3d(batch, size, base=16 if model == "unet3d-small" else 32)
-    sys.exit(f"torch_baseline: no PyTorch version of `{model}`; valid models: resnet50, resnet152, bert-large, unet3d-small, unet3d-cicek, gpt2-small, bert-large-lora, gpt2-small-lora")
+    sys.exit(f"torch_baseline: no PyTorch version of `{model}`; valid models: resnet50, resnet152, bert-large, unet3d-small, unet3d-cicek, gpt2-small, bert-large-lora, gpt2-small-lora, smollm2-135m, smollm2-135m-lora")
 
 
 def kept(policy):

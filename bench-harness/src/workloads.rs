@@ -60,6 +60,8 @@ pub struct Workload {
     pub shard_optimizer: bool,
     /// The optimizer inside backward (`--optimizer-in-backward`): one micro-batch per step.
     pub in_backward: bool,
+    /// A memory budget whose plan (`budget=`) the matrix runs by default beside the policies.
+    pub budget: Option<u64>,
     family: Arc<dyn Family>,
 }
 
@@ -128,6 +130,7 @@ fn workload<M: Benchable>(
         dtype: Precision::F32,
         shard_optimizer: false,
         in_backward: false,
+        budget: None,
         family: Arc::new(Config::<M>(config)),
     }
 }
@@ -175,9 +178,14 @@ fn resnet(preset: resnet::Preset) -> resnet::Config {
 /// What `--lora 8 --lora-alpha 16` trains on `targets`, with B drawn instead of zeros (PEFT's
 /// `init_lora_weights=False`), so that every adapter gets a gradient for the check.
 fn lora(targets: &[&str]) -> Option<params::lora::Lora> {
+    lora_of_rank(8, targets)
+}
+
+/// [`lora`] of rank `rank`, alpha twice the rank.
+fn lora_of_rank(rank: usize, targets: &[&str]) -> Option<params::lora::Lora> {
     Some(params::lora::Lora {
-        rank: 8,
-        alpha: 16.0,
+        rank,
+        alpha: 2.0 * rank as f64,
         dropout: 0.0,
         targets: targets.iter().map(|t| t.to_string()).collect(),
         init_lora_weights: false,
@@ -220,7 +228,10 @@ pub fn profile(profile: Profile) -> Vec<Workload> {
                 2,
                 256,
             ),
-        ],
+        ]
+        .into_iter()
+        .chain(smollm2_135m())
+        .collect(),
         Profile::Full => vec![
             workload::<ResNet>("resnet50", resnet(R::Resnet50), 256, 224),
             workload::<ResNet>("resnet152", resnet(R::Resnet152), 64, 224),
@@ -234,16 +245,23 @@ pub fn profile(profile: Profile) -> Vec<Workload> {
             workload::<Gpt2>("gpt2-xl", G::Xl.config(), 1, 1024),
         ],
         Profile::Gpt2_24gb => gpt2_24gb(),
-        Profile::Llama => vec![
-            workload::<Llama>("smollm2-135m", L::Smollm2_135m.config(), 2, 512),
-            workload::<Llama>(
-                "smollm2-135m-lora",
-                llama::Config { lora: lora(&llama::LORA_TARGETS), ..L::Smollm2_135m.config() },
-                2,
-                512,
-            ),
-        ],
+        Profile::Llama => smollm2_135m().to_vec(),
     }
+}
+
+/// The Llama family at SmolLM2-135M's shape, batch 2 x 512: fully fine-tuned, and under LoRA of
+/// rank 16 on all seven projections, as it is usually fine-tuned; each with one `budget=` plan
+/// between `sqrt`'s memory and `off`'s.
+fn smollm2_135m() -> [Workload; 2] {
+    let config = llama::Preset::Smollm2_135m.config();
+    let lora = llama::Config { lora: lora_of_rank(16, &llama::LORA_TARGETS), ..config.clone() };
+    [
+        Workload { budget: Some(2816 << 20), ..workload::<Llama>("smollm2-135m", config, 2, 512) },
+        Workload {
+            budget: Some(1536 << 20),
+            ..workload::<Llama>("smollm2-135m-lora", lora, 2, 512)
+        },
+    ]
 }
 
 /// The ways `gpt2-24gb` holds a model's state: (name, activation dtype, optimizer, the optimizer

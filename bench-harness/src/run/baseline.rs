@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The models `scripts/torch_baseline.py` has a PyTorch version of.
-pub const MODELS: [&str; 8] = [
+pub const MODELS: [&str; 10] = [
     "resnet50",
     "resnet152",
     "bert-large",
@@ -19,6 +19,8 @@ pub const MODELS: [&str; 8] = [
     "gpt2-small",
     "bert-large-lora",
     "gpt2-small-lora",
+    "smollm2-135m",
+    "smollm2-135m-lora",
 ];
 
 /// The script `name` of `scripts/` in the repository the harness runs in (a binary built

@@ -201,6 +201,7 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
             let chosen: Vec<PolicyRequest> = if args.policies.is_empty() {
                 let mut chosen: Vec<PolicyRequest> =
                     w.policies().into_iter().map(PolicyRequest::from).collect();
+                chosen.extend(w.budget.map(PolicyRequest::Budget));
                 // At full size, what fits a 24 GiB card: the planner's plan for one too.
                 if matches!(profile, Profile::Gpt2_24gb | Profile::Full)
                     && !w.model.starts_with(workloads::DEPTH_PREFIX)
