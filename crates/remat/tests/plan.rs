@@ -187,3 +187,27 @@ fn skips_are_stored_exactly_when_a_cut_separates_them() {
     let late = remat::plan::stored_values(&p, &segments(&[0, 8], n));
     assert_eq!(late, vec![9], "only up0's output crosses a cut before the loss");
 }
+
+/// A chain deepened by repeating a block has the deeper chain's structure (each copy reading the
+/// one before, the loss the last copy), the block's costs in every copy, and its shared
+/// gradients' stages moved on; a stage of two inputs is refused.
+#[test]
+fn a_deepened_chain_is_the_deeper_chain() {
+    let mut shallow = chain(3, 2);
+    shallow.shared_grads = vec![remat::plan::SharedGrad { first: 0, last: 3, bytes: 4096 }];
+    let deep = shallow.deepened(2, 3).unwrap();
+    let want = chain(3, 5);
+    let wiring = |p: &Profile| -> Vec<(Vec<usize>, Vec<usize>)> {
+        p.stages.iter().map(|s| (s.inputs.clone(), s.outputs.clone())).collect()
+    };
+    assert_eq!(wiring(&deep), wiring(&want));
+    assert_eq!(deep.values.len(), want.values.len());
+    for copy in &deep.stages[3..6] {
+        assert_eq!(copy.graph_bytes, shallow.stages[2].graph_bytes);
+        assert_eq!(copy.backward_ms, shallow.stages[2].backward_ms);
+    }
+    assert_eq!(deep.stages[6].name, shallow.stages[3].name, "the loss comes last");
+    assert_eq!(deep.values[7].bytes, shallow.values[4].bytes, "the copies' outputs");
+    assert_eq!(deep.shared_grads[0].last, 6);
+    assert!(shallow.deepened(3, 1).is_err(), "the loss reads two values");
+}

@@ -297,6 +297,12 @@ pub enum PlanError {
         dominant: &'static str,
         dominant_bytes: u64,
     },
+    /// A stage that cannot be repeated to deepen a profile.
+    #[error(
+        "stage {0} cannot be repeated to deepen the profile: it must be a block of one input \
+         and one output"
+    )]
+    Deepen(usize),
     /// Two profiles that cannot be extrapolated from.
     #[error(
         "profiles at batch {0} and {1} cannot be extrapolated: they must be of the same graph at \

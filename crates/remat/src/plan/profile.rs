@@ -27,6 +27,66 @@ fn metered<R>(counter: &Counter, f: impl FnOnce() -> Result<R>) -> Result<(R, u6
 }
 
 impl Profile {
+    /// This profile with `extra` copies of the stage `block` after it: the profile of the same
+    /// model `extra` blocks deeper, from a shallow model's measurement (a model whose weights do
+    /// not fit in memory is profiled at a few blocks, its blocks being alike). `block` is one of a
+    /// run of alike blocks, each reading the single output of the one before: each copy reads the
+    /// one before it, every later stage reads the last copy's output where it read `block`'s, and
+    /// the stages after `block` (and the shared gradients that name them) move `extra` places on.
+    pub fn deepened(&self, block: usize, extra: usize) -> Result<Profile> {
+        let refused = || Error::Profile(PlanError::Deepen(block));
+        let template = self.stages.get(block).ok_or_else(refused)?;
+        let ([_], &[out]) = (template.inputs.as_slice(), template.outputs.as_slice()) else {
+            return Err(refused());
+        };
+        // Values keep their order of production; `renamed[old]` is an old value's new id.
+        let mut values = self.values[..self.n_inputs].to_vec();
+        let mut renamed: Vec<Option<ValueId>> =
+            (0..self.values.len()).map(|v| (v < self.n_inputs).then_some(v)).collect();
+        let produce = |values: &mut Vec<ValueCost>, cost: ValueCost| {
+            values.push(cost);
+            values.len() - 1
+        };
+        let mut stages = Vec::with_capacity(self.stages.len() + extra);
+        for (i, stage) in self.stages.iter().enumerate() {
+            let mut s = stage.clone();
+            s.inputs = stage
+                .inputs
+                .iter()
+                .map(|&v| renamed[v])
+                .collect::<Option<_>>()
+                .ok_or_else(refused)?;
+            s.outputs = stage
+                .outputs
+                .iter()
+                .map(|&v| {
+                    let id = produce(&mut values, self.values[v]);
+                    renamed[v] = Some(id);
+                    id
+                })
+                .collect();
+            stages.push(s);
+            if i == block {
+                for k in 1..=extra {
+                    let mut copy = template.clone();
+                    copy.name = format!("{} (+{k})", template.name);
+                    copy.inputs = vec![renamed[out].expect("produced above")];
+                    let id = produce(&mut values, self.values[out]);
+                    copy.outputs = vec![id];
+                    renamed[out] = Some(id);
+                    stages.push(copy);
+                }
+            }
+        }
+        let moved = |i: usize| if i > block { i + extra } else { i };
+        let shared_grads = self
+            .shared_grads
+            .iter()
+            .map(|g| SharedGrad { first: moved(g.first), last: moved(g.last), bytes: g.bytes })
+            .collect();
+        Ok(Profile { batch: self.batch, n_inputs: self.n_inputs, values, stages, shared_grads })
+    }
+
     /// Measures every stage of `graph` on `inputs` (a batch of `batch`); `params` are the
     /// trainable variables. Stages run in training mode with the recompute flag set, so nothing
     /// is updated (BatchNorm statistics) and dropout draws as in a step.

@@ -1,0 +1,52 @@
+//! A profile measured on a shallow model and deepened to the full depth (how the harness projects
+//! a model whose weights do not fit in memory: Llama-3.1-8B's are 32 GB in f32) equals the
+//! profile measured on the deep model: every stage's wiring and byte figures, every value's bytes,
+//! the tied embedding's shared gradient; the planner's predictions from the two are the same.
+
+use candle_core::Device;
+use llama::{Architecture, Config, Llama};
+use remat::plan::Profile;
+use trainable::Model;
+
+#[global_allocator]
+static ALLOC: remat::memory::CountingAlloc = remat::memory::CountingAlloc;
+
+fn profile(layers: usize) -> Profile {
+    let cfg = Config { num_hidden_layers: layers, ..Config::tiny(Architecture::Qwen3) };
+    let model = Llama::new(cfg, &Device::Cpu, 1).unwrap();
+    let data = datasets::tokens::Batcher::synthetic(32, model.config.vocab_size, 1).unwrap();
+    let inputs = |n: usize| {
+        let (x, y) = data.batch(0, n);
+        model.inputs(&x, &y, n, 32, &Device::Cpu)
+    };
+    let (graph, params) = model.parts();
+    Profile::at_batch(graph, inputs, &params.vars(), 2, 0).unwrap()
+}
+
+#[test]
+fn a_shallow_profile_deepened_equals_the_deep_one() {
+    let (deep, shallow) = (profile(6), profile(2));
+    let deepened = shallow.deepened(2, 4).unwrap(); // after model.layers.1
+    let bytes = |p: &Profile| -> Vec<_> {
+        let stages = p.stages.iter().map(|s| {
+            (
+                (s.inputs.clone(), s.outputs.clone(), s.kind),
+                (s.graph_bytes, s.chain_bytes, s.graph_transient, s.chain_transient),
+                (s.backward_transient, s.param_grad_bytes),
+            )
+        });
+        stages.collect()
+    };
+    assert_eq!(bytes(&deepened), bytes(&deep));
+    assert_eq!(deepened.values, deep.values);
+    assert_eq!(deepened.shared_grads, deep.shared_grads);
+    let grads = remat::plan::Grads::Gathered;
+    let budget = remat::PolicyRequest::Budget(64 << 20);
+    for request in [remat::Policy::Sqrt.into(), remat::Policy::EveryN(2).into(), budget] {
+        let predicted = |p: &Profile| {
+            let (policy, _) = remat::plan::resolve(&request, p, 0, grads, None).unwrap();
+            (policy.to_string(), p.predict_policy(&policy, grads).unwrap().peak)
+        };
+        assert_eq!(predicted(&deepened), predicted(&deep), "{request}");
+    }
+}
