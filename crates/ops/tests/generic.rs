@@ -188,6 +188,23 @@ fn dropout_gelu_and_linear_on_the_generic_route() -> Result<()> {
     Ok(())
 }
 
+/// A frozen linear layer with its LoRA adapter (rank 8, input dropout): the same values,
+/// gradients and kept bytes on both routes.
+#[test]
+fn lora_linear_on_the_generic_route() -> Result<()> {
+    let _turn = turn();
+    let (w, bias) = (var(&[48, 32], DType::F32)?, var(&[48], DType::F32)?);
+    let key = remat::rng::RngKey::named(3, "lora");
+    let op = move |t: &[Tensor]| {
+        let (base, adapter) = ((w.as_tensor(), Some(bias.as_tensor())), (&t[1], &t[2], 1.5));
+        ops::fused::lora_linear(&t[0], base, WeightLayout::OutIn, adapter, Some((key, 0.1)))
+    };
+    let inputs =
+        [var(&[4, 16, 32], DType::F32)?, var(&[8, 32], DType::F32)?, var(&[48, 8], DType::F32)?];
+    check("lora_linear", &op, &inputs, 1e-5)?;
+    Ok(())
+}
+
 #[test]
 fn cross_entropy_on_the_generic_route() -> Result<()> {
     let _turn = turn();

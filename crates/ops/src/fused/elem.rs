@@ -7,7 +7,14 @@ use num_traits::Float;
 
 /// A float type the kernels run in.
 pub(crate) trait Elem:
-    WithDType + Float + Send + Sync + std::iter::Sum + std::ops::AddAssign + std::ops::SubAssign
+    WithDType
+    + Float
+    + Send
+    + Sync
+    + std::iter::Sum
+    + std::ops::AddAssign
+    + std::ops::SubAssign
+    + std::ops::MulAssign
 {
     /// `v` as f32 elements, where this type is f32: what the kernels written for f32 alone take.
     fn f32s(v: &[Self]) -> Option<&[f32]>;

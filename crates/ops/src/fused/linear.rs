@@ -2,17 +2,19 @@
 //! And a frozen linear layer with its LoRA adapter beside it as one op ([`lora_linear`]). Not
 //! here: the layer that holds the parameters (the crate's `Linear`).
 
+use crate::fused::dropout::DropoutOp;
 use crate::fused::dtype::{is_half, operand, widened, widened_as};
-use crate::fused::elem::Elem;
+use crate::fused::elem::{elem, Elem};
 use crate::fused::generic::GenericOp;
 use crate::fused::matmul::{mat, matmul, matmul_new, Dest, Mat};
 use crate::fused::op::{FusedOp, Operand};
 use crate::fused::replay::{apply2, apply3, kept_or, Replay};
-use crate::fused::route::{generic, lean};
+use crate::fused::route::{fused, generic, lean};
 use crate::fused::storage::{shaped, slice, with_slice};
-use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 use params::WeightLayout;
 use remat::keep::OpKind;
+use std::borrow::Cow;
 
 /// `x @ w + b` over the last dimension of x (.., in): `w` is stored as `layout` says, (in, out)
 /// ([`WeightLayout::InOut`], GPT-2's `Conv1D`) or (out, in) ([`WeightLayout::OutIn`], Hugging
@@ -130,8 +132,8 @@ impl LinearOp {
         }
     }
 
-    fn forward<T: Elem>(&self, x: &[T], xl: &Layout, w: &[T], b: Option<&[T]>) -> Vec<T> {
-        let k = *xl.dims().last().expect("rank >= 1");
+    /// `x @ w_in + b` of x's rows of `k`.
+    fn forward<T: Elem>(&self, x: &[T], k: usize, w: &[T], b: Option<&[T]>) -> Vec<T> {
         let (rows, n) = (x.len() / k, w.len() / k);
         let (mut y, dest) = match b {
             Some(b) => (b.repeat(rows), Dest::Accumulate),
@@ -152,7 +154,7 @@ impl FusedOp for LinearOp {
             "linear",
             self.forward(
                 &slice(x, xl)?,
-                xl,
+                *xl.dims().last().expect("rank >= 1"),
                 &slice(w, wl)?,
                 b.map(|&(s, l)| slice(s, l)).transpose()?.as_deref()
             )
@@ -208,7 +210,9 @@ custom_op!(Replay<LinearOp>: 2 "replayed-linear", 3 "replayed-linear-bias");
 /// composed from candle's ops, the base output, the adapter's output and their sum would all stay
 /// in candle's graph until backward, several activations of the layer's output size more than
 /// full fine-tuning keeps. `dropout`: the key and probability of the adapter's input dropout, its
-/// mask drawn again in backward. Composed from candle's ops on every device, in f32.
+/// mask drawn again in backward. On the CPU a kernel ([`LoraLinearOp`]: the adapter's product
+/// added into the base product's output, no full-size temporary); elsewhere composed from
+/// candle's ops, in f32 (in f64 for f64).
 pub fn lora_linear(
     x: &Tensor,
     (w, b): (&Tensor, Option<&Tensor>),
@@ -216,9 +220,18 @@ pub fn lora_linear(
     (a, b_lora, scale): (&Tensor, &Tensor, f64),
     dropout: Option<(remat::rng::RngKey, f32)>,
 ) -> Result<Tensor> {
+    if fused(x) {
+        let (w, bias) = (w.detach(), b.map(Tensor::detach));
+        let op = LoraLinearOp { w, bias, layout, scale, dropout };
+        let (x, a, b_lora) = (x.contiguous()?, a.contiguous()?, b_lora.contiguous()?);
+        return remat::keep::op(OpKind::Matmul, move |kept| apply3(&x, &a, &b_lora, op, kept));
+    }
     let k = x.dim(D::Minus1)?;
-    let f32 = |t: &Tensor| t.detach().to_dtype(DType::F32);
-    let w_in = f32(&in_out(w, layout)?)?; // (in, out)
+    // In f32 for half precision, else in x's dtype.
+    let f32 = |t: &Tensor| widened_as(&t.detach(), x);
+    // (in, out) as stored, widened only where used: a bf16 base held widened from forward to
+    // backward would be an f32 copy of a frozen weight.
+    let w_in = in_out(&w.detach(), layout)?;
     let bias = b.map(f32).transpose()?;
     let dropped = move |x2: &Tensor| -> Result<Tensor> {
         match dropout {
@@ -232,7 +245,7 @@ pub fn lora_linear(
     remat::keep::op(OpKind::Matmul, move |kept| {
         let y = kept_or(kept, || {
             let x2 = f32(x)?.reshape((rows, k))?;
-            let y = x2.matmul(&w_in)?;
+            let y = x2.matmul(&f32(&w_in)?)?;
             let y = match &bias {
                 Some(bias) => y.broadcast_add(bias)?,
                 None => y,
@@ -250,12 +263,12 @@ pub fn lora_linear(
                              want: &[bool]|
               -> Result<Vec<Option<Tensor>>> {
             let (x, a, b_lora) = (&inputs[0], &inputs[1], &inputs[2]);
-            let g2 = g.to_dtype(DType::F32)?.reshape((rows, g.elem_count() / rows))?;
-            let (a32, b32) = (a.to_dtype(DType::F32)?, b_lora.to_dtype(DType::F32)?);
-            let xd = dropped(&x.to_dtype(DType::F32)?.reshape((rows, k))?)?;
+            let g2 = widened_as(g, x)?.reshape((rows, g.elem_count() / rows))?;
+            let (a32, b32) = (widened_as(a, x)?, widened_as(b_lora, x)?);
+            let xd = dropped(&widened(x)?.reshape((rows, k))?)?;
             let gb = g2.matmul(&b32)?.affine(scale, 0.0)?; // (rows, r)
             let dx = || -> Result<Tensor> {
-                (g2.matmul(&w_in.t()?)? + dropped(&gb.matmul(&a32)?)?)?
+                (g2.matmul(&widened_as(&w_in, x)?.t()?)? + dropped(&gb.matmul(&a32)?)?)?
                     .reshape(x.shape())?
                     .to_dtype(x.dtype())
             };
@@ -272,3 +285,121 @@ pub fn lora_linear(
         x.contiguous()?.apply_op3(a, b_lora, GenericOp::new("lora-linear", y, Box::new(backward)))
     })
 }
+
+/// [`lora_linear`] on the CPU, over the operands x, a (r, in) and b_lora (out, r); the frozen
+/// weight and bias are the op's own (no operands: no gradient, nothing of theirs computed).
+struct LoraLinearOp {
+    w: Tensor,
+    bias: Option<Tensor>,
+    layout: WeightLayout,
+    scale: f64,
+    dropout: Option<(remat::rng::RngKey, f32)>,
+}
+
+impl LoraLinearOp {
+    fn base(&self) -> LinearOp {
+        LinearOp { layout: self.layout }
+    }
+
+    /// The adapter's input: dropout(x), or x itself.
+    fn dropped<'x, T: Elem>(&self, x: &'x [T]) -> Cow<'x, [T]> {
+        match self.dropout {
+            Some((key, p)) => {
+                let mut v = x.to_vec();
+                DropoutOp { key, p }.mask_in_place(&mut v);
+                Cow::Owned(v)
+            }
+            None => Cow::Borrowed(x),
+        }
+    }
+
+    /// `scale * xd @ a^T` (rows, r) of the adapter's input xd.
+    fn down<T: Elem>(&self, xd: &[T], a: &[T], k: usize) -> Vec<T> {
+        let (rows, r) = (xd.len() / k, a.len() / k);
+        let mut h = matmul_new(mat(xd), mat(a).transposed(), (rows, k, r));
+        let scale = elem::<T>(self.scale);
+        h.iter_mut().for_each(|v| *v *= scale);
+        h
+    }
+
+    /// y = x @ w_in + bias + (scale dropout(x) @ a^T) @ b^T, the adapter's product added into the
+    /// base's output.
+    fn forward<T: Elem>(
+        &self,
+        x: &[T],
+        k: usize,
+        w: &[T],
+        bias: Option<&[T]>,
+        (a, b): (&[T], &[T]),
+    ) -> Vec<T> {
+        let mut y = self.base().forward(x, k, w, bias);
+        let h = self.down(&self.dropped(x), a, k);
+        let (rows, r) = (x.len() / k, a.len() / k);
+        let n = b.len() / r; // b: (out, r)
+        matmul(&mut y, mat(&h), mat(b).transposed(), (rows, r, n), Dest::Accumulate);
+        y
+    }
+}
+
+/// With gb = scale g @ b: dx = g w_in^T + dropout(gb @ a), da = gb^T dropout(x),
+/// db = g^T (scale dropout(x) @ a^T); each only where wanted.
+impl FusedOp for LoraLinearOp {
+    fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
+        let [(x, xl), (a, al), (b, bl)] = crate::fused::op::exactly(inputs)?;
+        let k = *xl.dims().last().expect("rank >= 1");
+        let y = per_float!(x, "lora_linear", {
+            let (x, a, b) = (slice(x, xl)?, slice(a, al)?, slice(b, bl)?);
+            let bias = self.bias.as_ref().map(|t| with_slice(t, |v| Ok(v.to_vec()))).transpose()?;
+            with_slice(&self.w, |w| Ok(self.forward(&x, k, w, bias.as_deref(), (&a, &b))))?
+        });
+        let mut dims = xl.dims().to_vec();
+        *dims.last_mut().expect("rank >= 1") = bl.dims()[0];
+        Ok((y, Shape::from(dims)))
+    }
+
+    fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let [x, a, b] = crate::fused::op::exactly(inputs)?;
+        let k = x.dim(D::Minus1)?;
+        let (rows, (n, r)) = (x.elem_count() / k, b.dims2()?);
+        let g = g.contiguous()?;
+        per_dtype!(x.dtype(), T => {
+            let grads = with_slice::<T, _>(x, |xs| with_slice(a, |a_s| with_slice(b, |bs| {
+                with_slice(&g, |gs| with_slice(&self.w, |ws| {
+                    let xd = self.dropped(xs);
+                    let mut gb = matmul_new(mat(gs), mat(bs), (rows, n, r)); // (rows, r)
+                    let scale = elem::<T>(self.scale);
+                    gb.iter_mut().for_each(|v| *v *= scale);
+                    let dx = x.track_op().then(|| {
+                        let w_in_t = self.base().w_in(ws).transposed();
+                        let mut dx = matmul_new(mat(gs), w_in_t, (rows, n, k));
+                        match self.dropout {
+                            None => matmul(&mut dx, mat(&gb), mat(a_s), (rows, r, k), Dest::Accumulate),
+                            Some((key, p)) => {
+                                let mut t = matmul_new(mat(&gb), mat(a_s), (rows, r, k));
+                                DropoutOp { key, p }.mask_in_place(&mut t);
+                                dx.iter_mut().zip(&t).for_each(|(d, &v)| *d += v);
+                            }
+                        }
+                        dx
+                    });
+                    let da = a.track_op()
+                        .then(|| matmul_new(mat(&gb).transposed(), mat(&xd), (r, rows, k)));
+                    let db = b.track_op().then(|| {
+                        let h = self.down(&xd, a_s, k);
+                        matmul_new(mat(gs).transposed(), mat(&h), (n, rows, r))
+                    });
+                    Ok((dx, da, db))
+                }))
+            })))?;
+            let (dx, da, db) = grads;
+            Ok(vec![
+                dx.map(|v| shaped(v, x)).transpose()?,
+                da.map(|v| shaped(v, a)).transpose()?,
+                db.map(|v| shaped(v, b)).transpose()?,
+            ])
+        })
+    }
+}
+
+custom_op!(LoraLinearOp: 3 "fused-lora-linear");
+custom_op!(Replay<LoraLinearOp>: 3 "replayed-lora-linear");

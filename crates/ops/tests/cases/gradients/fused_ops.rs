@@ -117,6 +117,32 @@ fn rotary_attention_equals_attention_of_turned_queries_and_keys() -> Result<()> 
     assert_agree(&inside, &outside, &[("q", &q), ("k", &k), ("v", &v)], 1e-6, 1e-5)
 }
 
+/// A frozen linear layer with its LoRA adapter, in both weight layouts, with and without the
+/// adapter's input dropout: the input's and the adapter's gradients.
+#[test]
+fn lora_linear_input_and_adapters() -> Result<()> {
+    crate::route();
+    let (x, bias) = (normal("lx", &[3, 2, 5], 0.0, 1.0)?, normal("lbias", &[4], 0.0, 0.5)?);
+    let (a, b) = (normal("la", &[2, 5], 0.0, 0.5)?, normal("lb", &[4, 2], 0.0, 0.5)?);
+    let key = RngKey::named(4, "lora");
+    for (layout, w) in [(WeightLayout::OutIn, [4, 5]), (WeightLayout::InOut, [5, 4])] {
+        let w = normal("lw", &w, 0.0, 0.5)?;
+        for dropout in [None, Some((key, 0.3))] {
+            let vars = [("x", &x), ("a", &a), ("b", &b)];
+            check_gradients(
+                &format!("lora_linear {layout:?}, dropout {dropout:?}"),
+                &vars,
+                || {
+                    let base = (w.as_tensor(), Some(bias.as_tensor()));
+                    let adapter = (a.as_tensor(), b.as_tensor(), 2.0);
+                    fused::lora_linear(x.as_tensor(), base, layout, adapter, dropout)
+                },
+            )?;
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn fused_softmax_plain_scaled_and_causal() -> Result<()> {
     crate::route();
