@@ -16,7 +16,9 @@
 //!   holding it; its bits equal `x * mask` composed.
 //! - [`embedding()`]: a row lookup whose backward builds the table's gradient in one allocation.
 //! - [`linear()`]: `x @ w + b` as one op, so the product before the bias is not kept; the weight
-//!   in either layout (`params::WeightLayout`).
+//!   in either layout (`params::WeightLayout`). [`lora_linear()`]: a frozen linear layer with its
+//!   LoRA adapter as one op, the adapter's product added into the base product's output; keeps
+//!   `x` and the adapter's weights, computes no gradient of the frozen weight.
 //! - [`gelu()`]: tanh or erf GELU ([`GeluForm`]) with a one-pass, multi-threaded backward.
 //! - [`rms_norm()`]: RMSNorm (Llama's); keeps nothing but its input.
 //! - [`silu_mul()`]: the SiLU-gated product of a gated MLP; keeps its two operands, not the
