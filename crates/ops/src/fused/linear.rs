@@ -210,7 +210,7 @@ custom_op!(Replay<LinearOp>: 2 "replayed-linear", 3 "replayed-linear-bias");
 /// composed from candle's ops, the base output, the adapter's output and their sum would all stay
 /// in candle's graph until backward, several activations of the layer's output size more than
 /// full fine-tuning keeps. `dropout`: the key and probability of the adapter's input dropout, its
-/// mask drawn again in backward. On the CPU a kernel ([`LoraLinearOp`]: the adapter's product
+/// mask drawn again in backward. On the CPU a kernel (`LoraLinearOp`: the adapter's product
 /// added into the base product's output, no full-size temporary); elsewhere composed from
 /// candle's ops, in f32 (in f64 for f64).
 pub fn lora_linear(
