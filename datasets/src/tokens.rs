@@ -17,6 +17,16 @@ pub enum DataError {
     OutOfVocab { token: u32, pos: usize, vocab: usize },
     #[error("the text has no tokens")]
     NoDocuments,
+    #[error("the padding's target id {ignore} is inside the vocabulary of {vocab}")]
+    IgnoreInVocab { ignore: u32, vocab: usize },
+}
+
+/// Refuses the first of `ids` (with its position among them) outside a vocabulary of `vocab`.
+fn check_vocab<'a>(ids: impl IntoIterator<Item = &'a u32>, vocab: usize) -> Result<(), DataError> {
+    match ids.into_iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+        Some((pos, &token)) => Err(DataError::OutOfVocab { token, pos, vocab }),
+        None => Ok(()),
+    }
 }
 
 /// Reads a flat file of u16 little-endian token ids, as the ids they are.
@@ -51,9 +61,7 @@ impl Batcher {
         if tokens.len() < seq + 1 {
             return Err(DataError::TooShort { have: tokens.len(), need: seq + 1 });
         }
-        if let Some((pos, &token)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
-            return Err(DataError::OutOfVocab { token, pos, vocab });
-        }
+        check_vocab(&tokens, vocab)?;
         Ok(Batcher { tokens, seq, seed })
     }
 
@@ -153,6 +161,7 @@ pub struct Padded {
 impl Padded {
     /// Documents cut into pieces of at most `seq + 1` tokens that overlap by one, so that every
     /// pair of neighbours is predicted exactly once; a document of one token (no pair) is dropped.
+    /// `ignore` lies outside the vocabulary, so that no token reads as padding.
     pub fn new(
         documents: Vec<Vec<u32>>,
         seq: usize,
@@ -160,14 +169,10 @@ impl Padded {
         ignore: u32,
         seed: u64,
     ) -> Result<Self, DataError> {
-        let mut pos = 0;
-        for doc in &documents {
-            if let Some(&token) = doc.iter().find(|&&t| t as usize >= vocab || t == ignore) {
-                let at = pos + doc.iter().position(|&t| t == token).expect("found");
-                return Err(DataError::OutOfVocab { token, pos: at, vocab });
-            }
-            pos += doc.len();
+        if (ignore as usize) < vocab {
+            return Err(DataError::IgnoreInVocab { ignore, vocab });
         }
+        check_vocab(documents.iter().flatten(), vocab)?;
         let examples: Vec<Vec<u32>> = documents
             .iter()
             .flat_map(|d| {
@@ -293,5 +298,7 @@ mod tests {
         assert!(Padded::new(vec![vec![7]], 3, 16, IGNORE, 0).is_err(), "no pair at all");
         let err = Padded::new(vec![vec![1, 20]], 3, 16, IGNORE, 0).unwrap_err().to_string();
         assert!(err.contains("token 20 at position 1"), "{err}");
+        let err = Padded::new(vec![vec![1, 2]], 3, 16, 7, 0).unwrap_err().to_string();
+        assert!(err.contains("target id 7 is inside the vocabulary of 16"), "{err}");
     }
 }

@@ -106,37 +106,58 @@ impl TokenArgs {
         hub: Option<&HubFiles>,
         beside: &[Option<&Path>],
     ) -> Result<TokenData> {
+        if let (Some(path), Packing::Lines) = (&self.text, self.packing) {
+            return Ok(TokenData::Lines(self.lines(path, vocab_size, seed, hub, beside)?));
+        }
         let tokens = match (&self.data, &self.text) {
             (Some(path), _) => datasets::tokens::load_u16(path)?,
-            (None, Some(path)) => {
-                let text = crate::read_text("--text", path)?;
-                let (tokenizer, by) = self.tokenizer(hub, beside)?;
-                if self.packing == Packing::Lines {
-                    let lines = tokenizer.encode_lines(&text)?;
-                    let tokens: usize = lines.iter().map(Vec::len).sum();
-                    let ignore = ops::fused::IGNORE;
-                    let data =
-                        Padded::new(lines, self.seq, vocab_size, ignore, seed).context("--text")?;
-                    crate::say!(
-                        "--text {}: {tokens} tokens by {} in {} examples of at most {} tokens \
-                         (--packing lines)",
-                        path.display(),
-                        by.display(),
-                        data.len(),
-                        self.seq + 1
-                    );
-                    return Ok(TokenData::Lines(data));
-                }
-                let ids = tokenizer.encode(&text)?;
-                crate::say!("--text {}: {} tokens by {}", path.display(), ids.len(), by.display());
-                ids
-            }
+            (None, Some(path)) => self.text_tokens(path, hub, beside)?,
             (None, None) => {
                 datasets::text::byte_tokens(&datasets::text::synthetic_corpus(seed, 1 << 20))
             }
         };
         let what = if self.text.is_some() { "--text" } else { "--data" };
         Ok(TokenData::Stream(Batcher::new(tokens, self.seq, vocab_size, seed).context(what)?))
+    }
+
+    /// `--text` through its tokenizer, as one token stream.
+    fn text_tokens(
+        &self,
+        path: &Path,
+        hub: Option<&HubFiles>,
+        beside: &[Option<&Path>],
+    ) -> Result<Vec<u32>> {
+        let text = crate::read_text("--text", path)?;
+        let (tokenizer, by) = self.tokenizer(hub, beside)?;
+        let ids = tokenizer.encode(&text)?;
+        crate::say!("--text {}: {} tokens by {}", path.display(), ids.len(), by.display());
+        Ok(ids)
+    }
+
+    /// `--text` through its tokenizer, one padded example per line (`--packing lines`).
+    fn lines(
+        &self,
+        path: &Path,
+        vocab_size: usize,
+        seed: u64,
+        hub: Option<&HubFiles>,
+        beside: &[Option<&Path>],
+    ) -> Result<Padded> {
+        let text = crate::read_text("--text", path)?;
+        let (tokenizer, by) = self.tokenizer(hub, beside)?;
+        let lines = tokenizer.encode_lines(&text)?;
+        let tokens: usize = lines.iter().map(Vec::len).sum();
+        let data =
+            Padded::new(lines, self.seq, vocab_size, ops::fused::IGNORE, seed).context("--text")?;
+        crate::say!(
+            "--text {}: {tokens} tokens by {} in {} examples of at most {} tokens (--packing \
+             lines)",
+            path.display(),
+            by.display(),
+            data.len(),
+            self.seq + 1
+        );
+        Ok(data)
     }
 
     /// `--text`'s tokenizer, read, and its file.
