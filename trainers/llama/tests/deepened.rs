@@ -27,17 +27,26 @@ fn profile(layers: usize) -> Profile {
 fn a_shallow_profile_deepened_equals_the_deep_one() {
     let (deep, shallow) = (profile(6), profile(2));
     let deepened = shallow.deepened(2, 4).unwrap(); // after model.layers.1
-    let bytes = |p: &Profile| -> Vec<_> {
+                                                    // Exact: wiring, what each stage leaves and its gradients. Transients, measured apart in the
+                                                    // two models, within the pool threads' own allocations (a few bytes, seen in CI).
+    let exact = |p: &Profile| -> Vec<_> {
         let stages = p.stages.iter().map(|s| {
-            (
-                (s.inputs.clone(), s.outputs.clone(), s.kind),
-                (s.graph_bytes, s.chain_bytes, s.graph_transient, s.chain_transient),
-                (s.backward_transient, s.param_grad_bytes),
-            )
+            let wiring = (s.inputs.clone(), s.outputs.clone(), s.kind);
+            (wiring, (s.graph_bytes, s.chain_bytes, s.param_grad_bytes))
         });
         stages.collect()
     };
-    assert_eq!(bytes(&deepened), bytes(&deep));
+    assert_eq!(exact(&deepened), exact(&deep));
+    const SLACK: u64 = 1 << 10;
+    for (a, b) in deepened.stages.iter().zip(&deep.stages) {
+        for (x, y) in [
+            (a.graph_transient, b.graph_transient),
+            (a.chain_transient, b.chain_transient),
+            (a.backward_transient, b.backward_transient),
+        ] {
+            assert!(x.abs_diff(y) <= SLACK, "{}: transient {x} B against {y} B", a.name);
+        }
+    }
     assert_eq!(deepened.values, deep.values);
     assert_eq!(deepened.shared_grads, deep.shared_grads);
     let grads = remat::plan::Grads::Gathered;
@@ -47,6 +56,8 @@ fn a_shallow_profile_deepened_equals_the_deep_one() {
             let (policy, _) = remat::plan::resolve(&request, p, 0, grads, None).unwrap();
             (policy.to_string(), p.predict_policy(&policy, grads).unwrap().peak)
         };
-        assert_eq!(predicted(&deepened), predicted(&deep), "{request}");
+        let ((policy, peak), (want_policy, want_peak)) = (predicted(&deepened), predicted(&deep));
+        assert_eq!(policy, want_policy, "{request}");
+        assert!(peak.abs_diff(want_peak) <= SLACK, "{request}: {peak} B against {want_peak} B");
     }
 }
