@@ -21,6 +21,20 @@ pub enum MatrixKind {
     /// GPT-2 small to XL against 24 GiB.
     #[value(name = "gpt2-24gb")]
     Gpt2_24gb,
+    /// Llama-family fine-tunes, 0.5B to 8B, against 24 GiB.
+    #[value(name = "llm-24gb")]
+    Llm24gb,
+}
+
+impl MatrixKind {
+    /// The profile of a matrix that asks what fits 24 GiB, else `None`.
+    pub fn fits_24gb(self) -> Option<Profile> {
+        match self {
+            MatrixKind::Gpt2_24gb => Some(Profile::Gpt2_24gb),
+            MatrixKind::Llm24gb => Some(Profile::Llm24gb),
+            _ => None,
+        }
+    }
 }
 
 /// Another framework run beside ours (`--baseline`).
@@ -114,7 +128,9 @@ pub struct MatrixArgs {
     /// Which matrix to run: `models` (every model x every applicable policy of the profile),
     /// `depth` (the depth sweep: off and sqrt on ever deeper GPT-2 block stacks), `all` (both),
     /// `gpt2-24gb` (GPT-2 small to XL at batch 1 with accumulation, in four precision/optimizer
-    /// variants, predicted and measured against 24 GiB), or `render` (rewrite the CSV, Markdown,
+    /// variants, predicted and measured against 24 GiB), `llm-24gb` (the same of Llama-family
+    /// models from Qwen2.5-0.5B to Llama-3.1-8B at seq 2048 and 4096, fully fine-tuned or with
+    /// LoRA over a bf16 base), or `render` (rewrite the CSV, Markdown,
     /// TABLE.md and plots from matrix.json; run nothing).
     #[arg(long, value_enum, default_value_t = MatrixKind::All)]
     pub matrix: MatrixKind,
@@ -151,8 +167,8 @@ pub struct MatrixArgs {
     #[arg(long)]
     pub python: Option<String>,
     /// Predict every configuration and run none: the planner's step peak (forward and backward,
-    /// and what it is made of) and time, printed, nothing saved. gpt2-24gb: every configuration
-    /// predicted at its size and recorded as not run.
+    /// and what it is made of) and time, printed, nothing saved. gpt2-24gb and llm-24gb: every
+    /// configuration predicted at its size and recorded as not run.
     #[arg(long)]
     pub dry_run: bool,
     #[command(flatten)]

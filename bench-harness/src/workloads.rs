@@ -73,10 +73,19 @@ trait Family: std::fmt::Debug {
     fn check_keep(&self, policy: &Policy) -> std::result::Result<(), String>;
     fn optimizer(&self) -> OptimizerKind;
     fn step_floor(&self, batch: usize, size: usize) -> (&'static str, Option<u128>);
-    fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>>;
+    fn shapes(&self) -> Result<Shapes>;
     /// The model of workload `w` (whose family this is) at its batch, input size, dtype and
     /// optimizer.
     fn build(&self, w: &Workload, device: &Device, seed: u64) -> Result<Box<dyn Instance>>;
+    /// [`Family::build`] with only `blocks` of its repeated blocks, and how many the whole model
+    /// has (`None` where it is not one run of alike blocks).
+    fn build_shallow(
+        &self,
+        w: &Workload,
+        blocks: usize,
+        device: &Device,
+        seed: u64,
+    ) -> Result<Option<(Box<dyn Instance>, usize)>>;
 }
 
 struct Config<M: Benchable>(M::Config);
@@ -103,14 +112,66 @@ impl<M: Benchable> Family for Config<M> {
     fn step_floor(&self, batch: usize, size: usize) -> (&'static str, Option<u128>) {
         M::step_floor(&self.0, batch, size)
     }
-    fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>> {
-        Ok(M::parameter_shapes(&self.0)?)
+    fn shapes(&self) -> Result<Shapes> {
+        Ok(Shapes { base: M::parameter_shapes(&self.0)?, adapters: M::adapter_shapes(&self.0)? })
     }
     fn build(&self, w: &Workload, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
-        let model = M::build(&M::with_dtype(&self.0, w.dtype), device, seed)?;
-        let data = model.synthetic_data(w.input_size, seed)?;
-        let (batch, optimizer) = (w.batch, w.optimizer());
-        Ok(Box::new(Built { model, data, batch, optimizer, device: device.clone() }))
+        built::<M>(&self.0, w, device, seed)
+    }
+    fn build_shallow(
+        &self,
+        w: &Workload,
+        blocks: usize,
+        device: &Device,
+        seed: u64,
+    ) -> Result<Option<(Box<dyn Instance>, usize)>> {
+        let Some((shallow, depth)) = M::shallow(&self.0, blocks) else { return Ok(None) };
+        Ok(Some((built::<M>(&shallow, w, device, seed)?, depth)))
+    }
+}
+
+/// A model of `config` built for workload `w`: its dtype, synthetic data, batch and optimizer.
+fn built<M: Benchable>(
+    config: &M::Config,
+    w: &Workload,
+    device: &Device,
+    seed: u64,
+) -> Result<Box<dyn Instance>> {
+    let model = M::build(&M::with_dtype(config, w.dtype), device, seed)?;
+    let data = model.synthetic_data(w.input_size, seed)?;
+    let (batch, optimizer) = (w.batch, w.optimizer());
+    Ok(Box::new(Built { model, data, batch, optimizer, device: device.clone() }))
+}
+
+/// The shapes of a model's parameters, without building it.
+#[derive(Clone, Debug, Default)]
+pub struct Shapes {
+    /// The model's own parameters: under LoRA frozen, else trained (the harness freezes nothing
+    /// else).
+    pub base: Vec<Vec<usize>>,
+    /// Its LoRA adapters (none without LoRA): the parameters that train under LoRA.
+    pub adapters: Vec<Vec<usize>>,
+}
+
+impl Shapes {
+    /// The shapes of a built model's parameters and adapters.
+    pub fn of(store: &ParamStore) -> Shapes {
+        let (adapters, base): (Vec<_>, Vec<_>) = store
+            .named()
+            .chain(store.frozen())
+            .partition(|(name, _)| params::lora::is_adapter(name));
+        let dims = |named: Vec<(&str, &candle_core::Var)>| {
+            named.into_iter().map(|(_, v)| v.dims().to_vec()).collect()
+        };
+        Shapes { base: dims(base), adapters: dims(adapters) }
+    }
+
+    /// The parameters that train, and those that do not.
+    fn trained_and_frozen(&self) -> (&[Vec<usize>], &[Vec<usize>]) {
+        match self.adapters.is_empty() {
+            true => (&self.base, &[]),
+            false => (&self.adapters, &self.base),
+        }
     }
 }
 
@@ -147,6 +208,9 @@ pub enum Profile {
     /// The profile of `--matrix gpt2-24gb`.
     #[value(name = "gpt2-24gb")]
     Gpt2_24gb,
+    /// The profile of `--matrix llm-24gb`.
+    #[value(name = "llm-24gb")]
+    Llm24gb,
     /// The Llama family on a CPU: SmolLM2-135M, full fine-tuning and LoRA.
     Llama,
 }
@@ -159,8 +223,17 @@ impl Profile {
             Profile::Cpu => "cpu",
             Profile::Full => "full",
             Profile::Gpt2_24gb => "gpt2-24gb",
+            Profile::Llm24gb => "llm-24gb",
             Profile::Llama => "llama",
         }
+    }
+}
+
+impl Profile {
+    /// Whether it asks what fits a 24 GiB card (`gpt2-24gb`, `llm-24gb`): every configuration
+    /// predicted at its size first, run only where it fits the memory cap.
+    pub fn asks_24gb(self) -> bool {
+        matches!(self, Profile::Gpt2_24gb | Profile::Llm24gb)
     }
 }
 
@@ -245,6 +318,7 @@ pub fn profile(profile: Profile) -> Vec<Workload> {
             workload::<Gpt2>("gpt2-xl", G::Xl.config(), 1, 1024),
         ],
         Profile::Gpt2_24gb => gpt2_24gb(),
+        Profile::Llm24gb => llm_24gb(),
         Profile::Llama => smollm2_135m().to_vec(),
     }
 }
@@ -274,8 +348,8 @@ pub const STATE_VARIANTS: [(&str, Precision, OptimizerKind, bool); 5] = [
     (IN_BACKWARD, Precision::F32, OptimizerKind::Adamw, true),
 ];
 
-/// Micro-batches per step in `gpt2-24gb`: batch 1, effective batch 8.
-pub const GPT2_24GB_ACCUMULATE: usize = 8;
+/// Micro-batches per step in `gpt2-24gb` and `llm-24gb`: batch 1, effective batch 8.
+pub const ACCUMULATE_24GB: usize = 8;
 
 /// GPT-2 at every published size at batch 1 and sequence 1024, 8 micro-batches accumulated per
 /// step (one with the optimizer inside backward), in each of [`STATE_VARIANTS`]: named
@@ -288,11 +362,58 @@ fn gpt2_24gb() -> Vec<Workload> {
         .flat_map(|(size, preset)| {
             STATE_VARIANTS.into_iter().map(move |(variant, dtype, optimizer, in_backward)| {
                 Workload {
-                    accumulate: if in_backward { 1 } else { GPT2_24GB_ACCUMULATE },
+                    accumulate: if in_backward { 1 } else { ACCUMULATE_24GB },
                     dtype,
                     optimizer: Some(optimizer),
                     in_backward,
                     ..workload::<Gpt2>(&format!("gpt2-{size}/{variant}"), preset.config(), 1, 1024)
+                }
+            })
+        })
+        .collect()
+}
+
+/// The ways `llm-24gb` fine-tunes a model: (name, dtype, the optimizer inside backward, LoRA), each
+/// with AdamW; in order of preference as a change that makes a configuration fit (LoRA is
+/// another kind of fine-tuning, not such a change).
+pub const LLM_VARIANTS: [(&str, Precision, bool, bool); 4] = [
+    ("f32-adamw", Precision::F32, false, false),
+    ("bf16-weights-adamw", Precision::Bf16Weights, false, false),
+    (IN_BACKWARD, Precision::F32, true, false),
+    // Over a frozen bf16 base, as LoRA is usually run.
+    (LORA_R16, Precision::Bf16Weights, false, true),
+];
+
+/// The `llm-24gb` variant of LoRA (rank 16, alpha 32, on all seven projections).
+pub const LORA_R16: &str = "lora-r16";
+
+/// The sequences `llm-24gb` asks at.
+pub const LLM_SEQS: [usize; 2] = [2048, 4096];
+
+/// The Llama-family models users fine-tune, from 0.5B to 8B parameters, at batch 1 and each of
+/// [`LLM_SEQS`], 8 micro-batches accumulated per step (one with the optimizer inside backward),
+/// in each of [`LLM_VARIANTS`]: named `<model>/<seq>/<variant>`.
+fn llm_24gb() -> Vec<Workload> {
+    use llama::Preset as L;
+    let models = [
+        ("qwen2.5-0.5b", L::Qwen2_5_0_5b),
+        ("llama-3.2-1b", L::Llama3_2_1b),
+        ("llama-3.2-3b", L::Llama3_2_3b),
+        ("qwen2.5-7b", L::Qwen2_5_7b),
+        ("llama-3.1-8b", L::Llama3_1_8b),
+    ];
+    let configs = LLM_SEQS.into_iter().flat_map(|seq| models.map(move |m| (seq, m)));
+    configs
+        .flat_map(|(seq, (model, preset))| {
+            LLM_VARIANTS.into_iter().map(move |(variant, dtype, in_backward, adapted)| {
+                let lora = adapted.then(|| lora_of_rank(16, &llama::LORA_TARGETS)).flatten();
+                let config = llama::Config { lora, ..preset.config() };
+                Workload {
+                    accumulate: if in_backward { 1 } else { ACCUMULATE_24GB },
+                    dtype,
+                    optimizer: Some(OptimizerKind::Adamw),
+                    in_backward,
+                    ..workload::<Llama>(&format!("{model}/{seq}/{variant}"), config, 1, seq)
                 }
             })
         })
@@ -308,7 +429,7 @@ pub fn depth_sweep(profile: Profile) -> Vec<Workload> {
         Profile::Smoke => (&[2, 4, 8, 16], 16, 2, 16),
         Profile::Cpu => (&[16, 64, 256, 1024], 64, 2, 64),
         Profile::Full => (&[16, 64, 256, 1024], 256, 4, 256),
-        Profile::Gpt2_24gb | Profile::Llama => return Vec::new(),
+        Profile::Gpt2_24gb | Profile::Llm24gb | Profile::Llama => return Vec::new(),
     };
     depths
         .iter()
@@ -323,19 +444,16 @@ pub fn depth_sweep(profile: Profile) -> Vec<Workload> {
         .collect()
 }
 
-/// The bytes of the parameters and of their gradients (in `precision`'s weight dtype) and of
-/// `optimizer`'s state (f32).
-pub fn state(
-    shapes: &[Vec<usize>],
-    optimizer: OptimizerKind,
-    precision: Precision,
-) -> (u64, u64, u64) {
+/// The bytes of the parameters (trained and frozen) and of the trained ones' gradients, in
+/// `precision`'s weight dtype, and of `optimizer`'s state (f32) over the trained ones.
+pub fn state(shapes: &Shapes, optimizer: OptimizerKind, precision: Precision) -> (u64, u64, u64) {
     let count = |s: &Vec<usize>| s.iter().product::<usize>() as u64;
-    let params: u64 = shapes.iter().map(count).sum();
+    let (trained, frozen) = shapes.trained_and_frozen();
+    let n: u64 = trained.iter().map(count).sum();
     let state = match optimizer {
-        OptimizerKind::Sgd => params,
-        OptimizerKind::Adamw => 2 * params,
-        OptimizerKind::Adafactor => shapes
+        OptimizerKind::Sgd => n,
+        OptimizerKind::Adamw => 2 * n,
+        OptimizerKind::Adafactor => trained
             .iter()
             .map(|s| match s.as_slice() {
                 [lead @ .., r, c] => lead.iter().product::<usize>() as u64 * (r + c) as u64,
@@ -344,7 +462,8 @@ pub fn state(
             .sum(),
     };
     let weight = precision.weights().size_in_bytes() as u64;
-    (weight * params, weight * params, 4 * state)
+    let all = n + frozen.iter().map(count).sum::<u64>();
+    (weight * all, weight * n, 4 * state)
 }
 
 /// Changes to a workload from the command line: `None` keeps the profile's.
@@ -384,15 +503,15 @@ impl Workload {
         self.family.step_floor(self.batch, self.input_size)
     }
 
-    /// The shapes of its trainable parameters.
-    pub fn parameter_shapes(&self) -> Result<Vec<Vec<usize>>> {
-        self.family.parameter_shapes()
+    /// The shapes of its parameters and adapters, from its configuration.
+    pub fn shapes(&self) -> Result<Shapes> {
+        self.family.shapes()
     }
 
     /// Its state by arithmetic on the parameter `shapes` ([`state`]): the parameters, the
     /// gradients held at once (none with the optimizer inside backward, which frees each as it
     /// applies it: those in flight are the step's) and the optimizer's state.
-    pub fn state(&self, shapes: &[Vec<usize>]) -> (u64, u64, u64) {
+    pub fn state(&self, shapes: &Shapes) -> (u64, u64, u64) {
         let (params, grads, optimizer) = state(shapes, self.optimizer(), self.dtype);
         (params, if self.in_backward { 0 } else { grads }, optimizer)
     }
@@ -425,6 +544,18 @@ impl Workload {
 
     pub fn build(&self, device: &Device, seed: u64) -> Result<Box<dyn Instance>> {
         self.family.build(self, device, seed)
+    }
+
+    /// The model with only `blocks` of its repeated blocks, and how many it has in all (`None`
+    /// where it is not one run of alike blocks): what a projection profiles where the whole
+    /// model's weights would not fit ([`trainable::Benchable::shallow`]).
+    pub fn build_shallow(
+        &self,
+        blocks: usize,
+        device: &Device,
+        seed: u64,
+    ) -> Result<Option<(Box<dyn Instance>, usize)>> {
+        self.family.build_shallow(self, blocks, device, seed)
     }
 }
 
@@ -474,10 +605,11 @@ mod tests {
     /// moments 12; Adafactor's factored statistics a few MB beside f32 weights and gradients.
     #[test]
     fn the_state_of_gpt2_xl_by_arithmetic() {
-        let shapes =
+        let base =
             <gpt2::Gpt2 as trainable::Benchable>::parameter_shapes(&gpt2::Preset::Xl.config())
                 .unwrap();
-        let n: u64 = shapes.iter().map(|s| s.iter().product::<usize>() as u64).sum();
+        let n: u64 = base.iter().map(|s| s.iter().product::<usize>() as u64).sum();
+        let shapes = Shapes { base, adapters: Vec::new() };
         assert_eq!(n, 1_557_611_200);
         let total = |(p, g, o): (u64, u64, u64)| p + g + o;
         assert_eq!(total(state(&shapes, OptimizerKind::Adamw, Precision::F32)), 16 * n);

@@ -9,7 +9,7 @@
 use crate::cli::Common;
 use crate::report::record::{FrontierPoint, Record, Status};
 use crate::report::units::gib_text;
-use crate::workloads::{self, Instance, Workload};
+use crate::workloads::{self, Instance, Shapes, Workload};
 use anyhow::{anyhow, Context, Result};
 use candle_core::Device;
 use remat::memory::{set_activity, Activity, Counter};
@@ -326,8 +326,7 @@ pub fn run(w: &Workload, policy: &PolicyRequest, at: &Setting) -> Result<Record>
 /// moments are 25 GB), by arithmetic on its parameter shapes; `None` where it fits. Such a
 /// configuration gets no optimizer.
 fn state_beyond(w: &Workload, inst: &dyn Instance, room: u64) -> Option<String> {
-    let shapes: Vec<Vec<usize>> = inst.store().vars().iter().map(|v| v.dims().to_vec()).collect();
-    let (params, grads, optimizer) = w.state(&shapes);
+    let (params, grads, optimizer) = w.state(&Shapes::of(inst.store()));
     let state = params + grads + optimizer;
     (state > room).then(|| {
         format!(

@@ -3,12 +3,12 @@
 //! (one row per configuration and framework) and `matrix.md` (per model, each policy against `off`
 //! from the same run; PyTorch side by side where it ran, [`baseline`]), written here with
 //! [`save`], which writes every file of a folder; [`table`] (`TABLE.md`, the article's table,
-//! [`projection`]), [`plot`], [`gpt2_24gb`]'s table and figure, and [`claims`] (the ledger of the
+//! [`projection`]), [`plot`], [`fits_24gb`]'s table and figure, and [`claims`] (the ledger of the
 //! article's claims, rendered from the results).
 
 pub mod baseline;
 pub mod claims;
-pub mod gpt2_24gb;
+pub mod fits_24gb;
 pub mod kernels;
 pub mod plot;
 pub mod projection;
@@ -17,7 +17,6 @@ pub mod results;
 pub mod table;
 pub mod units;
 
-use crate::workloads::Profile;
 use anyhow::{Context, Result};
 use record::{Baseline, Record, Status};
 use results::{Matrix, Models};
@@ -31,9 +30,9 @@ pub fn save(m: &Matrix, dir: &Path) -> Result<()> {
     m.save_json(dir)?;
     write_file(&dir.join("matrix.csv"), csv(m))?;
     write_file(&dir.join("matrix.md"), markdown(m))?;
-    if m.meta.profile == Profile::Gpt2_24gb.name() {
-        write_file(&dir.join("TABLE.md"), gpt2_24gb::table(m))?;
-        return gpt2_24gb::plot(dir, m);
+    if let Some(profile) = m.profile().filter(|p| p.asks_24gb()) {
+        write_file(&dir.join("TABLE.md"), fits_24gb::table(m, profile))?;
+        return fits_24gb::plot(dir, m, profile);
     }
     let fits = m.depth_fits();
     write_file(&dir.join("TABLE.md"), self::table::render(m, &fits))?;

@@ -77,7 +77,7 @@ pub struct Record {
     #[serde(default)]
     pub check_skipped: String,
     /// `gpt2-24gb`: what the configuration was predicted to need
-    /// ([`crate::run::gpt2_24gb::predict`]), and its total (the state, the gradients and the
+    /// ([`crate::run::fits_24gb::predict`]), and its total (the state, the gradients and the
     /// activations at the step's peak).
     #[serde(default)]
     pub predicted: Option<Prediction>,

@@ -142,6 +142,12 @@ pub struct Matrix {
 }
 
 impl Matrix {
+    /// The profile that made it, where the harness still has one of that name.
+    pub fn profile(&self) -> Option<Profile> {
+        use clap::ValueEnum;
+        Profile::value_variants().iter().copied().find(|p| p.name() == self.meta.profile)
+    }
+
     /// The commands that made the records: each one's measuring run, then those that took times
     /// again (see [`made_by`]).
     pub fn record_commands(&self) -> impl Iterator<Item = &str> {

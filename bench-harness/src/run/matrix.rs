@@ -12,7 +12,7 @@ use super::baseline::{self, Measure};
 use super::child::spawn_one;
 use super::lock::lock;
 use super::rounds::{rounds_missing, time_rounds, Timing};
-use super::{gpt2_24gb, projection, Execution, Existing};
+use super::{fits_24gb, projection, Execution, Existing};
 use crate::cli::{Common, MatrixArgs, MatrixKind};
 use crate::measure::{self, One};
 use crate::report;
@@ -31,8 +31,8 @@ type Config = (Workload, PolicyRequest);
 
 /// Runs the matrix `args` asks for (or renders its folder).
 pub fn run(mut args: MatrixArgs) -> Result<()> {
-    if args.matrix == MatrixKind::Gpt2_24gb {
-        gpt2_24gb::defaults(&mut args.common)?;
+    if let Some(profile) = args.matrix.fits_24gb() {
+        fits_24gb::defaults(&mut args.common, profile)?;
     }
     check(&args)?;
     let profile = args.common.profile();
@@ -58,12 +58,10 @@ pub fn run(mut args: MatrixArgs) -> Result<()> {
         );
     }
     let mut run = Run { matrix, args: &args, profile, dir, statuses: Vec::new(), ran_any: false };
-    // gpt2-24gb predicts every configuration anyway: its dry run records them as not run.
-    let execution = if args.dry_run && profile != Profile::Gpt2_24gb {
-        Execution::DryRun
-    } else {
-        Execution::Measure
-    };
+    // gpt2-24gb and llm-24gb predict every configuration anyway: their dry run records them as
+    // not run.
+    let execution =
+        if args.dry_run && !profile.asks_24gb() { Execution::DryRun } else { Execution::Measure };
     run.all(&configs, execution)?;
     if execution == Execution::DryRun {
         return Ok(());
@@ -181,7 +179,7 @@ fn on_path(program: &str) -> bool {
 /// `--policies` that apply to it.
 fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Config>)> {
     let mut selected = Vec::new();
-    if matches!(args.matrix, MatrixKind::All | MatrixKind::Models | MatrixKind::Gpt2_24gb) {
+    if matches!(args.matrix, MatrixKind::All | MatrixKind::Models) || profile.asks_24gb() {
         selected.extend(workloads::profile(profile));
     }
     if matches!(args.matrix, MatrixKind::All | MatrixKind::Depth) {
@@ -203,7 +201,7 @@ fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Con
                     w.policies().into_iter().map(PolicyRequest::from).collect();
                 chosen.extend(w.budget.map(PolicyRequest::Budget));
                 // At full size, what fits a 24 GiB card: the planner's plan for one too.
-                if matches!(profile, Profile::Gpt2_24gb | Profile::Full)
+                if (profile.asks_24gb() || profile == Profile::Full)
                     && !w.model.starts_with(workloads::DEPTH_PREFIX)
                 {
                     chosen.push(PolicyRequest::Budget(workloads::CARD_BYTES));
@@ -390,9 +388,9 @@ impl Run<'_> {
             if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
                 trainkit::say!("measuring {} {policy}", w.model);
             }
-            let rec = if profile == Profile::Gpt2_24gb {
+            let rec = if profile.asks_24gb() {
                 let execution = if args.dry_run { Execution::DryRun } else { Execution::Measure };
-                gpt2_24gb::run_predicted(&mut self.matrix, w, policy, common, profile, execution)?
+                fits_24gb::run_predicted(&mut self.matrix, w, policy, common, profile, execution)?
             } else {
                 Some(spawn_one(
                     w,

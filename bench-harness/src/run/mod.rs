@@ -1,13 +1,13 @@
 //! How the matrix runs: every configuration in a fresh process of this binary ([`child`]), the
 //! models x policies and depth matrices with their timing rounds ([`matrix`]), PyTorch beside
 //! them ([`baseline`]), the article's table projected at full size ([`projection`]), GPT-2
-//! against 24 GiB ([`gpt2_24gb`]), and the kernel bench's command ([`kernels`]). What they share:
+//! against 24 GiB ([`fits_24gb`]), and the kernel bench's command ([`kernels`]). What they share:
 //! whether configurations run or are only predicted ([`Execution`], `--dry-run`), and what becomes
 //! of a result the folder holds ([`Existing`], `--force`).
 
 pub mod baseline;
 pub mod child;
-pub mod gpt2_24gb;
+pub mod fits_24gb;
 pub mod kernels;
 pub mod lock;
 pub mod matrix;

@@ -217,12 +217,26 @@ pub trait Benchable: Model + Sized + 'static {
         config
     }
 
-    /// The shapes of the trainable parameters of a model of `config`, in no particular order. By
-    /// default from a model built on the CPU; a model too big for that
-    /// derives them from its configuration.
+    /// The shapes of the model's own parameters (under LoRA its base, frozen, without the
+    /// adapters: [`Benchable::adapter_shapes`]), in no particular order. By default from a model
+    /// built on the CPU; a model too big for that derives them from its configuration.
     fn parameter_shapes(config: &Self::Config) -> Result<Vec<Vec<usize>>> {
-        let model = Self::build(config, &Device::Cpu, 0)?;
-        Ok(model.params().vars().iter().map(|v| v.dims().to_vec()).collect())
+        built_shapes::<Self>(config, |name| !params::lora::is_adapter(name))
+    }
+
+    /// The shapes of the LoRA adapters of a model of `config` (none without LoRA), in no
+    /// particular order: the parameters that train under LoRA. By default from a model built on
+    /// the CPU; a model too big for that derives them from its configuration.
+    fn adapter_shapes(config: &Self::Config) -> Result<Vec<Vec<usize>>> {
+        built_shapes::<Self>(config, params::lora::is_adapter)
+    }
+
+    /// A model of `config` with only `blocks` of its repeated blocks, and how many it has: a
+    /// projection profiles the shallow model and deepens its profile
+    /// (`remat::plan::Profile::deepened`) where the whole model's weights would not fit in
+    /// memory. `None` for a model that is not one run of alike blocks.
+    fn shallow(_config: &Self::Config, _blocks: usize) -> Option<(Self::Config, usize)> {
+        None
     }
 
     /// The synthetic data for inputs of size `size` (sequence length, image or volume side).
@@ -236,6 +250,18 @@ pub trait Benchable: Model + Sized + 'static {
         batch: usize,
         device: &Device,
     ) -> Result<Vec<Tensor>>;
+}
+
+/// The shapes of the parameters (trained or frozen) of a model of `config` built on the CPU whose
+/// names `keep` accepts.
+fn built_shapes<M: Benchable>(
+    config: &M::Config,
+    keep: impl Fn(&str) -> bool,
+) -> Result<Vec<Vec<usize>>> {
+    let model = M::build(config, &Device::Cpu, 0)?;
+    let store = model.params();
+    let all = store.named().chain(store.frozen());
+    Ok(all.filter(|(name, _)| keep(name)).map(|(_, v)| v.dims().to_vec()).collect())
 }
 
 /// The optimizers a run can train with, by name (`sgd`, `adamw`, `adafactor`: the trainers' and

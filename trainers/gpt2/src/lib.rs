@@ -496,6 +496,24 @@ impl trainable::Benchable for Gpt2 {
         Ok([vec![v, c], vec![n, c]].into_iter().chain(blocks).chain(layer_norm()).collect())
     }
 
+    /// From the configuration: A (rank, in) and B (out, rank) beside each targeted layer.
+    fn adapter_shapes(config: &Config) -> Result<Vec<Vec<usize>>> {
+        let Some(lora) = &config.lora else { return Ok(Vec::new()) };
+        let c = config.n_embd;
+        let layer = [
+            ("attn.c_attn", c, 3 * c),
+            ("attn.c_proj", c, c),
+            ("mlp.c_fc", c, 4 * c),
+            ("mlp.c_proj", 4 * c, c),
+        ];
+        let adapted = (0..config.n_layer)
+            .flat_map(|l| layer.map(|(name, n_in, n_out)| (format!("h.{l}.{name}"), n_in, n_out)))
+            .filter(|(name, _, _)| lora.targets(name));
+        Ok(adapted
+            .flat_map(|(_, n_in, n_out)| [vec![lora.rank, n_in], vec![n_out, lora.rank]])
+            .collect())
+    }
+
     fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {
         let batcher = datasets::tokens::Batcher::synthetic(seq, self.config.vocab_size, seed);
         Ok((batcher.map_err(candle_core::Error::wrap)?, seq))

@@ -173,15 +173,18 @@ fn keys_of_variants_not_implemented_are_refused() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// GPT-2's parameter shapes derived from its configuration (how the harness predicts the state of
-/// sizes it cannot build) are those of the model built; and GPT-2 XL has its published
+/// GPT-2's parameter and LoRA adapter shapes derived from its configuration (how the harness
+/// predicts the state of sizes it cannot build) are those of the model built; and GPT-2 XL has its published
 /// 1,557,611,200 parameters.
 #[test]
 fn parameter_shapes_from_the_configuration_match_the_model() {
     use trainable::Benchable;
-    testkit::checkpointing::assert_parameter_shapes_match_the_model::<Gpt2>(&gpt2::Config::tiny(
-        3, 32,
-    ));
+    let tiny = gpt2::Config::tiny(3, 32);
+    for lora in [None, Some(&gpt2::LORA_TARGETS[..]), Some(&["attn.c_proj"][..])] {
+        let lora = lora.map(|targets| params::lora::Lora::new(4, targets));
+        let config = gpt2::Config { lora, ..tiny.clone() };
+        testkit::checkpointing::assert_parameter_shapes_match_the_model::<Gpt2>(&config);
+    }
     let xl: usize = Gpt2::parameter_shapes(&Preset::Xl.config())
         .unwrap()
         .iter()

@@ -310,6 +310,26 @@ impl trainable::Model for Llama {
 }
 
 /// Synthetic text: the byte tokens of a generated corpus, in sequences of the given length.
+/// Every projection of a model of `config`: its layer name, input and output widths.
+fn linears(config: &Config) -> Vec<(String, usize, usize)> {
+    let (c, i, hd) = (config.hidden_size, config.intermediate_size, config.head_dim);
+    let (q, kv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
+    let layer = [
+        ("self_attn.q_proj", c, q),
+        ("self_attn.k_proj", c, kv),
+        ("self_attn.v_proj", c, kv),
+        ("self_attn.o_proj", q, c),
+        ("mlp.gate_proj", c, i),
+        ("mlp.up_proj", c, i),
+        ("mlp.down_proj", i, c),
+    ];
+    (0..config.num_hidden_layers)
+        .flat_map(|l| {
+            layer.map(|(name, n_in, n_out)| (format!("model.layers.{l}.{name}"), n_in, n_out))
+        })
+        .collect()
+}
+
 impl trainable::Benchable for Llama {
     type Config = Config;
     type Data = (datasets::tokens::Batcher, usize);
@@ -332,40 +352,40 @@ impl trainable::Benchable for Llama {
 
     /// From the configuration, without building: Llama-3.1-8B's weights alone are 16 GB in bf16.
     fn parameter_shapes(config: &Config) -> Result<Vec<Vec<usize>>> {
-        let (c, v, i, hd) =
-            (config.hidden_size, config.vocab_size, config.intermediate_size, config.head_dim);
-        let (q, kv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
-        let linear = |n_in: usize, n_out: usize, bias: bool| {
-            let weight = vec![n_out, n_in];
-            if bias {
-                vec![weight, vec![n_out]]
-            } else {
-                vec![weight]
-            }
-        };
+        let (c, v, hd) = (config.hidden_size, config.vocab_size, config.head_dim);
         let qkv_bias = config.architecture == Architecture::Qwen2;
         let head_norms = match config.architecture {
             Architecture::Qwen3 => vec![vec![hd], vec![hd]],
             _ => vec![],
         };
-        let layer = || {
-            [
-                vec![vec![c]],
-                linear(c, q, qkv_bias),
-                linear(c, kv, qkv_bias),
-                linear(c, kv, qkv_bias),
-                linear(q, c, false),
-                head_norms.clone(),
-                vec![vec![c]],
-                linear(c, i, false),
-                linear(c, i, false),
-                linear(i, c, false),
-            ]
-            .concat()
-        };
-        let layers = (0..config.num_hidden_layers).flat_map(|_| layer());
+        let norms = (0..config.num_hidden_layers).flat_map(|_| {
+            [vec![vec![c], vec![c]], head_norms.clone()].concat() // the two RMSNorms, q/k norms
+        });
+        let linears = linears(config).into_iter().flat_map(|(name, n_in, n_out)| {
+            let bias = qkv_bias && ["q_proj", "k_proj", "v_proj"].iter().any(|p| name.ends_with(p));
+            [vec![n_out, n_in]].into_iter().chain(bias.then(|| vec![n_out]))
+        });
         let lm_head = (!config.tie_word_embeddings).then(|| vec![v, c]);
-        Ok([vec![v, c]].into_iter().chain(layers).chain([vec![c]]).chain(lm_head).collect())
+        Ok([vec![v, c]]
+            .into_iter()
+            .chain(norms)
+            .chain(linears)
+            .chain([vec![c]])
+            .chain(lm_head)
+            .collect())
+    }
+
+    /// From the configuration: A (rank, in) and B (out, rank) beside each targeted projection.
+    fn adapter_shapes(config: &Config) -> Result<Vec<Vec<usize>>> {
+        let Some(lora) = &config.lora else { return Ok(Vec::new()) };
+        let adapted = linears(config).into_iter().filter(|(name, _, _)| lora.targets(name));
+        let r = lora.rank;
+        Ok(adapted.flat_map(|(_, n_in, n_out)| [vec![r, n_in], vec![n_out, r]]).collect())
+    }
+
+    fn shallow(config: &Config, blocks: usize) -> Option<(Config, usize)> {
+        let shallow = Config { num_hidden_layers: blocks, ..config.clone() };
+        Some((shallow, config.num_hidden_layers))
     }
 
     fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {

@@ -114,3 +114,19 @@ fn without_rng_replay_the_gradients_differ() {
         t.assert_control_breaks("sqrt", Control::NoRngReplay)
     });
 }
+
+/// The state the harness counts by arithmetic for a model too big to build (its projections):
+/// the parameter and adapter shapes derived from a configuration are the model's.
+#[test]
+fn parameter_and_adapter_shapes_from_the_configuration_match_the_model() {
+    for architecture in [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3] {
+        let full = Config { num_hidden_layers: 2, ..Config::tiny(architecture) };
+        let untied = Config { tie_word_embeddings: !full.tie_word_embeddings, ..full.clone() };
+        let lora = |targets: &[&str]| Config { lora: Some(Lora::new(4, targets)), ..full.clone() };
+        for config in
+            [full.clone(), untied, lora(&llama::LORA_TARGETS), lora(&["q_proj", "down_proj"])]
+        {
+            testkit::checkpointing::assert_parameter_shapes_match_the_model::<Llama>(&config);
+        }
+    }
+}

@@ -2,7 +2,8 @@
 //! a model whose weights do not fit in memory: Llama-3.1-8B's are 32 GB in f32) equals the
 //! profile measured on the deep model: every stage's wiring and byte figures (those the allocator
 //! measures within 1 KiB), every value's bytes, the tied embedding's shared gradient; the
-//! planner's predictions from the two are the same.
+//! planner's predictions from the two are the same. The only test in its binary: the counting
+//! allocator is process-wide.
 
 use candle_core::Device;
 use llama::{Architecture, Config, Llama};

@@ -122,15 +122,22 @@ impl<M: Model> Training<'_, M> {
     }
 }
 
-/// The shapes a model's [`trainable::Benchable::parameter_shapes`] derives from `config` are those of
-/// the model built (how the trainers refuse a size and the harness predicts a state before
-/// building).
+/// The shapes a model's [`trainable::Benchable::parameter_shapes`] and
+/// [`trainable::Benchable::adapter_shapes`] derive from `config` are those of the model built
+/// (how the trainers refuse a size and the harness predicts a state before building): its own
+/// parameters, trained or frozen, and its LoRA adapters.
 pub fn assert_parameter_shapes_match_the_model<M: trainable::Benchable>(config: &M::Config) {
     let model = M::build(config, &candle_core::Device::Cpu, 0).unwrap();
-    let mut built: Vec<Vec<usize>> =
-        model.params().vars().iter().map(|v| v.dims().to_vec()).collect();
-    let mut derived = M::parameter_shapes(config).unwrap();
-    built.sort();
-    derived.sort();
-    assert_eq!(derived, built, "{config:?}");
+    let store = model.params();
+    let (adapters, base): (Vec<_>, Vec<_>) =
+        store.named().chain(store.frozen()).partition(|(name, _)| params::lora::is_adapter(name));
+    let sorted = |mut shapes: Vec<Vec<usize>>| {
+        shapes.sort();
+        shapes
+    };
+    let built = |named: Vec<(&str, &candle_core::Var)>| {
+        sorted(named.iter().map(|(_, v)| v.dims().to_vec()).collect())
+    };
+    assert_eq!(sorted(M::parameter_shapes(config).unwrap()), built(base), "{config:?}");
+    assert_eq!(sorted(M::adapter_shapes(config).unwrap()), built(adapters), "{config:?}");
 }

@@ -1,21 +1,24 @@
-//! `--matrix gpt2-24gb`: does GPT-2 at every published size train in 24 GiB with checkpointing and
-//! gradient accumulation (the article: GPT-2 1.5B in 21 GB)? Its defaults and its prediction
-//! before a configuration runs.
+//! `--matrix gpt2-24gb` and `--matrix llm-24gb`: does GPT-2 at every published size train in
+//! 24 GiB with checkpointing and gradient accumulation (the article: GPT-2 1.5B in 21 GB)? And the
+//! Llama-family models users fine-tune today, 0.5B to 8B, fully or with LoRA? Their defaults and
+//! their prediction before a configuration runs.
 //!
 //! The prediction ([`predict`]) is the planner's at the configuration's own size: the model is
 //! built in a fresh process and its stages profiled one at a time at batch 1 and the full
-//! sequence (`measure::projection`; GPT-2's blocks are alike, so one block is measured and
-//! its figures reused for the others), so a configuration that cannot fit is never started.
+//! sequence (`measure::projection`; the blocks are alike, so one block is measured and its
+//! figures reused for the others; a Llama-family model is built two blocks deep and its profile
+//! deepened), so a configuration that cannot fit is never started.
 //! The model state is exact arithmetic on the parameter shapes: the parameters and their
 //! gradients in f32 whatever the activation dtype (they are the master weights), bf16 under
 //! `bf16-weights`; and the optimizer's state, f32 in every variant: AdamW two moments per
-//! parameter, Adafactor R + C numbers per R x C weight (a vector whole), SGD one buffer. The rest
+//! parameter, Adafactor R + C numbers per R x C weight (a vector whole), SGD one buffer. Under
+//! LoRA the base is held without gradients or optimizer state, the adapters with both. The rest
 //! of the predicted peak (activations, temporaries, the inputs) is the planner's.
 //!
-//! The experiment's other layers: [`crate::workloads`] (its configurations, `gpt2_24gb` and
-//! `STATE_VARIANTS`), [`crate::measure::projection`] (the projection, started by
-//! [`super::projection::spawn_projection`]), [`crate::measure::one`] (each configuration run, as
-//! in every matrix) and [`crate::report::gpt2_24gb`] (its table and figure).
+//! The experiment's other layers: [`crate::workloads`] (its configurations: `gpt2_24gb` and
+//! `STATE_VARIANTS`, `llm_24gb` and `LLM_VARIANTS`), [`crate::measure::projection`] (the
+//! projection, started by [`super::projection::spawn_projection`]), [`crate::measure::one`] (each
+//! configuration run, as in every matrix) and [`crate::report::fits_24gb`] (its table and figure).
 
 use super::child::spawn_one;
 use super::Execution;
@@ -28,14 +31,13 @@ use crate::workloads::{Profile, Workload, CARD_BYTES};
 use anyhow::{bail, Context, Result};
 use remat::PolicyRequest;
 
-/// `--matrix gpt2-24gb`: the profile, GPT-2's sequence (1024) unless `--input-size` says
-/// otherwise, and a memory cap of 24 GiB, or on the CPU what this machine can give if that is
-/// less.
-pub fn defaults(common: &mut Common) -> Result<()> {
-    if common.profile.is_some_and(|p| p != Profile::Gpt2_24gb) {
-        bail!("--matrix gpt2-24gb runs its own profile; drop --profile");
+/// `--matrix gpt2-24gb` or `llm-24gb`: its `profile`, and a memory cap of 24 GiB, or on the CPU
+/// what this machine can give if that is less.
+pub fn defaults(common: &mut Common, profile: Profile) -> Result<()> {
+    if common.profile.is_some_and(|p| p != profile) {
+        bail!("--matrix {profile} runs its own profile; drop --profile");
     }
-    common.profile = Some(Profile::Gpt2_24gb);
+    common.profile = Some(profile);
     // The harness, the OS and the page cache need some of what is available.
     let machine = trainkit::available_memory().map(|b| b.saturating_sub(3 << 30));
     let cpu = common.device == trainkit::DeviceName::Cpu;
@@ -47,7 +49,7 @@ pub fn defaults(common: &mut Common) -> Result<()> {
     Ok(())
 }
 
-/// A `gpt2-24gb` configuration: predicted first ([`predict`], from the model's projection, made
+/// A `gpt2-24gb` or `llm-24gb` configuration: predicted first ([`predict`], from the model's projection, made
 /// once per model and kept in the matrix), skipped where the prediction exceeds the memory cap,
 /// run otherwise. The gradient check needs two models and a copy of every gradient beside them,
 /// so it runs only where that fits the cap (four times the parameters' f32 bytes, with room for
@@ -110,7 +112,7 @@ pub fn predict(
     policy: &PolicyRequest,
     projection: &Projection,
 ) -> Result<Prediction> {
-    let (params, grads, optimizer) = w.state(&w.parameter_shapes()?);
+    let (params, grads, optimizer) = w.state(&w.shapes()?);
     let label = policy.to_string();
     let activations = projection
         .rows

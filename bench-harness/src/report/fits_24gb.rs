@@ -10,7 +10,7 @@ use super::plot::{self, color, plot_err, Chart};
 use super::record::{Prediction, Record, Status};
 use super::results::Matrix;
 use super::units;
-use crate::workloads::{CARD_BYTES, IN_BACKWARD};
+use crate::workloads::{Profile, CARD_BYTES, IN_BACKWARD};
 use anyhow::Result;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -90,7 +90,7 @@ fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
 }
 
 /// `TABLE.md`.
-pub fn table(m: &Matrix) -> String {
+pub fn table(m: &Matrix, _profile: Profile) -> String {
     let meta = &m.meta;
     let mut out = format!(
         "# GPT-2 on 24 GiB: state, precision, optimizer and checkpointing, \
@@ -198,7 +198,7 @@ fn measured_row(r: &Record) -> String {
 }
 
 /// The figure of `--matrix gpt2-24gb`: `memory.png` and `.svg`.
-pub fn plot(dir: &Path, m: &Matrix) -> Result<()> {
+pub fn plot(dir: &Path, m: &Matrix, _profile: Profile) -> Result<()> {
     plot::both(dir, "memory", (1100, 120 + 22 * m.records.len() as u32), &MemoryChart(m))
 }
 
