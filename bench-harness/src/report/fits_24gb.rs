@@ -1,26 +1,57 @@
-//! The `gpt2-24gb` matrix's table (`TABLE.md`) and figure: for GPT-2 at every published size,
-//! batch 1 with 8 micro-batches accumulated (one with the optimizer inside backward), each way of
-//! holding its state and each policy: the predicted bytes (with the state's arithmetic), the
-//! measured peak, whether it fits 24 GiB, and tokens per second.
+//! The table (`TABLE.md`) and figure of the matrices that ask what fits a 24 GiB card:
+//! `gpt2-24gb` (GPT-2 at every published size) and `llm-24gb` (the Llama family from 0.5B to 8B
+//! parameters, fully fine-tuned or with LoRA). Each configuration trains at batch 1 with
+//! micro-batches accumulated (one with the optimizer inside backward), in each way of holding its
+//! state, under each policy: the predicted bytes (with the state's arithmetic) and time, the
+//! measured peak where it ran, whether it fits 24 GiB and, where it does not, the smallest change
+//! that makes it fit.
 //!
-//! The experiment's other layers: [`crate::run::gpt2_24gb`] (its defaults, the prediction, the
+//! The experiment's other layers: [`crate::run::fits_24gb`] (its defaults, the prediction, the
 //! skip) and [`crate::measure::projection`] (the projection the predictions come from).
 
 use super::plot::{self, color, plot_err, Chart};
-use super::record::{Prediction, Record, Status};
+use super::record::{Prediction, ProjectedPolicy, Record, Status};
 use super::results::Matrix;
 use super::units;
-use crate::workloads::{Profile, CARD_BYTES, IN_BACKWARD};
+use crate::workloads::STATE_VARIANTS;
+use crate::workloads::{self, Profile, CARD_BYTES, IN_BACKWARD, LLM_VARIANTS, LORA_R16};
 use anyhow::Result;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::fmt::Write as _;
 use std::path::Path;
 
-/// The sequence and the micro-batches of the matrix's configurations, in words: "seq 1024, 2
+/// A configuration's name in parts: `gpt2-xl/bf16-weights-adamw` or
+/// `llama-3.1-8b/2048/lora-r16`: the model and the way its state is held.
+fn parts(r: &Record) -> (&str, &str) {
+    let model = r.model.split('/').next().unwrap_or(&r.model);
+    let variant = r.model.rsplit('/').next().filter(|v| *v != model).unwrap_or("");
+    (model, variant)
+}
+
+/// The sequence of a record, from its input (`seq 2048`).
+fn seq(r: &Record) -> usize {
+    r.input.trim_start_matches("seq ").parse().unwrap_or(0)
+}
+
+/// The variants of a profile in the order a change that makes a configuration fit prefers them.
+fn variants(profile: Profile) -> Vec<&'static str> {
+    match profile {
+        Profile::Llm24gb => LLM_VARIANTS.iter().map(|v| v.0).collect(),
+        _ => STATE_VARIANTS.iter().map(|v| v.0).collect(),
+    }
+}
+
+/// The sequences and the micro-batches of the matrix's configurations, in words: "seq 1024, 2
 /// micro-batches accumulated per optimizer step (1 with the optimizer inside backward)".
 fn sizes(m: &Matrix) -> String {
-    let input = m.records.first().map_or("?", |r| r.input.as_str());
+    let mut inputs: Vec<&str> = Vec::new();
+    for r in &m.records {
+        if !inputs.contains(&r.input.as_str()) {
+            inputs.push(&r.input);
+        }
+    }
+    let input = if inputs.is_empty() { "?".into() } else { inputs.join(" and ") };
     let inside = |r: &&Record| r.model.ends_with(IN_BACKWARD);
     let accumulated = m.records.iter().find(|r| !inside(r)).map(|r| r.accumulate);
     let in_backward = m.records.iter().any(|r| inside(&r));
@@ -40,13 +71,62 @@ fn cell(bytes: u64) -> String {
     format!("{:.2}", units::gib(bytes))
 }
 
-/// The records smallest model first (within a size, in the matrix's order: variant, then policy),
-/// whatever order the runs that made them came in.
-pub fn in_size_order(m: &Matrix) -> Vec<&Record> {
-    const SIZES: [&str; 4] = ["gpt2-small/", "gpt2-medium/", "gpt2-large/", "gpt2-xl/"];
+/// The records in the order of the profile's models (smallest first), then sequence, then
+/// variant; within those, the matrix's order (policy), whatever order the runs came in.
+pub fn in_size_order(m: &Matrix, profile: Profile) -> Vec<&Record> {
+    let mut models: Vec<String> = Vec::new();
+    for w in workloads::profile(profile) {
+        let model = w.model.split('/').next().unwrap_or(&w.model).to_string();
+        if !models.contains(&model) {
+            models.push(model);
+        }
+    }
+    let variants = variants(profile);
     let mut records: Vec<&Record> = m.records.iter().collect();
-    records.sort_by_key(|r| SIZES.iter().position(|s| r.model.starts_with(s)));
+    records.sort_by_key(|r| {
+        let (model, variant) = parts(r);
+        let at = |list: &[&str], x: &str| list.iter().position(|m| *m == x);
+        let model_at = models.iter().position(|m| m == model);
+        (model_at, seq(r), at(&variants, variant))
+    });
     records
+}
+
+/// The (model, variant) pairs of `records`, in their order.
+fn rows<'a>(records: &[&'a Record]) -> Vec<(&'a str, &'a str)> {
+    let mut rows = Vec::new();
+    for r in records {
+        if !rows.contains(&parts(r)) {
+            rows.push(parts(r));
+        }
+    }
+    rows
+}
+
+/// The sequences of `records`, shortest first.
+fn seqs(records: &[&Record]) -> Vec<usize> {
+    let mut seqs: Vec<usize> = records.iter().map(|r| seq(r)).collect();
+    seqs.sort();
+    seqs.dedup();
+    seqs
+}
+
+/// The total bytes of a configuration at its step's peak: measured where it ran, else predicted.
+fn total(r: &Record) -> Option<u64> {
+    match r.status {
+        Status::Ok => Some(r.measured_total()),
+        _ => r.predicted_total_bytes,
+    }
+}
+
+/// Whether a configuration fits 24 GiB: measured, or predicted where it did not run (`None`
+/// where neither says: an error, or a budget no plan fits).
+fn fits_card(r: &Record) -> Option<bool> {
+    match r.status {
+        Status::Ok => Some(r.measured_total() <= CARD_BYTES),
+        Status::Oom if !r.error.contains("SIGKILL") => Some(false),
+        _ => Some(r.predicted_total_bytes? <= CARD_BYTES),
+    }
 }
 
 /// Whether a configuration fits 24 GiB, in words.
@@ -67,13 +147,79 @@ fn fits(r: &Record) -> String {
     }
 }
 
+/// The projection's row of a configuration: its predicted time over `off`'s.
+fn projected<'a>(m: &'a Matrix, r: &Record) -> Option<&'a ProjectedPolicy> {
+    let projection = m.projections.iter().find(|p| p.model == r.model)?;
+    projection.rows.iter().find(|row| row.label == r.policy)
+}
+
+/// Of `candidates`, the one that fits 24 GiB with the least predicted time (then the least
+/// memory).
+fn quickest_fit<'a>(
+    m: &Matrix,
+    candidates: impl Iterator<Item = &'a Record>,
+) -> Option<&'a Record> {
+    candidates.filter(|r| fits_card(r) == Some(true)).min_by(|a, b| {
+        let time = |r: &Record| projected(m, r).map_or(f64::INFINITY, |p| p.time_ratio);
+        time(a).total_cmp(&time(b)).then(total(a).cmp(&total(b)))
+    })
+}
+
+/// A fitting configuration in a few words: its policy and, where they differ from `of`'s, its
+/// sequence and variant.
+fn describe_fit(m: &Matrix, fit: &Record, of: &Record) -> String {
+    let mut changes = Vec::new();
+    if seq(fit) != seq(of) {
+        changes.push(fit.input.clone());
+    }
+    if parts(fit).1 != parts(of).1 {
+        changes.push(parts(fit).1.to_string());
+    }
+    changes.push(format!("`{}`", fit.policy));
+    let time = projected(m, fit).map_or(String::new(), |p| format!(", {:.2}x off", p.time_ratio));
+    let bytes = total(fit).map_or(String::new(), |t| format!(" ({} GiB{time})", cell(t)));
+    changes.join(", ") + &bytes
+}
+
+/// The smallest change that makes `r` fit 24 GiB, where it does not: another policy; else another
+/// way of holding the state at the same sequence (a precision, the optimizer inside backward, in
+/// the profile's order of preference; LoRA is another kind of fine-tuning, not such a change);
+/// else a shorter sequence with the same state. `None` where `r` fits or nothing says.
+fn smallest_change(m: &Matrix, profile: Profile, r: &Record) -> Option<String> {
+    if fits_card(r)? {
+        return None;
+    }
+    let (model, variant) = parts(r);
+    let same = |x: &Record| parts(x).0 == model;
+    let lora = |v: &str| v == LORA_R16;
+    let policy = quickest_fit(m, m.records.iter().filter(|x| x.model == r.model));
+    let state = || {
+        let others =
+            variants(profile).into_iter().filter(|v| *v != variant && lora(v) == lora(variant));
+        others.into_iter().find_map(|v| {
+            quickest_fit(
+                m,
+                m.records.iter().filter(|x| same(x) && seq(x) == seq(r) && parts(x).1 == v),
+            )
+        })
+    };
+    let shorter = || {
+        let shorter =
+            m.records.iter().filter(|x| same(x) && parts(x).1 == variant && seq(x) < seq(r));
+        quickest_fit(m, shorter)
+    };
+    let fit = policy.or_else(state).or_else(shorter);
+    Some(fit.map_or("none of these".into(), |fit| describe_fit(m, fit, r)))
+}
+
 /// Whether `r` was measured with freed memory given back at once: every step faulted its pages
 /// in again, so its time is not the other rows' kind.
 fn returned_freed_memory(r: &Record) -> bool {
     r.command.contains("--return-freed-memory")
 }
 
-fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
+fn state_row(r: &Record, p: &Prediction) -> String {
+    let (model, variant) = parts(r);
     let bytes =
         r.dtype.parse::<trainable::Precision>().map_or(4, |d| d.weights().size_in_bytes() as u64);
     let params = p.params / bytes;
@@ -89,18 +235,46 @@ fn state_row(r: &Record, model: &str, variant: &str, p: &Prediction) -> String {
     )
 }
 
+/// The title and the variants in words, for each matrix.
+fn title_and_variants(profile: Profile) -> (&'static str, String) {
+    match profile {
+        Profile::Llm24gb => (
+            "Llama-family fine-tunes on 24 GiB: state, precision, optimizer, LoRA and \
+             checkpointing",
+            format!(
+                "Models: Qwen2.5-0.5B, Llama-3.2-1B, Llama-3.2-3B, Qwen2.5-7B, Llama-3.1-8B at \
+                 their published shapes (`train-llama --preset`). Variants, each with AdamW: \
+                 `f32-adamw` (everything f32), `bf16-weights-adamw` (bf16 activations, \
+                 parameters and gradients, f32 AdamW moments: no f32 master copy), \
+                 `{IN_BACKWARD}` (`f32-adamw` with the optimizer inside backward: each gradient \
+                 applied and freed as soon as it is final, one micro-batch per step), `{LORA_R16}` \
+                 (LoRA of rank 16, alpha 32, on all seven projections, over a frozen bf16 base: \
+                 bf16 activations, adapters, their gradients; f32 AdamW moments of the adapters \
+                 only)."
+            ),
+        ),
+        _ => (
+            "GPT-2 on 24 GiB: state, precision, optimizer and checkpointing, measured",
+            format!(
+                "Variants: `f32-adamw` (everything f32), `bf16-adamw` (bf16 activations, f32 \
+                 parameters, gradients and AdamW moments), `bf16-weights-adamw` (bf16 \
+                 activations, parameters and gradients, f32 AdamW moments: no f32 master copy), \
+                 `bf16-adafactor` (bf16 activations, f32 parameters and gradients, Adafactor's \
+                 factored second moment), `{IN_BACKWARD}` (`f32-adamw` with the optimizer inside \
+                 backward: each gradient applied and freed as soon as it is final, one \
+                 micro-batch per step)."
+            ),
+        ),
+    }
+}
+
 /// `TABLE.md`.
-pub fn table(m: &Matrix, _profile: Profile) -> String {
+pub fn table(m: &Matrix, profile: Profile) -> String {
     let meta = &m.meta;
+    let (title, variants) = title_and_variants(profile);
     let mut out = format!(
-        "# GPT-2 on 24 GiB: state, precision, optimizer and checkpointing, \
-         measured\n\n{}  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\nEvery \
-         configuration trains at batch 1, {}. Variants: `f32-adamw` (everything f32), `bf16-adamw` \
-         (bf16 activations, f32 parameters, gradients and AdamW moments), `bf16-weights-adamw` \
-         (bf16 activations, parameters and gradients, f32 AdamW moments: no f32 master copy), \
-         `bf16-adafactor` (bf16 activations, f32 parameters and gradients, Adafactor's factored \
-         second moment), `{IN_BACKWARD}` (`f32-adamw` with the optimizer inside backward: each \
-         gradient applied and freed as soon as it is final, one micro-batch per step).\n\n",
+        "# {title}\n\n{}  \nMachine: {}  \ncandle {}, commit {}, profile `{}`\n\nEvery \
+         configuration trains at batch 1, {}. {variants}\n\n",
         super::results::made_by(m.records.iter().map(|r| r.command.as_str()), &meta.command),
         meta.machine,
         meta.candle_version,
@@ -108,41 +282,47 @@ pub fn table(m: &Matrix, _profile: Profile) -> String {
         meta.profile,
         sizes(m)
     );
-    out += "## The model state, by arithmetic\n\nParameters and gradients 4 bytes each (2 under \
-        `bf16-weights-adamw`); AdamW 8 bytes per parameter; Adafactor 4 bytes per row and per \
-        column of each weight matrix (per element of a vector). Computed from the parameter \
-        shapes, not measured. The last two columns are one rank's state when the optimizer state \
-        is sharded over 2 or 4 data-parallel ranks (`--ranks N --shard-optimizer`, ZeRO stage 1: \
-        every rank still holds all parameters and gradients). With the optimizer inside backward \
-        no gradient is held through the step: the ones in flight are part of the step's peak, with \
-        the activations.\n\n| model | variant | parameters | params GiB | grads GiB | optimizer \
+    let records = in_size_order(m, profile);
+    fits_summary(&mut out, m, profile, &records);
+    out += "\n## The model state, by arithmetic\n\nParameters and gradients 4 bytes each (2 \
+        under `bf16-weights`); AdamW 8 bytes per trained parameter; Adafactor 4 bytes per row and \
+        per column of each weight matrix (per element of a vector). Under LoRA the base is held \
+        without gradients or optimizer state. Computed from the parameter shapes, not measured. \
+        The last two columns are one rank's state when the optimizer state is sharded over 2 or 4 \
+        data-parallel ranks (`--ranks N --shard-optimizer`, ZeRO stage 1: every rank still holds \
+        all parameters and gradients). With the optimizer inside backward no gradient is held \
+        through the step: the ones in flight are part of the step's peak, with the \
+        activations.\n\n| model | variant | parameters | params GiB | grads GiB | optimizer \
         GiB | state GiB | per rank, sharded over 2 | over 4 \
         |\n|---|---|---|---|---|---|---|---|---|\n";
-    let records = in_size_order(m);
     let mut seen = Vec::new();
     for r in &records {
-        let (Some(p), Some((model, variant))) = (r.predicted, r.model.split_once('/')) else {
-            continue;
-        };
-        if !seen.contains(&r.model) {
-            seen.push(r.model.clone());
-            let _ = writeln!(out, "{}", state_row(r, model, variant, &p));
+        let Some(p) = r.predicted else { continue };
+        if !seen.contains(&parts(r)) {
+            seen.push(parts(r));
+            let _ = writeln!(out, "{}", state_row(r, &p));
         }
     }
     out += "\n## Predicted against measured\n\nPredicted total: the planner's, from the model \
         built at its size and its stages profiled one at a time at batch 1 and the full sequence \
-        (one block measured, its figures reused for the others, which are alike), the optimizer \
-        state by arithmetic. Measured total: the heap before the step (parameters, optimizer \
-        state) plus the step's peak above it (gradients, activations), the highest over the timed \
+        (one block measured, its figures reused for the others, which are alike; a Llama-family \
+        model is built two blocks deep and its profile deepened to its depth), the state by \
+        arithmetic; predicted time: the plan's step over `off`'s, from the profiled stage times \
+        on this machine. Measured total: the heap before the step (parameters, optimizer state) \
+        plus the step's peak above it (gradients, activations), the highest over the timed \
         steps. Configurations predicted above the memory cap are not run; with `--dry-run`, none \
-        is, and every row is a prediction. The meter counts live bytes; the allocator keeps freed \
-        pages for reuse (a step faults in no new memory), so a process's resident memory runs \
-        above its live heap (by 3-4 GiB for GPT-2 XL): near a machine's limit the kernel may kill \
-        a run whose live heap fits, which the table says.\n\n| model | variant | policy | \
-        predicted GiB | measured GiB | error | fits 24 GiB | tokens/s | step time | gradients \
-        |\n|---|---|---|---|---|---|---|---|---|---|\n";
+        is, and every row is a prediction. Smallest change: for a configuration that does not \
+        fit, the quickest policy that does; else another way of holding the state at the same \
+        sequence (in the order the variants are listed above; LoRA is another kind of \
+        fine-tuning, not such a change); else a shorter sequence. The meter counts live bytes; \
+        the allocator keeps freed pages for reuse (a step faults in no new memory), so a \
+        process's resident memory runs above its live heap (by 3-4 GiB for GPT-2 XL): near a \
+        machine's limit the kernel may kill a run whose live heap fits, which the table \
+        says.\n\n| model | seq | variant | policy | predicted GiB | time / off, predicted | fits \
+        24 GiB | smallest change that fits | measured GiB | error | tokens/s | step time | \
+        gradients |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for r in &records {
-        let _ = writeln!(out, "{}", measured_row(r));
+        let _ = writeln!(out, "{}", measured_row(m, profile, r));
     }
     let fit: Vec<String> = records
         .iter()
@@ -162,17 +342,52 @@ pub fn table(m: &Matrix, _profile: Profile) -> String {
     out
 }
 
+/// `TABLE.md`'s answer first: for each model and variant, at each sequence, the quickest policy
+/// that fits 24 GiB (predicted, or measured where it ran), or the smallest change that makes it
+/// fit.
+fn fits_summary(out: &mut String, m: &Matrix, profile: Profile, records: &[&Record]) {
+    let seqs = seqs(records);
+    let _ = write!(
+        out,
+        "## What fits 24 GiB\n\nFor each model and way of holding its state: the quickest policy \
+         that fits 24 GiB (its total and predicted time over `off`), or where none does, the \
+         smallest change that makes it fit.\n\n| model | variant |{}\n|---|---|{}\n",
+        seqs.iter().map(|s| format!(" seq {s} |")).collect::<String>(),
+        "---|".repeat(seqs.len())
+    );
+    for (model, variant) in rows(records) {
+        let cells: String = seqs
+            .iter()
+            .map(|&s| {
+                let at = |x: &&&Record| parts(x) == (model, variant) && seq(x) == s;
+                let configs: Vec<&Record> = records.iter().filter(at).copied().collect();
+                let text = match (quickest_fit(m, configs.iter().copied()), configs.first()) {
+                    (Some(fit), _) => describe_fit(m, fit, fit),
+                    (None, Some(first)) => {
+                        let change = smallest_change(m, profile, first);
+                        format!("no: {}", change.unwrap_or_else(|| "not predicted".into()))
+                    }
+                    (None, None) => "-".into(),
+                };
+                format!(" {text} |")
+            })
+            .collect();
+        let _ = writeln!(out, "| {model} | {variant} |{cells}");
+    }
+}
+
 /// A configuration's row of the table of predicted against measured.
-fn measured_row(r: &Record) -> String {
-    let (model, variant) = r.model.split_once('/').unwrap_or((&r.model, ""));
+fn measured_row(m: &Matrix, profile: Profile, r: &Record) -> String {
+    let (model, variant) = parts(r);
     let predicted = r.predicted_total_bytes.map_or("-".into(), cell);
-    let seq = r.input.trim_start_matches("seq ").parse::<usize>().unwrap_or(0);
-    let (measured, error, tokens, time) = if r.status == Status::Ok {
+    let time = projected(m, r).map_or("-".into(), |p| format!("{:.2}", p.time_ratio));
+    let change = smallest_change(m, profile, r).unwrap_or_else(|| "-".into());
+    let (measured, error, tokens, step) = if r.status == Status::Ok {
         let total = r.measured_total();
         let error = r
             .predicted_total_bytes
             .map_or("-".into(), |p| format!("{:+.1}%", (p as f64 / total as f64 - 1.0) * 100.0));
-        let tokens = (r.batch * r.accumulate * seq) as f64;
+        let tokens = (r.batch * r.accumulate * seq(r)) as f64;
         let mark = if returned_freed_memory(r) { " †" } else { "" };
         (
             cell(total),
@@ -190,30 +405,44 @@ fn measured_row(r: &Record) -> String {
         _ => "-",
     };
     format!(
-        "| {model} | {variant} | {} | {predicted} | {measured} | {error} | {} | {tokens} | {time} \
-         | {grads} |",
+        "| {model} | {} | {variant} | {} | {predicted} | {time} | {} | {change} | {measured} | \
+         {error} | {tokens} | {step} | {grads} |",
+        seq(r),
         r.policy,
         fits(r)
     )
 }
 
-/// The figure of `--matrix gpt2-24gb`: `memory.png` and `.svg`.
-pub fn plot(dir: &Path, m: &Matrix, _profile: Profile) -> Result<()> {
-    plot::both(dir, "memory", (1100, 120 + 22 * m.records.len() as u32), &MemoryChart(m))
+/// The figure: `memory.png` and `.svg`. `gpt2-24gb`: a bar per configuration; `llm-24gb` (four
+/// times as many): a row per model and variant, a mark per policy, a panel per sequence.
+pub fn plot(dir: &Path, m: &Matrix, profile: Profile) -> Result<()> {
+    match profile {
+        Profile::Llm24gb => {
+            let rows = rows(&in_size_order(m, profile)).len() as u32;
+            let size = (1300, 140 + 26 * rows);
+            plot::both(dir, "memory", size, &PolicyChart(m, profile))
+        }
+        _ => plot::both(
+            dir,
+            "memory",
+            (1100, 120 + 22 * m.records.len() as u32),
+            &MemoryChart(m, profile),
+        ),
+    }
 }
 
-struct MemoryChart<'a>(&'a Matrix);
+struct MemoryChart<'a>(&'a Matrix, Profile);
 
 impl Chart for MemoryChart<'_> {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
-        memory_chart(root, self.0)
+        memory_chart(root, self.0, self.1)
     }
 }
 
 /// The bars of the memory chart, bottom up (the largest model's last configuration first): each
 /// configuration's label, state and total GiB, and whether it was measured (else predicted).
-fn memory_bars(m: &Matrix) -> Vec<(String, f64, f64, bool)> {
-    in_size_order(m)
+fn memory_bars(m: &Matrix, profile: Profile) -> Vec<(String, f64, f64, bool)> {
+    in_size_order(m, profile)
         .into_iter()
         .rev()
         .filter_map(|r| {
@@ -239,8 +468,12 @@ fn memory_bars(m: &Matrix) -> Vec<(String, f64, f64, bool)> {
 /// Peak memory of every configuration as a bar split into the model state (weights, gradients,
 /// optimizer state, by arithmetic) and the rest (activations and temporaries): measured where it
 /// ran, predicted and pale where it did not; smallest model at the top, against a line at 24 GiB.
-fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
-    let bars = memory_bars(m);
+fn memory_chart<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    m: &Matrix,
+    profile: Profile,
+) -> Result<()> {
+    let bars = memory_bars(m, profile);
     let max = bars.iter().map(|b| b.2).fold(26.0, f64::max) * 1.05;
     let n = bars.len().max(1) as i32;
     let mut chart = ChartBuilder::on(root)
@@ -302,4 +535,99 @@ fn memory_chart<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -
         .label("24 GiB")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], color(3).stroke_width(2)));
     plot::legend(&mut chart, SeriesLabelPosition::LowerRight)
+}
+
+struct PolicyChart<'a>(&'a Matrix, Profile);
+
+impl Chart for PolicyChart<'_> {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        policy_chart(root, self.0, self.1)
+    }
+}
+
+/// A panel per sequence: a row per model and variant (smallest model at the top), a mark per
+/// policy at its total GiB (log scale; filled where measured, hollow where predicted), against a
+/// line at 24 GiB.
+fn policy_chart<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    m: &Matrix,
+    profile: Profile,
+) -> Result<()> {
+    let records = in_size_order(m, profile);
+    let (seqs, rows) = (seqs(&records), rows(&records));
+    let mut policies: Vec<&str> = Vec::new();
+    for r in &records {
+        if !policies.contains(&r.policy.as_str()) {
+            policies.push(&r.policy);
+        }
+    }
+    let gib: Vec<f64> = records.iter().filter_map(|r| total(r)).map(units::gib).collect();
+    let (lo, hi) = gib.iter().fold((16.0f64, 32.0f64), |(lo, hi), &g| (lo.min(g), hi.max(g)));
+    let root = root
+        .titled(
+            &format!("The Llama family at batch 1: peak memory by policy ({})", sizes(m)),
+            ("sans-serif", 20),
+        )
+        .map_err(plot_err)?;
+    let panels = root.split_evenly((1, seqs.len().max(1)));
+    let n = rows.len().max(1) as i32;
+    for (k, (panel, &s)) in panels.iter().zip(&seqs).enumerate() {
+        let mut chart = ChartBuilder::on(panel)
+            .caption(format!("seq {s}"), ("sans-serif", 16))
+            .margin(10)
+            .x_label_area_size(40)
+            .y_label_area_size(if k == 0 { 250 } else { 10 })
+            .build_cartesian_2d((lo * 0.8..hi * 1.25).log_scale(), (0..n).into_segmented())
+            .map_err(plot_err)?;
+        let label = |y: &SegmentValue<i32>| match y {
+            // Top down: the first row at the top.
+            SegmentValue::CenterOf(i) if k == 0 => rows
+                .get((n - 1 - *i) as usize)
+                .map_or(String::new(), |(model, variant)| format!("{model} {variant}")),
+            _ => String::new(),
+        };
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(n as usize)
+            .y_label_formatter(&label)
+            .x_desc("GiB at the step's peak (log; hollow: predicted)")
+            .draw()
+            .map_err(plot_err)?;
+        for (j, policy) in policies.iter().enumerate() {
+            let marks: Vec<(f64, i32, bool)> = records
+                .iter()
+                .filter(|r| seq(r) == s && r.policy == *policy)
+                .filter_map(|r| {
+                    let row = rows.iter().position(|p| *p == parts(r))? as i32;
+                    Some((units::gib(total(r)?), n - 1 - row, r.status == Status::Ok))
+                })
+                .collect();
+            let style = color(j);
+            let series = chart
+                .draw_series(marks.iter().map(|&(x, row, measured)| {
+                    let at = (x, SegmentValue::CenterOf(row));
+                    let shape = if measured { style.filled() } else { style.stroke_width(2) };
+                    Circle::new(at, 5, shape)
+                }))
+                .map_err(plot_err)?;
+            if k == 0 {
+                series
+                    .label(policy.to_string())
+                    .legend(move |(x, y)| Circle::new((x + 8, y), 5, style.filled()));
+            }
+        }
+        chart
+            .draw_series(LineSeries::new(
+                [(24.0, SegmentValue::Exact(0)), (24.0, SegmentValue::Exact(n))],
+                BLACK.stroke_width(2),
+            ))
+            .map_err(plot_err)?
+            .label("24 GiB")
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
+        if k == 0 {
+            plot::legend(&mut chart, SeriesLabelPosition::LowerRight)?;
+        }
+    }
+    Ok(())
 }
