@@ -631,3 +631,106 @@ fn policy_chart<DB: DrawingBackend>(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::record::Projection;
+
+    const GIB: u64 = 1 << 30;
+
+    /// A predicted, not run, configuration of `llm-24gb`'s 8B model at `seq` in `variant`.
+    fn predicted(seq: usize, variant: &str, policy: &str, gib: u64) -> Record {
+        Record {
+            model: format!("llama-3.1-8b/{seq}/{variant}"),
+            input: format!("seq {seq}"),
+            policy: policy.into(),
+            status: Status::Skipped,
+            predicted_total_bytes: Some(gib * GIB),
+            ..Record::default()
+        }
+    }
+
+    /// Its projection: each policy's predicted time over `off`'s.
+    fn projection(model: &str, times: &[(&str, f64)]) -> Projection {
+        let rows = times
+            .iter()
+            .map(|&(label, time_ratio)| ProjectedPolicy {
+                label: label.into(),
+                plan: String::new(),
+                peak_bytes: 0,
+                total_bytes: 0,
+                time_ratio,
+            })
+            .collect();
+        Projection {
+            model: model.into(),
+            batch: 1,
+            input: String::new(),
+            optimizer: String::new(),
+            dtype: String::new(),
+            state_bytes: 0,
+            rows,
+            command: String::new(),
+        }
+    }
+
+    /// The smallest change that fits: the quickest fitting policy first, then another way of
+    /// holding the state (in the profile's order, never LoRA for full fine-tuning), then a shorter
+    /// sequence; "none of these" where nothing fits.
+    #[test]
+    fn the_smallest_change_that_fits() {
+        let times = [("off", 1.0), ("sqrt", 1.4), ("every-two-blocks", 1.3)];
+        let records = vec![
+            // At 4096, f32 fits under every-two-blocks only, sqrt also fitting but slower.
+            predicted(4096, "f32-adamw", "off", 40),
+            predicted(4096, "f32-adamw", "sqrt", 23),
+            predicted(4096, "f32-adamw", "every-two-blocks", 22),
+            // bf16-weights fits under nothing at 4096, but at 2048; in-backward fits at 4096.
+            predicted(4096, "bf16-weights-adamw", "off", 30),
+            predicted(4096, "bf16-weights-adamw", "sqrt", 25),
+            predicted(2048, "bf16-weights-adamw", "sqrt", 20),
+            predicted(4096, IN_BACKWARD, "sqrt", 21),
+            // LoRA never fits: no other variant is a change for it.
+            predicted(4096, LORA_R16, "off", 30),
+        ];
+        let projections = records.iter().map(|r| projection(&r.model, &times)).fold(
+            Vec::<Projection>::new(),
+            |mut all, p| {
+                if !all.iter().any(|q| q.model == p.model) {
+                    all.push(p);
+                }
+                all
+            },
+        );
+        let m = Matrix { records, projections, ..Matrix::default() };
+        let change = |i: usize| smallest_change(&m, Profile::Llm24gb, &m.records[i]);
+        assert_eq!(change(0).as_deref(), Some("`every-two-blocks` (22.00 GiB, 1.30x off)"));
+        assert_eq!(change(1), None, "sqrt fits");
+        assert_eq!(
+            change(3).as_deref(),
+            Some("f32-adamw, `every-two-blocks` (22.00 GiB, 1.30x off)"),
+            "f32-adamw comes first in the order of preference"
+        );
+        assert_eq!(change(7).as_deref(), Some("none of these"));
+        // Without f32-adamw's rows, bf16-weights at 4096 takes the optimizer inside backward.
+        let without_f32 = Matrix {
+            records: m
+                .records
+                .iter()
+                .filter(|r| !r.model.ends_with("/f32-adamw"))
+                .cloned()
+                .collect(),
+            ..m.clone()
+        };
+        let change = smallest_change(&without_f32, Profile::Llm24gb, &without_f32.records[0]);
+        assert_eq!(change.as_deref(), Some("f32-adamw-in-backward, `sqrt` (21.00 GiB, 1.40x off)"));
+        // With no other variant fitting, the shorter sequence.
+        let only_bf16 = Matrix {
+            records: m.records.iter().filter(|r| r.model.contains("bf16")).cloned().collect(),
+            ..m.clone()
+        };
+        let change = smallest_change(&only_bf16, Profile::Llm24gb, &only_bf16.records[0]);
+        assert_eq!(change.as_deref(), Some("seq 2048, `sqrt` (20.00 GiB, 1.40x off)"));
+    }
+}
