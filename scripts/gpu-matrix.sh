@@ -12,6 +12,9 @@
 # saves after every configuration, and a later stage resumes the same folder):
 #   FIRST_SECONDS   ResNet-50 batch 256 and BERT-Large 32 x 128 under off, sqrt and budget=24GiB
 #   GPT2_SECONDS    GPT-2 XL at sequence 1024 under a 24 GiB cap, in the ways found to fit
+#   LLM_SECONDS     Llama-family fine-tunes under a 24 GiB cap (--matrix llm-24gb): LoRA of the 3B,
+#                   7B and 8B models and full bf16-weights fine-tuning of the 1B at seq 2048, under
+#                   sqrt and the planner's budget=24GiB, each predicted first, run where it fits
 #   SECOND_SECONDS  the 3D U-Net and ResNet-152
 #   REST_SECONDS    every other policy and the depth sweep
 set -uo pipefail
@@ -44,11 +47,15 @@ stage() {
 }
 FULL=(--profile full --matrix models --steps 3 --baseline pytorch --python python3 --out "$OUT/full-h200")
 stage first "${FIRST_SECONDS:-180}" "${FULL[@]}" --models resnet50,bert-large --policies off,sqrt,budget=24GiB
-stage gpt2-xl "${GPT2_SECONDS:-150}" --matrix gpt2-24gb --memory-cap 24GiB --steps 1 --rounds 0 --out "$OUT/gpt2-xl-h200" \
+stage gpt2-xl "${GPT2_SECONDS:-120}" --matrix gpt2-24gb --memory-cap 24GiB --steps 1 --rounds 0 --out "$OUT/gpt2-xl-h200" \
   --models gpt2-xl/bf16-weights-adamw,gpt2-xl/f32-adamw-in-backward,gpt2-xl/bf16-adafactor --policies sqrt,every-two-blocks
-stage second "${SECOND_SECONDS:-90}" "${FULL[@]}" --models unet3d-cicek,resnet152
-stage rest "${REST_SECONDS:-120}" --profile full --matrix all --steps 3 --baseline pytorch --python python3 --out "$OUT/full-h200"
+LLM=llama-3.2-3b/2048/lora-r16,llama-3.1-8b/2048/lora-r16,qwen2.5-7b/2048/lora-r16,llama-3.2-1b/2048/bf16-weights-adamw
+stage llm "${LLM_SECONDS:-120}" --matrix llm-24gb --memory-cap 24GiB --steps 1 --rounds 0 --out "$OUT/llm-24gb-h200" \
+  --models "$LLM" --policies sqrt,budget=24GiB
+stage second "${SECOND_SECONDS:-60}" "${FULL[@]}" --models unet3d-cicek,resnet152
+stage rest "${REST_SECONDS:-60}" --profile full --matrix all --steps 3 --baseline pytorch --python python3 --out "$OUT/full-h200"
 "$BIN" --matrix render --out "$OUT/full-h200" 2>> "$OUT/rest.stderr"
 "$BIN" --matrix render --out "$OUT/gpt2-xl-h200" 2>> "$OUT/rest.stderr"
+"$BIN" --matrix render --out "$OUT/llm-24gb-h200" 2>> "$OUT/rest.stderr"
 tar czf "$OUT/results.tar.gz" -C "$OUT" --exclude results.tar.gz .
 echo "bundled: $OUT/results.tar.gz"

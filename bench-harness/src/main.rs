@@ -43,12 +43,14 @@
 //! | | `report/record.rs` | `Projection` |
 //! | | `report/projection.rs` | `TABLE.md`'s projections, beside what the folder measured |
 //! | `--matrix gpt2-24gb` | `workloads.rs` | GPT-2 small to XL in each of `STATE_VARIANTS` |
-//! | | `run/gpt2_24gb.rs` | defaults; each predicted, skipped above the cap, else run |
+//! | | `run/fits_24gb.rs` | defaults; each predicted, skipped above the cap, else run |
 //! | | `run/projection.rs` | `spawn_projection`: the projection its predictions come from |
 //! | | `run/`, `measure/` | as `models`: `matrix.rs`, `child.rs`, `one.rs` |
 //! | | `measure/projection.rs` | `project-one` at the configuration's own size |
 //! | | `report/record.rs` | `Prediction`: the state by arithmetic, the activations |
-//! | | `report/gpt2_24gb.rs` | its `TABLE.md` and `memory` figure |
+//! | | `report/fits_24gb.rs` | its `TABLE.md` (what fits, the smallest change) and `memory` figure |
+//! | `--matrix llm-24gb` | `workloads.rs` | Llama-family 0.5B-8B x seq 2048/4096 x `LLM_VARIANTS` |
+//! | | (the rest) | as `gpt2-24gb`; `measure/projection.rs` builds two blocks, deepens the profile |
 //! | `--baseline pytorch` | `run/baseline.rs` | `scripts/torch_baseline.py` on one configuration |
 //! | | `run/matrix.rs` | `baseline_beside`: PyTorch right after ours, and in the rounds |
 //! | | (`measure/`: none) | the script measures PyTorch |

@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// The record measures a query may ask for, with what each gives.
-pub const MEASURES: [(&str, &str); 21] = [
+pub const MEASURES: [(&str, &str); 23] = [
     ("activation/off", "activation peak over `off`'s, e.g. 0.41"),
     ("peak/off", "step peak over `off`'s"),
     ("total/off", "state plus step peak over `off`'s"),
@@ -43,6 +43,11 @@ pub const MEASURES: [(&str, &str); 21] = [
     ),
     ("state-max-rank", "the largest rank's state (data parallelism)"),
     ("predicted-total", "the predicted total"),
+    (
+        "predicted-time/off",
+        "the predicted step time over `off`'s (its projection's), as a change: +43%",
+    ),
+    ("total-error", "the predicted total against the measured one: +0.4%"),
     ("step-peak", "the step's peak above the state"),
     ("step-ms", "median step time, ms"),
     ("all-reduce-ms", "all-reduce time per step, ms"),
@@ -237,6 +242,12 @@ fn record_figure(m: &Matrix, r: &Record, measure: &str) -> Result<String> {
         "predicted-total" => {
             return Ok(size(r.predicted_total_bytes.context("the record has no predicted total")?))
         }
+        "predicted-time/off" => {
+            let projected = m.projections.iter().find(|p| p.model == r.model);
+            let row = projected.and_then(|p| p.rows.iter().find(|row| row.label == r.policy));
+            let row = row.context("the folder has no projection of the record's policy")?;
+            return Ok(format!("{:+.0}%", (row.time_ratio - 1.0) * 100.0));
+        }
         _ if !MEASURES.iter().any(|(name, _)| *name == measure) => {
             bail!("unknown measure `{measure}`; the measures are: {}", listed(&MEASURES))
         }
@@ -274,6 +285,10 @@ fn record_figure(m: &Matrix, r: &Record, measure: &str) -> Result<String> {
         "time/off-range" => format!("{} to {}", change(rounds()?.min), change(rounds()?.max)),
         "rounds" => rounds()?.rounds.len().to_string(),
         "total" => size(r.measured_total()),
+        "total-error" => {
+            let predicted = r.predicted_total_bytes.context("the record has no predicted total")?;
+            format!("{:+.1}%", (predicted as f64 / r.measured_total() as f64 - 1.0) * 100.0)
+        }
         "total-gb" => format!("{:.1} GB", r.measured_total() as f64 / 1e9),
         "saving" => size(off()?.measured_total().saturating_sub(r.measured_total())),
         "state-max-rank" => size(r.model_state_bytes_max_rank.ok_or_else(data_parallel)?),

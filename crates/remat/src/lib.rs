@@ -101,6 +101,18 @@ pub enum Error {
     )]
     #[allow(missing_docs)] // its fields are what its message names
     Recompute { stage: usize, name: String, output: usize },
+    /// Parameters given to the executor received no gradient in its first step.
+    #[error(
+        "{count} of the {of} parameters given to the executor received no gradient in the first \
+         step: {params}. Training would leave them as they are. The usual causes: an op with no \
+         backward in candle 0.11 between them and the loss (`candle_nn::LayerNorm::forward` on a \
+         contiguous input: use `candle_nn::ops::layer_norm_slow`; \
+         `candle_nn::ops::softmax_last_dim`: use `candle_nn::ops::softmax(x, D::Minus1)`; \
+         `candle_nn::ops::rms_norm`), a `detach()`, a parameter no stage reads. Parameters meant \
+         to get no gradient: `Executor::frozen`"
+    )]
+    #[allow(missing_docs)] // its fields are what its message names
+    NoGradient { count: usize, of: usize, params: String },
 }
 
 /// The engine's result type.

@@ -4,6 +4,7 @@
 use super::forward::StepRun;
 use super::grads::{ParamGrads, Reporter};
 use super::ops::seed;
+use super::state::Saved;
 use super::Live;
 use crate::memory::{set_activity, Activity, Phase};
 use crate::{Error, Result};
@@ -13,10 +14,12 @@ use candle_core::Tensor;
 impl<'e, 'g> StepRun<'e, 'g> {
     /// Every segment's backward, last first, recomputing all but the last (Rule 3), the finished
     /// parameter gradients reported as they complete (after the backward of the earliest stage
-    /// that uses each).
+    /// that uses each). `changed_by`: for each segment, the variables its forward changes, put
+    /// back after its recompute.
     pub(super) fn backward(
         &mut self,
         kept: Vec<Live>,
+        changed_by: &[Vec<usize>],
         sums: &mut ParamGrads,
         reporter: &mut Reporter,
     ) -> Result<()> {
@@ -31,7 +34,10 @@ impl<'e, 'g> StepRun<'e, 'g> {
                     for &v in &exec.segments[s].outputs {
                         self.stored[v] = None;
                     }
-                    self.run_segment(s, true, sums.bytes(&exec.params))?
+                    let saved = Saved::save(&exec.params, &changed_by[s])?;
+                    let runs = self.run_segment(s, true, sums.bytes(&exec.params))?;
+                    saved.restore()?;
+                    runs
                 }
             };
             SegmentBackward { s, runs }.run(self, sums, reporter)?;

@@ -1,6 +1,7 @@
 //! One step in flight ([`StepRun`]): its forward, segment by segment, and the segment runs that
 //! the forward and the recomputes share.
 
+use super::state::StateFinder;
 use super::{Executor, Live};
 use crate::graph::ValueId;
 use crate::keep::{Mode, Scope, Stash};
@@ -77,8 +78,13 @@ impl<'e, 'g> StepRun<'e, 'g> {
     }
 
     /// Every segment's forward, `grad_bytes` of parameter gradients held meanwhile: the loss and
-    /// the last segment's live runs.
-    pub(super) fn forward(&mut self, grad_bytes: u64) -> Result<(Tensor, Vec<Live>)> {
+    /// the last segment's live runs. With `finder` (the first step), the variables each segment
+    /// changes are found.
+    pub(super) fn forward(
+        &mut self,
+        grad_bytes: u64,
+        mut finder: Option<&mut StateFinder>,
+    ) -> Result<(Tensor, Vec<Live>)> {
         let segments = &self.exec.segments;
         let last = segments.len() - 1;
         for (s, seg) in segments.iter().enumerate().take(last) {
@@ -86,6 +92,9 @@ impl<'e, 'g> StepRun<'e, 'g> {
             // Rule 1, Rule 2: only the stored values outlive the segment's forward, detached.
             for &v in &seg.outputs {
                 self.stored[v] = Some(super::ops::stored_value(&live.values[&v])?);
+            }
+            if let Some(finder) = finder.as_deref_mut() {
+                finder.after_segment(&self.exec.params)?;
             }
         }
         // A `+keep=` that kept nothing would silently recompute everything: the graph runs none
@@ -98,6 +107,9 @@ impl<'e, 'g> StepRun<'e, 'g> {
         }
         // Rule 3: the last segment's graphs are kept for its backward.
         let kept = self.run_segment(last, false, grad_bytes)?;
+        if let Some(finder) = finder {
+            finder.after_segment(&self.exec.params)?;
+        }
         let output = self.exec.graph.output()?;
         let loss = kept
             .iter()

@@ -23,6 +23,10 @@
 //! adds them. That sum is accumulated in place, so a tied vocabulary-sized weight does not need
 //! three copies of its gradient at once.
 //!
+//! The first step also learns what later steps rely on: when each parameter's gradient is
+//! complete, which variables each segment's forward changes (put back after its recompute:
+//! [`state`]), and that every parameter received a gradient ([`Error::NoGradient`] otherwise).
+//!
 //! What a step holds, frees and recomputes when follows the rules of [`crate::rules`], which the
 //! planner replays to predict it; `// Rule N` marks where each is implemented.
 
@@ -30,6 +34,7 @@ mod backward;
 mod forward;
 mod grads;
 mod ops;
+mod state;
 
 pub use ops::seed;
 pub(crate) use ops::var_over;
@@ -41,9 +46,10 @@ use crate::policy::Policy;
 use crate::rules::Wiring;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{Tensor, TensorId, Var};
 use forward::StepRun;
 use grads::{grad_bytes, ParamGrads, Reporter};
+use state::StateFinder;
 use std::cell::{Cell, OnceCell};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -112,7 +118,8 @@ impl StepOutput {
     }
 }
 
-/// What the first step learns about the parameters' gradients; later steps only read it.
+/// What the first step learns about the parameters' gradients and state; later steps only read
+/// it.
 struct Schedule {
     /// How many stages give each parameter a gradient: a micro-batch after the first adds a
     /// parameter's gradient to the running sum once all of them are in ([`ParamGrads::add`]).
@@ -121,6 +128,9 @@ struct Schedule {
     /// whose outputs depend on it, as the first step's forward found ([`StepRun::first_users`];
     /// `None`: none does). [`Executor::accumulate_reporting`] reports it then.
     complete_after: Vec<Option<usize>>,
+    /// For each segment, the variables its forward changes ([`state`]): saved before its
+    /// recompute and put back after.
+    changed_by: Vec<Vec<usize>>,
 }
 
 /// Runs training steps of a [`StageGraph`] under a [`Policy`].
@@ -137,6 +147,10 @@ pub struct Executor<'g> {
     tell_recompute: bool,
     /// Compare each recomputed stage's outputs with its forward's ([`ops::digest`]).
     check_recompute: bool,
+    /// The parameters' names, where the caller gave them ([`Executor::named`]).
+    names: HashMap<TensorId, String>,
+    /// Parameters meant to get no gradient ([`Executor::frozen`]).
+    frozen: Vec<TensorId>,
     /// Learned by the first step, which starts from empty gradients.
     schedule: OnceCell<Schedule>,
     /// Backward starts from the loss times this (f16 loss scaling); the returned loss is unscaled.
@@ -184,6 +198,8 @@ impl<'g> Executor<'g> {
             replay_rng: true,
             tell_recompute: true,
             check_recompute: true,
+            names: HashMap::new(),
+            frozen: Vec::new(),
             schedule: OnceCell::new(),
             loss_scale: Cell::new(1.0),
         })
@@ -206,6 +222,21 @@ impl<'g> Executor<'g> {
     /// [`Error::Recompute`], naming it, instead of returning wrong gradients.
     pub fn without_recompute_check(mut self) -> Self {
         self.check_recompute = false;
+        self
+    }
+
+    /// The parameters' names, for the errors that name one: a candle-nn user passes
+    /// `&varmap.data().lock().unwrap()`. A parameter not named here is named by its place in
+    /// [`Executor::params`] and its shape.
+    pub fn named(mut self, names: &HashMap<String, Var>) -> Self {
+        self.names = names.iter().map(|(name, v)| (v.as_tensor().id(), name.clone())).collect();
+        self
+    }
+
+    /// Parameters meant to get no gradient (frozen, or trained by other means): the first step
+    /// does not fail for them ([`Error::NoGradient`]).
+    pub fn frozen(mut self, params: &[Var]) -> Self {
+        self.frozen = params.iter().map(|v| v.as_tensor().id()).collect();
         self
     }
 
@@ -295,20 +326,55 @@ impl<'g> Executor<'g> {
             (false, None) => return Err(Error::FirstMicroBatch),
         };
         let mut run = StepRun::start(self, inputs, step, schedule.is_none());
+        let mut finder =
+            schedule.is_none().then(|| StateFinder::start(&self.params)).transpose()?;
         // Rule 8: the earlier micro-batches' gradients are held throughout.
         let held = grad_bytes(&self.params, &grads);
-        let (loss, kept) = run.forward(held)?;
+        let (loss, kept) = run.forward(held, finder.as_mut())?;
         let first_users = run.first_users.take();
-        let complete_after = schedule
-            .map(|s| &s.complete_after[..])
-            .or(first_users.as_deref())
-            .expect("the first step finds the users");
+        let found = finder.map(StateFinder::finish);
+        let (complete_after, changed_by) = match (schedule, &first_users, &found) {
+            (Some(s), _, _) => (&s.complete_after[..], &s.changed_by[..]),
+            (None, Some(users), Some(found)) => (&users[..], &found[..]),
+            _ => unreachable!("the first step finds the users and the state"),
+        };
         let mut sums = ParamGrads::new(grads, expected, self.params.len());
-        run.backward(kept, &mut sums, &mut Reporter::new(finished, complete_after))?;
+        let mut reporter = Reporter::new(finished, complete_after);
+        run.backward(kept, changed_by, &mut sums, &mut reporter)?;
         let (grads, contributions) = sums.finish();
-        if let Some(complete_after) = first_users {
-            let _ = self.schedule.set(Schedule { contributions, complete_after });
+        if let (Some(complete_after), Some(changed_by)) = (first_users, found) {
+            self.check_gradients(&contributions, &changed_by)?;
+            let _ = self.schedule.set(Schedule { contributions, complete_after, changed_by });
         }
         Ok(StepOutput { loss, grads, timeline: run.timeline })
+    }
+
+    /// After the first step: fails naming the parameters that received no gradient (by
+    /// `contributions`), but those changed in forward (state, by `changed_by`) and those the
+    /// caller froze. candle drops a gradient without a word behind an op that records no backward.
+    fn check_gradients(&self, contributions: &[usize], changed_by: &[Vec<usize>]) -> Result<()> {
+        let state = |k: usize| changed_by.iter().any(|c| c.contains(&k));
+        let mut missing: Vec<String> = self
+            .params
+            .iter()
+            .enumerate()
+            .filter(|&(k, p)| {
+                contributions[k] == 0 && !state(k) && !self.frozen.contains(&p.as_tensor().id())
+            })
+            .map(|(k, p)| match self.names.get(&p.as_tensor().id()) {
+                Some(name) => format!("`{name}`"),
+                None => format!("parameter {k} {:?}", p.dims()),
+            })
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        missing.sort();
+        const SHOWN: usize = 8;
+        let mut params = missing[..missing.len().min(SHOWN)].join(", ");
+        if missing.len() > SHOWN {
+            params += &format!(" and {} more", missing.len() - SHOWN);
+        }
+        Err(Error::NoGradient { count: missing.len(), of: self.params.len(), params })
     }
 }
