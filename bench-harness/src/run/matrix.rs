@@ -31,7 +31,9 @@ type Config = (Workload, PolicyRequest);
 
 /// Runs the matrix `args` asks for (or renders its folder).
 pub fn run(mut args: MatrixArgs) -> Result<()> {
-    if let Some(profile) = args.matrix.fits_24gb() {
+    // `--matrix gpt2-24gb`, or its profile named with another matrix.
+    let asks_24gb = args.matrix.fits_24gb().or(args.common.profile.filter(|p| p.asks_24gb()));
+    if let Some(profile) = asks_24gb {
         fits_24gb::defaults(&mut args.common, profile)?;
     }
     check(&args)?;
@@ -179,7 +181,9 @@ fn on_path(program: &str) -> bool {
 /// `--policies` that apply to it.
 fn select(args: &MatrixArgs, profile: Profile) -> Result<(Vec<Workload>, Vec<Config>)> {
     let mut selected = Vec::new();
-    if matches!(args.matrix, MatrixKind::All | MatrixKind::Models) || profile.asks_24gb() {
+    if matches!(args.matrix, MatrixKind::All | MatrixKind::Models)
+        || args.matrix.fits_24gb().is_some()
+    {
         selected.extend(workloads::profile(profile));
     }
     if matches!(args.matrix, MatrixKind::All | MatrixKind::Depth) {
