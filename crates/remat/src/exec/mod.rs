@@ -25,7 +25,7 @@
 //!
 //! The first step also learns what later steps rely on: when each parameter's gradient is
 //! complete, which variables each segment's forward changes (put back after its recompute:
-//! [`state`]), and that every parameter received a gradient ([`Error::NoGradient`] otherwise).
+//! `exec/state.rs`), and that every parameter received a gradient ([`Error::NoGradient`] otherwise).
 //!
 //! What a step holds, frees and recomputes when follows the rules of [`crate::rules`], which the
 //! planner replays to predict it; `// Rule N` marks where each is implemented.
