@@ -209,7 +209,8 @@ fn smallest_change(m: &Matrix, profile: Profile, r: &Record) -> Option<String> {
         quickest_fit(m, shorter)
     };
     let fit = policy.or_else(state).or_else(shorter);
-    Some(fit.map_or("none of these".into(), |fit| describe_fit(m, fit, r)))
+    let none = || format!("none of these (its state alone: {} GiB)", cell(r.state_bytes()));
+    Some(fit.map_or_else(none, |fit| describe_fit(m, fit, r)))
 }
 
 /// Whether `r` was measured with freed memory given back at once: every step faulted its pages
@@ -564,10 +565,7 @@ fn policy_chart<DB: DrawingBackend>(
     let gib: Vec<f64> = records.iter().filter_map(|r| total(r)).map(units::gib).collect();
     let (lo, hi) = gib.iter().fold((16.0f64, 32.0f64), |(lo, hi), &g| (lo.min(g), hi.max(g)));
     let root = root
-        .titled(
-            &format!("The Llama family at batch 1: peak memory by policy ({})", sizes(m)),
-            ("sans-serif", 20),
-        )
+        .titled("The Llama family at batch 1: peak memory by policy", ("sans-serif", 20))
         .map_err(plot_err)?;
     let panels = root.split_evenly((1, seqs.len().max(1)));
     let n = rows.len().max(1) as i32;
@@ -589,8 +587,11 @@ fn policy_chart<DB: DrawingBackend>(
         chart
             .configure_mesh()
             .disable_y_mesh()
+            .light_line_style(TRANSPARENT)
             .y_labels(n as usize)
             .y_label_formatter(&label)
+            .x_labels(6)
+            .x_label_formatter(&|gib| format!("{gib:.0}"))
             .x_desc("GiB at the step's peak (log; hollow: predicted)")
             .draw()
             .map_err(plot_err)?;
@@ -611,7 +612,7 @@ fn policy_chart<DB: DrawingBackend>(
                     Circle::new(at, 5, shape)
                 }))
                 .map_err(plot_err)?;
-            if k == 0 {
+            if k + 1 == seqs.len() {
                 series
                     .label(policy.to_string())
                     .legend(move |(x, y)| Circle::new((x + 8, y), 5, style.filled()));
@@ -625,8 +626,9 @@ fn policy_chart<DB: DrawingBackend>(
             .map_err(plot_err)?
             .label("24 GiB")
             .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
-        if k == 0 {
-            plot::legend(&mut chart, SeriesLabelPosition::LowerRight)?;
+        // In the last panel, bottom left: the largest models' marks lie right of it.
+        if k + 1 == seqs.len() {
+            plot::legend(&mut chart, SeriesLabelPosition::LowerLeft)?;
         }
     }
     Ok(())
