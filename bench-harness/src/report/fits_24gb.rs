@@ -679,7 +679,7 @@ mod tests {
 
     /// The smallest change that fits: the quickest fitting policy first, then another way of
     /// holding the state (in the profile's order, never LoRA for full fine-tuning), then a shorter
-    /// sequence; "none of these" where nothing fits.
+    /// sequence; "none of these", with the state's size, where nothing fits.
     #[test]
     fn the_smallest_change_that_fits() {
         let times = [("off", 1.0), ("sqrt", 1.4), ("every-two-blocks", 1.3)];
@@ -714,7 +714,13 @@ mod tests {
             Some("f32-adamw, `every-two-blocks` (22.00 GiB, 1.30x off)"),
             "f32-adamw comes first in the order of preference"
         );
-        assert_eq!(change(7).as_deref(), Some("none of these"));
+        // With its state's size: what no policy can remove.
+        let lora_state = Prediction { params: 15 * GIB, ..Prediction::default() };
+        let lora = Record { predicted: Some(lora_state), ..m.records[7].clone() };
+        assert_eq!(
+            smallest_change(&m, Profile::Llm24gb, &lora).as_deref(),
+            Some("none of these (its state alone: 15.00 GiB)")
+        );
         // Without f32-adamw's rows, bf16-weights at 4096 takes the optimizer inside backward.
         let without_f32 = Matrix {
             records: m
