@@ -15,7 +15,10 @@ fn every_claim_has_a_status_a_command_and_evidence_that_exists() {
         .filter(|l| l.starts_with("| C"))
         .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
         .collect();
-    assert_eq!(rows.len(), 15, "the article makes 15 claims");
+    // The article's fifteen (`C1`..`C15`), and its questions asked again of today's models
+    // (`C14+`: C14 of the Llama family).
+    let article = rows.iter().filter(|r| r[0][1..].chars().all(|c| c.is_ascii_digit())).count();
+    assert_eq!(article, 15, "the article makes 15 claims");
     for row in rows {
         let [id, claim, status, command, evidence] = row[..] else {
             panic!("a claim row needs 5 cells: {row:?}")
