@@ -156,14 +156,11 @@ pub struct Shapes {
 impl Shapes {
     /// The shapes of a built model's parameters and adapters.
     pub fn of(store: &ParamStore) -> Shapes {
-        let (adapters, base): (Vec<_>, Vec<_>) = store
-            .named()
-            .chain(store.frozen())
-            .partition(|(name, _)| params::lora::is_adapter(name));
-        let dims = |named: Vec<(&str, &candle_core::Var)>| {
-            named.into_iter().map(|(_, v)| v.dims().to_vec()).collect()
-        };
-        Shapes { base: dims(base), adapters: dims(adapters) }
+        use params::lora::is_adapter;
+        Shapes {
+            base: trainable::shapes_where(store, |name| !is_adapter(name)),
+            adapters: trainable::shapes_where(store, is_adapter),
+        }
     }
 
     /// The parameters that train, and those that do not.

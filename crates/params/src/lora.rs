@@ -100,6 +100,18 @@ impl Lora {
         Freeze::all_but(&[format!("*.{LORA_A}"), format!("*.{LORA_B}")])
     }
 
+    /// The shapes of the adapters beside `layers` (each its name, input and output widths): A
+    /// (rank, in) and B (out, rank) for each layer it targets.
+    pub fn adapter_shapes(
+        &self,
+        layers: impl IntoIterator<Item = (String, usize, usize)>,
+    ) -> Vec<Vec<usize>> {
+        let adapted = layers.into_iter().filter(|(name, _, _)| self.targets(name));
+        adapted
+            .flat_map(|(_, n_in, n_out)| [vec![self.rank, n_in], vec![n_out, self.rank]])
+            .collect()
+    }
+
     /// Of `targets`, those no layer named in `layers` matches (a typo adapts nothing).
     pub fn unmatched_targets<'a>(&'a self, layers: &[&str]) -> Vec<&'a str> {
         self.targets

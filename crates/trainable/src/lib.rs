@@ -258,10 +258,14 @@ fn built_shapes<M: Benchable>(
     config: &M::Config,
     keep: impl Fn(&str) -> bool,
 ) -> Result<Vec<Vec<usize>>> {
-    let model = M::build(config, &Device::Cpu, 0)?;
-    let store = model.params();
+    Ok(shapes_where(M::build(config, &Device::Cpu, 0)?.params(), keep))
+}
+
+/// The shapes of the parameters of `store`, trained or frozen, whose names `keep` accepts
+/// (`params::lora::is_adapter`, say), in name order.
+pub fn shapes_where(store: &ParamStore, keep: impl Fn(&str) -> bool) -> Vec<Vec<usize>> {
     let all = store.named().chain(store.frozen());
-    Ok(all.filter(|(name, _)| keep(name)).map(|(_, v)| v.dims().to_vec()).collect())
+    all.filter(|(name, _)| keep(name)).map(|(_, v)| v.dims().to_vec()).collect()
 }
 
 /// The optimizers a run can train with, by name (`sgd`, `adamw`, `adafactor`: the trainers' and

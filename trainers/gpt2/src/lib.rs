@@ -506,12 +506,11 @@ impl trainable::Benchable for Gpt2 {
             ("mlp.c_fc", c, 4 * c),
             ("mlp.c_proj", 4 * c, c),
         ];
-        let adapted = (0..config.n_layer)
-            .flat_map(|l| layer.map(|(name, n_in, n_out)| (format!("h.{l}.{name}"), n_in, n_out)))
-            .filter(|(name, _, _)| lora.targets(name));
-        Ok(adapted
-            .flat_map(|(_, n_in, n_out)| [vec![lora.rank, n_in], vec![n_out, lora.rank]])
-            .collect())
+        Ok(lora.adapter_shapes(
+            (0..config.n_layer).flat_map(|l| {
+                layer.map(|(name, n_in, n_out)| (format!("h.{l}.{name}"), n_in, n_out))
+            }),
+        ))
     }
 
     fn synthetic_data(&self, seq: usize, seed: u64) -> Result<Self::Data> {

@@ -309,7 +309,6 @@ impl trainable::Model for Llama {
     }
 }
 
-/// Synthetic text: the byte tokens of a generated corpus, in sequences of the given length.
 /// Every projection of a model of `config`: its layer name, input and output widths.
 fn linears(config: &Config) -> Vec<(String, usize, usize)> {
     let (c, i, hd) = (config.hidden_size, config.intermediate_size, config.head_dim);
@@ -330,6 +329,7 @@ fn linears(config: &Config) -> Vec<(String, usize, usize)> {
         .collect()
 }
 
+/// Synthetic text: the byte tokens of a generated corpus, in sequences of the given length.
 impl trainable::Benchable for Llama {
     type Config = Config;
     type Data = (datasets::tokens::Batcher, usize);
@@ -377,10 +377,7 @@ impl trainable::Benchable for Llama {
 
     /// From the configuration: A (rank, in) and B (out, rank) beside each targeted projection.
     fn adapter_shapes(config: &Config) -> Result<Vec<Vec<usize>>> {
-        let Some(lora) = &config.lora else { return Ok(Vec::new()) };
-        let adapted = linears(config).into_iter().filter(|(name, _, _)| lora.targets(name));
-        let r = lora.rank;
-        Ok(adapted.flat_map(|(_, n_in, n_out)| [vec![r, n_in], vec![n_out, r]]).collect())
+        Ok(config.lora.as_ref().map_or_else(Vec::new, |lora| lora.adapter_shapes(linears(config))))
     }
 
     fn shallow(config: &Config, blocks: usize) -> Option<(Config, usize)> {

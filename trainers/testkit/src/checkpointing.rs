@@ -128,16 +128,13 @@ impl<M: Model> Training<'_, M> {
 /// parameters, trained or frozen, and its LoRA adapters.
 pub fn assert_parameter_shapes_match_the_model<M: trainable::Benchable>(config: &M::Config) {
     let model = M::build(config, &candle_core::Device::Cpu, 0).unwrap();
-    let store = model.params();
-    let (adapters, base): (Vec<_>, Vec<_>) =
-        store.named().chain(store.frozen()).partition(|(name, _)| params::lora::is_adapter(name));
+    let is_adapter = params::lora::is_adapter;
+    let built = |keep: &dyn Fn(&str) -> bool| trainable::shapes_where(model.params(), keep);
     let sorted = |mut shapes: Vec<Vec<usize>>| {
         shapes.sort();
         shapes
     };
-    let built = |named: Vec<(&str, &candle_core::Var)>| {
-        sorted(named.iter().map(|(_, v)| v.dims().to_vec()).collect())
-    };
-    assert_eq!(sorted(M::parameter_shapes(config).unwrap()), built(base), "{config:?}");
-    assert_eq!(sorted(M::adapter_shapes(config).unwrap()), built(adapters), "{config:?}");
+    let (base, adapters) = (built(&|name| !is_adapter(name)), built(&is_adapter));
+    assert_eq!(sorted(M::parameter_shapes(config).unwrap()), sorted(base), "{config:?}");
+    assert_eq!(sorted(M::adapter_shapes(config).unwrap()), sorted(adapters), "{config:?}");
 }
