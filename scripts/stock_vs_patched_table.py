@@ -1,6 +1,6 @@
 """The table of scripts/stock-vs-patched.sh: from OUT/runs/*.json, per model and policy, the step
-peak (round 1) and the step time (the median of every round's median) on each build, and their
-ratios. Usage: stock_vs_patched_table.py OUT COMMIT PROFILE."""
+peak (round 1) on each build, patch by patch, beside PyTorch's on the same segments, and the step
+time (the median of every round's median). Usage: stock_vs_patched_table.py OUT COMMIT PROFILE."""
 
 import json
 import pathlib
@@ -9,30 +9,54 @@ import statistics
 import sys
 
 out, commit, profile = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+BUILDS = ["release", "0001", "0002", "0003", "patched"]
+HEADS = ["release", "+0001", "+0002", "+0003", "+0004 = patched"]
 runs = {}
 for f in sorted(out.glob("runs/*.json")):
     build, rest = f.stem.split("-", 1)
     name, rnd = rest.rsplit("-r", 1)
     model, policy = name.rsplit("-", 1)
     runs.setdefault((model, policy), {}).setdefault(build, {})[int(rnd)] = json.loads(f.read_text())
+rows = [(key, b) for key, b in runs.items() if all(1 in b.get(x, {}) for x in BUILDS)]
 
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
 flags = open("/proc/cpuinfo").read()
 vec = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
-mib = lambda b: f"{b / 2**20:.1f} MiB"
-print("# What the vendored candle-core buys (CPU)\n")
-print(f"Command: `scripts/stock-vs-patched.sh` (commit {commit}; each configuration a fresh `bench-harness run-one --profile {profile}` process, the two builds in turn)  ")
+mib = lambda b: f"{b / 2**20:.1f}"
+peak = lambda b: b[1]["step_peak_bytes"]
+time = lambda b: statistics.median(r["step_ms_median"] for r in b.values())
+
+print("# What the vendored candle-core buys, patch by patch (CPU)\n")
+print(f"Command: `scripts/stock-vs-patched.sh` (commit {commit}; each configuration a fresh `bench-harness run-one --profile {profile}` process per build, the builds in turn; PyTorch by `scripts/torch_baseline.py` on the segments our policy chose)  ")
 print(f"Machine: {cpu}, {vec}, 2 cores\n")
-print("*patched*: this repository's build, remat with `patched-candle` over `vendor/candle-core`; *stock*: the same commit on candle-core 0.11.1 as published. Step peak: the step's heap peak above the model state (round 1); step time: the median over the rounds of each round's median of 3 timed steps; grads: bit-identical to plain candle on that build.\n")
-print("| model | policy | step peak patched | step peak stock | stock / patched | step time patched | step time stock | stock / patched | grads patched / stock | planner's peak stock, error |")
-print("|---|---|---|---|---|---|---|---|---|---|")
-for (model, policy), builds in sorted(runs.items(), key=lambda kv: (list(runs).index(kv[0]))):
-    p, s = builds.get("patched", {}), builds.get("stock", {})
-    if 1 not in p or 1 not in s:
-        continue
-    t = lambda b: statistics.median(r["step_ms_median"] for r in b.values())
-    pk = lambda b: b[1]["step_peak_bytes"]
-    pred = s[1].get("predicted_peak_bytes")
-    err = f"{mib(pred)}, {100 * (pred / pk(s) - 1):+.2f}%" if pred else "-"
-    same = lambda b: "yes" if b[1].get("grads_bit_identical") else "no"
-    print(f"| {model} | {policy} | {mib(pk(p))} | {mib(pk(s))} | {pk(s) / pk(p):.2f} | {t(p):.0f} ms | {t(s):.0f} ms | {t(s) / t(p):.2f} | {same(p)} / {same(s)} | {err} |")
+print("Builds of one commit, each adding one patch of `vendor/patches` to the one before (they apply in that order): *release* is candle-core 0.11.1 as published, remat without `patched-candle` (a stage graph reads each float input through a copy, `Var::from_tensor`); *+0002* switches remat to `patched-candle` (`Var::sharing`: no copies); *+0004* is this repository's build. A column's change from the one before is its patch's.\n")
+print("## Step peak (MiB above the model state, round 1)\n")
+print("| model | policy | " + " | ".join(HEADS) + " | release / patched | PyTorch | release / PyTorch | patched / PyTorch |")
+print("|---|---|" + "---|" * (len(HEADS) + 4))
+for (model, policy), b in rows:
+    pt = b.get("pytorch", {}).get(1, {}).get("step_peak_bytes")
+    vs = lambda x: f"{x / pt:.2f}" if pt else "-"
+    print(f"| {model} | {policy} | " + " | ".join(mib(peak(b[x])) for x in BUILDS)
+          + f" | {peak(b['release']) / peak(b['patched']):.2f} | {mib(pt) if pt else '-'} | {vs(peak(b['release']))} | {vs(peak(b['patched']))} |")
+print("\n## Where the release's extra peak is (the planner's breakdown at the peak, release minus patched, MiB)\n")
+print("*held*: activations and the stage graphs' inputs (remat's copies on the release); *in backward*: the buffers of the backward running at the peak (candle's gradient sums: zeros, the gradient, their sum); *gradients*: parameter and value gradients held.\n")
+print("| model | policy | held | in backward | gradients | total |")
+print("|---|---|---|---|---|---|")
+for (model, policy), b in rows:
+    at = lambda x: b[x][1]["estimate"]["at_peak"]
+    d = lambda k: at("release")[k] - at("patched")[k]
+    grads = d("param_grads") + d("value_grads")
+    held = d("live") + d("stored") + d("kept")
+    print(f"| {model} | {policy} | {mib(held)} | {mib(d('transient'))} | {mib(grads)} | {mib(held + d('transient') + grads)} |")
+print("\n## Step time (ms) and checks\n")
+print("Step time: the median of 3 timed steps after a warm-up; release and patched: the median over the rounds (round 1 and the time-only rounds), the others round 1's. Grads: bit-identical to plain candle on that build. Planner: the predicted step peak's error.\n")
+print("| model | policy | " + " | ".join(HEADS) + " | release / patched | PyTorch | grads (5 builds) | planner, release / patched |")
+print("|---|---|" + "---|" * (len(HEADS) + 4))
+for (model, policy), b in rows:
+    pt = b.get("pytorch", {}).get(1, {}).get("step_ms_median")
+    same = "yes" if all(b[x][1].get("grads_bit_identical") for x in BUILDS) else "no: " + ", ".join(x for x in BUILDS if not b[x][1].get("grads_bit_identical"))
+    def err(x):
+        pred = b[x][1].get("predicted_peak_bytes")
+        return f"{100 * (pred / peak(b[x]) - 1):+.2f}%" if pred else "-"
+    print(f"| {model} | {policy} | " + " | ".join(f"{time(b[x]):.0f}" for x in BUILDS)
+          + f" | {time(b['release']) / time(b['patched']):.2f} | {f'{pt:.0f}' if pt else '-'} | {same} | {err('release')} / {err('patched')} |")
