@@ -39,18 +39,24 @@ mkdir -p "$bins"
 cp target/release/bench-harness "$bins/patched"
 # The variants, built one after the other in one worktree (candle's dependencies are built once).
 patches=(vendor/patches/0001-*.patch vendor/patches/0002-*.patch vendor/patches/0003-*.patch vendor/patches/0004-*.patch)
+cargo fetch -q --manifest-path crates/remat/Cargo.toml
+release=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-core-0.11.1 | head -1)
 cp "$tree/Cargo.toml" "$bins/Cargo.toml.head"
 for build in release 0001 0002 0003; do
   cp "$bins/Cargo.toml.head" "$tree/Cargo.toml"
-  rm -rf "$tree/vendor/candle-core" && cp -r vendor/candle-core "$tree/vendor/candle-core"
   case $build in
     release) applied=0 ;;
     *) applied=$((10#$build)) ;;
   esac
-  # vendor/candle-core is the release plus all four: take back those after `applied`, last first.
-  for ((k = ${#patches[@]} - 1; k >= applied; k--)); do
-    patch -s -R -p1 -d "$tree/vendor/candle-core" < "${patches[$k]}"
+  # As vendor/check.sh makes vendor/candle-core: the release from cargo's registry, patched (here
+  # with the first `applied` patches), with the vendored copy's manifest (no example, test or
+  # bench targets).
+  rm -rf "$tree/vendor/candle-core" && cp -r "$release" "$tree/vendor/candle-core"
+  chmod -R u+w "$tree/vendor/candle-core"
+  for p in "${patches[@]:0:applied}"; do
+    patch -s -p1 -d "$tree/vendor/candle-core" < "$p"
   done
+  cp vendor/candle-core/Cargo.toml "$tree/vendor/candle-core/Cargo.toml"
   if [ "$build" = release ]; then
     sed -i '/^\[patch.crates-io\]/,/^$/d' "$tree/Cargo.toml"
     ! grep -q 'patch.crates-io' "$tree/Cargo.toml"
