@@ -38,6 +38,13 @@ pub enum Policy {
     /// named (`matmul`, `conv`, `attention`, joined by `+`) kept from the forward instead of
     /// computing them again (selective recompute, [`crate::keep`]).
     Keep(Box<Policy>, OpSet),
+    /// `POLICY+units=K` (or `K1,K2,...`, one per segment): `POLICY`'s segments, each one's graphs
+    /// built and run backward K stages at a time (backward units, [`crate::rules`] Rule 11)
+    /// instead of one stage at a time. A unit reads the values its own stages produce as they
+    /// are, not through variables: on candle as published, where each such variable is a copy,
+    /// that saves the copies, and costs holding the unit's activations until its whole backward
+    /// has run.
+    Units(Box<Policy>, Vec<usize>),
 }
 
 /// What `--policy` asks for: a policy, or the planner's choice for a memory budget.
@@ -51,6 +58,9 @@ pub enum PolicyRequest {
     /// `budget=` with the memory the device has free, less a margin (CUDA), or the memory cap
     /// the run is given (CPU).
     Auto,
+    /// `POLICY+units=auto`: the policy's segments, each one's backward unit chosen by the planner
+    /// (the size whose predicted peak is lowest; see [`Policy::Units`]).
+    ChooseUnits(Policy),
 }
 
 /// Why a policy was refused.
@@ -75,7 +85,8 @@ pub enum PolicyError {
 
 const VALID: &str = "off, sqrt, every-two-blocks, every-n=K (K >= 1), before-downsample, \
     explicit=I,J,... (block indices), plan=I,J,... (stage indices), budget=SIZE (e.g. 2GiB), auto; \
-    and POLICY+keep=OPS (OPS from matmul, conv, attention, joined by +: selective recompute)";
+    POLICY+keep=OPS (OPS from matmul, conv, attention, joined by +: selective recompute); \
+    and POLICY+units=K, K1,K2,... (one per segment) or auto (stages per backward unit)";
 
 impl FromStr for PolicyRequest {
     type Err = PolicyError;
@@ -93,6 +104,25 @@ impl FromStr for PolicyRequest {
                 .collect()
         };
         let fixed = |p| Ok(PolicyRequest::Fixed(p));
+        if let Some((cut, units)) = s.trim().rsplit_once("+units=") {
+            let Some(policy) = cut.parse::<PolicyRequest>()?.fixed().cloned() else {
+                return Err(invalid(
+                    "units= goes with a policy that cuts; a request to the planner chooses its \
+                     units itself",
+                ));
+            };
+            if matches!(policy, Policy::Units(..)) {
+                return Err(invalid("units= is given twice"));
+            }
+            if units.trim() == "auto" {
+                return Ok(PolicyRequest::ChooseUnits(policy));
+            }
+            let sizes = list(units)?;
+            if sizes.is_empty() || sizes.contains(&0) {
+                return Err(invalid("units= takes stage counts >= 1, or auto"));
+            }
+            return fixed(Policy::Units(Box::new(policy), sizes));
+        }
         if let Some((cut, ops)) = s.trim().split_once("+keep=") {
             let keep: OpSet = ops.parse().map_err(|e: String| invalid(&e))?;
             return match cut.parse::<PolicyRequest>()? {
@@ -155,6 +185,7 @@ impl fmt::Display for Policy {
             Policy::BeforeBlocks(v) => write!(f, "explicit={}", joined(v)),
             Policy::BeforeStages(v) => write!(f, "plan={}", joined(v)),
             Policy::Keep(cut, keep) => write!(f, "{cut}+keep={keep}"),
+            Policy::Units(cut, sizes) => write!(f, "{cut}+units={}", joined(sizes)),
         }
     }
 }
@@ -167,6 +198,7 @@ impl fmt::Display for PolicyRequest {
                 write!(f, "budget={}", crate::memory::format_size(*bytes))
             }
             PolicyRequest::Auto => write!(f, "auto"),
+            PolicyRequest::ChooseUnits(p) => write!(f, "{p}+units=auto"),
         }
     }
 }
@@ -196,7 +228,40 @@ impl Policy {
     pub fn keeps(&self) -> OpSet {
         match self {
             Policy::Keep(_, keep) => *keep,
+            Policy::Units(cut, _) => cut.keeps(),
             _ => OpSet::default(),
+        }
+    }
+
+    /// How many stages each of `segments` segments runs backward at a time (1 but for
+    /// `+units=`; Rule 11).
+    pub fn units(&self, segments: usize) -> Result<Vec<usize>, PolicyError> {
+        match self {
+            Policy::Units(_, sizes) if sizes.len() == 1 => Ok(vec![sizes[0]; segments]),
+            Policy::Units(_, sizes) if sizes.len() == segments => Ok(sizes.clone()),
+            Policy::Units(_, sizes) => Err(PolicyError::NotApplicable {
+                policy: self.to_string(),
+                why: format!(
+                    "units= gives one size for every segment or one per segment: {} given, the \
+                     policy cuts {segments} segments",
+                    sizes.len()
+                ),
+            }),
+            _ => Ok(vec![1; segments]),
+        }
+    }
+
+    /// The policy with `units` stages per backward unit in its segments, in order (`+units=`;
+    /// none where every unit is one stage).
+    pub fn with_units(&self, units: &[usize]) -> Policy {
+        let cut = match self {
+            Policy::Units(cut, _) => cut.as_ref().clone(),
+            p => p.clone(),
+        };
+        if units.iter().all(|&k| k == 1) {
+            cut
+        } else {
+            Policy::Units(Box::new(cut), units.to_vec())
         }
     }
 
@@ -242,7 +307,7 @@ impl Policy {
                 }
                 None => starts.clone(),
             },
-            Policy::Keep(cut, _) => return cut.segments_of(kinds),
+            Policy::Keep(cut, _) | Policy::Units(cut, _) => return cut.segments_of(kinds),
         };
         let mut cuts: Vec<usize> =
             std::iter::once(0).chain(starts).chain(std::iter::once(n)).collect();
@@ -311,6 +376,10 @@ mod tests {
             "auto",
             "sqrt+keep=matmul+attention",
             "plan=2+keep=conv",
+            "sqrt+units=2",
+            "plan=2,5+units=1,3,2",
+            "sqrt+keep=matmul+units=4",
+            "off+units=auto",
         ] {
             assert_eq!(s.parse::<PolicyRequest>().unwrap().to_string(), s);
         }
@@ -338,6 +407,10 @@ mod tests {
             "sqrt+keep=gemm",
             "off+keep=matmul",
             "auto+keep=conv",
+            "sqrt+units=0",
+            "sqrt+units=",
+            "budget=1GiB+units=2",
+            "sqrt+units=2+units=3",
         ] {
             let e = bad.parse::<PolicyRequest>().unwrap_err().to_string();
             assert!(e.contains("every-two-blocks") && e.contains("before-downsample"), "{e}");
@@ -356,6 +429,12 @@ mod tests {
         assert_eq!(seg("explicit=0,5"), vec![0..2, 2..7, 7..12]);
         assert_eq!(seg("plan=1,6"), vec![0..1, 1..6, 6..12]);
         assert_eq!(seg("sqrt+keep=matmul"), seg("sqrt"), "keep= leaves the cuts as they are");
+        assert_eq!(seg("sqrt+units=2"), seg("sqrt"), "units= leaves the cuts as they are");
+        let units = |p: &str| p.parse::<Policy>().unwrap().units(3);
+        assert_eq!(units("sqrt").unwrap(), [1, 1, 1]);
+        assert_eq!(units("sqrt+units=2").unwrap(), [2, 2, 2]);
+        assert_eq!(units("sqrt+units=1,3,2").unwrap(), [1, 3, 2]);
+        assert!(units("sqrt+units=1,3").unwrap_err().to_string().contains("3 segments"));
         assert!(seg_err(&g, "plan=12").contains("stage 12 does not exist"));
         assert!(seg_err(&g, "explicit=9").contains("block 9 does not exist"));
     }

@@ -50,6 +50,14 @@
 //!   keeps the outputs of the named ops from its forward (while the forward runs, their op graph
 //!   holds them anyway), held until its recompute replays each in its op's place: the copy joins
 //!   the stage's graph as the kept output goes. A replayed op is not computed again.
+//! - Rule 11: under `+units=K` ([`crate::Policy::Units`]) a segment's stages are cut, in order,
+//!   into backward units of K stages (the last may be shorter); Rules 4, 6 and 9 apply to a
+//!   unit as they do to a stage. A unit's graphs read the float values its own stages produce as
+//!   they are (no `Var`: on candle as published, no copy) and the others through `Var`s (Rule 4,
+//!   made by the first reader outside the producer's unit); its backward is one candle backward
+//!   from the loss and the seeds of all its stages' outputs, which holds every stage of the unit
+//!   until it returns; the unit is then dropped, and its stages' events are recorded after it,
+//!   last stage first, each once the gradients complete after that stage are reported.
 
 use crate::graph::ValueId;
 

@@ -120,6 +120,7 @@ fn all_plans(p: &Profile) -> Vec<(Vec<usize>, f64, u64)> {
                 .collect();
             let e = p.predict(
                 &segments(&starts, p.stages.len()),
+                &vec![1; starts.len()],
                 remat::keep::OpSet::default(),
                 remat::plan::Grads::Gathered,
             );

@@ -100,10 +100,15 @@ fn the_planner_replays_the_executors_bookkeeping_event_by_event() {
         "plan=2,5",
         "sqrt+keep=matmul",
         "plan=2,5+keep=matmul",
+        "off+units=2",
+        "off+units=8",
+        "sqrt+units=2",
+        "plan=2,5+units=2,3,1",
+        "plan=2,5+keep=matmul+units=3",
     ] {
         let policy = policy.parse::<Policy>().unwrap();
         let exec = Executor::new(&g, &policy, ws.clone(), SEED).unwrap();
-        let cut = (exec.segments(), policy.keeps());
+        let cut = (exec.segments(), exec.units(), policy.keeps());
         let (segments, policy) = (&cut.0, policy.to_string());
         assert_eq!(
             exec.stored_values(),
@@ -151,19 +156,20 @@ fn the_planner_replays_the_executors_bookkeeping_event_by_event() {
     }
 }
 
-/// The executor's `events` of a step cut into segments, keeping the ops of a set (`cut`), against
+/// The executor's `events` of a step cut into segments run backward in units, keeping the ops of
+/// a set (`cut`), against
 /// the planner's replay, with what the step does with parameter `grads`; `base`: the heap
 /// before those.
 fn replays(
     at: &str,
     profile: &Profile,
-    (segments, keep): &(Vec<std::ops::Range<usize>>, OpSet),
+    (segments, units, keep): &(Vec<std::ops::Range<usize>>, Vec<usize>, OpSet),
     grads: Grads,
     events: &[Event],
     base: u64,
 ) {
-    let predicted = profile.timeline(segments, *keep, grads);
-    let estimate = profile.predict(segments, *keep, grads);
+    let predicted = profile.timeline(segments, units, *keep, grads);
+    let estimate = profile.predict(segments, units, *keep, grads);
     assert_eq!(
         predicted.iter().map(|p| p.peak.total()).max(),
         Some(estimate.peak),

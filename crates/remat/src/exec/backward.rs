@@ -10,6 +10,7 @@ use crate::memory::{set_activity, Activity, Phase};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
+use std::ops::Range;
 
 impl<'e, 'g> StepRun<'e, 'g> {
     /// Every segment's backward, last first, recomputing all but the last (Rule 3), the finished
@@ -47,7 +48,8 @@ impl<'e, 'g> StepRun<'e, 'g> {
     }
 }
 
-/// The backward of one segment: the live runs of its stages, walked last first.
+/// The backward of one segment: the live runs of its stages, walked last first, one backward unit
+/// at a time (a stage, or K stages under `+units=K`: Rule 11).
 struct SegmentBackward {
     s: usize,
     runs: Vec<Live>,
@@ -61,72 +63,79 @@ impl SegmentBackward {
         reporter: &mut Reporter,
     ) -> Result<()> {
         let exec = step.exec;
-        for i in exec.segments[self.s].stages.clone().rev() {
-            let live = self.runs.pop().expect("one live run per stage");
-            self.stage(i, live, step, sums, reporter)?;
-            reporter.after_stage(i, &mut sums.sum)?;
-            // Rule 9: after Rule 6's drop, and after the caller took what was reported.
-            step.timeline.record(Phase::Backward, i, sums.bytes(&exec.params));
+        for unit in exec.segments[self.s].units.iter().rev() {
+            let lives = self.runs.split_off(self.runs.len() - unit.len());
+            self.unit(unit, lives, step, sums, reporter)?;
+            for i in unit.clone().rev() {
+                reporter.after_stage(i, &mut sums.sum)?;
+                // Rule 9: after Rule 6's drop, and after the caller took what was reported.
+                step.timeline.record(Phase::Backward, i, sums.bytes(&exec.params));
+            }
         }
         Ok(())
     }
 
-    /// Stage `i`'s backward: its parameter gradients into `sums`, its input gradients passed on.
-    /// Rule 6: its run is dropped on return.
-    fn stage(
+    /// The backward of the stages in `unit` (`lives`: their runs, in order): their parameter
+    /// gradients into `sums`, the gradients of what they read from outside the unit passed on.
+    /// Rule 6: the runs are dropped on return.
+    fn unit(
         &self,
-        i: usize,
-        live: Live,
+        unit: &Range<usize>,
+        lives: Vec<Live>,
         step: &mut StepRun,
         sums: &mut ParamGrads,
         reporter: &Reporter,
     ) -> Result<()> {
-        let Some(root) = self.root(i, &live, step)? else { return Ok(()) };
-        set_activity(Activity::Backward, Some(i));
+        let Some(root) = self.root(unit, &lives, step)? else { return Ok(()) };
+        set_activity(Activity::Backward, Some(unit.end - 1));
         let mut grads = root.backward()?;
         for (k, p) in step.exec.params.iter().enumerate() {
             if let Some(g) = grads.remove(p.as_tensor()) {
                 if reporter.reported(k) {
                     // Its update may have run already: stop rather than train on part of it.
                     let msg = format!(
-                        "stage {i} gave parameter {k} a gradient after it was reported complete: \
-                         its forward did not show the use"
+                        "stages {unit:?} gave parameter {k} a gradient after it was reported \
+                         complete: their forward did not show the use"
                     );
                     return Err(Error::Graph(msg));
                 }
                 sums.add(k, p, g.detach())?;
             }
         }
-        Self::pass_on(&live, &mut grads, step)
+        lives.iter().try_for_each(|live| Self::pass_on(live, &mut grads, step))
     }
 
-    /// What stage `i`'s backward starts from: the loss (scaled) if the stage computes it, plus a
-    /// seed for each output whose gradient is waiting (Rule 7: taken up here); `None` when
-    /// nothing flows into the stage.
-    fn root(&self, i: usize, live: &Live, step: &mut StepRun) -> Result<Option<Tensor>> {
+    /// What the backward of `unit` starts from: the loss (scaled) if a stage of it computes it,
+    /// plus a seed for each output whose gradient is waiting (Rule 7: taken up here); `None`
+    /// when nothing flows into the unit.
+    fn root(&self, unit: &Range<usize>, lives: &[Live], step: &mut StepRun) -> Result<Option<Tensor>> {
         let exec = step.exec;
         let output = exec.graph.output()?;
-        let outputs = &exec.graph.nodes()[i].outputs;
-        let mut root = if self.s == exec.segments.len() - 1 && outputs.contains(&output) {
-            let loss = &live.values[&output];
-            let scale = exec.loss_scale.get();
-            Some(if scale == 1.0 { loss.clone() } else { (loss * scale)? })
-        } else {
-            None
+        let mut root: Option<Tensor> = None;
+        let mut add = |t: Tensor| -> Result<()> {
+            root = Some(match root.take() {
+                Some(r) => (r + t)?,
+                None => t,
+            });
+            Ok(())
         };
-        for &v in outputs {
-            if let Some(g) = step.value_grads.remove(&v) {
-                let seeded = seed(&live.values[&v], g)?;
-                root = Some(match root {
-                    Some(r) => (r + seeded)?,
-                    None => seeded,
-                });
+        for (i, live) in unit.clone().zip(lives).rev() {
+            let outputs = &exec.graph.nodes()[i].outputs;
+            if self.s == exec.segments.len() - 1 && outputs.contains(&output) {
+                let loss = &live.values[&output];
+                let scale = exec.loss_scale.get();
+                add(if scale == 1.0 { loss.clone() } else { (loss * scale)? })?;
+            }
+            for &v in outputs {
+                if let Some(g) = step.value_grads.remove(&v) {
+                    add(seed(&live.values[&v], g)?)?;
+                }
             }
         }
         Ok(root)
     }
 
-    /// Rule 7: the gradients of the stage's inputs (their `Var`s), each added to what the
+    /// Rule 7: the gradients of a stage's inputs read through `Var`s, each added to what the
     /// value's later readers gave.
     fn pass_on(live: &Live, grads: &mut GradStore, step: &mut StepRun) -> Result<()> {
         for (v, var) in &live.input_vars {

@@ -10,6 +10,7 @@ use crate::stage::StageCtx;
 use crate::{Error, Result};
 use candle_core::{Tensor, Var};
 use std::collections::HashMap;
+use std::ops::Range;
 
 /// One step in flight: the values it stores, the gradients of values waiting for their
 /// producer's backward, and its memory timeline.
@@ -149,7 +150,7 @@ impl<'e, 'g> StepRun<'e, 'g> {
         for i in seg.stages.clone() {
             let node = &exec.graph.nodes()[i];
             let mut live = Live::default();
-            let inputs = self.stage_inputs(i, &values, &mut vars, graphs, &mut live)?;
+            let inputs = self.stage_inputs(i, seg.unit_of(i), &values, &mut vars, graphs, &mut live)?;
             let ctx = StageCtx::new(crate::RunPoint {
                 seed: exec.seed,
                 step: self.step,
@@ -258,22 +259,25 @@ impl<'e, 'g> StepRun<'e, 'g> {
         Ok(values)
     }
 
-    /// The tensors stage `i` runs on. With `graphs`, a float value (not a graph input) is read
-    /// through its `Var`, made over its memory by its first reader in the segment (Rule 4) and
-    /// recorded in `live`.
+    /// The tensors stage `i` runs on. With `graphs`, a float value (not a graph input) that no
+    /// stage of `i`'s backward unit produces is read through its `Var`, made over its memory by
+    /// its first such reader in the segment (Rules 4 and 11) and recorded in `live`.
     fn stage_inputs(
         &self,
         i: usize,
+        unit: &Range<usize>,
         values: &HashMap<ValueId, Tensor>,
         vars: &mut HashMap<ValueId, Var>,
         graphs: bool,
         live: &mut Live,
     ) -> Result<Vec<Tensor>> {
-        let node = &self.exec.graph.nodes()[i];
+        let exec = self.exec;
+        let node = &exec.graph.nodes()[i];
+        let own = |v: ValueId| exec.producer[v].is_some_and(|p| unit.contains(&p));
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for &v in &node.inputs {
             let t = &values[&v];
-            if graphs && v >= self.exec.graph.n_inputs() && t.dtype().is_float() {
+            if graphs && v >= exec.graph.n_inputs() && t.dtype().is_float() && !own(v) {
                 let var = match vars.get(&v) {
                     Some(var) => var.clone(),
                     None => vars.entry(v).or_insert(super::var_over(t)?).clone(),

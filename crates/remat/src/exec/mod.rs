@@ -12,7 +12,9 @@
 //! parameter gradients (detached) into the step's store, passes the input gradients on and drops
 //! the stage, so its activations are freed as soon as its gradients are propagated (candle's own
 //! `backward()` holds every activation of the graph until it returns: a PyTorch-like peak during
-//! backward needs this).
+//! backward needs this). Under `+units=K` the same holds of backward units of K stages instead of
+//! single stages (Rule 11): a unit reads what its own stages produce without `Var`s, which on
+//! candle as published are copies.
 //!
 //! Bit-exactness with `off` holds by construction: every policy runs the same per-stage backward
 //! passes in the same order, and a recompute draws the same random keys, so only the stored
@@ -56,6 +58,8 @@ use std::ops::Range;
 
 struct Segment {
     stages: Range<usize>,
+    /// Its backward units, in order (Rule 11): one per stage but under `+units=`.
+    units: Vec<Range<usize>>,
     /// Values consumed here but produced before: stored boundaries and graph inputs.
     inputs: Vec<ValueId>,
     /// Values produced here and consumed by a later segment.
@@ -65,7 +69,7 @@ struct Segment {
 }
 
 impl Segment {
-    fn new(stages: Range<usize>, nodes: &[Node], wiring: &Wiring) -> Segment {
+    fn new(stages: Range<usize>, unit: usize, nodes: &[Node], wiring: &Wiring) -> Segment {
         let (mut inputs, mut last_reader) = (Vec::new(), HashMap::new());
         for i in stages.clone() {
             for &v in &nodes[i].inputs {
@@ -81,7 +85,17 @@ impl Segment {
             .stored_at(stages.end)
             .filter(|&v| wiring.producer(v).is_some_and(|p| p >= stages.start))
             .collect();
-        Segment { stages, inputs, outputs, last_reader }
+        let units = stages
+            .clone()
+            .step_by(unit)
+            .map(|start| start..(start + unit).min(stages.end))
+            .collect();
+        Segment { stages, units, inputs, outputs, last_reader }
+    }
+
+    /// The backward unit stage `i` belongs to.
+    fn unit_of(&self, i: usize) -> &Range<usize> {
+        self.units.iter().find(|u| u.contains(&i)).expect("a stage of the segment")
     }
 }
 
@@ -139,6 +153,8 @@ pub struct Executor<'g> {
     segments: Vec<Segment>,
     /// The earliest segment that reads each value: the one that takes it over (Rule 5).
     first_consumer: Vec<Option<usize>>,
+    /// The stage that produces each value (`None`: a graph input).
+    producer: Vec<Option<usize>>,
     params: Vec<Var>,
     /// The ops whose outputs recomputed segments keep (selective recompute, Rule 10).
     keep: OpSet,
@@ -186,12 +202,18 @@ impl<'g> Executor<'g> {
         let first_consumer = (0..graph.n_values())
             .map(|v| wiring.first_reader(v).map(|r| seg_of_stage[r]))
             .collect();
-        let segments =
-            ranges.into_iter().map(|stages| Segment::new(stages, nodes, &wiring)).collect();
+        let units = policy.units(ranges.len())?;
+        let segments = ranges
+            .into_iter()
+            .zip(units)
+            .map(|(stages, unit)| Segment::new(stages, unit, nodes, &wiring))
+            .collect();
+        let producer = (0..graph.n_values()).map(|v| wiring.producer(v)).collect();
         Ok(Executor {
             graph,
             segments,
             first_consumer,
+            producer,
             params,
             keep: policy.keeps(),
             seed,
@@ -263,6 +285,11 @@ impl<'g> Executor<'g> {
     /// The stage ranges the policy cut the graph into.
     pub fn segments(&self) -> Vec<Range<usize>> {
         self.segments.iter().map(|s| s.stages.clone()).collect()
+    }
+
+    /// How many stages each segment runs backward at a time (Rule 11), in order.
+    pub fn units(&self) -> Vec<usize> {
+        self.segments.iter().map(|s| s.units[0].len()).collect()
     }
 
     /// The values kept between forward and backward (the stored boundaries), graph inputs excluded.

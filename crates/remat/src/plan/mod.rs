@@ -268,14 +268,17 @@ impl Point {
 pub struct Plan {
     /// Stage indices that start a segment (0 first).
     pub starts: Vec<usize>,
+    /// Each segment's backward unit, in stages (Rule 11).
+    pub units: Vec<usize>,
     /// What the plan's step is predicted to cost.
     pub estimate: Estimate,
 }
 
 impl Plan {
-    /// The plan as a policy: cuts before its stages (`plan=...`).
+    /// The plan as a policy: cuts before its stages (`plan=...`), with its backward units
+    /// (`+units=...`) where any has several stages.
     pub fn policy(&self) -> Policy {
-        Policy::BeforeStages(self.starts[1..].to_vec())
+        Policy::BeforeStages(self.starts[1..].to_vec()).with_units(&self.units)
     }
 }
 
@@ -322,8 +325,9 @@ fn mib(bytes: u64) -> String {
 /// The most cut positions [`frontier`] searches (ResNet-152 has 52, a 1024-block stack 1024).
 pub const FRONTIER_CUTS: usize = 64;
 
-/// Turns `budget=`/`auto` into a [`Policy::BeforeStages`] plan for `profile`; a policy is returned
-/// as it is. `fixed`: the heap before a step
+/// Turns `budget=`/`auto` into a [`Policy::BeforeStages`] plan for `profile`, and
+/// `POLICY+units=auto` into the policy with the backward units whose peaks are lowest; a policy is
+/// returned as it is. `fixed`: the heap before a step
 /// (parameters, optimizer state, inputs); `available`: what `auto` may use (the device's free
 /// memory less a margin, or the memory cap).
 pub fn resolve(
@@ -337,6 +341,11 @@ pub fn resolve(
         PolicyRequest::Budget(b) => *b,
         PolicyRequest::Auto => available.ok_or(Error::NoMemoryLimit)?,
         PolicyRequest::Fixed(policy) => return Ok((policy.clone(), None)),
+        PolicyRequest::ChooseUnits(policy) => {
+            let segments = policy.segments_of(&profile.kinds())?;
+            let units = profile.choose_units(&segments, policy.keeps(), grads);
+            return Ok((policy.with_units(&units), None));
+        }
     };
     let plan = profile
         .plan(budget, fixed, grads)
@@ -359,7 +368,7 @@ pub fn frontier(profile: &Profile, fixed: u64, grads: Grads, points: usize) -> V
         let budget =
             fixed + low + (high.saturating_sub(low)) * k as u64 / (points.max(2) - 1) as u64;
         if let Ok(p) = profile.plan(budget, fixed, grads) {
-            if plans.last().is_none_or(|q| q.starts != p.starts) {
+            if plans.last().is_none_or(|q| (&q.starts, &q.units) != (&p.starts, &p.units)) {
                 plans.push(p);
             }
         }

@@ -1,5 +1,6 @@
 //! The plan search: the segment starts with the least recompute time whose predicted peak fits
-//! a budget ([`Profile::plan`]), by dynamic programming over the cut positions.
+//! a budget ([`Profile::plan`]), by dynamic programming over the cut positions, each segment run
+//! backward in the units that give it the lowest peak (Rule 11).
 
 use super::walk::Walk;
 use super::{Estimate, Grads, Plan, PlanError, Profile};
@@ -83,6 +84,7 @@ impl Profile {
             recompute: 0.0,
             peak: Estimate::default(),
             starts: vec![0],
+            units: Vec::new(),
         });
         let mut best: Option<Partial> = None;
         for (ia, &a) in cuts.iter().enumerate() {
@@ -97,18 +99,21 @@ impl Profile {
                     .chain(std::iter::once((None, n)))
                 {
                     let last = ib.is_none();
-                    let cost = walk.estimate(a, b, last, p.past);
+                    let (unit, cost) = walk.best_unit(a..b, last, p.past);
                     if cost.peak > step_budget {
                         continue;
                     }
                     let mut peak = p.peak;
                     peak.merge(&cost);
                     let mut starts = p.starts.clone();
+                    let mut units = p.units.clone();
+                    units.push(unit);
                     let next = Partial {
                         past: p.past + walk.settled(a, b),
                         recompute: p.recompute + cost.recompute_ms,
                         peak,
                         starts: Vec::new(),
+                        units: Vec::new(),
                     };
                     match ib {
                         None => {
@@ -116,7 +121,7 @@ impl Profile {
                                 (next.recompute, next.peak.peak) < (q.recompute, q.peak.peak)
                             });
                             if better {
-                                best = Some(Partial { starts, ..next });
+                                best = Some(Partial { starts, units, ..next });
                             }
                         }
                         Some(ib) => {
@@ -124,7 +129,7 @@ impl Profile {
                             if !f.iter().any(|q| q.covers(&next)) {
                                 f.retain(|q| !next.covers(q));
                                 starts.push(b);
-                                f.push(Partial { starts, ..next });
+                                f.push(Partial { starts, units, ..next });
                             }
                         }
                     }
@@ -139,19 +144,21 @@ impl Profile {
             .map(|(&a, &b)| a..b)
             .collect();
         Some(Plan {
-            estimate: self.predict(&segments, OpSet::default(), grads),
+            estimate: self.predict(&segments, &best.units, OpSet::default(), grads),
             starts: best.starts,
+            units: best.units,
         })
     }
 }
 
 /// A partial plan of the search, up to a cut: the bytes of the stored values settled before it,
-/// the recompute time and the peak so far, and where its segments start.
+/// the recompute time and the peak so far, where its segments start and their backward units.
 struct Partial {
     past: u64,
     recompute: f64,
     peak: Estimate,
     starts: Vec<usize>,
+    units: Vec<usize>,
 }
 
 impl Partial {

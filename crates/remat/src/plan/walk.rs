@@ -15,17 +15,26 @@ impl Profile {
     /// The estimate for `policy` (a fixed policy or a plan; resolve `budget=`/`auto` first).
     /// `grads`: what the step does with parameter gradients (Rule 8).
     pub fn predict_policy(&self, policy: &Policy, grads: Grads) -> Result<Estimate> {
-        Ok(self.predict(&policy.segments_of(&self.kinds())?, policy.keeps(), grads))
+        let segments = policy.segments_of(&self.kinds())?;
+        let units = policy.units(segments.len())?;
+        Ok(self.predict(&segments, &units, policy.keeps(), grads))
     }
 
-    /// The estimate for a cut of the stages into `segments` (contiguous, in order) whose
-    /// recomputes replay the ops of the kinds in `keep`.
-    pub fn predict(&self, segments: &[Range<usize>], keep: OpSet, grads: Grads) -> Estimate {
+    /// The estimate for a cut of the stages into `segments` (contiguous, in order) run backward
+    /// `units[k]` stages at a time in segment `k` (Rule 11), whose recomputes replay the ops of
+    /// the kinds in `keep`.
+    pub fn predict(
+        &self,
+        segments: &[Range<usize>],
+        units: &[usize],
+        keep: OpSet,
+        grads: Grads,
+    ) -> Estimate {
         let walk = Walk::new(self, keep, grads);
         let mut past = 0;
         let mut estimate = Estimate::default();
         for (k, seg) in segments.iter().enumerate() {
-            let cost = walk.estimate(seg.start, seg.end, k + 1 == segments.len(), past);
+            let cost = walk.estimate(seg.clone(), units[k], k + 1 == segments.len(), past);
             estimate.merge(&cost);
             past += walk.settled(seg.start, seg.end);
         }
@@ -33,15 +42,21 @@ impl Profile {
         estimate
     }
 
-    /// The predicted timeline of a step cut into `segments`: one point per event of the
-    /// executor's timeline, in its order (Rule 3).
-    pub fn timeline(&self, segments: &[Range<usize>], keep: OpSet, grads: Grads) -> Vec<Point> {
+    /// The predicted timeline of a step cut into `segments` with backward `units`: one point
+    /// per event of the executor's timeline, in its order (Rule 3).
+    pub fn timeline(
+        &self,
+        segments: &[Range<usize>],
+        units: &[usize],
+        keep: OpSet,
+        grads: Grads,
+    ) -> Vec<Point> {
         let walk = Walk::new(self, keep, grads);
         let (mut forward, mut backward) = (Vec::new(), Vec::new());
         let mut past = 0;
         for (k, seg) in segments.iter().enumerate() {
             let mut back = Vec::new();
-            walk.segment(seg.start, seg.end, k + 1 == segments.len(), past, |p| {
+            walk.segment(seg.clone(), units[k], k + 1 == segments.len(), past, |p| {
                 if p.phase == Phase::Forward {
                     forward.push(p)
                 } else {
@@ -52,6 +67,21 @@ impl Profile {
             past += walk.settled(seg.start, seg.end);
         }
         forward.into_iter().chain(backward.into_iter().rev().flatten()).collect()
+    }
+}
+
+impl Profile {
+    /// For each of `segments`, the backward unit size whose predicted peak is lowest
+    /// (`+units=auto`; Rule 11).
+    pub fn choose_units(&self, segments: &[Range<usize>], keep: OpSet, grads: Grads) -> Vec<usize> {
+        let walk = Walk::new(self, keep, grads);
+        let mut past = 0;
+        let mut units = Vec::new();
+        for (k, seg) in segments.iter().enumerate() {
+            units.push(walk.best_unit(seg.clone(), k + 1 == segments.len(), past).0);
+            past += walk.settled(seg.start, seg.end);
+        }
+        units
     }
 }
 
@@ -121,10 +151,12 @@ impl<'p> Walk<'p> {
             .sum()
     }
 
-    /// The estimate of the segment `a..b` alone: its points' peaks and its recompute time.
-    pub(super) fn estimate(&self, a: usize, b: usize, last: bool, past: u64) -> Estimate {
+    /// The estimate of the segment `a..b` alone, run backward `unit` stages at a time: its
+    /// points' peaks and its recompute time.
+    pub(super) fn estimate(&self, seg: Range<usize>, unit: usize, last: bool, past: u64) -> Estimate {
+        let (a, b) = (seg.start, seg.end);
         let mut est = Estimate::default();
-        self.segment(a, b, last, past, |point| est.see(&point));
+        self.segment(seg, unit, last, past, |point| est.see(&point));
         if !last {
             // Rule 10: a replayed op is not run again.
             est.recompute_ms = self.p.stages[a..b]
@@ -135,11 +167,34 @@ impl<'p> Walk<'p> {
         est
     }
 
-    /// Replays the segment `a..b` (`last`: the one whose graphs forward keeps), with `past` bytes
-    /// of settled stored values from earlier segments: `see` gets its points, its forward first,
-    /// then its recompute and backward.
-    fn segment(&self, a: usize, b: usize, last: bool, past: u64, mut see: impl FnMut(Point)) {
-        let seg = SegmentWalk::new(self, a..b, last, past);
+    /// The backward unit size for the segment `seg` whose predicted peak is lowest (the smaller
+    /// size on a tie), and its estimate. Units of several stages save only the `Var` copies of
+    /// candle as published (Rule 11), so elsewhere every unit is one stage.
+    pub(super) fn best_unit(&self, seg: Range<usize>, last: bool, past: u64) -> (usize, Estimate) {
+        let n = seg.len();
+        let sizes: &[usize] = if crate::rules::VARS_COPY { &[1, 2, 3, 4, n] } else { &[1] };
+        let mut best: Option<(usize, Estimate)> = None;
+        for &k in sizes.iter().filter(|&&k| k <= n) {
+            let e = self.estimate(seg.clone(), k, last, past);
+            if best.as_ref().is_none_or(|(_, b)| e.peak < b.peak) {
+                best = Some((k, e));
+            }
+        }
+        best.expect("a segment has a stage")
+    }
+
+    /// Replays the segment `seg` run backward `unit` stages at a time (`last`: the one whose
+    /// graphs forward keeps), with `past` bytes of settled stored values from earlier segments:
+    /// `see` gets its points, its forward first, then its recompute and backward.
+    fn segment(
+        &self,
+        seg: Range<usize>,
+        unit: usize,
+        last: bool,
+        past: u64,
+        mut see: impl FnMut(Point),
+    ) {
+        let seg = SegmentWalk::new(self, seg, unit, last, past);
         let live = seg.forward(&mut see);
         seg.backward(live, &mut see);
     }
@@ -151,6 +206,8 @@ struct SegmentWalk<'w, 'p> {
     walk: &'w Walk<'p>,
     a: usize,
     b: usize,
+    /// Stages per backward unit (Rule 11).
+    unit: usize,
     /// The segment whose graphs forward keeps.
     last: bool,
     /// Bytes of the settled stored values of earlier segments.
@@ -170,13 +227,14 @@ struct SegmentWalk<'w, 'p> {
 }
 
 impl<'w, 'p> SegmentWalk<'w, 'p> {
-    fn new(walk: &'w Walk<'p>, range: Range<usize>, last: bool, past: u64) -> Self {
+    fn new(walk: &'w Walk<'p>, range: Range<usize>, unit: usize, last: bool, past: u64) -> Self {
         let (a, b) = (range.start, range.end);
         let stored_here: Vec<ValueId> = walk.wiring.stored_at(a).collect();
         let mut seg = SegmentWalk {
             walk,
             a,
             b,
+            unit,
             last,
             past,
             kept_before: walk.kept_bytes(0..a),
@@ -200,6 +258,17 @@ impl<'w, 'p> SegmentWalk<'w, 'p> {
         self.walk.p.values[v].float
     }
 
+    /// The backward unit of stage `i` (Rule 11).
+    fn unit_of(&self, i: usize) -> Range<usize> {
+        let start = self.a + (i - self.a) / self.unit * self.unit;
+        start..(start + self.unit).min(self.b)
+    }
+
+    /// The backward units, last first.
+    fn units_back(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        (self.a..self.b).step_by(self.unit).map(|c| self.unit_of(c)).rev()
+    }
+
     /// Bytes handed over to `Var`s by stage `i` (Rule 5).
     fn handed_by(&self, i: usize) -> u64 {
         self.handed.iter().filter(|&&(first, _)| first <= i).map(|&(_, bytes)| bytes).sum()
@@ -208,15 +277,17 @@ impl<'w, 'p> SegmentWalk<'w, 'p> {
     /// Rule 4: what stage `i` holds through the `Var`s it makes is what no one else holds: the
     /// values handed over at it. A value produced in the segment is held by its producer's run
     /// the whole time, and a stored value an earlier segment takes over stays stored until then;
-    /// on candle as published, its first reader's `Var` is a copy of a value produced in the
-    /// segment, held until that reader's backward.
+    /// on candle as published, the `Var` of a value produced in the segment is a copy, made by
+    /// its first reader outside its producer's backward unit (Rule 11) and held until that
+    /// reader's backward.
     fn vars(&self, i: usize) -> u64 {
         let handed: u64 =
             self.handed.iter().filter(|&&(first, _)| first == i).map(|&(_, bytes)| bytes).sum();
+        let wiring = &self.walk.wiring;
         let copied = |v: &&ValueId| {
-            self.float(**v)
-                && self.walk.wiring.producer(**v).is_some_and(|p| p >= self.a)
-                && self.first_reader(**v) == i
+            let Some(p) = wiring.producer(**v).filter(|&p| p >= self.a) else { return false };
+            let own = self.unit_of(p);
+            self.float(**v) && wiring.readers(**v).iter().find(|r| !own.contains(r)) == Some(&i)
         };
         let copies = if crate::rules::VARS_COPY {
             self.walk.p.stages[i].inputs.iter().filter(copied).map(|&v| self.walk.bytes(v)).sum()
@@ -317,35 +388,67 @@ impl<'w, 'p> SegmentWalk<'w, 'p> {
         }
         // Rule 5: by its backward, what this segment took over is held by `Var`s only.
         held.stored = stored - self.handed_by(b);
-        for i in (a..b).rev() {
-            let during = Breakdown { transient: stages[i].backward_transient, ..held };
-            // Rule 6: the stage's run goes once its backward has run.
-            held.live -= self.vars(i) + stages[i].graph_bytes;
-            // Rule 7: its outputs' gradients are taken up, its float inputs' appear.
-            for v in &stages[i].outputs {
-                if pending.remove(v) {
-                    held.value_grads -= walk.bytes(*v);
+        for unit in self.units_back() {
+            // Rule 11: the unit's stages are all held until its backward returns, and the
+            // parameter gradients its later stages made are in candle's store meanwhile.
+            let mut running = held;
+            let mut peak = Breakdown::default();
+            for i in unit.clone().rev() {
+                let during = Breakdown { transient: stages[i].backward_transient, ..running };
+                if during.total() > peak.total() {
+                    peak = during;
                 }
-            }
-            for &v in stages[i].inputs.iter().filter(|&&v| v >= walk.p.n_inputs && self.float(v)) {
-                if pending.insert(v) {
-                    held.value_grads += walk.bytes(v);
-                }
-            }
-            // Rule 8
-            if walk.grads == Grads::Gathered {
-                held.param_grads += stages[i].param_grad_bytes;
-            } else {
-                for shared in &walk.p.shared_grads {
-                    if shared.last == i {
-                        held.param_grads += shared.bytes;
+                running.param_grads += stages[i].param_grad_bytes;
+                // Rule 7: its outputs' gradients are taken up, its float inputs' appear.
+                for v in &stages[i].outputs {
+                    if pending.remove(v) {
+                        running.value_grads -= walk.bytes(*v);
                     }
-                    if shared.first == i {
-                        held.param_grads -= shared.bytes;
+                }
+                for &v in stages[i].inputs.iter().filter(|&&v| v >= walk.p.n_inputs && self.float(v))
+                {
+                    if pending.insert(v) {
+                        running.value_grads += walk.bytes(v);
                     }
                 }
             }
-            see(Point { phase: Phase::Backward, stage: i, held, peak: during });
+            // Rule 6: the unit's runs go once its backward has run.
+            held.live -= unit.clone().map(|i| self.vars(i) + stages[i].graph_bytes).sum::<u64>();
+            held.value_grads = running.value_grads;
+            let c = unit.start;
+            for i in unit.clone().rev() {
+                held.param_grads = self.grads_at(c, i, held.param_grads, &unit);
+                let during = if i + 1 == unit.end { peak } else { held };
+                see(Point { phase: Phase::Backward, stage: i, held, peak: during });
+            }
+        }
+    }
+
+    /// Rule 8: the parameter gradients held at the event of stage `i` of the backward unit
+    /// starting at `c` (Rule 11: recorded after the whole unit's backward, once the gradients
+    /// complete after `i` are reported), `before` at the event before it.
+    fn grads_at(&self, c: usize, i: usize, before: u64, unit: &Range<usize>) -> u64 {
+        let p = self.walk.p;
+        let shared = |keep: &dyn Fn(&super::SharedGrad) -> bool| -> u64 {
+            p.shared_grads.iter().filter(|s| keep(s)).map(|s| s.bytes).sum()
+        };
+        match self.walk.grads {
+            // Every gradient the unit made stays to the end of the step.
+            Grads::Gathered if i + 1 == unit.end => {
+                before + unit.clone().map(|j| p.stages[j].param_grad_bytes).sum::<u64>()
+            }
+            Grads::Gathered => before,
+            // Complete gradients join the sums in place; a shared parameter's partial sum is kept
+            // aside while some of its users are before the unit.
+            Grads::Accumulating(sums) => sums + shared(&|s| s.last >= c && s.first < c),
+            // A gradient goes once reported: those complete after an earlier stage of the unit
+            // wait.
+            Grads::UpdatedInBackward => {
+                let unshared = |j: usize| {
+                    p.stages[j].param_grad_bytes - shared(&|s: &super::SharedGrad| s.last == j)
+                };
+                shared(&|s| s.last >= c && s.first < i) + (c..i).map(unshared).sum::<u64>()
+            }
         }
     }
 }
