@@ -3,6 +3,8 @@
 # `sqrt`, step peak and step time, on five builds of one commit:
 #   release  candle-core 0.11.1 as published (the workspace's [patch] removed, remat without
 #            `patched-candle`: every stage input a stage graph reads is a copy, `Var::from_tensor`);
+#   units    the release build under POLICY+units=auto: each segment run backward in the units
+#            of stages the planner predicts lowest (no copies inside a unit);
 #   0001     the release + vendor/patches/0001 (remat as on the release);
 #   0002     + 0002 (remat with `patched-candle`: stage inputs read through `Var::sharing`);
 #   0003     + 0003;
@@ -12,7 +14,7 @@
 # configuration runs in a fresh process, the builds one after the other, their order rotating
 # from round to round: round 1 measures, predicts and checks the gradients against plain candle on
 # every build, and runs PyTorch on the same segments (scripts/torch_baseline.py, PYTHON); later
-# rounds time the release and patched builds' steps only. Writes OUT (default
+# rounds time the release, units and patched builds' steps only. Writes OUT (default
 # results/stock-candle-cpu): one JSON record per run in OUT/runs/, and TABLE.md.
 #
 #   scripts/stock-vs-patched.sh [OUT]   (ROUNDS=2, MODELS="resnet50 ...", PROFILE=cpu, PYTHON=python3)
@@ -83,10 +85,10 @@ print(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.str
 PY
 }
 
-all=(release 0001 0002 0003 patched)
+all=(release units 0001 0002 0003 patched)
 mkdir -p "$out/runs"
 for r in $(seq 1 "$rounds"); do
-  if ((r == 1)); then builds=("${all[@]}") flags=""; else builds=(release patched) flags="--time-only"; fi
+  if ((r == 1)); then builds=("${all[@]}") flags=""; else builds=(release units patched) flags="--time-only"; fi
   # Rotate the order: every build runs first in some round.
   shift_by=$(((r - 1) % ${#builds[@]}))
   order=("${builds[@]:shift_by}" "${builds[@]:0:shift_by}")
@@ -94,7 +96,8 @@ for r in $(seq 1 "$rounds"); do
     for p in off sqrt; do
       for b in "${order[@]}"; do
         echo "round $r: $m $p on $b" >&2
-        "$bins/$b" run-one --model "$m" --policy "$p" --profile "$profile" $flags > "$out/runs/$b-$m-$p-r$r.json"
+        if [ "$b" = units ]; then bin=$bins/release policy=$p+units=auto; else bin=$bins/$b policy=$p; fi
+        "$bin" run-one --model "$m" --policy "$policy" --profile "$profile" $flags > "$out/runs/$b-$m-$p-r$r.json"
       done
       if ((r == 1)); then
         echo "round $r: $m $p on pytorch" >&2

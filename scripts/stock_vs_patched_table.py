@@ -9,8 +9,8 @@ import statistics
 import sys
 
 out, commit, profile = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-BUILDS = ["release", "0001", "0002", "0003", "patched"]
-HEADS = ["release", "+0001", "+0002", "+0003", "+0004 = patched"]
+BUILDS = ["release", "units", "0001", "0002", "0003", "patched"]
+HEADS = ["release", "release, +units=auto", "+0001", "+0002", "+0003", "+0004 = patched"]
 runs = {}
 for f in sorted(out.glob("runs/*.json")):
     build, rest = f.stem.split("-", 1)
@@ -29,15 +29,15 @@ time = lambda b: statistics.median(r["step_ms_median"] for r in b.values())
 print("# What the vendored candle-core buys, patch by patch (CPU)\n")
 print(f"Command: `scripts/stock-vs-patched.sh` (commit {commit}; each configuration a fresh `bench-harness run-one --profile {profile}` process per build, the builds in turn; PyTorch by `scripts/torch_baseline.py` on the segments our policy chose)  ")
 print(f"Machine: {cpu}, {vec}, 2 cores\n")
-print("Builds of one commit, each adding one patch of `vendor/patches` to the one before (they apply in that order): *release* is candle-core 0.11.1 as published, remat without `patched-candle` (a stage graph reads each float input through a copy, `Var::from_tensor`); *+0002* switches remat to `patched-candle` (`Var::sharing`: no copies); *+0004* is this repository's build. A column's change from the one before is its patch's.\n")
+print("Builds of one commit, each adding one patch of `vendor/patches` to the one before (they apply in that order): *release* is candle-core 0.11.1 as published, remat without `patched-candle` (a stage graph reads each float input through a copy, `Var::from_tensor`); *release, +units=auto* is the same build under the policy with `+units=auto` (each segment run backward in the units of stages the planner predicts lowest: a unit reads what its own stages produce without copies, and holds its gradients until its whole backward returns); *+0002* switches remat to `patched-candle` (`Var::sharing`: no copies); *+0004* is this repository's build. From *+0001* on, a column's change from the one before is its patch's.\n")
 print("## Step peak (MiB above the model state, round 1)\n")
-print("| model | policy | " + " | ".join(HEADS) + " | release / patched | PyTorch | release / PyTorch | patched / PyTorch |")
-print("|---|---|" + "---|" * (len(HEADS) + 4))
+print("| model | policy | " + " | ".join(HEADS) + " | release / patched | units / patched | PyTorch | units / PyTorch | patched / PyTorch |")
+print("|---|---|" + "---|" * (len(HEADS) + 5))
 for (model, policy), b in rows:
     pt = b.get("pytorch", {}).get(1, {}).get("step_peak_bytes")
     vs = lambda x: f"{x / pt:.2f}" if pt else "-"
     print(f"| {model} | {policy} | " + " | ".join(mib(peak(b[x])) for x in BUILDS)
-          + f" | {peak(b['release']) / peak(b['patched']):.2f} | {mib(pt) if pt else '-'} | {vs(peak(b['release']))} | {vs(peak(b['patched']))} |")
+          + f" | {peak(b['release']) / peak(b['patched']):.2f} | {peak(b['units']) / peak(b['patched']):.2f} | {mib(pt) if pt else '-'} | {vs(peak(b['units']))} | {vs(peak(b['patched']))} |")
 print("\n## Where the release's extra peak is (the planner's breakdown at the peak, release minus patched, MiB)\n")
 print("*held*: activations and the stage graphs' inputs (remat's copies on the release); *in backward*: the buffers of the backward running at the peak (candle's gradient sums: zeros, the gradient, their sum); *gradients*: parameter and value gradients held.\n")
 print("| model | policy | held | in backward | gradients | total |")
@@ -49,9 +49,9 @@ for (model, policy), b in rows:
     held = d("live") + d("stored") + d("kept")
     print(f"| {model} | {policy} | {mib(held)} | {mib(d('transient'))} | {mib(grads)} | {mib(held + d('transient') + grads)} |")
 print("\n## Step time (ms) and checks\n")
-print("Step time: the median of 3 timed steps after a warm-up; release and patched: the median over the rounds (round 1 and the time-only rounds), the others round 1's. Grads: bit-identical to plain candle on that build. Planner: the predicted step peak's error.\n")
-print("| model | policy | " + " | ".join(HEADS) + " | release / patched | PyTorch | grads (5 builds) | planner, release / patched |")
-print("|---|---|" + "---|" * (len(HEADS) + 4))
+print("Step time: the median of 3 timed steps after a warm-up; release, units and patched: the median over the rounds (round 1 and the time-only rounds), the others round 1's. Units: the units the planner chose. Grads: bit-identical to plain candle on that build (all six runs). Planner: the predicted step peak's error.\n")
+print("| model | policy | " + " | ".join(HEADS) + " | release / patched | PyTorch | units | grads | planner, release / units / patched |")
+print("|---|---|" + "---|" * (len(HEADS) + 5))
 for (model, policy), b in rows:
     pt = b.get("pytorch", {}).get(1, {}).get("step_ms_median")
     same = "yes" if all(b[x][1].get("grads_bit_identical") for x in BUILDS) else "no: " + ", ".join(x for x in BUILDS if not b[x][1].get("grads_bit_identical"))
@@ -59,4 +59,4 @@ for (model, policy), b in rows:
         pred = b[x][1].get("predicted_peak_bytes")
         return f"{100 * (pred / peak(b[x]) - 1):+.2f}%" if pred else "-"
     print(f"| {model} | {policy} | " + " | ".join(f"{time(b[x]):.0f}" for x in BUILDS)
-          + f" | {time(b['release']) / time(b['patched']):.2f} | {f'{pt:.0f}' if pt else '-'} | {same} | {err('release')} / {err('patched')} |")
+          + f" | {time(b['release']) / time(b['patched']):.2f} | {f'{pt:.0f}' if pt else '-'} | `{b['units'][1].get('plan') or '-'}` | {same} | {err('release')} / {err('units')} / {err('patched')} |")

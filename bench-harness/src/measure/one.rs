@@ -445,7 +445,8 @@ fn plan(
     let inputs_bytes: u64 = inst.inputs(0)?.iter().map(remat::memory::tensor_bytes).sum();
     let fixed = trainkit::memory_before_step(device, optimizer, inputs_bytes)?;
     let grads = Grads::of(&profile, w.accumulate, Update::from_flag(w.in_backward));
-    let (resolved, plan) = remat::plan::resolve(
+    let planned = policy.fixed().is_none();
+    let (resolved, _plan) = remat::plan::resolve(
         policy,
         &profile,
         fixed,
@@ -453,7 +454,7 @@ fn plan(
         trainkit::auto_budget(device, at.cap),
     )?;
     let policy = trainkit::parallel::agreed_policy(group, policy, resolved)?;
-    if plan.is_some() {
+    if planned {
         rec.plan = policy.to_string();
     }
     // Known before the step runs, for a baseline of a configuration that is not run.

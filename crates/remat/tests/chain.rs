@@ -44,6 +44,10 @@ fn a_one_input_chain_runs_without_targets_bit_for_bit() -> Result<()> {
     let plain = bits(&graph.plain_loss(&batch, 0, 3)?.backward()?, &ws);
     assert!(off == plain, "off: gradients differ from plain candle's");
     assert!(bits(&step(Policy::Sqrt).grads, &ws) == off, "sqrt: gradients differ from off's");
+    for units in ["off+units=3", "sqrt+units=2"] {
+        let policy = units.parse().unwrap();
+        assert!(bits(&step(policy).grads, &ws) == off, "{units}: gradients differ from off's");
+    }
     // A dummy second input is now what is refused.
     let err = Executor::new(&graph, &Policy::Off, ws.clone(), 0)
         .unwrap()

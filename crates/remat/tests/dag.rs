@@ -131,6 +131,12 @@ fn dag_gradients_equal_off_bit_for_bit() {
         "explicit=1,3",
         "sqrt+keep=matmul",
         "every-n=1+keep=matmul",
+        // Backward units (Rule 11): a unit's stages read one another's outputs without `Var`s,
+        // the skips among them.
+        "off+units=2",
+        "off+units=6",
+        "before-downsample+units=2",
+        "every-n=1+keep=matmul+units=2",
     ] {
         assert_eq!(grads(policy), off, "{policy}");
     }

@@ -35,6 +35,8 @@ fn stage(
         graph_transient: kib(rng, 100),
         chain_transient: kib(rng, 100),
         backward_transient: kib(rng, 500),
+        backward_retained: 0,
+        inputs_retained: Vec::new(),
         param_grad_bytes: kib(rng, 50),
         forward_ms: 1.0 + rng.next(20) as f64,
         backward_ms: 2.0 + rng.next(40) as f64,
@@ -118,12 +120,13 @@ fn all_plans(p: &Profile) -> Vec<(Vec<usize>, f64, u64)> {
             let starts: Vec<usize> = std::iter::once(0)
                 .chain(cand.iter().enumerate().filter(|(k, _)| mask >> k & 1 == 1).map(|(_, &s)| s))
                 .collect();
-            let e = p.predict(
-                &segments(&starts, p.stages.len()),
-                &vec![1; starts.len()],
+            // Each segment run backward in its best units, as the search runs it (Rule 11).
+            let (segments, keep, grads) = (
+                segments(&starts, p.stages.len()),
                 remat::keep::OpSet::default(),
                 remat::plan::Grads::Gathered,
             );
+            let e = p.predict(&segments, &p.choose_units(&segments, keep, grads), keep, grads);
             (starts, e.recompute_ms, e.peak)
         })
         .collect()

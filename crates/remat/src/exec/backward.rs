@@ -108,7 +108,12 @@ impl SegmentBackward {
     /// What the backward of `unit` starts from: the loss (scaled) if a stage of it computes it,
     /// plus a seed for each output whose gradient is waiting (Rule 7: taken up here); `None`
     /// when nothing flows into the unit.
-    fn root(&self, unit: &Range<usize>, lives: &[Live], step: &mut StepRun) -> Result<Option<Tensor>> {
+    fn root(
+        &self,
+        unit: &Range<usize>,
+        lives: &[Live],
+        step: &mut StepRun,
+    ) -> Result<Option<Tensor>> {
         let exec = step.exec;
         let output = exec.graph.output()?;
         let mut root: Option<Tensor> = None;

@@ -150,7 +150,8 @@ impl<'e, 'g> StepRun<'e, 'g> {
         for i in seg.stages.clone() {
             let node = &exec.graph.nodes()[i];
             let mut live = Live::default();
-            let inputs = self.stage_inputs(i, seg.unit_of(i), &values, &mut vars, graphs, &mut live)?;
+            let inputs =
+                self.stage_inputs(i, seg.unit_of(i), &values, &mut vars, graphs, &mut live)?;
             let ctx = StageCtx::new(crate::RunPoint {
                 seed: exec.seed,
                 step: self.step,

@@ -8,7 +8,7 @@ use crate::memory::{set_activity, tensor_bytes, Activity, Counter};
 use crate::signature::Signature;
 use crate::stage::{StageCtx, StageKind};
 use crate::{Error, Result};
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Tensor, TensorId, Var};
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -182,6 +182,13 @@ impl Profile {
                 graph_transient: bytes(x.graph_transient, y.graph_transient),
                 chain_transient: bytes(x.chain_transient, y.chain_transient),
                 backward_transient: bytes(x.backward_transient, y.backward_transient),
+                backward_retained: bytes(x.backward_retained, y.backward_retained),
+                inputs_retained: x
+                    .inputs_retained
+                    .iter()
+                    .zip(&y.inputs_retained)
+                    .map(|(&x, &y)| bytes(x, y))
+                    .collect(),
                 param_grad_bytes: x.param_grad_bytes,
                 forward_ms: ms(x.forward_ms, y.forward_ms),
                 backward_ms: ms(x.backward_ms, y.backward_ms),
@@ -462,8 +469,25 @@ fn measure_stage(
         .collect::<Result<Vec<_>>>()?;
     let loss = node.outputs.iter().position(|&v| v == output).map(|k| outs[k].clone());
     set_activity(Activity::Backward, Some(i));
-    let (grads, grads_left, above_left, backward_ms) =
+    let (mut grads, grads_left, above_left, backward_ms) =
         metered(counter, || backward_from(loss.clone(), seeds))?;
+    // What the gradients' op graphs hold, freed as they are detached: the inputs' gradients'
+    // apart (a backward unit reads an input its own stages produce without a `Var`, Rule 11),
+    // then the rest.
+    let detach = |grads: &mut Option<candle_core::backprop::GradStore>, ids: &[TensorId]| {
+        let before = counter.current();
+        if let Some(grads) = grads.as_mut() {
+            for &id in ids {
+                if let Some(g) = grads.get_id(id).map(Tensor::detach) {
+                    grads.insert_id(id, g);
+                }
+            }
+        }
+        before.saturating_sub(counter.current())
+    };
+    let inputs_retained = run_ins.iter().map(|t| detach(&mut grads, &[t.id()])).collect();
+    let all: Vec<TensorId> = grads.as_ref().map_or(Vec::new(), |g| g.get_ids().copied().collect());
+    let backward_retained = detach(&mut grads, &all);
     let param_grads = params
         .iter()
         .enumerate()
@@ -481,6 +505,8 @@ fn measure_stage(
         chain_transient,
         // Its peak above the heap at its start: the gradients it leaves are part of it.
         backward_transient: grads_left + above_left,
+        backward_retained,
+        inputs_retained,
         param_grad_bytes: 0,
         forward_ms,
         backward_ms,
@@ -534,6 +560,10 @@ impl StageCost {
             graph_transient: self.graph_transient.min(other.graph_transient),
             chain_transient: self.chain_transient.min(other.chain_transient),
             backward_transient: self.backward_transient.min(other.backward_transient),
+            backward_retained: self.backward_retained.min(other.backward_retained),
+            inputs_retained: (self.inputs_retained.iter().zip(&other.inputs_retained))
+                .map(|(a, b)| *a.min(b))
+                .collect(),
             forward_ms: self.forward_ms.min(other.forward_ms),
             backward_ms: self.backward_ms.min(other.backward_ms),
             keepable: self

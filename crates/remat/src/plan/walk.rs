@@ -8,7 +8,7 @@ use crate::memory::Phase;
 use crate::policy::Policy;
 use crate::rules::Wiring;
 use crate::Result;
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 
 impl Profile {
@@ -153,7 +153,13 @@ impl<'p> Walk<'p> {
 
     /// The estimate of the segment `a..b` alone, run backward `unit` stages at a time: its
     /// points' peaks and its recompute time.
-    pub(super) fn estimate(&self, seg: Range<usize>, unit: usize, last: bool, past: u64) -> Estimate {
+    pub(super) fn estimate(
+        &self,
+        seg: Range<usize>,
+        unit: usize,
+        last: bool,
+        past: u64,
+    ) -> Estimate {
         let (a, b) = (seg.start, seg.end);
         let mut est = Estimate::default();
         self.segment(seg, unit, last, past, |point| est.see(&point));
@@ -389,24 +395,45 @@ impl<'w, 'p> SegmentWalk<'w, 'p> {
         // Rule 5: by its backward, what this segment took over is held by `Var`s only.
         held.stored = stored - self.handed_by(b);
         for unit in self.units_back() {
-            // Rule 11: the unit's stages are all held until its backward returns, and the
-            // parameter gradients its later stages made are in candle's store meanwhile.
+            // Rule 11: the unit's stages are all held until its backward returns, and so are the
+            // parameter gradients its later stages made and what their gradients' op graphs hold
+            // (`retained`). Of a value the unit produces, its first reader's input gradient is
+            // held until the producer's backward takes it up, whose own gradients then hold it
+            // (`awaiting`); a later reader's adds to the sum, held to the end.
             let mut running = held;
+            let (mut retained, mut awaiting) = (0, HashMap::new());
             let mut peak = Breakdown::default();
             for i in unit.clone().rev() {
-                let during = Breakdown { transient: stages[i].backward_transient, ..running };
+                let st = &stages[i];
+                // The producer's backward takes its outputs' gradients up first.
+                st.outputs.iter().for_each(|v| {
+                    awaiting.remove(v);
+                });
+                let during = Breakdown {
+                    transient: st.backward_transient,
+                    value_grads: running.value_grads + retained + awaiting.values().sum::<u64>(),
+                    ..running
+                };
                 if during.total() > peak.total() {
                     peak = during;
                 }
-                running.param_grads += stages[i].param_grad_bytes;
+                running.param_grads += st.param_grad_bytes;
+                retained += st.backward_retained;
+                for (&v, &bytes) in st.inputs.iter().zip(&st.inputs_retained) {
+                    let own = walk.wiring.producer(v).is_some_and(|p| unit.contains(&p));
+                    if !own || awaiting.contains_key(&v) {
+                        retained += bytes;
+                    } else {
+                        awaiting.insert(v, bytes);
+                    }
+                }
                 // Rule 7: its outputs' gradients are taken up, its float inputs' appear.
-                for v in &stages[i].outputs {
+                for v in &st.outputs {
                     if pending.remove(v) {
                         running.value_grads -= walk.bytes(*v);
                     }
                 }
-                for &v in stages[i].inputs.iter().filter(|&&v| v >= walk.p.n_inputs && self.float(v))
-                {
+                for &v in st.inputs.iter().filter(|&&v| v >= walk.p.n_inputs && self.float(v)) {
                     if pending.insert(v) {
                         running.value_grads += walk.bytes(v);
                     }
