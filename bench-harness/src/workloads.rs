@@ -524,6 +524,7 @@ impl Workload {
         match policy {
             Policy::BeforeDownsample => self.family.downsamples(),
             Policy::Keep(cut, _) => self.applies(cut) && self.family.check_keep(policy).is_ok(),
+            Policy::Units(cut, _) => self.applies(cut),
             _ => true,
         }
     }

@@ -1,5 +1,6 @@
 //! A step's backward: the segments last first, recomputing all but the last, and each segment's
-//! stages walked in reverse, one stage's graph at a time ([`SegmentBackward`]).
+//! stages walked in reverse, one backward unit's graph at a time (a stage, or K stages under
+//! `+units=K`: [`SegmentBackward`]).
 
 use super::forward::StepRun;
 use super::grads::{ParamGrads, Reporter};
