@@ -334,8 +334,8 @@ def forward(stages, n_inputs, segments, batch_values, context_fn=None):
                 values.pop(v, None)
 
 
-def step(model, stages, n_inputs, segments, batch_values, opt, context_fn=None, before_update=None):
-    loss = forward(stages, n_inputs, segments, batch_values, context_fn)
+def step(model, stages, n_inputs, segments, batch_values, opt, context_fn=None, before_update=None, loss_of=None):
+    loss = loss_of(batch_values) if loss_of else forward(stages, n_inputs, segments, batch_values, context_fn)
     loss.backward()
     if before_update:
         before_update()
@@ -419,7 +419,11 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--time-only", action="store_true", help="time the steps only, no profiled step for memory (peaks 0): the harness's interleaved timing rounds")
     ap.add_argument("--memory-limit", type=int, help="bytes this process may allocate (RLIMIT_DATA): beyond them an allocation fails, and the run exits saying 'out of memory: ...'")
+    ap.add_argument("--compile", action="store_true", help="the whole model's loss through torch.compile (inductor), no torch.utils.checkpoint: its partitioner decides what to save")
+    ap.add_argument("--memory-budget", type=float, default=1.0, help="with --compile: torch._functorch.config.activation_memory_budget (0 to 1), the share of the activations the compiled backward may keep")
     a = ap.parse_args()
+    if a.compile and not 0.0 <= a.memory_budget <= 1.0:
+        sys.exit(f"torch_baseline: --memory-budget {a.memory_budget} is not between 0 and 1")
     if a.memory_limit:
         resource.setrlimit(resource.RLIMIT_DATA, (a.memory_limit, a.memory_limit))
     try:
@@ -444,33 +448,46 @@ def run(a):
     if segments[0][0] != 0 or segments[-1][1] != len(stages) or any(p[1] != q[0] for p, q in zip(segments, segments[1:])):
         sys.exit(f"torch_baseline: --segments {a.segments} does not cover the {len(stages)} stages of {a.model} in order")
     model.train()
+    loss_of = None
+    if a.compile:
+        # Compiled: the whole graph one function, the partitioner's choice of what to save
+        # within the budget instead of our segments.
+        torch._functorch.config.activation_memory_budget = a.memory_budget
+        # Compiled from scratch every run: its compile time is the first run's a user meets.
+        torch._inductor.config.force_disable_caches = True
+        segments = [(0, len(stages))]
+        whole = torch.compile(lambda *values: forward(stages, n_inputs, segments, values))
+        loss_of = lambda values: whole(*values)
     gen = torch.Generator(device=a.device).manual_seed(a.seed)
     times = []
+    first_ms = None
     for i in range(a.steps + 1):
         batch_values = make_inputs(gen)
         sync()
         t0 = time.perf_counter()
-        loss = step(model, stages, n_inputs, segments, batch_values, opt, context_fn)
+        loss = step(model, stages, n_inputs, segments, batch_values, opt, context_fn, loss_of=loss_of)
         sync()
         if i > 0:  # the first step is a warm-up, and creates the optimizer state
             times.append((time.perf_counter() - t0) * 1e3)
+        else:
+            first_ms = (time.perf_counter() - t0) * 1e3
     model_state = state_bytes(model, opt)
     peak, fwd_bwd = 0, 0
     if not a.time_only and cuda:
         batch_values = make_inputs(gen)
-        peak, fwd_bwd = cuda_peaks(lambda before_update: step(model, stages, n_inputs, segments, batch_values, opt, context_fn, before_update))
+        peak, fwd_bwd = cuda_peaks(lambda before_update: step(model, stages, n_inputs, segments, batch_values, opt, context_fn, before_update, loss_of))
     elif not a.time_only:
         batch_values = make_inputs(gen)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            step(model, stages, n_inputs, segments, batch_values, opt, context_fn)
+            step(model, stages, n_inputs, segments, batch_values, opt, context_fn, loss_of=loss_of)
         peak, fwd_bwd = measured_peaks(prof)
     # Counted once per model, in the run without checkpoints (`off`): the count is the same for
     # every policy, and that run's memory is known to fit.
-    counts = not a.time_only and len(segments) == 1
+    counts = not a.time_only and len(segments) == 1 and not a.compile
     flops = step_flops(stages, n_inputs, make_inputs(gen), opt) if counts else None
     mm_peak = mm_peak_gflops() if counts else None
     print(json.dumps({
-        "framework": "pytorch",
+        "framework": "pytorch-compile" if a.compile else "pytorch",
         "framework_version": torch.__version__,
         "model": a.model,
         "policy": a.policy,
@@ -487,6 +504,9 @@ def run(a):
         "loss": loss,
         "step_flops": flops,
         "mm_peak_gflops": mm_peak,
+        # The first step's time beyond a step's: compiling (forward and backward graphs).
+        "compile_ms": first_ms - statistics.median(times) if a.compile else None,
+        "memory_budget": a.memory_budget if a.compile else None,
     }))
 
 

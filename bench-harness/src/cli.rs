@@ -42,6 +42,9 @@ impl MatrixKind {
 pub enum BaselineKind {
     /// PyTorch eager with torch.utils.checkpoint on the same segments.
     Pytorch,
+    /// `pytorch`, and per model the whole step through torch.compile (inductor) at a sweep of
+    /// activation memory budgets ([`crate::run::baseline::COMPILE_BUDGETS`]).
+    PytorchCompile,
 }
 
 #[derive(Args, Clone)]
@@ -159,7 +162,9 @@ pub struct MatrixArgs {
     #[arg(long, conflicts_with = "force")]
     pub retime: bool,
     /// Also run each configuration in another framework, side by side: `pytorch` runs
-    /// scripts/torch_baseline.py (PyTorch eager, torch.utils.checkpoint on the same segments).
+    /// scripts/torch_baseline.py (PyTorch eager, torch.utils.checkpoint on the same segments);
+    /// `pytorch-compile` that, and after each model's configurations its step compiled by
+    /// torch.compile at activation memory budgets from 1.0 to 0.1 (compile time apart).
     #[arg(long, value_enum)]
     pub baseline: Option<BaselineKind>,
     /// The Python that has torch, torchvision and transformers, for --baseline pytorch (which it
@@ -176,6 +181,11 @@ pub struct MatrixArgs {
 }
 
 impl MatrixArgs {
+    /// Whether each model's step is also run compiled (`--baseline pytorch-compile`).
+    pub fn compiled(&self) -> bool {
+        self.baseline == Some(BaselineKind::PytorchCompile)
+    }
+
     /// The Python of `--baseline pytorch`: `--python`, else `python3`.
     pub fn python(&self) -> &str {
         self.python.as_deref().unwrap_or("python3")

@@ -4,7 +4,7 @@
 //! pytorch` on a machine without torch, and `--return-freed-memory`.
 
 mod common;
-use common::{harness, models_args, out_dir, records, smoke};
+use common::{harness, matrix, models_args, out_dir, records, smoke};
 use serde_json::Value;
 
 /// `--matrix gpt2-24gb` of `models` under `sqrt` at sequence 16, one timed step, with `extra`
@@ -168,6 +168,64 @@ fn a_pytorch_baseline_without_torch_goes_on_without_it() {
     let err = smoke(&dir, &models_args("gpt2-tiny", "off", &extra));
     assert!(err.contains("no PyTorch baseline:") && err.contains("going on without it"), "{err}");
     assert_eq!(records(&dir).len(), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--baseline pytorch-compile`: the eager run beside each configuration, then the model's step
+/// compiled once per budget of the sweep, each asked of the script with `--compile` and its
+/// budget and stored apart, a failed compile a row with its error. The Python is a stand-in that
+/// answers as scripts/torch_baseline.py does (CI has no torch), failing the 0.2 budget.
+#[test]
+fn a_compiled_baseline_sweeps_the_memory_budgets() {
+    let dir = out_dir("compiled");
+    std::fs::create_dir_all(&dir).unwrap();
+    let python = dir.join("python");
+    let stand_in = r#"#!/bin/sh
+[ "$1" = -c ] && exit 0
+framework=pytorch budget=null
+while [ $# -gt 0 ]; do
+  case $1 in
+    --model) model=$2 ;; --policy) policy=$2 ;; --batch) batch=$2 ;;
+    --compile) framework=pytorch-compile ;;
+    --memory-budget=*) budget=${1#--memory-budget=} ;;
+  esac
+  shift
+done
+[ "$budget" = 0.2 ] && { echo "torch._dynamo.exc.BackendCompilerFailed: stand-in" >&2; exit 1; }
+printf '{"framework":"%s","model":"%s","policy":"%s","batch":%s,"threads":2,"segments":1,"model_state_bytes":1,"step_peak_bytes":2,"fwd_bwd_peak_bytes":2,"step_ms_median":1.0,"step_ms_min":1.0,"step_ms_max":1.0,"timed_steps":1,"loss":1.0,"compile_ms":5.0,"memory_budget":%s}\n' \
+  "$framework" "$model" "$policy" "$batch" "$budget"
+"#;
+    std::fs::write(&python, stand_in).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The smallest model the baseline has a PyTorch version of, at its `cpu` size (seconds).
+    let mut args = vec!["--profile", "cpu", "--steps", "1", "--out", dir.to_str().unwrap()];
+    let extra = ["--baseline", "pytorch-compile", "--python", python.to_str().unwrap()];
+    args.extend(models_args("unet3d-small", "off", &extra));
+    let out = harness(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let m = matrix(&dir);
+    assert_eq!(m["baselines"][0]["framework"], "pytorch", "the eager run beside ours");
+    let compiled = m["compiled"].as_array().expect("compiled runs stored");
+    let rows: Vec<_> = compiled
+        .iter()
+        .map(|b| (b["policy"].as_str().unwrap(), b["status"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("memory-budget=1", "ok"),
+            ("memory-budget=0.7", "ok"),
+            ("memory-budget=0.4", "ok"),
+            ("memory-budget=0.2", "error"),
+            ("memory-budget=0.1", "ok"),
+        ]
+    );
+    assert!(compiled.iter().all(|b| b["framework"] == "pytorch-compile"));
+    assert_eq!(compiled[2]["memory_budget"], 0.4, "the budget reached the script");
+    assert_eq!(compiled[0]["compile_ms"], 5.0);
+    let failed = compiled[3]["error"].as_str().unwrap();
+    assert!(failed.contains("BackendCompilerFailed"), "{failed}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

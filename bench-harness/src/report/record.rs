@@ -364,6 +364,14 @@ pub struct Baseline {
     /// PyTorch's step time over its `off`, per round, as our records' `time_vs_off`.
     #[serde(default)]
     pub time_vs_off: Option<Spread>,
+    /// Compiled (`pytorch-compile`): the first step's time beyond a step's, in milliseconds:
+    /// compiling the forward and backward graphs (left out of the step time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compile_ms: Option<f64>,
+    /// Compiled: `torch._functorch.config.activation_memory_budget`, the share of the
+    /// activations its backward may keep (1 keeps what the partitioner would; lower recomputes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_budget: Option<f64>,
     #[serde(default = "ok")]
     pub status: Status,
     #[serde(default)]

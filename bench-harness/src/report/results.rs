@@ -139,6 +139,10 @@ pub struct Matrix {
     /// The article's configurations at full size, predicted by the planner.
     #[serde(default)]
     pub projections: Vec<Projection>,
+    /// Each model's step compiled by torch.compile, one per activation memory budget
+    /// (`--baseline pytorch-compile`; policy `memory-budget=F`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub compiled: Vec<Baseline>,
 }
 
 impl Matrix {
@@ -227,6 +231,16 @@ impl Matrix {
     /// Adds or replaces the PyTorch record of its (model, policy).
     pub fn put_baseline(&mut self, b: Baseline) {
         replace_or_push(&mut self.baselines, b, |r| (&r.model, &r.policy));
+    }
+
+    /// The compiled run of `model` under `policy` (`memory-budget=F`).
+    pub fn find_compiled(&self, model: &str, policy: &str) -> Option<&Baseline> {
+        self.compiled.iter().find(|b| b.model == model && b.policy == policy)
+    }
+
+    /// Adds or replaces the compiled run of its (model, policy).
+    pub fn put_compiled(&mut self, b: Baseline) {
+        replace_or_push(&mut self.compiled, b, |r| (&r.model, &r.policy));
     }
 
     /// Adds or replaces the projection of its model.

@@ -54,12 +54,24 @@ pub fn available(python: &str) -> Result<(), String> {
 }
 
 /// What a PyTorch run measures, as ours does in `measure::One::Full` and `One::TimeOnly`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Measure {
     /// Memory and time (the run beside ours).
     Full,
     /// Its steps timed, no memory measured (a timing round: `--time-only`).
     TimeOnly,
+    /// Memory and time of the whole step through torch.compile, its backward keeping this share
+    /// of the activations (`activation_memory_budget`), and the time compiling took.
+    Compiled(f64),
+}
+
+/// The activation memory budgets of `--baseline pytorch-compile`'s sweep, per model: inductor's
+/// memory/time curve from keeping what its partitioner would (1.0) to recomputing most (0.1).
+pub const COMPILE_BUDGETS: [f64; 5] = [1.0, 0.7, 0.4, 0.2, 0.1];
+
+/// The policy name a compiled run is recorded under.
+pub fn compiled_policy(budget: f64) -> String {
+    format!("memory-budget={budget}")
 }
 
 /// Runs the PyTorch version of `ours` (same model, batch, input size, segments, steps, threads,
@@ -74,10 +86,14 @@ pub fn run(
     measure: Measure,
     memory_limit: Option<u64>,
 ) -> Baseline {
+    let (framework, policy) = match measure {
+        Measure::Compiled(budget) => ("pytorch-compile", compiled_policy(budget)),
+        _ => ("pytorch", ours.policy.clone()),
+    };
     let failed = |error: String| Baseline {
-        framework: "pytorch".into(),
+        framework: framework.into(),
         model: ours.model.clone(),
-        policy: ours.policy.clone(),
+        policy: policy.clone(),
         batch: ours.batch,
         status: Status::Error,
         error,
@@ -92,7 +108,7 @@ pub fn run(
     super::child::die_with_parent(&mut cmd);
     let out = cmd
         .arg(script("torch_baseline.py"))
-        .args(["--model", &ours.model, "--policy", &ours.policy, "--segments", &segments.join(",")])
+        .args(["--model", &ours.model, "--policy", &policy, "--segments", &segments.join(",")])
         .args(["--batch", &ours.batch.to_string(), "--input-size", &input_size.to_string()])
         .args([
             "--steps",
@@ -105,6 +121,12 @@ pub fn run(
             &ours.device,
         ])
         .args((measure == Measure::TimeOnly).then_some("--time-only"))
+        .args(match measure {
+            Measure::Compiled(budget) => {
+                vec!["--compile".into(), format!("--memory-budget={budget}")]
+            }
+            _ => Vec::new(),
+        })
         .args(memory_limit.map(|b| format!("--memory-limit={b}")))
         .output();
     let out = match out {

@@ -337,6 +337,9 @@ impl Run<'_> {
             }
             bar.inc(1);
             let model_done = configs.get(i + 1).is_none_or(|(next, _)| next.model != w.model);
+            if let (true, true, Some(python)) = (model_done, args.compiled(), python) {
+                self.compile_sweep(w, python, &bar)?;
+            }
             if !model_done || args.rounds == 0 {
                 continue;
             }
@@ -417,6 +420,46 @@ impl Run<'_> {
         }
         self.matrix.save_json(&self.dir)?;
         Ok(ran)
+    }
+
+    /// `model`'s step through torch.compile at each of [`baseline::COMPILE_BUDGETS`], on the
+    /// configuration of its `off` (where that ran), each budget unless the folder has it; saved.
+    fn compile_sweep(&mut self, w: &Workload, python: &str, bar: &ProgressBar) -> Result<()> {
+        let common = &self.args.common;
+        let ours = match self.matrix.find(&w.model, "off") {
+            Some(r) if r.status == Status::Ok && baseline::MODELS.contains(&w.model.as_str()) => {
+                r.clone()
+            }
+            _ => return Ok(()),
+        };
+        for budget in baseline::COMPILE_BUDGETS {
+            let policy = baseline::compiled_policy(budget);
+            if !self.args.force && self.matrix.find_compiled(&w.model, &policy).is_some() {
+                continue;
+            }
+            bar.set_message(format!("{} compiled, {policy}", w.model));
+            if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+                trainkit::say!("compiling {} in PyTorch, {policy}", w.model);
+            }
+            let measure = Measure::Compiled(budget);
+            let b = Baseline {
+                command: this_command(),
+                commit: self.matrix.meta.git_commit.clone(),
+                ..baseline::run(
+                    python,
+                    &ours,
+                    w.input_size,
+                    common.steps,
+                    common.seed,
+                    measure,
+                    None,
+                )
+            };
+            bar.suspend(|| trainkit::say!("{}", compiled_summary(&b, &ours)));
+            self.matrix.put_compiled(b);
+            self.matrix.save_json(&self.dir)?;
+        }
+        Ok(())
     }
 
     /// PyTorch beside ours, where ours ran, and where ours was predicted not to fit this machine:
@@ -524,6 +567,24 @@ fn other_configurations(
         }
     }
     out
+}
+
+/// A compiled run's line: its peak and time against our `off`'s, and what compiling took.
+fn compiled_summary(b: &Baseline, off: &Record) -> String {
+    if b.status != Status::Ok {
+        return format!("  {} compiled, {}: {}: {}", b.model, b.policy, b.status, b.error);
+    }
+    format!(
+        "  {} compiled, {}: step peak {}, {:.0} ms a step (ours off {}, {:.0} ms), compiled in \
+         {:.0} s",
+        b.model,
+        b.policy,
+        mib(b.step_peak_bytes),
+        b.step_ms_median,
+        mib(off.step_peak_bytes),
+        off.step_ms_median,
+        b.compile_ms.unwrap_or(0.0) / 1e3
+    )
 }
 
 /// A baseline's line: PyTorch's peak and time, and ours over them.
