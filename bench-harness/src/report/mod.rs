@@ -8,6 +8,7 @@
 
 pub mod baseline;
 pub mod claims;
+pub mod compiled;
 pub mod fits_24gb;
 pub mod kernels;
 pub mod plot;
@@ -73,6 +74,7 @@ pub fn markdown(m: &Matrix) -> String {
         }
     }
     out.push_str(&self::baseline::side_by_side(m));
+    out.push_str(&self::compiled::at_its_memory_levels(m));
     out
 }
 

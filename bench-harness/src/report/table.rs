@@ -113,6 +113,7 @@ pub fn render(m: &Matrix, fits: &[(String, f64)]) -> String {
             .and_then(|r| Some((r.off_gb?, r.ckpt_gb, r.time?)))
     }));
     out.push_str(&side_by_side(m));
+    out.push_str(&super::compiled::at_its_memory_levels(m));
     out
 }
 
