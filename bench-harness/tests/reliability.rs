@@ -253,10 +253,12 @@ fn a_full_disk_while_writing_results_names_the_file_and_keeps_the_last_one() {
             && err.contains("File too large"),
         "{err}"
     );
+    let after = files(&dir);
+    let changed: Vec<&String> = after.keys().filter(|n| before.get(*n) != after.get(*n)).collect();
     assert!(
-        files(&dir) == before,
-        "a file changed or a temporary was left: {:?}",
-        files(&dir).keys()
+        after == before,
+        "a file changed or a temporary was left: {changed:?} of {:?}",
+        after.keys()
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
