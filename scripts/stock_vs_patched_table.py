@@ -26,13 +26,19 @@ mib = lambda b: f"{b / 2**20:.1f}"
 peak = lambda b: b[1]["step_peak_bytes"]
 time = lambda b: statistics.median(r["step_ms_median"] for r in b.values())
 
+
+def head(*columns):
+    """A Markdown table's header and separator lines."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+
 print("# What the vendored candle-core buys, patch by patch (CPU)\n")
 print(f"Command: `scripts/stock-vs-patched.sh` (commit {commit}; each configuration a fresh `bench-harness run-one --profile {profile}` process per build, the builds in turn; PyTorch by `scripts/torch_baseline.py` on the segments our policy chose)  ")
 print(f"Machine: {cpu}, {vec}, 2 cores\n")
 print("Builds of one commit, each adding one patch of `vendor/patches` to the one before (they apply in that order): *release* is candle-core 0.11.1 as published, remat without `patched-candle` (a stage graph reads each float input through a copy, `Var::from_tensor`); *release, +units=auto* is the same build under the policy with `+units=auto` (each segment run backward in the units of stages the planner predicts lowest: a unit reads what its own stages produce without copies, and holds its gradients until its whole backward returns); *+0002* switches remat to `patched-candle` (`Var::sharing`: no copies); *+0004* is this repository's build. From *+0001* on, a column's change from the one before is its patch's.\n")
 print("## Step peak (MiB above the model state, round 1)\n")
-print("| model | policy | " + " | ".join(HEADS) + " | release / patched | units / patched | PyTorch | units / PyTorch | patched / PyTorch |")
-print("|---|---|" + "---|" * (len(HEADS) + 5))
+head("model", "policy", *HEADS, "release / patched", "units / patched", "PyTorch", "units / PyTorch", "patched / PyTorch")
 for (model, policy), b in rows:
     pt = b.get("pytorch", {}).get(1, {}).get("step_peak_bytes")
     vs = lambda x: f"{x / pt:.2f}" if pt else "-"
@@ -40,8 +46,7 @@ for (model, policy), b in rows:
           + f" | {peak(b['release']) / peak(b['patched']):.2f} | {peak(b['units']) / peak(b['patched']):.2f} | {mib(pt) if pt else '-'} | {vs(peak(b['units']))} | {vs(peak(b['patched']))} |")
 print("\n## Where the release's extra peak is (the planner's breakdown at the peak, release minus patched, MiB)\n")
 print("*held*: activations and the stage graphs' inputs (remat's copies on the release); *in backward*: the buffers of the backward running at the peak (candle's gradient sums: zeros, the gradient, their sum); *gradients*: parameter and value gradients held.\n")
-print("| model | policy | held | in backward | gradients | total |")
-print("|---|---|---|---|---|---|")
+head("model", "policy", "held", "in backward", "gradients", "total")
 for (model, policy), b in rows:
     at = lambda x: b[x][1]["estimate"]["at_peak"]
     d = lambda k: at("release")[k] - at("patched")[k]
@@ -50,8 +55,7 @@ for (model, policy), b in rows:
     print(f"| {model} | {policy} | {mib(held)} | {mib(d('transient'))} | {mib(grads)} | {mib(held + d('transient') + grads)} |")
 print("\n## Step time (ms) and checks\n")
 print("Step time: the median of 3 timed steps after a warm-up; release, units and patched: the median over the rounds (round 1 and the time-only rounds), the others round 1's. Units: the units the planner chose. Grads: bit-identical to plain candle on that build (all six runs). Planner: the predicted step peak's error.\n")
-print("| model | policy | " + " | ".join(HEADS) + " | release / patched | PyTorch | units | grads | planner, release / units / patched |")
-print("|---|---|" + "---|" * (len(HEADS) + 5))
+head("model", "policy", *HEADS, "release / patched", "PyTorch", "units", "grads", "planner, release / units / patched")
 for (model, policy), b in rows:
     pt = b.get("pytorch", {}).get(1, {}).get("step_ms_median")
     same = "yes" if all(b[x][1].get("grads_bit_identical") for x in BUILDS) else "no: " + ", ".join(x for x in BUILDS if not b[x][1].get("grads_bit_identical"))

@@ -446,7 +446,7 @@ fn plan(
     let fixed = trainkit::memory_before_step(device, optimizer, inputs_bytes)?;
     let grads = Grads::of(&profile, w.accumulate, Update::from_flag(w.in_backward));
     let planned = policy.fixed().is_none();
-    let (resolved, _plan) = remat::plan::resolve(
+    let (resolved, _) = remat::plan::resolve(
         policy,
         &profile,
         fixed,

@@ -60,10 +60,21 @@
 //!   last stage first, each once the gradients complete after that stage are reported.
 
 use crate::graph::ValueId;
+use std::ops::Range;
 
 /// Whether a stage graph's `Var` over a value produced in its own segment is a copy (Rule 4):
 /// on candle as published, which has no variable over another tensor's memory.
 pub(crate) const VARS_COPY: bool = cfg!(not(feature = "patched-candle"));
+
+/// Rule 11: the backward units of a segment's `stages`, `size` stages each (the last may be
+/// shorter), in order.
+pub(crate) fn units(
+    stages: Range<usize>,
+    size: usize,
+) -> impl DoubleEndedIterator<Item = Range<usize>> {
+    let end = stages.end;
+    stages.step_by(size).map(move |start| start..(start + size).min(end))
+}
 
 /// Who produces and who reads each value: what the rules are stated over. Built from every
 /// stage's inputs and outputs in stage order, from a graph's nodes (the executor) or a profile's

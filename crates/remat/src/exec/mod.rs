@@ -85,11 +85,7 @@ impl Segment {
             .stored_at(stages.end)
             .filter(|&v| wiring.producer(v).is_some_and(|p| p >= stages.start))
             .collect();
-        let units = stages
-            .clone()
-            .step_by(unit)
-            .map(|start| start..(start + unit).min(stages.end))
-            .collect();
+        let units = crate::rules::units(stages.clone(), unit).collect();
         Segment { stages, units, inputs, outputs, last_reader }
     }
 

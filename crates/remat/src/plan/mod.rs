@@ -61,9 +61,10 @@ pub struct StageCost {
     /// Highest bytes above the heap at its start while its backward runs.
     pub backward_transient: u64,
     /// Bytes its backward holds until it returns beyond the gradients it leaves, its inputs'
-    /// gradients' aside ([`StageCost::inputs_retained`]): what the gradients' op graphs reference (candle detaches a gradient only as it takes it up, and one
-    /// computed by tracked ops references the gradients it was computed from; on candle as
-    /// published, also the zeros each first gradient is summed into). Freed as the executor
+    /// gradients' aside ([`StageCost::inputs_retained`]): what the gradients' op graphs
+    /// reference (candle detaches a gradient only as it takes it up, and one computed by tracked
+    /// ops references the gradients it was computed from; on candle as published, also the zeros
+    /// each first gradient is summed into). Freed as the executor
     /// detaches the gradients after a stage's backward, or a backward unit's (Rule 11): a unit
     /// holds this of its later stages while its earlier ones run.
     #[serde(default)]

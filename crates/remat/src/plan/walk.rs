@@ -68,9 +68,7 @@ impl Profile {
         }
         forward.into_iter().chain(backward.into_iter().rev().flatten()).collect()
     }
-}
 
-impl Profile {
     /// For each of `segments`, the backward unit size whose predicted peak is lowest
     /// (`+units=auto`; Rule 11).
     pub fn choose_units(&self, segments: &[Range<usize>], keep: OpSet, grads: Grads) -> Vec<usize> {
@@ -266,13 +264,12 @@ impl<'w, 'p> SegmentWalk<'w, 'p> {
 
     /// The backward unit of stage `i` (Rule 11).
     fn unit_of(&self, i: usize) -> Range<usize> {
-        let start = self.a + (i - self.a) / self.unit * self.unit;
-        start..(start + self.unit).min(self.b)
+        self.units().find(|u| u.contains(&i)).expect("a stage of the segment")
     }
 
-    /// The backward units, last first.
-    fn units_back(&self) -> impl Iterator<Item = Range<usize>> + '_ {
-        (self.a..self.b).step_by(self.unit).map(|c| self.unit_of(c)).rev()
+    /// The backward units, in order (Rule 11).
+    fn units(&self) -> impl DoubleEndedIterator<Item = Range<usize>> {
+        crate::rules::units(self.a..self.b, self.unit)
     }
 
     /// Bytes handed over to `Var`s by stage `i` (Rule 5).
@@ -394,7 +391,7 @@ impl<'w, 'p> SegmentWalk<'w, 'p> {
         }
         // Rule 5: by its backward, what this segment took over is held by `Var`s only.
         held.stored = stored - self.handed_by(b);
-        for unit in self.units_back() {
+        for unit in self.units().rev() {
             // Rule 11: the unit's stages are all held until its backward returns, and so are the
             // parameter gradients its later stages made and what their gradients' op graphs hold
             // (`retained`). Of a value the unit produces, its first reader's input gradient is
