@@ -73,7 +73,8 @@ pub fn attention(
 }
 
 /// [`attention`] with q and k turned by the rotary embedding `rotary` inside the op
-/// ([`fused::rotary_attention`]), without key padding.
+/// ([`fused::rotary_attention`]), without key padding; q, k, v and the output token by token
+/// (B, T, heads, d).
 pub fn rotary_attention(
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     rotary: &fused::Rotary,

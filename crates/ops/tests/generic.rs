@@ -286,7 +286,8 @@ fn rms_norm_silu_mul_and_rotary_attention_on_the_generic_route() -> Result<()> {
         "the control keeps {in_graph} B, the kernel {kernel} B"
     );
 
-    // Batch 2, 4 query heads over 2 key/value heads, 64 positions, 32 wide, dropout on.
+    // Batch 2, 64 positions, 4 query heads over 2 key/value heads, 32 wide, dropout on; token by
+    // token (B, T, heads, d).
     let rotary = ops::fused::Rotary::new((0..16).map(|i| 0.5f32.powi(i)).collect());
     let key = remat::rng::RngKey::named(5, "rotary attention");
     let inside = {
@@ -297,13 +298,16 @@ fn rms_norm_silu_mul_and_rotary_attention_on_the_generic_route() -> Result<()> {
         }
     };
     let qkv = [
-        var(&[2, 4, 64, 32], DType::F32)?,
-        var(&[2, 2, 64, 32], DType::F32)?,
-        var(&[2, 2, 64, 32], DType::F32)?,
+        var(&[2, 64, 4, 32], DType::F32)?,
+        var(&[2, 64, 2, 32], DType::F32)?,
+        var(&[2, 64, 2, 32], DType::F32)?,
     ];
     let kernel = check("rotary attention", &inside, &qkv, 1e-5)?;
-    // The control: q and k turned by candle's ops in the graph (the op without its rotation,
-    // given turned operands), which keeps the turned copies beside q and k.
+    // Two controls, each keeping copies the op does not: q and k turned by candle's ops in the
+    // graph (the op without its rotation, given turned operands), and the same op given q, k, v
+    // heads first and its output turned back, each by a copy in the graph (which keeps its source
+    // alive as well as itself).
+    let heads_first = |x: &Tensor| x.transpose(1, 2)?.contiguous();
     let outside = move |t: &[Tensor]| {
         let half = |x: &Tensor, i: usize| x.narrow(D::Minus1, 16 * i, 16);
         let angles = Tensor::arange(0u32, 64, &Device::Cpu)?
@@ -321,9 +325,9 @@ fn rms_norm_silu_mul_and_rotary_attention_on_the_generic_route() -> Result<()> {
         };
         let dropout = Some((key, 0.1));
         ops::fused::attention(
-            &turn(&t[0])?,
-            &turn(&t[1])?,
-            &t[2],
+            &turn(&heads_first(&t[0])?)?,
+            &turn(&heads_first(&t[1])?)?,
+            &heads_first(&t[2])?,
             0.25,
             Mask::Causal,
             None,
@@ -336,11 +340,33 @@ fn rms_norm_silu_mul_and_rotary_attention_on_the_generic_route() -> Result<()> {
         in_graph > kernel + 2 * 4 * 64 * 32 * 4,
         "the control keeps {in_graph} B, the rotary attention {kernel} B"
     );
-    let qkv = [
-        var(&[2, 4, 64, 32], DType::BF16)?,
-        var(&[2, 2, 64, 32], DType::BF16)?,
-        var(&[2, 2, 64, 32], DType::BF16)?,
-    ];
+    let copied = {
+        let rotary = rotary.clone();
+        move |t: &[Tensor]| {
+            let dropout = Some((key, 0.1));
+            let (q, k, v) = (heads_first(&t[0])?, heads_first(&t[1])?, heads_first(&t[2])?);
+            // The op as it was: heads first in, heads first out (through the transposed views).
+            let tokens_first = |x: &Tensor| x.transpose(1, 2);
+            let y = ops::fused::rotary_attention(
+                &tokens_first(&q)?,
+                &tokens_first(&k)?,
+                &tokens_first(&v)?,
+                &rotary,
+                0.25,
+                Mask::Causal,
+                dropout,
+            )?;
+            heads_first(&y)?.transpose(1, 2)?.contiguous()
+        }
+    };
+    let in_graph = kept_bytes(&copied, &qkv, Some(Path::Kernel))?;
+    eprintln!("attention over heads-first copies: kept {in_graph} B, token by token {kernel} B");
+    // At least the copies of q, k and v (4 + 2 + 2 heads' rows of (2, 64, 32) floats) and one
+    // of the output (4).
+    assert!(
+        in_graph > kernel + 12 * 2 * 64 * 32 * 4,
+        "the control keeps {in_graph} B, the rotary attention {kernel} B"
+    );
     check("rotary attention bf16", &inside, &qkv, 2e-2)?;
     Ok(())
 }

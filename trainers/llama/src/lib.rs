@@ -136,7 +136,7 @@ impl Layer {
         })
     }
 
-    /// (B, T, C) -> (B, heads, T, head_dim) of `proj`, normed per head where `norm` is given.
+    /// (B, T, C) -> (B, T, heads, head_dim) of `proj`, normed per head where `norm` is given.
     fn heads_of(
         &self,
         x: &Tensor,
@@ -147,11 +147,10 @@ impl Layer {
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let h = proj.forward(x, ctx)?.reshape((b, t, heads, self.head_dim))?; // (B, T, h, hd)
-        let h = match norm {
-            Some(norm) => norm.forward(&h)?,
-            None => h,
-        };
-        h.transpose(1, 2)?.contiguous() // (B, h, T, hd)
+        match norm {
+            Some(norm) => norm.forward(&h),
+            None => Ok(h),
+        }
     }
 
     fn attention(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
@@ -159,8 +158,9 @@ impl Layer {
         let q = self.heads_of(x, &self.q_proj, self.heads, self.q_norm.as_ref(), ctx)?;
         let k = self.heads_of(x, &self.k_proj, self.kv_heads, self.k_norm.as_ref(), ctx)?;
         let v = self.heads_of(x, &self.v_proj, self.kv_heads, None, ctx)?;
-        // q and k turned by position inside the op; K and V (B, kv_heads, T, hd), each shared by
-        // heads / kv_heads query heads, unrepeated.
+        // q and k turned by position inside the op; K and V (B, T, kv_heads, hd), each shared by
+        // heads / kv_heads query heads, unrepeated. Token by token in and out: no heads-first
+        // copy is made (a copy would keep its source alive for backward).
         let y = ops::rotary_attention(
             (&q, &k, &v),
             &self.rotary,
@@ -168,8 +168,8 @@ impl Layer {
             ops::Mask::Causal,
             self.attention_dropout,
             ctx,
-        )?; // (B, heads, T, hd)
-        let y = y.transpose(1, 2)?.reshape((b, t, self.heads * self.head_dim))?;
+        )?; // (B, T, heads, hd)
+        let y = y.reshape((b, t, self.heads * self.head_dim))?;
         self.o_proj.forward(&y, ctx) // (B, T, C)
     }
 

@@ -40,8 +40,12 @@ pub fn attention(
 
 /// [`attention`] of q and k turned by the rotary embedding `rotary` first, q's and k's rows at
 /// positions 0..T (a decoder's self-attention; no key padding: a causal model's right padding
-/// needs none). The op keeps q and k as given: it turns them again in backward, and turns their
-/// gradients back, where rotating them beforehand would keep a rotated copy of each beside the
+/// needs none), with q (B, T, heads, d), k and v (B, T, kv_heads, d) and the output (B, T, heads,
+/// d) laid out token by token, as the projections give them and the output projection takes
+/// them: the op reads and writes that layout itself, so no heads-first copy of q, k, v or of the
+/// output is made in candle's graph (each such copy would keep its source alive for backward).
+/// The op keeps q and k as given: it turns them again in backward, and turns their gradients
+/// back, where rotating them beforehand would keep a rotated copy of each beside the
 /// projections' output.
 pub fn rotary_attention(
     q: &Tensor,
@@ -59,7 +63,66 @@ pub fn rotary_attention(
             rotary.head_dim()
         )
     }
-    attend(q, k, v, Attending { scale, mask, padding: None, dropout, rotary: Some(rotary) })
+    let how = Attending { scale, mask, padding: None, dropout, rotary: Some(rotary) };
+    if !lean(q) {
+        let heads_first = |x: &Tensor| x.transpose(1, 2);
+        let y = attend(&heads_first(q)?, &heads_first(k)?, &heads_first(v)?, how)?;
+        return y.transpose(1, 2)?.contiguous();
+    }
+    groups(q.dim(2)?, k.dim(2)?, v.dim(2)?)?;
+    attention_rows(q, k, v, how, q.dim(1)?, Layout::TokensFirst)
+}
+
+/// How many query heads share each key/value head; an error where they cannot share them.
+fn groups(heads: usize, kv_heads: usize, v_heads: usize) -> Result<usize> {
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || v_heads != kv_heads {
+        candle_core::bail!(
+            "attention: {heads} query heads cannot share {kv_heads} key and {v_heads} value heads"
+        )
+    }
+    Ok(heads / kv_heads)
+}
+
+/// How the op's operands and output lie: heads first (B, heads, R, d), the kernels' own layout, or
+/// token by token (B, T, heads, d), turned into the kernels' inside the op (a transient copy).
+#[derive(Clone, Copy)]
+enum Layout {
+    HeadsFirst,
+    TokensFirst,
+}
+
+impl Layout {
+    /// q, k, v or the output's gradient as the kernels take them: (B, kv_heads, rows, d), the
+    /// query heads that share a key/value head as rows of one map (`kv_heads`: k's heads).
+    fn rows(self, x: &Tensor, kv_heads: usize) -> Result<Tensor> {
+        match self {
+            Layout::HeadsFirst => x.contiguous(),
+            Layout::TokensFirst => {
+                let (b, t, h, d) = x.dims4()?;
+                x.transpose(1, 2)?.contiguous()?.reshape((b, kv_heads, h / kv_heads * t, d))
+            }
+        }
+    }
+
+    /// The heads of k, of shape (B, kv_heads, S, d) or (B, S, kv_heads, d).
+    fn kv_heads(self, k: &Shape) -> Result<usize> {
+        k.dims4().map(|d| match self {
+            Layout::HeadsFirst => d.1,
+            Layout::TokensFirst => d.2,
+        })
+    }
+
+    /// A result in the kernels' layout (B, kv_heads, rows, d') laid out as an operand of shape
+    /// `like`.
+    fn back(self, x: Tensor, like: &Shape) -> Result<Tensor> {
+        match self {
+            Layout::HeadsFirst => Ok(x),
+            Layout::TokensFirst => {
+                let (b, t, h, _) = like.dims4()?;
+                x.reshape((b, h, t, x.dim(3)?))?.transpose(1, 2)?.contiguous()
+            }
+        }
+    }
 }
 
 /// [`attention`] or [`rotary_attention`], as `how` says.
@@ -67,31 +130,31 @@ fn attend(q: &Tensor, k: &Tensor, v: &Tensor, how: Attending) -> Result<Tensor> 
     let (b, heads, t, d) = q.dims4()?;
     let kv_heads = k.dim(1)?;
     if kv_heads == heads {
-        return attention_rows(q, k, v, how, t);
+        return attention_rows(q, k, v, how, t, Layout::HeadsFirst);
     }
-    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || v.dim(1)? != kv_heads {
-        candle_core::bail!(
-            "attention: {heads} query heads cannot share {kv_heads} key and {} value heads",
-            v.dim(1)?
-        )
-    }
+    let rep = groups(heads, kv_heads, v.dim(1)?)?;
     // (B, heads, T, d) is (B, kv_heads, heads/kv_heads x T, d) as it lies in memory.
-    let grouped = q.contiguous()?.reshape((b, kv_heads, heads / kv_heads * t, d))?;
-    let y = attention_rows(&grouped, k, v, how, t)?;
+    let grouped = q.contiguous()?.reshape((b, kv_heads, rep * t, d))?;
+    let y = attention_rows(&grouped, k, v, how, t, Layout::HeadsFirst)?;
     y.reshape((b, heads, t, ()))
 }
 
 /// [`attention`] of q (B, h, R, d) whose rows are queries at positions 0..`period`, repeated
-/// every `period` rows (R = period unless grouped-query attention folded heads into the rows).
+/// every `period` rows (R = period unless grouped-query attention folded heads into the rows), or
+/// of q, k, v laid out as `layout` says.
 fn attention_rows(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     how: Attending,
     period: usize,
+    layout: Layout,
 ) -> Result<Tensor> {
-    let (b, heads, t, _) = q.dims4()?;
-    let s = k.dim(2)?;
+    let b = q.dim(0)?;
+    let (rows, s) = match layout {
+        Layout::HeadsFirst => (q.dim(1)? * q.dim(2)?, k.dim(2)?),
+        Layout::TokensFirst => (q.dim(1)? * q.dim(2)?, k.dim(1)?),
+    };
     if let Some(m) = how.padding {
         if m.dims() != [b, s] {
             candle_core::bail!(
@@ -116,7 +179,7 @@ fn attention_rows(
     }
     remat::keep::op(OpKind::Attention, |kept| {
         if generic(q) {
-            return attention_generic(q, k, v, how, period, turns, kept);
+            return attention_generic(q, k, v, how, period, turns, layout, kept);
         }
         let padding = match how.padding {
             Some(m) => Some((
@@ -128,13 +191,14 @@ fn attention_rows(
                         .map(|v| v != 0.0)
                         .collect(),
                 ),
-                heads * t,
+                rows,
             )),
             None => None,
         };
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.to_dtype(q.dtype())?.contiguous()?);
         let Attending { scale, mask, dropout, .. } = how;
-        apply3(&q, &k, &v, AttentionOp { scale, mask, period, padding, dropout, turns }, kept)
+        let op = AttentionOp { scale, mask, period, padding, dropout, turns, layout };
+        apply3(&q, &k, &v, op, kept)
     })
 }
 
@@ -227,8 +291,9 @@ fn probabilities(
 
 /// The generic route ([`super::generic`]): attention composed on detached q, k, v (q and k turned
 /// by `turns` first); backward rebuilds the turned q and k, the probabilities and the dropout
-/// mask, so the op keeps only q, k and v. `kept`: its output, kept from the forward
-/// (`remat::keep`).
+/// mask, so the op keeps only q, k and v, as they lie (`layout`). `kept`: its output, kept from
+/// the forward (`remat::keep`).
+#[allow(clippy::too_many_arguments)]
 fn attention_generic(
     q: &Tensor,
     k: &Tensor,
@@ -236,6 +301,7 @@ fn attention_generic(
     how: Attending,
     period: usize,
     turns: Option<Turns>,
+    layout: Layout,
     kept: Option<Tensor>,
 ) -> Result<Tensor> {
     let padding = how.padding.map(|m| m.detach());
@@ -253,14 +319,16 @@ fn attention_generic(
     };
     let y = kept_or(kept, || {
         // Stored in q's dtype, as the kernel.
-        let (qt, kt) = operands(&q.detach(), &k.detach())?;
+        let kv = layout.kv_heads(k.shape())?;
+        let (qt, kt) = operands(&layout.rows(&q.detach(), kv)?, &layout.rows(&k.detach(), kv)?)?;
         let (p, mask) =
             probabilities(&qt, &kt, Attending { padding: padding.as_ref(), ..plain }, period)?;
         let pd = match &mask {
             Some(m) => (p * m)?,
             None => p,
         };
-        pd.matmul(&widened_as(&v.detach(), q)?)?.to_dtype(q.dtype())
+        let v = widened_as(&layout.rows(&v.detach(), kv)?, q)?;
+        layout.back(pd.matmul(&v)?.to_dtype(q.dtype())?, q.shape())
     })?;
     // dv = pd^T g; dp = (g v^T) mask; ds = p (dp - sum(dp p)); dq = scale ds k; dk = scale ds^T q.
     let backward = move |inputs: &[Tensor],
@@ -268,8 +336,11 @@ fn attention_generic(
                          g: &Tensor,
                          _want: &[bool]|
           -> Result<Vec<Option<Tensor>>> {
-        let (q, k) = operands(&inputs[0], &inputs[1])?;
-        let (v, g) = (widened(&inputs[2])?, widened(g)?);
+        // The output's gradient lies as q.
+        let kv = layout.kv_heads(inputs[1].shape())?;
+        let rows = |x: &Tensor| layout.rows(x, kv);
+        let (q, k) = operands(&rows(&inputs[0])?, &rows(&inputs[1])?)?;
+        let (v, g) = (widened(&rows(&inputs[2])?)?, widened(&rows(g)?)?);
         // Each (B, heads, T, T) temporary goes once used: at most three are alive at once.
         let (p, mask) =
             probabilities(&q, &k, Attending { padding: padding.as_ref(), ..plain }, period)?;
@@ -291,7 +362,7 @@ fn attention_generic(
             Some(turns) => turns.tensors(&dq, &dk, Turn::Back)?,
             None => (dq, dk),
         };
-        let back = |t: Tensor, like: &Tensor| t.to_dtype(like.dtype());
+        let back = |t: Tensor, like: &Tensor| layout.back(t.to_dtype(like.dtype())?, like.shape());
         Ok(vec![
             Some(back(dq, &inputs[0])?),
             Some(back(dk, &inputs[1])?),
@@ -315,6 +386,8 @@ struct AttentionOp {
     dropout: Option<(RngKey, f32)>,
     /// The rotary embedding's turn of q and k, where it applies.
     turns: Option<Turns>,
+    /// How q, k, v and the output lie.
+    layout: Layout,
 }
 
 impl AttentionOp {
@@ -344,10 +417,10 @@ impl AttentionOp {
         Tensor::from_vec(m, (q.dim(0)?, q.dim(1)?, q.dim(2)?, k.dim(2)?), q.device())
     }
 
-    fn forward<T: Elem>(&self, q: Tensor, k: Tensor, v: Tensor) -> Result<Vec<T>> {
+    fn forward<T: Elem>(&self, q: Tensor, k: Tensor, v: Tensor) -> Result<Tensor> {
         let mut p = self.probabilities::<T>(&q, &k)?;
         self.drop_out(&mut p);
-        Self::map(p, &q, &k)?.matmul(&v)?.flatten_all()?.to_vec1::<T>()
+        Self::map(p, &q, &k)?.matmul(&v)
     }
 
     /// With P the probabilities and P' = dropout(P): dV = P'^T g; dP = dropout(g V^T) (the same
@@ -379,12 +452,18 @@ impl FusedOp for AttentionOp {
             let t = |(st, l): Operand| {
                 Tensor::from_slice(&slice::<T>(st, l)?, l.dims(), &candle_core::Device::Cpu)
             };
-            let (q, k) = (t(s[0])?, t(s[1])?);
+            let given = s[0].1.shape();
+            let kv = op.layout.kv_heads(s[1].1.shape())?;
+            let rows = |x: Operand| op.layout.rows(&t(x)?, kv);
+            let (q, k) = (rows(s[0])?, rows(s[1])?);
             let (q, k) = match &op.turns {
                 Some(turns) => turns.kernel::<T>(&q, &k, Turn::Forward)?,
                 None => (q, k),
             };
-            op.forward::<T>(q, k, t(s[2])?)
+            op.layout
+                .back(op.forward::<T>(q, k, rows(s[2])?)?, given)?
+                .flatten_all()?
+                .to_vec1::<T>()
         }
         let args = exactly(inputs)?;
         let [(q, ql), _, (_, vl)] = args;
@@ -405,7 +484,9 @@ impl FusedOp for AttentionOp {
                 Ok(t.detach())
             }
         };
-        let (q, k, v, g) = (wide(q)?, wide(k)?, wide(v)?, wide(g)?.contiguous()?);
+        let kv = self.layout.kv_heads(k.shape())?;
+        let rows = |t: &Tensor| self.layout.rows(&wide(t)?, kv);
+        let (q, k, v, g) = (rows(q)?, rows(k)?, rows(v)?, rows(g)?.contiguous()?);
         let (dq, dk, dv) = per_dtype!(q.dtype(), T => match &self.turns {
             // The gradients of the turned q and k, turned back.
             Some(turns) => {
@@ -416,7 +497,8 @@ impl FusedOp for AttentionOp {
             }
             None => self.backward::<T>(&q, &k, &v, &g)?,
         });
-        Ok(vec![Some(dq.to_dtype(dtype)?), Some(dk.to_dtype(dtype)?), Some(dv.to_dtype(dtype)?)])
+        let back = |d: Tensor, like: &Tensor| self.layout.back(d.to_dtype(dtype)?, like.shape());
+        Ok(vec![Some(back(dq, inputs[0])?), Some(back(dk, inputs[1])?), Some(back(dv, inputs[2])?)])
     }
 }
 

@@ -26,7 +26,8 @@
 //! - [`attention()`]: scaled dot-product attention with causal mask and dropout; keeps only q, k, v
 //!   (scores and probabilities are rebuilt in backward). [`rotary_attention()`]: the same with q
 //!   and k turned by a rotary embedding ([`Rotary`]) inside the op, so the turned copies are
-//!   rebuilt in backward too.
+//!   rebuilt in backward too, its operands and output laid out token by token as the projections
+//!   give and take them (no heads-first copies in the graph).
 //! - `max_pool2d`, `max_pool3d` (through the crate's `max_pool2d_k3s2p1` and `max_pool3d_k2s2`):
 //!   keep only their input; backward finds each window's maximum again.
 //! - `conv_transpose3d_k2s2` (through the crate's function of that name): the U-Net up-convolution

@@ -129,7 +129,7 @@ fn transformer_ops() -> Result<()> {
         let rotary = fused::Rotary::new(vec![1.0, 0.01]);
         same_as_f32(
             dt,
-            &[("q", &[2, 4, 5, 4]), ("k", &[2, 2, 5, 4]), ("v", &[2, 2, 5, 4])],
+            &[("q", &[2, 5, 4, 4]), ("k", &[2, 5, 2, 4]), ("v", &[2, 5, 2, 4])],
             &[],
             |a, _| fused::rotary_attention(&a[0], &a[1], &a[2], &rotary, 0.5, Mask::Causal, key),
         )?;

@@ -187,9 +187,9 @@ fn cases(dev: &Device) -> Result<Vec<Case>> {
             inputs: vec![
                 // At position 0 (cos 1, sin 0): a score of -inf at every key would read as a
                 // query with no key left, which attention answers with zeros.
-                Input("q", normal("ra-q", &[1, 4, 3, 4])?, 1, true),
-                Input("k", normal("ra-k", &[1, 2, 3, 4])?, 2, true),
-                Input("v", normal("ra-v", &[1, 2, 3, 4])?, 9, true),
+                Input("q", normal("ra-q", &[1, 3, 4, 4])?, 1, true),
+                Input("k", normal("ra-k", &[1, 3, 2, 4])?, 2, true),
+                Input("v", normal("ra-v", &[1, 3, 2, 4])?, 9, true),
             ],
             op: Box::new(move |v| {
                 let rotary = fused::Rotary::new(vec![1.0, 0.1]);

@@ -55,14 +55,14 @@ fn fused_silu_mul_gate_and_up() -> Result<()> {
 }
 
 /// Grouped (4 query heads over 2 key/value heads), causal, with dropout: the rotation of q and k
-/// inside the op and its turn back in backward.
+/// inside the op and its turn back in backward; q, k, v (B, T, heads, d), token by token.
 #[test]
 fn rotary_attention_queries_keys_and_values() -> Result<()> {
     crate::route();
     let (q, k, v) = (
-        normal("rq", &[2, 4, 5, 4], 0.0, 1.0)?,
-        normal("rk", &[2, 2, 5, 4], 0.0, 1.0)?,
-        normal("rv", &[2, 2, 5, 4], 0.0, 1.0)?,
+        normal("rq", &[2, 5, 4, 4], 0.0, 1.0)?,
+        normal("rk", &[2, 5, 2, 4], 0.0, 1.0)?,
+        normal("rv", &[2, 5, 2, 4], 0.0, 1.0)?,
     );
     let rotary = fused::Rotary::new(vec![1.0, 0.3]);
     let key = RngKey::named(6, "rotary attention");
@@ -79,16 +79,16 @@ fn rotary_attention_queries_keys_and_values() -> Result<()> {
 }
 
 /// transformers' `apply_rotary_pos_emb` written out (q cos + rotate_half(q) sin, cos and sin of
-/// `inv_freq * position` in f32), then attention: the same values and gradients as the op that
-/// turns q and k inside, which keeps no turned copy.
+/// `inv_freq * position` in f32), then attention over heads first: the same values and gradients
+/// as the op that turns q and k inside, token by token, which keeps no turned or transposed copy.
 #[test]
 fn rotary_attention_equals_attention_of_turned_queries_and_keys() -> Result<()> {
     crate::route();
     let to32 = |v: &Var| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?);
     let (q, k, v) = (
-        to32(&normal("tq", &[2, 4, 16, 8], 0.0, 1.0)?)?,
-        to32(&normal("tk", &[2, 2, 16, 8], 0.0, 1.0)?)?,
-        to32(&normal("tv", &[2, 2, 16, 8], 0.0, 1.0)?)?,
+        to32(&normal("tq", &[2, 16, 4, 8], 0.0, 1.0)?)?,
+        to32(&normal("tk", &[2, 16, 2, 8], 0.0, 1.0)?)?,
+        to32(&normal("tv", &[2, 16, 2, 8], 0.0, 1.0)?)?,
     );
     let inv_freq: Vec<f32> = (0..4).map(|i| 10_000f32.powf(-(2 * i) as f32 / 8.0)).collect();
     let freqs = Tensor::arange(0u32, 16, &Device::Cpu)?
@@ -113,7 +113,11 @@ fn rotary_attention_equals_attention_of_turned_queries_and_keys() -> Result<()> 
         Mask::Causal,
         key,
     )?;
-    let outside = fused::attention(&turn(qt)?, &turn(kt)?, vt, 0.35, Mask::Causal, None, key)?;
+    let heads_first = |x: &Tensor| x.transpose(1, 2);
+    let (qh, kh, vh) = (heads_first(qt)?, heads_first(kt)?, heads_first(vt)?);
+    let outside = fused::attention(&turn(&qh)?, &turn(&kh)?, &vh, 0.35, Mask::Causal, None, key)?
+        .transpose(1, 2)?
+        .contiguous()?;
     assert_agree(&inside, &outside, &[("q", &q), ("k", &k), ("v", &v)], 1e-6, 1e-5)
 }
 
