@@ -173,8 +173,10 @@ fn a_pytorch_baseline_without_torch_goes_on_without_it() {
 
 /// `--baseline pytorch-compile`: the eager run beside each configuration, then the model's step
 /// compiled once per budget of the sweep, each asked of the script with `--compile` and its
-/// budget and stored apart, a failed compile a row with its error. The Python is a stand-in that
-/// answers as scripts/torch_baseline.py does (CI has no torch), failing the 0.2 budget.
+/// budget and stored apart, a failed compile a row with its error; a timing round times each
+/// compiled run again (time only) after our policies, and stores our time over its own per round.
+/// The Python is a stand-in that answers as scripts/torch_baseline.py does (CI has no torch),
+/// failing the 0.2 budget, a step of 1 ms measured and 1000 s timed only.
 #[test]
 fn a_compiled_baseline_sweeps_the_memory_budgets() {
     let dir = out_dir("compiled");
@@ -182,26 +184,30 @@ fn a_compiled_baseline_sweeps_the_memory_budgets() {
     let python = dir.join("python");
     let stand_in = r#"#!/bin/sh
 [ "$1" = -c ] && exit 0
-framework=pytorch budget=null
+framework=pytorch budget=null ms=1.0
 while [ $# -gt 0 ]; do
   case $1 in
     --model) model=$2 ;; --policy) policy=$2 ;; --batch) batch=$2 ;;
     --compile) framework=pytorch-compile ;;
     --memory-budget=*) budget=${1#--memory-budget=} ;;
+    --time-only) ms=1000000.0 ;;
   esac
   shift
 done
 [ "$budget" = 0.2 ] && { echo "torch._dynamo.exc.BackendCompilerFailed: stand-in" >&2; exit 1; }
-printf '{"framework":"%s","model":"%s","policy":"%s","batch":%s,"threads":2,"segments":1,"model_state_bytes":1,"step_peak_bytes":2,"fwd_bwd_peak_bytes":2,"step_ms_median":1.0,"step_ms_min":1.0,"step_ms_max":1.0,"timed_steps":1,"loss":1.0,"compile_ms":5.0,"memory_budget":%s}\n' \
-  "$framework" "$model" "$policy" "$batch" "$budget"
+printf '{"framework":"%s","model":"%s","policy":"%s","batch":%s,"threads":2,"segments":1,"model_state_bytes":1,"step_peak_bytes":1000000000000,"fwd_bwd_peak_bytes":2,"step_ms_median":%s,"step_ms_min":1.0,"step_ms_max":1.0,"timed_steps":1,"loss":1.0,"compile_ms":5.0,"memory_budget":%s}\n' \
+  "$framework" "$model" "$policy" "$batch" "$ms" "$budget"
 "#;
     std::fs::write(&python, stand_in).unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
     // The smallest model the baseline has a PyTorch version of, at its `cpu` size (seconds).
-    let mut args = vec!["--profile", "cpu", "--steps", "1", "--out", dir.to_str().unwrap()];
-    let extra = ["--baseline", "pytorch-compile", "--python", python.to_str().unwrap()];
-    args.extend(models_args("unet3d-small", "off", &extra));
+    let args = [
+        ["--profile", "cpu", "--steps", "1", "--out", dir.to_str().unwrap()].as_slice(),
+        &["--matrix", "models", "--models", "unet3d-small", "--policies", "off", "--rounds", "1"],
+        &["--baseline", "pytorch-compile", "--python", python.to_str().unwrap()],
+    ]
+    .concat();
     let out = harness(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let m = matrix(&dir);
@@ -226,6 +232,16 @@ printf '{"framework":"%s","model":"%s","policy":"%s","batch":%s,"threads":2,"seg
     assert_eq!(compiled[0]["compile_ms"], 5.0);
     let failed = compiled[3]["error"].as_str().unwrap();
     assert!(failed.contains("BackendCompilerFailed"), "{failed}");
+    // Our off (its step peak within the stand-in's) over 1 ms measured, then over 1000 s timed.
+    let ours = &m["records"][0];
+    let round_ms = ours["step_ms_median"].as_f64().unwrap();
+    for c in compiled.iter().filter(|c| c["status"] == "ok") {
+        let rounds = c["ours_over_torch"]["rounds"].as_array().expect("ratios over the rounds");
+        assert_eq!(rounds.len(), 2, "{c}");
+        assert_eq!(rounds[0].as_f64().unwrap(), round_ms / 1.0, "the measuring runs' ratio");
+        let timed = rounds[1].as_f64().unwrap();
+        assert!(timed > 0.0 && timed < round_ms / 1e3, "the round's ratio, over 1000 s: {timed}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

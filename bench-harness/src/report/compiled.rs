@@ -24,8 +24,10 @@ pub fn at_its_memory_levels(m: &Matrix) -> String {
          of the activations its partitioner may keep; below 1 it recomputes the cheapest), on the \
          model, batch and input of our `off`. At each of its memory levels: the fastest of our \
          measured configurations, and of PyTorch eager's (`torch.utils.checkpoint` on our \
-         segments), whose step peak is at most the compiled step's. Compile time is the first \
-         step's beyond a step's, out of the step time. {}.\n\n| model | budget | \
+         segments), whose step peak is at most the compiled step's; *ours / compiled time* is the \
+         median (range) over the measuring runs and the interleaved timing rounds, where the \
+         compiled runs are timed after our policies and eager's in each round. Compile time is \
+         the first step's beyond a step's, out of the step time. {}.\n\n| model | budget | \
          compiled: step peak | compiled: step time | compile time | ours at that memory | ours / \
          compiled time | eager at that memory |\n|---|---|---|---|---|---|---|---|\n",
         super::results::made_by(m.compiled.iter().map(|b| b.command.as_str()), &m.meta.command)
@@ -52,7 +54,12 @@ pub fn at_its_memory_levels(m: &Matrix) -> String {
                 format!("`{policy}`: {}, {ms:.0} ms", mib(peak))
             })
         };
-        let ratio = ours.map_or("-".into(), |(_, ms, _)| format!("{:.2}x", ms / c.step_ms_median));
+        // Over the interleaved rounds where they ran, else of the measuring runs.
+        let ratio = match (&c.ours_over_torch, ours) {
+            (Some(s), Some(_)) => format!("{:.2}x ({:.2}-{:.2})", s.median, s.min, s.max),
+            (None, Some((_, ms, _))) => format!("{:.2}x", ms / c.step_ms_median),
+            (_, None) => "-".into(),
+        };
         let _ = writeln!(
             out,
             "| {} | {budget} | {} | {:.0} ms | {:.0} s | {} | {ratio} | {} |",
@@ -79,9 +86,11 @@ fn fastest_within<'a, T: 'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::report::record::Spread;
 
     /// At a compiled run's memory level, the fastest of ours and of eager's that fit are named;
-    /// where none fits, it says so; a failed compile shows its error.
+    /// where none fits, it says so; a failed compile shows its error; timed in rounds, the ratio
+    /// is theirs.
     #[test]
     fn the_fastest_at_each_compiled_memory_level() {
         let rec = |policy: &str, peak: u64, ms: f64| Record {
@@ -119,6 +128,10 @@ mod tests {
                 run("pytorch-compile", "memory-budget=0.5", 112, 420.0),
                 run("pytorch-compile", "memory-budget=0.5", 90, 450.0),
                 failed,
+                Baseline {
+                    ours_over_torch: Spread::of(vec![1.3, 1.1, 1.2]),
+                    ..run("pytorch-compile", "memory-budget=0.7", 120, 400.0)
+                },
             ],
             ..Matrix::default()
         };
@@ -128,6 +141,11 @@ mod tests {
         assert!(rows[0].contains("`sqrt`: 95.0 MiB, 480 ms"), "{}", rows[0]);
         assert_eq!(rows[1].matches("none at or below it").count(), 2, "{}", rows[1]);
         assert!(rows[2].contains("error: BackendCompilerFailed"), "{}", rows[2]);
+        assert!(
+            rows[3].contains("`plan=3`: 110.0 MiB, 550 ms | 1.20x (1.10-1.30) |"),
+            "{}",
+            rows[3]
+        );
         assert_eq!(at_its_memory_levels(&Matrix::default()), "");
     }
 }

@@ -5,7 +5,7 @@
 //! The matrices' other layers: [`crate::run::matrix`] (the run) and [`crate::measure::one`] (each
 //! configuration measured, its timeline).
 
-use super::record::{Record, Status};
+use super::record::{Baseline, Record, Status};
 use super::results::{depth_of, Matrix, Models};
 use anyhow::{anyhow, Context, Result};
 use plotters::coord::{CoordTranslate, Shift};
@@ -109,7 +109,10 @@ fn panels<DB: DrawingBackend>(
     root.split_evenly((n.div_ceil(2).max(1), 2))
 }
 
-/// Peak memory against step time: one point per policy (filled: whole step, hollow: activations).
+/// Peak memory against step time: one point per policy (filled: whole step, hollow: activations),
+/// the planner's `budget=` frontier (predicted), and where they ran, eager PyTorch on the same
+/// policies (squares) and torch.compile's activation memory budgets (triangles, joined), so that
+/// at each memory level the faster step reads off the figure.
 fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Result<()> {
     let models = m.models(Models::Profile);
     for (area, model) in panels(root, models.len()).iter().zip(&models) {
@@ -128,15 +131,25 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
                     .collect()
             })
             .unwrap_or_default();
-        let times = rows.iter().map(|r| r.step_ms_median).chain(frontier.iter().map(|p| p.0));
-        let max_t = times.clone().fold(0.0, f64::max) * 1.1;
-        let min_t = times.fold(f64::MAX, f64::min) * 0.9;
-        let max_m = rows
-            .iter()
-            .map(|r| mib(r.step_peak_bytes))
-            .chain(frontier.iter().map(|p| p.1))
-            .fold(0.0, f64::max)
-            * 1.15;
+        let measured = |runs: &[Baseline]| -> Vec<(f64, f64)> {
+            runs.iter()
+                .filter(|b| &b.model == model && b.status == Status::Ok)
+                .map(|b| (b.step_ms_median, mib(b.step_peak_bytes)))
+                .collect()
+        };
+        let eager = measured(&m.baselines);
+        let mut compiled = measured(&m.compiled);
+        compiled.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let points = || {
+            rows.iter()
+                .map(|r| (r.step_ms_median, mib(r.step_peak_bytes)))
+                .chain(frontier.iter().copied())
+                .chain(eager.iter().copied())
+                .chain(compiled.iter().copied())
+        };
+        let max_t = points().map(|p| p.0).fold(0.0, f64::max) * 1.1;
+        let min_t = points().map(|p| p.0).fold(f64::MAX, f64::min) * 0.9;
+        let max_m = points().map(|p| p.1).fold(0.0, f64::max) * 1.15;
         let mut chart = ChartBuilder::on(area)
             .caption(format!("{model}: peak memory vs step time"), ("sans-serif", 18))
             .margin(12)
@@ -171,6 +184,31 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
                 .map_err(plot_err)?
                 .label(r.policy.clone())
                 .legend(move |(x, y)| Circle::new((x, y), 5, c.filled()));
+        }
+        let grey = RGBColor(110, 110, 110);
+        if !eager.is_empty() {
+            let square = move |(x, y): (i32, i32)| {
+                Rectangle::new([(x - 5, y - 5), (x + 5, y + 5)], grey.stroke_width(2))
+            };
+            chart
+                .draw_series(eager.iter().map(|&(t, peak)| {
+                    EmptyElement::at((t, peak))
+                        + Rectangle::new([(-5, -5), (5, 5)], grey.stroke_width(2))
+                }))
+                .map_err(plot_err)?
+                .label("PyTorch eager, same policies")
+                .legend(move |(x, y)| square((x, y)));
+        }
+        if !compiled.is_empty() {
+            let red = RGBColor(200, 30, 30);
+            chart
+                .draw_series(LineSeries::new(compiled.iter().copied(), red.stroke_width(1)))
+                .map_err(plot_err)?;
+            chart
+                .draw_series(compiled.iter().map(|&p| TriangleMarker::new(p, 7, red.filled())))
+                .map_err(plot_err)?
+                .label("torch.compile, memory budgets 1.0-0.1")
+                .legend(move |(x, y)| TriangleMarker::new((x, y), 6, red.filled()));
         }
         legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     }

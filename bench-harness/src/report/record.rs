@@ -358,7 +358,9 @@ pub struct Baseline {
     #[serde(default)]
     pub mm_peak_gflops: Option<f64>,
     /// Our step time over PyTorch's, per interleaved pair (the measuring runs, then each timing
-    /// round: ours, then PyTorch's, policy by policy): a host's drift shows as a spread.
+    /// round: ours, then PyTorch's, policy by policy): a host's drift shows as a spread. For a
+    /// compiled run (`pytorch-compile`), "ours" is our fastest configuration of the model whose
+    /// step peak is at most the compiled step's (timed in the same rounds, before it).
     #[serde(default)]
     pub ours_over_torch: Option<Spread>,
     /// PyTorch's step time over its `off`, per round, as our records' `time_vs_off`.

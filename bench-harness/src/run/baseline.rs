@@ -63,6 +63,8 @@ pub enum Measure {
     /// Memory and time of the whole step through torch.compile, its backward keeping this share
     /// of the activations (`activation_memory_budget`), and the time compiling took.
     Compiled(f64),
+    /// The steps of [`Measure::Compiled`] timed only (a timing round).
+    CompiledTimeOnly(f64),
 }
 
 /// The activation memory budgets of `--baseline pytorch-compile`'s sweep, per model: inductor's
@@ -87,8 +89,10 @@ pub fn run(
     memory_limit: Option<u64>,
 ) -> Baseline {
     let (framework, policy) = match measure {
-        Measure::Compiled(budget) => ("pytorch-compile", compiled_policy(budget)),
-        _ => ("pytorch", ours.policy.clone()),
+        Measure::Compiled(budget) | Measure::CompiledTimeOnly(budget) => {
+            ("pytorch-compile", compiled_policy(budget))
+        }
+        Measure::Full | Measure::TimeOnly => ("pytorch", ours.policy.clone()),
     };
     let failed = |error: String| Baseline {
         framework: framework.into(),
@@ -120,12 +124,15 @@ pub fn run(
             "--device",
             &ours.device,
         ])
-        .args((measure == Measure::TimeOnly).then_some("--time-only"))
+        .args(
+            matches!(measure, Measure::TimeOnly | Measure::CompiledTimeOnly(_))
+                .then_some("--time-only"),
+        )
         .args(match measure {
-            Measure::Compiled(budget) => {
+            Measure::Compiled(budget) | Measure::CompiledTimeOnly(budget) => {
                 vec!["--compile".into(), format!("--memory-budget={budget}")]
             }
-            _ => Vec::new(),
+            Measure::Full | Measure::TimeOnly => Vec::new(),
         })
         .args(memory_limit.map(|b| format!("--memory-limit={b}")))
         .output();

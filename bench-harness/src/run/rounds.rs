@@ -1,6 +1,7 @@
 //! `--rounds` and `--retime`: every policy of a model timed again in interleaved rounds, each in a
-//! fresh process, PyTorch right after ours where it runs beside, and the ratios over the rounds
-//! (time / off, ours / PyTorch) stored in the records; with `--retime`, their times too.
+//! fresh process, PyTorch right after ours where it runs beside, its compiled runs after the
+//! policies, and the ratios over the rounds (time / off, ours / PyTorch) stored in the records;
+//! with `--retime`, their times too.
 //!
 //! Its other layers: [`crate::measure::one`] (`One::TimeOnly`: the steps timed, nothing else) and
 //! [`crate::report::record`] (`Spread`: a ratio over the rounds). Not here: the measuring run
@@ -27,9 +28,11 @@ pub(super) struct Timing {
 /// each in a fresh process, and records each policy's time / off per round beside the ratio of
 /// the measuring run: run-to-run drift then shows as a spread instead of a wrong ratio. With
 /// `python`, PyTorch runs each policy right after ours (off, PyTorch off, p1, PyTorch p1, ...), and
-/// its baseline gets our time over its time per pair, and its own time / off, the same way.
-/// `replace`: the measuring run's times are left out, and each record's and baseline's step time
-/// becomes the rounds' (median, range), with this command named as the times' maker.
+/// its baseline gets our time over its time per pair, and its own time / off, the same way; the
+/// model's compiled runs (`--baseline pytorch-compile`) are timed after the policies in each
+/// round, and each gets the time of our fastest configuration within its memory over its own, per
+/// round. `replace`: the measuring run's times are left out, and each record's and baseline's
+/// step time becomes the rounds' (median, range), with this command named as the times' maker.
 pub(super) fn time_rounds(
     matrix: &mut Matrix,
     w: &Workload,
@@ -60,6 +63,18 @@ pub(super) fn time_rounds(
     let mut torch_ms: Vec<Vec<Option<f64>>> =
         timed.iter().map(|p| first(theirs(matrix, p))).collect();
     let torch_ran: Vec<bool> = timed.iter().map(|p| theirs(matrix, p).is_some()).collect();
+    // The model's compiled runs that ran, each timed again from `off`'s configuration.
+    let compiled: Vec<(f64, f64)> = match (torch, matrix.find(&w.model, "off")) {
+        (Some(_), Some(off)) if off.status == Status::Ok => matrix
+            .compiled
+            .iter()
+            .filter(|c| c.model == w.model && c.status == Status::Ok)
+            .filter_map(|c| Some((c.memory_budget?, c.step_ms_median)))
+            .collect(),
+        _ => Vec::new(),
+    };
+    let mut compiled_ms: Vec<Vec<Option<f64>>> =
+        compiled.iter().map(|&(_, ms)| first(Some(ms))).collect();
     for round in 1..=timing.rounds {
         for (i, p) in timed.iter().enumerate() {
             let rec = spawn_one(w, p, common, (profile, None), One::TimeOnly);
@@ -83,8 +98,36 @@ pub(super) fn time_rounds(
             });
             torch_ms[i].push(b.filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median));
         }
+        for (j, &(budget, _)) in compiled.iter().enumerate() {
+            let (py, off) = (torch.expect("compiled runs only beside PyTorch"), "off");
+            let off = matrix.find(&w.model, off).expect("compiled runs only where off ran");
+            let measure = Measure::CompiledTimeOnly(budget);
+            let b = baseline::run(py, off, w.input_size, common.steps, common.seed, measure, None);
+            trainkit::say!(
+                "timing round {round}/{}: {} compiled, {}: {}",
+                timing.rounds,
+                w.model,
+                baseline::compiled_policy(budget),
+                if b.status == Status::Ok {
+                    format!("{:.0} ms", b.step_ms_median)
+                } else {
+                    b.status.to_string()
+                }
+            );
+            compiled_ms[j].push(Some(b.step_ms_median).filter(|_| b.status == Status::Ok));
+        }
     }
-    store_rounds(matrix, w, &timed, &Rounds { ours, torch: torch_ms }, timing.replace);
+    let rounds = Rounds { ours, torch: torch_ms };
+    store_rounds(matrix, w, &timed, &rounds, timing.replace);
+    let budgets = compiled.iter().map(|&(budget, _)| budget);
+    store_compiled_rounds(
+        matrix,
+        w,
+        &timed,
+        &rounds.ours,
+        budgets.zip(compiled_ms),
+        timing.replace,
+    );
 }
 
 /// Whether `model`'s configurations under `policies` lack what timing rounds give them (they
@@ -145,10 +188,6 @@ fn store_rounds(
             vec![theirs(matrix, &off)],
         ),
     };
-    // a[k] / b[k] for every round where both ran.
-    let ratios = |a: &[Option<f64>], b: &[Option<f64>]| {
-        a.iter().zip(b).filter_map(|(a, b)| Some((*a)? / (*b)?)).collect::<Vec<f64>>()
-    };
     for (i, p) in timed.iter().enumerate() {
         let mut rec = matrix.find(&w.model, &p.to_string()).unwrap().clone();
         if **p != off {
@@ -177,5 +216,41 @@ fn store_rounds(
             }
             matrix.put_baseline(b);
         }
+    }
+}
+
+/// a[k] / b[k] for every round k where both ran.
+fn ratios(a: &[Option<f64>], b: &[Option<f64>]) -> Vec<f64> {
+    a.iter().zip(b).filter_map(|(a, b)| Some((*a)? / (*b)?)).collect()
+}
+
+/// Each compiled run's times over the rounds (`runs`: its budget and step time per round) into
+/// its record: our fastest timed configuration whose step peak is at most its own (the report's
+/// rule, by median step time) over its time, per round; with `replace`, its step time too.
+fn store_compiled_rounds(
+    matrix: &mut Matrix,
+    w: &Workload,
+    timed: &[&PolicyRequest],
+    ours: &[Vec<Option<f64>>],
+    runs: impl Iterator<Item = (f64, Vec<Option<f64>>)>,
+    replace: bool,
+) {
+    for (budget, times) in runs {
+        let policy = baseline::compiled_policy(budget);
+        let Some(mut c) = matrix.find_compiled(&w.model, &policy).cloned() else { continue };
+        let within = timed
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| Some((i, matrix.find(&w.model, &p.to_string())?)))
+            .filter(|(_, r)| r.status == Status::Ok && r.step_peak_bytes <= c.step_peak_bytes)
+            .min_by(|a, b| a.1.step_ms_median.total_cmp(&b.1.step_ms_median));
+        c.ours_over_torch = within.and_then(|(i, _)| Spread::of(ratios(&ours[i], &times)));
+        if replace {
+            if let Some(t) = Spread::of(times.iter().flatten().copied().collect()) {
+                (c.step_ms_median, c.step_ms_min, c.step_ms_max) = (t.median, t.min, t.max);
+                c.times_command = this_command();
+            }
+        }
+        matrix.put_compiled(c);
     }
 }
