@@ -31,6 +31,11 @@ SHAPES = [
     ("unet3d 3x3x3 32->32 weight gradient", 32, 2048, 864),
     ("gpt2 qkv, 2 x 256 tokens", 512, 768, 2304),
     ("bert-large intermediate, 2 x 128 tokens", 256, 1024, 4096),
+    ("smollm2 q and o, 2 x 512 tokens", 1024, 576, 576),
+    ("smollm2 gate and up, 2 x 512 tokens", 1024, 576, 1536),
+    ("smollm2 down, 2 x 512 tokens", 1024, 1536, 576),
+    ("smollm2 down weight gradient", 576, 1024, 1536),
+    ("smollm2 head, 2 x 512 tokens", 1024, 576, 49152),
 ]
 
 # (what, input shape, weight shape, padding, stride), as in benches/fused.rs.

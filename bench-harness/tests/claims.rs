@@ -78,6 +78,18 @@ fn a_figure_the_results_do_not_give_is_refused_with_the_measures_there_are() {
     );
     std::fs::write(
         dir.join("CLAIMS.template.md"),
+        "Compiled: {{cpu-cpu compiled smollm2-135m 1 speed}}.\n",
+    )
+    .unwrap();
+    let out = common::harness(&["claims", "--dir", dir.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("unknown compiled measure `speed`") && stderr.contains("ours/compiled"),
+        "{stderr}"
+    );
+    std::fs::write(
+        dir.join("CLAIMS.template.md"),
         "ResNet-50 keeps {{cpu-cpu resnet50 sqrt activation/off}}x.\n",
     )
     .unwrap();

@@ -7,8 +7,9 @@
 //!
 //! A query is `{{FOLDER MODEL POLICY MEASURE}}` for one record's figure, e.g.
 //! `{{cpu-cpu resnet152 sqrt activation/off}}` (the measures are [`MEASURES`]);
-//! `{{FOLDER depth POLICY exponent}}` for the depth sweep's fitted exponent; or
-//! `{{FOLDER planner MEASURE}}` for the planner's accuracy over the folder ([`PLANNER`]).
+//! `{{FOLDER depth POLICY exponent}}` for the depth sweep's fitted exponent;
+//! `{{FOLDER planner MEASURE}}` for the planner's accuracy over the folder ([`PLANNER`]); or
+//! `{{FOLDER compiled MODEL BUDGET MEASURE}}` for a compiled PyTorch run ([`COMPILED`]).
 //!
 //! No figure of these documents is typed by hand, so none can go stale silently: `--check` fails
 //! where a document is not what its template and the results give (a rerun changed a figure, or a
@@ -65,6 +66,20 @@ pub const PLANNER: [(&str, &str); 4] = [
     ("within-5%", "how many of them are predicted within 5% of the measured step peak"),
     ("largest-error", "the largest error of a predicted step peak, signed: -0.3%"),
     ("worst", "the configuration with the largest error: depth-1024 sqrt"),
+];
+
+/// The measures of `{{FOLDER compiled MODEL BUDGET MEASURE}}`: the model's step compiled by
+/// torch.compile at that activation memory budget (`--baseline pytorch-compile`).
+pub const COMPILED: [(&str, &str); 5] = [
+    ("step-peak", "the compiled step's peak above its state"),
+    ("step-ms", "the compiled step's median time, ms"),
+    ("compile-s", "the time compiling took, s"),
+    ("ours", "our fastest configuration whose step peak is at most the compiled step's: `sqrt`"),
+    (
+        "ours/compiled",
+        "that configuration's step time over the compiled step's, median of the interleaved \
+         rounds",
+    ),
 ];
 
 /// The README's results table lies between these lines.
@@ -216,6 +231,7 @@ fn figure(query: &str, dir: &Path, folders: &mut HashMap<String, Matrix>) -> Res
             Ok(format!("{k:.2}"))
         }
         ["planner", what] => planner(m, what),
+        ["compiled", model, budget, what] => compiled(m, model, budget, what),
         [model, policy, measure] => {
             let r = m
                 .find(model, policy)
@@ -223,8 +239,8 @@ fn figure(query: &str, dir: &Path, folders: &mut HashMap<String, Matrix>) -> Res
             record_figure(m, r, measure)
         }
         _ => bail!(
-            "a query is FOLDER MODEL POLICY MEASURE, FOLDER depth POLICY exponent or FOLDER \
-             planner MEASURE"
+            "a query is FOLDER MODEL POLICY MEASURE, FOLDER depth POLICY exponent, FOLDER \
+             planner MEASURE or FOLDER compiled MODEL BUDGET MEASURE"
         ),
     }
 }
@@ -312,6 +328,37 @@ fn record_figure(m: &Matrix, r: &Record, measure: &str) -> Result<String> {
             torch()?.ours_over_torch.as_ref().map_or(1, |s| s.rounds.len()).to_string()
         }
         _ => unreachable!("every measure of MEASURES is answered above"),
+    })
+}
+
+/// A figure of the compiled run of `model` at activation memory budget `budget` ([`COMPILED`]).
+fn compiled(m: &Matrix, model: &str, budget: &str, what: &str) -> Result<String> {
+    if !COMPILED.iter().any(|(name, _)| *name == what) {
+        bail!("unknown compiled measure `{what}`; they are: {}", listed(&COMPILED))
+    }
+    let policy = format!("memory-budget={budget}");
+    let c = m
+        .find_compiled(model, &policy)
+        .with_context(|| format!("no compiled run of {model} at {policy}"))?;
+    if c.status != Status::Ok {
+        bail!("{model} {policy} did not compile and run ({}: {})", c.status, c.error);
+    }
+    let ours = || {
+        super::compiled::ours_within(m, c)
+            .with_context(|| format!("none of our {model} runs is within {policy}'s step peak"))
+    };
+    Ok(match what {
+        "step-peak" => size(c.step_peak_bytes),
+        "step-ms" => format!("{:.0}", c.step_ms_median),
+        "compile-s" => format!("{:.0}", c.compile_ms.unwrap_or(0.0) / 1e3),
+        "ours" => format!("`{}`", ours()?.policy),
+        "ours/compiled" => format!(
+            "{:.2}",
+            c.ours_over_torch
+                .as_ref()
+                .map_or(ours()?.step_ms_median / c.step_ms_median, |s| s.median)
+        ),
+        _ => unreachable!("every measure of COMPILED is answered above"),
     })
 }
 

@@ -39,11 +39,8 @@ pub fn at_its_memory_levels(m: &Matrix) -> String {
             let _ = writeln!(out, "| {} | {budget} | {}: {error} | | | | | |", c.model, c.status);
             continue;
         }
-        let ours = fastest_within(
-            m.records.iter().filter(|r| r.model == c.model && r.status == Status::Ok),
-            c.step_peak_bytes,
-            |r: &Record| (r.step_peak_bytes, r.step_ms_median, r.policy.as_str()),
-        );
+        let ours =
+            ours_within(m, c).map(|r| (r.step_peak_bytes, r.step_ms_median, r.policy.as_str()));
         let eager = fastest_within(
             m.baselines.iter().filter(|b| b.model == c.model && b.status == Status::Ok),
             c.step_peak_bytes,
@@ -72,6 +69,16 @@ pub fn at_its_memory_levels(m: &Matrix) -> String {
         );
     }
     out
+}
+
+/// Our fastest measured configuration of the compiled run `c`'s model whose step peak is at most
+/// its own.
+pub fn ours_within<'a>(m: &'a Matrix, c: &Baseline) -> Option<&'a Record> {
+    m.records
+        .iter()
+        .filter(|r| r.model == c.model && r.status == Status::Ok)
+        .filter(|r| r.step_peak_bytes <= c.step_peak_bytes)
+        .min_by(|a, b| a.step_ms_median.total_cmp(&b.step_ms_median))
 }
 
 /// The fastest of `runs` (as step peak, step time, policy) whose step peak is at most `peak`.

@@ -8,7 +8,7 @@
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
 /// (what, m, k, n): `(m, k) @ (k, n)`.
-const SHAPES: [(&str, usize, usize, usize); 13] = [
+const SHAPES: [(&str, usize, usize, usize); 18] = [
     ("resnet50 3x3 stage 1, 3 images", 64, 576, 3072),
     ("resnet50 3x3 stage 1, 3 images, pixels first", 3072, 576, 64),
     ("resnet50 1x1 256->64, 1 image", 64, 256, 1024),
@@ -22,6 +22,11 @@ const SHAPES: [(&str, usize, usize, usize); 13] = [
     ("unet3d 3x3x3 32->32 weight gradient", 32, 2048, 864),
     ("gpt2 qkv, 2 x 256 tokens", 512, 768, 2304),
     ("bert-large intermediate, 2 x 128 tokens", 256, 1024, 4096),
+    ("smollm2 q and o, 2 x 512 tokens", 1024, 576, 576),
+    ("smollm2 gate and up, 2 x 512 tokens", 1024, 576, 1536),
+    ("smollm2 down, 2 x 512 tokens", 1024, 1536, 576),
+    ("smollm2 down weight gradient", 576, 1024, 1536),
+    ("smollm2 head, 2 x 512 tokens", 1024, 576, 49152),
 ];
 
 /// (row stride, column stride) of a (rows, cols) matrix stored row-major or column-major.

@@ -184,6 +184,22 @@ fn dropout_gelu_and_linear_on_the_generic_route() -> Result<()> {
             &[var(&[4, 16, 32], DType::F32)?, var(&w_shape, DType::F32)?],
             1e-5,
         )?;
+        let residual = move |t: &[Tensor]| ops::fused::linear_residual(&t[0], &t[1], &t[2], layout);
+        let inputs = [
+            var(&[4, 16, 32], DType::F32)?,
+            var(&w_shape, DType::F32)?,
+            var(&[4, 16, 48], DType::F32)?,
+        ];
+        let kernel = check("linear_residual", &residual, &inputs, 1e-5)?;
+        // The control: the product, then the addition, whose node keeps the product too.
+        let apart = move |t: &[Tensor]| &t[2] + ops::fused::linear(&t[0], &t[1], None, layout)?;
+        let in_graph = kept_bytes(&apart, &inputs, Some(Path::Kernel))?;
+        eprintln!("linear, then the residual's addition: kept {in_graph} B, as one op {kernel} B");
+        // The product is 12 KiB (4 x 16 x 48 floats); half of it clears the pool's noise.
+        assert!(
+            in_graph > kernel + 4 * 16 * 48 * 4 / 2,
+            "the control keeps {in_graph} B, linear_residual {kernel} B"
+        );
     }
     Ok(())
 }

@@ -13,7 +13,8 @@
 //!
 //! Each piece is one of `ops`' fused ops, which keep for backward no more than PyTorch does:
 //! RMSNorm keeps its input, the gated product its two operands, attention (grouped-query, the
-//! rotary embedding turned inside it) the projections' q, k and v, K and V never repeated.
+//! rotary embedding turned inside it) the projections' q, k and v as they come, token by token,
+//! K and V never repeated.
 //!
 //! Not here: the training loop (`src/main.rs`), data (`datasets`), the engine (`remat`).
 
@@ -153,7 +154,8 @@ impl Layer {
         }
     }
 
-    fn attention(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+    /// `residual + attention(x)`.
+    fn attention(&self, x: &Tensor, residual: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let q = self.heads_of(x, &self.q_proj, self.heads, self.q_norm.as_ref(), ctx)?;
         let k = self.heads_of(x, &self.k_proj, self.kv_heads, self.k_norm.as_ref(), ctx)?;
@@ -170,13 +172,14 @@ impl Layer {
             ctx,
         )?; // (B, T, heads, hd)
         let y = y.reshape((b, t, self.heads * self.head_dim))?;
-        self.o_proj.forward(&y, ctx) // (B, T, C)
+        self.o_proj.forward_residual(&y, residual, ctx) // (B, T, C)
     }
 
-    fn mlp(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+    /// `residual + mlp(x)`.
+    fn mlp(&self, x: &Tensor, residual: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         let gate = self.gate_proj.forward(x, ctx)?; // (B, T, I)
         let h = fused::silu_mul(&gate, &self.up_proj.forward(x, ctx)?)?; // silu(gate) * up
-        self.down_proj.forward(&h, ctx) // (B, T, C)
+        self.down_proj.forward_residual(&h, residual, ctx) // (B, T, C)
     }
 }
 
@@ -189,8 +192,9 @@ impl Stage for Layer {
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let x = &inputs[0]; // (B, T, C)
-        let x = (x + self.attention(&self.input_layernorm.forward(x)?, ctx)?)?;
-        let x = (&x + self.mlp(&self.post_attention_layernorm.forward(&x)?, ctx)?)?;
+                            // Each residual branch's last projection adds the branch to the stream in one op.
+        let x = self.attention(&self.input_layernorm.forward(x)?, x, ctx)?;
+        let x = self.mlp(&self.post_attention_layernorm.forward(&x)?, &x, ctx)?;
         Ok(vec![x])
     }
 }

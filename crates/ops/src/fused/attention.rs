@@ -150,10 +150,11 @@ fn attention_rows(
     period: usize,
     layout: Layout,
 ) -> Result<Tensor> {
-    let b = q.dim(0)?;
-    let (rows, s) = match layout {
-        Layout::HeadsFirst => (q.dim(1)? * q.dim(2)?, k.dim(2)?),
-        Layout::TokensFirst => (q.dim(1)? * q.dim(2)?, k.dim(1)?),
+    // Query rows per batch element, and keys.
+    let (b, rows) = (q.dim(0)?, q.dim(1)? * q.dim(2)?);
+    let s = match layout {
+        Layout::HeadsFirst => k.dim(2)?,
+        Layout::TokensFirst => k.dim(1)?,
     };
     if let Some(m) = how.padding {
         if m.dims() != [b, s] {

@@ -26,7 +26,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, layout: WeightLayout) 
     }
     remat::keep::op(OpKind::Matmul, |kept| {
         if generic(x) {
-            return linear_generic(x, w, b, layout, kept);
+            return linear_generic(x, w, b.map_or(Third::None, Third::Bias), layout, kept);
         }
         let (x, w) = (x.contiguous()?, operand(w, x)?);
         let op = LinearOp { layout };
@@ -37,11 +37,48 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, layout: WeightLayout) 
     })
 }
 
+/// `r + x @ w` over the last dimension of x, w stored as `layout` says: a residual branch's last
+/// projection and the addition that ends it (Llama's `o_proj` and `down_proj`), as one op. The
+/// product is no graph node, so it is not kept for backward as `r + linear(x, w)` keeps it (an
+/// addition's node holds both its operands until backward).
+pub fn linear_residual(x: &Tensor, w: &Tensor, r: &Tensor, layout: WeightLayout) -> Result<Tensor> {
+    if !lean(x) {
+        return r + composed(x, &in_out(w, layout)?, None)?;
+    }
+    let base = LinearOp { layout };
+    let product = base.out_shape(x.shape(), w.shape());
+    if r.shape() != &product || r.dtype() != x.dtype() {
+        candle_core::bail!(
+            "linear_residual: a residual of {:?} {:?} for a product of {product:?} {:?}",
+            r.dims(),
+            r.dtype(),
+            x.dtype()
+        )
+    }
+    remat::keep::op(OpKind::Matmul, |kept| {
+        let (x, r) = (x.contiguous()?, r.contiguous()?);
+        if generic(&x) {
+            return linear_generic(&x, w, Third::Residual(&r), layout, kept);
+        }
+        apply3(&x, &operand(w, &x)?, &r, LinearResidualOp { base }, kept)
+    })
+}
+
+/// What a linear op's third operand is, where it has one.
+#[derive(Clone, Copy)]
+enum Third<'a> {
+    None,
+    /// Added to each row: the bias.
+    Bias(&'a Tensor),
+    /// Added to the product: the residual ([`linear_residual`]).
+    Residual(&'a Tensor),
+}
+
 /// [`linear`] on the generic route; `kept`: its output, kept from the forward (`remat::keep`).
 fn linear_generic(
     x: &Tensor,
     w: &Tensor,
-    b: Option<&Tensor>,
+    third: Third,
     layout: WeightLayout,
     kept: Option<Tensor>,
 ) -> Result<Tensor> {
@@ -51,11 +88,16 @@ fn linear_generic(
         let w_in = in_out(w, layout)?;
         let x32 = widened(&x.detach())?;
         let like_x32 = |t: &Tensor| widened_as(&t.detach(), x);
-        composed(&x32, &like_x32(&w_in)?, b.map(like_x32).transpose()?.as_ref())?
-            .to_dtype(x.dtype())
+        match third {
+            Third::None => composed(&x32, &like_x32(&w_in)?, None)?,
+            Third::Bias(b) => composed(&x32, &like_x32(&w_in)?, Some(&like_x32(b)?))?,
+            Third::Residual(r) => (like_x32(r)? + composed(&x32, &like_x32(&w_in)?, None)?)?,
+        }
+        .to_dtype(x.dtype())
     })?;
-    // dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) w), db = the rows' sum of g.
-    // Only the gradients wanted: a frozen weight's is not computed.
+    // dx = g w_in^T, dw_in = x^T g (transposed back for an (out, in) w), db = the rows' sum of g,
+    // dr = g. Only the gradients wanted: a frozen weight's is not computed.
+    let residual = matches!(third, Third::Residual(_));
     let backward = move |inputs: &[Tensor],
                          _: &Tensor,
                          g: &Tensor,
@@ -78,20 +120,25 @@ fn linear_generic(
             .to_dtype(w.dtype())
         };
         let mut grads = vec![want[0].then(dx).transpose()?, want[1].then(dw).transpose()?];
-        if let Some(b) = inputs.get(2) {
-            grads.push(want[2].then(|| g2.sum(0)?.to_dtype(b.dtype())).transpose()?);
+        if let Some(t) = inputs.get(2) {
+            let third = || match residual {
+                true => g.to_dtype(t.dtype()),
+                false => g2.sum(0)?.to_dtype(t.dtype()),
+            };
+            grads.push(want[2].then(third).transpose()?);
         }
         Ok(grads)
     };
-    let op = GenericOp::new(
-        if b.is_some() { "generic-linear-bias" } else { "generic-linear" },
-        y,
-        Box::new(backward),
-    );
+    let name = match third {
+        Third::None => "generic-linear",
+        Third::Bias(_) => "generic-linear-bias",
+        Third::Residual(_) => "generic-linear-residual",
+    };
+    let op = GenericOp::new(name, y, Box::new(backward));
     let x = x.contiguous()?;
-    match b {
-        Some(b) => x.apply_op3(w, b, op),
-        None => x.apply_op2(w, op),
+    match third {
+        Third::None => x.apply_op2(w, op),
+        Third::Bias(t) | Third::Residual(t) => x.apply_op3(w, t, op),
     }
 }
 
@@ -118,6 +165,7 @@ fn composed(x: &Tensor, w_in: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     y.reshape(dims)
 }
 
+#[derive(Clone, Copy)]
 struct LinearOp {
     layout: WeightLayout,
 }
@@ -135,13 +183,29 @@ impl LinearOp {
     /// `x @ w_in + b` of x's rows of `k`.
     fn forward<T: Elem>(&self, x: &[T], k: usize, w: &[T], b: Option<&[T]>) -> Vec<T> {
         let (rows, n) = (x.len() / k, w.len() / k);
-        let (mut y, dest) = match b {
+        let (y, dest) = match b {
             Some(b) => (b.repeat(rows), Dest::Accumulate),
             None => (vec![T::zero(); rows * n], Dest::Overwrite),
         };
         // y = b + x @ w_in, the bias added first: as one product accumulated onto it.
+        self.onto(y, x, k, w, dest)
+    }
+
+    /// `y (+)= x @ w_in` of x's rows of `k`, as `dest` says.
+    fn onto<T: Elem>(&self, mut y: Vec<T>, x: &[T], k: usize, w: &[T], dest: Dest) -> Vec<T> {
+        let (rows, n) = (x.len() / k, w.len() / k);
         matmul(&mut y, mat(x), self.w_in(w), (rows, k, n), dest);
         y
+    }
+
+    /// The output's shape: x's, its last dimension the weight's output size.
+    fn out_shape(&self, x: &Shape, w: &Shape) -> Shape {
+        let mut dims = x.dims().to_vec();
+        *dims.last_mut().expect("rank >= 1") = match self.layout {
+            WeightLayout::OutIn => w.dims()[0],
+            WeightLayout::InOut => w.dims()[1],
+        };
+        Shape::from(dims)
     }
 }
 
@@ -159,12 +223,7 @@ impl FusedOp for LinearOp {
                 b.map(|&(s, l)| slice(s, l)).transpose()?.as_deref()
             )
         );
-        let mut dims = xl.dims().to_vec();
-        *dims.last_mut().expect("rank >= 1") = match self.layout {
-            WeightLayout::OutIn => wl.dims()[0],
-            WeightLayout::InOut => wl.dims()[1],
-        };
-        Ok((y, Shape::from(dims)))
+        Ok((y, self.out_shape(xl.shape(), wl.shape())))
     }
 
     /// dx = g w_in^T, dw = x^T g (as g^T x for an (out, in) weight), db = column sums of g; each
@@ -203,6 +262,34 @@ impl FusedOp for LinearOp {
 
 custom_op!(LinearOp: 2 "fused-linear", 3 "fused-linear-bias");
 custom_op!(Replay<LinearOp>: 2 "replayed-linear", 3 "replayed-linear-bias");
+
+/// [`linear_residual`] on the CPU, over x, w and the residual r: [`LinearOp`]'s product
+/// accumulated onto a copy of r, its gradients and r's (the output's, as it is).
+struct LinearResidualOp {
+    base: LinearOp,
+}
+
+impl FusedOp for LinearResidualOp {
+    fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
+        let [(x, xl), (w, wl), (r, rl)] = crate::fused::op::exactly(inputs)?;
+        let k = *xl.dims().last().expect("rank >= 1");
+        let y = per_float!(x, "linear_residual", {
+            let r = slice(r, rl)?.into_owned();
+            self.base.onto(r, &slice(x, xl)?, k, &slice(w, wl)?, Dest::Accumulate)
+        });
+        Ok((y, self.base.out_shape(xl.shape(), wl.shape())))
+    }
+
+    fn bwd(&self, inputs: &[&Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let r = inputs[2];
+        let mut grads = self.base.bwd(&inputs[..2], y, g)?;
+        grads.push(r.track_op().then(|| g.to_dtype(r.dtype())).transpose()?);
+        Ok(grads)
+    }
+}
+
+custom_op!(LinearResidualOp: 3 "fused-linear-residual");
+custom_op!(Replay<LinearResidualOp>: 3 "replayed-linear-residual");
 
 /// A frozen linear layer with a LoRA adapter beside it, as one op over `x`, `a` (r, in) and
 /// `b_lora` (out, r): `x @ w + b + scale * dropout(x) @ a^T @ b_lora^T`. The frozen weight and bias

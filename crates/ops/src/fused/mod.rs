@@ -16,7 +16,8 @@
 //!   holding it; its bits equal `x * mask` composed.
 //! - [`embedding()`]: a row lookup whose backward builds the table's gradient in one allocation.
 //! - [`linear()`]: `x @ w + b` as one op, so the product before the bias is not kept; the weight
-//!   in either layout (`params::WeightLayout`). [`lora_linear()`]: a frozen linear layer with its
+//!   in either layout (`params::WeightLayout`). [`linear_residual()`]: `r + x @ w` as one op, a
+//!   residual branch's last projection and the addition after it, so the product is not kept. [`lora_linear()`]: a frozen linear layer with its
 //!   LoRA adapter as one op, the adapter's product added into the base product's output; keeps
 //!   `x` and the adapter's weights, computes no gradient of the frozen weight.
 //! - [`gelu()`]: tanh or erf GELU ([`GeluForm`]) with a one-pass, multi-threaded backward.
@@ -118,7 +119,7 @@ pub use dtype::{is_half, widened};
 pub use embedding::embedding;
 pub use gelu::{gelu, GeluForm};
 pub use layer_norm::layer_norm;
-pub use linear::{linear, lora_linear};
+pub use linear::{linear, linear_residual, lora_linear};
 pub use matmul::{allocate_matmul_workspaces, matmul_peak_gflops};
 pub(crate) use max_pool::{max_pool2d, max_pool3d, max_pool_generic};
 pub use rms_norm::rms_norm;

@@ -53,6 +53,16 @@ impl Linear {
         })
     }
 
+    /// `r + self.forward(x)`: a residual branch's last layer and the addition that ends it, as one
+    /// op where the layer has neither adapter nor bias ([`fused::linear_residual`]: the product
+    /// is not kept for backward beside the sum); otherwise the layer, then the addition.
+    pub fn forward_residual(&self, x: &Tensor, r: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        match (&self.adapter, &self.bias) {
+            (None, None) => fused::linear_residual(x, &self.weight, r, self.layout),
+            _ => r + self.forward(x, ctx)?,
+        }
+    }
+
     /// (B, T, in) -> (B, T, out). With an adapter, one op over the frozen base that keeps only
     /// `x` ([`fused::lora_linear`]); a base that trains under an adapter is refused, since that op
     /// gives its weight and bias no gradient (`Lora::freeze` freezes them).

@@ -299,6 +299,38 @@ fn fused_linear_both_weight_layouts() -> Result<()> {
     Ok(())
 }
 
+/// `r + x @ w` as one op, both weight layouts: the gradients of x, w and the residual, and the
+/// values of the product added to the residual.
+#[test]
+fn fused_linear_residual_input_weight_and_residual() -> Result<()> {
+    crate::route();
+    let (x, r) = (normal("x", &[2, 3, 5], 0.0, 1.0)?, normal("r", &[2, 3, 4], 0.0, 1.0)?);
+    for (layout, w) in [(WeightLayout::InOut, [5, 4]), (WeightLayout::OutIn, [4, 5])] {
+        let w = normal("w", &w, 0.0, 1.0)?;
+        let vars = [("x", &x), ("w", &w), ("r", &r)];
+        check_gradients(&format!("fused linear_residual {layout:?}"), &vars, || {
+            fused::linear_residual(x.as_tensor(), w.as_tensor(), r.as_tensor(), layout)
+        })?;
+        let (x, w, r) = (x.as_tensor(), w.as_tensor(), r.as_tensor());
+        let apart = (r + fused::linear(x, w, None, layout)?)?;
+        let diff = (fused::linear_residual(x, w, r, layout)? - apart)?.abs()?.max_all()?;
+        assert!(diff.to_scalar::<f64>()? < 1e-12, "differs from r + linear(x) by {diff}");
+    }
+    // A residual that is not the product's shape is refused, naming both.
+    let w = normal("w", &[4, 5], 0.0, 1.0)?;
+    let short = normal("short", &[2, 3, 3], 0.0, 1.0)?;
+    let err = fused::linear_residual(
+        x.as_tensor(),
+        w.as_tensor(),
+        short.as_tensor(),
+        WeightLayout::OutIn,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("[2, 3, 3]") && err.contains("[2, 3, 4]"), "{err}");
+    Ok(())
+}
+
 #[test]
 fn fused_attention_queries_keys_and_values() -> Result<()> {
     crate::route();
