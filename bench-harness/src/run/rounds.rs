@@ -84,11 +84,7 @@ pub(super) fn time_rounds(
                 "timing round {round}/{}: {} {p}: {}",
                 timing.rounds,
                 w.model,
-                if rec.status == Status::Ok {
-                    format!("{:.0} ms", rec.step_ms_median)
-                } else {
-                    rec.status.to_string()
-                }
+                outcome(&rec.status, rec.step_ms_median)
             );
             ours[i].push(Some(rec.step_ms_median).filter(|_| rec.status == Status::Ok));
             let measured = matrix.find(&w.model, &p.to_string()).unwrap();
@@ -99,8 +95,8 @@ pub(super) fn time_rounds(
             torch_ms[i].push(b.filter(|b| b.status == Status::Ok).map(|b| b.step_ms_median));
         }
         for (j, &(budget, _)) in compiled.iter().enumerate() {
-            let (py, off) = (torch.expect("compiled runs only beside PyTorch"), "off");
-            let off = matrix.find(&w.model, off).expect("compiled runs only where off ran");
+            let py = torch.expect("compiled runs only beside PyTorch");
+            let off = matrix.find(&w.model, "off").expect("compiled runs only where off ran");
             let measure = Measure::CompiledTimeOnly(budget);
             let b = baseline::run(py, off, w.input_size, common.steps, common.seed, measure, None);
             trainkit::say!(
@@ -108,11 +104,7 @@ pub(super) fn time_rounds(
                 timing.rounds,
                 w.model,
                 baseline::compiled_policy(budget),
-                if b.status == Status::Ok {
-                    format!("{:.0} ms", b.step_ms_median)
-                } else {
-                    b.status.to_string()
-                }
+                outcome(&b.status, b.step_ms_median)
             );
             compiled_ms[j].push(Some(b.step_ms_median).filter(|_| b.status == Status::Ok));
         }
@@ -219,14 +211,24 @@ fn store_rounds(
     }
 }
 
+/// A timed run's line: its step time, or how it ended.
+fn outcome(status: &Status, step_ms: f64) -> String {
+    if *status == Status::Ok {
+        format!("{step_ms:.0} ms")
+    } else {
+        status.to_string()
+    }
+}
+
 /// a[k] / b[k] for every round k where both ran.
 fn ratios(a: &[Option<f64>], b: &[Option<f64>]) -> Vec<f64> {
     a.iter().zip(b).filter_map(|(a, b)| Some((*a)? / (*b)?)).collect()
 }
 
 /// Each compiled run's times over the rounds (`runs`: its budget and step time per round) into
-/// its record: our fastest timed configuration whose step peak is at most its own (the report's
-/// rule, by median step time) over its time, per round; with `replace`, its step time too.
+/// its record: our fastest configuration whose step peak is at most its own (the report's
+/// `ours_within`), where this run timed it, over its time, per round; with `replace`, its step
+/// time too.
 fn store_compiled_rounds(
     matrix: &mut Matrix,
     w: &Workload,
@@ -238,13 +240,10 @@ fn store_compiled_rounds(
     for (budget, times) in runs {
         let policy = baseline::compiled_policy(budget);
         let Some(mut c) = matrix.find_compiled(&w.model, &policy).cloned() else { continue };
-        let within = timed
-            .iter()
-            .enumerate()
-            .filter_map(|(i, p)| Some((i, matrix.find(&w.model, &p.to_string())?)))
-            .filter(|(_, r)| r.status == Status::Ok && r.step_peak_bytes <= c.step_peak_bytes)
-            .min_by(|a, b| a.1.step_ms_median.total_cmp(&b.1.step_ms_median));
-        c.ours_over_torch = within.and_then(|(i, _)| Spread::of(ratios(&ours[i], &times)));
+        // The configuration the report names at this memory level, where this run timed it.
+        let within = crate::report::compiled::ours_within(matrix, &c)
+            .and_then(|r| timed.iter().position(|p| p.to_string() == r.policy));
+        c.ours_over_torch = within.and_then(|i| Spread::of(ratios(&ours[i], &times)));
         if replace {
             if let Some(t) = Spread::of(times.iter().flatten().copied().collect()) {
                 (c.step_ms_median, c.step_ms_min, c.step_ms_max) = (t.median, t.min, t.max);

@@ -191,8 +191,8 @@ impl Stage for Layer {
         Some(self.signature.clone())
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
-        let x = &inputs[0]; // (B, T, C)
-                            // Each residual branch's last projection adds the branch to the stream in one op.
+        // x (B, T, C); each residual branch's last projection adds the branch to the stream.
+        let x = &inputs[0];
         let x = self.attention(&self.input_layernorm.forward(x)?, x, ctx)?;
         let x = self.mlp(&self.post_attention_layernorm.forward(&x)?, &x, ctx)?;
         Ok(vec![x])
