@@ -2,11 +2,13 @@
 //! but its inputs.
 
 use crate::fused::dtype::widened;
-use crate::fused::elem::{elem, nan_max, Elem};
+use crate::fused::elem::{elem, Elem};
 use crate::fused::generic::GenericOp;
 use crate::fused::op::{exactly, FusedOp, Operand};
+use crate::fused::parallel::{max_lanes, sum_lanes};
 use crate::fused::route::{fused, generic};
 use crate::fused::storage::{shaped, slice, with_slice};
+use crate::fused::uninit::uninit;
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -102,10 +104,13 @@ struct CrossEntropyOp;
 const NO_WEIGHT: &str = "cross_entropy: every weight is zero (or every target ignored), so the \
     batch has no position to score (the mean over none is undefined)";
 
-/// logsumexp of a row.
-fn log_sum_exp<T: Elem>(row: &[T]) -> T {
-    let max = row.iter().fold(T::neg_infinity(), |m, &v| nan_max(m, v));
-    max + row.iter().map(|&v| (v - max).exp()).sum::<T>().ln()
+/// logsumexp of a row, `buf` its scratch space (the row's exps).
+fn log_sum_exp<T: Elem>(row: &[T], buf: &mut Vec<T>) -> T {
+    let max = max_lanes(row);
+    buf.clear();
+    buf.extend(row.iter().map(|&v| v - max));
+    T::exp_in_place(buf);
+    max + sum_lanes(buf).ln()
 }
 
 impl CrossEntropyOp {
@@ -121,7 +126,7 @@ impl CrossEntropyOp {
         let losses: Vec<T> = logits
             .par_chunks(v)
             .zip(targets.par_iter())
-            .map(|(row, &t)| log_sum_exp(row) - row[t as usize])
+            .map_init(Vec::new, |buf, (row, &t)| log_sum_exp(row, buf) - row[t as usize])
             .collect();
         let total = losses.iter().zip(weights).fold(T::zero(), |acc, (&l, &w)| acc + l * w);
         Ok(total / weight)
@@ -131,16 +136,17 @@ impl CrossEntropyOp {
     fn backward<T: Elem>(logits: &[T], targets: &[u32], weights: &[T], g: T) -> Vec<T> {
         let v = logits.len() / targets.len();
         let scale = g / weights.iter().copied().sum::<T>();
-        let mut d = vec![T::zero(); logits.len()];
+        // SAFETY: each row below writes every element of its row of d.
+        let mut d = unsafe { uninit::<T>(logits.len()) };
         d.par_chunks_mut(v)
             .zip(logits.par_chunks(v))
             .zip(targets.par_iter().zip(weights.par_iter()))
-            .for_each(|((d, row), (&t, &w))| {
-                let lse = log_sum_exp(row);
+            .for_each_init(Vec::new, |buf, ((d, row), (&t, &w))| {
+                let lse = log_sum_exp(row, buf);
                 let s = scale * w;
-                for j in 0..v {
-                    d[j] = s * (row[j] - lse).exp();
-                }
+                d.iter_mut().zip(row).for_each(|(d, &x)| *d = x - lse);
+                T::exp_in_place(d);
+                d.iter_mut().for_each(|d| *d *= s);
                 d[t as usize] -= s;
             });
         d

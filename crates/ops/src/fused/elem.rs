@@ -21,6 +21,9 @@ pub(crate) trait Elem:
 
     /// f32 elements as this type's, where it is f32.
     fn from_f32s(v: Vec<f32>) -> Option<Vec<Self>>;
+
+    /// Every element replaced by its exp: many at once in f32 (`exp`), one by one in f64.
+    fn exp_in_place(xs: &mut [Self]);
 }
 
 impl Elem for f32 {
@@ -31,6 +34,10 @@ impl Elem for f32 {
     fn from_f32s(v: Vec<f32>) -> Option<Vec<f32>> {
         Some(v)
     }
+
+    fn exp_in_place(xs: &mut [f32]) {
+        super::exp::exp_in_place(xs)
+    }
 }
 
 impl Elem for f64 {
@@ -40,6 +47,10 @@ impl Elem for f64 {
 
     fn from_f32s(_: Vec<f32>) -> Option<Vec<f64>> {
         None
+    }
+
+    fn exp_in_place(xs: &mut [f64]) {
+        xs.iter_mut().for_each(|x| *x = x.exp());
     }
 }
 

@@ -8,6 +8,7 @@ use crate::fused::op::{exactly, FusedOp, Operand};
 use crate::fused::parallel::ELEMENT_CHUNK;
 use crate::fused::route::{fused, generic};
 use crate::fused::storage::{shaped, slice, with_slice};
+use crate::fused::uninit::uninit;
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -94,7 +95,8 @@ impl GeluOp {
 
     /// gelu(x), or with `g` the gradient g gelu'(x); element by element, in parallel.
     fn map<T: Elem>(&self, x: &[T], g: Option<&[T]>) -> Vec<T> {
-        let mut y = vec![T::zero(); x.len()];
+        // SAFETY: the loop below writes every element.
+        let mut y = unsafe { uninit::<T>(x.len()) };
         y.par_chunks_mut(ELEMENT_CHUNK).enumerate().for_each(|(c, y)| {
             for (j, y) in y.iter_mut().enumerate() {
                 let i = c * ELEMENT_CHUNK + j;

@@ -7,6 +7,7 @@ use crate::fused::op::{exactly, FusedOp, Operand};
 use crate::fused::parallel::sum_rows;
 use crate::fused::route::{fused, generic};
 use crate::fused::storage::{shaped, slice, with_slice};
+use crate::fused::uninit::uninit;
 use candle_core::{CpuStorage, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -94,7 +95,8 @@ fn row_stats<T: Elem>(row: &[T], eps: f64) -> (T, T) {
 
 impl LayerNormOp {
     fn forward<T: Elem>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
-        let mut y = vec![T::zero(); x.len()];
+        // SAFETY: the loop below writes every element.
+        let mut y = unsafe { uninit::<T>(x.len()) };
         y.par_chunks_mut(w.len()).zip(x.par_chunks(w.len())).for_each(|(y, x)| {
             let (mean, rstd) = row_stats(x, self.eps);
             for j in 0..x.len() {
@@ -108,7 +110,8 @@ impl LayerNormOp {
     /// sum over rows of g.
     fn backward<T: Elem>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
         let d = w.len();
-        let mut dx = vec![T::zero(); x.len()];
+        // SAFETY: the loop below writes every element.
+        let mut dx = unsafe { uninit::<T>(x.len()) };
         dx.par_chunks_mut(d).zip(x.par_chunks(d).zip(g.par_chunks(d))).for_each(|(dx, (x, g))| {
             let (mean, rstd) = row_stats(x, self.eps);
             let n = elem::<T>(d as f64);

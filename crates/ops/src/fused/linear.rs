@@ -11,6 +11,7 @@ use crate::fused::op::{FusedOp, Operand};
 use crate::fused::replay::{apply2, apply3, kept_or, Replay};
 use crate::fused::route::{fused, generic, lean};
 use crate::fused::storage::{shaped, slice, with_slice};
+use crate::fused::uninit::uninit;
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 use params::WeightLayout;
 use remat::keep::OpKind;
@@ -185,7 +186,8 @@ impl LinearOp {
         let (rows, n) = (x.len() / k, w.len() / k);
         let (y, dest) = match b {
             Some(b) => (b.repeat(rows), Dest::Accumulate),
-            None => (vec![T::zero(); rows * n], Dest::Overwrite),
+            // SAFETY: the product overwrites every element.
+            None => (unsafe { uninit(rows * n) }, Dest::Overwrite),
         };
         // y = b + x @ w_in, the bias added first: as one product accumulated onto it.
         self.onto(y, x, k, w, dest)

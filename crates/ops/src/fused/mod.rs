@@ -78,6 +78,7 @@ mod macros;
 // What the ops share.
 mod dtype;
 mod elem;
+mod exp;
 mod generic;
 mod matmul;
 mod op;

@@ -4,7 +4,7 @@
 //! [`sum_chunks`]), a long sum as interleaved partial sums added in order ([`sum_lanes`]). Not
 //! here: the matrix product's own split (`matmul`).
 
-use super::elem::Elem;
+use super::elem::{nan_max, Elem};
 use rayon::prelude::*;
 
 /// Rows per chunk of a cross-row reduction: fixed, so the summation order is too.
@@ -27,6 +27,34 @@ pub(crate) fn sum_lanes<T: Elem>(xs: &[T]) -> T {
     }
     acc.iter_mut().zip(rest).for_each(|(a, &v)| *a += v);
     acc.into_iter().fold(T::zero(), |s, a| s + a)
+}
+
+/// The sum of `a[i] * b[i]`, in [`sum_lanes`]'s order.
+pub(crate) fn dot_lanes<T: Elem>(a: &[T], b: &[T]) -> T {
+    const LANES: usize = 16;
+    assert_eq!(a.len(), b.len(), "dot_lanes: lengths differ");
+    let mut acc = [T::zero(); LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        acc.iter_mut().zip(x.iter().zip(y)).for_each(|(a, (&x, &y))| *a += x * y);
+    }
+    acc.iter_mut().zip(ra.iter().zip(rb)).for_each(|(a, (&x, &y))| *a += x * y);
+    acc.into_iter().fold(T::zero(), |s, a| s + a)
+}
+
+/// The maximum of `xs` (NaN winning, [`nan_max`]; -inf for none) as `LANES` interleaved partial
+/// maxima, which vectorises where one running maximum waits for each comparison in turn.
+pub(crate) fn max_lanes<T: Elem>(xs: &[T]) -> T {
+    const LANES: usize = 16;
+    let mut acc = [T::neg_infinity(); LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        acc.iter_mut().zip(chunk).for_each(|(a, &v)| *a = nan_max(*a, v));
+    }
+    acc.iter_mut().zip(rest).for_each(|(a, &v)| *a = nan_max(*a, v));
+    acc.into_iter().fold(T::neg_infinity(), nan_max)
 }
 
 /// Sums `n_rows` rows' contributions of width `width` (from `row(i, out)`, which adds row i into

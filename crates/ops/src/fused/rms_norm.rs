@@ -9,6 +9,7 @@ use crate::fused::op::{exactly, FusedOp, Operand};
 use crate::fused::parallel::sum_rows;
 use crate::fused::route::{fused, generic};
 use crate::fused::storage::{shaped, slice, with_slice};
+use crate::fused::uninit::uninit;
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -77,7 +78,8 @@ fn rstd<T: Elem>(row: &[T], eps: f64) -> T {
 
 impl RmsNormOp {
     fn forward<T: Elem>(&self, x: &[T], w: &[T]) -> Vec<T> {
-        let mut y = vec![T::zero(); x.len()];
+        // SAFETY: the loop below writes every element.
+        let mut y = unsafe { uninit::<T>(x.len()) };
         y.par_chunks_mut(w.len()).zip(x.par_chunks(w.len())).for_each(|(y, x)| {
             let r = rstd(x, self.eps);
             for j in 0..x.len() {
@@ -91,7 +93,8 @@ impl RmsNormOp {
     /// g x_hat.
     fn backward<T: Elem>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
         let d = w.len();
-        let mut dx = vec![T::zero(); x.len()];
+        // SAFETY: the loop below writes every element.
+        let mut dx = unsafe { uninit::<T>(x.len()) };
         dx.par_chunks_mut(d).zip(x.par_chunks(d).zip(g.par_chunks(d))).for_each(|(dx, (x, g))| {
             let r = rstd(x, self.eps);
             let m = (0..d).map(|j| g[j] * w[j] * x[j] * r).sum::<T>() / elem(d as f64);

@@ -6,6 +6,7 @@
 //! frequencies (the model's configuration), attention itself (`attention`).
 
 use crate::fused::elem::Elem;
+use crate::fused::uninit::uninit;
 use candle_core::{Result, Tensor, D};
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -65,7 +66,8 @@ impl Table {
         let (half, d) = (self.half, 2 * self.half);
         self.check(x.len(), d, period)?;
         let sign = T::from(if turn == Turn::Forward { 1.0 } else { -1.0 }).expect("a sign");
-        let mut y = vec![T::zero(); x.len()];
+        // SAFETY: the loop below writes every element.
+        let mut y = unsafe { uninit::<T>(x.len()) };
         y.par_chunks_mut(d).zip(x.par_chunks(d)).enumerate().for_each(|(i, (y, x))| {
             let at = (i % period) * half;
             for j in 0..half {

@@ -3,17 +3,18 @@
 //! (the models' crates).
 
 use crate::fused::dtype::widened;
-use crate::fused::elem::{elem, wide, Elem};
+use crate::fused::elem::Elem;
 use crate::fused::generic::GenericOp;
 use crate::fused::op::{exactly, FusedOp, Operand};
 use crate::fused::parallel::ELEMENT_CHUNK;
 use crate::fused::route::{fused, generic};
 use crate::fused::storage::{shaped, slice, with_slice};
+use crate::fused::uninit::uninit;
 use candle_core::{CpuStorage, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-/// `silu(gate) * up`, with silu(x) = x sigmoid(x), element by element (in f64 per element, stored
-/// in the operands' dtype): Llama's `act_fn(gate_proj(x)) * up_proj(x)` as one op.
+/// `silu(gate) * up`, with silu(x) = x sigmoid(x), element by element (in the operands' dtype;
+/// half precision in f32): Llama's `act_fn(gate_proj(x)) * up_proj(x)` as one op.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if gate.shape() != up.shape() || gate.dtype() != up.dtype() {
         candle_core::bail!(
@@ -64,38 +65,46 @@ fn silu_mul_generic(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 
 struct SiluMulOp;
 
-/// (silu(x), silu'(x)).
-fn silu(x: f64) -> (f64, f64) {
-    let s = 1.0 / (1.0 + (-x).exp());
-    (x * s, s * (1.0 + x * (1.0 - s)))
+/// sigmoid(x) of a chunk, into `s`: exp(-x) many at once (`Elem::exp_in_place`), then 1 / (1 + e).
+fn sigmoids<T: Elem>(x: &[T], s: &mut [T]) {
+    s.iter_mut().zip(x).for_each(|(s, &x)| *s = -x);
+    T::exp_in_place(s);
+    s.iter_mut().for_each(|s| *s = T::one() / (T::one() + *s));
 }
 
 impl SiluMulOp {
     fn forward<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
-        let mut y = vec![T::zero(); gate.len()];
+        // SAFETY: the loop below writes every element.
+        let mut y = unsafe { uninit::<T>(gate.len()) };
         y.par_chunks_mut(ELEMENT_CHUNK).enumerate().for_each(|(c, y)| {
             let at = c * ELEMENT_CHUNK;
-            for (j, y) in y.iter_mut().enumerate() {
-                *y = elem(silu(wide(gate[at + j])).0 * wide(up[at + j]));
+            let (gate, up) = (&gate[at..at + y.len()], &up[at..at + y.len()]);
+            sigmoids(gate, y);
+            for ((y, &x), &u) in y.iter_mut().zip(gate).zip(up) {
+                *y = x * *y * u;
             }
         });
         y
     }
 
-    /// d gate = g up silu'(gate); d up = g silu(gate).
+    /// d gate = g up silu'(gate), silu'(x) = s (1 + x (1 - s)); d up = g silu(gate) = g x s.
     fn backward<T: Elem>(gate: &[T], up: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
-        let (mut dgate, mut dup) = (vec![T::zero(); gate.len()], vec![T::zero(); gate.len()]);
+        // SAFETY: the loop below writes every element of both.
+        let (mut dgate, mut dup) = unsafe { (uninit::<T>(gate.len()), uninit::<T>(gate.len())) };
         dgate
             .par_chunks_mut(ELEMENT_CHUNK)
             .zip(dup.par_chunks_mut(ELEMENT_CHUNK))
             .enumerate()
             .for_each(|(c, (dgate, dup))| {
                 let at = c * ELEMENT_CHUNK;
-                for j in 0..dgate.len() {
-                    let (value, slope) = silu(wide(gate[at + j]));
-                    let g = wide(g[at + j]);
-                    dgate[j] = elem(g * wide(up[at + j]) * slope);
-                    dup[j] = elem(g * value);
+                let n = dgate.len();
+                let (gate, up, g) = (&gate[at..at + n], &up[at..at + n], &g[at..at + n]);
+                // s into dup first, then each element's two gradients from it.
+                sigmoids(gate, dup);
+                for j in 0..n {
+                    let (x, s) = (gate[j], dup[j]);
+                    dgate[j] = g[j] * up[j] * (s * (T::one() + x * (T::one() - s)));
+                    dup[j] = g[j] * (x * s);
                 }
             });
         (dgate, dup)

@@ -3,11 +3,13 @@
 //! (`attention`).
 
 use crate::fused::dtype::widened;
-use crate::fused::elem::{elem, nan_max, Elem};
+use crate::fused::elem::{elem, Elem};
 use crate::fused::generic::GenericOp;
 use crate::fused::op::{exactly, FusedOp, Operand};
+use crate::fused::parallel::{dot_lanes, max_lanes, sum_lanes};
 use crate::fused::route::{fused, generic};
 use crate::fused::storage::{shaped, slice, with_slice};
+use crate::fused::uninit::uninit;
 use candle_core::{CpuStorage, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -106,49 +108,68 @@ impl SoftmaxOp {
         }
     }
 
-    /// Whether entry `j` of row `r` (of `width`) takes part: visible and not padding.
-    fn keeps(&self, r: usize, width: usize) -> impl Fn(usize) -> bool + '_ {
-        let n = self.visible(r, width);
-        let keys = self
-            .padding
-            .as_ref()
-            .map(|(keep, rows)| &keep[r / rows * width..(r / rows + 1) * width]);
-        move |j| j < n && keys.is_none_or(|k| k[j])
+    /// Which of row `r`'s keys are not padding (each of its `width`), where there is padding.
+    fn keys(&self, r: usize, width: usize) -> Option<&[bool]> {
+        self.padding.as_ref().map(|(keep, rows)| &keep[r / rows * width..(r / rows + 1) * width])
     }
 
     pub(crate) fn forward<T: Elem>(&self, x: &[T], width: usize) -> Vec<T> {
         let scale = elem::<T>(self.scale);
-        let mut y = vec![T::zero(); x.len()];
+        // SAFETY: each row below writes every element of its row of y.
+        let mut y = unsafe { uninit::<T>(x.len()) };
         y.par_chunks_mut(width).zip(x.par_chunks(width)).enumerate().for_each(|(r, (y, x))| {
-            let (n, keep) = (self.visible(r, width), self.keeps(r, width));
-            let max = (0..n)
-                .filter(|&j| keep(j))
-                .fold(T::neg_infinity(), |m, j| nan_max(m, x[j] * scale));
+            let n = self.visible(r, width);
+            let (y, hidden) = y.split_at_mut(n);
+            hidden.fill(T::zero());
+            y.iter_mut().zip(x).for_each(|(y, &x)| *y = x * scale);
+            if let Some(keys) = self.keys(r, width) {
+                y.iter_mut()
+                    .zip(keys)
+                    .filter(|(_, &k)| !k)
+                    .for_each(|(y, _)| *y = T::neg_infinity());
+            }
+            let max = max_lanes(y);
             if max == T::neg_infinity() {
-                return; // every key masked: the row stays zero
+                y.fill(T::zero()); // every key masked: the row is zero
+                return;
             }
-            let mut sum = T::zero();
-            for j in (0..n).filter(|&j| keep(j)) {
-                y[j] = (x[j] * scale - max).exp();
-                sum += y[j];
-            }
-            y[..n].iter_mut().for_each(|v| *v /= sum);
+            // A masked entry, -inf, gets exp(-inf) = 0.
+            y.iter_mut().for_each(|v| *v = *v - max);
+            T::exp_in_place(y);
+            let sum = sum_lanes(y);
+            y.iter_mut().for_each(|v| *v = *v / sum);
         });
         y
     }
 
-    /// dx = scale * y * (g - sum(g y)) per row (masked entries have y = 0, so dx = 0 there).
+    /// dx = scale * y * (g - sum(g y)) per row; 0 where masked (there y = 0, and g may be
+    /// anything).
     pub(crate) fn backward<T: Elem>(&self, y: &[T], g: &[T], width: usize) -> Vec<T> {
         let scale = elem::<T>(self.scale);
-        let mut dx = vec![T::zero(); y.len()];
+        // SAFETY: each row below writes every element of its row of dx.
+        let mut dx = unsafe { uninit::<T>(y.len()) };
         dx.par_chunks_mut(width)
             .zip(y.par_chunks(width).zip(g.par_chunks(width)))
             .enumerate()
             .for_each(|(r, (dx, (y, g)))| {
-                let (n, keep) = (self.visible(r, width), self.keeps(r, width));
-                let dot = (0..n).filter(|&j| keep(j)).map(|j| g[j] * y[j]).sum::<T>();
-                for j in (0..n).filter(|&j| keep(j)) {
-                    dx[j] = scale * y[j] * (g[j] - dot);
+                let n = self.visible(r, width);
+                let (dx, hidden) = dx.split_at_mut(n);
+                hidden.fill(T::zero());
+                let (y, g) = (&y[..n], &g[..n]);
+                match self.keys(r, width) {
+                    None => {
+                        let dot = dot_lanes(g, y);
+                        for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
+                            *dx = scale * y * (g - dot);
+                        }
+                    }
+                    Some(keys) => {
+                        let kept = |j: usize| keys[j];
+                        let dot = (0..n).filter(|&j| kept(j)).map(|j| g[j] * y[j]).sum::<T>();
+                        for (j, dx) in dx.iter_mut().enumerate() {
+                            *dx = if kept(j) { scale * y[j] * (g[j] - dot) } else { T::zero() };
+                        }
+                    }
                 }
             });
         dx
