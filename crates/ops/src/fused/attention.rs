@@ -3,18 +3,22 @@
 //! backward).
 
 use crate::fused::dropout::DropoutOp;
-use crate::fused::dtype::{is_half, widened, widened_as};
+use crate::fused::dtype::{widened, widened_as};
 use crate::fused::elem::Elem;
 use crate::fused::generic::GenericOp;
+use crate::fused::matmul::{mat, matmul, Dest, Mat};
 use crate::fused::op::{exactly, FusedOp, Operand};
 use crate::fused::replay::{apply3, kept_or, Replay};
 use crate::fused::rotary::{Rotary, Table, Turn};
 use crate::fused::route::{generic, lean};
 use crate::fused::softmax::{detached, softmax_last_dim, Mask, SoftmaxOp};
-use crate::fused::storage::{slice, with_slice};
+use crate::fused::storage::{shaped, slice, with_slice};
+use crate::fused::uninit::uninit;
 use candle_core::{CpuStorage, DType, Result, Shape, Tensor};
+use rayon::prelude::*;
 use remat::keep::OpKind;
 use remat::rng::RngKey;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Scaled dot-product attention of q, k, v (B, heads, T, d): `dropout(softmax(scale q k^T)) v`,
@@ -247,13 +251,10 @@ impl Turns {
         ))
     }
 
-    /// q and k (CPU, contiguous, in `T`) turned by the kernel.
-    fn kernel<T: Elem>(&self, q: &Tensor, k: &Tensor, turn: Turn) -> Result<(Tensor, Tensor)> {
-        let turned = |x: &Tensor, period| -> Result<Tensor> {
-            let v = with_slice::<T, _>(x, |xs| self.table.rotate(xs, period, turn))?;
-            Tensor::from_vec(v, x.shape(), x.device())
-        };
-        Ok((turned(q, self.q_period)?, turned(k, self.k_period)?))
+    /// q and k, in the kernels' layout (rows at positions repeating every `q_period` and
+    /// `k_period`), turned by the kernel.
+    fn kernel<T: Elem>(&self, q: &[T], k: &[T], turn: Turn) -> Result<(Vec<T>, Vec<T>)> {
+        Ok((self.table.rotate(q, self.q_period, turn)?, self.table.rotate(k, self.k_period, turn)?))
     }
 }
 
@@ -391,6 +392,92 @@ struct AttentionOp {
     layout: Layout,
 }
 
+/// The shapes of one attention in the kernels' layout: `maps` (B x kv_heads) maps of `rows`
+/// queries (the query heads that share a key/value head, one after another) by `keys` keys, one
+/// map after another in memory; q's and k's heads of `d` features, v's of `dv`.
+#[derive(Clone, Copy)]
+struct Maps {
+    maps: usize,
+    rows: usize,
+    keys: usize,
+    d: usize,
+    dv: usize,
+}
+
+impl Layout {
+    /// The maps of q, k and v of these shapes, as [`Layout::rows`] lays them out.
+    fn maps(self, q: &[usize], k: &[usize], v: &[usize]) -> Maps {
+        let (d, dv) = (q[3], v[3]);
+        match self {
+            Layout::HeadsFirst => Maps { maps: q[0] * q[1], rows: q[2], keys: k[2], d, dv },
+            Layout::TokensFirst => {
+                Maps { maps: q[0] * k[2], rows: q[2] / k[2] * q[1], keys: k[1], d, dv }
+            }
+        }
+    }
+
+    /// The elements of an operand of shape `dims` in the kernels' layout (B, kv_heads, rows, d):
+    /// as they are, or moved from token by token (B, T, heads, d) to heads first (a copy).
+    fn rows_of<'a, T: Elem>(self, x: &'a [T], dims: &[usize]) -> Cow<'a, [T]> {
+        match self {
+            Layout::HeadsFirst => Cow::Borrowed(x),
+            Layout::TokensFirst => Cow::Owned(swap_middle(x, [dims[0], dims[1], dims[2], dims[3]])),
+        }
+    }
+
+    /// A result in the kernels' layout laid out as an operand of shape `dims`.
+    fn back_to<T: Elem>(self, y: Vec<T>, dims: &[usize]) -> Vec<T> {
+        match self {
+            Layout::HeadsFirst => y,
+            Layout::TokensFirst => swap_middle(&y, [dims[0], dims[2], dims[1], dims[3]]),
+        }
+    }
+}
+
+/// `x` (a, b, c, d) as (a, c, b, d), in parallel over its rows of d.
+fn swap_middle<T: Elem>(x: &[T], [a, b, c, d]: [usize; 4]) -> Vec<T> {
+    debug_assert_eq!(x.len(), a * b * c * d);
+    // SAFETY: each (a, c) block below is written whole, row by row.
+    let mut y = unsafe { uninit::<T>(x.len()) };
+    y.par_chunks_mut(b * d).enumerate().for_each(|(ac, y)| {
+        let (ai, ci) = (ac / c, ac % c);
+        for (bi, row) in y.chunks_exact_mut(d).enumerate() {
+            let at = ((ai * b + bi) * c + ci) * d;
+            row.copy_from_slice(&x[at..at + d]);
+        }
+    });
+    y
+}
+
+/// `a[i] @ b[i]` (m, k) x (k, n) for each of `maps` pairs of matrices stored one after another,
+/// each operand read transposed where its flag says (stored (k, m) or (n, k)): the products of
+/// the maps, one after another, each split over the threads.
+fn per_map<T: Elem>(
+    maps: usize,
+    (a, a_t): (&[T], bool),
+    (b, b_t): (&[T], bool),
+    (m, k, n): (usize, usize, usize),
+) -> Vec<T> {
+    fn operand<T>(x: &[T], i: usize, len: usize, t: bool) -> Mat<'_, T> {
+        let x = mat(&x[i * len..(i + 1) * len]);
+        if t {
+            x.transposed()
+        } else {
+            x
+        }
+    }
+    // SAFETY: each map's product overwrites its block whole.
+    let mut dst = unsafe { uninit::<T>(maps * m * n) };
+    for (i, dst) in dst.chunks_exact_mut(m * n).enumerate() {
+        let (a, b) = (operand(a, i, m * k, a_t), operand(b, i, k * n, b_t));
+        matmul(dst, a, b, (m, k, n), Dest::Overwrite);
+    }
+    dst
+}
+
+/// q and k in the kernels' layout, borrowed or made.
+type QK<'a, T> = (Cow<'a, [T]>, Cow<'a, [T]>);
+
 impl AttentionOp {
     fn softmax(&self) -> SoftmaxOp {
         SoftmaxOp {
@@ -401,10 +488,10 @@ impl AttentionOp {
         }
     }
 
-    /// The probabilities (B, heads, T, T), flat, of detached q and k.
-    fn probabilities<T: Elem>(&self, q: &Tensor, k: &Tensor) -> Result<Vec<T>> {
-        let scores = q.matmul(&k.t()?)?.flatten_all()?.to_vec1::<T>()?;
-        Ok(self.softmax().forward(&scores, k.dim(2)?))
+    /// The probabilities, map after map, of (turned) q and k in the kernels' layout.
+    fn probabilities<T: Elem>(&self, q: &[T], k: &[T], s: Maps) -> Vec<T> {
+        let scores = per_map(s.maps, (q, false), (k, true), (s.rows, s.d, s.keys));
+        self.softmax().forward(&scores, s.keys)
     }
 
     fn drop_out<T: Elem>(&self, p: &mut [T]) {
@@ -413,58 +500,70 @@ impl AttentionOp {
         }
     }
 
-    /// A flat (B, heads, T, S) map as a tensor, without copying it.
-    fn map<T: Elem>(m: Vec<T>, q: &Tensor, k: &Tensor) -> Result<Tensor> {
-        Tensor::from_vec(m, (q.dim(0)?, q.dim(1)?, q.dim(2)?, k.dim(2)?), q.device())
-    }
-
-    fn forward<T: Elem>(&self, q: Tensor, k: Tensor, v: Tensor) -> Result<Tensor> {
-        let mut p = self.probabilities::<T>(&q, &k)?;
+    fn forward<T: Elem>(&self, q: &[T], k: &[T], v: &[T], s: Maps) -> Vec<T> {
+        let mut p = self.probabilities(q, k, s);
         self.drop_out(&mut p);
-        Self::map(p, &q, &k)?.matmul(&v)
+        per_map(s.maps, (&p, false), (v, false), (s.rows, s.keys, s.dv))
     }
 
     /// With P the probabilities and P' = dropout(P): dV = P'^T g; dP = dropout(g V^T) (the same
     /// mask); dS = softmax backward of dP (scale included); dQ = dS K; dK = dS^T Q. At most three
-    /// maps of (B, heads, T, T) are alive at once.
+    /// maps of (B, heads, T, T) are alive at once (two without dropout).
     fn backward<T: Elem>(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let p = self.probabilities::<T>(q, k)?;
-        let mut dropped = p.clone();
-        self.drop_out(&mut dropped);
-        let dv = Self::map(dropped, q, k)?.t()?.matmul(g)?;
-        let mut dp = g.matmul(&v.t()?)?.flatten_all()?.to_vec1::<T>()?;
+        (q, k, v): (&[T], &[T], &[T]),
+        g: &[T],
+        s: Maps,
+    ) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let p = self.probabilities(q, k, s);
+        let dv_of = |p: &[T]| per_map(s.maps, (p, true), (g, false), (s.keys, s.rows, s.dv));
+        let dv = match self.dropout {
+            Some(_) => {
+                let mut dropped = p.clone();
+                self.drop_out(&mut dropped);
+                dv_of(&dropped)
+            }
+            None => dv_of(&p),
+        };
+        let mut dp = per_map(s.maps, (g, false), (v, true), (s.rows, s.dv, s.keys));
         self.drop_out(&mut dp);
-        let ds = self.softmax().backward(&p, &dp, k.dim(2)?);
+        let ds = self.softmax().backward(&p, &dp, s.keys);
         drop((p, dp));
-        let ds = Self::map(ds, q, k)?;
-        Ok((ds.matmul(k)?, ds.t()?.matmul(q)?, dv))
+        let dq = per_map(s.maps, (&ds, false), (k, false), (s.rows, s.keys, s.d));
+        let dk = per_map(s.maps, (&ds, true), (q, false), (s.keys, s.rows, s.d));
+        (dq, dk, dv)
+    }
+
+    /// q and k turned by the rotary embedding, where there is one.
+    fn turned<'a, T: Elem>(
+        &self,
+        q: Cow<'a, [T]>,
+        k: Cow<'a, [T]>,
+        turn: Turn,
+    ) -> Result<QK<'a, T>> {
+        Ok(match &self.turns {
+            Some(turns) => {
+                let (q, k) = turns.kernel(&q, &k, turn)?;
+                (Cow::Owned(q), Cow::Owned(k))
+            }
+            None => (q, k),
+        })
     }
 }
 
 impl FusedOp for AttentionOp {
     fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
-        fn run<T: Elem>(op: &AttentionOp, s: [Operand; 3]) -> Result<Vec<T>> {
-            let t = |(st, l): Operand| {
-                Tensor::from_slice(&slice::<T>(st, l)?, l.dims(), &candle_core::Device::Cpu)
-            };
-            let given = s[0].1.shape();
-            let kv = op.layout.kv_heads(s[1].1.shape())?;
-            let rows = |x: Operand| op.layout.rows(&t(x)?, kv);
-            let (q, k) = (rows(s[0])?, rows(s[1])?);
-            let (q, k) = match &op.turns {
-                Some(turns) => turns.kernel::<T>(&q, &k, Turn::Forward)?,
-                None => (q, k),
-            };
-            op.layout
-                .back(op.forward::<T>(q, k, rows(s[2])?)?, given)?
-                .flatten_all()?
-                .to_vec1::<T>()
+        fn run<T: Elem>(op: &AttentionOp, [q, k, v]: [Operand; 3]) -> Result<Vec<T>> {
+            let (qd, kd, vd) = (q.1.dims(), k.1.dims(), v.1.dims());
+            let (qs, ks, vs) =
+                (slice::<T>(q.0, q.1)?, slice::<T>(k.0, k.1)?, slice::<T>(v.0, v.1)?);
+            let s = op.layout.maps(qd, kd, vd);
+            let (q, k) = (op.layout.rows_of(&qs, qd), op.layout.rows_of(&ks, kd));
+            let (q, k) = op.turned(q, k, Turn::Forward)?;
+            let y = op.forward(&q, &k, &op.layout.rows_of(&vs, vd), s);
+            let mut out = qd.to_vec();
+            out[3] = s.dv;
+            Ok(op.layout.back_to(y, &out))
         }
         let args = exactly(inputs)?;
         let [(q, ql), _, (_, vl)] = args;
@@ -476,30 +575,24 @@ impl FusedOp for AttentionOp {
 
     fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let [q, k, v] = exactly(inputs)?;
-        // Half precision runs in f32 (candle's CPU matrix product has no bf16).
-        let dtype = q.dtype();
-        let wide = |t: &Tensor| {
-            if is_half(dtype) {
-                t.detach().to_dtype(DType::F32)
-            } else {
-                Ok(t.detach())
-            }
-        };
-        let kv = self.layout.kv_heads(k.shape())?;
-        let rows = |t: &Tensor| self.layout.rows(&wide(t)?, kv);
-        let (q, k, v, g) = (rows(q)?, rows(k)?, rows(v)?, rows(g)?.contiguous()?);
-        let (dq, dk, dv) = per_dtype!(q.dtype(), T => match &self.turns {
-            // The gradients of the turned q and k, turned back.
-            Some(turns) => {
-                let (q, k) = turns.kernel::<T>(&q, &k, Turn::Forward)?;
-                let (dq, dk, dv) = self.backward::<T>(&q, &k, &v, &g)?;
-                let (dq, dk) = turns.kernel::<T>(&dq.contiguous()?, &dk.contiguous()?, Turn::Back)?;
-                (dq, dk, dv)
-            }
-            None => self.backward::<T>(&q, &k, &v, &g)?,
-        });
-        let back = |d: Tensor, like: &Tensor| self.layout.back(d.to_dtype(dtype)?, like.shape());
-        Ok(vec![Some(back(dq, inputs[0])?), Some(back(dk, inputs[1])?), Some(back(dv, inputs[2])?)])
+        let g = g.contiguous()?;
+        let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
+        let s = self.layout.maps(qd, kd, vd);
+        // Half precision is read widened to f32 (`with_slice`), and the gradients made in f32.
+        per_dtype!(q.dtype(), T => {
+            let (dq, dk, dv) = with_slice::<T, _>(q, |qs| with_slice(k, |ks| with_slice(v, |vs| {
+                with_slice(&g, |gs| {
+                    let l = self.layout;
+                    let (q, k) = self.turned(l.rows_of(qs, qd), l.rows_of(ks, kd), Turn::Forward)?;
+                    let (v, g) = (l.rows_of(vs, vd), l.rows_of(gs, g.dims()));
+                    let (dq, dk, dv) = self.backward((&q, &k, &v), &g, s);
+                    // The gradients of the turned q and k, turned back.
+                    let (dq, dk) = self.turned(Cow::Owned(dq), Cow::Owned(dk), Turn::Back)?;
+                    Ok((l.back_to(dq.into_owned(), qd), l.back_to(dk.into_owned(), kd), l.back_to(dv, vd)))
+                })
+            })))?;
+            Ok(vec![Some(shaped(dq, q)?), Some(shaped(dk, k)?), Some(shaped(dv, v)?)])
+        })
     }
 }
 

@@ -30,7 +30,7 @@ fn exp1(x: f32) -> f32 {
         .mul_add(r, 8.333_452e-3)
         .mul_add(r, 4.166_579_6e-2)
         .mul_add(r, 1.666_666_5e-1)
-        .mul_add(r, 5.000_000_1e-1);
+        .mul_add(r, 0.5);
     let e = (r * r).mul_add(p, r) + 1.0;
     // 2^n, n in [-126, 128]: 128 (only at MAX_ARG's rounding) is taken as 2 * 2^127. n as an
     // integer read from the bits of n + 1.5 * 2^23 (a whole number below 2^22 lands in the low

@@ -1,6 +1,6 @@
 //! The matrix product the kernels run: gemm, the product candle's CPU backend runs, called
 //! directly on slices, so that a transposed operand or a block of a wider matrix is a stride, not
-//! a copy ([`Mat`]), and the product is written (or added) in place; split over candle's threads
+//! a copy ([`Mat`]), and the product is written (or added) in place; split over rayon's threads (candle's)
 //! with the same bits at any number of them. Plus the machine's peak rate and the per-thread
 //! workspaces measurements allocate first. Not here: products of tensors (candle's `matmul`, which
 //! the generic route and attention use).
@@ -79,7 +79,7 @@ pub(crate) fn matmul<T: Elem>(
     mkn: (usize, usize, usize),
     dest: Dest,
 ) {
-    let threads = candle_core::utils::get_num_threads();
+    let threads = rayon::current_num_threads();
     matmul_on(threads, dst, (packed(dst, mkn), 1), a, b, mkn, dest)
 }
 
@@ -105,8 +105,10 @@ fn packed<T>(dst: &[T], (m, _, n): (usize, usize, usize)) -> usize {
 /// called directly: operands are read in place (a transposed operand or a block of a wider matrix
 /// is a stride, not a copy) and the product is written into `dst` at (row, column) strides
 /// `dst_strides` (added to it with [`Dest::Accumulate`]; with [`Dest::Overwrite`], `dst` is only
-/// written, so it may be uninitialised). Split over candle's threads; the bits do not depend on
-/// their number (threads split the output, each element's sum over k runs in one fixed order).
+/// written, so it may be uninitialised). Split over the rayon pool's threads (asked of rayon:
+/// candle's `get_num_threads` reads /proc/cpuinfo at every call, a tenth of a second of a SmolLM2
+/// step on one thread); the bits do not depend on their number (threads split the output, each
+/// element's sum over k runs in one fixed order).
 pub(crate) fn matmul_strided<T: Elem>(
     dst: &mut [T],
     dst_strides: (usize, usize),
@@ -115,7 +117,7 @@ pub(crate) fn matmul_strided<T: Elem>(
     mkn: (usize, usize, usize),
     dest: Dest,
 ) {
-    let threads = candle_core::utils::get_num_threads();
+    let threads = rayon::current_num_threads();
     matmul_on(threads, dst, dst_strides, a, b, mkn, dest)
 }
 

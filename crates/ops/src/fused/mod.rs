@@ -46,9 +46,10 @@
 //! and every reduction across rows sums fixed chunks in a fixed order: the same inputs give the
 //! same bits whatever the number of threads; the direct convolutions make each output element in
 //! one tile, its sum in one fixed order. The ops that multiply matrices (linear, attention,
-//! conv3d where it is not direct) use candle's matrix product for that part, as the composed ops
-//! do; in one process it gives the same bits every time, so a recompute under checkpointing is
-//! bit-identical to the forward.
+//! conv3d where it is not direct) use gemm, candle's matrix product, called on the operands'
+//! elements in place (`matmul`): the same bits every time, so a recompute under checkpointing is
+//! bit-identical to the forward. `exp` of f32 is ours (`exp`), vectorised, the same bits on every
+//! processor.
 //!
 //! f32 and f64 tensors on the CPU take the fused path, and so do bf16 and f16 ones: their kernels
 //! read the half-precision operands widened to f32 (a transient copy per op), compute in f32 and

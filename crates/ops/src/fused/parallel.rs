@@ -18,15 +18,25 @@ pub(crate) const ELEMENT_CHUNK: usize = 1 << 14;
 /// which vectorises, where a single running sum waits for each addition in turn (the
 /// up-convolution's bias gradient, summed so, took as long as its input gradient).
 pub(crate) fn sum_lanes<T: Elem>(xs: &[T]) -> T {
+    fold_lanes(xs, T::zero(), |a, v| a + v)
+}
+
+/// The maximum of `xs` (NaN winning, [`nan_max`]; -inf for none), in lanes as [`sum_lanes`].
+pub(crate) fn max_lanes<T: Elem>(xs: &[T]) -> T {
+    fold_lanes(xs, T::neg_infinity(), nan_max)
+}
+
+/// `xs` folded by `f` from `init` as `LANES` interleaved partial folds, folded in order at the end.
+fn fold_lanes<T: Elem>(xs: &[T], init: T, f: impl Fn(T, T) -> T) -> T {
     const LANES: usize = 16;
-    let mut acc = [T::zero(); LANES];
+    let mut acc = [init; LANES];
     let chunks = xs.chunks_exact(LANES);
     let rest = chunks.remainder();
     for chunk in chunks {
-        acc.iter_mut().zip(chunk).for_each(|(a, &v)| *a += v);
+        acc.iter_mut().zip(chunk).for_each(|(a, &v)| *a = f(*a, v));
     }
-    acc.iter_mut().zip(rest).for_each(|(a, &v)| *a += v);
-    acc.into_iter().fold(T::zero(), |s, a| s + a)
+    acc.iter_mut().zip(rest).for_each(|(a, &v)| *a = f(*a, v));
+    acc.into_iter().fold(init, f)
 }
 
 /// The sum of `a[i] * b[i]`, in [`sum_lanes`]'s order.
@@ -41,20 +51,6 @@ pub(crate) fn dot_lanes<T: Elem>(a: &[T], b: &[T]) -> T {
     }
     acc.iter_mut().zip(ra.iter().zip(rb)).for_each(|(a, (&x, &y))| *a += x * y);
     acc.into_iter().fold(T::zero(), |s, a| s + a)
-}
-
-/// The maximum of `xs` (NaN winning, [`nan_max`]; -inf for none) as `LANES` interleaved partial
-/// maxima, which vectorises where one running maximum waits for each comparison in turn.
-pub(crate) fn max_lanes<T: Elem>(xs: &[T]) -> T {
-    const LANES: usize = 16;
-    let mut acc = [T::neg_infinity(); LANES];
-    let chunks = xs.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for chunk in chunks {
-        acc.iter_mut().zip(chunk).for_each(|(a, &v)| *a = nan_max(*a, v));
-    }
-    acc.iter_mut().zip(rest).for_each(|(a, &v)| *a = nan_max(*a, v));
-    acc.into_iter().fold(T::neg_infinity(), nan_max)
 }
 
 /// Sums `n_rows` rows' contributions of width `width` (from `row(i, out)`, which adds row i into

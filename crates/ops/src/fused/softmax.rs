@@ -134,10 +134,10 @@ impl SoftmaxOp {
                 return;
             }
             // A masked entry, -inf, gets exp(-inf) = 0.
-            y.iter_mut().for_each(|v| *v = *v - max);
+            y.iter_mut().for_each(|v| *v -= max);
             T::exp_in_place(y);
             let sum = sum_lanes(y);
-            y.iter_mut().for_each(|v| *v = *v / sum);
+            y.iter_mut().for_each(|v| *v /= sum);
         });
         y
     }
