@@ -128,9 +128,12 @@ def main():
         os.rmdir(raw)
 
     n = long - short
-    # The harness is taken to be built from this tree (build it first).
-    tree = subprocess.run(["git", "describe", "--always", "--dirty", "--exclude", "*"],
-                          capture_output=True, text=True).stdout.strip() or "unknown"
+    # The harness is taken to be built from this tree (build it first): its commit, "-dirty" where
+    # code differs from it (results and documentation aside), as the harness names its own.
+    git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+    tree = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results", ":(exclude)docs", ":(exclude)*.md"):
+        tree += "-dirty"
     sides = {}
     for side in ("ours", "pytorch"):
         (_, a_ns), (printed, b_ns) = runs[(side, short)], runs[(side, long)]
