@@ -96,8 +96,9 @@ enum Layout {
 }
 
 impl Layout {
-    /// q, k, v or the output's gradient as the kernels take them: (B, kv_heads, rows, d), the
-    /// query heads that share a key/value head as rows of one map (`kv_heads`: k's heads).
+    /// q, k, v or the output's gradient as the generic route takes them: (B, kv_heads, rows, d),
+    /// the query heads that share a key/value head as rows of one map (`kv_heads`: k's heads).
+    /// The CPU kernel reads the same layout from the elements ([`Layout::rows_of`]).
     fn rows(self, x: &Tensor, kv_heads: usize) -> Result<Tensor> {
         match self {
             Layout::HeadsFirst => x.contiguous(),
