@@ -109,6 +109,44 @@ fn panels<DB: DrawingBackend>(
     root.split_evenly((n.div_ceil(2).max(1), 2))
 }
 
+/// The share of a trade-off panel's plot, (width, height), its legend box covers (the longest
+/// label, torch.compile's, and up to seven entries).
+const LEGEND_SHARE: (f64, f64) = (0.45, 0.55);
+
+/// Where a panel over times `t` and memory `0..max_m` draws its legend, and the top of its
+/// memory axis: the corner where the legend hides none of `points` (they gather where the
+/// policies fall, which differs by model; ties go to the lower right, then the upper right,
+/// upper left, lower left), or where every corner would hide some, the upper right over a memory
+/// axis raised until the box is above every point.
+fn legend_place(
+    points: impl Iterator<Item = (f64, f64)>,
+    (min_t, max_t): (f64, f64),
+    max_m: f64,
+) -> (SeriesLabelPosition, f64) {
+    let (w, h) = LEGEND_SHARE;
+    // (left edge of the box, right edge) and (bottom, top) in shares of the plot, per corner.
+    let corners = [
+        (SeriesLabelPosition::LowerRight, (1.0 - w, 1.0), (0.0, h)),
+        (SeriesLabelPosition::UpperRight, (1.0 - w, 1.0), (1.0 - h, 1.0)),
+        (SeriesLabelPosition::UpperLeft, (0.0, w), (1.0 - h, 1.0)),
+        (SeriesLabelPosition::LowerLeft, (0.0, w), (0.0, h)),
+    ];
+    let span = (max_t - min_t).max(f64::MIN_POSITIVE);
+    let shares: Vec<(f64, f64)> =
+        points.map(|(t, m)| ((t - min_t) / span, m / max_m.max(f64::MIN_POSITIVE))).collect();
+    let hidden = |(u0, u1): (f64, f64), (v0, v1): (f64, f64)| {
+        shares.iter().filter(|(u, v)| (u0..=u1).contains(u) && (v0..=v1).contains(v)).count()
+    };
+    match corners.into_iter().find(|(_, u, v)| hidden(*u, *v) == 0) {
+        Some((corner, _, _)) => (corner, max_m),
+        None => {
+            // The highest point a marker's height (about 5 % of the plot) below the box.
+            let highest = shares.iter().map(|p| p.1).fold(0.0, f64::max) * max_m;
+            (SeriesLabelPosition::UpperRight, highest / (1.0 - h - 0.05))
+        }
+    }
+}
+
 /// Peak memory against step time: one point per policy (filled: whole step, hollow: activations),
 /// the planner's `budget=` frontier (predicted), and where they ran, eager PyTorch on the same
 /// policies (squares) and torch.compile's activation memory budgets (triangles, joined), so that
@@ -150,6 +188,8 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
         let max_t = points().map(|p| p.0).fold(0.0, f64::max) * 1.1;
         let min_t = points().map(|p| p.0).fold(f64::MAX, f64::min) * 0.9;
         let max_m = points().map(|p| p.1).fold(0.0, f64::max) * 1.15;
+        let hollow = rows.iter().map(|r| (r.step_ms_median, mib(r.activation_peak_bytes)));
+        let (corner, max_m) = legend_place(points().chain(hollow), (min_t, max_t), max_m);
         let mut chart = ChartBuilder::on(area)
             .caption(format!("{model}: peak memory vs step time"), ("sans-serif", 18))
             .margin(12)
@@ -210,7 +250,7 @@ fn tradeoff<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, m: &Matrix) -> Re
                 .label("torch.compile, memory budgets 1.0-0.1")
                 .legend(move |(x, y)| TriangleMarker::new((x, y), 6, red.filled()));
         }
-        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
+        legend(&mut chart, corner)?;
     }
     Ok(())
 }
@@ -337,4 +377,30 @@ fn depth<DB: DrawingBackend>(
             .map_err(plot_err)?;
     }
     legend(&mut chart, SeriesLabelPosition::UpperLeft)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_legend_goes_where_no_point_is() {
+        let place =
+            |points: &[(f64, f64)]| legend_place(points.iter().copied(), (500.0, 1000.0), 400.0);
+        // Checkpointing's points: less memory for more time, the lower right.
+        assert_eq!(
+            place(&[(900.0, 50.0), (950.0, 80.0), (1000.0, 30.0)]).0,
+            SeriesLabelPosition::UpperRight
+        );
+        // Points in every corner but the upper left.
+        assert_eq!(
+            place(&[(510.0, 10.0), (990.0, 10.0), (990.0, 390.0)]).0,
+            SeriesLabelPosition::UpperLeft
+        );
+        assert_eq!(place(&[]), (SeriesLabelPosition::LowerRight, 400.0));
+        // A point in every corner: the axis rises until the highest point is below the box.
+        let (corner, top) = place(&[(510.0, 10.0), (990.0, 10.0), (990.0, 340.0), (510.0, 340.0)]);
+        assert_eq!(corner, SeriesLabelPosition::UpperRight);
+        assert!(340.0 / top < 1.0 - LEGEND_SHARE.1, "the highest point at 340 of {top}");
+    }
 }
