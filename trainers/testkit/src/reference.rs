@@ -5,9 +5,12 @@
 //!
 //! Errors are measured against the tensor's scale: `max |got - want| / max |want|`. An element's
 //! own relative error means nothing for the many gradient elements near zero, and an absolute
-//! bound would depend on the model's scale. A gradient that is zero in exact arithmetic (BERT's
-//! key bias: softmax ignores a shift shared by all keys) is pure rounding noise on both sides, so
-//! a gradient's scale is never taken below a thousandth of the model's largest gradient.
+//! bound would depend on the model's scale. A gradient's scale is never taken below a thousandth
+//! of the model's largest gradient. A gradient that is zero in exact arithmetic (BERT's key bias:
+//! softmax ignores a shift shared by all keys; the reference's, in f64, is below 1e-9 of the
+//! largest) is rounding noise, ours a sum of f32 products that cancel: its scale is a hundredth
+//! of the largest gradient, so it must stay within 1e-6 of it (about 8 f32 ulp of the largest),
+//! where a wrong gradient would be orders of magnitude above.
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -267,17 +270,19 @@ pub fn check_training_step(
         .iter()
         .map(|t| Ok(max_abs(&t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)))
         .collect::<Result<Vec<f64>>>()?;
-    let floor = 1e-3 * largest.iter().fold(0f64, |m, &x| m.max(x));
+    let model_largest = largest.iter().fold(0f64, |m, &x| m.max(x));
     let mut worst = 0f64;
-    for ((name, var), want) in store.named().zip(&want) {
+    for (((name, var), want), &own_largest) in store.named().zip(&want).zip(&largest) {
         let g =
             out.grads.get(var).with_context(|| format!("{policy}: `{name}` got no gradient"))?;
+        // Zero in exact arithmetic: rounding noise (the module documentation).
+        let noise = own_largest < 1e-9 * model_largest;
         worst = worst.max(check_close_floor(
             &format!("{policy}: gradient of `{name}`"),
             g,
             want,
             GRAD_TOL,
-            floor,
+            if noise { 1e-2 } else { 1e-3 } * model_largest,
         )?);
     }
     let stats = fx.names("after.");

@@ -19,6 +19,9 @@ pub(crate) trait Elem:
     /// `v` as f32 elements, where this type is f32: what the kernels written for f32 alone take.
     fn f32s(v: &[Self]) -> Option<&[f32]>;
 
+    /// `v` as f32 elements to write, where this type is f32.
+    fn f32s_mut(v: &mut [Self]) -> Option<&mut [f32]>;
+
     /// f32 elements as this type's, where it is f32.
     fn from_f32s(v: Vec<f32>) -> Option<Vec<Self>>;
 
@@ -28,6 +31,10 @@ pub(crate) trait Elem:
 
 impl Elem for f32 {
     fn f32s(v: &[f32]) -> Option<&[f32]> {
+        Some(v)
+    }
+
+    fn f32s_mut(v: &mut [f32]) -> Option<&mut [f32]> {
         Some(v)
     }
 
@@ -42,6 +49,10 @@ impl Elem for f32 {
 
 impl Elem for f64 {
     fn f32s(_: &[f64]) -> Option<&[f32]> {
+        None
+    }
+
+    fn f32s_mut(_: &mut [f64]) -> Option<&mut [f32]> {
         None
     }
 

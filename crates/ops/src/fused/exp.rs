@@ -4,9 +4,10 @@
 //! which stays with the scalar `exp` (`Elem::exp_in_place`).
 //!
 //! One formula, Cephes' `expf` (a degree-5 polynomial of the remainder after taking out whole
-//! powers of two, within 2 ulp of the exact value), written with fused multiply-adds only, so
-//! that every path (AVX-512, AVX2 + FMA, or any other processor, where `mul_add` is a library
-//! call) gives the same bits: the same inputs give the same outputs on any machine. Below
+//! powers of two, within 2 ulp of the exact value), written with fused multiply-adds only and
+//! compiled by `vectorised!`, so that every path (AVX-512, AVX2 + FMA, or any other processor,
+//! where `mul_add` is a library call) gives the same bits: the same inputs give the same outputs
+//! on any machine. GELU's f32 formulas (`gelu::vector`) call it too. Below
 //! ln(f32::MIN_POSITIVE) the result is 0 (libm's would be subnormal, under 1.2e-38), so a masked
 //! -inf entry becomes an exact 0; above ln(f32::MAX) it is +inf; NaN stays NaN.
 
@@ -18,9 +19,10 @@ const LN2_LO: f32 = -2.121_944_4e-4;
 const MAX_ARG: f32 = 88.722_84;
 const MIN_ARG: f32 = -87.336_55;
 
-/// exp(x) by the formula above, for one element.
+/// exp(x) by the formula above, for one element: inlined into the loops that call it, which
+/// `vectorised!` compiles for the processor's vectors.
 #[inline(always)]
-fn exp1(x: f32) -> f32 {
+pub(crate) fn exp1(x: f32) -> f32 {
     let c = x.clamp(MIN_ARG, MAX_ARG);
     // x = n ln 2 + r, |r| <= ln 2 / 2.
     let n = c.mul_add(LOG2E, 0.5).floor();
@@ -49,36 +51,9 @@ fn exp1(x: f32) -> f32 {
     }
 }
 
-/// Every element of `xs` replaced by its exp.
-pub(crate) fn exp_in_place(xs: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the processor has AVX-512F, checked above.
-            return unsafe { x86::avx512(xs) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the processor has AVX2 and FMA, checked above.
-            return unsafe { x86::avx2(xs) };
-        }
-    }
-    xs.iter_mut().for_each(|x| *x = exp1(*x));
-}
-
-/// The same loop compiled for wider vectors, where the processor has them (the compiler
-/// vectorises `exp1`, whose every step has a vector instruction).
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::exp1;
-
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn avx512(xs: &mut [f32]) {
-        xs.iter_mut().for_each(|x| *x = exp1(*x));
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn avx2(xs: &mut [f32]) {
+vectorised! {
+    /// Every element of `xs` replaced by its exp.
+    pub(crate) fn exp_in_place(xs: &mut [f32]) {
         xs.iter_mut().for_each(|x| *x = exp1(*x));
     }
 }

@@ -1,5 +1,6 @@
 //! The macros every fused op's code uses: `per_float!` and `per_dtype!` dispatch on the element
-//! type, `custom_op!` implements candle's `CustomOp1/2/3` for a `FusedOp`. Declared first in
+//! type, `custom_op!` implements candle's `CustomOp1/2/3` for a `FusedOp`, `vectorised!` compiles
+//! an elementwise loop for the widest vectors the processor has. Declared first in
 //! `fused/mod.rs` (`#[macro_use]`): a `macro_rules!` is visible only below its definition. Not
 //! here: the trait they implement (`op`), the storage they read (`storage`).
 
@@ -135,5 +136,39 @@ macro_rules! custom_op {
                 }
             }
         };
+    };
+}
+
+/// A function over slices compiled three times, for AVX-512, for AVX2 with FMA and for any
+/// processor, each call running the widest its processor has: the loops of the f32 formulas
+/// (`exp`, GELU's), which the compiler vectorises for the vectors it may use, the formulas'
+/// `#[inline(always)]` steps inlined into each. Every compilation does the same operations, fused
+/// multiply-adds (`mul_add`, a library call in the last) and exact ones only, so all give the same
+/// bits: the same inputs give the same outputs on any machine.
+macro_rules! vectorised {
+    ($(#[$doc:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        $(#[$doc])*
+        $vis fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn avx512($($arg: $ty),*) $body
+
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) $body
+
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the processor has AVX-512F, checked above.
+                    return unsafe { avx512($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the processor has AVX2 and FMA, checked above.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $body
+        }
     };
 }

@@ -20,7 +20,8 @@
 //!   residual branch's last projection and the addition after it, so the product is not kept. [`lora_linear()`]: a frozen linear layer with its
 //!   LoRA adapter as one op, the adapter's product added into the base product's output; keeps
 //!   `x` and the adapter's weights, computes no gradient of the frozen weight.
-//! - [`gelu()`]: tanh or erf GELU ([`GeluForm`]) with a one-pass, multi-threaded backward.
+//! - [`gelu()`]: tanh or erf GELU ([`GeluForm`]) with a one-pass, multi-threaded backward; in f32
+//!   by vectorised formulas.
 //! - [`rms_norm()`]: RMSNorm (Llama's); keeps nothing but its input.
 //! - [`silu_mul()`]: the SiLU-gated product of a gated MLP; keeps its two operands, not the
 //!   activation between them.
@@ -48,8 +49,8 @@
 //! one tile, its sum in one fixed order. The ops that multiply matrices (linear, attention,
 //! conv3d where it is not direct) use gemm, candle's matrix product, called on the operands'
 //! elements in place (`matmul`): the same bits every time, so a recompute under checkpointing is
-//! bit-identical to the forward. `exp` of f32 is ours (`exp`), vectorised, the same bits on every
-//! processor.
+//! bit-identical to the forward. `exp` of f32 is ours (`exp`), and so are GELU's f32 formulas,
+//! vectorised, the same bits on every processor.
 //!
 //! f32 and f64 tensors on the CPU take the fused path, and so do bf16 and f16 ones: their kernels
 //! read the half-precision operands widened to f32 (a transient copy per op), compute in f32 and
