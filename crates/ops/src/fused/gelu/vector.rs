@@ -71,6 +71,12 @@ fn sigmoids(x: f32) -> (f32, f32) {
     (s, if e <= 1.0 { e * s } else { 1.0 - s })
 }
 
+/// gelu'(x) of the exact form: cdf(x) + x pdf(x); where x^2 overflows, pdf is 0 and so is x pdf.
+#[inline(always)]
+fn erf_slope(x: f32) -> f32 {
+    x.mul_add(exp1(-0.5 * (x * x)) * FRAC_1_SQRT_2PI, cdf(x))
+}
+
 /// gelu'(x) of the tanh form: s + 2 x s (1 - s) u'(x), s = sigmoid(2u).
 #[inline(always)]
 fn tanh_slope(x: f32) -> f32 {
@@ -97,11 +103,7 @@ vectorised! {
     pub(super) fn gelu_backward(form: GeluForm, x: &[f32], g: &[f32], y: &mut [f32]) {
         let xg = x.iter().zip(g);
         match form {
-            GeluForm::Erf => y.iter_mut().zip(xg).for_each(|(y, (&x, &g))| {
-                // cdf(x) + x pdf(x); where x^2 overflows, pdf is 0 and so is x pdf.
-                let pdf = exp1(-0.5 * (x * x)) * FRAC_1_SQRT_2PI;
-                *y = g * x.mul_add(pdf, cdf(x));
-            }),
+            GeluForm::Erf => y.iter_mut().zip(xg).for_each(|(y, (&x, &g))| *y = g * erf_slope(x)),
             GeluForm::Tanh => {
                 y.iter_mut().zip(xg).for_each(|(y, (&x, &g))| *y = g * tanh_slope(x))
             }
@@ -111,25 +113,8 @@ vectorised! {
 
 #[cfg(test)]
 mod tests {
+    use super::super::GeluOp;
     use super::*;
-    use candle_core::cpu::erf::erf_f64;
-
-    /// (gelu(x), gelu'(x)) in f64.
-    fn exact(form: GeluForm, x: f64) -> (f64, f64) {
-        match form {
-            GeluForm::Erf => {
-                let cdf = 0.5 * (1.0 + erf_f64(x / std::f64::consts::SQRT_2));
-                let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
-                (x * cdf, cdf + x * pdf)
-            }
-            GeluForm::Tanh => {
-                let c = (2.0 / std::f64::consts::PI).sqrt();
-                let t = (c * (x + 0.044715 * x * x * x)).tanh();
-                let du = c * (1.0 + 3.0 * 0.044715 * x * x);
-                (0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
-            }
-        }
-    }
 
     fn both(form: GeluForm, xs: &[f32]) -> (Vec<f32>, Vec<f32>) {
         let (mut y, mut dy) = (vec![0.0; xs.len()], vec![0.0; xs.len()]);
@@ -147,7 +132,8 @@ mod tests {
         for form in [GeluForm::Erf, GeluForm::Tanh] {
             let (y, dy) = both(form, &xs);
             for ((&x, &y), &dy) in xs.iter().zip(&y).zip(&dy) {
-                let (value, slope) = exact(form, x as f64);
+                // The f64 kernel's formulas.
+                let (value, slope) = GeluOp { form }.eval(x as f64);
                 for (what, got, want) in [("gelu", y, value), ("gelu'", dy, slope)] {
                     let ulp = ((want as f32).abs().next_up() - (want as f32).abs()) as f64;
                     let ulps = if form == GeluForm::Erf { 2.0 } else { 3.0 };
@@ -188,10 +174,7 @@ mod tests {
                 GeluForm::Tanh => xs.iter().map(|&x| x * sigmoids(x).0).collect(),
             };
             let scalar_dy: Vec<f32> = match form {
-                GeluForm::Erf => xs
-                    .iter()
-                    .map(|&x| x.mul_add(exp1(-0.5 * (x * x)) * FRAC_1_SQRT_2PI, cdf(x)))
-                    .collect(),
+                GeluForm::Erf => xs.iter().map(|&x| erf_slope(x)).collect(),
                 GeluForm::Tanh => xs.iter().map(|&x| tanh_slope(x)).collect(),
             };
             assert_eq!(bits(&y), bits(&scalar), "{form:?}: gelu");
