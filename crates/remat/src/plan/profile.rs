@@ -407,7 +407,9 @@ fn measure_graph(
 /// a workspace it keeps (per thread, by the size it meets), and the process's first parallel call
 /// starts its thread pool, neither the stage's to keep. So no pass needs to run before a
 /// measurement: a pass thrown away first left every prediction of remat's schedule test
-/// unchanged to the byte.
+/// unchanged to the byte. Twice is not enough for a workspace each pool thread makes on its first
+/// product (gemm's packing buffer): both runs may put the product on a thread new to it, so the
+/// callers make those first (`ops::allocate_matmul_workspaces`).
 fn measure_twice(
     meter: &Meter,
     node: &crate::graph::Node,
