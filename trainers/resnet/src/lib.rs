@@ -175,6 +175,11 @@ impl Conv {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         ops::conv2d(x, &self.weight, self.padding, self.stride)
     }
+
+    /// Of `relu(bn(x))`, which nothing else reads: kept as x alone (`ops`' one op).
+    fn forward_normalised(&self, x: &Tensor, bn: &BatchNorm, ctx: &StageCtx) -> Result<Tensor> {
+        bn.forward_relu_conv2d(x, &self.weight, self.padding, self.stride, ctx)
+    }
 }
 
 /// conv 7x7/2 + BN + ReLU. (B, 3, H, W) -> (B, width, H/2, W/2)
@@ -272,17 +277,19 @@ impl Stage for Block {
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
         let x = &inputs[0]; // (B, C_in, H, W)
-        let (last, inner) = self.convs.split_last().expect("a block has convolutions");
-        let mut h = x.clone();
-        for (conv, bn) in inner {
-            h = bn.forward_relu(&conv.forward(&h)?, ctx)?;
+        let (first, rest) = self.convs.split_first().expect("a block has convolutions");
+        // Each convolution's output before its BatchNorm: the next convolution reads the
+        // BatchNorm + ReLU of it in one op, which keeps only it.
+        let (mut h, mut bn) = (first.0.forward(x)?, &first.1);
+        for (conv, next_bn) in rest {
+            h = conv.forward_normalised(&h, bn, ctx)?;
+            bn = next_bn;
         }
         // The last BatchNorm takes the identity (or the projection, normalised in the same op)
         // and the ReLU after the add.
-        let h = last.0.forward(&h)?;
         Ok(vec![match &self.downsample {
-            Some((conv, bn)) => last.1.forward_pair_relu(&h, bn, &conv.forward(x)?, ctx)?,
-            None => last.1.forward_add_relu(&h, x, ctx)?,
+            Some((conv, other)) => bn.forward_pair_relu(&h, other, &conv.forward(x)?, ctx)?,
+            None => bn.forward_add_relu(&h, x, ctx)?,
         }])
         // (B, C_out, H / stride, W / stride)
     }

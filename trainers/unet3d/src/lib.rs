@@ -129,16 +129,32 @@ impl ConvNormRelu {
         Ok(ConvNormRelu { weight, norm })
     }
 
-    /// On x, or with a skip tensor on the concatenation (skip, x): PyTorch's `cat([skip, x], 1)`,
-    /// never made.
-    fn forward(&self, x: &Tensor, skip: Option<&Tensor>, ctx: &StageCtx) -> Result<Tensor> {
-        let y = match skip {
-            Some(skip) => conv3d_concat(skip, x, &self.weight, Conv3dGeometry::same(3))?,
-            None => conv3d(x, &self.weight, Conv3dGeometry::same(3))?,
-        };
+    /// The convolution alone, on x or with a skip tensor on the concatenation (skip, x):
+    /// PyTorch's `cat([skip, x], 1)`, never made.
+    fn convolve(&self, x: &Tensor, skip: Option<&Tensor>) -> Result<Tensor> {
+        match skip {
+            Some(skip) => conv3d_concat(skip, x, &self.weight, Conv3dGeometry::same(3)),
+            None => conv3d(x, &self.weight, Conv3dGeometry::same(3)),
+        }
+    }
+
+    /// The norm and ReLU of the convolution's output y.
+    fn normalised(&self, y: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
         match &self.norm {
-            NormLayer::Batch(bn) => bn.forward_relu(&y, ctx),
-            NormLayer::Group(gn) => gn.forward(&y)?.relu(),
+            NormLayer::Batch(bn) => bn.forward_relu(y, ctx),
+            NormLayer::Group(gn) => gn.forward(y)?.relu(),
+        }
+    }
+
+    /// `next`'s convolution of the norm and ReLU of y, this one's convolution output. After a
+    /// BatchNorm one op, which keeps y alone: the ReLU's output, which nothing else reads, never
+    /// is.
+    fn then_convolved(&self, y: &Tensor, next: &ConvNormRelu, ctx: &StageCtx) -> Result<Tensor> {
+        match &self.norm {
+            NormLayer::Batch(bn) => {
+                bn.forward_relu_conv3d(y, &next.weight, Conv3dGeometry::same(3), ctx)
+            }
+            NormLayer::Group(_) => next.convolve(&self.normalised(y, ctx)?, None),
         }
     }
 }
@@ -195,17 +211,16 @@ impl Stage for Level {
         self.kind
     }
     fn forward(&self, inputs: &[Tensor], ctx: &StageCtx) -> Result<Vec<Tensor>> {
-        let h = match &self.up {
+        let [first, second] = &self.convs;
+        let y = match &self.up {
             // (N, C, D, H, W) -> (N, C, 2D, 2H, 2W), convolved beside the skip (N, C_s, 2D, 2H,
             // 2W).
-            Some((w, b)) => self.convs[0].forward(
-                &conv_transpose3d_k2s2(&inputs[0], w, b)?,
-                Some(&inputs[1]),
-                ctx,
-            )?,
-            None => self.convs[0].forward(&inputs[0], None, ctx)?,
+            Some((w, b)) => {
+                first.convolve(&conv_transpose3d_k2s2(&inputs[0], w, b)?, Some(&inputs[1]))?
+            }
+            None => first.convolve(&inputs[0], None)?,
         };
-        Ok(vec![self.convs[1].forward(&h, None, ctx)?])
+        Ok(vec![second.normalised(&first.then_convolved(&y, second, ctx)?, ctx)?])
     }
 }
 

@@ -40,7 +40,9 @@
 //!   `conv3d::direct` module) for the forward and both gradients of every kernel but 1x1x1; a
 //!   1x1x1 kernel, f64, or another processor, a matrix product per block of an operand matrix
 //!   built in blocks (vol2col), built again in backward. Keeps its input and output only. Through
-//!   `conv3d_concat`, of two tensors' channels side by side, never concatenated.
+//!   `conv3d_concat`, of two tensors' channels side by side, never concatenated. Through
+//!   `BatchNorm::forward_relu_conv3d` (and its 2D form), of a BatchNorm + ReLU's output in f32 or
+//!   f64: one op that keeps the BatchNorm's input only and normalises it again in backward.
 //! - The `composed` module: the same convolutions composed from candle ops, for any device.
 //!
 //! Every kernel of ours works row by row (or channel by channel), each sequentially on one thread,
@@ -114,7 +116,9 @@ pub(crate) use composed::{conv3d_composed, conv_transpose3d_k2s2_composed};
 #[cfg(test)] // the convolution layers' tests force small blocks through it
 pub(crate) use conv3d::conv3d_blocked;
 pub use conv3d::Conv3dGeometry;
-pub(crate) use conv3d::{conv3d, conv3d_concat, conv3d_concat_generic, conv3d_generic};
+pub(crate) use conv3d::{
+    conv3d, conv3d_concat, conv3d_concat_generic, conv3d_generic, normalised_conv3d,
+};
 pub(crate) use conv_transpose3d::{conv_transpose3d_k2s2, conv_transpose3d_k2s2_generic};
 pub use cross_entropy::{cross_entropy, IGNORE};
 pub use dropout::dropout;

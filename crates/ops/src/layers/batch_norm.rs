@@ -1,11 +1,14 @@
 //! The BatchNorm layer a model calls: its parameters and running statistics, the batch's
 //! statistics in training (not updating the running ones while a stage is recomputed), the
 //! running ones in evaluation; fused with the residual and ReLU that follow it where the kernel
-//! runs. Not here: the kernel and its device-generic route (`fused::batch_norm`).
+//! runs, or with the ReLU and the convolution that reads its output. Not here: the kernels and
+//! the device-generic route (`fused::batch_norm`, `fused::conv3d`).
 
-use crate::fused::Activation;
+use crate::fused::{Activation, Conv3dGeometry};
+use crate::recorded::{recorded, ConvKind};
 use candle_core::{DType, Result, Tensor, Var};
 use params::{Init, ParamStore};
+use remat::keep::OpKind;
 use remat::StageCtx;
 
 /// Batch normalisation over (N, C, *spatial) input of any rank (2D and 3D convolutions alike),
@@ -85,6 +88,77 @@ impl BatchNorm {
         if !ctx.is_recompute() {
             self.update_running(&mean, &var, Self::per_channel(x)?)?;
             other.update_running(&mean_o, &var_o, Self::per_channel(x_other)?)?;
+        }
+        Ok(y)
+    }
+
+    /// `conv3d(relu(bn(x)), w, g)`, for a BatchNorm + ReLU whose output only that convolution
+    /// reads (inside a ResNet bottleneck, between a U-Net level's convolutions). In training, on
+    /// the CPU kernels in f32 or f64, one op: it keeps x, which the BatchNorm keeps anyway, and
+    /// never relu(bn(x)), which its backward makes again (one elementwise pass); the same bits
+    /// as the two ops. Elsewhere the two ops (half precision rounds relu(bn(x)) between them).
+    pub fn forward_relu_conv3d(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        g: Conv3dGeometry,
+        ctx: &StageCtx,
+    ) -> Result<Tensor> {
+        if !self.one_op(x, ctx) {
+            return crate::conv3d(&self.forward_relu(x, ctx)?, w, g);
+        }
+        // Recorded as the convolution it is: relu(bn(x)) has x's shape.
+        recorded(ConvKind::Conv3d, &[x, w], g, || self.normalised_conv3d(x, w, g, ctx))
+    }
+
+    /// [`BatchNorm::forward_relu_conv3d`] of x (N, C, H, W) with w (O, C, kh, kw), one stride and
+    /// padding for both sides (as `conv2d`): `conv2d(relu(bn(x)), w, padding, stride)`.
+    pub fn forward_relu_conv2d(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        padding: usize,
+        stride: usize,
+        ctx: &StageCtx,
+    ) -> Result<Tensor> {
+        if !self.one_op(x, ctx) {
+            return crate::conv2d(&self.forward_relu(x, ctx)?, w, padding, stride);
+        }
+        let g = Conv3dGeometry { stride_d: 1, stride_hw: stride, pad_d: 0, pad_hw: padding };
+        recorded(ConvKind::Conv2d, &[x, w], g, || {
+            // At depth 1: the statistics are over the same elements of each channel.
+            self.normalised_conv3d(&x.unsqueeze(2)?, &w.unsqueeze(2)?, g, ctx)?.squeeze(2)
+        }) // (N, O, H', W')
+    }
+
+    /// Whether [`BatchNorm::forward_relu_conv3d`] runs as one op.
+    fn one_op(&self, x: &Tensor, ctx: &StageCtx) -> bool {
+        ctx.is_training() && crate::fused::fused(x) && matches!(x.dtype(), DType::F32 | DType::F64)
+    }
+
+    /// The one op of [`BatchNorm::forward_relu_conv3d`], and the running statistics' update.
+    fn normalised_conv3d(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        g: Conv3dGeometry,
+        ctx: &StageCtx,
+    ) -> Result<Tensor> {
+        let mut stats = None;
+        let y = remat::keep::op(OpKind::Conv, |kept| {
+            let (y, s) = crate::fused::normalised_conv3d(
+                (x, &self.weight, &self.bias),
+                self.eps,
+                w,
+                g,
+                kept,
+            )?;
+            stats = Some(s);
+            Ok(y)
+        })?;
+        let (mean, var) = stats.expect("the op ran");
+        if !ctx.is_recompute() {
+            self.update_running(&mean, &var, Self::per_channel(x)?)?;
         }
         Ok(y)
     }

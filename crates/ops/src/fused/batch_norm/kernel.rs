@@ -78,7 +78,7 @@ impl<const K: usize> Lanes<K> {
 }
 
 #[derive(Clone)]
-pub(super) struct BatchNormOp {
+pub(crate) struct BatchNormOp {
     mean: Vec<f64>,
     rstd: Vec<f64>,
     activation: Activation,
@@ -89,7 +89,7 @@ pub(super) struct BatchNormOp {
 impl BatchNormOp {
     /// The op for the contiguous x (N, C, *spatial) with its batch statistics, and those as the
     /// per-channel mean and biased variance tensors (C) (for the running statistics).
-    pub(super) fn of(
+    pub(crate) fn of(
         x: &Tensor,
         eps: f64,
         activation: Activation,
@@ -106,7 +106,7 @@ impl BatchNormOp {
     }
 
     /// `wb` is (2, C): weight then bias.
-    fn forward<T: Elem>(&self, x: &[T], wb: &[T], residual: Option<&[T]>) -> Vec<T> {
+    pub(crate) fn forward<T: Elem>(&self, x: &[T], wb: &[T], residual: Option<&[T]>) -> Vec<T> {
         let (w, b) = wb.split_at(self.channels);
         let relu = self.activation == Activation::Relu;
         // SAFETY: every element is written below.
@@ -133,7 +133,7 @@ impl BatchNormOp {
     /// With g' = g (masked by y > 0 after a ReLU) and x_hat the normalised input, per channel:
     /// db = sum g', dw = sum g' x_hat, dx = w rstd / M (M g' - db - x_hat dw); the residual's
     /// gradient is g'. Returns dx, d(weight, bias) as (2, C), and g' (None without a residual).
-    fn backward<T: Elem>(
+    pub(crate) fn backward<T: Elem>(
         &self,
         x: &[T],
         y: &[T],

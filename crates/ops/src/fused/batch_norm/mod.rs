@@ -12,7 +12,8 @@ use crate::fused::dtype::operand;
 use crate::fused::route::generic;
 use candle_core::{Result, Tensor};
 use generic::{batch_norm_generic, batch_norm_pair_generic};
-use kernel::{BatchNormOp, BatchNormPairOp};
+pub(crate) use kernel::BatchNormOp;
+use kernel::BatchNormPairOp;
 
 /// BatchNorm of x (N, C, *spatial) with the batch's statistics, as PyTorch's training mode:
 /// `(x - mean_c) / sqrt(var_c + eps) * weight_c + bias_c` with the biased variance, then

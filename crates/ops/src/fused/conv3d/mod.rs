@@ -24,6 +24,7 @@ mod generic;
 mod input;
 mod k2s2_gradients;
 mod layout;
+mod normalised;
 mod op;
 mod operand_matrix;
 mod pointwise;
@@ -31,6 +32,7 @@ mod shape;
 
 pub(crate) use generic::{conv3d_concat_generic, conv3d_generic};
 pub(crate) use k2s2_gradients::{k2s2_gradients_directly, Gradients};
+pub(crate) use normalised::normalised_conv3d;
 pub use shape::Conv3dGeometry;
 
 use crate::fused::dtype::operand;

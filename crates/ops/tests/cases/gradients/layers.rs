@@ -155,19 +155,91 @@ fn batch_norm_pair_relu() -> Result<()> {
     assert!(pre.iter().all(|v| v.abs() > 1e-4), "an input sits on the ReLU's kink");
     let pair = || bn.forward_pair_relu(x.as_tensor(), &other, x2.as_tensor(), &ctx);
     check_gradients("fused BatchNorm pair + ReLU", &vars, pair)?;
-    let bits = |f: &dyn Fn() -> Result<Tensor>| -> Result<Vec<Vec<f64>>> {
-        let y = f()?;
-        let grads = weighted_sum(&|| Ok(y.clone()))?.backward()?;
-        let mut out = vec![y.flatten_all()?.to_vec1::<f64>()?];
-        for (_, v) in &vars {
-            out.push(
-                grads.get(v.as_tensor()).expect("a gradient").flatten_all()?.to_vec1::<f64>()?,
-            );
-        }
-        Ok(out)
-    };
-    assert_eq!(bits(&pair)?, bits(&composed)?, "the pair op and its composition differ");
+    assert_eq!(
+        bits(&vars, &pair)?,
+        bits(&vars, &composed)?,
+        "the pair op and its composition differ"
+    );
     Ok(())
+}
+
+/// A convolution of a BatchNorm + ReLU's output as one op (inside a ResNet bottleneck): input,
+/// both BatchNorm parameters and the convolution's weight, against finite differences, for a 3x3
+/// kernel, a strided one and a 1x1; and the same bits, forward and backward, in f64 and f32, as
+/// the two ops; the running statistics updated as the two ops update them. (On the generic
+/// route the layer composes the two ops: the same checks hold trivially.)
+#[test]
+fn batch_norm_relu_conv() -> Result<()> {
+    crate::route();
+    for (k, stride) in [(3, 1), (3, 2), (1, 1)] {
+        let mut params = ParamStore::new(&Device::Cpu, DType::F64, 0);
+        let bn = BatchNorm::new(&mut params, "bn", 3)?;
+        let named = randomised(&params)?;
+        let (x, w) =
+            (normal("x", &[2, 3, 6, 4], -1.0, 3.0)?, normal("w", &[4, 3, k, k], 0.0, 1.0)?);
+        let mut vars = refs(&named);
+        vars.extend([("x", &x), ("w", &w)]);
+        let ctx =
+            StageCtx::new(remat::RunPoint { recompute: true, train: true, ..Default::default() });
+        let pre = bn.forward(x.as_tensor(), &ctx)?.flatten_all()?.to_vec1::<f64>()?;
+        assert!(pre.iter().all(|v| v.abs() > 1e-4), "an input sits on the ReLU's kink");
+        let (pad, what) = (k / 2, format!("BatchNorm + ReLU + {k}x{k}/{stride} conv"));
+        let one_op = || bn.forward_relu_conv2d(x.as_tensor(), w.as_tensor(), pad, stride, &ctx);
+        check_gradients(&what, &vars, one_op)?;
+        let two_ops = || {
+            let y = bn.forward_relu(x.as_tensor(), &ctx)?;
+            ops::conv2d(&y, w.as_tensor(), pad, stride)
+        };
+        assert_eq!(bits(&vars, &one_op)?, bits(&vars, &two_ops)?, "{what}: f64");
+        // In f32, the direct kernels' precision: the same bits too.
+        let f32_var =
+            |v: &candle_core::Var| candle_core::Var::from_tensor(&v.to_dtype(DType::F32)?);
+        let (x, w) = (f32_var(&x)?, f32_var(&w)?);
+        let mut params = ParamStore::new(&Device::Cpu, DType::F32, 0);
+        let bn = BatchNorm::new(&mut params, "bn", 3)?;
+        let named = randomised(&params)?;
+        let mut vars = refs(&named);
+        vars.extend([("x", &x), ("w", &w)]);
+        let one_op = || bn.forward_relu_conv2d(x.as_tensor(), w.as_tensor(), pad, stride, &ctx);
+        let two_ops =
+            || ops::conv2d(&bn.forward_relu(x.as_tensor(), &ctx)?, w.as_tensor(), pad, stride);
+        assert_eq!(bits(&vars, &one_op)?, bits(&vars, &two_ops)?, "{what}: f32");
+    }
+    // Outside a recompute both update the running statistics, alike.
+    let train = StageCtx::new(remat::RunPoint { train: true, ..Default::default() });
+    let stats = |one_op: bool| -> Result<Vec<Vec<f32>>> {
+        let mut params = ParamStore::new(&Device::Cpu, DType::F64, 0);
+        let bn = BatchNorm::new(&mut params, "bn", 3)?;
+        let (x, w) =
+            (normal("x", &[2, 3, 5, 4], -1.0, 3.0)?, normal("w", &[4, 3, 1, 1], 0.0, 1.0)?);
+        match one_op {
+            true => bn.forward_relu_conv2d(x.as_tensor(), w.as_tensor(), 0, 1, &train)?,
+            false => ops::conv2d(&bn.forward_relu(x.as_tensor(), &train)?, w.as_tensor(), 0, 1)?,
+        };
+        let (mean, var) = bn.running_stats();
+        Ok(vec![mean.to_vec1::<f32>()?, var.to_vec1::<f32>()?])
+    };
+    let (once, twice) = (stats(true)?, stats(false)?);
+    assert_ne!(once[0], vec![0.0; 3], "the running mean was not updated");
+    assert_eq!(once, twice, "the running statistics differ");
+    Ok(())
+}
+
+/// The output of `f` and the gradients of a weighted sum of it for each of `vars`, as f64 bits.
+fn bits(
+    vars: &[(&str, &candle_core::Var)],
+    f: &dyn Fn() -> Result<Tensor>,
+) -> Result<Vec<Vec<f64>>> {
+    let y = f()?;
+    let grads = weighted_sum(&|| y.to_dtype(DType::F64))?.backward()?;
+    let mut out = vec![y.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?];
+    for (name, v) in vars {
+        let g = grads
+            .get(v.as_tensor())
+            .ok_or_else(|| candle_core::Error::Msg(format!("no gradient of {name}")))?;
+        out.push(g.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+    }
+    Ok(out)
 }
 
 #[test]

@@ -91,7 +91,7 @@ fn randomised(params: &ParamStore) -> Result<Vec<(String, Var)>> {
         params.named().map(|(n, v)| (n.to_string(), v.clone())).collect();
     for (name, var) in &named {
         let mean = if name.ends_with("weight") { 1.0 } else { 0.0 };
-        var.set(normal(name, var.dims(), mean, 0.5)?.as_tensor())?;
+        var.set(&normal(name, var.dims(), mean, 0.5)?.as_tensor().to_dtype(var.dtype())?)?;
     }
     Ok(named)
 }
