@@ -213,11 +213,79 @@ fn lora_linear_on_the_generic_route() -> Result<()> {
     let key = remat::rng::RngKey::named(3, "lora");
     let op = move |t: &[Tensor]| {
         let (base, adapter) = ((w.as_tensor(), Some(bias.as_tensor())), (&t[1], &t[2], 1.5));
-        ops::fused::lora_linear(&t[0], base, WeightLayout::OutIn, adapter, Some((key, 0.1)))
+        let input = ops::fused::LinearInput::AsIs;
+        ops::fused::lora_linear(&t[0], input, base, WeightLayout::OutIn, adapter, Some((key, 0.1)))
     };
     let inputs =
         [var(&[4, 16, 32], DType::F32)?, var(&[8, 32], DType::F32)?, var(&[48, 8], DType::F32)?];
     check("lora_linear", &op, &inputs, 1e-5)?;
+    Ok(())
+}
+
+/// A linear layer of a GELU's output as one op, plain and under a LoRA adapter: the same values,
+/// gradients and kept bytes on both routes, and less kept than the GELU and the layer apart (the
+/// control, which keeps the GELU's output too).
+#[test]
+fn gelu_linear_on_the_generic_route() -> Result<()> {
+    let _turn = turn();
+    let form = GeluForm::Erf;
+    let op = move |t: &[Tensor]| {
+        ops::fused::gelu_linear(&t[0], form, &t[1], Some(&t[2]), WeightLayout::OutIn)
+    };
+    let inputs =
+        [var(&[4, 16, 32], DType::F32)?, var(&[48, 32], DType::F32)?, var(&[48], DType::F32)?];
+    let kernel = check("gelu_linear", &op, &inputs, 1e-5)?;
+    let apart = move |t: &[Tensor]| {
+        ops::fused::linear(&ops::fused::gelu(&t[0], form)?, &t[1], Some(&t[2]), WeightLayout::OutIn)
+    };
+    let in_graph = kept_bytes(&apart, &inputs, Some(Path::Kernel))?;
+    eprintln!("gelu, then linear: kept {in_graph} B, as one op {kernel} B");
+    // The GELU's output is 8 KiB (4 x 16 x 32 floats); half of it clears the pool's noise.
+    assert!(
+        in_graph > kernel + 4 * 16 * 32 * 4 / 2,
+        "the control keeps {in_graph} B, gelu_linear {kernel} B"
+    );
+    let (w, bias) = (var(&[48, 32], DType::F32)?, var(&[48], DType::F32)?);
+    let key = remat::rng::RngKey::named(3, "lora");
+    let lora = move |t: &[Tensor]| {
+        let (base, adapter) = ((w.as_tensor(), Some(bias.as_tensor())), (&t[1], &t[2], 1.5));
+        let input = ops::fused::LinearInput::Gelu(GeluForm::Tanh);
+        ops::fused::lora_linear(&t[0], input, base, WeightLayout::OutIn, adapter, Some((key, 0.1)))
+    };
+    let inputs =
+        [var(&[4, 16, 32], DType::F32)?, var(&[8, 32], DType::F32)?, var(&[48, 8], DType::F32)?];
+    check("lora_linear of a GELU", &lora, &inputs, 1e-5)?;
+    Ok(())
+}
+
+/// A convolution of a BatchNorm + ReLU's output as one op (a ResNet bottleneck's, in 3D as the
+/// U-Net's): the same values, gradients and kept bytes on both routes, and less kept than the
+/// BatchNorm + ReLU and the convolution apart (the control, which keeps the ReLU's output too).
+#[test]
+fn batch_norm_relu_conv3d_on_the_generic_route() -> Result<()> {
+    let _turn = turn();
+    let g = ops::Conv3dGeometry::same(3);
+    let op = move |t: &[Tensor]| {
+        Ok(ops::fused::batch_norm_relu_conv3d((&t[0], &t[1], &t[2]), 1e-5, &t[3], g)?.0)
+    };
+    let inputs = [
+        var(&[2, 4, 8, 8, 8], DType::F32)?,
+        var(&[4], DType::F32)?,
+        var(&[4], DType::F32)?,
+        var(&[6, 4, 3, 3, 3], DType::F32)?,
+    ];
+    let kernel = check("batch_norm_relu_conv3d", &op, &inputs, 1e-5)?;
+    let apart = move |t: &[Tensor]| {
+        let y = ops::fused::batch_norm_train(&t[0], &t[1], &t[2], None, 1e-5, Activation::Relu)?.0;
+        ops::conv3d(&y, &t[3], g)
+    };
+    let in_graph = kept_bytes(&apart, &inputs, Some(Path::Kernel))?;
+    eprintln!("batch_norm + relu, then conv3d: kept {in_graph} B, as one op {kernel} B");
+    // The ReLU's output is 16 KiB (2 x 4 x 8^3 floats); half of it clears the pool's noise.
+    assert!(
+        in_graph > kernel + 2 * 4 * 512 * 4 / 2,
+        "the control keeps {in_graph} B, batch_norm_relu_conv3d {kernel} B"
+    );
     Ok(())
 }
 

@@ -338,9 +338,11 @@ impl Stage for Layer {
             ctx,
         )?;
         let h = self.attn_ln.forward(&(a + x)?)?;
-        // (B, T, 4C) -> (B, T, C)
-        let f = self.output.forward(
-            &fused::gelu(&self.intermediate.forward(&h, ctx)?, fused::GeluForm::Erf)?,
+        // (B, T, 4C) -> (B, T, C); the GELU inside the output layer's op, so that only its input
+        // is kept
+        let f = self.output.forward_gelu(
+            &self.intermediate.forward(&h, ctx)?,
+            fused::GeluForm::Erf,
             ctx,
         )?;
         let f = dropout(&f, self.hidden_pdrop, ctx)?;

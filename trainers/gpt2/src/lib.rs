@@ -308,8 +308,8 @@ impl Block {
     }
 
     fn mlp(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
-        self.mlp_proj
-            .forward(&fused::gelu(&self.c_fc.forward(x, ctx)?, fused::GeluForm::Tanh)?, ctx)
+        // The GELU inside the projection's op, so that only its input is kept.
+        self.mlp_proj.forward_gelu(&self.c_fc.forward(x, ctx)?, fused::GeluForm::Tanh, ctx)
         // (B, T, 4C) -> (B, T, C)
     }
 }

@@ -47,12 +47,12 @@ fn sqrt_halves_the_step_peak_and_activation_peaks_match_the_shapes() {
     );
 }
 
-/// The end of `off`'s forward from the shapes (derived below): 27 BTC per block, 3 for the
+/// The end of `off`'s forward from the shapes (derived below): 23 BTC per block, 3 for the
 /// embedding, the final LayerNorm's 1 and the logits (B, T, V).
 fn off_forward_end() -> u64 {
     let btc = (BATCH * SEQ * 64 * 4) as u64;
     let logits = (BATCH * SEQ * Config::tiny(LAYERS, 64).vocab_size * 4) as u64;
-    (27 * LAYERS as u64 + 3 + 1) * btc + logits
+    (23 * LAYERS as u64 + 3 + 1) * btc + logits
 }
 
 // The end of forward, from the shapes (checked within 5 %); the activation peaks, measured and
@@ -62,12 +62,14 @@ fn off_forward_end() -> u64 {
 // LayerNorms 1 BTC each; c_attn 3 (one fused linear: the product before the bias is no node); q, k,
 // v 6 (each a copy out of the packed projection, then a contiguous copy of its transpose); the
 // fused attention's output 1 (scores and probabilities are rebuilt in backward: no (T, T) map is
-// kept) and the merge-heads copy 1; the two projections 1 + 1; c_fc 4 and GELU 4; two residual
-// dropouts 1 + 1 (no mask kept); two residual adds 2: 27 BTC = 1.77 MB per block (1.78 MB measured
-// with the row statistics). `off`: 24 blocks + embedding (3 BTC) + head (LayerNorm, logits: 0.33
-// MB; the fused cross-entropy keeps nothing) = 43 MB at the end of forward; candle's backward then
-// adds the gradients in flight (measured, not derived; the fused GELU's backward is one pass): 45
-// MB. `sqrt`: segments of 5 blocks; a recomputed segment holds 5 x 1.78 = 9 MB plus the stored
-// boundaries and the incoming gradient, and its backward's gradients: 11 MB.
-const OFF_ACTIVATION: u64 = 44_912_484;
-const SQRT_ACTIVATION: u64 = 10_957_493;
+// kept) and the merge-heads copy 1; the two projections 1 + 1; c_fc 4 (the GELU runs inside the
+// MLP's projection's op, which keeps only its input: the GELU's 4 more were kept while it was an op
+// of its own); two residual dropouts 1 + 1 (no mask kept); two residual adds 2: 23 BTC = 1.51 MB
+// per block. `off`: 24 blocks + embedding (3 BTC) + head (LayerNorm, logits: 0.33 MB; the fused
+// cross-entropy keeps nothing) = 37 MB at the end of forward; candle's backward then adds the
+// gradients in flight (measured, not derived; the GELU's backward is one pass): 38 MB (45 MB while
+// the GELU's output was kept). `sqrt`: segments of 5 blocks; a recomputed segment holds 5 x 1.51 =
+// 7.5 MB plus the stored boundaries and the incoming gradient, and its backward's gradients: 9.6
+// MB (11 MB).
+const OFF_ACTIVATION: u64 = 38_277_992;
+const SQRT_ACTIVATION: u64 = 9_570_560;

@@ -1,10 +1,12 @@
 //! Linear: `x @ w + b` as one op, so the product before the bias is not kept; keeps its inputs.
-//! And a frozen linear layer with its LoRA adapter beside it as one op ([`lora_linear`]). Not
-//! here: the layer that holds the parameters (the crate's `Linear`).
+//! Of a GELU's output ([`gelu_linear`], [`LinearInput`]), keeping the GELU's input instead. And a
+//! frozen linear layer with its LoRA adapter beside it as one op ([`lora_linear`]). Not here: the
+//! layer that holds the parameters (the crate's `Linear`).
 
 use crate::fused::dropout::DropoutOp;
 use crate::fused::dtype::{is_half, operand, widened, widened_as};
 use crate::fused::elem::{elem, Elem};
+use crate::fused::gelu::{composed_backward, composed_forward, gelu, GeluForm, GeluOp};
 use crate::fused::generic::GenericOp;
 use crate::fused::matmul::{mat, matmul, matmul_new, Dest, Mat};
 use crate::fused::op::{FusedOp, Operand};
@@ -27,15 +29,92 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, layout: WeightLayout) 
     }
     remat::keep::op(OpKind::Matmul, |kept| {
         if generic(x) {
-            return linear_generic(x, w, b.map_or(Third::None, Third::Bias), layout, kept);
+            let third = b.map_or(Third::None, Third::Bias);
+            return linear_generic(x, LinearInput::AsIs, w, third, layout, kept);
         }
-        let (x, w) = (x.contiguous()?, operand(w, x)?);
-        let op = LinearOp { layout };
-        match b {
-            Some(b) => apply3(&x, &w, &operand(b, &x)?, op, kept),
-            None => apply2(&x, &w, op, kept),
-        }
+        linear_kernel(x, LinearInput::AsIs, (w, b), layout, kept)
     })
+}
+
+/// `linear(gelu(x, form), w, b, layout)`: an MLP's second projection and the activation before
+/// it. On the CPU kernels one op that keeps x and never gelu(x), which its backward makes again
+/// (one elementwise pass), as compiled PyTorch does (eager PyTorch keeps both); in f32 and f64 the
+/// same bits as the two ops (in half precision gelu(x) is not rounded to it between them). On the
+/// generic route the same composed in one op, keeping x; elsewhere the two ops.
+pub fn gelu_linear(
+    x: &Tensor,
+    form: GeluForm,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    layout: WeightLayout,
+) -> Result<Tensor> {
+    if !lean(x) {
+        return linear(&gelu(x, form)?, w, b, layout);
+    }
+    let input = LinearInput::Gelu(form);
+    remat::keep::op(OpKind::Matmul, |kept| match generic(x) {
+        true => linear_generic(x, input, w, b.map_or(Third::None, Third::Bias), layout, kept),
+        false => linear_kernel(x, input, (w, b), layout, kept),
+    })
+}
+
+/// The CPU kernel's op of [`linear`] and [`gelu_linear`].
+fn linear_kernel(
+    x: &Tensor,
+    input: LinearInput,
+    (w, b): (&Tensor, Option<&Tensor>),
+    layout: WeightLayout,
+    kept: Option<Tensor>,
+) -> Result<Tensor> {
+    let (x, w) = (x.contiguous()?, operand(w, x)?);
+    let op = LinearOp { layout, input };
+    match b {
+        Some(b) => apply3(&x, &w, &operand(b, &x)?, op, kept),
+        None => apply2(&x, &w, op, kept),
+    }
+}
+
+/// What a linear op's product reads: its input operand, or a GELU of it (an MLP's activation),
+/// which the op makes in forward and again in backward, so that it is never kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearInput {
+    AsIs,
+    Gelu(GeluForm),
+}
+
+impl LinearInput {
+    /// What the product reads of x's elements: x itself, or gelu(x) (a transient).
+    fn apply<T: Elem>(self, x: &[T]) -> Cow<'_, [T]> {
+        match self {
+            LinearInput::AsIs => Cow::Borrowed(x),
+            LinearInput::Gelu(form) => Cow::Owned(GeluOp { form }.map(x, None)),
+        }
+    }
+
+    /// x's gradient from `d`, the gradient of what the product read.
+    fn backward<T: Elem>(self, x: &[T], d: Vec<T>) -> Vec<T> {
+        match self {
+            LinearInput::AsIs => d,
+            LinearInput::Gelu(form) => GeluOp { form }.map(x, Some(&d)),
+        }
+    }
+
+    /// The same composed from candle's ops inside a generic route's op, on a detached x in the
+    /// compute dtype.
+    fn inside(self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            LinearInput::AsIs => Ok(x.clone()),
+            LinearInput::Gelu(form) => composed_forward(x, form),
+        }
+    }
+
+    /// [`LinearInput::backward`] inside a generic route's op: x's gradient from `d`.
+    fn backward_inside(self, x: &Tensor, d: Tensor) -> Result<Tensor> {
+        match self {
+            LinearInput::AsIs => Ok(d),
+            LinearInput::Gelu(form) => composed_backward(x, &d, form),
+        }
+    }
 }
 
 /// `r + x @ w` over the last dimension of x, w stored as `layout` says: a residual branch's last
@@ -46,7 +125,7 @@ pub fn linear_residual(x: &Tensor, w: &Tensor, r: &Tensor, layout: WeightLayout)
     if !lean(x) {
         return r + composed(x, &in_out(w, layout)?, None)?;
     }
-    let base = LinearOp { layout };
+    let base = LinearOp { layout, input: LinearInput::AsIs };
     let product = base.out_shape(x.shape(), w.shape());
     if r.shape() != &product || r.dtype() != x.dtype() {
         candle_core::bail!(
@@ -59,7 +138,7 @@ pub fn linear_residual(x: &Tensor, w: &Tensor, r: &Tensor, layout: WeightLayout)
     remat::keep::op(OpKind::Matmul, |kept| {
         let (x, r) = (x.contiguous()?, r.contiguous()?);
         if generic(&x) {
-            return linear_generic(&x, w, Third::Residual(&r), layout, kept);
+            return linear_generic(&x, LinearInput::AsIs, w, Third::Residual(&r), layout, kept);
         }
         apply3(&x, &operand(w, &x)?, &r, LinearResidualOp { base }, kept)
     })
@@ -75,9 +154,11 @@ enum Third<'a> {
     Residual(&'a Tensor),
 }
 
-/// [`linear`] on the generic route; `kept`: its output, kept from the forward (`remat::keep`).
+/// [`linear`] (of `input`) on the generic route; `kept`: its output, kept from the forward
+/// (`remat::keep`).
 fn linear_generic(
     x: &Tensor,
+    input: LinearInput,
     w: &Tensor,
     third: Third,
     layout: WeightLayout,
@@ -87,7 +168,7 @@ fn linear_generic(
     let y = kept_or(kept, || {
         // In f32 for half precision (an f32 weight may meet a bf16 input), stored in x's dtype.
         let w_in = in_out(w, layout)?;
-        let x32 = widened(&x.detach())?;
+        let x32 = input.inside(&widened(&x.detach())?)?;
         let like_x32 = |t: &Tensor| widened_as(&t.detach(), x);
         match third {
             Third::None => composed(&x32, &like_x32(&w_in)?, None)?,
@@ -110,10 +191,12 @@ fn linear_generic(
         let g2 = g32.reshape((rows, g32.elem_count() / rows))?;
         let dx = || -> Result<Tensor> {
             let w_in = widened_as(&in_out(w, layout)?, g)?;
-            g2.matmul(&w_in.t()?)?.reshape(x.shape())?.to_dtype(x.dtype())
+            let d = g2.matmul(&w_in.t()?)?.reshape(x.shape())?;
+            input.backward_inside(x, d)?.to_dtype(x.dtype())
         };
         let dw = || -> Result<Tensor> {
-            let dw_in = widened_as(x, g)?.reshape((rows, k))?.t()?.matmul(&g2)?;
+            let xa = input.inside(&widened_as(x, g)?)?;
+            let dw_in = xa.reshape((rows, k))?.t()?.matmul(&g2)?;
             match layout {
                 WeightLayout::OutIn => dw_in.t()?.contiguous()?,
                 WeightLayout::InOut => dw_in,
@@ -169,6 +252,7 @@ fn composed(x: &Tensor, w_in: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 #[derive(Clone, Copy)]
 struct LinearOp {
     layout: WeightLayout,
+    input: LinearInput,
 }
 
 impl LinearOp {
@@ -219,7 +303,7 @@ impl FusedOp for LinearOp {
             x,
             "linear",
             self.forward(
-                &slice(x, xl)?,
+                &self.input.apply(&slice(x, xl)?),
                 *xl.dims().last().expect("rank >= 1"),
                 &slice(w, wl)?,
                 b.map(|&(s, l)| slice(s, l)).transpose()?.as_deref()
@@ -230,6 +314,7 @@ impl FusedOp for LinearOp {
 
     /// dx = g w_in^T, dw = x^T g (as g^T x for an (out, in) weight), db = column sums of g; each
     /// only for an operand some variable leads to (a frozen weight gets none, not even computed).
+    /// Of a GELU's output: dw from the GELU made again, dx through the GELU's slope.
     fn bwd(&self, inputs: &[&Tensor], _y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let (x, w, b) = (inputs[0], inputs[1], inputs.get(2));
         let k = x.dim(D::Minus1)?;
@@ -239,14 +324,18 @@ impl FusedOp for LinearOp {
             let (dx, dw) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| {
                 // w_in^T is the stored w read the other way round.
                 let dx = x.track_op().then(|| {
-                    matmul_new(mat(gs), self.w_in(ws).transposed(), (rows, n, k))
+                    let d = matmul_new(mat(gs), self.w_in(ws).transposed(), (rows, n, k));
+                    self.input.backward(xs, d)
                 });
-                let dw = w.track_op().then(|| match self.layout {
-                    WeightLayout::OutIn => {
-                        matmul_new(mat(gs).transposed(), mat(xs), (n, rows, k))
-                    }
-                    WeightLayout::InOut => {
-                        matmul_new(mat(xs).transposed(), mat(gs), (k, rows, n))
+                let dw = w.track_op().then(|| {
+                    let xa = self.input.apply(xs);
+                    match self.layout {
+                        WeightLayout::OutIn => {
+                            matmul_new(mat(gs).transposed(), mat(&xa), (n, rows, k))
+                        }
+                        WeightLayout::InOut => {
+                            matmul_new(mat(&xa).transposed(), mat(gs), (k, rows, n))
+                        }
                     }
                 });
                 Ok((dx, dw))
@@ -299,11 +388,13 @@ custom_op!(Replay<LinearResidualOp>: 3 "replayed-linear-residual");
 /// composed from candle's ops, the base output, the adapter's output and their sum would all stay
 /// in candle's graph until backward, several activations of the layer's output size more than
 /// full fine-tuning keeps. `dropout`: the key and probability of the adapter's input dropout, its
-/// mask drawn again in backward. On the CPU a kernel (`LoraLinearOp`: the adapter's product
-/// added into the base product's output, no full-size temporary); elsewhere composed from
-/// candle's ops, in f32 (in f64 for f64).
+/// mask drawn again in backward. `input`: what the layer reads of `x`, `x` itself or a GELU of it
+/// (as [`gelu_linear`]: then the op keeps `x` and never the GELU's output). On the CPU a kernel
+/// (`LoraLinearOp`: the adapter's product added into the base product's output, no full-size
+/// temporary); elsewhere composed from candle's ops, in f32 (in f64 for f64).
 pub fn lora_linear(
     x: &Tensor,
+    input: LinearInput,
     (w, b): (&Tensor, Option<&Tensor>),
     layout: WeightLayout,
     (a, b_lora, scale): (&Tensor, &Tensor, f64),
@@ -311,7 +402,7 @@ pub fn lora_linear(
 ) -> Result<Tensor> {
     if fused(x) {
         let (w, bias) = (w.detach(), b.map(Tensor::detach));
-        let op = LoraLinearOp { w, bias, layout, scale, dropout };
+        let op = LoraLinearOp { w, bias, layout, input, scale, dropout };
         let (x, a, b_lora) = (x.contiguous()?, a.contiguous()?, b_lora.contiguous()?);
         return remat::keep::op(OpKind::Matmul, move |kept| apply3(&x, &a, &b_lora, op, kept));
     }
@@ -333,7 +424,7 @@ pub fn lora_linear(
     *out_shape.last_mut().expect("x has a last dimension") = w_in.dim(1)?;
     remat::keep::op(OpKind::Matmul, move |kept| {
         let y = kept_or(kept, || {
-            let x2 = f32(x)?.reshape((rows, k))?;
+            let x2 = input.inside(&f32(x)?)?.reshape((rows, k))?;
             let y = x2.matmul(&f32(&w_in)?)?;
             let y = match &bias {
                 Some(bias) => y.broadcast_add(bias)?,
@@ -354,12 +445,12 @@ pub fn lora_linear(
             let (x, a, b_lora) = (&inputs[0], &inputs[1], &inputs[2]);
             let g2 = widened_as(g, x)?.reshape((rows, g.elem_count() / rows))?;
             let (a32, b32) = (widened_as(a, x)?, widened_as(b_lora, x)?);
-            let xd = dropped(&widened(x)?.reshape((rows, k))?)?;
+            let xd = dropped(&input.inside(&widened(x)?)?.reshape((rows, k))?)?;
             let gb = g2.matmul(&b32)?.affine(scale, 0.0)?; // (rows, r)
             let dx = || -> Result<Tensor> {
-                (g2.matmul(&widened_as(&w_in, x)?.t()?)? + dropped(&gb.matmul(&a32)?)?)?
-                    .reshape(x.shape())?
-                    .to_dtype(x.dtype())
+                let d = (g2.matmul(&widened_as(&w_in, x)?.t()?)? + dropped(&gb.matmul(&a32)?)?)?
+                    .reshape(x.shape())?;
+                input.backward_inside(x, d)?.to_dtype(x.dtype())
             };
             let da = || -> Result<Tensor> { gb.t()?.matmul(&xd)?.to_dtype(a.dtype()) };
             let db = || -> Result<Tensor> {
@@ -381,13 +472,14 @@ struct LoraLinearOp {
     w: Tensor,
     bias: Option<Tensor>,
     layout: WeightLayout,
+    input: LinearInput,
     scale: f64,
     dropout: Option<(remat::rng::RngKey, f32)>,
 }
 
 impl LoraLinearOp {
     fn base(&self) -> LinearOp {
-        LinearOp { layout: self.layout }
+        LinearOp { layout: self.layout, input: LinearInput::AsIs }
     }
 
     /// The adapter's input: dropout(x), or x itself.
@@ -431,13 +523,15 @@ impl LoraLinearOp {
 }
 
 /// With gb = scale g @ b: dx = g w_in^T + dropout(gb @ a), da = gb^T dropout(x),
-/// db = g^T (scale dropout(x) @ a^T); each only where wanted.
+/// db = g^T (scale dropout(x) @ a^T); each only where wanted. Of a GELU's output, x here is the
+/// GELU made again, and dx goes through its slope.
 impl FusedOp for LoraLinearOp {
     fn cpu_fwd(&self, inputs: &[Operand]) -> Result<(CpuStorage, Shape)> {
         let [(x, xl), (a, al), (b, bl)] = crate::fused::op::exactly(inputs)?;
         let k = *xl.dims().last().expect("rank >= 1");
         let y = per_float!(x, "lora_linear", {
             let (x, a, b) = (slice(x, xl)?, slice(a, al)?, slice(b, bl)?);
+            let x = self.input.apply(&x);
             let bias = self.bias.as_ref().map(|t| with_slice(t, |v| Ok(v.to_vec()))).transpose()?;
             with_slice(&self.w, |w| Ok(self.forward(&x, k, w, bias.as_deref(), (&a, &b))))?
         });
@@ -454,7 +548,8 @@ impl FusedOp for LoraLinearOp {
         per_dtype!(x.dtype(), T => {
             let grads = with_slice::<T, _>(x, |xs| with_slice(a, |a_s| with_slice(b, |bs| {
                 with_slice(&g, |gs| with_slice(&self.w, |ws| {
-                    let xd = self.dropped(xs);
+                    let xa = self.input.apply(xs);
+                    let xd = self.dropped(&xa);
                     let mut gb = matmul_new(mat(gs), mat(bs), (rows, n, r)); // (rows, r)
                     let scale = elem::<T>(self.scale);
                     gb.iter_mut().for_each(|v| *v *= scale);
@@ -469,7 +564,7 @@ impl FusedOp for LoraLinearOp {
                                 dx.iter_mut().zip(&t).for_each(|(d, &v)| *d += v);
                             }
                         }
-                        dx
+                        self.input.backward(xs, dx)
                     });
                     let da = a.track_op()
                         .then(|| matmul_new(mat(&gb).transposed(), mat(&xd), (r, rows, k)));

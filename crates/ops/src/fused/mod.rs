@@ -19,7 +19,9 @@
 //!   in either layout (`params::WeightLayout`). [`linear_residual()`]: `r + x @ w` as one op, a
 //!   residual branch's last projection and the addition after it, so the product is not kept. [`lora_linear()`]: a frozen linear layer with its
 //!   LoRA adapter as one op, the adapter's product added into the base product's output; keeps
-//!   `x` and the adapter's weights, computes no gradient of the frozen weight.
+//!   `x` and the adapter's weights, computes no gradient of the frozen weight. [`gelu_linear()`]
+//!   (and `lora_linear` of [`LinearInput::Gelu`]): of a GELU's output, keeping the GELU's input
+//!   only, the GELU made again in backward.
 //! - [`gelu()`]: tanh or erf GELU ([`GeluForm`]) with a one-pass, multi-threaded backward; in f32
 //!   by vectorised formulas.
 //! - [`rms_norm()`]: RMSNorm (Llama's); keeps nothing but its input.
@@ -40,9 +42,10 @@
 //!   `conv3d::direct` module) for the forward and both gradients of every kernel but 1x1x1; a
 //!   1x1x1 kernel, f64, or another processor, a matrix product per block of an operand matrix
 //!   built in blocks (vol2col), built again in backward. Keeps its input and output only. Through
-//!   `conv3d_concat`, of two tensors' channels side by side, never concatenated. Through
-//!   `BatchNorm::forward_relu_conv3d` (and its 2D form), of a BatchNorm + ReLU's output in f32 or
-//!   f64: one op that keeps the BatchNorm's input only and normalises it again in backward.
+//!   `conv3d_concat`, of two tensors' channels side by side, never concatenated.
+//!   [`batch_norm_relu_conv3d()`] (through `BatchNorm::forward_relu_conv3d` and its 2D form): of a
+//!   BatchNorm + ReLU's output in f32 or f64, one op that keeps the BatchNorm's input only and
+//!   normalises it again in backward.
 //! - The `composed` module: the same convolutions composed from candle ops, for any device.
 //!
 //! Every kernel of ours works row by row (or channel by channel), each sequentially on one thread,
@@ -115,10 +118,8 @@ pub use batch_norm::{batch_norm_pair_train, batch_norm_train, Activation, Normal
 pub(crate) use composed::{conv3d_composed, conv_transpose3d_k2s2_composed};
 #[cfg(test)] // the convolution layers' tests force small blocks through it
 pub(crate) use conv3d::conv3d_blocked;
-pub use conv3d::Conv3dGeometry;
-pub(crate) use conv3d::{
-    conv3d, conv3d_concat, conv3d_concat_generic, conv3d_generic, normalised_conv3d,
-};
+pub use conv3d::{batch_norm_relu_conv3d, Conv3dGeometry};
+pub(crate) use conv3d::{conv3d, conv3d_concat, conv3d_concat_generic, conv3d_generic};
 pub(crate) use conv_transpose3d::{conv_transpose3d_k2s2, conv_transpose3d_k2s2_generic};
 pub use cross_entropy::{cross_entropy, IGNORE};
 pub use dropout::dropout;
@@ -126,7 +127,7 @@ pub use dtype::{is_half, widened};
 pub use embedding::embedding;
 pub use gelu::{gelu, GeluForm};
 pub use layer_norm::layer_norm;
-pub use linear::{linear, linear_residual, lora_linear};
+pub use linear::{gelu_linear, linear, linear_residual, lora_linear, LinearInput};
 pub use matmul::{allocate_matmul_workspaces, matmul_peak_gflops};
 pub(crate) use max_pool::{max_pool2d, max_pool3d, max_pool_generic};
 pub use rms_norm::rms_norm;

@@ -8,7 +8,6 @@ use crate::fused::{Activation, Conv3dGeometry};
 use crate::recorded::{recorded, ConvKind};
 use candle_core::{DType, Result, Tensor, Var};
 use params::{Init, ParamStore};
-use remat::keep::OpKind;
 use remat::StageCtx;
 
 /// Batch normalisation over (N, C, *spatial) input of any rank (2D and 3D convolutions alike),
@@ -93,10 +92,11 @@ impl BatchNorm {
     }
 
     /// `conv3d(relu(bn(x)), w, g)`, for a BatchNorm + ReLU whose output only that convolution
-    /// reads (inside a ResNet bottleneck, between a U-Net level's convolutions). In training, on
-    /// the CPU kernels in f32 or f64, one op: it keeps x, which the BatchNorm keeps anyway, and
-    /// never relu(bn(x)), which its backward makes again (one elementwise pass); the same bits
-    /// as the two ops. Elsewhere the two ops (half precision rounds relu(bn(x)) between them).
+    /// reads (inside a ResNet bottleneck, between a U-Net level's convolutions). In training, in
+    /// f32 or f64, on the CPU kernels or the generic route, one op: it keeps x, which the
+    /// BatchNorm keeps anyway, and never relu(bn(x)), which its backward makes again (one
+    /// elementwise pass); on the kernels the same bits as the two ops. Elsewhere the two ops
+    /// (half precision rounds relu(bn(x)) between them).
     pub fn forward_relu_conv3d(
         &self,
         x: &Tensor,
@@ -133,7 +133,7 @@ impl BatchNorm {
 
     /// Whether [`BatchNorm::forward_relu_conv3d`] runs as one op.
     fn one_op(&self, x: &Tensor, ctx: &StageCtx) -> bool {
-        ctx.is_training() && crate::fused::fused(x) && matches!(x.dtype(), DType::F32 | DType::F64)
+        ctx.is_training() && crate::fused::lean(x) && matches!(x.dtype(), DType::F32 | DType::F64)
     }
 
     /// The one op of [`BatchNorm::forward_relu_conv3d`], and the running statistics' update.
@@ -144,19 +144,8 @@ impl BatchNorm {
         g: Conv3dGeometry,
         ctx: &StageCtx,
     ) -> Result<Tensor> {
-        let mut stats = None;
-        let y = remat::keep::op(OpKind::Conv, |kept| {
-            let (y, s) = crate::fused::normalised_conv3d(
-                (x, &self.weight, &self.bias),
-                self.eps,
-                w,
-                g,
-                kept,
-            )?;
-            stats = Some(s);
-            Ok(y)
-        })?;
-        let (mean, var) = stats.expect("the op ran");
+        let normalised = (x, &self.weight, &self.bias);
+        let (y, mean, var) = crate::fused::batch_norm_relu_conv3d(normalised, self.eps, w, g)?;
         if !ctx.is_recompute() {
             self.update_running(&mean, &var, Self::per_channel(x)?)?;
         }

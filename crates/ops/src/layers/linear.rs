@@ -2,7 +2,7 @@
 //! Not here: the ops it runs (`fused::linear`), the adapter's parameters (`params::lora`), how a
 //! weight is stored (`params::WeightLayout`, re-exported at the crate's root).
 
-use crate::fused;
+use crate::fused::{self, LinearInput};
 use candle_core::{Result, Tensor};
 use params::lora::{Adapter, Lora};
 use params::{Init, ParamStore, WeightLayout};
@@ -67,8 +67,28 @@ impl Linear {
     /// `x` ([`fused::lora_linear`]); a base that trains under an adapter is refused, since that op
     /// gives its weight and bias no gradient (`Lora::freeze` freezes them).
     pub fn forward(&self, x: &Tensor, ctx: &StageCtx) -> Result<Tensor> {
+        self.forward_of(x, LinearInput::AsIs, ctx)
+    }
+
+    /// `self.forward(gelu(x, form))`, an MLP's second projection: one op (with or without an
+    /// adapter) that keeps x and never gelu(x), which its backward makes again
+    /// ([`fused::gelu_linear`]).
+    pub fn forward_gelu(
+        &self,
+        x: &Tensor,
+        form: fused::GeluForm,
+        ctx: &StageCtx,
+    ) -> Result<Tensor> {
+        self.forward_of(x, LinearInput::Gelu(form), ctx)
+    }
+
+    fn forward_of(&self, x: &Tensor, input: LinearInput, ctx: &StageCtx) -> Result<Tensor> {
         let Some(a) = &self.adapter else {
-            return fused::linear(x, &self.weight, self.bias.as_ref(), self.layout);
+            let (w, b) = (&self.weight, self.bias.as_ref());
+            return match input {
+                LinearInput::AsIs => fused::linear(x, w, b, self.layout),
+                LinearInput::Gelu(form) => fused::gelu_linear(x, form, w, b, self.layout),
+            };
         };
         if self.weight.track_op() || self.bias.as_ref().is_some_and(Tensor::track_op) {
             candle_core::bail!(
@@ -79,6 +99,7 @@ impl Linear {
         let dropout = crate::dropout_key(a.dropout, ctx)?.map(|key| (key, a.dropout));
         fused::lora_linear(
             x,
+            input,
             (&self.weight, self.bias.as_ref()),
             self.layout,
             (&a.a, &a.b, a.scale),

@@ -92,7 +92,7 @@ pub(super) fn batch_norm_pair_generic(
 /// The generic route's forward on the detached x: `bn(x) (+ residual)`, then `activation`,
 /// with `wb_w` (weight; bias) and the residual already in the compute dtype; the output in x's
 /// dtype, and the per-channel mean and biased variance (C).
-fn normalise(
+pub(crate) fn normalise(
     x: &Tensor,
     wb_w: &Tensor,
     residual_w: Option<&Tensor>,
@@ -118,7 +118,7 @@ fn normalise(
 /// The kernel's backward formula composed, for the output y and its gradient g (in the compute
 /// dtype): dx (compute dtype), d(weight; bias) (2, C), and g masked by the ReLU (the residual's
 /// gradient).
-fn normalise_backward(
+pub(crate) fn normalise_backward(
     x: &Tensor,
     wb_w: &Tensor,
     y: &Tensor,

@@ -8,6 +8,8 @@
 mod generic;
 mod kernel;
 
+pub(crate) use generic::{normalise, normalise_backward};
+
 use crate::fused::dtype::operand;
 use crate::fused::route::generic;
 use candle_core::{Result, Tensor};

@@ -32,7 +32,7 @@ mod shape;
 
 pub(crate) use generic::{conv3d_concat_generic, conv3d_generic};
 pub(crate) use k2s2_gradients::{k2s2_gradients_directly, Gradients};
-pub(crate) use normalised::normalised_conv3d;
+pub use normalised::batch_norm_relu_conv3d;
 pub use shape::Conv3dGeometry;
 
 use crate::fused::dtype::operand;

@@ -31,38 +31,14 @@ pub fn gelu(x: &Tensor, form: GeluForm) -> Result<Tensor> {
     if generic(x) {
         // In f32 for half precision, stored in x's dtype, as the kernel.
         let x32 = widened(&x.detach())?;
-        let y = match form {
-            GeluForm::Erf => x32.gelu_erf()?,
-            GeluForm::Tanh => x32.gelu()?,
-        }
-        .to_dtype(x.dtype())?;
+        let y = composed_forward(&x32, form)?.to_dtype(x.dtype())?;
         drop(x32);
         let backward = move |inputs: &[Tensor],
                              _: &Tensor,
                              g: &Tensor,
                              _want: &[bool]|
               -> Result<Vec<Option<Tensor>>> {
-            let x = widened(&inputs[0])?;
-            // Operators on owned tensors drop their operands as they go; a chain of methods would
-            // keep every intermediate to the end of its statement.
-            let derivative = if form == GeluForm::Erf {
-                // cdf(x) + x pdf(x)
-                let cdf = (&x / std::f64::consts::SQRT_2)?.erf()?.affine(0.5, 0.5)?;
-                let pdf =
-                    ((x.sqr()? * -0.5)?.exp()? * (2.0 * std::f64::consts::PI).sqrt().recip())?;
-                (cdf + (pdf * &x)?)?
-            } else {
-                // 0.5 (1 + t) + 0.5 c x (1 - t^2) (1 + 3 k x^2), t = tanh(c x (1 + k x^2))
-                let x2 = x.sqr()?;
-                let poly = x2.affine(3.0 * 0.044_715, 1.0)?;
-                let u = (x2.affine(0.044_715, 1.0)? * &x)?;
-                drop(x2);
-                let t = (u * SQRT_2_OVER_PI)?.tanh()?;
-                let slope =
-                    ((t.sqr()?.affine(-0.5 * SQRT_2_OVER_PI, 0.5 * SQRT_2_OVER_PI)? * &x)? * poly)?;
-                (t.affine(0.5, 0.5)? + slope)?
-            };
-            Ok(vec![Some((widened(g)? * derivative)?.to_dtype(g.dtype())?)])
+            Ok(vec![Some(composed_backward(&inputs[0], g, form)?)])
         };
         return x.contiguous()?.apply_op1(GenericOp::new("generic-gelu", y, Box::new(backward)));
     }
@@ -75,8 +51,40 @@ pub fn gelu(x: &Tensor, form: GeluForm) -> Result<Tensor> {
     x.contiguous()?.apply_op1(GeluOp { form })
 }
 
-struct GeluOp {
-    form: GeluForm,
+/// GELU of x composed from candle's ops (the generic route's forward), in x's dtype.
+pub(crate) fn composed_forward(x: &Tensor, form: GeluForm) -> Result<Tensor> {
+    match form {
+        GeluForm::Erf => x.gelu_erf(),
+        GeluForm::Tanh => x.gelu(),
+    }
+}
+
+/// GELU's input gradient g gelu'(x) composed from candle's ops (the generic route's backward), in
+/// f32 for half precision, in g's dtype.
+pub(crate) fn composed_backward(x: &Tensor, g: &Tensor, form: GeluForm) -> Result<Tensor> {
+    let x = widened(x)?;
+    // Operators on owned tensors drop their operands as they go; a chain of methods would keep
+    // every intermediate to the end of its statement.
+    let derivative = if form == GeluForm::Erf {
+        // cdf(x) + x pdf(x)
+        let cdf = (&x / std::f64::consts::SQRT_2)?.erf()?.affine(0.5, 0.5)?;
+        let pdf = ((x.sqr()? * -0.5)?.exp()? * (2.0 * std::f64::consts::PI).sqrt().recip())?;
+        (cdf + (pdf * &x)?)?
+    } else {
+        // 0.5 (1 + t) + 0.5 c x (1 - t^2) (1 + 3 k x^2), t = tanh(c x (1 + k x^2))
+        let x2 = x.sqr()?;
+        let poly = x2.affine(3.0 * 0.044_715, 1.0)?;
+        let u = (x2.affine(0.044_715, 1.0)? * &x)?;
+        drop(x2);
+        let t = (u * SQRT_2_OVER_PI)?.tanh()?;
+        let slope = ((t.sqr()?.affine(-0.5 * SQRT_2_OVER_PI, 0.5 * SQRT_2_OVER_PI)? * &x)? * poly)?;
+        (t.affine(0.5, 0.5)? + slope)?
+    };
+    (widened(g)? * derivative)?.to_dtype(g.dtype())
+}
+
+pub(crate) struct GeluOp {
+    pub(crate) form: GeluForm,
 }
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -97,7 +105,7 @@ impl GeluOp {
     }
 
     /// gelu(x), or with `g` the gradient g gelu'(x); in chunks, in parallel.
-    fn map<T: Elem>(&self, x: &[T], g: Option<&[T]>) -> Vec<T> {
+    pub(crate) fn map<T: Elem>(&self, x: &[T], g: Option<&[T]>) -> Vec<T> {
         // SAFETY: `chunk` writes every element.
         let mut y = unsafe { uninit::<T>(x.len()) };
         y.par_chunks_mut(ELEMENT_CHUNK).enumerate().for_each(|(c, y)| {

@@ -3,7 +3,7 @@
 //! (`layers`), every fused op against its composed equivalent and across thread counts
 //! (`agreement`).
 
-use super::{check_gradients, normal, randomised, refs};
+use super::{check_gradients, normal, output_and_gradients, randomised, refs};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use ops::fused::{GeluForm, Mask};
 use ops::{fused, BatchNorm, WeightLayout};
@@ -139,9 +139,65 @@ fn lora_linear_input_and_adapters() -> Result<()> {
                 || {
                     let base = (w.as_tensor(), Some(bias.as_tensor()));
                     let adapter = (a.as_tensor(), b.as_tensor(), 2.0);
-                    fused::lora_linear(x.as_tensor(), base, layout, adapter, dropout)
+                    fused::lora_linear(
+                        x.as_tensor(),
+                        fused::LinearInput::AsIs,
+                        base,
+                        layout,
+                        adapter,
+                        dropout,
+                    )
                 },
             )?;
+        }
+    }
+    Ok(())
+}
+
+/// A linear layer of a GELU's output as one op (an MLP's second projection), plain and under a
+/// LoRA adapter with input dropout, both GELU forms and both weight layouts: the input's, weight's,
+/// bias's and adapter's gradients against finite differences, and the same bits, forward and
+/// backward, in f64 and f32, as the GELU and the layer apart.
+#[test]
+fn linear_of_a_gelu() -> Result<()> {
+    crate::route();
+    let key = RngKey::named(5, "lora");
+    for dtype in [DType::F64, DType::F32] {
+        let var = |name: &str, shape: &[usize], std: f32| -> Result<Var> {
+            Var::from_tensor(&normal(name, shape, 0.0, std)?.to_dtype(dtype)?)
+        };
+        let (x, b) = (var("gx", &[3, 2, 5], 1.5)?, var("gb", &[4], 0.5)?);
+        let (la, lb) = (var("ga", &[2, 5], 0.5)?, var("glb", &[4, 2], 0.5)?);
+        for form in [GeluForm::Tanh, GeluForm::Erf] {
+            for (layout, shape) in [(WeightLayout::OutIn, [4, 5]), (WeightLayout::InOut, [5, 4])] {
+                let w = var("gw", &shape, 0.5)?;
+                let what = format!("{dtype:?} {form:?} {layout:?}");
+                let (xt, wt, bt) = (x.as_tensor(), w.as_tensor(), Some(b.as_tensor()));
+                let one_op = || fused::gelu_linear(xt, form, wt, bt, layout);
+                let two_ops = || fused::linear(&fused::gelu(xt, form)?, wt, bt, layout);
+                let vars = [("x", &x), ("w", &w), ("b", &b)];
+                if dtype == DType::F64 {
+                    check_gradients(&format!("gelu_linear {what}"), &vars, one_op)?;
+                }
+                let (one, two) =
+                    (output_and_gradients(&vars, &one_op)?, output_and_gradients(&vars, &two_ops)?);
+                assert_eq!(one, two, "gelu_linear {what}");
+                let adapter = (la.as_tensor(), lb.as_tensor(), 2.0);
+                let (base, dropout) = ((wt, bt), Some((key, 0.3)));
+                let gelu = fused::LinearInput::Gelu(form);
+                let one_op = || fused::lora_linear(xt, gelu, base, layout, adapter, dropout);
+                let two_ops = || {
+                    let g = fused::gelu(xt, form)?;
+                    fused::lora_linear(&g, fused::LinearInput::AsIs, base, layout, adapter, dropout)
+                };
+                let vars = [("x", &x), ("a", &la), ("b", &lb)];
+                if dtype == DType::F64 {
+                    check_gradients(&format!("lora_linear of a GELU {what}"), &vars, one_op)?;
+                }
+                let (one, two) =
+                    (output_and_gradients(&vars, &one_op)?, output_and_gradients(&vars, &two_ops)?);
+                assert_eq!(one, two, "lora_linear of a GELU {what}");
+            }
         }
     }
     Ok(())

@@ -2,7 +2,7 @@
 //! and the rules finite differences cannot see: BatchNorm's running statistics, dropout's mask
 //! replay. Not here: the fused ops called directly (`fused_ops`).
 
-use super::{check_gradients, distinct, normal, randomised, refs, weighted_sum};
+use super::{check_gradients, distinct, normal, output_and_gradients, randomised, refs};
 use candle_core::{DType, Device, Result, Tensor};
 use ops::{
     conv3d, conv3d_concat, conv_transpose3d_k2s2, dropout, fused, max_pool2d_k3s2p1,
@@ -156,8 +156,8 @@ fn batch_norm_pair_relu() -> Result<()> {
     let pair = || bn.forward_pair_relu(x.as_tensor(), &other, x2.as_tensor(), &ctx);
     check_gradients("fused BatchNorm pair + ReLU", &vars, pair)?;
     assert_eq!(
-        bits(&vars, &pair)?,
-        bits(&vars, &composed)?,
+        output_and_gradients(&vars, &pair)?,
+        output_and_gradients(&vars, &composed)?,
         "the pair op and its composition differ"
     );
     Ok(())
@@ -190,7 +190,11 @@ fn batch_norm_relu_conv() -> Result<()> {
             let y = bn.forward_relu(x.as_tensor(), &ctx)?;
             ops::conv2d(&y, w.as_tensor(), pad, stride)
         };
-        assert_eq!(bits(&vars, &one_op)?, bits(&vars, &two_ops)?, "{what}: f64");
+        assert_eq!(
+            output_and_gradients(&vars, &one_op)?,
+            output_and_gradients(&vars, &two_ops)?,
+            "{what}: f64"
+        );
         // In f32, the direct kernels' precision: the same bits too.
         let f32_var =
             |v: &candle_core::Var| candle_core::Var::from_tensor(&v.to_dtype(DType::F32)?);
@@ -203,7 +207,11 @@ fn batch_norm_relu_conv() -> Result<()> {
         let one_op = || bn.forward_relu_conv2d(x.as_tensor(), w.as_tensor(), pad, stride, &ctx);
         let two_ops =
             || ops::conv2d(&bn.forward_relu(x.as_tensor(), &ctx)?, w.as_tensor(), pad, stride);
-        assert_eq!(bits(&vars, &one_op)?, bits(&vars, &two_ops)?, "{what}: f32");
+        assert_eq!(
+            output_and_gradients(&vars, &one_op)?,
+            output_and_gradients(&vars, &two_ops)?,
+            "{what}: f32"
+        );
     }
     // Outside a recompute both update the running statistics, alike.
     let train = StageCtx::new(remat::RunPoint { train: true, ..Default::default() });
@@ -223,23 +231,6 @@ fn batch_norm_relu_conv() -> Result<()> {
     assert_ne!(once[0], vec![0.0; 3], "the running mean was not updated");
     assert_eq!(once, twice, "the running statistics differ");
     Ok(())
-}
-
-/// The output of `f` and the gradients of a weighted sum of it for each of `vars`, as f64 bits.
-fn bits(
-    vars: &[(&str, &candle_core::Var)],
-    f: &dyn Fn() -> Result<Tensor>,
-) -> Result<Vec<Vec<f64>>> {
-    let y = f()?;
-    let grads = weighted_sum(&|| y.to_dtype(DType::F64))?.backward()?;
-    let mut out = vec![y.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?];
-    for (name, v) in vars {
-        let g = grads
-            .get(v.as_tensor())
-            .ok_or_else(|| candle_core::Error::Msg(format!("no gradient of {name}")))?;
-        out.push(g.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?);
-    }
-    Ok(out)
 }
 
 #[test]

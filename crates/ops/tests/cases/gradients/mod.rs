@@ -99,3 +99,20 @@ fn randomised(params: &ParamStore) -> Result<Vec<(String, Var)>> {
 fn refs(named: &[(String, Var)]) -> Vec<(&str, &Var)> {
     named.iter().map(|(n, v)| (n.as_str(), v)).collect()
 }
+
+/// The output of `f` and the gradients of a weighted sum of it for each of `vars`, as f64 bits.
+fn output_and_gradients(
+    vars: &[(&str, &candle_core::Var)],
+    f: &dyn Fn() -> Result<Tensor>,
+) -> Result<Vec<Vec<f64>>> {
+    let y = f()?;
+    let grads = weighted_sum(&|| y.to_dtype(DType::F64))?.backward()?;
+    let mut out = vec![y.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?];
+    for (name, v) in vars {
+        let g = grads
+            .get(v.as_tensor())
+            .ok_or_else(|| candle_core::Error::Msg(format!("no gradient of {name}")))?;
+        out.push(g.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+    }
+    Ok(out)
+}
