@@ -91,11 +91,27 @@ impl LinearInput {
         }
     }
 
-    /// x's gradient from `d`, the gradient of what the product read.
-    fn backward<T: Elem>(self, x: &[T], d: Vec<T>) -> Vec<T> {
+    /// What the product read of x's elements (as [`LinearInput::apply`]) and, with `d` the
+    /// gradient of that, x's gradient: a GELU and its gradient in one pass.
+    fn with_gradient<T: Elem>(self, x: &[T], d: Vec<T>) -> (Cow<'_, [T]>, Vec<T>) {
         match self {
-            LinearInput::AsIs => d,
-            LinearInput::Gelu(form) => GeluOp { form }.map(x, Some(&d)),
+            LinearInput::AsIs => (Cow::Borrowed(x), d),
+            LinearInput::Gelu(form) => {
+                let (y, dx) = GeluOp { form }.map_both(x, d);
+                (Cow::Owned(y), dx)
+            }
+        }
+    }
+
+    /// [`LinearInput::with_gradient`] where x's gradient is wanted (`d` given), else
+    /// [`LinearInput::apply`].
+    fn backward<T: Elem>(self, x: &[T], d: Option<Vec<T>>) -> (Cow<'_, [T]>, Option<Vec<T>>) {
+        match d {
+            Some(d) => {
+                let (xa, dx) = self.with_gradient(x, d);
+                (xa, Some(dx))
+            }
+            None => (self.apply(x), None),
         }
     }
 
@@ -323,12 +339,11 @@ impl FusedOp for LinearOp {
         let (dx, dw) = per_dtype!(x.dtype(), T => {
             let (dx, dw) = with_slice::<T, _>(x, |xs| with_slice(w, |ws| with_slice(&g, |gs| {
                 // w_in^T is the stored w read the other way round.
-                let dx = x.track_op().then(|| {
-                    let d = matmul_new(mat(gs), self.w_in(ws).transposed(), (rows, n, k));
-                    self.input.backward(xs, d)
+                let d = x.track_op().then(|| {
+                    matmul_new(mat(gs), self.w_in(ws).transposed(), (rows, n, k))
                 });
+                let (xa, dx) = self.input.backward(xs, d);
                 let dw = w.track_op().then(|| {
-                    let xa = self.input.apply(xs);
                     match self.layout {
                         WeightLayout::OutIn => {
                             matmul_new(mat(gs).transposed(), mat(&xa), (n, rows, k))
@@ -548,12 +563,10 @@ impl FusedOp for LoraLinearOp {
         per_dtype!(x.dtype(), T => {
             let grads = with_slice::<T, _>(x, |xs| with_slice(a, |a_s| with_slice(b, |bs| {
                 with_slice(&g, |gs| with_slice(&self.w, |ws| {
-                    let xa = self.input.apply(xs);
-                    let xd = self.dropped(&xa);
                     let mut gb = matmul_new(mat(gs), mat(bs), (rows, n, r)); // (rows, r)
                     let scale = elem::<T>(self.scale);
                     gb.iter_mut().for_each(|v| *v *= scale);
-                    let dx = x.track_op().then(|| {
+                    let d = x.track_op().then(|| {
                         let w_in_t = self.base().w_in(ws).transposed();
                         let mut dx = matmul_new(mat(gs), w_in_t, (rows, n, k));
                         match self.dropout {
@@ -564,8 +577,10 @@ impl FusedOp for LoraLinearOp {
                                 dx.iter_mut().zip(&t).for_each(|(d, &v)| *d += v);
                             }
                         }
-                        self.input.backward(xs, dx)
+                        dx
                     });
+                    let (xa, dx) = self.input.backward(xs, d);
+                    let xd = self.dropped(&xa);
                     let da = a.track_op()
                         .then(|| matmul_new(mat(&gb).transposed(), mat(&xd), (r, rows, k)));
                     let db = b.track_op().then(|| {

@@ -115,6 +115,26 @@ impl GeluOp {
         y
     }
 
+    /// (gelu(x), g gelu'(x)) in one pass, the gradient written over `g`: the same bits as
+    /// [`Self::map`] twice, in one buffer fewer. What a layer that makes the GELU again in backward
+    /// needs (`fused::linear`'s `LinearInput::Gelu`).
+    pub(crate) fn map_both<T: Elem>(&self, x: &[T], mut g: Vec<T>) -> (Vec<T>, Vec<T>) {
+        // SAFETY: each chunk's pass writes every element.
+        let mut y = unsafe { uninit::<T>(x.len()) };
+        let chunks = y.par_chunks_mut(ELEMENT_CHUNK).zip(g.par_chunks_mut(ELEMENT_CHUNK));
+        chunks.enumerate().for_each(|(c, (y, g))| {
+            let x = &x[c * ELEMENT_CHUNK..c * ELEMENT_CHUNK + y.len()];
+            if let (Some(xf), Some(gf), Some(yf)) = (T::f32s(x), T::f32s_mut(g), T::f32s_mut(y)) {
+                return vector::gelu_and_backward(self.form, xf, gf, yf);
+            }
+            for i in 0..y.len() {
+                let (value, slope) = self.eval(wide(x[i]));
+                (y[i], g[i]) = (elem(value), elem(wide(g[i]) * slope));
+            }
+        });
+        (y, g)
+    }
+
     /// One chunk of [`Self::map`] into `y`: f32 by the vectorised formulas, f64 by [`Self::eval`].
     fn chunk<T: Elem>(&self, x: &[T], g: Option<&[T]>, y: &mut [T]) {
         if let (Some(x), Some(y)) = (T::f32s(x), T::f32s_mut(y)) {

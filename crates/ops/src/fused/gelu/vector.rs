@@ -74,13 +74,24 @@ fn sigmoids(x: f32) -> (f32, f32) {
 /// gelu'(x) of the exact form: cdf(x) + x pdf(x); where x^2 overflows, pdf is 0 and so is x pdf.
 #[inline(always)]
 fn erf_slope(x: f32) -> f32 {
-    x.mul_add(exp1(-0.5 * (x * x)) * FRAC_1_SQRT_2PI, cdf(x))
+    erf_slope_of(x, cdf(x))
+}
+
+/// [`erf_slope`] of x with its cdf `c`.
+#[inline(always)]
+fn erf_slope_of(x: f32, c: f32) -> f32 {
+    x.mul_add(exp1(-0.5 * (x * x)) * FRAC_1_SQRT_2PI, c)
 }
 
 /// gelu'(x) of the tanh form: s + 2 x s (1 - s) u'(x), s = sigmoid(2u).
 #[inline(always)]
 fn tanh_slope(x: f32) -> f32 {
-    let (s, rest) = sigmoids(x);
+    tanh_slope_of(x, sigmoids(x))
+}
+
+/// [`tanh_slope`] of x with its [`sigmoids`].
+#[inline(always)]
+fn tanh_slope_of(x: f32, (s, rest): (f32, f32)) -> f32 {
     // s (1 - s) is 0 in f32 beyond |x| = 11; the bound keeps x^2 finite in u'(x).
     let xc = x.clamp(-100.0, 100.0);
     let du = SQRT_2_OVER_PI * (3.0 * KAPPA * xc).mul_add(xc, 1.0);
@@ -94,6 +105,25 @@ vectorised! {
         match form {
             GeluForm::Erf => y.iter_mut().zip(x).for_each(|(y, &x)| *y = x * cdf(x)),
             GeluForm::Tanh => y.iter_mut().zip(x).for_each(|(y, &x)| *y = x * sigmoids(x).0),
+        }
+    }
+}
+
+vectorised! {
+    /// gelu(x) into `y` and g gelu'(x) over g, element by element, in one pass: the cdf (or the
+    /// sigmoid) made once for both, as a layer that makes the GELU again in backward needs them.
+    /// The same bits as [`gelu`] and [`gelu_backward`].
+    pub(super) fn gelu_and_backward(form: GeluForm, x: &[f32], g: &mut [f32], y: &mut [f32]) {
+        let out = y.iter_mut().zip(g.iter_mut());
+        match form {
+            GeluForm::Erf => out.zip(x).for_each(|((y, g), &x)| {
+                let c = cdf(x);
+                (*y, *g) = (x * c, *g * erf_slope_of(x, c));
+            }),
+            GeluForm::Tanh => out.zip(x).for_each(|((y, g), &x)| {
+                let s = sigmoids(x);
+                (*y, *g) = (x * s.0, *g * tanh_slope_of(x, s));
+            }),
         }
     }
 }
@@ -162,7 +192,8 @@ mod tests {
         }
     }
 
-    /// The vector paths and the scalar formulas give the same bits (the odd length leaves a tail).
+    /// The vector paths and the scalar formulas give the same bits (the odd length leaves a tail),
+    /// and so does the pass that makes both.
     #[test]
     fn every_path_gives_the_same_bits() {
         let xs: Vec<f32> = (0..1001).map(|i| (i as f32 * 0.377).sin() * 9.0).collect();
@@ -179,6 +210,10 @@ mod tests {
             };
             assert_eq!(bits(&y), bits(&scalar), "{form:?}: gelu");
             assert_eq!(bits(&dy), bits(&scalar_dy), "{form:?}: gelu'");
+            // Both in one pass: the same bits.
+            let (mut y1, mut dy1) = (vec![0.0; xs.len()], vec![1.0; xs.len()]);
+            gelu_and_backward(form, &xs, &mut dy1, &mut y1);
+            assert_eq!((bits(&y1), bits(&dy1)), (bits(&y), bits(&dy)), "{form:?}: one pass");
         }
     }
 }
