@@ -4,7 +4,7 @@
 //! check must refuse). The path and the heap counter are process-wide: the tests take turns.
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
-use ops::fused::{set_path, Activation, GeluForm, Mask, Path};
+use ops::fused::{set_path, Activation, GeluForm, LinearInput, Mask, Path};
 use ops::WeightLayout;
 use remat::memory::heap_current;
 use remat::rng::RngKey;
@@ -225,17 +225,23 @@ fn dropout_gelu_and_linear_on_the_generic_route() -> Result<()> {
 #[test]
 fn lora_linear_on_the_generic_route() -> Result<()> {
     let _turn = turn();
+    let (op, inputs) = lora_case(LinearInput::AsIs)?;
+    check("lora_linear", &op, &inputs, 1e-5)?;
+    Ok(())
+}
+
+/// A frozen (48, 32) layer with a rank-8 adapter and input dropout, reading `input` of x; and its
+/// operands x, a, b.
+fn lora_case(input: LinearInput) -> Result<(Box<Op>, [Var; 3])> {
     let (w, bias) = (var(&[48, 32], DType::F32)?, var(&[48], DType::F32)?);
     let key = remat::rng::RngKey::named(3, "lora");
     let op = move |t: &[Tensor]| {
         let (base, adapter) = ((w.as_tensor(), Some(bias.as_tensor())), (&t[1], &t[2], 1.5));
-        let input = ops::fused::LinearInput::AsIs;
         ops::fused::lora_linear(&t[0], input, base, WeightLayout::OutIn, adapter, Some((key, 0.1)))
     };
     let inputs =
         [var(&[4, 16, 32], DType::F32)?, var(&[8, 32], DType::F32)?, var(&[48, 8], DType::F32)?];
-    check("lora_linear", &op, &inputs, 1e-5)?;
-    Ok(())
+    Ok((Box::new(op), inputs))
 }
 
 /// A linear layer of a GELU's output as one op, plain and under a LoRA adapter: the same values,
@@ -261,15 +267,7 @@ fn gelu_linear_on_the_generic_route() -> Result<()> {
         in_graph > kernel + 4 * 16 * 32 * 4 / 2,
         "the control keeps {in_graph} B, gelu_linear {kernel} B"
     );
-    let (w, bias) = (var(&[48, 32], DType::F32)?, var(&[48], DType::F32)?);
-    let key = remat::rng::RngKey::named(3, "lora");
-    let lora = move |t: &[Tensor]| {
-        let (base, adapter) = ((w.as_tensor(), Some(bias.as_tensor())), (&t[1], &t[2], 1.5));
-        let input = ops::fused::LinearInput::Gelu(GeluForm::Tanh);
-        ops::fused::lora_linear(&t[0], input, base, WeightLayout::OutIn, adapter, Some((key, 0.1)))
-    };
-    let inputs =
-        [var(&[4, 16, 32], DType::F32)?, var(&[8, 32], DType::F32)?, var(&[48, 8], DType::F32)?];
+    let (lora, inputs) = lora_case(LinearInput::Gelu(GeluForm::Tanh))?;
     check("lora_linear of a GELU", &lora, &inputs, 1e-5)?;
     Ok(())
 }

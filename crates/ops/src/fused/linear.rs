@@ -6,7 +6,7 @@
 use crate::fused::dropout::DropoutOp;
 use crate::fused::dtype::{is_half, operand, widened, widened_as};
 use crate::fused::elem::{elem, Elem};
-use crate::fused::gelu::{composed_backward, composed_forward, gelu, GeluForm, GeluOp};
+use crate::fused::gelu::{composed_backward, composed_forward, GeluForm, GeluOp};
 use crate::fused::generic::GenericOp;
 use crate::fused::matmul::{mat, matmul, matmul_new, Dest, Mat};
 use crate::fused::op::{FusedOp, Operand};
@@ -24,16 +24,7 @@ use std::borrow::Cow;
 /// Face's `Linear`). One op: the product before the bias is no graph node, so it is not kept for
 /// backward as `matmul` followed by `broadcast_add` keeps it.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, layout: WeightLayout) -> Result<Tensor> {
-    if !lean(x) {
-        return composed(x, &in_out(w, layout)?, b);
-    }
-    remat::keep::op(OpKind::Matmul, |kept| {
-        if generic(x) {
-            let third = b.map_or(Third::None, Third::Bias);
-            return linear_generic(x, LinearInput::AsIs, w, third, layout, kept);
-        }
-        linear_kernel(x, LinearInput::AsIs, (w, b), layout, kept)
-    })
+    linear_of(x, LinearInput::AsIs, w, b, layout)
 }
 
 /// `linear(gelu(x, form), w, b, layout)`: an MLP's second projection and the activation before
@@ -48,10 +39,21 @@ pub fn gelu_linear(
     b: Option<&Tensor>,
     layout: WeightLayout,
 ) -> Result<Tensor> {
+    linear_of(x, LinearInput::Gelu(form), w, b, layout)
+}
+
+/// [`linear`] of what `input` reads of x: the op of the kernels or the generic route, or where
+/// neither applies, candle's ops.
+fn linear_of(
+    x: &Tensor,
+    input: LinearInput,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    layout: WeightLayout,
+) -> Result<Tensor> {
     if !lean(x) {
-        return linear(&gelu(x, form)?, w, b, layout);
+        return composed(&input.inside(x)?, &in_out(w, layout)?, b);
     }
-    let input = LinearInput::Gelu(form);
     remat::keep::op(OpKind::Matmul, |kept| match generic(x) {
         true => linear_generic(x, input, w, b.map_or(Third::None, Third::Bias), layout, kept),
         false => linear_kernel(x, input, (w, b), layout, kept),
@@ -91,32 +93,27 @@ impl LinearInput {
         }
     }
 
-    /// What the product read of x's elements (as [`LinearInput::apply`]) and, with `d` the
-    /// gradient of that, x's gradient: a GELU and its gradient in one pass.
-    fn with_gradient<T: Elem>(self, x: &[T], d: Vec<T>) -> (Cow<'_, [T]>, Vec<T>) {
-        match self {
-            LinearInput::AsIs => (Cow::Borrowed(x), d),
-            LinearInput::Gelu(form) => {
+    /// What a backward needs of x: with `d` (the gradient of what the product read) x's gradient,
+    /// and where `read`, what the product read (as [`LinearInput::apply`]). A GELU wanted both
+    /// ways is made in one pass with its gradient; neither is made where it is not wanted.
+    fn backward<T: Elem>(
+        self,
+        x: &[T],
+        d: Option<Vec<T>>,
+        read: bool,
+    ) -> (Option<Cow<'_, [T]>>, Option<Vec<T>>) {
+        match (self, d) {
+            (LinearInput::Gelu(form), Some(d)) if read => {
                 let (y, dx) = GeluOp { form }.map_both(x, d);
-                (Cow::Owned(y), dx)
+                (Some(Cow::Owned(y)), Some(dx))
             }
+            (LinearInput::Gelu(form), Some(d)) => (None, Some(GeluOp { form }.map(x, Some(&d)))),
+            (_, d) => (read.then(|| self.apply(x)), d),
         }
     }
 
-    /// [`LinearInput::with_gradient`] where x's gradient is wanted (`d` given), else
-    /// [`LinearInput::apply`].
-    fn backward<T: Elem>(self, x: &[T], d: Option<Vec<T>>) -> (Cow<'_, [T]>, Option<Vec<T>>) {
-        match d {
-            Some(d) => {
-                let (xa, dx) = self.with_gradient(x, d);
-                (xa, Some(dx))
-            }
-            None => (self.apply(x), None),
-        }
-    }
-
-    /// The same composed from candle's ops inside a generic route's op, on a detached x in the
-    /// compute dtype.
+    /// What the product reads of x, composed from candle's ops: inside a generic route's op (on a
+    /// detached x in the compute dtype), or where no op of ours applies.
     fn inside(self, x: &Tensor) -> Result<Tensor> {
         match self {
             LinearInput::AsIs => Ok(x.clone()),
@@ -124,7 +121,7 @@ impl LinearInput {
         }
     }
 
-    /// [`LinearInput::backward`] inside a generic route's op: x's gradient from `d`.
+    /// x's gradient from `d` inside a generic route's op, as [`LinearInput::backward`].
     fn backward_inside(self, x: &Tensor, d: Tensor) -> Result<Tensor> {
         match self {
             LinearInput::AsIs => Ok(d),
@@ -342,15 +339,13 @@ impl FusedOp for LinearOp {
                 let d = x.track_op().then(|| {
                     matmul_new(mat(gs), self.w_in(ws).transposed(), (rows, n, k))
                 });
-                let (xa, dx) = self.input.backward(xs, d);
-                let dw = w.track_op().then(|| {
-                    match self.layout {
-                        WeightLayout::OutIn => {
-                            matmul_new(mat(gs).transposed(), mat(&xa), (n, rows, k))
-                        }
-                        WeightLayout::InOut => {
-                            matmul_new(mat(&xa).transposed(), mat(gs), (k, rows, n))
-                        }
+                let (xa, dx) = self.input.backward(xs, d, w.track_op());
+                let dw = xa.map(|xa| match self.layout {
+                    WeightLayout::OutIn => {
+                        matmul_new(mat(gs).transposed(), mat(&xa), (n, rows, k))
+                    }
+                    WeightLayout::InOut => {
+                        matmul_new(mat(&xa).transposed(), mat(gs), (k, rows, n))
                     }
                 });
                 Ok((dx, dw))
@@ -579,12 +574,12 @@ impl FusedOp for LoraLinearOp {
                         }
                         dx
                     });
-                    let (xa, dx) = self.input.backward(xs, d);
-                    let xd = self.dropped(&xa);
-                    let da = a.track_op()
-                        .then(|| matmul_new(mat(&gb).transposed(), mat(&xd), (r, rows, k)));
-                    let db = b.track_op().then(|| {
-                        let h = self.down(&xd, a_s, k);
+                    let (xa, dx) = self.input.backward(xs, d, a.track_op() || b.track_op());
+                    let xd = xa.as_deref().map(|xa| self.dropped(xa));
+                    let da = xd.as_deref().filter(|_| a.track_op())
+                        .map(|xd| matmul_new(mat(&gb).transposed(), mat(xd), (r, rows, k)));
+                    let db = xd.as_deref().filter(|_| b.track_op()).map(|xd| {
+                        let h = self.down(xd, a_s, k);
                         matmul_new(mat(gs).transposed(), mat(&h), (n, rows, r))
                     });
                     Ok((dx, da, db))

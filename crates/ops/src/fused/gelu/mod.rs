@@ -43,15 +43,13 @@ pub fn gelu(x: &Tensor, form: GeluForm) -> Result<Tensor> {
         return x.contiguous()?.apply_op1(GenericOp::new("generic-gelu", y, Box::new(backward)));
     }
     if !fused(x) {
-        return match form {
-            GeluForm::Erf => x.gelu_erf(),
-            GeluForm::Tanh => x.gelu(),
-        };
+        return composed_forward(x, form);
     }
     x.contiguous()?.apply_op1(GeluOp { form })
 }
 
-/// GELU of x composed from candle's ops (the generic route's forward), in x's dtype.
+/// GELU of x by candle's own ops, in x's dtype: the generic route's forward, and the op where
+/// neither route applies.
 pub(crate) fn composed_forward(x: &Tensor, form: GeluForm) -> Result<Tensor> {
     match form {
         GeluForm::Erf => x.gelu_erf(),

@@ -182,6 +182,18 @@ fn linear_of_a_gelu() -> Result<()> {
                 let (one, two) =
                     (output_and_gradients(&vars, &one_op)?, output_and_gradients(&vars, &two_ops)?);
                 assert_eq!(one, two, "gelu_linear {what}");
+                // A frozen weight (x's gradient only, no GELU value made in backward) and a
+                // constant x (the weight's gradient only, no GELU gradient): the same bits too.
+                let (frozen, constant) = (wt.detach(), xt.detach());
+                for (vars, x, w) in [([("x", &x)], xt, &frozen), ([("w", &w)], &constant, wt)] {
+                    let one_op = || fused::gelu_linear(x, form, w, bt, layout);
+                    let two_ops = || fused::linear(&fused::gelu(x, form)?, w, bt, layout);
+                    let (one, two) = (
+                        output_and_gradients(&vars, &one_op)?,
+                        output_and_gradients(&vars, &two_ops)?,
+                    );
+                    assert_eq!(one, two, "gelu_linear {what}, {} alone", vars[0].0);
+                }
                 let adapter = (la.as_tensor(), lb.as_tensor(), 2.0);
                 let (base, dropout) = ((wt, bt), Some((key, 0.3)));
                 let gelu = fused::LinearInput::Gelu(form);
